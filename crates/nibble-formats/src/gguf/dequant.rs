@@ -1,0 +1,1 @@
+//! Dequantization of ggml blocks to f32 (owned by the dequant helper; placeholder until merged).
