@@ -2,5 +2,9 @@
 
 pub mod dequant;
 mod ggml_type;
+mod reader;
+mod writer;
 
 pub use ggml_type::GgmlType;
+pub use reader::{GgufFile, MetaValue, TensorInfo};
+pub use writer::GgufWriter;

@@ -1,0 +1,126 @@
+//! A weight tensor as it comes off disk: its bytes (borrowed from a memory map when possible), its
+//! shape and its storage format. Backends turn these into their own weight objects; the format
+//! travels with the bytes so a quantized tensor is never silently widened.
+
+use std::ops::Deref;
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use nibble_core::{Error, Result};
+
+use crate::gguf::{GgmlType, dequant};
+
+/// How a tensor's elements are encoded. New weight formats are added here and in the backends'
+/// registries; model code never looks inside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    /// Plain floats or ggml quantization blocks along each row.
+    Ggml(GgmlType),
+}
+
+impl WeightFormat {
+    /// Bytes of one row of `cols` elements.
+    pub fn row_bytes(self, cols: usize) -> Result<usize> {
+        match self {
+            WeightFormat::Ggml(t) => t.bytes_for(cols),
+        }
+    }
+
+    /// Decodes whole rows to f32: the reference every backend kernel is checked against.
+    pub fn dequantize(self, src: &[u8], dst: &mut [f32]) -> Result<()> {
+        match self {
+            WeightFormat::Ggml(t) => dequant::dequantize(t, src, dst),
+        }
+    }
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WeightFormat::Ggml(t) => write!(f, "{t}"),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub enum TensorBytes {
+    Mapped {
+        map: Arc<Mmap>,
+        start: usize,
+        len: usize,
+    },
+    Owned(Arc<Vec<u8>>),
+}
+
+impl Deref for TensorBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            TensorBytes::Mapped { map, start, len } => &map[*start..*start + *len],
+            TensorBytes::Owned(v) => v,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct HostTensor {
+    pub name: String,
+    /// Row-major, outermost first: `[rows, cols]` for a linear weight `[out, in]`.
+    pub shape: Vec<usize>,
+    pub format: WeightFormat,
+    pub bytes: TensorBytes,
+}
+
+impl std::fmt::Debug for HostTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostTensor({} {:?} {})", self.name, self.shape, self.format)
+    }
+}
+
+impl HostTensor {
+    pub fn elems(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// `(rows, cols)` viewing every leading dimension as rows.
+    pub fn rows_cols(&self) -> (usize, usize) {
+        let cols = self.shape.last().copied().unwrap_or(1);
+        (self.elems() / cols.max(1), cols)
+    }
+
+    /// Checks the shape against what the architecture expects, naming the tensor on mismatch.
+    pub fn expect_shape(&self, expected: &[usize]) -> Result<()> {
+        if self.shape != expected {
+            return Err(Error::ShapeMismatch {
+                name: self.name.clone(),
+                expected: expected.to_vec(),
+                found: self.shape.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The whole tensor as f32 (for norms, biases, and reference checks).
+    pub fn to_f32(&self) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; self.elems()];
+        self.format.dequantize(&self.bytes, &mut out)?;
+        Ok(out)
+    }
+
+    /// Reorders rows: row `i` of the result is row `order[i]` of `self`. Works on any row-wise
+    /// format because quantization blocks never straddle rows.
+    pub fn permute_rows(&self, order: &[usize]) -> Result<HostTensor> {
+        let (rows, cols) = self.rows_cols();
+        assert_eq!(order.len(), rows, "permutation length");
+        let rb = self.format.row_bytes(cols)?;
+        let src: &[u8] = &self.bytes;
+        let mut out = Vec::with_capacity(src.len());
+        for &r in order {
+            out.extend_from_slice(&src[r * rb..(r + 1) * rb]);
+        }
+        Ok(HostTensor {
+            bytes: TensorBytes::Owned(Arc::new(out)),
+            ..self.clone()
+        })
+    }
+}

@@ -1,0 +1,282 @@
+//! Tokenizers, from a Hugging Face `tokenizer.json` or from a GGUF file's `tokenizer.ggml.*`
+//! metadata. Both end up as a `tokenizers::Tokenizer`: the GGUF path writes the equivalent
+//! tokenizer.json in memory, so there is one encoder and one decoder to trust.
+
+use std::path::Path;
+
+use nibble_core::{Error, Result};
+use serde_json::{Value, json};
+
+use crate::gguf::GgufFile;
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Token ids that end generation (EOS, end-of-turn).
+    pub eos_ids: Vec<u32>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    /// The model's own Jinja chat template, if it ships one.
+    pub chat_template: Option<String>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab", &self.vocab_size())
+            .field("eos_ids", &self.eos_ids)
+            .finish()
+    }
+}
+
+// GGUF token types (llama.cpp `llama_token_type`).
+const TOKEN_TYPE_CONTROL: u64 = 3;
+const TOKEN_TYPE_USER_DEFINED: u64 = 4;
+
+impl Tokenizer {
+    /// `tokenizer.json` plus, when present beside it, `tokenizer_config.json` (chat template,
+    /// special token strings) and `config.json` / `generation_config.json` (EOS ids).
+    pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| {
+            if path.exists() {
+                Error::corrupt(&path, format!("cannot parse tokenizer: {e}"))
+            } else {
+                Error::io(
+                    &path,
+                    std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer.json not found"),
+                )
+            }
+        })?;
+        let read_json = |name: &str| -> Result<Option<Value>> {
+            let p = dir.join(name);
+            match std::fs::read_to_string(&p) {
+                Ok(t) => serde_json::from_str(&t)
+                    .map(Some)
+                    .map_err(|e| Error::corrupt(&p, format!("invalid JSON: {e}"))),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(Error::io(&p, e)),
+            }
+        };
+        let tok_cfg = read_json("tokenizer_config.json")?.unwrap_or(Value::Null);
+        let token_str = |v: Option<&Value>| -> Option<String> {
+            match v? {
+                Value::String(s) => Some(s.clone()),
+                Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+                _ => None,
+            }
+        };
+        let bos_token = token_str(tok_cfg.get("bos_token"));
+        let eos_token = token_str(tok_cfg.get("eos_token"));
+        let chat_template = match tok_cfg.get("chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            // A list of named templates: take "default".
+            Some(Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+            _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
+        };
+        let mut eos_ids = Vec::new();
+        for name in ["generation_config.json", "config.json"] {
+            if let Some(cfg) = read_json(name)? {
+                match cfg.get("eos_token_id") {
+                    Some(Value::Number(n)) => eos_ids.extend(n.as_u64().map(|x| x as u32)),
+                    Some(Value::Array(a)) => {
+                        eos_ids.extend(a.iter().filter_map(Value::as_u64).map(|x| x as u32))
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t)) {
+            eos_ids.push(id);
+        }
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+        Ok(Tokenizer {
+            inner,
+            eos_ids,
+            bos_token,
+            eos_token,
+            chat_template,
+        })
+    }
+
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let model = file.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(Error::unsupported(
+                format!("GGUF tokenizer model '{model}' in {}", file.path().display()),
+                "nibble builds byte-level BPE ('gpt2') tokenizers from GGUF metadata; pass \
+                 --tokenizer path/to/tokenizer.json for other kinds",
+            ));
+        }
+        let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
+        let merges = file.get_str_array("tokenizer.ggml.merges")?;
+        let types: Vec<u64> = match file.metadata("tokenizer.ggml.token_type") {
+            Some(v) => v
+                .as_array()
+                .unwrap_or(&[])
+                .iter()
+                .map(|t| t.as_u64().unwrap_or(1))
+                .collect(),
+            None => vec![1; tokens.len()],
+        };
+        let pre = file
+            .metadata("tokenizer.ggml.pre")
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
+        let id_of = |key: &str| file.metadata(key).and_then(|v| v.as_u64()).map(|x| x as u32);
+        let bos_id = id_of("tokenizer.ggml.bos_token_id");
+        let add_bos = file
+            .metadata("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+
+        let vocab: serde_json::Map<String, Value> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.to_string(), json!(i)))
+            .collect();
+        let added: Vec<Value> = tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| {
+                matches!(
+                    types.get(*i),
+                    Some(&TOKEN_TYPE_CONTROL) | Some(&TOKEN_TYPE_USER_DEFINED)
+                )
+            })
+            .map(|(i, t)| {
+                json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                       "rstrip": false, "normalized": false,
+                       "special": types[i] == TOKEN_TYPE_CONTROL})
+            })
+            .collect();
+        let byte_level = |use_regex: bool| {
+            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                   "use_regex": use_regex})
+        };
+        let split = |pattern: &str| {
+            json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+                   "invert": false})
+        };
+        let pre_tokenizer = match pre {
+            "smollm" => json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+            "qwen2" | "deepseek-r1-qwen" => json!({"type": "Sequence", "pretokenizers": [
+                split(QWEN2_PATTERN), byte_level(false)]}),
+            "llama3" | "llama-bpe" | "llama-v3" => json!({"type": "Sequence", "pretokenizers": [
+                split(LLAMA3_PATTERN), byte_level(false)]}),
+            "default" | "gpt2" | "gpt-2" => byte_level(true),
+            other => {
+                return Err(Error::unsupported(
+                    format!("GGUF pre-tokenizer '{other}' in {}", file.path().display()),
+                    "known: smollm, qwen2, llama-bpe, gpt2/default; pass --tokenizer \
+                     path/to/tokenizer.json to use the model's own",
+                ));
+            }
+        };
+        let post_processor = match (add_bos, bos_id) {
+            (true, Some(id)) => {
+                let bos = tokens.get(id as usize).copied().unwrap_or_default();
+                json!({"type": "TemplateProcessing",
+                    "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                    "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                             {"Sequence": {"id": "B", "type_id": 1}}],
+                    "special_tokens": {bos: {"id": bos, "ids": [id], "tokens": [bos]}}})
+            }
+            _ => Value::Null,
+        };
+        let spec = json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+            "normalizer": null, "pre_tokenizer": pre_tokenizer, "post_processor": post_processor,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                      "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                      "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": vocab, "merges": merges}
+        });
+        let inner: tokenizers::Tokenizer = spec.to_string().parse().map_err(|e| {
+            Error::corrupt(file.path(), format!("tokenizer metadata is inconsistent: {e}"))
+        })?;
+        let mut eos_ids: Vec<u32> = ["eos_token_id", "eot_token_id", "eom_token_id"]
+            .iter()
+            .filter_map(|k| id_of(&format!("tokenizer.ggml.{k}")))
+            .collect();
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+        let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).map(|s| s.to_string());
+        Ok(Tokenizer {
+            inner,
+            bos_token: name(bos_id),
+            eos_token: name(id_of("tokenizer.ggml.eos_token_id")),
+            eos_ids,
+            chat_template: file
+                .metadata("tokenizer.chat_template")
+                .and_then(|v| v.as_str())
+                .map(str::to_string),
+        })
+    }
+
+    /// Encodes text. `add_special` lets the tokenizer add BOS where the model expects it; chat
+    /// prompts rendered by a template already carry their special tokens and pass `false`.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        self.inner
+            .encode(text, add_special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| Error::Tokenizer(format!("encode failed: {e}")))
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| Error::Tokenizer(format!("decode failed: {e}")))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos_ids.contains(&id)
+    }
+}
+
+/// Turns a growing list of token ids into text pieces as soon as they are complete UTF-8: a
+/// multi-byte character split over two tokens is emitted once, when its last byte arrives.
+#[derive(Default)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    /// Ids before this index have been emitted and are kept only as left context.
+    prefix: usize,
+    read: usize,
+}
+
+impl StreamDecoder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let prev = tok.decode(&self.ids[self.prefix..self.read], true)?;
+        let now = tok.decode(&self.ids[self.prefix..], true)?;
+        if now.len() > prev.len() && !now.ends_with('\u{FFFD}') && now.starts_with(&prev) {
+            let piece = now[prev.len()..].to_string();
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            Ok(piece)
+        } else {
+            Ok(String::new())
+        }
+    }
+}
+
+// Pre-tokenizer regexes as the models' tokenizer.json files publish them.
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";

@@ -1,0 +1,352 @@
+//! Model hyper-parameters, read from a GGUF file's metadata or a Hugging Face `config.json`, and
+//! the rotary-embedding frequencies they imply.
+
+use nibble_core::{Error, Result};
+use nibble_formats::gguf::GgufFile;
+use serde_json::Value;
+
+/// The decoder-only architectures nibble runs; they differ only in the switches on `ModelConfig`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+}
+
+impl Arch {
+    fn from_name(name: &str, origin: &str) -> Result<Self> {
+        Ok(match name {
+            "llama" | "LlamaForCausalLM" => Arch::Llama,
+            "mistral" | "MistralForCausalLM" => Arch::Mistral,
+            "qwen2" | "Qwen2ForCausalLM" => Arch::Qwen2,
+            "qwen3" | "Qwen3ForCausalLM" => Arch::Qwen3,
+            other => {
+                return Err(Error::unsupported(
+                    format!("architecture '{other}' (from {origin})"),
+                    "nibble runs llama, mistral, qwen2 and qwen3",
+                ));
+            }
+        })
+    }
+}
+
+/// How the two halves of each rotated pair sit in a head vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Pairs (i, i + d/2): Hugging Face's `rotate_half`, GGUF NeoX-style architectures.
+    HalfSplit,
+    /// Pairs (2i, 2i + 1): the original Meta layout that llama-arch GGUF files keep.
+    Interleaved,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor` (all frequencies scaled alike).
+    Linear { factor: f64 },
+    /// Llama 3.1's wavelength-dependent scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position: f64,
+    },
+    /// Per-frequency divisors given explicitly (GGUF `rope_freqs.weight`).
+    FreqFactors(Vec<f32>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub rope_layout: RopeLayout,
+    pub max_context: usize,
+}
+
+impl ModelConfig {
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let arch_name = file.get_str("general.architecture")?;
+        let arch = Arch::from_name(arch_name, &file.path().display().to_string())?;
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let hidden_size = file.get_u64(&key("embedding_length"))? as usize;
+        let num_heads = file.get_u64(&key("attention.head_count"))? as usize;
+        let num_kv_heads = match file.metadata(&key("attention.head_count_kv")) {
+            Some(_) => file.get_u64(&key("attention.head_count_kv"))? as usize,
+            None => num_heads,
+        };
+        let head_dim = match file.metadata(&key("attention.key_length")) {
+            Some(_) => file.get_u64(&key("attention.key_length"))? as usize,
+            None if num_heads > 0 => hidden_size / num_heads,
+            None => 0,
+        };
+        let vocab_size = match file.metadata(&key("vocab_size")) {
+            Some(_) => file.get_u64(&key("vocab_size"))? as usize,
+            None => file.get_str_array("tokenizer.ggml.tokens")?.len(),
+        };
+        let rope_scaling = if let Some(t) = file.tensor("rope_freqs.weight") {
+            let mut factors = vec![0f32; t.elems()];
+            nibble_formats::gguf::dequant::dequantize(t.ty, file.tensor_bytes(t), &mut factors)?;
+            RopeScaling::FreqFactors(factors)
+        } else {
+            match file.metadata(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+                None | Some("none") => RopeScaling::None,
+                Some("linear") => RopeScaling::Linear {
+                    factor: file.get_f64(&key("rope.scaling.factor"))?,
+                },
+                Some(other) => {
+                    return Err(Error::unsupported(
+                        format!("rope scaling '{other}' in {}", file.path().display()),
+                        "supported: none, linear, llama3 (rope_freqs.weight)",
+                    ));
+                }
+            }
+        };
+        if let Some(v) = file.metadata(&key("rope.dimension_count")) {
+            if v.as_u64() != Some(head_dim as u64) {
+                return Err(Error::unsupported(
+                    format!("partial rotary embedding ({v:?} of {head_dim} dims)"),
+                    "nibble rotates the whole head",
+                ));
+            }
+        }
+        let cfg = ModelConfig {
+            arch,
+            hidden_size,
+            intermediate_size: file.get_u64(&key("feed_forward_length"))? as usize,
+            num_layers: file.get_u64(&key("block_count"))? as usize,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size,
+            rms_norm_eps: file.get_f64(&key("attention.layer_norm_rms_epsilon"))? as f32,
+            rope_theta: match file.metadata(&key("rope.freq_base")) {
+                Some(_) => file.get_f64(&key("rope.freq_base"))?,
+                None => 10_000.0,
+            },
+            rope_scaling,
+            // Llama-arch GGUF files store Q/K rows permuted for the interleaved layout; the loader
+            // un-permutes them so one layout serves every source (see `weights::unpermute_qk`).
+            rope_layout: RopeLayout::HalfSplit,
+            max_context: match file.metadata(&key("context_length")) {
+                Some(_) => file.get_u64(&key("context_length"))? as usize,
+                None => 2048,
+            },
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parses a Hugging Face `config.json`; `origin` names the file in errors.
+    pub fn from_hf_json(text: &str, origin: &str) -> Result<Self> {
+        let v: Value = serde_json::from_str(text)
+            .map_err(|e| Error::Config(format!("{origin} is not valid JSON: {e}")))?;
+        let model_type = v
+            .get("model_type")
+            .and_then(Value::as_str)
+            .or_else(|| v.get("architectures")?.get(0)?.as_str())
+            .ok_or_else(|| Error::Config(format!("{origin} has no model_type")))?;
+        let arch = Arch::from_name(model_type, origin)?;
+        let get = |k: &str| -> Result<usize> {
+            v.get(k)
+                .and_then(Value::as_u64)
+                .map(|x| x as usize)
+                .ok_or_else(|| Error::Config(format!("{origin}: '{k}' missing or not an integer")))
+        };
+        let opt = |k: &str| v.get(k).filter(|x| !x.is_null());
+        let hidden_size = get("hidden_size")?;
+        let num_heads = get("num_attention_heads")?;
+        let num_kv_heads = if opt("num_key_value_heads").is_some() {
+            get("num_key_value_heads")?
+        } else {
+            num_heads
+        };
+        let head_dim = if opt("head_dim").is_some() {
+            get("head_dim")?
+        } else {
+            hidden_size / num_heads.max(1)
+        };
+        let f = |k: &str, default: f64| opt(k).and_then(Value::as_f64).unwrap_or(default);
+        let rope_scaling = match opt("rope_scaling") {
+            None => RopeScaling::None,
+            Some(s) => {
+                let kind = s
+                    .get("rope_type")
+                    .or_else(|| s.get("type"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("default");
+                let sf = |k: &str| -> Result<f64> {
+                    s.get(k).and_then(Value::as_f64).ok_or_else(|| {
+                        Error::Config(format!("{origin}: rope_scaling.{k} missing"))
+                    })
+                };
+                match kind {
+                    "default" => RopeScaling::None,
+                    "linear" => RopeScaling::Linear {
+                        factor: sf("factor")?,
+                    },
+                    "llama3" => RopeScaling::Llama3 {
+                        factor: sf("factor")?,
+                        low_freq_factor: sf("low_freq_factor")?,
+                        high_freq_factor: sf("high_freq_factor")?,
+                        original_max_position: sf("original_max_position_embeddings")?,
+                    },
+                    other => {
+                        return Err(Error::unsupported(
+                            format!("rope scaling '{other}' in {origin}"),
+                            "supported: default, linear, llama3",
+                        ));
+                    }
+                }
+            }
+        };
+        let cfg = ModelConfig {
+            arch,
+            hidden_size,
+            intermediate_size: get("intermediate_size")?,
+            num_layers: get("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: get("vocab_size")?,
+            rms_norm_eps: f("rms_norm_eps", 1e-6) as f32,
+            rope_theta: f("rope_theta", 10_000.0),
+            rope_scaling,
+            rope_layout: RopeLayout::HalfSplit,
+            max_context: opt("max_position_embeddings")
+                .and_then(Value::as_u64)
+                .unwrap_or(2048) as usize,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
+        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_layers == 0 {
+            return bad(format!(
+                "heads ({}), kv heads ({}) and layers ({}) must be positive",
+                self.num_heads, self.num_kv_heads, self.num_layers
+            ));
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return bad(format!(
+                "{} attention heads are not a multiple of {} kv heads",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            return bad(format!("head dim {} must be even and positive", self.head_dim));
+        }
+        if self.hidden_size == 0 || self.intermediate_size == 0 || self.vocab_size == 0 {
+            return bad("hidden, intermediate and vocab sizes must be positive".into());
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return bad(format!("rms_norm_eps {} must be positive", self.rms_norm_eps));
+        }
+        Ok(())
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Rotary inverse frequencies, one per rotated pair, with scaling applied.
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let d = self.head_dim;
+        (0..d / 2)
+            .map(|i| {
+                let base = self.rope_theta.powf(-(2 * i) as f64 / d as f64);
+                let scaled = match &self.rope_scaling {
+                    RopeScaling::None => base,
+                    RopeScaling::Linear { factor } => base / factor,
+                    RopeScaling::FreqFactors(f) => base / f.get(i).copied().unwrap_or(1.0) as f64,
+                    RopeScaling::Llama3 {
+                        factor,
+                        low_freq_factor,
+                        high_freq_factor,
+                        original_max_position,
+                    } => {
+                        let wavelen = 2.0 * std::f64::consts::PI / base;
+                        let low_wavelen = original_max_position / low_freq_factor;
+                        let high_wavelen = original_max_position / high_freq_factor;
+                        if wavelen < high_wavelen {
+                            base
+                        } else if wavelen > low_wavelen {
+                            base / factor
+                        } else {
+                            let smooth = (original_max_position / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * base / factor + smooth * base
+                        }
+                    }
+                };
+                scaled as f32
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hf(extra: &str) -> String {
+        format!(
+            r#"{{"model_type":"llama","hidden_size":64,"intermediate_size":96,"num_hidden_layers":2,
+            "num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300{extra}}}"#
+        )
+    }
+
+    #[test]
+    fn hf_defaults() {
+        let c = ModelConfig::from_hf_json(&hf(""), "config.json").unwrap();
+        assert_eq!(c.head_dim, 16);
+        assert_eq!(c.rope_theta, 10_000.0);
+        assert_eq!(c.rope_scaling, RopeScaling::None);
+        assert_eq!(c.kv_dim(), 32);
+    }
+
+    #[test]
+    fn unknown_arch_is_named() {
+        let text = hf("").replace("\"llama\"", "\"gpt_neox\"");
+        let e = ModelConfig::from_hf_json(&text, "x/config.json").unwrap_err();
+        assert!(e.to_string().contains("gpt_neox"), "{e}");
+    }
+
+    #[test]
+    fn bad_heads_rejected() {
+        let text = hf("").replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3");
+        assert!(ModelConfig::from_hf_json(&text, "c").is_err());
+        assert!(ModelConfig::from_hf_json("{not json", "c").is_err());
+    }
+
+    #[test]
+    fn llama3_scaling_matches_the_three_regimes() {
+        let c = ModelConfig::from_hf_json(
+            &hf(r#","rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0,
+            "low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#),
+            "c",
+        )
+        .unwrap();
+        let inv = c.rope_inv_freq();
+        let base = |i: usize| 500000f64.powf(-(2 * i) as f64 / 16.0);
+        // Highest frequency (short wavelength): untouched.
+        assert!((inv[0] as f64 - base(0)).abs() < 1e-7);
+        // Lowest frequency (wavelength 2*pi*500000^(14/16) ~ 62k > 8192): divided by 8.
+        assert!((inv[7] as f64 - base(7) / 8.0).abs() / (base(7) / 8.0) < 1e-5);
+    }
+}
