@@ -1,1 +1,243 @@
-//! nibble-cpu
+//! The CPU backend. It is both a way to run models without a GPU and the reference every GPU
+//! kernel is tested against, so its arithmetic is plain f32 with documented accumulation order.
+//!
+//! Weights stay in their storage format (f16, bf16, ggml blocks) and are decoded a tile of rows at
+//! a time inside the matmul, so memory stays near the file size.
+
+mod attention;
+mod kv;
+mod linear;
+mod ops;
+
+use nibble_core::{Error, Result};
+use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
+use nibble_model::{AttentionShape, Backend, BatchLayout, KvShape, RopeLayout};
+
+pub use kv::CpuKvCache;
+
+/// A row-major f32 matrix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuTensor {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl CpuTensor {
+    pub fn new(data: Vec<f32>, rows: usize, cols: usize) -> Self {
+        assert_eq!(data.len(), rows * cols, "tensor data length");
+        CpuTensor { data, rows, cols }
+    }
+
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        CpuTensor::new(vec![0.0; rows * cols], rows, cols)
+    }
+
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// A weight matrix `[rows, cols]` in its storage format.
+pub struct CpuWeight {
+    pub rows: usize,
+    pub cols: usize,
+    pub format: WeightFormat,
+    bytes: TensorBytes,
+    row_bytes: usize,
+}
+
+impl CpuWeight {
+    /// Decodes rows `start..start + n` into `out` (`n * cols` floats).
+    pub fn dequantize_rows(&self, start: usize, n: usize, out: &mut [f32]) -> Result<()> {
+        let src = &self.bytes[start * self.row_bytes..(start + n) * self.row_bytes];
+        self.format.dequantize(src, &mut out[..n * self.cols])
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct CpuBackend {
+    pool: std::sync::Arc<rayon::ThreadPool>,
+}
+
+impl CpuBackend {
+    /// `threads = 0` uses every core.
+    pub fn new(threads: usize) -> Result<Self> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("nibble-cpu-{i}"))
+            .build()
+            .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
+        Ok(CpuBackend {
+            pool: std::sync::Arc::new(pool),
+        })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Weight = CpuWeight;
+    type Kv = CpuKvCache;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", self.threads())
+    }
+
+    fn load_weight(&self, t: &HostTensor) -> Result<CpuWeight> {
+        if t.shape.len() != 2 {
+            return Err(Error::ShapeMismatch {
+                name: t.name.clone(),
+                expected: vec![0, 0],
+                found: t.shape.clone(),
+            });
+        }
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        let row_bytes = t.format.row_bytes(cols).map_err(|e| {
+            Error::unsupported(format!("tensor '{}'", t.name), e.to_string())
+        })?;
+        if t.bytes.len() != rows * row_bytes {
+            return Err(Error::corrupt(
+                &t.name,
+                format!(
+                    "{} bytes of data for a {rows}x{cols} {} tensor that needs {}",
+                    t.bytes.len(),
+                    t.format,
+                    rows * row_bytes
+                ),
+            ));
+        }
+        Ok(CpuWeight {
+            rows,
+            cols,
+            format: t.format,
+            bytes: t.bytes.clone(),
+            row_bytes,
+        })
+    }
+
+    fn load_vector(&self, values: &[f32]) -> Result<CpuTensor> {
+        Ok(CpuTensor::new(values.to_vec(), 1, values.len()))
+    }
+
+    fn new_kv_cache(&self, shape: KvShape, max_seqs: usize) -> Result<CpuKvCache> {
+        Ok(CpuKvCache::new(shape, max_seqs))
+    }
+
+    fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {
+        let mut out = CpuTensor::zeros(ids.len(), table.cols);
+        for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(ids) {
+            if id as usize >= table.rows {
+                return Err(Error::InvalidArgument(format!(
+                    "token id {id} outside the {}-row embedding table",
+                    table.rows
+                )));
+            }
+            table.dequantize_rows(id as usize, 1, row)?;
+        }
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> CpuTensor {
+        let mut out = x.clone();
+        for row in out.data.chunks_exact_mut(x.cols) {
+            ops::rms_norm_in_place(row, &weight.data, eps);
+        }
+        out
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut CpuTensor,
+        delta: &CpuTensor,
+        weight: &CpuTensor,
+        eps: f32,
+    ) -> CpuTensor {
+        self.add(x, delta);
+        self.rms_norm(x, weight, eps)
+    }
+
+    fn head_rms_norm(&self, x: &mut CpuTensor, weight: &CpuTensor, head_dim: usize, eps: f32) {
+        for head in x.data.chunks_exact_mut(head_dim) {
+            ops::rms_norm_in_place(head, &weight.data, eps);
+        }
+    }
+
+    fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
+        if x.cols != w.cols {
+            return Err(Error::InvalidArgument(format!(
+                "linear: input has {} features, weight expects {}",
+                x.cols, w.cols
+            )));
+        }
+        let mut out = self.pool.install(|| linear::matmul_transposed(x, w))?;
+        if let Some(b) = bias {
+            for row in out.data.chunks_exact_mut(out.cols) {
+                for (o, b) in row.iter_mut().zip(&b.data) {
+                    *o += b;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        head_dim: usize,
+        batch: &BatchLayout,
+        inv_freq: &CpuTensor,
+        layout: RopeLayout,
+    ) {
+        let positions = batch.positions();
+        let cols = x.cols;
+        for (row, &pos) in x.data.chunks_exact_mut(cols).zip(&positions) {
+            ops::rope_row(row, head_dim, pos, &inv_freq.data, layout);
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        kv: &mut CpuKvCache,
+        layer: usize,
+        batch: &BatchLayout,
+        shape: AttentionShape,
+    ) -> Result<CpuTensor> {
+        self.pool
+            .install(|| attention::attention(q, k, v, kv, layer, batch, shape))
+    }
+
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
+        let data = gate
+            .data
+            .iter()
+            .zip(&up.data)
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        CpuTensor::new(data, gate.rows, gate.cols)
+    }
+
+    fn add(&self, x: &mut CpuTensor, delta: &CpuTensor) {
+        for (a, b) in x.data.iter_mut().zip(&delta.data) {
+            *a += b;
+        }
+    }
+
+    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
+        let mut data = Vec::with_capacity(rows.len() * x.cols);
+        for &r in rows {
+            data.extend_from_slice(x.row(r));
+        }
+        CpuTensor::new(data, rows.len(), x.cols)
+    }
+
+    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(x.data.clone())
+    }
+}

@@ -1,1 +1,13 @@
-//! nibble-model
+//! Transformer architectures, written once over the `Backend` trait, with their configuration
+//! and the mapping from model files to named weights.
+
+pub mod backend;
+pub mod config;
+pub mod loader;
+pub mod source;
+pub mod transformer;
+
+pub use backend::{AttentionShape, Backend, BatchLayout, KvCache, KvShape, SeqSpan};
+pub use config::{Arch, ModelConfig, RopeLayout, RopeScaling};
+pub use loader::{ModelFiles, open_model};
+pub use transformer::{LogitRows, Transformer};

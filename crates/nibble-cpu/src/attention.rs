@@ -1,0 +1,88 @@
+//! Causal attention over the KV cache, one rayon task per (token, head) pair.
+//!
+//! Scores are computed in f32 with a running max for a numerically safe softmax; the output is
+//! the probability-weighted sum of values, normalized once at the end.
+
+use nibble_core::{Error, Result};
+use nibble_model::{AttentionShape, BatchLayout};
+use rayon::prelude::*;
+
+use crate::kv::CpuKvCache;
+use crate::ops::dot;
+use crate::CpuTensor;
+
+pub fn attention(
+    q: &CpuTensor,
+    k: &CpuTensor,
+    v: &CpuTensor,
+    kv: &mut CpuKvCache,
+    layer: usize,
+    batch: &BatchLayout,
+    shape: AttentionShape,
+) -> Result<CpuTensor> {
+    let AttentionShape {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    } = shape;
+    let kv_row = num_kv_heads * head_dim;
+    let group = num_heads / num_kv_heads;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let mut out = CpuTensor::zeros(q.rows, num_heads * head_dim);
+
+    // Append the new keys/values first: token t of a sequence attends to positions <= its own.
+    let mut row0 = 0;
+    for s in &batch.seqs {
+        let seq = kv.seq_mut(s.slot)?;
+        if s.start_pos > seq.len {
+            return Err(Error::InvalidArgument(format!(
+                "slot {} holds {} tokens; cannot write at position {}",
+                s.slot, seq.len, s.start_pos
+            )));
+        }
+        let (kl, vl) = (&mut seq.k[layer], &mut seq.v[layer]);
+        kl.truncate(s.start_pos * kv_row);
+        vl.truncate(s.start_pos * kv_row);
+        kl.extend_from_slice(&k.data[row0 * kv_row..(row0 + s.len) * kv_row]);
+        vl.extend_from_slice(&v.data[row0 * kv_row..(row0 + s.len) * kv_row]);
+        if layer + 1 == kv.shape.num_layers {
+            seq.len = s.start_pos + s.len;
+        }
+        row0 += s.len;
+    }
+
+    let mut row0 = 0;
+    for s in &batch.seqs {
+        let seq = kv.seq_mut(s.slot)?;
+        let (keys, values) = (&seq.k[layer], &seq.v[layer]);
+        let out_rows = &mut out.data[row0 * num_heads * head_dim..(row0 + s.len) * num_heads * head_dim];
+        out_rows
+            .par_chunks_mut(head_dim)
+            .enumerate()
+            .for_each(|(idx, o)| {
+                let (t, h) = (idx / num_heads, idx % num_heads);
+                let kvh = h / group;
+                let qv = &q.data[(row0 + t) * q.cols + h * head_dim..][..head_dim];
+                let ctx = s.start_pos + t + 1;
+                let mut scores: Vec<f32> = (0..ctx)
+                    .map(|p| dot(qv, &keys[p * kv_row + kvh * head_dim..][..head_dim]) * scale)
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                for (p, &w) in scores.iter().enumerate() {
+                    let vv = &values[p * kv_row + kvh * head_dim..][..head_dim];
+                    for (a, b) in o.iter_mut().zip(vv) {
+                        *a = w.mul_add(*b, *a);
+                    }
+                }
+                let inv = 1.0 / sum;
+                o.iter_mut().for_each(|a| *a *= inv);
+            });
+        row0 += s.len;
+    }
+    Ok(out)
+}

@@ -1,0 +1,155 @@
+//! The narrow interface between model code and compute. Ops are coarse (a whole linear layer
+//! with its stored weight, a whole attention call over the KV cache) so that each backend can
+//! fuse and pick kernels freely, and each op has a CPU reference to be checked against.
+
+use nibble_core::Result;
+use nibble_formats::HostTensor;
+
+use crate::config::RopeLayout;
+
+/// One sequence's slice of a batch: its tokens are `len` consecutive rows of the batch tensors,
+/// at positions `start_pos..start_pos + len` of the sequence, whose KV lives in cache `slot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqSpan {
+    pub slot: usize,
+    pub start_pos: usize,
+    pub len: usize,
+}
+
+/// The sequences of one forward call, laid out one after another.
+#[derive(Debug, Clone, Default)]
+pub struct BatchLayout {
+    pub seqs: Vec<SeqSpan>,
+}
+
+impl BatchLayout {
+    pub fn single(slot: usize, start_pos: usize, len: usize) -> Self {
+        BatchLayout {
+            seqs: vec![SeqSpan {
+                slot,
+                start_pos,
+                len,
+            }],
+        }
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.len).sum()
+    }
+
+    /// Position of every token of the batch, in batch order.
+    pub fn positions(&self) -> Vec<usize> {
+        self.seqs
+            .iter()
+            .flat_map(|s| s.start_pos..s.start_pos + s.len)
+            .collect()
+    }
+
+    /// Batch row of each sequence's last token.
+    pub fn last_rows(&self) -> Vec<usize> {
+        let mut end = 0;
+        self.seqs
+            .iter()
+            .map(|s| {
+                end += s.len;
+                end - 1
+            })
+            .collect()
+    }
+}
+
+/// Geometry of a KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Longest sequence one slot may hold.
+    pub max_context: usize,
+}
+
+/// Attention geometry of one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Per-sequence KV storage owned by a backend.
+pub trait KvCache: Send {
+    /// Reserves a slot for a new sequence; errors when the cache is full.
+    fn alloc_seq(&mut self) -> Result<usize>;
+    fn free_seq(&mut self, slot: usize);
+    /// Tokens stored for the sequence.
+    fn seq_len(&self, slot: usize) -> usize;
+    /// Forgets tokens past `len` (for rewinding a sequence).
+    fn truncate(&mut self, slot: usize, len: usize);
+}
+
+pub trait Backend: Send + Sync {
+    /// Activations: a row-major matrix `[tokens, features]`.
+    type Tensor: Send + Sync;
+    /// A weight matrix `[out, in]` in its storage format, prepared for this backend's kernels.
+    type Weight: Send + Sync;
+    type Kv: KvCache;
+
+    fn name(&self) -> String;
+
+    /// Prepares a 2-D weight (linear layers, embedding tables), keeping its storage format.
+    fn load_weight(&self, tensor: &HostTensor) -> Result<Self::Weight>;
+    /// Uploads a small f32 vector (norm weights, biases, rotary frequencies).
+    fn load_vector(&self, values: &[f32]) -> Result<Self::Tensor>;
+    fn new_kv_cache(&self, shape: KvShape, max_seqs: usize) -> Result<Self::Kv>;
+
+    /// Rows `ids` of an embedding table.
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Self::Tensor;
+    /// `x += delta`, then returns `rms_norm(x)`: the residual add fused with the next norm.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        delta: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+    ) -> Self::Tensor;
+    /// RMS-normalizes every `head_dim` slice of each row in place (Qwen3's QK norm).
+    fn head_rms_norm(&self, x: &mut Self::Tensor, weight: &Self::Tensor, head_dim: usize, eps: f32);
+    /// `x @ weight^T (+ bias)`.
+    fn linear(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        bias: Option<&Self::Tensor>,
+    ) -> Result<Self::Tensor>;
+    /// Rotates each head of `x` in place by its token's position.
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        head_dim: usize,
+        batch: &BatchLayout,
+        inv_freq: &Self::Tensor,
+        layout: RopeLayout,
+    );
+    /// Appends `k`, `v` to the cache at each sequence's positions and returns causal attention
+    /// of `q` over everything the sequence has cached (GQA: head h reads kv head
+    /// `h / (num_heads / num_kv_heads)`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        kv: &mut Self::Kv,
+        layer: usize,
+        batch: &BatchLayout,
+        shape: AttentionShape,
+    ) -> Result<Self::Tensor>;
+    /// `silu(gate) * up`, elementwise.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    fn add(&self, x: &mut Self::Tensor, delta: &Self::Tensor);
+    /// A tensor made of the given rows.
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+    /// Copies to host memory, row-major.
+    fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
+}

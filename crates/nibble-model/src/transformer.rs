@@ -1,0 +1,245 @@
+//! The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3, written once against
+//! `Backend`. Architectural differences are data: optional QKV biases (Qwen2), optional per-head
+//! QK norms (Qwen3), tied or separate output head, rotary scaling.
+
+use nibble_core::{Error, Result};
+
+use crate::backend::{AttentionShape, Backend, BatchLayout, KvShape};
+use crate::config::ModelConfig;
+use crate::source::TensorSource;
+
+struct Layer<B: Backend> {
+    attn_norm: B::Tensor,
+    q: B::Weight,
+    k: B::Weight,
+    v: B::Weight,
+    o: B::Weight,
+    q_bias: Option<B::Tensor>,
+    k_bias: Option<B::Tensor>,
+    v_bias: Option<B::Tensor>,
+    q_norm: Option<B::Tensor>,
+    k_norm: Option<B::Tensor>,
+    mlp_norm: B::Tensor,
+    gate: B::Weight,
+    up: B::Weight,
+    down: B::Weight,
+}
+
+pub struct Transformer<B: Backend> {
+    pub config: ModelConfig,
+    embed: B::Weight,
+    /// `None` when the output head is tied to the embedding table.
+    lm_head: Option<B::Weight>,
+    final_norm: B::Tensor,
+    inv_freq: B::Tensor,
+    layers: Vec<Layer<B>>,
+}
+
+/// Which rows of the batch get logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitRows {
+    /// Every token (perplexity, prompt scoring).
+    All,
+    /// The last token of each sequence (generation).
+    LastPerSeq,
+}
+
+struct Loader<'a, B: Backend> {
+    backend: &'a B,
+    source: &'a dyn TensorSource,
+    progress: &'a mut dyn FnMut(usize, usize),
+    done: usize,
+    total: usize,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    fn tick(&mut self) {
+        self.done += 1;
+        (self.progress)(self.done, self.total);
+    }
+
+    fn host(&self, name: &str, shape: &[usize]) -> Result<nibble_formats::HostTensor> {
+        let t = self.source.get(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            source_name: self.source.origin(),
+        })?;
+        t.expect_shape(shape)?;
+        Ok(t)
+    }
+
+    fn weight(&mut self, name: &str, shape: &[usize]) -> Result<B::Weight> {
+        let t = self.host(name, shape)?;
+        let w = self.backend.load_weight(&t)?;
+        self.tick();
+        Ok(w)
+    }
+
+    fn vector(&mut self, name: &str, len: usize) -> Result<B::Tensor> {
+        let t = self.host(name, &[len])?;
+        let values = t.to_f32()?;
+        if let Some(i) = values.iter().position(|x| !x.is_finite()) {
+            return Err(Error::corrupt(
+                self.source.origin(),
+                format!("tensor '{name}' holds a non-finite value at index {i}"),
+            ));
+        }
+        let v = self.backend.load_vector(&values)?;
+        self.tick();
+        Ok(v)
+    }
+
+    fn optional_vector(&mut self, name: &str, len: usize) -> Result<Option<B::Tensor>> {
+        if self.source.get(name).is_some() {
+            self.vector(name, len).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+impl<B: Backend> Transformer<B> {
+    /// Loads every weight through `backend`; `progress(done, total)` is called per tensor.
+    pub fn load(
+        backend: &B,
+        config: ModelConfig,
+        source: &dyn TensorSource,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let c = &config;
+        let (h, qd, kvd, ff, hd) = (
+            c.hidden_size,
+            c.q_dim(),
+            c.kv_dim(),
+            c.intermediate_size,
+            c.head_dim,
+        );
+        let tied = source.get("lm_head.weight").is_none();
+        let mut ld = Loader {
+            backend,
+            source,
+            progress,
+            done: 0,
+            total: 2 + usize::from(!tied) + c.num_layers * 9,
+        };
+        let embed = ld.weight("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let lm_head = if tied {
+            None
+        } else {
+            Some(ld.weight("lm_head.weight", &[c.vocab_size, h])?)
+        };
+        let final_norm = ld.vector("model.norm.weight", h)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Layer {
+                attn_norm: ld.vector(&format!("{p}.input_layernorm.weight"), h)?,
+                q: ld.weight(&format!("{p}.self_attn.q_proj.weight"), &[qd, h])?,
+                k: ld.weight(&format!("{p}.self_attn.k_proj.weight"), &[kvd, h])?,
+                v: ld.weight(&format!("{p}.self_attn.v_proj.weight"), &[kvd, h])?,
+                o: ld.weight(&format!("{p}.self_attn.o_proj.weight"), &[h, qd])?,
+                q_bias: ld.optional_vector(&format!("{p}.self_attn.q_proj.bias"), qd)?,
+                k_bias: ld.optional_vector(&format!("{p}.self_attn.k_proj.bias"), kvd)?,
+                v_bias: ld.optional_vector(&format!("{p}.self_attn.v_proj.bias"), kvd)?,
+                q_norm: ld.optional_vector(&format!("{p}.self_attn.q_norm.weight"), hd)?,
+                k_norm: ld.optional_vector(&format!("{p}.self_attn.k_norm.weight"), hd)?,
+                mlp_norm: ld.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                gate: ld.weight(&format!("{p}.mlp.gate_proj.weight"), &[ff, h])?,
+                up: ld.weight(&format!("{p}.mlp.up_proj.weight"), &[ff, h])?,
+                down: ld.weight(&format!("{p}.mlp.down_proj.weight"), &[h, ff])?,
+            });
+        }
+        let inv_freq = backend.load_vector(&config.rope_inv_freq())?;
+        Ok(Transformer {
+            embed,
+            lm_head,
+            final_norm,
+            inv_freq,
+            layers,
+            config,
+        })
+    }
+
+    pub fn kv_shape(&self) -> KvShape {
+        KvShape {
+            num_layers: self.config.num_layers,
+            num_kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+            max_context: self.config.max_context,
+        }
+    }
+
+    /// Runs `tokens` (laid out as `batch` says) through the model, appending their keys and
+    /// values to `kv`, and returns logits `[rows, vocab]` for the rows `which` selects.
+    pub fn forward(
+        &self,
+        backend: &B,
+        tokens: &[u32],
+        batch: &BatchLayout,
+        kv: &mut B::Kv,
+        which: LogitRows,
+    ) -> Result<B::Tensor> {
+        let c = &self.config;
+        if tokens.len() != batch.num_tokens() {
+            return Err(Error::InvalidArgument(format!(
+                "{} tokens for a batch layout of {}",
+                tokens.len(),
+                batch.num_tokens()
+            )));
+        }
+        for s in &batch.seqs {
+            if s.start_pos + s.len > c.max_context {
+                return Err(Error::LimitExceeded {
+                    what: "sequence length".into(),
+                    value: s.start_pos + s.len,
+                    limit: c.max_context,
+                });
+            }
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(Error::InvalidArgument(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                c.vocab_size
+            )));
+        }
+        let shape = AttentionShape {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        };
+        let eps = c.rms_norm_eps;
+        let mut x = backend.embed(&self.embed, tokens)?;
+        // The residual add of each block is fused into the next block's norm.
+        let mut pending: Option<B::Tensor> = None;
+        for (i, l) in self.layers.iter().enumerate() {
+            let h = match pending.take() {
+                None => backend.rms_norm(&x, &l.attn_norm, eps),
+                Some(d) => backend.add_rms_norm(&mut x, &d, &l.attn_norm, eps),
+            };
+            let mut q = backend.linear(&h, &l.q, l.q_bias.as_ref())?;
+            let mut k = backend.linear(&h, &l.k, l.k_bias.as_ref())?;
+            let v = backend.linear(&h, &l.v, l.v_bias.as_ref())?;
+            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+                backend.head_rms_norm(&mut q, qn, c.head_dim, eps);
+                backend.head_rms_norm(&mut k, kn, c.head_dim, eps);
+            }
+            backend.rope(&mut q, c.head_dim, batch, &self.inv_freq, c.rope_layout);
+            backend.rope(&mut k, c.head_dim, batch, &self.inv_freq, c.rope_layout);
+            let attn = backend.attention(&q, &k, &v, kv, i, batch, shape)?;
+            let o = backend.linear(&attn, &l.o, None)?;
+            let h = backend.add_rms_norm(&mut x, &o, &l.mlp_norm, eps);
+            let gate = backend.linear(&h, &l.gate, None)?;
+            let up = backend.linear(&h, &l.up, None)?;
+            let act = backend.silu_mul(&gate, &up);
+            pending = Some(backend.linear(&act, &l.down, None)?);
+        }
+        if let Some(d) = pending {
+            backend.add(&mut x, &d);
+        }
+        let x = match which {
+            LogitRows::All => x,
+            LogitRows::LastPerSeq => backend.gather_rows(&x, &batch.last_rows()),
+        };
+        let x = backend.rms_norm(&x, &self.final_norm, eps);
+        backend.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed), None)
+    }
+}
