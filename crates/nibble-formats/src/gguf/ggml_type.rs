@@ -110,7 +110,9 @@ impl GgmlType {
     pub fn block_elems(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => 32,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
+                32
+            }
             GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => 256,
         }
     }
@@ -134,7 +136,7 @@ impl GgmlType {
     /// Bytes needed for `elems` elements, or an error if `elems` is not whole blocks.
     pub fn bytes_for(self, elems: usize) -> Result<usize> {
         let b = self.block_elems();
-        if elems % b != 0 {
+        if !elems.is_multiple_of(b) {
             return Err(Error::unsupported(
                 format!("a {} row of {elems} elements", self.name()),
                 format!("rows must be a multiple of the {b}-element block"),
