@@ -31,6 +31,7 @@ pub fn attention(
     let mut out = CpuTensor::zeros(q.rows, num_heads * head_dim);
 
     // Append the new keys/values first: token t of a sequence attends to positions <= its own.
+    let num_layers = kv.shape.num_layers;
     let mut row0 = 0;
     for s in &batch.seqs {
         let seq = kv.seq_mut(s.slot)?;
@@ -45,7 +46,8 @@ pub fn attention(
         vl.truncate(s.start_pos * kv_row);
         kl.extend_from_slice(&k.data[row0 * kv_row..(row0 + s.len) * kv_row]);
         vl.extend_from_slice(&v.data[row0 * kv_row..(row0 + s.len) * kv_row]);
-        if layer + 1 == kv.shape.num_layers {
+        // The sequence's length counts tokens whose KV every layer holds.
+        if layer + 1 == num_layers {
             seq.len = s.start_pos + s.len;
         }
         row0 += s.len;

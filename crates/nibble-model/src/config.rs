@@ -269,7 +269,7 @@ impl ModelConfig {
         let d = self.head_dim;
         (0..d / 2)
             .map(|i| {
-                let base = self.rope_theta.powf(-(2 * i) as f64 / d as f64);
+                let base = self.rope_theta.powf(-((2 * i) as f64) / d as f64);
                 let scaled = match &self.rope_scaling {
                     RopeScaling::None => base,
                     RopeScaling::Linear { factor } => base / factor,
