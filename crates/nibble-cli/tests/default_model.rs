@@ -51,14 +51,14 @@ fn greedy_capital_of_france() {
         text.starts_with(" Paris.\n\nThe answer is:"),
         "continuation was {text:?}"
     );
-    assert!(text.starts_with(REF_FRANCE), "continuation {text:?} differs from the reference {REF_FRANCE:?}");
+    assert_eq!(text, REF_FRANCE, "20-token continuation");
 }
 
 #[test]
 fn greedy_once_upon_a_time() {
     let (text, n) = greedy("Once upon a time", 20);
     assert_eq!(n, 20);
-    assert!(text.starts_with(REF_ONCE), "continuation {text:?} differs from the reference {REF_ONCE:?}");
+    assert_eq!(text, REF_ONCE, "20-token continuation");
 }
 
 #[test]
@@ -141,5 +141,6 @@ fn prompt_longer_than_context_is_refused() {
 }
 
 // From ../shared/reference/gguf_llama_check.py (f32 numpy, dequantized weights), 20 tokens.
-const REF_FRANCE: &str = " Paris.\n\nThe answer is:";
-const REF_ONCE: &str = ", the city of Nova Haven was a thriving metropolis, with";
+const REF_FRANCE: &str = " Paris.\n\nThe answer is: 2018-01-22 ";
+const REF_ONCE: &str =
+    ", the city of Nova Haven was a thriving metropolis, with towering skyscrapers and bustling streets. But as";
