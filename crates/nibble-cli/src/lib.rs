@@ -37,10 +37,15 @@ pub fn load_cpu_engine(
             .expect("static template")
             .progress_chars("=> "),
     );
-    let model = Transformer::load(&backend, files.config, &*files.source, &mut |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })
+    let model = Transformer::load(
+        &backend,
+        files.config,
+        &*files.source,
+        &mut |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        },
+    )
     .with_context(|| format!("cannot load model {}", path.display()))?;
     bar.finish_and_clear();
     let c = &model.config;

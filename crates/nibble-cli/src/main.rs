@@ -166,7 +166,11 @@ fn template(engine: &Engine<CpuBackend>) -> Result<ChatTemplate> {
         .chat_template
         .as_deref()
         .context("this model has no chat template")?;
-    Ok(ChatTemplate::new(src, t.bos_token.as_deref(), t.eos_token.as_deref())?)
+    Ok(ChatTemplate::new(
+        src,
+        t.bos_token.as_deref(),
+        t.eos_token.as_deref(),
+    )?)
 }
 
 fn generate(engine: &Engine<CpuBackend>, prompt: &str, chat: bool, opts: &GenArgs) -> Result<()> {
@@ -198,8 +202,13 @@ fn generate(engine: &Engine<CpuBackend>, prompt: &str, chat: bool, opts: &GenArg
 
 fn chat(engine: &Engine<CpuBackend>, system: Option<String>, opts: &GenArgs) -> Result<()> {
     let tmpl = template(engine)?;
-    let mut messages: Vec<ChatMessage> = system.iter().map(|s| ChatMessage::new("system", s)).collect();
-    eprintln!("nibble chat: type a message and press Enter; /reset clears the history, /exit or Ctrl-D quits.");
+    let mut messages: Vec<ChatMessage> = system
+        .iter()
+        .map(|s| ChatMessage::new("system", s))
+        .collect();
+    eprintln!(
+        "nibble chat: type a message and press Enter; /reset clears the history, /exit or Ctrl-D quits."
+    );
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
     loop {
@@ -221,7 +230,9 @@ fn chat(engine: &Engine<CpuBackend>, system: Option<String>, opts: &GenArgs) -> 
             _ => {}
         }
         messages.push(ChatMessage::new("user", line));
-        let ids = engine.tokenizer.encode(&tmpl.render(&messages, true)?, false)?;
+        let ids = engine
+            .tokenizer
+            .encode(&tmpl.render(&messages, true)?, false)?;
         let result = engine.generate(&opts.request(ids), &mut |piece| {
             print!("{piece}");
             let _ = stdout.flush();
@@ -239,14 +250,17 @@ fn chat(engine: &Engine<CpuBackend>, system: Option<String>, opts: &GenArgs) -> 
 }
 
 fn eval_ppl(engine: &Engine<CpuBackend>, file: &PathBuf, ctx: Option<usize>) -> Result<()> {
-    let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
     let ids = engine.tokenizer.encode(&text, false)?;
     let window = ctx.unwrap_or(engine.model.config.max_context.min(2048));
     if window < 2 {
         bail!("--ctx must be at least 2");
     }
     let bar = indicatif::ProgressBar::new(ids.len().div_ceil(window) as u64);
-    let r = perplexity(engine, &ids, window, &mut |done, _| bar.set_position(done as u64))?;
+    let r = perplexity(engine, &ids, window, &mut |done, _| {
+        bar.set_position(done as u64)
+    })?;
     bar.finish_and_clear();
     println!(
         "perplexity {:.4} over {} predicted tokens ({} tokens, window {window}) of {}",

@@ -4,7 +4,10 @@
 use std::process::Command;
 
 fn nibble(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_nibble")).args(args).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(args)
+        .output()
+        .unwrap();
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -16,12 +19,24 @@ fn assert_clean_failure(args: &[&str], needle: &str) {
     let (ok, _, err) = nibble(args);
     assert!(!ok, "{args:?} should fail");
     assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    assert!(err.contains(needle), "{args:?}: stderr lacks {needle:?}: {err}");
+    assert!(
+        err.contains(needle),
+        "{args:?}: stderr lacks {needle:?}: {err}"
+    );
 }
 
 #[test]
 fn missing_model_file() {
-    assert_clean_failure(&["--model", "/nonexistent/m.gguf", "generate", "--prompt", "hi"], "/nonexistent/m.gguf");
+    assert_clean_failure(
+        &[
+            "--model",
+            "/nonexistent/m.gguf",
+            "generate",
+            "--prompt",
+            "hi",
+        ],
+        "/nonexistent/m.gguf",
+    );
 }
 
 #[test]
@@ -29,25 +44,51 @@ fn corrupt_model_file() {
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path().join("junk.gguf");
     std::fs::write(&p, b"GGUF\x03\x00\x00\x00\xff\xff\xff\xff\xff\xff\xff\xff").unwrap();
-    assert_clean_failure(&["--model", p.to_str().unwrap(), "eval", "ppl", "--file", "x"], "junk.gguf");
+    assert_clean_failure(
+        &["--model", p.to_str().unwrap(), "eval", "ppl", "--file", "x"],
+        "junk.gguf",
+    );
 }
 
 #[test]
 fn hf_directory_without_config() {
     let tmp = tempfile::tempdir().unwrap();
-    assert_clean_failure(&["--model", tmp.path().to_str().unwrap(), "generate", "--prompt", "hi"], "config.json");
+    assert_clean_failure(
+        &[
+            "--model",
+            tmp.path().to_str().unwrap(),
+            "generate",
+            "--prompt",
+            "hi",
+        ],
+        "config.json",
+    );
 }
 
 #[test]
 fn bad_sampling_values() {
-    assert_clean_failure(&["generate", "--prompt", "hi", "--temperature=-1"], "temperature");
+    assert_clean_failure(
+        &["generate", "--prompt", "hi", "--temperature=-1"],
+        "temperature",
+    );
     assert_clean_failure(&["generate", "--prompt", "hi", "--top-p", "1.5"], "top_p");
 }
 
 #[test]
 fn generate_streams_on_a_tiny_hf_model() {
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../nibble-model/tests/fixtures/tiny-qwen3");
-    let (ok, out, err) = nibble(&["--model", dir, "generate", "--prompt", "Hi, nibbl", "--max-tokens", "5"]);
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../nibble-model/tests/fixtures/tiny-qwen3"
+    );
+    let (ok, out, err) = nibble(&[
+        "--model",
+        dir,
+        "generate",
+        "--prompt",
+        "Hi, nibbl",
+        "--max-tokens",
+        "5",
+    ]);
     assert!(ok, "{err}");
     assert!(out.starts_with("Hi, nibbl"), "{out}");
     assert!(err.contains("5 generated"), "{err}");

@@ -36,13 +36,27 @@ fn perplexity_on_sample_matches_reference() {
     let e = engine();
     let text = std::fs::read_to_string(reference_dir().join("sample.txt")).unwrap();
     let ids = e.tokenizer.encode(&text, false).unwrap();
-    assert_eq!(ids.len(), 168, "sample.txt tokenizes to 168 tokens in the reference");
+    assert_eq!(
+        ids.len(),
+        168,
+        "sample.txt tokenizes to 168 tokens in the reference"
+    );
     // First ids from the reference's tokenizer.json (built by gguf_to_tokjson.py).
-    assert_eq!(&ids[..12], &[504, 1463, 282, 260, 7510, 1757, 5634, 281, 260, 35561, 2070, 28]);
+    assert_eq!(
+        &ids[..12],
+        &[
+            504, 1463, 282, 260, 7510, 1757, 5634, 281, 260, 35561, 2070, 28
+        ]
+    );
     let r = perplexity(e, &ids, 2048, &mut |_, _| {}).unwrap();
     assert_eq!(r.predicted_tokens, 167);
     let rel = (r.ppl - 9.554).abs() / 9.554;
-    assert!(rel < 0.005, "perplexity {:.4} is {:.3}% from the reference 9.554", r.ppl, rel * 100.0);
+    assert!(
+        rel < 0.005,
+        "perplexity {:.4} is {:.3}% from the reference 9.554",
+        r.ppl,
+        rel * 100.0
+    );
 }
 
 #[test]
@@ -103,18 +117,32 @@ fn seeded_sampling_is_reproducible_and_stops_on_strings() {
 fn chat_template_prompt_ends_at_eos() {
     let e = engine();
     let tmpl = nibble_formats::chat_template::ChatTemplate::new(
-        e.tokenizer.chat_template.as_deref().expect("SmolLM2 ships a chat template"),
+        e.tokenizer
+            .chat_template
+            .as_deref()
+            .expect("SmolLM2 ships a chat template"),
         e.tokenizer.bos_token.as_deref(),
         e.tokenizer.eos_token.as_deref(),
     )
     .unwrap();
     let text = tmpl
-        .render(&[nibble_formats::chat_template::ChatMessage::new("user", "What is the capital of France?")], true)
+        .render(
+            &[nibble_formats::chat_template::ChatMessage::new(
+                "user",
+                "What is the capital of France?",
+            )],
+            true,
+        )
         .unwrap();
     assert!(text.ends_with("<|im_start|>assistant\n"), "{text:?}");
     let ids = e.tokenizer.encode(&text, false).unwrap();
     // Special tokens are single ids, not spelled out.
-    assert_eq!(ids.iter().filter(|&&i| Some(i) == e.tokenizer.token_to_id("<|im_start|>")).count(), 3);
+    assert_eq!(
+        ids.iter()
+            .filter(|&&i| Some(i) == e.tokenizer.token_to_id("<|im_start|>"))
+            .count(),
+        3
+    );
     let req = GenerateRequest {
         prompt_ids: ids,
         params: SamplingParams::default(),
@@ -137,12 +165,14 @@ fn prompt_longer_than_context_is_refused() {
         stop: vec![],
         ignore_eos: false,
     };
-    let err = e.generate(&req, &mut |_| {}).err().expect("must be refused");
+    let err = e.generate(&req, &mut |_| {}).expect_err("must be refused");
     let msg = err.to_string();
-    assert!(msg.contains("prompt length") && msg.contains("8191"), "{msg}");
+    assert!(
+        msg.contains("prompt length") && msg.contains("8191"),
+        "{msg}"
+    );
 }
 
 // From ../shared/reference/gguf_llama_check.py (f32 numpy, dequantized weights), 20 tokens.
 const REF_FRANCE: &str = " Paris.\n\nThe answer is: 2018-01-22 ";
-const REF_ONCE: &str =
-    ", the city of Nova Haven was a thriving metropolis, with towering skyscrapers and bustling streets. But as";
+const REF_ONCE: &str = ", the city of Nova Haven was a thriving metropolis, with towering skyscrapers and bustling streets. But as";

@@ -7,9 +7,9 @@ use nibble_core::{Error, Result};
 use nibble_model::{AttentionShape, BatchLayout};
 use rayon::prelude::*;
 
+use crate::CpuTensor;
 use crate::kv::CpuKvCache;
 use crate::ops::dot;
-use crate::CpuTensor;
 
 pub fn attention(
     q: &CpuTensor,
@@ -57,7 +57,8 @@ pub fn attention(
     for s in &batch.seqs {
         let seq = kv.seq_mut(s.slot)?;
         let (keys, values) = (&seq.k[layer], &seq.v[layer]);
-        let out_rows = &mut out.data[row0 * num_heads * head_dim..(row0 + s.len) * num_heads * head_dim];
+        let out_rows =
+            &mut out.data[row0 * num_heads * head_dim..(row0 + s.len) * num_heads * head_dim];
         out_rows
             .par_chunks_mut(head_dim)
             .enumerate()

@@ -96,9 +96,10 @@ impl Backend for CpuBackend {
             });
         }
         let (rows, cols) = (t.shape[0], t.shape[1]);
-        let row_bytes = t.format.row_bytes(cols).map_err(|e| {
-            Error::unsupported(format!("tensor '{}'", t.name), e.to_string())
-        })?;
+        let row_bytes = t
+            .format
+            .row_bytes(cols)
+            .map_err(|e| Error::unsupported(format!("tensor '{}'", t.name), e.to_string()))?;
         if t.bytes.len() != rows * row_bytes {
             return Err(Error::corrupt(
                 &t.name,

@@ -12,7 +12,9 @@ use nibble_model::source::{gguf_name, unpermute_qk_order};
 use nibble_model::{Backend, BatchLayout, KvCache, LogitRows, Transformer, open_model};
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../nibble-model/tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../nibble-model/tests/fixtures")
+        .join(name)
 }
 
 /// The tiny mistral fixture as a llama-arch GGUF writer, F32 tensors.
@@ -27,9 +29,13 @@ fn tiny_gguf_with(transposed: Option<&str>) -> GgufWriter {
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let tok: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+            .unwrap();
     let u = |k: &str| cfg[k].as_u64().unwrap() as u32;
-    let (heads, kv_heads) = (u("num_attention_heads") as usize, u("num_key_value_heads") as usize);
+    let (heads, kv_heads) = (
+        u("num_attention_heads") as usize,
+        u("num_key_value_heads") as usize,
+    );
 
     let mut w = GgufWriter::new();
     let s = |x: &str| MetaValue::String(x.into());
@@ -37,10 +43,19 @@ fn tiny_gguf_with(transposed: Option<&str>) -> GgufWriter {
         .meta("llama.block_count", MetaValue::U32(u("num_hidden_layers")))
         .meta("llama.context_length", MetaValue::U32(64))
         .meta("llama.embedding_length", MetaValue::U32(u("hidden_size")))
-        .meta("llama.feed_forward_length", MetaValue::U32(u("intermediate_size")))
+        .meta(
+            "llama.feed_forward_length",
+            MetaValue::U32(u("intermediate_size")),
+        )
         .meta("llama.attention.head_count", MetaValue::U32(heads as u32))
-        .meta("llama.attention.head_count_kv", MetaValue::U32(kv_heads as u32))
-        .meta("llama.rope.freq_base", MetaValue::F32(cfg["rope_theta"].as_f64().unwrap() as f32))
+        .meta(
+            "llama.attention.head_count_kv",
+            MetaValue::U32(kv_heads as u32),
+        )
+        .meta(
+            "llama.rope.freq_base",
+            MetaValue::F32(cfg["rope_theta"].as_f64().unwrap() as f32),
+        )
         .meta(
             "llama.attention.layer_norm_rms_epsilon",
             MetaValue::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32),
@@ -68,15 +83,20 @@ fn tiny_gguf_with(transposed: Option<&str>) -> GgufWriter {
         .iter()
         .map(|m| match m {
             serde_json::Value::String(s) => MetaValue::String(s.clone()),
-            serde_json::Value::Array(p) => {
-                MetaValue::String(format!("{} {}", p[0].as_str().unwrap(), p[1].as_str().unwrap()))
-            }
+            serde_json::Value::Array(p) => MetaValue::String(format!(
+                "{} {}",
+                p[0].as_str().unwrap(),
+                p[1].as_str().unwrap()
+            )),
             _ => unreachable!(),
         })
         .collect();
     w.meta("tokenizer.ggml.model", s("gpt2"))
         .meta("tokenizer.ggml.pre", s("gpt2"))
-        .meta("tokenizer.ggml.tokens", MetaValue::Array(tokens.into_iter().map(MetaValue::String).collect()))
+        .meta(
+            "tokenizer.ggml.tokens",
+            MetaValue::Array(tokens.into_iter().map(MetaValue::String).collect()),
+        )
         .meta("tokenizer.ggml.token_type", MetaValue::Array(types))
         .meta("tokenizer.ggml.merges", MetaValue::Array(merges))
         .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(257));
@@ -107,7 +127,12 @@ fn tiny_gguf_with(transposed: Option<&str>) -> GgufWriter {
         } else {
             t.shape.clone()
         };
-        w.tensor(&gguf_name(name).unwrap(), &shape, GgmlType::F32, t.bytes.to_vec());
+        w.tensor(
+            &gguf_name(name).unwrap(),
+            &shape,
+            GgmlType::F32,
+            t.bytes.to_vec(),
+        );
     }
     w
 }
@@ -125,15 +150,31 @@ fn gguf_export_of_a_fixture_reproduces_its_logits() {
     let files = open_model(&path, None).unwrap();
     assert_eq!(files.tokenizer.eos_ids, vec![257]);
     let backend = CpuBackend::new(1).unwrap();
-    let model = Transformer::load(&backend, files.config.clone(), &*files.source, &mut |_, _| {}).unwrap();
+    let model = Transformer::load(
+        &backend,
+        files.config.clone(),
+        &*files.source,
+        &mut |_, _| {},
+    )
+    .unwrap();
     let exp: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(fixture("tiny-mistral").join("expected.json")).unwrap(),
     )
     .unwrap();
-    let ids: Vec<u32> = exp["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let ids: Vec<u32> = exp["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
     // The GGUF tokenizer built from metadata must agree with the fixture's tokenizer.json.
-    let hf_tok = nibble_formats::tokenizer::Tokenizer::from_hf_dir(&fixture("tiny-mistral")).unwrap();
-    for text in ["Hi, nibble! the then", "in on an <|im_start|>user\nhello<|im_end|>", "über 123"] {
+    let hf_tok =
+        nibble_formats::tokenizer::Tokenizer::from_hf_dir(&fixture("tiny-mistral")).unwrap();
+    for text in [
+        "Hi, nibble! the then",
+        "in on an <|im_start|>user\nhello<|im_end|>",
+        "über 123",
+    ] {
         assert_eq!(
             files.tokenizer.encode(text, false).unwrap(),
             hf_tok.encode(text, false).unwrap(),
@@ -143,16 +184,31 @@ fn gguf_export_of_a_fixture_reproduces_its_logits() {
     let mut kv = backend.new_kv_cache(model.kv_shape(), 1).unwrap();
     let slot = kv.alloc_seq().unwrap();
     let logits = model
-        .forward(&backend, &ids, &BatchLayout::single(slot, 0, ids.len()), &mut kv, LogitRows::All)
+        .forward(
+            &backend,
+            &ids,
+            &BatchLayout::single(slot, 0, ids.len()),
+            &mut kv,
+            LogitRows::All,
+        )
         .unwrap();
     let got = backend.to_host(&logits).unwrap();
     let want: Vec<f32> = exp["logits"]
         .as_array()
         .unwrap()
         .iter()
-        .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32))
+        .flat_map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+        })
         .collect();
-    let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
     assert!(worst < 2e-4, "max logit error {worst}");
 
     // The context limit from the GGUF (64) is enforced with a clear error.
@@ -160,7 +216,13 @@ fn gguf_export_of_a_fixture_reproduces_its_logits() {
     let mut kv = backend.new_kv_cache(model.kv_shape(), 1).unwrap();
     let slot = kv.alloc_seq().unwrap();
     let e = model
-        .forward(&backend, &long, &BatchLayout::single(slot, 0, 65), &mut kv, LogitRows::LastPerSeq)
+        .forward(
+            &backend,
+            &long,
+            &BatchLayout::single(slot, 0, 65),
+            &mut kv,
+            LogitRows::LastPerSeq,
+        )
         .err()
         .unwrap();
     assert!(matches!(e, Error::LimitExceeded { limit: 64, .. }), "{e}");
@@ -172,20 +234,31 @@ fn truncated_gguf_names_the_file() {
     let bytes = tiny_gguf().to_bytes();
     for cut in [0, 3, 20, 200, bytes.len() / 2, bytes.len() - 1] {
         let path = write(tmp.path(), "cut.gguf", &bytes[..cut]);
-        let e = open_model(&path, None).err().expect("truncated file must fail");
+        let e = open_model(&path, None)
+            .err()
+            .expect("truncated file must fail");
         let msg = e.to_string();
         assert!(msg.contains("cut.gguf"), "cut at {cut}: {msg}");
-        assert!(matches!(e, Error::CorruptFile { .. }), "cut at {cut}: {msg}");
+        assert!(
+            matches!(e, Error::CorruptFile { .. }),
+            "cut at {cut}: {msg}"
+        );
     }
 }
 
 #[test]
 fn bad_magic_and_missing_file() {
     let tmp = tempfile::tempdir().unwrap();
-    let path = write(tmp.path(), "x.gguf", b"NOPE this is not a model file at all");
+    let path = write(
+        tmp.path(),
+        "x.gguf",
+        b"NOPE this is not a model file at all",
+    );
     let e = open_model(&path, None).err().unwrap();
     assert!(e.to_string().contains("not a GGUF file"), "{e}");
-    let e = open_model(&tmp.path().join("absent.gguf"), None).err().unwrap();
+    let e = open_model(&tmp.path().join("absent.gguf"), None)
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("absent.gguf"), "{e}");
 }
 
@@ -212,7 +285,10 @@ fn unknown_tensor_type_is_named() {
     let path = write(tmp.path(), "type.gguf", &bytes);
     let e = open_model(&path, None).err().unwrap();
     let msg = e.to_string();
-    assert!(msg.contains("Q2_K") && msg.contains("blk.0.attn_k.weight"), "{msg}");
+    assert!(
+        msg.contains("Q2_K") && msg.contains("blk.0.attn_k.weight"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -222,11 +298,20 @@ fn wrong_tensor_shape_is_named() {
     let path = write(tmp.path(), "shape.gguf", &w.to_bytes());
     let files = open_model(&path, None).unwrap();
     let backend = CpuBackend::new(1).unwrap();
-    let e = Transformer::load(&backend, files.config.clone(), &*files.source, &mut |_, _| {})
-        .err()
-        .expect("a transposed tensor must fail");
+    let e = Transformer::load(
+        &backend,
+        files.config.clone(),
+        &*files.source,
+        &mut |_, _| {},
+    )
+    .err()
+    .expect("a transposed tensor must fail");
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
-    assert!(e.to_string().contains("model.layers.1.self_attn.v_proj.weight"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("model.layers.1.self_attn.v_proj.weight"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -234,9 +319,16 @@ fn duplicate_tensor_is_corrupt() {
     let st = SafetensorsDir::open(&fixture("tiny-mistral")).unwrap();
     let v = st.get("model.layers.1.self_attn.v_proj.weight").unwrap();
     let mut w = tiny_gguf();
-    w.tensor("blk.1.attn_v.weight", &v.shape, GgmlType::F32, v.bytes.to_vec());
+    w.tensor(
+        "blk.1.attn_v.weight",
+        &v.shape,
+        GgmlType::F32,
+        v.bytes.to_vec(),
+    );
     let tmp = tempfile::tempdir().unwrap();
     let path = write(tmp.path(), "dup.gguf", &w.to_bytes());
-    let e = open_model(&path, None).err().expect("duplicate tensor must fail");
+    let e = open_model(&path, None)
+        .err()
+        .expect("duplicate tensor must fail");
     assert!(e.to_string().contains("appears twice"), "{e}");
 }

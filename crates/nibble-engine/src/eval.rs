@@ -46,7 +46,12 @@ pub fn perplexity<B: Backend>(
         for t in 0..chunk.len() - 1 {
             let row = &logits[t * vocab..(t + 1) * vocab];
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&x| (x as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
             nll += lse - row[chunk[t + 1] as usize] as f64;
             count += 1;
         }

@@ -33,9 +33,12 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<Value, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<Value, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
         env.add_function("strftime_now", |_fmt: String| -> String {
             // Templates use it for a "today's date" line; a fixed date keeps prompts reproducible.
             "01 Jan 2026".to_string()
@@ -73,7 +76,10 @@ mod tests {
         let out = t
             .render(&[ChatMessage::new("user", "  Hi there ")], true)
             .unwrap();
-        assert_eq!(out, "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(
+            out,
+            "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 
     #[test]
@@ -84,8 +90,14 @@ mod tests {
             None,
         )
         .unwrap();
-        assert_eq!(t.render(&[ChatMessage::new("user", " ok ")], false).unwrap(), "OK");
-        let e = t.render(&[ChatMessage::new("system", "x")], false).unwrap_err();
+        assert_eq!(
+            t.render(&[ChatMessage::new("user", " ok ")], false)
+                .unwrap(),
+            "OK"
+        );
+        let e = t
+            .render(&[ChatMessage::new("system", "x")], false)
+            .unwrap_err();
         assert!(e.to_string().contains("first must be user"), "{e}");
     }
 

@@ -72,7 +72,10 @@ impl SafetensorsDir {
                     Dtype::BF16 => WeightFormat::Ggml(GgmlType::BF16),
                     other => {
                         return Err(Error::unsupported(
-                            format!("safetensors dtype {other:?} of tensor '{name}' in {}", path.display()),
+                            format!(
+                                "safetensors dtype {other:?} of tensor '{name}' in {}",
+                                path.display()
+                            ),
                             "supported: F32, F16, BF16",
                         ));
                     }

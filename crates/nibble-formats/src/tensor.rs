@@ -73,7 +73,11 @@ pub struct HostTensor {
 
 impl std::fmt::Debug for HostTensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "HostTensor({} {:?} {})", self.name, self.shape, self.format)
+        write!(
+            f,
+            "HostTensor({} {:?} {})",
+            self.name, self.shape, self.format
+        )
     }
 }
 

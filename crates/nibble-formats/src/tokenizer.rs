@@ -106,7 +106,10 @@ impl Tokenizer {
         let model = file.get_str("tokenizer.ggml.model")?;
         if model != "gpt2" {
             return Err(Error::unsupported(
-                format!("GGUF tokenizer model '{model}' in {}", file.path().display()),
+                format!(
+                    "GGUF tokenizer model '{model}' in {}",
+                    file.path().display()
+                ),
                 "nibble builds byte-level BPE ('gpt2') tokenizers from GGUF metadata; pass \
                  --tokenizer path/to/tokenizer.json for other kinds",
             ));
@@ -126,7 +129,11 @@ impl Tokenizer {
             .metadata("tokenizer.ggml.pre")
             .and_then(|v| v.as_str())
             .unwrap_or("default");
-        let id_of = |key: &str| file.metadata(key).and_then(|v| v.as_u64()).map(|x| x as u32);
+        let id_of = |key: &str| {
+            file.metadata(key)
+                .and_then(|v| v.as_u64())
+                .map(|x| x as u32)
+        };
         let bos_id = id_of("tokenizer.ggml.bos_token_id");
         let add_bos = file
             .metadata("tokenizer.ggml.add_bos_token")
@@ -198,7 +205,10 @@ impl Tokenizer {
                       "vocab": vocab, "merges": merges}
         });
         let inner: tokenizers::Tokenizer = spec.to_string().parse().map_err(|e| {
-            Error::corrupt(file.path(), format!("tokenizer metadata is inconsistent: {e}"))
+            Error::corrupt(
+                file.path(),
+                format!("tokenizer metadata is inconsistent: {e}"),
+            )
         })?;
         let mut eos_ids: Vec<u32> = ["eos_token_id", "eot_token_id", "eom_token_id"]
             .iter()
@@ -206,7 +216,10 @@ impl Tokenizer {
             .collect();
         eos_ids.sort_unstable();
         eos_ids.dedup();
-        let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).map(|s| s.to_string());
+        let name = |id: Option<u32>| {
+            id.and_then(|i| tokens.get(i as usize))
+                .map(|s| s.to_string())
+        };
         Ok(Tokenizer {
             inner,
             bos_token: name(bos_id),

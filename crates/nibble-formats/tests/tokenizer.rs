@@ -11,11 +11,18 @@ fn fixtures() -> PathBuf {
 }
 
 fn expected() -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixtures().join("tokenizer_expected.json")).unwrap()).unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("tokenizer_expected.json")).unwrap(),
+    )
+    .unwrap()
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 #[test]
@@ -26,7 +33,10 @@ fn encode_and_decode_match_python_tokenizers() {
         let text = case["text"].as_str().unwrap();
         let want = ids(&case["ids"]);
         assert_eq!(tok.encode(text, true).unwrap(), want, "{text:?}");
-        assert_eq!(tok.decode(&want, false).unwrap(), case["decoded"].as_str().unwrap());
+        assert_eq!(
+            tok.decode(&want, false).unwrap(),
+            case["decoded"].as_str().unwrap()
+        );
     }
 }
 

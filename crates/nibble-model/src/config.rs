@@ -44,7 +44,9 @@ pub enum RopeLayout {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (all frequencies scaled alike).
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Llama 3.1's wavelength-dependent scaling.
     Llama3 {
         factor: f64,
@@ -98,7 +100,10 @@ impl ModelConfig {
             nibble_formats::gguf::dequant::dequantize(t.ty, file.tensor_bytes(t), &mut factors)?;
             RopeScaling::FreqFactors(factors)
         } else {
-            match file.metadata(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+            match file
+                .metadata(&key("rope.scaling.type"))
+                .and_then(|v| v.as_str())
+            {
                 None | Some("none") => RopeScaling::None,
                 Some("linear") => RopeScaling::Linear {
                     factor: file.get_f64(&key("rope.scaling.factor"))?,
@@ -111,13 +116,13 @@ impl ModelConfig {
                 }
             }
         };
-        if let Some(v) = file.metadata(&key("rope.dimension_count")) {
-            if v.as_u64() != Some(head_dim as u64) {
-                return Err(Error::unsupported(
-                    format!("partial rotary embedding ({v:?} of {head_dim} dims)"),
-                    "nibble rotates the whole head",
-                ));
-            }
+        if let Some(v) = file.metadata(&key("rope.dimension_count"))
+            && v.as_u64() != Some(head_dim as u64)
+        {
+            return Err(Error::unsupported(
+                format!("partial rotary embedding ({v:?} of {head_dim} dims)"),
+                "nibble rotates the whole head",
+            ));
         }
         let cfg = ModelConfig {
             arch,
@@ -185,9 +190,9 @@ impl ModelConfig {
                     .and_then(Value::as_str)
                     .unwrap_or("default");
                 let sf = |k: &str| -> Result<f64> {
-                    s.get(k).and_then(Value::as_f64).ok_or_else(|| {
-                        Error::Config(format!("{origin}: rope_scaling.{k} missing"))
-                    })
+                    s.get(k)
+                        .and_then(Value::as_f64)
+                        .ok_or_else(|| Error::Config(format!("{origin}: rope_scaling.{k} missing")))
                 };
                 match kind {
                     "default" => RopeScaling::None,
@@ -238,20 +243,26 @@ impl ModelConfig {
                 self.num_heads, self.num_kv_heads, self.num_layers
             ));
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "{} attention heads are not a multiple of {} kv heads",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
-            return bad(format!("head dim {} must be even and positive", self.head_dim));
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return bad(format!(
+                "head dim {} must be even and positive",
+                self.head_dim
+            ));
         }
         if self.hidden_size == 0 || self.intermediate_size == 0 || self.vocab_size == 0 {
             return bad("hidden, intermediate and vocab sizes must be positive".into());
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return bad(format!("rms_norm_eps {} must be positive", self.rms_norm_eps));
+            return bad(format!(
+                "rms_norm_eps {} must be positive",
+                self.rms_norm_eps
+            ));
         }
         Ok(())
     }
@@ -337,13 +348,15 @@ mod tests {
     #[test]
     fn llama3_scaling_matches_the_three_regimes() {
         let c = ModelConfig::from_hf_json(
-            &hf(r#","rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0,
-            "low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#),
+            &hf(
+                r#","rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0,
+            "low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#,
+            ),
             "c",
         )
         .unwrap();
         let inv = c.rope_inv_freq();
-        let base = |i: usize| 500000f64.powf(-(2 * i) as f64 / 16.0);
+        let base = |i: usize| 500000f64.powf(-((2 * i) as f64) / 16.0);
         // Highest frequency (short wavelength): untouched.
         assert!((inv[0] as f64 - base(0)).abs() < 1e-7);
         // Lowest frequency (wavelength 2*pi*500000^(14/16) ~ 62k > 8192): divided by 8.

@@ -57,7 +57,13 @@ pub fn open_model(path: &Path, tokenizer_json: Option<&Path>) -> Result<ModelFil
             Some(t) => t,
             None => Tokenizer::from_gguf(&file)?,
         };
-        let source = GgufSource::new(file, config.arch, config.num_heads, config.num_kv_heads, true);
+        let source = GgufSource::new(
+            file,
+            config.arch,
+            config.num_heads,
+            config.num_kv_heads,
+            true,
+        );
         Ok(ModelFiles {
             path: path.to_path_buf(),
             config,

@@ -117,9 +117,13 @@ impl TensorSource for GgufSource {
         let gname = gguf_name(name)?;
         let info = self.file.tensor(&gname)?;
         let t = self.host(info, name);
-        let heads = if name.ends_with("self_attn.q_proj.weight") || name.ends_with("self_attn.q_proj.bias") {
+        let heads = if name.ends_with("self_attn.q_proj.weight")
+            || name.ends_with("self_attn.q_proj.bias")
+        {
             self.num_heads
-        } else if name.ends_with("self_attn.k_proj.weight") || name.ends_with("self_attn.k_proj.bias") {
+        } else if name.ends_with("self_attn.k_proj.weight")
+            || name.ends_with("self_attn.k_proj.bias")
+        {
             self.num_kv_heads
         } else {
             return Some(t);
@@ -128,16 +132,22 @@ impl TensorSource for GgufSource {
             return Some(t);
         }
         let rows = t.shape[0];
-        if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
+        if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
             // Leave it as is; the shape check in the loader reports the inconsistency.
             return Some(t);
         }
         // A 1-D bias is a single column of rows.
         let as_rows = HostTensor {
-            shape: if t.shape.len() == 1 { vec![rows, 1] } else { t.shape.clone() },
+            shape: if t.shape.len() == 1 {
+                vec![rows, 1]
+            } else {
+                t.shape.clone()
+            },
             ..t.clone()
         };
-        let mut p = as_rows.permute_rows(&unpermute_qk_order(rows, heads)).ok()?;
+        let mut p = as_rows
+            .permute_rows(&unpermute_qk_order(rows, heads))
+            .ok()?;
         p.shape = t.shape;
         Some(p)
     }
@@ -157,8 +167,14 @@ mod tests {
             gguf_name("model.layers.3.self_attn.k_proj.bias").as_deref(),
             Some("blk.3.attn_k.bias")
         );
-        assert_eq!(gguf_name("model.layers.0.mlp.up_proj.weight").as_deref(), Some("blk.0.ffn_up.weight"));
-        assert_eq!(gguf_name("lm_head.weight").as_deref(), Some("output.weight"));
+        assert_eq!(
+            gguf_name("model.layers.0.mlp.up_proj.weight").as_deref(),
+            Some("blk.0.ffn_up.weight")
+        );
+        assert_eq!(
+            gguf_name("lm_head.weight").as_deref(),
+            Some("output.weight")
+        );
         assert_eq!(gguf_name("model.layers.0.unknown.weight"), None);
     }
 

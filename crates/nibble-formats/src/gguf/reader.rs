@@ -235,7 +235,10 @@ impl GgufFile {
                 .iter()
                 .try_fold(1usize, |acc, &d| acc.checked_mul(d))
                 .ok_or_else(|| {
-                    Error::corrupt(&path, format!("tensor '{}' element count overflows", r.name))
+                    Error::corrupt(
+                        &path,
+                        format!("tensor '{}' element count overflows", r.name),
+                    )
                 })?;
             let len = r.ty.bytes_for(elems).map_err(|_| {
                 Error::corrupt(
@@ -367,20 +370,29 @@ impl GgufFile {
             .as_array()
             .ok_or_else(|| self.wrong_type(key, "an array"))?;
         arr.iter()
-            .map(|v| v.as_str().ok_or_else(|| self.wrong_type(key, "an array of strings")))
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| self.wrong_type(key, "an array of strings"))
+            })
             .collect()
     }
 
     fn require(&self, key: &str) -> Result<&MetaValue> {
         self.metadata.get(key).ok_or_else(|| {
-            Error::corrupt(&self.path, format!("required metadata key '{key}' is missing"))
+            Error::corrupt(
+                &self.path,
+                format!("required metadata key '{key}' is missing"),
+            )
         })
     }
 
     fn wrong_type(&self, key: &str, expected: &str) -> Error {
         Error::corrupt(
             &self.path,
-            format!("metadata key '{key}' should be {expected}, found {:?}", self.metadata[key]),
+            format!(
+                "metadata key '{key}' should be {expected}, found {:?}",
+                self.metadata[key]
+            ),
         )
     }
 }
@@ -422,7 +434,10 @@ impl<'a> Cursor<'a> {
     }
 
     fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
-        Ok(self.take(N, what)?.try_into().expect("take returned N bytes"))
+        Ok(self
+            .take(N, what)?
+            .try_into()
+            .expect("take returned N bytes"))
     }
 
     fn u32(&mut self, what: &str) -> Result<u32> {
@@ -438,7 +453,10 @@ impl<'a> Cursor<'a> {
         self.check_count(len, 1, what)?;
         let bytes = self.take(len as usize, what)?;
         String::from_utf8(bytes.to_vec()).map_err(|_| {
-            Error::corrupt(self.path, format!("{what} at byte {} is not UTF-8", self.pos))
+            Error::corrupt(
+                self.path,
+                format!("{what} at byte {} is not UTF-8", self.pos),
+            )
         })
     }
 

@@ -22,7 +22,13 @@ impl GgufWriter {
     }
 
     /// Adds a tensor; `shape` is row-major (outermost first) and `data` its encoded bytes.
-    pub fn tensor(&mut self, name: &str, shape: &[usize], ty: GgmlType, data: Vec<u8>) -> &mut Self {
+    pub fn tensor(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        ty: GgmlType,
+        data: Vec<u8>,
+    ) -> &mut Self {
         self.tensors
             .push((name.to_string(), shape.to_vec(), ty, data));
         self
