@@ -93,3 +93,42 @@ fn generate_streams_on_a_tiny_hf_model() {
     assert!(out.starts_with("Hi, nibbl"), "{out}");
     assert!(err.contains("5 generated"), "{err}");
 }
+
+#[test]
+fn chat_reads_turns_from_stdin() {
+    use std::io::Write;
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../nibble-model/tests/fixtures/tiny-qwen3"
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["--model", dir, "chat", "--max-tokens", "4"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"hello\n/reset\nagain\n/exit\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // One prompt per line read, and two assistant replies.
+    assert_eq!(stdout.matches("> ").count(), 4, "{stdout}");
+    assert_eq!(
+        stdout
+            .lines()
+            .filter(|l| l.starts_with("> ") && l.len() > 2)
+            .count(),
+        2,
+        "{stdout}"
+    );
+}

@@ -133,3 +133,93 @@ fn qwen3_qk_norm_explicit_head_dim() {
 fn llama_tied_bf16_sharded() {
     check("tiny-llama-tied-bf16");
 }
+
+/// Sequences batched together (a prefill beside a decode step, different positions and slots)
+/// give the same logits as each run alone.
+#[test]
+fn batched_forward_equals_separate_runs() {
+    use nibble_model::SeqSpan;
+    let files = open_model(&fixture("tiny-qwen2"), None).unwrap();
+    let backend = CpuBackend::new(2).unwrap();
+    let model = Transformer::load(
+        &backend,
+        files.config.clone(),
+        &*files.source,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let a: Vec<u32> = vec![72, 105, 44, 32, 110];
+    let b: Vec<u32> = vec![10, 20, 30, 40, 50, 60, 70];
+    let vocab = files.config.vocab_size;
+
+    let alone = |ids: &[u32]| {
+        let mut kv = backend.new_kv_cache(model.kv_shape(), 1).unwrap();
+        let s = kv.alloc_seq().unwrap();
+        let l = model
+            .forward(
+                &backend,
+                ids,
+                &BatchLayout::single(s, 0, ids.len()),
+                &mut kv,
+                LogitRows::All,
+            )
+            .unwrap();
+        backend.to_host(&l).unwrap()
+    };
+    let (want_a, want_b) = (alone(&a), alone(&b));
+
+    // Sequence b's first 4 tokens are already cached; then a (whole prompt) and b's remaining 3
+    // tokens run in one batch.
+    let mut kv = backend.new_kv_cache(model.kv_shape(), 2).unwrap();
+    let sa = kv.alloc_seq().unwrap();
+    let sb = kv.alloc_seq().unwrap();
+    model
+        .forward(
+            &backend,
+            &b[..4],
+            &BatchLayout::single(sb, 0, 4),
+            &mut kv,
+            LogitRows::All,
+        )
+        .unwrap();
+    let batch = BatchLayout {
+        seqs: vec![
+            SeqSpan {
+                slot: sa,
+                start_pos: 0,
+                len: a.len(),
+            },
+            SeqSpan {
+                slot: sb,
+                start_pos: 4,
+                len: 3,
+            },
+        ],
+    };
+    let tokens: Vec<u32> = a.iter().chain(&b[4..]).copied().collect();
+    let got = backend
+        .to_host(
+            &model
+                .forward(&backend, &tokens, &batch, &mut kv, LogitRows::All)
+                .unwrap(),
+        )
+        .unwrap();
+    let close = |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(p, q)| (p - q).abs() < 1e-5);
+    assert!(close(&got[..a.len() * vocab], &want_a));
+    assert!(close(&got[a.len() * vocab..], &want_b[4 * vocab..]));
+    assert_eq!(kv.seq_len(sa), a.len());
+    assert_eq!(kv.seq_len(sb), b.len());
+
+    // LastPerSeq picks each sequence's final row.
+    kv.truncate(sb, 4);
+    kv.truncate(sa, 0);
+    let last = backend
+        .to_host(
+            &model
+                .forward(&backend, &tokens, &batch, &mut kv, LogitRows::LastPerSeq)
+                .unwrap(),
+        )
+        .unwrap();
+    assert!(close(&last[..vocab], &want_a[(a.len() - 1) * vocab..]));
+    assert!(close(&last[vocab..], &want_b[(b.len() - 1) * vocab..]));
+}
