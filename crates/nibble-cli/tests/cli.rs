@@ -126,6 +126,4 @@ fn chat_reads_turns_from_stdin() {
     assert_eq!(turns.len(), 5, "{stdout:?}");
     let replied: Vec<bool> = turns[1..].iter().map(|t| !t.is_empty()).collect();
     assert_eq!(replied, vec![true, false, true, false], "{stdout:?}");
-}"
-    );
 }
