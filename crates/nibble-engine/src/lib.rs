@@ -2,6 +2,7 @@
 //! ([`Sampler`]), cutting the output stream at stop strings without leaking a partial stop string
 //! ([`StopMatcher`]), the generation loop ([`Engine::generate`]) and perplexity.
 
+pub mod block_manager;
 pub mod eval;
 pub mod generate;
 pub mod sampler;
