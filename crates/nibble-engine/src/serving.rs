@@ -1,0 +1,383 @@
+//! The serving engine: many requests share the model through continuous batching over a paged
+//! KV cache.
+//!
+//! Each `step` builds one batch under a token budget: first the running sequences (one decode
+//! token each, or the next chunk of a prompt being prefilled in pieces), then new requests from
+//! the waiting queue, whose prompts are chunked to fit the budget (chunked prefill). When the KV
+//! pool runs out, the most recently admitted sequence is preempted: its blocks are released and
+//! it goes back to the head of the queue to be recomputed later (its sampler state is kept, so
+//! its output is the same as if it had never been interrupted). Nothing here depends on which
+//! backend runs the model.
+
+use std::collections::VecDeque;
+
+use nibble_core::{Error, Result};
+use nibble_formats::tokenizer::{StreamDecoder, Tokenizer};
+use nibble_model::{Backend, BatchLayout, LogitRows, SeqSpan, Transformer};
+
+use crate::block_manager::{BlockId, BlockManager};
+use crate::{FinishReason, Sampler, SamplingParams, StopMatcher};
+
+pub type RequestId = u64;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool (pool tokens = `num_blocks * block_size`).
+    pub num_blocks: usize,
+    /// Sequences decoded together at most.
+    pub max_num_seqs: usize,
+    /// Tokens one forward pass processes at most (decode tokens + prefill chunks).
+    pub max_batched_tokens: usize,
+    /// Requests that may wait for admission; beyond this `add_request` refuses.
+    pub max_waiting: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            num_blocks: 1024,
+            max_num_seqs: 64,
+            max_batched_tokens: 512,
+            max_waiting: 256,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    /// Also report the sampled token's log-probability and this many top alternatives.
+    pub logprobs: Option<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A generated token; `text` is the newly final text (may be empty while a multi-byte
+    /// character or a possible stop string is pending).
+    Token {
+        id: RequestId,
+        token: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Finished {
+        id: RequestId,
+        reason: FinishReason,
+        /// Text held back until the end (a partial stop-string match that did not complete).
+        tail: String,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+}
+
+struct Sequence {
+    id: RequestId,
+    req: Request,
+    /// Prompt followed by generated tokens.
+    tokens: Vec<u32>,
+    /// Leading tokens whose KV is in the cache.
+    computed: usize,
+    blocks: Vec<BlockId>,
+    sampler: Sampler,
+    decoder: StreamDecoder,
+    stops: StopMatcher,
+    generated: usize,
+}
+
+impl Sequence {
+    fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+}
+
+/// Counters for /metrics.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    pub waiting: usize,
+    pub running: usize,
+    pub blocks_in_use: usize,
+    pub blocks_total: usize,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub preemptions: u64,
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+}
+
+pub struct LlmEngine<B: Backend> {
+    pub backend: B,
+    pub model: Transformer<B>,
+    pub tokenizer: Tokenizer,
+    pub config: EngineConfig,
+    kv: B::Kv,
+    blocks: BlockManager,
+    waiting: VecDeque<Sequence>,
+    /// In admission order; the last one is preempted first.
+    running: Vec<Sequence>,
+    preemptions: u64,
+    prompt_tokens: u64,
+    generated_tokens: u64,
+}
+
+impl<B: Backend> LlmEngine<B> {
+    pub fn new(backend: B, model: Transformer<B>, tokenizer: Tokenizer, config: EngineConfig) -> Result<Self> {
+        if config.block_size == 0 || config.num_blocks == 0 || config.max_batched_tokens == 0 || config.max_num_seqs == 0 {
+            return Err(Error::InvalidArgument(format!("engine sizes must be positive: {config:?}")));
+        }
+        let kv = backend.new_kv_pool(model.kv_shape(), config.num_blocks, config.block_size)?;
+        Ok(LlmEngine {
+            blocks: BlockManager::new(config.num_blocks, config.block_size),
+            backend,
+            model,
+            tokenizer,
+            config,
+            kv,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            preemptions: 0,
+            prompt_tokens: 0,
+            generated_tokens: 0,
+        })
+    }
+
+    /// Largest prompt + completion one request may reach: the model's context, and the whole pool.
+    pub fn max_sequence_len(&self) -> usize {
+        self.model
+            .config
+            .max_context
+            .min(self.config.num_blocks * self.config.block_size)
+    }
+
+    /// Queues a request. Refuses (nothing queued) a request that can never fit, or when the
+    /// waiting queue is full.
+    pub fn add_request(&mut self, id: RequestId, req: Request) -> Result<()> {
+        req.params.validate()?;
+        let limit = self.max_sequence_len();
+        if req.prompt.is_empty() {
+            return Err(Error::InvalidArgument("the prompt is empty".into()));
+        }
+        if req.prompt.len() >= limit {
+            return Err(Error::LimitExceeded {
+                what: "prompt length in tokens".into(),
+                value: req.prompt.len(),
+                limit: limit - 1,
+            });
+        }
+        if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
+            return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary")));
+        }
+        if self.waiting.len() >= self.config.max_waiting {
+            return Err(Error::LimitExceeded {
+                what: "waiting requests".into(),
+                value: self.waiting.len() + 1,
+                limit: self.config.max_waiting,
+            });
+        }
+        let sampler = Sampler::new(req.params.clone())?;
+        self.waiting.push_back(Sequence {
+            id,
+            tokens: req.prompt.clone(),
+            stops: StopMatcher::new(req.stop.clone()),
+            req,
+            computed: 0,
+            blocks: Vec::new(),
+            sampler,
+            decoder: StreamDecoder::new(),
+            generated: 0,
+        });
+        Ok(())
+    }
+
+    /// Drops a request wherever it is and frees its blocks. Returns whether it was known.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            let s = self.waiting.remove(i).expect("index from position");
+            self.blocks.release(&s.blocks);
+            return true;
+        }
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let s = self.running.remove(i);
+            self.blocks.release(&s.blocks);
+            return true;
+        }
+        false
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            blocks_in_use: self.blocks.in_use(),
+            blocks_total: self.blocks.num_blocks(),
+            prefix_cache_queries: self.blocks.prefix_queries,
+            prefix_cache_hits: self.blocks.prefix_hits,
+            preemptions: self.preemptions,
+            prompt_tokens: self.prompt_tokens,
+            generated_tokens: self.generated_tokens,
+        }
+    }
+
+    fn preempt_last(&mut self) -> bool {
+        match self.running.pop() {
+            Some(mut s) => {
+                self.blocks.release(&s.blocks);
+                s.blocks.clear();
+                s.computed = 0;
+                self.preemptions += 1;
+                self.waiting.push_front(s);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Runs one forward pass over a batch and returns what it produced.
+    pub fn step(&mut self) -> Result<Vec<Event>> {
+        let mut budget = self.config.max_batched_tokens;
+        // Running sequences first, in admission order; preempt from the back when blocks run out.
+        let mut i = 0;
+        let mut chunks: Vec<usize> = Vec::new();
+        while i < self.running.len() && budget > 0 {
+            let chunk = self.running[i].pending().min(budget);
+            let new_len = self.running[i].computed + chunk;
+            let grown = {
+                let s = &mut self.running[i];
+                self.blocks.grow(&mut s.blocks, new_len)
+            };
+            if grown.is_err() {
+                let last = self.running.len() - 1;
+                self.preempt_last();
+                if last == i {
+                    break;
+                }
+                continue;
+            }
+            chunks.push(chunk);
+            budget -= chunk;
+            i += 1;
+        }
+        // Then admit waiting requests while there is room.
+        while budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(front) = self.waiting.front() else { break };
+            let Ok((table, cached)) = self.blocks.allocate(&front.tokens) else { break };
+            let mut s = self.waiting.pop_front().expect("front exists");
+            s.blocks = table;
+            s.computed = cached;
+            let chunk = s.pending().min(budget);
+            budget -= chunk;
+            if s.generated == 0 {
+                self.prompt_tokens += s.tokens.len() as u64;
+            }
+            // Scheduled sequences are the first `chunks.len()` of `running`.
+            self.running.insert(chunks.len(), s);
+            chunks.push(chunk);
+        }
+        if chunks.is_empty() {
+            return Ok(Vec::new());
+        }
+
+        let mut tokens = Vec::with_capacity(self.config.max_batched_tokens);
+        let mut batch = BatchLayout::default();
+        for (s, &chunk) in self.running.iter().zip(&chunks) {
+            tokens.extend_from_slice(&s.tokens[s.computed..s.computed + chunk]);
+            batch.seqs.push(SeqSpan {
+                blocks: s.blocks.clone(),
+                start_pos: s.computed,
+                len: chunk,
+            });
+        }
+        let logits = self
+            .model
+            .forward(&self.backend, &tokens, &batch, &mut self.kv, LogitRows::LastPerSeq)?;
+        let logits = self.backend.to_host(&logits)?;
+        let vocab = self.model.config.vocab_size;
+
+        let mut events = Vec::new();
+        let mut finished = Vec::new();
+        let max_len = self.max_sequence_len();
+        for (idx, chunk) in chunks.iter().enumerate() {
+            let s = &mut self.running[idx];
+            s.computed += chunk;
+            self.blocks.register_full_blocks(&s.blocks, &s.tokens[..s.computed]);
+            if s.computed < s.tokens.len() {
+                continue; // mid-prefill: these logits are not for sampling
+            }
+            let mut row = logits[idx * vocab..(idx + 1) * vocab].to_vec();
+            let logprob = s.req.logprobs.map(|n| token_logprobs(&row, n));
+            let next = s.sampler.sample(&mut row, &s.tokens);
+            let logprob = logprob.map(|(lse, top)| TokenLogprob {
+                token: next,
+                logprob: logits[idx * vocab + next as usize] - lse,
+                top,
+            });
+            let eos = !s.req.ignore_eos && self.tokenizer.is_eos(next);
+            let mut reason = None;
+            if eos {
+                reason = Some(FinishReason::Eos);
+            } else {
+                s.tokens.push(next);
+                s.generated += 1;
+                self.generated_tokens += 1;
+                let piece = s.decoder.push(&self.tokenizer, next)?;
+                let (text, hit) = s.stops.push(&piece);
+                events.push(Event::Token { id: s.id, token: next, text, logprob });
+                if hit {
+                    reason = Some(FinishReason::Stop);
+                } else if s.generated >= s.req.max_tokens {
+                    reason = Some(FinishReason::Length);
+                } else if s.tokens.len() >= max_len {
+                    reason = Some(FinishReason::ContextFull);
+                }
+            }
+            if let Some(reason) = reason {
+                finished.push(idx);
+                events.push(Event::Finished {
+                    id: s.id,
+                    reason,
+                    tail: s.stops.finish(),
+                    prompt_tokens: s.req.prompt.len(),
+                    completion_tokens: s.generated,
+                });
+            }
+        }
+        for idx in finished.into_iter().rev() {
+            let s = self.running.remove(idx);
+            self.blocks.release(&s.blocks);
+        }
+        Ok(events)
+    }
+}
+
+/// Log-sum-exp of the row and its `n` most likely tokens with their log-probabilities.
+fn token_logprobs(row: &[f32], n: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = row.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + row.iter().filter(|x| !x.is_nan()).map(|&x| (x - max).exp()).sum::<f32>().ln();
+    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+    let n = n.min(row.len());
+    if n > 0 {
+        idx.select_nth_unstable_by(n - 1, |&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+        idx.truncate(n);
+        idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+    } else {
+        idx.clear();
+    }
+    (lse, idx.into_iter().map(|t| (t, row[t as usize] - lse)).collect())
+}
