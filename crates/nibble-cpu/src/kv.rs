@@ -33,13 +33,15 @@ impl CpuKvCache {
 
 impl KvCache for CpuKvCache {
     fn alloc_seq(&mut self) -> Result<usize> {
-        let slot = self.seqs.iter().position(Option::is_none).ok_or_else(|| {
-            Error::LimitExceeded {
-                what: "concurrent sequences in the KV cache".into(),
-                value: self.seqs.len() + 1,
-                limit: self.seqs.len(),
-            }
-        })?;
+        let slot =
+            self.seqs
+                .iter()
+                .position(Option::is_none)
+                .ok_or_else(|| Error::LimitExceeded {
+                    what: "concurrent sequences in the KV cache".into(),
+                    value: self.seqs.len() + 1,
+                    limit: self.seqs.len(),
+                })?;
         let layers = self.shape.num_layers;
         self.seqs[slot] = Some(SeqKv {
             len: 0,

@@ -8,6 +8,7 @@ mod attention;
 mod kv;
 mod linear;
 mod ops;
+mod qdot;
 
 use nibble_core::{Error, Result};
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
@@ -53,6 +54,11 @@ impl CpuWeight {
         let src = &self.bytes[start * self.row_bytes..(start + n) * self.row_bytes];
         self.format.dequantize(src, &mut out[..n * self.cols])
     }
+
+    /// The storage bytes of row `r`.
+    pub fn row(&self, r: usize) -> &[u8] {
+        &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -96,9 +102,10 @@ impl Backend for CpuBackend {
             });
         }
         let (rows, cols) = (t.shape[0], t.shape[1]);
-        let row_bytes = t.format.row_bytes(cols).map_err(|e| {
-            Error::unsupported(format!("tensor '{}'", t.name), e.to_string())
-        })?;
+        let row_bytes = t
+            .format
+            .row_bytes(cols)
+            .map_err(|e| Error::unsupported(format!("tensor '{}'", t.name), e.to_string()))?;
         if t.bytes.len() != rows * row_bytes {
             return Err(Error::corrupt(
                 &t.name,

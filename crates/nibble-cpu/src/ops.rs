@@ -29,7 +29,13 @@ pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
 }
 
 /// Rotates every head of one token's row by `pos`.
-pub fn rope_row(row: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32], layout: RopeLayout) {
+pub fn rope_row(
+    row: &mut [f32],
+    head_dim: usize,
+    pos: usize,
+    inv_freq: &[f32],
+    layout: RopeLayout,
+) {
     let half = head_dim / 2;
     // Angles in f64: positions reach 10^5 and more, where f32 products lose the phase.
     let cos_sin: Vec<(f32, f32)> = inv_freq

@@ -7,7 +7,9 @@ use nibble_cpu::CpuBackend;
 use nibble_model::{Backend, BatchLayout, KvCache, LogitRows, Transformer, open_model};
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../nibble-model/tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../nibble-model/tests/fixtures")
+        .join(name)
 }
 
 struct Expected {
@@ -19,7 +21,13 @@ struct Expected {
 fn expected(name: &str) -> Expected {
     let text = std::fs::read_to_string(fixture(name).join("expected.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids = |k: &str| v[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let ids = |k: &str| {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
     Expected {
         input_ids: ids("input_ids"),
         greedy: ids("greedy"),
@@ -27,7 +35,13 @@ fn expected(name: &str) -> Expected {
             .as_array()
             .unwrap()
             .iter()
-            .map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
+            .map(|r| {
+                r.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap() as f32)
+                    .collect()
+            })
             .collect(),
     }
 }
@@ -35,20 +49,35 @@ fn expected(name: &str) -> Expected {
 fn argmax(x: &[f32]) -> u32 {
     x.iter()
         .enumerate()
-        .fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
         .0 as u32
 }
 
 fn check(name: &str) {
     let files = open_model(&fixture(name), None).unwrap();
     let backend = CpuBackend::new(2).unwrap();
-    let model = Transformer::load(&backend, files.config.clone(), &*files.source, &mut |_, _| {}).unwrap();
+    let model = Transformer::load(
+        &backend,
+        files.config.clone(),
+        &*files.source,
+        &mut |_, _| {},
+    )
+    .unwrap();
     let exp = expected(name);
     let mut kv = backend.new_kv_cache(model.kv_shape(), 1).unwrap();
     let slot = kv.alloc_seq().unwrap();
     let n = exp.input_ids.len();
     let logits = model
-        .forward(&backend, &exp.input_ids, &BatchLayout::single(slot, 0, n), &mut kv, LogitRows::All)
+        .forward(
+            &backend,
+            &exp.input_ids,
+            &BatchLayout::single(slot, 0, n),
+            &mut kv,
+            LogitRows::All,
+        )
         .unwrap();
     let host = backend.to_host(&logits).unwrap();
     let vocab = files.config.vocab_size;
@@ -67,7 +96,13 @@ fn check(name: &str) {
     for step in 0..exp.greedy.len() {
         got.push(next);
         let l = model
-            .forward(&backend, &[next], &BatchLayout::single(slot, n + step, 1), &mut kv, LogitRows::LastPerSeq)
+            .forward(
+                &backend,
+                &[next],
+                &BatchLayout::single(slot, n + step, 1),
+                &mut kv,
+                LogitRows::LastPerSeq,
+            )
             .unwrap();
         next = argmax(&backend.to_host(&l).unwrap());
     }
