@@ -5,7 +5,7 @@
 //! which is transposed into `y` at the end (a no-op copy for m = 1).
 //!
 //! - Few input rows (decode, `m <= SMALL_M`): the fused kernels of [`crate::qdot`] dot each
-//!   weight row straight from its blocks; quantized formats first quantize x to 8-bit blocks.
+//!   weight row straight from its blocks; quantized formats first quantize x to 16-bit integer blocks.
 //! - Otherwise (prefill): a task decodes its tile (8..64 rows) to f32 in a thread-local buffer
 //!   (at most 64 x K floats, so it stays in L2) and multiplies it with the `gemm` crate's packed
 //!   micro-kernels.
@@ -15,7 +15,7 @@ use std::cell::RefCell;
 use nibble_core::Result;
 use rayon::prelude::*;
 
-use crate::qdot::{self, ActRow, Kernel, Q8Block};
+use crate::qdot::{self, ActRow, Kernel, QBlock};
 use crate::{CpuTensor, CpuWeight};
 
 /// Up to this many input rows, fused per-row dots beat decoding tiles for gemm.
@@ -53,7 +53,7 @@ pub fn matmul_transposed(x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
 fn fused(x: &CpuTensor, w: &CpuWeight, out_t: &mut [f32]) -> Result<()> {
     let (m, k, n) = (x.rows, x.cols, w.rows);
     let kernel = Kernel::for_format(w.format);
-    let q8: Vec<Q8Block> = if kernel.quantizes_activations() {
+    let q8: Vec<QBlock> = if kernel.quantizes_activations() {
         let mut q = Vec::with_capacity(m * k / qdot::QK);
         for i in 0..m {
             qdot::quantize_row(x.row(i), &mut q);

@@ -11,7 +11,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::SMALL_M;
-use crate::qdot::{self, Kernel, QK};
+use crate::qdot::{self, Kernel, QK, QMAX};
 use crate::{CpuBackend, CpuTensor, CpuWeight};
 
 /// Random bytes for `rows` rows of `cols` elements of `ty`, with every f16 scale set to a sane
@@ -63,7 +63,7 @@ fn load(backend: &CpuBackend, ty: GgmlType, rows: usize, cols: usize, bytes: Vec
 }
 
 /// `x @ W^T` in f64, and the bound on the error of the activation quantization:
-/// `sum_j |W[r][j]| * amax(block of j) / 254`.
+/// `sum_j |W[r][j]| * amax(block of j) / (2 * QMAX)`.
 fn reference(x: &CpuTensor, w: &[f32], n: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let (m, k) = (x.rows, x.cols);
     let (mut y, mut abs, mut qerr) = (vec![0f64; m * n], vec![0f64; m * n], vec![0f64; m * n]);
@@ -73,7 +73,7 @@ fn reference(x: &CpuTensor, w: &[f32], n: usize) -> (Vec<f64>, Vec<f64>, Vec<f64
             .chunks(QK)
             .flat_map(|c| {
                 let amax = c.iter().fold(0f32, |a, &v| a.max(v.abs())) as f64;
-                std::iter::repeat_n(amax / 254.0, c.len())
+                std::iter::repeat_n(amax / (2.0 * QMAX as f64), c.len())
             })
             .collect();
         for r in 0..n {
@@ -96,13 +96,14 @@ fn check(ty: GgmlType, m: usize, n: usize, k: usize, quantized_x: bool, seed: u6
     w.dequantize_rows(0, n, &mut wf).unwrap();
     let mut xd: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2f32..2.0)).collect();
     if quantized_x {
-        // Activations that 8-bit blocks hold exactly: d * q with q in -127..=127 and some |q| = 127.
+        // Activations that the integer blocks hold exactly: d * q with |q| <= QMAX, one |q| = QMAX.
+        let qmax = QMAX as i32;
         for c in xd.chunks_mut(QK) {
-            let d = rng.random_range(0.01f32..0.1);
+            let d = rng.random_range(1e-5f32..1e-4);
             for v in c.iter_mut() {
-                *v = d * rng.random_range(-127i32..=127) as f32;
+                *v = d * rng.random_range(-qmax..=qmax) as f32;
             }
-            c[0] = d * 127.0;
+            c[0] = d * QMAX;
         }
     }
     let x = CpuTensor::new(xd, m, k);
@@ -188,14 +189,14 @@ fn activation_quantization_error_is_half_a_step() {
     qdot::quantize_row(&x, &mut q);
     for (b, c) in q.iter().zip(x.chunks(QK)) {
         let amax = c.iter().fold(0f32, |a, &v| a.max(v.abs()));
-        assert_eq!(b.d, amax / 127.0);
+        assert_eq!(b.d, amax / QMAX);
         assert_eq!(
             b.s,
             b.d * b.qs.iter().map(|&v| v as i32).sum::<i32>() as f32
         );
         for (&v, &a) in c.iter().zip(&b.qs) {
             assert!(
-                (v - b.d * a as f32).abs() <= b.d * 0.5001,
+                (v - b.d * a as f32).abs() <= b.d * 0.5 + v.abs() * 1e-6,
                 "{v} vs {}",
                 b.d * a as f32
             );
