@@ -23,7 +23,7 @@ pub const SMALL_M: usize = 4;
 
 /// Below this many weight bytes (per input row) a fused matmul runs on the calling thread: waking
 /// workers costs more than it saves.
-const SERIAL_BYTES: usize = 64 * 1024;
+const SERIAL_BYTES: usize = 256 * 1024;
 
 thread_local! {
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -105,22 +105,22 @@ fn tiled_gemm(x: &CpuTensor, w: &CpuWeight, out_t: &mut [f32]) -> Result<()> {
                 let mut buf = buf.borrow_mut();
                 buf.resize(tile * k, 0.0);
                 w.dequantize_rows(r0, nr, &mut buf)?;
-                // SAFETY: dst is the m x nr block out (column stride m, row stride 1), lhs is x
-                // (m x k, row stride k), rhs is the tile viewed as k x nr with column stride k;
+                // out = tile @ x^T. SAFETY: dst is out as an nr x m row-major matrix, lhs the
+                // tile (nr x k, row stride k), rhs x^T (k x m: column stride k, row stride 1);
                 // all within their buffers.
                 unsafe {
                     gemm::gemm(
-                        m,
                         nr,
+                        m,
                         k,
                         out.as_mut_ptr(),
-                        m as isize,
                         1,
+                        m as isize,
                         false,
-                        x.data.as_ptr(),
+                        buf.as_ptr(),
                         1,
                         k as isize,
-                        buf.as_ptr(),
+                        x.data.as_ptr(),
                         k as isize,
                         1,
                         0.0,
