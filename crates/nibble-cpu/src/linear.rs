@@ -1,11 +1,12 @@
 //! `y = x @ W^T` with W kept in its storage format.
 //!
 //! Output columns (weight rows) are split into tiles, one rayon task each, and every task writes
-//! its tile of a transposed result `[n][m]` (contiguous per tile, so no per-task allocation),
-//! which is transposed into `y` at the end (a no-op copy for m = 1).
+//! its own block of output columns in place (no per-task allocation).
 //!
 //! - Few input rows (decode, `m <= SMALL_M`): the fused kernels of [`crate::qdot`] dot each
-//!   weight row straight from its blocks; quantized formats first quantize x to 16-bit integer blocks.
+//!   weight row straight from its blocks; quantized formats first quantize x to 16-bit integer
+//!   blocks. Tasks fill a transposed `[n][m]` result (contiguous per tile), transposed into `y`
+//!   at the end (nothing to do for m = 1). Small matmuls run on the calling thread.
 //! - Otherwise (prefill): a task decodes its tile (8..64 rows) to f32 in a thread-local buffer
 //!   (at most 64 x K floats, so it stays in L2) and multiplies it with the `gemm` crate's packed
 //!   micro-kernels.
@@ -31,12 +32,13 @@ thread_local! {
 
 pub fn matmul_transposed(x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
     let (m, n) = (x.rows, w.rows);
-    let mut out_t = vec![0f32; n * m];
-    if m <= SMALL_M {
-        fused(x, w, &mut out_t)?;
-    } else {
-        tiled_gemm(x, w, &mut out_t)?;
+    if m > SMALL_M {
+        let mut y = CpuTensor::zeros(m, n);
+        tiled_gemm(x, w, &mut y)?;
+        return Ok(y);
     }
+    let mut out_t = vec![0f32; n * m];
+    fused(x, w, &mut out_t)?;
     if m == 1 {
         return Ok(CpuTensor::new(out_t, 1, n));
     }
@@ -92,48 +94,56 @@ fn tile_rows(n: usize, threads: usize) -> usize {
     (target.clamp(8, 64) / 8 * 8).max(8)
 }
 
-/// Decode-a-tile-then-gemm into `out_t` (`[n][m]`).
-fn tiled_gemm(x: &CpuTensor, w: &CpuWeight, out_t: &mut [f32]) -> Result<()> {
+/// `y`'s data, shared by tasks that write disjoint column blocks.
+struct OutPtr(*mut f32);
+// SAFETY: each task writes only its own columns r0..r0 + nr of y.
+unsafe impl Sync for OutPtr {}
+impl OutPtr {
+    fn at(&self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// Decode-a-tile-then-gemm, each task writing its column block of `y` in place.
+fn tiled_gemm(x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
     let (m, k, n) = (x.rows, x.cols, w.rows);
     let tile = tile_rows(n, rayon::current_num_threads());
-    out_t
-        .par_chunks_mut(tile * m)
-        .enumerate()
-        .try_for_each(|(t, out)| {
-            let (r0, nr) = (t * tile, out.len() / m);
-            TILE.with(|buf| {
-                let mut buf = buf.borrow_mut();
-                buf.resize(tile * k, 0.0);
-                w.dequantize_rows(r0, nr, &mut buf)?;
-                // out = tile @ x^T. SAFETY: dst is out as an nr x m row-major matrix, lhs the
-                // tile (nr x k, row stride k), rhs x^T (k x m: column stride k, row stride 1);
-                // all within their buffers.
-                unsafe {
-                    gemm::gemm(
-                        nr,
-                        m,
-                        k,
-                        out.as_mut_ptr(),
-                        1,
-                        m as isize,
-                        false,
-                        buf.as_ptr(),
-                        1,
-                        k as isize,
-                        x.data.as_ptr(),
-                        k as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
-                Ok(())
-            })
+    let out = OutPtr(y.data.as_mut_ptr());
+    (0..n.div_ceil(tile)).into_par_iter().try_for_each(|t| {
+        let (r0, nr) = (t * tile, tile.min(n - t * tile));
+        TILE.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            buf.resize(tile * k, 0.0);
+            w.dequantize_rows(r0, nr, &mut buf)?;
+            // SAFETY: dst is columns r0..r0 + nr of y (m x n, row stride n), written by this
+            // task only; lhs is x (m x k, row stride k), rhs is the tile viewed as k x nr with
+            // column stride k; all within their buffers.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    nr,
+                    k,
+                    out.at(r0),
+                    1,
+                    n as isize,
+                    false,
+                    x.data.as_ptr(),
+                    1,
+                    k as isize,
+                    buf.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            Ok(())
         })
+    })
 }
 
 #[cfg(test)]
