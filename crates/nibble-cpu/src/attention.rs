@@ -1,4 +1,5 @@
-//! Causal attention over the KV cache, one rayon task per (token, head) pair.
+//! Causal attention over the KV cache, one rayon task per (token, head) pair (or all on the
+//! calling thread when the work is small).
 //!
 //! Scores are computed in f32 with a running max for a numerically safe softmax; the output is
 //! the probability-weighted sum of values, normalized once at the end.
@@ -10,6 +11,14 @@ use rayon::prelude::*;
 use crate::CpuTensor;
 use crate::kv::CpuKvCache;
 use crate::ops::dot;
+
+/// Below this many query-key multiply-adds, attention for a sequence runs on the calling thread.
+const SERIAL_WORK: usize = 64 * 1024;
+
+thread_local! {
+    /// Scores of one (token, head), reused across calls.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 pub fn attention(
     q: &CpuTensor,
@@ -59,17 +68,18 @@ pub fn attention(
         let (keys, values) = (&seq.k[layer], &seq.v[layer]);
         let out_rows =
             &mut out.data[row0 * num_heads * head_dim..(row0 + s.len) * num_heads * head_dim];
-        out_rows
-            .par_chunks_mut(head_dim)
-            .enumerate()
-            .for_each(|(idx, o)| {
-                let (t, h) = (idx / num_heads, idx % num_heads);
-                let kvh = h / group;
-                let qv = &q.data[(row0 + t) * q.cols + h * head_dim..][..head_dim];
-                let ctx = s.start_pos + t + 1;
-                let mut scores: Vec<f32> = (0..ctx)
-                    .map(|p| dot(qv, &keys[p * kv_row + kvh * head_dim..][..head_dim]) * scale)
-                    .collect();
+        let head = |(idx, o): (usize, &mut [f32])| {
+            let (t, h) = (idx / num_heads, idx % num_heads);
+            let kvh = h / group;
+            let qv = &q.data[(row0 + t) * q.cols + h * head_dim..][..head_dim];
+            let ctx = s.start_pos + t + 1;
+            SCORES.with(|scores| {
+                let mut scores = scores.borrow_mut();
+                scores.clear();
+                scores
+                    .extend((0..ctx).map(|p| {
+                        dot(qv, &keys[p * kv_row + kvh * head_dim..][..head_dim]) * scale
+                    }));
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0f32;
                 for s in scores.iter_mut() {
@@ -85,6 +95,14 @@ pub fn attention(
                 let inv = 1.0 / sum;
                 o.iter_mut().for_each(|a| *a *= inv);
             });
+        };
+        // Waking the pool costs more than a few small heads (a decode step at short context).
+        let work = s.len * num_heads * (s.start_pos + s.len) * head_dim;
+        if work < SERIAL_WORK {
+            out_rows.chunks_mut(head_dim).enumerate().for_each(head);
+        } else {
+            out_rows.par_chunks_mut(head_dim).enumerate().for_each(head);
+        }
         row0 += s.len;
     }
     Ok(out)

@@ -8,6 +8,7 @@ mod attention;
 mod kv;
 mod linear;
 mod ops;
+mod qdot;
 
 use nibble_core::{Error, Result};
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
@@ -52,6 +53,11 @@ impl CpuWeight {
     pub fn dequantize_rows(&self, start: usize, n: usize, out: &mut [f32]) -> Result<()> {
         let src = &self.bytes[start * self.row_bytes..(start + n) * self.row_bytes];
         self.format.dequantize(src, &mut out[..n * self.cols])
+    }
+
+    /// The storage bytes of row `r`.
+    pub fn row(&self, r: usize) -> &[u8] {
+        &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes]
     }
 }
 

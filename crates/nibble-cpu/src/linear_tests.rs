@@ -1,0 +1,205 @@
+//! The matmul against the reference: the whole weight dequantized with `WeightFormat::dequantize`
+//! and an f64-accumulated naive product, on random data for every ggml type and odd shapes.
+
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use nibble_formats::gguf::GgmlType;
+use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
+use nibble_model::Backend;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::SMALL_M;
+use crate::qdot::{self, Kernel, QK, QMAX};
+use crate::{CpuBackend, CpuTensor, CpuWeight};
+
+/// Random bytes for `rows` rows of `cols` elements of `ty`, with every f16 scale set to a sane
+/// value (random bits would give infinities and NaNs).
+fn random_weight(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
+    let h = |rng: &mut ChaCha8Rng, lo: f32, hi: f32| {
+        f16::from_f32(rng.random_range(lo..hi)).to_le_bytes()
+    };
+    let n = rows * cols;
+    match ty {
+        GgmlType::F32 => (0..n)
+            .flat_map(|_| rng.random_range(-1f32..1.0).to_le_bytes())
+            .collect(),
+        GgmlType::F16 => (0..n).flat_map(|_| h(rng, -1.0, 1.0)).collect(),
+        GgmlType::BF16 => (0..n)
+            .flat_map(|_| bf16::from_f32(rng.random_range(-1f32..1.0)).to_le_bytes())
+            .collect(),
+        _ => {
+            let bb = ty.block_bytes();
+            let mut bytes: Vec<u8> = (0..ty.bytes_for(n).unwrap())
+                .map(|_| rng.random())
+                .collect();
+            for b in bytes.chunks_exact_mut(bb) {
+                // (offset of d, offset of the min or dmin if any)
+                let (d, m) = match ty {
+                    GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => (0, None),
+                    GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => (0, Some(2)),
+                    GgmlType::Q6K => (208, None),
+                    _ => unreachable!(),
+                };
+                b[d..d + 2].copy_from_slice(&h(rng, 0.001, 0.1));
+                if let Some(m) = m {
+                    b[m..m + 2].copy_from_slice(&h(rng, -0.5, 0.5));
+                }
+            }
+            bytes
+        }
+    }
+}
+
+fn load(backend: &CpuBackend, ty: GgmlType, rows: usize, cols: usize, bytes: Vec<u8>) -> CpuWeight {
+    let t = HostTensor {
+        name: format!("w.{ty}"),
+        shape: vec![rows, cols],
+        format: WeightFormat::Ggml(ty),
+        bytes: TensorBytes::Owned(Arc::new(bytes)),
+    };
+    backend.load_weight(&t).unwrap()
+}
+
+/// `x @ W^T` in f64, and the bound on the error of the activation quantization:
+/// `sum_j |W[r][j]| * amax(block of j) / (2 * QMAX)`.
+fn reference(x: &CpuTensor, w: &[f32], n: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (m, k) = (x.rows, x.cols);
+    let (mut y, mut abs, mut qerr) = (vec![0f64; m * n], vec![0f64; m * n], vec![0f64; m * n]);
+    for i in 0..m {
+        let xi = x.row(i);
+        let half_step: Vec<f64> = xi
+            .chunks(QK)
+            .flat_map(|c| {
+                let amax = c.iter().fold(0f32, |a, &v| a.max(v.abs())) as f64;
+                std::iter::repeat_n(amax / (2.0 * QMAX as f64), c.len())
+            })
+            .collect();
+        for r in 0..n {
+            let wr = &w[r * k..(r + 1) * k];
+            for j in 0..k {
+                y[i * n + r] += wr[j] as f64 * xi[j] as f64;
+                abs[i * n + r] += (wr[j] as f64 * xi[j] as f64).abs();
+                qerr[i * n + r] += (wr[j] as f64).abs() * half_step[j];
+            }
+        }
+    }
+    (y, abs, qerr)
+}
+
+fn check(ty: GgmlType, m: usize, n: usize, k: usize, quantized_x: bool, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let backend = CpuBackend::new(2).unwrap();
+    let w = load(&backend, ty, n, k, random_weight(ty, n, k, &mut rng));
+    let mut wf = vec![0f32; n * k];
+    w.dequantize_rows(0, n, &mut wf).unwrap();
+    let mut xd: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2f32..2.0)).collect();
+    if quantized_x {
+        // Activations that the integer blocks hold exactly: d * q with |q| <= QMAX, one |q| = QMAX.
+        let qmax = QMAX as i32;
+        for c in xd.chunks_mut(QK) {
+            let d = rng.random_range(1e-5f32..1e-4);
+            for v in c.iter_mut() {
+                *v = d * rng.random_range(-qmax..=qmax) as f32;
+            }
+            c[0] = d * QMAX;
+        }
+    }
+    let x = CpuTensor::new(xd, m, k);
+    let y = backend.linear(&x, &w, None).unwrap();
+    let (want, abs, qerr) = reference(&x, &wf, n);
+    let int = m <= SMALL_M && Kernel::for_format(w.format).quantizes_activations();
+    for (idx, ((&g, &r), (&a, &q))) in y
+        .data
+        .iter()
+        .zip(&want)
+        .zip(abs.iter().zip(&qerr))
+        .enumerate()
+    {
+        // f32 accumulation: a few ulps of the magnitude sum; the 8-bit activations add up to
+        // `qerr` (zero for exactly representable activations, up to the rounding of d * q).
+        let tol =
+            2e-6 * (k as f64).sqrt() * a + 1e-6 + if int && !quantized_x { q } else { 1e-6 * a };
+        let err = (g as f64 - r).abs();
+        assert!(
+            err <= tol,
+            "{ty} m={m} n={n} k={k} quantized_x={quantized_x}: y[{}][{}] = {g}, want {r} (err {err:e} > tol {tol:e})",
+            idx / n,
+            idx % n
+        );
+    }
+}
+
+#[test]
+fn matmul_matches_reference_for_every_type_and_odd_shapes() {
+    let mut seed = 0;
+    for ty in GgmlType::ALL {
+        let be = ty.block_elems();
+        let ks: &[usize] = if be == 1 {
+            &[1, 7, 96, 130]
+        } else {
+            &[be, 3 * be, 9 * be]
+        };
+        for &m in &[1, 2, 3, 4, 5, 17] {
+            for &k in ks {
+                // 37 rows run on the calling thread, 300 x 9 blocks in parallel tiles (not a
+                // multiple of the tile).
+                for &n in &[1, 37, 300] {
+                    for quantized_x in [false, true] {
+                        seed += 1;
+                        check(ty, m, n, k, quantized_x, seed);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The SIMD integer kernels (when compiled in) agree with the portable ones up to f32 rounding.
+#[test]
+fn integer_kernels_agree_with_portable() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        let k = 20 * QK;
+        let w = random_weight(ty, 1, k, &mut rng);
+        let x: Vec<f32> = (0..k).map(|_| rng.random_range(-3f32..3.0)).collect();
+        let mut q = Vec::new();
+        qdot::quantize_row(&x, &mut q);
+        let kernel = Kernel::for_format(WeightFormat::Ggml(ty));
+        let got = qdot::row_dot(kernel, WeightFormat::Ggml(ty), &w, qdot::ActRow::Q8(&q)).unwrap();
+        let want = match ty {
+            GgmlType::Q4_0 => qdot::portable::dot_q4_0(&w, &q),
+            GgmlType::Q4_1 => qdot::portable::dot_q4_1(&w, &q),
+            _ => qdot::portable::dot_q8_0(&w, &q),
+        };
+        assert!(
+            (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+            "{ty}: {got} vs {want}"
+        );
+    }
+}
+
+/// Quantizing activations: exact for values on the grid, within half a step otherwise.
+#[test]
+fn activation_quantization_error_is_half_a_step() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let x: Vec<f32> = (0..4 * QK).map(|_| rng.random_range(-5f32..5.0)).collect();
+    let mut q = Vec::new();
+    qdot::quantize_row(&x, &mut q);
+    for (b, c) in q.iter().zip(x.chunks(QK)) {
+        let amax = c.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        assert_eq!(b.d, amax / QMAX);
+        assert_eq!(
+            b.s,
+            b.d * b.qs.iter().map(|&v| v as i32).sum::<i32>() as f32
+        );
+        for (&v, &a) in c.iter().zip(&b.qs) {
+            assert!(
+                (v - b.d * a as f32).abs() <= b.d * 0.5 + v.abs() * 1e-6,
+                "{v} vs {}",
+                b.d * a as f32
+            );
+        }
+    }
+}
