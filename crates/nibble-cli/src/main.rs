@@ -340,7 +340,5 @@ fn bench(
     Ok(())
 }
 
-const BENCH_TEXT: &str = "The history of science is the study of the development of science and \
-scientific knowledge, including both the natural and social sciences. Science is a body of \
-empirical, theoretical, and practical knowledge about the natural world, produced by scientists \
-who emphasize the observation, explanation, and prediction of real-world phenomena. ";
+// Same text as bench/peer_llamacpp.py, so both engines see the same prompt.
+const BENCH_TEXT: &str = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker who repaired every clock in the valley. Each morning he opened his shop, wound the tall pendulum clock by the door, and listened to the town wake up. Children stopped by on their way to school to watch the tiny gears turn, and farmers brought him broken watches wrapped in handkerchiefs. ";

@@ -4,7 +4,7 @@
 //! Scores are computed in f32 with a running max for a numerically safe softmax; the output is
 //! the probability-weighted sum of values, normalized once at the end.
 
-use nibble_core::{Error, Result};
+use nibble_core::Result;
 use nibble_model::{AttentionShape, BatchLayout};
 use rayon::prelude::*;
 
@@ -39,33 +39,23 @@ pub fn attention(
     let scale = 1.0 / (head_dim as f32).sqrt();
     let mut out = CpuTensor::zeros(q.rows, num_heads * head_dim);
 
-    // Append the new keys/values first: token t of a sequence attends to positions <= its own.
-    let num_layers = kv.shape.num_layers;
+    // Write the new keys/values first: token t of a sequence attends to positions <= its own.
     let mut row0 = 0;
     for s in &batch.seqs {
-        let seq = kv.seq_mut(s.slot)?;
-        if s.start_pos > seq.len {
-            return Err(Error::InvalidArgument(format!(
-                "slot {} holds {} tokens; cannot write at position {}",
-                s.slot, seq.len, s.start_pos
-            )));
-        }
-        let (kl, vl) = (&mut seq.k[layer], &mut seq.v[layer]);
-        kl.truncate(s.start_pos * kv_row);
-        vl.truncate(s.start_pos * kv_row);
-        kl.extend_from_slice(&k.data[row0 * kv_row..(row0 + s.len) * kv_row]);
-        vl.extend_from_slice(&v.data[row0 * kv_row..(row0 + s.len) * kv_row]);
-        // The sequence's length counts tokens whose KV every layer holds.
-        if layer + 1 == num_layers {
-            seq.len = s.start_pos + s.len;
+        kv.check_table(&s.blocks, s.start_pos + s.len)?;
+        for t in 0..s.len {
+            let at = kv.offset(&s.blocks, s.start_pos + t);
+            let src = (row0 + t) * kv_row..(row0 + t + 1) * kv_row;
+            kv.k[layer][at..at + kv_row].copy_from_slice(&k.data[src.clone()]);
+            kv.v[layer][at..at + kv_row].copy_from_slice(&v.data[src]);
         }
         row0 += s.len;
     }
 
+    let kv = &*kv;
     let mut row0 = 0;
     for s in &batch.seqs {
-        let seq = kv.seq_mut(s.slot)?;
-        let (keys, values) = (&seq.k[layer], &seq.v[layer]);
+        let (keys, values) = (&kv.k[layer], &kv.v[layer]);
         let out_rows =
             &mut out.data[row0 * num_heads * head_dim..(row0 + s.len) * num_heads * head_dim];
         let head = |(idx, o): (usize, &mut [f32])| {
@@ -76,10 +66,12 @@ pub fn attention(
             SCORES.with(|scores| {
                 let mut scores = scores.borrow_mut();
                 scores.clear();
-                scores
-                    .extend((0..ctx).map(|p| {
-                        dot(qv, &keys[p * kv_row + kvh * head_dim..][..head_dim]) * scale
-                    }));
+                scores.extend((0..ctx).map(|p| {
+                    dot(
+                        qv,
+                        &keys[kv.offset(&s.blocks, p) + kvh * head_dim..][..head_dim],
+                    ) * scale
+                }));
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0f32;
                 for s in scores.iter_mut() {
@@ -87,7 +79,7 @@ pub fn attention(
                     sum += *s;
                 }
                 for (p, &w) in scores.iter().enumerate() {
-                    let vv = &values[p * kv_row + kvh * head_dim..][..head_dim];
+                    let vv = &values[kv.offset(&s.blocks, p) + kvh * head_dim..][..head_dim];
                     for (a, b) in o.iter_mut().zip(vv) {
                         *a = w.mul_add(*b, *a);
                     }

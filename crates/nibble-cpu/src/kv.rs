@@ -1,76 +1,79 @@
-//! Contiguous per-sequence KV storage: for each slot and layer, keys and values as
-//! `[position][kv_head][head_dim]` f32, grown as the sequence grows.
+//! The paged KV pool: per layer, keys and values as `[block][slot][kv_head][head_dim]` f32.
+//! Allocated zeroed, which the OS maps lazily, so an unused pool costs address space only.
 
 use nibble_core::{Error, Result};
 use nibble_model::{KvCache, KvShape};
 
-pub struct SeqKv {
-    pub len: usize,
+pub struct CpuKvCache {
+    pub shape: KvShape,
+    pub block_size: usize,
+    pub num_blocks: usize,
     pub k: Vec<Vec<f32>>,
     pub v: Vec<Vec<f32>>,
 }
 
-pub struct CpuKvCache {
-    pub shape: KvShape,
-    seqs: Vec<Option<SeqKv>>,
-}
-
 impl CpuKvCache {
-    pub fn new(shape: KvShape, max_seqs: usize) -> Self {
-        CpuKvCache {
+    pub fn new(shape: KvShape, num_blocks: usize, block_size: usize) -> Result<Self> {
+        let row = shape.num_kv_heads * shape.head_dim;
+        let per_layer = num_blocks
+            .checked_mul(block_size)
+            .and_then(|t| t.checked_mul(row))
+            .ok_or_else(|| Error::InvalidArgument("KV pool size overflows".into()))?;
+        let alloc = || -> Result<Vec<f32>> {
+            let mut v = Vec::new();
+            v.try_reserve_exact(per_layer)
+                .map_err(|_| Error::LimitExceeded {
+                    what: "KV pool bytes".into(),
+                    value: per_layer * 4 * 2 * shape.num_layers,
+                    limit: 0,
+                })?;
+            v.resize(per_layer, 0.0);
+            Ok(v)
+        };
+        Ok(CpuKvCache {
             shape,
-            seqs: (0..max_seqs).map(|_| None).collect(),
-        }
+            block_size,
+            num_blocks,
+            k: (0..shape.num_layers)
+                .map(|_| alloc())
+                .collect::<Result<_>>()?,
+            v: (0..shape.num_layers)
+                .map(|_| alloc())
+                .collect::<Result<_>>()?,
+        })
     }
 
-    pub(crate) fn seq_mut(&mut self, slot: usize) -> Result<&mut SeqKv> {
-        self.seqs
-            .get_mut(slot)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| Error::InvalidArgument(format!("KV slot {slot} is not allocated")))
+    /// Offset (in floats) of position `pos` of a sequence with block table `blocks`.
+    pub(crate) fn offset(&self, blocks: &[u32], pos: usize) -> usize {
+        let row = self.shape.num_kv_heads * self.shape.head_dim;
+        (blocks[pos / self.block_size] as usize * self.block_size + pos % self.block_size) * row
+    }
+
+    /// Checks that a block table covers `len` positions with blocks of this pool.
+    pub(crate) fn check_table(&self, blocks: &[u32], len: usize) -> Result<()> {
+        if blocks.len() * self.block_size < len {
+            return Err(Error::InvalidArgument(format!(
+                "{} blocks of {} cannot hold {len} positions",
+                blocks.len(),
+                self.block_size
+            )));
+        }
+        if let Some(b) = blocks.iter().find(|&&b| b as usize >= self.num_blocks) {
+            return Err(Error::InvalidArgument(format!(
+                "block {b} is outside the {}-block KV pool",
+                self.num_blocks
+            )));
+        }
+        Ok(())
     }
 }
 
 impl KvCache for CpuKvCache {
-    fn alloc_seq(&mut self) -> Result<usize> {
-        let slot =
-            self.seqs
-                .iter()
-                .position(Option::is_none)
-                .ok_or_else(|| Error::LimitExceeded {
-                    what: "concurrent sequences in the KV cache".into(),
-                    value: self.seqs.len() + 1,
-                    limit: self.seqs.len(),
-                })?;
-        let layers = self.shape.num_layers;
-        self.seqs[slot] = Some(SeqKv {
-            len: 0,
-            k: vec![Vec::new(); layers],
-            v: vec![Vec::new(); layers],
-        });
-        Ok(slot)
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
     }
 
-    fn free_seq(&mut self, slot: usize) {
-        if let Some(s) = self.seqs.get_mut(slot) {
-            *s = None;
-        }
-    }
-
-    fn seq_len(&self, slot: usize) -> usize {
-        self.seqs
-            .get(slot)
-            .and_then(Option::as_ref)
-            .map_or(0, |s| s.len)
-    }
-
-    fn truncate(&mut self, slot: usize, len: usize) {
-        let row = self.shape.num_kv_heads * self.shape.head_dim;
-        if let Some(Some(s)) = self.seqs.get_mut(slot) {
-            s.len = s.len.min(len);
-            for l in s.k.iter_mut().chain(s.v.iter_mut()) {
-                l.truncate(s.len * row);
-            }
-        }
+    fn block_size(&self) -> usize {
+        self.block_size
     }
 }

@@ -130,8 +130,13 @@ impl Backend for CpuBackend {
         Ok(CpuTensor::new(values.to_vec(), 1, values.len()))
     }
 
-    fn new_kv_cache(&self, shape: KvShape, max_seqs: usize) -> Result<CpuKvCache> {
-        Ok(CpuKvCache::new(shape, max_seqs))
+    fn new_kv_pool(
+        &self,
+        shape: KvShape,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<CpuKvCache> {
+        CpuKvCache::new(shape, num_blocks, block_size)
     }
 
     fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {

@@ -9,7 +9,7 @@ use nibble_cpu::CpuBackend;
 use nibble_formats::gguf::{GgmlType, GgufWriter, MetaValue};
 use nibble_formats::safetensors_dir::SafetensorsDir;
 use nibble_model::source::{gguf_name, unpermute_qk_order};
-use nibble_model::{Backend, BatchLayout, KvCache, LogitRows, Transformer, open_model};
+use nibble_model::{Backend, BatchLayout, LogitRows, Transformer, open_model};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -181,8 +181,7 @@ fn gguf_export_of_a_fixture_reproduces_its_logits() {
             "{text:?}"
         );
     }
-    let mut kv = backend.new_kv_cache(model.kv_shape(), 1).unwrap();
-    let slot = kv.alloc_seq().unwrap();
+    let (mut kv, slot) = model.single_sequence_kv(&backend, ids.len()).unwrap();
     let logits = model
         .forward(
             &backend,
@@ -213,8 +212,8 @@ fn gguf_export_of_a_fixture_reproduces_its_logits() {
 
     // The context limit from the GGUF (64) is enforced with a clear error.
     let long = vec![1u32; 65];
-    let mut kv = backend.new_kv_cache(model.kv_shape(), 1).unwrap();
-    let slot = kv.alloc_seq().unwrap();
+    let mut kv = backend.new_kv_pool(model.kv_shape(), 5, 16).unwrap();
+    let slot: Vec<u32> = (0..5).collect();
     let e = model
         .forward(
             &backend,

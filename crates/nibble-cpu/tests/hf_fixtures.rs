@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use nibble_cpu::CpuBackend;
-use nibble_model::{Backend, BatchLayout, KvCache, LogitRows, Transformer, open_model};
+use nibble_model::{Backend, BatchLayout, LogitRows, Transformer, open_model};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -67,14 +67,13 @@ fn check(name: &str) {
     )
     .unwrap();
     let exp = expected(name);
-    let mut kv = backend.new_kv_cache(model.kv_shape(), 1).unwrap();
-    let slot = kv.alloc_seq().unwrap();
+    let (mut kv, slot) = model.single_sequence_kv(&backend, 64).unwrap();
     let n = exp.input_ids.len();
     let logits = model
         .forward(
             &backend,
             &exp.input_ids,
-            &BatchLayout::single(slot, 0, n),
+            &BatchLayout::single(slot.clone(), 0, n),
             &mut kv,
             LogitRows::All,
         )
@@ -99,7 +98,7 @@ fn check(name: &str) {
             .forward(
                 &backend,
                 &[next],
-                &BatchLayout::single(slot, n + step, 1),
+                &BatchLayout::single(slot.clone(), n + step, 1),
                 &mut kv,
                 LogitRows::LastPerSeq,
             )
@@ -153,8 +152,7 @@ fn batched_forward_equals_separate_runs() {
     let vocab = files.config.vocab_size;
 
     let alone = |ids: &[u32]| {
-        let mut kv = backend.new_kv_cache(model.kv_shape(), 1).unwrap();
-        let s = kv.alloc_seq().unwrap();
+        let (mut kv, s) = model.single_sequence_kv(&backend, ids.len()).unwrap();
         let l = model
             .forward(
                 &backend,
@@ -170,14 +168,15 @@ fn batched_forward_equals_separate_runs() {
 
     // Sequence b's first 4 tokens are already cached; then a (whole prompt) and b's remaining 3
     // tokens run in one batch.
-    let mut kv = backend.new_kv_cache(model.kv_shape(), 2).unwrap();
-    let sa = kv.alloc_seq().unwrap();
-    let sb = kv.alloc_seq().unwrap();
+    // Interleaved, out-of-order physical blocks (block size 4) for the two sequences.
+    let mut kv = backend.new_kv_pool(model.kv_shape(), 8, 4).unwrap();
+    let sa: Vec<u32> = vec![5, 1];
+    let sb: Vec<u32> = vec![2, 7, 0];
     model
         .forward(
             &backend,
             &b[..4],
-            &BatchLayout::single(sb, 0, 4),
+            &BatchLayout::single(sb.clone(), 0, 4),
             &mut kv,
             LogitRows::All,
         )
@@ -185,12 +184,12 @@ fn batched_forward_equals_separate_runs() {
     let batch = BatchLayout {
         seqs: vec![
             SeqSpan {
-                slot: sa,
+                blocks: sa.clone(),
                 start_pos: 0,
                 len: a.len(),
             },
             SeqSpan {
-                slot: sb,
+                blocks: sb.clone(),
                 start_pos: 4,
                 len: 3,
             },
@@ -207,12 +206,8 @@ fn batched_forward_equals_separate_runs() {
     let close = |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(p, q)| (p - q).abs() < 1e-5);
     assert!(close(&got[..a.len() * vocab], &want_a));
     assert!(close(&got[a.len() * vocab..], &want_b[4 * vocab..]));
-    assert_eq!(kv.seq_len(sa), a.len());
-    assert_eq!(kv.seq_len(sb), b.len());
 
     // LastPerSeq picks each sequence's final row.
-    kv.truncate(sb, 4);
-    kv.truncate(sa, 0);
     let last = backend
         .to_host(
             &model

@@ -3,7 +3,7 @@
 //! token of each window is context only).
 
 use nibble_core::{Error, Result};
-use nibble_model::{Backend, BatchLayout, KvCache, LogitRows};
+use nibble_model::{Backend, BatchLayout, LogitRows};
 
 use crate::generate::Engine;
 
@@ -33,12 +33,11 @@ pub fn perplexity<B: Backend>(
     let mut count = 0usize;
     let chunks: Vec<&[u32]> = ids.chunks(window).filter(|c| c.len() >= 2).collect();
     for (ci, chunk) in chunks.iter().enumerate() {
-        let mut kv = b.new_kv_cache(engine.model.kv_shape(), 1)?;
-        let slot = kv.alloc_seq()?;
+        let (mut kv, table) = engine.model.single_sequence_kv(b, chunk.len())?;
         let logits = engine.model.forward(
             b,
             chunk,
-            &BatchLayout::single(slot, 0, chunk.len()),
+            &BatchLayout::single(table, 0, chunk.len()),
             &mut kv,
             LogitRows::All,
         )?;

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use nibble_core::{Error, Result};
 use nibble_formats::tokenizer::{StreamDecoder, Tokenizer};
-use nibble_model::{Backend, BatchLayout, KvCache, LogitRows, Transformer};
+use nibble_model::{Backend, BatchLayout, LogitRows, Transformer};
 
 use crate::{Sampler, SamplingParams, StopMatcher};
 
@@ -66,14 +66,13 @@ impl<B: Backend> Engine<B> {
         }
         let mut sampler = Sampler::new(req.params.clone())?;
         let b = &self.backend;
-        let mut kv = b.new_kv_cache(self.model.kv_shape(), 1)?;
-        let slot = kv.alloc_seq()?;
+        let (mut kv, table) = self.model.single_sequence_kv(b, n + req.max_tokens)?;
 
         let t0 = Instant::now();
         let logits = self.model.forward(
             b,
             &req.prompt_ids,
-            &BatchLayout::single(slot, 0, n),
+            &BatchLayout::single(table.clone(), 0, n),
             &mut kv,
             LogitRows::LastPerSeq,
         )?;
@@ -118,7 +117,7 @@ impl<B: Backend> Engine<B> {
             let l = self.model.forward(
                 b,
                 &[next],
-                &BatchLayout::single(slot, pos, 1),
+                &BatchLayout::single(table.clone(), pos, 1),
                 &mut kv,
                 LogitRows::LastPerSeq,
             )?;

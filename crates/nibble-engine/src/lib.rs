@@ -6,6 +6,7 @@ pub mod block_manager;
 pub mod eval;
 pub mod generate;
 pub mod sampler;
+pub mod serving;
 pub mod stop;
 
 pub use generate::{Engine, FinishReason, GenerateOutput, GenerateRequest};

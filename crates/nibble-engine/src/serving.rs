@@ -134,9 +134,20 @@ pub struct LlmEngine<B: Backend> {
 }
 
 impl<B: Backend> LlmEngine<B> {
-    pub fn new(backend: B, model: Transformer<B>, tokenizer: Tokenizer, config: EngineConfig) -> Result<Self> {
-        if config.block_size == 0 || config.num_blocks == 0 || config.max_batched_tokens == 0 || config.max_num_seqs == 0 {
-            return Err(Error::InvalidArgument(format!("engine sizes must be positive: {config:?}")));
+    pub fn new(
+        backend: B,
+        model: Transformer<B>,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+    ) -> Result<Self> {
+        if config.block_size == 0
+            || config.num_blocks == 0
+            || config.max_batched_tokens == 0
+            || config.max_num_seqs == 0
+        {
+            return Err(Error::InvalidArgument(format!(
+                "engine sizes must be positive: {config:?}"
+            )));
         }
         let kv = backend.new_kv_pool(model.kv_shape(), config.num_blocks, config.block_size)?;
         Ok(LlmEngine {
@@ -177,8 +188,14 @@ impl<B: Backend> LlmEngine<B> {
                 limit: limit - 1,
             });
         }
-        if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
-            return Err(Error::InvalidArgument(format!("token id {bad} is outside the vocabulary")));
+        if let Some(&bad) = req
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.model.config.vocab_size)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "token id {bad} is outside the vocabulary"
+            )));
         }
         if self.waiting.len() >= self.config.max_waiting {
             return Err(Error::LimitExceeded {
@@ -276,8 +293,12 @@ impl<B: Backend> LlmEngine<B> {
         }
         // Then admit waiting requests while there is room.
         while budget > 0 && self.running.len() < self.config.max_num_seqs {
-            let Some(front) = self.waiting.front() else { break };
-            let Ok((table, cached)) = self.blocks.allocate(&front.tokens) else { break };
+            let Some(front) = self.waiting.front() else {
+                break;
+            };
+            let Ok((table, cached)) = self.blocks.allocate(&front.tokens) else {
+                break;
+            };
             let mut s = self.waiting.pop_front().expect("front exists");
             s.blocks = table;
             s.computed = cached;
@@ -304,9 +325,13 @@ impl<B: Backend> LlmEngine<B> {
                 len: chunk,
             });
         }
-        let logits = self
-            .model
-            .forward(&self.backend, &tokens, &batch, &mut self.kv, LogitRows::LastPerSeq)?;
+        let logits = self.model.forward(
+            &self.backend,
+            &tokens,
+            &batch,
+            &mut self.kv,
+            LogitRows::LastPerSeq,
+        )?;
         let logits = self.backend.to_host(&logits)?;
         let vocab = self.model.config.vocab_size;
 
@@ -316,7 +341,8 @@ impl<B: Backend> LlmEngine<B> {
         for (idx, chunk) in chunks.iter().enumerate() {
             let s = &mut self.running[idx];
             s.computed += chunk;
-            self.blocks.register_full_blocks(&s.blocks, &s.tokens[..s.computed]);
+            self.blocks
+                .register_full_blocks(&s.blocks, &s.tokens[..s.computed]);
             if s.computed < s.tokens.len() {
                 continue; // mid-prefill: these logits are not for sampling
             }
@@ -338,7 +364,12 @@ impl<B: Backend> LlmEngine<B> {
                 self.generated_tokens += 1;
                 let piece = s.decoder.push(&self.tokenizer, next)?;
                 let (text, hit) = s.stops.push(&piece);
-                events.push(Event::Token { id: s.id, token: next, text, logprob });
+                events.push(Event::Token {
+                    id: s.id,
+                    token: next,
+                    text,
+                    logprob,
+                });
                 if hit {
                     reason = Some(FinishReason::Stop);
                 } else if s.generated >= s.req.max_tokens {
@@ -368,8 +399,18 @@ impl<B: Backend> LlmEngine<B> {
 
 /// Log-sum-exp of the row and its `n` most likely tokens with their log-probabilities.
 fn token_logprobs(row: &[f32], n: usize) -> (f32, Vec<(u32, f32)>) {
-    let max = row.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + row.iter().filter(|x| !x.is_nan()).map(|&x| (x - max).exp()).sum::<f32>().ln();
+    let max = row
+        .iter()
+        .copied()
+        .filter(|x| !x.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let lse = max
+        + row
+            .iter()
+            .filter(|x| !x.is_nan())
+            .map(|&x| (x - max).exp())
+            .sum::<f32>()
+            .ln();
     let mut idx: Vec<u32> = (0..row.len() as u32).collect();
     let n = n.min(row.len());
     if n > 0 {
@@ -379,5 +420,10 @@ fn token_logprobs(row: &[f32], n: usize) -> (f32, Vec<(u32, f32)>) {
     } else {
         idx.clear();
     }
-    (lse, idx.into_iter().map(|t| (t, row[t as usize] - lse)).collect())
+    (
+        lse,
+        idx.into_iter()
+            .map(|t| (t, row[t as usize] - lse))
+            .collect(),
+    )
 }

@@ -8,10 +8,11 @@ use nibble_formats::HostTensor;
 use crate::config::RopeLayout;
 
 /// One sequence's slice of a batch: its tokens are `len` consecutive rows of the batch tensors,
-/// at positions `start_pos..start_pos + len` of the sequence, whose KV lives in cache `slot`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// at positions `start_pos..start_pos + len` of the sequence. Its KV lives in the paged pool:
+/// position `p` is slot `p % block_size` of physical block `blocks[p / block_size]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SeqSpan {
-    pub slot: usize,
+    pub blocks: Vec<u32>,
     pub start_pos: usize,
     pub len: usize,
 }
@@ -23,10 +24,10 @@ pub struct BatchLayout {
 }
 
 impl BatchLayout {
-    pub fn single(slot: usize, start_pos: usize, len: usize) -> Self {
+    pub fn single(blocks: Vec<u32>, start_pos: usize, len: usize) -> Self {
         BatchLayout {
             seqs: vec![SeqSpan {
-                slot,
+                blocks,
                 start_pos,
                 len,
             }],
@@ -58,14 +59,12 @@ impl BatchLayout {
     }
 }
 
-/// Geometry of a KV cache.
+/// Geometry of a KV cache entry: per layer, per token, `num_kv_heads * head_dim` keys and values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvShape {
     pub num_layers: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
-    /// Longest sequence one slot may hold.
-    pub max_context: usize,
 }
 
 /// Attention geometry of one call.
@@ -76,15 +75,11 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
-/// Per-sequence KV storage owned by a backend.
+/// A backend's paged KV pool. Which blocks a sequence uses is decided outside the backend (the
+/// engine's block manager); the backend only stores and reads the slots a batch names.
 pub trait KvCache: Send {
-    /// Reserves a slot for a new sequence; errors when the cache is full.
-    fn alloc_seq(&mut self) -> Result<usize>;
-    fn free_seq(&mut self, slot: usize);
-    /// Tokens stored for the sequence.
-    fn seq_len(&self, slot: usize) -> usize;
-    /// Forgets tokens past `len` (for rewinding a sequence).
-    fn truncate(&mut self, slot: usize, len: usize);
+    fn num_blocks(&self) -> usize;
+    fn block_size(&self) -> usize;
 }
 
 pub trait Backend: Send + Sync {
@@ -100,7 +95,9 @@ pub trait Backend: Send + Sync {
     fn load_weight(&self, tensor: &HostTensor) -> Result<Self::Weight>;
     /// Uploads a small f32 vector (norm weights, biases, rotary frequencies).
     fn load_vector(&self, values: &[f32]) -> Result<Self::Tensor>;
-    fn new_kv_cache(&self, shape: KvShape, max_seqs: usize) -> Result<Self::Kv>;
+    /// A KV pool of `num_blocks` blocks of `block_size` tokens; fails cleanly when memory is short.
+    fn new_kv_pool(&self, shape: KvShape, num_blocks: usize, block_size: usize)
+    -> Result<Self::Kv>;
 
     /// Rows `ids` of an embedding table.
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
@@ -131,8 +128,8 @@ pub trait Backend: Send + Sync {
         inv_freq: &Self::Tensor,
         layout: RopeLayout,
     );
-    /// Appends `k`, `v` to the cache at each sequence's positions and returns causal attention
-    /// of `q` over everything the sequence has cached (GQA: head h reads kv head
+    /// Writes `k`, `v` into each sequence's blocks at its positions and returns causal attention
+    /// of `q` over positions `0..=` each token's own (GQA: head h reads kv head
     /// `h / (num_heads / num_kv_heads)`).
     #[allow(clippy::too_many_arguments)]
     fn attention(

@@ -164,8 +164,19 @@ impl<B: Backend> Transformer<B> {
             num_layers: self.config.num_layers,
             num_kv_heads: self.config.num_kv_heads,
             head_dim: self.config.head_dim,
-            max_context: self.config.max_context,
         }
+    }
+
+    /// A KV pool holding one sequence of up to `max_tokens`, with its block table: for one-shot
+    /// generation, perplexity and tests. Serving shares one pool through a block manager instead.
+    pub fn single_sequence_kv(&self, backend: &B, max_tokens: usize) -> Result<(B::Kv, Vec<u32>)> {
+        const BLOCK: usize = 16;
+        let blocks = max_tokens
+            .min(self.config.max_context)
+            .div_ceil(BLOCK)
+            .max(1);
+        let kv = backend.new_kv_pool(self.kv_shape(), blocks, BLOCK)?;
+        Ok((kv, (0..blocks as u32).collect()))
     }
 
     /// Runs `tokens` (laid out as `batch` says) through the model, appending their keys and
@@ -193,6 +204,11 @@ impl<B: Backend> Transformer<B> {
                     value: s.start_pos + s.len,
                     limit: c.max_context,
                 });
+            }
+            if s.len == 0 {
+                return Err(Error::InvalidArgument(
+                    "a batch sequence has no tokens".into(),
+                ));
             }
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
