@@ -1,0 +1,229 @@
+//! The continuous-batching engine on a tiny real model: outputs do not depend on batching,
+//! chunking, preemption or prefix caching, and every block comes back.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use nibble_cpu::CpuBackend;
+use nibble_engine::serving::{EngineConfig, Event, LlmEngine, Request, RequestId};
+use nibble_engine::{FinishReason, SamplingParams};
+use nibble_model::{Transformer, open_model};
+
+fn engine(config: EngineConfig) -> LlmEngine<CpuBackend> {
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../nibble-model/tests/fixtures/tiny-qwen2");
+    let files = open_model(&dir, None).unwrap();
+    let backend = CpuBackend::new(2).unwrap();
+    let model = Transformer::load(&backend, files.config, &*files.source, &mut |_, _| {}).unwrap();
+    LlmEngine::new(backend, model, files.tokenizer, config).unwrap()
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
+    Request {
+        prompt,
+        params: SamplingParams::default(),
+        max_tokens,
+        stop: vec![],
+        ignore_eos: true,
+        logprobs: None,
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![72, 105, 44, 32, 110, 105, 98, 98, 108],
+        vec![10, 20, 30],
+        (0..23).map(|i| (i * 7 % 250) as u32).collect(),
+        vec![200],
+        (100..117).collect(),
+    ]
+}
+
+/// Runs every request to completion; returns generated tokens per id.
+fn run(
+    e: &mut LlmEngine<CpuBackend>,
+    reqs: Vec<(RequestId, Request)>,
+) -> HashMap<RequestId, Vec<u32>> {
+    let mut out: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let mut done = 0;
+    let n = reqs.len();
+    for (id, r) in reqs {
+        e.add_request(id, r).unwrap();
+    }
+    let mut steps = 0;
+    while e.has_work() {
+        for ev in e.step().unwrap() {
+            match ev {
+                Event::Token { id, token, .. } => out.entry(id).or_default().push(token),
+                Event::Finished { .. } => done += 1,
+            }
+        }
+        steps += 1;
+        assert!(steps < 10_000, "engine does not make progress");
+    }
+    assert_eq!(done, n);
+    assert_eq!(
+        e.stats().blocks_in_use,
+        0,
+        "every block must be free at the end"
+    );
+    out
+}
+
+fn alone() -> HashMap<RequestId, Vec<u32>> {
+    let mut want = HashMap::new();
+    for (i, p) in prompts().into_iter().enumerate() {
+        let mut e = engine(EngineConfig::default());
+        want.extend(run(&mut e, vec![(i as u64, request(p, 12))]));
+    }
+    want
+}
+
+#[test]
+fn batched_equals_alone() {
+    let want = alone();
+    let mut e = engine(EngineConfig::default());
+    let reqs = prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (i as u64, request(p, 12)))
+        .collect();
+    assert_eq!(run(&mut e, reqs), want);
+}
+
+#[test]
+fn chunked_prefill_equals_alone() {
+    let want = alone();
+    let mut e = engine(EngineConfig {
+        max_batched_tokens: 4,
+        ..EngineConfig::default()
+    });
+    let reqs = prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (i as u64, request(p, 12)))
+        .collect();
+    assert_eq!(run(&mut e, reqs), want);
+}
+
+#[test]
+fn preempted_requests_resume_with_the_same_output() {
+    let want = alone();
+    // 12 blocks of 4 tokens: the five sequences (up to 35 tokens each) cannot all fit.
+    let mut e = engine(EngineConfig {
+        num_blocks: 12,
+        block_size: 4,
+        ..EngineConfig::default()
+    });
+    let reqs = prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (i as u64, request(p, 12)))
+        .collect();
+    assert_eq!(run(&mut e, reqs), want);
+    assert!(
+        e.stats().preemptions > 0,
+        "the pool was meant to force preemption"
+    );
+}
+
+#[test]
+fn shared_prefix_hits_the_cache_and_changes_nothing() {
+    let prefix: Vec<u32> = (30..62).collect();
+    let mut a = prefix.clone();
+    a.extend([1, 2, 3]);
+    let mut b = prefix.clone();
+    b.extend([4, 5]);
+    let mut e1 = engine(EngineConfig {
+        block_size: 8,
+        ..EngineConfig::default()
+    });
+    let want_b = run(&mut e1, vec![(2, request(b.clone(), 8))]);
+    let mut e = engine(EngineConfig {
+        block_size: 8,
+        ..EngineConfig::default()
+    });
+    run(&mut e, vec![(1, request(a, 8))]);
+    let before = e.stats().prefix_cache_hits;
+    let got_b = run(&mut e, vec![(2, request(b, 8))]);
+    assert_eq!(
+        e.stats().prefix_cache_hits - before,
+        4,
+        "32 shared tokens = 4 cached blocks"
+    );
+    assert_eq!(got_b, want_b);
+}
+
+#[test]
+fn abort_frees_blocks_and_stops_events() {
+    let mut e = engine(EngineConfig::default());
+    e.add_request(1, request(prompts()[2].clone(), 50)).unwrap();
+    e.add_request(2, request(prompts()[0].clone(), 50)).unwrap();
+    e.step().unwrap();
+    e.step().unwrap();
+    assert!(e.stats().blocks_in_use > 0);
+    assert!(e.abort(1));
+    assert!(!e.abort(1), "already gone");
+    for _ in 0..3 {
+        for ev in e.step().unwrap() {
+            let id = match ev {
+                Event::Token { id, .. } | Event::Finished { id, .. } => id,
+            };
+            assert_eq!(id, 2);
+        }
+    }
+    assert!(e.abort(2));
+    assert_eq!(e.stats().blocks_in_use, 0);
+    assert!(!e.has_work());
+}
+
+#[test]
+fn limits_and_bad_requests_are_refused() {
+    let mut e = engine(EngineConfig {
+        max_waiting: 2,
+        num_blocks: 8,
+        block_size: 4,
+        ..EngineConfig::default()
+    });
+    // Longer than the pool (32 tokens) can ever hold.
+    assert!(e.add_request(1, request((0..40).collect(), 4)).is_err());
+    assert!(e.add_request(1, request(vec![], 4)).is_err());
+    assert!(e.add_request(1, request(vec![999_999], 4)).is_err());
+    let mut bad = request(vec![1], 4);
+    bad.params.temperature = f32::NAN;
+    assert!(e.add_request(1, bad).is_err());
+    e.add_request(1, request(vec![1], 4)).unwrap();
+    e.add_request(2, request(vec![2], 4)).unwrap();
+    let full = e.add_request(3, request(vec![3], 4)).unwrap_err();
+    assert!(full.to_string().contains("waiting requests"), "{full}");
+}
+
+#[test]
+fn stops_eos_length_and_logprobs() {
+    let mut e = engine(EngineConfig::default());
+    let mut r = request(prompts()[0].clone(), 5);
+    r.logprobs = Some(3);
+    e.add_request(7, r).unwrap();
+    let mut finish = None;
+    let mut lps = vec![];
+    while e.has_work() {
+        for ev in e.step().unwrap() {
+            match ev {
+                Event::Token { logprob, .. } => lps.push(logprob.unwrap()),
+                Event::Finished {
+                    reason,
+                    completion_tokens,
+                    prompt_tokens,
+                    ..
+                } => finish = Some((reason, completion_tokens, prompt_tokens)),
+            }
+        }
+    }
+    assert_eq!(finish, Some((FinishReason::Length, 5, 9)));
+    for lp in &lps {
+        assert!(lp.logprob <= 0.0 && lp.top.len() == 3);
+        // Greedy: the sampled token is the most likely one.
+        assert_eq!(lp.top[0].0, lp.token);
+        assert!((lp.top[0].1 - lp.logprob).abs() < 1e-6);
+    }
+}
