@@ -11,8 +11,11 @@ nibble's own:
   decode:  M forward passes of one token each after that prompt, greedy (argmax),
            never stopping at EOS, so every run does the same amount of work.
 One untimed warm-up run comes first (page-faults the mmap'd weights, spins up
-the thread pool); then --repeats timed runs. Headline numbers are the median;
-the best run is reported too.
+the thread pool); then --repeats timed runs. Headline numbers are the best run
+(other processes can only slow a run down, so the best is the least biased
+estimate on a shared box); the median is reported too. Each run also records
+cpu_util = process CPU time / wall time: well below --threads means the
+threads were starved by other processes and the run is suspect.
 """
 import argparse
 import json
@@ -50,10 +53,27 @@ def last_logits(llm):
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
 
 
+def cpu_busy(secs=0.5):
+    # Fraction of all CPU time that was not idle over `secs` (Linux /proc/stat).
+    # Unlike the load average, this does not lag behind by a minute.
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+    try:
+        t0, i0 = snap()
+        time.sleep(secs)
+        t1, i1 = snap()
+        return round(1 - (i1 - i0) / max(1, t1 - t0), 3)
+    except OSError:
+        return None
+
+
 def one_run(llm, prompt, n_gen):
     # reset() sets n_past to 0; the next eval() then drops the whole KV cache,
     # so each run starts from an empty cache.
     llm.reset()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     llm.eval(prompt)
     t1 = time.perf_counter()
@@ -64,7 +84,9 @@ def one_run(llm, prompt, n_gen):
         llm.eval([tok])
         tok = int(np.argmax(last_logits(llm)))
     t3 = time.perf_counter()
+    c1 = time.process_time()
     return {
+        "cpu_util": round((c1 - c0) / (t3 - t0), 2),
         "prefill_s": t1 - t0,
         "decode_s": t3 - t2,
         "prefill_tok_s": len(prompt) / (t1 - t0),
@@ -81,6 +103,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="write results here")
     a = ap.parse_args()
+
+    # Other busy processes skew CPU numbers badly (2-10x seen on a 2-core box):
+    # record how busy the CPUs were just before, and warn, so a bad run is
+    # recognisable afterwards.
+    busy = cpu_busy()
+    if busy is not None and busy > 0.2:
+        print(f"warning: CPUs {busy:.0%} busy before the run; "
+              "other processes will skew the results")
 
     n_batch = max(512, a.prompt_tokens)  # whole prompt in one batch / ubatch
     llm = llama_cpp.Llama(
@@ -109,22 +139,23 @@ def main():
         "prompt_tokens": a.prompt_tokens,
         "gen_tokens": a.gen_tokens,
         "repeats": a.repeats,
-        "stat": "median",
-        "prefill_tok_s": statistics.median(pp),
-        "decode_tok_s": statistics.median(tg),
-        "prefill_tok_s_best": max(pp),
-        "decode_tok_s_best": max(tg),
+        "stat": "best",
+        "prefill_tok_s": max(pp),
+        "decode_tok_s": max(tg),
+        "prefill_tok_s_median": statistics.median(pp),
+        "decode_tok_s_median": statistics.median(tg),
+        "cpu_busy_before": busy,
         "system_info": llama_cpp.llama_print_system_info().decode().strip(),
         "runs": runs,
     }
 
     print(f"llama.cpp ({res['version']}), {a.threads} threads, "
           f"pp{a.prompt_tokens} / tg{a.gen_tokens}, {a.repeats} runs")
-    print(f"{'run':>6} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    print(f"{'run':>6} {'prefill tok/s':>14} {'decode tok/s':>13} {'cpu_util':>9}")
     for i, r in enumerate(runs):
-        print(f"{i:>6} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f}")
-    print(f"{'median':>6} {res['prefill_tok_s']:>14.1f} {res['decode_tok_s']:>13.1f}")
-    print(f"{'best':>6} {res['prefill_tok_s_best']:>14.1f} {res['decode_tok_s_best']:>13.1f}")
+        print(f"{i:>6} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} {r['cpu_util']:>9.2f}")
+    print(f"{'median':>6} {res['prefill_tok_s_median']:>14.1f} {res['decode_tok_s_median']:>13.1f}")
+    print(f"{'best':>6} {res['prefill_tok_s']:>14.1f} {res['decode_tok_s']:>13.1f}")
 
     if a.json:
         with open(a.json, "w") as f:
