@@ -64,8 +64,39 @@ enum Command {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Serve the model behind an OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
     /// Download and verify the default model; print its path.
     Fetch,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Address to bind; loopback unless you ask for more.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// The model name clients send (default: the model file or directory name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// KV cache capacity in tokens (shared by all requests).
+    #[arg(long, default_value_t = 32768)]
+    kv_cache_tokens: usize,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Sequences decoded together at most.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// Tokens per forward pass at most (chunked prefill budget).
+    #[arg(long, default_value_t = 512)]
+    max_batched_tokens: usize,
+    /// Requests allowed to wait for admission; more get HTTP 429.
+    #[arg(long, default_value_t = 256)]
+    max_waiting: usize,
 }
 
 #[derive(Subcommand)]
@@ -144,6 +175,9 @@ fn run(cli: Cli) -> Result<()> {
         opts.params().validate()?;
     }
     let engine = load_cpu_engine(cli.model.as_deref(), cli.tokenizer.as_deref(), cli.threads)?;
+    if let Command::Serve(args) = cli.command {
+        return serve(engine, args, cli.model.as_deref());
+    }
     match cli.command {
         Command::Generate { prompt, chat, opts } => generate(&engine, &prompt, chat, &opts),
         Command::Chat { system, opts } => chat(&engine, system, &opts),
@@ -156,8 +190,49 @@ fn run(cli: Cli) -> Result<()> {
             repeats,
             json,
         } => bench(&engine, prompt_tokens, gen_tokens, repeats, json),
-        Command::Fetch => unreachable!("handled above"),
+        Command::Fetch | Command::Serve(_) => unreachable!("handled above"),
     }
+}
+
+fn serve(
+    engine: Engine<CpuBackend>,
+    args: ServeArgs,
+    model: Option<&std::path::Path>,
+) -> Result<()> {
+    use nibble_engine::serving::{EngineConfig, LlmEngine};
+    let name = args.served_model_name.clone().unwrap_or_else(|| {
+        model
+            .and_then(|p| p.file_stem())
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "SmolLM2-135M-Instruct".into())
+    });
+    if args.block_size == 0 {
+        bail!("--block-size must be positive");
+    }
+    let config = EngineConfig {
+        block_size: args.block_size,
+        num_blocks: args.kv_cache_tokens.div_ceil(args.block_size),
+        max_num_seqs: args.max_num_seqs,
+        max_batched_tokens: args.max_batched_tokens,
+        max_waiting: args.max_waiting,
+    };
+    let Engine {
+        backend,
+        model,
+        tokenizer,
+    } = engine;
+    let llm = LlmEngine::new(backend, model, tokenizer, config)?;
+    let opts = nibble_server::ServeOptions {
+        addr: std::net::SocketAddr::new(args.host, args.port),
+        model_name: name,
+        api_key: args.api_key,
+    };
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(nibble_server::serve(llm, opts))
+        .with_context(|| format!("serving on {}:{}", args.host, args.port))
 }
 
 fn template(engine: &Engine<CpuBackend>) -> Result<ChatTemplate> {

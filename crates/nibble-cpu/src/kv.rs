@@ -20,15 +20,11 @@ impl CpuKvCache {
             .and_then(|t| t.checked_mul(row))
             .ok_or_else(|| Error::InvalidArgument("KV pool size overflows".into()))?;
         let alloc = || -> Result<Vec<f32>> {
-            let mut v = Vec::new();
-            v.try_reserve_exact(per_layer)
-                .map_err(|_| Error::LimitExceeded {
-                    what: "KV pool bytes".into(),
-                    value: per_layer * 4 * 2 * shape.num_layers,
-                    limit: 0,
-                })?;
-            v.resize(per_layer, 0.0);
-            Ok(v)
+            zeroed(per_layer).ok_or_else(|| Error::LimitExceeded {
+                what: "KV pool bytes (the allocation failed)".into(),
+                value: per_layer * 4 * 2 * shape.num_layers,
+                limit: 0,
+            })
         };
         Ok(CpuKvCache {
             shape,
@@ -75,5 +71,20 @@ impl KvCache for CpuKvCache {
 
     fn block_size(&self) -> usize {
         self.block_size
+    }
+}
+
+/// A zeroed vector from `alloc_zeroed`, which the OS backs lazily: a large pool costs nothing
+/// until used, and a failed allocation is an error instead of an abort.
+fn zeroed(n: usize) -> Option<Vec<f32>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<f32>(n).ok()?;
+    // SAFETY: the layout is non-zero-sized; a non-null pointer from the global allocator with
+    // the layout of `[f32; n]`, all zero bits (valid f32 0.0), is exactly what Vec expects.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout) as *mut f32;
+        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, n, n))
     }
 }

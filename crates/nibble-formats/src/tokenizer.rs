@@ -9,6 +9,7 @@ use serde_json::{Value, json};
 
 use crate::gguf::GgufFile;
 
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// Token ids that end generation (EOS, end-of-turn).
