@@ -1,6 +1,7 @@
 //! The pieces of the `nibble` command that tests and other front ends share: finding and loading
 //! a model with progress, and the default model fetch.
 
+pub mod bench_serve;
 pub mod default_model;
 
 use std::path::{Path, PathBuf};

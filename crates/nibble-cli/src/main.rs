@@ -52,17 +52,14 @@ enum Command {
         #[command(subcommand)]
         what: EvalCommand,
     },
-    /// Measure prefill and decode speed.
+    /// Measure speed: `bench cpu` (prefill and decode here; also plain `bench`) or `bench serve`
+    /// (load-test an OpenAI-compatible server).
+    #[command(args_conflicts_with_subcommands = true)]
     Bench {
-        #[arg(long, default_value_t = 128)]
-        prompt_tokens: usize,
-        #[arg(long, default_value_t = 64)]
-        gen_tokens: usize,
-        #[arg(long, default_value_t = 3)]
-        repeats: usize,
-        /// Also write the results as JSON here.
-        #[arg(long)]
-        json: Option<PathBuf>,
+        #[command(subcommand)]
+        what: Option<BenchCommand>,
+        #[command(flatten)]
+        cpu: CpuBenchArgs,
     },
     /// Serve the model behind an OpenAI-compatible HTTP API.
     Serve(ServeArgs),
@@ -97,6 +94,27 @@ struct ServeArgs {
     /// Requests allowed to wait for admission; more get HTTP 429.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Measure prefill and decode speed on this machine.
+    Cpu(CpuBenchArgs),
+    /// Load-test an OpenAI-compatible server with ShareGPT prompts (TTFT, TPOT, ITL, throughput).
+    Serve(nibble_cli::bench_serve::ServeArgs),
+}
+
+#[derive(Args)]
+struct CpuBenchArgs {
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Also write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -170,6 +188,13 @@ fn run(cli: Cli) -> Result<()> {
         println!("{}", default_model::ensure()?.display());
         return Ok(());
     }
+    if let Command::Bench {
+        what: Some(BenchCommand::Serve(args)),
+        ..
+    } = &cli.command
+    {
+        return nibble_cli::bench_serve::run(args, cli.model.as_deref(), cli.tokenizer.as_deref());
+    }
     // Validate sampling flags before spending time on loading.
     if let Command::Generate { opts, .. } | Command::Chat { opts, .. } = &cli.command {
         opts.params().validate()?;
@@ -184,12 +209,14 @@ fn run(cli: Cli) -> Result<()> {
         Command::Eval {
             what: EvalCommand::Ppl { file, ctx },
         } => eval_ppl(&engine, &file, ctx),
-        Command::Bench {
-            prompt_tokens,
-            gen_tokens,
-            repeats,
-            json,
-        } => bench(&engine, prompt_tokens, gen_tokens, repeats, json),
+        Command::Bench { what, cpu } => {
+            let a = match what {
+                Some(BenchCommand::Cpu(a)) => a,
+                Some(BenchCommand::Serve(_)) => unreachable!("handled above"),
+                None => cpu,
+            };
+            bench(&engine, a.prompt_tokens, a.gen_tokens, a.repeats, a.json)
+        }
         Command::Fetch | Command::Serve(_) => unreachable!("handled above"),
     }
 }
