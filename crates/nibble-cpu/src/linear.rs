@@ -1,17 +1,23 @@
 //! `y = x @ W^T` with W kept in its storage format.
 //!
-//! Output columns (weight rows) are split into tiles, one rayon task each, and every task writes
-//! its own block of output columns in place (no per-task allocation).
+//! **Batch invariance.** Every output row is bit-for-bit the same whatever the number of input
+//! rows and whatever the other rows hold, so a request gets the same logits alone, batched, or
+//! recomputed by a prefill after preemption. There is one arithmetic per weight format, whatever
+//! `m`:
 //!
-//! - Few input rows (decode, `m <= SMALL_M`): the fused kernels of [`crate::qdot`] dot each
-//!   weight row straight from its blocks; quantized formats first quantize x to 16-bit integer
-//!   blocks. Tasks fill a transposed `[n][m]` result (contiguous per tile), transposed into `y`
-//!   at the end (nothing to do for m = 1). Small matmuls run on the calling thread.
-//! - Otherwise (prefill): a task decodes its tile (8..64 rows) to f32 in a thread-local buffer
-//!   (at most 64 x K floats, so it stays in L2) and multiplies it with the `gemm` crate's packed
-//!   micro-kernels.
-
-use std::cell::RefCell;
+//! - Q4_0, Q4_1, Q8_0: each activation row is quantized to 16-bit integer blocks (a per-row
+//!   operation) and dotted with the weight blocks by the integer kernels of [`crate::qdot`].
+//! - Every other format: each weight row is dequantized 256 elements at a time and dotted with the
+//!   f32 activations with a fixed lane order ([`crate::ops::dot`]).
+//!
+//! The kernels take up to [`qdot::MAX_ROWS`] activation rows at once and decode each weight block
+//! once for all of them, but accumulate every output exactly as for a lone row.
+//!
+//! Output columns (weight rows) are split into tiles, one rayon task each (small matmuls run on
+//! the calling thread, which does not change the arithmetic). A task fills its block of a
+//! transposed `[n][m]` result, transposed into `y` at the end (nothing to do for m = 1). Within
+//! a task, weight rows are taken a cache-sized panel at a time, and each panel is applied to all
+//! activation rows, [`qdot::MAX_ROWS`] at a time.
 
 use nibble_core::Result;
 use rayon::prelude::*;
@@ -19,24 +25,15 @@ use rayon::prelude::*;
 use crate::qdot::{self, ActRow, Kernel, QBlock};
 use crate::{CpuTensor, CpuWeight};
 
-/// Up to this many input rows, fused per-row dots beat decoding tiles for gemm.
-pub const SMALL_M: usize = 4;
-
-/// Below this many weight bytes (per input row) a fused matmul runs on the calling thread: waking
-/// workers costs more than it saves.
+/// Below this much work (weight bytes times groups of [`qdot::MAX_ROWS`] input rows) a matmul
+/// runs on the calling thread: waking workers costs more than it saves.
 const SERIAL_BYTES: usize = 256 * 1024;
 
-thread_local! {
-    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
+/// Weight bytes of the panel that a task applies to every group of input rows (stays in L1/L2).
+const PANEL_BYTES: usize = 32 * 1024;
 
 pub fn matmul_transposed(x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
     let (m, n) = (x.rows, w.rows);
-    if m > SMALL_M {
-        let mut y = CpuTensor::zeros(m, n);
-        tiled_gemm(x, w, &mut y)?;
-        return Ok(y);
-    }
     let mut out_t = vec![0f32; n * m];
     fused(x, w, &mut out_t)?;
     if m == 1 {
@@ -51,7 +48,7 @@ pub fn matmul_transposed(x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
     Ok(y)
 }
 
-/// Fused per-row dots into `out_t` (`[n][m]`).
+/// Fused dots into `out_t` (`[n][m]`).
 fn fused(x: &CpuTensor, w: &CpuWeight, out_t: &mut [f32]) -> Result<()> {
     let (m, k, n) = (x.rows, x.cols, w.rows);
     let kernel = Kernel::for_format(w.format);
@@ -68,17 +65,32 @@ fn fused(x: &CpuTensor, w: &CpuWeight, out_t: &mut [f32]) -> Result<()> {
         Kernel::Float => ActRow::F32(x.row(i)),
         _ => ActRow::Q8(&q8[i * k / qdot::QK..(i + 1) * k / qdot::QK]),
     };
+    let panel = (PANEL_BYTES / w.row_bytes.max(1)).max(1);
+    // Weight rows r0.., whose `[rows][m]` results are `out`.
     let rows = |r0: usize, out: &mut [f32]| -> Result<()> {
-        for (r, o) in out.chunks_exact_mut(m).enumerate() {
-            let wr = w.row(r0 + r);
-            for (i, o) in o.iter_mut().enumerate() {
-                *o = qdot::row_dot(kernel, w.format, wr, act(i))?;
+        let mut acts = [act(0); qdot::MAX_ROWS];
+        for (p, out) in out.chunks_mut(panel * m).enumerate() {
+            let p0 = r0 + p * panel;
+            for i0 in (0..m).step_by(qdot::MAX_ROWS) {
+                let g = qdot::MAX_ROWS.min(m - i0);
+                for (j, a) in acts[..g].iter_mut().enumerate() {
+                    *a = act(i0 + j);
+                }
+                for (r, o) in out.chunks_exact_mut(m).enumerate() {
+                    qdot::rows_dot(
+                        kernel,
+                        w.format,
+                        w.row(p0 + r),
+                        &acts[..g],
+                        &mut o[i0..i0 + g],
+                    )?;
+                }
             }
         }
         Ok(())
     };
     let threads = rayon::current_num_threads();
-    if threads == 1 || n * w.row_bytes < SERIAL_BYTES {
+    if threads == 1 || n * w.row_bytes * m.div_ceil(qdot::MAX_ROWS) < SERIAL_BYTES {
         return rows(0, out_t);
     }
     // A few tasks per thread balances load without much scheduling overhead.
@@ -87,63 +99,6 @@ fn fused(x: &CpuTensor, w: &CpuWeight, out_t: &mut [f32]) -> Result<()> {
         .par_chunks_mut(tile * m)
         .enumerate()
         .try_for_each(|(t, out)| rows(t * tile, out))
-}
-
-fn tile_rows(n: usize, threads: usize) -> usize {
-    let target = n / (4 * threads.max(1));
-    (target.clamp(8, 64) / 8 * 8).max(8)
-}
-
-/// `y`'s data, shared by tasks that write disjoint column blocks.
-struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own columns r0..r0 + nr of y.
-unsafe impl Sync for OutPtr {}
-impl OutPtr {
-    fn at(&self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
-}
-
-/// Decode-a-tile-then-gemm, each task writing its column block of `y` in place.
-fn tiled_gemm(x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
-    let (m, k, n) = (x.rows, x.cols, w.rows);
-    let tile = tile_rows(n, rayon::current_num_threads());
-    let out = OutPtr(y.data.as_mut_ptr());
-    (0..n.div_ceil(tile)).into_par_iter().try_for_each(|t| {
-        let (r0, nr) = (t * tile, tile.min(n - t * tile));
-        TILE.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            buf.resize(tile * k, 0.0);
-            w.dequantize_rows(r0, nr, &mut buf)?;
-            // SAFETY: dst is columns r0..r0 + nr of y (m x n, row stride n), written by this
-            // task only; lhs is x (m x k, row stride k), rhs is the tile viewed as k x nr with
-            // column stride k; all within their buffers.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    nr,
-                    k,
-                    out.at(r0),
-                    1,
-                    n as isize,
-                    false,
-                    x.data.as_ptr(),
-                    1,
-                    k as isize,
-                    buf.as_ptr(),
-                    k as isize,
-                    1,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-            Ok(())
-        })
-    })
 }
 
 #[cfg(test)]
