@@ -14,10 +14,9 @@
 //! once for all of them, but accumulate every output exactly as for a lone row.
 //!
 //! Output columns (weight rows) are split into tiles, one rayon task each (small matmuls run on
-//! the calling thread, which does not change the arithmetic). A task fills its block of a
-//! transposed `[n][m]` result, transposed into `y` at the end (nothing to do for m = 1). Within
-//! a task, weight rows are taken a cache-sized panel at a time, and each panel is applied to all
-//! activation rows, [`qdot::MAX_ROWS`] at a time.
+//! the calling thread, which does not change the arithmetic), and every task writes its own
+//! block of output columns in place. Within a task, weight rows are taken a cache-sized panel at
+//! a time, and each panel is applied to all activation rows, [`qdot::MAX_ROWS`] at a time.
 
 use nibble_core::Result;
 use rayon::prelude::*;
@@ -33,23 +32,23 @@ const SERIAL_BYTES: usize = 256 * 1024;
 const PANEL_BYTES: usize = 32 * 1024;
 
 pub fn matmul_transposed(x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
-    let (m, n) = (x.rows, w.rows);
-    let mut out_t = vec![0f32; n * m];
-    fused(x, w, &mut out_t)?;
-    if m == 1 {
-        return Ok(CpuTensor::new(out_t, 1, n));
-    }
-    let mut y = CpuTensor::zeros(m, n);
-    for (r, col) in out_t.chunks_exact(m).enumerate() {
-        for (i, &v) in col.iter().enumerate() {
-            y.data[i * n + r] = v;
-        }
-    }
+    let mut y = CpuTensor::zeros(x.rows, w.rows);
+    fused(x, w, &mut y)?;
     Ok(y)
 }
 
-/// Fused dots into `out_t` (`[n][m]`).
-fn fused(x: &CpuTensor, w: &CpuWeight, out_t: &mut [f32]) -> Result<()> {
+/// `y`'s data, shared by tasks that write disjoint column blocks.
+struct OutPtr(*mut f32);
+// SAFETY: each task writes only its own columns of y (see `fused`).
+unsafe impl Sync for OutPtr {}
+impl OutPtr {
+    fn at(&self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// Fused dots into `y` (`m x n`), each task writing its own block of columns.
+fn fused(x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
     let (m, k, n) = (x.rows, x.cols, w.rows);
     let kernel = Kernel::for_format(w.format);
     let q8: Vec<QBlock> = if kernel.quantizes_activations() {
@@ -66,24 +65,25 @@ fn fused(x: &CpuTensor, w: &CpuWeight, out_t: &mut [f32]) -> Result<()> {
         _ => ActRow::Q8(&q8[i * k / qdot::QK..(i + 1) * k / qdot::QK]),
     };
     let panel = (PANEL_BYTES / w.row_bytes.max(1)).max(1);
-    // Weight rows r0.., whose `[rows][m]` results are `out`.
-    let rows = |r0: usize, out: &mut [f32]| -> Result<()> {
+    let out = OutPtr(y.data.as_mut_ptr());
+    // Weight rows r0..r0 + nr: columns r0..r0 + nr of y.
+    let rows = |r0: usize, nr: usize| -> Result<()> {
         let mut acts = [act(0); qdot::MAX_ROWS];
-        for (p, out) in out.chunks_mut(panel * m).enumerate() {
-            let p0 = r0 + p * panel;
+        let mut res = [0f32; qdot::MAX_ROWS];
+        for p0 in (r0..r0 + nr).step_by(panel) {
+            let p1 = (p0 + panel).min(r0 + nr);
             for i0 in (0..m).step_by(qdot::MAX_ROWS) {
                 let g = qdot::MAX_ROWS.min(m - i0);
                 for (j, a) in acts[..g].iter_mut().enumerate() {
                     *a = act(i0 + j);
                 }
-                for (r, o) in out.chunks_exact_mut(m).enumerate() {
-                    qdot::rows_dot(
-                        kernel,
-                        w.format,
-                        w.row(p0 + r),
-                        &acts[..g],
-                        &mut o[i0..i0 + g],
-                    )?;
+                for r in p0..p1 {
+                    qdot::rows_dot(kernel, w.format, w.row(r), &acts[..g], &mut res[..g])?;
+                    for (j, &v) in res[..g].iter().enumerate() {
+                        // SAFETY: (i0 + j, r) is inside y (i0 + j < m, r < n), and column r
+                        // belongs to this task only.
+                        unsafe { *out.at((i0 + j) * n + r) = v };
+                    }
                 }
             }
         }
@@ -91,14 +91,13 @@ fn fused(x: &CpuTensor, w: &CpuWeight, out_t: &mut [f32]) -> Result<()> {
     };
     let threads = rayon::current_num_threads();
     if threads == 1 || n * w.row_bytes * m.div_ceil(qdot::MAX_ROWS) < SERIAL_BYTES {
-        return rows(0, out_t);
+        return rows(0, n);
     }
     // A few tasks per thread balances load without much scheduling overhead.
     let tile = n.div_ceil(4 * threads).max(16);
-    out_t
-        .par_chunks_mut(tile * m)
-        .enumerate()
-        .try_for_each(|(t, out)| rows(t * tile, out))
+    (0..n.div_ceil(tile))
+        .into_par_iter()
+        .try_for_each(|t| rows(t * tile, tile.min(n - t * tile)))
 }
 
 #[cfg(test)]
