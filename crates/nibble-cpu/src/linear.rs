@@ -1,17 +1,22 @@
 //! `y = x @ W^T` with W kept in its storage format.
 //!
-//! Output columns (weight rows) are split into tiles, one rayon task each, and every task writes
-//! its own block of output columns in place (no per-task allocation).
+//! **Batch invariance.** Every output row is bit-for-bit the same whatever the number of input
+//! rows and whatever the other rows hold, so a request gets the same logits alone, batched, or
+//! recomputed by a prefill after preemption. There is one arithmetic per weight format, whatever
+//! `m`:
 //!
-//! - Few input rows (decode, `m <= SMALL_M`): the fused kernels of [`crate::qdot`] dot each
-//!   weight row straight from its blocks; quantized formats first quantize x to 16-bit integer
-//!   blocks. Tasks fill a transposed `[n][m]` result (contiguous per tile), transposed into `y`
-//!   at the end (nothing to do for m = 1). Small matmuls run on the calling thread.
-//! - Otherwise (prefill): a task decodes its tile (8..64 rows) to f32 in a thread-local buffer
-//!   (at most 64 x K floats, so it stays in L2) and multiplies it with the `gemm` crate's packed
-//!   micro-kernels.
-
-use std::cell::RefCell;
+//! - Q4_0, Q4_1, Q8_0: each activation row is quantized to 16-bit integer blocks (a per-row
+//!   operation) and dotted with the weight blocks by the integer kernels of [`crate::qdot`].
+//! - Every other format: each weight row is dequantized 256 elements at a time and dotted with the
+//!   f32 activations with a fixed lane order ([`crate::ops::dot`]).
+//!
+//! The kernels take up to [`qdot::MAX_ROWS`] activation rows at once and decode each weight block
+//! once for all of them, but accumulate every output exactly as for a lone row.
+//!
+//! Output columns (weight rows) are split into tiles, one rayon task each (small matmuls run on
+//! the calling thread, which does not change the arithmetic), and every task writes its own
+//! block of output columns in place. Within a task, weight rows are taken a cache-sized panel at
+//! a time, and each panel is applied to all activation rows, [`qdot::MAX_ROWS`] at a time.
 
 use nibble_core::Result;
 use rayon::prelude::*;
@@ -19,40 +24,31 @@ use rayon::prelude::*;
 use crate::qdot::{self, ActRow, Kernel, QBlock};
 use crate::{CpuTensor, CpuWeight};
 
-/// Up to this many input rows, fused per-row dots beat decoding tiles for gemm.
-pub const SMALL_M: usize = 4;
-
-/// Below this many weight bytes (per input row) a fused matmul runs on the calling thread: waking
-/// workers costs more than it saves.
+/// Below this much work (weight bytes times groups of [`qdot::MAX_ROWS`] input rows) a matmul
+/// runs on the calling thread: waking workers costs more than it saves.
 const SERIAL_BYTES: usize = 256 * 1024;
 
-thread_local! {
-    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
+/// Weight bytes of the panel that a task applies to every group of input rows (stays in L1/L2).
+const PANEL_BYTES: usize = 32 * 1024;
 
 pub fn matmul_transposed(x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
-    let (m, n) = (x.rows, w.rows);
-    if m > SMALL_M {
-        let mut y = CpuTensor::zeros(m, n);
-        tiled_gemm(x, w, &mut y)?;
-        return Ok(y);
-    }
-    let mut out_t = vec![0f32; n * m];
-    fused(x, w, &mut out_t)?;
-    if m == 1 {
-        return Ok(CpuTensor::new(out_t, 1, n));
-    }
-    let mut y = CpuTensor::zeros(m, n);
-    for (r, col) in out_t.chunks_exact(m).enumerate() {
-        for (i, &v) in col.iter().enumerate() {
-            y.data[i * n + r] = v;
-        }
-    }
+    let mut y = CpuTensor::zeros(x.rows, w.rows);
+    fused(x, w, &mut y)?;
     Ok(y)
 }
 
-/// Fused per-row dots into `out_t` (`[n][m]`).
-fn fused(x: &CpuTensor, w: &CpuWeight, out_t: &mut [f32]) -> Result<()> {
+/// `y`'s data, shared by tasks that write disjoint column blocks.
+struct OutPtr(*mut f32);
+// SAFETY: each task writes only its own columns of y (see `fused`).
+unsafe impl Sync for OutPtr {}
+impl OutPtr {
+    fn at(&self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// Fused dots into `y` (`m x n`), each task writing its own block of columns.
+fn fused(x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
     let (m, k, n) = (x.rows, x.cols, w.rows);
     let kernel = Kernel::for_format(w.format);
     let q8: Vec<QBlock> = if kernel.quantizes_activations() {
@@ -68,82 +64,40 @@ fn fused(x: &CpuTensor, w: &CpuWeight, out_t: &mut [f32]) -> Result<()> {
         Kernel::Float => ActRow::F32(x.row(i)),
         _ => ActRow::Q8(&q8[i * k / qdot::QK..(i + 1) * k / qdot::QK]),
     };
-    let rows = |r0: usize, out: &mut [f32]| -> Result<()> {
-        for (r, o) in out.chunks_exact_mut(m).enumerate() {
-            let wr = w.row(r0 + r);
-            for (i, o) in o.iter_mut().enumerate() {
-                *o = qdot::row_dot(kernel, w.format, wr, act(i))?;
+    let panel = (PANEL_BYTES / w.row_bytes.max(1)).max(1);
+    let out = OutPtr(y.data.as_mut_ptr());
+    // Weight rows r0..r0 + nr: columns r0..r0 + nr of y.
+    let rows = |r0: usize, nr: usize| -> Result<()> {
+        let mut acts = [act(0); qdot::MAX_ROWS];
+        let mut res = [0f32; qdot::MAX_ROWS];
+        for p0 in (r0..r0 + nr).step_by(panel) {
+            let p1 = (p0 + panel).min(r0 + nr);
+            for i0 in (0..m).step_by(qdot::MAX_ROWS) {
+                let g = qdot::MAX_ROWS.min(m - i0);
+                for (j, a) in acts[..g].iter_mut().enumerate() {
+                    *a = act(i0 + j);
+                }
+                for r in p0..p1 {
+                    qdot::rows_dot(kernel, w.format, w.row(r), &acts[..g], &mut res[..g])?;
+                    for (j, &v) in res[..g].iter().enumerate() {
+                        // SAFETY: (i0 + j, r) is inside y (i0 + j < m, r < n), and column r
+                        // belongs to this task only.
+                        unsafe { *out.at((i0 + j) * n + r) = v };
+                    }
+                }
             }
         }
         Ok(())
     };
     let threads = rayon::current_num_threads();
-    if threads == 1 || n * w.row_bytes < SERIAL_BYTES {
-        return rows(0, out_t);
+    if threads == 1 || n * w.row_bytes * m.div_ceil(qdot::MAX_ROWS) < SERIAL_BYTES {
+        return rows(0, n);
     }
     // A few tasks per thread balances load without much scheduling overhead.
     let tile = n.div_ceil(4 * threads).max(16);
-    out_t
-        .par_chunks_mut(tile * m)
-        .enumerate()
-        .try_for_each(|(t, out)| rows(t * tile, out))
-}
-
-fn tile_rows(n: usize, threads: usize) -> usize {
-    let target = n / (4 * threads.max(1));
-    (target.clamp(8, 64) / 8 * 8).max(8)
-}
-
-/// `y`'s data, shared by tasks that write disjoint column blocks.
-struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own columns r0..r0 + nr of y.
-unsafe impl Sync for OutPtr {}
-impl OutPtr {
-    fn at(&self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
-}
-
-/// Decode-a-tile-then-gemm, each task writing its column block of `y` in place.
-fn tiled_gemm(x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
-    let (m, k, n) = (x.rows, x.cols, w.rows);
-    let tile = tile_rows(n, rayon::current_num_threads());
-    let out = OutPtr(y.data.as_mut_ptr());
-    (0..n.div_ceil(tile)).into_par_iter().try_for_each(|t| {
-        let (r0, nr) = (t * tile, tile.min(n - t * tile));
-        TILE.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            buf.resize(tile * k, 0.0);
-            w.dequantize_rows(r0, nr, &mut buf)?;
-            // SAFETY: dst is columns r0..r0 + nr of y (m x n, row stride n), written by this
-            // task only; lhs is x (m x k, row stride k), rhs is the tile viewed as k x nr with
-            // column stride k; all within their buffers.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    nr,
-                    k,
-                    out.at(r0),
-                    1,
-                    n as isize,
-                    false,
-                    x.data.as_ptr(),
-                    1,
-                    k as isize,
-                    buf.as_ptr(),
-                    k as isize,
-                    1,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-            Ok(())
-        })
-    })
+    (0..n.div_ceil(tile))
+        .into_par_iter()
+        .try_for_each(|t| rows(t * tile, tile.min(n - t * tile)))
 }
 
 #[cfg(test)]

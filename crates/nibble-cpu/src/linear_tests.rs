@@ -10,7 +10,6 @@ use nibble_model::Backend;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::SMALL_M;
 use crate::qdot::{self, Kernel, QK, QMAX};
 use crate::{CpuBackend, CpuTensor, CpuWeight};
 
@@ -109,7 +108,7 @@ fn check(ty: GgmlType, m: usize, n: usize, k: usize, quantized_x: bool, seed: u6
     let x = CpuTensor::new(xd, m, k);
     let y = backend.linear(&x, &w, None).unwrap();
     let (want, abs, qerr) = reference(&x, &wf, n);
-    let int = m <= SMALL_M && Kernel::for_format(w.format).quantizes_activations();
+    let int = Kernel::for_format(w.format).quantizes_activations();
     for (idx, ((&g, &r), (&a, &q))) in y
         .data
         .iter()
@@ -156,27 +155,111 @@ fn matmul_matches_reference_for_every_type_and_odd_shapes() {
     }
 }
 
-/// The SIMD integer kernels (when compiled in) agree with the portable ones up to f32 rounding.
+/// The kernels compiled in (AVX2 in the release config) give the portable kernels' bits, for
+/// every number of rows.
 #[test]
-fn integer_kernels_agree_with_portable() {
+fn kernels_match_portable_bitwise() {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let k = 20 * QK;
+    let xs: Vec<Vec<f32>> = (0..qdot::MAX_ROWS)
+        .map(|_| (0..k).map(|_| rng.random_range(-3f32..3.0)).collect())
+        .collect();
+    let q: Vec<Vec<qdot::QBlock>> = xs
+        .iter()
+        .map(|x| {
+            let mut q = Vec::new();
+            qdot::quantize_row(x, &mut q);
+            q
+        })
+        .collect();
     for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-        let k = 20 * QK;
         let w = random_weight(ty, 1, k, &mut rng);
-        let x: Vec<f32> = (0..k).map(|_| rng.random_range(-3f32..3.0)).collect();
-        let mut q = Vec::new();
-        qdot::quantize_row(&x, &mut q);
-        let kernel = Kernel::for_format(WeightFormat::Ggml(ty));
-        let got = qdot::row_dot(kernel, WeightFormat::Ggml(ty), &w, qdot::ActRow::Q8(&q)).unwrap();
-        let want = match ty {
-            GgmlType::Q4_0 => qdot::portable::dot_q4_0(&w, &q),
-            GgmlType::Q4_1 => qdot::portable::dot_q4_1(&w, &q),
-            _ => qdot::portable::dot_q8_0(&w, &q),
-        };
-        assert!(
-            (got - want).abs() <= 1e-5 * want.abs().max(1.0),
-            "{ty}: {got} vs {want}"
-        );
+        let format = WeightFormat::Ggml(ty);
+        let kernel = Kernel::for_format(format);
+        for rows in 1..=qdot::MAX_ROWS {
+            let acts: Vec<qdot::ActRow> = q[..rows].iter().map(|q| qdot::ActRow::Q8(q)).collect();
+            let mut got = vec![0f32; rows];
+            qdot::rows_dot(kernel, format, &w, &acts, &mut got).unwrap();
+            for (r, &g) in got.iter().enumerate() {
+                let want = match ty {
+                    GgmlType::Q4_0 => qdot::portable::dot_q4_0::<1>(&w, [&q[r]]),
+                    GgmlType::Q4_1 => qdot::portable::dot_q4_1::<1>(&w, [&q[r]]),
+                    _ => qdot::portable::dot_q8_0::<1>(&w, [&q[r]]),
+                }[0];
+                assert_eq!(
+                    g.to_bits(),
+                    want.to_bits(),
+                    "{ty} rows={rows} row {r}: {g} vs {want}"
+                );
+            }
+        }
+    }
+    // The f32 lanes, with a tail (k not a multiple of 8).
+    for len in [1, 8, 37, 256] {
+        let w: Vec<f32> = (0..len).map(|_| rng.random_range(-1f32..1.0)).collect();
+        let x: [&[f32]; 4] = std::array::from_fn(|r| &xs[r][..len]);
+        let got = qdot::dot_f32::<4>(&w, x);
+        for r in 0..4 {
+            let want = qdot::portable::dot_f32::<1>(&w, [x[r]])[0];
+            assert_eq!(got[r].to_bits(), want.to_bits(), "f32 len={len} row {r}");
+            assert_eq!(got[r].to_bits(), crate::ops::dot(&w, x[r]).to_bits());
+        }
+    }
+}
+
+/// Batch invariance: every output row is bitwise what that input row gives alone, and permuting
+/// the input rows permutes the output rows exactly, for every format and many batch sizes
+/// (including sizes that switch between the serial and the parallel path).
+#[test]
+fn every_row_is_independent_of_the_batch() {
+    let backend = CpuBackend::new(2).unwrap();
+    let mut seed = 1000;
+    for ty in GgmlType::ALL {
+        let k = if ty.block_elems() == 1 { 130 } else { 512 };
+        for n in [37, 300] {
+            seed += 1;
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let w = load(&backend, ty, n, k, random_weight(ty, n, k, &mut rng));
+            for m in [1, 2, 3, 4, 5, 7, 8, 16, 33] {
+                let x = CpuTensor::new(
+                    (0..m * k).map(|_| rng.random_range(-2f32..2.0)).collect(),
+                    m,
+                    k,
+                );
+                let y = backend.linear(&x, &w, None).unwrap();
+                for i in 0..m {
+                    let xi = CpuTensor::new(x.row(i).to_vec(), 1, k);
+                    let yi = backend.linear(&xi, &w, None).unwrap();
+                    for (c, (a, b)) in y.row(i).iter().zip(&yi.data).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{ty} n={n} m={m}: y[{i}][{c}] = {a} batched, {b} alone"
+                        );
+                    }
+                }
+                // A fixed shuffle of the rows.
+                let perm: Vec<usize> = if m % 7 == 0 {
+                    (0..m).rev().collect()
+                } else {
+                    (0..m).map(|i| (i * 7 + 3) % m).collect()
+                };
+                let px =
+                    CpuTensor::new(perm.iter().flat_map(|&i| x.row(i).to_vec()).collect(), m, k);
+                let py = backend.linear(&px, &w, None).unwrap();
+                for (pi, &i) in perm.iter().enumerate() {
+                    let same = py
+                        .row(pi)
+                        .iter()
+                        .zip(y.row(i))
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{ty} n={n} m={m}: permuted row {pi} (row {i}) differs"
+                    );
+                }
+            }
+        }
     }
 }
 

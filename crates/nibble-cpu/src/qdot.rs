@@ -1,4 +1,4 @@
-//! Fused weight-row · activation-row dot products for small-M matmuls (decode).
+//! Fused weight-row · activation-row dot products, for every matmul (see [`crate::linear`]).
 //!
 //! A decode step multiplies one activation row by every weight row, so the cost is decoding the
 //! weights, not the multiply-adds. Two kinds of kernels read the blocks directly, with no
@@ -23,15 +23,17 @@
 //!   the stack with the exact `WeightFormat::dequantize` and dotted with f32 activations, so the
 //!   only difference from the reference is the f32 summation order.
 //!
-//! With AVX2 (the release build targets x86-64-v3) the integer kernels use `std::arch`; otherwise
-//! a portable version with the same arithmetic runs. Both are tested against the f64 reference.
+//! Each kernel takes 1 to [`MAX_ROWS`] activation rows: a weight block is decoded once and applied
+//! to every row, and each row's accumulation is exactly that of a lone row (batch invariance).
+//!
+//! With AVX2 (the release build targets x86-64-v3) the kernels use `std::arch`; otherwise a
+//! portable version with the same arithmetic (same lanes, order and FMAs, so the same bits) runs.
+//! Both are tested against each other bitwise and against the f64 reference.
 
 use half::f16;
 use nibble_core::Result;
 use nibble_formats::WeightFormat;
 use nibble_formats::gguf::GgmlType;
-
-use crate::ops::dot;
 
 /// Elements per activation block.
 pub const QK: usize = 32;
@@ -101,28 +103,83 @@ pub enum ActRow<'a> {
     Q8(&'a [QBlock]),
 }
 
-/// Dot of one weight row (its storage bytes) with one activation row.
-#[inline]
-pub fn row_dot(kernel: Kernel, format: WeightFormat, w: &[u8], x: ActRow) -> Result<f32> {
-    Ok(match (kernel, x) {
-        (Kernel::Q4_0, ActRow::Q8(x)) => imp::dot_q4_0(w, x),
-        (Kernel::Q4_1, ActRow::Q8(x)) => imp::dot_q4_1(w, x),
-        (Kernel::Q8_0, ActRow::Q8(x)) => imp::dot_q8_0(w, x),
-        (_, ActRow::F32(x)) => dot_float(format, w, x)?,
-        (_, ActRow::Q8(_)) => unreachable!("kernel {kernel:?} takes f32 activations"),
-    })
+impl<'a> ActRow<'a> {
+    #[inline(always)]
+    fn q8(self) -> &'a [QBlock] {
+        match self {
+            ActRow::Q8(x) => x,
+            ActRow::F32(_) => panic!("an integer kernel takes quantized activations"),
+        }
+    }
+
+    #[inline(always)]
+    fn f32(self) -> &'a [f32] {
+        match self {
+            ActRow::F32(x) => x,
+            ActRow::Q8(_) => panic!("the float kernel takes f32 activations"),
+        }
+    }
 }
 
-/// Dequantizes the row 256 elements (or what is left) at a time and dots each chunk.
-fn dot_float(format: WeightFormat, w: &[u8], x: &[f32]) -> Result<f32> {
+/// The most activation rows one kernel call takes.
+pub const MAX_ROWS: usize = 4;
+
+/// Dots of one weight row (its storage bytes) with `x.len()` activation rows (1 to
+/// [`MAX_ROWS`]) into `out`. The weight blocks are decoded once for all rows, and every output is
+/// accumulated exactly as if its row were alone, so the results are bitwise independent of how
+/// many rows (and which) are passed.
+#[inline]
+pub fn rows_dot(
+    kernel: Kernel,
+    format: WeightFormat,
+    w: &[u8],
+    x: &[ActRow],
+    out: &mut [f32],
+) -> Result<()> {
+    match x.len() {
+        1 => rows_dot_n::<1>(kernel, format, w, x, out),
+        2 => rows_dot_n::<2>(kernel, format, w, x, out),
+        3 => rows_dot_n::<3>(kernel, format, w, x, out),
+        4 => rows_dot_n::<4>(kernel, format, w, x, out),
+        n => unreachable!("{n} activation rows (1..={MAX_ROWS})"),
+    }
+}
+
+#[inline(always)]
+fn rows_dot_n<const R: usize>(
+    kernel: Kernel,
+    format: WeightFormat,
+    w: &[u8],
+    x: &[ActRow],
+    out: &mut [f32],
+) -> Result<()> {
+    let q8 = || std::array::from_fn::<_, R, _>(|r| x[r].q8());
+    let y = match kernel {
+        Kernel::Q4_0 => imp::dot_q4_0::<R>(w, q8()),
+        Kernel::Q4_1 => imp::dot_q4_1::<R>(w, q8()),
+        Kernel::Q8_0 => imp::dot_q8_0::<R>(w, q8()),
+        Kernel::Float => dot_float::<R>(format, w, std::array::from_fn(|r| x[r].f32()))?,
+    };
+    out.copy_from_slice(&y);
+    Ok(())
+}
+
+/// Dequantizes the row 256 elements (or what is left) at a time and dots each chunk with every
+/// activation row (`acc += dot(chunk)`, the dot as [`crate::ops::dot`]).
+fn dot_float<const R: usize>(format: WeightFormat, w: &[u8], x: [&[f32]; R]) -> Result<[f32; R]> {
     const CHUNK: usize = 256; // a multiple of every block size
     let mut buf = [0f32; CHUNK];
     let chunk_bytes = format.row_bytes(CHUNK)?;
-    let mut acc = 0f32;
-    for (wc, xc) in w.chunks(chunk_bytes).zip(x.chunks(CHUNK)) {
-        let b = &mut buf[..xc.len()];
+    let k = x[0].len();
+    let mut acc = [0f32; R];
+    for (c, wc) in w.chunks(chunk_bytes).enumerate() {
+        let (lo, hi) = (c * CHUNK, (c * CHUNK + CHUNK).min(k));
+        let b = &mut buf[..hi - lo];
         format.dequantize(wc, b)?;
-        acc += dot(b, xc);
+        let d = imp::dot_f32::<R>(b, std::array::from_fn(|r| &x[r][lo..hi]));
+        for (a, d) in acc.iter_mut().zip(d) {
+            *a += d;
+        }
     }
     Ok(acc)
 }
@@ -132,79 +189,164 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// Portable integer kernels: the reference for the SIMD ones, and the fallback without AVX2.
+/// Portable kernels: the fallback without AVX2, with the SIMD kernels' exact arithmetic (same
+/// lanes, same order, same fused multiply-adds), so both give the same bits.
+///
+/// The integer kernels keep eight f32 lanes like the AVX2 registers: lane `j` of a block is the
+/// exact integer `w[2j]a[2j] + w[2j+1]a[2j+1] + w[16+2j]a[16+2j] + w[17+2j]a[17+2j]` converted to
+/// f32, and `acc[j] = fma(dw * dx, lane[j], acc[j])`; the lanes are summed at the end as
+/// [`hsum`].
 #[allow(dead_code)] // with AVX2 only the tests call these
 pub mod portable {
-    use super::{QBlock, f16_at};
+    use super::{QBlock, QK, f16_at};
 
-    pub fn dot_q4_0(w: &[u8], x: &[QBlock]) -> f32 {
-        let mut acc = 0f32;
-        for (b, x) in w.chunks_exact(18).zip(x) {
-            let (qs, (lo, hi)) = (&b[2..18], x.qs.split_at(16));
-            let mut sum = 0i32;
-            for ((&q, &a0), &a1) in qs.iter().zip(lo).zip(hi) {
-                sum += ((q & 0x0F) as i32 - 8) * a0 as i32 + ((q >> 4) as i32 - 8) * a1 as i32;
+    /// The eight lanes of one block's integer dot (`w` the 32 weight integers).
+    #[inline(always)]
+    fn lanes(w: &[i32; QK], a: &[i16; QK]) -> [f32; 8] {
+        let p = |e: usize| w[e] * a[e] as i32;
+        std::array::from_fn(|j| {
+            ((p(2 * j) + p(2 * j + 1)) + (p(16 + 2 * j) + p(17 + 2 * j))) as f32
+        })
+    }
+
+    #[inline(always)]
+    fn fma_lanes(d: f32, l: [f32; 8], acc: &mut [f32; 8]) {
+        for (a, l) in acc.iter_mut().zip(l) {
+            *a = d.mul_add(l, *a);
+        }
+    }
+
+    /// The AVX2 horizontal sum: halves, then pairs, then the last two.
+    #[inline(always)]
+    pub fn hsum(v: [f32; 8]) -> f32 {
+        let s: [f32; 4] = std::array::from_fn(|j| v[j] + v[j + 4]);
+        (s[0] + s[2]) + (s[1] + s[3])
+    }
+
+    /// 16 bytes of nibbles as elements 0..16 (low) and 16..32 (high).
+    #[inline(always)]
+    fn nibbles(qs: &[u8], offset: i32) -> [i32; QK] {
+        std::array::from_fn(|e| {
+            let q = if e < 16 {
+                qs[e] & 0x0F
+            } else {
+                qs[e - 16] >> 4
+            };
+            q as i32 - offset
+        })
+    }
+
+    pub fn dot_q4_0<const R: usize>(w: &[u8], x: [&[QBlock]; R]) -> [f32; R] {
+        let mut acc = [[0f32; 8]; R];
+        for (i, b) in w.chunks_exact(18).enumerate() {
+            let q = nibbles(&b[2..18], 8);
+            let dw = f16_at(b, 0);
+            for (acc, x) in acc.iter_mut().zip(&x) {
+                let x = &x[i];
+                fma_lanes(dw * x.d, lanes(&q, &x.qs), acc);
             }
-            acc += f16_at(b, 0) * x.d * sum as f32;
         }
-        acc
+        acc.map(hsum)
     }
 
-    pub fn dot_q4_1(w: &[u8], x: &[QBlock]) -> f32 {
-        let (mut acc, mut mins) = (0f32, 0f32);
-        for (b, x) in w.chunks_exact(20).zip(x) {
-            let (qs, (lo, hi)) = (&b[4..20], x.qs.split_at(16));
-            let mut sum = 0i32;
-            for ((&q, &a0), &a1) in qs.iter().zip(lo).zip(hi) {
-                sum += (q & 0x0F) as i32 * a0 as i32 + (q >> 4) as i32 * a1 as i32;
+    pub fn dot_q4_1<const R: usize>(w: &[u8], x: [&[QBlock]; R]) -> [f32; R] {
+        let (mut acc, mut mins) = ([[0f32; 8]; R], [0f32; R]);
+        for (i, b) in w.chunks_exact(20).enumerate() {
+            let q = nibbles(&b[4..20], 0);
+            let (dw, mw) = (f16_at(b, 0), f16_at(b, 2));
+            for ((acc, mins), x) in acc.iter_mut().zip(&mut mins).zip(&x) {
+                let x = &x[i];
+                fma_lanes(dw * x.d, lanes(&q, &x.qs), acc);
+                *mins += mw * x.s;
             }
-            acc += f16_at(b, 0) * x.d * sum as f32;
-            mins += f16_at(b, 2) * x.s;
         }
-        acc + mins
+        std::array::from_fn(|r| hsum(acc[r]) + mins[r])
     }
 
-    pub fn dot_q8_0(w: &[u8], x: &[QBlock]) -> f32 {
-        let mut acc = 0f32;
-        for (b, x) in w.chunks_exact(34).zip(x) {
-            let sum: i32 = b[2..34]
-                .iter()
-                .zip(&x.qs)
-                .map(|(&q, &a)| q as i8 as i32 * a as i32)
-                .sum();
-            acc += f16_at(b, 0) * x.d * sum as f32;
+    pub fn dot_q8_0<const R: usize>(w: &[u8], x: [&[QBlock]; R]) -> [f32; R] {
+        let mut acc = [[0f32; 8]; R];
+        for (i, b) in w.chunks_exact(34).enumerate() {
+            let q: [i32; QK] = std::array::from_fn(|e| b[2 + e] as i8 as i32);
+            let dw = f16_at(b, 0);
+            for (acc, x) in acc.iter_mut().zip(&x) {
+                let x = &x[i];
+                fma_lanes(dw * x.d, lanes(&q, &x.qs), acc);
+            }
         }
-        acc
+        acc.map(hsum)
     }
+
+    /// [`crate::ops::dot`] of `w` with each row of `x`.
+    pub fn dot_f32<const R: usize>(w: &[f32], x: [&[f32]; R]) -> [f32; R] {
+        let n8 = w.len() / 8 * 8;
+        let mut acc = [[0f32; 8]; R];
+        for (i, wc) in w[..n8].chunks_exact(8).enumerate() {
+            for (acc, x) in acc.iter_mut().zip(&x) {
+                let xc = &x[i * 8..i * 8 + 8];
+                for j in 0..8 {
+                    acc[j] = wc[j].mul_add(xc[j], acc[j]);
+                }
+            }
+        }
+        std::array::from_fn(|r| super::finish_dot(acc[r], &w[n8..], &x[r][n8..]))
+    }
+}
+
+/// The end of [`crate::ops::dot`]: the eight lanes summed in order, plus the tail's dot.
+#[inline(always)]
+fn finish_dot(acc: [f32; 8], w: &[f32], x: &[f32]) -> f32 {
+    let mut tail = 0f32;
+    for (a, b) in w.iter().zip(x) {
+        tail = a.mul_add(*b, tail);
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 #[cfg(not(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 )))]
 use portable as imp;
 
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 ))]
 use avx2 as imp;
+
+/// [`crate::ops::dot`] of one f32 row with each of `R` rows (the kernel compiled in).
+#[cfg(test)]
+pub use imp::dot_f32;
 
 /// AVX2 kernels (compiled in when the build targets AVX2 + FMA, as the release config does).
 /// A block's 32 weights are widened to two registers of 16 i16 each (elements 0..16, 16..32),
 /// multiplied with the activations by `madd` (i16 x i16 summed in pairs to i32: exact, as
-/// |w| <= 128 and |a| <= 32767) and the eight i32 lanes converted to f32 once per block.
+/// |w| <= 128 and |a| <= 32767) and the eight i32 lanes converted to f32 once per block. Each
+/// block is widened once and applied to every activation row.
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 ))]
 pub mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{QBlock, f16_at};
+    use super::QBlock;
+
+    /// The f16 at `b[at..at + 2]` as f32 (exact, as `half`'s conversion). Loaded with a zeroing
+    /// `movd`: `half`'s `pinsrw` merges into a register LLVM may pick from a loop-carried
+    /// accumulator, which serialized the loop.
+    #[inline(always)]
+    fn f16_at(b: &[u8], at: usize) -> f32 {
+        let v = u16::from_le_bytes([b[at], b[at + 1]]) as i32;
+        // SAFETY: register-only F16C (part of x86-64-v3, like AVX2).
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(v))) }
+    }
 
     /// Elements 0..16 (low nibbles) and 16..32 (high nibbles) of 16 packed bytes, as i16.
     #[inline(always)]
@@ -244,6 +386,7 @@ pub mod avx2 {
 
     #[inline(always)]
     fn hsum(v: __m256) -> f32 {
+        // SAFETY: register-only SSE/AVX arithmetic.
         unsafe {
             let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
             let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -254,42 +397,88 @@ pub mod avx2 {
 
     #[inline(always)]
     fn fmadd(d: f32, p: __m256, acc: __m256) -> __m256 {
+        // SAFETY: register-only FMA.
         unsafe { _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc) }
     }
 
+    #[inline(always)]
     fn zero() -> __m256 {
+        // SAFETY: register-only.
         unsafe { _mm256_setzero_ps() }
     }
 
-    pub fn dot_q4_0(w: &[u8], x: &[QBlock]) -> f32 {
-        let mut acc = zero();
-        for (b, x) in w.chunks_exact(18).zip(x) {
+    pub fn dot_q4_0<const R: usize>(w: &[u8], x: [&[QBlock]; R]) -> [f32; R] {
+        let nb = w.len() / 18;
+        let x = x.map(|x| &x[..nb]);
+        let mut acc = [zero(); R];
+        for (i, b) in w.chunks_exact(18).enumerate() {
             let (lo, hi) = nibbles(b[2..18].try_into().unwrap());
+            // SAFETY: register-only AVX2.
             let q = unsafe {
                 let eight = _mm256_set1_epi16(8);
                 (_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight))
             };
-            acc = fmadd(f16_at(b, 0) * x.d, dot(q, x), acc);
+            let dw = f16_at(b, 0);
+            for r in 0..R {
+                let x = &x[r][i];
+                acc[r] = fmadd(dw * x.d, dot(q, x), acc[r]);
+            }
         }
-        hsum(acc)
+        acc.map(hsum)
     }
 
-    pub fn dot_q4_1(w: &[u8], x: &[QBlock]) -> f32 {
-        let (mut acc, mut mins) = (zero(), 0f32);
-        for (b, x) in w.chunks_exact(20).zip(x) {
+    pub fn dot_q4_1<const R: usize>(w: &[u8], x: [&[QBlock]; R]) -> [f32; R] {
+        let nb = w.len() / 20;
+        let x = x.map(|x| &x[..nb]);
+        let (mut acc, mut mins) = ([zero(); R], [0f32; R]);
+        for (i, b) in w.chunks_exact(20).enumerate() {
             let q = nibbles(b[4..20].try_into().unwrap());
-            acc = fmadd(f16_at(b, 0) * x.d, dot(q, x), acc);
-            mins += f16_at(b, 2) * x.s;
+            let (dw, mw) = (f16_at(b, 0), f16_at(b, 2));
+            for r in 0..R {
+                let x = &x[r][i];
+                acc[r] = fmadd(dw * x.d, dot(q, x), acc[r]);
+                mins[r] += mw * x.s;
+            }
         }
-        hsum(acc) + mins
+        std::array::from_fn(|r| hsum(acc[r]) + mins[r])
     }
 
-    pub fn dot_q8_0(w: &[u8], x: &[QBlock]) -> f32 {
-        let mut acc = zero();
-        for (b, x) in w.chunks_exact(34).zip(x) {
+    pub fn dot_q8_0<const R: usize>(w: &[u8], x: [&[QBlock]; R]) -> [f32; R] {
+        let nb = w.len() / 34;
+        let x = x.map(|x| &x[..nb]);
+        let mut acc = [zero(); R];
+        for (i, b) in w.chunks_exact(34).enumerate() {
             let q = bytes(b[2..34].try_into().unwrap());
-            acc = fmadd(f16_at(b, 0) * x.d, dot(q, x), acc);
+            let dw = f16_at(b, 0);
+            for r in 0..R {
+                let x = &x[r][i];
+                acc[r] = fmadd(dw * x.d, dot(q, x), acc[r]);
+            }
         }
-        hsum(acc)
+        acc.map(hsum)
+    }
+
+    /// [`crate::ops::dot`] of `w` with each row of `x`: eight FMA lanes, then
+    /// [`super::finish_dot`].
+    pub fn dot_f32<const R: usize>(w: &[f32], x: [&[f32]; R]) -> [f32; R] {
+        let n = w.len();
+        let n8 = n / 8 * 8;
+        let x = x.map(|x| &x[..n]);
+        let mut acc = [zero(); R];
+        for i in (0..n8).step_by(8) {
+            // SAFETY: i + 8 <= n8 <= n, the length of w and of every x row.
+            unsafe {
+                let wv = _mm256_loadu_ps(w.as_ptr().add(i));
+                for r in 0..R {
+                    acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[r].as_ptr().add(i)), acc[r]);
+                }
+            }
+        }
+        std::array::from_fn(|r| {
+            let mut lanes = [0f32; 8];
+            // SAFETY: an unaligned 32-byte store to an 8-float array.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
+            super::finish_dot(lanes, &w[n8..], &x[r][n8..])
+        })
     }
 }

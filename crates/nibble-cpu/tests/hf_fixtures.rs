@@ -218,3 +218,47 @@ fn batched_forward_equals_separate_runs() {
     assert!(close(&last[..vocab], &want_a[(a.len() - 1) * vocab..]));
     assert!(close(&last[vocab..], &want_b[(b.len() - 1) * vocab..]));
 }
+
+/// Batch invariance at the model level: the last token's logits from one prefill of 9 tokens are
+/// bitwise those from prefilling 8 and decoding the 9th (what a preempted-and-recomputed request
+/// relies on to continue exactly as it would have).
+#[test]
+fn prefill_equals_prefill_then_decode_bitwise() {
+    let files = open_model(&fixture("tiny-qwen2"), None).unwrap();
+    let backend = CpuBackend::new(2).unwrap();
+    let model = Transformer::load(
+        &backend,
+        files.config.clone(),
+        &*files.source,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let ids: Vec<u32> = vec![72, 105, 44, 32, 110, 10, 20, 30, 40];
+    let run = |chunks: &[(usize, usize)]| {
+        let (mut kv, table) = model.single_sequence_kv(&backend, 16).unwrap();
+        let mut last = Vec::new();
+        for &(start, len) in chunks {
+            let l = model
+                .forward(
+                    &backend,
+                    &ids[start..start + len],
+                    &BatchLayout::single(table.clone(), start, len),
+                    &mut kv,
+                    LogitRows::LastPerSeq,
+                )
+                .unwrap();
+            last = backend.to_host(&l).unwrap();
+        }
+        last
+    };
+    let whole = run(&[(0, 9)]);
+    let split = run(&[(0, 8), (8, 1)]);
+    assert_eq!(whole.len(), files.config.vocab_size);
+    for (i, (a, b)) in whole.iter().zip(&split).enumerate() {
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "logit {i}: {a} (one prefill) vs {b} (prefill + decode)"
+        );
+    }
+}
