@@ -333,7 +333,10 @@ fn bench_throughput(engine: Engine<CpuBackend>, args: ThroughputArgs) -> Result<
     let (mut prompt_tokens, mut planned) = (0, 0);
     for (i, s) in samples.iter().enumerate() {
         let prompt = llm.tokenizer.encode(&s.prompt, true)?;
-        let max_tokens = s.output_len.min(limit.saturating_sub(prompt.len() + 1)).max(1);
+        let max_tokens = s
+            .output_len
+            .min(limit.saturating_sub(prompt.len() + 1))
+            .max(1);
         prompt_tokens += prompt.len();
         planned += max_tokens;
         llm.add_request(
@@ -390,8 +393,14 @@ fn bench_throughput(engine: Engine<CpuBackend>, args: ThroughputArgs) -> Result<
     println!(
         "throughput: {} requests in {:.1}s: {:.2} req/s, {:.1} output tok/s, {:.1} total tok/s \
          ({} prompt + {} output tokens, {} preemptions)",
-        r.requests, r.elapsed_s, r.requests_per_s, r.output_tok_s, r.total_tok_s, r.prompt_tokens,
-        r.output_tokens, r.preemptions
+        r.requests,
+        r.elapsed_s,
+        r.requests_per_s,
+        r.output_tok_s,
+        r.total_tok_s,
+        r.prompt_tokens,
+        r.output_tokens,
+        r.preemptions
     );
     if let Some(path) = args.json {
         std::fs::write(&path, serde_json::to_string_pretty(&r)?)

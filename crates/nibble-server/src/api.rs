@@ -218,10 +218,10 @@ fn common(state: &AppState, f: &Fields, max_tokens_keys: &[&str]) -> ApiResult<C
             });
         }
     }
-    if let Some(n) = f.int("n")? {
-        if n != 1 {
-            return Err(ApiError::bad("only n = 1 is supported", "n"));
-        }
+    if let Some(n) = f.int("n")?
+        && n != 1
+    {
+        return Err(ApiError::bad("only n = 1 is supported", "n"));
     }
     let top_k = f.int("top_k")?.unwrap_or(0);
     let seed = f.int("seed")?;
