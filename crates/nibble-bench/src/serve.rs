@@ -873,7 +873,7 @@ impl ServeBenchReport {
             " Serving Benchmark Result ", "Endpoint", self.url, "Model", self.model
         );
         out += &format!(
-            "{:-^52}\n{:<12}{:>8}{:>8}{:>8}{:>8}{:>8}\n",
+            "{:-^62}\n{:<12}{:>10}{:>10}{:>10}{:>10}{:>10}\n",
             " Latency (ms) ", "", "mean", "p50", "p90", "p99", "max"
         );
         for (name, st) in [
@@ -885,11 +885,11 @@ impl ServeBenchReport {
             match st {
                 Some(st) => {
                     out += &format!(
-                        "{name:<12}{:>8.2}{:>8.2}{:>8.2}{:>8.2}{:>8.2}\n",
+                        "{name:<12}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}\n",
                         st.mean, st.p50, st.p90, st.p99, st.max
                     )
                 }
-                None => out += &format!("{name:<12}{:>8}\n", "-"),
+                None => out += &format!("{name:<12}{:>10}\n", "-"),
             }
         }
         if !self.errors.is_empty() {
