@@ -127,3 +127,51 @@ fn chat_reads_turns_from_stdin() {
     let replied: Vec<bool> = turns[1..].iter().map(|t| !t.is_empty()).collect();
     assert_eq!(replied, vec![true, false, true, false], "{stdout:?}");
 }
+
+#[test]
+fn bench_throughput_runs_sharegpt_requests_through_the_engine() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("sharegpt.json");
+    let convo = |q: &str, a: &str| serde_json::json!({"id": q, "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]});
+    let records = serde_json::json!([
+        convo(
+            "Tell me about the sea and the sky.",
+            "The sea is wide and the sky is high."
+        ),
+        convo("What is a nibble?", "Half a byte, four bits."),
+        convo("hi", "x"),
+        convo(
+            "Name three colors please.",
+            "Red, green and blue are colors."
+        ),
+    ]);
+    std::fs::write(&data, records.to_string()).unwrap();
+    let json = tmp.path().join("out.json");
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../nibble-model/tests/fixtures/tiny-qwen3"
+    );
+    let (ok, out, err) = nibble(&[
+        "--model",
+        dir,
+        "bench",
+        "throughput",
+        "--dataset",
+        data.to_str().unwrap(),
+        "--num-prompts",
+        "10",
+        "--json",
+        json.to_str().unwrap(),
+        "--max-num-seqs",
+        "2",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("throughput: 3 requests"), "{out}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(
+        r["requests"], 3,
+        "the 'hi'/'x' pair is under 4 tokens and dropped"
+    );
+    assert!(r["output_tokens"].as_u64().unwrap() > 0);
+}
