@@ -19,12 +19,18 @@ fn fixture(name: &str) -> PathBuf {
 
 /// The tiny mistral fixture as a llama-arch GGUF writer, F32 tensors.
 fn tiny_gguf() -> GgufWriter {
-    tiny_gguf_with(None)
+    export("tiny-mistral", "llama", None)
 }
 
 /// As `tiny_gguf`, with the named HF tensor written transposed (a wrong shape).
 fn tiny_gguf_with(transposed: Option<&str>) -> GgufWriter {
-    let dir = fixture("tiny-mistral");
+    export("tiny-mistral", "llama", transposed)
+}
+
+/// A fixture as a GGUF of architecture `arch`, written the way llama.cpp's converter does: Q/K
+/// rows permuted for llama, HF rope scaling as `rope_freqs.weight` divisors.
+fn export(name: &str, arch: &str, transposed: Option<&str>) -> GgufWriter {
+    let dir = fixture(name);
     let st = SafetensorsDir::open(&dir).unwrap();
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
@@ -39,25 +45,34 @@ fn tiny_gguf_with(transposed: Option<&str>) -> GgufWriter {
 
     let mut w = GgufWriter::new();
     let s = |x: &str| MetaValue::String(x.into());
-    w.meta("general.architecture", s("llama"))
-        .meta("llama.block_count", MetaValue::U32(u("num_hidden_layers")))
-        .meta("llama.context_length", MetaValue::U32(64))
-        .meta("llama.embedding_length", MetaValue::U32(u("hidden_size")))
+    w.meta("general.architecture", s(arch))
         .meta(
-            "llama.feed_forward_length",
+            &format!("{arch}.block_count"),
+            MetaValue::U32(u("num_hidden_layers")),
+        )
+        .meta(&format!("{arch}.context_length"), MetaValue::U32(64))
+        .meta(
+            &format!("{arch}.embedding_length"),
+            MetaValue::U32(u("hidden_size")),
+        )
+        .meta(
+            &format!("{arch}.feed_forward_length"),
             MetaValue::U32(u("intermediate_size")),
         )
-        .meta("llama.attention.head_count", MetaValue::U32(heads as u32))
         .meta(
-            "llama.attention.head_count_kv",
+            &format!("{arch}.attention.head_count"),
+            MetaValue::U32(heads as u32),
+        )
+        .meta(
+            &format!("{arch}.attention.head_count_kv"),
             MetaValue::U32(kv_heads as u32),
         )
         .meta(
-            "llama.rope.freq_base",
+            &format!("{arch}.rope.freq_base"),
             MetaValue::F32(cfg["rope_theta"].as_f64().unwrap() as f32),
         )
         .meta(
-            "llama.attention.layer_norm_rms_epsilon",
+            &format!("{arch}.attention.layer_norm_rms_epsilon"),
             MetaValue::F32(cfg["rms_norm_eps"].as_f64().unwrap() as f32),
         );
     // Tokenizer: the fixture's byte-level BPE vocabulary, padded to the model's 272 rows.
@@ -101,6 +116,30 @@ fn tiny_gguf_with(transposed: Option<&str>) -> GgufWriter {
         .meta("tokenizer.ggml.merges", MetaValue::Array(merges))
         .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(257));
 
+    let hf = nibble_model::ModelConfig::from_hf_json(
+        &std::fs::read_to_string(dir.join("config.json")).unwrap(),
+        "config.json",
+    )
+    .unwrap();
+    if hf.rope_scaling != nibble_model::RopeScaling::None {
+        // llama.cpp stores the scaled frequencies as per-frequency divisors of the plain ones.
+        let plain = nibble_model::ModelConfig {
+            rope_scaling: nibble_model::RopeScaling::None,
+            ..hf.clone()
+        };
+        let factors: Vec<u8> = plain
+            .rope_inv_freq()
+            .iter()
+            .zip(hf.rope_inv_freq())
+            .flat_map(|(p, q)| (p / q).to_le_bytes())
+            .collect();
+        w.tensor(
+            "rope_freqs.weight",
+            &[hf.head_dim / 2],
+            GgmlType::F32,
+            factors,
+        );
+    }
     let mut names: Vec<&str> = st.names().collect();
     names.sort();
     for name in names {
@@ -114,7 +153,7 @@ fn tiny_gguf_with(transposed: Option<&str>) -> GgufWriter {
         } else {
             None
         };
-        if let Some(h) = heads_for {
+        if let (Some(h), "llama") = (heads_for, arch) {
             let order = unpermute_qk_order(t.shape[0], h);
             let mut inverse = vec![0; order.len()];
             for (hf_row, &g) in order.iter().enumerate() {
@@ -330,4 +369,61 @@ fn duplicate_tensor_is_corrupt() {
         .err()
         .expect("duplicate tensor must fail");
     assert!(e.to_string().contains("appears twice"), "{e}");
+}
+
+/// Largest |logit - reference| of a GGUF export of `name` over the fixture's input.
+fn export_error(name: &str, arch: &str) -> f32 {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = write(tmp.path(), "m.gguf", &export(name, arch, None).to_bytes());
+    let files = open_model(&path, None).unwrap();
+    let backend = CpuBackend::new(1).unwrap();
+    let model = Transformer::load(
+        &backend,
+        files.config.clone(),
+        &*files.source,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let exp: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture(name).join("expected.json")).unwrap(),
+    )
+    .unwrap();
+    let ids: Vec<u32> = exp["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let (mut kv, table) = model.single_sequence_kv(&backend, ids.len()).unwrap();
+    let batch = BatchLayout::single(table, 0, ids.len());
+    let got = backend
+        .to_host(
+            &model
+                .forward(&backend, &ids, &batch, &mut kv, LogitRows::All)
+                .unwrap(),
+        )
+        .unwrap();
+    let want = exp["logits"].as_array().unwrap().iter().flat_map(|r| {
+        r.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect::<Vec<_>>()
+    });
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+}
+
+#[test]
+fn gguf_llama3_rope_freqs_reproduce_hf_rope_scaling() {
+    let e = export_error("tiny-llama3", "llama");
+    assert!(e < 2e-4, "max logit error {e}");
+}
+
+#[test]
+fn gguf_qwen2_keeps_rows_and_biases() {
+    let e = export_error("tiny-qwen2", "qwen2");
+    assert!(e < 2e-4, "max logit error {e}");
 }
