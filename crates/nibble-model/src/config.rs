@@ -214,7 +214,7 @@ impl ModelConfig {
                 }
             }
         };
-        let cfg = ModelConfig {
+        let mut cfg = ModelConfig {
             arch,
             hidden_size,
             intermediate_size: get("intermediate_size")?,
@@ -231,6 +231,20 @@ impl ModelConfig {
                 .and_then(Value::as_u64)
                 .unwrap_or(2048) as usize,
         };
+        // Sliding-window attention is not implemented; within the window it equals full
+        // attention, so the usable context is capped there (a clear limit, never wrong output).
+        let window_on = match arch {
+            Arch::Mistral => true,
+            _ => opt("use_sliding_window")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+        };
+        if let Some(w) = opt("sliding_window")
+            .and_then(Value::as_u64)
+            .filter(|_| window_on)
+        {
+            cfg.max_context = cfg.max_context.min(w as usize);
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -343,6 +357,27 @@ mod tests {
         let text = hf("").replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3");
         assert!(ModelConfig::from_hf_json(&text, "c").is_err());
         assert!(ModelConfig::from_hf_json("{not json", "c").is_err());
+    }
+
+    #[test]
+    fn sliding_window_caps_the_context() {
+        let mistral = hf(r#","max_position_embeddings":32768,"sliding_window":4096"#)
+            .replace("\"llama\"", "\"mistral\"");
+        assert_eq!(
+            ModelConfig::from_hf_json(&mistral, "c")
+                .unwrap()
+                .max_context,
+            4096
+        );
+        // Qwen2 configs carry a window that is off unless use_sliding_window says otherwise.
+        let qwen = hf(
+            r#","max_position_embeddings":32768,"sliding_window":4096,"use_sliding_window":false"#,
+        )
+        .replace("\"llama\"", "\"qwen2\"");
+        assert_eq!(
+            ModelConfig::from_hf_json(&qwen, "c").unwrap().max_context,
+            32768
+        );
     }
 
     #[test]
