@@ -20,7 +20,9 @@ thread_local! {
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
+    pool: &rayon::ThreadPool,
     q: &CpuTensor,
     k: &CpuTensor,
     v: &CpuTensor,
@@ -88,12 +90,13 @@ pub fn attention(
                 o.iter_mut().for_each(|a| *a *= inv);
             });
         };
-        // Waking the pool costs more than a few small heads (a decode step at short context).
+        // Waking the pool costs more than a few small heads (a decode step at short context), so
+        // those run on the calling thread, without handing anything to the pool.
         let work = s.len * num_heads * (s.start_pos + s.len) * head_dim;
         if work < SERIAL_WORK {
             out_rows.chunks_mut(head_dim).enumerate().for_each(head);
         } else {
-            out_rows.par_chunks_mut(head_dim).enumerate().for_each(head);
+            pool.install(|| out_rows.par_chunks_mut(head_dim).enumerate().for_each(head));
         }
         row0 += s.len;
     }

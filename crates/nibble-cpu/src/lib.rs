@@ -185,7 +185,7 @@ impl Backend for CpuBackend {
                 x.cols, w.cols
             )));
         }
-        let mut out = self.pool.install(|| linear::matmul_transposed(x, w))?;
+        let mut out = linear::matmul_transposed(&self.pool, x, w)?;
         if let Some(b) = bias {
             for row in out.data.chunks_exact_mut(out.cols) {
                 for (o, b) in row.iter_mut().zip(&b.data) {
@@ -221,8 +221,7 @@ impl Backend for CpuBackend {
         batch: &BatchLayout,
         shape: AttentionShape,
     ) -> Result<CpuTensor> {
-        self.pool
-            .install(|| attention::attention(q, k, v, kv, layer, batch, shape))
+        attention::attention(&self.pool, q, k, v, kv, layer, batch, shape)
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {

@@ -13,13 +13,16 @@
 //! The kernels take up to [`qdot::MAX_ROWS`] activation rows at once and decode each weight block
 //! once for all of them, but accumulate every output exactly as for a lone row.
 //!
-//! Output columns (weight rows) are split into tiles, one rayon task each (small matmuls run on
-//! the calling thread, which does not change the arithmetic), and every task writes its own
-//! block of output columns in place. Within a task, weight rows are taken a cache-sized panel at
-//! a time, and each panel is applied to all activation rows, [`qdot::MAX_ROWS`] at a time.
+//! Output columns (weight rows) are split into tiles, which the calling thread and helper jobs on
+//! the pool take in turn (small matmuls run on the calling thread alone; neither changes the
+//! arithmetic), and every tile writes its own block of output columns in place. Within a tile,
+//! weight rows are taken a cache-sized panel at a time, and each panel is applied to all
+//! activation rows, [`qdot::MAX_ROWS`] at a time (a lone row takes [`qdot::WEIGHT_ROWS`] weight
+//! rows per pass instead).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use nibble_core::Result;
-use rayon::prelude::*;
 
 use crate::qdot::{self, ActRow, Kernel, QBlock};
 use crate::{CpuTensor, CpuWeight};
@@ -31,9 +34,15 @@ const SERIAL_BYTES: usize = 256 * 1024;
 /// Weight bytes of the panel that a task applies to every group of input rows (stays in L1/L2).
 const PANEL_BYTES: usize = 32 * 1024;
 
-pub fn matmul_transposed(x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
+/// `x @ w^T`, called from outside `pool` (or from inside it); see [`fused`] for how the work is
+/// shared with the pool.
+pub fn matmul_transposed(
+    pool: &rayon::ThreadPool,
+    x: &CpuTensor,
+    w: &CpuWeight,
+) -> Result<CpuTensor> {
     let mut y = CpuTensor::zeros(x.rows, w.rows);
-    fused(x, w, &mut y)?;
+    fused(pool, x, w, &mut y)?;
     Ok(y)
 }
 
@@ -48,7 +57,7 @@ impl OutPtr {
 }
 
 /// Fused dots into `y` (`m x n`), each task writing its own block of columns.
-fn fused(x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
+fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
     let (m, k, n) = (x.rows, x.cols, w.rows);
     let kernel = Kernel::for_format(w.format);
     let q8: Vec<QBlock> = if kernel.quantizes_activations() {
@@ -77,7 +86,26 @@ fn fused(x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
                 for (j, a) in acts[..g].iter_mut().enumerate() {
                     *a = act(i0 + j);
                 }
-                for r in p0..p1 {
+                let mut r0 = p0;
+                if let (1, ActRow::Q8(xq)) = (g, acts[0]) {
+                    // A lone activation row (decode): several weight rows per pass share its
+                    // loads and overlap their accumulation chains; same bits as `rows_dot`.
+                    const W: usize = qdot::WEIGHT_ROWS;
+                    while r0 + W <= p1 {
+                        let v = qdot::weight_rows_dot::<W>(
+                            kernel,
+                            std::array::from_fn(|j| w.row(r0 + j)),
+                            xq,
+                        );
+                        for (j, &v) in v.iter().enumerate() {
+                            // SAFETY: (i0, r0 + j) is inside y (i0 < m, r0 + j < p1 <= n), and
+                            // column r0 + j belongs to this task only.
+                            unsafe { *out.at(i0 * n + r0 + j) = v };
+                        }
+                        r0 += W;
+                    }
+                }
+                for r in r0..p1 {
                     qdot::rows_dot(kernel, w.format, w.row(r), &acts[..g], &mut res[..g])?;
                     for (j, &v) in res[..g].iter().enumerate() {
                         // SAFETY: (i0 + j, r) is inside y (i0 + j < m, r < n), and column r
@@ -89,15 +117,38 @@ fn fused(x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
         }
         Ok(())
     };
-    let threads = rayon::current_num_threads();
+    let threads = pool.current_num_threads();
     if threads == 1 || n * w.row_bytes * m.div_ceil(qdot::MAX_ROWS) < SERIAL_BYTES {
         return rows(0, n);
     }
-    // A few tasks per thread balances load without much scheduling overhead.
+    // The calling thread works too, next to `threads - 1` helper jobs, and every participant
+    // takes the next tile from a shared counter until none is left. A decode step runs ~100
+    // such matmuls, and handing each one to the pool (`install` + `into_par_iter`) cost two
+    // sleeps and wake-ups per matmul; this costs at most one wake-up of a helper, and a late
+    // helper just finds fewer tiles (which tile runs where does not change any output's bits).
+    // A few tiles per thread balances load without much scheduling overhead.
     let tile = n.div_ceil(4 * threads).max(16);
-    (0..n.div_ceil(tile))
-        .into_par_iter()
-        .try_for_each(|t| rows(t * tile, tile.min(n - t * tile)))
+    let tiles = n.div_ceil(tile);
+    let next = AtomicUsize::new(0);
+    let work = || -> Result<()> {
+        loop {
+            let t = next.fetch_add(1, Ordering::Relaxed);
+            if t >= tiles {
+                return Ok(());
+            }
+            rows(t * tile, tile.min(n - t * tile))?;
+        }
+    };
+    let work = &work;
+    let mut helpers: Vec<Result<()>> = (1..threads.min(tiles)).map(|_| Ok(())).collect();
+    let mine = pool.in_place_scope(|s| {
+        for h in helpers.iter_mut() {
+            s.spawn(move |_| *h = work());
+        }
+        work()
+    });
+    mine?;
+    helpers.into_iter().collect()
 }
 
 #[cfg(test)]

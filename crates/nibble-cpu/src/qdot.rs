@@ -164,6 +164,24 @@ fn rows_dot_n<const R: usize>(
     Ok(())
 }
 
+/// How many weight rows [`weight_rows_dot`] takes at once.
+pub const WEIGHT_ROWS: usize = 4;
+
+/// Dots of `W` weight rows (storage bytes) with one quantized activation row, for the
+/// single-row (decode) case: each activation block is loaded once for all `W` weight rows, and
+/// the `W` independent accumulators hide the latency of each row's FMA chain. Every output is
+/// accumulated exactly as by [`rows_dot`] for that weight row alone (same blocks, same order,
+/// same operations), so the results are bitwise the same.
+#[inline]
+pub fn weight_rows_dot<const W: usize>(kernel: Kernel, w: [&[u8]; W], x: &[QBlock]) -> [f32; W] {
+    match kernel {
+        Kernel::Q4_0 => imp::dot_q4_0_w::<W>(w, x),
+        Kernel::Q4_1 => imp::dot_q4_1_w::<W>(w, x),
+        Kernel::Q8_0 => imp::dot_q8_0_w::<W>(w, x),
+        Kernel::Float => panic!("the float kernel takes one weight row at a time"),
+    }
+}
+
 /// Dequantizes the row 256 elements (or what is left) at a time and dots each chunk with every
 /// activation row (`acc += dot(chunk)`, the dot as [`crate::ops::dot`]).
 fn dot_float<const R: usize>(format: WeightFormat, w: &[u8], x: [&[f32]; R]) -> Result<[f32; R]> {
@@ -274,6 +292,21 @@ pub mod portable {
             }
         }
         acc.map(hsum)
+    }
+
+    /// One activation row with several weight rows: each as [`dot_q4_0`] alone.
+    pub fn dot_q4_0_w<const W: usize>(w: [&[u8]; W], x: &[QBlock]) -> [f32; W] {
+        w.map(|w| dot_q4_0::<1>(w, [x])[0])
+    }
+
+    /// One activation row with several weight rows: each as [`dot_q4_1`] alone.
+    pub fn dot_q4_1_w<const W: usize>(w: [&[u8]; W], x: &[QBlock]) -> [f32; W] {
+        w.map(|w| dot_q4_1::<1>(w, [x])[0])
+    }
+
+    /// One activation row with several weight rows: each as [`dot_q8_0`] alone.
+    pub fn dot_q8_0_w<const W: usize>(w: [&[u8]; W], x: &[QBlock]) -> [f32; W] {
+        w.map(|w| dot_q8_0::<1>(w, [x])[0])
     }
 
     /// [`crate::ops::dot`] of `w` with each row of `x`.
@@ -453,6 +486,88 @@ pub mod avx2 {
             for r in 0..R {
                 let x = &x[r][i];
                 acc[r] = fmadd(dw * x.d, dot(q, x), acc[r]);
+            }
+        }
+        acc.map(hsum)
+    }
+
+    /// The 32 activations of a block as two registers of 16 i16 (elements 0..16, 16..32).
+    #[inline(always)]
+    fn act(x: &QBlock) -> (__m256i, __m256i) {
+        // SAFETY: two unaligned 32-byte loads from the 32 i16s of the block.
+        unsafe {
+            (
+                _mm256_loadu_si256(x.qs.as_ptr() as *const __m256i),
+                _mm256_loadu_si256(x.qs.as_ptr().add(16) as *const __m256i),
+            )
+        }
+    }
+
+    /// [`dot`] with the activations already loaded by [`act`].
+    #[inline(always)]
+    fn dot_loaded(w: (__m256i, __m256i), a: (__m256i, __m256i)) -> __m256 {
+        // SAFETY: register-only AVX2.
+        unsafe {
+            let s = _mm256_add_epi32(_mm256_madd_epi16(w.0, a.0), _mm256_madd_epi16(w.1, a.1));
+            _mm256_cvtepi32_ps(s)
+        }
+    }
+
+    // One activation row with `W` weight rows (the decode case): per block, the activations are
+    // loaded once and each weight row updates its own accumulator exactly as in the single-row
+    // kernels above (`fmadd(dw * x.d, dot, acc)`, then `mins += mw * x.s`), so every output has
+    // the same bits; the `W` independent chains keep the FMA and add units busy.
+
+    pub fn dot_q4_0_w<const W: usize>(w: [&[u8]; W], x: &[QBlock]) -> [f32; W] {
+        let nb = w[0].len() / 18;
+        let x = &x[..nb];
+        let w = w.map(|w| &w[..nb * 18]);
+        let mut acc = [zero(); W];
+        for (i, x) in x.iter().enumerate() {
+            let a = act(x);
+            for r in 0..W {
+                let b = &w[r][i * 18..i * 18 + 18];
+                let (lo, hi) = nibbles(b[2..18].try_into().unwrap());
+                // SAFETY: register-only AVX2.
+                let q = unsafe {
+                    let eight = _mm256_set1_epi16(8);
+                    (_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight))
+                };
+                acc[r] = fmadd(f16_at(b, 0) * x.d, dot_loaded(q, a), acc[r]);
+            }
+        }
+        acc.map(hsum)
+    }
+
+    pub fn dot_q4_1_w<const W: usize>(w: [&[u8]; W], x: &[QBlock]) -> [f32; W] {
+        let nb = w[0].len() / 20;
+        let x = &x[..nb];
+        let w = w.map(|w| &w[..nb * 20]);
+        let (mut acc, mut mins) = ([zero(); W], [0f32; W]);
+        for (i, x) in x.iter().enumerate() {
+            let a = act(x);
+            for r in 0..W {
+                let b = &w[r][i * 20..i * 20 + 20];
+                let q = nibbles(b[4..20].try_into().unwrap());
+                let (dw, mw) = (f16_at(b, 0), f16_at(b, 2));
+                acc[r] = fmadd(dw * x.d, dot_loaded(q, a), acc[r]);
+                mins[r] += mw * x.s;
+            }
+        }
+        std::array::from_fn(|r| hsum(acc[r]) + mins[r])
+    }
+
+    pub fn dot_q8_0_w<const W: usize>(w: [&[u8]; W], x: &[QBlock]) -> [f32; W] {
+        let nb = w[0].len() / 34;
+        let x = &x[..nb];
+        let w = w.map(|w| &w[..nb * 34]);
+        let mut acc = [zero(); W];
+        for (i, x) in x.iter().enumerate() {
+            let a = act(x);
+            for r in 0..W {
+                let b = &w[r][i * 34..i * 34 + 34];
+                let q = bytes(b[2..34].try_into().unwrap());
+                acc[r] = fmadd(f16_at(b, 0) * x.d, dot_loaded(q, a), acc[r]);
             }
         }
         acc.map(hsum)
