@@ -286,3 +286,36 @@ fn activation_quantization_error_is_half_a_step() {
         }
     }
 }
+
+/// The decode kernels (several weight rows against one activation row) give, for every weight
+/// row, the bits of the portable single-row kernel.
+#[test]
+fn multi_weight_row_kernels_match_single_row_bitwise() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let k = 18 * QK;
+    let x: Vec<f32> = (0..k).map(|_| rng.random_range(-3f32..3.0)).collect();
+    let mut q = Vec::new();
+    qdot::quantize_row(&x, &mut q);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        let rows: Vec<Vec<u8>> = (0..4).map(|_| random_weight(ty, 1, k, &mut rng)).collect();
+        let w: [&[u8]; 4] = std::array::from_fn(|r| rows[r].as_slice());
+        let got = match ty {
+            GgmlType::Q4_0 => qdot::dot_q4_0_w::<4>(w, &q),
+            GgmlType::Q4_1 => qdot::dot_q4_1_w::<4>(w, &q),
+            _ => qdot::dot_q8_0_w::<4>(w, &q),
+        };
+        for r in 0..4 {
+            let want = match ty {
+                GgmlType::Q4_0 => qdot::portable::dot_q4_0::<1>(w[r], [&q]),
+                GgmlType::Q4_1 => qdot::portable::dot_q4_1::<1>(w[r], [&q]),
+                _ => qdot::portable::dot_q8_0::<1>(w[r], [&q]),
+            }[0];
+            assert_eq!(
+                got[r].to_bits(),
+                want.to_bits(),
+                "{ty} weight row {r}: {} vs {want}",
+                got[r]
+            );
+        }
+    }
+}

@@ -354,6 +354,9 @@ use avx2 as imp;
 /// [`crate::ops::dot`] of one f32 row with each of `R` rows (the kernel compiled in).
 #[cfg(test)]
 pub use imp::dot_f32;
+/// Several weight rows against one activation row (the kernels compiled in), for tests.
+#[cfg(test)]
+pub use imp::{dot_q4_0_w, dot_q4_1_w, dot_q8_0_w};
 
 /// AVX2 kernels (compiled in when the build targets AVX2 + FMA, as the release config does).
 /// A block's 32 weights are widened to two registers of 16 i16 each (elements 0..16, 16..32),
