@@ -2,7 +2,7 @@
 //! Allocated zeroed, which the OS maps lazily, so an unused pool costs address space only.
 
 use nibble_core::{Error, Result};
-use nibble_model::{KvCache, KvShape};
+use nibble_model::KvShape;
 
 pub struct CpuKvCache {
     pub shape: KvShape,
@@ -61,16 +61,6 @@ impl CpuKvCache {
             )));
         }
         Ok(())
-    }
-}
-
-impl KvCache for CpuKvCache {
-    fn num_blocks(&self) -> usize {
-        self.num_blocks
-    }
-
-    fn block_size(&self) -> usize {
-        self.block_size
     }
 }
 

@@ -14,6 +14,13 @@ use nibble_core::{Error, Result};
 
 pub type BlockId = u32;
 
+/// How many leading full blocks of one sequence are hashed, and the hash of the last of them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HashChain {
+    blocks: usize,
+    last: Option<u64>,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct BlockState {
     refs: u32,
@@ -179,12 +186,23 @@ impl BlockManager {
     }
 
     /// Registers the full blocks among `tokens` (the sequence's tokens whose KV is written) in
-    /// the prefix cache, so later requests with the same prefix can share them.
-    pub fn register_full_blocks(&mut self, table: &[BlockId], tokens: &[u32]) {
-        let mut prev = None;
-        for (chunk, &id) in tokens.chunks_exact(self.block_size).zip(table) {
-            let h = block_hash(prev, chunk);
-            prev = Some(h);
+    /// the prefix cache, so later requests with the same prefix can share them. `chain` remembers
+    /// how far this sequence's blocks are hashed, so each block is hashed once, when it fills.
+    pub fn register_full_blocks(
+        &mut self,
+        chain: &mut HashChain,
+        table: &[BlockId],
+        tokens: &[u32],
+    ) {
+        let full = (tokens.len() / self.block_size).min(table.len());
+        for i in chain.blocks..full {
+            let h = block_hash(
+                chain.last,
+                &tokens[i * self.block_size..(i + 1) * self.block_size],
+            );
+            chain.blocks = i + 1;
+            chain.last = Some(h);
+            let id = table[i];
             let b = &mut self.blocks[id as usize];
             if b.hash.is_none() && !self.by_hash.contains_key(&h) {
                 b.hash = Some(h);
@@ -246,7 +264,7 @@ mod tests {
         let prompt: Vec<u32> = (0..10).collect();
         let (a, cached) = bm.allocate(&prompt).unwrap();
         assert_eq!(cached, 0);
-        bm.register_full_blocks(&a, &prompt);
+        bm.register_full_blocks(&mut HashChain::default(), &a, &prompt);
         // Same first 8 tokens, different tail: two blocks shared.
         let other: Vec<u32> = (0..8).chain([77, 78, 79]).collect();
         let (b, cached) = bm.allocate(&other).unwrap();
@@ -269,7 +287,7 @@ mod tests {
         let mut bm = BlockManager::new(16, 2);
         let p: Vec<u32> = vec![1, 2, 3, 4, 5];
         let (a, _) = bm.allocate(&p).unwrap();
-        bm.register_full_blocks(&a, &p);
+        bm.register_full_blocks(&mut HashChain::default(), &a, &p);
         // Second block equal ([3, 4]) but first differs: the chained hash must not match.
         let (_, cached) = bm.allocate(&[9, 9, 3, 4, 5]).unwrap();
         assert_eq!(cached, 0);
@@ -280,7 +298,7 @@ mod tests {
         let mut bm = BlockManager::new(4, 2);
         let p1 = vec![1, 2, 3];
         let (a, _) = bm.allocate(&p1).unwrap();
-        bm.register_full_blocks(&a, &p1);
+        bm.register_full_blocks(&mut HashChain::default(), &a, &p1);
         bm.release(&a);
         assert_eq!(bm.available(), 4);
         // Needs all four blocks: the cached one is evicted and its hash forgotten.
@@ -296,7 +314,7 @@ mod tests {
         let mut bm = BlockManager::new(8, 4);
         let p: Vec<u32> = (0..8).collect();
         let (a, _) = bm.allocate(&p).unwrap();
-        bm.register_full_blocks(&a, &p);
+        bm.register_full_blocks(&mut HashChain::default(), &a, &p);
         let (b, cached) = bm.allocate(&p).unwrap();
         assert_eq!(
             cached, 4,

@@ -15,7 +15,7 @@ use nibble_core::{Error, Result};
 use nibble_formats::tokenizer::{StreamDecoder, Tokenizer};
 use nibble_model::{Backend, BatchLayout, LogitRows, SeqSpan, Transformer};
 
-use crate::block_manager::{BlockId, BlockManager};
+use crate::block_manager::{BlockId, BlockManager, HashChain};
 use crate::{FinishReason, Sampler, SamplingParams, StopMatcher};
 
 pub type RequestId = u64;
@@ -92,6 +92,8 @@ struct Sequence {
     /// Leading tokens whose KV is in the cache.
     computed: usize,
     blocks: Vec<BlockId>,
+    /// Progress of registering this sequence's full blocks in the prefix cache.
+    hashed: HashChain,
     sampler: Sampler,
     decoder: StreamDecoder,
     stops: StopMatcher,
@@ -212,6 +214,7 @@ impl<B: Backend> LlmEngine<B> {
             req,
             computed: 0,
             blocks: Vec::new(),
+            hashed: HashChain::default(),
             sampler,
             decoder: StreamDecoder::new(),
             generated: 0,
@@ -257,6 +260,7 @@ impl<B: Backend> LlmEngine<B> {
             Some(mut s) => {
                 self.blocks.release(&s.blocks);
                 s.blocks.clear();
+                s.hashed = HashChain::default();
                 s.computed = 0;
                 self.preemptions += 1;
                 self.waiting.push_front(s);
@@ -342,7 +346,7 @@ impl<B: Backend> LlmEngine<B> {
             let s = &mut self.running[idx];
             s.computed += chunk;
             self.blocks
-                .register_full_blocks(&s.blocks, &s.tokens[..s.computed]);
+                .register_full_blocks(&mut s.hashed, &s.blocks, &s.tokens[..s.computed]);
             if s.computed < s.tokens.len() {
                 continue; // mid-prefill: these logits are not for sampling
             }

@@ -75,19 +75,14 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
-/// A backend's paged KV pool. Which blocks a sequence uses is decided outside the backend (the
-/// engine's block manager); the backend only stores and reads the slots a batch names.
-pub trait KvCache: Send {
-    fn num_blocks(&self) -> usize;
-    fn block_size(&self) -> usize;
-}
-
 pub trait Backend: Send + Sync {
     /// Activations: a row-major matrix `[tokens, features]`.
     type Tensor: Send + Sync;
     /// A weight matrix `[out, in]` in its storage format, prepared for this backend's kernels.
     type Weight: Send + Sync;
-    type Kv: KvCache;
+    /// The paged KV pool. Which blocks a sequence uses is decided outside the backend (the
+    /// engine's block manager); the backend only stores and reads the slots a batch names.
+    type Kv: Send;
 
     fn name(&self) -> String;
 

@@ -7,7 +7,7 @@ pub mod loader;
 pub mod source;
 pub mod transformer;
 
-pub use backend::{AttentionShape, Backend, BatchLayout, KvCache, KvShape, SeqSpan};
+pub use backend::{AttentionShape, Backend, BatchLayout, KvShape, SeqSpan};
 pub use config::{Arch, ModelConfig, RopeLayout, RopeScaling};
 pub use loader::{ModelFiles, open_model};
 pub use transformer::{LogitRows, Transformer};

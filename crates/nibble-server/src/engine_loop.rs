@@ -25,7 +25,6 @@ pub enum Command {
 struct Live {
     events: mpsc::UnboundedSender<Event>,
     arrived: Instant,
-    first_token: Option<Instant>,
     last_token: Option<Instant>,
 }
 
@@ -117,7 +116,6 @@ fn run<B: Backend>(
                         Live {
                             events,
                             arrived: Instant::now(),
-                            first_token: None,
                             last_token: None,
                         },
                     );
@@ -154,7 +152,6 @@ fn run<B: Backend>(
                                 None => metrics.ttft.observe((now - l.arrived).as_secs_f64()),
                                 Some(t) => metrics.tpot.observe((now - t).as_secs_f64()),
                             }
-                            l.first_token.get_or_insert(now);
                             l.last_token = Some(now);
                         }
                         if l.events.send(ev).is_err() {
