@@ -2,20 +2,17 @@
 //! llama-arch GGUF (Q/K rows permuted the way llama.cpp's converter does it, tokenizer in
 //! metadata) must give the fixture's logits; broken files give clear errors.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::{Loaded, expected, fixture, load};
 use nibble_core::Error;
 use nibble_cpu::CpuBackend;
 use nibble_formats::gguf::{GgmlType, GgufWriter, MetaValue};
 use nibble_formats::safetensors_dir::SafetensorsDir;
 use nibble_model::source::{gguf_name, unpermute_qk_order};
 use nibble_model::{Backend, BatchLayout, LogitRows, Transformer, open_model};
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../nibble-model/tests/fixtures")
-        .join(name)
-}
 
 /// The tiny mistral fixture as a llama-arch GGUF writer, F32 tensors.
 fn tiny_gguf() -> GgufWriter {
@@ -189,7 +186,11 @@ fn gguf_export_of_a_fixture_reproduces_its_logits() {
 
     let tmp = tempfile::tempdir().unwrap();
     let path = write(tmp.path(), "tiny.gguf", &tiny_gguf().to_bytes());
-    let files = open_model(&path, None).unwrap();
+    let Loaded {
+        files,
+        backend,
+        model,
+    } = load(&path, 1);
     assert_eq!(files.tokenizer.eos_ids, vec![257]);
     // The GGUF tokenizer built from metadata must agree with the fixture's tokenizer.json.
     let hf_tok =
@@ -207,14 +208,6 @@ fn gguf_export_of_a_fixture_reproduces_its_logits() {
     }
 
     // The context limit from the GGUF (64) is enforced with a clear error.
-    let backend = CpuBackend::new(1).unwrap();
-    let model = Transformer::load(
-        &backend,
-        files.config.clone(),
-        &*files.source,
-        &mut |_, _| {},
-    )
-    .unwrap();
     let long = vec![1u32; 65];
     let mut kv = backend.new_kv_pool(model.kv_shape(), 5, 16).unwrap();
     let table: Vec<u32> = (0..5).collect();
@@ -340,43 +333,18 @@ fn duplicate_tensor_is_corrupt() {
 fn export_error(name: &str, arch: &str) -> f32 {
     let tmp = tempfile::tempdir().unwrap();
     let path = write(tmp.path(), "m.gguf", &export(name, arch, None).to_bytes());
-    let files = open_model(&path, None).unwrap();
-    let backend = CpuBackend::new(1).unwrap();
-    let model = Transformer::load(
-        &backend,
-        files.config.clone(),
-        &*files.source,
-        &mut |_, _| {},
-    )
-    .unwrap();
-    let exp: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture(name).join("expected.json")).unwrap(),
-    )
-    .unwrap();
-    let ids: Vec<u32> = exp["input_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect();
+    let Loaded { backend, model, .. } = load(&path, 1);
+    let exp = expected(name);
+    let ids = &exp.input_ids;
     let (mut kv, table) = model.single_sequence_kv(&backend, ids.len()).unwrap();
     let batch = BatchLayout::single(table, 0, ids.len());
-    let got = backend
-        .to_host(
-            &model
-                .forward(&backend, &ids, &batch, &mut kv, LogitRows::All)
-                .unwrap(),
-        )
+    let logits = model
+        .forward(&backend, ids, &batch, &mut kv, LogitRows::All)
         .unwrap();
-    let want = exp["logits"].as_array().unwrap().iter().flat_map(|r| {
-        r.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect::<Vec<_>>()
-    });
+    let got = backend.to_host(&logits).unwrap();
+    assert_eq!(got.len(), exp.logits.len());
     got.iter()
-        .zip(want)
+        .zip(&exp.logits)
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max)
 }

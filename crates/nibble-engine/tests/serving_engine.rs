@@ -70,6 +70,15 @@ fn run(
     out
 }
 
+/// Every prompt of `prompts()` as a request, numbered by position.
+fn all_prompts(max_tokens: usize) -> Vec<(RequestId, Request)> {
+    prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (i as u64, request(p, max_tokens)))
+        .collect()
+}
+
 fn alone() -> HashMap<RequestId, Vec<u32>> {
     let mut want = HashMap::new();
     for (i, p) in prompts().into_iter().enumerate() {
@@ -83,11 +92,7 @@ fn alone() -> HashMap<RequestId, Vec<u32>> {
 fn batched_equals_alone() {
     let want = alone();
     let mut e = engine(EngineConfig::default());
-    let reqs = prompts()
-        .into_iter()
-        .enumerate()
-        .map(|(i, p)| (i as u64, request(p, 12)))
-        .collect();
+    let reqs = all_prompts(12);
     assert_eq!(run(&mut e, reqs), want);
 }
 
@@ -98,11 +103,7 @@ fn chunked_prefill_equals_alone() {
         max_batched_tokens: 4,
         ..EngineConfig::default()
     });
-    let reqs = prompts()
-        .into_iter()
-        .enumerate()
-        .map(|(i, p)| (i as u64, request(p, 12)))
-        .collect();
+    let reqs = all_prompts(12);
     assert_eq!(run(&mut e, reqs), want);
 }
 
@@ -115,11 +116,7 @@ fn preempted_requests_resume_with_the_same_output() {
         block_size: 4,
         ..EngineConfig::default()
     });
-    let reqs = prompts()
-        .into_iter()
-        .enumerate()
-        .map(|(i, p)| (i as u64, request(p, 12)))
-        .collect();
+    let reqs = all_prompts(12);
     assert_eq!(run(&mut e, reqs), want);
     assert!(
         e.stats().preemptions > 0,
