@@ -52,7 +52,8 @@ impl CpuWeight {
     /// Decodes rows `start..start + n` into `out` (`n * cols` floats).
     pub fn dequantize_rows(&self, start: usize, n: usize, out: &mut [f32]) -> Result<()> {
         let src = &self.bytes[start * self.row_bytes..(start + n) * self.row_bytes];
-        self.format.dequantize(src, &mut out[..n * self.cols])
+        self.format
+            .dequantize(src, self.cols, &mut out[..n * self.cols])
     }
 
     /// The storage bytes of row `r`.

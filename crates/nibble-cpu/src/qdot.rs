@@ -193,7 +193,7 @@ fn dot_float<const R: usize>(format: WeightFormat, w: &[u8], x: [&[f32]; R]) -> 
     for (c, wc) in w.chunks(chunk_bytes).enumerate() {
         let (lo, hi) = (c * CHUNK, (c * CHUNK + CHUNK).min(k));
         let b = &mut buf[..hi - lo];
-        format.dequantize(wc, b)?;
+        format.dequantize(wc, hi - lo, b)?;
         let d = imp::dot_f32::<R>(b, std::array::from_fn(|r| &x[r][lo..hi]));
         for (a, d) in acc.iter_mut().zip(d) {
             *a += d;

@@ -8,6 +8,8 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use nibble_core::{Error, Result};
 
+use nibble_precision::LinearFormat;
+
 use crate::gguf::{GgmlType, dequant};
 
 /// How a tensor's elements are encoded. New weight formats are added here and in the backends'
@@ -16,6 +18,9 @@ use crate::gguf::{GgmlType, dequant};
 pub enum WeightFormat {
     /// Plain floats or ggml quantization blocks along each row.
     Ggml(GgmlType),
+    /// A nibble quantized linear layer: each row is one self-contained byte string in the
+    /// layout of its codec (see `nibble_precision::weight`).
+    Quant(LinearFormat),
 }
 
 impl WeightFormat {
@@ -23,13 +28,16 @@ impl WeightFormat {
     pub fn row_bytes(self, cols: usize) -> Result<usize> {
         match self {
             WeightFormat::Ggml(t) => t.bytes_for(cols),
+            WeightFormat::Quant(f) => f.row_bytes(cols),
         }
     }
 
-    /// Decodes whole rows to f32: the reference every backend kernel is checked against.
-    pub fn dequantize(self, src: &[u8], dst: &mut [f32]) -> Result<()> {
+    /// Decodes whole rows of `cols` elements to f32: the reference every backend kernel is
+    /// checked against.
+    pub fn dequantize(self, src: &[u8], cols: usize, dst: &mut [f32]) -> Result<()> {
         match self {
             WeightFormat::Ggml(t) => dequant::dequantize(t, src, dst),
+            WeightFormat::Quant(f) => f.codec.dequantize(src, cols, dst),
         }
     }
 }
@@ -38,6 +46,7 @@ impl std::fmt::Display for WeightFormat {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             WeightFormat::Ggml(t) => write!(f, "{t}"),
+            WeightFormat::Quant(q) => write!(f, "{q}"),
         }
     }
 }
@@ -107,7 +116,8 @@ impl HostTensor {
     /// The whole tensor as f32 (for norms, biases, and reference checks).
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         let mut out = vec![0f32; self.elems()];
-        self.format.dequantize(&self.bytes, &mut out)?;
+        self.format
+            .dequantize(&self.bytes, self.rows_cols().1, &mut out)?;
         Ok(out)
     }
 

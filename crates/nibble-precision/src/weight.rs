@@ -1,0 +1,742 @@
+//! Quantized weight codecs: how one row (one output channel) of a linear weight is encoded, and
+//! the exact integer or float values a kernel reconstructs from it.
+//!
+//! Every codec stores a row as one self-contained byte string (codes first, then that row's
+//! scales and zeros), so rows can be permuted, sliced and checked like ggml blocks, and a
+//! checkpoint tensor is a plain `[rows, row_bytes]` byte matrix. GPU backends repack at load.
+//! Row layouts (little-endian; `K` input channels, `G = K / group` groups, nibbles packed two
+//! per byte, element `2j` in the low nibble of byte `j`):
+//!
+//! | codec | row bytes |
+//! |---|---|
+//! | `int8-pc` | `K` x i8, f16 scale |
+//! | `fp8-pc` | `K` x e4m3, f32 scale |
+//! | `int4-gN` / `int4-pc` | `K/2` codes, `G` x f16 scale, `G` x u8 zero (0..=15) |
+//! | `qoq-gN` | `K/2` codes, `G` x u8 scale, `G` x u8 zero (0..=15), f16 channel scale |
+//! | `lqq-gN` | `K/2` codes, `G` x u8 scale (1..=17), `G` x u8 offset, f16 channel scale |
+
+use std::fmt;
+use std::str::FromStr;
+
+use float8::F8E4M3;
+use half::f16;
+use nibble_core::{Error, Result};
+
+/// QoQ's protective INT8 range: level-1 dequantization of any group of values in
+/// `[-119, 119]` stays inside INT8 (proved exhaustively in the tests).
+pub const PROTECTIVE_RANGE: i32 = 119;
+
+/// Largest FP8 e4m3 magnitude.
+pub const FP8_MAX: f32 = 448.0;
+
+/// The storage codec of one quantized weight tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightCodec {
+    /// Symmetric INT8 per output channel, f16 scale.
+    Int8PerChannel,
+    /// FP8 e4m3 per output channel, f32 scale.
+    Fp8PerChannel,
+    /// Asymmetric UINT4 per group of `group` input channels (0: the whole row), f16 scale,
+    /// integer zero: `w = (q - z) * s` (AWQ, GPTQ, QServe per-channel, COMET).
+    Int4Group { group: u32 },
+    /// QoQ progressive: `w = ((q - z) * s1) * s0` with `(q - z) * s1` an exact INT8.
+    Qoq { group: u32 },
+    /// LiquidQuant: `w = i8((q * s + z') ^ 0x80) * s0`.
+    Lqq { group: u32 },
+}
+
+/// How a linear layer's input activations are quantized at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ActQuant {
+    /// 16-bit floats (weights are dequantized to 16-bit floats in the kernel).
+    F16,
+    /// Symmetric INT8 per token, scale `max|x| / 127`.
+    Int8PerToken,
+    /// FP8 e4m3 per token, scale `max|x| / 448`.
+    Fp8PerToken,
+    /// COMET: channel blocks of `block`; the first `int8_blocks` blocks (outliers, gathered
+    /// there by the offline permutation) INT8, the rest INT4, each symmetric per token per block.
+    Mixed4x8 { block: u16, int8_blocks: u16 },
+}
+
+/// Everything a kernel needs to know about one linear layer's arithmetic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LinearFormat {
+    pub codec: WeightCodec,
+    pub act: ActQuant,
+}
+
+impl WeightCodec {
+    fn group_len(self, cols: usize) -> usize {
+        match self {
+            WeightCodec::Int4Group { group: 0 } => cols,
+            WeightCodec::Int4Group { group }
+            | WeightCodec::Qoq { group }
+            | WeightCodec::Lqq { group } => group as usize,
+            WeightCodec::Int8PerChannel | WeightCodec::Fp8PerChannel => cols,
+        }
+    }
+
+    /// Number of scale groups in a row of `cols`.
+    pub fn groups(self, cols: usize) -> usize {
+        cols / self.group_len(cols).max(1)
+    }
+
+    /// Checks that `cols` suits this codec (even, and a multiple of the group size).
+    pub fn check_cols(self, cols: usize) -> Result<()> {
+        let g = self.group_len(cols);
+        let nibbles = !matches!(
+            self,
+            WeightCodec::Int8PerChannel | WeightCodec::Fp8PerChannel
+        );
+        if cols == 0 || g == 0 || cols % g != 0 || (nibbles && cols % 2 != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "{self} cannot encode rows of {cols} elements (group size {g} must divide it{})",
+                if nibbles { ", and it must be even" } else { "" }
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn row_bytes(self, cols: usize) -> Result<usize> {
+        self.check_cols(cols)?;
+        let g = self.groups(cols);
+        Ok(match self {
+            WeightCodec::Int8PerChannel => cols + 2,
+            WeightCodec::Fp8PerChannel => cols + 4,
+            WeightCodec::Int4Group { .. } => cols / 2 + 3 * g,
+            WeightCodec::Qoq { .. } | WeightCodec::Lqq { .. } => cols / 2 + 2 * g + 2,
+        })
+    }
+
+    /// Quantizes one row. `clip` (0 < clip <= 1) shrinks the range the codec covers: the
+    /// channel's absolute maximum for per-channel codecs and level 0 of QoQ/LiquidQuant, each
+    /// group's min and max for `Int4Group`. `out` is `row_bytes(row.len())` long.
+    pub fn quantize_row(self, row: &[f32], clip: f32, out: &mut [u8]) -> Result<()> {
+        let cols = row.len();
+        if out.len() != self.row_bytes(cols)? {
+            return Err(Error::InvalidArgument(format!(
+                "{self}: output row of {} bytes for {cols} elements",
+                out.len()
+            )));
+        }
+        if !(clip > 0.0 && clip <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "clip ratio {clip} is outside (0, 1]"
+            )));
+        }
+        if let Some(i) = row.iter().position(|x| !x.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "weight element {i} is {}: cannot quantize a non-finite weight",
+                row[i]
+            )));
+        }
+        match self {
+            WeightCodec::Int8PerChannel => {
+                let s = f16_scale(absmax(row) * clip / 127.0)?;
+                for (o, &x) in out.iter_mut().zip(row) {
+                    *o = round_clamp(x, s, -127, 127) as i8 as u8;
+                }
+                out[cols..].copy_from_slice(&f16::from_f32(s).to_le_bytes());
+            }
+            WeightCodec::Fp8PerChannel => {
+                let s = absmax(row) * clip / FP8_MAX;
+                let s = if s > 0.0 { s } else { 1.0 };
+                for (o, &x) in out.iter_mut().zip(row) {
+                    *o = F8E4M3::from_f32((x / s).clamp(-FP8_MAX, FP8_MAX)).to_bits();
+                }
+                out[cols..].copy_from_slice(&s.to_le_bytes());
+            }
+            WeightCodec::Int4Group { .. } => {
+                let gl = self.group_len(cols);
+                let g = cols / gl;
+                let mut codes = vec![0u8; cols];
+                for (gi, group) in row.chunks_exact(gl).enumerate() {
+                    let (s, z) = int4_group_params(group, clip)?;
+                    for (c, &x) in codes[gi * gl..].iter_mut().zip(group) {
+                        *c = round_clamp(x, s, -(z as i32), 15 - z as i32).wrapping_add(z as i32)
+                            as u8;
+                    }
+                    let sb = f16::from_f32(s).to_le_bytes();
+                    out[cols / 2 + 2 * gi..cols / 2 + 2 * gi + 2].copy_from_slice(&sb);
+                    out[cols / 2 + 2 * g + gi] = z;
+                }
+                pack_nibbles(&codes, &mut out[..cols / 2]);
+            }
+            WeightCodec::Qoq { .. } | WeightCodec::Lqq { .. } => {
+                let s0 = f16_scale(absmax(row) * clip / PROTECTIVE_RANGE as f32)?;
+                let q8: Vec<i32> = row
+                    .iter()
+                    .map(|&x| round_clamp(x, s0, -PROTECTIVE_RANGE, PROTECTIVE_RANGE))
+                    .collect();
+                let gl = self.group_len(cols);
+                let g = cols / gl;
+                let mut codes = vec![0u8; cols];
+                for (gi, group) in q8.chunks_exact(gl).enumerate() {
+                    let (s, z) = if matches!(self, WeightCodec::Qoq { .. }) {
+                        qoq_level1(group, &mut codes[gi * gl..(gi + 1) * gl])
+                    } else {
+                        lqq_level2(group, &mut codes[gi * gl..(gi + 1) * gl])
+                    };
+                    out[cols / 2 + gi] = s;
+                    out[cols / 2 + g + gi] = z;
+                }
+                pack_nibbles(&codes, &mut out[..cols / 2]);
+                let end = out.len();
+                out[end - 2..].copy_from_slice(&f16::from_f32(s0).to_le_bytes());
+            }
+        }
+        Ok(())
+    }
+
+    /// The exact integer weights of a row for the integer codecs (INT8 per channel, the INT8
+    /// that QoQ/LiquidQuant reconstruct in the GEMM main loop, `q - z` for INT4), with the scale
+    /// each element is multiplied by: per channel (one entry) or per group.
+    pub fn integer_row(self, src: &[u8], cols: usize, ints: &mut [i8], scales: &mut Vec<f32>) {
+        scales.clear();
+        match self {
+            WeightCodec::Int8PerChannel => {
+                for (o, &b) in ints.iter_mut().zip(&src[..cols]) {
+                    *o = b as i8;
+                }
+                scales.push(read_f16(&src[cols..]));
+            }
+            WeightCodec::Fp8PerChannel => panic!("fp8 has no integer form"),
+            WeightCodec::Int4Group { .. } => {
+                let gl = self.group_len(cols);
+                let g = cols / gl;
+                for gi in 0..g {
+                    let z = src[cols / 2 + 2 * g + gi] as i32;
+                    for j in gi * gl..(gi + 1) * gl {
+                        ints[j] = (nibble(src, j) as i32 - z) as i8;
+                    }
+                    scales.push(read_f16(&src[cols / 2 + 2 * gi..]));
+                }
+            }
+            WeightCodec::Qoq { .. } => {
+                let gl = self.group_len(cols);
+                let g = cols / gl;
+                for gi in 0..g {
+                    let (s, z) = (src[cols / 2 + gi] as i32, src[cols / 2 + g + gi] as i32);
+                    for j in gi * gl..(gi + 1) * gl {
+                        ints[j] = ((nibble(src, j) as i32 - z) * s) as i8;
+                    }
+                }
+                scales.push(read_f16(&src[src.len() - 2..]));
+            }
+            WeightCodec::Lqq { .. } => {
+                let gl = self.group_len(cols);
+                let g = cols / gl;
+                for gi in 0..g {
+                    let (s, z) = (src[cols / 2 + gi] as u32, src[cols / 2 + g + gi] as u32);
+                    for j in (gi * gl..(gi + 1) * gl).step_by(4) {
+                        let word = u32::from_le_bytes([
+                            nibble(src, j),
+                            nibble(src, j + 1),
+                            nibble(src, j + 2),
+                            nibble(src, j + 3),
+                        ]);
+                        let out = lqq_dequant_word(word, s, z).to_le_bytes();
+                        for (o, b) in ints[j..j + 4].iter_mut().zip(out) {
+                            *o = b as i8;
+                        }
+                    }
+                }
+                scales.push(read_f16(&src[src.len() - 2..]));
+            }
+        }
+    }
+
+    /// Decodes whole rows to f32: `src` holds `dst.len() / cols` rows.
+    pub fn dequantize(self, src: &[u8], cols: usize, dst: &mut [f32]) -> Result<()> {
+        let rb = self.row_bytes(cols)?;
+        if src.len() * cols != dst.len() * rb {
+            return Err(Error::InvalidArgument(format!(
+                "{self}: {} bytes do not hold {} elements in rows of {cols}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        let mut ints = vec![0i8; cols];
+        let mut scales = Vec::new();
+        for (row, out) in src.chunks_exact(rb).zip(dst.chunks_exact_mut(cols)) {
+            if self == WeightCodec::Fp8PerChannel {
+                let s = f32::from_le_bytes(row[cols..cols + 4].try_into().unwrap());
+                for (o, &b) in out.iter_mut().zip(&row[..cols]) {
+                    *o = F8E4M3::from_bits(b).to_f32() * s;
+                }
+                continue;
+            }
+            self.integer_row(row, cols, &mut ints, &mut scales);
+            let gl = cols / scales.len();
+            for (j, (o, &q)) in out.iter_mut().zip(&ints).enumerate() {
+                *o = q as f32 * scales[j / gl];
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The LiquidQuant dequantization of four zero-extended UINT4 codes in one 32-bit word: one
+/// multiply-add and one XOR, with no carry between byte lanes. Each byte of the result is the
+/// two's-complement INT8 weight.
+pub fn lqq_dequant_word(codes: u32, scale: u32, offset: u32) -> u32 {
+    codes
+        .wrapping_mul(scale)
+        .wrapping_add(offset.wrapping_mul(0x0101_0101))
+        ^ 0x8080_8080
+}
+
+/// QoQ level 1 on one group of INT8 values in the protective range: UINT8 scale
+/// `ceil((hi - lo) / 15)` (at least 1), UINT4 zero `round(-lo / s)`, codes
+/// `clamp(round(x / s) + z, 0, 15)`, all in integers.
+fn qoq_level1(group: &[i32], codes: &mut [u8]) -> (u8, u8) {
+    let lo = group.iter().copied().min().unwrap_or(0).min(0);
+    let hi = group.iter().copied().max().unwrap_or(0).max(0);
+    let s = ((hi - lo + 14) / 15).max(1);
+    let z = div_round(-lo, s).clamp(0, 15);
+    for (c, &x) in codes.iter_mut().zip(group) {
+        *c = (div_round(x, s) + z).clamp(0, 15) as u8;
+    }
+    (s as u8, z as u8)
+}
+
+/// LiquidQuant level 2 on one group of INT8 values in the protective range, shifted to UINT8:
+/// offset `z' = min`, integer scale `ceil((max - min) / 15)` (at least 1, at most 16), codes
+/// `round((u - z') / s)`.
+fn lqq_level2(group: &[i32], codes: &mut [u8]) -> (u8, u8) {
+    let lo = group.iter().copied().min().unwrap_or(0) + 128;
+    let hi = group.iter().copied().max().unwrap_or(0) + 128;
+    let s = ((hi - lo + 14) / 15).max(1);
+    for (c, &x) in codes.iter_mut().zip(group) {
+        *c = div_round(x + 128 - lo, s).clamp(0, 15) as u8;
+    }
+    (s as u8, lo as u8)
+}
+
+/// `round(a / b)` for `b > 0`, halves away from zero, in integers.
+fn div_round(a: i32, b: i32) -> i32 {
+    if a >= 0 {
+        (2 * a + b) / (2 * b)
+    } else {
+        -((-2 * a + b) / (2 * b))
+    }
+}
+
+/// Scale and integer zero of an asymmetric UINT4 group. The range is `[min, max]` shrunk by
+/// `clip`; a (nearly) constant group widens it to include zero so the constant stays exact.
+fn int4_group_params(group: &[f32], clip: f32) -> Result<(f32, u8)> {
+    let mut lo = group.iter().copied().fold(f32::INFINITY, f32::min) * clip;
+    let mut hi = group.iter().copied().fold(f32::NEG_INFINITY, f32::max) * clip;
+    let amax = lo.abs().max(hi.abs());
+    if amax == 0.0 {
+        return Ok((0.0, 0));
+    }
+    if hi - lo <= amax * 1e-3 {
+        lo = lo.min(0.0);
+        hi = hi.max(0.0);
+    }
+    let s = f16_scale((hi - lo) / 15.0)?;
+    let z = (-lo / s).round().clamp(0.0, 15.0) as u8;
+    Ok((s, z))
+}
+
+/// Rounds a scale to f16, refusing magnitudes f16 cannot hold; 0 stays 0 (an all-zero row).
+fn f16_scale(s: f32) -> Result<f32> {
+    let h = f16::from_f32(s);
+    if !h.is_finite() {
+        return Err(Error::InvalidArgument(format!(
+            "a weight scale of {s} does not fit in f16 (weights above about 1e6 in magnitude)"
+        )));
+    }
+    // A tiny positive scale that f16 flushes to zero becomes the smallest f16 instead.
+    if s > 0.0 && h.to_f32() == 0.0 {
+        return Ok(f16::from_bits(1).to_f32());
+    }
+    Ok(h.to_f32())
+}
+
+/// `clamp(round(x / s), lo, hi)`, with a zero scale giving 0.
+fn round_clamp(x: f32, s: f32, lo: i32, hi: i32) -> i32 {
+    if s == 0.0 {
+        return 0;
+    }
+    ((x / s).round() as i32).clamp(lo, hi)
+}
+
+fn absmax(xs: &[f32]) -> f32 {
+    xs.iter().fold(0f32, |m, x| m.max(x.abs()))
+}
+
+fn read_f16(b: &[u8]) -> f32 {
+    f16::from_le_bytes([b[0], b[1]]).to_f32()
+}
+
+fn nibble(src: &[u8], j: usize) -> u8 {
+    (src[j / 2] >> ((j % 2) * 4)) & 0x0f
+}
+
+fn pack_nibbles(codes: &[u8], out: &mut [u8]) {
+    for (o, pair) in out.iter_mut().zip(codes.chunks_exact(2)) {
+        *o = pair[0] | (pair[1] << 4);
+    }
+}
+
+impl fmt::Display for WeightCodec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            WeightCodec::Int8PerChannel => write!(f, "int8-pc"),
+            WeightCodec::Fp8PerChannel => write!(f, "fp8-pc"),
+            WeightCodec::Int4Group { group: 0 } => write!(f, "int4-pc"),
+            WeightCodec::Int4Group { group } => write!(f, "int4-g{group}"),
+            WeightCodec::Qoq { group } => write!(f, "qoq-g{group}"),
+            WeightCodec::Lqq { group } => write!(f, "lqq-g{group}"),
+        }
+    }
+}
+
+impl FromStr for WeightCodec {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || Error::unsupported(format!("weight codec '{s}'"), "not a nibble codec name");
+        let group = |g: &str| -> Result<u32> {
+            let g: u32 = g.parse().map_err(|_| bad())?;
+            if crate::spec::GROUP_SIZES.contains(&g) {
+                Ok(g)
+            } else {
+                Err(bad())
+            }
+        };
+        Ok(match s {
+            "int8-pc" => WeightCodec::Int8PerChannel,
+            "fp8-pc" => WeightCodec::Fp8PerChannel,
+            "int4-pc" => WeightCodec::Int4Group { group: 0 },
+            _ => match s.split_once("-g").ok_or_else(bad)? {
+                ("int4", g) => WeightCodec::Int4Group { group: group(g)? },
+                ("qoq", g) => WeightCodec::Qoq { group: group(g)? },
+                ("lqq", g) => WeightCodec::Lqq { group: group(g)? },
+                _ => return Err(bad()),
+            },
+        })
+    }
+}
+
+impl fmt::Display for ActQuant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            ActQuant::F16 => write!(f, "a16"),
+            ActQuant::Int8PerToken => write!(f, "a8"),
+            ActQuant::Fp8PerToken => write!(f, "afp8"),
+            ActQuant::Mixed4x8 { block, int8_blocks } => write!(f, "a4a8-b{block}-n{int8_blocks}"),
+        }
+    }
+}
+
+impl FromStr for ActQuant {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || Error::unsupported(format!("activation format '{s}'"), "not a nibble name");
+        Ok(match s {
+            "a16" => ActQuant::F16,
+            "a8" => ActQuant::Int8PerToken,
+            "afp8" => ActQuant::Fp8PerToken,
+            _ => {
+                let rest = s.strip_prefix("a4a8-b").ok_or_else(bad)?;
+                let (b, n) = rest.split_once("-n").ok_or_else(bad)?;
+                ActQuant::Mixed4x8 {
+                    block: b.parse().map_err(|_| bad())?,
+                    int8_blocks: n.parse().map_err(|_| bad())?,
+                }
+            }
+        })
+    }
+}
+
+impl fmt::Display for LinearFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.codec, self.act)
+    }
+}
+
+impl FromStr for LinearFormat {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let (c, a) = s.split_once('/').ok_or_else(|| {
+            Error::unsupported(format!("linear format '{s}'"), "expected CODEC/ACT")
+        })?;
+        LinearFormat::new(c.parse()?, a.parse()?)
+    }
+}
+
+impl LinearFormat {
+    /// Checks that the pair is one nibble has kernels for.
+    pub fn new(codec: WeightCodec, act: ActQuant) -> Result<Self> {
+        use ActQuant as A;
+        use WeightCodec as C;
+        let ok = matches!(
+            (codec, act),
+            (C::Int8PerChannel, A::F16 | A::Int8PerToken)
+                | (C::Fp8PerChannel, A::Fp8PerToken | A::F16)
+                | (C::Int4Group { .. }, A::F16 | A::Int8PerToken)
+                | (C::Qoq { .. } | C::Lqq { .. }, A::Int8PerToken)
+        ) || matches!((codec, act), (C::Int4Group { group }, A::Mixed4x8 { block, .. })
+                if group == block as u32 && group > 0);
+        if !ok {
+            return Err(Error::unsupported(
+                format!("linear format {codec}/{act}"),
+                "no kernel multiplies these weights by these activations",
+            ));
+        }
+        Ok(LinearFormat { codec, act })
+    }
+
+    pub fn row_bytes(self, cols: usize) -> Result<usize> {
+        if let ActQuant::Mixed4x8 { block, int8_blocks } = self.act
+            && int8_blocks as usize * block as usize > cols
+        {
+            return Err(Error::InvalidArgument(format!(
+                "{self}: {int8_blocks} INT8 blocks of {block} exceed {cols} channels"
+            )));
+        }
+        self.codec.row_bytes(cols)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    const CODECS: [WeightCodec; 9] = [
+        WeightCodec::Int8PerChannel,
+        WeightCodec::Fp8PerChannel,
+        WeightCodec::Int4Group { group: 0 },
+        WeightCodec::Int4Group { group: 32 },
+        WeightCodec::Int4Group { group: 64 },
+        WeightCodec::Int4Group { group: 128 },
+        WeightCodec::Qoq { group: 32 },
+        WeightCodec::Qoq { group: 128 },
+        WeightCodec::Lqq { group: 64 },
+    ];
+
+    fn random_row(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let x: f32 = rng.random_range(-1.0..1.0);
+                if rng.random_bool(0.01) { x * 20.0 } else { x }
+            })
+            .collect()
+    }
+
+    fn roundtrip(codec: WeightCodec, row: &[f32], clip: f32) -> Vec<f32> {
+        let mut packed = vec![0u8; codec.row_bytes(row.len()).unwrap()];
+        codec.quantize_row(row, clip, &mut packed).unwrap();
+        let mut out = vec![f32::NAN; row.len()];
+        codec.dequantize(&packed, row.len(), &mut out).unwrap();
+        out
+    }
+
+    /// Every codec's error stays within half a quantization step of its own grid.
+    #[test]
+    fn round_trip_error_is_within_half_a_step() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        for codec in CODECS {
+            for cols in [128, 256, 576] {
+                if codec.check_cols(cols).is_err() {
+                    continue;
+                }
+                let row = random_row(&mut rng, cols);
+                let back = roundtrip(codec, &row, 1.0);
+                let gl = codec.group_len(cols);
+                for (g, (orig, deq)) in row.chunks(gl).zip(back.chunks(gl)).enumerate() {
+                    let lo = orig.iter().copied().fold(f32::INFINITY, f32::min);
+                    let hi = orig.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let amax = absmax(&row);
+                    let tol = match codec {
+                        WeightCodec::Int8PerChannel => amax / 127.0 * 0.51,
+                        WeightCodec::Fp8PerChannel => amax / 8.0,
+                        WeightCodec::Int4Group { .. } => (hi - lo) / 15.0 * 0.51 + 1e-3,
+                        // Level 0 (half an INT8 step) plus level 1 (half a level-1 step).
+                        _ => amax / 119.0 * (0.5 + 17.0 / 2.0 + 0.01),
+                    };
+                    for (a, b) in orig.iter().zip(deq) {
+                        assert!((a - b).abs() <= tol, "{codec} g{g}: {a} -> {b} (tol {tol})");
+                    }
+                }
+            }
+        }
+    }
+
+    /// QoQ level 1 never leaves INT8 for any group range inside the protective range: every
+    /// `[lo, hi]`, with every value in it.
+    #[test]
+    fn qoq_level1_is_overflow_free_for_every_group_range() {
+        for lo in -PROTECTIVE_RANGE..=PROTECTIVE_RANGE {
+            for hi in lo..=PROTECTIVE_RANGE {
+                let group: Vec<i32> = (lo..=hi).collect();
+                let mut codes = vec![0u8; group.len()];
+                let (s, z) = qoq_level1(&group, &mut codes);
+                assert!(z <= 15 && s >= 1);
+                for (&x, &q) in group.iter().zip(&codes) {
+                    let back = (q as i32 - z as i32) * s as i32;
+                    assert!((-128..=127).contains(&back), "[{lo},{hi}] {x} -> {back}");
+                    assert!(
+                        (back - x).abs() <= (s as i32 + 1) / 2,
+                        "[{lo},{hi}] {x} -> {back}"
+                    );
+                    // The GPU computes q*s and z*s in byte lanes: both must fit a byte.
+                    assert!(q as i32 * s as i32 <= 255 && z as i32 * s as i32 <= 255);
+                }
+            }
+        }
+    }
+
+    /// The word-wide LiquidQuant dequantization equals the scalar reference for every group
+    /// range, every code and every lane position.
+    #[test]
+    fn lqq_word_dequant_matches_scalar_for_every_group() {
+        for lo in -PROTECTIVE_RANGE..=PROTECTIVE_RANGE {
+            for hi in lo..=PROTECTIVE_RANGE {
+                let group: Vec<i32> = (lo..=hi).collect();
+                let mut codes = vec![0u8; group.len()];
+                let (s, z) = lqq_level2(&group, &mut codes);
+                assert!((1..=17).contains(&s), "[{lo},{hi}] scale {s}");
+                for q in 0..16u32 {
+                    let scalar = q * s as u32 + z as u32;
+                    if q > *codes.iter().max().unwrap() as u32 {
+                        continue;
+                    }
+                    assert!(scalar <= 255, "[{lo},{hi}] q={q}: {scalar} leaves the byte");
+                    let want = (scalar as i32 - 128) as i8;
+                    for lane in 0..4 {
+                        let word = q << (8 * lane);
+                        let got = lqq_dequant_word(word, s as u32, z as u32).to_le_bytes()[lane];
+                        assert_eq!(got as i8, want, "[{lo},{hi}] q={q} lane {lane}");
+                    }
+                }
+                for (&x, &q) in group.iter().zip(&codes) {
+                    let back = (q as i32 * s as i32 + z as i32) - 128;
+                    assert!(
+                        (back - x).abs() <= (s as i32 + 1) / 2,
+                        "[{lo},{hi}] {x} -> {back}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lqq_four_lanes_at_once() {
+        // Four different codes in one word give four independent bytes.
+        let w = u32::from_le_bytes([0, 5, 15, 9]);
+        let got = lqq_dequant_word(w, 16, 9).to_le_bytes();
+        for (i, q) in [0u32, 5, 15, 9].into_iter().enumerate() {
+            assert_eq!(got[i] as i8 as i32, (q * 16 + 9) as i32 - 128);
+        }
+    }
+
+    #[test]
+    fn constant_and_zero_groups_are_exact() {
+        for codec in [
+            WeightCodec::Int4Group { group: 32 },
+            WeightCodec::Int8PerChannel,
+        ] {
+            let zeros = vec![0.0f32; 64];
+            assert_eq!(roundtrip(codec, &zeros, 1.0), zeros);
+            let c = vec![0.375f32; 64];
+            let back = roundtrip(codec, &c, 1.0);
+            assert!(
+                back.iter().all(|&b| (b - 0.375).abs() < 1e-3),
+                "{codec}: {back:?}"
+            );
+            let n = vec![-2.5f32; 64];
+            let back = roundtrip(codec, &n, 1.0);
+            assert!(
+                back.iter().all(|&b| (b + 2.5).abs() < 1e-2),
+                "{codec}: {back:?}"
+            );
+        }
+        for codec in [
+            WeightCodec::Qoq { group: 32 },
+            WeightCodec::Lqq { group: 32 },
+        ] {
+            assert_eq!(roundtrip(codec, &[0.0; 64], 1.0), vec![0.0; 64]);
+        }
+    }
+
+    #[test]
+    fn non_finite_weights_and_bad_shapes_are_refused() {
+        for codec in CODECS {
+            let mut row = vec![0.5f32; 128];
+            row[3] = f32::NAN;
+            let mut out = vec![0u8; codec.row_bytes(128).unwrap()];
+            let err = codec.quantize_row(&row, 1.0, &mut out).unwrap_err();
+            assert!(err.to_string().contains("non-finite"), "{err}");
+            row[3] = f32::INFINITY;
+            assert!(codec.quantize_row(&row, 1.0, &mut out).is_err());
+            assert!(codec.quantize_row(&[0.5; 128], 0.0, &mut out).is_err());
+        }
+        let err = WeightCodec::Int4Group { group: 128 }
+            .row_bytes(576)
+            .unwrap_err();
+        assert!(err.to_string().contains("576"), "{err}");
+        assert!(WeightCodec::Int4Group { group: 0 }.row_bytes(7).is_err());
+        let huge = vec![1e9f32; 64];
+        let mut out = vec![0u8; WeightCodec::Int8PerChannel.row_bytes(64).unwrap()];
+        assert!(
+            WeightCodec::Int8PerChannel
+                .quantize_row(&huge, 1.0, &mut out)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn clipping_shrinks_the_range() {
+        let row: Vec<f32> = (0..64).map(|i| i as f32 / 63.0 - 0.5).collect();
+        let back = roundtrip(WeightCodec::Int8PerChannel, &row, 0.5);
+        assert!(back.iter().all(|x| x.abs() <= 0.2501), "{back:?}");
+    }
+
+    #[test]
+    fn fp8_codes_round_trip_every_value() {
+        for b in 0..=255u8 {
+            let x = F8E4M3::from_bits(b).to_f32();
+            if x.is_finite() {
+                assert_eq!(
+                    F8E4M3::from_f32(x).to_f32().to_bits(),
+                    x.to_bits(),
+                    "{b:#x}"
+                );
+            }
+        }
+        assert_eq!(F8E4M3::from_f32(448.0).to_f32(), 448.0);
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for codec in CODECS {
+            assert_eq!(codec.to_string().parse::<WeightCodec>().unwrap(), codec);
+        }
+        for f in [
+            "int4-g64/a16",
+            "qoq-g128/a8",
+            "lqq-g64/a8",
+            "int8-pc/a8",
+            "fp8-pc/afp8",
+            "int4-g64/a4a8-b64-n2",
+            "int4-pc/a8",
+        ] {
+            assert_eq!(f.parse::<LinearFormat>().unwrap().to_string(), f);
+        }
+        for bad in [
+            "qoq-g64/a16",
+            "int4-g64/a4a8-b128-n1",
+            "int9-pc/a8",
+            "int8-pc",
+            "lqq-g100/a8",
+        ] {
+            assert!(bad.parse::<LinearFormat>().is_err(), "{bad}");
+        }
+    }
+}
