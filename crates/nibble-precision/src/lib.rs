@@ -8,6 +8,7 @@ pub mod kv;
 pub mod spec;
 pub mod weight;
 
+pub use kv::{ChannelKeys, KeyLayout, TokenCodec, UintBits};
 pub use spec::{KvFormat, LinearScheme, PrecisionSpec};
 pub use weight::{ActQuant, LinearFormat, WeightCodec};
 
