@@ -31,7 +31,8 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
         max_tokens,
         stop: vec![],
         ignore_eos: true,
-        logprobs: None,
+        // Runs are compared on each token's exact log-probability too, not just the argmax.
+        logprobs: Some(0),
     }
 }
 
@@ -45,12 +46,13 @@ fn prompts() -> Vec<Vec<u32>> {
     ]
 }
 
-/// Runs every request to completion; returns generated tokens per id.
+/// Runs every request to completion; returns generated tokens per id, each with the bits of its
+/// log-probability.
 fn run(
     e: &mut LlmEngine<CpuBackend>,
     reqs: Vec<(RequestId, Request)>,
-) -> HashMap<RequestId, Vec<u32>> {
-    let mut out: HashMap<RequestId, Vec<u32>> = HashMap::new();
+) -> HashMap<RequestId, Vec<(u32, u32)>> {
+    let mut out: HashMap<RequestId, Vec<(u32, u32)>> = HashMap::new();
     let mut done = 0;
     let n = reqs.len();
     for (id, r) in reqs {
@@ -60,7 +62,12 @@ fn run(
     while e.has_work() {
         for ev in e.step().unwrap() {
             match ev {
-                Event::Token { id, token, .. } => out.entry(id).or_default().push(token),
+                Event::Token {
+                    id, token, logprob, ..
+                } => {
+                    let lp = logprob.expect("requests ask for logprobs").logprob;
+                    out.entry(id).or_default().push((token, lp.to_bits()));
+                }
                 Event::Finished { .. } => done += 1,
             }
         }
@@ -85,11 +92,11 @@ fn all_prompts(max_tokens: usize) -> Vec<(RequestId, Request)> {
         .collect()
 }
 
-fn alone() -> HashMap<RequestId, Vec<u32>> {
+fn alone() -> HashMap<RequestId, Vec<(u32, u32)>> {
     alone_kv(KvFormat::F16)
 }
 
-fn alone_kv(kv: KvFormat) -> HashMap<RequestId, Vec<u32>> {
+fn alone_kv(kv: KvFormat) -> HashMap<RequestId, Vec<(u32, u32)>> {
     let mut want = HashMap::new();
     for (i, p) in prompts().into_iter().enumerate() {
         let mut e = engine_kv(EngineConfig::default(), kv);
