@@ -6,10 +6,11 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use nibble_cli::{default_model, load_cpu_engine};
-use nibble_cpu::CpuBackend;
+use nibble_cpu::{CpuBackend, CpuKvCache};
 use nibble_engine::eval::perplexity;
 use nibble_engine::{Engine, GenerateRequest, SamplingParams};
 use nibble_formats::chat_template::{ChatMessage, ChatTemplate};
+use nibble_model::KvFormat;
 
 #[derive(Parser)]
 #[command(name = "nibble", version, about = "Mixed-precision LLM inference")]
@@ -24,8 +25,18 @@ struct Cli {
     /// CPU threads (0 = all cores).
     #[arg(long, global = true, default_value_t = 0)]
     threads: usize,
+    /// KV cache format: kv16 (unquantized; f32 on the CPU), kv8 / kv4 (INT8 / INT4 per token per
+    /// head), kvfp8 (FP8 e4m3 per token per head), kv4c / kv2c (BitDecoding 4 / 2-bit: keys per
+    /// channel over each KV block, values per token; the block being filled stays full
+    /// precision; needs --block-size of at least 16). For generate, chat, eval, bench and serve.
+    #[arg(long, global = true, value_name = "FORMAT", value_parser = parse_kv)]
+    kv: Option<KvFormat>,
     #[command(subcommand)]
     command: Command,
+}
+
+fn parse_kv(s: &str) -> std::result::Result<KvFormat, String> {
+    s.parse().map_err(|e: nibble_core::Error| e.to_string())
 }
 
 #[derive(Subcommand)]
@@ -90,6 +101,8 @@ struct EngineArgs {
     /// KV cache capacity in tokens (shared by all requests).
     #[arg(long, default_value_t = 32768)]
     kv_cache_tokens: usize,
+    /// Tokens per KV block; the channel-wise KV formats (kv4c, kv2c) quantize keys over each
+    /// block and need at least 16.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// Sequences decoded together at most.
@@ -104,10 +117,12 @@ struct EngineArgs {
 }
 
 impl EngineArgs {
-    fn config(&self) -> Result<nibble_engine::serving::EngineConfig> {
+    fn config(&self, kv: KvFormat) -> Result<nibble_engine::serving::EngineConfig> {
         if self.block_size == 0 {
             bail!("--block-size must be positive");
         }
+        kv.check_block_size(self.block_size)
+            .context("choose a larger --block-size or another --kv")?;
         Ok(nibble_engine::serving::EngineConfig {
             block_size: self.block_size,
             num_blocks: self.kv_cache_tokens.div_ceil(self.block_size),
@@ -234,15 +249,42 @@ fn run(cli: Cli) -> Result<()> {
         ..
     } = &cli.command
     {
+        if cli.kv.is_some() {
+            bail!(
+                "--kv sets the KV cache of an engine in this process; bench serve only sends \
+                 requests (start the server with `nibble serve --kv ...`)"
+            );
+        }
         return nibble_cli::bench_serve::run(args, cli.model.as_deref(), cli.tokenizer.as_deref());
     }
-    // Validate sampling flags before spending time on loading.
-    if let Command::Generate { opts, .. } | Command::Chat { opts, .. } = &cli.command {
-        opts.params().validate()?;
+    let kv = cli.kv.unwrap_or_default();
+    // Validate flags before spending time on loading.
+    match &cli.command {
+        Command::Generate { opts, .. } | Command::Chat { opts, .. } => opts.params().validate()?,
+        Command::Serve(ServeArgs { engine, .. })
+        | Command::Bench {
+            what: Some(BenchCommand::Throughput(ThroughputArgs { engine, .. })),
+            ..
+        } => {
+            engine.config(kv)?;
+        }
+        _ => {}
     }
-    let engine = load_cpu_engine(cli.model.as_deref(), cli.tokenizer.as_deref(), cli.threads)?;
+    let mut engine = load_cpu_engine(cli.model.as_deref(), cli.tokenizer.as_deref(), cli.threads)?;
+    engine.model.kv_format = kv;
     if let Command::Serve(args) = cli.command {
         return serve(engine, args, cli.model.as_deref());
+    }
+    if !matches!(
+        cli.command,
+        Command::Bench {
+            what: Some(BenchCommand::Throughput(_)),
+            ..
+        }
+    ) {
+        // One sequence at a time in a pool of 16-token blocks (Transformer::single_sequence_kv).
+        let bytes = CpuKvCache::bytes_per_token_of(engine.model.kv_shape(), 16);
+        eprintln!("nibble: KV cache {kv}, {bytes:.0} bytes per token");
     }
     match cli.command {
         Command::Generate { prompt, chat, opts } => generate(&engine, &prompt, chat, &opts),
@@ -275,13 +317,15 @@ fn serve(
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "SmolLM2-135M-Instruct".into())
     });
-    let config = args.engine.config()?;
+    let kv = engine.model.kv_format;
+    let config = args.engine.config(kv)?;
     let Engine {
         backend,
         model,
         tokenizer,
     } = engine;
-    let llm = LlmEngine::new(backend, model, tokenizer, config)?;
+    let llm = LlmEngine::new(backend, model, tokenizer, config.clone())?;
+    eprintln!("nibble serve: {}", kv_pool_line(&llm, &config));
     let opts = nibble_server::ServeOptions {
         addr: std::net::SocketAddr::new(args.host, args.port),
         model_name: name,
@@ -320,7 +364,7 @@ fn bench_throughput(engine: Engine<CpuBackend>, args: ThroughputArgs) -> Result<
         args.num_prompts,
         args.seed,
     )?;
-    let mut config = args.engine.config()?;
+    let mut config = args.engine.config(engine.model.kv_format)?;
     config.max_waiting = config.max_waiting.max(samples.len());
     let Engine {
         backend,
@@ -329,6 +373,7 @@ fn bench_throughput(engine: Engine<CpuBackend>, args: ThroughputArgs) -> Result<
     } = engine;
     let backend_name = nibble_model::Backend::name(&backend);
     let mut llm = LlmEngine::new(backend, model, tokenizer, config.clone())?;
+    eprintln!("nibble: {}", kv_pool_line(&llm, &config));
     let limit = llm.max_sequence_len();
     let (mut prompt_tokens, mut planned) = (0, 0);
     for (i, s) in samples.iter().enumerate() {
@@ -407,6 +452,32 @@ fn bench_throughput(engine: Engine<CpuBackend>, args: ThroughputArgs) -> Result<
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The KV pool's format, size and cost per token, as the serving engine allocated it.
+fn kv_pool_line(
+    llm: &nibble_engine::serving::LlmEngine<CpuBackend>,
+    config: &nibble_engine::serving::EngineConfig,
+) -> String {
+    let kv = llm.kv();
+    let tokens = config.num_blocks * config.block_size;
+    let f32_bytes = CpuKvCache::bytes_per_token_of(
+        nibble_model::KvShape {
+            format: KvFormat::F16,
+            ..kv.shape
+        },
+        config.block_size,
+    );
+    format!(
+        "KV cache {}: {} blocks of {} tokens = {tokens} tokens, {:.0} bytes per token \
+         ({:.2}x smaller than kv16), {:.1} MiB",
+        kv.shape.format,
+        config.num_blocks,
+        config.block_size,
+        kv.bytes_per_token(),
+        f32_bytes / kv.bytes_per_token(),
+        kv.pool_bytes() as f64 / (1024.0 * 1024.0)
+    )
 }
 
 fn template(engine: &Engine<CpuBackend>) -> Result<ChatTemplate> {

@@ -175,3 +175,86 @@ fn bench_throughput_runs_sharegpt_requests_through_the_engine() {
     );
     assert!(r["output_tokens"].as_u64().unwrap() > 0);
 }
+
+#[test]
+fn every_kv_format_generates_and_states_its_size() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../nibble-model/tests/fixtures/tiny-qwen3"
+    );
+    let mut sizes = Vec::new();
+    for kv in ["kv16", "kv8", "kv4", "kvfp8", "kv4c", "kv2c"] {
+        let (ok, out, err) = nibble(&[
+            "--model",
+            dir,
+            "--kv",
+            kv,
+            "generate",
+            "--prompt",
+            "Hi, nibbl",
+            "--max-tokens",
+            "20",
+        ]);
+        assert!(ok, "{kv}: {err}");
+        assert!(out.starts_with("Hi, nibbl"), "{out}");
+        let line = err
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("nibble: KV cache {kv}, ")))
+            .unwrap_or_else(|| panic!("{kv}: no KV line in {err}"));
+        let bytes: f64 = line.split(' ').next().unwrap().parse().unwrap();
+        sizes.push(bytes);
+    }
+    // tiny-qwen3: 2 layers x 2 KV heads x head dim 32, keys and values, in 16-token blocks.
+    assert_eq!(sizes, vec![1024.0, 288.0, 160.0, 272.0, 176.0, 112.0]);
+}
+
+#[test]
+fn eval_ppl_takes_a_kv_format() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = tmp.path().join("t.txt");
+    std::fs::write(
+        &text,
+        "The quick brown fox jumps over the lazy dog. ".repeat(6),
+    )
+    .unwrap();
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../nibble-model/tests/fixtures/tiny-qwen3"
+    );
+    let ppl = |kv: &str| -> f64 {
+        let (ok, out, err) = nibble(&[
+            "--model",
+            dir,
+            "--kv",
+            kv,
+            "eval",
+            "ppl",
+            "--file",
+            text.to_str().unwrap(),
+        ]);
+        assert!(ok, "{kv}: {err}");
+        out.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    let (full, q) = (ppl("kv16"), ppl("kv2c"));
+    assert!(full.is_finite() && q.is_finite());
+    assert_ne!(full, q, "kv2c must change the arithmetic");
+}
+
+#[test]
+fn kv_flags_are_checked_before_loading() {
+    assert_clean_failure(&["--kv", "kv3", "generate", "--prompt", "hi"], "kv3");
+    // The model path is never opened: the block size is refused first.
+    assert_clean_failure(
+        &[
+            "--model",
+            "/nonexistent/m.gguf",
+            "--kv",
+            "kv4c",
+            "serve",
+            "--block-size",
+            "8",
+        ],
+        "at least 16",
+    );
+    assert_clean_failure(&["--kv", "kv8", "bench", "serve"], "bench serve only sends");
+}

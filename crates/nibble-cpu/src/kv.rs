@@ -223,10 +223,15 @@ impl CpuKvCache {
     /// Bytes one token takes in the pool, all layers, keys and values (a full block's share of
     /// the channel-wise parameters included, residual buffers not).
     pub fn bytes_per_token(&self) -> f64 {
-        let s = &self.shape;
-        s.format
-            .bytes_per_token(s.num_kv_heads, s.head_dim, self.block_size, 4)
-            * s.num_layers as f64
+        Self::bytes_per_token_of(self.shape, self.block_size)
+    }
+
+    /// [`Self::bytes_per_token`] of a pool of this shape and block size.
+    pub fn bytes_per_token_of(shape: KvShape, block_size: usize) -> f64 {
+        shape
+            .format
+            .bytes_per_token(shape.num_kv_heads, shape.head_dim, block_size, 4)
+            * shape.num_layers as f64
     }
 
     /// Bytes the pool's storage occupies (what it reserved; the OS commits pages as used).

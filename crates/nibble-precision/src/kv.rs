@@ -154,24 +154,71 @@ fn pack(codes: impl Iterator<Item = u8>, bits: UintBits, out: &mut [u8]) {
     }
 }
 
-/// Calls `f(e, code)` for the first `n` codes of a packed run. Each width gets its own loop so
-/// the shifts are constants.
+/// Unpacks the first `q.len()` codes of a run, one per byte.
 #[inline(always)]
-fn for_each_code(bits: UintBits, codes: &[u8], n: usize, mut f: impl FnMut(usize, u8)) {
+fn unpack(bits: UintBits, codes: &[u8], q: &mut [u8]) {
     match bits {
-        UintBits::B8 => {
-            for (e, &q) in codes[..n].iter().enumerate() {
-                f(e, q);
-            }
-        }
+        UintBits::B8 => q.copy_from_slice(&codes[..q.len()]),
         UintBits::B4 => {
-            for e in 0..n {
-                f(e, (codes[e / 2] >> ((e % 2) * 4)) & 0x0f);
+            let mut pairs = q.chunks_exact_mut(2);
+            for (x, &b) in (&mut pairs).zip(codes) {
+                x[0] = b & 0x0f;
+                x[1] = b >> 4;
+            }
+            if let [last] = pairs.into_remainder() {
+                *last = codes[codes.len() - 1] & 0x0f;
             }
         }
         UintBits::B2 => {
-            for e in 0..n {
-                f(e, (codes[e / 4] >> ((e % 4) * 2)) & 0x03);
+            let mut quads = q.chunks_exact_mut(4);
+            for (x, &b) in (&mut quads).zip(codes) {
+                x[0] = b & 3;
+                x[1] = (b >> 2) & 3;
+                x[2] = (b >> 4) & 3;
+                x[3] = b >> 6;
+            }
+            let last = codes.last().copied().unwrap_or(0);
+            for (i, x) in quads.into_remainder().iter_mut().enumerate() {
+                *x = (last >> (2 * i)) & 3;
+            }
+        }
+    }
+}
+
+/// Decodes a run of codes sharing one `(s, z)`. Narrow codes go through a table of their 16 or 4
+/// values (the same `fma(q, s, z)` each), which is cheaper than converting every element.
+#[inline(always)]
+fn decode_token_run(bits: UintBits, codes: &[u8], out: &mut [f32], s: f32, z: f32) {
+    let table = || -> [f32; 16] { std::array::from_fn(|q| decode(q as u8, s, z)) };
+    match bits {
+        UintBits::B8 => {
+            for (o, &q) in out.iter_mut().zip(codes) {
+                *o = decode(q, s, z);
+            }
+        }
+        UintBits::B4 => {
+            let table = table();
+            let mut pairs = out.chunks_exact_mut(2);
+            for (o, &b) in (&mut pairs).zip(codes) {
+                o[0] = table[(b & 0x0f) as usize];
+                o[1] = table[(b >> 4) as usize];
+            }
+            if let [last] = pairs.into_remainder() {
+                *last = table[(codes[codes.len() - 1] & 0x0f) as usize];
+            }
+        }
+        UintBits::B2 => {
+            let table = table();
+            let mut quads = out.chunks_exact_mut(4);
+            for (o, &b) in (&mut quads).zip(codes) {
+                o[0] = table[(b & 3) as usize];
+                o[1] = table[((b >> 2) & 3) as usize];
+                o[2] = table[((b >> 4) & 3) as usize];
+                o[3] = table[(b >> 6) as usize];
+            }
+            let last = codes.last().copied().unwrap_or(0);
+            for (i, o) in quads.into_remainder().iter_mut().enumerate() {
+                *o = table[((last >> (2 * i)) & 3) as usize];
             }
         }
     }
@@ -259,7 +306,7 @@ impl TokenCodec {
             TokenCodec::Uint(bits) => {
                 let nc = bits.code_bytes(n);
                 let (s, z) = (get_f16(&rec[nc..]), get_f16(&rec[nc + 2..]));
-                for_each_code(bits, rec, n, |e, q| out[e] = decode(q, s, z));
+                decode_token_run(bits, &rec[..nc], out, s, z);
             }
             TokenCodec::Fp8 => {
                 let s = get_f16(&rec[n..]);
@@ -341,15 +388,15 @@ impl ChannelKeys {
         let bits = self.0;
         let run = bits.code_bytes(head_dim);
         let p = &rec[tokens * run..];
-        let params: Vec<(f32, f32)> = (0..head_dim)
-            .map(|c| (get_f16(&p[4 * c..]), get_f16(&p[4 * c + 2..])))
-            .collect();
+        let scales: Vec<f32> = (0..head_dim).map(|c| get_f16(&p[4 * c..])).collect();
+        let zeros: Vec<f32> = (0..head_dim).map(|c| get_f16(&p[4 * c + 2..])).collect();
+        let mut q = vec![0u8; head_dim];
         for t in 0..tokens {
+            unpack(bits, &rec[t * run..(t + 1) * run], &mut q);
             let o = &mut out[t * stride..t * stride + head_dim];
-            for_each_code(bits, &rec[t * run..], head_dim, |c, q| {
-                let (s, z) = params[c];
-                o[c] = decode(q, s, z);
-            });
+            for ((o, &q), (&s, &z)) in o.iter_mut().zip(&q).zip(scales.iter().zip(&zeros)) {
+                *o = decode(q, s, z);
+            }
         }
     }
 }
