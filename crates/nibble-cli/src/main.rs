@@ -282,8 +282,11 @@ fn run(cli: Cli) -> Result<()> {
             ..
         }
     ) {
-        // One sequence at a time in a pool of 16-token blocks (Transformer::single_sequence_kv).
-        let bytes = CpuKvCache::bytes_per_token_of(engine.model.kv_shape(), 16);
+        // One sequence at a time, in a pool from Transformer::single_sequence_kv.
+        let bytes = CpuKvCache::bytes_per_token_of(
+            engine.model.kv_shape(),
+            nibble_model::SINGLE_SEQUENCE_BLOCK,
+        );
         eprintln!("nibble: KV cache {kv}, {bytes:.0} bytes per token");
     }
     match cli.command {

@@ -11,4 +11,4 @@ pub use backend::{AttentionShape, Backend, BatchLayout, KvShape, SeqSpan};
 pub use config::{Arch, ModelConfig, RopeLayout, RopeScaling};
 pub use loader::{ModelFiles, open_model};
 pub use nibble_precision::KvFormat;
-pub use transformer::{LogitRows, Transformer};
+pub use transformer::{LogitRows, SINGLE_SEQUENCE_BLOCK, Transformer};

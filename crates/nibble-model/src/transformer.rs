@@ -38,6 +38,10 @@ pub struct Transformer<B: Backend> {
     layers: Vec<Layer<B>>,
 }
 
+/// Block size of [`Transformer::single_sequence_kv`] pools: the smallest block the channel-wise
+/// KV formats accept (their quantization group).
+pub const SINGLE_SEQUENCE_BLOCK: usize = nibble_precision::kv::MIN_CHANNEL_BLOCK;
+
 /// Which rows of the batch get logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitRows {
@@ -175,8 +179,7 @@ impl<B: Backend> Transformer<B> {
     /// A KV pool holding one sequence of up to `max_tokens`, with its block table: for one-shot
     /// generation, perplexity and tests. Serving shares one pool through a block manager instead.
     pub fn single_sequence_kv(&self, backend: &B, max_tokens: usize) -> Result<(B::Kv, Vec<u32>)> {
-        // The smallest block the channel-wise KV formats accept: their quantization group.
-        const BLOCK: usize = nibble_precision::kv::MIN_CHANNEL_BLOCK;
+        const BLOCK: usize = SINGLE_SEQUENCE_BLOCK;
         let blocks = max_tokens
             .min(self.config.max_context)
             .div_ceil(BLOCK)
