@@ -8,7 +8,7 @@
 //!
 //! **Integer activations** (`a8`, COMET `a4a8`). The weight integers are INT8 for `int8-pc`,
 //! the INT8 that QoQ and LiquidQuant reconstruct, and `q - z` for INT4. Every integer dot is
-//! accumulated in i32, which is exact (at most `128 * 127 * K`, so any `K <= 131072`), so the
+//! accumulated in i32, which is exact (at most `128 * 127 * K`: any `K <=` [`MAX_INT_K`]), so the
 //! summation order of the integer part never matters.
 //! - Per-channel weight scale (`int8-pc`, `int4-pc`, `qoq-gN`, `lqq-gN`), INT8 per token:
 //!   `y = f32(acc) * (sx * sw)`, where `sx * sw` is one f32 product.
@@ -39,7 +39,12 @@ use half::f16;
 use nibble_core::{Error, Result};
 
 use crate::act::{QuantizedRow, fp8_value};
+use crate::spec::GROUP_SIZES;
 use crate::weight::{ActQuant, LinearFormat, WeightCodec};
+
+/// The largest input size whose integer dots cannot overflow i32 (weights within ±128,
+/// activation codes within ±127).
+pub const MAX_INT_K: usize = (i32::MAX / (128 * 127)) as usize;
 
 /// `y = x · Wᵀ` (`m x n`, row-major) for `x` (`m x k` f32) and `w`, `n` rows of `format`'s
 /// codec, by the arithmetic documented in this module.
@@ -59,6 +64,16 @@ pub fn reference_matmul(
              (rows of {rb} bytes)",
             x.len(),
             w.len()
+        )));
+    }
+    if k > MAX_INT_K
+        && matches!(
+            format.act,
+            ActQuant::Int8PerToken | ActQuant::Mixed4x8 { .. }
+        )
+    {
+        return Err(Error::InvalidArgument(format!(
+            "{format}: {k} input channels overflow the i32 accumulator (at most {MAX_INT_K})"
         )));
     }
     let acts: Vec<QuantizedRow> = x
@@ -127,6 +142,44 @@ pub fn reference_matmul(
         }
     }
     Ok(y)
+}
+
+/// Every linear format nibble has kernels for, with each group size of [`GROUP_SIZES`] that
+/// divides `k`, and COMET with none, one, half and all of its blocks INT8: the list kernel tests
+/// sweep.
+pub fn kernel_formats(k: usize) -> Vec<LinearFormat> {
+    use ActQuant as A;
+    use WeightCodec as C;
+    let mut out = vec![
+        (C::Int8PerChannel, A::Int8PerToken),
+        (C::Int8PerChannel, A::F16),
+        (C::Fp8PerChannel, A::Fp8PerToken),
+        (C::Fp8PerChannel, A::F16),
+        (C::Int4Group { group: 0 }, A::Int8PerToken),
+        (C::Int4Group { group: 0 }, A::F16),
+    ];
+    for g in GROUP_SIZES {
+        if !k.is_multiple_of(g as usize) {
+            continue;
+        }
+        let blocks = (k / g as usize) as u16;
+        out.extend([
+            (C::Int4Group { group: g }, A::Int8PerToken),
+            (C::Int4Group { group: g }, A::F16),
+            (C::Qoq { group: g }, A::Int8PerToken),
+            (C::Lqq { group: g }, A::Int8PerToken),
+        ]);
+        for int8_blocks in [0, 1, blocks / 2, blocks] {
+            let act = A::Mixed4x8 {
+                block: g as u16,
+                int8_blocks,
+            };
+            out.push((C::Int4Group { group: g }, act));
+        }
+    }
+    out.into_iter()
+        .map(|(c, a)| LinearFormat::new(c, a).unwrap())
+        .collect()
 }
 
 /// The exact i32 dot of integer weights and integer activation codes.

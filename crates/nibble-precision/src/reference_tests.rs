@@ -3,43 +3,6 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
-use crate::spec::GROUP_SIZES;
-
-/// Every linear format nibble has kernels for whose groups divide `k`.
-pub fn all_formats(k: usize) -> Vec<LinearFormat> {
-    use ActQuant as A;
-    use WeightCodec as C;
-    let mut out = vec![
-        (C::Int8PerChannel, A::Int8PerToken),
-        (C::Int8PerChannel, A::F16),
-        (C::Fp8PerChannel, A::Fp8PerToken),
-        (C::Fp8PerChannel, A::F16),
-        (C::Int4Group { group: 0 }, A::Int8PerToken),
-        (C::Int4Group { group: 0 }, A::F16),
-    ];
-    for g in GROUP_SIZES {
-        if !k.is_multiple_of(g as usize) {
-            continue;
-        }
-        let blocks = (k / g as usize) as u16;
-        out.extend([
-            (C::Int4Group { group: g }, A::Int8PerToken),
-            (C::Int4Group { group: g }, A::F16),
-            (C::Qoq { group: g }, A::Int8PerToken),
-            (C::Lqq { group: g }, A::Int8PerToken),
-        ]);
-        for int8_blocks in [0, 1, blocks / 2, blocks] {
-            let act = A::Mixed4x8 {
-                block: g as u16,
-                int8_blocks,
-            };
-            out.push((C::Int4Group { group: g }, act));
-        }
-    }
-    out.into_iter()
-        .map(|(c, a)| LinearFormat::new(c, a).unwrap())
-        .collect()
-}
 
 /// Values with a few large outliers, as real weights and activations have.
 fn random_values(rng: &mut ChaCha8Rng, n: usize, outlier_scale: f32) -> Vec<f32> {
@@ -107,7 +70,7 @@ fn every_format_matches_f64_on_the_dequantized_operands() {
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let mut cases = 0;
     for k in [64, 128, 576, 1536] {
-        for format in all_formats(k) {
+        for format in kernel_formats(k) {
             for (m, n) in [(1, 1), (1, 17), (3, 3), (17, 1), (3, 17), (17, 17)] {
                 let wf = random_values(&mut rng, n * k, 8.0);
                 let x = random_values(&mut rng, m * k, 30.0);
@@ -330,4 +293,8 @@ fn bad_arguments_are_refused() {
     let w = vec![0u8; bad.codec.row_bytes(64).unwrap()];
     let err = reference_matmul(bad, &[0.0; 64], 1, 64, &w, 1).unwrap_err();
     assert!(err.to_string().contains("qoq-g32/a16"), "{err}");
+    let k = MAX_INT_K + 1;
+    let w = vec![0u8; f.row_bytes(k).unwrap()];
+    let err = reference_matmul(f, &vec![0.0; k], 1, k, &w, 1).unwrap_err();
+    assert!(err.to_string().contains("overflow"), "{err}");
 }
