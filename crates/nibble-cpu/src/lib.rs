@@ -170,6 +170,10 @@ impl Backend for CpuBackend {
         CpuKvCache::new(shape, num_blocks, block_size)
     }
 
+    fn release_kv_blocks(&self, kv: &mut CpuKvCache, blocks: &[u32]) {
+        kv.release_blocks(blocks);
+    }
+
     fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {
         let mut out = CpuTensor::zeros(ids.len(), table.cols);
         for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(ids) {

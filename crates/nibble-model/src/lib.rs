@@ -10,4 +10,5 @@ pub mod transformer;
 pub use backend::{AttentionShape, Backend, BatchLayout, KvShape, SeqSpan};
 pub use config::{Arch, ModelConfig, RopeLayout, RopeScaling};
 pub use loader::{ModelFiles, open_model};
+pub use nibble_precision::KvFormat;
 pub use transformer::{LogitRows, Transformer};

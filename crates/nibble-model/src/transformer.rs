@@ -3,6 +3,7 @@
 //! QK norms (Qwen3), tied or separate output head, rotary scaling.
 
 use nibble_core::{Error, Result};
+use nibble_precision::KvFormat;
 
 use crate::backend::{AttentionShape, Backend, BatchLayout, KvShape};
 use crate::config::ModelConfig;
@@ -27,6 +28,8 @@ struct Layer<B: Backend> {
 
 pub struct Transformer<B: Backend> {
     pub config: ModelConfig,
+    /// How the KV pools this model makes store keys and values (`kv16` after loading).
+    pub kv_format: KvFormat,
     embed: B::Weight,
     /// `None` when the output head is tied to the embedding table.
     lm_head: Option<B::Weight>,
@@ -156,6 +159,7 @@ impl<B: Backend> Transformer<B> {
             inv_freq,
             layers,
             config,
+            kv_format: KvFormat::F16,
         })
     }
 
@@ -164,13 +168,15 @@ impl<B: Backend> Transformer<B> {
             num_layers: self.config.num_layers,
             num_kv_heads: self.config.num_kv_heads,
             head_dim: self.config.head_dim,
+            format: self.kv_format,
         }
     }
 
     /// A KV pool holding one sequence of up to `max_tokens`, with its block table: for one-shot
     /// generation, perplexity and tests. Serving shares one pool through a block manager instead.
     pub fn single_sequence_kv(&self, backend: &B, max_tokens: usize) -> Result<(B::Kv, Vec<u32>)> {
-        const BLOCK: usize = 16;
+        // The smallest block the channel-wise KV formats accept: their quantization group.
+        const BLOCK: usize = nibble_precision::kv::MIN_CHANNEL_BLOCK;
         let blocks = max_tokens
             .min(self.config.max_context)
             .div_ceil(BLOCK)

@@ -11,6 +11,7 @@ pub mod spec;
 pub mod weight;
 
 pub use act::QuantizedRow;
+pub use kv::{ChannelKeys, KeyLayout, TokenCodec, UintBits};
 pub use reference::reference_matmul;
 pub use spec::{KvFormat, LinearScheme, PrecisionSpec};
 pub use weight::{ActQuant, LinearFormat, WeightCodec};
