@@ -15,7 +15,11 @@ use safetensors::Dtype;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use nibble_formats::safetensors_dir::SafetensorsDir;
+use nibble_formats::{HostTensor, WeightFormat};
+
 use crate::config::{ModelConfig, TensorLayout};
+use crate::source::TensorSource;
 use crate::transformer::{TensorRole, model_tensors};
 
 /// The `nibble_quant.json` schema version this build writes and the only one it reads.
@@ -455,6 +459,176 @@ fn write_safetensors(path: &Path, tensors: &[CheckpointTensor]) -> Result<()> {
         .map_err(|e| Error::io(path, std::io::Error::other(e.to_string())))
 }
 
+/// A nibble checkpoint opened for loading: float tensors as stored, quantized ones as
+/// [`WeightFormat::Quant`] host tensors with their logical shape, borrowing the memory map.
+pub struct CheckpointSource {
+    st: SafetensorsDir,
+    quant: HashMap<String, (LinearFormat, Vec<usize>)>,
+    manifest: QuantManifest,
+    spec: PrecisionSpec,
+}
+
+impl CheckpointSource {
+    /// Opens and validates the checkpoint at `dir` (which holds [`QUANT_FILE`]): the manifest's
+    /// schema and version, every format name, and each tensor's dtype and stored size against
+    /// `model.safetensors`, both ways.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let path = dir.join(QUANT_FILE);
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let manifest = parse_manifest(&text, &path)?;
+        let corrupt = |m: String| Error::corrupt(&path, m);
+        let spec: PrecisionSpec = manifest
+            .spec
+            .parse()
+            .map_err(|e| corrupt(format!("field 'spec': {e}")))?;
+        let st = SafetensorsDir::open_any(dir)?;
+        let mut quant = HashMap::new();
+        for (name, t) in &manifest.tensors {
+            let stored = st.raw(name).ok_or_else(|| Error::MissingTensor {
+                name: name.clone(),
+                source_name: format!(
+                    "the safetensors files of {} (listed in {QUANT_FILE})",
+                    dir.display()
+                ),
+            })?;
+            let file = st.file_of(name).unwrap_or(&path).display().to_string();
+            let stored_dtype = dtype_name(stored.dtype);
+            if stored_dtype != t.dtype || stored.shape != t.stored_shape {
+                return Err(corrupt(format!(
+                    "tensor '{name}' is listed as {} {:?} but {file} stores {:?} {:?}",
+                    t.dtype, t.stored_shape, stored.dtype, stored.shape
+                )));
+            }
+            match &t.format {
+                Some(f) => {
+                    let format: LinearFormat = f
+                        .parse()
+                        .map_err(|e| corrupt(format!("tensor '{name}' has format '{f}': {e}")))?;
+                    let [rows, cols] = t.shape[..] else {
+                        return Err(corrupt(format!(
+                            "tensor '{name}' is quantized but its shape {:?} is not [rows, cols]",
+                            t.shape
+                        )));
+                    };
+                    let rb = format
+                        .row_bytes(cols)
+                        .map_err(|e| corrupt(format!("tensor '{name}': {e}")))?;
+                    if t.dtype != "U8" || t.stored_shape != [rows, rb] {
+                        return Err(corrupt(format!(
+                            "tensor '{name}' ({f}, shape {:?}) must be stored as U8 [{rows}, \
+                             {rb}] ({rows} rows of {rb} bytes), not {} {:?}",
+                            t.shape, t.dtype, t.stored_shape
+                        )));
+                    }
+                    if stored.bytes.len() != rows * rb {
+                        return Err(corrupt(format!(
+                            "tensor '{name}' holds {} bytes in {file}, not {rows} x {rb}",
+                            stored.bytes.len()
+                        )));
+                    }
+                    quant.insert(name.clone(), (format, t.shape.clone()));
+                }
+                None => {
+                    if !matches!(t.dtype.as_str(), "F32" | "F16" | "BF16") {
+                        return Err(corrupt(format!(
+                            "tensor '{name}' has no format, so it must be F32, F16 or BF16, \
+                             not {}",
+                            t.dtype
+                        )));
+                    }
+                    if t.stored_shape != t.shape {
+                        return Err(corrupt(format!(
+                            "dense tensor '{name}' has shape {:?} but stored shape {:?}",
+                            t.shape, t.stored_shape
+                        )));
+                    }
+                }
+            }
+        }
+        let mut unlisted: Vec<&str> = st
+            .names()
+            .filter(|n| !manifest.tensors.contains_key(*n))
+            .collect();
+        if !unlisted.is_empty() {
+            unlisted.sort_unstable();
+            return Err(corrupt(format!(
+                "{} tensor(s) in the safetensors files are not listed, first '{}'",
+                unlisted.len(),
+                unlisted[0]
+            )));
+        }
+        Ok(CheckpointSource {
+            st,
+            quant,
+            manifest,
+            spec,
+        })
+    }
+
+    /// The deployment spec the checkpoint was made for.
+    pub fn spec(&self) -> PrecisionSpec {
+        self.spec
+    }
+
+    pub fn manifest(&self) -> &QuantManifest {
+        &self.manifest
+    }
+}
+
+impl TensorSource for CheckpointSource {
+    fn get(&self, name: &str) -> Option<HostTensor> {
+        match self.quant.get(name) {
+            Some((format, shape)) => Some(HostTensor {
+                name: name.to_string(),
+                shape: shape.clone(),
+                format: WeightFormat::Quant(*format),
+                bytes: self.st.raw(name)?.bytes,
+            }),
+            None => self.st.get(name),
+        }
+    }
+
+    fn origin(&self) -> String {
+        self.st.dir().display().to_string()
+    }
+}
+
+/// Parses `nibble_quant.json`, checking the format name and version before the schema, so a
+/// newer file is reported as newer rather than as malformed.
+fn parse_manifest(text: &str, path: &Path) -> Result<QuantManifest> {
+    let corrupt = |m: String| Error::corrupt(path, m);
+    let v: Value = serde_json::from_str(text).map_err(|e| corrupt(format!("invalid JSON: {e}")))?;
+    if v.get("format").and_then(Value::as_str) != Some(FORMAT_NAME) {
+        return Err(corrupt(format!(
+            "field 'format' must be \"{FORMAT_NAME}\", found {}",
+            v.get("format").unwrap_or(&Value::Null)
+        )));
+    }
+    match v.get("version").and_then(Value::as_u64) {
+        Some(n) if n == CHECKPOINT_VERSION as u64 => {}
+        Some(n) => {
+            return Err(Error::unsupported(
+                format!("{} version {n}", path.display()),
+                format!(
+                    "this nibble reads nibble_quant.json version {CHECKPOINT_VERSION}; {}",
+                    if n > CHECKPOINT_VERSION as u64 {
+                        "the checkpoint was written by a newer nibble"
+                    } else {
+                        "re-create the checkpoint"
+                    }
+                ),
+            ));
+        }
+        None => {
+            return Err(corrupt(format!(
+                "field 'version' must be a non-negative integer, found {}",
+                v.get("version").unwrap_or(&Value::Null)
+            )));
+        }
+    }
+    serde_json::from_value(v).map_err(|e| corrupt(format!("schema: {e}")))
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -654,5 +828,197 @@ pub(crate) mod tests {
         let e =
             write_checkpoint(&out, &config, &tok, &spec, &tensors, "x".into(), false).unwrap_err();
         assert!(e.to_string().contains("provenance"), "{e}");
+    }
+
+    fn write_fixture(
+        name: &str,
+        spec: &str,
+    ) -> (tempfile::TempDir, PathBuf, Vec<CheckpointTensor>) {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("ckpt");
+        let (config, tok, tensors) = fixture_tensors(name, Some(int4_g32()));
+        let spec: PrecisionSpec = spec.parse().unwrap();
+        write_checkpoint(&out, &config, &tok, &spec, &tensors, Value::Null, false).unwrap();
+        (tmp, out, tensors)
+    }
+
+    #[test]
+    fn open_model_reads_every_tensor_back() {
+        let (_tmp, out, tensors) = write_fixture("tiny-qwen3", "w4a16-g32-kv4");
+        let files = crate::open_model(&out, None).unwrap();
+        assert_eq!(files.precision, Some("w4a16-g32-kv4".parse().unwrap()));
+        for t in &tensors {
+            let got = files.source.get(&t.name).unwrap();
+            assert_eq!(got.shape, t.shape, "{}", t.name);
+            let want = match &t.data {
+                CheckpointData::Quant { format, bytes } => {
+                    assert_eq!(got.format, WeightFormat::Quant(*format), "{}", t.name);
+                    assert_eq!(&got.bytes[..], &bytes[..], "{}", t.name);
+                    let mut w = vec![0f32; t.shape.iter().product()];
+                    format.codec.dequantize(bytes, t.shape[1], &mut w).unwrap();
+                    w
+                }
+                CheckpointData::F32(v) => v.clone(),
+                _ => unreachable!("the fixture writes f32 and int4"),
+            };
+            assert_eq!(got.to_f32().unwrap(), want, "{}", t.name);
+            // Quantized data is served from the map, not copied.
+            assert!(matches!(
+                got.bytes,
+                nibble_formats::TensorBytes::Mapped { .. }
+            ));
+        }
+        assert!(
+            files
+                .source
+                .get("model.layers.0.self_attn.q_proj.qweight")
+                .is_none()
+        );
+    }
+
+    /// Rewrites `model.safetensors` of `dir` after `edit` changes its tensor list.
+    fn rewrite_weights(
+        dir: &Path,
+        edit: impl FnOnce(&mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>),
+    ) {
+        let st = SafetensorsDir::open_any(dir).unwrap();
+        let mut all: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = st
+            .names()
+            .map(|n| {
+                let r = st.raw(n).unwrap();
+                (n.to_string(), r.dtype, r.shape, r.bytes.to_vec())
+            })
+            .collect();
+        drop(st);
+        edit(&mut all);
+        let views: Vec<(String, safetensors::tensor::TensorView)> = all
+            .iter()
+            .map(|(n, d, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join(WEIGHTS_FILE)).unwrap();
+    }
+
+    fn edit_manifest(dir: &Path, edit: impl FnOnce(&mut Value)) {
+        let p = dir.join(QUANT_FILE);
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        edit(&mut v);
+        std::fs::write(&p, v.to_string()).unwrap();
+    }
+
+    fn open_err(dir: &Path) -> String {
+        match crate::open_model(dir, None) {
+            Ok(_) => panic!("{} opened", dir.display()),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    const Q: &str = "model.layers.0.self_attn.q_proj.weight";
+
+    #[test]
+    fn manifest_errors_name_the_file_and_field() {
+        type Edit = Box<dyn Fn(&mut Value)>;
+        let cases: Vec<(Edit, &str)> = vec![
+            (
+                Box::new(|v| v["version"] = 2.into()),
+                "version 2 is not supported: this nibble reads nibble_quant.json version 1; the \
+                 checkpoint was written by a newer nibble",
+            ),
+            (Box::new(|v| v["version"] = "1".into()), "field 'version'"),
+            (
+                Box::new(|v| v["format"] = "safetensors".into()),
+                "field 'format'",
+            ),
+            (
+                Box::new(|v| {
+                    v.as_object_mut().unwrap().remove("spec");
+                }),
+                "schema: missing field `spec`",
+            ),
+            (Box::new(|v| v["spec"] = "w5a16".into()), "field 'spec'"),
+            (
+                Box::new(|v| v["tensors"][Q]["scale"] = 1.into()),
+                "unknown field `scale`",
+            ),
+            (
+                Box::new(|v| v["tensors"][Q]["shape"] = "x".into()),
+                "schema: invalid type",
+            ),
+            (
+                Box::new(|v| v["tensors"][Q]["format"] = "int9-g32/a16".into()),
+                "tensor 'model.layers.0.self_attn.q_proj.weight' has format 'int9-g32/a16'",
+            ),
+            (
+                Box::new(|v| v["tensors"][Q]["format"] = "int4-g64/a16".into()),
+                "must be stored as U8 [64, 35] (64 rows of 35 bytes), not U8 [64, 38]",
+            ),
+            (
+                Box::new(|v| v["tensors"][Q]["stored_shape"] = serde_json::json!([64, 37])),
+                "is listed as U8 [64, 37] but",
+            ),
+            (
+                Box::new(|v| v["tensors"]["model.norm.weight"]["dtype"] = "U8".into()),
+                "is listed as U8 [64] but",
+            ),
+            (
+                Box::new(|v| {
+                    v["tensors"].as_object_mut().unwrap().remove(Q);
+                }),
+                "1 tensor(s) in the safetensors files are not listed, first \
+                 'model.layers.0.self_attn.q_proj.weight'",
+            ),
+        ];
+        for (edit, want) in cases {
+            let (_tmp, out, _) = write_fixture("tiny-llama3", "w4a16-g32");
+            edit_manifest(&out, edit);
+            let e = open_err(&out);
+            assert!(e.contains(want), "want '{want}': {e}");
+            assert!(e.contains(QUANT_FILE), "{e}");
+        }
+        let (_tmp, out, _) = write_fixture("tiny-llama3", "w4a16-g32");
+        std::fs::write(out.join(QUANT_FILE), "{\"format\": ").unwrap();
+        let e = open_err(&out);
+        assert!(
+            e.contains("nibble_quant.json") && e.contains("invalid JSON"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn weight_file_errors_name_the_tensor() {
+        // A tensor the manifest lists is gone.
+        let (_tmp, out, _) = write_fixture("tiny-llama3", "w4a16-g32");
+        rewrite_weights(&out, |all| all.retain(|t| t.0 != Q));
+        let e = open_err(&out);
+        assert!(e.contains(&format!("tensor '{Q}' is missing")), "{e}");
+
+        // Stored bytes that are not rows x row_bytes: one row short.
+        let (_tmp, out, _) = write_fixture("tiny-llama3", "w4a16-g32");
+        rewrite_weights(&out, |all| {
+            let t = all.iter_mut().find(|t| t.0 == Q).unwrap();
+            t.2 = vec![63, 38];
+            t.3.truncate(63 * 38);
+        });
+        let e = open_err(&out);
+        assert!(
+            e.contains("is listed as U8 [64, 38] but") && e.contains("[63, 38]"),
+            "{e}"
+        );
+
+        // A truncated file.
+        let (_tmp, out, _) = write_fixture("tiny-llama3", "w4a16-g32");
+        let p = out.join(WEIGHTS_FILE);
+        let len = std::fs::metadata(&p).unwrap().len();
+        let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+        f.set_len(len - 100).unwrap();
+        let e = open_err(&out);
+        assert!(
+            e.contains("model.safetensors") && e.contains("invalid safetensors"),
+            "{e}"
+        );
     }
 }

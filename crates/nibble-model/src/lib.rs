@@ -4,12 +4,13 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod config;
+pub mod hf_quant;
 pub mod loader;
 pub mod source;
 pub mod transformer;
 
 pub use backend::{AttentionShape, Backend, BatchLayout, KvShape, SeqSpan};
-pub use checkpoint::{CheckpointData, CheckpointTensor, write_checkpoint};
+pub use checkpoint::{CheckpointData, CheckpointSource, CheckpointTensor, write_checkpoint};
 pub use config::{Arch, ModelConfig, RopeLayout, RopeScaling, TensorLayout};
 pub use loader::{ModelFiles, open_model};
 pub use transformer::{LogitRows, TensorRole, Transformer, model_tensors};
