@@ -274,14 +274,21 @@ impl HfQuantSource {
                 .collect(),
         };
         let codes = self.codes(&qweight, in_f, out_f);
-        // The codec's group: 0 when one group spans the row, so any row length is nameable.
-        let codec_group = if groups == 1 { 0 } else { m.group as u32 };
-        let int4 = LinearFormat::new(WeightCodec::Int4Group { group: codec_group }, ActQuant::F16)
-            .ok()
+        // The checkpoint's own group size when nibble names it (so every layer matches the
+        // spec); else 0, "the whole row", when one group spans it.
+        let codec_group = match self.cfg.group {
+            None => Some(0),
+            Some(g) if GROUP_SIZES.contains(&(g as u32)) && in_f.is_multiple_of(g) => {
+                Some(g as u32)
+            }
+            Some(_) => (groups == 1).then_some(0),
+        };
+        let int4 = codec_group
+            .and_then(|group| {
+                LinearFormat::new(WeightCodec::Int4Group { group }, ActQuant::F16).ok()
+            })
             .filter(|f| f.row_bytes(in_f).is_ok())
-            .filter(|_| codec_group == 0 || GROUP_SIZES.contains(&codec_group))
-            .filter(|_| m.g_idx.is_none() && (groups == 1 || in_f.is_multiple_of(m.group)))
-            .filter(|_| zeros.iter().all(|&z| z <= 15));
+            .filter(|_| m.g_idx.is_none() && zeros.iter().all(|&z| z <= 15));
         let (format, bytes) = match (int4, scale_f16) {
             (Some(format), Some(s16)) => {
                 let rb = format.row_bytes(in_f).ok()?;
@@ -541,4 +548,578 @@ fn check_module(
         group,
         g_idx,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::tests::fixture;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+    use safetensors::tensor::TensorView;
+
+    /// AutoAWQ's packing order (`WQLinear_GEMM.from_linear`): bits `4i` of a word hold output
+    /// channel `8c + ORDER[i]`. Written from the Python, not from the loader's inverse table.
+    const AWQ_ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+
+    /// One layer's integers as a quantizer would produce them.
+    struct Layer {
+        out_f: usize,
+        in_f: usize,
+        group: usize,
+        /// `[out][in]`, 0..=15.
+        codes: Vec<u32>,
+        /// `[G][out]`: the zero a reader must use.
+        zeros: Vec<u32>,
+        /// `[G][out]`.
+        scales: Vec<f16>,
+        /// `[in]`.
+        g_idx: Vec<u32>,
+    }
+
+    impl Layer {
+        fn random(
+            rng: &mut ChaCha8Rng,
+            out_f: usize,
+            in_f: usize,
+            group: usize,
+            zero_lo: u32,
+            act_order: bool,
+        ) -> Self {
+            let groups = in_f.div_ceil(group);
+            let mut g_idx: Vec<u32> = (0..in_f).map(|i| (i / group) as u32).collect();
+            if act_order {
+                for i in (1..in_f).rev() {
+                    g_idx.swap(i, rng.random_range(0..=i));
+                }
+            }
+            Layer {
+                out_f,
+                in_f,
+                group,
+                codes: (0..out_f * in_f).map(|_| rng.random_range(0..16)).collect(),
+                zeros: (0..groups * out_f)
+                    .map(|_| rng.random_range(zero_lo..16))
+                    .collect(),
+                scales: (0..groups * out_f)
+                    .map(|_| {
+                        let s: f32 = rng.random_range(0.001..0.05);
+                        f16::from_f32(if rng.random_bool(0.5) { s } else { -s })
+                    })
+                    .collect(),
+                g_idx,
+            }
+        }
+
+        /// `(q - z) * s` in f64, straight from the integers: `[out][in]`.
+        fn expected(&self) -> Vec<f32> {
+            let mut w = Vec::with_capacity(self.out_f * self.in_f);
+            for o in 0..self.out_f {
+                for k in 0..self.in_f {
+                    let g = self.g_idx[k] as usize;
+                    let q = self.codes[o * self.in_f + k] as f64
+                        - self.zeros[g * self.out_f + o] as f64;
+                    w.push((q * self.scales[g * self.out_f + o].to_f64()) as f32);
+                }
+            }
+            w
+        }
+
+        fn groups(&self) -> usize {
+            self.in_f.div_ceil(self.group)
+        }
+
+        /// `(qweight, qzeros)` as AutoAWQ's GEMM layout stores them.
+        fn pack_awq(&self) -> (Vec<u32>, Vec<u32>) {
+            let (o8, g) = (self.out_f / 8, self.groups());
+            let mut qw = vec![0u32; self.in_f * o8];
+            for k in 0..self.in_f {
+                for c in 0..o8 {
+                    for (i, &j) in AWQ_ORDER.iter().enumerate() {
+                        qw[k * o8 + c] |= self.codes[(8 * c + j) * self.in_f + k] << (4 * i);
+                    }
+                }
+            }
+            let mut qz = vec![0u32; g * o8];
+            for gi in 0..g {
+                for c in 0..o8 {
+                    for (i, &j) in AWQ_ORDER.iter().enumerate() {
+                        qz[gi * o8 + c] |= self.zeros[gi * self.out_f + 8 * c + j] << (4 * i);
+                    }
+                }
+            }
+            (qw, qz)
+        }
+
+        /// `(qweight, qzeros)` as GPTQ stores them; v1 stores `zero - 1`.
+        fn pack_gptq(&self, v1: bool) -> (Vec<u32>, Vec<u32>) {
+            let (o8, g) = (self.out_f / 8, self.groups());
+            let mut qw = vec![0u32; self.in_f / 8 * self.out_f];
+            for r in 0..self.in_f / 8 {
+                for o in 0..self.out_f {
+                    for j in 0..8 {
+                        qw[r * self.out_f + o] |= self.codes[o * self.in_f + 8 * r + j] << (4 * j);
+                    }
+                }
+            }
+            let mut qz = vec![0u32; g * o8];
+            for gi in 0..g {
+                for o in 0..self.out_f {
+                    let z = self.zeros[gi * self.out_f + o] - u32::from(v1);
+                    qz[gi * o8 + o / 8] |= (z & 15) << (4 * (o % 8));
+                }
+            }
+            (qw, qz)
+        }
+    }
+
+    fn le<T: Copy>(v: &[T], f: impl Fn(T) -> Vec<u8>) -> Vec<u8> {
+        v.iter().flat_map(|&x| f(x)).collect()
+    }
+
+    type Tensors = Vec<(String, Dtype, Vec<usize>, Vec<u8>)>;
+
+    fn save(path: &Path, tensors: &Tensors) {
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    #[derive(Clone, Copy, PartialEq)]
+    enum Kind {
+        Awq,
+        GptqV1,
+        GptqV2,
+    }
+
+    /// A whole tiny model (from a float fixture) in AWQ or GPTQ layout: every projection
+    /// replaced by random integers, everything else stored as f16. Returns the directory and
+    /// each projection's expected weights.
+    fn quant_model(
+        fixture_name: &str,
+        kind: Kind,
+        group: usize,
+        act_order: bool,
+        quantization_config: Value,
+    ) -> (tempfile::TempDir, HashMap<String, Vec<f32>>) {
+        let src = fixture(fixture_name);
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(src.join(f), dir.join(f)).unwrap();
+        }
+        let mut config: Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap())
+                .unwrap();
+        config["quantization_config"] = quantization_config;
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+
+        let st = SafetensorsDir::open(&src).unwrap();
+        let mut names: Vec<&str> = st.names().collect();
+        names.sort_unstable();
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let mut tensors: Tensors = Vec::new();
+        let mut expected = HashMap::new();
+        for name in names {
+            let t = st.get(name).unwrap();
+            match name
+                .strip_suffix(".weight")
+                .filter(|_| name.contains("_proj"))
+            {
+                Some(prefix) => {
+                    let (out_f, in_f) = (t.shape[0], t.shape[1]);
+                    let zero_lo = if kind == Kind::GptqV1 { 1 } else { 0 };
+                    let l = Layer::random(&mut rng, out_f, in_f, group, zero_lo, act_order);
+                    let (qw, qz) = match kind {
+                        Kind::Awq => l.pack_awq(),
+                        Kind::GptqV1 => l.pack_gptq(true),
+                        Kind::GptqV2 => l.pack_gptq(false),
+                    };
+                    let qw_shape = match kind {
+                        Kind::Awq => vec![in_f, out_f / 8],
+                        _ => vec![in_f / 8, out_f],
+                    };
+                    let g = l.groups();
+                    let i32le = |v: &[u32]| le(v, |x| x.to_le_bytes().to_vec());
+                    tensors.push((
+                        format!("{prefix}.qweight"),
+                        Dtype::I32,
+                        qw_shape,
+                        i32le(&qw),
+                    ));
+                    tensors.push((
+                        format!("{prefix}.qzeros"),
+                        Dtype::I32,
+                        vec![g, out_f / 8],
+                        i32le(&qz),
+                    ));
+                    tensors.push((
+                        format!("{prefix}.scales"),
+                        Dtype::F16,
+                        vec![g, out_f],
+                        le(&l.scales, |x| x.to_le_bytes().to_vec()),
+                    ));
+                    if kind != Kind::Awq {
+                        tensors.push((
+                            format!("{prefix}.g_idx"),
+                            Dtype::I32,
+                            vec![in_f],
+                            i32le(&l.g_idx),
+                        ));
+                    }
+                    expected.insert(name.to_string(), l.expected());
+                }
+                None => {
+                    let v: Vec<f16> = t.to_f32().unwrap().into_iter().map(f16::from_f32).collect();
+                    tensors.push((
+                        name.to_string(),
+                        Dtype::F16,
+                        t.shape.clone(),
+                        le(&v, |x| x.to_le_bytes().to_vec()),
+                    ));
+                }
+            }
+        }
+        save(&dir.join("model.safetensors"), &tensors);
+        (tmp, expected)
+    }
+
+    fn awq_config(group: i64) -> Value {
+        serde_json::json!({"quant_method": "awq", "bits": 4, "group_size": group,
+                           "zero_point": true, "version": "gemm"})
+    }
+
+    fn gptq_config(group: i64, desc_act: bool, format: &str) -> Value {
+        serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": group,
+                           "desc_act": desc_act, "sym": false, "checkpoint_format": format})
+    }
+
+    /// Every projection loads as `want` (a format name, "F32" for dense) with exactly `(q - z) * s`;
+    /// every other tensor as stored.
+    fn check_model(
+        dir: &Path,
+        expected: &HashMap<String, Vec<f32>>,
+        want: &str,
+    ) -> crate::ModelFiles {
+        let files = crate::open_model(dir, None).unwrap();
+        assert!(!expected.is_empty());
+        for (name, w) in expected {
+            let t = files.source.get(name).unwrap_or_else(|| panic!("{name}"));
+            assert_eq!(t.format.to_string(), want, "{name}");
+            assert_eq!(t.shape.iter().product::<usize>(), w.len(), "{name}");
+            let got = t.to_f32().unwrap();
+            for (i, (a, b)) in got.iter().zip(w).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{name}[{i}]: {a} vs {b}");
+            }
+        }
+        let norm = files.source.get("model.norm.weight").unwrap();
+        assert_eq!(norm.format, WeightFormat::Ggml(GgmlType::F16));
+        files
+    }
+
+    #[test]
+    fn awq_gemm_loads_as_int4_rows_exactly() {
+        let (tmp, expected) = quant_model("tiny-qwen2", Kind::Awq, 32, false, awq_config(32));
+        let files = check_model(tmp.path(), &expected, "int4-g32/a16");
+        assert_eq!(files.precision, Some("w4a16-g32".parse().unwrap()));
+        // Qwen2's biases pass through.
+        let b = files
+            .source
+            .get("model.layers.0.self_attn.q_proj.bias")
+            .unwrap();
+        assert_eq!(b.shape, vec![64]);
+    }
+
+    #[test]
+    fn gptq_v1_and_v2_zeros_load_exactly() {
+        for (kind, format) in [(Kind::GptqV1, "gptq"), (Kind::GptqV2, "gptq_v2")] {
+            let cfg = gptq_config(32, false, format);
+            let (tmp, expected) = quant_model("tiny-llama3", kind, 32, false, cfg);
+            check_model(tmp.path(), &expected, "int4-g32/a16");
+        }
+        // The same v2 bytes read as v1 would be off by one zero: the flag is honoured.
+        let (tmp, expected) = quant_model(
+            "tiny-llama3",
+            Kind::GptqV2,
+            32,
+            false,
+            gptq_config(32, false, "gptq_v2"),
+        );
+        let p = tmp.path().join("config.json");
+        let text = std::fs::read_to_string(&p)
+            .unwrap()
+            .replace("gptq_v2", "gptq");
+        std::fs::write(&p, text).unwrap();
+        let files = crate::open_model(tmp.path(), None).unwrap();
+        let (name, w) = expected.iter().next().unwrap();
+        assert_ne!(&files.source.get(name).unwrap().to_f32().unwrap(), w);
+    }
+
+    #[test]
+    fn gptq_act_order_loads_as_exact_f32() {
+        let (tmp, expected) = quant_model(
+            "tiny-mistral",
+            Kind::GptqV2,
+            32,
+            true,
+            gptq_config(32, true, "gptq_v2"),
+        );
+        check_model(tmp.path(), &expected, "F32");
+        // desc_act set but a layer without g_idx: refused, naming the tensor.
+        let dir = tmp.path();
+        let st = SafetensorsDir::open_any(dir).unwrap();
+        let g = "model.layers.1.mlp.down_proj.g_idx";
+        let kept: Tensors = st
+            .names()
+            .filter(|n| *n != g)
+            .map(|n| {
+                let r = st.raw(n).unwrap();
+                (n.to_string(), r.dtype, r.shape, r.bytes.to_vec())
+            })
+            .collect();
+        drop(st);
+        save(&dir.join("model.safetensors"), &kept);
+        let e = crate::open_model(dir, None).err().unwrap().to_string();
+        assert!(
+            e.contains(&format!("tensor '{g}' is missing")) && e.contains("desc_act"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn per_channel_and_odd_group_sizes() {
+        // group_size -1: one group per row, nibble's int4-pc.
+        let (tmp, expected) = quant_model(
+            "tiny-llama3",
+            Kind::GptqV2,
+            usize::MAX,
+            false,
+            gptq_config(-1, false, "gptq_v2"),
+        );
+        let files = check_model(tmp.path(), &expected, "int4-pc/a16");
+        assert_eq!(files.precision, None);
+        // A group size nibble has no codec name for: exact f32.
+        let (tmp, expected) = quant_model("tiny-llama3", Kind::Awq, 16, false, awq_config(16));
+        check_model(tmp.path(), &expected, "F32");
+    }
+
+    fn open_err(dir: &Path) -> String {
+        match crate::open_model(dir, None) {
+            Ok(_) => panic!("{} opened", dir.display()),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn bad_configs_are_refused_with_the_reason() {
+        let cases = [
+            (
+                serde_json::json!({"quant_method": "gptq", "bits": 3, "group_size": 32}),
+                "3-bit weights",
+            ),
+            (
+                serde_json::json!({"quant_method": "awq", "bits": 8, "group_size": 32}),
+                "8-bit weights",
+            ),
+            (
+                serde_json::json!({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}),
+                "AWQ version 'gemv'",
+            ),
+            (
+                serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}),
+                "GPTQ checkpoint format 'marlin'",
+            ),
+            (
+                serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 32, "pack_dtype": "int16"}),
+                "pack_dtype 'int16'",
+            ),
+            (
+                serde_json::json!({"quant_method": "bitsandbytes", "bits": 4}),
+                "quantization method 'bitsandbytes'",
+            ),
+            (
+                serde_json::json!({"quant_method": "gptq", "group_size": 32}),
+                "no 'bits'",
+            ),
+            (
+                serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 0}),
+                "group_size 0",
+            ),
+            (
+                serde_json::json!({"quant_method": "gptq", "bits": "4", "group_size": 32}),
+                "'bits' is \"4\"",
+            ),
+        ];
+        let (tmp, _) = quant_model(
+            "tiny-llama3",
+            Kind::GptqV2,
+            32,
+            false,
+            gptq_config(32, false, "gptq_v2"),
+        );
+        let p = tmp.path().join("config.json");
+        let mut config: Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        for (qc, want) in cases {
+            config["quantization_config"] = qc;
+            std::fs::write(&p, config.to_string()).unwrap();
+            let e = open_err(tmp.path());
+            assert!(
+                e.contains(want) && e.contains("config.json"),
+                "want '{want}': {e}"
+            );
+        }
+        // The old layout: quantize_config.json beside a config.json without quantization_config.
+        config
+            .as_object_mut()
+            .unwrap()
+            .remove("quantization_config");
+        std::fs::write(&p, config.to_string()).unwrap();
+        let q = tmp.path().join("quantize_config.json");
+        std::fs::write(&q, r#"{"bits": 2, "group_size": 32, "desc_act": false}"#).unwrap();
+        let e = open_err(tmp.path());
+        assert!(
+            e.contains("2-bit weights") && e.contains("quantize_config.json"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_layer_tensors_are_refused_naming_them() {
+        type Edit = Box<dyn Fn(&mut Tensors)>;
+        let find = |t: &mut Tensors, n: &str| t.iter().position(|x| x.0 == n).unwrap();
+        let q = "model.layers.0.self_attn.q_proj";
+        let cases: Vec<(Edit, String)> = vec![
+            (
+                Box::new(move |t| {
+                    let i = find(t, &format!("{q}.qzeros"));
+                    t.remove(i);
+                }),
+                format!("tensor '{q}.qzeros' is missing"),
+            ),
+            (
+                Box::new(move |t| {
+                    let i = find(t, &format!("{q}.scales"));
+                    t.remove(i);
+                }),
+                format!("tensor '{q}.scales' is missing"),
+            ),
+            (
+                Box::new(move |t| {
+                    let i = find(t, &format!("{q}.scales"));
+                    t[i].2 = vec![4, 32];
+                    t[i].3.truncate(4 * 32 * 2);
+                }),
+                format!(
+                    "'{q}.scales' has shape [4, 32]; a layer of 64 inputs, 64 outputs and group size 32 needs [2, 64]"
+                ),
+            ),
+            (
+                Box::new(move |t| {
+                    let i = find(t, &format!("{q}.g_idx"));
+                    t[i].3[4..8].copy_from_slice(&7u32.to_le_bytes());
+                }),
+                format!("'{q}.g_idx'[1] = 7 is outside the 2 groups"),
+            ),
+            (
+                Box::new(move |t| {
+                    let i = find(t, &format!("{q}.qweight"));
+                    t[i].1 = Dtype::U32;
+                }),
+                format!("U32 packing of '{q}.qweight'"),
+            ),
+            (
+                Box::new(move |t| {
+                    t.push((format!("{q}.weight"), Dtype::F16, vec![1], vec![0, 0]));
+                }),
+                format!("layer '{q}' has both"),
+            ),
+            (
+                Box::new(|t| {
+                    t.push(("model.extra".into(), Dtype::I64, vec![1], vec![0; 8]));
+                }),
+                "tensor 'model.extra' (I64)".to_string(),
+            ),
+        ];
+        for (edit, want) in cases {
+            let (tmp, _) = quant_model(
+                "tiny-llama3",
+                Kind::GptqV2,
+                32,
+                false,
+                gptq_config(32, false, "gptq_v2"),
+            );
+            let dir = tmp.path();
+            let st = SafetensorsDir::open_any(dir).unwrap();
+            let mut all: Tensors = st
+                .names()
+                .map(|n| {
+                    let r = st.raw(n).unwrap();
+                    (n.to_string(), r.dtype, r.shape, r.bytes.to_vec())
+                })
+                .collect();
+            drop(st);
+            edit(&mut all);
+            save(&dir.join("model.safetensors"), &all);
+            let e = open_err(dir);
+            assert!(e.contains(&want), "want '{want}': {e}");
+        }
+    }
+
+    /// The fixtures made by `scripts/gen_awq_gptq_fixtures.py`: packed by a numpy transcription
+    /// of AutoAWQ's and AutoGPTQ's packing loops, expected weights from their unpacking code.
+    #[test]
+    fn python_packed_fixtures_match_their_reference_unpacking() {
+        let root = fixture("awq-gptq");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&root).unwrap() {
+            let dir = entry.unwrap().path();
+            let config_path = dir.join("config.json");
+            let config: Value = match std::fs::read_to_string(&config_path) {
+                Ok(t) => serde_json::from_str(&t).unwrap(),
+                Err(_) => Value::Null,
+            };
+            let cfg = HfQuantConfig::detect(&dir, &config, &config_path)
+                .unwrap()
+                .unwrap();
+            let src = HfQuantSource::open(&dir, cfg).unwrap();
+            let want_fmt: HashMap<String, String> =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("expect.json")).unwrap())
+                    .unwrap();
+            let exp = expected_tensors(&dir.join("expected.safetensors"));
+            assert_eq!(exp.len(), want_fmt.len());
+            for (prefix, fmt) in &want_fmt {
+                let name = format!("{prefix}.weight");
+                let t = src.get(&name).unwrap();
+                assert_eq!(&t.format.to_string(), fmt, "{}: {name}", dir.display());
+                let got = t.to_f32().unwrap();
+                let w = &exp[&name];
+                assert_eq!(got.len(), w.len());
+                for (i, (a, b)) in got.iter().zip(w).enumerate() {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{}: {name}[{i}]", dir.display());
+                }
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, 10);
+    }
+
+    fn expected_tensors(path: &Path) -> HashMap<String, Vec<f32>> {
+        let bytes = std::fs::read(path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        st.tensors()
+            .into_iter()
+            .map(|(n, v)| {
+                assert_eq!(v.dtype(), Dtype::F32);
+                let w = v
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                (n, w)
+            })
+            .collect()
+    }
 }
