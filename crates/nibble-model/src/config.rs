@@ -586,4 +586,147 @@ mod tests {
         // Lowest frequency (wavelength 2*pi*500000^(14/16) ~ 62k > 8192): divided by 8.
         assert!((inv[7] as f64 - base(7) / 8.0).abs() / (base(7) / 8.0) < 1e-5);
     }
+
+    fn fixture(name: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name)
+    }
+
+    const FIXTURES: [&str; 5] = [
+        "tiny-llama-tied-bf16",
+        "tiny-llama3",
+        "tiny-mistral",
+        "tiny-qwen2",
+        "tiny-qwen3",
+    ];
+
+    /// Every fixture's config survives `to_hf_json` -> `from_hf_json`, the tensor layout read
+    /// off its files matches what its own config.json says, and `model_tensors` names exactly
+    /// the tensors it ships.
+    #[test]
+    fn hf_json_round_trips_every_fixture() {
+        for name in FIXTURES {
+            let dir = fixture(name);
+            let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+            let original: Value = serde_json::from_str(&text).unwrap();
+            let c = ModelConfig::from_hf_json(&text, name).unwrap();
+            let st = nibble_formats::safetensors_dir::SafetensorsDir::open(&dir).unwrap();
+            let layout = TensorLayout::from_names(st.names());
+            let v = c.to_hf_json(&layout).unwrap();
+            assert_eq!(
+                ModelConfig::from_hf_json(&v.to_string(), name).unwrap(),
+                c,
+                "{name}"
+            );
+            assert_eq!(
+                v["tie_word_embeddings"], original["tie_word_embeddings"],
+                "{name}"
+            );
+            assert_eq!(v["model_type"], original["model_type"], "{name}");
+            assert_eq!(v["architectures"], original["architectures"], "{name}");
+            assert_eq!(v["rms_norm_eps"], original["rms_norm_eps"], "{name}");
+            if let Some(b) = original.get("attention_bias") {
+                assert_eq!(&v["attention_bias"], b, "{name}");
+            }
+            let mut want: Vec<(String, Vec<usize>)> = st
+                .names()
+                .map(|n| (n.to_string(), st.get(n).unwrap().shape))
+                .collect();
+            let mut got: Vec<(String, Vec<usize>)> = crate::transformer::model_tensors(&c, &layout)
+                .into_iter()
+                .map(|(n, s, _)| (n, s))
+                .collect();
+            want.sort();
+            got.sort();
+            assert_eq!(got, want, "{name}");
+        }
+    }
+
+    fn with_scaling(rope_scaling: RopeScaling) -> ModelConfig {
+        ModelConfig {
+            rope_scaling,
+            ..ModelConfig::from_hf_json(&hf(r#","rope_theta":500000.0"#), "c").unwrap()
+        }
+    }
+
+    #[test]
+    fn rope_scaling_round_trips() {
+        let layout = TensorLayout::default();
+        for scaling in [
+            RopeScaling::None,
+            RopeScaling::Linear { factor: 2.5 },
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position: 8192.0,
+            },
+        ] {
+            let c = with_scaling(scaling);
+            let v = c.to_hf_json(&layout).unwrap();
+            assert_eq!(ModelConfig::from_hf_json(&v.to_string(), "c").unwrap(), c);
+        }
+    }
+
+    /// GGUF Llama 3 files carry the scaling as per-frequency factors; written out they become
+    /// the llama3 parameters that produce the same frequencies.
+    #[test]
+    fn gguf_freq_factors_are_written_as_llama3() {
+        let base = with_scaling(RopeScaling::None);
+        // llama.cpp's convert_hf_to_gguf.py: f32 frequencies, factors per pair.
+        let (factor, low, high, old) = (8.0f64, 1.0f64, 4.0f64, 8192.0f64);
+        let d = base.head_dim;
+        let factors: Vec<f32> = (0..d / 2)
+            .map(|i| {
+                let freq = (1.0 / 500000f32.powf((2 * i) as f32 / d as f32)) as f64;
+                let wavelen = 2.0 * std::f64::consts::PI / freq;
+                if wavelen < old / high {
+                    1.0
+                } else if wavelen > old / low {
+                    factor as f32
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+                }
+            })
+            .collect();
+        let c = with_scaling(RopeScaling::FreqFactors(factors));
+        let v = c.to_hf_json(&TensorLayout::default()).unwrap();
+        assert_eq!(v["rope_scaling"]["rope_type"], "llama3");
+        assert_eq!(v["rope_scaling"]["original_max_position_embeddings"], 8192);
+        let back = ModelConfig::from_hf_json(&v.to_string(), "c").unwrap();
+        for (a, b) in back.rope_inv_freq().iter().zip(c.rope_inv_freq()) {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "{a} vs {b}");
+        }
+        // Factors that are not Llama 3's are refused rather than approximated.
+        let odd = with_scaling(RopeScaling::FreqFactors(vec![1.5; d / 2]));
+        let e = odd.to_hf_json(&TensorLayout::default()).unwrap_err();
+        assert!(e.to_string().contains("rope_freqs"), "{e}");
+    }
+
+    #[test]
+    fn layouts_an_hf_class_cannot_express_are_refused() {
+        let cfg = |arch: &str| {
+            ModelConfig::from_hf_json(&hf("").replace("\"llama\"", &format!("\"{arch}\"")), "c")
+                .unwrap()
+        };
+        let l = |attention_bias, qk_norm| TensorLayout {
+            tie_word_embeddings: false,
+            attention_bias,
+            qk_norm,
+        };
+        for (arch, layout, why) in [
+            ("qwen2", l(false, false), "without Q/K/V biases"),
+            ("qwen3", l(false, false), "without per-head Q/K norms"),
+            ("mistral", l(true, false), "with Q/K/V biases"),
+            ("llama", l(false, true), "with per-head Q/K norms"),
+        ] {
+            let e = cfg(arch).to_hf_json(&layout).unwrap_err().to_string();
+            assert!(e.contains(why), "{arch}: {e}");
+        }
+        let v = cfg("llama").to_hf_json(&l(true, false)).unwrap();
+        assert_eq!(v["attention_bias"], true);
+        assert_eq!(v["tie_word_embeddings"], false);
+    }
 }
