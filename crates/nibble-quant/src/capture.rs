@@ -1,0 +1,327 @@
+//! Calibration: the ordinary `Transformer` runs over calibration text on a backend that wraps the
+//! CPU backend and records what every linear layer reads, so the statistics come from exactly
+//! the forward pass nibble serves with (same rotary, attention, norms).
+//!
+//! Per input site (see [`SiteKind`]) of every block it keeps the channel-wise max and mean of
+//! |x|, optionally the Gram matrix `X^T X` (GPTQ's Hessian), and an evenly strided sample of
+//! input rows (for searches that replay a layer: AWQ scales, clipping). Per layer it keeps the
+//! channel-wise max |K| of the rotary-embedded keys (SmoothAttention).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use nibble_core::Result;
+use nibble_cpu::{CpuBackend, CpuKvCache, CpuTensor, CpuWeight};
+use nibble_formats::HostTensor;
+use nibble_model::{
+    AttentionShape, Backend, BatchLayout, KvShape, LogitRows, RopeLayout, Transformer,
+};
+
+use crate::dense::{DenseModel, LinearId, LinearKind, Mat, SiteKind};
+
+#[derive(Debug, Clone, Copy)]
+pub struct CaptureOptions {
+    /// Accumulate `X^T X` per site (k x k f64 each; needed by GPTQ only).
+    pub hessian: bool,
+    /// Keep at most this many input rows per site.
+    pub max_samples: usize,
+    /// Keep every `sample_stride`-th token's input row.
+    pub sample_stride: usize,
+}
+
+impl Default for CaptureOptions {
+    fn default() -> Self {
+        CaptureOptions {
+            hessian: false,
+            max_samples: 1024,
+            sample_stride: 4,
+        }
+    }
+}
+
+/// What one linear-layer input looked like over the calibration set.
+#[derive(Debug, Clone)]
+pub struct SiteStats {
+    pub tokens: usize,
+    pub absmax: Vec<f32>,
+    abssum: Vec<f64>,
+    /// `X^T X`, row-major `k x k`, when asked for.
+    pub hessian: Option<Vec<f64>>,
+    /// Sampled input rows, `[n, k]`.
+    pub samples: Mat,
+}
+
+impl SiteStats {
+    fn new(k: usize, hessian: bool) -> Self {
+        SiteStats {
+            tokens: 0,
+            absmax: vec![0.0; k],
+            abssum: vec![0.0; k],
+            hessian: hessian.then(|| vec![0.0; k * k]),
+            samples: Mat::new(0, k, Vec::new()),
+        }
+    }
+
+    /// Channel-wise mean of |x|.
+    pub fn absmean(&self) -> Vec<f32> {
+        let n = self.tokens.max(1) as f64;
+        self.abssum.iter().map(|s| (s / n) as f32).collect()
+    }
+}
+
+/// Statistics of a whole calibration run.
+#[derive(Debug, Clone)]
+pub struct Calibration {
+    pub sites: HashMap<(usize, SiteKind), SiteStats>,
+    /// Per layer, channel-wise max |K| after rotary embedding (`kv_dim` values).
+    pub key_absmax: Vec<Vec<f32>>,
+    pub tokens: usize,
+    pub sequences: usize,
+}
+
+impl Calibration {
+    pub fn site(&self, layer: usize, site: SiteKind) -> &SiteStats {
+        &self.sites[&(layer, site)]
+    }
+
+    /// The statistics of the input a linear layer reads.
+    pub fn input_of(&self, id: LinearId) -> &SiteStats {
+        self.site(id.layer, id.kind.site())
+    }
+}
+
+#[derive(Default)]
+struct Recorder {
+    sites: HashMap<(usize, SiteKind), SiteStats>,
+    key_absmax: HashMap<usize, Vec<f32>>,
+}
+
+/// A CPU backend that records the inputs of linear layers as it runs them.
+struct CaptureBackend {
+    cpu: CpuBackend,
+    opts: CaptureOptions,
+    rec: Mutex<Recorder>,
+}
+
+struct CaptureWeight {
+    inner: CpuWeight,
+    /// Set on the first reader of each site (q, o, gate, down), which records the input once.
+    records: Option<(usize, SiteKind)>,
+}
+
+impl CaptureBackend {
+    fn record(&self, key: (usize, SiteKind), x: &CpuTensor) {
+        let opts = self.opts;
+        let mut rec = self.rec.lock().expect("recorder lock");
+        let s = rec
+            .sites
+            .entry(key)
+            .or_insert_with(|| SiteStats::new(x.cols, opts.hessian));
+        let k = x.cols;
+        for r in 0..x.rows {
+            let row = x.row(r);
+            for ((m, a), &v) in s.absmax.iter_mut().zip(&mut s.abssum).zip(row) {
+                *m = m.max(v.abs());
+                *a += v.abs() as f64;
+            }
+            if (s.tokens + r) % opts.sample_stride.max(1) == 0 && s.samples.rows < opts.max_samples
+            {
+                s.samples.data.extend_from_slice(row);
+                s.samples.rows += 1;
+            }
+        }
+        s.tokens += x.rows;
+        if let Some(h) = &mut s.hessian {
+            let g = gram(&x.data, x.rows, k);
+            for (h, g) in h.iter_mut().zip(g) {
+                *h += g as f64;
+            }
+        }
+    }
+}
+
+/// `X^T X` for row-major `X` (`m x k`), in f32.
+pub fn gram(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let mut out = vec![0f32; k * k];
+    // SAFETY: the strides describe `x` as `k x m` (transposed) and `m x k`, and `out` as a
+    // `k x k` row-major matrix, all within their buffers.
+    unsafe {
+        gemm::gemm(
+            k,
+            k,
+            m,
+            out.as_mut_ptr(),
+            1,
+            k as isize,
+            false,
+            x.as_ptr(),
+            k as isize,
+            1,
+            x.as_ptr(),
+            1,
+            k as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+    out
+}
+
+impl Backend for CaptureBackend {
+    type Tensor = CpuTensor;
+    type Weight = CaptureWeight;
+    type Kv = CpuKvCache;
+
+    fn name(&self) -> String {
+        format!("calibration capture on {}", self.cpu.name())
+    }
+
+    fn load_weight(&self, t: &HostTensor) -> Result<CaptureWeight> {
+        let records = LinearId::parse(&t.name).and_then(|id| {
+            matches!(
+                id.kind,
+                LinearKind::Q | LinearKind::O | LinearKind::Gate | LinearKind::Down
+            )
+            .then(|| (id.layer, id.kind.site()))
+        });
+        Ok(CaptureWeight {
+            inner: self.cpu.load_weight(t)?,
+            records,
+        })
+    }
+
+    fn load_vector(&self, values: &[f32]) -> Result<CpuTensor> {
+        self.cpu.load_vector(values)
+    }
+
+    fn new_kv_pool(&self, shape: KvShape, blocks: usize, block_size: usize) -> Result<CpuKvCache> {
+        self.cpu.new_kv_pool(shape, blocks, block_size)
+    }
+
+    fn release_kv_blocks(&self, kv: &mut CpuKvCache, blocks: &[u32]) {
+        self.cpu.release_kv_blocks(kv, blocks)
+    }
+
+    fn embed(&self, table: &CaptureWeight, ids: &[u32]) -> Result<CpuTensor> {
+        self.cpu.embed(&table.inner, ids)
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
+        self.cpu.rms_norm(x, w, eps)
+    }
+
+    fn add_rms_norm(&self, x: &mut CpuTensor, d: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
+        self.cpu.add_rms_norm(x, d, w, eps)
+    }
+
+    fn head_rms_norm(&self, x: &mut CpuTensor, w: &CpuTensor, head_dim: usize, eps: f32) {
+        self.cpu.head_rms_norm(x, w, head_dim, eps)
+    }
+
+    fn linear(
+        &self,
+        x: &CpuTensor,
+        w: &CaptureWeight,
+        bias: Option<&CpuTensor>,
+    ) -> Result<CpuTensor> {
+        if let Some(key) = w.records {
+            self.record(key, x);
+        }
+        self.cpu.linear(x, &w.inner, bias)
+    }
+
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        head_dim: usize,
+        batch: &BatchLayout,
+        inv_freq: &CpuTensor,
+        layout: RopeLayout,
+    ) {
+        self.cpu.rope(x, head_dim, batch, inv_freq, layout)
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        kv: &mut CpuKvCache,
+        layer: usize,
+        batch: &BatchLayout,
+        shape: AttentionShape,
+    ) -> Result<CpuTensor> {
+        {
+            let mut rec = self.rec.lock().expect("recorder lock");
+            let m = rec
+                .key_absmax
+                .entry(layer)
+                .or_insert_with(|| vec![0.0; k.cols]);
+            for row in k.data.chunks_exact(k.cols) {
+                for (m, &v) in m.iter_mut().zip(row) {
+                    *m = m.max(v.abs());
+                }
+            }
+        }
+        self.cpu.attention(q, k, v, kv, layer, batch, shape)
+    }
+
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
+        self.cpu.silu_mul(gate, up)
+    }
+
+    fn add(&self, x: &mut CpuTensor, d: &CpuTensor) {
+        self.cpu.add(x, d)
+    }
+
+    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
+        self.cpu.gather_rows(x, rows)
+    }
+
+    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
+        self.cpu.to_host(x)
+    }
+}
+
+/// Runs `model` over `sequences` (each one prefill) and returns the statistics of every linear
+/// layer's input; `progress(done, total)` per sequence.
+pub fn capture(
+    model: &DenseModel,
+    sequences: &[Vec<u32>],
+    opts: CaptureOptions,
+    threads: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Calibration> {
+    let backend = CaptureBackend {
+        cpu: CpuBackend::new(threads)?,
+        opts,
+        rec: Mutex::new(Recorder::default()),
+    };
+    let transformer = Transformer::load(&backend, model.config.clone(), model, &mut |_, _| {})?;
+    let mut tokens = 0;
+    for (i, seq) in sequences.iter().enumerate() {
+        let (mut kv, table) = transformer.single_sequence_kv(&backend, seq.len())?;
+        transformer.forward(
+            &backend,
+            seq,
+            &BatchLayout::single(table, 0, seq.len()),
+            &mut kv,
+            LogitRows::LastPerSeq,
+        )?;
+        tokens += seq.len();
+        progress(i + 1, sequences.len());
+    }
+    let rec = backend.rec.into_inner().expect("recorder lock");
+    let mut key_absmax: Vec<(usize, Vec<f32>)> = rec.key_absmax.into_iter().collect();
+    key_absmax.sort_by_key(|(l, _)| *l);
+    Ok(Calibration {
+        sites: rec.sites,
+        key_absmax: key_absmax.into_iter().map(|(_, v)| v).collect(),
+        tokens,
+        sequences: sequences.len(),
+    })
+}

@@ -1,0 +1,12 @@
+//! Offline quantization. A model is loaded as dense f32 ([`dense::DenseModel`]), run over
+//! calibration text to collect activation statistics ([`capture`]), transformed by
+//! equivalence-preserving rewrites folded into its weights (rotation, smoothing, permutation),
+//! and finally each linear layer is encoded in its [`nibble_precision::LinearFormat`] by a method
+//! (RTN, AWQ, GPTQ, ...). [`pipeline::quantize`] is the one entry point.
+
+pub mod capture;
+pub mod data;
+pub mod dense;
+pub mod pipeline;
+
+pub use pipeline::{Method, QuantOptions, QuantizedModel, quantize};

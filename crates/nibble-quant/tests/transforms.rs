@@ -1,0 +1,164 @@
+//! The offline rewrites keep the network's function: logits of the tiny fixture models before and
+//! after each rewrite agree to float rounding, and calibration sees every input site.
+
+use std::path::PathBuf;
+
+use nibble_cpu::CpuBackend;
+use nibble_model::{BatchLayout, LogitRows, Transformer, open_model};
+use nibble_quant::capture::{CaptureOptions, capture};
+use nibble_quant::dense::{DenseModel, Mat, SiteKind};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../nibble-model/tests/fixtures")
+        .join(name)
+}
+
+fn dense(name: &str) -> DenseModel {
+    let files = open_model(&fixture(name), None).unwrap();
+    DenseModel::load(files.config.clone(), &*files.source, &mut |_, _| {}).unwrap()
+}
+
+const TOKENS: [u32; 12] = [1, 5, 9, 17, 33, 2, 64, 100, 7, 3, 11, 42];
+
+fn logits(model: &DenseModel) -> Vec<f32> {
+    let backend = CpuBackend::new(1).unwrap();
+    let t = Transformer::load(&backend, model.config.clone(), model, &mut |_, _| {}).unwrap();
+    let (mut kv, table) = t.single_sequence_kv(&backend, TOKENS.len()).unwrap();
+    let out = t
+        .forward(
+            &backend,
+            &TOKENS,
+            &BatchLayout::single(table, 0, TOKENS.len()),
+            &mut kv,
+            LogitRows::All,
+        )
+        .unwrap();
+    out.data
+}
+
+fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        err.is_finite() && err <= tol * scale,
+        "{what}: max error {err} (scale {scale})"
+    );
+}
+
+fn random_orthogonal(n: usize, seed: u64) -> Mat {
+    // Gram-Schmidt on a Gaussian-ish matrix, in f64.
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut q: Vec<Vec<f64>> = Vec::new();
+    while q.len() < n {
+        let mut v: Vec<f64> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+        for u in &q {
+            let d: f64 = v.iter().zip(u).map(|(a, b)| a * b).sum();
+            v.iter_mut().zip(u).for_each(|(a, b)| *a -= d * b);
+        }
+        let norm = v.iter().map(|a| a * a).sum::<f64>().sqrt();
+        if norm > 1e-6 {
+            q.push(v.into_iter().map(|a| a / norm).collect());
+        }
+    }
+    Mat::new(n, n, q.into_iter().flatten().map(|x| x as f32).collect())
+}
+
+#[test]
+fn dense_model_runs_like_the_original() {
+    for name in ["tiny-llama3", "tiny-qwen2", "tiny-llama-tied-bf16"] {
+        let files = open_model(&fixture(name), None).unwrap();
+        let backend = CpuBackend::new(1).unwrap();
+        let t = Transformer::load(
+            &backend,
+            files.config.clone(),
+            &*files.source,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let (mut kv, table) = t.single_sequence_kv(&backend, TOKENS.len()).unwrap();
+        let want = t
+            .forward(
+                &backend,
+                &TOKENS,
+                &BatchLayout::single(table, 0, TOKENS.len()),
+                &mut kv,
+                LogitRows::All,
+            )
+            .unwrap()
+            .data;
+        assert_close(&logits(&dense(name)), &want, 1e-6, name);
+    }
+}
+
+#[test]
+fn input_scales_fold_without_changing_the_function() {
+    for name in ["tiny-llama3", "tiny-qwen2"] {
+        let mut m = dense(name);
+        let want = logits(&m);
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let c = m.config.clone();
+        for layer in 0..c.num_layers {
+            for site in SiteKind::ALL {
+                let n = match site {
+                    SiteKind::AttnIn | SiteKind::MlpIn => c.hidden_size,
+                    SiteKind::OIn => c.kv_dim(),
+                    SiteKind::DownIn => c.intermediate_size,
+                };
+                let s: Vec<f32> = (0..n).map(|_| rng.random_range(0.25..4.0)).collect();
+                m.fold_input_scale(layer, site, &s).unwrap();
+            }
+        }
+        assert_close(&logits(&m), &want, 1e-4, name);
+        assert!(m.fold_input_scale(0, SiteKind::AttnIn, &[1.0]).is_err());
+        assert!(
+            m.fold_input_scale(0, SiteKind::DownIn, &vec![0.0; c.intermediate_size])
+                .is_err()
+        );
+    }
+}
+
+#[test]
+fn residual_rotation_keeps_the_function() {
+    for name in ["tiny-llama3", "tiny-qwen2", "tiny-llama-tied-bf16"] {
+        let mut m = dense(name);
+        let want = logits(&m);
+        let r = random_orthogonal(m.config.hidden_size, 11);
+        assert!(m.rotate_residual(&r).is_err(), "needs folded norms first");
+        m.fold_norms().unwrap();
+        assert_close(&logits(&m), &want, 1e-5, name);
+        m.rotate_residual(&r).unwrap();
+        assert_close(&logits(&m), &want, 1e-4, name);
+    }
+}
+
+#[test]
+fn calibration_records_every_site() {
+    let m = dense("tiny-llama3");
+    let seqs = vec![TOKENS.to_vec(), TOKENS[..7].to_vec()];
+    let opts = CaptureOptions {
+        hessian: true,
+        max_samples: 5,
+        sample_stride: 2,
+    };
+    let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
+    assert_eq!(cal.tokens, 19);
+    assert_eq!(cal.key_absmax.len(), m.config.num_layers);
+    for layer in 0..m.config.num_layers {
+        for site in SiteKind::ALL {
+            let s = cal.site(layer, site);
+            assert_eq!(s.tokens, 19);
+            assert_eq!(s.samples.rows, 5);
+            assert!(s.absmax.iter().any(|&x| x > 0.0));
+            let h = s.hessian.as_ref().unwrap();
+            let k = s.absmax.len();
+            // The Gram matrix is symmetric with diagonal = sum of squares >= max^2.
+            for i in 0..k {
+                assert!(h[i * k + i] + 1e-6 >= (s.absmax[i] as f64).powi(2));
+                assert!((h[i * k + (i + 1) % k] - h[((i + 1) % k) * k + i]).abs() < 1e-3);
+            }
+        }
+    }
+}
