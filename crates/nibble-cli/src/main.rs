@@ -271,7 +271,10 @@ fn run(cli: Cli) -> Result<()> {
         _ => {}
     }
     let mut engine = load_cpu_engine(cli.model.as_deref(), cli.tokenizer.as_deref(), cli.threads)?;
-    engine.model.kv_format = kv;
+    if let Some(kv) = cli.kv {
+        engine.model.kv_format = kv;
+    }
+    let kv = engine.model.kv_format;
     if let Command::Serve(args) = cli.command {
         return serve(engine, args, cli.model.as_deref());
     }
