@@ -89,7 +89,7 @@ impl WeightCodec {
             self,
             WeightCodec::Int8PerChannel | WeightCodec::Fp8PerChannel
         );
-        if cols == 0 || g == 0 || cols % g != 0 || (nibbles && cols % 2 != 0) {
+        if cols == 0 || g == 0 || !cols.is_multiple_of(g) || (nibbles && !cols.is_multiple_of(2)) {
             return Err(Error::InvalidArgument(format!(
                 "{self} cannot encode rows of {cols} elements (group size {g} must divide it{})",
                 if nibbles { ", and it must be even" } else { "" }
@@ -207,8 +207,8 @@ impl WeightCodec {
                 let g = cols / gl;
                 for gi in 0..g {
                     let z = src[cols / 2 + 2 * g + gi] as i32;
-                    for j in gi * gl..(gi + 1) * gl {
-                        ints[j] = (nibble(src, j) as i32 - z) as i8;
+                    for (j, o) in (gi * gl..).zip(&mut ints[gi * gl..(gi + 1) * gl]) {
+                        *o = (nibble(src, j) as i32 - z) as i8;
                     }
                     scales.push(read_f16(&src[cols / 2 + 2 * gi..]));
                 }
@@ -218,8 +218,8 @@ impl WeightCodec {
                 let g = cols / gl;
                 for gi in 0..g {
                     let (s, z) = (src[cols / 2 + gi] as i32, src[cols / 2 + g + gi] as i32);
-                    for j in gi * gl..(gi + 1) * gl {
-                        ints[j] = ((nibble(src, j) as i32 - z) * s) as i8;
+                    for (j, o) in (gi * gl..).zip(&mut ints[gi * gl..(gi + 1) * gl]) {
+                        *o = ((nibble(src, j) as i32 - z) * s) as i8;
                     }
                 }
                 scales.push(read_f16(&src[src.len() - 2..]));
