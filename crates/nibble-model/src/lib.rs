@@ -2,12 +2,14 @@
 //! and the mapping from model files to named weights.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod config;
 pub mod loader;
 pub mod source;
 pub mod transformer;
 
 pub use backend::{AttentionShape, Backend, BatchLayout, KvShape, SeqSpan};
-pub use config::{Arch, ModelConfig, RopeLayout, RopeScaling};
+pub use checkpoint::{CheckpointData, CheckpointTensor, write_checkpoint};
+pub use config::{Arch, ModelConfig, RopeLayout, RopeScaling, TensorLayout};
 pub use loader::{ModelFiles, open_model};
-pub use transformer::{LogitRows, Transformer};
+pub use transformer::{LogitRows, TensorRole, Transformer, model_tensors};

@@ -5,7 +5,7 @@
 use nibble_core::{Error, Result};
 
 use crate::backend::{AttentionShape, Backend, BatchLayout, KvShape};
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, TensorLayout};
 use crate::source::TensorSource;
 
 struct Layer<B: Backend> {
@@ -95,6 +95,68 @@ impl<B: Backend> Loader<'_, B> {
             Ok(None)
         }
     }
+}
+
+/// Whether a tensor is multiplied (a weight a backend may store quantized) or read as floats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorRole {
+    /// Embedding table, output head, or a projection `[out, in]`.
+    Weight,
+    /// A norm scale or a bias, always loaded as f32.
+    Vector,
+}
+
+/// Every tensor [`Transformer::load`] reads for `config` with `layout`, under its Hugging Face
+/// name, with its shape and role. Kept beside `load` so the two name the same set; the
+/// checkpoint writer checks its input against it.
+pub fn model_tensors(
+    config: &ModelConfig,
+    layout: &TensorLayout,
+) -> Vec<(String, Vec<usize>, TensorRole)> {
+    use TensorRole::{Vector, Weight};
+    let c = config;
+    let (h, qd, kvd, ff, hd) = (
+        c.hidden_size,
+        c.q_dim(),
+        c.kv_dim(),
+        c.intermediate_size,
+        c.head_dim,
+    );
+    let mut out = vec![
+        (
+            "model.embed_tokens.weight".to_string(),
+            vec![c.vocab_size, h],
+            Weight,
+        ),
+        ("model.norm.weight".to_string(), vec![h], Vector),
+    ];
+    if !layout.tie_word_embeddings {
+        out.push(("lm_head.weight".into(), vec![c.vocab_size, h], Weight));
+    }
+    for i in 0..c.num_layers {
+        let p = format!("model.layers.{i}");
+        let mut add =
+            |n: &str, shape: Vec<usize>, role| out.push((format!("{p}.{n}"), shape, role));
+        add("input_layernorm.weight", vec![h], Vector);
+        add("post_attention_layernorm.weight", vec![h], Vector);
+        add("self_attn.q_proj.weight", vec![qd, h], Weight);
+        add("self_attn.k_proj.weight", vec![kvd, h], Weight);
+        add("self_attn.v_proj.weight", vec![kvd, h], Weight);
+        add("self_attn.o_proj.weight", vec![h, qd], Weight);
+        if layout.attention_bias {
+            add("self_attn.q_proj.bias", vec![qd], Vector);
+            add("self_attn.k_proj.bias", vec![kvd], Vector);
+            add("self_attn.v_proj.bias", vec![kvd], Vector);
+        }
+        if layout.qk_norm {
+            add("self_attn.q_norm.weight", vec![hd], Vector);
+            add("self_attn.k_norm.weight", vec![hd], Vector);
+        }
+        add("mlp.gate_proj.weight", vec![ff, h], Weight);
+        add("mlp.up_proj.weight", vec![ff, h], Weight);
+        add("mlp.down_proj.weight", vec![h, ff], Weight);
+    }
+    out
 }
 
 impl<B: Backend> Transformer<B> {
