@@ -3,6 +3,7 @@
 
 pub mod bench_serve;
 pub mod default_model;
+pub mod quantize;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

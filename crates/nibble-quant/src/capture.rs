@@ -67,6 +67,26 @@ impl SiteStats {
         let n = self.tokens.max(1) as f64;
         self.abssum.iter().map(|s| (s / n) as f32).collect()
     }
+
+    /// The statistics of the same input divided channel-wise by `s` (what folding `s` into the
+    /// site does to it): exact for max, mean and samples, `D⁻¹ H D⁻¹` for the Gram matrix.
+    pub fn divide_channels(&mut self, s: &[f32]) {
+        assert_eq!(s.len(), self.absmax.len(), "one factor per channel");
+        for ((m, a), &d) in self.absmax.iter_mut().zip(&mut self.abssum).zip(s) {
+            *m /= d;
+            *a /= d as f64;
+        }
+        let inv: Vec<f32> = s.iter().map(|d| 1.0 / d).collect();
+        self.samples.scale_cols(&inv);
+        if let Some(h) = &mut self.hessian {
+            let k = s.len();
+            for (i, row) in h.chunks_exact_mut(k).enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v /= s[i] as f64 * s[j] as f64;
+                }
+            }
+        }
+    }
 }
 
 /// Statistics of a whole calibration run.
@@ -124,7 +144,8 @@ impl CaptureBackend {
                 *m = m.max(v.abs());
                 *a += v.abs() as f64;
             }
-            if (s.tokens + r) % opts.sample_stride.max(1) == 0 && s.samples.rows < opts.max_samples
+            if (s.tokens + r).is_multiple_of(opts.sample_stride.max(1))
+                && s.samples.rows < opts.max_samples
             {
                 s.samples.data.extend_from_slice(row);
                 s.samples.rows += 1;

@@ -4,9 +4,13 @@
 //! and finally each linear layer is encoded in its [`nibble_precision::LinearFormat`] by a method
 //! (RTN, AWQ, GPTQ, ...). [`pipeline::quantize`] is the one entry point.
 
+pub mod awq;
 pub mod capture;
 pub mod data;
 pub mod dense;
+pub mod gptq;
 pub mod pipeline;
+pub mod search;
+pub mod smoothquant;
 
 pub use pipeline::{Method, QuantOptions, QuantizedModel, quantize};

@@ -10,6 +10,7 @@ use nibble_core::{Error, Result};
 use nibble_precision::{LinearFormat, LinearScheme, PrecisionSpec};
 
 use crate::dense::{DenseModel, LinearId};
+use crate::search::{SEARCH_ROWS, calibrate};
 
 /// How weights (and the transforms before them) are chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -116,21 +117,12 @@ impl FromStr for Method {
 }
 
 /// Knobs shared by every method.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct QuantOptions {
     /// Worker threads for calibration forwards and searches (0: every core).
     pub threads: usize,
     /// Seed for anything random (rotation signs).
     pub seed: u64,
-}
-
-impl Default for QuantOptions {
-    fn default() -> Self {
-        QuantOptions {
-            threads: 0,
-            seed: 0,
-        }
-    }
 }
 
 /// The result: the (possibly transformed) dense model for everything left unquantized, and each
@@ -168,9 +160,22 @@ pub fn quantize(
             )));
         }
     }
-    let _ = opts;
+    let threads = opts.threads;
     match method {
         Method::Rtn => rtn(model, spec, progress),
+        Method::Awq => {
+            let calib = calibrate(&model, calibration, SEARCH_ROWS, false, threads, progress)?;
+            crate::awq::awq(model, spec, calib, &Default::default(), progress)
+        }
+        Method::Gptq => {
+            // Samples are unused: GPTQ needs only the Gram matrices.
+            let calib = calibrate(&model, calibration, 1, true, threads, progress)?;
+            crate::gptq::gptq(model, spec, &calib, &Default::default(), progress)
+        }
+        Method::SmoothQuant => {
+            let calib = calibrate(&model, calibration, SEARCH_ROWS, false, threads, progress)?;
+            crate::smoothquant::smoothquant(model, spec, calib, &Default::default(), progress)
+        }
         other => Err(Error::unsupported(
             format!("quantization method {other}"),
             "not built into this nibble",
