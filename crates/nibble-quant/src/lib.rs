@@ -7,6 +7,13 @@
 pub mod capture;
 pub mod data;
 pub mod dense;
+pub mod fmpq;
+pub mod lqq;
+pub mod permute;
 pub mod pipeline;
+pub mod qoq;
+pub mod rotation;
+pub mod sim;
+pub mod simulate;
 
 pub use pipeline::{Method, QuantOptions, QuantizedModel, quantize};

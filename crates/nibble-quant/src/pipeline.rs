@@ -168,9 +168,11 @@ pub fn quantize(
             )));
         }
     }
-    let _ = opts;
     match method {
         Method::Rtn => rtn(model, spec, progress),
+        Method::Qoq => crate::qoq::quantize(model, spec, calibration, opts, progress),
+        Method::Lqq => crate::lqq::quantize(model, spec, calibration, opts, progress),
+        Method::Fmpq => crate::fmpq::quantize(model, spec, calibration, opts, progress),
         other => Err(Error::unsupported(
             format!("quantization method {other}"),
             "not built into this nibble",
