@@ -124,7 +124,8 @@ impl CaptureBackend {
                 *m = m.max(v.abs());
                 *a += v.abs() as f64;
             }
-            if (s.tokens + r) % opts.sample_stride.max(1) == 0 && s.samples.rows < opts.max_samples
+            if (s.tokens + r).is_multiple_of(opts.sample_stride.max(1))
+                && s.samples.rows < opts.max_samples
             {
                 s.samples.data.extend_from_slice(row);
                 s.samples.rows += 1;

@@ -116,21 +116,12 @@ impl FromStr for Method {
 }
 
 /// Knobs shared by every method.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct QuantOptions {
     /// Worker threads for calibration forwards and searches (0: every core).
     pub threads: usize,
     /// Seed for anything random (rotation signs).
     pub seed: u64,
-}
-
-impl Default for QuantOptions {
-    fn default() -> Self {
-        QuantOptions {
-            threads: 0,
-            seed: 0,
-        }
-    }
 }
 
 /// The result: the (possibly transformed) dense model for everything left unquantized, and each

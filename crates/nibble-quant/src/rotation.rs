@@ -193,7 +193,10 @@ fn paley_prime(b: usize) -> bool {
 }
 
 fn is_prime(q: usize) -> bool {
-    q >= 2 && (2..).take_while(|d| d * d <= q).all(|d| q % d != 0)
+    q >= 2
+        && (2..)
+            .take_while(|d| d * d <= q)
+            .all(|d| !q.is_multiple_of(d))
 }
 
 /// Paley type I: for a prime `q ≡ 3 (mod 4)`, `H = I + S` of order `q + 1` with

@@ -138,7 +138,7 @@ impl ActSim {
                 .for_each(|row| fake_quant_int(row, 127)),
             ActSim::Mixed { block, int8_blocks } => {
                 assert!(
-                    block > 0 && x.cols % block == 0 && int8_blocks * block <= x.cols,
+                    block > 0 && x.cols.is_multiple_of(block) && int8_blocks * block <= x.cols,
                     "mixed blocks of {block} ({int8_blocks} INT8) over {} channels",
                     x.cols
                 );
@@ -524,12 +524,12 @@ mod tests {
         }
         .apply(&x);
         // Block 0 (INT8) is nearly exact; block 1 (INT4) has steps of 0.8 / 7.
-        for j in 0..4 {
-            assert!((q.data[j] - row[j]).abs() <= 0.4 / 127.0 * 0.5 + 1e-7);
+        for (q, x) in q.data[..4].iter().zip(&row[..4]) {
+            assert!((q - x).abs() <= 0.4 / 127.0 * 0.5 + 1e-7);
         }
         let s4 = 0.8f32 / 7.0;
-        for j in 4..8 {
-            assert_eq!(q.data[j], (row[j] / s4).round_ties_even() * s4);
+        for (q, x) in q.data[4..].iter().zip(&row[4..]) {
+            assert_eq!(*q, (x / s4).round_ties_even() * s4);
         }
     }
 
@@ -543,6 +543,60 @@ mod tests {
                 let want: f32 = x.row(t).iter().zip(w.row(r)).map(|(a, b)| a * b).sum();
                 assert!((y.data[t * 4 + r] - want).abs() < 1e-5);
             }
+        }
+    }
+
+    /// The searched clip ratios never do worse than no clipping on the data searched, and on
+    /// heavy-tailed rows some clip.
+    #[test]
+    fn clip_search_beats_no_clipping_row_by_row() {
+        use nibble_precision::WeightCodec;
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+        let (rows, k, n) = (16, 64, 96);
+        // Laplace weights: heavy enough tails that the largest weight of a row is worth clipping.
+        let w = Mat::new(
+            rows,
+            k,
+            (0..rows * k)
+                .map(|_| {
+                    let u: f32 = rng.random_range(1e-6..1.0);
+                    if rng.random_bool(0.5) {
+                        -u.ln()
+                    } else {
+                        u.ln()
+                    }
+                })
+                .collect(),
+        );
+        let x = Mat::new(
+            n,
+            k,
+            (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect(),
+        );
+        for codec in [
+            WeightCodec::Qoq { group: 32 },
+            WeightCodec::Int4Group { group: 0 },
+        ] {
+            let f = LinearFormat::new(codec, ActQuant::Int8PerToken).unwrap();
+            let xq = ActSim::Int8PerToken.apply(&x);
+            let (clips, total) = search_clips(&w, &x, &xq, f, &clip_grid()).unwrap();
+            let y = matmul_nt(&x, &w);
+            let chosen = column_sq_err(
+                &y,
+                &matmul_nt(&xq, &fake_quant_weight(&w, f, &clips).unwrap()),
+            );
+            let unclipped = column_sq_err(
+                &y,
+                &matmul_nt(&xq, &fake_quant_weight(&w, f, &[1.0; 16]).unwrap()),
+            );
+            assert!((chosen.iter().sum::<f64>() - total).abs() <= 1e-9 * total);
+            for r in 0..rows {
+                assert!(chosen[r] <= unclipped[r], "{codec} row {r}");
+            }
+            let (c, u) = (chosen.iter().sum::<f64>(), unclipped.iter().sum::<f64>());
+            println!("{codec}: clips {clips:?}, error {c} vs {u} unclipped");
+            assert!(clips.iter().any(|&c| c < 1.0) && c < u, "{codec}");
         }
     }
 

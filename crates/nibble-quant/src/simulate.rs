@@ -50,25 +50,11 @@ impl Simulated {
 
     /// Logits of every position of `tokens` (one prefill), `[tokens, vocab]` row-major.
     pub fn logits(&self, tokens: &[u32], threads: usize) -> Result<Vec<f32>> {
-        let backend = SimBackend {
-            cpu: CpuBackend::new(threads)?,
-            acts: &self.acts,
-        };
-        let t = Transformer::load(
-            &backend,
-            self.dense.config.clone(),
-            &self.dense,
-            &mut |_, _| {},
-        )?;
-        let (mut kv, table) = t.single_sequence_kv(&backend, tokens.len())?;
-        let out = t.forward(
-            &backend,
-            tokens,
-            &BatchLayout::single(table, 0, tokens.len()),
-            &mut kv,
-            LogitRows::All,
-        )?;
-        Ok(out.data)
+        let mut out = Vec::new();
+        self.run(&[tokens.to_vec()], threads, &mut |_, logits| {
+            out = logits;
+        })?;
+        Ok(out)
     }
 
     /// Mean negative log-likelihood of each token given the ones before it, over `sequences`
@@ -81,8 +67,8 @@ impl Simulated {
     ) -> Result<(f64, usize)> {
         let vocab = self.dense.config.vocab_size;
         let (mut nll, mut count) = (0f64, 0usize);
-        for (i, seq) in sequences.iter().enumerate() {
-            let logits = self.logits(seq, threads)?;
+        self.run(sequences, threads, &mut |i, logits| {
+            let seq = &sequences[i];
             for t in 0..seq.len().saturating_sub(1) {
                 let row = &logits[t * vocab..(t + 1) * vocab];
                 let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
@@ -96,8 +82,39 @@ impl Simulated {
                 count += 1;
             }
             progress(i + 1, sequences.len());
-        }
+        })?;
         Ok((nll / count.max(1) as f64, count))
+    }
+
+    /// Loads the model once and prefills each sequence, handing over all its logits.
+    fn run(
+        &self,
+        sequences: &[Vec<u32>],
+        threads: usize,
+        each: &mut dyn FnMut(usize, Vec<f32>),
+    ) -> Result<()> {
+        let backend = SimBackend {
+            cpu: CpuBackend::new(threads)?,
+            acts: &self.acts,
+        };
+        let t = Transformer::load(
+            &backend,
+            self.dense.config.clone(),
+            &self.dense,
+            &mut |_, _| {},
+        )?;
+        for (i, seq) in sequences.iter().enumerate() {
+            let (mut kv, table) = t.single_sequence_kv(&backend, seq.len())?;
+            let out = t.forward(
+                &backend,
+                seq,
+                &BatchLayout::single(table, 0, seq.len()),
+                &mut kv,
+                LogitRows::All,
+            )?;
+            each(i, out.data);
+        }
+        Ok(())
     }
 }
 
