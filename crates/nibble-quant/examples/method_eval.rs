@@ -6,6 +6,10 @@
 //! cargo run --release -p nibble-quant --example method_eval -- MODEL CALIB EVAL LEN METHOD:SPEC...
 //! e.g. ... -- ~/.cache/nibble/models/SmolLM2-135M-Instruct.Q4_1.gguf 32 16 256 rtn:w4a8 qoq:w4a8
 //! ```
+//!
+//! Ablations: `qoq-noclip-noreorder:w4a8-g64` leaves steps out of QoQ (`norotate`,
+//! `nosmoothattn`, `nosmoothout`, `noreorder`, `noclip`); `fmpq@4:w4a4a8-g64` sets FMPQ's
+//! outlier threshold.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -16,8 +20,10 @@ use nibble_model::open_model;
 use nibble_precision::{ActQuant, PrecisionSpec};
 use nibble_quant::data::{Split, sharegpt_sequences};
 use nibble_quant::dense::{DenseModel, SiteKind};
+use nibble_quant::qoq::QoqSteps;
 use nibble_quant::simulate::Simulated;
 use nibble_quant::{Method, QuantOptions, quantize};
+use nibble_quant::{fmpq, qoq};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -46,26 +52,39 @@ fn main() -> anyhow::Result<()> {
         let (m, s) = job
             .split_once(':')
             .with_context(|| format!("'{job}' is not METHOD:SPEC"))?;
-        let method: Method = m.parse()?;
         let spec: PrecisionSpec = s.parse()?;
         let t = Instant::now();
         let mut last = String::new();
-        let q = quantize(
-            model.clone(),
-            spec,
-            method,
-            &calib,
-            &opts,
-            &mut |stage, d, total| {
-                if stage != last || d == total {
-                    eprintln!(
-                        "  {job}: {stage} {d}/{total} ({:.0}s)",
-                        t.elapsed().as_secs_f64()
-                    );
-                    last = stage.to_string();
+        let mut progress = |stage: &str, d: usize, total: usize| {
+            if stage != last || d == total {
+                eprintln!(
+                    "  {job}: {stage} {d}/{total} ({:.0}s)",
+                    t.elapsed().as_secs_f64()
+                );
+                last = stage.to_string();
+            }
+        };
+        // Ablations: `qoq-no<step>...` leaves QoQ steps out, `fmpq@R` sets FMPQ's threshold.
+        let q = if let Some(off) = m.strip_prefix("qoq-") {
+            let mut steps = QoqSteps::default();
+            for step in off.split('-') {
+                match step {
+                    "norotate" => steps.rotate = false,
+                    "nosmoothattn" => steps.smooth_attention = false,
+                    "nosmoothout" => steps.smooth_outputs = false,
+                    "noreorder" => steps.reorder = false,
+                    "noclip" => steps.clip = false,
+                    _ => bail!("unknown QoQ ablation '{step}'"),
                 }
-            },
-        )?;
+            }
+            qoq::quantize_with(model.clone(), spec, &calib, &opts, steps, &mut progress)?
+        } else if let Some(r) = m.strip_prefix("fmpq@") {
+            let ratio: f32 = r.parse().with_context(|| format!("bad ratio '{r}'"))?;
+            fmpq::quantize_with(model.clone(), spec, &calib, &opts, ratio, &mut progress)?
+        } else {
+            let method: Method = m.parse()?;
+            quantize(model.clone(), spec, method, &calib, &opts, &mut progress)?
+        };
         let quant_s = t.elapsed().as_secs_f64();
         let (nll, _) = Simulated::new(&q)?.mean_nll(&eval, 0, &mut |_, _| {})?;
         println!("{job}: ppl {:.3} (quantized in {quant_s:.0}s)", nll.exp());

@@ -36,7 +36,7 @@ use crate::dense::{DenseModel, SiteKind};
 use crate::permute::{HeadPermutation, permute_down_input, permute_residual, sort_desc};
 use crate::pipeline::{Method, QuantOptions, QuantizedModel};
 use crate::qoq::site_mut;
-use crate::sim::{Sites, calibrate, clip_and_encode};
+use crate::sim::{Sites, calibrate, clip_and_encode, clip_grid};
 
 /// A channel whose calibration max exceeds this multiple of its site's median channel max is an
 /// outlier and goes to an INT8 block.
@@ -184,12 +184,29 @@ fn head_permutation(model: &DenseModel, score: &[f32], ratio: f32) -> HeadPermut
 }
 
 pub fn quantize(
-    mut model: DenseModel,
+    model: DenseModel,
     spec: PrecisionSpec,
     calibration: &[Vec<u32>],
     opts: &QuantOptions,
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> Result<QuantizedModel> {
+    quantize_with(model, spec, calibration, opts, OUTLIER_RATIO, progress)
+}
+
+/// FMPQ with outlier threshold `ratio` (see [`OUTLIER_RATIO`]).
+pub fn quantize_with(
+    mut model: DenseModel,
+    spec: PrecisionSpec,
+    calibration: &[Vec<u32>],
+    opts: &QuantOptions,
+    ratio: f32,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<QuantizedModel> {
+    if !(ratio.is_finite() && ratio > 1.0) {
+        return Err(Error::InvalidArgument(format!(
+            "an outlier threshold of {ratio} times the median is not above 1"
+        )));
+    }
     let LinearScheme::W4A4A8 { group } = spec.linear else {
         return Err(Error::InvalidArgument(format!(
             "FMPQ quantizes to w4a4a8-gN, not {}",
@@ -199,7 +216,7 @@ pub fn quantize(
     let (_, mut sites) = calibrate(&model, calibration, opts.threads, &mut |d, t| {
         progress("fmpq: calibrate", d, t)
     })?;
-    let blocks = plan_and_permute(&mut model, &mut sites, group as usize, OUTLIER_RATIO)?;
+    let blocks = plan_and_permute(&mut model, &mut sites, group as usize, ratio)?;
     progress("fmpq: permute", 1, 1);
     let format_of = |id: crate::dense::LinearId| {
         let n = blocks[&(id.layer, id.kind.site())];
@@ -207,7 +224,7 @@ pub fn quantize(
             .linear_format(n as u16)
             .expect("w4a4a8 is a quantized scheme")
     };
-    let linears = clip_and_encode(&model, &sites, &format_of, &mut |d, t| {
+    let linears = clip_and_encode(&model, &sites, &format_of, &clip_grid(), &mut |d, t| {
         progress("fmpq: clip and encode", d, t)
     })?;
     Ok(QuantizedModel {

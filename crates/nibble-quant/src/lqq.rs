@@ -17,7 +17,8 @@ use crate::dense::{DenseModel, SiteKind};
 use crate::pipeline::{Method, QuantOptions, QuantizedModel};
 use crate::qoq::site_mut;
 use crate::sim::{
-    ActSim, Sites, SmoothChoice, apply_smoothing, calibrate, clip_and_encode, search_smoothing,
+    ActSim, Sites, SmoothChoice, apply_smoothing, calibrate, clip_and_encode, clip_grid,
+    search_smoothing,
 };
 
 /// Migration strengths searched at every site.
@@ -75,7 +76,7 @@ pub fn quantize(
     smooth(&mut model, &mut sites, spec, &mut |d, t| {
         progress("lqq: smooth", d, t)
     })?;
-    let linears = clip_and_encode(&model, &sites, &|_| format, &mut |d, t| {
+    let linears = clip_and_encode(&model, &sites, &|_| format, &clip_grid(), &mut |d, t| {
         progress("lqq: clip and encode", d, t)
     })?;
     Ok(QuantizedModel {

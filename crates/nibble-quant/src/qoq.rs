@@ -38,7 +38,7 @@ use crate::permute::{HeadPermutation, permute_down_input, sort_desc};
 use crate::pipeline::{Method, QuantOptions, QuantizedModel};
 use crate::rotation::{Rotation, rotate_residual};
 use crate::sim::{
-    ActSim, SiteData, Sites, apply_smoothing, calibrate, clip_and_encode, reduce_kv_max,
+    ActSim, SiteData, Sites, apply_smoothing, calibrate, clip_and_encode, clip_grid, reduce_kv_max,
     search_smoothing,
 };
 
@@ -139,11 +139,52 @@ pub fn reorder_o_input(model: &mut DenseModel, layer: usize, data: &mut SiteData
     Ok(())
 }
 
+/// Which of QoQ's steps run (all of them for the method; fewer to measure what each brings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QoqSteps {
+    pub rotate: bool,
+    pub smooth_attention: bool,
+    pub smooth_outputs: bool,
+    pub reorder: bool,
+    pub clip: bool,
+}
+
+impl Default for QoqSteps {
+    fn default() -> Self {
+        QoqSteps {
+            rotate: true,
+            smooth_attention: true,
+            smooth_outputs: true,
+            reorder: true,
+            clip: true,
+        }
+    }
+}
+
 pub fn quantize(
+    model: DenseModel,
+    spec: PrecisionSpec,
+    calibration: &[Vec<u32>],
+    opts: &QuantOptions,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<QuantizedModel> {
+    quantize_with(
+        model,
+        spec,
+        calibration,
+        opts,
+        QoqSteps::default(),
+        progress,
+    )
+}
+
+/// QoQ with only `steps` enabled.
+pub fn quantize_with(
     mut model: DenseModel,
     spec: PrecisionSpec,
     calibration: &[Vec<u32>],
     opts: &QuantOptions,
+    steps: QoqSteps,
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> Result<QuantizedModel> {
     let LinearScheme::W4A8 { group } = spec.linear else {
@@ -158,21 +199,23 @@ pub fn quantize(
         .expect("w4a8 is a quantized scheme");
     let act = ActSim::of(format.act)?;
 
-    model.fold_norms()?;
-    let rot = Rotation::new(model.config.hidden_size, opts.seed)?;
-    rotate_residual(&mut model, &rot, &mut |d, t| progress("qoq: rotate", d, t))?;
+    if steps.rotate {
+        model.fold_norms()?;
+        let rot = Rotation::new(model.config.hidden_size, opts.seed)?;
+        rotate_residual(&mut model, &rot, &mut |d, t| progress("qoq: rotate", d, t))?;
+    }
 
     let (cal, mut sites) = calibrate(&model, calibration, opts.threads, &mut |d, t| {
         progress("qoq: calibrate", d, t)
     })?;
 
-    if smooth_attention_applies(&model) {
+    if steps.smooth_attention && smooth_attention_applies(&model) {
         smooth_attention(&mut model, &cal.key_absmax)?;
     }
     progress("qoq: smooth attention", 1, 1);
 
     let layers = model.layers.len();
-    for layer in 0..layers {
+    for layer in (0..layers).filter(|_| steps.smooth_outputs) {
         for site in [SiteKind::OIn, SiteKind::DownIn] {
             let data = site_mut(&mut sites, layer, site)?;
             let choice = search_smoothing(&model, layer, site, data, &OUTPUT_ALPHAS, format, act)?;
@@ -181,7 +224,7 @@ pub fn quantize(
         progress("qoq: smooth outputs", layer + 1, layers);
     }
 
-    if group > 0 {
+    if group > 0 && steps.reorder {
         for layer in 0..layers {
             reorder_down_input(
                 &mut model,
@@ -199,7 +242,8 @@ pub fn quantize(
         }
     }
 
-    let linears = clip_and_encode(&model, &sites, &|_| format, &mut |d, t| {
+    let grid = if steps.clip { clip_grid() } else { vec![1.0] };
+    let linears = clip_and_encode(&model, &sites, &|_| format, &grid, &mut |d, t| {
         progress("qoq: clip and encode", d, t)
     })?;
     Ok(QuantizedModel {

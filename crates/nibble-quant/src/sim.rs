@@ -61,15 +61,15 @@ pub fn calibrate(
 }
 
 /// Encodes every linear layer of `model` in `format_of(id)`, each output row at the clip ratio
-/// from [`clip_grid`] that minimizes the layer's output error on its site's samples with the
-/// run-time activation quantization applied. `progress(done, total)` per layer.
+/// from `grid` (e.g. [`clip_grid`]) that minimizes the layer's output error on its site's
+/// samples with the run-time activation quantization applied. `progress(done, total)` per layer.
 pub fn clip_and_encode(
     model: &DenseModel,
     sites: &Sites,
     format_of: &dyn Fn(LinearId) -> LinearFormat,
+    grid: &[f32],
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<BTreeMap<LinearId, (LinearFormat, Vec<u8>)>> {
-    let grid = clip_grid();
     let ids = model.linear_ids();
     let mut out = BTreeMap::new();
     let mut cached: Option<((usize, SiteKind, ActQuant), Mat)> = None;
@@ -85,7 +85,11 @@ pub fn clip_and_encode(
             cached = Some((key, ActSim::of(format.act)?.apply(&data.samples)));
         }
         let xq = &cached.as_ref().expect("set above").1;
-        let (clips, _) = search_clips(w, &data.samples, xq, format, &grid)?;
+        let clips = if grid == [1.0] {
+            vec![1.0; w.rows]
+        } else {
+            search_clips(w, &data.samples, xq, format, grid)?.0
+        };
         let bytes = encode_matrix(w, format, &clips)
             .map_err(|e| Error::InvalidArgument(format!("{}: {e}", id.name())))?;
         out.insert(id, (format, bytes));
