@@ -8,9 +8,16 @@ pub mod awq;
 pub mod capture;
 pub mod data;
 pub mod dense;
+pub mod fmpq;
 pub mod gptq;
+pub mod lqq;
+pub mod permute;
 pub mod pipeline;
+pub mod qoq;
+pub mod rotation;
 pub mod search;
+pub mod sim;
+pub mod simulate;
 pub mod smoothquant;
 
 pub use pipeline::{Method, QuantOptions, QuantizedModel, quantize};

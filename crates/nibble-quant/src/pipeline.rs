@@ -176,10 +176,9 @@ pub fn quantize(
             let calib = calibrate(&model, calibration, SEARCH_ROWS, false, threads, progress)?;
             crate::smoothquant::smoothquant(model, spec, calib, &Default::default(), progress)
         }
-        other => Err(Error::unsupported(
-            format!("quantization method {other}"),
-            "not built into this nibble",
-        )),
+        Method::Qoq => crate::qoq::quantize(model, spec, calibration, opts, progress),
+        Method::Lqq => crate::lqq::quantize(model, spec, calibration, opts, progress),
+        Method::Fmpq => crate::fmpq::quantize(model, spec, calibration, opts, progress),
     }
 }
 

@@ -1,0 +1,114 @@
+//! Simulated perplexity of quantization methods on a real model: each method quantizes the model
+//! on ShareGPT's calibration half, and the result runs in [`Simulated`] (decoded weights,
+//! run-time activation quantization, float KV) over ShareGPT's evaluation half.
+//!
+//! ```text
+//! cargo run --release -p nibble-quant --example method_eval -- MODEL CALIB EVAL LEN METHOD:SPEC...
+//! e.g. ... -- ~/.cache/nibble/models/SmolLM2-135M-Instruct.Q4_1.gguf 32 16 256 rtn:w4a8 qoq:w4a8
+//! ```
+//!
+//! Ablations: `qoq-noclip-noreorder:w4a8-g64` leaves steps out of QoQ (`norotate`,
+//! `nosmoothattn`, `nosmoothout`, `noreorder`, `noclip`); `fmpq@4:w4a4a8-g64` sets FMPQ's
+//! outlier threshold.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use nibble_model::open_model;
+use nibble_precision::{ActQuant, PrecisionSpec};
+use nibble_quant::data::{Split, sharegpt_sequences};
+use nibble_quant::dense::{DenseModel, SiteKind};
+use nibble_quant::qoq::QoqSteps;
+use nibble_quant::simulate::Simulated;
+use nibble_quant::{Method, QuantOptions, quantize};
+use nibble_quant::{fmpq, qoq};
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.len() < 5 {
+        bail!("usage: method_eval MODEL CALIB_SEQS EVAL_SEQS LEN METHOD:SPEC...");
+    }
+    let n = |i: usize| -> anyhow::Result<usize> {
+        args[i]
+            .parse()
+            .with_context(|| format!("'{}' is not a count", args[i]))
+    };
+    let (n_cal, n_eval, len) = (n(1)?, n(2)?, n(3)?);
+    let files = open_model(Path::new(&args[0]), None)?;
+    let model = DenseModel::load(files.config.clone(), &*files.source, &mut |_, _| {})?;
+    let calib = sharegpt_sequences(None, &files.tokenizer, Split::Calibration, n_cal, len)?;
+    let eval = sharegpt_sequences(None, &files.tokenizer, Split::Evaluation, n_eval, len)?;
+    let opts = QuantOptions::default();
+    let t = Instant::now();
+    let (nll, count) = Simulated::float(&model).mean_nll(&eval, 0, &mut |_, _| {})?;
+    println!(
+        "float: ppl {:.3} over {count} tokens ({:.0}s)",
+        nll.exp(),
+        t.elapsed().as_secs_f64()
+    );
+    for job in &args[4..] {
+        let (m, s) = job
+            .split_once(':')
+            .with_context(|| format!("'{job}' is not METHOD:SPEC"))?;
+        let spec: PrecisionSpec = s.parse()?;
+        let t = Instant::now();
+        let mut last = String::new();
+        let mut progress = |stage: &str, d: usize, total: usize| {
+            if stage != last || d == total {
+                eprintln!(
+                    "  {job}: {stage} {d}/{total} ({:.0}s)",
+                    t.elapsed().as_secs_f64()
+                );
+                last = stage.to_string();
+            }
+        };
+        // Ablations: `qoq-no<step>...` leaves QoQ steps out, `fmpq@R` sets FMPQ's threshold.
+        let q = if let Some(off) = m.strip_prefix("qoq-") {
+            let mut steps = QoqSteps::default();
+            for step in off.split('-') {
+                match step {
+                    "norotate" => steps.rotate = false,
+                    "nosmoothattn" => steps.smooth_attention = false,
+                    "nosmoothout" => steps.smooth_outputs = false,
+                    "noreorder" => steps.reorder = false,
+                    "noclip" => steps.clip = false,
+                    _ => bail!("unknown QoQ ablation '{step}'"),
+                }
+            }
+            qoq::quantize_with(model.clone(), spec, &calib, &opts, steps, &mut progress)?
+        } else if let Some(r) = m.strip_prefix("fmpq@") {
+            let ratio: f32 = r.parse().with_context(|| format!("bad ratio '{r}'"))?;
+            fmpq::quantize_with(model.clone(), spec, &calib, &opts, ratio, &mut progress)?
+        } else {
+            let method: Method = m.parse()?;
+            quantize(model.clone(), spec, method, &calib, &opts, &mut progress)?
+        };
+        let quant_s = t.elapsed().as_secs_f64();
+        let (nll, _) = Simulated::new(&q)?.mean_nll(&eval, 0, &mut |_, _| {})?;
+        println!("{job}: ppl {:.3} (quantized in {quant_s:.0}s)", nll.exp());
+        // COMET: the share of activation channels each site kind keeps at INT8.
+        let mut share: BTreeMap<SiteKind, (usize, usize)> = BTreeMap::new();
+        for (id, (f, _)) in &q.linears {
+            if let ActQuant::Mixed4x8 { block, int8_blocks } = f.act {
+                let e = share.entry(id.kind.site()).or_default();
+                e.0 += block as usize * int8_blocks as usize;
+                e.1 += q.dense.linear(*id).cols;
+            }
+        }
+        let (mut a, mut b) = (0, 0);
+        for (site, (i8c, all)) in &share {
+            println!(
+                "  {site:?}: {:.1}% of channels INT8",
+                100.0 * *i8c as f64 / *all as f64
+            );
+            a += i8c;
+            b += all;
+        }
+        if b > 0 {
+            println!("  all linears: {:.1}% INT8", 100.0 * a as f64 / b as f64);
+        }
+    }
+    Ok(())
+}

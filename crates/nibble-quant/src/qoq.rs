@@ -1,0 +1,264 @@
+//! QServe's QoQ (W4A8, per-channel or progressive per-group weights, INT8 per-token
+//! activations), in the order its steps depend on each other:
+//!
+//! 1. **Block input rotation.** Norm gains are folded into the readers, then the residual
+//!    stream is rotated by a seeded scaled Hadamard matrix ([`crate::rotation`]), so q/k/v and
+//!    gate/up read activations whose outlier channels are spread over all channels. The
+//!    rotation needs no statistics, so it comes first and calibration runs once, on the
+//!    rotated model.
+//! 2. **SmoothAttention.** `λ_i = max(max|K_i|, max|K_pair(i)|)^0.5` per KV channel from the
+//!    rotary-embedded keys (what the KV cache stores), with `pair` the rotary partner of the
+//!    model's layout so `λ` commutes with RoPE; q_proj rows are multiplied by `λ` (for every
+//!    query head of the KV group) and k_proj rows divided, biases too. Skipped for models with
+//!    per-head QK norms (Qwen3): the norm of `q λ` is not the norm of `q` times `λ`, so the
+//!    scale cannot be folded through it.
+//! 3. **Output-module smoothing.** o_proj's and down_proj's inputs are smoothed with migration
+//!    strength from {0, 0.05, 0.1, 0.15} (or not at all), chosen per site on the output error
+//!    of the quantized layer ([`crate::sim::search_smoothing`]).
+//! 4. **Channel reordering** (group quantization only). down_proj's input channels are sorted
+//!    by salience `max|x|`, so each group holds channels of similar salience (gate/up rows and
+//!    down columns move; free). o_proj's input can only be reordered inside each head, with one
+//!    order per KV group folded into v_proj's rows; that changes groups only when the group is
+//!    narrower than a head, so it is done only then. The residual-stream readers (q/k/v,
+//!    gate/up) are not reordered: after the rotation their channels have near-equal salience,
+//!    and a permutation of the rotated stream would have to be shared by every layer.
+//! 5. **Weight clipping.** Per output row, the level-0 clip ratio from 1.0 down to 0.70 that
+//!    minimizes the layer's output error with INT8 per-token activations. The paper measures
+//!    q_proj/k_proj on the block output instead; here every layer uses its own output error
+//!    (the attention scores depend on q and k jointly, which a per-layer search cannot see).
+//! 6. **Encoding** with `Qoq { group }` (or `Int4Group { group: 0 }` for per-channel W4A8).
+
+use nibble_core::{Error, Result};
+use nibble_model::RopeLayout;
+use nibble_model::config::ModelConfig;
+use nibble_precision::{LinearScheme, PrecisionSpec};
+
+use crate::dense::{DenseModel, SiteKind};
+use crate::permute::{HeadPermutation, permute_down_input, sort_desc};
+use crate::pipeline::{Method, QuantOptions, QuantizedModel};
+use crate::rotation::{Rotation, rotate_residual};
+use crate::sim::{
+    ActSim, SiteData, Sites, apply_smoothing, calibrate, clip_and_encode, clip_grid, reduce_kv_max,
+    search_smoothing,
+};
+
+/// Output-module migration strengths: near 0, so the scale comes mostly from the weights.
+pub const OUTPUT_ALPHAS: [f32; 4] = [0.0, 0.05, 0.1, 0.15];
+
+/// SmoothAttention's `λ` for one layer from its channel-wise max |K| (`kv_dim` values).
+pub fn smooth_attention_scale(c: &ModelConfig, key_absmax: &[f32]) -> Vec<f32> {
+    let hd = c.head_dim;
+    (0..c.kv_dim())
+        .map(|j| {
+            let (h, d) = (j / hd, j % hd);
+            let pair = match c.rope_layout {
+                RopeLayout::HalfSplit => (d + hd / 2) % hd,
+                RopeLayout::Interleaved => d ^ 1,
+            };
+            let m = key_absmax[j].max(key_absmax[h * hd + pair]);
+            let l = m.sqrt();
+            // A key channel that never fired has nothing to smooth; the clamp keeps q and k
+            // rows away from f16's ends whatever the statistics.
+            if l.is_finite() && l > 0.0 {
+                l.clamp(1e-3, 1e3)
+            } else {
+                1.0
+            }
+        })
+        .collect()
+}
+
+/// Whether SmoothAttention can be folded into this model (no per-head QK norms).
+pub fn smooth_attention_applies(model: &DenseModel) -> bool {
+    model
+        .layers
+        .iter()
+        .all(|l| l.q_norm.is_none() && l.k_norm.is_none())
+}
+
+/// Folds SmoothAttention into every layer: q_proj rows (and bias) times `λ`, k_proj rows (and
+/// bias) divided by `λ`. `key_absmax[layer]` is that layer's channel-wise max |K| after RoPE.
+pub fn smooth_attention(model: &mut DenseModel, key_absmax: &[Vec<f32>]) -> Result<()> {
+    if !smooth_attention_applies(model) {
+        return Err(Error::InvalidArgument(
+            "SmoothAttention cannot be folded through per-head QK norms".into(),
+        ));
+    }
+    if key_absmax.len() != model.layers.len() {
+        return Err(Error::InvalidArgument(format!(
+            "key statistics for {} layers, the model has {}",
+            key_absmax.len(),
+            model.layers.len()
+        )));
+    }
+    let c = model.config.clone();
+    let (hd, group) = (c.head_dim, c.num_heads / c.num_kv_heads);
+    for (l, kmax) in model.layers.iter_mut().zip(key_absmax) {
+        if kmax.len() != c.kv_dim() {
+            return Err(Error::InvalidArgument(format!(
+                "key statistics of {} channels, the model's keys have {}",
+                kmax.len(),
+                c.kv_dim()
+            )));
+        }
+        let lambda = smooth_attention_scale(&c, kmax);
+        let q_scale: Vec<f32> = (0..c.q_dim())
+            .map(|j| lambda[(j / hd / group) * hd + j % hd])
+            .collect();
+        let k_scale: Vec<f32> = lambda.iter().map(|v| 1.0 / v).collect();
+        l.q.scale_rows(&q_scale);
+        l.k.scale_rows(&k_scale);
+        if let Some(b) = &mut l.q_bias {
+            b.iter_mut().zip(&q_scale).for_each(|(b, s)| *b *= s);
+        }
+        if let Some(b) = &mut l.k_bias {
+            b.iter_mut().zip(&k_scale).for_each(|(b, s)| *b *= s);
+        }
+    }
+    Ok(())
+}
+
+/// Sorts down_proj's input channels of `layer` by salience (descending), in the model and in
+/// the site's calibration view.
+pub fn reorder_down_input(model: &mut DenseModel, layer: usize, data: &mut SiteData) -> Result<()> {
+    let perm = sort_desc(&data.absmax);
+    permute_down_input(model, layer, &perm)?;
+    data.permute(&perm);
+    Ok(())
+}
+
+/// Sorts the dims of each value head by salience (the max over the query heads of its KV
+/// group), folded into v_proj rows and o_proj columns.
+pub fn reorder_o_input(model: &mut DenseModel, layer: usize, data: &mut SiteData) -> Result<()> {
+    let hd = model.config.head_dim;
+    let kv = reduce_kv_max(model, &data.absmax);
+    let mut hp = HeadPermutation::identity(model);
+    hp.within = kv.chunks_exact(hd).map(sort_desc).collect();
+    hp.apply(model, layer)?;
+    data.permute(&hp.o_input(model));
+    Ok(())
+}
+
+/// Which of QoQ's steps run (all of them for the method; fewer to measure what each brings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QoqSteps {
+    pub rotate: bool,
+    pub smooth_attention: bool,
+    pub smooth_outputs: bool,
+    pub reorder: bool,
+    pub clip: bool,
+}
+
+impl Default for QoqSteps {
+    fn default() -> Self {
+        QoqSteps {
+            rotate: true,
+            smooth_attention: true,
+            smooth_outputs: true,
+            reorder: true,
+            clip: true,
+        }
+    }
+}
+
+pub fn quantize(
+    model: DenseModel,
+    spec: PrecisionSpec,
+    calibration: &[Vec<u32>],
+    opts: &QuantOptions,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<QuantizedModel> {
+    quantize_with(
+        model,
+        spec,
+        calibration,
+        opts,
+        QoqSteps::default(),
+        progress,
+    )
+}
+
+/// QoQ with only `steps` enabled.
+pub fn quantize_with(
+    mut model: DenseModel,
+    spec: PrecisionSpec,
+    calibration: &[Vec<u32>],
+    opts: &QuantOptions,
+    steps: QoqSteps,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<QuantizedModel> {
+    let LinearScheme::W4A8 { group } = spec.linear else {
+        return Err(Error::InvalidArgument(format!(
+            "QoQ quantizes to w4a8 or w4a8-gN, not {}",
+            spec.linear
+        )));
+    };
+    let format = spec
+        .linear
+        .linear_format(0)
+        .expect("w4a8 is a quantized scheme");
+    let act = ActSim::of(format.act)?;
+
+    if steps.rotate {
+        model.fold_norms()?;
+        let rot = Rotation::new(model.config.hidden_size, opts.seed)?;
+        rotate_residual(&mut model, &rot, &mut |d, t| progress("qoq: rotate", d, t))?;
+    }
+
+    let (cal, mut sites) = calibrate(&model, calibration, opts.threads, &mut |d, t| {
+        progress("qoq: calibrate", d, t)
+    })?;
+
+    if steps.smooth_attention && smooth_attention_applies(&model) {
+        smooth_attention(&mut model, &cal.key_absmax)?;
+    }
+    progress("qoq: smooth attention", 1, 1);
+
+    let layers = model.layers.len();
+    for layer in (0..layers).filter(|_| steps.smooth_outputs) {
+        for site in [SiteKind::OIn, SiteKind::DownIn] {
+            let data = site_mut(&mut sites, layer, site)?;
+            let choice = search_smoothing(&model, layer, site, data, &OUTPUT_ALPHAS, format, act)?;
+            apply_smoothing(&mut model, layer, site, data, &choice.scale)?;
+        }
+        progress("qoq: smooth outputs", layer + 1, layers);
+    }
+
+    if group > 0 && steps.reorder {
+        for layer in 0..layers {
+            reorder_down_input(
+                &mut model,
+                layer,
+                site_mut(&mut sites, layer, SiteKind::DownIn)?,
+            )?;
+            if (group as usize) < model.config.head_dim {
+                reorder_o_input(
+                    &mut model,
+                    layer,
+                    site_mut(&mut sites, layer, SiteKind::OIn)?,
+                )?;
+            }
+            progress("qoq: reorder", layer + 1, layers);
+        }
+    }
+
+    let grid = if steps.clip { clip_grid() } else { vec![1.0] };
+    let linears = clip_and_encode(&model, &sites, &|_| format, &grid, &mut |d, t| {
+        progress("qoq: clip and encode", d, t)
+    })?;
+    Ok(QuantizedModel {
+        spec,
+        method: Method::Qoq,
+        dense: model,
+        linears,
+    })
+}
+
+/// The calibration view of one site, or an error naming it.
+pub(crate) fn site_mut(sites: &mut Sites, layer: usize, site: SiteKind) -> Result<&mut SiteData> {
+    sites.get_mut(&(layer, site)).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "calibration recorded no {site:?} input for layer {layer}"
+        ))
+    })
+}

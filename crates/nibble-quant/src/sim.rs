@@ -1,0 +1,618 @@
+//! Simulated quantized linear layers, and the searches QoQ, LiquidQuant and FMPQ build on them.
+//!
+//! A search compares a float layer `Y = X W^T` on captured calibration rows with the layer as
+//! it will run: weights through the real codec (encode, then decode) and activations through the
+//! run-time rules, which are repeated here exactly:
+//!
+//! * INT8 per token: `scale = max|x| / 127` (one f32 division), `q = clamp(round(x / scale),
+//!   -127, 127)` with ties to even (what `cvt.rni` and `vcvtps2dq` do); a zero scale gives zeros.
+//! * COMET mixed blocks: per token per block of `block` channels, the first `int8_blocks`
+//!   blocks with the INT8 rule, the others with `scale = max|x_b| / 7`, codes clamped to ±7.
+//!
+//! Errors are summed squares over the sampled tokens, accumulated in f64.
+
+use std::collections::{BTreeMap, HashMap};
+
+use nibble_core::{Error, Result};
+use nibble_precision::{ActQuant, LinearFormat};
+use rayon::prelude::*;
+
+use crate::capture::{Calibration, CaptureOptions, capture};
+use crate::dense::{DenseModel, LinearId, Mat, SiteKind};
+use crate::pipeline::encode_matrix;
+
+/// Calibration rows kept per input site for the searches: enough tokens that a clip ratio or
+/// smoothing strength is not fitted to a handful of them, few enough that every candidate of
+/// every search is one modest matmul.
+pub const SEARCH_SAMPLES: usize = 512;
+
+/// Every input site's calibration view, by `(layer, site)`.
+pub type Sites = HashMap<(usize, SiteKind), SiteData>;
+
+/// Runs `model` over `calibration` keeping about [`SEARCH_SAMPLES`] rows per site, strided over
+/// all tokens so every sequence contributes; `progress(done, total)` per sequence.
+pub fn calibrate(
+    model: &DenseModel,
+    calibration: &[Vec<u32>],
+    threads: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(Calibration, Sites)> {
+    let tokens: usize = calibration.iter().map(Vec::len).sum();
+    let opts = CaptureOptions {
+        hessian: false,
+        max_samples: SEARCH_SAMPLES,
+        sample_stride: (tokens / SEARCH_SAMPLES).max(1),
+    };
+    let cal = capture(model, calibration, opts, threads, progress)?;
+    let sites = cal
+        .sites
+        .iter()
+        .map(|(&key, s)| {
+            (
+                key,
+                SiteData {
+                    absmax: s.absmax.clone(),
+                    samples: s.samples.clone(),
+                },
+            )
+        })
+        .collect();
+    Ok((cal, sites))
+}
+
+/// Encodes every linear layer of `model` in `format_of(id)`, each output row at the clip ratio
+/// from `grid` (e.g. [`clip_grid`]) that minimizes the layer's output error on its site's
+/// samples with the run-time activation quantization applied. `progress(done, total)` per layer.
+pub fn clip_and_encode(
+    model: &DenseModel,
+    sites: &Sites,
+    format_of: &dyn Fn(LinearId) -> LinearFormat,
+    grid: &[f32],
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<BTreeMap<LinearId, (LinearFormat, Vec<u8>)>> {
+    let ids = model.linear_ids();
+    let mut out = BTreeMap::new();
+    let mut cached: Option<((usize, SiteKind, ActQuant), Mat)> = None;
+    for (i, &id) in ids.iter().enumerate() {
+        let format = format_of(id);
+        let data = sites.get(&(id.layer, id.kind.site())).ok_or_else(|| {
+            Error::InvalidArgument(format!("no calibration rows for {}", id.name()))
+        })?;
+        let w = model.linear(id);
+        // Readers of one site (q/k/v, gate/up) share their quantized input.
+        let key = (id.layer, id.kind.site(), format.act);
+        if cached.as_ref().is_none_or(|(k, _)| *k != key) {
+            cached = Some((key, ActSim::of(format.act)?.apply(&data.samples)));
+        }
+        let xq = &cached.as_ref().expect("set above").1;
+        let clips = if grid == [1.0] {
+            vec![1.0; w.rows]
+        } else {
+            search_clips(w, &data.samples, xq, format, grid)?.0
+        };
+        let bytes = encode_matrix(w, format, &clips)
+            .map_err(|e| Error::InvalidArgument(format!("{}: {e}", id.name())))?;
+        out.insert(id, (format, bytes));
+        progress(i + 1, ids.len());
+    }
+    Ok(out)
+}
+
+/// How a layer's input is quantized at run time, for simulation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActSim {
+    /// Not quantized (16-bit activations are treated as exact).
+    Float,
+    Int8PerToken,
+    /// COMET blocks: the first `int8_blocks` blocks INT8, the rest INT4.
+    Mixed {
+        block: usize,
+        int8_blocks: usize,
+    },
+}
+
+impl ActSim {
+    /// The simulation of a run-time activation format.
+    pub fn of(act: ActQuant) -> Result<ActSim> {
+        match act {
+            ActQuant::F16 => Ok(ActSim::Float),
+            ActQuant::Int8PerToken => Ok(ActSim::Int8PerToken),
+            ActQuant::Mixed4x8 { block, int8_blocks } => Ok(ActSim::Mixed {
+                block: block as usize,
+                int8_blocks: int8_blocks as usize,
+            }),
+            ActQuant::Fp8PerToken => Err(Error::unsupported(
+                "simulating FP8 activations".to_string(),
+                "the QoQ, LiquidQuant and FMPQ searches use integer activations only",
+            )),
+        }
+    }
+
+    /// Quantizes and dequantizes every row of `x` (one token per row).
+    pub fn apply(self, x: &Mat) -> Mat {
+        let mut out = x.clone();
+        if x.cols == 0 {
+            return out;
+        }
+        match self {
+            ActSim::Float => {}
+            ActSim::Int8PerToken => out
+                .data
+                .par_chunks_mut(x.cols)
+                .for_each(|row| fake_quant_int(row, 127)),
+            ActSim::Mixed { block, int8_blocks } => {
+                assert!(
+                    block > 0 && x.cols.is_multiple_of(block) && int8_blocks * block <= x.cols,
+                    "mixed blocks of {block} ({int8_blocks} INT8) over {} channels",
+                    x.cols
+                );
+                out.data.par_chunks_mut(x.cols).for_each(|row| {
+                    for (b, chunk) in row.chunks_mut(block).enumerate() {
+                        fake_quant_int(chunk, if b < int8_blocks { 127 } else { 7 });
+                    }
+                });
+            }
+        }
+        out
+    }
+}
+
+/// Symmetric quantize-dequantize of one token (or one block of it) to `[-qmax, qmax]`.
+pub fn fake_quant_int(x: &mut [f32], qmax: i32) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = amax / qmax as f32;
+    if scale == 0.0 || !scale.is_finite() {
+        x.fill(if scale.is_finite() { 0.0 } else { f32::NAN });
+        return;
+    }
+    let q = qmax as f32;
+    for v in x.iter_mut() {
+        *v = (*v / scale).round_ties_even().clamp(-q, q) * scale;
+    }
+}
+
+/// `x w^T`: `x` is `[n, k]` (tokens), `w` is `[m, k]` (a linear weight); the result `[n, m]`.
+pub fn matmul_nt(x: &Mat, w: &Mat) -> Mat {
+    assert_eq!(x.cols, w.cols, "inner dimensions");
+    let (n, m, k) = (x.rows, w.rows, x.cols);
+    let mut out = vec![0f32; n * m];
+    if n == 0 || m == 0 || k == 0 {
+        return Mat::new(n, m, out);
+    }
+    const ROWS: usize = 32;
+    out.par_chunks_mut(ROWS * m)
+        .zip(x.data.par_chunks(ROWS * k))
+        .for_each(|(o, xs)| {
+            let rows = xs.len() / k;
+            // SAFETY: `xs` is `rows x k` row-major (column stride 1, row stride k); `w` read with
+            // column stride k and row stride 1 is `w^T`, `k x m`; `o` is `rows x m` row-major.
+            // All three lie within their buffers.
+            unsafe {
+                gemm::gemm(
+                    rows,
+                    m,
+                    k,
+                    o.as_mut_ptr(),
+                    1,
+                    m as isize,
+                    false,
+                    xs.as_ptr(),
+                    1,
+                    k as isize,
+                    w.data.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
+    Mat::new(n, m, out)
+}
+
+/// The weight a kernel multiplies by: `w` encoded in `format` (row `r` with clip `clips[r]`) and
+/// decoded back to f32.
+pub fn fake_quant_weight(w: &Mat, format: LinearFormat, clips: &[f32]) -> Result<Mat> {
+    let bytes = encode_matrix(w, format, clips)?;
+    let mut out = vec![0f32; w.rows * w.cols];
+    format.codec.dequantize(&bytes, w.cols, &mut out)?;
+    Ok(Mat::new(w.rows, w.cols, out))
+}
+
+/// Per output channel `r`: `sum_t (y[t, r] - yhat[t, r])^2`.
+pub fn column_sq_err(y: &Mat, yhat: &Mat) -> Vec<f64> {
+    assert_eq!((y.rows, y.cols), (yhat.rows, yhat.cols));
+    let mut err = vec![0f64; y.cols];
+    for (a, b) in y
+        .data
+        .chunks_exact(y.cols)
+        .zip(yhat.data.chunks_exact(y.cols))
+    {
+        for ((e, &a), &b) in err.iter_mut().zip(a).zip(b) {
+            let d = (a - b) as f64;
+            *e += d * d;
+        }
+    }
+    err
+}
+
+/// Sum of squares of a matrix, in f64.
+pub fn sq_norm(y: &Mat) -> f64 {
+    y.data.iter().map(|&v| (v as f64) * (v as f64)).sum()
+}
+
+/// The clip ratios searched for each output row: 1.0 down to 0.70 in steps of 0.02.
+pub fn clip_grid() -> Vec<f32> {
+    (0..=15).map(|i| 1.0 - 0.02 * i as f32).collect()
+}
+
+/// Per output row of `w`, the clip ratio from `grid` that minimizes the layer's output error
+/// `|x w^T - xq Q(w)^T|^2` on the sampled tokens, where `xq` is the input as the kernel sees it
+/// (run-time activation quantization applied). Rows are independent (a row's codes depend on
+/// its clip only), so each row takes its own best ratio. Returns the ratios and the total error.
+pub fn search_clips(
+    w: &Mat,
+    x: &Mat,
+    xq: &Mat,
+    format: LinearFormat,
+    grid: &[f32],
+) -> Result<(Vec<f32>, f64)> {
+    let y = matmul_nt(x, w);
+    let mut best = vec![(f64::INFINITY, 1.0f32); w.rows];
+    for &c in grid {
+        let wq = fake_quant_weight(w, format, &vec![c; w.rows])?;
+        let err = column_sq_err(&y, &matmul_nt(xq, &wq));
+        for (b, e) in best.iter_mut().zip(err) {
+            // Strictly better only, so ties keep the larger (earlier) ratio.
+            if e < b.0 {
+                *b = (e, c);
+            }
+        }
+    }
+    let total = best.iter().map(|b| b.0).sum();
+    Ok((best.into_iter().map(|b| b.1).collect(), total))
+}
+
+/// The calibration view of one linear-layer input that the searches read and the transforms
+/// keep up to date: channel-wise max |x| and sampled rows.
+#[derive(Debug, Clone)]
+pub struct SiteData {
+    pub absmax: Vec<f32>,
+    pub samples: Mat,
+}
+
+impl SiteData {
+    /// Divides channel `j` by `s[j]` (what folding an input scale does to the activation).
+    pub fn divide(&mut self, s: &[f32]) {
+        let inv: Vec<f32> = s.iter().map(|v| 1.0 / v).collect();
+        self.samples.scale_cols(&inv);
+        self.absmax.iter_mut().zip(&inv).for_each(|(a, i)| *a *= i);
+    }
+
+    /// Channel `j` becomes channel `perm[j]` of before.
+    pub fn permute(&mut self, perm: &[usize]) {
+        self.samples.permute_cols(perm);
+        self.absmax = perm.iter().map(|&p| self.absmax[p]).collect();
+    }
+}
+
+/// Per input channel, the max |w| over the columns of the given weights.
+pub fn col_absmax(ws: &[&Mat]) -> Vec<f32> {
+    let k = ws[0].cols;
+    let mut m = vec![0f32; k];
+    for w in ws {
+        assert_eq!(w.cols, k);
+        for row in w.data.chunks_exact(k) {
+            for (m, v) in m.iter_mut().zip(row) {
+                *m = m.max(v.abs());
+            }
+        }
+    }
+    m
+}
+
+/// o_proj's input channel `(query head h, d)` reads KV channel `(h / group, d)`: spreads one
+/// value per KV channel over o_proj's input.
+pub fn expand_kv(model: &DenseModel, kv: &[f32]) -> Vec<f32> {
+    let c = &model.config;
+    let (hd, group) = (c.head_dim, c.num_heads / c.num_kv_heads);
+    (0..c.q_dim())
+        .map(|j| kv[(j / hd / group) * hd + j % hd])
+        .collect()
+}
+
+/// The max over the query heads of each KV group: one value per KV channel from o_proj's input.
+pub fn reduce_kv_max(model: &DenseModel, q: &[f32]) -> Vec<f32> {
+    let c = &model.config;
+    let (hd, group) = (c.head_dim, c.num_heads / c.num_kv_heads);
+    let mut out = vec![0f32; c.kv_dim()];
+    for (j, &v) in q.iter().enumerate() {
+        let o = &mut out[(j / hd / group) * hd + j % hd];
+        *o = o.max(v);
+    }
+    out
+}
+
+/// SmoothQuant's migration scale `s_j = max|x_j|^alpha / max|w_j|^(1 - alpha)`, normalized to
+/// geometric mean 1 (a common factor changes no quantization error but can push weights or norm
+/// gains towards the ends of the f16 range). Channels that never fire or have no weight get 1.
+pub fn smooth_scale(x_absmax: &[f32], w_absmax: &[f32], alpha: f32) -> Vec<f32> {
+    let mut s: Vec<f32> = x_absmax
+        .iter()
+        .zip(w_absmax)
+        .map(|(&x, &w)| {
+            if x > 0.0 && w > 0.0 {
+                let v = (x as f64).powf(alpha as f64) / (w as f64).powf(1.0 - alpha as f64);
+                if v.is_finite() && v > 0.0 {
+                    v as f32
+                } else {
+                    1.0
+                }
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    let log_mean = s.iter().map(|v| (*v as f64).ln()).sum::<f64>() / s.len().max(1) as f64;
+    let g = log_mean.exp() as f32;
+    // Keep every factor well inside f32 after the division, whatever the statistics.
+    s.iter_mut().for_each(|v| *v = (*v / g).clamp(1e-6, 1e6));
+    s
+}
+
+/// The outcome of a smoothing-strength search at one input site.
+#[derive(Debug, Clone)]
+pub struct SmoothChoice {
+    /// The chosen migration strength; `None` when no smoothing beat leaving the site alone.
+    pub alpha: Option<f32>,
+    /// The scale to fold (`kv_dim` entries for o_proj's input), all ones for `None`.
+    pub scale: Vec<f32>,
+    /// Summed output error of the readers with the chosen scale, and without any.
+    pub error: f64,
+    pub error_unsmoothed: f64,
+}
+
+/// Searches the SmoothQuant strength for input `site` of `layer`: for each `alpha`, the site's
+/// activations are divided by [`smooth_scale`] and the readers' columns multiplied by it, both
+/// are quantized (`formats[i]` for reader `i`, weights at clip 1, activations by `act`), and the
+/// readers' summed output error on the samples is measured; the smallest wins. Leaving the site
+/// unsmoothed is always a candidate, so the search never does worse than not smoothing on the
+/// calibration data.
+pub fn search_smoothing(
+    model: &DenseModel,
+    layer: usize,
+    site: SiteKind,
+    data: &SiteData,
+    alphas: &[f32],
+    format: LinearFormat,
+    act: ActSim,
+) -> Result<SmoothChoice> {
+    let readers: Vec<&Mat> = site
+        .readers()
+        .iter()
+        .map(|&kind| model.linear(LinearId { layer, kind }))
+        .collect();
+    let x = &data.samples;
+    let ys: Vec<Mat> = readers.iter().map(|w| matmul_nt(x, w)).collect();
+    let wmax = col_absmax(&readers);
+    let (xmax_site, wmax_site) = if site == SiteKind::OIn {
+        (
+            reduce_kv_max(model, &data.absmax),
+            reduce_kv_max(model, &wmax),
+        )
+    } else {
+        (data.absmax.clone(), wmax)
+    };
+    let error_of = |scale: Option<&[f32]>| -> Result<f64> {
+        let expanded = match scale {
+            Some(s) if site == SiteKind::OIn => Some(expand_kv(model, s)),
+            Some(s) => Some(s.to_vec()),
+            None => None,
+        };
+        let mut xs = x.clone();
+        if let Some(s) = &expanded {
+            xs.scale_cols(&s.iter().map(|v| 1.0 / v).collect::<Vec<_>>());
+        }
+        let xq = act.apply(&xs);
+        let mut total = 0.0;
+        for (w, y) in readers.iter().zip(&ys) {
+            let mut w = (*w).clone();
+            if let Some(s) = &expanded {
+                w.scale_cols(s);
+            }
+            let wq = fake_quant_weight(&w, format, &vec![1.0; w.rows])?;
+            total += column_sq_err(y, &matmul_nt(&xq, &wq)).iter().sum::<f64>();
+        }
+        Ok(total)
+    };
+    let error_unsmoothed = error_of(None)?;
+    let mut choice = SmoothChoice {
+        alpha: None,
+        scale: vec![1.0; xmax_site.len()],
+        error: error_unsmoothed,
+        error_unsmoothed,
+    };
+    for &alpha in alphas {
+        let s = smooth_scale(&xmax_site, &wmax_site, alpha);
+        let e = error_of(Some(&s))?;
+        if e < choice.error {
+            choice = SmoothChoice {
+                alpha: Some(alpha),
+                scale: s,
+                error: e,
+                error_unsmoothed,
+            };
+        }
+    }
+    Ok(choice)
+}
+
+/// Folds a chosen smoothing scale into the model and into the site's calibration view.
+pub fn apply_smoothing(
+    model: &mut DenseModel,
+    layer: usize,
+    site: SiteKind,
+    data: &mut SiteData,
+    scale: &[f32],
+) -> Result<()> {
+    model.fold_input_scale(layer, site, scale)?;
+    if site == SiteKind::OIn {
+        data.divide(&expand_kv(model, scale));
+    } else {
+        data.divide(scale);
+    }
+    Ok(())
+}
+
+/// Relative output error `|x w^T - act(x) Q(w)^T|^2 / |x w^T|^2` of one encoded layer on rows
+/// `x`: how the searches' objective looks on held-out data.
+pub fn relative_layer_error(x: &Mat, w: &Mat, format: LinearFormat, encoded: &[u8]) -> Result<f64> {
+    let mut wq = vec![0f32; w.rows * w.cols];
+    format.codec.dequantize(encoded, w.cols, &mut wq)?;
+    let wq = Mat::new(w.rows, w.cols, wq);
+    let xq = ActSim::of(format.act)?.apply(x);
+    let y = matmul_nt(x, w);
+    let err: f64 = column_sq_err(&y, &matmul_nt(&xq, &wq)).iter().sum();
+    Ok(err / sq_norm(&y).max(f64::MIN_POSITIVE))
+}
+
+/// Every encoded layer's [`relative_layer_error`] on held-out `sequences`, each layer fed the
+/// float activations of the model it belongs to (`q.dense`, transforms included).
+pub fn layer_errors(
+    q: &crate::pipeline::QuantizedModel,
+    sequences: &[Vec<u32>],
+    threads: usize,
+) -> Result<BTreeMap<LinearId, f64>> {
+    let (_, sites) = calibrate(&q.dense, sequences, threads, &mut |_, _| {})?;
+    q.linears
+        .iter()
+        .map(|(&id, (format, bytes))| {
+            let x = &sites[&(id.layer, id.kind.site())].samples;
+            Ok((
+                id,
+                relative_layer_error(x, q.dense.linear(id), *format, bytes)?,
+            ))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn int8_rule_matches_the_runtime_definition() {
+        let mut x = vec![1.27f32, -0.635, 0.005, 0.0, 0.3];
+        fake_quant_int(&mut x, 127);
+        let s = 1.27f32 / 127.0;
+        assert_eq!(x[0], 127.0 * s);
+        // -0.635 / 0.01 = -63.5 ties to even: -64.
+        assert_eq!(x[1], (-0.635f32 / s).round_ties_even() * s);
+        assert_eq!(x[3], 0.0);
+        let mut z = vec![0f32; 4];
+        fake_quant_int(&mut z, 7);
+        assert_eq!(z, vec![0.0; 4]);
+    }
+
+    #[test]
+    fn mixed_blocks_use_int8_first_then_int4() {
+        let row: Vec<f32> = (0..8).map(|i| (i as f32 + 1.0) * 0.1).collect();
+        let x = Mat::new(1, 8, row.clone());
+        let q = ActSim::Mixed {
+            block: 4,
+            int8_blocks: 1,
+        }
+        .apply(&x);
+        // Block 0 (INT8) is nearly exact; block 1 (INT4) has steps of 0.8 / 7.
+        for (q, x) in q.data[..4].iter().zip(&row[..4]) {
+            assert!((q - x).abs() <= 0.4 / 127.0 * 0.5 + 1e-7);
+        }
+        let s4 = 0.8f32 / 7.0;
+        for (q, x) in q.data[4..].iter().zip(&row[4..]) {
+            assert_eq!(*q, (x / s4).round_ties_even() * s4);
+        }
+    }
+
+    #[test]
+    fn matmul_matches_naive() {
+        let x = Mat::new(3, 5, (0..15).map(|i| i as f32 * 0.3 - 2.0).collect());
+        let w = Mat::new(4, 5, (0..20).map(|i| (i as f32 * 0.7).sin()).collect());
+        let y = matmul_nt(&x, &w);
+        for t in 0..3 {
+            for r in 0..4 {
+                let want: f32 = x.row(t).iter().zip(w.row(r)).map(|(a, b)| a * b).sum();
+                assert!((y.data[t * 4 + r] - want).abs() < 1e-5);
+            }
+        }
+    }
+
+    /// The searched clip ratios never do worse than no clipping on the data searched, and on
+    /// heavy-tailed rows some clip.
+    #[test]
+    fn clip_search_beats_no_clipping_row_by_row() {
+        use nibble_precision::WeightCodec;
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+        let (rows, k, n) = (16, 64, 96);
+        // Laplace weights: heavy enough tails that the largest weight of a row is worth clipping.
+        let w = Mat::new(
+            rows,
+            k,
+            (0..rows * k)
+                .map(|_| {
+                    let u: f32 = rng.random_range(1e-6..1.0);
+                    if rng.random_bool(0.5) {
+                        -u.ln()
+                    } else {
+                        u.ln()
+                    }
+                })
+                .collect(),
+        );
+        let x = Mat::new(
+            n,
+            k,
+            (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect(),
+        );
+        for codec in [
+            WeightCodec::Qoq { group: 32 },
+            WeightCodec::Int4Group { group: 0 },
+        ] {
+            let f = LinearFormat::new(codec, ActQuant::Int8PerToken).unwrap();
+            let xq = ActSim::Int8PerToken.apply(&x);
+            let (clips, total) = search_clips(&w, &x, &xq, f, &clip_grid()).unwrap();
+            let y = matmul_nt(&x, &w);
+            let chosen = column_sq_err(
+                &y,
+                &matmul_nt(&xq, &fake_quant_weight(&w, f, &clips).unwrap()),
+            );
+            let unclipped = column_sq_err(
+                &y,
+                &matmul_nt(&xq, &fake_quant_weight(&w, f, &[1.0; 16]).unwrap()),
+            );
+            assert!((chosen.iter().sum::<f64>() - total).abs() <= 1e-9 * total);
+            for r in 0..rows {
+                assert!(chosen[r] <= unclipped[r], "{codec} row {r}");
+            }
+            let (c, u) = (chosen.iter().sum::<f64>(), unclipped.iter().sum::<f64>());
+            println!("{codec}: clips {clips:?}, error {c} vs {u} unclipped");
+            assert!(clips.iter().any(|&c| c < 1.0) && c < u, "{codec}");
+        }
+    }
+
+    #[test]
+    fn smooth_scale_follows_the_formula_up_to_a_common_factor() {
+        let x = [4.0f32, 1.0, 0.0, 9.0];
+        let w = [1.0f32, 4.0, 2.0, 1.0];
+        let s = smooth_scale(&x, &w, 0.5);
+        // sqrt(4)/1 = 2, 1/2, 1 (dead channel), 3: ratios survive the normalization.
+        assert!((s[0] / s[1] - 4.0).abs() < 1e-5);
+        assert!((s[3] / s[0] - 1.5).abs() < 1e-5);
+        let prod: f64 = s.iter().map(|v| *v as f64).product();
+        assert!((prod - 1.0).abs() < 1e-5);
+    }
+}

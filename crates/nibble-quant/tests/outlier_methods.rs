@@ -1,0 +1,548 @@
+//! QoQ, LiquidQuant and FMPQ on the tiny fixture models: every transform keeps the float
+//! function (logits agree) and keeps the calibration view in step with the model (a fresh
+//! capture of the transformed model sees the same rows), and on a model with planted activation
+//! outliers each method's quantized layers beat round-to-nearest in the same format.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use nibble_cpu::CpuBackend;
+use nibble_model::{BatchLayout, LogitRows, RopeLayout, Transformer, open_model};
+use nibble_precision::{ActQuant, LinearFormat, PrecisionSpec, WeightCodec};
+use nibble_quant::dense::{DenseModel, LinearId, LinearKind, SiteKind};
+use nibble_quant::fmpq::{OUTLIER_RATIO, int8_blocks_needed, outlier_score, plan_and_permute};
+use nibble_quant::permute::HeadPermutation;
+use nibble_quant::qoq::{
+    reorder_down_input, reorder_o_input, smooth_attention, smooth_attention_scale,
+};
+use nibble_quant::rotation::{Rotation, rotate_residual};
+use nibble_quant::sim::{Sites, apply_smoothing, calibrate, layer_errors, smooth_scale};
+use nibble_quant::simulate::Simulated;
+use nibble_quant::{Method, QuantOptions, QuantizedModel, quantize};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../nibble-model/tests/fixtures")
+        .join(name)
+}
+
+fn dense(name: &str) -> DenseModel {
+    let files = open_model(&fixture(name), None).unwrap();
+    DenseModel::load(files.config.clone(), &*files.source, &mut |_, _| {}).unwrap()
+}
+
+const TOKENS: [u32; 12] = [1, 5, 9, 17, 33, 2, 64, 100, 7, 3, 11, 42];
+
+/// Logits of the plain CPU forward pass (not the simulation, which is checked against it).
+fn logits(model: &DenseModel) -> Vec<f32> {
+    let backend = CpuBackend::new(1).unwrap();
+    let t = Transformer::load(&backend, model.config.clone(), model, &mut |_, _| {}).unwrap();
+    let (mut kv, table) = t.single_sequence_kv(&backend, TOKENS.len()).unwrap();
+    t.forward(
+        &backend,
+        &TOKENS,
+        &BatchLayout::single(table, 0, TOKENS.len()),
+        &mut kv,
+        LogitRows::All,
+    )
+    .unwrap()
+    .data
+}
+
+fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        err.is_finite() && err <= tol * scale,
+        "{what}: max error {err} (scale {scale})"
+    );
+}
+
+/// Random token sequences (the fixtures' vocabulary is 272 byte-level tokens).
+fn token_sequences(seed: u64, n: usize, len: usize) -> Vec<Vec<u32>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| (0..len).map(|_| rng.random_range(0..256)).collect())
+        .collect()
+}
+
+fn calib() -> Vec<Vec<u32>> {
+    token_sequences(1, 8, 80)
+}
+
+fn held_out() -> Vec<Vec<u32>> {
+    token_sequences(2, 6, 64)
+}
+
+/// Planted outlier channels of each input site: the residual stream's spread over both
+/// 32-channel blocks (one moving with the layer), down_proj's over all three, o_proj's all in
+/// the second KV head.
+fn planted(site: SiteKind, layer: usize) -> Vec<usize> {
+    match site {
+        SiteKind::AttnIn | SiteKind::MlpIn => vec![5, 40 + layer, 60],
+        SiteKind::DownIn => vec![2, 50, 90],
+        SiteKind::OIn => vec![16 + 3, 16 + 9],
+    }
+}
+
+/// Residual channels made massive from the embedding on: real LLMs carry a few such channels
+/// through the whole residual stream, and no equivalence transform can create them (RMSNorm
+/// sees the whole vector). Planting changes the model; every check compares a quantized model
+/// with the float model it came from.
+const MASSIVE: [usize; 3] = [5, 40, 60];
+
+/// Makes the planted channels of every input site 25x larger and the weights reading them 5x
+/// smaller (a 5x scale folded both ways, then the producing op - norm gain, v_proj row, up_proj
+/// row - boosted 5x more), and the [`MASSIVE`] residual channels 20x larger.
+fn plant_outliers(m: &mut DenseModel) {
+    let c = m.config.clone();
+    let mut e = vec![1.0f32; c.hidden_size];
+    for ch in MASSIVE {
+        e[ch] = 20.0;
+    }
+    m.untie_head();
+    m.embed.scale_cols(&e);
+    for layer in 0..c.num_layers {
+        for site in SiteKind::ALL {
+            let n = match site {
+                SiteKind::AttnIn | SiteKind::MlpIn => c.hidden_size,
+                SiteKind::OIn => c.kv_dim(),
+                SiteKind::DownIn => c.intermediate_size,
+            };
+            let mut s = vec![1.0f32; n];
+            for ch in planted(site, layer) {
+                s[ch] = 1.0 / 5.0;
+            }
+            m.fold_input_scale(layer, site, &s).unwrap();
+            let l = &mut m.layers[layer];
+            for ch in planted(site, layer) {
+                match site {
+                    SiteKind::AttnIn => l.attn_norm[ch] *= 5.0,
+                    SiteKind::MlpIn => l.mlp_norm[ch] *= 5.0,
+                    SiteKind::DownIn => l.up.row_mut(ch).iter_mut().for_each(|w| *w *= 5.0),
+                    SiteKind::OIn => {
+                        l.v.row_mut(ch).iter_mut().for_each(|w| *w *= 5.0);
+                        if let Some(b) = &mut l.v_bias {
+                            b[ch] *= 5.0;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn planted_model(name: &str) -> DenseModel {
+    let mut m = dense(name);
+    plant_outliers(&mut m);
+    m
+}
+
+/// The analytic updates of the calibration view agree with a fresh capture of the model.
+fn assert_sites_match_model(model: &DenseModel, sites: &Sites, what: &str) {
+    let (_, fresh) = calibrate(model, &calib(), 1, &mut |_, _| {}).unwrap();
+    for (key, data) in sites {
+        let f = &fresh[key];
+        assert_close(
+            &f.samples.data,
+            &data.samples.data,
+            1e-4,
+            &format!("{what} {key:?} rows"),
+        );
+        assert_close(
+            &f.absmax,
+            &data.absmax,
+            1e-4,
+            &format!("{what} {key:?} max"),
+        );
+    }
+}
+
+#[test]
+fn fast_rotation_keeps_the_function_and_equals_the_dense_rotation() {
+    for name in [
+        "tiny-llama3",
+        "tiny-qwen2",
+        "tiny-llama-tied-bf16",
+        "tiny-qwen3",
+    ] {
+        let mut m = planted_model(name);
+        let want = logits(&m);
+        let rot = Rotation::new(m.config.hidden_size, 7).unwrap();
+        assert!(
+            rotate_residual(&mut m, &rot, &mut |_, _| {}).is_err(),
+            "norms first"
+        );
+        m.fold_norms().unwrap();
+        let mut slow = m.clone();
+        slow.rotate_residual(&rot.matrix()).unwrap();
+        let mut ticks = 0;
+        rotate_residual(&mut m, &rot, &mut |d, t| {
+            ticks += 1;
+            assert!(d <= t);
+        })
+        .unwrap();
+        assert_eq!(ticks, m.layers.len() + 1);
+        assert_close(&logits(&m), &want, 1e-4, name);
+        for n in m.tensor_names() {
+            let (a, b) = (m.tensor(&n).unwrap().1, slow.tensor(&n).unwrap().1);
+            assert_close(a, b, 1e-5, &n);
+        }
+        // The planted outliers are gone from the rotated stream: no channel dominates.
+        let (_, sites) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
+        let x = &sites[&(0, SiteKind::AttnIn)].absmax;
+        let ratio = x.iter().fold(0f32, |a, &b| a.max(b)) / median(x);
+        assert!(ratio < 4.0, "{name}: rotated max/median {ratio}");
+    }
+}
+
+fn median(v: &[f32]) -> f32 {
+    let mut s = v.to_vec();
+    s.sort_by(f32::total_cmp);
+    s[s.len() / 2]
+}
+
+#[test]
+fn smooth_attention_pairs_rotary_channels_and_keeps_the_function() {
+    for (name, layout) in [
+        ("tiny-llama3", RopeLayout::HalfSplit),
+        ("tiny-qwen2", RopeLayout::HalfSplit),
+        ("tiny-llama3", RopeLayout::Interleaved),
+        ("tiny-mistral", RopeLayout::Interleaved),
+    ] {
+        let mut m = dense(name);
+        m.config.rope_layout = layout;
+        let c = m.config.clone();
+        let hd = c.head_dim;
+        // Key outlier channels: k rows x8 and q rows /8 keep the scores.
+        for l in &mut m.layers {
+            let mut ks = vec![1.0f32; c.kv_dim()];
+            ks[2] = 8.0;
+            ks[hd + 5] = 8.0;
+            let qs: Vec<f32> = (0..c.q_dim())
+                .map(|j| 1.0 / ks[(j / hd / (c.num_heads / c.num_kv_heads)) * hd + j % hd])
+                .collect();
+            l.k.scale_rows(&ks);
+            l.q.scale_rows(&qs);
+            if let Some(b) = &mut l.k_bias {
+                b.iter_mut().zip(&ks).for_each(|(b, s)| *b *= s);
+            }
+            if let Some(b) = &mut l.q_bias {
+                b.iter_mut().zip(&qs).for_each(|(b, s)| *b *= s);
+            }
+        }
+        let want = logits(&m);
+        let (cal, _) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
+        for kmax in &cal.key_absmax {
+            let lambda = smooth_attention_scale(&c, kmax);
+            for j in 0..c.kv_dim() {
+                let (h, d) = (j / hd, j % hd);
+                let pair = match layout {
+                    RopeLayout::HalfSplit => (d + hd / 2) % hd,
+                    RopeLayout::Interleaved => d ^ 1,
+                };
+                assert_eq!(
+                    lambda[j],
+                    lambda[h * hd + pair],
+                    "{name} {layout:?} channel {j}"
+                );
+                let m = kmax[j].max(kmax[h * hd + pair]);
+                assert!((lambda[j] - m.sqrt()).abs() <= 1e-6 * m.sqrt().max(1.0));
+            }
+        }
+        smooth_attention(&mut m, &cal.key_absmax).unwrap();
+        assert_close(&logits(&m), &want, 1e-4, &format!("{name} {layout:?}"));
+        // The keys the cache stores lost their outliers: max/median per layer shrank by > 2x.
+        let (after, _) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
+        for (b, a) in cal.key_absmax.iter().zip(&after.key_absmax) {
+            let spread = |v: &[f32]| v.iter().fold(0f32, |x, &y| x.max(y)) / median(v);
+            assert!(
+                spread(a) * 2.0 < spread(b),
+                "{name}: key spread {} -> {}",
+                spread(b),
+                spread(a)
+            );
+        }
+    }
+    // Qwen3's per-head QK norms do not commute with the scale: refused, and QoQ skips it.
+    let mut q3 = dense("tiny-qwen3");
+    let (cal, _) = calibrate(&q3, &calib(), 1, &mut |_, _| {}).unwrap();
+    assert!(smooth_attention(&mut q3, &cal.key_absmax).is_err());
+}
+
+#[test]
+fn output_smoothing_and_reordering_keep_the_function_and_the_calibration_view() {
+    for name in ["tiny-llama3", "tiny-qwen2"] {
+        let mut m = planted_model(name);
+        let want = logits(&m);
+        let (_, mut sites) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
+        for layer in 0..m.layers.len() {
+            for site in [SiteKind::OIn, SiteKind::DownIn] {
+                let data = sites.get_mut(&(layer, site)).unwrap();
+                // A forced strength, so the fold is never the identity.
+                let w = if site == SiteKind::OIn {
+                    &m.layers[layer].o
+                } else {
+                    &m.layers[layer].down
+                };
+                let wmax = nibble_quant::sim::col_absmax(&[w]);
+                let (x, w) = if site == SiteKind::OIn {
+                    (
+                        nibble_quant::sim::reduce_kv_max(&m, &data.absmax),
+                        nibble_quant::sim::reduce_kv_max(&m, &wmax),
+                    )
+                } else {
+                    (data.absmax.clone(), wmax)
+                };
+                let s = smooth_scale(&x, &w, 0.15);
+                assert!(s.iter().any(|v| (v - 1.0).abs() > 0.1));
+                apply_smoothing(&mut m, layer, site, data, &s).unwrap();
+            }
+            reorder_down_input(
+                &mut m,
+                layer,
+                sites.get_mut(&(layer, SiteKind::DownIn)).unwrap(),
+            )
+            .unwrap();
+            let before = m.layers[layer].v.clone();
+            reorder_o_input(
+                &mut m,
+                layer,
+                sites.get_mut(&(layer, SiteKind::OIn)).unwrap(),
+            )
+            .unwrap();
+            assert_ne!(before, m.layers[layer].v, "value dims reordered");
+            let down = &sites[&(layer, SiteKind::DownIn)].absmax;
+            assert!(down.windows(2).all(|p| p[0] >= p[1]), "down input sorted");
+        }
+        assert_close(&logits(&m), &want, 1e-4, name);
+        assert_sites_match_model(&m, &sites, name);
+    }
+}
+
+#[test]
+fn head_permutations_keep_the_function_and_refuse_moving_a_head_off_its_kv() {
+    for name in ["tiny-qwen2", "tiny-llama3", "tiny-qwen3"] {
+        let mut m = dense(name);
+        let want = logits(&m);
+        let hd = m.config.head_dim;
+        let hp = HeadPermutation {
+            kv_heads: vec![1, 0],
+            q_heads: vec![3, 2, 1, 0],
+            within: vec![
+                (0..hd).rev().collect(),
+                (0..hd).map(|d| (d * 5) % hd).collect(),
+            ],
+        };
+        hp.apply(&mut m, 0).unwrap();
+        hp.apply(&mut m, 1).unwrap();
+        assert_close(&logits(&m), &want, 1e-5, name);
+        let bad = HeadPermutation {
+            q_heads: vec![0, 2, 1, 3],
+            ..HeadPermutation::identity(&m)
+        };
+        assert!(bad.apply(&mut m, 0).is_err());
+    }
+}
+
+fn spec(s: &str) -> PrecisionSpec {
+    s.parse().unwrap()
+}
+
+fn run(model: DenseModel, s: &str, method: Method) -> QuantizedModel {
+    let mut stages = BTreeMap::<String, (usize, usize)>::new();
+    let q = quantize(
+        model,
+        spec(s),
+        method,
+        &calib(),
+        &QuantOptions {
+            threads: 1,
+            seed: 3,
+        },
+        &mut |stage, d, t| {
+            assert!(d <= t && t > 0, "{stage}: {d}/{t}");
+            stages.insert(stage.to_string(), (d, t));
+        },
+    )
+    .unwrap();
+    assert!(!stages.is_empty());
+    for (stage, (d, t)) in stages {
+        assert_eq!(d, t, "{stage} finished");
+    }
+    q
+}
+
+/// Sum of relative layer errors on held-out text, over the readers of `sites`.
+fn error_sum(q: &QuantizedModel, sites: &[SiteKind]) -> f64 {
+    layer_errors(q, &held_out(), 1)
+        .unwrap()
+        .into_iter()
+        .filter(|(id, _)| sites.contains(&id.kind.site()))
+        .map(|(_, e)| e)
+        .sum()
+}
+
+/// Relative mean squared logit error of a simulated quantized model against the float model,
+/// on held-out text.
+fn logit_error(q: &QuantizedModel, float: &DenseModel) -> f64 {
+    let sim = Simulated::new(q).unwrap();
+    let refm = Simulated::float(float);
+    let (mut num, mut den) = (0f64, 0f64);
+    for seq in held_out() {
+        let a = refm.logits(&seq, 1).unwrap();
+        let b = sim.logits(&seq, 1).unwrap();
+        for (x, y) in a.iter().zip(&b) {
+            num += ((x - y) as f64).powi(2);
+            den += (*x as f64).powi(2);
+        }
+    }
+    num / den
+}
+
+#[test]
+fn qoq_beats_rtn_on_planted_outliers_and_runs_on_each_architecture() {
+    for name in ["tiny-llama3", "tiny-qwen2", "tiny-qwen3"] {
+        for s in ["w4a8-g32", "w4a8"] {
+            let m = planted_model(name);
+            let q = run(m.clone(), s, Method::Qoq);
+            let want = if s == "w4a8" {
+                WeightCodec::Int4Group { group: 0 }
+            } else {
+                WeightCodec::Qoq { group: 32 }
+            };
+            assert_eq!(q.linears.len(), 7 * m.layers.len());
+            for (id, (f, bytes)) in &q.linears {
+                assert_eq!(*f, LinearFormat::new(want, ActQuant::Int8PerToken).unwrap());
+                let w = q.dense.linear(*id);
+                assert_eq!(bytes.len(), f.row_bytes(w.cols).unwrap() * w.rows);
+            }
+            let r = nibble_quant::pipeline::rtn(m.clone(), spec(s), &mut |_, _, _| {}).unwrap();
+            let all = SiteKind::ALL;
+            let (eq, er) = (error_sum(&q, &all), error_sum(&r, &all));
+            let residual = [SiteKind::AttnIn, SiteKind::MlpIn];
+            let (rq, rr) = (error_sum(&q, &residual), error_sum(&r, &residual));
+            let (lq, lr) = (logit_error(&q, &m), logit_error(&r, &m));
+            println!(
+                "{name} {s}: layer errors qoq {eq:.4} rtn {er:.4}; residual readers {rq:.4} vs {rr:.4}; logits {lq:.2e} vs {lr:.2e}"
+            );
+            assert!(eq < er, "{name} {s}: layer errors qoq {eq} rtn {er}");
+            assert!(rq * 2.0 < rr, "{name} {s}: rotated readers {rq} vs {rr}");
+            assert!(lq < lr, "{name} {s}: logits qoq {lq} rtn {lr}");
+        }
+    }
+}
+
+#[test]
+fn lqq_smoothing_keeps_the_function_and_beats_rtn_on_planted_outliers() {
+    for name in ["tiny-llama3", "tiny-qwen2"] {
+        let m = planted_model(name);
+        let want = logits(&m);
+        let mut sm = m.clone();
+        let (_, mut sites) = calibrate(&sm, &calib(), 1, &mut |_, _| {}).unwrap();
+        let choices =
+            nibble_quant::lqq::smooth(&mut sm, &mut sites, spec("w4a8-lqq-g32"), &mut |_, _| {})
+                .unwrap();
+        assert_close(&logits(&sm), &want, 1e-4, name);
+        assert_sites_match_model(&sm, &sites, name);
+        for c in choices.iter().flatten() {
+            assert!(c.error <= c.error_unsmoothed);
+        }
+        // The planted residual outliers are worth smoothing.
+        assert!(choices.iter().all(|l| l[0].alpha.is_some()), "{choices:?}");
+
+        let q = run(m.clone(), "w4a8-lqq-g32", Method::Lqq);
+        for (f, _) in q.linears.values() {
+            assert_eq!(f.codec, WeightCodec::Lqq { group: 32 });
+        }
+        let r = nibble_quant::pipeline::rtn(m.clone(), spec("w4a8-lqq-g32"), &mut |_, _, _| {})
+            .unwrap();
+        let (eq, er) = (error_sum(&q, &SiteKind::ALL), error_sum(&r, &SiteKind::ALL));
+        let (lq, lr) = (logit_error(&q, &m), logit_error(&r, &m));
+        println!("{name} lqq: layer errors {eq:.4} rtn {er:.4}; logits {lq:.2e} vs {lr:.2e}");
+        assert!(eq < er, "{name}: lqq {eq} rtn {er}");
+        assert!(lq < lr, "{name}: logits lqq {lq} rtn {lr}");
+    }
+}
+
+#[test]
+fn fmpq_gathers_outliers_into_leading_int8_blocks() {
+    for name in ["tiny-llama3", "tiny-qwen2", "tiny-qwen3"] {
+        let m = planted_model(name);
+        let want = logits(&m);
+        let (_, mut sites) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
+        // Unpermuted, the planted outliers reach past the first block of every site.
+        for (key, data) in &sites {
+            let n = int8_blocks_needed(&outlier_score(&data.absmax), 32, OUTLIER_RATIO);
+            assert!(n > 1, "{name} {key:?} unpermuted: {n}");
+        }
+        let mut pm = m.clone();
+        let blocks = plan_and_permute(&mut pm, &mut sites, 32, OUTLIER_RATIO).unwrap();
+        assert_close(&logits(&pm), &want, 1e-4, name);
+        assert_sites_match_model(&pm, &sites, name);
+        let c = &pm.config;
+        // o_proj's planted channels come from one value head, so every query head of its KV
+        // group carries them: they end in the group's last head.
+        let o_reach = c.head_dim * (c.num_heads / c.num_kv_heads - 1) + 2;
+        for (key, &n) in &blocks {
+            let want = if key.1 == SiteKind::OIn {
+                o_reach.div_ceil(32)
+            } else {
+                1
+            };
+            assert_eq!(n, want, "{name} {key:?}: outliers fit the leading blocks");
+            let score = outlier_score(&sites[key].absmax);
+            assert!(
+                score[32 * n..].iter().all(|&s| s <= OUTLIER_RATIO),
+                "{key:?}"
+            );
+        }
+
+        let q = run(m.clone(), "w4a4a8-g32", Method::Fmpq);
+        for (id, (f, _)) in &q.linears {
+            assert_eq!(
+                f.act,
+                ActQuant::Mixed4x8 {
+                    block: 32,
+                    int8_blocks: blocks[&(id.layer, id.kind.site())] as u16
+                }
+            );
+        }
+        let r =
+            nibble_quant::pipeline::rtn(m.clone(), spec("w4a4a8-g32"), &mut |_, _, _| {}).unwrap();
+        for site in SiteKind::ALL {
+            let (ef, er) = (error_sum(&q, &[site]), error_sum(&r, &[site]));
+            println!("{name} fmpq {site:?}: {ef:.4} vs all-INT4 rtn {er:.4}");
+            assert!(ef < er, "{name} {site:?}: fmpq {ef} rtn {er}");
+        }
+        let (lq, lr) = (logit_error(&q, &m), logit_error(&r, &m));
+        println!("{name} fmpq logits {lq:.2e} vs {lr:.2e}");
+        assert!(lq < lr, "{name}: logits fmpq {lq} rtn {lr}");
+    }
+}
+
+/// The reference check of the simulation itself: a format's simulated layer is exactly the
+/// decoded weight times the quantized input.
+#[test]
+fn simulated_model_multiplies_decoded_weights_by_quantized_inputs() {
+    let m = dense("tiny-llama3");
+    let q = nibble_quant::pipeline::rtn(m.clone(), spec("w4a8-g32"), &mut |_, _, _| {}).unwrap();
+    let sim = Simulated::new(&q).unwrap();
+    let id = LinearId {
+        layer: 1,
+        kind: LinearKind::Down,
+    };
+    let (f, bytes) = &q.linears[&id];
+    let w = m.linear(id);
+    let mut decoded = vec![0f32; w.rows * w.cols];
+    f.codec.dequantize(bytes, w.cols, &mut decoded).unwrap();
+    assert_eq!(sim.dense.linear(id).data, decoded);
+    assert!(sim.dense.linear(id).data != w.data);
+    // Without quantized layers the simulation is the CPU forward pass, bit for bit.
+    assert_eq!(logits(&m), Simulated::float(&m).logits(&TOKENS, 1).unwrap());
+    let e = logit_error(&q, &m);
+    assert!(e > 0.0 && e < 0.2, "w4a8-g32 RTN logits off by {e}");
+}
