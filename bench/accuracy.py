@@ -140,7 +140,7 @@ def main():
                     shutil.rmtree(out_dir)
                 cmd = [NIBBLE, *model_args, "quantize", "--format", fmt, "--method", method,
                        "--out", out_dir, "--calib-samples", str(args.calib_samples),
-                       "--calib-len", str(args.calib_len)]
+                       "--calib-len", str(args.calib_len), "--dense", "f32"]
                 _, qsecs, rss = run(cmd, log)
                 entry["quantize_s"], entry["quantize_peak_mb"] = qsecs, rss
                 entry["checkpoint_mb"] = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file()) / 1e6
