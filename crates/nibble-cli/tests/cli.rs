@@ -175,3 +175,284 @@ fn bench_throughput_runs_sharegpt_requests_through_the_engine() {
     );
     assert!(r["output_tokens"].as_u64().unwrap() > 0);
 }
+
+#[test]
+fn every_kv_format_generates_and_states_its_size() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../nibble-model/tests/fixtures/tiny-qwen3"
+    );
+    let mut sizes = Vec::new();
+    for kv in ["kv16", "kv8", "kv4", "kvfp8", "kv4c", "kv2c"] {
+        let (ok, out, err) = nibble(&[
+            "--model",
+            dir,
+            "--kv",
+            kv,
+            "generate",
+            "--prompt",
+            "Hi, nibbl",
+            "--max-tokens",
+            "20",
+        ]);
+        assert!(ok, "{kv}: {err}");
+        assert!(out.starts_with("Hi, nibbl"), "{out}");
+        let line = err
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("nibble: KV cache {kv}, ")))
+            .unwrap_or_else(|| panic!("{kv}: no KV line in {err}"));
+        let bytes: f64 = line.split(' ').next().unwrap().parse().unwrap();
+        sizes.push(bytes);
+    }
+    // tiny-qwen3: 2 layers x 2 KV heads x head dim 32, keys and values, in 16-token blocks.
+    assert_eq!(sizes, vec![1024.0, 288.0, 160.0, 272.0, 176.0, 112.0]);
+}
+
+#[test]
+fn eval_ppl_takes_a_kv_format() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = tmp.path().join("t.txt");
+    std::fs::write(
+        &text,
+        "The quick brown fox jumps over the lazy dog. ".repeat(6),
+    )
+    .unwrap();
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../nibble-model/tests/fixtures/tiny-qwen3"
+    );
+    let ppl = |kv: &str| -> f64 {
+        let (ok, out, err) = nibble(&[
+            "--model",
+            dir,
+            "--kv",
+            kv,
+            "eval",
+            "ppl",
+            "--file",
+            text.to_str().unwrap(),
+        ]);
+        assert!(ok, "{kv}: {err}");
+        out.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    let (full, q) = (ppl("kv16"), ppl("kv2c"));
+    assert!(full.is_finite() && q.is_finite());
+    assert_ne!(full, q, "kv2c must change the arithmetic");
+}
+
+#[test]
+fn kv_flags_are_checked_before_loading() {
+    assert_clean_failure(&["--kv", "kv3", "generate", "--prompt", "hi"], "kv3");
+    // The model path is never opened: the block size is refused first.
+    assert_clean_failure(
+        &[
+            "--model",
+            "/nonexistent/m.gguf",
+            "--kv",
+            "kv4c",
+            "serve",
+            "--block-size",
+            "8",
+        ],
+        "at least 16",
+    );
+    assert_clean_failure(&["--kv", "kv8", "bench", "serve"], "bench serve only sends");
+}
+
+const TINY_LLAMA: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../nibble-model/tests/fixtures/tiny-llama3"
+);
+
+/// A small ShareGPT file whose conversations are long enough for 256-token sequences of the
+/// tiny byte-level tokenizer, alternating calibration (even) and evaluation (odd) positions.
+fn long_sharegpt(dir: &std::path::Path) -> std::path::PathBuf {
+    let words = [
+        "the", "sea", "is", "wide", "and", "sky", "high", "nibble", "half", "byte", "four", "bits",
+        "model", "weights", "round", "scale",
+    ];
+    let records: Vec<serde_json::Value> = (0..8)
+        .map(|i| {
+            let text = |salt: usize| {
+                (0..120)
+                    .map(|j| words[(i * 7 + j * 3 + salt) % words.len()])
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            serde_json::json!({"id": i.to_string(), "conversations": [
+                {"from": "human", "value": text(1)},
+                {"from": "gpt", "value": text(2)}
+            ]})
+        })
+        .collect();
+    let path = dir.join("sharegpt.json");
+    std::fs::write(&path, serde_json::Value::from(records).to_string()).unwrap();
+    path
+}
+
+#[test]
+fn quantize_writes_a_checkpoint_with_provenance() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = long_sharegpt(tmp.path());
+    for (method, format) in [
+        ("rtn", "w4a16-g32"),
+        ("awq", "w4a16-g32"),
+        ("gptq", "w8a16"),
+        ("smoothquant", "w8a8-kv8"),
+    ] {
+        let out = tmp.path().join(format!("ckpt-{method}"));
+        let (ok, stdout, err) = nibble(&[
+            "--model",
+            TINY_LLAMA,
+            "quantize",
+            "--format",
+            format,
+            "--method",
+            method,
+            "--out",
+            out.to_str().unwrap(),
+            "--dataset",
+            data.to_str().unwrap(),
+            "--calib-samples",
+            "2",
+            "--calib-len",
+            "256",
+        ]);
+        assert!(ok, "{method}: {err}");
+        assert!(stdout.contains("peak RSS"), "{stdout}");
+        assert!(stdout.contains("14 linear layers quantized"), "{stdout}");
+        let manifest: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("nibble_quant.json")).unwrap())
+                .unwrap();
+        assert_eq!(manifest["spec"], format, "{manifest}");
+        let p = &manifest["provenance"];
+        assert_eq!(p["method"], method, "{p}");
+        assert!(p["timings_s"]["quantize"].as_f64().unwrap() >= 0.0, "{p}");
+        if method == "rtn" {
+            assert!(p["calibration"].is_null(), "{p}");
+        } else {
+            assert_eq!(p["calibration"]["tokens"], 512, "{p}");
+            assert_eq!(
+                p["calibration"]["dataset_sha256"].as_str().unwrap().len(),
+                64,
+                "{p}"
+            );
+        }
+        let q = &manifest["tensors"]["model.layers.1.mlp.down_proj.weight"];
+        assert!(q["format"].is_string(), "{q}");
+        assert_eq!(
+            manifest["tensors"]["model.norm.weight"]["dtype"], "F16",
+            "{manifest}"
+        );
+    }
+}
+
+#[test]
+fn quantize_refuses_bad_requests_before_working() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let out = out.to_str().unwrap();
+    let base = ["--model", TINY_LLAMA, "quantize", "--out", out];
+    let with = |extra: &[&str]| -> Vec<String> {
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    let check = |args: Vec<String>, needle: &str| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        assert_clean_failure(&args, needle);
+    };
+    check(with(&["--format", "w3a16"]), "unknown weight");
+    check(
+        with(&["--format", "w4a16", "--method", "magic"]),
+        "unknown quantization method",
+    );
+    check(
+        with(&["--format", "w8a8", "--method", "awq"]),
+        "does not apply",
+    );
+    check(with(&["--format", "w4a16-g32", "--dense", "f8"]), "--dense");
+    // The tiny model's MLP is 96 wide: group 64 does not divide it.
+    check(with(&["--format", "w4a16-g64"]), "96 input channels");
+    // An --out under a regular file cannot be created.
+    let file = tmp.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    let under = file.join("ckpt");
+    assert_clean_failure(
+        &[
+            "--model",
+            TINY_LLAMA,
+            "quantize",
+            "--format",
+            "w8a16",
+            "--out",
+            under.to_str().unwrap(),
+        ],
+        "--out",
+    );
+    // A non-empty --out needs --overwrite.
+    let full = tmp.path().join("full");
+    std::fs::create_dir(&full).unwrap();
+    std::fs::write(full.join("keep"), b"x").unwrap();
+    let args = [
+        "--model",
+        TINY_LLAMA,
+        "quantize",
+        "--format",
+        "w8a16",
+        "--out",
+        full.to_str().unwrap(),
+    ];
+    assert_clean_failure(&args, "--overwrite");
+    assert!(full.join("keep").exists());
+    let mut args = args.to_vec();
+    args.push("--overwrite");
+    let (ok, _, err) = nibble(&args);
+    assert!(ok, "{err}");
+    assert!(!full.join("keep").exists() && full.join("nibble_quant.json").exists());
+}
+
+#[test]
+fn eval_ppl_on_held_out_sharegpt_prints_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = long_sharegpt(tmp.path());
+    let text = tmp.path().join("t.txt");
+    std::fs::write(
+        &text,
+        "the sea is wide and the sky is high, said the nibble.",
+    )
+    .unwrap();
+    let (ok, out, err) = nibble(&[
+        "--model",
+        TINY_LLAMA,
+        "eval",
+        "ppl",
+        "--file",
+        text.to_str().unwrap(),
+        "--sharegpt",
+        "3",
+        "--ctx",
+        "64",
+        "--dataset",
+        data.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["sharegpt"]["predicted_tokens"], 3 * 63, "{v}");
+    assert!(v["sharegpt"]["ppl"].as_f64().unwrap() > 1.0, "{v}");
+    assert!(v["file"]["ppl"].as_f64().unwrap() > 1.0, "{v}");
+    // Only 4 evaluation conversations exist.
+    assert_clean_failure(
+        &[
+            "--model",
+            TINY_LLAMA,
+            "eval",
+            "ppl",
+            "--sharegpt",
+            "5",
+            "--dataset",
+            data.to_str().unwrap(),
+        ],
+        "Evaluation",
+    );
+    assert_clean_failure(&["--model", TINY_LLAMA, "eval", "ppl"], "--sharegpt");
+}

@@ -1,15 +1,21 @@
 //! Causal attention over the KV cache, one rayon task per (token, head) pair (or all on the
 //! calling thread when the work is small).
 //!
+//! Keys and values are written (quantized, for a quantized pool) before anything is read, and
+//! every query reads what the pool holds, dequantized once per sequence per call
+//! ([`crate::kv::SeqView`]). A query's scores and output depend only on its own sequence's
+//! cache, computed in the same order whatever else is in the batch, so attention is
+//! batch-invariant for every KV format.
+//!
 //! Scores are computed in f32 with a running max for a numerically safe softmax; the output is
 //! the probability-weighted sum of values, normalized once at the end.
 
-use nibble_core::Result;
+use nibble_core::{Error, Result};
 use nibble_model::{AttentionShape, BatchLayout};
 use rayon::prelude::*;
 
 use crate::CpuTensor;
-use crate::kv::CpuKvCache;
+use crate::kv::{CpuKvCache, SeqView};
 use crate::ops::dot;
 
 /// Below this many query-key multiply-adds, attention for a sequence runs on the calling thread.
@@ -37,58 +43,38 @@ pub fn attention(
         head_dim,
     } = shape;
     let kv_row = num_kv_heads * head_dim;
+    let tokens = batch.num_tokens();
+    if num_kv_heads == 0
+        || num_heads % num_kv_heads != 0
+        || (num_kv_heads, head_dim) != (kv.shape.num_kv_heads, kv.shape.head_dim)
+        || (q.rows, q.cols) != (tokens, num_heads * head_dim)
+        || (k.rows, k.cols) != (tokens, kv_row)
+        || (v.rows, v.cols) != (tokens, kv_row)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "attention {shape:?} over a {:?} pool: q {}x{}, k {}x{}, v {}x{} for {tokens} tokens",
+            kv.shape, q.rows, q.cols, k.rows, k.cols, v.rows, v.cols
+        )));
+    }
     let group = num_heads / num_kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
     let mut out = CpuTensor::zeros(q.rows, num_heads * head_dim);
 
     // Write the new keys/values first: token t of a sequence attends to positions <= its own.
-    let mut row0 = 0;
-    for s in &batch.seqs {
-        kv.check_table(&s.blocks, s.start_pos + s.len)?;
-        for t in 0..s.len {
-            let at = kv.offset(&s.blocks, s.start_pos + t);
-            let src = (row0 + t) * kv_row..(row0 + t + 1) * kv_row;
-            kv.k[layer][at..at + kv_row].copy_from_slice(&k.data[src.clone()]);
-            kv.v[layer][at..at + kv_row].copy_from_slice(&v.data[src]);
-        }
-        row0 += s.len;
-    }
+    let packed_now = kv.write(layer, batch, &k.data, &v.data)?;
 
-    let kv = &*kv;
+    let mut scratch = kv.take_scratch();
+    let kv_ref = &*kv;
     let mut row0 = 0;
     for s in &batch.seqs {
-        let (keys, values) = (&kv.k[layer], &kv.v[layer]);
+        let view = kv_ref.view(layer, s, &mut scratch, pool)?;
         let out_rows =
             &mut out.data[row0 * num_heads * head_dim..(row0 + s.len) * num_heads * head_dim];
         let head = |(idx, o): (usize, &mut [f32])| {
             let (t, h) = (idx / num_heads, idx % num_heads);
-            let kvh = h / group;
             let qv = &q.data[(row0 + t) * q.cols + h * head_dim..][..head_dim];
-            let ctx = s.start_pos + t + 1;
-            SCORES.with(|scores| {
-                let mut scores = scores.borrow_mut();
-                scores.clear();
-                scores.extend((0..ctx).map(|p| {
-                    dot(
-                        qv,
-                        &keys[kv.offset(&s.blocks, p) + kvh * head_dim..][..head_dim],
-                    ) * scale
-                }));
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                for (p, &w) in scores.iter().enumerate() {
-                    let vv = &values[kv.offset(&s.blocks, p) + kvh * head_dim..][..head_dim];
-                    for (a, b) in o.iter_mut().zip(vv) {
-                        *a = w.mul_add(*b, *a);
-                    }
-                }
-                let inv = 1.0 / sum;
-                o.iter_mut().for_each(|a| *a *= inv);
-            });
+            let off = (h / group) * head_dim;
+            attend(&view, qv, s.start_pos + t, off, kv_row, scale, o);
         };
         // Waking the pool costs more than a few small heads (a decode step at short context), so
         // those run on the calling thread, without handing anything to the pool.
@@ -100,5 +86,53 @@ pub fn attention(
         }
         row0 += s.len;
     }
+    kv.put_scratch(scratch);
+    kv.finish_write(layer, &packed_now);
     Ok(out)
 }
+
+/// One query head at position `pos` over positions `0..=pos` of its sequence, reading KV head
+/// columns `off..off + head_dim` of each row; the result goes to `o`.
+fn attend(
+    view: &SeqView,
+    qv: &[f32],
+    pos: usize,
+    off: usize,
+    kv_row: usize,
+    scale: f32,
+    o: &mut [f32],
+) {
+    let hd = qv.len();
+    let split = view.split(pos);
+    let (own_k, own_v) = view.own(pos);
+    SCORES.with(|scores| {
+        let mut scores = scores.borrow_mut();
+        scores.clear();
+        scores.extend((0..split).map(|p| dot(qv, view.key(p, off, hd)) * scale));
+        scores.extend(
+            (split..=pos).map(|p| dot(qv, &own_k[(p - split) * kv_row + off..][..hd]) * scale),
+        );
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        for (p, &w) in scores.iter().enumerate() {
+            let vv = if p < split {
+                view.value(p, off, hd)
+            } else {
+                &own_v[(p - split) * kv_row + off..][..hd]
+            };
+            for (a, b) in o.iter_mut().zip(vv) {
+                *a = w.mul_add(*b, *a);
+            }
+        }
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|a| *a *= inv);
+    });
+}
+
+#[cfg(test)]
+#[path = "attention_tests.rs"]
+mod tests;

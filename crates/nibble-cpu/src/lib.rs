@@ -2,13 +2,19 @@
 //! kernel is tested against, so its arithmetic is plain f32 with documented accumulation order.
 //!
 //! Weights stay in their storage format (f16, bf16, ggml blocks) and are decoded a tile of rows at
-//! a time inside the matmul, so memory stays near the file size.
+//! a time inside the matmul, so memory stays near the file size. nibble's own quantized formats
+//! are the exception: they are expanded once to what their integer or f16 kernels read
+//! ([`quant`]), since their reference arithmetic is what every GPU kernel is checked against.
 
 mod attention;
 mod kv;
 mod linear;
 mod ops;
 mod qdot;
+mod qkern;
+mod quant;
+
+use std::sync::OnceLock;
 
 use nibble_core::{Error, Result};
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
@@ -46,6 +52,8 @@ pub struct CpuWeight {
     pub format: WeightFormat,
     bytes: TensorBytes,
     row_bytes: usize,
+    /// The kernel form of a `WeightFormat::Quant` weight, built by its first matmul.
+    quant: OnceLock<std::result::Result<quant::QuantWeight, String>>,
 }
 
 impl CpuWeight {
@@ -59,6 +67,23 @@ impl CpuWeight {
     /// The storage bytes of row `r`.
     pub fn row(&self, r: usize) -> &[u8] {
         &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    /// The expanded form of a quantized weight (built on first use).
+    fn quant(&self) -> Result<&quant::QuantWeight> {
+        let WeightFormat::Quant(format) = self.format else {
+            return Err(Error::InvalidArgument(format!(
+                "{} is not a nibble quantized format",
+                self.format
+            )));
+        };
+        self.quant
+            .get_or_init(|| {
+                quant::QuantWeight::new(format, &self.bytes, self.rows, self.cols)
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| Error::InvalidArgument(e.clone()))
     }
 }
 
@@ -107,6 +132,10 @@ impl Backend for CpuBackend {
             .format
             .row_bytes(cols)
             .map_err(|e| Error::unsupported(format!("tensor '{}'", t.name), e.to_string()))?;
+        if let WeightFormat::Quant(format) = t.format {
+            quant::check(format, cols)
+                .map_err(|e| Error::unsupported(format!("tensor '{}'", t.name), e.to_string()))?;
+        }
         if t.bytes.len() != rows * row_bytes {
             return Err(Error::corrupt(
                 &t.name,
@@ -124,6 +153,7 @@ impl Backend for CpuBackend {
             format: t.format,
             bytes: t.bytes.clone(),
             row_bytes,
+            quant: OnceLock::new(),
         })
     }
 
@@ -138,6 +168,10 @@ impl Backend for CpuBackend {
         block_size: usize,
     ) -> Result<CpuKvCache> {
         CpuKvCache::new(shape, num_blocks, block_size)
+    }
+
+    fn release_kv_blocks(&self, kv: &mut CpuKvCache, blocks: &[u32]) {
+        kv.release_blocks(blocks);
     }
 
     fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {

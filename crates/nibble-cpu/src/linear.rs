@@ -7,8 +7,10 @@
 //!
 //! - Q4_0, Q4_1, Q8_0: each activation row is quantized to 16-bit integer blocks (a per-row
 //!   operation) and dotted with the weight blocks by the integer kernels of [`crate::qdot`].
-//! - Every other format: each weight row is dequantized 256 elements at a time and dotted with the
-//!   f32 activations with a fixed lane order ([`crate::ops::dot`]).
+//! - Every other ggml format: each weight row is dequantized 256 elements at a time and dotted
+//!   with the f32 activations with a fixed lane order ([`crate::ops::dot`]).
+//! - nibble's quantized formats (`WeightFormat::Quant`): [`crate::quant`], bit for bit
+//!   `nibble_precision::reference_matmul`, with the tiling of [`run_tiles`].
 //!
 //! The kernels take up to [`qdot::MAX_ROWS`] activation rows at once and decode each weight block
 //! once for all of them, but accumulate every output exactly as for a lone row.
@@ -23,6 +25,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use nibble_core::Result;
+use nibble_formats::WeightFormat;
 
 use crate::qdot::{self, ActRow, Kernel, QBlock};
 use crate::{CpuTensor, CpuWeight};
@@ -42,16 +45,24 @@ pub fn matmul_transposed(
     w: &CpuWeight,
 ) -> Result<CpuTensor> {
     let mut y = CpuTensor::zeros(x.rows, w.rows);
-    fused(pool, x, w, &mut y)?;
+    if let WeightFormat::Quant(_) = w.format {
+        crate::quant::matmul(pool, x, w.quant()?, &mut y.data, false)?;
+    } else {
+        fused(pool, x, w, &mut y)?;
+    }
     Ok(y)
 }
 
 /// `y`'s data, shared by tasks that write disjoint column blocks.
-struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own columns of y (see `fused`).
+pub(crate) struct OutPtr(*mut f32);
+// SAFETY: each task writes only its own columns of y (see `run_tiles`).
 unsafe impl Sync for OutPtr {}
 impl OutPtr {
-    fn at(&self, offset: usize) -> *mut f32 {
+    pub(crate) fn new(p: *mut f32) -> Self {
+        OutPtr(p)
+    }
+
+    pub(crate) fn at(&self, offset: usize) -> *mut f32 {
         self.0.wrapping_add(offset)
     }
 }
@@ -117,8 +128,22 @@ fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTens
         }
         Ok(())
     };
+    let serial = n * w.row_bytes * m.div_ceil(qdot::MAX_ROWS) < SERIAL_BYTES;
+    run_tiles(pool, n, 1, serial, &rows)
+}
+
+/// Runs `rows(c0, nc)` over output columns `0..n` in tiles of a multiple of `align` columns
+/// (`align` divides `n`), on the calling thread alone when `serial` or the pool has one thread.
+/// Each call owns its columns, so tasks may write them in place.
+pub(crate) fn run_tiles(
+    pool: &rayon::ThreadPool,
+    n: usize,
+    align: usize,
+    serial: bool,
+    rows: &(dyn Fn(usize, usize) -> Result<()> + Sync),
+) -> Result<()> {
     let threads = pool.current_num_threads();
-    if threads == 1 || n * w.row_bytes * m.div_ceil(qdot::MAX_ROWS) < SERIAL_BYTES {
+    if threads == 1 || serial {
         return rows(0, n);
     }
     // The calling thread works too, next to `threads - 1` helper jobs, and every participant
@@ -127,7 +152,7 @@ fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTens
     // sleeps and wake-ups per matmul; this costs at most one wake-up of a helper, and a late
     // helper just finds fewer tiles (which tile runs where does not change any output's bits).
     // A few tiles per thread balances load without much scheduling overhead.
-    let tile = n.div_ceil(4 * threads).max(16);
+    let tile = n.div_ceil(4 * threads).max(16).next_multiple_of(align);
     let tiles = n.div_ceil(tile);
     let next = AtomicUsize::new(0);
     let work = || -> Result<()> {

@@ -27,11 +27,40 @@ pub fn perplexity<B: Backend>(
             ids.len()
         )));
     }
+    let chunks: Vec<&[u32]> = ids.chunks(window).filter(|c| c.len() >= 2).collect();
+    over_windows(engine, &chunks, progress)
+}
+
+/// Perplexity over separate sequences (each its own window, e.g. held-out conversations): every
+/// token but each sequence's first is predicted, and the mean is over all of them.
+pub fn perplexity_sequences<B: Backend>(
+    engine: &Engine<B>,
+    sequences: &[Vec<u32>],
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Perplexity> {
+    let max = engine.model.config.max_context;
+    if let Some(s) = sequences.iter().find(|s| s.len() < 2 || s.len() > max) {
+        return Err(Error::InvalidArgument(format!(
+            "perplexity sequences need 2 to {max} tokens, got one of {}",
+            s.len()
+        )));
+    }
+    if sequences.is_empty() {
+        return Err(Error::InvalidArgument("no sequences to evaluate".into()));
+    }
+    let windows: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
+    over_windows(engine, &windows, progress)
+}
+
+fn over_windows<B: Backend>(
+    engine: &Engine<B>,
+    chunks: &[&[u32]],
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Perplexity> {
     let b = &engine.backend;
     let vocab = engine.model.config.vocab_size;
     let mut nll = 0f64;
     let mut count = 0usize;
-    let chunks: Vec<&[u32]> = ids.chunks(window).filter(|c| c.len() >= 2).collect();
     for (ci, chunk) in chunks.iter().enumerate() {
         let (mut kv, table) = engine.model.single_sequence_kv(b, chunk.len())?;
         let logits = engine.model.forward(

@@ -226,12 +226,12 @@ impl<B: Backend> LlmEngine<B> {
     pub fn abort(&mut self, id: RequestId) -> bool {
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             let s = self.waiting.remove(i).expect("index from position");
-            self.blocks.release(&s.blocks);
+            self.release(&s.blocks);
             return true;
         }
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let s = self.running.remove(i);
-            self.blocks.release(&s.blocks);
+            self.release(&s.blocks);
             return true;
         }
         false
@@ -255,10 +255,22 @@ impl<B: Backend> LlmEngine<B> {
         }
     }
 
+    /// The KV pool (for its size and format).
+    pub fn kv(&self) -> &B::Kv {
+        &self.kv
+    }
+
+    /// Gives a sequence's blocks back to the block manager, and tells the pool so it can drop
+    /// what it kept only for blocks being filled.
+    fn release(&mut self, table: &[BlockId]) {
+        self.blocks.release(table);
+        self.backend.release_kv_blocks(&mut self.kv, table);
+    }
+
     fn preempt_last(&mut self) -> bool {
         match self.running.pop() {
             Some(mut s) => {
-                self.blocks.release(&s.blocks);
+                self.release(&s.blocks);
                 s.blocks.clear();
                 s.hashed = HashChain::default();
                 s.computed = 0;
@@ -395,7 +407,7 @@ impl<B: Backend> LlmEngine<B> {
         }
         for idx in finished.into_iter().rev() {
             let s = self.running.remove(idx);
-            self.blocks.release(&s.blocks);
+            self.release(&s.blocks);
         }
         Ok(events)
     }

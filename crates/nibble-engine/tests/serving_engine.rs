@@ -7,14 +7,20 @@ use std::path::PathBuf;
 use nibble_cpu::CpuBackend;
 use nibble_engine::serving::{EngineConfig, Event, LlmEngine, Request, RequestId};
 use nibble_engine::{FinishReason, SamplingParams};
-use nibble_model::{Transformer, open_model};
+use nibble_model::{KvFormat, Transformer, open_model};
 
 fn engine(config: EngineConfig) -> LlmEngine<CpuBackend> {
+    engine_kv(config, KvFormat::F16)
+}
+
+fn engine_kv(config: EngineConfig, kv: KvFormat) -> LlmEngine<CpuBackend> {
     let dir =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../nibble-model/tests/fixtures/tiny-qwen2");
     let files = open_model(&dir, None).unwrap();
     let backend = CpuBackend::new(2).unwrap();
-    let model = Transformer::load(&backend, files.config, &*files.source, &mut |_, _| {}).unwrap();
+    let mut model =
+        Transformer::load(&backend, files.config, &*files.source, &mut |_, _| {}).unwrap();
+    model.kv_format = kv;
     LlmEngine::new(backend, model, files.tokenizer, config).unwrap()
 }
 
@@ -25,7 +31,8 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
         max_tokens,
         stop: vec![],
         ignore_eos: true,
-        logprobs: None,
+        // Runs are compared on each token's exact log-probability too, not just the argmax.
+        logprobs: Some(0),
     }
 }
 
@@ -39,12 +46,13 @@ fn prompts() -> Vec<Vec<u32>> {
     ]
 }
 
-/// Runs every request to completion; returns generated tokens per id.
+/// Runs every request to completion; returns generated tokens per id, each with the bits of its
+/// log-probability.
 fn run(
     e: &mut LlmEngine<CpuBackend>,
     reqs: Vec<(RequestId, Request)>,
-) -> HashMap<RequestId, Vec<u32>> {
-    let mut out: HashMap<RequestId, Vec<u32>> = HashMap::new();
+) -> HashMap<RequestId, Vec<(u32, u32)>> {
+    let mut out: HashMap<RequestId, Vec<(u32, u32)>> = HashMap::new();
     let mut done = 0;
     let n = reqs.len();
     for (id, r) in reqs {
@@ -54,7 +62,12 @@ fn run(
     while e.has_work() {
         for ev in e.step().unwrap() {
             match ev {
-                Event::Token { id, token, .. } => out.entry(id).or_default().push(token),
+                Event::Token {
+                    id, token, logprob, ..
+                } => {
+                    let lp = logprob.expect("requests ask for logprobs").logprob;
+                    out.entry(id).or_default().push((token, lp.to_bits()));
+                }
                 Event::Finished { .. } => done += 1,
             }
         }
@@ -79,10 +92,14 @@ fn all_prompts(max_tokens: usize) -> Vec<(RequestId, Request)> {
         .collect()
 }
 
-fn alone() -> HashMap<RequestId, Vec<u32>> {
+fn alone() -> HashMap<RequestId, Vec<(u32, u32)>> {
+    alone_kv(KvFormat::F16)
+}
+
+fn alone_kv(kv: KvFormat) -> HashMap<RequestId, Vec<(u32, u32)>> {
     let mut want = HashMap::new();
     for (i, p) in prompts().into_iter().enumerate() {
-        let mut e = engine(EngineConfig::default());
+        let mut e = engine_kv(EngineConfig::default(), kv);
         want.extend(run(&mut e, vec![(i as u64, request(p, 12))]));
     }
     want
@@ -223,4 +240,97 @@ fn stops_eos_length_and_logprobs() {
         assert_eq!(lp.top[0].0, lp.token);
         assert!((lp.top[0].1 - lp.logprob).abs() < 1e-6);
     }
+}
+
+/// The quantized caches keep every guarantee of the f32 one: greedy outputs do not depend on
+/// batching, chunking (which splits KV blocks across steps), preemption or prefix caching (which
+/// hands one sequence's packed blocks to another). Blocks are 16 tokens, the smallest the
+/// channel-wise formats take.
+fn quantized_cache_changes_nothing_but_precision(kv: KvFormat) {
+    let want = alone_kv(kv);
+    let f32_bytes = engine(EngineConfig::default()).kv().bytes_per_token();
+
+    let mut e = engine_kv(EngineConfig::default(), kv);
+    assert!(
+        e.kv().bytes_per_token() < f32_bytes / 3.0,
+        "{kv} must be in effect"
+    );
+    assert_eq!(run(&mut e, all_prompts(12)), want, "{kv} batched");
+
+    let mut e = engine_kv(
+        EngineConfig {
+            max_batched_tokens: 4,
+            ..EngineConfig::default()
+        },
+        kv,
+    );
+    assert_eq!(run(&mut e, all_prompts(12)), want, "{kv} chunked");
+
+    // 4 blocks of 16: the longest sequence (35 tokens, 3 blocks) fits alone, the five together
+    // (9 blocks) do not.
+    let mut e = engine_kv(
+        EngineConfig {
+            num_blocks: 4,
+            ..EngineConfig::default()
+        },
+        kv,
+    );
+    assert_eq!(run(&mut e, all_prompts(12)), want, "{kv} preempted");
+    assert!(
+        e.stats().preemptions > 0,
+        "the pool was meant to force preemption"
+    );
+    assert_eq!(
+        e.kv().residual_bytes(),
+        0,
+        "released blocks keep no full-precision residual"
+    );
+
+    let prefix: Vec<u32> = (30..62).collect();
+    let a: Vec<u32> = prefix.iter().copied().chain([1, 2, 3]).collect();
+    let b: Vec<u32> = prefix.iter().copied().chain([4, 5]).collect();
+    let want_b = run(
+        &mut engine_kv(EngineConfig::default(), kv),
+        vec![(2, request(b.clone(), 8))],
+    );
+    let mut e = engine_kv(EngineConfig::default(), kv);
+    run(&mut e, vec![(1, request(a, 8))]);
+    let before = e.stats().prefix_cache_hits;
+    let got_b = run(&mut e, vec![(2, request(b, 8))]);
+    assert_eq!(
+        e.stats().prefix_cache_hits - before,
+        2,
+        "32 shared tokens = 2 cached blocks"
+    );
+    assert_eq!(got_b, want_b, "{kv} prefix-cached");
+}
+
+#[test]
+fn kv8_changes_nothing_but_precision() {
+    quantized_cache_changes_nothing_but_precision(KvFormat::Int8);
+}
+
+#[test]
+fn kv4c_changes_nothing_but_precision() {
+    quantized_cache_changes_nothing_but_precision(KvFormat::Int4Channel);
+}
+
+#[test]
+fn channel_wise_caches_refuse_small_blocks() {
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../nibble-model/tests/fixtures/tiny-qwen2");
+    let files = open_model(&dir, None).unwrap();
+    let backend = CpuBackend::new(1).unwrap();
+    let mut model =
+        Transformer::load(&backend, files.config, &*files.source, &mut |_, _| {}).unwrap();
+    model.kv_format = KvFormat::Int2Channel;
+    let config = EngineConfig {
+        block_size: 8,
+        ..EngineConfig::default()
+    };
+    let err = LlmEngine::new(backend, model, files.tokenizer, config)
+        .err()
+        .expect("blocks of 8 are too small for kv2c")
+        .to_string();
+    assert!(err.contains("at least 16"), "{err}");
 }

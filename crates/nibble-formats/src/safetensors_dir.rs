@@ -1,5 +1,9 @@
 //! Tensors of a Hugging Face model directory: `model.safetensors`, or shards listed in
 //! `model.safetensors.index.json`. Every shard is memory-mapped; tensors borrow from the maps.
+//!
+//! [`SafetensorsDir::open`] accepts float tensors only (a plain model); readers of quantized
+//! layouts open with [`SafetensorsDir::open_any`] and read integer tensors through
+//! [`SafetensorsDir::raw`].
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -8,7 +12,8 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 use nibble_core::{Error, Result};
-use safetensors::{Dtype, SafeTensors};
+pub use safetensors::Dtype;
+use safetensors::SafeTensors;
 
 use crate::gguf::GgmlType;
 use crate::tensor::{HostTensor, TensorBytes, WeightFormat};
@@ -16,19 +21,61 @@ use crate::tensor::{HostTensor, TensorBytes, WeightFormat};
 struct Entry {
     shard: usize,
     shape: Vec<usize>,
-    format: WeightFormat,
+    dtype: Dtype,
     start: usize,
     len: usize,
+}
+
+/// A tensor of any safetensors dtype, as stored.
+#[derive(Clone)]
+pub struct RawTensor {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: TensorBytes,
+}
+
+/// The weight format of a float dtype; `None` for the others.
+fn float_format(dtype: Dtype) -> Option<WeightFormat> {
+    Some(WeightFormat::Ggml(match dtype {
+        Dtype::F32 => GgmlType::F32,
+        Dtype::F16 => GgmlType::F16,
+        Dtype::BF16 => GgmlType::BF16,
+        _ => return None,
+    }))
 }
 
 pub struct SafetensorsDir {
     dir: PathBuf,
     shards: Vec<Arc<Mmap>>,
+    shard_files: Vec<PathBuf>,
     entries: HashMap<String, Entry>,
 }
 
 impl SafetensorsDir {
+    /// Opens a plain model: every tensor must be F32, F16 or BF16.
     pub fn open(dir: &Path) -> Result<Self> {
+        let st = Self::open_any(dir)?;
+        if let Some((name, e)) = st
+            .entries
+            .iter()
+            .find(|(_, e)| float_format(e.dtype).is_none())
+        {
+            return Err(Error::unsupported(
+                format!(
+                    "safetensors dtype {:?} of tensor '{name}' in {}",
+                    e.dtype,
+                    st.shard_files[e.shard].display()
+                ),
+                "supported: F32, F16, BF16",
+            ));
+        }
+        Ok(st)
+    }
+
+    /// Opens a directory whatever its tensors' dtypes; [`SafetensorsDir::get`] serves the float
+    /// ones, [`SafetensorsDir::raw`] every one.
+    pub fn open_any(dir: &Path) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
@@ -66,27 +113,13 @@ impl SafetensorsDir {
                 .map_err(|e| Error::corrupt(path, format!("invalid safetensors: {e}")))?;
             let base = map.as_ptr() as usize;
             for (name, view) in st.tensors() {
-                let format = match view.dtype() {
-                    Dtype::F32 => WeightFormat::Ggml(GgmlType::F32),
-                    Dtype::F16 => WeightFormat::Ggml(GgmlType::F16),
-                    Dtype::BF16 => WeightFormat::Ggml(GgmlType::BF16),
-                    other => {
-                        return Err(Error::unsupported(
-                            format!(
-                                "safetensors dtype {other:?} of tensor '{name}' in {}",
-                                path.display()
-                            ),
-                            "supported: F32, F16, BF16",
-                        ));
-                    }
-                };
                 let data = view.data();
                 entries.insert(
                     name.clone(),
                     Entry {
                         shard: i,
                         shape: view.shape().to_vec(),
-                        format,
+                        dtype: view.dtype(),
                         start: data.as_ptr() as usize - base,
                         len: data.len(),
                     },
@@ -97,6 +130,7 @@ impl SafetensorsDir {
         Ok(SafetensorsDir {
             dir: dir.to_path_buf(),
             shards,
+            shard_files: files,
             entries,
         })
     }
@@ -113,12 +147,34 @@ impl SafetensorsDir {
         self.entries.keys().map(String::as_str)
     }
 
+    /// The file holding tensor `name`, for error messages.
+    pub fn file_of(&self, name: &str) -> Option<&Path> {
+        let e = self.entries.get(name)?;
+        Some(&self.shard_files[e.shard])
+    }
+
+    /// Any tensor, as stored.
+    pub fn raw(&self, name: &str) -> Option<RawTensor> {
+        let e = self.entries.get(name)?;
+        Some(RawTensor {
+            name: name.to_string(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            bytes: TensorBytes::Mapped {
+                map: self.shards[e.shard].clone(),
+                start: e.start,
+                len: e.len,
+            },
+        })
+    }
+
+    /// A float tensor (F32, F16, BF16); `None` when absent or of another dtype.
     pub fn get(&self, name: &str) -> Option<HostTensor> {
         let e = self.entries.get(name)?;
         Some(HostTensor {
             name: name.to_string(),
             shape: e.shape.clone(),
-            format: e.format,
+            format: float_format(e.dtype)?,
             bytes: TensorBytes::Mapped {
                 map: self.shards[e.shard].clone(),
                 start: e.start,

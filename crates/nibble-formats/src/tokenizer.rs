@@ -233,6 +233,38 @@ impl Tokenizer {
         })
     }
 
+    /// The underlying tokenizer as a Hugging Face `tokenizer.json` document (for a GGUF
+    /// tokenizer, the equivalent one nibble built from its metadata).
+    pub fn to_hf_json(&self) -> Result<String> {
+        self.inner
+            .to_string(false)
+            .map_err(|e| Error::Tokenizer(format!("cannot serialize the tokenizer: {e}")))
+    }
+
+    /// A `tokenizer_config.json` carrying what [`Tokenizer::from_hf_dir`] reads from it: the
+    /// special token strings and the chat template.
+    pub fn hf_tokenizer_config(&self) -> Value {
+        json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "chat_template": self.chat_template,
+            "clean_up_tokenization_spaces": false,
+        })
+    }
+
+    /// Writes `tokenizer.json` and `tokenizer_config.json` into `dir`; EOS ids beyond
+    /// `eos_token` belong in the model's `config.json` (`eos_token_id`), where
+    /// [`Tokenizer::from_hf_dir`] finds them.
+    pub fn write_hf_files(&self, dir: &Path) -> Result<()> {
+        let tok = dir.join("tokenizer.json");
+        std::fs::write(&tok, self.to_hf_json()?).map_err(|e| Error::io(&tok, e))?;
+        let cfg = dir.join("tokenizer_config.json");
+        let text = serde_json::to_string_pretty(&self.hf_tokenizer_config())
+            .map_err(|e| Error::Tokenizer(format!("cannot serialize tokenizer_config: {e}")))?;
+        std::fs::write(&cfg, text).map_err(|e| Error::io(&cfg, e))
+    }
+
     /// Encodes text. `add_special` lets the tokenizer add BOS where the model expects it; chat
     /// prompts rendered by a template already carry their special tokens and pass `false`.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {

@@ -4,6 +4,7 @@
 
 use nibble_core::Result;
 use nibble_formats::HostTensor;
+use nibble_precision::KvFormat;
 
 use crate::config::RopeLayout;
 
@@ -59,12 +60,14 @@ impl BatchLayout {
     }
 }
 
-/// Geometry of a KV cache entry: per layer, per token, `num_kv_heads * head_dim` keys and values.
+/// Geometry of a KV cache entry: per layer, per token, `num_kv_heads * head_dim` keys and values,
+/// stored as `format` says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvShape {
     pub num_layers: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    pub format: KvFormat,
 }
 
 /// Attention geometry of one call.
@@ -90,9 +93,16 @@ pub trait Backend: Send + Sync {
     fn load_weight(&self, tensor: &HostTensor) -> Result<Self::Weight>;
     /// Uploads a small f32 vector (norm weights, biases, rotary frequencies).
     fn load_vector(&self, values: &[f32]) -> Result<Self::Tensor>;
-    /// A KV pool of `num_blocks` blocks of `block_size` tokens; fails cleanly when memory is short.
+    /// A KV pool of `num_blocks` blocks of `block_size` tokens in `shape.format`; fails cleanly
+    /// when memory is short or the format cannot use blocks of that size.
     fn new_kv_pool(&self, shape: KvShape, num_blocks: usize, block_size: usize)
     -> Result<Self::Kv>;
+    /// Tells the pool that a sequence let go of these blocks. Their full-block contents must stay
+    /// readable (the prefix cache may hand them to another sequence), but per-block state kept
+    /// only while a block is being filled (the full-precision residual of the channel-wise
+    /// formats) can be dropped: a partially filled block is never shared, and whoever gets it
+    /// next starts writing it at slot 0.
+    fn release_kv_blocks(&self, kv: &mut Self::Kv, blocks: &[u32]);
 
     /// Rows `ids` of an embedding table.
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
@@ -125,7 +135,10 @@ pub trait Backend: Send + Sync {
     );
     /// Writes `k`, `v` into each sequence's blocks at its positions and returns causal attention
     /// of `q` over positions `0..=` each token's own (GQA: head h reads kv head
-    /// `h / (num_heads / num_kv_heads)`).
+    /// `h / (num_heads / num_kv_heads)`). A quantized pool quantizes on write and attention reads
+    /// the dequantized values; the channel-wise formats read the block holding the query in full
+    /// precision and earlier blocks quantized, which needs each block written in slot order
+    /// (slot 0 starts a block afresh).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,

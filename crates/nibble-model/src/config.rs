@@ -249,6 +249,147 @@ impl ModelConfig {
         Ok(cfg)
     }
 
+    /// A Hugging Face `config.json` for this model that [`ModelConfig::from_hf_json`] reads back
+    /// to an equal config. `layout` says what nibble learns from the tensors and HF must be told
+    /// (tied head, QKV biases, QK norms); combinations the architecture's HF class cannot express
+    /// are refused rather than written as a config HF would load wrongly.
+    pub fn to_hf_json(&self, layout: &TensorLayout) -> Result<Value> {
+        let (class, model_type) = match self.arch {
+            Arch::Llama => ("LlamaForCausalLM", "llama"),
+            Arch::Mistral => ("MistralForCausalLM", "mistral"),
+            Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+            Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+        };
+        let refuse = |why: &str| {
+            Err(Error::unsupported(
+                format!("a {model_type} model {why}"),
+                "its Hugging Face config class has no switch for that",
+            ))
+        };
+        match self.arch {
+            Arch::Qwen2 if !layout.attention_bias => return refuse("without Q/K/V biases"),
+            Arch::Mistral if layout.attention_bias => return refuse("with Q/K/V biases"),
+            Arch::Qwen3 if !layout.qk_norm => return refuse("without per-head Q/K norms"),
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 if layout.qk_norm => {
+                return refuse("with per-head Q/K norms");
+            }
+            _ => {}
+        }
+        if self.rope_layout != RopeLayout::HalfSplit {
+            return Err(Error::unsupported(
+                "an interleaved rotary layout in a Hugging Face config",
+                "HF models rotate half-split pairs; un-permute Q/K rows first",
+            ));
+        }
+        let rope_scaling = match &self.rope_scaling {
+            RopeScaling::None => Value::Null,
+            RopeScaling::Linear { factor } => {
+                serde_json::json!({"rope_type": "linear", "type": "linear", "factor": factor})
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => llama3_json(
+                *factor,
+                *low_freq_factor,
+                *high_freq_factor,
+                *original_max_position,
+            ),
+            RopeScaling::FreqFactors(f) => match self.llama3_params_of(f) {
+                Some(RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position,
+                }) => llama3_json(
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position,
+                ),
+                _ => {
+                    return Err(Error::unsupported(
+                        "per-frequency rotary factors (GGUF rope_freqs.weight) that are not \
+                         Llama 3 scaling",
+                        "a Hugging Face config can only name linear or llama3 rotary scaling",
+                    ));
+                }
+            },
+        };
+        // The shortest decimal that reads back as the same f32, so the JSON shows 1e-06, not
+        // 9.999999974752427e-07.
+        let eps: f64 = self.rms_norm_eps.to_string().parse().unwrap_or(1e-6);
+        let mut v = serde_json::json!({
+            "architectures": [class],
+            "model_type": model_type,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": self.max_context,
+            "tie_word_embeddings": layout.tie_word_embeddings,
+            "hidden_act": "silu",
+        });
+        let o = v.as_object_mut().expect("a JSON object literal");
+        match self.arch {
+            Arch::Llama => {
+                o.insert("attention_bias".into(), layout.attention_bias.into());
+                o.insert("mlp_bias".into(), false.into());
+            }
+            // nibble attends over the whole context; a window HF would apply must not appear.
+            Arch::Mistral => {
+                o.insert("sliding_window".into(), Value::Null);
+            }
+            Arch::Qwen2 => {
+                o.insert("sliding_window".into(), Value::Null);
+                o.insert("use_sliding_window".into(), false.into());
+            }
+            Arch::Qwen3 => {
+                o.insert("attention_bias".into(), layout.attention_bias.into());
+                o.insert("sliding_window".into(), Value::Null);
+                o.insert("use_sliding_window".into(), false.into());
+            }
+        }
+        Ok(v)
+    }
+
+    /// The Llama 3 parameters that llama.cpp's converter turned into `factors`, if they are the
+    /// published ones (low 1, high 4, original context 8192; the factor is the largest divisor).
+    fn llama3_params_of(&self, factors: &[f32]) -> Option<RopeScaling> {
+        let factor = factors.iter().copied().fold(f32::NAN, f32::max) as f64;
+        if !factor.is_finite() || factors.len() != self.head_dim / 2 {
+            return None;
+        }
+        let candidate = RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8192.0,
+        };
+        let as_llama3 = ModelConfig {
+            rope_scaling: candidate.clone(),
+            ..self.clone()
+        };
+        let as_factors = ModelConfig {
+            rope_scaling: RopeScaling::FreqFactors(factors.to_vec()),
+            ..self.clone()
+        };
+        let same = as_llama3
+            .rope_inv_freq()
+            .iter()
+            .zip(as_factors.rope_inv_freq())
+            .all(|(a, b)| (a - b).abs() <= 1e-5 * a.abs().max(b.abs()));
+        same.then_some(candidate)
+    }
+
     fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
         if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_layers == 0 {
@@ -325,6 +466,54 @@ impl ModelConfig {
     }
 }
 
+/// What a Hugging Face config states and nibble instead reads off the tensors that exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TensorLayout {
+    /// No `lm_head.weight`: the output head reuses the embedding table.
+    pub tie_word_embeddings: bool,
+    /// `self_attn.{q,k,v}_proj.bias` exist.
+    pub attention_bias: bool,
+    /// `self_attn.{q,k}_norm.weight` exist.
+    pub qk_norm: bool,
+}
+
+impl TensorLayout {
+    /// Reads the layout off a model's (Hugging Face) tensor names.
+    pub fn from_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut layout = TensorLayout {
+            tie_word_embeddings: true,
+            ..Default::default()
+        };
+        for n in names {
+            if n == "lm_head.weight" {
+                layout.tie_word_embeddings = false;
+            } else if n.ends_with("self_attn.q_proj.bias") {
+                layout.attention_bias = true;
+            } else if n.ends_with("self_attn.q_norm.weight") {
+                layout.qk_norm = true;
+            }
+        }
+        layout
+    }
+}
+
+fn llama3_json(factor: f64, low: f64, high: f64, original_max_position: f64) -> Value {
+    serde_json::json!({
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        // HF reads this as a context length: an integer when it is one.
+        "original_max_position_embeddings": if original_max_position.fract() == 0.0
+            && original_max_position.abs() < 9e15
+        {
+            Value::from(original_max_position as i64)
+        } else {
+            Value::from(original_max_position)
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -396,5 +585,148 @@ mod tests {
         assert!((inv[0] as f64 - base(0)).abs() < 1e-7);
         // Lowest frequency (wavelength 2*pi*500000^(14/16) ~ 62k > 8192): divided by 8.
         assert!((inv[7] as f64 - base(7) / 8.0).abs() / (base(7) / 8.0) < 1e-5);
+    }
+
+    fn fixture(name: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name)
+    }
+
+    const FIXTURES: [&str; 5] = [
+        "tiny-llama-tied-bf16",
+        "tiny-llama3",
+        "tiny-mistral",
+        "tiny-qwen2",
+        "tiny-qwen3",
+    ];
+
+    /// Every fixture's config survives `to_hf_json` -> `from_hf_json`, the tensor layout read
+    /// off its files matches what its own config.json says, and `model_tensors` names exactly
+    /// the tensors it ships.
+    #[test]
+    fn hf_json_round_trips_every_fixture() {
+        for name in FIXTURES {
+            let dir = fixture(name);
+            let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+            let original: Value = serde_json::from_str(&text).unwrap();
+            let c = ModelConfig::from_hf_json(&text, name).unwrap();
+            let st = nibble_formats::safetensors_dir::SafetensorsDir::open(&dir).unwrap();
+            let layout = TensorLayout::from_names(st.names());
+            let v = c.to_hf_json(&layout).unwrap();
+            assert_eq!(
+                ModelConfig::from_hf_json(&v.to_string(), name).unwrap(),
+                c,
+                "{name}"
+            );
+            assert_eq!(
+                v["tie_word_embeddings"], original["tie_word_embeddings"],
+                "{name}"
+            );
+            assert_eq!(v["model_type"], original["model_type"], "{name}");
+            assert_eq!(v["architectures"], original["architectures"], "{name}");
+            assert_eq!(v["rms_norm_eps"], original["rms_norm_eps"], "{name}");
+            if let Some(b) = original.get("attention_bias") {
+                assert_eq!(&v["attention_bias"], b, "{name}");
+            }
+            let mut want: Vec<(String, Vec<usize>)> = st
+                .names()
+                .map(|n| (n.to_string(), st.get(n).unwrap().shape))
+                .collect();
+            let mut got: Vec<(String, Vec<usize>)> = crate::transformer::model_tensors(&c, &layout)
+                .into_iter()
+                .map(|(n, s, _)| (n, s))
+                .collect();
+            want.sort();
+            got.sort();
+            assert_eq!(got, want, "{name}");
+        }
+    }
+
+    fn with_scaling(rope_scaling: RopeScaling) -> ModelConfig {
+        ModelConfig {
+            rope_scaling,
+            ..ModelConfig::from_hf_json(&hf(r#","rope_theta":500000.0"#), "c").unwrap()
+        }
+    }
+
+    #[test]
+    fn rope_scaling_round_trips() {
+        let layout = TensorLayout::default();
+        for scaling in [
+            RopeScaling::None,
+            RopeScaling::Linear { factor: 2.5 },
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position: 8192.0,
+            },
+        ] {
+            let c = with_scaling(scaling);
+            let v = c.to_hf_json(&layout).unwrap();
+            assert_eq!(ModelConfig::from_hf_json(&v.to_string(), "c").unwrap(), c);
+        }
+    }
+
+    /// GGUF Llama 3 files carry the scaling as per-frequency factors; written out they become
+    /// the llama3 parameters that produce the same frequencies.
+    #[test]
+    fn gguf_freq_factors_are_written_as_llama3() {
+        let base = with_scaling(RopeScaling::None);
+        // llama.cpp's convert_hf_to_gguf.py: f32 frequencies, factors per pair.
+        let (factor, low, high, old) = (8.0f64, 1.0f64, 4.0f64, 8192.0f64);
+        let d = base.head_dim;
+        let factors: Vec<f32> = (0..d / 2)
+            .map(|i| {
+                let freq = (1.0 / 500000f32.powf((2 * i) as f32 / d as f32)) as f64;
+                let wavelen = 2.0 * std::f64::consts::PI / freq;
+                if wavelen < old / high {
+                    1.0
+                } else if wavelen > old / low {
+                    factor as f32
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+                }
+            })
+            .collect();
+        let c = with_scaling(RopeScaling::FreqFactors(factors));
+        let v = c.to_hf_json(&TensorLayout::default()).unwrap();
+        assert_eq!(v["rope_scaling"]["rope_type"], "llama3");
+        assert_eq!(v["rope_scaling"]["original_max_position_embeddings"], 8192);
+        let back = ModelConfig::from_hf_json(&v.to_string(), "c").unwrap();
+        for (a, b) in back.rope_inv_freq().iter().zip(c.rope_inv_freq()) {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "{a} vs {b}");
+        }
+        // Factors that are not Llama 3's are refused rather than approximated.
+        let odd = with_scaling(RopeScaling::FreqFactors(vec![1.5; d / 2]));
+        let e = odd.to_hf_json(&TensorLayout::default()).unwrap_err();
+        assert!(e.to_string().contains("rope_freqs"), "{e}");
+    }
+
+    #[test]
+    fn layouts_an_hf_class_cannot_express_are_refused() {
+        let cfg = |arch: &str| {
+            ModelConfig::from_hf_json(&hf("").replace("\"llama\"", &format!("\"{arch}\"")), "c")
+                .unwrap()
+        };
+        let l = |attention_bias, qk_norm| TensorLayout {
+            tie_word_embeddings: false,
+            attention_bias,
+            qk_norm,
+        };
+        for (arch, layout, why) in [
+            ("qwen2", l(false, false), "without Q/K/V biases"),
+            ("qwen3", l(false, false), "without per-head Q/K norms"),
+            ("mistral", l(true, false), "with Q/K/V biases"),
+            ("llama", l(false, true), "with per-head Q/K norms"),
+        ] {
+            let e = cfg(arch).to_hf_json(&layout).unwrap_err().to_string();
+            assert!(e.contains(why), "{arch}: {e}");
+        }
+        let v = cfg("llama").to_hf_json(&l(true, false)).unwrap();
+        assert_eq!(v["attention_bias"], true);
+        assert_eq!(v["tie_word_embeddings"], false);
     }
 }

@@ -2,12 +2,16 @@
 //! and the mapping from model files to named weights.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod config;
+pub mod hf_quant;
 pub mod loader;
 pub mod source;
 pub mod transformer;
 
 pub use backend::{AttentionShape, Backend, BatchLayout, KvShape, SeqSpan};
-pub use config::{Arch, ModelConfig, RopeLayout, RopeScaling};
+pub use checkpoint::{CheckpointData, CheckpointSource, CheckpointTensor, write_checkpoint};
+pub use config::{Arch, ModelConfig, RopeLayout, RopeScaling, TensorLayout};
 pub use loader::{ModelFiles, open_model};
-pub use transformer::{LogitRows, Transformer};
+pub use nibble_precision::KvFormat;
+pub use transformer::{LogitRows, SINGLE_SEQUENCE_BLOCK, TensorRole, Transformer, model_tensors};

@@ -1,5 +1,5 @@
-//! Opens whatever the user points at, a GGUF file or a Hugging Face directory, and returns its
-//! configuration, tokenizer and tensor source.
+//! Opens whatever the user points at, a GGUF file or a Hugging Face directory (plain, a nibble
+//! checkpoint, or AWQ/GPTQ), and returns its configuration, tokenizer and tensor source.
 
 use std::path::{Path, PathBuf};
 
@@ -8,7 +8,11 @@ use nibble_formats::gguf::GgufFile;
 use nibble_formats::safetensors_dir::SafetensorsDir;
 use nibble_formats::tokenizer::Tokenizer;
 
+use nibble_precision::PrecisionSpec;
+
+use crate::checkpoint::{CheckpointSource, QUANT_FILE};
 use crate::config::ModelConfig;
+use crate::hf_quant::{HfQuantConfig, HfQuantSource};
 use crate::source::{GgufSource, TensorSource};
 
 pub struct ModelFiles {
@@ -16,6 +20,10 @@ pub struct ModelFiles {
     pub config: ModelConfig,
     pub tokenizer: Tokenizer,
     pub source: Box<dyn TensorSource>,
+    /// The precision the weights were quantized for: a nibble checkpoint's spec (including its
+    /// KV cache format), `w4a16-gN` for AWQ/GPTQ with a group size nibble names; `None` for
+    /// unquantized models, GGUF files and AWQ/GPTQ with other group sizes.
+    pub precision: Option<PrecisionSpec>,
 }
 
 /// `tokenizer_json` overrides the tokenizer the model carries.
@@ -43,12 +51,27 @@ pub fn open_model(path: &Path, tokenizer_json: Option<&Path>) -> Result<ModelFil
             Some(t) => t,
             None => Tokenizer::from_hf_dir(path)?,
         };
-        let source = SafetensorsDir::open(path)?;
+        let (source, precision): (Box<dyn TensorSource>, _) = if path.join(QUANT_FILE).exists() {
+            let ckpt = CheckpointSource::open(path)?;
+            let spec = ckpt.spec();
+            (Box::new(ckpt), Some(spec))
+        } else {
+            let hf: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::corrupt(&cfg_path, format!("invalid JSON: {e}")))?;
+            match HfQuantConfig::detect(path, &hf, &cfg_path)? {
+                Some(q) => {
+                    let spec = q.spec();
+                    (Box::new(HfQuantSource::open(path, q)?), spec)
+                }
+                None => (Box::new(SafetensorsDir::open(path)?), None),
+            }
+        };
         Ok(ModelFiles {
             path: path.to_path_buf(),
             config,
             tokenizer,
-            source: Box::new(source),
+            source,
+            precision,
         })
     } else {
         let file = GgufFile::open(path)?;
@@ -69,6 +92,7 @@ pub fn open_model(path: &Path, tokenizer_json: Option<&Path>) -> Result<ModelFil
             config,
             tokenizer,
             source: Box::new(source),
+            precision: None,
         })
     }
 }

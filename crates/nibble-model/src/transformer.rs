@@ -3,9 +3,10 @@
 //! QK norms (Qwen3), tied or separate output head, rotary scaling.
 
 use nibble_core::{Error, Result};
+use nibble_precision::KvFormat;
 
 use crate::backend::{AttentionShape, Backend, BatchLayout, KvShape};
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, TensorLayout};
 use crate::source::TensorSource;
 
 struct Layer<B: Backend> {
@@ -27,6 +28,8 @@ struct Layer<B: Backend> {
 
 pub struct Transformer<B: Backend> {
     pub config: ModelConfig,
+    /// How the KV pools this model makes store keys and values (`kv16` after loading).
+    pub kv_format: KvFormat,
     embed: B::Weight,
     /// `None` when the output head is tied to the embedding table.
     lm_head: Option<B::Weight>,
@@ -34,6 +37,10 @@ pub struct Transformer<B: Backend> {
     inv_freq: B::Tensor,
     layers: Vec<Layer<B>>,
 }
+
+/// Block size of [`Transformer::single_sequence_kv`] pools: the smallest block the channel-wise
+/// KV formats accept (their quantization group).
+pub const SINGLE_SEQUENCE_BLOCK: usize = nibble_precision::kv::MIN_CHANNEL_BLOCK;
 
 /// Which rows of the batch get logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,6 +104,68 @@ impl<B: Backend> Loader<'_, B> {
     }
 }
 
+/// Whether a tensor is multiplied (a weight a backend may store quantized) or read as floats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorRole {
+    /// Embedding table, output head, or a projection `[out, in]`.
+    Weight,
+    /// A norm scale or a bias, always loaded as f32.
+    Vector,
+}
+
+/// Every tensor [`Transformer::load`] reads for `config` with `layout`, under its Hugging Face
+/// name, with its shape and role. Kept beside `load` so the two name the same set; the
+/// checkpoint writer checks its input against it.
+pub fn model_tensors(
+    config: &ModelConfig,
+    layout: &TensorLayout,
+) -> Vec<(String, Vec<usize>, TensorRole)> {
+    use TensorRole::{Vector, Weight};
+    let c = config;
+    let (h, qd, kvd, ff, hd) = (
+        c.hidden_size,
+        c.q_dim(),
+        c.kv_dim(),
+        c.intermediate_size,
+        c.head_dim,
+    );
+    let mut out = vec![
+        (
+            "model.embed_tokens.weight".to_string(),
+            vec![c.vocab_size, h],
+            Weight,
+        ),
+        ("model.norm.weight".to_string(), vec![h], Vector),
+    ];
+    if !layout.tie_word_embeddings {
+        out.push(("lm_head.weight".into(), vec![c.vocab_size, h], Weight));
+    }
+    for i in 0..c.num_layers {
+        let p = format!("model.layers.{i}");
+        let mut add =
+            |n: &str, shape: Vec<usize>, role| out.push((format!("{p}.{n}"), shape, role));
+        add("input_layernorm.weight", vec![h], Vector);
+        add("post_attention_layernorm.weight", vec![h], Vector);
+        add("self_attn.q_proj.weight", vec![qd, h], Weight);
+        add("self_attn.k_proj.weight", vec![kvd, h], Weight);
+        add("self_attn.v_proj.weight", vec![kvd, h], Weight);
+        add("self_attn.o_proj.weight", vec![h, qd], Weight);
+        if layout.attention_bias {
+            add("self_attn.q_proj.bias", vec![qd], Vector);
+            add("self_attn.k_proj.bias", vec![kvd], Vector);
+            add("self_attn.v_proj.bias", vec![kvd], Vector);
+        }
+        if layout.qk_norm {
+            add("self_attn.q_norm.weight", vec![hd], Vector);
+            add("self_attn.k_norm.weight", vec![hd], Vector);
+        }
+        add("mlp.gate_proj.weight", vec![ff, h], Weight);
+        add("mlp.up_proj.weight", vec![ff, h], Weight);
+        add("mlp.down_proj.weight", vec![h, ff], Weight);
+    }
+    out
+}
+
 impl<B: Backend> Transformer<B> {
     /// Loads every weight through `backend`; `progress(done, total)` is called per tensor.
     pub fn load(
@@ -156,6 +225,7 @@ impl<B: Backend> Transformer<B> {
             inv_freq,
             layers,
             config,
+            kv_format: KvFormat::F16,
         })
     }
 
@@ -164,13 +234,14 @@ impl<B: Backend> Transformer<B> {
             num_layers: self.config.num_layers,
             num_kv_heads: self.config.num_kv_heads,
             head_dim: self.config.head_dim,
+            format: self.kv_format,
         }
     }
 
     /// A KV pool holding one sequence of up to `max_tokens`, with its block table: for one-shot
     /// generation, perplexity and tests. Serving shares one pool through a block manager instead.
     pub fn single_sequence_kv(&self, backend: &B, max_tokens: usize) -> Result<(B::Kv, Vec<u32>)> {
-        const BLOCK: usize = 16;
+        const BLOCK: usize = SINGLE_SEQUENCE_BLOCK;
         let blocks = max_tokens
             .min(self.config.max_context)
             .div_ceil(BLOCK)

@@ -4,10 +4,15 @@
 //! GPU kernels do; adding a format means adding it here, to its kernels, and to the backends'
 //! dispatch on these enums.
 
+pub mod act;
 pub mod kv;
+pub mod reference;
 pub mod spec;
 pub mod weight;
 
+pub use act::QuantizedRow;
+pub use kv::{ChannelKeys, KeyLayout, TokenCodec, UintBits};
+pub use reference::reference_matmul;
 pub use spec::{KvFormat, LinearScheme, PrecisionSpec};
 pub use weight::{ActQuant, LinearFormat, WeightCodec};
 

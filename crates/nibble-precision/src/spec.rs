@@ -104,7 +104,7 @@ impl LinearScheme {
     /// Checks that a layer with `k` input channels can use this scheme.
     pub fn check_k(self, tensor: &str, k: usize) -> Result<()> {
         if let Some(g) = self.group()
-            && k % g as usize != 0
+            && !k.is_multiple_of(g as usize)
         {
             return Err(Error::InvalidArgument(format!(
                 "tensor '{tensor}' has {k} input channels, which group size {g} does not divide; \

@@ -89,7 +89,7 @@ impl WeightCodec {
             self,
             WeightCodec::Int8PerChannel | WeightCodec::Fp8PerChannel
         );
-        if cols == 0 || g == 0 || cols % g != 0 || (nibbles && cols % 2 != 0) {
+        if cols == 0 || g == 0 || !cols.is_multiple_of(g) || (nibbles && !cols.is_multiple_of(2)) {
             return Err(Error::InvalidArgument(format!(
                 "{self} cannot encode rows of {cols} elements (group size {g} must divide it{})",
                 if nibbles { ", and it must be even" } else { "" }
@@ -207,8 +207,8 @@ impl WeightCodec {
                 let g = cols / gl;
                 for gi in 0..g {
                     let z = src[cols / 2 + 2 * g + gi] as i32;
-                    for j in gi * gl..(gi + 1) * gl {
-                        ints[j] = (nibble(src, j) as i32 - z) as i8;
+                    for (j, o) in (gi * gl..).zip(&mut ints[gi * gl..(gi + 1) * gl]) {
+                        *o = (nibble(src, j) as i32 - z) as i8;
                     }
                     scales.push(read_f16(&src[cols / 2 + 2 * gi..]));
                 }
@@ -218,8 +218,8 @@ impl WeightCodec {
                 let g = cols / gl;
                 for gi in 0..g {
                     let (s, z) = (src[cols / 2 + gi] as i32, src[cols / 2 + g + gi] as i32);
-                    for j in gi * gl..(gi + 1) * gl {
-                        ints[j] = ((nibble(src, j) as i32 - z) * s) as i8;
+                    for (j, o) in (gi * gl..).zip(&mut ints[gi * gl..(gi + 1) * gl]) {
+                        *o = ((nibble(src, j) as i32 - z) * s) as i8;
                     }
                 }
                 scales.push(read_f16(&src[src.len() - 2..]));
@@ -379,6 +379,127 @@ fn nibble(src: &[u8], j: usize) -> u8 {
 fn pack_nibbles(codes: &[u8], out: &mut [u8]) {
     for (o, pair) in out.iter_mut().zip(codes.chunks_exact(2)) {
         *o = pair[0] | (pair[1] << 4);
+    }
+}
+
+/// The rounding grid of one group (the whole row for per-channel codecs), fixed once its scale
+/// and zero are chosen. GPTQ needs it apart from [`WeightCodec::quantize_row`]: it picks a group's
+/// grid from the weights as they stand when the group starts, then rounds each later column after
+/// error feedback has moved it, on that same grid.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GroupGrid {
+    /// The step; 0 for an all-zero group (every value then rounds to 0).
+    pub scale: f32,
+    /// The stored integer zero (`Int4Group`; 0 for symmetric INT8).
+    pub zero: u8,
+    lo: i32,
+    hi: i32,
+}
+
+impl GroupGrid {
+    /// The signed integer `x` rounds to (`code - zero` for INT4).
+    pub fn level(&self, x: f32) -> i32 {
+        round_clamp(x, self.scale, self.lo, self.hi)
+    }
+
+    /// The value `x` dequantizes to, bit-identical to [`WeightCodec::dequantize`] of the encoded
+    /// row.
+    pub fn value(&self, x: f32) -> f32 {
+        self.level(x) as f32 * self.scale
+    }
+}
+
+impl WeightCodec {
+    /// The grid [`Self::quantize_row`] gives a group of `vals` with `clip`: one group of an
+    /// `Int4Group` row, or a whole `Int8PerChannel` row. Other codecs (two-level or float) have
+    /// no single integer grid per group and are refused.
+    pub fn group_grid(self, vals: &[f32], clip: f32) -> Result<GroupGrid> {
+        if !(clip > 0.0 && clip <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "clip ratio {clip} is outside (0, 1]"
+            )));
+        }
+        if let Some(i) = vals.iter().position(|x| !x.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "weight element {i} is {}: cannot quantize a non-finite weight",
+                vals[i]
+            )));
+        }
+        match self {
+            WeightCodec::Int8PerChannel => Ok(GroupGrid {
+                scale: f16_scale(absmax(vals) * clip / 127.0)?,
+                zero: 0,
+                lo: -127,
+                hi: 127,
+            }),
+            WeightCodec::Int4Group { .. } => {
+                let (scale, zero) = int4_group_params(vals, clip)?;
+                Ok(GroupGrid {
+                    scale,
+                    zero,
+                    lo: -(zero as i32),
+                    hi: 15 - zero as i32,
+                })
+            }
+            other => Err(Error::unsupported(
+                format!("per-group rounding grids for {other}"),
+                "only int8-pc and int4 codecs have one integer grid per group",
+            )),
+        }
+    }
+
+    /// Encodes `row` with the given grid per group (`groups(row.len())` of them, from
+    /// [`Self::group_grid`]): element `j` is rounded on its group's grid. With the grids
+    /// `group_grid` picks from `row` itself this is exactly [`Self::quantize_row`].
+    pub fn quantize_row_with(self, row: &[f32], grids: &[GroupGrid], out: &mut [u8]) -> Result<()> {
+        let cols = row.len();
+        let g = self.groups(cols);
+        if out.len() != self.row_bytes(cols)? || grids.len() != g {
+            return Err(Error::InvalidArgument(format!(
+                "{self}: {} grids and {} output bytes for a row of {cols} (need {g} and {})",
+                grids.len(),
+                out.len(),
+                self.row_bytes(cols)?
+            )));
+        }
+        if let Some(i) = row.iter().position(|x| !x.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "weight element {i} is {}: cannot quantize a non-finite weight",
+                row[i]
+            )));
+        }
+        let gl = self.group_len(cols);
+        match self {
+            WeightCodec::Int8PerChannel => {
+                for (o, &x) in out.iter_mut().zip(row) {
+                    *o = grids[0].level(x) as i8 as u8;
+                }
+                out[cols..].copy_from_slice(&f16::from_f32(grids[0].scale).to_le_bytes());
+            }
+            WeightCodec::Int4Group { .. } => {
+                let codes: Vec<u8> = row
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &x)| {
+                        let grid = &grids[j / gl];
+                        (grid.level(x) + grid.zero as i32) as u8
+                    })
+                    .collect();
+                for (gi, grid) in grids.iter().enumerate() {
+                    let sb = f16::from_f32(grid.scale).to_le_bytes();
+                    out[cols / 2 + 2 * gi..cols / 2 + 2 * gi + 2].copy_from_slice(&sb);
+                    out[cols / 2 + 2 * g + gi] = grid.zero;
+                }
+                pack_nibbles(&codes, &mut out[..cols / 2]);
+            }
+            other => {
+                return Err(Error::unsupported(
+                    format!("encoding {other} from per-group grids"),
+                    "only int8-pc and int4 codecs have one integer grid per group",
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -689,6 +810,75 @@ mod tests {
                 .quantize_row(&huge, 1.0, &mut out)
                 .is_err()
         );
+    }
+
+    /// Rounding on grids taken from the row itself is `quantize_row`, byte for byte; rounding
+    /// other values on those grids decodes to exactly `GroupGrid::value`.
+    #[test]
+    fn explicit_grids_reproduce_the_codec() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        for codec in [
+            WeightCodec::Int8PerChannel,
+            WeightCodec::Int4Group { group: 0 },
+            WeightCodec::Int4Group { group: 32 },
+            WeightCodec::Int4Group { group: 64 },
+            WeightCodec::Int4Group { group: 128 },
+        ] {
+            for clip in [1.0, 0.85] {
+                let mut row = random_row(&mut rng, 256);
+                // A zero group and a constant group exercise the degenerate grids.
+                row[..32].fill(0.0);
+                row[32..64].fill(0.3);
+                let gl = 256 / codec.groups(256);
+                let grids: Vec<GroupGrid> = row
+                    .chunks(gl)
+                    .map(|g| codec.group_grid(g, clip).unwrap())
+                    .collect();
+                let rb = codec.row_bytes(256).unwrap();
+                let (mut want, mut got) = (vec![0u8; rb], vec![0u8; rb]);
+                codec.quantize_row(&row, clip, &mut want).unwrap();
+                codec.quantize_row_with(&row, &grids, &mut got).unwrap();
+                assert_eq!(got, want, "{codec} clip {clip}");
+
+                let moved: Vec<f32> = row
+                    .iter()
+                    .map(|x| x + rng.random_range(-0.5..0.5))
+                    .collect();
+                codec.quantize_row_with(&moved, &grids, &mut got).unwrap();
+                let mut back = vec![0f32; 256];
+                codec.dequantize(&got, 256, &mut back).unwrap();
+                for (j, (&x, &b)) in moved.iter().zip(&back).enumerate() {
+                    assert_eq!(
+                        grids[j / gl].value(x).to_bits(),
+                        b.to_bits(),
+                        "{codec} element {j}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn explicit_grids_refuse_what_they_cannot_encode() {
+        for codec in [
+            WeightCodec::Fp8PerChannel,
+            WeightCodec::Qoq { group: 32 },
+            WeightCodec::Lqq { group: 32 },
+        ] {
+            assert!(codec.group_grid(&[0.5; 32], 1.0).is_err(), "{codec}");
+        }
+        let codec = WeightCodec::Int4Group { group: 32 };
+        assert!(codec.group_grid(&[0.5, f32::NAN], 1.0).is_err());
+        assert!(codec.group_grid(&[0.5; 32], 0.0).is_err());
+        let grid = codec.group_grid(&[0.5; 32], 1.0).unwrap();
+        let mut out = vec![0u8; codec.row_bytes(64).unwrap()];
+        let err = codec
+            .quantize_row_with(&[0.5; 64], &[grid], &mut out)
+            .unwrap_err();
+        assert!(err.to_string().contains("1 grids"), "{err}");
+        let mut row = vec![0.5f32; 64];
+        row[9] = f32::INFINITY;
+        assert!(codec.quantize_row_with(&row, &[grid; 2], &mut out).is_err());
     }
 
     #[test]

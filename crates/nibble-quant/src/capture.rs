@@ -67,6 +67,26 @@ impl SiteStats {
         let n = self.tokens.max(1) as f64;
         self.abssum.iter().map(|s| (s / n) as f32).collect()
     }
+
+    /// The statistics of the same input divided channel-wise by `s` (what folding `s` into the
+    /// site does to it): exact for max, mean and samples, `D⁻¹ H D⁻¹` for the Gram matrix.
+    pub fn divide_channels(&mut self, s: &[f32]) {
+        assert_eq!(s.len(), self.absmax.len(), "one factor per channel");
+        for ((m, a), &d) in self.absmax.iter_mut().zip(&mut self.abssum).zip(s) {
+            *m /= d;
+            *a /= d as f64;
+        }
+        let inv: Vec<f32> = s.iter().map(|d| 1.0 / d).collect();
+        self.samples.scale_cols(&inv);
+        if let Some(h) = &mut self.hessian {
+            let k = s.len();
+            for (i, row) in h.chunks_exact_mut(k).enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v /= s[i] as f64 * s[j] as f64;
+                }
+            }
+        }
+    }
 }
 
 /// Statistics of a whole calibration run.
@@ -201,6 +221,10 @@ impl Backend for CaptureBackend {
 
     fn new_kv_pool(&self, shape: KvShape, blocks: usize, block_size: usize) -> Result<CpuKvCache> {
         self.cpu.new_kv_pool(shape, blocks, block_size)
+    }
+
+    fn release_kv_blocks(&self, kv: &mut CpuKvCache, blocks: &[u32]) {
+        self.cpu.release_kv_blocks(kv, blocks)
     }
 
     fn embed(&self, table: &CaptureWeight, ids: &[u32]) -> Result<CpuTensor> {

@@ -10,6 +10,7 @@ use nibble_core::{Error, Result};
 use nibble_precision::{LinearFormat, LinearScheme, PrecisionSpec};
 
 use crate::dense::{DenseModel, LinearId};
+use crate::search::{SEARCH_ROWS, calibrate};
 
 /// How weights (and the transforms before them) are chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -159,15 +160,25 @@ pub fn quantize(
             )));
         }
     }
+    let threads = opts.threads;
     match method {
         Method::Rtn => rtn(model, spec, progress),
+        Method::Awq => {
+            let calib = calibrate(&model, calibration, SEARCH_ROWS, false, threads, progress)?;
+            crate::awq::awq(model, spec, calib, &Default::default(), progress)
+        }
+        Method::Gptq => {
+            // Samples are unused: GPTQ needs only the Gram matrices.
+            let calib = calibrate(&model, calibration, 1, true, threads, progress)?;
+            crate::gptq::gptq(model, spec, &calib, &Default::default(), progress)
+        }
+        Method::SmoothQuant => {
+            let calib = calibrate(&model, calibration, SEARCH_ROWS, false, threads, progress)?;
+            crate::smoothquant::smoothquant(model, spec, calib, &Default::default(), progress)
+        }
         Method::Qoq => crate::qoq::quantize(model, spec, calibration, opts, progress),
         Method::Lqq => crate::lqq::quantize(model, spec, calibration, opts, progress),
         Method::Fmpq => crate::fmpq::quantize(model, spec, calibration, opts, progress),
-        other => Err(Error::unsupported(
-            format!("quantization method {other}"),
-            "not built into this nibble",
-        )),
     }
 }
 

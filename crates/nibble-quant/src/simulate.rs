@@ -155,6 +155,10 @@ impl Backend for SimBackend<'_> {
         self.cpu.new_kv_pool(shape, blocks, block_size)
     }
 
+    fn release_kv_blocks(&self, kv: &mut CpuKvCache, blocks: &[u32]) {
+        self.cpu.release_kv_blocks(kv, blocks)
+    }
+
     fn embed(&self, table: &SimWeight, ids: &[u32]) -> Result<CpuTensor> {
         self.cpu.embed(&table.inner, ids)
     }

@@ -1,0 +1,622 @@
+//! Attention over every KV format against a reference that dequantizes the cache with
+//! `nibble_precision`'s own functions and attends with the same arithmetic order, so outputs must
+//! be bit-identical; plus chunking, batching, block reuse and refusal.
+
+use nibble_model::{AttentionShape, BatchLayout, KvFormat, KvShape, SeqSpan};
+use nibble_precision::kv::{KeyLayout, TokenCodec};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::ops::dot;
+use crate::{CpuKvCache, CpuTensor};
+
+fn thread_pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
+}
+
+fn shape(heads: usize, kv_heads: usize, hd: usize) -> AttentionShape {
+    AttentionShape {
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+    }
+}
+
+fn pool(
+    format: KvFormat,
+    s: AttentionShape,
+    layers: usize,
+    blocks: usize,
+    bs: usize,
+) -> CpuKvCache {
+    CpuKvCache::new(
+        KvShape {
+            num_layers: layers,
+            num_kv_heads: s.num_kv_heads,
+            head_dim: s.head_dim,
+            format,
+        },
+        blocks,
+        bs,
+    )
+    .unwrap()
+}
+
+fn random(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> CpuTensor {
+    let data = (0..rows * cols)
+        .map(|_| {
+            let x: f32 = rng.random_range(-2.0..2.0);
+            if rng.random_bool(0.02) { x * 10.0 } else { x }
+        })
+        .collect();
+    CpuTensor::new(data, rows, cols)
+}
+
+/// One sequence's queries, keys and values for positions `0..len`.
+struct Seq {
+    q: CpuTensor,
+    k: CpuTensor,
+    v: CpuTensor,
+}
+
+impl Seq {
+    fn new(rng: &mut ChaCha8Rng, s: AttentionShape, len: usize) -> Seq {
+        let kv_row = s.num_kv_heads * s.head_dim;
+        Seq {
+            q: random(rng, len, s.num_heads * s.head_dim),
+            k: random(rng, len, kv_row),
+            v: random(rng, len, kv_row),
+        }
+    }
+
+    fn rows(t: &CpuTensor, r: std::ops::Range<usize>) -> CpuTensor {
+        CpuTensor::new(
+            t.data[r.start * t.cols..r.end * t.cols].to_vec(),
+            r.len(),
+            t.cols,
+        )
+    }
+}
+
+/// Rows `range` of several sequences laid out one after another.
+fn concat(parts: &[(&Seq, std::ops::Range<usize>)]) -> (CpuTensor, CpuTensor, CpuTensor) {
+    let cat = |f: fn(&Seq) -> &CpuTensor| {
+        let cols = f(parts[0].0).cols;
+        let mut data = Vec::new();
+        for (s, r) in parts {
+            data.extend_from_slice(&Seq::rows(f(s), r.clone()).data);
+        }
+        let rows = data.len() / cols;
+        CpuTensor::new(data, rows, cols)
+    };
+    (cat(|s| &s.q), cat(|s| &s.k), cat(|s| &s.v))
+}
+
+/// Runs one sequence through `pool` in chunks of the given sizes; returns every position's output.
+fn run_chunks(
+    tp: &rayon::ThreadPool,
+    kv: &mut CpuKvCache,
+    seq: &Seq,
+    s: AttentionShape,
+    blocks: &[u32],
+    chunks: &[usize],
+) -> Vec<f32> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for &c in chunks {
+        let (q, k, v) = concat(&[(seq, at..at + c)]);
+        let batch = BatchLayout::single(blocks.to_vec(), at, c);
+        let o = super::attention(tp, &q, &k, &v, kv, 0, &batch, s).unwrap();
+        out.extend_from_slice(&o.data);
+        at += c;
+    }
+    out
+}
+
+/// The key and value rows attention must read under `format`, as the cache defines them: the
+/// rows every query reads (`read[p]`), and for the channel-wise formats, `raw` rows inside the
+/// query's own block.
+struct Expected {
+    read_k: Vec<Vec<f32>>,
+    read_v: Vec<Vec<f32>>,
+}
+
+fn expected_rows(format: KvFormat, seq: &Seq, s: AttentionShape, bs: usize) -> Expected {
+    let (kvh, hd) = (s.num_kv_heads, s.head_dim);
+    let row = kvh * hd;
+    let len = seq.k.rows;
+    let per_token = |codec: TokenCodec, t: &CpuTensor| -> Vec<Vec<f32>> {
+        (0..len)
+            .map(|p| {
+                let mut out = vec![0.0; row];
+                for h in 0..kvh {
+                    let x = &t.row(p)[h * hd..(h + 1) * hd];
+                    let mut rec = vec![0; codec.record_bytes(hd)];
+                    codec.quantize(x, &mut rec).unwrap();
+                    codec.dequantize(&rec, &mut out[h * hd..(h + 1) * hd]);
+                }
+                out
+            })
+            .collect()
+    };
+    let raw = |t: &CpuTensor| (0..len).map(|p| t.row(p).to_vec()).collect::<Vec<_>>();
+    match format.keys() {
+        KeyLayout::Float => Expected {
+            read_k: raw(&seq.k),
+            read_v: raw(&seq.v),
+        },
+        KeyLayout::PerToken(codec) => Expected {
+            read_k: per_token(codec, &seq.k),
+            read_v: per_token(codec, &seq.v),
+        },
+        KeyLayout::PerChannel(keys) => {
+            // Full blocks quantized as a whole; the partial tail never is.
+            let mut read_k = raw(&seq.k);
+            let mut read_v = raw(&seq.v);
+            let vq = per_token(format.values().unwrap(), &seq.v);
+            for j in 0..len / bs {
+                let block = &seq.k.data[j * bs * row..(j + 1) * bs * row];
+                let mut deq = vec![0.0; bs * row];
+                for h in 0..kvh {
+                    let mut rec = vec![0; keys.block_bytes(hd, bs)];
+                    keys.quantize(&block[h * hd..], row, bs, hd, &mut rec)
+                        .unwrap();
+                    keys.dequantize(&rec, bs, hd, &mut deq[h * hd..], row);
+                }
+                for t in 0..bs {
+                    read_k[j * bs + t] = deq[t * row..(t + 1) * row].to_vec();
+                    read_v[j * bs + t] = vq[j * bs + t].clone();
+                }
+            }
+            Expected { read_k, read_v }
+        }
+    }
+}
+
+/// Plain causal attention over the expected rows, in the kernel's arithmetic order.
+fn reference(format: KvFormat, seq: &Seq, s: AttentionShape, bs: usize) -> Vec<f32> {
+    let e = expected_rows(format, seq, s, bs);
+    let (heads, hd) = (s.num_heads, s.head_dim);
+    let group = heads / s.num_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let len = seq.q.rows;
+    let mut out = vec![0f32; len * heads * hd];
+    for pos in 0..len {
+        for h in 0..heads {
+            let off = (h / group) * hd;
+            let qv = &seq.q.row(pos)[h * hd..(h + 1) * hd];
+            // Channel-wise formats: the query's own block in full precision.
+            let own_start = if format.is_channelwise() {
+                pos / bs * bs
+            } else {
+                pos + 1
+            };
+            let row_k = |p: usize| {
+                if p < own_start {
+                    &e.read_k[p][off..off + hd]
+                } else {
+                    &seq.k.row(p)[off..off + hd]
+                }
+            };
+            let row_v = |p: usize| {
+                if p < own_start {
+                    &e.read_v[p][off..off + hd]
+                } else {
+                    &seq.v.row(p)[off..off + hd]
+                }
+            };
+            let scores: Vec<f32> = (0..=pos).map(|p| dot(qv, row_k(p)) * scale).collect();
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let w: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum = w.iter().fold(0f32, |a, b| a + b);
+            let o = &mut out[(pos * heads + h) * hd..(pos * heads + h + 1) * hd];
+            for (p, &wp) in w.iter().enumerate() {
+                for (a, b) in o.iter_mut().zip(row_v(p)) {
+                    *a = wp.mul_add(*b, *a);
+                }
+            }
+            let inv = 1.0 / sum;
+            o.iter_mut().for_each(|a| *a *= inv);
+        }
+    }
+    out
+}
+
+fn assert_bits_eq(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            a.to_bits() == b.to_bits(),
+            "{what}: element {i}: {a} vs {b}"
+        );
+    }
+}
+
+/// A block table that is neither contiguous nor in order, to catch position/slot mix-ups.
+fn scattered_blocks(n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 5 + 3) % (n as u32 + 4))
+        .collect()
+}
+
+#[test]
+fn every_format_reads_exactly_the_dequantized_cache() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let tp = thread_pool(2);
+    let cases = [
+        shape(4, 2, 8),  // GQA
+        shape(3, 3, 6),  // odd head count, MHA
+        shape(5, 1, 7),  // odd head count and head dim, MQA
+        shape(6, 3, 16), // GQA groups of two
+    ];
+    for format in KvFormat::ALL {
+        for s in cases {
+            for bs in [16, 32] {
+                for len in [1, 15, 16, 17, 37, 64] {
+                    let seq = Seq::new(&mut rng, s, len);
+                    let blocks = scattered_blocks(len.div_ceil(bs));
+                    let mut kv = pool(format, s, 1, blocks.len() + 4, bs);
+                    let got = run_chunks(&tp, &mut kv, &seq, s, &blocks, &[len]);
+                    let want = reference(format, &seq, s, bs);
+                    assert_bits_eq(&got, &want, &format!("{format} {s:?} block {bs} len {len}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn chunked_prefill_and_decode_equal_one_shot() {
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let tp = thread_pool(2);
+    let s = shape(6, 2, 12);
+    let len = 53;
+    let seq = Seq::new(&mut rng, s, len);
+    let bs = 16;
+    let blocks = scattered_blocks(len.div_ceil(bs));
+    for format in KvFormat::ALL {
+        let one_shot = {
+            let mut kv = pool(format, s, 1, blocks.len() + 4, bs);
+            run_chunks(&tp, &mut kv, &seq, s, &blocks, &[len])
+        };
+        // Chunks that end mid-block, exactly on a block, and cross several blocks.
+        for chunks in [
+            vec![5, 11, 1, 16, 4, 16],
+            vec![16, 16, 16, 5],
+            vec![33, 20],
+            vec![1; 53],
+            [vec![20], vec![1; 33]].concat(),
+        ] {
+            assert_eq!(chunks.iter().sum::<usize>(), len);
+            let mut kv = pool(format, s, 1, blocks.len() + 4, bs);
+            let got = run_chunks(&tp, &mut kv, &seq, s, &blocks, &chunks);
+            assert_bits_eq(&got, &one_shot, &format!("{format} chunks {chunks:?}"));
+            assert_eq!(
+                kv.residual_bytes(),
+                if format.is_channelwise() {
+                    2 * bs * s.num_kv_heads * s.head_dim * 4
+                } else {
+                    0
+                },
+                "{format}: only the partial last block keeps a residual"
+            );
+        }
+    }
+}
+
+/// Big enough that both the dequantization and the heads run on the pool.
+#[test]
+fn a_sequence_alone_equals_it_batched() {
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    let s = shape(8, 4, 64);
+    let bs = 16;
+    let lens = [150, 37, 160];
+    let seqs: Vec<Seq> = lens.iter().map(|&l| Seq::new(&mut rng, s, l + 2)).collect();
+    // Interleaved block tables in one shared pool.
+    let tables: Vec<Vec<u32>> = (0..3u32)
+        .map(|i| (0..11u32).map(|j| j * 3 + i).collect())
+        .collect();
+    for format in KvFormat::ALL {
+        for threads in [1, 3] {
+            let tp = thread_pool(threads);
+            let alone: Vec<Vec<f32>> = (0..3)
+                .map(|i| {
+                    let mut kv = pool(format, s, 1, 40, bs);
+                    let n = lens[i];
+                    run_chunks(&tp, &mut kv, &seqs[i], s, &tables[i], &[n, 1, 1])
+                })
+                .collect();
+            let mut kv = pool(format, s, 1, 40, bs);
+            let mut got: Vec<Vec<f32>> = vec![Vec::new(); 3];
+            // Step 1: the three prompts in one batch; steps 2 and 3: one decode token each.
+            let mut starts = [0usize; 3];
+            for step in 0..3 {
+                let spans: Vec<(usize, std::ops::Range<usize>)> = (0..3)
+                    .map(|i| {
+                        let n = if step == 0 { lens[i] } else { 1 };
+                        (i, starts[i]..starts[i] + n)
+                    })
+                    .collect();
+                let parts: Vec<(&Seq, std::ops::Range<usize>)> =
+                    spans.iter().map(|(i, r)| (&seqs[*i], r.clone())).collect();
+                let (q, k, v) = concat(&parts);
+                let batch = BatchLayout {
+                    seqs: spans
+                        .iter()
+                        .map(|(i, r)| SeqSpan {
+                            blocks: tables[*i].clone(),
+                            start_pos: r.start,
+                            len: r.len(),
+                        })
+                        .collect(),
+                };
+                let o = super::attention(&tp, &q, &k, &v, &mut kv, 0, &batch, s).unwrap();
+                let mut row = 0;
+                for (i, r) in &spans {
+                    let w = s.num_heads * s.head_dim;
+                    got[*i].extend_from_slice(&o.data[row * w..(row + r.len()) * w]);
+                    row += r.len();
+                    starts[*i] = r.end;
+                }
+            }
+            for i in 0..3 {
+                assert_bits_eq(
+                    &got[i],
+                    &alone[i],
+                    &format!("{format} seq {i} threads {threads}"),
+                );
+                let want = reference(format, &seqs[i], s, bs);
+                assert_bits_eq(&got[i], &want, &format!("{format} seq {i} reference"));
+            }
+        }
+    }
+}
+
+#[test]
+fn channel_formats_read_full_precision_until_a_block_fills() {
+    let mut rng = ChaCha8Rng::seed_from_u64(14);
+    let tp = thread_pool(2);
+    let s = shape(4, 2, 16);
+    let bs = 16;
+    let seq = Seq::new(&mut rng, s, 20);
+    let run = |format, len| {
+        let mut kv = pool(format, s, 1, 4, bs);
+        run_chunks(&tp, &mut kv, &seq, s, &[2, 0], &[len])
+    };
+    let f32_out = run(KvFormat::F16, 20);
+    for format in [KvFormat::Int4Channel, KvFormat::Int2Channel] {
+        let out = run(format, 20);
+        let w = s.num_heads * s.head_dim;
+        // Queries in block 0 read only their own block: exactly the f32 cache.
+        assert_bits_eq(
+            &out[..16 * w],
+            &f32_out[..16 * w],
+            &format!("{format} block 0"),
+        );
+        // Queries in block 1 read block 0 quantized.
+        assert!(
+            out[16 * w..] != f32_out[16 * w..],
+            "{format}: block 0 must be quantized"
+        );
+    }
+    // The per-token formats quantize every token, the query's own included.
+    assert!(run(KvFormat::Int8, 5) != run(KvFormat::F16, 5));
+}
+
+#[test]
+fn quantized_formats_stay_close_to_f32() {
+    let mut rng = ChaCha8Rng::seed_from_u64(15);
+    let tp = thread_pool(2);
+    let s = shape(4, 2, 32);
+    let bs = 16;
+    // Unit-range values without outliers: errors then follow the code width, not the
+    // sharpness of a softmax over outlier scores.
+    let mut unit = |cols: usize| {
+        let data = (0..96 * cols)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        CpuTensor::new(data, 96, cols)
+    };
+    let seq = Seq {
+        q: unit(4 * 32),
+        k: unit(2 * 32),
+        v: unit(2 * 32),
+    };
+    let blocks: Vec<u32> = (0..6).collect();
+    let run = |format| {
+        let mut kv = pool(format, s, 1, 6, bs);
+        run_chunks(&tp, &mut kv, &seq, s, &blocks, &[96])
+    };
+    let exact = run(KvFormat::F16);
+    for (format, tol) in [
+        (KvFormat::Int8, 0.015),
+        (KvFormat::Fp8, 0.1),
+        (KvFormat::Int4, 0.2),
+        (KvFormat::Int4Channel, 0.1),
+        (KvFormat::Int2Channel, 0.35),
+    ] {
+        let out = run(format);
+        let mean_err = out
+            .iter()
+            .zip(&exact)
+            .map(|(a, b)| (a - b).abs())
+            .sum::<f32>()
+            / out.len() as f32;
+        let max_err = out
+            .iter()
+            .zip(&exact)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            max_err < tol && mean_err < tol / 10.0,
+            "{format}: max {max_err}, mean {mean_err}"
+        );
+        assert!(max_err > 0.0, "{format} must actually quantize");
+    }
+}
+
+#[test]
+fn non_finite_keys_are_refused_by_quantized_formats_and_propagate_in_kv16() {
+    let mut rng = ChaCha8Rng::seed_from_u64(16);
+    let tp = thread_pool(2);
+    let s = shape(2, 1, 8);
+    let bs = 16;
+    let seq = Seq::new(&mut rng, s, 24);
+    for format in KvFormat::ALL {
+        for bad in [f32::NAN, f32::INFINITY, 1e6] {
+            let mut kv = pool(format, s, 1, 2, bs);
+            let good = run_chunks(&tp, &mut kv, &seq, s, &[0, 1], &[10]);
+            let (q, mut k, v) = concat(&[(&seq, 10..14)]);
+            k.data[2 * 8 + 3] = bad;
+            let batch = BatchLayout::single(vec![0, 1], 10, 4);
+            let r = super::attention(&tp, &q, &k, &v, &mut kv, 0, &batch, s);
+            if format.is_quantized() {
+                let err = r.unwrap_err().to_string();
+                assert!(
+                    err.contains("batch row 2") && err.contains(&format.to_string()),
+                    "{err}"
+                );
+                // Nothing was written: the sequence carries on as if the call never happened.
+                let (q, k, v) = concat(&[(&seq, 10..24)]);
+                let o = super::attention(
+                    &tp,
+                    &q,
+                    &k,
+                    &v,
+                    &mut kv,
+                    0,
+                    &BatchLayout::single(vec![0, 1], 10, 14),
+                    s,
+                )
+                .unwrap();
+                let mut fresh = pool(format, s, 1, 2, bs);
+                let want = run_chunks(&tp, &mut fresh, &seq, s, &[0, 1], &[10, 14]);
+                assert_bits_eq(
+                    &[good, o.data].concat(),
+                    &want,
+                    &format!("{format} after refusal"),
+                );
+            } else if !bad.is_nan() {
+                // Stored as given; whether an infinite key wins or vanishes depends on q.
+                r.unwrap();
+            } else {
+                // Rows 0 and 1 do not see position 12; rows 2 and 3 do, and turn NaN.
+                let o = r.unwrap();
+                let w = 2 * 8;
+                assert!(o.data[..2 * w].iter().all(|x| x.is_finite()));
+                assert!(o.data[2 * w..].iter().all(|x| x.is_nan()), "{format} {bad}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_reused_block_starts_afresh_and_releases_drop_residuals() {
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let tp = thread_pool(2);
+    let s = shape(4, 2, 8);
+    let bs = 16;
+    let a = Seq::new(&mut rng, s, 40);
+    let b = Seq::new(&mut rng, s, 30);
+    let row_bytes = 2 * s.num_kv_heads * s.head_dim * 4 * bs;
+    for format in KvFormat::ALL {
+        let mut kv = pool(format, s, 2, 4, bs);
+        run_chunks(&tp, &mut kv, &a, s, &[0, 1, 2], &[40]);
+        let residual = if format.is_channelwise() {
+            row_bytes
+        } else {
+            0
+        };
+        assert_eq!(
+            kv.residual_bytes(),
+            residual,
+            "{format}: block 2 is half full"
+        );
+        kv.release_blocks(&[0, 1, 2]);
+        assert_eq!(kv.residual_bytes(), 0, "{format}");
+        // B takes the half-filled block 2 and the full block 0: both start over at slot 0.
+        let got = run_chunks(&tp, &mut kv, &b, s, &[2, 0], &[9, 21]);
+        let mut fresh = pool(format, s, 2, 4, bs);
+        let want = run_chunks(&tp, &mut fresh, &b, s, &[2, 0], &[30]);
+        assert_bits_eq(&got, &want, &format!("{format} reused blocks"));
+    }
+}
+
+#[test]
+fn channel_formats_refuse_out_of_order_writes() {
+    let mut rng = ChaCha8Rng::seed_from_u64(18);
+    let tp = thread_pool(1);
+    let s = shape(2, 1, 8);
+    let seq = Seq::new(&mut rng, s, 20);
+    for format in KvFormat::ALL {
+        let mut kv = pool(format, s, 1, 2, 16);
+        run_chunks(&tp, &mut kv, &seq, s, &[0, 1], &[5]);
+        // Skip positions 5 and 6.
+        let (q, k, v) = concat(&[(&seq, 7..9)]);
+        let r = super::attention(
+            &tp,
+            &q,
+            &k,
+            &v,
+            &mut kv,
+            0,
+            &BatchLayout::single(vec![0, 1], 7, 2),
+            s,
+        );
+        // A block never written, entered mid-way.
+        let r2 = super::attention(
+            &tp,
+            &q,
+            &k,
+            &v,
+            &mut kv,
+            0,
+            &BatchLayout::single(vec![1, 0], 7, 2),
+            s,
+        );
+        if format.is_channelwise() {
+            let err = r.unwrap_err().to_string();
+            assert!(err.contains("slot 7") && err.contains("holds 5"), "{err}");
+            assert!(r2.unwrap_err().to_string().contains("holds 0"));
+        } else {
+            r.unwrap();
+            r2.unwrap();
+        }
+    }
+}
+
+#[test]
+fn pools_take_the_bytes_their_format_says() {
+    let s = shape(9, 3, 64);
+    let (blocks, bs, layers) = (10, 16, 2);
+    let f32_pool = pool(KvFormat::F16, s, layers, blocks, bs);
+    assert_eq!(f32_pool.bytes_per_token(), (2 * 3 * 64 * 4 * layers) as f64);
+    for format in KvFormat::ALL {
+        let kv = pool(format, s, layers, blocks, bs);
+        let data = kv.bytes_per_token() * (blocks * bs) as f64;
+        let flags = if format.is_channelwise() {
+            blocks * layers
+        } else {
+            0
+        };
+        assert_eq!(kv.pool_bytes(), data as usize + flags, "{format}");
+        if format.is_quantized() {
+            let ratio = f32_pool.pool_bytes() as f64 / kv.pool_bytes() as f64;
+            // Scales and zeros cost up to half the code bytes (kv2c at the smallest block).
+            let min = 32.0 / format.bits() as f64 * 0.5;
+            assert!(ratio > min, "{format}: only {ratio:.2}x smaller than f32");
+        }
+    }
+    for format in [KvFormat::Int4Channel, KvFormat::Int2Channel] {
+        let shape = KvShape {
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 8,
+            format,
+        };
+        let err = CpuKvCache::new(shape, 4, 8).err().unwrap().to_string();
+        assert!(err.contains("at least 16"), "{err}");
+    }
+}
