@@ -47,7 +47,9 @@ pub fn smooth(
         for site in SiteKind::ALL {
             let data = site_mut(sites, layer, site)?;
             let choice = search_smoothing(model, layer, site, data, &alphas, format, act)?;
-            apply_smoothing(model, layer, site, data, &choice.scale)?;
+            if choice.alpha.is_some() {
+                apply_smoothing(model, layer, site, data, &choice.scale)?;
+            }
             choices.push(choice);
         }
         out.push(choices);

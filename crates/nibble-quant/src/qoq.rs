@@ -219,7 +219,9 @@ pub fn quantize_with(
         for site in [SiteKind::OIn, SiteKind::DownIn] {
             let data = site_mut(&mut sites, layer, site)?;
             let choice = search_smoothing(&model, layer, site, data, &OUTPUT_ALPHAS, format, act)?;
-            apply_smoothing(&mut model, layer, site, data, &choice.scale)?;
+            if choice.alpha.is_some() {
+                apply_smoothing(&mut model, layer, site, data, &choice.scale)?;
+            }
         }
         progress("qoq: smooth outputs", layer + 1, layers);
     }

@@ -537,6 +537,43 @@ mod tests {
         }
     }
 
+    /// The simulation is bit for bit the run-time quantizers of `nibble_precision::act`.
+    #[test]
+    fn simulation_equals_the_runtime_quantizers() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+        let x = Mat::new(
+            7,
+            128,
+            (0..7 * 128)
+                .map(|i| rng.random_range(-1.0f32..1.0) * if i % 37 == 0 { 30.0 } else { 1.0 })
+                .collect(),
+        );
+        for act in [
+            ActQuant::Int8PerToken,
+            ActQuant::Mixed4x8 {
+                block: 32,
+                int8_blocks: 1,
+            },
+            ActQuant::Mixed4x8 {
+                block: 64,
+                int8_blocks: 0,
+            },
+        ] {
+            let sim = ActSim::of(act).unwrap().apply(&x);
+            for r in 0..x.rows {
+                let want: Vec<f32> = act
+                    .quantize_row(x.row(r))
+                    .unwrap()
+                    .dequantize_f64()
+                    .into_iter()
+                    .map(|v| v as f32)
+                    .collect();
+                assert_eq!(sim.row(r), &want[..], "{act} row {r}");
+            }
+        }
+    }
+
     #[test]
     fn matmul_matches_naive() {
         let x = Mat::new(3, 5, (0..15).map(|i| i as f32 * 0.3 - 2.0).collect());

@@ -2,13 +2,17 @@
 //! weight decoded from its codec, every linear input quantized by its run-time activation rule
 //! ([`ActSim`]), everything else (embeddings, norms, attention, the head) as in the float
 //! model. The KV cache stays float here. This measures a method end to end (logits, negative
-//! log-likelihood) without quantized kernels.
+//! log-likelihood) with plain f32 matmuls; [`QuantSource`] serves the same model to the real
+//! quantized kernels, which must agree with it to float rounding.
 
 use std::collections::HashMap;
 
+use std::sync::Arc;
+
 use nibble_core::Result;
 use nibble_cpu::{CpuBackend, CpuKvCache, CpuTensor, CpuWeight};
-use nibble_formats::HostTensor;
+use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
+use nibble_model::source::TensorSource;
 use nibble_model::{
     AttentionShape, Backend, BatchLayout, KvShape, LogitRows, RopeLayout, Transformer,
 };
@@ -115,6 +119,33 @@ impl Simulated {
             each(i, out.data);
         }
         Ok(())
+    }
+}
+
+/// A quantized model as a tensor source: its linear layers as [`WeightFormat::Quant`] tensors
+/// (what a checkpoint holds), everything else as the dense model's f32 tensors. Loading it runs
+/// the backend's quantized kernels without writing a checkpoint.
+pub struct QuantSource<'a>(pub &'a QuantizedModel);
+
+impl TensorSource for QuantSource<'_> {
+    fn get(&self, name: &str) -> Option<HostTensor> {
+        let q = self.0;
+        match LinearId::parse(name).and_then(|id| q.linears.get(&id).map(|l| (id, l))) {
+            Some((id, (format, bytes))) => {
+                let w = q.dense.linear(id);
+                Some(HostTensor {
+                    name: name.to_string(),
+                    shape: vec![w.rows, w.cols],
+                    format: WeightFormat::Quant(*format),
+                    bytes: TensorBytes::Owned(Arc::new(bytes.clone())),
+                })
+            }
+            None => q.dense.get(name),
+        }
+    }
+
+    fn origin(&self) -> String {
+        format!("the {} {} model in memory", self.0.method, self.0.spec)
     }
 }
 

@@ -17,7 +17,7 @@ use nibble_quant::qoq::{
 };
 use nibble_quant::rotation::{Rotation, rotate_residual};
 use nibble_quant::sim::{Sites, apply_smoothing, calibrate, layer_errors, smooth_scale};
-use nibble_quant::simulate::Simulated;
+use nibble_quant::simulate::{QuantSource, Simulated};
 use nibble_quant::{Method, QuantOptions, QuantizedModel, quantize};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -545,4 +545,47 @@ fn simulated_model_multiplies_decoded_weights_by_quantized_inputs() {
     assert_eq!(logits(&m), Simulated::float(&m).logits(&TOKENS, 1).unwrap());
     let e = logit_error(&q, &m);
     assert!(e > 0.0 && e < 0.2, "w4a8-g32 RTN logits off by {e}");
+}
+
+/// What the searches optimize is what the kernels compute: the simulation of each method's
+/// output and the CPU backend's quantized kernels (integer dots, per-token scales) give the
+/// same logits up to float rounding.
+#[test]
+fn simulation_matches_the_quantized_cpu_kernels() {
+    let m = planted_model("tiny-qwen2");
+    for (s, method) in [
+        ("w4a8-g32", Method::Qoq),
+        ("w4a8", Method::Qoq),
+        ("w4a8-lqq-g32", Method::Lqq),
+        ("w4a4a8-g32", Method::Fmpq),
+    ] {
+        let q = run(m.clone(), s, method);
+        let sim = Simulated::new(&q).unwrap().logits(&TOKENS, 1).unwrap();
+        let backend = CpuBackend::new(1).unwrap();
+        let src = QuantSource(&q);
+        let t = Transformer::load(&backend, q.dense.config.clone(), &src, &mut |_, _| {}).unwrap();
+        let (mut kv, table) = t.single_sequence_kv(&backend, TOKENS.len()).unwrap();
+        let real = t
+            .forward(
+                &backend,
+                &TOKENS,
+                &BatchLayout::single(table, 0, TOKENS.len()),
+                &mut kv,
+                LogitRows::All,
+            )
+            .unwrap()
+            .data;
+        assert_close(&real, &sim, 1e-3, &format!("{method} {s}"));
+        // The tolerance is far below what quantization itself moves.
+        let float = logits(&m);
+        let moved = float
+            .iter()
+            .zip(&real)
+            .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        let scale = float.iter().fold(0f32, |a, x| a.max(x.abs()));
+        assert!(
+            moved > 1e-2 * scale,
+            "{method} {s}: quantization moved logits by {moved}"
+        );
+    }
 }
