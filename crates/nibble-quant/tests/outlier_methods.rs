@@ -3,11 +3,13 @@
 //! capture of the transformed model sees the same rows), and on a model with planted activation
 //! outliers each method's quantized layers beat round-to-nearest in the same format.
 
+mod common;
+
+use common::{TOKENS, assert_close, dense, logits};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use nibble_cpu::CpuBackend;
-use nibble_model::{BatchLayout, LogitRows, RopeLayout, Transformer, open_model};
+use nibble_model::{BatchLayout, LogitRows, RopeLayout, Transformer};
 use nibble_precision::{ActQuant, LinearFormat, PrecisionSpec, WeightCodec};
 use nibble_quant::dense::{DenseModel, LinearId, LinearKind, SiteKind};
 use nibble_quant::fmpq::{OUTLIER_RATIO, int8_blocks_needed, outlier_score, plan_and_permute};
@@ -21,45 +23,6 @@ use nibble_quant::simulate::{QuantSource, Simulated};
 use nibble_quant::{Method, QuantOptions, QuantizedModel, quantize};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../nibble-model/tests/fixtures")
-        .join(name)
-}
-
-fn dense(name: &str) -> DenseModel {
-    let files = open_model(&fixture(name), None).unwrap();
-    DenseModel::load(files.config.clone(), &*files.source, &mut |_, _| {}).unwrap()
-}
-
-const TOKENS: [u32; 12] = [1, 5, 9, 17, 33, 2, 64, 100, 7, 3, 11, 42];
-
-/// Logits of the plain CPU forward pass (not the simulation, which is checked against it).
-fn logits(model: &DenseModel) -> Vec<f32> {
-    let backend = CpuBackend::new(1).unwrap();
-    let t = Transformer::load(&backend, model.config.clone(), model, &mut |_, _| {}).unwrap();
-    let (mut kv, table) = t.single_sequence_kv(&backend, TOKENS.len()).unwrap();
-    t.forward(
-        &backend,
-        &TOKENS,
-        &BatchLayout::single(table, 0, TOKENS.len()),
-        &mut kv,
-        LogitRows::All,
-    )
-    .unwrap()
-    .data
-}
-
-fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-    assert!(
-        err.is_finite() && err <= tol * scale,
-        "{what}: max error {err} (scale {scale})"
-    );
-}
 
 /// Random token sequences (the fixtures' vocabulary is 272 byte-level tokens).
 fn token_sequences(seed: u64, n: usize, len: usize) -> Vec<Vec<u32>> {

@@ -1,52 +1,16 @@
 //! The offline rewrites keep the network's function: logits of the tiny fixture models before and
 //! after each rewrite agree to float rounding, and calibration sees every input site.
 
-use std::path::PathBuf;
+mod common;
+
+use common::{TOKENS, assert_close, dense, fixture, logits};
 
 use nibble_cpu::CpuBackend;
 use nibble_model::{BatchLayout, LogitRows, Transformer, open_model};
 use nibble_quant::capture::{CaptureOptions, capture};
-use nibble_quant::dense::{DenseModel, Mat, SiteKind};
+use nibble_quant::dense::{Mat, SiteKind};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../nibble-model/tests/fixtures")
-        .join(name)
-}
-
-fn dense(name: &str) -> DenseModel {
-    let files = open_model(&fixture(name), None).unwrap();
-    DenseModel::load(files.config.clone(), &*files.source, &mut |_, _| {}).unwrap()
-}
-
-const TOKENS: [u32; 12] = [1, 5, 9, 17, 33, 2, 64, 100, 7, 3, 11, 42];
-
-fn logits(model: &DenseModel) -> Vec<f32> {
-    let backend = CpuBackend::new(1).unwrap();
-    let t = Transformer::load(&backend, model.config.clone(), model, &mut |_, _| {}).unwrap();
-    let (mut kv, table) = t.single_sequence_kv(&backend, TOKENS.len()).unwrap();
-    let out = t
-        .forward(
-            &backend,
-            &TOKENS,
-            &BatchLayout::single(table, 0, TOKENS.len()),
-            &mut kv,
-            LogitRows::All,
-        )
-        .unwrap();
-    out.data
-}
-
-fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
-    let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-    assert!(
-        err.is_finite() && err <= tol * scale,
-        "{what}: max error {err} (scale {scale})"
-    );
-}
 
 fn random_orthogonal(n: usize, seed: u64) -> Mat {
     // Gram-Schmidt on a Gaussian-ish matrix, in f64.
