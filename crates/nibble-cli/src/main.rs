@@ -5,12 +5,13 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use nibble_cli::{default_model, load_cpu_engine};
-use nibble_cpu::{CpuBackend, CpuKvCache};
+use nibble_cli::{KvReport, default_model, load_engine, open_files};
+use nibble_cpu::CpuBackend;
+use nibble_cuda::{CudaBackend, Device, Dtype};
 use nibble_engine::eval::{perplexity, perplexity_sequences};
 use nibble_engine::{Engine, GenerateRequest, SamplingParams};
 use nibble_formats::chat_template::{ChatMessage, ChatTemplate};
-use nibble_model::KvFormat;
+use nibble_model::{Backend, KvFormat};
 
 #[derive(Parser)]
 #[command(name = "nibble", version, about = "Mixed-precision LLM inference")]
@@ -31,8 +32,30 @@ struct Cli {
     /// precision; needs --block-size of at least 16). For generate, chat, eval, bench and serve.
     #[arg(long, global = true, value_name = "FORMAT", value_parser = parse_kv)]
     kv: Option<KvFormat>,
+    /// Where to run: auto (a CUDA GPU when one is usable, else the CPU), cpu, cuda or cuda:N.
+    #[arg(long, global = true, default_value = "auto", value_parser = parse_device)]
+    device: Device,
+    /// The 16-bit type of weights, GEMM inputs and the KV cache on a GPU: bf16 or f16.
+    #[arg(long, global = true, default_value = "bf16", value_parser = parse_dtype)]
+    dtype: Dtype,
+    /// Random weights in a shipped shape (llama-3-8b, qwen3-8b, llama-2-7b, tiny-dummy) or a
+    /// config.json, to measure speed without a checkpoint. Output text is meaningless.
+    #[arg(long, global = true, value_name = "NAME|CONFIG")]
+    dummy_weights: Option<String>,
     #[command(subcommand)]
     command: Command,
+}
+
+fn parse_device(s: &str) -> std::result::Result<Device, String> {
+    s.parse().map_err(|e: nibble_core::Error| e.to_string())
+}
+
+fn parse_dtype(s: &str) -> std::result::Result<Dtype, String> {
+    match s {
+        "bf16" => Ok(Dtype::Bf16),
+        "f16" | "fp16" => Ok(Dtype::F16),
+        _ => Err(format!("unknown dtype '{s}': use bf16 or f16")),
+    }
 }
 
 fn parse_kv(s: &str) -> std::result::Result<KvFormat, String> {
@@ -300,7 +323,32 @@ fn run(cli: Cli) -> Result<()> {
         }
         _ => {}
     }
-    let mut engine = load_cpu_engine(cli.model.as_deref(), cli.tokenizer.as_deref(), cli.threads)?;
+    let (label, files) = open_files(
+        cli.model.as_deref(),
+        cli.tokenizer.as_deref(),
+        cli.dummy_weights.as_deref(),
+    )?;
+    match cli.device.resolve() {
+        Device::Cpu => {
+            let engine = load_engine(CpuBackend::new(cli.threads)?, &label, files)?;
+            run_on(engine, cli)
+        }
+        Device::Cuda(ordinal) => {
+            let backend = CudaBackend::new(ordinal, cli.dtype).with_context(|| {
+                format!("cannot use cuda:{ordinal} (--device cpu runs without a GPU)")
+            })?;
+            let engine = load_engine(backend, &label, files)?;
+            run_on(engine, cli)
+        }
+        Device::Auto => unreachable!("resolved above"),
+    }
+}
+
+/// The commands that run a loaded model, on whichever backend it was loaded on.
+fn run_on<B: Backend + 'static>(mut engine: Engine<B>, cli: Cli) -> Result<()>
+where
+    B::Kv: KvReport,
+{
     if let Some(kv) = cli.kv {
         engine.model.kv_format = kv;
     }
@@ -316,10 +364,8 @@ fn run(cli: Cli) -> Result<()> {
         }
     ) {
         // One sequence at a time, in a pool from Transformer::single_sequence_kv.
-        let bytes = CpuKvCache::bytes_per_token_of(
-            engine.model.kv_shape(),
-            nibble_model::SINGLE_SEQUENCE_BLOCK,
-        );
+        let bytes =
+            B::Kv::bytes_per_token_of(engine.model.kv_shape(), nibble_model::SINGLE_SEQUENCE_BLOCK);
         eprintln!("nibble: KV cache {kv}, {bytes:.0} bytes per token");
     }
     match cli.command {
@@ -349,7 +395,14 @@ fn run(cli: Cli) -> Result<()> {
                 Some(BenchCommand::Serve(_)) => unreachable!("handled above"),
                 None => cpu,
             };
-            bench(&engine, a.prompt_tokens, a.gen_tokens, a.repeats, a.json)
+            bench(
+                &engine,
+                cli.threads,
+                a.prompt_tokens,
+                a.gen_tokens,
+                a.repeats,
+                a.json,
+            )
         }
         Command::Fetch | Command::Serve(_) | Command::Quantize(_) => {
             unreachable!("handled above")
@@ -357,11 +410,14 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn serve(
-    engine: Engine<CpuBackend>,
+fn serve<B: Backend + 'static>(
+    engine: Engine<B>,
     args: ServeArgs,
     model: Option<&std::path::Path>,
-) -> Result<()> {
+) -> Result<()>
+where
+    B::Kv: KvReport,
+{
     use nibble_engine::serving::LlmEngine;
     let name = args.served_model_name.clone().unwrap_or_else(|| {
         model
@@ -408,7 +464,10 @@ struct ThroughputResult {
     max_batched_tokens: usize,
 }
 
-fn bench_throughput(engine: Engine<CpuBackend>, args: ThroughputArgs) -> Result<()> {
+fn bench_throughput<B: Backend>(engine: Engine<B>, args: ThroughputArgs) -> Result<()>
+where
+    B::Kv: KvReport,
+{
     use nibble_engine::serving::{Event, LlmEngine, Request};
     let samples = nibble_bench::sharegpt::load_sharegpt(
         args.dataset.as_deref(),
@@ -507,23 +566,27 @@ fn bench_throughput(engine: Engine<CpuBackend>, args: ThroughputArgs) -> Result<
 }
 
 /// The KV pool's format, size and cost per token, as the serving engine allocated it.
-fn kv_pool_line(
-    llm: &nibble_engine::serving::LlmEngine<CpuBackend>,
+fn kv_pool_line<B: Backend>(
+    llm: &nibble_engine::serving::LlmEngine<B>,
     config: &nibble_engine::serving::EngineConfig,
-) -> String {
+) -> String
+where
+    B::Kv: KvReport,
+{
     let kv = llm.kv();
+    let shape = kv.kv_shape();
     let tokens = config.num_blocks * config.block_size;
-    let f32_bytes = CpuKvCache::bytes_per_token_of(
+    let f32_bytes = B::Kv::bytes_per_token_of(
         nibble_model::KvShape {
             format: KvFormat::F16,
-            ..kv.shape
+            ..shape
         },
         config.block_size,
     );
     format!(
         "KV cache {}: {} blocks of {} tokens = {tokens} tokens, {:.0} bytes per token \
          ({:.2}x smaller than kv16), {:.1} MiB",
-        kv.shape.format,
+        shape.format,
         config.num_blocks,
         config.block_size,
         kv.bytes_per_token(),
@@ -532,7 +595,7 @@ fn kv_pool_line(
     )
 }
 
-fn template(engine: &Engine<CpuBackend>) -> Result<ChatTemplate> {
+fn template<B: Backend>(engine: &Engine<B>) -> Result<ChatTemplate> {
     let t = &engine.tokenizer;
     let src = t
         .chat_template
@@ -545,7 +608,12 @@ fn template(engine: &Engine<CpuBackend>) -> Result<ChatTemplate> {
     )?)
 }
 
-fn generate(engine: &Engine<CpuBackend>, prompt: &str, chat: bool, opts: &GenArgs) -> Result<()> {
+fn generate<B: Backend>(
+    engine: &Engine<B>,
+    prompt: &str,
+    chat: bool,
+    opts: &GenArgs,
+) -> Result<()> {
     let ids = if chat {
         let text = template(engine)?.render(&[ChatMessage::new("user", prompt)], true)?;
         engine.tokenizer.encode(&text, false)?
@@ -572,7 +640,7 @@ fn generate(engine: &Engine<CpuBackend>, prompt: &str, chat: bool, opts: &GenArg
     Ok(())
 }
 
-fn chat(engine: &Engine<CpuBackend>, system: Option<String>, opts: &GenArgs) -> Result<()> {
+fn chat<B: Backend>(engine: &Engine<B>, system: Option<String>, opts: &GenArgs) -> Result<()> {
     let tmpl = template(engine)?;
     let mut messages: Vec<ChatMessage> = system
         .iter()
@@ -621,8 +689,8 @@ fn chat(engine: &Engine<CpuBackend>, system: Option<String>, opts: &GenArgs) -> 
     }
 }
 
-fn eval_ppl(
-    engine: &Engine<CpuBackend>,
+fn eval_ppl<B: Backend>(
+    engine: &Engine<B>,
     file: Option<&std::path::Path>,
     ctx: Option<usize>,
     sharegpt: Option<usize>,
@@ -704,6 +772,8 @@ fn eval_ppl(
 struct BenchResult {
     engine: &'static str,
     model: String,
+    backend: String,
+    /// --threads as given (0 = all cores); the CPU backend's worker count.
     threads: usize,
     prompt_tokens: usize,
     gen_tokens: usize,
@@ -712,8 +782,9 @@ struct BenchResult {
     runs: Vec<(f64, f64)>,
 }
 
-fn bench(
-    engine: &Engine<CpuBackend>,
+fn bench<B: Backend>(
+    engine: &Engine<B>,
+    threads: usize,
     prompt_tokens: usize,
     gen_tokens: usize,
     repeats: usize,
@@ -750,7 +821,8 @@ fn bench(
     let result = BenchResult {
         engine: "nibble",
         model: format!("{:?}", engine.model.config.arch),
-        threads: engine.backend.threads(),
+        backend: engine.backend.name(),
+        threads,
         prompt_tokens,
         gen_tokens,
         prefill_tok_s: median(runs.iter().map(|r| r.0).collect()),
@@ -758,8 +830,8 @@ fn bench(
         runs,
     };
     println!(
-        "nibble cpu, {} threads: prefill {} tokens {:.1} tok/s, decode {} tokens {:.1} tok/s (median of {repeats})",
-        result.threads, prompt_tokens, result.prefill_tok_s, gen_tokens, result.decode_tok_s
+        "nibble on {}: prefill {} tokens {:.1} tok/s, decode {} tokens {:.1} tok/s (median of {repeats})",
+        result.backend, prompt_tokens, result.prefill_tok_s, gen_tokens, result.decode_tok_s
     );
     if let Some(path) = json {
         std::fs::write(&path, serde_json::to_string_pretty(&result)?)

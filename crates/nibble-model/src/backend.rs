@@ -104,6 +104,25 @@ pub trait Backend: Send + Sync {
     /// next starts writing it at slot 0.
     fn release_kv_blocks(&self, kv: &mut Self::Kv, blocks: &[u32]);
 
+    /// Called by the model at the start of every forward pass. A backend may stage the batch's
+    /// tokens and layout on its device once here, and recycle the previous pass's activations
+    /// (tensors of an earlier forward must not be used after this).
+    fn begin_forward(&self, _tokens: &[u32], _batch: &BatchLayout) -> Result<()> {
+        Ok(())
+    }
+    /// Runs one whole forward pass, `body`. A backend may record the work of a step once and
+    /// replay it for later steps of the same shape (CUDA graphs for decode steps); `model`
+    /// identifies the weights the body reads.
+    fn run_forward(
+        &self,
+        _model: usize,
+        kv: &mut Self::Kv,
+        _batch: &BatchLayout,
+        body: &mut dyn FnMut(&mut Self::Kv) -> Result<Self::Tensor>,
+    ) -> Result<Self::Tensor> {
+        body(kv)
+    }
+
     /// Rows `ids` of an embedding table.
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Self::Tensor;

@@ -288,6 +288,23 @@ impl<B: Backend> Transformer<B> {
                 c.vocab_size
             )));
         }
+        backend.begin_forward(tokens, batch)?;
+        let model = self as *const Self as usize;
+        backend.run_forward(model, kv, batch, &mut |kv| {
+            self.forward_layers(backend, tokens, batch, kv, which)
+        })
+    }
+
+    /// The layers of [`Transformer::forward`], on validated input.
+    fn forward_layers(
+        &self,
+        backend: &B,
+        tokens: &[u32],
+        batch: &BatchLayout,
+        kv: &mut B::Kv,
+        which: LogitRows,
+    ) -> Result<B::Tensor> {
+        let c = &self.config;
         let shape = AttentionShape {
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,

@@ -1,0 +1,264 @@
+//! GPU benchmarks, one run: the two ceilings first (HBM bandwidth by a device-to-device copy,
+//! cuBLAS BF16 rate on 8192^3), then nibble's paged attention for decode and prefill shapes of
+//! Llama-3-8B (32 query heads, 8 KV heads, head_dim 128), each against its floor, then whole
+//! decode steps of a Llama-3-8B-shaped model with random weights.
+//!
+//!     gpu-bench OUT.json [--quick]
+//!
+//! Timings are medians over repeats after warm-up, taken with the stream synchronized around
+//! the timed region. The peer numbers (PyTorch SDPA) come from bench/gpu_peer.py in the same run.
+
+use std::time::Instant;
+
+use nibble_core::Result;
+use nibble_cuda::{CudaBackend, DeviceBuffer, Dtype};
+use nibble_formats::gguf::GgmlType;
+use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
+use nibble_model::{
+    AttentionShape, Backend, BatchLayout, KvShape, LogitRows, SeqSpan, Transformer,
+};
+use nibble_precision::KvFormat;
+use serde_json::{Value, json};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median seconds of `f` over `reps` runs after `warm` unmeasured ones.
+fn time(
+    be: &CudaBackend,
+    warm: usize,
+    reps: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    for _ in 0..warm {
+        f()?;
+    }
+    be.gpu.synchronize()?;
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        f()?;
+        be.gpu.synchronize()?;
+        t.push(t0.elapsed().as_secs_f64());
+    }
+    Ok(median(t))
+}
+
+fn random_bits(n: usize, scale: f32, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(n * 2);
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let u = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+        out.extend_from_slice(&half::bf16::from_f32(u * 2.0 * scale).to_le_bytes());
+    }
+    out
+}
+
+fn bf16_weight(rows: usize, cols: usize, seed: u64) -> HostTensor {
+    HostTensor {
+        name: format!("w{seed}"),
+        shape: vec![rows, cols],
+        format: WeightFormat::Ggml(GgmlType::BF16),
+        bytes: TensorBytes::Owned(std::sync::Arc::new(random_bits(
+            rows * cols,
+            1.0 / (cols as f32).sqrt(),
+            seed,
+        ))),
+    }
+}
+
+fn ceilings(be: &CudaBackend) -> Result<(f64, f64)> {
+    let bytes = 2usize << 30;
+    let src = DeviceBuffer::alloc(&be.gpu, bytes, "bench")?;
+    let dst = DeviceBuffer::alloc(&be.gpu, bytes, "bench")?;
+    let t = time(be, 2, 10, || be.gpu.copy(dst.ptr, src.ptr, bytes))?;
+    let bandwidth = 2.0 * bytes as f64 / t;
+
+    let n = 8192;
+    let w = be.load_weight(&bf16_weight(n, n, 7))?;
+    let xw = be.load_weight(&bf16_weight(n, n, 8))?;
+    let x = be.weight_as_input(&xw);
+    let t = time(be, 2, 10, || {
+        be.begin_forward(&[], &BatchLayout::default())?;
+        be.linear(&x, &w, None).map(|_| ())
+    })?;
+    let flops = 2.0 * (n as f64).powi(3) / t;
+    Ok((bandwidth, flops))
+}
+
+/// Paged attention of one layer: `batch` sequences each with `ctx` tokens of context, either one
+/// new token each (decode) or all `ctx` tokens at once (prefill).
+fn attention(
+    be: &CudaBackend,
+    batch: usize,
+    ctx: usize,
+    prefill: bool,
+    bw: f64,
+    peak: f64,
+) -> Result<Value> {
+    let (heads, kv_heads, hd, block) = (32, 8, 128, 16);
+    let shape = AttentionShape {
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+    };
+    let blocks_per_seq = ctx.div_ceil(block);
+    let kv_shape = KvShape {
+        num_layers: 1,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+        format: KvFormat::F16,
+    };
+    let mut kv = be.new_kv_pool(kv_shape, batch * blocks_per_seq, block)?;
+    be.fill_kv_random(&kv, 11)?;
+    let layout = BatchLayout {
+        seqs: (0..batch)
+            .map(|s| SeqSpan {
+                blocks: (0..blocks_per_seq as u32)
+                    .map(|b| (s * blocks_per_seq) as u32 + b)
+                    .collect(),
+                start_pos: if prefill { 0 } else { ctx - 1 },
+                len: if prefill { ctx } else { 1 },
+            })
+            .collect(),
+    };
+    let n = layout.num_tokens();
+    let tokens = vec![0u32; n];
+    let t = time(be, 3, 20, || {
+        be.begin_forward(&tokens, &layout)?;
+        let q = be.random_activation(n, heads * hd, 1)?;
+        let k = be.random_activation(n, kv_heads * hd, 2)?;
+        let v = be.random_activation(n, kv_heads * hd, 3)?;
+        be.attention(&q, &k, &v, &mut kv, 0, &layout, shape)
+            .map(|_| ())
+    })?;
+    // The q/k/v fills are inside the timed region; they are tiny next to the KV reads.
+    let kv_bytes = (batch * ctx * kv_heads * hd * 2 * 2) as f64;
+    let flops = if prefill {
+        4.0 * batch as f64 * (ctx as f64).powi(2) / 2.0 * (heads * hd) as f64
+    } else {
+        4.0 * (batch * ctx * heads * hd) as f64
+    };
+    let floor = (kv_bytes / bw).max(flops / peak);
+    Ok(json!({
+        "kind": if prefill { "prefill" } else { "decode" },
+        "batch": batch, "ctx": ctx, "ms": t * 1e3,
+        "kv_bytes": kv_bytes, "bandwidth_fraction": kv_bytes / t / bw,
+        "tflops": flops / t / 1e12, "floor_ms": floor * 1e3, "of_floor": floor / t,
+    }))
+}
+
+/// Whole decode steps of a model with random weights: `batch` sequences at context `ctx`.
+fn decode_steps(
+    be: &CudaBackend,
+    model: &Transformer<CudaBackend>,
+    weight_bytes: f64,
+    batch: usize,
+    ctx: usize,
+    bw: f64,
+) -> Result<Value> {
+    let block = 16;
+    let per_seq = (ctx + 1).div_ceil(block);
+    let kv_bytes_needed = (batch * per_seq * block) as f64
+        * model.kv_shape().num_layers as f64
+        * 2.0
+        * (model.kv_shape().num_kv_heads * model.kv_shape().head_dim * 2) as f64;
+    if kv_bytes_needed + weight_bytes > 0.92 * be.gpu.total_mem as f64 {
+        return Ok(json!({"batch": batch, "ctx": ctx, "skipped": "KV cache does not fit"}));
+    }
+    let mut kv = be.new_kv_pool(model.kv_shape(), batch * per_seq, block)?;
+    be.fill_kv_random(&kv, 5)?;
+    let layout = BatchLayout {
+        seqs: (0..batch)
+            .map(|s| SeqSpan {
+                blocks: (0..per_seq as u32)
+                    .map(|b| (s * per_seq) as u32 + b)
+                    .collect(),
+                start_pos: ctx - 1,
+                len: 1,
+            })
+            .collect(),
+    };
+    let tokens: Vec<u32> = (0..batch as u32).map(|i| 1000 + i).collect();
+    let t = time(be, 3, 20, || {
+        model
+            .forward(be, &tokens, &layout, &mut kv, LogitRows::LastPerSeq)
+            .map(|_| ())
+    })?;
+    let kv_read = kv_bytes_needed * (ctx as f64 / (per_seq * block) as f64);
+    let floor = (weight_bytes + kv_read) / bw;
+    Ok(json!({
+        "batch": batch, "ctx": ctx, "ms": t * 1e3, "floor_ms": floor * 1e3,
+        "of_floor": floor / t, "tokens_per_s": batch as f64 / t,
+        "graph_replays": be.graph_counts().0,
+    }))
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let out = args
+        .get(1)
+        .cloned()
+        .unwrap_or_else(|| "gpu-bench.json".into());
+    let quick = args.iter().any(|a| a == "--quick");
+    let be = CudaBackend::new(0, Dtype::Bf16)?;
+    eprintln!("gpu-bench on {}", be.name());
+    let (bw, peak) = ceilings(&be)?;
+    eprintln!(
+        "HBM {:.0} GB/s (copy, read+write), cuBLAS BF16 {:.0} TFLOP/s",
+        bw / 1e9,
+        peak / 1e12
+    );
+    let mut attn = Vec::new();
+    for &(b, ctx) in &[
+        (1, 1024),
+        (1, 4096),
+        (8, 4096),
+        (32, 4096),
+        (64, 1024),
+        (64, 4096),
+    ] {
+        let r = attention(&be, b, ctx, false, bw, peak)?;
+        eprintln!("decode attention b{b} ctx{ctx}: {r}");
+        attn.push(r);
+    }
+    for &ctx in &[1024, 4096] {
+        let r = attention(&be, 1, ctx, true, bw, peak)?;
+        eprintln!("prefill attention ctx{ctx}: {r}");
+        attn.push(r);
+    }
+    let mut steps = Vec::new();
+    if !quick {
+        let files = nibble_model::dummy::open_dummy("llama-3-8b", 0)?;
+        let t0 = Instant::now();
+        let model = Transformer::load(&be, files.config, &*files.source, &mut |_, _| {})?;
+        let weight_bytes = be.weight_bytes() as f64;
+        eprintln!(
+            "llama-3-8b dummy weights: {:.2} GB loaded in {:.1}s",
+            weight_bytes / 1e9,
+            t0.elapsed().as_secs_f64()
+        );
+        for &ctx in &[1024, 4096] {
+            for &b in &[1, 8, 32, 128] {
+                let r = decode_steps(&be, &model, weight_bytes, b, ctx, bw)?;
+                eprintln!("decode step b{b} ctx{ctx}: {r}");
+                steps.push(r);
+            }
+        }
+    }
+    let report = json!({
+        "device": be.name(),
+        "hbm_bytes_per_s": bw,
+        "cublas_bf16_flops": peak,
+        "attention": attn,
+        "decode_steps": steps,
+    });
+    std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
+        .map_err(|e| nibble_core::Error::io(&out, e))?;
+    Ok(())
+}

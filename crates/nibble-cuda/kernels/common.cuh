@@ -1,0 +1,55 @@
+// Shared by every nibble kernel source (prepended by the Rust side, so NVRTC needs no include
+// path for it). Activations between ops are f32 (the residual stream, GEMM outputs) or the model's
+// 16-bit dtype `T` (GEMM inputs, the KV cache); these helpers convert between them.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+template <class T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over a block of up to 1024 threads; every thread gets the result. `scratch` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    float t = lane < warps ? scratch[lane] : 0.f;
+    return warp_sum(t);
+}
+
+// Eight 16-bit values moved as one 16-byte access.
+struct __align__(16) Vec8 { unsigned short h[8]; };
+
+template <class T> __device__ __forceinline__ void unpack8(const Vec8& v, float* out) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        T x;
+        *reinterpret_cast<unsigned short*>(&x) = v.h[i];
+        out[i] = to_f32(x);
+    }
+}
+
+// Instantiates `name##_bf16` and `name##_f16` entry points from a template kernel body; the
+// Rust side picks one by the model's dtype.
+#define NIBBLE_BOTH_DTYPES(INSTANTIATE) \
+    INSTANTIATE(bf16, __nv_bfloat16)    \
+    INSTANTIATE(f16, __half)

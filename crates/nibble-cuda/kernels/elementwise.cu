@@ -1,0 +1,159 @@
+// Row-wise and elementwise ops of the transformer block: embedding lookup, RMSNorm (fused with
+// the residual add), per-head QK norm, rotary embedding, SiLU-gate, residual add, row gather,
+// f32 -> 16-bit casts, and the paged KV-cache append.
+//
+// Layout: activations are row-major [tokens, features]; the residual stream, GEMM outputs, q/k/v
+// and the gate/up products are f32, everything a GEMM reads is the model dtype T. One block per
+// row for the reductions (RMSNorm: the row is read twice, the second time from L1/L2), a flat
+// grid-stride loop for elementwise ops. Nothing here is compute-bound; each op moves its bytes
+// once. The arithmetic follows nibble-cpu's ops.rs (rms: 1/sqrt(mean(x^2)+eps), RoPE angles in
+// f64) so the CPU backend is a tight reference.
+
+template <class T>
+__device__ void embed_impl(const T* __restrict__ table, const int* __restrict__ ids,
+                           float* __restrict__ out, int h) {
+    const long row = blockIdx.x;
+    const T* src = table + (long)ids[row] * h;
+    for (int c = threadIdx.x; c < h; c += blockDim.x) out[row * h + c] = to_f32(src[c]);
+}
+
+// x += delta (when delta is not null), then out = T(x * 1/sqrt(mean(x^2) + eps) * w).
+template <class T>
+__device__ void rms_norm_impl(float* __restrict__ x, const float* __restrict__ delta,
+                              const float* __restrict__ w, T* __restrict__ out, int h, float eps) {
+    __shared__ float scratch[32];
+    const long row = blockIdx.x;
+    float* xr = x + row * h;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+        float v = xr[c];
+        if (delta) {
+            v += delta[row * h + c];
+            xr[c] = v;
+        }
+        ss = fmaf(v, v, ss);
+    }
+    const float total = block_sum(ss, scratch);
+    const float scale = 1.0f / sqrtf(total / (float)h + eps);
+    for (int c = threadIdx.x; c < h; c += blockDim.x) out[row * h + c] = from_f32<T>(xr[c] * scale * w[c]);
+}
+
+#define NIBBLE_ROW_KERNELS(SUFFIX, T)                                                            \
+    extern "C" __global__ void embed_##SUFFIX(const T* table, const int* ids, float* out, int h) { \
+        embed_impl<T>(table, ids, out, h);                                                       \
+    }                                                                                            \
+    extern "C" __global__ void rms_norm_##SUFFIX(float* x, const float* delta, const float* w,     \
+                                                 T* out, int h, float eps) {                     \
+        rms_norm_impl<T>(x, delta, w, out, h, eps);                                              \
+    }                                                                                            \
+    extern "C" __global__ void silu_mul_##SUFFIX(const float* gate, const float* up, T* out,      \
+                                                 long n) {                                       \
+        for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;                        \
+             i += (long)gridDim.x * blockDim.x) {                                                \
+            const float g = gate[i];                                                             \
+            out[i] = from_f32<T>(g / (1.0f + expf(-g)) * up[i]);                                 \
+        }                                                                                        \
+    }                                                                                            \
+    extern "C" __global__ void cast_##SUFFIX(const float* x, T* out, long n) {                    \
+        for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;                        \
+             i += (long)gridDim.x * blockDim.x)                                                  \
+            out[i] = from_f32<T>(x[i]);                                                          \
+    }                                                                                            \
+    /* Writes each token's k and v rows (f32, [tokens, kv_row]) into the cache: position p of   \
+       sequence s is offset p % block_size of block table[s][p / block_size], and a block holds \
+       [kv_heads][block_size][head_dim], so one head's rows of a block are contiguous. */       \
+    extern "C" __global__ void kv_append_##SUFFIX(const float* k, const float* v, T* kc, T* vc,   \
+                                                  const int* block_tables, const int* tok_seq,   \
+                                                  const int* tok_pos, int max_blocks,            \
+                                                  int block_size, int kv_row, int head_dim) {    \
+        const long t = blockIdx.x;                                                               \
+        const int p = tok_pos[t];                                                                \
+        const long blk = block_tables[(long)tok_seq[t] * max_blocks + p / block_size];           \
+        const int off = p % block_size, heads = kv_row / head_dim;                               \
+        for (int c = threadIdx.x; c < kv_row; c += blockDim.x) {                                 \
+            const int h = c / head_dim, d = c % head_dim;                                        \
+            const long dst = ((blk * heads + h) * block_size + off) * head_dim + d;              \
+            kc[dst] = from_f32<T>(k[t * kv_row + c]);                                            \
+            vc[dst] = from_f32<T>(v[t * kv_row + c]);                                            \
+        }                                                                                        \
+    }
+
+NIBBLE_BOTH_DTYPES(NIBBLE_ROW_KERNELS)
+
+// A uniform value in [-1, 1) from an element index and a seed (benchmarks fill KV caches and
+// activations with it: never time on zeros).
+__device__ __forceinline__ float hash_unit(long i, int seed) {
+    u64 x = (u64)i * 0x9E3779B97F4A7C15ull ^ ((u64)(unsigned)seed << 32 | 0x5bd1e995u);
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    return (float)(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+#define NIBBLE_FILL_RANDOM(SUFFIX, T)                                                           \
+    extern "C" __global__ void fill_random_##SUFFIX(T* x, long n, int seed) {                   \
+        for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;                       \
+             i += (long)gridDim.x * blockDim.x)                                                 \
+            x[i] = from_f32<T>(hash_unit(i, seed));                                             \
+    }
+NIBBLE_BOTH_DTYPES(NIBBLE_FILL_RANDOM)
+NIBBLE_FILL_RANDOM(f32, float)
+
+// RMS-normalizes every head_dim slice in place (Qwen3's QK norm): one warp per head.
+extern "C" __global__ void head_rms_norm(float* x, const float* w, int head_dim, long heads,
+                                         float eps) {
+    const long head = blockIdx.x * (long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (head >= heads) return;
+    float* xh = x + head * head_dim;
+    float ss = 0.f;
+    for (int c = lane; c < head_dim; c += 32) ss = fmaf(xh[c], xh[c], ss);
+    const float scale = 1.0f / sqrtf(warp_sum(ss) / (float)head_dim + eps);
+    for (int c = lane; c < head_dim; c += 32) xh[c] = xh[c] * scale * w[c];
+}
+
+// Rotates each head of row `blockIdx.x` by the token's position. `interleaved` pairs (2i, 2i+1),
+// otherwise (i, i + head_dim/2). Angles in f64 as on the CPU: positions reach 1e5 and beyond.
+extern "C" __global__ void rope(float* x, const int* positions, const float* inv_freq, int cols,
+                                int head_dim, int interleaved) {
+    const long row = blockIdx.x;
+    const int half = head_dim >> 1;
+    const double pos = (double)positions[row];
+    float* xr = x + row * cols;
+    // Whole heads only, like the CPU: a trailing partial head is left as it is.
+    const int pairs = (cols / head_dim) * half;
+    for (int idx = threadIdx.x; idx < pairs; idx += blockDim.x) {
+        const int head = idx / half, i = idx % half;
+        double s, c;
+        sincos(pos * (double)inv_freq[i], &s, &c);
+        const float cf = (float)c, sf = (float)s;
+        const int a = head * head_dim + (interleaved ? 2 * i : i);
+        const int b = head * head_dim + (interleaved ? 2 * i + 1 : i + half);
+        const float x0 = xr[a], x1 = xr[b];
+        xr[a] = x0 * cf - x1 * sf;
+        xr[b] = x0 * sf + x1 * cf;
+    }
+}
+
+extern "C" __global__ void add_f32(float* x, const float* d, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        x[i] += d[i];
+}
+
+extern "C" __global__ void gather_rows(const float* x, const int* rows, float* out, int cols) {
+    const long r = blockIdx.x;
+    const float* src = x + (long)rows[r] * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[r * cols + c] = src[c];
+}
+
+// Fills n floats with a value (tests poison outputs with NaN through this).
+extern "C" __global__ void fill_f32(float* x, float value, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        x[i] = value;
+}
+
+// out[r, c] += bias[c] (QKV biases of Qwen2).
+extern "C" __global__ void add_bias(float* out, const float* bias, int cols, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        out[i] += bias[i % cols];
+}

@@ -1,0 +1,203 @@
+//! Launches the paged attention kernels (kernels/attention.cu): append this batch's keys and
+//! values, attend with the context split across CTAs, reduce the splits.
+
+use nibble_core::{Error, Result};
+use nibble_model::{AttentionShape, BatchLayout};
+
+use crate::backend::{CudaBackend, CudaTensor, Elem};
+use crate::kv::CudaKv;
+use crate::runtime::Arg;
+
+/// Heads per KV head the kernels are instantiated for (the smallest that fits is used).
+const GROUPS: [usize; 4] = [1, 2, 4, 8];
+/// Head sizes with a kernel: a token row is read as HD/8 16-byte loads by a power-of-two group of
+/// lanes.
+pub const HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
+/// Tokens one CTA takes at the least: below that a CTA's fixed costs dominate.
+const MIN_CHUNK: usize = 64;
+
+/// How the context is split: `splits` CTAs per (token, kv head), each over `chunk` positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Split {
+    pub splits: usize,
+    pub chunk: usize,
+}
+
+/// Enough CTAs to fill the GPU about four times over, never a chunk under MIN_CHUNK.
+pub fn plan_split(tokens: usize, kv_heads: usize, max_ctx: usize, sm_count: usize) -> Split {
+    let max_ctx = max_ctx.max(1);
+    let base = tokens * kv_heads;
+    let want = (4 * sm_count).div_ceil(base.max(1));
+    let most = max_ctx.div_ceil(MIN_CHUNK);
+    let splits = want.clamp(1, most.max(1));
+    let chunk = max_ctx.div_ceil(splits).div_ceil(MIN_CHUNK) * MIN_CHUNK;
+    Split {
+        splits: max_ctx.div_ceil(chunk),
+        chunk,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    be: &CudaBackend,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    kv: &mut CudaKv,
+    layer: usize,
+    batch: &BatchLayout,
+    shape: AttentionShape,
+) -> Result<CudaTensor> {
+    let AttentionShape {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    } = shape;
+    let n = batch.num_tokens();
+    let kv_row = num_kv_heads * head_dim;
+    if num_kv_heads == 0
+        || num_heads % num_kv_heads != 0
+        || (num_kv_heads, head_dim) != (kv.shape.num_kv_heads, kv.shape.head_dim)
+        || layer >= kv.shape.num_layers
+        || (q.rows, q.cols) != (n, num_heads * head_dim)
+        || (k.rows, k.cols) != (n, kv_row)
+        || (v.rows, v.cols) != (n, kv_row)
+        || [q.elem, k.elem, v.elem] != [Elem::F32; 3]
+    {
+        return Err(Error::InvalidArgument(format!(
+            "attention {shape:?} over a {:?} pool: q {}x{}, k {}x{}, v {}x{} for {n} tokens",
+            kv.shape, q.rows, q.cols, k.rows, k.cols, v.rows, v.cols
+        )));
+    }
+    if !HEAD_DIMS.contains(&head_dim) {
+        return Err(Error::unsupported(
+            format!("head_dim {head_dim} on the CUDA backend"),
+            format!("attention kernels exist for head_dim {HEAD_DIMS:?}"),
+        ));
+    }
+    let group = num_heads / num_kv_heads;
+    let g = *GROUPS.iter().find(|&&g| g >= group).ok_or_else(|| {
+        Error::unsupported(
+            format!("{group} query heads per KV head on the CUDA backend"),
+            "attention kernels serve at most 8",
+        )
+    })?;
+    for s in &batch.seqs {
+        let need = (s.start_pos + s.len).div_ceil(kv.block_size);
+        if s.blocks.len() < need {
+            return Err(Error::InvalidArgument(format!(
+                "a sequence at positions up to {} has {} blocks of {}, needs {need}",
+                s.start_pos + s.len,
+                s.blocks.len(),
+                kv.block_size
+            )));
+        }
+        if let Some(&b) = s.blocks.iter().find(|&&b| b as usize >= kv.num_blocks) {
+            return Err(Error::InvalidArgument(format!(
+                "block {b} is outside the KV pool of {} blocks",
+                kv.num_blocks
+            )));
+        }
+    }
+    be.ensure_meta(None, batch)?;
+    let (positions, tok_seq, tables, max_blocks) =
+        be.with_meta(|m| (m.positions, m.tok_seq, m.block_tables, m.max_blocks));
+    // The split is planned for the padded table width, not the exact context, so a decode step
+    // launches the same grid at every length within a power of two (what a graph replays).
+    let max_ctx = max_blocks * kv.block_size;
+    let (kc, vc) = kv.layer(layer);
+    let dt = be.dtype.suffix();
+
+    be.kernel(&format!("kv_append_{dt}"))?.launch(
+        &be.gpu,
+        (n as u32, 1, 1),
+        128,
+        0,
+        vec![
+            Arg::Ptr(k.ptr),
+            Arg::Ptr(v.ptr),
+            Arg::Ptr(kc),
+            Arg::Ptr(vc),
+            Arg::Ptr(tables),
+            Arg::Ptr(tok_seq),
+            Arg::Ptr(positions),
+            Arg::I32(max_blocks as i32),
+            Arg::I32(kv.block_size as i32),
+            Arg::I32(kv_row as i32),
+            Arg::I32(head_dim as i32),
+        ],
+    )?;
+
+    let split = plan_split(n, num_kv_heads, max_ctx, be.gpu.sm_count);
+    let part = be.alloc(n * num_kv_heads * split.splits * g, head_dim + 2, Elem::F32)?;
+    let out = be.alloc(n, num_heads * head_dim, Elem::Half(be.dtype))?;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    be.kernel(&format!("paged_attn_{dt}_hd{head_dim}_g{g}"))?
+        .launch(
+            &be.gpu,
+            (n as u32, num_kv_heads as u32, split.splits as u32),
+            128,
+            0,
+            vec![
+                Arg::Ptr(q.ptr),
+                Arg::Ptr(kc),
+                Arg::Ptr(vc),
+                Arg::Ptr(tables),
+                Arg::Ptr(tok_seq),
+                Arg::Ptr(positions),
+                Arg::Ptr(part.ptr),
+                Arg::I32(num_kv_heads as i32),
+                Arg::I32(group as i32),
+                Arg::I32(max_blocks as i32),
+                Arg::I32(kv.block_size as i32),
+                Arg::I32(split.chunk as i32),
+                Arg::F32(scale),
+            ],
+        )?;
+    be.kernel(&format!("attn_reduce_{dt}_hd{head_dim}_g{g}"))?
+        .launch(
+            &be.gpu,
+            (n as u32, num_heads as u32, 1),
+            head_dim.min(128) as u32,
+            0,
+            vec![
+                Arg::Ptr(part.ptr),
+                Arg::Ptr(positions),
+                Arg::Ptr(out.ptr),
+                Arg::I32(num_kv_heads as i32),
+                Arg::I32(group as i32),
+                Arg::I32(split.splits as i32),
+                Arg::I32(split.chunk as i32),
+            ],
+        )?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_cover_the_context_and_fill_the_gpu() {
+        for &(tokens, heads, ctx) in &[
+            (1, 8, 4096),
+            (64, 8, 4096),
+            (1, 3, 1),
+            (7, 2, 100),
+            (128, 8, 1024),
+        ] {
+            let s = plan_split(tokens, heads, ctx, 132);
+            assert!(s.splits * s.chunk >= ctx, "{s:?} misses context {ctx}");
+            assert!(
+                (s.splits - 1) * s.chunk < ctx,
+                "{s:?} has an empty split for {ctx}"
+            );
+            assert_eq!(s.chunk % MIN_CHUNK, 0);
+        }
+        // Batch 1 at 4k context: many splits so that every SM has work.
+        let s = plan_split(1, 8, 4096, 132);
+        assert!(s.splits * 8 >= 132, "{s:?}");
+        // A large batch needs no split.
+        assert_eq!(plan_split(128, 8, 1024, 132).splits, 1);
+    }
+}

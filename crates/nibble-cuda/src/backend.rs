@@ -1,0 +1,860 @@
+//! `CudaBackend`: the model's ops on one GPU.
+//!
+//! Precision plan: the residual stream, GEMM outputs, q/k/v and the MLP's gate/up products are
+//! f32; whatever a GEMM or the KV cache reads is the model dtype (bf16 or f16). GEMMs run on
+//! cuBLAS with 16-bit operands and f32 accumulation and output. This keeps the GPU within a few
+//! bf16 roundings of the f32 CPU reference, which is what the greedy-equality test needs.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use half::{bf16, f16};
+use nibble_core::{Error, Result};
+use nibble_formats::gguf::GgmlType;
+use nibble_formats::{HostTensor, WeightFormat};
+use nibble_model::{AttentionShape, Backend, BatchLayout, KvShape, RopeLayout};
+use nibble_precision::KvFormat;
+
+use crate::blas::Blas;
+use crate::compile;
+use crate::graph::GraphCache;
+use crate::kv::CudaKv;
+use crate::runtime::{Arena, Arg, DeviceBuffer, DevicePtr, Gpu, Kernel, StickyError};
+
+/// The 16-bit float type weights, GEMM inputs and the KV cache are stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    Bf16,
+    F16,
+}
+
+impl Dtype {
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        }
+    }
+
+    /// Converts f32 values to this dtype's bit patterns.
+    pub fn encode(self, values: &[f32]) -> Vec<u16> {
+        match self {
+            Dtype::Bf16 => values
+                .iter()
+                .map(|&v| bf16::from_f32(v).to_bits())
+                .collect(),
+            Dtype::F16 => values.iter().map(|&v| f16::from_f32(v).to_bits()).collect(),
+        }
+    }
+
+    pub fn decode(self, bits: &[u16]) -> Vec<f32> {
+        match self {
+            Dtype::Bf16 => bits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
+            Dtype::F16 => bits.iter().map(|&b| f16::from_bits(b).to_f32()).collect(),
+        }
+    }
+}
+
+/// What a tensor's elements are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    F32,
+    Half(Dtype),
+}
+
+impl Elem {
+    pub fn size(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            Elem::Half(_) => 2,
+        }
+    }
+}
+
+/// A row-major matrix on the GPU. Activations live in the per-forward arena and are valid until
+/// the next forward begins (`epoch` says which one); vectors loaded with the model own their
+/// memory (`epoch` 0).
+pub struct CudaTensor {
+    pub ptr: DevicePtr,
+    pub rows: usize,
+    pub cols: usize,
+    pub elem: Elem,
+    epoch: u64,
+    _owner: Option<Arc<DeviceBuffer>>,
+}
+
+impl CudaTensor {
+    pub(crate) fn view(ptr: DevicePtr, rows: usize, cols: usize, elem: Elem, epoch: u64) -> Self {
+        CudaTensor {
+            ptr,
+            rows,
+            cols,
+            elem,
+            epoch,
+            _owner: None,
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.rows * self.cols * self.elem.size()
+    }
+}
+
+/// A weight matrix `[rows, cols]` in the model dtype.
+pub struct CudaWeight {
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: Dtype,
+    pub buf: DeviceBuffer,
+}
+
+/// The device copy of one forward pass's integer metadata, packed in one buffer.
+pub(crate) struct Meta {
+    /// Identifies the `BatchLayout` it was built from (its address and shape): ops compare
+    /// against it instead of walking every block table again.
+    key: (usize, usize, usize),
+    pub tokens: DevicePtr,
+    pub positions: DevicePtr,
+    pub tok_seq: DevicePtr,
+    pub block_tables: DevicePtr,
+    pub last_rows: DevicePtr,
+    pub max_blocks: usize,
+    host_tokens: Vec<u32>,
+    host_last_rows: Vec<usize>,
+}
+
+pub(crate) struct State {
+    pub arena: Arena,
+    pub meta: Option<Meta>,
+    /// Persistent home of the metadata, so a captured graph reads the same addresses each step.
+    meta_buf: Option<DeviceBuffer>,
+    pub graphs: GraphCache,
+}
+
+pub struct CudaBackend {
+    pub gpu: Arc<Gpu>,
+    /// Bytes of every weight loaded so far (benchmarks state their floor with it).
+    weight_bytes: std::sync::atomic::AtomicUsize,
+    pub dtype: Dtype,
+    kernels: HashMap<&'static str, Kernel>,
+    blas: Mutex<Blas>,
+    pub(crate) state: Mutex<State>,
+    err: StickyError,
+    /// Capture decode steps as CUDA graphs (on unless NIBBLE_CUDA_GRAPHS=0).
+    pub graphs_enabled: bool,
+}
+
+const BLOCK: u32 = 256;
+
+fn grid_for(n: usize) -> (u32, u32, u32) {
+    (n.div_ceil(BLOCK as usize).clamp(1, 65535 * 4) as u32, 1, 1)
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, compiles (or loads cached) kernels for it.
+    pub fn new(ordinal: usize, dtype: Dtype) -> Result<CudaBackend> {
+        crate::probe::ensure_driver()?;
+        crate::probe::ensure_libraries()?;
+        let gpu = Gpu::open(ordinal)?;
+        let arch = compile::arch_for(gpu.cc);
+        let include = crate::probe::cuda_include_dir()?;
+        let opts = compile::options(&arch, &include);
+        let mut kernels = HashMap::new();
+        for (name, text) in compile::SOURCES {
+            let src = compile::full_source(text);
+            let cubin = compile::cubin(name, &src, &opts)?;
+            crate::module::load(&gpu, name, &cubin, &mut kernels)?;
+        }
+        let blas = Blas::new(&gpu)?;
+        Ok(CudaBackend {
+            gpu,
+            weight_bytes: Default::default(),
+            dtype,
+            kernels,
+            blas: Mutex::new(blas),
+            state: Mutex::new(State {
+                arena: Arena::new(),
+                meta: None,
+                meta_buf: None,
+                graphs: GraphCache::default(),
+            }),
+            err: StickyError::default(),
+            graphs_enabled: std::env::var("NIBBLE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+        })
+    }
+
+    pub(crate) fn kernel(&self, name: &str) -> Result<Kernel> {
+        self.kernels
+            .get(name)
+            .copied()
+            .ok_or_else(|| Error::unsupported("CUDA kernel", format!("'{name}' was not compiled")))
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A fresh activation tensor in the current forward's arena.
+    pub(crate) fn alloc(&self, rows: usize, cols: usize, elem: Elem) -> Result<CudaTensor> {
+        let mut st = self.lock();
+        let ptr = st.arena.alloc(&self.gpu, rows * cols * elem.size())?;
+        Ok(CudaTensor {
+            ptr,
+            rows,
+            cols,
+            elem,
+            epoch: st.arena.epoch,
+            _owner: None,
+        })
+    }
+
+    /// A tensor made of the f32 values given (tests and metadata use it).
+    pub fn tensor_from_f32(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
+        assert_eq!(data.len(), rows * cols);
+        let t = self.alloc(rows, cols, Elem::F32)?;
+        self.gpu.upload(t.ptr, data)?;
+        Ok(t)
+    }
+
+    /// Records an infallible op's failure and hands back a tensor nothing reads correctly; the
+    /// next fallible op reports the error.
+    fn sticky<T>(&self, r: Result<T>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.err.record(e);
+                None
+            }
+        }
+    }
+
+    fn dead_tensor(&self, rows: usize, cols: usize, elem: Elem) -> CudaTensor {
+        CudaTensor {
+            ptr: 0,
+            rows,
+            cols,
+            elem,
+            epoch: u64::MAX,
+            _owner: None,
+        }
+    }
+
+    /// Fails if an earlier op failed, or if `t` belongs to an earlier forward pass.
+    pub(crate) fn check_live(&self, t: &CudaTensor) -> Result<()> {
+        self.err.check()?;
+        let epoch = self.lock().arena.epoch;
+        if t.epoch != 0 && t.epoch != epoch {
+            return Err(Error::InvalidArgument(
+                "a GPU activation was used after the forward pass that made it ended".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn half_kernel(&self, base: &str) -> Result<Kernel> {
+        self.kernel(&format!("{base}_{}", self.dtype.suffix()))
+    }
+
+    /// Uploads `batch`'s metadata unless the current forward already did.
+    pub(crate) fn ensure_meta(&self, tokens: Option<&[u32]>, batch: &BatchLayout) -> Result<()> {
+        let key = batch_key(batch);
+        {
+            let st = self.lock();
+            if let Some(m) = &st.meta
+                && m.key == key
+                && tokens.is_none_or(|t| t == m.host_tokens.as_slice())
+            {
+                return Ok(());
+            }
+        }
+        let n = batch.num_tokens();
+        let tokens: Vec<u32> = match tokens {
+            Some(t) => t.to_vec(),
+            None => vec![0; n],
+        };
+        if tokens.len() != n {
+            return Err(Error::InvalidArgument(format!(
+                "{} tokens for a batch of {n}",
+                tokens.len()
+            )));
+        }
+        // Padded to a power of two: it is a kernel argument, and graphs are keyed by it.
+        let max_blocks = batch
+            .seqs
+            .iter()
+            .map(|s| s.blocks.len())
+            .max()
+            .unwrap_or(0)
+            .max(1)
+            .next_power_of_two();
+        let s = batch.seqs.len();
+        let mut host: Vec<i32> = Vec::with_capacity(3 * n + s * max_blocks + s);
+        host.extend(tokens.iter().map(|&t| t as i32));
+        host.extend(batch.positions().iter().map(|&p| p as i32));
+        for (i, seq) in batch.seqs.iter().enumerate() {
+            host.extend(std::iter::repeat_n(i as i32, seq.len));
+        }
+        for seq in &batch.seqs {
+            host.extend(seq.blocks.iter().map(|&b| b as i32));
+            host.extend(std::iter::repeat_n(0, max_blocks - seq.blocks.len()));
+        }
+        let last_rows = batch.last_rows();
+        host.extend(last_rows.iter().map(|&r| r as i32));
+        let bytes = host.len() * 4;
+        let mut st = self.lock();
+        if st.meta_buf.as_ref().is_none_or(|b| b.bytes < bytes) {
+            // Graphs read the metadata where it was: they go with the old buffer.
+            self.gpu.synchronize()?;
+            st.graphs.clear();
+            st.meta_buf = Some(DeviceBuffer::alloc(&self.gpu, bytes * 2, "batch metadata")?);
+        }
+        let base = st.meta_buf.as_ref().expect("allocated above").ptr;
+        self.gpu.upload(base, &host)?;
+        let at = |i: usize| base + (i * 4) as u64;
+        st.meta = Some(Meta {
+            key,
+            tokens: at(0),
+            positions: at(n),
+            tok_seq: at(2 * n),
+            block_tables: at(3 * n),
+            last_rows: at(3 * n + s * max_blocks),
+            max_blocks,
+            host_tokens: tokens,
+            host_last_rows: last_rows,
+        });
+        Ok(())
+    }
+
+    pub(crate) fn with_meta<R>(&self, f: impl FnOnce(&Meta) -> R) -> R {
+        let st = self.lock();
+        f(st.meta.as_ref().expect("ensure_meta ran"))
+    }
+
+    fn launch(&self, k: &str, grid: (u32, u32, u32), block: u32, args: Vec<Arg>) -> Result<()> {
+        self.kernel(k)?.launch(&self.gpu, grid, block, 0, args)
+    }
+
+    fn rms_norm_into(
+        &self,
+        x: &CudaTensor,
+        delta: Option<&CudaTensor>,
+        weight: &CudaTensor,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        expect_f32(x, "rms_norm input")?;
+        if weight.cols != x.cols {
+            return Err(Error::InvalidArgument(format!(
+                "rms_norm: {} features, weight of {}",
+                x.cols, weight.cols
+            )));
+        }
+        let out = self.alloc(x.rows, x.cols, Elem::Half(self.dtype))?;
+        self.half_kernel("rms_norm")?.launch(
+            &self.gpu,
+            (x.rows as u32, 1, 1),
+            norm_block(x.cols),
+            0,
+            vec![
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(delta.map_or(0, |d| d.ptr)),
+                Arg::Ptr(weight.ptr),
+                Arg::Ptr(out.ptr),
+                Arg::I32(x.cols as i32),
+                Arg::F32(eps),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    /// `x` as the model dtype (a cast when it is f32).
+    fn as_half(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        match x.elem {
+            Elem::Half(d) if d == self.dtype => Ok(CudaTensor {
+                ptr: x.ptr,
+                rows: x.rows,
+                cols: x.cols,
+                elem: x.elem,
+                epoch: x.epoch,
+                _owner: x._owner.clone(),
+            }),
+            Elem::F32 => {
+                let out = self.alloc(x.rows, x.cols, Elem::Half(self.dtype))?;
+                let n = x.rows * x.cols;
+                self.half_kernel("cast")?.launch(
+                    &self.gpu,
+                    grid_for(n),
+                    BLOCK,
+                    0,
+                    vec![Arg::Ptr(x.ptr), Arg::Ptr(out.ptr), Arg::I64(n as i64)],
+                )?;
+                Ok(out)
+            }
+            Elem::Half(d) => Err(Error::InvalidArgument(format!(
+                "a {d:?} activation on a {:?} backend",
+                self.dtype
+            ))),
+        }
+    }
+
+    /// Test support: recycles the activation arena with room for `bytes` and fills it with 0xFF
+    /// bytes, NaN as f32, bf16 and f16 alike, so an output element a kernel fails to write reads
+    /// as NaN. Tensors made before this call are invalid afterwards.
+    pub fn poison_activations(&self, bytes: usize) -> Result<()> {
+        let mut st = self.lock();
+        st.meta = None;
+        st.graphs.clear();
+        let (ptr, len) = st.arena.reserve(&self.gpu, bytes)?;
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xFF, len, self.gpu.cu_stream()) }
+            .map_err(|e| crate::runtime::driver_err("memset", e))?;
+        Ok(())
+    }
+
+    /// Graph replays and captures so far (tests check that decode steps replay).
+    pub fn graph_counts(&self) -> (u64, u64) {
+        let st = self.lock();
+        (st.graphs.replays, st.graphs.captures)
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A weight read as a 16-bit activation matrix (benchmarks feed a GEMM with it).
+    pub fn weight_as_input(&self, w: &CudaWeight) -> CudaTensor {
+        CudaTensor::view(w.buf.ptr, w.rows, w.cols, Elem::Half(w.dtype), 0)
+    }
+
+    /// An f32 activation of uniform values in [-1, 1).
+    pub fn random_activation(&self, rows: usize, cols: usize, seed: i32) -> Result<CudaTensor> {
+        let t = self.alloc(rows, cols, Elem::F32)?;
+        let n = rows * cols;
+        self.launch(
+            "fill_random_f32",
+            grid_for(n),
+            BLOCK,
+            vec![Arg::Ptr(t.ptr), Arg::I64(n as i64), Arg::I32(seed)],
+        )?;
+        Ok(t)
+    }
+
+    /// Fills a whole KV pool with uniform values in [-1, 1).
+    pub fn fill_kv_random(&self, kv: &CudaKv, seed: i32) -> Result<()> {
+        let n = kv.num_blocks * kv.block_size * kv.shape.num_kv_heads * kv.shape.head_dim;
+        for layer in 0..kv.shape.num_layers {
+            let (k, v) = kv.layer(layer);
+            for (i, p) in [k, v].into_iter().enumerate() {
+                self.half_kernel("fill_random")?.launch(
+                    &self.gpu,
+                    grid_for(n),
+                    BLOCK,
+                    0,
+                    vec![
+                        Arg::Ptr(p),
+                        Arg::I64(n as i64),
+                        Arg::I32(seed + 2 * layer as i32 + i as i32),
+                    ],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills an f32 tensor with `value` (tests poison outputs with NaN).
+    pub fn fill(&self, t: &CudaTensor, value: f32) -> Result<()> {
+        let n = t.bytes() / 4;
+        self.launch(
+            "fill_f32",
+            grid_for(n),
+            BLOCK,
+            vec![Arg::Ptr(t.ptr), Arg::F32(value), Arg::I64(n as i64)],
+        )
+    }
+}
+
+pub(crate) fn batch_key(batch: &BatchLayout) -> (usize, usize, usize) {
+    (
+        batch as *const BatchLayout as usize,
+        batch.seqs.len(),
+        batch
+            .seqs
+            .first()
+            .map_or(0, |s| s.start_pos * 65536 + s.len),
+    )
+}
+
+fn norm_block(cols: usize) -> u32 {
+    (cols.div_ceil(4).next_power_of_two()).clamp(32, 1024) as u32
+}
+
+fn expect_f32(t: &CudaTensor, what: &str) -> Result<()> {
+    if t.elem != Elem::F32 {
+        return Err(Error::InvalidArgument(format!(
+            "{what} must be f32, got {:?}",
+            t.elem
+        )));
+    }
+    Ok(())
+}
+
+/// Host bits of a weight in `dtype`: 16-bit files of the same dtype as they are, anything else
+/// (f32, the other 16-bit type, ggml blocks, nibble's quantized formats) decoded to f32 first.
+/// Quantized formats run dequantized here until their GPU kernels exist.
+fn weight_bits(t: &HostTensor, dtype: Dtype) -> Result<Vec<u16>> {
+    match (t.format, dtype) {
+        (WeightFormat::Ggml(GgmlType::BF16), Dtype::Bf16)
+        | (WeightFormat::Ggml(GgmlType::F16), Dtype::F16) => Ok(t
+            .bytes
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect()),
+        _ => Ok(dtype.encode(&t.to_f32()?)),
+    }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Weight = CudaWeight;
+    type Kv = CudaKv;
+
+    fn name(&self) -> String {
+        format!(
+            "cuda:{} ({}, sm_{}{}, {})",
+            self.gpu.ordinal,
+            self.gpu.name,
+            self.gpu.cc.0,
+            self.gpu.cc.1,
+            self.dtype.suffix()
+        )
+    }
+
+    fn load_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
+        if t.shape.len() != 2 {
+            return Err(Error::ShapeMismatch {
+                name: t.name.clone(),
+                expected: vec![0, 0],
+                found: t.shape.clone(),
+            });
+        }
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        let need = t
+            .format
+            .row_bytes(cols)
+            .map_err(|e| Error::unsupported(format!("tensor '{}'", t.name), e.to_string()))?
+            * rows;
+        if t.bytes.len() != need {
+            return Err(Error::corrupt(
+                &t.name,
+                format!("{} bytes of data where {need} are needed", t.bytes.len()),
+            ));
+        }
+        let bits = weight_bits(t, self.dtype)?;
+        let buf = DeviceBuffer::from_host(&self.gpu, &bits, &format!("weight '{}'", t.name))?;
+        self.weight_bytes
+            .fetch_add(bits.len() * 2, std::sync::atomic::Ordering::Relaxed);
+        Ok(CudaWeight {
+            rows,
+            cols,
+            dtype: self.dtype,
+            buf,
+        })
+    }
+
+    fn load_vector(&self, values: &[f32]) -> Result<CudaTensor> {
+        let buf = Arc::new(DeviceBuffer::from_host(&self.gpu, values, "vector")?);
+        Ok(CudaTensor {
+            ptr: buf.ptr,
+            rows: 1,
+            cols: values.len(),
+            elem: Elem::F32,
+            epoch: 0,
+            _owner: Some(buf),
+        })
+    }
+
+    fn new_kv_pool(&self, shape: KvShape, num_blocks: usize, block_size: usize) -> Result<CudaKv> {
+        if shape.format != KvFormat::F16 {
+            return Err(Error::unsupported(
+                format!("KV cache format {} on the CUDA backend", shape.format),
+                "only kv16 (the model dtype) runs on the GPU so far; use --kv kv16 or --device cpu",
+            ));
+        }
+        CudaKv::new(&self.gpu, shape, num_blocks, block_size, self.dtype)
+    }
+
+    fn release_kv_blocks(&self, _kv: &mut CudaKv, _blocks: &[u32]) {
+        // kv16 keeps no per-block state beyond the cache itself.
+    }
+
+    fn begin_forward(&self, tokens: &[u32], batch: &BatchLayout) -> Result<()> {
+        self.err.check()?;
+        self.gpu.bind()?;
+        {
+            let mut st = self.lock();
+            if st.arena.reset(&self.gpu)? {
+                st.graphs.clear();
+            }
+            st.meta = None;
+        }
+        self.ensure_meta(Some(tokens), batch)
+    }
+
+    fn run_forward(
+        &self,
+        model: usize,
+        kv: &mut CudaKv,
+        batch: &BatchLayout,
+        body: &mut dyn FnMut(&mut CudaKv) -> Result<CudaTensor>,
+    ) -> Result<CudaTensor> {
+        let id = kv.id;
+        crate::graph::run_forward(self, model, id, batch, &mut || body(kv))
+    }
+
+    fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor> {
+        self.err.check()?;
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= table.rows) {
+            return Err(Error::InvalidArgument(format!(
+                "token id {bad} outside the {}-row embedding table",
+                table.rows
+            )));
+        }
+        // The forward's metadata already holds these ids; other callers get them uploaded.
+        let staged = {
+            let st = self.lock();
+            st.meta
+                .as_ref()
+                .filter(|m| m.host_tokens == ids)
+                .map(|m| m.tokens)
+        };
+        let ids_ptr = match staged {
+            Some(p) => p,
+            None => {
+                let t = self.alloc(1, ids.len().max(1), Elem::F32)?;
+                self.gpu.upload(t.ptr, ids)?;
+                t.ptr
+            }
+        };
+        let out = self.alloc(ids.len(), table.cols, Elem::F32)?;
+        self.half_kernel("embed")?.launch(
+            &self.gpu,
+            (ids.len() as u32, 1, 1),
+            norm_block(table.cols),
+            0,
+            vec![
+                Arg::Ptr(table.buf.ptr),
+                Arg::Ptr(ids_ptr),
+                Arg::Ptr(out.ptr),
+                Arg::I32(table.cols as i32),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32) -> CudaTensor {
+        let r = self.rms_norm_into(x, None, weight, eps);
+        self.sticky(r)
+            .unwrap_or_else(|| self.dead_tensor(x.rows, x.cols, Elem::Half(self.dtype)))
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        delta: &CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+    ) -> CudaTensor {
+        let r = expect_f32(delta, "residual delta")
+            .and_then(|()| self.rms_norm_into(x, Some(delta), weight, eps));
+        self.sticky(r)
+            .unwrap_or_else(|| self.dead_tensor(x.rows, x.cols, Elem::Half(self.dtype)))
+    }
+
+    fn head_rms_norm(&self, x: &mut CudaTensor, weight: &CudaTensor, head_dim: usize, eps: f32) {
+        let r = expect_f32(x, "head_rms_norm input").and_then(|()| {
+            let heads = x.rows * x.cols / head_dim;
+            self.launch(
+                "head_rms_norm",
+                (heads.div_ceil(8) as u32, 1, 1),
+                256,
+                vec![
+                    Arg::Ptr(x.ptr),
+                    Arg::Ptr(weight.ptr),
+                    Arg::I32(head_dim as i32),
+                    Arg::I64(heads as i64),
+                    Arg::F32(eps),
+                ],
+            )
+        });
+        self.sticky(r);
+    }
+
+    fn linear(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        bias: Option<&CudaTensor>,
+    ) -> Result<CudaTensor> {
+        self.check_live(x)?;
+        if x.cols != weight.cols {
+            return Err(Error::InvalidArgument(format!(
+                "linear: input has {} features, weight expects {}",
+                x.cols, weight.cols
+            )));
+        }
+        let xh = self.as_half(x)?;
+        let out = self.alloc(x.rows, weight.rows, Elem::F32)?;
+        self.blas
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .gemm(&self.gpu, &xh, weight, &out)?;
+        if let Some(b) = bias {
+            let n = out.rows * out.cols;
+            self.launch(
+                "add_bias",
+                grid_for(n),
+                BLOCK,
+                vec![
+                    Arg::Ptr(out.ptr),
+                    Arg::Ptr(b.ptr),
+                    Arg::I32(out.cols as i32),
+                    Arg::I64(n as i64),
+                ],
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaTensor,
+        head_dim: usize,
+        batch: &BatchLayout,
+        inv_freq: &CudaTensor,
+        layout: RopeLayout,
+    ) {
+        let r = expect_f32(x, "rope input")
+            .and_then(|()| self.ensure_meta(None, batch))
+            .and_then(|()| {
+                let positions = self.with_meta(|m| m.positions);
+                self.launch(
+                    "rope",
+                    (x.rows as u32, 1, 1),
+                    norm_block(x.cols / 2),
+                    vec![
+                        Arg::Ptr(x.ptr),
+                        Arg::Ptr(positions),
+                        Arg::Ptr(inv_freq.ptr),
+                        Arg::I32(x.cols as i32),
+                        Arg::I32(head_dim as i32),
+                        Arg::I32(i32::from(layout == RopeLayout::Interleaved)),
+                    ],
+                )
+            });
+        self.sticky(r);
+    }
+
+    fn attention(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        kv: &mut CudaKv,
+        layer: usize,
+        batch: &BatchLayout,
+        shape: AttentionShape,
+    ) -> Result<CudaTensor> {
+        self.check_live(q)?;
+        crate::attention::attention(self, q, k, v, kv, layer, batch, shape)
+    }
+
+    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
+        let r = expect_f32(gate, "gate")
+            .and_then(|()| expect_f32(up, "up"))
+            .and_then(|()| {
+                let out = self.alloc(gate.rows, gate.cols, Elem::Half(self.dtype))?;
+                let n = gate.rows * gate.cols;
+                self.half_kernel("silu_mul")?.launch(
+                    &self.gpu,
+                    grid_for(n),
+                    BLOCK,
+                    0,
+                    vec![
+                        Arg::Ptr(gate.ptr),
+                        Arg::Ptr(up.ptr),
+                        Arg::Ptr(out.ptr),
+                        Arg::I64(n as i64),
+                    ],
+                )?;
+                Ok(out)
+            });
+        self.sticky(r)
+            .unwrap_or_else(|| self.dead_tensor(gate.rows, gate.cols, Elem::Half(self.dtype)))
+    }
+
+    fn add(&self, x: &mut CudaTensor, delta: &CudaTensor) {
+        let r = expect_f32(x, "add target")
+            .and_then(|()| expect_f32(delta, "add delta"))
+            .and_then(|()| {
+                let n = x.rows * x.cols;
+                self.launch(
+                    "add_f32",
+                    grid_for(n),
+                    BLOCK,
+                    vec![Arg::Ptr(x.ptr), Arg::Ptr(delta.ptr), Arg::I64(n as i64)],
+                )
+            });
+        self.sticky(r);
+    }
+
+    fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
+        let r = expect_f32(x, "gather input").and_then(|()| {
+            let staged = {
+                let st = self.lock();
+                st.meta
+                    .as_ref()
+                    .filter(|m| m.host_last_rows == rows)
+                    .map(|m| m.last_rows)
+            };
+            let rows_ptr = match staged {
+                Some(p) => p,
+                None => {
+                    let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+                    let t = self.alloc(1, idx.len().max(1), Elem::F32)?;
+                    self.gpu.upload(t.ptr, &idx)?;
+                    t.ptr
+                }
+            };
+            let out = self.alloc(rows.len(), x.cols, Elem::F32)?;
+            self.launch(
+                "gather_rows",
+                (rows.len() as u32, 1, 1),
+                norm_block(x.cols),
+                vec![
+                    Arg::Ptr(x.ptr),
+                    Arg::Ptr(rows_ptr),
+                    Arg::Ptr(out.ptr),
+                    Arg::I32(x.cols as i32),
+                ],
+            )?;
+            Ok(out)
+        });
+        self.sticky(r)
+            .unwrap_or_else(|| self.dead_tensor(rows.len(), x.cols, Elem::F32))
+    }
+
+    fn to_host(&self, x: &CudaTensor) -> Result<Vec<f32>> {
+        self.check_live(x)?;
+        let n = x.rows * x.cols;
+        match x.elem {
+            Elem::F32 => {
+                let mut out = vec![0f32; n];
+                self.gpu.download(&mut out, x.ptr)?;
+                Ok(out)
+            }
+            Elem::Half(d) => {
+                let mut bits = vec![0u16; n];
+                self.gpu.download(&mut bits, x.ptr)?;
+                Ok(d.decode(&bits))
+            }
+        }
+    }
+}

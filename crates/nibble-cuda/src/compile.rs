@@ -1,0 +1,156 @@
+//! Kernels are CUDA C++ embedded in the binary and compiled with NVRTC for the GPU found, to a
+//! cubin for its exact architecture (`sm_90a` on Hopper, so wgmma, TMA and setmaxnreg are there).
+//! Cubins are cached on disk, keyed by the source, the options and the NVRTC version, so a model
+//! starts without compiling anything after the first run.
+
+use std::ffi::{CStr, CString, c_char};
+use std::path::{Path, PathBuf};
+
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use nibble_core::{Error, Result};
+use sha2::{Digest, Sha256};
+
+/// Every kernel source: (module name, text). `common.cuh` is prepended to each.
+pub const COMMON: &str = include_str!("../kernels/common.cuh");
+pub const SOURCES: &[(&str, &str)] = &[
+    ("elementwise", include_str!("../kernels/elementwise.cu")),
+    ("attention", include_str!("../kernels/attention.cu")),
+];
+
+/// The NVRTC `--gpu-architecture` for a compute capability: the `a` variant on Hopper and later
+/// data-center parts, whose arch-specific instructions (wgmma, setmaxnreg) need it.
+pub fn arch_for(cc: (i32, i32)) -> String {
+    match cc {
+        (9, 0) => "sm_90a".into(),
+        (10, 0) => "sm_100a".into(),
+        (maj, min) => format!("sm_{maj}{min}"),
+    }
+}
+
+pub fn options(arch: &str, include: &Path) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        format!("--include-path={}", include.display()),
+        "--std=c++17".into(),
+        "--fmad=true".into(),
+        "-default-device".into(),
+        "-lineinfo".into(),
+    ]
+}
+
+fn nvrtc_version() -> (i32, i32) {
+    let (mut major, mut minor) = (0, 0);
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) };
+    (major, minor)
+}
+
+/// Where compiled kernels are kept: `$NIBBLE_KERNEL_CACHE`, else `~/.cache/nibble/kernels`.
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("NIBBLE_KERNEL_CACHE") {
+        return Some(PathBuf::from(p));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("nibble").join("kernels"))
+}
+
+pub fn cache_key(source: &str, options: &[String]) -> String {
+    let mut h = Sha256::new();
+    h.update(source.as_bytes());
+    for o in options {
+        h.update([0u8]);
+        h.update(o.as_bytes());
+    }
+    let (maj, min) = nvrtc_version();
+    h.update(format!("nvrtc {maj}.{min}").as_bytes());
+    h.finalize()
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The full text NVRTC compiles for module `name`.
+pub fn full_source(text: &str) -> String {
+    format!("{COMMON}\n{text}")
+}
+
+/// Compiles `source` to a cubin, or loads it from the cache. A compile error carries NVRTC's log.
+pub fn cubin(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
+    let key = cache_key(source, options);
+    let cached = cache_dir().map(|d| d.join(format!("{name}-{key}.cubin")));
+    if let Some(path) = &cached
+        && let Ok(bytes) = std::fs::read(path)
+        && !bytes.is_empty()
+    {
+        return Ok(bytes);
+    }
+    let bytes = compile(name, source, options)?;
+    if let Some(path) = &cached {
+        // Best effort: a read-only home must not stop the model from running.
+        let _ = store_atomically(path, &bytes);
+    }
+    Ok(bytes)
+}
+
+fn store_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".tmp-{}-{}", std::process::id(), rand_suffix()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+fn rand_suffix() -> u64 {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// NVRTC, uncached. Also used by the kernel-compile check that runs without a GPU.
+pub fn compile(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
+    let fail = |what: &str, detail: String| {
+        Error::unsupported(format!("compiling CUDA kernels '{name}' ({what})"), detail)
+    };
+    let src = CString::new(source).map_err(|_| fail("source", "contains a NUL byte".into()))?;
+    let cname = CString::new(format!("{name}.cu")).expect("kernel names hold no NUL");
+    let prog =
+        nvrtc::create_program(&src, Some(&cname)).map_err(|e| fail("create", format!("{e:?}")))?;
+    let compiled = unsafe { nvrtc::compile_program(prog, options) };
+    let result = match compiled {
+        Err(e) => {
+            let log = unsafe { nvrtc::get_program_log(prog) }
+                .map(|raw| {
+                    unsafe { CStr::from_ptr(raw.as_ptr()) }
+                        .to_string_lossy()
+                        .into_owned()
+                })
+                .unwrap_or_default();
+            Err(fail(
+                "NVRTC",
+                format!("{e:?} with options {options:?}\n{log}"),
+            ))
+        }
+        Ok(()) => unsafe { get_cubin(prog) }.map_err(|e| fail("cubin", e)),
+    };
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    result
+}
+
+unsafe fn get_cubin(prog: nvrtc_sys::nvrtcProgram) -> std::result::Result<Vec<u8>, String> {
+    let mut size = 0usize;
+    let r = unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) };
+    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+        return Err(format!(
+            "no cubin ({r:?}); was a virtual architecture (compute_XX) given?"
+        ));
+    }
+    let mut buf = vec![0u8; size];
+    let r = unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char) };
+    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(format!("{r:?}"));
+    }
+    Ok(buf)
+}

@@ -1,0 +1,78 @@
+//! The paged KV pool on the GPU: per layer, keys and values as `[blocks, kv_heads, block_size,
+//! head_dim]` in the model dtype, so one head's rows of a block are contiguous for attention. Which blocks a sequence
+//! owns is the engine's business; the pool only stores what the batch's block tables name.
+
+use std::sync::Arc;
+
+use nibble_core::{Error, Result};
+use nibble_model::KvShape;
+
+use crate::backend::Dtype;
+use crate::runtime::{DeviceBuffer, DevicePtr, Gpu};
+
+pub struct CudaKv {
+    pub shape: KvShape,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub dtype: Dtype,
+    k: DeviceBuffer,
+    v: DeviceBuffer,
+    /// Elements per layer in each of `k` and `v`.
+    layer_elems: usize,
+    /// Distinguishes pools in the graph cache (a graph bakes in the pool's addresses).
+    pub id: u64,
+}
+
+impl CudaKv {
+    pub fn new(
+        gpu: &Arc<Gpu>,
+        shape: KvShape,
+        num_blocks: usize,
+        block_size: usize,
+        dtype: Dtype,
+    ) -> Result<CudaKv> {
+        if num_blocks == 0 || block_size == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "a KV pool of {num_blocks} blocks of {block_size} tokens"
+            )));
+        }
+        let layer_elems = num_blocks * block_size * shape.num_kv_heads * shape.head_dim;
+        let bytes = layer_elems
+            .checked_mul(shape.num_layers * 2)
+            .ok_or_else(|| Error::InvalidArgument("KV pool size overflows".into()))?;
+        let k = DeviceBuffer::alloc(gpu, bytes, "the KV cache (keys)")?;
+        let v = DeviceBuffer::alloc(gpu, bytes, "the KV cache (values)")?;
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Ok(CudaKv {
+            shape,
+            num_blocks,
+            block_size,
+            dtype,
+            k,
+            v,
+            layer_elems,
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        })
+    }
+
+    /// Device addresses of layer `layer`'s keys and values.
+    pub fn layer(&self, layer: usize) -> (DevicePtr, DevicePtr) {
+        let off = (layer * self.layer_elems * 2) as u64;
+        (self.k.ptr + off, self.v.ptr + off)
+    }
+
+    /// Bytes one token takes in the pool over all layers (K and V).
+    pub fn bytes_per_token(&self) -> usize {
+        self.shape.num_layers * 2 * self.shape.num_kv_heads * self.shape.head_dim * 2
+    }
+
+    /// Copies one layer's keys and values to the host (tests read the cache back with it).
+    pub fn read_layer(&self, gpu: &Gpu, layer: usize) -> Result<(Vec<u16>, Vec<u16>)> {
+        let (kp, vp) = self.layer(layer);
+        let mut k = vec![0u16; self.layer_elems];
+        let mut v = vec![0u16; self.layer_elems];
+        gpu.download(&mut k, kp)?;
+        gpu.download(&mut v, vp)?;
+        Ok((k, v))
+    }
+}

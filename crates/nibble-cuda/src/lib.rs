@@ -1,0 +1,98 @@
+//! The CUDA backend. Kernels are CUDA C++ sources embedded in the binary and compiled at run time
+//! with NVRTC for the GPU found (`compile`), GEMMs go through cuBLAS (`blas`), attention reads a
+//! paged KV cache (`kv`, `attention`), and decode steps replay as CUDA graphs (`graph`).
+//!
+//! Everything CUDA is loaded at run time (cudarc's dynamic loading), so nibble builds and runs
+//! its CPU paths on machines with no CUDA at all; `probe` checks for the libraries first, since
+//! a missing one would otherwise panic inside cudarc.
+
+mod attention;
+mod backend;
+mod blas;
+pub mod compile;
+mod graph;
+mod kv;
+pub mod module;
+pub mod probe;
+mod runtime;
+
+pub use attention::{HEAD_DIMS, Split, plan_split};
+pub use backend::{CudaBackend, CudaTensor, CudaWeight, Dtype, Elem};
+pub use kv::CudaKv;
+pub use probe::cuda_available;
+pub use runtime::{DeviceBuffer, Gpu};
+
+use nibble_core::{Error, Result};
+
+/// Where the model runs, as `--device` spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    /// CUDA GPU 0 when one is usable, else the CPU.
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Device> {
+        match s {
+            "auto" => Ok(Device::Auto),
+            "cpu" => Ok(Device::Cpu),
+            "cuda" | "gpu" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "unknown device '{s}': use auto, cpu, cuda or cuda:N"
+                    ))
+                }),
+        }
+    }
+}
+
+impl Device {
+    /// `Auto` made concrete: CUDA 0 if a driver, a GPU, NVRTC and cuBLAS are all there.
+    pub fn resolve(self) -> Device {
+        match self {
+            Device::Auto if cuda_available() => Device::Cuda(0),
+            Device::Auto => Device::Cpu,
+            d => d,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_parse() {
+        assert_eq!("auto".parse::<Device>().unwrap(), Device::Auto);
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+        for bad in ["cuda:", "cuda:x", "tpu", "", "cuda:-1"] {
+            let e = bad.parse::<Device>().unwrap_err().to_string();
+            assert!(e.contains("unknown device"), "{bad}: {e}");
+        }
+    }
+
+    /// On a machine without a GPU, asking for one is an error that says why, never a panic.
+    #[test]
+    fn no_gpu_is_a_clear_error() {
+        if cuda_available() {
+            return;
+        }
+        let e = CudaBackend::new(0, Dtype::Bf16).err().expect("no GPU here");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("driver") || msg.contains("GPU") || msg.contains("NVRTC"),
+            "{msg}"
+        );
+        assert_eq!(Device::Auto.resolve(), Device::Cpu);
+    }
+}

@@ -1,0 +1,311 @@
+//! The device, its one stream, device memory and kernel launches, on cudarc's thin `result`
+//! layer. nibble runs every op on one stream in issue order, so buffers need none of cudarc's
+//! per-slice event tracking; raw device pointers keep launches cheap and make a decode step
+//! capturable as a CUDA graph.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+use cudarc::driver::{CudaContext, CudaStream};
+use nibble_core::{Error, Result};
+
+pub type DevicePtr = sys::CUdeviceptr;
+
+pub(crate) fn driver_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::unsupported(format!("CUDA {what}"), format!("{e:?}"))
+}
+
+/// An out-of-memory error that says how much was asked for and how much was free.
+pub(crate) fn oom(what: &str, bytes: usize) -> Error {
+    let free = cu::mem_get_info().map(|(f, _)| f).unwrap_or(0);
+    Error::LimitExceeded {
+        what: format!("GPU memory for {what} (bytes; {} MiB free)", free >> 20),
+        value: bytes,
+        limit: free,
+    }
+}
+
+/// The GPU nibble runs on: its context, its stream and what kernels are compiled for.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub ordinal: usize,
+    pub name: String,
+    /// Compute capability, e.g. (9, 0) for Hopper.
+    pub cc: (i32, i32),
+    pub sm_count: usize,
+    pub total_mem: usize,
+}
+
+impl Gpu {
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
+        crate::probe::ensure_driver()?;
+        let count = CudaContext::device_count().map_err(|e| driver_err("device count", e))?;
+        if ordinal >= count as usize {
+            return Err(Error::InvalidArgument(format!(
+                "cuda:{ordinal} asked for, but the driver sees {count} GPU(s)"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("context", e))?;
+        // One stream in issue order: cudarc's cross-stream event tracking would only add work.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| driver_err("stream", e))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| driver_err("compute capability", e))?;
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver_err("attribute", e))? as usize;
+        Ok(Arc::new(Gpu {
+            name: ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
+            total_mem: ctx.total_mem().unwrap_or(0),
+            ctx,
+            stream,
+            ordinal,
+            cc,
+            sm_count,
+        }))
+    }
+
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("context bind", e))
+    }
+
+    pub fn cu_stream(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_err("stream synchronize (an earlier kernel failed)", e))
+    }
+
+    pub fn upload<T: Copy>(&self, dst: DevicePtr, src: &[T]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        unsafe { cu::memcpy_htod_async(dst, src, self.cu_stream()) }
+            .map_err(|e| driver_err("copy to device", e))
+    }
+
+    pub fn download<T: Copy>(&self, dst: &mut [T], src: DevicePtr) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        unsafe { cu::memcpy_dtoh_async(dst, src, self.cu_stream()) }
+            .map_err(|e| driver_err("copy to host", e))?;
+        self.synchronize()
+    }
+
+    pub fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }
+            .map_err(|e| driver_err("device copy", e))
+    }
+
+    pub fn free_memory(&self) -> usize {
+        cu::mem_get_info().map(|(f, _)| f).unwrap_or(0)
+    }
+}
+
+/// Device memory owned by Rust: weights, vectors, KV pools, the activation arena.
+pub struct DeviceBuffer {
+    pub ptr: DevicePtr,
+    pub bytes: usize,
+    gpu: Arc<Gpu>,
+}
+
+impl DeviceBuffer {
+    pub fn alloc(gpu: &Arc<Gpu>, bytes: usize, what: &str) -> Result<DeviceBuffer> {
+        gpu.bind()?;
+        let ptr = unsafe { cu::malloc_sync(bytes.max(256)) }.map_err(|_| oom(what, bytes))?;
+        Ok(DeviceBuffer {
+            ptr,
+            bytes,
+            gpu: gpu.clone(),
+        })
+    }
+
+    pub fn from_host<T: Copy>(gpu: &Arc<Gpu>, data: &[T], what: &str) -> Result<DeviceBuffer> {
+        let buf = DeviceBuffer::alloc(gpu, std::mem::size_of_val(data), what)?;
+        gpu.upload(buf.ptr, data)?;
+        Ok(buf)
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // cuMemFree waits for work that may still read the buffer.
+        let _ = self.gpu.bind();
+        let _ = unsafe { cu::free_sync(self.ptr) };
+    }
+}
+
+/// Per-forward scratch memory: every activation of one forward pass is bump-allocated here and
+/// the whole arena is recycled when the next forward begins. Allocation is a pointer add, and a
+/// decode step replays with the same addresses, which is what lets it be captured as a graph.
+/// A forward that outgrows the arena gets extra buffers; the next reset folds them into one.
+pub struct Arena {
+    main: Option<DeviceBuffer>,
+    used: usize,
+    extra: Vec<DeviceBuffer>,
+    extra_bytes: usize,
+    /// Bumped by every reset; tensors carry the epoch they were made in.
+    pub epoch: u64,
+}
+
+const ALIGN: usize = 256;
+
+impl Arena {
+    pub fn new() -> Arena {
+        Arena {
+            main: None,
+            used: 0,
+            extra: Vec::new(),
+            extra_bytes: 0,
+            epoch: 1,
+        }
+    }
+
+    pub fn alloc(&mut self, gpu: &Arc<Gpu>, bytes: usize) -> Result<DevicePtr> {
+        let bytes = bytes.div_ceil(ALIGN) * ALIGN;
+        if let Some(m) = &self.main
+            && self.used + bytes <= m.bytes
+        {
+            let p = m.ptr + self.used as u64;
+            self.used += bytes;
+            return Ok(p);
+        }
+        let buf = DeviceBuffer::alloc(gpu, bytes, "activations")?;
+        let p = buf.ptr;
+        self.extra_bytes += bytes;
+        self.extra.push(buf);
+        Ok(p)
+    }
+
+    /// Starts a new forward pass; returns whether the main buffer moved (it grew).
+    pub fn reset(&mut self, gpu: &Arc<Gpu>) -> Result<bool> {
+        self.epoch += 1;
+        self.used = 0;
+        if !self.extra.is_empty() {
+            let want = self.main.as_ref().map_or(0, |m| m.bytes) + self.extra_bytes;
+            self.extra.clear();
+            self.extra_bytes = 0;
+            self.main = None;
+            self.main = Some(DeviceBuffer::alloc(gpu, want + want / 4, "activations")?);
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Whether everything allocated since the reset came from the main buffer (a graph may
+    /// only be kept then: extra buffers are freed at the next reset).
+    pub fn settled(&self) -> bool {
+        self.extra.is_empty() && self.main.is_some()
+    }
+
+    /// Empties the arena and makes its main buffer at least `bytes`; returns that buffer.
+    pub fn reserve(&mut self, gpu: &Arc<Gpu>, bytes: usize) -> Result<(DevicePtr, usize)> {
+        self.reset(gpu)?;
+        if self.main.as_ref().is_none_or(|m| m.bytes < bytes) {
+            self.main = None;
+            self.main = Some(DeviceBuffer::alloc(gpu, bytes, "activations")?);
+        }
+        let m = self.main.as_ref().expect("allocated above");
+        Ok((m.ptr, m.bytes))
+    }
+
+    pub fn used(&self) -> usize {
+        self.used
+    }
+
+    /// After a graph replay: the replayed step's activations occupy the first `used` bytes.
+    pub fn set_used(&mut self, used: usize) {
+        self.used = used;
+    }
+}
+
+/// A kernel argument: what `cuLaunchKernel` reads through its `void**`.
+pub enum Arg {
+    Ptr(DevicePtr),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+impl Arg {
+    fn as_void(&mut self) -> *mut c_void {
+        match self {
+            Arg::Ptr(p) => p as *mut DevicePtr as *mut c_void,
+            Arg::I32(v) => v as *mut i32 as *mut c_void,
+            Arg::I64(v) => v as *mut i64 as *mut c_void,
+            Arg::F32(v) => v as *mut f32 as *mut c_void,
+        }
+    }
+}
+
+/// A compiled kernel entry point.
+#[derive(Clone, Copy)]
+pub struct Kernel {
+    pub func: sys::CUfunction,
+    pub name: &'static str,
+}
+
+unsafe impl Send for Kernel {}
+unsafe impl Sync for Kernel {}
+
+impl Kernel {
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        mut args: Vec<Arg>,
+    ) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        let mut params: Vec<*mut c_void> = args.iter_mut().map(Arg::as_void).collect();
+        unsafe {
+            cu::launch_kernel(
+                self.func,
+                grid,
+                (block, 1, 1),
+                smem,
+                gpu.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| driver_err(&format!("launch of {}", self.name), e))
+    }
+}
+
+/// The first error of an op that cannot return one (the `Backend` trait's infallible ops); the
+/// next fallible op reports it. Kernel faults are sticky in CUDA anyway.
+#[derive(Default)]
+pub struct StickyError(Mutex<Option<String>>);
+
+impl StickyError {
+    pub fn record(&self, e: Error) {
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            *g = Some(e.to_string());
+        }
+    }
+
+    pub fn check(&self) -> Result<()> {
+        let g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match &*g {
+            Some(msg) => Err(Error::unsupported("CUDA backend", msg.clone())),
+            None => Ok(()),
+        }
+    }
+}

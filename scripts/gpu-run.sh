@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Runs every GPU test and benchmark in one go, on the GPU machine, from the repo root, using
+# what scripts/gpu-stage.sh staged in stage/gpu. Logs and JSON results go to OUTDIR.
+#   scripts/gpu-run.sh OUTDIR [--quick] [--tests-only]
+# Exits non-zero if any test failed (benchmarks still run).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu-run.sh OUTDIR [--quick] [--tests-only]}
+shift
+quick=""; tests_only=""
+for a in "$@"; do
+  case $a in --quick) quick="--quick" ;; --tests-only) tests_only=1 ;; esac
+done
+mkdir -p "$out"
+stage=stage/gpu
+export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
+export PYTHONUNBUFFERED=1
+status=0
+{
+  date -u +"date %Y-%m-%dT%H:%M:%SZ"
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || cat stage/gpu/COMMIT 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+} | tee "$out/device.txt"
+
+step() {  # step NAME COMMAND...: runs, logs to OUTDIR/NAME.log, records failure
+  local name=$1; shift
+  echo "== $name"
+  local t0=$(date +%s)
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "   exit $rc after $(( $(date +%s) - t0 ))s"
+  if [ $rc -ne 0 ]; then status=1; tail -40 "$out/$name.log"; fi
+}
+
+step kernels-compile "$stage/kernels-compile" --test-threads 4
+step gpu-tests "$stage/gpu-tests" --test-threads 1
+grep -E "^test |test result" "$out/gpu-tests.log" || true
+if [ -z "$tests_only" ]; then
+  step gpu-bench "$stage/gpu-bench" "$out/gpu-bench.json" $quick
+  step peer python3 bench/gpu_peer.py "$out/gpu-peer.json"
+  step generate "$stage/nibble" --device cuda --dummy-weights llama-3-8b generate \
+    --prompt "The capital of France is" --max-tokens 32
+  tail -5 "$out/generate.log"
+fi
+exit $status
