@@ -13,7 +13,15 @@ python3 -c 'import venv, ensurepip' 2>/dev/null || {
   echo "test.sh: python3 venv is needed for the client tests (apt-get install python3-venv)" >&2; exit 1; }
 
 cargo fmt --all -- --check
-cargo test --workspace --locked "$@"
+# NVRTC and the CUDA headers from PyPI (no GPU needed): the kernel-compile test compiles every
+# CUDA kernel for each supported architecture with them, and fails rather than skips.
+if [ ! -f .cuda-tk/nvidia/cu13/lib/libnvrtc.so.13 ]; then
+  python3 -m pip install -q --no-deps --target .cuda-tk "nvidia-cuda-nvrtc==13.0.88" \
+    "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cccl==13.0.85" "nvidia-cuda-crt==13.0.88"
+fi
+NIBBLE_REQUIRE_NVRTC=1 CUDA_HOME="$PWD/.cuda-tk/nvidia/cu13" \
+  LD_LIBRARY_PATH="$PWD/.cuda-tk/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+  cargo test --workspace --locked "$@"
 
 # Live-server tests with real clients, against the release binary.
 cargo build --release --locked -q -p nibble-cli

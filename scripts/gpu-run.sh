@@ -34,12 +34,24 @@ step() {  # step NAME COMMAND...: runs, logs to OUTDIR/NAME.log, records failure
 
 step kernels-compile "$stage/kernels-compile" --test-threads 4
 step gpu-tests "$stage/gpu-tests" --test-threads 1
-grep -E "^test |test result" "$out/gpu-tests.log" || true
+grep -E "^test |test result|free-running" "$out/gpu-tests.log" || true
+scripts/gpu-default-model.sh collect >/dev/null 2>&1 || true
+if model=$(scripts/gpu-default-model.sh path); then
+  step greedy-default-model scripts/gpu-greedy-check.sh "$stage/nibble" "$model"
+  cat "$out/greedy-default-model.log"
+else
+  echo "== greedy-default-model: skipped (the default model is not on this machine: docs/gpu.md)"
+fi
 if [ -z "$tests_only" ]; then
   step gpu-bench "$stage/gpu-bench" "$out/gpu-bench.json" $quick
   step peer python3 bench/gpu_peer.py "$out/gpu-peer.json"
   step generate "$stage/nibble" --device cuda --dummy-weights llama-3-8b generate \
     --prompt "The capital of France is" --max-tokens 32
   tail -5 "$out/generate.log"
+  step serve bash scripts/gpu-serve-check.sh "$stage/nibble"
+  tail -8 "$out/serve.log"
+  python3 bench/gpu_report.py "$out" > /dev/null || status=1
 fi
+# Logs go back as one archive (the device tool returns at most 8 files).
+tar czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
 exit $status

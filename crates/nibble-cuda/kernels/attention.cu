@@ -26,7 +26,7 @@ struct Partial {
     float m, l;
 };
 
-template <class T, int HD, int G, int WARPS, int U>
+template <class T, int HD, int G, int WARPS, int U, int BS>
 __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict__ kc,
                                 const T* __restrict__ vc, const int* __restrict__ block_tables,
                                 const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
@@ -34,7 +34,6 @@ __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict
                                 int max_blocks, int block_size, int chunk, float scale) {
     constexpr int LPT = HD / 8;
     constexpr int TPW = 32 / LPT;
-    constexpr int STRIDE = WARPS * TPW;
     const int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int sub = lane % LPT, tslot = lane / LPT;
@@ -62,19 +61,26 @@ __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict
         for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
     }
 
-    const long head_rows = (long)kvh * block_size;
-    for (int base = start + warp * TPW; base < end; base += STRIDE * U) {
+    // Warps take whole 16-token blocks: one block-table read per block, and a block's rows of
+    // this head are one contiguous BS * HD run, read in U-step batches of TPW tokens.
+    constexpr int STEPS = BS / TPW;
+    for (int b = start / BS + warp; b * BS < end; b += WARPS) {
+        const long base = ((long)table[b] * num_kv_heads + kvh) * BS * HD + sub * 8;
+#pragma unroll
+        for (int s0 = 0; s0 < STEPS; s0 += U) {
         Vec8 kv[U], vv[U];
         bool valid[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int p = base + u * STRIDE + tslot;
-            valid[u] = p < end;
+            const int slot = (s0 + u) * TPW + tslot;
+            valid[u] = s0 + u < STEPS && b * BS + slot < end;
             if (valid[u]) {
-                const long blk = table[p / block_size];
-                const long off = ((blk * num_kv_heads * block_size + head_rows + p % block_size) * HD) + sub * 8;
-                kv[u] = *reinterpret_cast<const Vec8*>(kc + off);
-                vv[u] = *reinterpret_cast<const Vec8*>(vc + off);
+                kv[u] = *reinterpret_cast<const Vec8*>(kc + base + slot * HD);
+                vv[u] = *reinterpret_cast<const Vec8*>(vc + base + slot * HD);
+            } else {
+                // Zeros, not garbage: a skipped token's value still meets a zero weight.
+#pragma unroll
+                for (int j = 0; j < 8; ++j) kv[u].h[j] = vv[u].h[j] = 0;
             }
         }
         // Scores of the U tokens first, then one softmax rescale for all of them.
@@ -118,6 +124,7 @@ __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict
                 acc[g][i] = a;
             }
             m[g] = mx;
+        }
         }
     }
 
@@ -206,7 +213,7 @@ __device__ void attn_reduce_impl(const float* __restrict__ part, const int* __re
         const int* tok_pos, float* part, int num_kv_heads, int group, int max_blocks,            \
         int block_size, int chunk, float scale) {                                                \
         /* Eight heads' accumulators leave registers for only two tokens in flight. */             \
-        paged_attn_impl<T, HD, G, 4, (G >= 8 ? 2 : 4)>(q, kc, vc, block_tables, tok_seq, tok_pos, part,          \
+        paged_attn_impl<T, HD, G, 4, (G >= 8 ? 2 : 4), 16>(q, kc, vc, block_tables, tok_seq, tok_pos, part,          \
                                         num_kv_heads, group, max_blocks, block_size, chunk,      \
                                         scale);                                                  \
     }                                                                                            \

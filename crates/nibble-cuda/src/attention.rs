@@ -13,6 +13,13 @@ const GROUPS: [usize; 4] = [1, 2, 4, 8];
 /// Head sizes with a kernel: a token row is read as HD/8 16-byte loads by a power-of-two group of
 /// lanes.
 pub const HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
+/// Head sizes of the tensor-core prefill kernel (kernels/prefill.cu); batches with a prompt
+/// chunk and another head size use the paged kernel for every token.
+pub const PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Query rows per prefill CTA (4 warps of 16).
+const PREFILL_ROWS: usize = 64;
+/// Tokens per KV block: the decode kernel reads a block's rows of a head as one contiguous run.
+pub const KV_BLOCK: usize = 16;
 /// Tokens one CTA takes at the least: below that a CTA's fixed costs dominate.
 const MIN_CHUNK: usize = 64;
 
@@ -128,10 +135,52 @@ pub fn attention(
         ],
     )?;
 
-    let split = plan_split(n, num_kv_heads, max_ctx, be.gpu.sm_count);
-    let part = be.alloc(n * num_kv_heads * split.splits * g, head_dim + 2, Elem::F32)?;
     let out = be.alloc(n, num_heads * head_dim, Elem::Half(be.dtype))?;
     let scale = 1.0 / (head_dim as f32).sqrt();
+    let prefill = batch.seqs.iter().any(|s| s.len > 1);
+    if prefill && PREFILL_HEAD_DIMS.contains(&head_dim) {
+        // Query tiles of up to PREFILL_ROWS rows, each within one sequence.
+        let mut tiles: Vec<i32> = Vec::new();
+        let mut row = 0;
+        for (i, s) in batch.seqs.iter().enumerate() {
+            for r0 in (0..s.len).step_by(PREFILL_ROWS) {
+                let rows = (s.len - r0).min(PREFILL_ROWS);
+                tiles.extend([
+                    (row + r0) as i32,
+                    (s.start_pos + r0) as i32,
+                    rows as i32,
+                    i as i32,
+                ]);
+            }
+            row += s.len;
+        }
+        let list = be.alloc(1, tiles.len(), Elem::F32)?;
+        be.gpu.upload(list.ptr, &tiles)?;
+        be.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?
+            .launch(
+                &be.gpu,
+                ((tiles.len() / 4) as u32, num_heads as u32, 1),
+                128,
+                0,
+                vec![
+                    Arg::Ptr(q.ptr),
+                    Arg::Ptr(kc),
+                    Arg::Ptr(vc),
+                    Arg::Ptr(tables),
+                    Arg::Ptr(list.ptr),
+                    Arg::Ptr(out.ptr),
+                    Arg::I32(num_kv_heads as i32),
+                    Arg::I32(group as i32),
+                    Arg::I32(max_blocks as i32),
+                    Arg::I32(kv.block_size as i32),
+                    Arg::F32(scale * std::f32::consts::LOG2_E),
+                ],
+            )?;
+        return Ok(out);
+    }
+
+    let split = plan_split(n, num_kv_heads, max_ctx, be.gpu.sm_count);
+    let part = be.alloc(n * num_kv_heads * split.splits * g, head_dim + 2, Elem::F32)?;
     be.kernel(&format!("paged_attn_{dt}_hd{head_dim}_g{g}"))?
         .launch(
             &be.gpu,

@@ -424,17 +424,25 @@ impl CudaBackend {
         CudaTensor::view(w.buf.ptr, w.rows, w.cols, Elem::Half(w.dtype), 0)
     }
 
-    /// An f32 activation of uniform values in [-1, 1).
-    pub fn random_activation(&self, rows: usize, cols: usize, seed: i32) -> Result<CudaTensor> {
-        let t = self.alloc(rows, cols, Elem::F32)?;
+    /// An f32 matrix of uniform values in [-1, 1) that owns its memory (benchmark inputs that
+    /// outlive forward passes).
+    pub fn random_tensor(&self, rows: usize, cols: usize, seed: i32) -> Result<CudaTensor> {
         let n = rows * cols;
+        let buf = Arc::new(DeviceBuffer::alloc(&self.gpu, n * 4, "benchmark input")?);
         self.launch(
             "fill_random_f32",
             grid_for(n),
             BLOCK,
-            vec![Arg::Ptr(t.ptr), Arg::I64(n as i64), Arg::I32(seed)],
+            vec![Arg::Ptr(buf.ptr), Arg::I64(n as i64), Arg::I32(seed)],
         )?;
-        Ok(t)
+        Ok(CudaTensor {
+            ptr: buf.ptr,
+            rows,
+            cols,
+            elem: Elem::F32,
+            epoch: 0,
+            _owner: Some(buf),
+        })
     }
 
     /// Fills a whole KV pool with uniform values in [-1, 1).
@@ -572,6 +580,15 @@ impl Backend for CudaBackend {
     }
 
     fn new_kv_pool(&self, shape: KvShape, num_blocks: usize, block_size: usize) -> Result<CudaKv> {
+        if block_size != crate::attention::KV_BLOCK {
+            return Err(Error::unsupported(
+                format!("KV blocks of {block_size} tokens on the CUDA backend"),
+                format!(
+                    "its attention kernels read blocks of {} tokens (--block-size {0})",
+                    crate::attention::KV_BLOCK
+                ),
+            ));
+        }
         if shape.format != KvFormat::F16 {
             return Err(Error::unsupported(
                 format!("KV cache format {} on the CUDA backend", shape.format),

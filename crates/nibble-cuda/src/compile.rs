@@ -15,6 +15,7 @@ pub const COMMON: &str = include_str!("../kernels/common.cuh");
 pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise", include_str!("../kernels/elementwise.cu")),
     ("attention", include_str!("../kernels/attention.cu")),
+    ("prefill", include_str!("../kernels/prefill.cu")),
 ];
 
 /// The NVRTC `--gpu-architecture` for a compute capability: the `a` variant on Hopper and later

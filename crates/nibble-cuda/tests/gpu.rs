@@ -305,7 +305,12 @@ fn attention_matches_cpu() {
             let step = BatchLayout {
                 seqs: vec![span(0, 37, 1), span(1, 0, 19), span(2, 2900, 5)],
             };
-            for (layer, batch) in [(0, &hist), (0, &step), (1, &hist), (1, &step)] {
+            // Then a pure decode step (the split-K kernel; batches with a prompt chunk take the
+            // tensor-core prefill kernel at head_dim 64 and 128).
+            let decode = BatchLayout {
+                seqs: vec![span(0, 38, 1), span(1, 19, 1), span(2, 2905, 1)],
+            };
+            for (layer, batch) in [(0, &hist), (0, &step), (1, &hist), (1, &step), (0, &decode)] {
                 let n = batch.num_tokens();
                 g.poison_activations(256 << 20).unwrap();
                 let q = CpuTensor::new(

@@ -1,0 +1,211 @@
+// Causal prefill attention on tensor cores (FlashAttention-2 forward) over the paged KV cache.
+//
+// Work: one CTA per (query tile of up to 64 rows of one sequence, query head); grid.x walks a
+// host-built tile list, grid.y the heads. 4 warps, each owning 16 query rows. The loop runs over
+// 64-key tiles of the sequence's context up to the tile's last query position; keys and values
+// of a tile are gathered from the paged cache ([blocks][kv_heads][block_size][HD], positions past
+// the context zero-filled) into shared memory, rows padded by 8 elements so fragment loads hit 32
+// distinct banks.
+// Math: mma.sync m16n8k16 with bf16/f16 operands and f32 accumulators. S = Q K^T takes Q as A
+// fragments held in registers for the whole loop and K rows straight from shared memory as B
+// fragments; the online softmax (base 2, scale folded into log2e) works on the S accumulators,
+// which are re-packed in place as the A fragments of P V (the m16n8 C layout is the m16k16 A
+// layout), and V's B fragments come from ldmatrix.trans.
+// Causality: key position kp joins query position qp when kp <= qp; rows past the tile's length
+// compute and are not stored.
+
+#define PF_M 64
+#define PF_N 64
+
+__device__ __forceinline__ u32 pack2(float lo, float hi, __nv_bfloat16*) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+}
+__device__ __forceinline__ u32 pack2(float lo, float hi, __half*) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+}
+
+template <class T> __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1);
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma16816<__half>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Tile list entry: the tile's first batch row, its first position, its rows, its sequence.
+struct PrefillTile {
+    int row0, pos0, rows, seq;
+};
+
+template <class T, int HD>
+__device__ void prefill_impl(const float* __restrict__ q, const T* __restrict__ kc,
+                             const T* __restrict__ vc, const int* __restrict__ block_tables,
+                             const PrefillTile* __restrict__ tiles, T* __restrict__ out,
+                             int num_kv_heads, int group, int max_blocks, int block_size,
+                             float scale_log2) {
+    constexpr int LD = HD + 8;  // padded row, in elements
+    __shared__ __align__(16) T ks[PF_N * LD];
+    __shared__ __align__(16) T vs[PF_N * LD];
+    const PrefillTile tile = tiles[blockIdx.x];
+    const int h = blockIdx.y, kvh = h / group;
+    const int num_heads = num_kv_heads * group;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int* table = block_tables + (long)tile.seq * max_blocks;
+
+    // Q tile -> shared (through ks), then A fragments into registers.
+    for (int i = threadIdx.x; i < PF_M * HD; i += blockDim.x) {
+        const int r = i / HD, d = i % HD;
+        const float v = r < tile.rows ? q[(long)(tile.row0 + r) * num_heads * HD + h * HD + d] : 0.f;
+        ks[r * LD + d] = from_f32<T>(v);
+    }
+    __syncthreads();
+    u32 qf[HD / 16][4];
+    const int r0 = warp * 16 + g;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        const int c = kk * 16 + 2 * t;
+        qf[kk][0] = *reinterpret_cast<const u32*>(&ks[r0 * LD + c]);
+        qf[kk][1] = *reinterpret_cast<const u32*>(&ks[(r0 + 8) * LD + c]);
+        qf[kk][2] = *reinterpret_cast<const u32*>(&ks[r0 * LD + c + 8]);
+        qf[kk][3] = *reinterpret_cast<const u32*>(&ks[(r0 + 8) * LD + c + 8]);
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};
+    const int qp0 = tile.pos0 + r0, qp1 = qp0 + 8;  // positions of this thread's two rows
+    const int last = tile.pos0 + tile.rows - 1;     // the tile's last query position
+
+    for (int kv0 = 0; kv0 <= last; kv0 += PF_N) {
+        __syncthreads();  // the previous tile (or Q) is no longer read
+        // Gather 64 keys and values, 16 bytes at a time.
+        for (int i = threadIdx.x; i < PF_N * HD / 8; i += blockDim.x) {
+            const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+            const int p = kv0 + r;
+            Vec8 kvec, vvec;
+            if (p <= last) {
+                const long blk = table[p / block_size];
+                const long off = ((blk * num_kv_heads + kvh) * block_size + p % block_size) * HD + c;
+                kvec = *reinterpret_cast<const Vec8*>(kc + off);
+                vvec = *reinterpret_cast<const Vec8*>(vc + off);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) kvec.h[j] = vvec.h[j] = 0;
+            }
+            *reinterpret_cast<Vec8*>(&ks[r * LD + c]) = kvec;
+            *reinterpret_cast<Vec8*>(&vs[r * LD + c]) = vvec;
+        }
+        __syncthreads();
+        // S = Q K^T for this warp's 16 rows and 64 keys.
+        float s[PF_N / 8][4];
+#pragma unroll
+        for (int n = 0; n < PF_N / 8; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                const T* kr = &ks[(n * 8 + g) * LD + kk * 16 + 2 * t];
+                mma16816<T>(s[n], qf[kk], *reinterpret_cast<const u32*>(kr),
+                            *reinterpret_cast<const u32*>(kr + 8));
+            }
+        }
+        // Causal mask and online softmax, rows g (c0, c1) and g + 8 (c2, c3).
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < PF_N / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int kp = kv0 + n * 8 + 2 * t + (e & 1);
+                const int qp = e < 2 ? qp0 : qp1;
+                s[n][e] = kp <= qp ? s[n][e] * scale_log2 : -1e30f;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        }
+        float corr[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) corr[i] = exp2f(m[i] - mx[i]);
+#pragma unroll
+        for (int n = 0; n < PF_N / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = s[n][e] > -1e29f ? exp2f(s[n][e] - mx[e >> 1]) : 0.f;
+                s[n][e] = p;
+                rs[e >> 1] += p;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 1);
+            rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 2);
+            l[i] = l[i] * corr[i] + rs[i];
+            m[i] = mx[i];
+        }
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            o[n][0] *= corr[0];
+            o[n][1] *= corr[0];
+            o[n][2] *= corr[1];
+            o[n][3] *= corr[1];
+        }
+        // O += P V: P's A fragments from the S accumulators, V's B fragments by ldmatrix.trans.
+#pragma unroll
+        for (int kk = 0; kk < PF_N / 16; ++kk) {
+            u32 pa[4];
+            pa[0] = pack2(s[2 * kk][0], s[2 * kk][1], (T*)nullptr);
+            pa[1] = pack2(s[2 * kk][2], s[2 * kk][3], (T*)nullptr);
+            pa[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1], (T*)nullptr);
+            pa[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3], (T*)nullptr);
+            const T* vrow = &vs[(kk * 16 + (lane & 15)) * LD];
+#pragma unroll
+            for (int n = 0; n < HD / 8; ++n) {
+                u32 b0, b1;
+                const unsigned addr = (unsigned)__cvta_generic_to_shared(vrow + n * 8);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                             : "=r"(b0), "=r"(b1)
+                             : "r"(addr));
+                mma16816<T>(o[n], pa, b0, b1);
+            }
+        }
+    }
+    // Normalize and store this warp's rows that belong to the tile.
+    const float inv0 = 1.0f / l[0], inv1 = 1.0f / l[1];
+    const int ra = warp * 16 + g, rb = ra + 8;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+        const int d = n * 8 + 2 * t;
+        if (ra < tile.rows) {
+            T* dst = out + (long)(tile.row0 + ra) * num_heads * HD + h * HD + d;
+            dst[0] = from_f32<T>(o[n][0] * inv0);
+            dst[1] = from_f32<T>(o[n][1] * inv0);
+        }
+        if (rb < tile.rows) {
+            T* dst = out + (long)(tile.row0 + rb) * num_heads * HD + h * HD + d;
+            dst[0] = from_f32<T>(o[n][2] * inv1);
+            dst[1] = from_f32<T>(o[n][3] * inv1);
+        }
+    }
+}
+
+#define NIBBLE_PREFILL(SUFFIX, T, HD)                                                            \
+    extern "C" __global__ void __launch_bounds__(128) prefill_attn_##SUFFIX##_hd##HD(            \
+        const float* q, const T* kc, const T* vc, const int* block_tables,                      \
+        const PrefillTile* tiles, T* out, int num_kv_heads, int group, int max_blocks,          \
+        int block_size, float scale_log2) {                                                      \
+        prefill_impl<T, HD>(q, kc, vc, block_tables, tiles, out, num_kv_heads, group,           \
+                            max_blocks, block_size, scale_log2);                                 \
+    }
+#define NIBBLE_PREFILL_ALL(SUFFIX, T) \
+    NIBBLE_PREFILL(SUFFIX, T, 64)     \
+    NIBBLE_PREFILL(SUFFIX, T, 128)
+NIBBLE_BOTH_DTYPES(NIBBLE_PREFILL_ALL)

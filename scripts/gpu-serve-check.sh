@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The server on the GPU: starts `nibble serve --device cuda` on a Llama-3-8B-shaped model with
+# random weights, sends a chat completion and a streaming completion with curl, and stops it.
+#   scripts/gpu-serve-check.sh NIBBLE_BINARY
+set -euo pipefail
+bin=${1:?usage: gpu-serve-check.sh NIBBLE_BINARY}
+port=8123
+"$bin" --device cuda --dummy-weights llama-3-8b serve --port $port --kv-cache-tokens 65536 \
+  --served-model-name llama-3-8b &
+pid=$!
+trap 'kill $pid 2>/dev/null || true' EXIT
+for _ in $(seq 240); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+  sleep 0.5
+done
+curl -sf "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
+  -d '{"model":"llama-3-8b","prompt":"Hello","max_tokens":16,"temperature":0}'
+echo
+curl -sfN "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
+  -d '{"model":"llama-3-8b","prompt":"Hello","max_tokens":8,"stream":true}' | tail -3
+echo "serve check: ok"
