@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Runs every GPU test and benchmark in one go, on the GPU machine, from the repo root, using
 # what scripts/gpu-stage.sh staged in stage/gpu. Logs and JSON results go to OUTDIR.
-#   scripts/gpu-run.sh OUTDIR [--quick] [--tests-only]
+#   scripts/gpu-run.sh OUTDIR [--quick] [--tests-only] [--compile-check]
 # Exits non-zero if any test failed (benchmarks still run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-run.sh OUTDIR [--quick] [--tests-only]}
 shift
-quick=""; tests_only=""
+quick=""; tests_only=""; compile_check=""
 for a in "$@"; do
-  case $a in --quick) quick="--quick" ;; --tests-only) tests_only=1 ;; esac
+  case $a in
+    --quick) quick="--quick" ;;
+    --tests-only) tests_only=1 ;;
+    --compile-check) compile_check=1 ;;
+  esac
 done
 mkdir -p "$out"
 stage=stage/gpu
@@ -32,7 +36,9 @@ step() {  # step NAME COMMAND...: runs, logs to OUTDIR/NAME.log, records failure
   if [ $rc -ne 0 ]; then status=1; tail -40 "$out/$name.log"; fi
 }
 
-step kernels-compile "$stage/kernels-compile" --test-threads 4
+# Every architecture's compile is checked by test.sh without a GPU (NVRTC from pip); here only
+# on request, since it costs a minute of GPU-machine time.
+if [ -n "$compile_check" ]; then step kernels-compile "$stage/kernels-compile" --test-threads 8; fi
 step gpu-tests "$stage/gpu-tests" --test-threads 1
 grep -E "^test |test result|free-running" "$out/gpu-tests.log" || true
 scripts/gpu-default-model.sh collect >/dev/null 2>&1 || true

@@ -53,3 +53,33 @@ template <class T> __device__ __forceinline__ void unpack8(const Vec8& v, float*
 #define NIBBLE_BOTH_DTYPES(INSTANTIATE) \
     INSTANTIATE(bf16, __nv_bfloat16)    \
     INSTANTIATE(f16, __half)
+
+// -1e30 stands for -inf in softmax states, so that merging two empty states gives exp(0) * 0
+// instead of NaN.
+#define NEG_BIG (-1e30f)
+
+// Tensor-core helpers (sm_80 and later): a pair of floats as one 16-bit pair, and
+// mma.sync m16n8k16 with f32 accumulation. Fragment layouts (PTX ISA, "mma.m16n8k16"): with
+// g = lane / 4 and t = lane % 4, A holds rows g and g + 8 at columns 2t, 2t + 1 (and + 8), B
+// columns g at rows 2t, 2t + 1 (and + 8), C rows g and g + 8 at columns 2t, 2t + 1.
+__device__ __forceinline__ u32 pack2(float lo, float hi, __nv_bfloat16*) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+}
+__device__ __forceinline__ u32 pack2(float lo, float hi, __half*) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+}
+
+template <class T> __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1);
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma16816<__half>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+

@@ -17,27 +17,6 @@
 #define PF_M 64
 #define PF_N 64
 
-__device__ __forceinline__ u32 pack2(float lo, float hi, __nv_bfloat16*) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<u32*>(&v);
-}
-__device__ __forceinline__ u32 pack2(float lo, float hi, __half*) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<u32*>(&v);
-}
-
-template <class T> __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1);
-template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <> __device__ __forceinline__ void mma16816<__half>(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Tile list entry: the tile's first batch row, its first position, its rows, its sequence.
 struct PrefillTile {
     int row0, pos0, rows, seq;

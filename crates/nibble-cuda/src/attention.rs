@@ -30,12 +30,16 @@ pub struct Split {
     pub chunk: usize,
 }
 
-/// Enough CTAs to fill the GPU about four times over, never a chunk under MIN_CHUNK.
+/// Splits the reduction kernel can merge (kernels/attention.cu MAX_SPLITS).
+const MAX_SPLITS: usize = 512;
+
+/// Enough CTAs for about 24 per SM (8 waves of 3 resident CTAs: a short last wave costs little),
+/// never a chunk under MIN_CHUNK, never more than MAX_SPLITS splits.
 pub fn plan_split(tokens: usize, kv_heads: usize, max_ctx: usize, sm_count: usize) -> Split {
     let max_ctx = max_ctx.max(1);
     let base = tokens * kv_heads;
-    let want = (4 * sm_count).div_ceil(base.max(1));
-    let most = max_ctx.div_ceil(MIN_CHUNK);
+    let want = (24 * sm_count).div_ceil(base.max(1));
+    let most = max_ctx.div_ceil(MIN_CHUNK).min(MAX_SPLITS);
     let splits = want.clamp(1, most.max(1));
     let chunk = max_ctx.div_ceil(splits).div_ceil(MIN_CHUNK) * MIN_CHUNK;
     Split {
@@ -181,33 +185,47 @@ pub fn attention(
 
     let split = plan_split(n, num_kv_heads, max_ctx, be.gpu.sm_count);
     let part = be.alloc(n * num_kv_heads * split.splits * g, head_dim + 2, Elem::F32)?;
-    be.kernel(&format!("paged_attn_{dt}_hd{head_dim}_g{g}"))?
-        .launch(
-            &be.gpu,
-            (n as u32, num_kv_heads as u32, split.splits as u32),
-            128,
-            0,
-            vec![
-                Arg::Ptr(q.ptr),
-                Arg::Ptr(kc),
-                Arg::Ptr(vc),
-                Arg::Ptr(tables),
-                Arg::Ptr(tok_seq),
-                Arg::Ptr(positions),
-                Arg::Ptr(part.ptr),
-                Arg::I32(num_kv_heads as i32),
-                Arg::I32(group as i32),
-                Arg::I32(max_blocks as i32),
-                Arg::I32(kv.block_size as i32),
-                Arg::I32(split.chunk as i32),
-                Arg::F32(scale),
-            ],
-        )?;
+    let grid = (n as u32, num_kv_heads as u32, split.splits as u32);
+    let common = |scale: f32, with_block: bool| {
+        let mut args = vec![
+            Arg::Ptr(q.ptr),
+            Arg::Ptr(kc),
+            Arg::Ptr(vc),
+            Arg::Ptr(tables),
+            Arg::Ptr(tok_seq),
+            Arg::Ptr(positions),
+            Arg::Ptr(part.ptr),
+            Arg::I32(num_kv_heads as i32),
+            Arg::I32(group as i32),
+            Arg::I32(max_blocks as i32),
+        ];
+        if with_block {
+            args.push(Arg::I32(kv.block_size as i32));
+        }
+        args.push(Arg::I32(split.chunk as i32));
+        args.push(Arg::F32(scale));
+        args
+    };
+    // Grouped heads run on tensor cores where a kernel exists; MHA and other head sizes on CUDA
+    // cores. Both write the same partials (the MMA kernel converts its base-2 maxima to base e).
+    if group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim) {
+        be.kernel(&format!("decode_mma_{dt}_hd{head_dim}_g{g}"))?
+            .launch(
+                &be.gpu,
+                grid,
+                128,
+                0,
+                common(scale * std::f32::consts::LOG2_E, false),
+            )?;
+    } else {
+        be.kernel(&format!("paged_attn_{dt}_hd{head_dim}_g{g}"))?
+            .launch(&be.gpu, grid, 128, 0, common(scale, true))?;
+    }
     be.kernel(&format!("attn_reduce_{dt}_hd{head_dim}_g{g}"))?
         .launch(
             &be.gpu,
             (n as u32, num_heads as u32, 1),
-            head_dim.min(128) as u32,
+            128,
             0,
             vec![
                 Arg::Ptr(part.ptr),
@@ -246,7 +264,8 @@ mod tests {
         // Batch 1 at 4k context: many splits so that every SM has work.
         let s = plan_split(1, 8, 4096, 132);
         assert!(s.splits * 8 >= 132, "{s:?}");
-        // A large batch needs no split.
-        assert_eq!(plan_split(128, 8, 1024, 132).splits, 1);
+        // A large batch needs few splits; a huge context is capped at MAX_SPLITS.
+        assert!(plan_split(128, 8, 1024, 132).splits <= 4);
+        assert!(plan_split(1, 8, 1 << 20, 132).splits <= MAX_SPLITS);
     }
 }

@@ -16,6 +16,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise", include_str!("../kernels/elementwise.cu")),
     ("attention", include_str!("../kernels/attention.cu")),
     ("prefill", include_str!("../kernels/prefill.cu")),
+    ("decode_mma", include_str!("../kernels/decode_mma.cu")),
 ];
 
 /// The NVRTC `--gpu-architecture` for a compute capability: the `a` variant on Hopper and later

@@ -1,0 +1,195 @@
+// Decode attention on tensor cores for grouped-query attention: the G query heads that share a
+// KV head are the rows of one m16n8k16 tile (padded to 16), so each 16-token KV block costs 32 MMA
+// instructions per warp instead of G * 2 * HD multiply-adds per token on CUDA cores, and the
+// kernel stays bound by HBM.
+//
+// Grid: (query tokens, kv heads, context splits), as the CUDA-core kernel (attention.cu), whose
+// partial layout and reduction it shares. Block: 4 warps; each warp takes whole 16-token blocks
+// of the split's chunk in turn: it reads the block's K and V rows of its head (two contiguous
+// 16 * HD runs; [blocks][kv_heads][16][HD] layout) with 16-byte loads into its own shared tile
+// (rows padded by 8 elements), then S = Q K^T (Q's A fragments kept in registers), an online
+// softmax in base 2, and O += P V with P re-packed from the S accumulators and V's B fragments
+// from ldmatrix.trans. Warps merge through shared memory and write (m, l, acc) per head.
+
+#define DM_BS 16
+
+template <class T, int HD, int G>
+__device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict__ kc,
+                                const T* __restrict__ vc, const int* __restrict__ block_tables,
+                                const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
+                                float* __restrict__ part, int num_kv_heads, int group,
+                                int max_blocks, int chunk, float scale_log2) {
+    constexpr int LD = HD + 8;
+    constexpr int WARPS = 4;
+    static_assert(WARPS * G * (HD + 2) * 4 <= WARPS * DM_BS * (HD + 8) * 2, "merge fits in ks");
+    __shared__ __align__(16) T ks[WARPS][DM_BS * LD];
+    __shared__ __align__(16) T vs[WARPS][DM_BS * LD];
+    const int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int ctx = tok_pos[token] + 1;
+    const int start = split * chunk;
+    if (start >= ctx) return;
+    const int end = min(ctx, start + chunk);
+    const int num_heads = num_kv_heads * group;
+    const int* table = block_tables + (long)tok_seq[token] * max_blocks;
+    T* kw = ks[warp];
+    T* vw = vs[warp];
+
+    // Q rows (the group's heads, then zeros) through this warp's K tile into A fragments.
+    for (int i = lane; i < DM_BS * HD; i += 32) {
+        const int r = i / HD, d = i % HD;
+        const float v = r < group ? q[(long)token * num_heads * HD + (kvh * group + r) * HD + d] : 0.f;
+        kw[r * LD + d] = from_f32<T>(v);
+    }
+    __syncwarp();
+    u32 qf[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        const int c = kk * 16 + 2 * t;
+        qf[kk][0] = *reinterpret_cast<const u32*>(&kw[g * LD + c]);
+        qf[kk][1] = *reinterpret_cast<const u32*>(&kw[(g + 8) * LD + c]);
+        qf[kk][2] = *reinterpret_cast<const u32*>(&kw[g * LD + c + 8]);
+        qf[kk][3] = *reinterpret_cast<const u32*>(&kw[(g + 8) * LD + c + 8]);
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f};
+
+    for (int b = start / DM_BS + warp; b * DM_BS < end; b += WARPS) {
+        const long base = ((long)table[b] * num_kv_heads + kvh) * DM_BS * HD;
+        __syncwarp();  // the previous block (or Q) is no longer read
+        // 16 rows of HD: HD/8 16-byte pieces per row, (16 * HD / 8) / 32 per lane, K and V.
+#pragma unroll
+        for (int i = lane; i < DM_BS * HD / 8; i += 32) {
+            const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+            Vec8 kvec, vvec;
+            if (b * DM_BS + r < end) {
+                kvec = *reinterpret_cast<const Vec8*>(kc + base + r * HD + c);
+                vvec = *reinterpret_cast<const Vec8*>(vc + base + r * HD + c);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) kvec.h[j] = vvec.h[j] = 0;
+            }
+            *reinterpret_cast<Vec8*>(&kw[r * LD + c]) = kvec;
+            *reinterpret_cast<Vec8*>(&vw[r * LD + c]) = vvec;
+        }
+        __syncwarp();
+        float s[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                const T* kr = &kw[(n * 8 + g) * LD + kk * 16 + 2 * t];
+                mma16816<T>(s[n], qf[kk], *reinterpret_cast<const u32*>(kr),
+                            *reinterpret_cast<const u32*>(kr + 8));
+            }
+        }
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int p = b * DM_BS + n * 8 + 2 * t + (e & 1);
+                s[n][e] = p < end ? s[n][e] * scale_log2 : NEG_BIG;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+            }
+        }
+        float corr[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            corr[i] = exp2f(m[i] - mx[i]);
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = s[n][e] > -1e29f ? exp2f(s[n][e] - mx[e >> 1]) : 0.f;
+                s[n][e] = p;
+                rs[e >> 1] += p;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 1);
+            rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 2);
+            l[i] = l[i] * corr[i] + rs[i];
+            m[i] = mx[i];
+        }
+        u32 pa[4];
+        pa[0] = pack2(s[0][0], s[0][1], (T*)nullptr);
+        pa[1] = pack2(s[0][2], s[0][3], (T*)nullptr);
+        pa[2] = pack2(s[1][0], s[1][1], (T*)nullptr);
+        pa[3] = pack2(s[1][2], s[1][3], (T*)nullptr);
+        const T* vrow = &vw[(lane & 15) * LD];
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            o[n][0] *= corr[0];
+            o[n][1] *= corr[0];
+            o[n][2] *= corr[1];
+            o[n][3] *= corr[1];
+            u32 b0, b1;
+            const unsigned addr = (unsigned)__cvta_generic_to_shared(vrow + n * 8);
+            asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                         : "=r"(b0), "=r"(b1)
+                         : "r"(addr));
+            mma16816<T>(o[n], pa, b0, b1);
+        }
+    }
+
+    // Rows g < group are heads; write each warp's state, then merge the warps per head. The
+    // merge area reuses the K tiles (WARPS * G * (HD + 2) floats fit in WARPS * 16 * LD halves).
+    __syncthreads();
+    float* merge = reinterpret_cast<float*>(&ks[0][0]);
+#define MERGE(w, hg, d) merge[((w) * G + (hg)) * (HD + 2) + (d)]
+    if (g < group) {
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            MERGE(warp, g, n * 8 + 2 * t) = o[n][0];
+            MERGE(warp, g, n * 8 + 2 * t + 1) = o[n][1];
+        }
+        if (t == 0) {
+            MERGE(warp, g, HD) = m[0];
+            MERGE(warp, g, HD + 1) = l[0];
+        }
+    }
+    __syncthreads();
+    // m is in base 2 here; the reduction works in base e: scale it back.
+    float* out = part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2);
+    for (int idx = threadIdx.x; idx < group * (HD + 2); idx += blockDim.x) {
+        const int hg = idx / (HD + 2), d = idx % (HD + 2);
+        float mx = NEG_BIG;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, MERGE(w, hg, HD));
+        float v = 0.f;
+        if (d == HD) {
+            v = mx * 0.69314718056f;
+        } else {
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) v += MERGE(w, hg, d) * exp2f(MERGE(w, hg, HD) - mx);
+        }
+        out[hg * (HD + 2) + d] = v;
+    }
+#undef MERGE
+}
+
+#define NIBBLE_DECODE_MMA(SUFFIX, T, HD, G)                                                     \
+    extern "C" __global__ void __launch_bounds__(128) decode_mma_##SUFFIX##_hd##HD##_g##G(      \
+        const float* q, const T* kc, const T* vc, const int* block_tables, const int* tok_seq,  \
+        const int* tok_pos, float* part, int num_kv_heads, int group, int max_blocks,           \
+        int chunk, float scale_log2) {                                                          \
+        decode_mma_impl<T, HD, G>(q, kc, vc, block_tables, tok_seq, tok_pos, part,              \
+                                  num_kv_heads, group, max_blocks, chunk, scale_log2);          \
+    }
+#define NIBBLE_DECODE_MMA_G(SUFFIX, T, HD) \
+    NIBBLE_DECODE_MMA(SUFFIX, T, HD, 2)    \
+    NIBBLE_DECODE_MMA(SUFFIX, T, HD, 4)    \
+    NIBBLE_DECODE_MMA(SUFFIX, T, HD, 8)
+#define NIBBLE_DECODE_MMA_ALL(SUFFIX, T) \
+    NIBBLE_DECODE_MMA_G(SUFFIX, T, 64)   \
+    NIBBLE_DECODE_MMA_G(SUFFIX, T, 128)
+NIBBLE_BOTH_DTYPES(NIBBLE_DECODE_MMA_ALL)
