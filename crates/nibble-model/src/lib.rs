@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod config;
+pub mod dummy;
 pub mod hf_quant;
 pub mod loader;
 pub mod source;
