@@ -103,6 +103,22 @@ impl Tokenizer {
         })
     }
 
+    /// A tokenizer from the text of a `tokenizer.json` document alone (`origin` names it in
+    /// errors): no EOS ids, special token strings or chat template; set the public fields to
+    /// add them.
+    pub fn from_hf_json(text: &str, origin: &str) -> Result<Self> {
+        let inner: tokenizers::Tokenizer = text
+            .parse()
+            .map_err(|e| Error::Tokenizer(format!("cannot parse tokenizer {origin}: {e}")))?;
+        Ok(Tokenizer {
+            inner,
+            eos_ids: Vec::new(),
+            bos_token: None,
+            eos_token: None,
+            chat_template: None,
+        })
+    }
+
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let model = file.get_str("tokenizer.ggml.model")?;
         if model != "gpt2" {

@@ -12,6 +12,11 @@ use crate::config::Arch;
 
 pub trait TensorSource: Send + Sync {
     fn get(&self, name: &str) -> Option<HostTensor>;
+    /// Whether `get(name)` would return a tensor; sources that build tensors on demand answer
+    /// without building one.
+    fn contains(&self, name: &str) -> bool {
+        self.get(name).is_some()
+    }
     /// The file or directory, for error messages.
     fn origin(&self) -> String;
 }

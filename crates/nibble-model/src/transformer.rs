@@ -96,7 +96,7 @@ impl<B: Backend> Loader<'_, B> {
     }
 
     fn optional_vector(&mut self, name: &str, len: usize) -> Result<Option<B::Tensor>> {
-        if self.source.get(name).is_some() {
+        if self.source.contains(name) {
             self.vector(name, len).map(Some)
         } else {
             Ok(None)
@@ -182,7 +182,7 @@ impl<B: Backend> Transformer<B> {
             c.intermediate_size,
             c.head_dim,
         );
-        let tied = source.get("lm_head.weight").is_none();
+        let tied = !source.contains("lm_head.weight");
         let mut ld = Loader {
             backend,
             source,
