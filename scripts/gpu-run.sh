@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1
 status=0
 {
   date -u +"date %Y-%m-%dT%H:%M:%SZ"
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || cat stage/gpu/COMMIT 2>/dev/null || echo unknown)"
+  echo "commit $(cat stage/gpu/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 } | tee "$out/device.txt"
 

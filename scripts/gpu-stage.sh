@@ -27,6 +27,8 @@ cp "$(echo "$msgs" | pick kernels_compile)" "$out/kernels-compile"
 msgs=$(cargo build --release --locked -q -p nibble-cuda --example gpu_bench --message-format=json 2>/dev/null)
 cp "$(echo "$msgs" | pick gpu_bench)" "$out/gpu-bench"
 strip "$out"/* 2>/dev/null || true
+# The GPU machine's copy of the tree may not carry this commit's history: record it.
+git describe --always --dirty > "$out/COMMIT"
 du -ch "$out"/* | tail -1
 size=$(du -sm "$out" | cut -f1)
 if [ "$size" -gt 48 ]; then

@@ -30,7 +30,7 @@ __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict
                                 const T* __restrict__ vc, const int* __restrict__ block_tables,
                                 const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
                                 float* __restrict__ part, int num_kv_heads, int group,
-                                int max_blocks, int block_size, int chunk, float scale) {
+                                int max_blocks, int block_size, int chunk, float scale, long ldq) {
     constexpr int LPT = HD / 8;
     constexpr int TPW = 32 / LPT;
     const int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -40,7 +40,6 @@ __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict
     const int start = split * chunk;
     if (start >= ctx) return;  // attn_reduce reads only the splits that hold context
     const int end = min(ctx, start + chunk);
-    const int num_heads = num_kv_heads * group;
     const int* table = block_tables + (long)tok_seq[token] * max_blocks;
 
     float qr[G][8];
@@ -49,7 +48,7 @@ __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict
         const int h = kvh * group + g;
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-            qr[g][i] = g < group ? q[(long)token * num_heads * HD + h * HD + sub * 8 + i] * scale : 0.f;
+            qr[g][i] = g < group ? q[(long)token * ldq + h * HD + sub * 8 + i] * scale : 0.f;
     }
     float m[G], l[G], acc[G][8];
 #pragma unroll
@@ -231,11 +230,11 @@ __device__ void attn_reduce_impl(const float* __restrict__ part, const int* __re
     extern "C" __global__ void __launch_bounds__(128) paged_attn_##SUFFIX##_hd##HD##_g##G(       \
         const float* q, const T* kc, const T* vc, const int* block_tables, const int* tok_seq,   \
         const int* tok_pos, float* part, int num_kv_heads, int group, int max_blocks,            \
-        int block_size, int chunk, float scale) {                                                \
+        int block_size, int chunk, float scale, long ldq) {                                      \
         /* Eight heads' accumulators leave registers for only two tokens in flight. */             \
         paged_attn_impl<T, HD, G, 4, (G >= 8 ? 2 : 4), 16>(q, kc, vc, block_tables, tok_seq, tok_pos, part,          \
                                         num_kv_heads, group, max_blocks, block_size, chunk,      \
-                                        scale);                                                  \
+                                        scale, ldq);                                             \
     }                                                                                            \
     extern "C" __global__ void attn_reduce_##SUFFIX##_hd##HD##_g##G(                              \
         const float* part, const int* tok_pos, T* out, int num_kv_heads, int group, int splits,  \

@@ -18,7 +18,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
                                 const T* __restrict__ vc, const int* __restrict__ block_tables,
                                 const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
                                 float* __restrict__ part, int num_kv_heads, int group,
-                                int max_blocks, int chunk, float scale_log2) {
+                                int max_blocks, int chunk, float scale_log2, long ldq) {
     constexpr int LD = HD + 8;
     constexpr int WARPS = 4;
     static_assert(WARPS * G * (HD + 2) * 4 <= WARPS * DM_BS * (HD + 8) * 2, "merge fits in ks");
@@ -31,7 +31,6 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
     const int start = split * chunk;
     if (start >= ctx) return;
     const int end = min(ctx, start + chunk);
-    const int num_heads = num_kv_heads * group;
     const int* table = block_tables + (long)tok_seq[token] * max_blocks;
     T* kw = ks[warp];
     T* vw = vs[warp];
@@ -39,7 +38,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
     // Q rows (the group's heads, then zeros) through this warp's K tile into A fragments.
     for (int i = lane; i < DM_BS * HD; i += 32) {
         const int r = i / HD, d = i % HD;
-        const float v = r < group ? q[(long)token * num_heads * HD + (kvh * group + r) * HD + d] : 0.f;
+        const float v = r < group ? q[(long)token * ldq + (kvh * group + r) * HD + d] : 0.f;
         kw[r * LD + d] = from_f32<T>(v);
     }
     __syncwarp();
@@ -181,9 +180,9 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
     extern "C" __global__ void __launch_bounds__(128) decode_mma_##SUFFIX##_hd##HD##_g##G(      \
         const float* q, const T* kc, const T* vc, const int* block_tables, const int* tok_seq,  \
         const int* tok_pos, float* part, int num_kv_heads, int group, int max_blocks,           \
-        int chunk, float scale_log2) {                                                          \
+        int chunk, float scale_log2, long ldq) {                                                \
         decode_mma_impl<T, HD, G>(q, kc, vc, block_tables, tok_seq, tok_pos, part,              \
-                                  num_kv_heads, group, max_blocks, chunk, scale_log2);          \
+                                  num_kv_heads, group, max_blocks, chunk, scale_log2, ldq);     \
     }
 #define NIBBLE_DECODE_MMA_G(SUFFIX, T, HD) \
     NIBBLE_DECODE_MMA(SUFFIX, T, HD, 2)    \

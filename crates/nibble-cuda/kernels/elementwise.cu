@@ -46,12 +46,14 @@ __device__ void rms_norm_impl(float* __restrict__ x, const float* __restrict__ d
                                                  T* out, int h, float eps) {                     \
         rms_norm_impl<T>(x, delta, w, out, h, eps);                                              \
     }                                                                                            \
+    /* gate and up may be column slices of one fused GEMM output (row strides ldg, ldu). */    \
     extern "C" __global__ void silu_mul_##SUFFIX(const float* gate, const float* up, T* out,      \
-                                                 long n) {                                       \
+                                                 long n, int cols, long ldg, long ldu) {         \
         for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;                        \
              i += (long)gridDim.x * blockDim.x) {                                                \
-            const float g = gate[i];                                                             \
-            out[i] = from_f32<T>(g / (1.0f + expf(-g)) * up[i]);                                 \
+            const long r = i / cols, c = i % cols;                                               \
+            const float g = gate[r * ldg + c];                                                   \
+            out[i] = from_f32<T>(g / (1.0f + expf(-g)) * up[r * ldu + c]);                       \
         }                                                                                        \
     }                                                                                            \
     extern "C" __global__ void cast_##SUFFIX(const float* x, T* out, long n) {                    \
@@ -65,7 +67,8 @@ __device__ void rms_norm_impl(float* __restrict__ x, const float* __restrict__ d
     extern "C" __global__ void kv_append_##SUFFIX(const float* k, const float* v, T* kc, T* vc,   \
                                                   const int* block_tables, const int* tok_seq,   \
                                                   const int* tok_pos, int max_blocks,            \
-                                                  int block_size, int kv_row, int head_dim) {    \
+                                                  int block_size, int kv_row, int head_dim,      \
+                                                  long ldk, long ldv) {                          \
         const long t = blockIdx.x;                                                               \
         const int p = tok_pos[t];                                                                \
         const long blk = block_tables[(long)tok_seq[t] * max_blocks + p / block_size];           \
@@ -73,8 +76,8 @@ __device__ void rms_norm_impl(float* __restrict__ x, const float* __restrict__ d
         for (int c = threadIdx.x; c < kv_row; c += blockDim.x) {                                 \
             const int h = c / head_dim, d = c % head_dim;                                        \
             const long dst = ((blk * heads + h) * block_size + off) * head_dim + d;              \
-            kc[dst] = from_f32<T>(k[t * kv_row + c]);                                            \
-            vc[dst] = from_f32<T>(v[t * kv_row + c]);                                            \
+            kc[dst] = from_f32<T>(k[t * ldk + c]);                                               \
+            vc[dst] = from_f32<T>(v[t * ldv + c]);                                               \
         }                                                                                        \
     }
 
@@ -99,13 +102,14 @@ __device__ __forceinline__ float hash_unit(long i, int seed) {
 NIBBLE_BOTH_DTYPES(NIBBLE_FILL_RANDOM)
 NIBBLE_FILL_RANDOM(f32, float)
 
-// RMS-normalizes every head_dim slice in place (Qwen3's QK norm): one warp per head.
-extern "C" __global__ void head_rms_norm(float* x, const float* w, int head_dim, long heads,
-                                         float eps) {
+// RMS-normalizes every head_dim slice in place (Qwen3's QK norm): one warp per head; rows are
+// ld apart (a column slice of a fused projection).
+extern "C" __global__ void head_rms_norm(float* x, const float* w, int head_dim, int row_heads,
+                                         long ld, long heads, float eps) {
     const long head = blockIdx.x * (long)(blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (head >= heads) return;
-    float* xh = x + head * head_dim;
+    float* xh = x + (head / row_heads) * ld + (head % row_heads) * head_dim;
     float ss = 0.f;
     for (int c = lane; c < head_dim; c += 32) ss = fmaf(xh[c], xh[c], ss);
     const float scale = 1.0f / sqrtf(warp_sum(ss) / (float)head_dim + eps);
@@ -115,11 +119,11 @@ extern "C" __global__ void head_rms_norm(float* x, const float* w, int head_dim,
 // Rotates each head of row `blockIdx.x` by the token's position. `interleaved` pairs (2i, 2i+1),
 // otherwise (i, i + head_dim/2). Angles in f64 as on the CPU: positions reach 1e5 and beyond.
 extern "C" __global__ void rope(float* x, const int* positions, const float* inv_freq, int cols,
-                                int head_dim, int interleaved) {
+                                long ld, int head_dim, int interleaved) {
     const long row = blockIdx.x;
     const int half = head_dim >> 1;
     const double pos = (double)positions[row];
-    float* xr = x + row * cols;
+    float* xr = x + row * ld;
     // Whole heads only, like the CPU: a trailing partial head is left as it is.
     const int pairs = (cols / head_dim) * half;
     for (int idx = threadIdx.x; idx < pairs; idx += blockDim.x) {

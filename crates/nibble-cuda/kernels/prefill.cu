@@ -27,7 +27,7 @@ __device__ void prefill_impl(const float* __restrict__ q, const T* __restrict__ 
                              const T* __restrict__ vc, const int* __restrict__ block_tables,
                              const PrefillTile* __restrict__ tiles, T* __restrict__ out,
                              int num_kv_heads, int group, int max_blocks, int block_size,
-                             float scale_log2) {
+                             float scale_log2, long ldq) {
     constexpr int LD = HD + 8;  // padded row, in elements
     __shared__ __align__(16) T ks[PF_N * LD];
     __shared__ __align__(16) T vs[PF_N * LD];
@@ -41,7 +41,7 @@ __device__ void prefill_impl(const float* __restrict__ q, const T* __restrict__ 
     // Q tile -> shared (through ks), then A fragments into registers.
     for (int i = threadIdx.x; i < PF_M * HD; i += blockDim.x) {
         const int r = i / HD, d = i % HD;
-        const float v = r < tile.rows ? q[(long)(tile.row0 + r) * num_heads * HD + h * HD + d] : 0.f;
+        const float v = r < tile.rows ? q[(long)(tile.row0 + r) * ldq + h * HD + d] : 0.f;
         ks[r * LD + d] = from_f32<T>(v);
     }
     __syncthreads();
@@ -180,9 +180,9 @@ __device__ void prefill_impl(const float* __restrict__ q, const T* __restrict__ 
     extern "C" __global__ void __launch_bounds__(128) prefill_attn_##SUFFIX##_hd##HD(            \
         const float* q, const T* kc, const T* vc, const int* block_tables,                      \
         const PrefillTile* tiles, T* out, int num_kv_heads, int group, int max_blocks,          \
-        int block_size, float scale_log2) {                                                      \
+        int block_size, float scale_log2, long ldq) {                                            \
         prefill_impl<T, HD>(q, kc, vc, block_tables, tiles, out, num_kv_heads, group,           \
-                            max_blocks, block_size, scale_log2);                                 \
+                            max_blocks, block_size, scale_log2, ldq);                            \
     }
 #define NIBBLE_PREFILL_ALL(SUFFIX, T) \
     NIBBLE_PREFILL(SUFFIX, T, 64)     \

@@ -74,6 +74,9 @@ pub fn attention(
         || (k.rows, k.cols) != (n, kv_row)
         || (v.rows, v.cols) != (n, kv_row)
         || [q.elem, k.elem, v.elem] != [Elem::F32; 3]
+        || q.ld < q.cols
+        || k.ld < k.cols
+        || v.ld < v.cols
     {
         return Err(Error::InvalidArgument(format!(
             "attention {shape:?} over a {:?} pool: q {}x{}, k {}x{}, v {}x{} for {n} tokens",
@@ -136,6 +139,8 @@ pub fn attention(
             Arg::I32(kv.block_size as i32),
             Arg::I32(kv_row as i32),
             Arg::I32(head_dim as i32),
+            Arg::I64(k.ld as i64),
+            Arg::I64(v.ld as i64),
         ],
     )?;
 
@@ -178,6 +183,7 @@ pub fn attention(
                     Arg::I32(max_blocks as i32),
                     Arg::I32(kv.block_size as i32),
                     Arg::F32(scale * std::f32::consts::LOG2_E),
+                    Arg::I64(q.ld as i64),
                 ],
             )?;
         return Ok(out);
@@ -204,6 +210,7 @@ pub fn attention(
         }
         args.push(Arg::I32(split.chunk as i32));
         args.push(Arg::F32(scale));
+        args.push(Arg::I64(q.ld as i64));
         args
     };
     // Grouped heads run on tensor cores where a kernel exists; MHA and other head sizes on CUDA

@@ -78,6 +78,9 @@ pub struct CudaTensor {
     pub ptr: DevicePtr,
     pub rows: usize,
     pub cols: usize,
+    /// Elements from one row to the next: `cols`, except for a column slice of a wider tensor
+    /// (the q/k/v and gate/up parts of a fused projection's output).
+    pub ld: usize,
     pub elem: Elem,
     epoch: u64,
     _owner: Option<Arc<DeviceBuffer>>,
@@ -89,10 +92,15 @@ impl CudaTensor {
             ptr,
             rows,
             cols,
+            ld: cols,
             elem,
             epoch,
             _owner: None,
         }
+    }
+
+    pub fn is_contiguous(&self) -> bool {
+        self.ld == self.cols
     }
 
     pub fn bytes(&self) -> usize {
@@ -202,6 +210,7 @@ impl CudaBackend {
             ptr,
             rows,
             cols,
+            ld: cols,
             elem,
             epoch: st.arena.epoch,
             _owner: None,
@@ -233,6 +242,7 @@ impl CudaBackend {
             ptr: 0,
             rows,
             cols,
+            ld: cols,
             elem,
             epoch: u64::MAX,
             _owner: None,
@@ -341,7 +351,7 @@ impl CudaBackend {
         weight: &CudaTensor,
         eps: f32,
     ) -> Result<CudaTensor> {
-        expect_f32(x, "rms_norm input")?;
+        expect_whole_f32(x, "rms_norm input")?;
         if weight.cols != x.cols {
             return Err(Error::InvalidArgument(format!(
                 "rms_norm: {} features, weight of {}",
@@ -369,10 +379,14 @@ impl CudaBackend {
     /// `x` as the model dtype (a cast when it is f32).
     fn as_half(&self, x: &CudaTensor) -> Result<CudaTensor> {
         match x.elem {
+            _ if !x.is_contiguous() => Err(Error::InvalidArgument(
+                "a GEMM input must be a whole tensor, not a column slice".into(),
+            )),
             Elem::Half(d) if d == self.dtype => Ok(CudaTensor {
                 ptr: x.ptr,
                 rows: x.rows,
                 cols: x.cols,
+                ld: x.ld,
                 elem: x.elem,
                 epoch: x.epoch,
                 _owner: x._owner.clone(),
@@ -439,6 +453,7 @@ impl CudaBackend {
             ptr: buf.ptr,
             rows,
             cols,
+            ld: cols,
             elem: Elem::F32,
             epoch: 0,
             _owner: Some(buf),
@@ -492,6 +507,17 @@ pub(crate) fn batch_key(batch: &BatchLayout) -> (usize, usize, usize) {
 
 fn norm_block(cols: usize) -> u32 {
     (cols.div_ceil(4).next_power_of_two()).clamp(32, 1024) as u32
+}
+
+/// For ops that read rows back to back (norms, adds, gathers).
+fn expect_whole_f32(t: &CudaTensor, what: &str) -> Result<()> {
+    expect_f32(t, what)?;
+    if !t.is_contiguous() {
+        return Err(Error::InvalidArgument(format!(
+            "{what} must be a whole tensor, not a column slice"
+        )));
+    }
+    Ok(())
 }
 
 fn expect_f32(t: &CudaTensor, what: &str) -> Result<()> {
@@ -573,6 +599,7 @@ impl Backend for CudaBackend {
             ptr: buf.ptr,
             rows: 1,
             cols: values.len(),
+            ld: values.len(),
             elem: Elem::F32,
             epoch: 0,
             _owner: Some(buf),
@@ -624,6 +651,73 @@ impl Backend for CudaBackend {
     ) -> Result<CudaTensor> {
         let id = kv.id;
         crate::graph::run_forward(self, model, id, batch, &mut || body(kv))
+    }
+
+    fn load_fused_weight(&self, parts: &[HostTensor]) -> Result<Option<CudaWeight>> {
+        // One GEMM instead of several over the same input: fewer launches, and the small K/V
+        // projections of a decode step no longer run as separate, poorly filled GEMVs.
+        let cols = parts
+            .first()
+            .map_or(0, |t| t.shape.get(1).copied().unwrap_or(0));
+        let mut bits = Vec::new();
+        let mut rows = 0;
+        for t in parts {
+            if t.shape.len() != 2 || t.shape[1] != cols {
+                return Ok(None);
+            }
+            let need =
+                t.format.row_bytes(cols).map_err(|e| {
+                    Error::unsupported(format!("tensor '{}'", t.name), e.to_string())
+                })? * t.shape[0];
+            if t.bytes.len() != need {
+                return Err(Error::corrupt(
+                    &t.name,
+                    format!("{} bytes of data where {need} are needed", t.bytes.len()),
+                ));
+            }
+            bits.extend(weight_bits(t, self.dtype)?);
+            rows += t.shape[0];
+        }
+        let name = parts
+            .iter()
+            .map(|t| t.name.as_str())
+            .collect::<Vec<_>>()
+            .join(" + ");
+        let buf = DeviceBuffer::from_host(&self.gpu, &bits, &format!("weights {name}"))?;
+        self.weight_bytes
+            .fetch_add(bits.len() * 2, std::sync::atomic::Ordering::Relaxed);
+        Ok(Some(CudaWeight {
+            rows,
+            cols,
+            dtype: self.dtype,
+            buf,
+        }))
+    }
+
+    fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
+        if widths.iter().sum::<usize>() != x.cols {
+            return Err(Error::InvalidArgument(format!(
+                "split of {} columns into {widths:?}",
+                x.cols
+            )));
+        }
+        let mut at = 0;
+        Ok(widths
+            .iter()
+            .map(|&w| {
+                let t = CudaTensor {
+                    ptr: x.ptr + (at * x.elem.size()) as u64,
+                    rows: x.rows,
+                    cols: w,
+                    ld: x.ld,
+                    elem: x.elem,
+                    epoch: x.epoch,
+                    _owner: x._owner.clone(),
+                };
+                at += w;
+                t
+            })
+            .collect())
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor> {
@@ -679,7 +773,7 @@ impl Backend for CudaBackend {
         weight: &CudaTensor,
         eps: f32,
     ) -> CudaTensor {
-        let r = expect_f32(delta, "residual delta")
+        let r = expect_whole_f32(delta, "residual delta")
             .and_then(|()| self.rms_norm_into(x, Some(delta), weight, eps));
         self.sticky(r)
             .unwrap_or_else(|| self.dead_tensor(x.rows, x.cols, Elem::Half(self.dtype)))
@@ -687,7 +781,9 @@ impl Backend for CudaBackend {
 
     fn head_rms_norm(&self, x: &mut CudaTensor, weight: &CudaTensor, head_dim: usize, eps: f32) {
         let r = expect_f32(x, "head_rms_norm input").and_then(|()| {
-            let heads = x.rows * x.cols / head_dim;
+            // Whole heads of each row, like the CPU.
+            let row_heads = x.cols / head_dim;
+            let heads = x.rows * row_heads;
             self.launch(
                 "head_rms_norm",
                 (heads.div_ceil(8) as u32, 1, 1),
@@ -696,6 +792,8 @@ impl Backend for CudaBackend {
                     Arg::Ptr(x.ptr),
                     Arg::Ptr(weight.ptr),
                     Arg::I32(head_dim as i32),
+                    Arg::I32(row_heads as i32),
+                    Arg::I64(x.ld as i64),
                     Arg::I64(heads as i64),
                     Arg::F32(eps),
                 ],
@@ -761,6 +859,7 @@ impl Backend for CudaBackend {
                         Arg::Ptr(positions),
                         Arg::Ptr(inv_freq.ptr),
                         Arg::I32(x.cols as i32),
+                        Arg::I64(x.ld as i64),
                         Arg::I32(head_dim as i32),
                         Arg::I32(i32::from(layout == RopeLayout::Interleaved)),
                     ],
@@ -787,6 +886,12 @@ impl Backend for CudaBackend {
         let r = expect_f32(gate, "gate")
             .and_then(|()| expect_f32(up, "up"))
             .and_then(|()| {
+                if (gate.rows, gate.cols) != (up.rows, up.cols) {
+                    return Err(Error::InvalidArgument(format!(
+                        "silu_mul of {}x{} and {}x{}",
+                        gate.rows, gate.cols, up.rows, up.cols
+                    )));
+                }
                 let out = self.alloc(gate.rows, gate.cols, Elem::Half(self.dtype))?;
                 let n = gate.rows * gate.cols;
                 self.half_kernel("silu_mul")?.launch(
@@ -799,6 +904,9 @@ impl Backend for CudaBackend {
                         Arg::Ptr(up.ptr),
                         Arg::Ptr(out.ptr),
                         Arg::I64(n as i64),
+                        Arg::I32(gate.cols as i32),
+                        Arg::I64(gate.ld as i64),
+                        Arg::I64(up.ld as i64),
                     ],
                 )?;
                 Ok(out)
@@ -808,8 +916,8 @@ impl Backend for CudaBackend {
     }
 
     fn add(&self, x: &mut CudaTensor, delta: &CudaTensor) {
-        let r = expect_f32(x, "add target")
-            .and_then(|()| expect_f32(delta, "add delta"))
+        let r = expect_whole_f32(x, "add target")
+            .and_then(|()| expect_whole_f32(delta, "add delta"))
             .and_then(|()| {
                 let n = x.rows * x.cols;
                 self.launch(
@@ -823,7 +931,7 @@ impl Backend for CudaBackend {
     }
 
     fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
-        let r = expect_f32(x, "gather input").and_then(|()| {
+        let r = expect_whole_f32(x, "gather input").and_then(|()| {
             let staged = {
                 let st = self.lock();
                 st.meta
@@ -860,6 +968,11 @@ impl Backend for CudaBackend {
 
     fn to_host(&self, x: &CudaTensor) -> Result<Vec<f32>> {
         self.check_live(x)?;
+        if !x.is_contiguous() {
+            return Err(Error::InvalidArgument(
+                "to_host of a column slice: copy it whole".into(),
+            ));
+        }
         let n = x.rows * x.cols;
         match x.elem {
             Elem::F32 => {

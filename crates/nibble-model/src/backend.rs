@@ -123,6 +123,20 @@ pub trait Backend: Send + Sync {
         body(kv)
     }
 
+    /// Prepares weights that read the same input (q/k/v, gate/up) as one matrix, their rows
+    /// stacked in order, when one GEMM serves this backend better than several. `None` (the
+    /// default) keeps them separate; model code then never calls [`Backend::split_cols`].
+    fn load_fused_weight(&self, _parts: &[HostTensor]) -> Result<Option<Self::Weight>> {
+        Ok(None)
+    }
+    /// The column blocks of `x` of the given widths, in order: a fused projection's outputs.
+    fn split_cols(&self, _x: &Self::Tensor, _widths: &[usize]) -> Result<Vec<Self::Tensor>> {
+        Err(nibble_core::Error::InvalidArgument(format!(
+            "{} fuses no weights, so it has nothing to split",
+            self.name()
+        )))
+    }
+
     /// Rows `ids` of an embedding table.
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Self::Tensor;

@@ -9,20 +9,38 @@ use crate::backend::{AttentionShape, Backend, BatchLayout, KvShape};
 use crate::config::{ModelConfig, TensorLayout};
 use crate::source::TensorSource;
 
+/// Projections that read the same input: one weight each with their biases, or one fused
+/// weight (rows stacked) with its stacked bias, when the backend asked for it.
+enum Projections<B: Backend> {
+    Separate(Vec<(B::Weight, Option<B::Tensor>)>),
+    Fused(B::Weight, Option<B::Tensor>, Vec<usize>),
+}
+
+impl<B: Backend> Projections<B> {
+    /// Each projection of `x`, in order.
+    fn apply(&self, backend: &B, x: &B::Tensor) -> Result<Vec<B::Tensor>> {
+        match self {
+            Projections::Separate(parts) => parts
+                .iter()
+                .map(|(w, b)| backend.linear(x, w, b.as_ref()))
+                .collect(),
+            Projections::Fused(w, b, widths) => {
+                backend.split_cols(&backend.linear(x, w, b.as_ref())?, widths)
+            }
+        }
+    }
+}
+
 struct Layer<B: Backend> {
     attn_norm: B::Tensor,
-    q: B::Weight,
-    k: B::Weight,
-    v: B::Weight,
+    /// q, k, v.
+    qkv: Projections<B>,
     o: B::Weight,
-    q_bias: Option<B::Tensor>,
-    k_bias: Option<B::Tensor>,
-    v_bias: Option<B::Tensor>,
     q_norm: Option<B::Tensor>,
     k_norm: Option<B::Tensor>,
     mlp_norm: B::Tensor,
-    gate: B::Weight,
-    up: B::Weight,
+    /// gate, up.
+    gate_up: Projections<B>,
     down: B::Weight,
 }
 
@@ -93,6 +111,59 @@ impl<B: Backend> Loader<'_, B> {
         let v = self.backend.load_vector(&values)?;
         self.tick();
         Ok(v)
+    }
+
+    /// Projections `(prefix, rows)` of `cols` inputs (`prefix.weight`, optional `prefix.bias`),
+    /// fused into one weight when the backend wants that.
+    fn projections(&mut self, parts: &[(String, usize)], cols: usize) -> Result<Projections<B>> {
+        let hosts = parts
+            .iter()
+            .map(|(p, rows)| self.host(&format!("{p}.weight"), &[*rows, cols]))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(w) = self.backend.load_fused_weight(&hosts)? {
+            let mut bias = Vec::new();
+            let mut any = false;
+            for (p, rows) in parts {
+                self.tick();
+                match self.optional_vector_values(&format!("{p}.bias"), *rows)? {
+                    Some(b) => {
+                        bias.extend(b);
+                        any = true;
+                    }
+                    None => bias.extend(std::iter::repeat_n(0.0, *rows)),
+                }
+            }
+            let bias = if any {
+                Some(self.backend.load_vector(&bias)?)
+            } else {
+                None
+            };
+            let widths = parts.iter().map(|(_, r)| *r).collect();
+            return Ok(Projections::Fused(w, bias, widths));
+        }
+        drop(hosts);
+        let mut out = Vec::new();
+        for (p, rows) in parts {
+            let w = self.weight(&format!("{p}.weight"), &[*rows, cols])?;
+            let b = self.optional_vector(&format!("{p}.bias"), *rows)?;
+            out.push((w, b));
+        }
+        Ok(Projections::Separate(out))
+    }
+
+    /// The values of an optional vector, checked, without uploading them.
+    fn optional_vector_values(&mut self, name: &str, len: usize) -> Result<Option<Vec<f32>>> {
+        if !self.source.contains(name) {
+            return Ok(None);
+        }
+        let values = self.host(name, &[len])?.to_f32()?;
+        if let Some(i) = values.iter().position(|x| !x.is_finite()) {
+            return Err(Error::corrupt(
+                self.source.origin(),
+                format!("tensor '{name}' holds a non-finite value at index {i}"),
+            ));
+        }
+        Ok(Some(values))
     }
 
     fn optional_vector(&mut self, name: &str, len: usize) -> Result<Option<B::Tensor>> {
@@ -200,20 +271,21 @@ impl<B: Backend> Transformer<B> {
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
+            let attn = |n: &str| format!("{p}.self_attn.{n}_proj");
             layers.push(Layer {
                 attn_norm: ld.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                q: ld.weight(&format!("{p}.self_attn.q_proj.weight"), &[qd, h])?,
-                k: ld.weight(&format!("{p}.self_attn.k_proj.weight"), &[kvd, h])?,
-                v: ld.weight(&format!("{p}.self_attn.v_proj.weight"), &[kvd, h])?,
+                qkv: ld.projections(&[(attn("q"), qd), (attn("k"), kvd), (attn("v"), kvd)], h)?,
                 o: ld.weight(&format!("{p}.self_attn.o_proj.weight"), &[h, qd])?,
-                q_bias: ld.optional_vector(&format!("{p}.self_attn.q_proj.bias"), qd)?,
-                k_bias: ld.optional_vector(&format!("{p}.self_attn.k_proj.bias"), kvd)?,
-                v_bias: ld.optional_vector(&format!("{p}.self_attn.v_proj.bias"), kvd)?,
                 q_norm: ld.optional_vector(&format!("{p}.self_attn.q_norm.weight"), hd)?,
                 k_norm: ld.optional_vector(&format!("{p}.self_attn.k_norm.weight"), hd)?,
                 mlp_norm: ld.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                gate: ld.weight(&format!("{p}.mlp.gate_proj.weight"), &[ff, h])?,
-                up: ld.weight(&format!("{p}.mlp.up_proj.weight"), &[ff, h])?,
+                gate_up: ld.projections(
+                    &[
+                        (format!("{p}.mlp.gate_proj"), ff),
+                        (format!("{p}.mlp.up_proj"), ff),
+                    ],
+                    h,
+                )?,
                 down: ld.weight(&format!("{p}.mlp.down_proj.weight"), &[h, ff])?,
             });
         }
@@ -319,9 +391,11 @@ impl<B: Backend> Transformer<B> {
                 None => backend.rms_norm(&x, &l.attn_norm, eps),
                 Some(d) => backend.add_rms_norm(&mut x, &d, &l.attn_norm, eps),
             };
-            let mut q = backend.linear(&h, &l.q, l.q_bias.as_ref())?;
-            let mut k = backend.linear(&h, &l.k, l.k_bias.as_ref())?;
-            let v = backend.linear(&h, &l.v, l.v_bias.as_ref())?;
+            let mut qkv = l.qkv.apply(backend, &h)?;
+            let (v, mut k, mut q) = match (qkv.pop(), qkv.pop(), qkv.pop()) {
+                (Some(v), Some(k), Some(q)) => (v, k, q),
+                _ => unreachable!("three projections"),
+            };
             if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
                 backend.head_rms_norm(&mut q, qn, c.head_dim, eps);
                 backend.head_rms_norm(&mut k, kn, c.head_dim, eps);
@@ -331,9 +405,8 @@ impl<B: Backend> Transformer<B> {
             let attn = backend.attention(&q, &k, &v, kv, i, batch, shape)?;
             let o = backend.linear(&attn, &l.o, None)?;
             let h = backend.add_rms_norm(&mut x, &o, &l.mlp_norm, eps);
-            let gate = backend.linear(&h, &l.gate, None)?;
-            let up = backend.linear(&h, &l.up, None)?;
-            let act = backend.silu_mul(&gate, &up);
+            let gate_up = l.gate_up.apply(backend, &h)?;
+            let act = backend.silu_mul(&gate_up[0], &gate_up[1]);
             pending = Some(backend.linear(&act, &l.down, None)?);
         }
         if let Some(d) = pending {
