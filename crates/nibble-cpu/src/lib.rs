@@ -208,8 +208,11 @@ impl Backend for CpuBackend {
     }
 
     fn head_rms_norm(&self, x: &mut CpuTensor, weight: &CpuTensor, head_dim: usize, eps: f32) {
-        for head in x.data.chunks_exact_mut(head_dim) {
-            ops::rms_norm_in_place(head, &weight.data, eps);
+        // Whole heads of each row (a row is num_heads * head_dim wide in every model).
+        for row in x.data.chunks_exact_mut(x.cols) {
+            for head in row.chunks_exact_mut(head_dim) {
+                ops::rms_norm_in_place(head, &weight.data, eps);
+            }
         }
     }
 

@@ -118,8 +118,16 @@ extern "C" __global__ void head_rms_norm(float* x, const float* w, int head_dim,
 
 // Rotates each head of row `blockIdx.x` by the token's position. `interleaved` pairs (2i, 2i+1),
 // otherwise (i, i + head_dim/2). Angles in f64 as on the CPU: positions reach 1e5 and beyond.
+// blockIdx.y = 1 rotates the second tensor (x2, cols2, ld2) of a rope_qk call, with the same
+// positions: q and k in one launch.
 extern "C" __global__ void rope(float* x, const int* positions, const float* inv_freq, int cols,
-                                long ld, int head_dim, int interleaved) {
+                                long ld, int head_dim, int interleaved, float* x2, int cols2,
+                                long ld2) {
+    if (blockIdx.y == 1) {
+        x = x2;
+        cols = cols2;
+        ld = ld2;
+    }
     const long row = blockIdx.x;
     const int half = head_dim >> 1;
     const double pos = (double)positions[row];

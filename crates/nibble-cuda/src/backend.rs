@@ -482,6 +482,87 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Benchmark support: records `f`'s GPU work once as a CUDA graph and returns the median
+    /// seconds of `reps` replays (device time without host launch gaps, as a decode step runs).
+    /// `f` must not grow the activation arena (run it once eagerly first).
+    pub fn time_graph(&self, reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        use cudarc::driver::result as cu;
+        use cudarc::driver::sys;
+        let stream = self.gpu.cu_stream();
+        let err = |what: &str, e: cudarc::driver::DriverError| crate::runtime::driver_err(what, e);
+        unsafe {
+            cu::stream::begin_capture(
+                stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            )
+        }
+        .map_err(|e| err("capture", e))?;
+        let body = f();
+        let graph =
+            unsafe { cu::stream::end_capture(stream) }.map_err(|e| err("capture end", e))?;
+        body?;
+        let exec = unsafe { cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+            .map_err(|e| err("instantiate", e))?;
+        let mut times = Vec::with_capacity(reps);
+        let run = || unsafe { cu::graph::launch(exec, stream) }.map_err(|e| err("graph launch", e));
+        run()?;
+        self.gpu.synchronize()?;
+        for _ in 0..reps {
+            let t0 = std::time::Instant::now();
+            run()?;
+            self.gpu.synchronize()?;
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        unsafe {
+            let _ = cu::graph::exec_destroy(exec);
+            let _ = cu::graph::destroy(graph);
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    }
+
+    /// RoPE over `x` and, in the same launch, `second` (q and k of one layer).
+    fn rope_launch(
+        &self,
+        x: &CudaTensor,
+        second: Option<&CudaTensor>,
+        head_dim: usize,
+        batch: &BatchLayout,
+        inv_freq: &CudaTensor,
+        layout: RopeLayout,
+    ) -> Result<()> {
+        expect_f32(x, "rope input")?;
+        if let Some(k) = second {
+            expect_f32(k, "rope input")?;
+            if k.rows != x.rows {
+                return Err(Error::InvalidArgument(format!(
+                    "rope of q with {} rows and k with {}",
+                    x.rows, k.rows
+                )));
+            }
+        }
+        self.ensure_meta(None, batch)?;
+        let positions = self.with_meta(|m| m.positions);
+        let other = second.unwrap_or(x);
+        self.launch(
+            "rope",
+            (x.rows as u32, if second.is_some() { 2 } else { 1 }, 1),
+            norm_block(x.cols.max(other.cols) / 2),
+            vec![
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(positions),
+                Arg::Ptr(inv_freq.ptr),
+                Arg::I32(x.cols as i32),
+                Arg::I64(x.ld as i64),
+                Arg::I32(head_dim as i32),
+                Arg::I32(i32::from(layout == RopeLayout::Interleaved)),
+                Arg::Ptr(other.ptr),
+                Arg::I32(other.cols as i32),
+                Arg::I64(other.ld as i64),
+            ],
+        )
+    }
+
     /// Fills an f32 tensor with `value` (tests poison outputs with NaN).
     pub fn fill(&self, t: &CudaTensor, value: f32) -> Result<()> {
         let n = t.bytes() / 4;
@@ -846,25 +927,20 @@ impl Backend for CudaBackend {
         inv_freq: &CudaTensor,
         layout: RopeLayout,
     ) {
-        let r = expect_f32(x, "rope input")
-            .and_then(|()| self.ensure_meta(None, batch))
-            .and_then(|()| {
-                let positions = self.with_meta(|m| m.positions);
-                self.launch(
-                    "rope",
-                    (x.rows as u32, 1, 1),
-                    norm_block(x.cols / 2),
-                    vec![
-                        Arg::Ptr(x.ptr),
-                        Arg::Ptr(positions),
-                        Arg::Ptr(inv_freq.ptr),
-                        Arg::I32(x.cols as i32),
-                        Arg::I64(x.ld as i64),
-                        Arg::I32(head_dim as i32),
-                        Arg::I32(i32::from(layout == RopeLayout::Interleaved)),
-                    ],
-                )
-            });
+        let r = self.rope_launch(x, None, head_dim, batch, inv_freq, layout);
+        self.sticky(r);
+    }
+
+    fn rope_qk(
+        &self,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        head_dim: usize,
+        batch: &BatchLayout,
+        inv_freq: &CudaTensor,
+        layout: RopeLayout,
+    ) {
+        let r = self.rope_launch(q, Some(k), head_dim, batch, inv_freq, layout);
         self.sticky(r);
     }
 

@@ -194,6 +194,13 @@ fn row_ops_match_cpu() {
                 c.rope(&mut cx, 64, &batch, &ci, lay);
                 g.rope(&mut gx, 64, &batch, &gi, lay);
                 check("rope", &host(&g, &gx), &cx.data, 1e-5);
+                // q and k in one launch.
+                let (mut cq, mut ck) = (x.clone(), d.clone());
+                c.rope_qk(&mut cq, &mut ck, 64, &batch, &ci, lay);
+                let (mut gq, mut gk) = (to_gpu(&g, &x), to_gpu(&g, &d));
+                g.rope_qk(&mut gq, &mut gk, 64, &batch, &gi, lay);
+                check("rope_qk q", &host(&g, &gq), &cq.data, 1e-5);
+                check("rope_qk k", &host(&g, &gk), &ck.data, 1e-5);
             }
 
             let vocab = 301;

@@ -166,6 +166,19 @@ pub trait Backend: Send + Sync {
         inv_freq: &Self::Tensor,
         layout: RopeLayout,
     );
+    /// Rotates `q` and `k` (the same positions): one pass on backends that fuse it.
+    fn rope_qk(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        head_dim: usize,
+        batch: &BatchLayout,
+        inv_freq: &Self::Tensor,
+        layout: RopeLayout,
+    ) {
+        self.rope(q, head_dim, batch, inv_freq, layout);
+        self.rope(k, head_dim, batch, inv_freq, layout);
+    }
     /// Writes `k`, `v` into each sequence's blocks at its positions and returns causal attention
     /// of `q` over positions `0..=` each token's own (GQA: head h reads kv head
     /// `h / (num_heads / num_kv_heads)`). A quantized pool quantizes on write and attention reads

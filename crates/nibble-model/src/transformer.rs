@@ -400,8 +400,14 @@ impl<B: Backend> Transformer<B> {
                 backend.head_rms_norm(&mut q, qn, c.head_dim, eps);
                 backend.head_rms_norm(&mut k, kn, c.head_dim, eps);
             }
-            backend.rope(&mut q, c.head_dim, batch, &self.inv_freq, c.rope_layout);
-            backend.rope(&mut k, c.head_dim, batch, &self.inv_freq, c.rope_layout);
+            backend.rope_qk(
+                &mut q,
+                &mut k,
+                c.head_dim,
+                batch,
+                &self.inv_freq,
+                c.rope_layout,
+            );
             let attn = backend.attention(&q, &k, &v, kv, i, batch, shape)?;
             let o = backend.linear(&attn, &l.o, None)?;
             let h = backend.add_rms_norm(&mut x, &o, &l.mlp_norm, eps);
