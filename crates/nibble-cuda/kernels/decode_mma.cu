@@ -4,14 +4,16 @@
 // kernel stays bound by HBM.
 //
 // Grid: (query tokens, kv heads, context splits), as the CUDA-core kernel (attention.cu), whose
-// partial layout and reduction it shares. Block: 4 warps; each warp takes whole 16-token blocks
-// of the split's chunk in turn: it reads the block's K and V rows of its head (two contiguous
-// 16 * HD runs; [blocks][kv_heads][16][HD] layout) with 16-byte loads into its own shared tile
-// (rows padded by 8 elements), then S = Q K^T (Q's A fragments kept in registers), an online
+// partial layout and reduction it shares. Block: 2 warps; each warp takes whole 16-token blocks
+// of the split's chunk in turn: it streams the block's K and V rows of its head (two contiguous
+// 16 * HD runs; [blocks][kv_heads][16][HD] layout) with 16-byte cp.async into its own shared
+// tiles (rows padded by 8 elements), two stages deep so the next block loads while this one is
+// computed, then S = Q K^T (Q's A fragments kept in registers), an online
 // softmax in base 2, and O += P V with P re-packed from the S accumulators and V's B fragments
 // from ldmatrix.trans. Warps merge through shared memory and write (m, l, acc) per head.
 
 #define DM_BS 16
+#define DM_WARPS 2
 
 template <class T, int HD, int G>
 __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict__ kc,
@@ -20,10 +22,11 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
                                 float* __restrict__ part, int num_kv_heads, int group,
                                 int max_blocks, int chunk, float scale_log2, long ldq) {
     constexpr int LD = HD + 8;
-    constexpr int WARPS = 4;
-    static_assert(WARPS * G * (HD + 2) * 4 <= WARPS * DM_BS * (HD + 8) * 2, "merge fits in ks");
-    __shared__ __align__(16) T ks[WARPS][DM_BS * LD];
-    __shared__ __align__(16) T vs[WARPS][DM_BS * LD];
+    constexpr int WARPS = DM_WARPS;
+    static_assert(WARPS * G * (HD + 2) * 4 <= WARPS * 2 * DM_BS * (HD + 8) * 2, "merge fits in ks");
+    // Two stages per warp: the next block streams in (cp.async) while this one is computed.
+    __shared__ __align__(16) T ks[WARPS][2][DM_BS * LD];
+    __shared__ __align__(16) T vs[WARPS][2][DM_BS * LD];
     const int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -32,8 +35,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
     if (start >= ctx) return;
     const int end = min(ctx, start + chunk);
     const int* table = block_tables + (long)tok_seq[token] * max_blocks;
-    T* kw = ks[warp];
-    T* vw = vs[warp];
+    T* kw = ks[warp][0];
 
     // Q rows (the group's heads, then zeros) through this warp's K tile into A fragments.
     for (int i = lane; i < DM_BS * HD; i += 32) {
@@ -56,25 +58,40 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
     for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f};
 
-    for (int b = start / DM_BS + warp; b * DM_BS < end; b += WARPS) {
+    // Block b's K and V rows into stage st: 16-byte cp.async pieces, rows past the context zeroed.
+    auto issue = [&](int b, int st) {
         const long base = ((long)table[b] * num_kv_heads + kvh) * DM_BS * HD;
-        __syncwarp();  // the previous block (or Q) is no longer read
-        // 16 rows of HD: HD/8 16-byte pieces per row, (16 * HD / 8) / 32 per lane, K and V.
+        T* kd = ks[warp][st];
+        T* vd = vs[warp][st];
 #pragma unroll
         for (int i = lane; i < DM_BS * HD / 8; i += 32) {
             const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
-            Vec8 kvec, vvec;
             if (b * DM_BS + r < end) {
-                kvec = *reinterpret_cast<const Vec8*>(kc + base + r * HD + c);
-                vvec = *reinterpret_cast<const Vec8*>(vc + base + r * HD + c);
+                const unsigned kdst = (unsigned)__cvta_generic_to_shared(&kd[r * LD + c]);
+                const unsigned vdst = (unsigned)__cvta_generic_to_shared(&vd[r * LD + c]);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(kdst), "l"(kc + base + r * HD + c));
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(vdst), "l"(vc + base + r * HD + c));
             } else {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) kvec.h[j] = vvec.h[j] = 0;
+                *reinterpret_cast<uint4*>(&kd[r * LD + c]) = make_uint4(0, 0, 0, 0);
+                *reinterpret_cast<uint4*>(&vd[r * LD + c]) = make_uint4(0, 0, 0, 0);
             }
-            *reinterpret_cast<Vec8*>(&kw[r * LD + c]) = kvec;
-            *reinterpret_cast<Vec8*>(&vw[r * LD + c]) = vvec;
         }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    __syncwarp();  // Q's fragments are read: stage 0 may be overwritten
+    int stage = 0;
+    const int first = start / DM_BS + warp;
+    if (first * DM_BS < end) issue(first, 0);
+    for (int b = first; b * DM_BS < end; b += WARPS) {
+        if ((b + WARPS) * DM_BS < end) {
+            issue(b + WARPS, stage ^ 1);
+        } else {
+            asm volatile("cp.async.commit_group;\n" ::);  // keep one group per iteration
+        }
+        asm volatile("cp.async.wait_group 1;\n" ::);
         __syncwarp();
+        const T* kw = ks[warp][stage];
+        const T* vw = vs[warp][stage];
         float s[2][4];
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
@@ -138,12 +155,14 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
                          : "r"(addr));
             mma16816<T>(o[n], pa, b0, b1);
         }
+        __syncwarp();  // this stage is read before the next iteration refills it
+        stage ^= 1;
     }
 
     // Rows g < group are heads; write each warp's state, then merge the warps per head. The
     // merge area reuses the K tiles (WARPS * G * (HD + 2) floats fit in WARPS * 16 * LD halves).
     __syncthreads();
-    float* merge = reinterpret_cast<float*>(&ks[0][0]);
+    float* merge = reinterpret_cast<float*>(&ks[0][0][0]);
 #define MERGE(w, hg, d) merge[((w) * G + (hg)) * (HD + 2) + (d)]
     if (g < group) {
 #pragma unroll
@@ -177,7 +196,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
 }
 
 #define NIBBLE_DECODE_MMA(SUFFIX, T, HD, G)                                                     \
-    extern "C" __global__ void __launch_bounds__(128) decode_mma_##SUFFIX##_hd##HD##_g##G(      \
+    extern "C" __global__ void __launch_bounds__(64) decode_mma_##SUFFIX##_hd##HD##_g##G(       \
         const float* q, const T* kc, const T* vc, const int* block_tables, const int* tok_seq,  \
         const int* tok_pos, float* part, int num_kv_heads, int group, int max_blocks,           \
         int chunk, float scale_log2, long ldq) {                                                \

@@ -220,7 +220,7 @@ pub fn attention(
             .launch(
                 &be.gpu,
                 grid,
-                128,
+                64,
                 0,
                 common(scale * std::f32::consts::LOG2_E, false),
             )?;
