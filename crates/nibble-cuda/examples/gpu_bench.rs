@@ -132,19 +132,27 @@ fn attention(
     let q = be.random_tensor(n, heads * hd, 1)?;
     let k = be.random_tensor(n, kv_heads * hd, 2)?;
     let v = be.random_tensor(n, kv_heads * hd, 3)?;
-    // Device time per call: CALLS calls recorded as one CUDA graph and replayed, as a decode
-    // step runs them (the peer is timed with triton's do_bench_cudagraph). Each call also
-    // appends the step's keys and values.
+    // Decode: device time per call, CALLS calls recorded as one CUDA graph and replayed, as a
+    // decode step runs them (the peer is timed with triton's do_bench_cudagraph). Each call also
+    // appends the step's keys and values. Prefill (milliseconds, not graphed in the engine: it
+    // uploads its tile list) is timed eagerly, one call between synchronizations.
     const CALLS: usize = 20;
-    be.begin_forward(&tokens, &layout)?;
-    be.attention(&q, &k, &v, &mut kv, 0, &layout, shape)?;
-    be.begin_forward(&tokens, &layout)?;
-    let t = be.time_graph(15, &mut || {
-        for _ in 0..CALLS {
-            be.attention(&q, &k, &v, &mut kv, 0, &layout, shape)?;
-        }
-        Ok(())
-    })? / CALLS as f64;
+    let t = if prefill {
+        time(be, 2, 10, || {
+            be.begin_forward(&tokens, &layout)?;
+            be.attention(&q, &k, &v, &mut kv, 0, &layout, shape).map(|_| ())
+        })?
+    } else {
+        be.begin_forward(&tokens, &layout)?;
+        be.attention(&q, &k, &v, &mut kv, 0, &layout, shape)?;
+        be.begin_forward(&tokens, &layout)?;
+        be.time_graph(15, &mut || {
+            for _ in 0..CALLS {
+                be.attention(&q, &k, &v, &mut kv, 0, &layout, shape)?;
+            }
+            Ok(())
+        })? / CALLS as f64
+    };
     let kv_bytes = (batch * ctx * kv_heads * hd * 2 * 2) as f64;
     let flops = if prefill {
         4.0 * batch as f64 * (ctx as f64).powi(2) / 2.0 * (heads * hd) as f64

@@ -35,28 +35,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
     if (start >= ctx) return;
     const int end = min(ctx, start + chunk);
     const int* table = block_tables + (long)tok_seq[token] * max_blocks;
-    T* kw = ks[warp][0];
-
-    // Q rows (the group's heads, then zeros) through this warp's K tile into A fragments.
-    for (int i = lane; i < DM_BS * HD; i += 32) {
-        const int r = i / HD, d = i % HD;
-        const float v = r < group ? q[(long)token * ldq + (kvh * group + r) * HD + d] : 0.f;
-        kw[r * LD + d] = from_f32<T>(v);
-    }
-    __syncwarp();
-    u32 qf[HD / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-        const int c = kk * 16 + 2 * t;
-        qf[kk][0] = *reinterpret_cast<const u32*>(&kw[g * LD + c]);
-        qf[kk][1] = *reinterpret_cast<const u32*>(&kw[(g + 8) * LD + c]);
-        qf[kk][2] = *reinterpret_cast<const u32*>(&kw[g * LD + c + 8]);
-        qf[kk][3] = *reinterpret_cast<const u32*>(&kw[(g + 8) * LD + c + 8]);
-    }
-    float o[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f};
+    T* kq = ks[warp][1];  // Q staging; the first K/V block goes to stage 0
 
     // Block b's K and V rows into stage st: 16-byte cp.async pieces, rows past the context zeroed.
     auto issue = [&](int b, int st) {
@@ -78,10 +57,32 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
-    __syncwarp();  // Q's fragments are read: stage 0 may be overwritten
+    // The first block streams in while Q is staged (through stage 1) into A fragments.
     int stage = 0;
     const int first = start / DM_BS + warp;
     if (first * DM_BS < end) issue(first, 0);
+    // Q rows (the group's heads, then zeros), converted to 16 bits, then read as A fragments.
+    for (int i = lane; i < DM_BS * HD; i += 32) {
+        const int r = i / HD, d = i % HD;
+        const float v = r < group ? q[(long)token * ldq + (kvh * group + r) * HD + d] : 0.f;
+        kq[r * LD + d] = from_f32<T>(v);
+    }
+    __syncwarp();
+    u32 qf[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        const int c = kk * 16 + 2 * t;
+        qf[kk][0] = *reinterpret_cast<const u32*>(&kq[g * LD + c]);
+        qf[kk][1] = *reinterpret_cast<const u32*>(&kq[(g + 8) * LD + c]);
+        qf[kk][2] = *reinterpret_cast<const u32*>(&kq[g * LD + c + 8]);
+        qf[kk][3] = *reinterpret_cast<const u32*>(&kq[(g + 8) * LD + c + 8]);
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f};
+
+    __syncwarp();  // Q's fragments are read: stage 1 may be refilled
     for (int b = first; b * DM_BS < end; b += WARPS) {
         if ((b + WARPS) * DM_BS < end) {
             issue(b + WARPS, stage ^ 1);
