@@ -120,32 +120,10 @@ impl Backend for CpuBackend {
     }
 
     fn load_weight(&self, t: &HostTensor) -> Result<CpuWeight> {
-        if t.shape.len() != 2 {
-            return Err(Error::ShapeMismatch {
-                name: t.name.clone(),
-                expected: vec![0, 0],
-                found: t.shape.clone(),
-            });
-        }
-        let (rows, cols) = (t.shape[0], t.shape[1]);
-        let row_bytes = t
-            .format
-            .row_bytes(cols)
-            .map_err(|e| Error::unsupported(format!("tensor '{}'", t.name), e.to_string()))?;
+        let (rows, cols, row_bytes) = t.matrix_geometry()?;
         if let WeightFormat::Quant(format) = t.format {
             quant::check(format, cols)
                 .map_err(|e| Error::unsupported(format!("tensor '{}'", t.name), e.to_string()))?;
-        }
-        if t.bytes.len() != rows * row_bytes {
-            return Err(Error::corrupt(
-                &t.name,
-                format!(
-                    "{} bytes of data for a {rows}x{cols} {} tensor that needs {}",
-                    t.bytes.len(),
-                    t.format,
-                    rows * row_bytes
-                ),
-            ));
         }
         Ok(CpuWeight {
             rows,

@@ -140,7 +140,8 @@ fn attention(
     let t = if prefill {
         time(be, 2, 10, || {
             be.begin_forward(&tokens, &layout)?;
-            be.attention(&q, &k, &v, &mut kv, 0, &layout, shape).map(|_| ())
+            be.attention(&q, &k, &v, &mut kv, 0, &layout, shape)
+                .map(|_| ())
         })?
     } else {
         be.begin_forward(&tokens, &layout)?;

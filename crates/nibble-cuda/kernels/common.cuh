@@ -83,3 +83,71 @@ template <> __device__ __forceinline__ void mma16816<__half>(float* c, const u32
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+
+// One step of the online softmax over a tile of S accumulators (NT m16n8 tiles: this thread's
+// rows g and g + 8), already scaled to base 2 with masked entries at NEG_BIG: replaces s by the
+// tile's unnormalized probabilities, updates the running max m and sum l of both rows, and
+// rescales the output accumulators o (OT m16n8 tiles) to the new max.
+template <int NT, int OT>
+__device__ __forceinline__ void softmax_tile(float (&s)[NT][4], float (&m)[2], float (&l)[2],
+                                             float (&o)[OT][4]) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+    }
+    float corr[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        corr[i] = exp2f(m[i] - mx[i]);
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float p = s[n][e] > -1e29f ? exp2f(s[n][e] - mx[e >> 1]) : 0.f;
+            s[n][e] = p;
+            rs[e >> 1] += p;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 1);
+        rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 2);
+        l[i] = l[i] * corr[i] + rs[i];
+        m[i] = mx[i];
+    }
+#pragma unroll
+    for (int n = 0; n < OT; ++n) {
+        o[n][0] *= corr[0];
+        o[n][1] *= corr[0];
+        o[n][2] *= corr[1];
+        o[n][3] *= corr[1];
+    }
+}
+
+// O += P V over 16 keys: P's A fragments are the probabilities of S tiles s0 and s1 (the m16n8
+// C layout is the m16k16 A layout), V's B fragments come by ldmatrix.trans from the 16 rows at
+// `v` (row stride LD elements) in shared memory.
+template <class T, int HD, int LD>
+__device__ __forceinline__ void pv_tile(float (&o)[HD / 8][4], const float (&s0)[4],
+                                        const float (&s1)[4], const T* v, int lane) {
+    u32 pa[4];
+    pa[0] = pack2(s0[0], s0[1], (T*)nullptr);
+    pa[1] = pack2(s0[2], s0[3], (T*)nullptr);
+    pa[2] = pack2(s1[0], s1[1], (T*)nullptr);
+    pa[3] = pack2(s1[2], s1[3], (T*)nullptr);
+    const T* vrow = v + (lane & 15) * LD;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+        u32 b0, b1;
+        const unsigned addr = (unsigned)__cvta_generic_to_shared(vrow + n * 8);
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                     : "=r"(b0), "=r"(b1)
+                     : "r"(addr));
+        mma16816<T>(o[n], pa, b0, b1);
+    }
+}

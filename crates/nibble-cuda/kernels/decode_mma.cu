@@ -104,58 +104,16 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
                             *reinterpret_cast<const u32*>(kr + 8));
             }
         }
-        float mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int p = b * DM_BS + n * 8 + 2 * t + (e & 1);
                 s[n][e] = p < end ? s[n][e] * scale_log2 : NEG_BIG;
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
             }
         }
-        float corr[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            corr[i] = exp2f(m[i] - mx[i]);
-        }
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = s[n][e] > -1e29f ? exp2f(s[n][e] - mx[e >> 1]) : 0.f;
-                s[n][e] = p;
-                rs[e >> 1] += p;
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 1);
-            rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 2);
-            l[i] = l[i] * corr[i] + rs[i];
-            m[i] = mx[i];
-        }
-        u32 pa[4];
-        pa[0] = pack2(s[0][0], s[0][1], (T*)nullptr);
-        pa[1] = pack2(s[0][2], s[0][3], (T*)nullptr);
-        pa[2] = pack2(s[1][0], s[1][1], (T*)nullptr);
-        pa[3] = pack2(s[1][2], s[1][3], (T*)nullptr);
-        const T* vrow = &vw[(lane & 15) * LD];
-#pragma unroll
-        for (int n = 0; n < HD / 8; ++n) {
-            o[n][0] *= corr[0];
-            o[n][1] *= corr[0];
-            o[n][2] *= corr[1];
-            o[n][3] *= corr[1];
-            u32 b0, b1;
-            const unsigned addr = (unsigned)__cvta_generic_to_shared(vrow + n * 8);
-            asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                         : "=r"(b0), "=r"(b1)
-                         : "r"(addr));
-            mma16816<T>(o[n], pa, b0, b1);
-        }
+        softmax_tile(s, m, l, o);
+        pv_tile<T, HD, LD>(o, s[0], s[1], vw, lane);
         __syncwarp();  // this stage is read before the next iteration refills it
         stage ^= 1;
     }

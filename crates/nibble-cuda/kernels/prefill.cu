@@ -94,68 +94,19 @@ __device__ void prefill_impl(const float* __restrict__ q, const T* __restrict__ 
                             *reinterpret_cast<const u32*>(kr + 8));
             }
         }
-        // Causal mask and online softmax, rows g (c0, c1) and g + 8 (c2, c3).
-        float mx[2] = {m[0], m[1]};
+        // Causal mask (rows g: c0, c1; g + 8: c2, c3), online softmax, then O += P V.
 #pragma unroll
         for (int n = 0; n < PF_N / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int kp = kv0 + n * 8 + 2 * t + (e & 1);
                 const int qp = e < 2 ? qp0 : qp1;
-                s[n][e] = kp <= qp ? s[n][e] * scale_log2 : -1e30f;
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+                s[n][e] = kp <= qp ? s[n][e] * scale_log2 : NEG_BIG;
             }
         }
+        softmax_tile(s, m, l, o);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        }
-        float corr[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-        for (int i = 0; i < 2; ++i) corr[i] = exp2f(m[i] - mx[i]);
-#pragma unroll
-        for (int n = 0; n < PF_N / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = s[n][e] > -1e29f ? exp2f(s[n][e] - mx[e >> 1]) : 0.f;
-                s[n][e] = p;
-                rs[e >> 1] += p;
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 1);
-            rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 2);
-            l[i] = l[i] * corr[i] + rs[i];
-            m[i] = mx[i];
-        }
-#pragma unroll
-        for (int n = 0; n < HD / 8; ++n) {
-            o[n][0] *= corr[0];
-            o[n][1] *= corr[0];
-            o[n][2] *= corr[1];
-            o[n][3] *= corr[1];
-        }
-        // O += P V: P's A fragments from the S accumulators, V's B fragments by ldmatrix.trans.
-#pragma unroll
-        for (int kk = 0; kk < PF_N / 16; ++kk) {
-            u32 pa[4];
-            pa[0] = pack2(s[2 * kk][0], s[2 * kk][1], (T*)nullptr);
-            pa[1] = pack2(s[2 * kk][2], s[2 * kk][3], (T*)nullptr);
-            pa[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1], (T*)nullptr);
-            pa[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3], (T*)nullptr);
-            const T* vrow = &vs[(kk * 16 + (lane & 15)) * LD];
-#pragma unroll
-            for (int n = 0; n < HD / 8; ++n) {
-                u32 b0, b1;
-                const unsigned addr = (unsigned)__cvta_generic_to_shared(vrow + n * 8);
-                asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                             : "=r"(b0), "=r"(b1)
-                             : "r"(addr));
-                mma16816<T>(o[n], pa, b0, b1);
-            }
-        }
+        for (int kk = 0; kk < PF_N / 16; ++kk) pv_tile<T, HD, LD>(o, s[2 * kk], s[2 * kk + 1], &vs[kk * 16 * LD], lane);
     }
     // Normalize and store this warp's rows that belong to the tile.
     const float inv0 = 1.0f / l[0], inv1 = 1.0f / l[1];

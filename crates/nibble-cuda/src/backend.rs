@@ -643,25 +643,7 @@ impl Backend for CudaBackend {
     }
 
     fn load_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
-        if t.shape.len() != 2 {
-            return Err(Error::ShapeMismatch {
-                name: t.name.clone(),
-                expected: vec![0, 0],
-                found: t.shape.clone(),
-            });
-        }
-        let (rows, cols) = (t.shape[0], t.shape[1]);
-        let need = t
-            .format
-            .row_bytes(cols)
-            .map_err(|e| Error::unsupported(format!("tensor '{}'", t.name), e.to_string()))?
-            * rows;
-        if t.bytes.len() != need {
-            return Err(Error::corrupt(
-                &t.name,
-                format!("{} bytes of data where {need} are needed", t.bytes.len()),
-            ));
-        }
+        let (rows, cols, _) = t.matrix_geometry()?;
         let bits = weight_bits(t, self.dtype)?;
         let buf = DeviceBuffer::from_host(&self.gpu, &bits, &format!("weight '{}'", t.name))?;
         self.weight_bytes
@@ -746,16 +728,7 @@ impl Backend for CudaBackend {
             if t.shape.len() != 2 || t.shape[1] != cols {
                 return Ok(None);
             }
-            let need =
-                t.format.row_bytes(cols).map_err(|e| {
-                    Error::unsupported(format!("tensor '{}'", t.name), e.to_string())
-                })? * t.shape[0];
-            if t.bytes.len() != need {
-                return Err(Error::corrupt(
-                    &t.name,
-                    format!("{} bytes of data where {need} are needed", t.bytes.len()),
-                ));
-            }
+            t.matrix_geometry()?;
             bits.extend(weight_bits(t, self.dtype)?);
             rows += t.shape[0];
         }

@@ -22,24 +22,31 @@ fn kernels_compile_for_every_architecture() {
         Ok(d) => d,
         Err(e) => return unavailable(&e.to_string()),
     };
-    for cc in [(8, 0), (8, 6), (8, 9), (9, 0)] {
-        let arch = compile::arch_for(cc);
-        let opts = compile::options(&arch, &include);
-        for (name, text) in compile::SOURCES {
-            let cubin = compile::compile(name, &compile::full_source(text), &opts)
-                .unwrap_or_else(|e| panic!("{name} for {arch}: {e}"));
-            let entries = module::entry_points(&cubin);
-            assert!(!entries.is_empty(), "{name} for {arch}: no entry points");
-            if *name == "attention" {
-                for want in ["paged_attn_bf16_hd128_g4", "attn_reduce_f16_hd64_g8"] {
-                    assert!(
-                        entries.iter().any(|e| e == want),
-                        "{want} missing: {entries:?}"
-                    );
+    // One thread per architecture: NVRTC compiles are independent and take seconds each.
+    std::thread::scope(|scope| {
+        for cc in [(8, 0), (8, 6), (8, 9), (9, 0)] {
+            let include = &include;
+            scope.spawn(move || {
+                let arch = compile::arch_for(cc);
+                let opts = compile::options(&arch, include);
+                for (name, text) in compile::SOURCES {
+                    let cubin = compile::compile(name, &compile::full_source(text), &opts)
+                        .unwrap_or_else(|e| panic!("{name} for {arch}: {e}"));
+                    let entries = module::entry_points(&cubin);
+                    assert!(!entries.is_empty(), "{name} for {arch}: no entry points");
+                    let want: &[&str] = match *name {
+                        "attention" => &["paged_attn_bf16_hd128_g4", "attn_reduce_f16_hd64_g8"],
+                        "decode_mma" => &["decode_mma_bf16_hd128_g4", "decode_mma_f16_hd64_g8"],
+                        "prefill" => &["prefill_attn_bf16_hd128", "prefill_attn_f16_hd64"],
+                        _ => &[],
+                    };
+                    for w in want {
+                        assert!(entries.iter().any(|e| e == w), "{w} missing: {entries:?}");
+                    }
                 }
-            }
+            });
         }
-    }
+    });
 }
 
 #[test]

@@ -114,6 +114,35 @@ impl HostTensor {
     }
 
     /// The whole tensor as f32 (for norms, biases, and reference checks).
+    /// `(rows, cols, row_bytes)` of a 2-D weight whose byte length matches its shape and format:
+    /// what every backend checks before taking a weight.
+    pub fn matrix_geometry(&self) -> Result<(usize, usize, usize)> {
+        if self.shape.len() != 2 {
+            return Err(Error::ShapeMismatch {
+                name: self.name.clone(),
+                expected: vec![0, 0],
+                found: self.shape.clone(),
+            });
+        }
+        let (rows, cols) = (self.shape[0], self.shape[1]);
+        let row_bytes = self
+            .format
+            .row_bytes(cols)
+            .map_err(|e| Error::unsupported(format!("tensor '{}'", self.name), e.to_string()))?;
+        if self.bytes.len() != rows * row_bytes {
+            return Err(Error::corrupt(
+                &self.name,
+                format!(
+                    "{} bytes of data for a {rows}x{cols} {} tensor that needs {}",
+                    self.bytes.len(),
+                    self.format,
+                    rows * row_bytes
+                ),
+            ));
+        }
+        Ok((rows, cols, row_bytes))
+    }
+
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         let mut out = vec![0f32; self.elems()];
         self.format
