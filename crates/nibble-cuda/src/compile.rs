@@ -80,8 +80,18 @@ pub fn full_source(text: &str) -> String {
 
 /// Compiles `source` to a cubin, or loads it from the cache. A compile error carries NVRTC's log.
 pub fn cubin(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
+    cubin_cached_in(cache_dir().as_deref(), name, source, options)
+}
+
+/// [`cubin`] with the cache in `dir` (`None`: no cache).
+pub fn cubin_cached_in(
+    dir: Option<&Path>,
+    name: &str,
+    source: &str,
+    options: &[String],
+) -> Result<Vec<u8>> {
     let key = cache_key(source, options);
-    let cached = cache_dir().map(|d| d.join(format!("{name}-{key}.cubin")));
+    let cached = dir.map(|d| d.join(format!("{name}-{key}.cubin")));
     if let Some(path) = &cached
         && let Ok(bytes) = std::fs::read(path)
         && !bytes.is_empty()

@@ -65,3 +65,33 @@ fn compile_errors_show_the_nvrtc_log() {
     .to_string();
     assert!(e.contains("undeclared_thing"), "{e}");
 }
+
+#[test]
+fn compiled_kernels_are_cached_on_disk_by_source_and_options() {
+    if !probe::nvrtc_available() || probe::cuda_include_dir().is_err() {
+        return unavailable("NVRTC or the CUDA headers are not installed here");
+    }
+    let include = probe::cuda_include_dir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let src = compile::full_source("extern \"C\" __global__ void k(float* x) { x[0] = 1.0f; }");
+    let opts = compile::options("sm_80", &include);
+    let first = compile::cubin_cached_in(Some(dir.path()), "k", &src, &opts).unwrap();
+    let files: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert_eq!(files.len(), 1, "one cubin cached");
+    // A cache hit returns the stored bytes: prove it by planting different ones.
+    let path = files[0].as_ref().unwrap().path();
+    std::fs::write(&path, b"planted").unwrap();
+    let again = compile::cubin_cached_in(Some(dir.path()), "k", &src, &opts).unwrap();
+    assert_eq!(again, b"planted");
+    // Other options or another architecture is another key.
+    let other = compile::cubin_cached_in(
+        Some(dir.path()),
+        "k",
+        &src,
+        &compile::options("sm_90a", &include),
+    )
+    .unwrap();
+    assert_ne!(other, b"planted");
+    assert_ne!(other, first, "sm_90a and sm_80 cubins differ");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+}
