@@ -10,17 +10,21 @@
 // tiles (rows padded by 8 elements), two stages deep so the next block loads while this one is
 // computed, then S = Q K^T (Q's A fragments kept in registers), an online
 // softmax in base 2, and O += P V with P re-packed from the S accumulators and V's B fragments
-// from ldmatrix.trans. Warps merge through shared memory and write (m, l, acc) per head.
+// from ldmatrix.trans. Warps merge through shared memory and write (m, l, acc) per head. The
+// CTA whose split holds the step's position first writes the step's key and value into the cache
+// (the KV append, fused).
 
 #define DM_BS 16
 #define DM_WARPS 2
 
 template <class T, int HD, int G>
-__device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict__ kc,
-                                const T* __restrict__ vc, const int* __restrict__ block_tables,
+__device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
+                                T* __restrict__ vc, const int* __restrict__ block_tables,
                                 const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
                                 float* __restrict__ part, int num_kv_heads, int group,
-                                int max_blocks, int chunk, float scale_log2, long ldq) {
+                                int max_blocks, int chunk, float scale_log2, long ldq,
+                                const float* __restrict__ knew, const float* __restrict__ vnew,
+                                long ldk, long ldv) {
     constexpr int LD = HD + 8;
     constexpr int WARPS = DM_WARPS;
     static_assert(WARPS * G * (HD + 2) * 4 <= WARPS * 2 * DM_BS * (HD + 8) * 2, "merge fits in ks");
@@ -35,6 +39,18 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
     if (start >= ctx) return;
     const int end = min(ctx, start + chunk);
     const int* table = block_tables + (long)tok_seq[token] * max_blocks;
+    // The step's own key and value go into the cache here, by the CTA whose split holds the
+    // position (one launch fewer per layer than a separate append); it reads them back below.
+    if (end == ctx) {
+        const int p = ctx - 1;
+        const long dst = (((long)table[p / DM_BS] * num_kv_heads + kvh) * DM_BS + p % DM_BS) * HD;
+        for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+            kc[dst + d] = from_f32<T>(knew[(long)token * ldk + kvh * HD + d]);
+            vc[dst + d] = from_f32<T>(vnew[(long)token * ldv + kvh * HD + d]);
+        }
+        __threadfence_block();
+        __syncthreads();
+    }
     T* kq = ks[warp][1];  // Q staging; the first K/V block goes to stage 0
 
     // Block b's K and V rows into stage st: 16-byte cp.async pieces, rows past the context zeroed.
@@ -156,11 +172,13 @@ __device__ void decode_mma_impl(const float* __restrict__ q, const T* __restrict
 
 #define NIBBLE_DECODE_MMA(SUFFIX, T, HD, G)                                                     \
     extern "C" __global__ void __launch_bounds__(64) decode_mma_##SUFFIX##_hd##HD##_g##G(       \
-        const float* q, const T* kc, const T* vc, const int* block_tables, const int* tok_seq,  \
+        const float* q, T* kc, T* vc, const int* block_tables, const int* tok_seq,  \
         const int* tok_pos, float* part, int num_kv_heads, int group, int max_blocks,           \
-        int chunk, float scale_log2, long ldq) {                                                \
-        decode_mma_impl<T, HD, G>(q, kc, vc, block_tables, tok_seq, tok_pos, part,              \
-                                  num_kv_heads, group, max_blocks, chunk, scale_log2, ldq);     \
+        int chunk, float scale_log2, long ldq, const float* knew, const float* vnew, long ldk,  \
+        long ldv) {                                                                             \
+        decode_mma_impl<T, HD, G>(q, kc, vc, block_tables, tok_seq, tok_pos, part,      \
+                                  num_kv_heads, group, max_blocks, chunk, scale_log2, ldq,      \
+                                  knew, vnew, ldk, ldv);                                        \
     }
 #define NIBBLE_DECODE_MMA_G(SUFFIX, T, HD) \
     NIBBLE_DECODE_MMA(SUFFIX, T, HD, 2)    \

@@ -122,31 +122,36 @@ pub fn attention(
     let (kc, vc) = kv.layer(layer);
     let dt = be.dtype.suffix();
 
-    be.kernel(&format!("kv_append_{dt}"))?.launch(
-        &be.gpu,
-        (n as u32, 1, 1),
-        128,
-        0,
-        vec![
-            Arg::Ptr(k.ptr),
-            Arg::Ptr(v.ptr),
-            Arg::Ptr(kc),
-            Arg::Ptr(vc),
-            Arg::Ptr(tables),
-            Arg::Ptr(tok_seq),
-            Arg::Ptr(positions),
-            Arg::I32(max_blocks as i32),
-            Arg::I32(kv.block_size as i32),
-            Arg::I32(kv_row as i32),
-            Arg::I32(head_dim as i32),
-            Arg::I64(k.ld as i64),
-            Arg::I64(v.ld as i64),
-        ],
-    )?;
+    let prefill = batch.seqs.iter().any(|s| s.len > 1);
+    // A decode batch on tensor cores appends inside the attention kernel; the other paths write
+    // the batch's keys and values first.
+    let fused_append = !prefill && group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim);
+    if !fused_append {
+        be.kernel(&format!("kv_append_{dt}"))?.launch(
+            &be.gpu,
+            (n as u32, 1, 1),
+            128,
+            0,
+            vec![
+                Arg::Ptr(k.ptr),
+                Arg::Ptr(v.ptr),
+                Arg::Ptr(kc),
+                Arg::Ptr(vc),
+                Arg::Ptr(tables),
+                Arg::Ptr(tok_seq),
+                Arg::Ptr(positions),
+                Arg::I32(max_blocks as i32),
+                Arg::I32(kv.block_size as i32),
+                Arg::I32(kv_row as i32),
+                Arg::I32(head_dim as i32),
+                Arg::I64(k.ld as i64),
+                Arg::I64(v.ld as i64),
+            ],
+        )?;
+    }
 
     let out = be.alloc(n, num_heads * head_dim, Elem::Half(be.dtype))?;
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let prefill = batch.seqs.iter().any(|s| s.len > 1);
     if prefill && PREFILL_HEAD_DIMS.contains(&head_dim) {
         // Query tiles of up to PREFILL_ROWS rows, each within one sequence.
         let mut tiles: Vec<i32> = Vec::new();
@@ -215,15 +220,16 @@ pub fn attention(
     };
     // Grouped heads run on tensor cores where a kernel exists; MHA and other head sizes on CUDA
     // cores. Both write the same partials (the MMA kernel converts its base-2 maxima to base e).
-    if group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim) {
+    if fused_append {
+        let mut args = common(scale * std::f32::consts::LOG2_E, false);
+        args.extend([
+            Arg::Ptr(k.ptr),
+            Arg::Ptr(v.ptr),
+            Arg::I64(k.ld as i64),
+            Arg::I64(v.ld as i64),
+        ]);
         be.kernel(&format!("decode_mma_{dt}_hd{head_dim}_g{g}"))?
-            .launch(
-                &be.gpu,
-                grid,
-                64,
-                0,
-                common(scale * std::f32::consts::LOG2_E, false),
-            )?;
+            .launch(&be.gpu, grid, 64, 0, args)?;
     } else {
         be.kernel(&format!("paged_attn_{dt}_hd{head_dim}_g{g}"))?
             .launch(&be.gpu, grid, 128, 0, common(scale, true))?;
