@@ -161,34 +161,44 @@ impl CaptureBackend {
     }
 }
 
-/// `X^T X` for row-major `X` (`m x k`), in f32.
+/// `X^T X` for row-major `X` (`m x k`), in f32. Split by output rows over the rayon pool: it
+/// runs between the backend's layer calls, while the backend's own threads wait.
 pub fn gram(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+    assert_eq!(x.len(), m * k, "gram input length");
     let mut out = vec![0f32; k * k];
-    // SAFETY: the strides describe `x` as `k x m` (transposed) and `m x k`, and `out` as a
-    // `k x k` row-major matrix, all within their buffers.
-    unsafe {
-        gemm::gemm(
-            k,
-            k,
-            m,
-            out.as_mut_ptr(),
-            1,
-            k as isize,
-            false,
-            x.as_ptr(),
-            k as isize,
-            1,
-            x.as_ptr(),
-            1,
-            k as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
+    let chunk = k.div_ceil(rayon::current_num_threads().max(1)).max(32);
+    out.par_chunks_mut(chunk * k)
+        .enumerate()
+        .for_each(|(c, o)| {
+            let (i0, rows) = (c * chunk, o.len() / k);
+            // SAFETY: `o` is output rows `i0..i0 + rows`, row-major `rows x k`. The left operand
+            // is columns `i0..i0 + rows` of `x` read transposed (`rows x m`: element (i, t) at
+            // `t * k + i0 + i`), the right one `x` itself (`m x k`); all inside `x`.
+            unsafe {
+                gemm::gemm(
+                    rows,
+                    k,
+                    m,
+                    o.as_mut_ptr(),
+                    1,
+                    k as isize,
+                    false,
+                    x.as_ptr().add(i0),
+                    k as isize,
+                    1,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
     out
 }
 
@@ -345,4 +355,27 @@ pub fn capture(
         tokens,
         sequences: sequences.len(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gram;
+
+    #[test]
+    fn gram_matches_a_plain_loop() {
+        for (m, k) in [(1, 1), (5, 3), (40, 97), (9, 300)] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+                .collect();
+            let g = gram(&x, m, k);
+            for i in 0..k {
+                for j in 0..k {
+                    let want: f64 = (0..m)
+                        .map(|t| x[t * k + i] as f64 * x[t * k + j] as f64)
+                        .sum();
+                    assert!((g[i * k + j] as f64 - want).abs() < 1e-3, "({i},{j})");
+                }
+            }
+        }
+    }
 }

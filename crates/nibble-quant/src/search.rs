@@ -29,15 +29,35 @@ pub fn calibrate(
 ) -> Result<Calibration> {
     // Before the forward passes, not after: a bad weight should cost no calibration time.
     check_finite(model)?;
-    let tokens: usize = sequences.iter().map(Vec::len).sum();
     let opts = CaptureOptions {
         hessian,
         max_samples: rows,
-        sample_stride: (tokens / rows.max(1)).max(1),
+        sample_stride: sample_stride(sequences, rows),
     };
     capture(model, sequences, opts, threads, &mut |d, t| {
         progress("calibration", d, t)
     })
+}
+
+/// A stride that spreads `rows` samples over all the tokens and walks through every position of
+/// the sequences. The capture counts tokens across sequences, so a stride sharing a factor with
+/// the sequence length would keep revisiting the same positions: with 256-token sequences and a
+/// stride of 32, one sample in eight would be a sequence's first token, whose huge activations
+/// (the attention sink) would then dominate every error the searches measure.
+pub fn sample_stride(sequences: &[Vec<u32>], rows: usize) -> usize {
+    let tokens: usize = sequences.iter().map(Vec::len).sum();
+    let mut stride = (tokens / rows.max(1)).max(1);
+    while stride > 1 && sequences.iter().any(|s| gcd(stride, s.len()) > 1) {
+        stride += 1;
+    }
+    stride
+}
+
+fn gcd(mut a: usize, mut b: usize) -> usize {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
 }
 
 /// Refuses a model holding a NaN or an infinity in a linear layer, naming the tensor: the
@@ -337,6 +357,18 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn sample_stride_visits_every_position() {
+        let seqs = vec![vec![0u32; 256]; 32];
+        let stride = sample_stride(&seqs, 256);
+        assert_eq!(stride, 33);
+        let positions: std::collections::HashSet<usize> =
+            (0..32 * 256).step_by(stride).map(|t| t % 256).collect();
+        assert!(positions.len() > 240, "{}", positions.len());
+        assert_eq!(sample_stride(&seqs, 100_000), 1);
+        assert_eq!(sample_stride(&[vec![0; 7]], 2), 3);
     }
 
     #[test]
