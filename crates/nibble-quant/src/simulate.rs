@@ -1,7 +1,8 @@
 //! Runs a quantized model the way its kernels compute it, in f32 on the CPU: every linear
 //! weight decoded from its codec, every linear input quantized by its run-time activation rule
 //! ([`ActSim`]), everything else (embeddings, norms, attention, the head) as in the float
-//! model. The KV cache stays float here. This measures a method end to end (logits, negative
+//! model, and the KV cache in the spec's format (the CPU backend's own KV quantizers). This
+//! measures a method end to end (logits, negative
 //! log-likelihood) with plain f32 matmuls; [`QuantSource`] serves the same model to the real
 //! quantized kernels, which must agree with it to float rounding.
 
@@ -16,6 +17,7 @@ use nibble_model::source::TensorSource;
 use nibble_model::{
     AttentionShape, Backend, BatchLayout, KvShape, LogitRows, RopeLayout, Transformer,
 };
+use nibble_precision::KvFormat;
 
 use crate::dense::{DenseModel, LinearId, Mat};
 use crate::pipeline::QuantizedModel;
@@ -28,6 +30,8 @@ pub struct Simulated {
     pub dense: DenseModel,
     /// Each linear layer's activation rule.
     pub acts: HashMap<LinearId, ActSim>,
+    /// The KV cache format.
+    pub kv: KvFormat,
 }
 
 impl Simulated {
@@ -41,7 +45,11 @@ impl Simulated {
             *w = Mat::new(w.rows, w.cols, out);
             acts.insert(id, ActSim::of(format.act)?);
         }
-        Ok(Simulated { dense, acts })
+        Ok(Simulated {
+            dense,
+            acts,
+            kv: q.spec.kv,
+        })
     }
 
     /// The float model, unquantized (the reference a simulation is compared with).
@@ -49,6 +57,7 @@ impl Simulated {
         Simulated {
             dense: dense.clone(),
             acts: HashMap::new(),
+            kv: KvFormat::F16,
         }
     }
 
@@ -101,12 +110,13 @@ impl Simulated {
             cpu: CpuBackend::new(threads)?,
             acts: &self.acts,
         };
-        let t = Transformer::load(
+        let mut t = Transformer::load(
             &backend,
             self.dense.config.clone(),
             &self.dense,
             &mut |_, _| {},
         )?;
+        t.kv_format = self.kv;
         for (i, seq) in sequences.iter().enumerate() {
             let (mut kv, table) = t.single_sequence_kv(&backend, seq.len())?;
             let out = t.forward(

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use nibble_cpu::CpuBackend;
 use nibble_model::{BatchLayout, LogitRows, RopeLayout, Transformer};
-use nibble_precision::{ActQuant, LinearFormat, PrecisionSpec, WeightCodec};
+use nibble_precision::{ActQuant, KvFormat, LinearFormat, PrecisionSpec, WeightCodec};
 use nibble_quant::dense::{DenseModel, LinearId, LinearKind, SiteKind};
 use nibble_quant::fmpq::{OUTLIER_RATIO, int8_blocks_needed, outlier_score, plan_and_permute};
 use nibble_quant::permute::HeadPermutation;
@@ -216,8 +216,27 @@ fn smooth_attention_pairs_rotary_channels_and_keeps_the_function() {
                 assert!((lambda[j] - m.sqrt()).abs() <= 1e-6 * m.sqrt().max(1.0));
             }
         }
+        let kv4_error = |m: &DenseModel| {
+            let sim = Simulated {
+                kv: KvFormat::Int4,
+                ..Simulated::float(m)
+            };
+            let got = sim.logits(&TOKENS, 1).unwrap();
+            got.iter()
+                .zip(&want)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum::<f64>()
+        };
+        let before = kv4_error(&m);
         smooth_attention(&mut m, &cal.key_absmax).unwrap();
         assert_close(&logits(&m), &want, 1e-4, &format!("{name} {layout:?}"));
+        // What it is for: a 4-bit KV cache hurts less.
+        let after = kv4_error(&m);
+        println!("{name} {layout:?}: kv4 logit error {before:.4} -> {after:.4}");
+        assert!(
+            after < before,
+            "{name} {layout:?}: kv4 error {before} -> {after}"
+        );
         // The keys the cache stores lost their outliers: max/median per layer shrank by > 2x.
         let (after, _) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
         for (b, a) in cal.key_absmax.iter().zip(&after.key_absmax) {
