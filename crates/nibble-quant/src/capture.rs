@@ -1,5 +1,5 @@
-//! Calibration: the ordinary `Transformer` runs over calibration text on a backend that wraps the
-//! CPU backend and records what every linear layer reads, so the statistics come from exactly
+//! Calibration: the ordinary `Transformer` runs over calibration text on the CPU backend with
+//! hooks ([`crate::hooked`]) that record what every linear layer reads, so the statistics come from exactly
 //! the forward pass nibble serves with (same rotary, attention, norms).
 //!
 //! Per input site (see [`SiteKind`]) of every block it keeps the channel-wise max and mean of
@@ -11,13 +11,11 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use nibble_core::Result;
-use nibble_cpu::{CpuBackend, CpuKvCache, CpuTensor, CpuWeight};
-use nibble_formats::HostTensor;
-use nibble_model::{
-    AttentionShape, Backend, BatchLayout, KvShape, LogitRows, RopeLayout, Transformer,
-};
+use nibble_cpu::{CpuBackend, CpuTensor};
+use nibble_model::{BatchLayout, LogitRows, Transformer};
 
 use crate::dense::{DenseModel, LinearId, LinearKind, Mat, SiteKind};
+use crate::hooked::{Hooked, Hooks};
 
 #[derive(Debug, Clone, Copy)]
 pub struct CaptureOptions {
@@ -116,20 +114,13 @@ struct Recorder {
     key_absmax: HashMap<usize, Vec<f32>>,
 }
 
-/// A CPU backend that records the inputs of linear layers as it runs them.
-struct CaptureBackend {
-    cpu: CpuBackend,
+/// Records the inputs of linear layers and the keys as the forward pass runs.
+struct Capture {
     opts: CaptureOptions,
     rec: Mutex<Recorder>,
 }
 
-struct CaptureWeight {
-    inner: CpuWeight,
-    /// Set on the first reader of each site (q, o, gate, down), which records the input once.
-    records: Option<(usize, SiteKind)>,
-}
-
-impl CaptureBackend {
+impl Capture {
     fn record(&self, key: (usize, SiteKind), x: &CpuTensor) {
         let opts = self.opts;
         let mut rec = self.rec.lock().expect("recorder lock");
@@ -202,119 +193,39 @@ pub fn gram(x: &[f32], m: usize, k: usize) -> Vec<f32> {
     out
 }
 
-impl Backend for CaptureBackend {
-    type Tensor = CpuTensor;
-    type Weight = CaptureWeight;
-    type Kv = CpuKvCache;
+impl Hooks for Capture {
+    /// The site a weight records, set on the first reader of each site (q, o, gate, down),
+    /// which records the input once.
+    type Tag = Option<(usize, SiteKind)>;
 
-    fn name(&self) -> String {
-        format!("calibration capture on {}", self.cpu.name())
-    }
-
-    fn load_weight(&self, t: &HostTensor) -> Result<CaptureWeight> {
-        let records = LinearId::parse(&t.name).and_then(|id| {
+    fn tag(&self, name: &str) -> Self::Tag {
+        LinearId::parse(name).and_then(|id| {
             matches!(
                 id.kind,
                 LinearKind::Q | LinearKind::O | LinearKind::Gate | LinearKind::Down
             )
             .then(|| (id.layer, id.kind.site()))
-        });
-        Ok(CaptureWeight {
-            inner: self.cpu.load_weight(t)?,
-            records,
         })
     }
 
-    fn load_vector(&self, values: &[f32]) -> Result<CpuTensor> {
-        self.cpu.load_vector(values)
-    }
-
-    fn new_kv_pool(&self, shape: KvShape, blocks: usize, block_size: usize) -> Result<CpuKvCache> {
-        self.cpu.new_kv_pool(shape, blocks, block_size)
-    }
-
-    fn release_kv_blocks(&self, kv: &mut CpuKvCache, blocks: &[u32]) {
-        self.cpu.release_kv_blocks(kv, blocks)
-    }
-
-    fn embed(&self, table: &CaptureWeight, ids: &[u32]) -> Result<CpuTensor> {
-        self.cpu.embed(&table.inner, ids)
-    }
-
-    fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
-        self.cpu.rms_norm(x, w, eps)
-    }
-
-    fn add_rms_norm(&self, x: &mut CpuTensor, d: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
-        self.cpu.add_rms_norm(x, d, w, eps)
-    }
-
-    fn head_rms_norm(&self, x: &mut CpuTensor, w: &CpuTensor, head_dim: usize, eps: f32) {
-        self.cpu.head_rms_norm(x, w, head_dim, eps)
-    }
-
-    fn linear(
-        &self,
-        x: &CpuTensor,
-        w: &CaptureWeight,
-        bias: Option<&CpuTensor>,
-    ) -> Result<CpuTensor> {
-        if let Some(key) = w.records {
+    fn linear_input(&self, tag: Self::Tag, x: &CpuTensor) -> Option<CpuTensor> {
+        if let Some(key) = tag {
             self.record(key, x);
         }
-        self.cpu.linear(x, &w.inner, bias)
+        None
     }
 
-    fn rope(
-        &self,
-        x: &mut CpuTensor,
-        head_dim: usize,
-        batch: &BatchLayout,
-        inv_freq: &CpuTensor,
-        layout: RopeLayout,
-    ) {
-        self.cpu.rope(x, head_dim, batch, inv_freq, layout)
-    }
-
-    fn attention(
-        &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        kv: &mut CpuKvCache,
-        layer: usize,
-        batch: &BatchLayout,
-        shape: AttentionShape,
-    ) -> Result<CpuTensor> {
-        {
-            let mut rec = self.rec.lock().expect("recorder lock");
-            let m = rec
-                .key_absmax
-                .entry(layer)
-                .or_insert_with(|| vec![0.0; k.cols]);
-            for row in k.data.chunks_exact(k.cols) {
-                for (m, &v) in m.iter_mut().zip(row) {
-                    *m = m.max(v.abs());
-                }
+    fn keys(&self, layer: usize, k: &CpuTensor) {
+        let mut rec = self.rec.lock().expect("recorder lock");
+        let m = rec
+            .key_absmax
+            .entry(layer)
+            .or_insert_with(|| vec![0.0; k.cols]);
+        for row in k.data.chunks_exact(k.cols) {
+            for (m, &v) in m.iter_mut().zip(row) {
+                *m = m.max(v.abs());
             }
         }
-        self.cpu.attention(q, k, v, kv, layer, batch, shape)
-    }
-
-    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
-        self.cpu.silu_mul(gate, up)
-    }
-
-    fn add(&self, x: &mut CpuTensor, d: &CpuTensor) {
-        self.cpu.add(x, d)
-    }
-
-    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
-        self.cpu.gather_rows(x, rows)
-    }
-
-    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
-        self.cpu.to_host(x)
     }
 }
 
@@ -327,10 +238,12 @@ pub fn capture(
     threads: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Calibration> {
-    let backend = CaptureBackend {
+    let backend = Hooked {
         cpu: CpuBackend::new(threads)?,
-        opts,
-        rec: Mutex::new(Recorder::default()),
+        hooks: Capture {
+            opts,
+            rec: Mutex::new(Recorder::default()),
+        },
     };
     let transformer = Transformer::load(&backend, model.config.clone(), model, &mut |_, _| {})?;
     let mut tokens = 0;
@@ -346,7 +259,7 @@ pub fn capture(
         tokens += seq.len();
         progress(i + 1, sequences.len());
     }
-    let rec = backend.rec.into_inner().expect("recorder lock");
+    let rec = backend.hooks.rec.into_inner().expect("recorder lock");
     let mut key_absmax: Vec<(usize, Vec<f32>)> = rec.key_absmax.into_iter().collect();
     key_absmax.sort_by_key(|(l, _)| *l);
     Ok(Calibration {

@@ -255,6 +255,44 @@ fn smooth_attention_pairs_rotary_channels_and_keeps_the_function() {
     assert!(smooth_attention(&mut q3, &cal.key_absmax).is_err());
 }
 
+/// With a quantized KV cache the SmoothAttention strength is the candidate whose float model,
+/// run with that cache, has the lowest calibration perplexity; with a 16-bit cache it is
+/// QServe's 0.5. Every candidate keeps the function.
+#[test]
+fn smooth_attention_strength_is_measured_with_the_quantized_cache() {
+    use nibble_quant::qoq::{
+        SMOOTH_ATTENTION_STRENGTHS, smooth_attention_strength, smooth_attention_with,
+    };
+    let m = dense("tiny-llama3");
+    let want = logits(&m);
+    let (cal, _) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
+    let none = &mut |_: &str, _: usize, _: usize| {};
+    let got = smooth_attention_strength(&m, &cal.key_absmax, KvFormat::F16, &calib(), 1, none);
+    assert_eq!(got.unwrap(), 0.5);
+    let nll: Vec<f64> = SMOOTH_ATTENTION_STRENGTHS
+        .iter()
+        .map(|&s| {
+            let mut sm = m.clone();
+            smooth_attention_with(&mut sm, &cal.key_absmax, s).unwrap();
+            assert_close(&logits(&sm), &want, 1e-4, &format!("strength {s}"));
+            let sim = Simulated {
+                kv: KvFormat::Int4,
+                ..Simulated::float(&sm)
+            };
+            sim.mean_nll(&calib(), 1, &mut |_, _| {}).unwrap().0
+        })
+        .collect();
+    let got =
+        smooth_attention_strength(&m, &cal.key_absmax, KvFormat::Int4, &calib(), 1, none).unwrap();
+    let best = nll.iter().copied().fold(f64::INFINITY, f64::min);
+    let i = SMOOTH_ATTENTION_STRENGTHS
+        .iter()
+        .position(|&s| s == got)
+        .unwrap();
+    println!("kv4 calibration nll per strength {nll:?}: chose {got}");
+    assert_eq!(nll[i], best);
+}
+
 #[test]
 fn output_smoothing_and_reordering_keep_the_function_and_the_calibration_view() {
     for name in ["tiny-llama3", "tiny-qwen2"] {

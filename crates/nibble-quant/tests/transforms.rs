@@ -99,6 +99,31 @@ fn residual_rotation_keeps_the_function() {
 }
 
 #[test]
+fn value_rotation_keeps_the_function() {
+    use nibble_quant::rotation::{Rotation, rotate_values};
+    // Grouped-query (llama3), biased v_proj (qwen2), QK-normed (qwen3) and interleaved rotary
+    // (mistral): the value rotation touches none of what differs between them.
+    for name in ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
+        let mut m = dense(name);
+        let want = logits(&m);
+        let hd = m.config.head_dim;
+        assert!(rotate_values(&mut m, &Rotation::new(hd + 1, 1).unwrap()).is_err());
+        let v0 = m.layers[0].v.clone();
+        rotate_values(&mut m, &Rotation::new(hd, 5).unwrap()).unwrap();
+        assert!(
+            m.layers[0]
+                .v
+                .data
+                .iter()
+                .zip(&v0.data)
+                .any(|(a, b)| (a - b).abs() > 1e-3),
+            "{name}: the values moved"
+        );
+        assert_close(&logits(&m), &want, 1e-4, name);
+    }
+}
+
+#[test]
 fn calibration_records_every_site() {
     let m = dense("tiny-llama3");
     let seqs = vec![TOKENS.to_vec(), TOKENS[..7].to_vec()];
