@@ -25,6 +25,8 @@ pub struct CaptureOptions {
     pub max_samples: usize,
     /// Keep every `sample_stride`-th token's input row.
     pub sample_stride: usize,
+    /// Also keep every sequence's first token's row (the attention sink), whatever the stride.
+    pub sample_first: bool,
 }
 
 impl Default for CaptureOptions {
@@ -33,6 +35,7 @@ impl Default for CaptureOptions {
             hessian: false,
             max_samples: 1024,
             sample_stride: 4,
+            sample_first: false,
         }
     }
 }
@@ -135,9 +138,9 @@ impl Capture {
                 *m = m.max(v.abs());
                 *a += v.abs() as f64;
             }
-            if (s.tokens + r).is_multiple_of(opts.sample_stride.max(1))
-                && s.samples.rows < opts.max_samples
-            {
+            // `capture` prefills each sequence whole, so row 0 is its first token.
+            let strided = (s.tokens + r).is_multiple_of(opts.sample_stride.max(1));
+            if (strided || (opts.sample_first && r == 0)) && s.samples.rows < opts.max_samples {
                 s.samples.data.extend_from_slice(row);
                 s.samples.rows += 1;
             }

@@ -33,6 +33,7 @@ pub fn calibrate(
         hessian,
         max_samples: rows,
         sample_stride: sample_stride(sequences, rows),
+        sample_first: false,
     };
     capture(model, sequences, opts, threads, &mut |d, t| {
         progress("calibration", d, t)

@@ -34,19 +34,33 @@ pub const SEARCH_SAMPLES: usize = 512;
 pub type Sites = HashMap<(usize, SiteKind), SiteData>;
 
 /// Runs `model` over `calibration` keeping about [`SEARCH_SAMPLES`] rows per site, strided over
-/// all tokens so every sequence contributes; `progress(done, total)` per sequence.
+/// all tokens so every sequence contributes and every position is visited;
+/// `progress(done, total)` per sequence.
 pub fn calibrate(
     model: &DenseModel,
     calibration: &[Vec<u32>],
     threads: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Calibration, Sites)> {
+    calibrate_with(model, calibration, threads, false, progress)
+}
+
+/// [`calibrate`], with `sample_first`: every sequence's first token (the attention sink) kept
+/// on top of the strided rows (QoQ; see [`crate::qoq`]).
+pub fn calibrate_with(
+    model: &DenseModel,
+    calibration: &[Vec<u32>],
+    threads: usize,
+    sample_first: bool,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(Calibration, Sites)> {
     let opts = CaptureOptions {
         hessian: false,
         max_samples: SEARCH_SAMPLES,
         // Strided so it walks every position: a stride dividing the sequence length would
-        // sample each sequence's attention-sink first token over and over.
+        // land on every sequence's first token, and only on a few positions.
         sample_stride: crate::search::sample_stride(calibration, SEARCH_SAMPLES),
+        sample_first,
     };
     let cal = capture(model, calibration, opts, threads, progress)?;
     let sites = cal

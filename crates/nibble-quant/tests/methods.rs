@@ -90,6 +90,7 @@ fn every_row(m: &DenseModel, seqs: &[Vec<u32>]) -> Calibration {
         hessian: false,
         max_samples: usize::MAX,
         sample_stride: 1,
+        sample_first: false,
     };
     capture(m, seqs, opts, 1, &mut |_, _| {}).unwrap()
 }

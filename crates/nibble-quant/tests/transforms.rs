@@ -123,6 +123,30 @@ fn value_rotation_keeps_the_function() {
     }
 }
 
+/// `sample_first` keeps each sequence's first token on top of the stride.
+#[test]
+fn calibration_can_keep_every_first_token() {
+    let m = dense("tiny-llama3");
+    // 12 + 7 tokens; a stride of 5 lands on global tokens 0, 5, 10 and 15 (the second
+    // sequence's fourth), never on the second sequence's first token (global 12).
+    let seqs = vec![TOKENS.to_vec(), TOKENS[..7].to_vec()];
+    let rows = |sample_first| {
+        let opts = CaptureOptions {
+            hessian: false,
+            max_samples: 100,
+            sample_stride: 5,
+            sample_first,
+        };
+        let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
+        cal.site(0, SiteKind::AttnIn).samples.clone()
+    };
+    let (plain, with_first) = (rows(false), rows(true));
+    assert_eq!((plain.rows, with_first.rows), (4, 5));
+    // The extra row is the second sequence's first token, which is the first sequence's too
+    // (same token, position 0), so it repeats the first sample.
+    assert_eq!(with_first.row(3), with_first.row(0));
+}
+
 #[test]
 fn calibration_records_every_site() {
     let m = dense("tiny-llama3");
@@ -131,6 +155,7 @@ fn calibration_records_every_site() {
         hessian: true,
         max_samples: 5,
         sample_stride: 2,
+        sample_first: false,
     };
     let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
     assert_eq!(cal.tokens, 19);
