@@ -288,11 +288,11 @@ pub fn quantize_with(
         let rot = Rotation::new(model.config.head_dim, opts.seed ^ VALUE_ROTATION_SEED)?;
         rotate_values(&mut model, &rot)?;
     }
-    // The attention sink's rows are kept in the samples: on the rotated model the clip search
-    // otherwise clips weights the sink needs (held-out perplexity of w4a8-g64 QoQ 9.52 with
-    // the position-walking samples alone, 8.80 when the samples held every first token).
-    // LiquidQuant and FMPQ, on the unrotated model, do better without (8.66 vs 9.32, 11.51
-    // vs 14.61).
+    // The attention sink's rows are kept in the samples: without them the searches tune the
+    // weights for ordinary tokens at the sink's expense (held-out perplexity of w4a8-g64 QoQ
+    // 9.52 with the position-walking samples alone, 8.92 with every first token added; w4a8
+    // 10.32 vs 9.76). LiquidQuant and FMPQ do better without (8.66 vs 9.32, 11.51 vs 14.61
+    // against samples that held the first tokens).
     let (cal, mut sites) = calibrate_with(&model, calibration, opts.threads, true, &mut |d, t| {
         progress("qoq: calibrate", d, t)
     })?;
