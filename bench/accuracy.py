@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NIBBLE = ROOT / "target" / "release" / "nibble"
+# Where `cargo build --release` puts the binary: cargo's own rule, so a CARGO_TARGET_DIR set for the
+# build (a shared or out-of-tree target directory) is honoured without another option.
+NIBBLE = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target").resolve() / "release" / "nibble"
 SAMPLE = ROOT.parent / "shared" / "reference" / "sample.txt"
 
 # (format, method). KV-only formats need no checkpoint: the baseline model runs with --kv.
@@ -156,7 +158,8 @@ def main():
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
     raw = ROOT / "bench" / "results" / f"accuracy-{stamp}.json"
     raw.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"commit": commit, "date": stamp, "args": vars(args), "host_cpus": os.cpu_count()}
+    meta = {"commit": commit, "date": stamp, "args": vars(args), "host_cpus": os.cpu_count(),
+            "command": " ".join(["python3", "bench/accuracy.py", *sys.argv[1:]])}
     raw.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     Path(args.out).write_text(render(results, meta, raw))
     print(f"wrote {args.out} and {raw}", file=sys.stderr)
@@ -176,7 +179,7 @@ def render(results, meta, raw):
     lines = [
         "# Accuracy of nibble's precision formats",
         "",
-        "Produced by `python3 bench/accuracy.py` (raw results: "
+        f"Produced by `{meta.get('command', 'python3 bench/accuracy.py')}` (raw results: "
         f"`{raw.relative_to(ROOT)}`), commit `{meta['commit']}`, {meta['date']} UTC, on a "
         f"{meta['host_cpus']}-core CPU. Model: {a['model'] or 'the default model (SmolLM2-135M-Instruct Q4_1 GGUF, weights dequantized to f32)'}.",
         "",

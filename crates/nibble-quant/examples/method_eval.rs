@@ -8,8 +8,8 @@
 //! ```
 //!
 //! Ablations: `qoq-noclip-noreorder:w4a8-g64` leaves steps out of QoQ (`norotate`,
-//! `nosmoothattn`, `nosmoothout`, `noreorder`, `noclip`); `fmpq@4:w4a4a8-g64` sets FMPQ's
-//! outlier threshold.
+//! `norotatevalues`, `nosmoothattn`, `nosmoothout`, `noreorder`, `noclip`);
+//! `fmpq@4:w4a4a8-g64` sets FMPQ's outlier threshold.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -70,6 +70,7 @@ fn main() -> anyhow::Result<()> {
             for step in off.split('-') {
                 match step {
                     "norotate" => steps.rotate = false,
+                    "norotatevalues" => steps.rotate_values = false,
                     "nosmoothattn" => steps.smooth_attention = false,
                     "nosmoothout" => steps.smooth_outputs = false,
                     "noreorder" => steps.reorder = false,

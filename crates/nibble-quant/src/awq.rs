@@ -41,8 +41,9 @@ use crate::capture::Calibration;
 use crate::dense::{DenseModel, LinearId, LinearKind, Mat, SiteKind};
 use crate::pipeline::{Method, QuantizedModel, encode_matrix};
 use crate::search::{
-    Reduce, fold_site, matmul_nt, per_channel, per_factor, scaled_error, site_stats, site_weights,
+    Reduce, fold_site, per_channel, per_factor, scaled_error, site_stats, site_weights,
 };
+use crate::sim::matmul_nt;
 
 #[derive(Debug, Clone, Copy)]
 pub struct AwqOptions {
@@ -330,8 +331,8 @@ mod tests {
         assert_ne!(clipped, w, "heavy tails should be clipped somewhere");
         let y_ref = matmul_nt(&x, &w);
         let err = |m: &Mat| {
-            let q = crate::search::kernel_weights(m, format, None).unwrap();
-            crate::search::sq_err(&matmul_nt(&x, &q), &y_ref)
+            let q = crate::sim::fake_quant_weight(m, format, &vec![1.0; m.rows]).unwrap();
+            crate::sim::sq_err(&matmul_nt(&x, &q), &y_ref)
         };
         assert!(err(&clipped) < err(&w), "{} vs {}", err(&clipped), err(&w));
     }

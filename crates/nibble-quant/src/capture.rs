@@ -1,5 +1,5 @@
-//! Calibration: the ordinary `Transformer` runs over calibration text on a backend that wraps the
-//! CPU backend and records what every linear layer reads, so the statistics come from exactly
+//! Calibration: the ordinary `Transformer` runs over calibration text on the CPU backend with
+//! hooks ([`crate::hooked`]) that record what every linear layer reads, so the statistics come from exactly
 //! the forward pass nibble serves with (same rotary, attention, norms).
 //!
 //! Per input site (see [`SiteKind`]) of every block it keeps the channel-wise max and mean of
@@ -11,13 +11,11 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use nibble_core::Result;
-use nibble_cpu::{CpuBackend, CpuKvCache, CpuTensor, CpuWeight};
-use nibble_formats::HostTensor;
-use nibble_model::{
-    AttentionShape, Backend, BatchLayout, KvShape, LogitRows, RopeLayout, Transformer,
-};
+use nibble_cpu::{CpuBackend, CpuTensor};
+use nibble_model::{BatchLayout, LogitRows, Transformer};
 
 use crate::dense::{DenseModel, LinearId, LinearKind, Mat, SiteKind};
+use crate::hooked::{Hooked, Hooks};
 
 #[derive(Debug, Clone, Copy)]
 pub struct CaptureOptions {
@@ -27,6 +25,8 @@ pub struct CaptureOptions {
     pub max_samples: usize,
     /// Keep every `sample_stride`-th token's input row.
     pub sample_stride: usize,
+    /// Also keep every sequence's first token's row (the attention sink), whatever the stride.
+    pub sample_first: bool,
 }
 
 impl Default for CaptureOptions {
@@ -35,6 +35,7 @@ impl Default for CaptureOptions {
             hessian: false,
             max_samples: 1024,
             sample_stride: 4,
+            sample_first: false,
         }
     }
 }
@@ -116,20 +117,13 @@ struct Recorder {
     key_absmax: HashMap<usize, Vec<f32>>,
 }
 
-/// A CPU backend that records the inputs of linear layers as it runs them.
-struct CaptureBackend {
-    cpu: CpuBackend,
+/// Records the inputs of linear layers and the keys as the forward pass runs.
+struct Capture {
     opts: CaptureOptions,
     rec: Mutex<Recorder>,
 }
 
-struct CaptureWeight {
-    inner: CpuWeight,
-    /// Set on the first reader of each site (q, o, gate, down), which records the input once.
-    records: Option<(usize, SiteKind)>,
-}
-
-impl CaptureBackend {
+impl Capture {
     fn record(&self, key: (usize, SiteKind), x: &CpuTensor) {
         let opts = self.opts;
         let mut rec = self.rec.lock().expect("recorder lock");
@@ -144,9 +138,9 @@ impl CaptureBackend {
                 *m = m.max(v.abs());
                 *a += v.abs() as f64;
             }
-            if (s.tokens + r).is_multiple_of(opts.sample_stride.max(1))
-                && s.samples.rows < opts.max_samples
-            {
+            // `capture` prefills each sequence whole, so row 0 is its first token.
+            let strided = (s.tokens + r).is_multiple_of(opts.sample_stride.max(1));
+            if (strided || (opts.sample_first && r == 0)) && s.samples.rows < opts.max_samples {
                 s.samples.data.extend_from_slice(row);
                 s.samples.rows += 1;
             }
@@ -161,150 +155,80 @@ impl CaptureBackend {
     }
 }
 
-/// `X^T X` for row-major `X` (`m x k`), in f32.
+/// `X^T X` for row-major `X` (`m x k`), in f32. Split by output rows over the rayon pool: it
+/// runs between the backend's layer calls, while the backend's own threads wait.
 pub fn gram(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+    assert_eq!(x.len(), m * k, "gram input length");
     let mut out = vec![0f32; k * k];
-    // SAFETY: the strides describe `x` as `k x m` (transposed) and `m x k`, and `out` as a
-    // `k x k` row-major matrix, all within their buffers.
-    unsafe {
-        gemm::gemm(
-            k,
-            k,
-            m,
-            out.as_mut_ptr(),
-            1,
-            k as isize,
-            false,
-            x.as_ptr(),
-            k as isize,
-            1,
-            x.as_ptr(),
-            1,
-            k as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
+    let chunk = k.div_ceil(rayon::current_num_threads().max(1)).max(32);
+    out.par_chunks_mut(chunk * k)
+        .enumerate()
+        .for_each(|(c, o)| {
+            let (i0, rows) = (c * chunk, o.len() / k);
+            // SAFETY: `o` is output rows `i0..i0 + rows`, row-major `rows x k`. The left operand
+            // is columns `i0..i0 + rows` of `x` read transposed (`rows x m`: element (i, t) at
+            // `t * k + i0 + i`), the right one `x` itself (`m x k`); all inside `x`.
+            unsafe {
+                gemm::gemm(
+                    rows,
+                    k,
+                    m,
+                    o.as_mut_ptr(),
+                    1,
+                    k as isize,
+                    false,
+                    x.as_ptr().add(i0),
+                    k as isize,
+                    1,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
     out
 }
 
-impl Backend for CaptureBackend {
-    type Tensor = CpuTensor;
-    type Weight = CaptureWeight;
-    type Kv = CpuKvCache;
+impl Hooks for Capture {
+    /// The site a weight records, set on the first reader of each site (q, o, gate, down),
+    /// which records the input once.
+    type Tag = Option<(usize, SiteKind)>;
 
-    fn name(&self) -> String {
-        format!("calibration capture on {}", self.cpu.name())
-    }
-
-    fn load_weight(&self, t: &HostTensor) -> Result<CaptureWeight> {
-        let records = LinearId::parse(&t.name).and_then(|id| {
+    fn tag(&self, name: &str) -> Self::Tag {
+        LinearId::parse(name).and_then(|id| {
             matches!(
                 id.kind,
                 LinearKind::Q | LinearKind::O | LinearKind::Gate | LinearKind::Down
             )
             .then(|| (id.layer, id.kind.site()))
-        });
-        Ok(CaptureWeight {
-            inner: self.cpu.load_weight(t)?,
-            records,
         })
     }
 
-    fn load_vector(&self, values: &[f32]) -> Result<CpuTensor> {
-        self.cpu.load_vector(values)
-    }
-
-    fn new_kv_pool(&self, shape: KvShape, blocks: usize, block_size: usize) -> Result<CpuKvCache> {
-        self.cpu.new_kv_pool(shape, blocks, block_size)
-    }
-
-    fn release_kv_blocks(&self, kv: &mut CpuKvCache, blocks: &[u32]) {
-        self.cpu.release_kv_blocks(kv, blocks)
-    }
-
-    fn embed(&self, table: &CaptureWeight, ids: &[u32]) -> Result<CpuTensor> {
-        self.cpu.embed(&table.inner, ids)
-    }
-
-    fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
-        self.cpu.rms_norm(x, w, eps)
-    }
-
-    fn add_rms_norm(&self, x: &mut CpuTensor, d: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
-        self.cpu.add_rms_norm(x, d, w, eps)
-    }
-
-    fn head_rms_norm(&self, x: &mut CpuTensor, w: &CpuTensor, head_dim: usize, eps: f32) {
-        self.cpu.head_rms_norm(x, w, head_dim, eps)
-    }
-
-    fn linear(
-        &self,
-        x: &CpuTensor,
-        w: &CaptureWeight,
-        bias: Option<&CpuTensor>,
-    ) -> Result<CpuTensor> {
-        if let Some(key) = w.records {
+    fn linear_input(&self, tag: Self::Tag, x: &CpuTensor) -> Option<CpuTensor> {
+        if let Some(key) = tag {
             self.record(key, x);
         }
-        self.cpu.linear(x, &w.inner, bias)
+        None
     }
 
-    fn rope(
-        &self,
-        x: &mut CpuTensor,
-        head_dim: usize,
-        batch: &BatchLayout,
-        inv_freq: &CpuTensor,
-        layout: RopeLayout,
-    ) {
-        self.cpu.rope(x, head_dim, batch, inv_freq, layout)
-    }
-
-    fn attention(
-        &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        kv: &mut CpuKvCache,
-        layer: usize,
-        batch: &BatchLayout,
-        shape: AttentionShape,
-    ) -> Result<CpuTensor> {
-        {
-            let mut rec = self.rec.lock().expect("recorder lock");
-            let m = rec
-                .key_absmax
-                .entry(layer)
-                .or_insert_with(|| vec![0.0; k.cols]);
-            for row in k.data.chunks_exact(k.cols) {
-                for (m, &v) in m.iter_mut().zip(row) {
-                    *m = m.max(v.abs());
-                }
+    fn keys(&self, layer: usize, k: &CpuTensor) {
+        let mut rec = self.rec.lock().expect("recorder lock");
+        let m = rec
+            .key_absmax
+            .entry(layer)
+            .or_insert_with(|| vec![0.0; k.cols]);
+        for row in k.data.chunks_exact(k.cols) {
+            for (m, &v) in m.iter_mut().zip(row) {
+                *m = m.max(v.abs());
             }
         }
-        self.cpu.attention(q, k, v, kv, layer, batch, shape)
-    }
-
-    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
-        self.cpu.silu_mul(gate, up)
-    }
-
-    fn add(&self, x: &mut CpuTensor, d: &CpuTensor) {
-        self.cpu.add(x, d)
-    }
-
-    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
-        self.cpu.gather_rows(x, rows)
-    }
-
-    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
-        self.cpu.to_host(x)
     }
 }
 
@@ -317,10 +241,12 @@ pub fn capture(
     threads: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Calibration> {
-    let backend = CaptureBackend {
+    let backend = Hooked {
         cpu: CpuBackend::new(threads)?,
-        opts,
-        rec: Mutex::new(Recorder::default()),
+        hooks: Capture {
+            opts,
+            rec: Mutex::new(Recorder::default()),
+        },
     };
     let transformer = Transformer::load(&backend, model.config.clone(), model, &mut |_, _| {})?;
     let mut tokens = 0;
@@ -336,7 +262,7 @@ pub fn capture(
         tokens += seq.len();
         progress(i + 1, sequences.len());
     }
-    let rec = backend.rec.into_inner().expect("recorder lock");
+    let rec = backend.hooks.rec.into_inner().expect("recorder lock");
     let mut key_absmax: Vec<(usize, Vec<f32>)> = rec.key_absmax.into_iter().collect();
     key_absmax.sort_by_key(|(l, _)| *l);
     Ok(Calibration {
@@ -345,4 +271,27 @@ pub fn capture(
         tokens,
         sequences: sequences.len(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gram;
+
+    #[test]
+    fn gram_matches_a_plain_loop() {
+        for (m, k) in [(1, 1), (5, 3), (40, 97), (9, 300)] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+                .collect();
+            let g = gram(&x, m, k);
+            for i in 0..k {
+                for j in 0..k {
+                    let want: f64 = (0..m)
+                        .map(|t| x[t * k + i] as f64 * x[t * k + j] as f64)
+                        .sum();
+                    assert!((g[i * k + j] as f64 - want).abs() < 1e-3, "({i},{j})");
+                }
+            }
+        }
+    }
 }

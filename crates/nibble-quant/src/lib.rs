@@ -10,6 +10,7 @@ pub mod data;
 pub mod dense;
 pub mod fmpq;
 pub mod gptq;
+pub mod hooked;
 pub mod lqq;
 pub mod permute;
 pub mod pipeline;

@@ -38,7 +38,7 @@ pub fn smooth(
         .linear
         .linear_format(0)
         .ok_or_else(|| Error::InvalidArgument("smoothing needs a quantized scheme".into()))?;
-    let act = ActSim::of(format.act)?;
+    let act = ActSim::of(format.act);
     let alphas = alpha_grid();
     let layers = model.layers.len();
     let mut out = Vec::with_capacity(layers);

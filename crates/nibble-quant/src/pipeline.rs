@@ -174,7 +174,15 @@ pub fn quantize(
         }
         Method::SmoothQuant => {
             let calib = calibrate(&model, calibration, SEARCH_ROWS, false, threads, progress)?;
-            crate::smoothquant::smoothquant(model, spec, calib, &Default::default(), progress)
+            crate::smoothquant::smoothquant(
+                model,
+                spec,
+                calib,
+                calibration,
+                threads,
+                &Default::default(),
+                progress,
+            )
         }
         Method::Qoq => crate::qoq::quantize(model, spec, calibration, opts, progress),
         Method::Lqq => crate::lqq::quantize(model, spec, calibration, opts, progress),

@@ -6,10 +6,20 @@
 //!    gate/up read activations whose outlier channels are spread over all channels. The
 //!    rotation needs no statistics, so it comes first and calibration runs once, on the
 //!    rotated model.
-//! 2. **SmoothAttention.** `λ_i = max(max|K_i|, max|K_pair(i)|)^0.5` per KV channel from the
+//!    **Value rotation** (beyond QServe, from QuaRot; with a quantized KV cache only): each
+//!    value head is rotated by a seeded
+//!    Hadamard matrix of the head size ([`crate::rotation::rotate_values`]), folded into
+//!    v_proj's rows and o_proj's input columns. Attention is linear in the values per head, so
+//!    the function is kept; a value cache quantized per token and head (KV4, KV8) and o_proj's
+//!    INT8 input then see each value dim's outliers spread over the head. Keys cannot be
+//!    rotated this way: RoPE sits between k_proj and the cache and commutes only with
+//!    transforms inside each rotary pair, which is what SmoothAttention's scale is.
+//! 2. **SmoothAttention.** `λ_i = max(max|K_i|, max|K_pair(i)|)^s` per KV channel from the
 //!    rotary-embedded keys (what the KV cache stores), with `pair` the rotary partner of the
 //!    model's layout so `λ` commutes with RoPE; q_proj rows are multiplied by `λ` (for every
-//!    query head of the KV group) and k_proj rows divided, biases too. Skipped for models with
+//!    query head of the KV group) and k_proj rows divided, biases too. QServe's strength is
+//!    `s = 0.5`; with a quantized KV cache `s` is chosen from [`SMOOTH_ATTENTION_STRENGTHS`] by
+//!    calibration perplexity ([`smooth_attention_strength`]). Skipped for models with
 //!    per-head QK norms (Qwen3): the norm of `q λ` is not the norm of `q` times `λ`, so the
 //!    scale cannot be folded through it.
 //! 3. **Output-module smoothing.** o_proj's and down_proj's inputs are smoothed with migration
@@ -31,22 +41,38 @@
 use nibble_core::{Error, Result};
 use nibble_model::RopeLayout;
 use nibble_model::config::ModelConfig;
-use nibble_precision::{LinearScheme, PrecisionSpec};
+use nibble_precision::{KvFormat, LinearScheme, PrecisionSpec};
 
 use crate::dense::{DenseModel, SiteKind};
 use crate::permute::{HeadPermutation, permute_down_input, sort_desc};
 use crate::pipeline::{Method, QuantOptions, QuantizedModel};
-use crate::rotation::{Rotation, rotate_residual};
+use crate::rotation::{Rotation, rotate_residual, rotate_values};
 use crate::sim::{
-    ActSim, SiteData, Sites, apply_smoothing, calibrate, clip_and_encode, clip_grid, reduce_kv_max,
-    search_smoothing,
+    ActSim, SiteData, Sites, apply_smoothing, calibrate_with, clip_and_encode, clip_grid,
+    reduce_kv_max, search_smoothing,
 };
+use crate::simulate::Simulated;
+
+/// Mixed into the seed of the value rotation's signs.
+const VALUE_ROTATION_SEED: u64 = 0x7654_3210;
 
 /// Output-module migration strengths: near 0, so the scale comes mostly from the weights.
 pub const OUTPUT_ALPHAS: [f32; 4] = [0.0, 0.05, 0.1, 0.15];
 
-/// SmoothAttention's `λ` for one layer from its channel-wise max |K| (`kv_dim` values).
+/// SmoothAttention strengths tried with a quantized KV cache: QServe's 0.5 and its neighbours.
+/// The KV4 loss is sharply non-monotonic in the strength on SmolLM2 (simulated perplexity on
+/// calibration-half text: 17.07 at 0.35, 15.79 at 0.5, 16.37 at 0.75), so it is measured, not
+/// assumed.
+pub const SMOOTH_ATTENTION_STRENGTHS: [f32; 5] = [0.4, 0.45, 0.5, 0.55, 0.6];
+
+/// SmoothAttention's `λ` for one layer from its channel-wise max |K| (`kv_dim` values), at
+/// QServe's strength 0.5.
 pub fn smooth_attention_scale(c: &ModelConfig, key_absmax: &[f32]) -> Vec<f32> {
+    smooth_attention_scale_with(c, key_absmax, 0.5)
+}
+
+/// `λ = max|K|^strength` per rotary pair.
+pub fn smooth_attention_scale_with(c: &ModelConfig, key_absmax: &[f32], strength: f32) -> Vec<f32> {
     let hd = c.head_dim;
     (0..c.kv_dim())
         .map(|j| {
@@ -56,7 +82,7 @@ pub fn smooth_attention_scale(c: &ModelConfig, key_absmax: &[f32]) -> Vec<f32> {
                 RopeLayout::Interleaved => d ^ 1,
             };
             let m = key_absmax[j].max(key_absmax[h * hd + pair]);
-            let l = m.sqrt();
+            let l = m.powf(strength);
             // A key channel that never fired has nothing to smooth; the clamp keeps q and k
             // rows away from f16's ends whatever the statistics.
             if l.is_finite() && l > 0.0 {
@@ -79,6 +105,15 @@ pub fn smooth_attention_applies(model: &DenseModel) -> bool {
 /// Folds SmoothAttention into every layer: q_proj rows (and bias) times `λ`, k_proj rows (and
 /// bias) divided by `λ`. `key_absmax[layer]` is that layer's channel-wise max |K| after RoPE.
 pub fn smooth_attention(model: &mut DenseModel, key_absmax: &[Vec<f32>]) -> Result<()> {
+    smooth_attention_with(model, key_absmax, 0.5)
+}
+
+/// [`smooth_attention`] at another strength.
+pub fn smooth_attention_with(
+    model: &mut DenseModel,
+    key_absmax: &[Vec<f32>],
+    strength: f32,
+) -> Result<()> {
     if !smooth_attention_applies(model) {
         return Err(Error::InvalidArgument(
             "SmoothAttention cannot be folded through per-head QK norms".into(),
@@ -101,7 +136,7 @@ pub fn smooth_attention(model: &mut DenseModel, key_absmax: &[Vec<f32>]) -> Resu
                 c.kv_dim()
             )));
         }
-        let lambda = smooth_attention_scale(&c, kmax);
+        let lambda = smooth_attention_scale_with(&c, kmax, strength);
         let q_scale: Vec<f32> = (0..c.q_dim())
             .map(|j| lambda[(j / hd / group) * hd + j % hd])
             .collect();
@@ -116,6 +151,43 @@ pub fn smooth_attention(model: &mut DenseModel, key_absmax: &[Vec<f32>]) -> Resu
         }
     }
     Ok(())
+}
+
+/// The SmoothAttention strength for a model whose KV cache is stored as `kv`: QServe's 0.5 for an
+/// unquantized cache (the fold then changes nothing that is rounded), otherwise the strength of
+/// [`SMOOTH_ATTENTION_STRENGTHS`] whose float model, run with the quantized cache, has the lowest
+/// calibration perplexity. The float weights are a faithful stand-in: the fold scales q_proj and
+/// k_proj rows, and every weight codec QoQ uses scales per output row, so the weights' rounding
+/// does not depend on the strength; only the keys the cache stores do.
+pub fn smooth_attention_strength(
+    model: &DenseModel,
+    key_absmax: &[Vec<f32>],
+    kv: KvFormat,
+    calibration: &[Vec<u32>],
+    threads: usize,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<f32> {
+    if kv == KvFormat::F16 {
+        return Ok(0.5);
+    }
+    let mut best = (f64::INFINITY, 0.5);
+    for (i, &strength) in SMOOTH_ATTENTION_STRENGTHS.iter().enumerate() {
+        let mut sim = Simulated {
+            kv,
+            ..Simulated::float(model)
+        };
+        smooth_attention_with(&mut sim.dense, key_absmax, strength)?;
+        let (nll, _) = sim.mean_nll(calibration, threads, &mut |_, _| {})?;
+        if nll < best.0 {
+            best = (nll, strength);
+        }
+        progress(
+            "qoq: smooth attention strength",
+            i + 1,
+            SMOOTH_ATTENTION_STRENGTHS.len(),
+        );
+    }
+    Ok(best.1)
 }
 
 /// Sorts down_proj's input channels of `layer` by salience (descending), in the model and in
@@ -143,6 +215,9 @@ pub fn reorder_o_input(model: &mut DenseModel, layer: usize, data: &mut SiteData
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QoqSteps {
     pub rotate: bool,
+    /// The per-head value rotation (an addition to QServe, see the module documentation);
+    /// applied only with a quantized KV cache.
+    pub rotate_values: bool,
     pub smooth_attention: bool,
     pub smooth_outputs: bool,
     pub reorder: bool,
@@ -153,6 +228,7 @@ impl Default for QoqSteps {
     fn default() -> Self {
         QoqSteps {
             rotate: true,
+            rotate_values: true,
             smooth_attention: true,
             smooth_outputs: true,
             reorder: true,
@@ -197,7 +273,7 @@ pub fn quantize_with(
         .linear
         .linear_format(0)
         .expect("w4a8 is a quantized scheme");
-    let act = ActSim::of(format.act)?;
+    let act = ActSim::of(format.act);
 
     if steps.rotate {
         model.fold_norms()?;
@@ -205,12 +281,32 @@ pub fn quantize_with(
         rotate_residual(&mut model, &rot, &mut |d, t| progress("qoq: rotate", d, t))?;
     }
 
-    let (cal, mut sites) = calibrate(&model, calibration, opts.threads, &mut |d, t| {
+    // For a quantized KV cache only: that is what it is for (dev-set perplexity with KV4 15.79
+    // -> 15.71); with a 16-bit cache it would only reshape o_proj's input.
+    if steps.rotate_values && spec.kv != KvFormat::F16 {
+        // Its own seed: the value rotation has nothing to do with the residual one.
+        let rot = Rotation::new(model.config.head_dim, opts.seed ^ VALUE_ROTATION_SEED)?;
+        rotate_values(&mut model, &rot)?;
+    }
+    // The attention sink's rows are kept in the samples: without them the searches tune the
+    // weights for ordinary tokens at the sink's expense (held-out perplexity of w4a8-g64 QoQ
+    // 9.52 with the position-walking samples alone, 8.92 with every first token added; w4a8
+    // 10.32 vs 9.76). LiquidQuant and FMPQ do better without (8.66 vs 9.32, 11.51 vs 14.61
+    // against samples that held the first tokens).
+    let (cal, mut sites) = calibrate_with(&model, calibration, opts.threads, true, &mut |d, t| {
         progress("qoq: calibrate", d, t)
     })?;
 
     if steps.smooth_attention && smooth_attention_applies(&model) {
-        smooth_attention(&mut model, &cal.key_absmax)?;
+        let strength = smooth_attention_strength(
+            &model,
+            &cal.key_absmax,
+            spec.kv,
+            calibration,
+            opts.threads,
+            progress,
+        )?;
+        smooth_attention_with(&mut model, &cal.key_absmax, strength)?;
     }
     progress("qoq: smooth attention", 1, 1);
 

@@ -187,6 +187,42 @@ pub fn rotate_residual(
     Ok(())
 }
 
+/// Rotates every value head of `model` by `rot` (`head_dim` wide): each head's values `v`
+/// become `v R`, so v_proj's rows of a KV head (and its bias) become `Rᵀ W_v`, and every query
+/// head's slice of o_proj's input columns becomes `W_o R`. Attention mixes a head's values over
+/// tokens linearly and per head, so its output is the old output times `R`, which o_proj undoes:
+/// the function is kept. What changes is what gets quantized: a value cache quantized per token
+/// and head (KV4/KV8) and o_proj's per-token INT8 input see each value dim's outliers spread over
+/// the whole head. Query heads of a KV group read the same rotated values, so they all take `R`.
+pub fn rotate_values(model: &mut DenseModel, rot: &Rotation) -> Result<()> {
+    let c = model.config.clone();
+    let hd = c.head_dim;
+    if rot.size() != hd {
+        return Err(Error::InvalidArgument(format!(
+            "a value rotation must be head_dim = {hd} wide, got {}",
+            rot.size()
+        )));
+    }
+    for l in &mut model.layers {
+        // v_proj: rows h * hd .. (h + 1) * hd are KV head h's writer, `W' = Rᵀ W`.
+        let cols = l.v.cols;
+        for h in 0..c.num_kv_heads {
+            let rows = &mut l.v.data[h * hd * cols..(h + 1) * hd * cols];
+            let mut block = Mat::new(hd, cols, rows.to_vec());
+            rot.apply_cols(&mut block);
+            rows.copy_from_slice(&block.data);
+        }
+        if let Some(b) = &mut l.v_bias {
+            b.chunks_exact_mut(hd).for_each(|head| rot.apply(head));
+        }
+        // o_proj: every row's slice of each query head is a reader of that head, `W' = W R`.
+        l.o.data
+            .par_chunks_mut(l.o.cols)
+            .for_each(|row| row.chunks_exact_mut(hd).for_each(|head| rot.apply(head)));
+    }
+    Ok(())
+}
+
 /// Whether `b - 1` is a prime `≡ 3 (mod 4)`, so Paley's type-I construction gives `H_b`.
 fn paley_prime(b: usize) -> bool {
     b >= 4 && (b - 1) % 4 == 3 && is_prime(b - 1)

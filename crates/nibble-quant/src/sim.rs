@@ -1,4 +1,6 @@
 //! Simulated quantized linear layers, and the searches QoQ, LiquidQuant and FMPQ build on them.
+//! The one replay of run-time rounding: AWQ, GPTQ and SmoothQuant ([`crate::search`]) and the
+//! whole-model simulation ([`crate::simulate`]) use these functions too.
 //!
 //! A search compares a float layer `Y = X W^T` on captured calibration rows with the layer as
 //! it will run: weights through the real codec (encode, then decode) and activations through the
@@ -8,6 +10,8 @@
 //!   -127, 127)` with ties to even (what `cvt.rni` and `vcvtps2dq` do); a zero scale gives zeros.
 //! * COMET mixed blocks: per token per block of `block` channels, the first `int8_blocks`
 //!   blocks with the INT8 rule, the others with `scale = max|x_b| / 7`, codes clamped to ±7.
+//! * FP8 per token and 16-bit activations: the run-time quantizer itself
+//!   ([`nibble_precision::ActQuant::quantize_row`]; f16 rounding for the latter).
 //!
 //! Errors are summed squares over the sampled tokens, accumulated in f64.
 
@@ -30,18 +34,33 @@ pub const SEARCH_SAMPLES: usize = 512;
 pub type Sites = HashMap<(usize, SiteKind), SiteData>;
 
 /// Runs `model` over `calibration` keeping about [`SEARCH_SAMPLES`] rows per site, strided over
-/// all tokens so every sequence contributes; `progress(done, total)` per sequence.
+/// all tokens so every sequence contributes and every position is visited;
+/// `progress(done, total)` per sequence.
 pub fn calibrate(
     model: &DenseModel,
     calibration: &[Vec<u32>],
     threads: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Calibration, Sites)> {
-    let tokens: usize = calibration.iter().map(Vec::len).sum();
+    calibrate_with(model, calibration, threads, false, progress)
+}
+
+/// [`calibrate`], with `sample_first`: every sequence's first token (the attention sink) kept
+/// on top of the strided rows (QoQ; see [`crate::qoq`]).
+pub fn calibrate_with(
+    model: &DenseModel,
+    calibration: &[Vec<u32>],
+    threads: usize,
+    sample_first: bool,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(Calibration, Sites)> {
     let opts = CaptureOptions {
         hessian: false,
         max_samples: SEARCH_SAMPLES,
-        sample_stride: (tokens / SEARCH_SAMPLES).max(1),
+        // Strided so it walks every position: a stride dividing the sequence length would
+        // land on every sequence's first token, and only on a few positions.
+        sample_stride: crate::search::sample_stride(calibration, SEARCH_SAMPLES),
+        sample_first,
     };
     let cal = capture(model, calibration, opts, threads, progress)?;
     let sites = cal
@@ -82,7 +101,7 @@ pub fn clip_and_encode(
         // Readers of one site (q/k/v, gate/up) share their quantized input.
         let key = (id.layer, id.kind.site(), format.act);
         if cached.as_ref().is_none_or(|(k, _)| *k != key) {
-            cached = Some((key, ActSim::of(format.act)?.apply(&data.samples)));
+            cached = Some((key, ActSim::of(format.act).apply(&data.samples)));
         }
         let xq = &cached.as_ref().expect("set above").1;
         let clips = if grid == [1.0] {
@@ -98,12 +117,17 @@ pub fn clip_and_encode(
     Ok(out)
 }
 
-/// How a layer's input is quantized at run time, for simulation.
+/// How a layer's input is quantized at run time, for simulation: every searcher and the
+/// whole-model simulation replay activations through this one type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ActSim {
-    /// Not quantized (16-bit activations are treated as exact).
+    /// Left exactly as computed (layers that stay in float).
     Float,
+    /// 16-bit activations: rounded to f16, as the kernels of 16-bit-activation formats read them.
+    F16,
     Int8PerToken,
+    /// FP8 e4m3 per token (scale `max|x| / 448`), by the run-time quantizer itself.
+    Fp8PerToken,
     /// COMET blocks: the first `int8_blocks` blocks INT8, the rest INT4.
     Mixed {
         block: usize,
@@ -113,18 +137,15 @@ pub enum ActSim {
 
 impl ActSim {
     /// The simulation of a run-time activation format.
-    pub fn of(act: ActQuant) -> Result<ActSim> {
+    pub fn of(act: ActQuant) -> ActSim {
         match act {
-            ActQuant::F16 => Ok(ActSim::Float),
-            ActQuant::Int8PerToken => Ok(ActSim::Int8PerToken),
-            ActQuant::Mixed4x8 { block, int8_blocks } => Ok(ActSim::Mixed {
+            ActQuant::F16 => ActSim::F16,
+            ActQuant::Int8PerToken => ActSim::Int8PerToken,
+            ActQuant::Fp8PerToken => ActSim::Fp8PerToken,
+            ActQuant::Mixed4x8 { block, int8_blocks } => ActSim::Mixed {
                 block: block as usize,
                 int8_blocks: int8_blocks as usize,
-            }),
-            ActQuant::Fp8PerToken => Err(Error::unsupported(
-                "simulating FP8 activations".to_string(),
-                "the QoQ, LiquidQuant and FMPQ searches use integer activations only",
-            )),
+            },
         }
     }
 
@@ -134,19 +155,30 @@ impl ActSim {
         if x.cols == 0 {
             return out;
         }
+        let rows = out.data.par_chunks_mut(x.cols);
         match self {
             ActSim::Float => {}
-            ActSim::Int8PerToken => out
-                .data
-                .par_chunks_mut(x.cols)
-                .for_each(|row| fake_quant_int(row, 127)),
+            ActSim::F16 => rows.for_each(|row| {
+                row.iter_mut()
+                    .for_each(|v| *v = half::f16::from_f32(*v).to_f32())
+            }),
+            ActSim::Int8PerToken => rows.for_each(|row| fake_quant_int(row, 127)),
+            ActSim::Fp8PerToken => rows.for_each(|row| {
+                // The e4m3 rounding is not worth repeating here: the run-time rule itself.
+                let q = ActQuant::Fp8PerToken
+                    .quantize_row(row)
+                    .expect("per-token FP8 takes any row length");
+                for (v, d) in row.iter_mut().zip(q.dequantize_f64()) {
+                    *v = d as f32;
+                }
+            }),
             ActSim::Mixed { block, int8_blocks } => {
                 assert!(
                     block > 0 && x.cols.is_multiple_of(block) && int8_blocks * block <= x.cols,
                     "mixed blocks of {block} ({int8_blocks} INT8) over {} channels",
                     x.cols
                 );
-                out.data.par_chunks_mut(x.cols).for_each(|row| {
+                rows.for_each(|row| {
                     for (b, chunk) in row.chunks_mut(block).enumerate() {
                         fake_quant_int(chunk, if b < int8_blocks { 127 } else { 7 });
                     }
@@ -218,9 +250,51 @@ pub fn matmul_nt(x: &Mat, w: &Mat) -> Mat {
 /// decoded back to f32.
 pub fn fake_quant_weight(w: &Mat, format: LinearFormat, clips: &[f32]) -> Result<Mat> {
     let bytes = encode_matrix(w, format, clips)?;
-    let mut out = vec![0f32; w.rows * w.cols];
-    format.codec.dequantize(&bytes, w.cols, &mut out)?;
-    Ok(Mat::new(w.rows, w.cols, out))
+    decoded_weights(&bytes, format, w.rows, w.cols)
+}
+
+/// The weights a kernel multiplies for `rows` encoded rows of `format`: the codec's decoded
+/// values, rounded to f16 for 16-bit-activation kernels (their float tiles hold f16 panels).
+pub fn decoded_weights(
+    bytes: &[u8],
+    format: LinearFormat,
+    rows: usize,
+    cols: usize,
+) -> Result<Mat> {
+    let mut data = vec![0f32; rows * cols];
+    let rb = format.row_bytes(cols)?;
+    if bytes.len() != rb * rows {
+        return Err(Error::InvalidArgument(format!(
+            "{format}: {} bytes for {rows} rows of {cols}",
+            bytes.len()
+        )));
+    }
+    data.par_chunks_mut(cols)
+        .zip(bytes.par_chunks(rb))
+        .try_for_each(|(d, b)| format.codec.dequantize(b, cols, d))?;
+    if format.act == ActQuant::F16 {
+        data.iter_mut()
+            .for_each(|x| *x = half::f16::from_f32(*x).to_f32());
+    }
+    Ok(Mat::new(rows, cols, data))
+}
+
+/// `sum (a - b)^2` in f64.
+pub fn sq_err(a: &Mat, b: &Mat) -> f64 {
+    assert_eq!(a.data.len(), b.data.len());
+    a.data
+        .par_chunks(4096)
+        .zip(b.data.par_chunks(4096))
+        .map(|(a, b)| {
+            a.iter()
+                .zip(b)
+                .map(|(x, y)| {
+                    let d = (x - y) as f64;
+                    d * d
+                })
+                .sum::<f64>()
+        })
+        .sum()
 }
 
 /// Per output channel `r`: `sum_t (y[t, r] - yhat[t, r])^2`.
@@ -468,16 +542,16 @@ pub fn apply_smoothing(
     Ok(())
 }
 
-/// Relative output error `|x w^T - act(x) Q(w)^T|^2 / |x w^T|^2` of one encoded layer on rows
-/// `x`: how the searches' objective looks on held-out data.
-pub fn relative_layer_error(x: &Mat, w: &Mat, format: LinearFormat, encoded: &[u8]) -> Result<f64> {
-    let mut wq = vec![0f32; w.rows * w.cols];
-    format.codec.dequantize(encoded, w.cols, &mut wq)?;
-    let wq = Mat::new(w.rows, w.cols, wq);
-    let xq = ActSim::of(format.act)?.apply(x);
+/// Relative output error of one quantized layer: the float layer `x · wᵀ` against the kernels'
+/// `Qa(x) · Wqᵀ` for `Wq` the encoded rows `bytes`, as `||Δy||² / ||y||²`. `x` and `w` are the
+/// float model's (after any folds) input rows and weight for that layer. Tests and reports use it
+/// to compare methods on equal terms, and on held-out rows it shows how a search's objective
+/// transfers.
+pub fn relative_layer_error(x: &Mat, w: &Mat, format: LinearFormat, bytes: &[u8]) -> Result<f64> {
+    let wq = decoded_weights(bytes, format, w.rows, w.cols)?;
+    let xq = ActSim::of(format.act).apply(x);
     let y = matmul_nt(x, w);
-    let err: f64 = column_sq_err(&y, &matmul_nt(&xq, &wq)).iter().sum();
-    Ok(err / sq_norm(&y).max(f64::MIN_POSITIVE))
+    Ok(sq_err(&matmul_nt(&xq, &wq), &y) / sq_norm(&y).max(f64::MIN_POSITIVE))
 }
 
 /// Every encoded layer's [`relative_layer_error`] on held-out `sequences`, each layer fed the
@@ -550,7 +624,9 @@ mod tests {
                 .collect(),
         );
         for act in [
+            ActQuant::F16,
             ActQuant::Int8PerToken,
+            ActQuant::Fp8PerToken,
             ActQuant::Mixed4x8 {
                 block: 32,
                 int8_blocks: 1,
@@ -560,7 +636,7 @@ mod tests {
                 int8_blocks: 0,
             },
         ] {
-            let sim = ActSim::of(act).unwrap().apply(&x);
+            let sim = ActSim::of(act).apply(&x);
             for r in 0..x.rows {
                 let want: Vec<f32> = act
                     .quantize_row(x.row(r))
@@ -574,15 +650,31 @@ mod tests {
         }
     }
 
+    fn random(rows: usize, cols: usize, seed: u64) -> Mat {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        Mat::new(
+            rows,
+            cols,
+            (0..rows * cols)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect(),
+        )
+    }
+
     #[test]
-    fn matmul_matches_naive() {
-        let x = Mat::new(3, 5, (0..15).map(|i| i as f32 * 0.3 - 2.0).collect());
-        let w = Mat::new(4, 5, (0..20).map(|i| (i as f32 * 0.7).sin()).collect());
-        let y = matmul_nt(&x, &w);
-        for t in 0..3 {
-            for r in 0..4 {
-                let want: f32 = x.row(t).iter().zip(w.row(r)).map(|(a, b)| a * b).sum();
-                assert!((y.data[t * 4 + r] - want).abs() < 1e-5);
+    fn matmul_matches_a_plain_loop() {
+        for (n, m, k) in [(1, 1, 1), (37, 5, 19), (300, 33, 64)] {
+            let (x, w) = (random(n, k, 1), random(m, k, 2));
+            let y = matmul_nt(&x, &w);
+            for i in 0..n {
+                for j in 0..m {
+                    let want: f64 = (0..k)
+                        .map(|l| x.row(i)[l] as f64 * w.row(j)[l] as f64)
+                        .sum();
+                    let got = y.row(i)[j] as f64;
+                    assert!((got - want).abs() < 1e-4, "({i},{j}): {got} vs {want}");
+                }
             }
         }
     }

@@ -1,7 +1,8 @@
 //! Runs a quantized model the way its kernels compute it, in f32 on the CPU: every linear
 //! weight decoded from its codec, every linear input quantized by its run-time activation rule
 //! ([`ActSim`]), everything else (embeddings, norms, attention, the head) as in the float
-//! model. The KV cache stays float here. This measures a method end to end (logits, negative
+//! model, and the KV cache in the spec's format (the CPU backend's own KV quantizers). This
+//! measures a method end to end (logits, negative
 //! log-likelihood) with plain f32 matmuls; [`QuantSource`] serves the same model to the real
 //! quantized kernels, which must agree with it to float rounding.
 
@@ -10,14 +11,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use nibble_core::Result;
-use nibble_cpu::{CpuBackend, CpuKvCache, CpuTensor, CpuWeight};
+use nibble_cpu::{CpuBackend, CpuTensor};
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
 use nibble_model::source::TensorSource;
-use nibble_model::{
-    AttentionShape, Backend, BatchLayout, KvShape, LogitRows, RopeLayout, Transformer,
-};
+use nibble_model::{BatchLayout, LogitRows, Transformer};
+use nibble_precision::KvFormat;
 
 use crate::dense::{DenseModel, LinearId, Mat};
+use crate::hooked::{Hooked, Hooks};
 use crate::pipeline::QuantizedModel;
 use crate::sim::ActSim;
 
@@ -28,6 +29,8 @@ pub struct Simulated {
     pub dense: DenseModel,
     /// Each linear layer's activation rule.
     pub acts: HashMap<LinearId, ActSim>,
+    /// The KV cache format.
+    pub kv: KvFormat,
 }
 
 impl Simulated {
@@ -39,9 +42,13 @@ impl Simulated {
             let mut out = vec![0f32; w.rows * w.cols];
             format.codec.dequantize(bytes, w.cols, &mut out)?;
             *w = Mat::new(w.rows, w.cols, out);
-            acts.insert(id, ActSim::of(format.act)?);
+            acts.insert(id, ActSim::of(format.act));
         }
-        Ok(Simulated { dense, acts })
+        Ok(Simulated {
+            dense,
+            acts,
+            kv: q.spec.kv,
+        })
     }
 
     /// The float model, unquantized (the reference a simulation is compared with).
@@ -49,6 +56,7 @@ impl Simulated {
         Simulated {
             dense: dense.clone(),
             acts: HashMap::new(),
+            kv: KvFormat::F16,
         }
     }
 
@@ -97,16 +105,17 @@ impl Simulated {
         threads: usize,
         each: &mut dyn FnMut(usize, Vec<f32>),
     ) -> Result<()> {
-        let backend = SimBackend {
+        let backend = Hooked {
             cpu: CpuBackend::new(threads)?,
-            acts: &self.acts,
+            hooks: ActHooks { acts: &self.acts },
         };
-        let t = Transformer::load(
+        let mut t = Transformer::load(
             &backend,
             self.dense.config.clone(),
             &self.dense,
             &mut |_, _| {},
         )?;
+        t.kv_format = self.kv;
         for (i, seq) in sequences.iter().enumerate() {
             let (mut kv, table) = t.single_sequence_kv(&backend, seq.len())?;
             let out = t.forward(
@@ -149,109 +158,25 @@ impl TensorSource for QuantSource<'_> {
     }
 }
 
-struct SimBackend<'a> {
-    cpu: CpuBackend,
+/// Replays each linear layer's run-time activation quantization on its input.
+struct ActHooks<'a> {
     acts: &'a HashMap<LinearId, ActSim>,
 }
 
-struct SimWeight {
-    inner: CpuWeight,
-    act: ActSim,
-}
+impl Hooks for ActHooks<'_> {
+    type Tag = ActSim;
 
-impl Backend for SimBackend<'_> {
-    type Tensor = CpuTensor;
-    type Weight = SimWeight;
-    type Kv = CpuKvCache;
-
-    fn name(&self) -> String {
-        format!("quantization simulation on {}", self.cpu.name())
-    }
-
-    fn load_weight(&self, t: &HostTensor) -> Result<SimWeight> {
-        let act = LinearId::parse(&t.name)
+    fn tag(&self, name: &str) -> ActSim {
+        LinearId::parse(name)
             .and_then(|id| self.acts.get(&id).copied())
-            .unwrap_or(ActSim::Float);
-        Ok(SimWeight {
-            inner: self.cpu.load_weight(t)?,
-            act,
-        })
+            .unwrap_or(ActSim::Float)
     }
 
-    fn load_vector(&self, values: &[f32]) -> Result<CpuTensor> {
-        self.cpu.load_vector(values)
-    }
-
-    fn new_kv_pool(&self, shape: KvShape, blocks: usize, block_size: usize) -> Result<CpuKvCache> {
-        self.cpu.new_kv_pool(shape, blocks, block_size)
-    }
-
-    fn release_kv_blocks(&self, kv: &mut CpuKvCache, blocks: &[u32]) {
-        self.cpu.release_kv_blocks(kv, blocks)
-    }
-
-    fn embed(&self, table: &SimWeight, ids: &[u32]) -> Result<CpuTensor> {
-        self.cpu.embed(&table.inner, ids)
-    }
-
-    fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
-        self.cpu.rms_norm(x, w, eps)
-    }
-
-    fn add_rms_norm(&self, x: &mut CpuTensor, d: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
-        self.cpu.add_rms_norm(x, d, w, eps)
-    }
-
-    fn head_rms_norm(&self, x: &mut CpuTensor, w: &CpuTensor, head_dim: usize, eps: f32) {
-        self.cpu.head_rms_norm(x, w, head_dim, eps)
-    }
-
-    fn linear(&self, x: &CpuTensor, w: &SimWeight, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
-        if w.act == ActSim::Float {
-            return self.cpu.linear(x, &w.inner, bias);
+    fn linear_input(&self, act: ActSim, x: &CpuTensor) -> Option<CpuTensor> {
+        if act == ActSim::Float {
+            return None;
         }
-        let xq = w.act.apply(&Mat::new(x.rows, x.cols, x.data.clone()));
-        self.cpu
-            .linear(&CpuTensor::new(xq.data, x.rows, x.cols), &w.inner, bias)
-    }
-
-    fn rope(
-        &self,
-        x: &mut CpuTensor,
-        head_dim: usize,
-        batch: &BatchLayout,
-        inv_freq: &CpuTensor,
-        layout: RopeLayout,
-    ) {
-        self.cpu.rope(x, head_dim, batch, inv_freq, layout)
-    }
-
-    fn attention(
-        &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        kv: &mut CpuKvCache,
-        layer: usize,
-        batch: &BatchLayout,
-        shape: AttentionShape,
-    ) -> Result<CpuTensor> {
-        self.cpu.attention(q, k, v, kv, layer, batch, shape)
-    }
-
-    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
-        self.cpu.silu_mul(gate, up)
-    }
-
-    fn add(&self, x: &mut CpuTensor, d: &CpuTensor) {
-        self.cpu.add(x, d)
-    }
-
-    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
-        self.cpu.gather_rows(x, rows)
-    }
-
-    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
-        self.cpu.to_host(x)
+        let xq = act.apply(&Mat::new(x.rows, x.cols, x.data.clone()));
+        Some(CpuTensor::new(xq.data, x.rows, x.cols))
     }
 }

@@ -14,7 +14,8 @@ use nibble_model::{BatchLayout, LogitRows, Transformer, open_model};
 use nibble_precision::{ActQuant, PrecisionSpec};
 use nibble_quant::capture::{Calibration, CaptureOptions, capture};
 use nibble_quant::dense::{DenseModel, SiteKind};
-use nibble_quant::search::{calibrate, decoded_weights, factor_count, relative_layer_error};
+use nibble_quant::search::{calibrate, factor_count};
+use nibble_quant::sim::{decoded_weights, relative_layer_error};
 use nibble_quant::{Method, QuantOptions, QuantizedModel, quantize};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -89,6 +90,7 @@ fn every_row(m: &DenseModel, seqs: &[Vec<u32>]) -> Calibration {
         hessian: false,
         max_samples: usize::MAX,
         sample_stride: 1,
+        sample_first: false,
     };
     capture(m, seqs, opts, 1, &mut |_, _| {}).unwrap()
 }
@@ -311,4 +313,73 @@ fn bad_inputs_fail_with_a_reason() {
     assert!(e.contains("does not apply"), "{e}");
     let e = err(&m, "w4a16-g32", Method::SmoothQuant, &calib);
     assert!(e.contains("does not apply"), "{e}");
+}
+
+/// SmoothQuant's whole-model choice: of the per-site search and the global strengths, the model
+/// kept is the one with the lowest calibration perplexity in simulation, for FP8 too (whose
+/// activations the simulation quantizes with the run-time FP8 rule).
+#[test]
+fn smoothquant_keeps_the_lowest_calibration_perplexity() {
+    use nibble_quant::search::SEARCH_ROWS;
+    use nibble_quant::simulate::Simulated;
+    use nibble_quant::smoothquant::{SmoothQuantOptions, Strength, smooth, smoothquant};
+    let m = planted("tiny-llama3");
+    let seqs = calibration(&m);
+    let calib = calibrate(&m, &seqs, SEARCH_ROWS, false, 1, &mut |_, _, _| {}).unwrap();
+    let nll = |q: &QuantizedModel| {
+        Simulated::new(q)
+            .unwrap()
+            .mean_nll(&seqs, 1, &mut |_, _| {})
+            .unwrap()
+            .0
+    };
+    for s in ["fp8", "w8a8"] {
+        let format = spec(s).linear.linear_format(0).unwrap();
+        let opts = SmoothQuantOptions {
+            global_alphas: vec![0.3, 0.8],
+            ..Default::default()
+        };
+        let candidate = |strength| {
+            let (mut d, mut c) = (m.clone(), calib.clone());
+            smooth(&mut d, &mut c, format, &opts, strength, &mut |_, _, _| {}).unwrap();
+            // RTN of the smoothed model is SmoothQuant's encoding of it.
+            nll(&run(&d, s, Method::Rtn))
+        };
+        let scores: Vec<f64> = [
+            Strength::PerSite,
+            Strength::Global(0.3),
+            Strength::Global(0.8),
+        ]
+        .into_iter()
+        .map(candidate)
+        .collect();
+        let chosen = smoothquant(
+            m.clone(),
+            spec(s),
+            calib.clone(),
+            &seqs,
+            1,
+            &opts,
+            &mut |_, _, _| {},
+        )
+        .unwrap();
+        let best = scores.iter().copied().fold(f64::INFINITY, f64::min);
+        println!("{s}: candidates {scores:?}, kept {}", nll(&chosen));
+        assert!(
+            (nll(&chosen) - best).abs() <= 1e-9 * best,
+            "{s}: {scores:?}"
+        );
+        // Without text to score on, only the per-site search runs.
+        let alone = smoothquant(
+            m.clone(),
+            spec(s),
+            calib.clone(),
+            &[],
+            1,
+            &opts,
+            &mut |_, _, _| {},
+        )
+        .unwrap();
+        assert!((nll(&alone) - scores[0]).abs() <= 1e-9 * scores[0], "{s}");
+    }
 }

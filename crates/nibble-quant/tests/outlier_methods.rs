@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use nibble_cpu::CpuBackend;
 use nibble_model::{BatchLayout, LogitRows, RopeLayout, Transformer};
-use nibble_precision::{ActQuant, LinearFormat, PrecisionSpec, WeightCodec};
+use nibble_precision::{ActQuant, KvFormat, LinearFormat, PrecisionSpec, WeightCodec};
 use nibble_quant::dense::{DenseModel, LinearId, LinearKind, SiteKind};
 use nibble_quant::fmpq::{OUTLIER_RATIO, int8_blocks_needed, outlier_score, plan_and_permute};
 use nibble_quant::permute::HeadPermutation;
@@ -216,8 +216,27 @@ fn smooth_attention_pairs_rotary_channels_and_keeps_the_function() {
                 assert!((lambda[j] - m.sqrt()).abs() <= 1e-6 * m.sqrt().max(1.0));
             }
         }
+        let kv4_error = |m: &DenseModel| {
+            let sim = Simulated {
+                kv: KvFormat::Int4,
+                ..Simulated::float(m)
+            };
+            let got = sim.logits(&TOKENS, 1).unwrap();
+            got.iter()
+                .zip(&want)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum::<f64>()
+        };
+        let before = kv4_error(&m);
         smooth_attention(&mut m, &cal.key_absmax).unwrap();
         assert_close(&logits(&m), &want, 1e-4, &format!("{name} {layout:?}"));
+        // What it is for: a 4-bit KV cache hurts less.
+        let after = kv4_error(&m);
+        println!("{name} {layout:?}: kv4 logit error {before:.4} -> {after:.4}");
+        assert!(
+            after < before,
+            "{name} {layout:?}: kv4 error {before} -> {after}"
+        );
         // The keys the cache stores lost their outliers: max/median per layer shrank by > 2x.
         let (after, _) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
         for (b, a) in cal.key_absmax.iter().zip(&after.key_absmax) {
@@ -234,6 +253,44 @@ fn smooth_attention_pairs_rotary_channels_and_keeps_the_function() {
     let mut q3 = dense("tiny-qwen3");
     let (cal, _) = calibrate(&q3, &calib(), 1, &mut |_, _| {}).unwrap();
     assert!(smooth_attention(&mut q3, &cal.key_absmax).is_err());
+}
+
+/// With a quantized KV cache the SmoothAttention strength is the candidate whose float model,
+/// run with that cache, has the lowest calibration perplexity; with a 16-bit cache it is
+/// QServe's 0.5. Every candidate keeps the function.
+#[test]
+fn smooth_attention_strength_is_measured_with_the_quantized_cache() {
+    use nibble_quant::qoq::{
+        SMOOTH_ATTENTION_STRENGTHS, smooth_attention_strength, smooth_attention_with,
+    };
+    let m = dense("tiny-llama3");
+    let want = logits(&m);
+    let (cal, _) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
+    let none = &mut |_: &str, _: usize, _: usize| {};
+    let got = smooth_attention_strength(&m, &cal.key_absmax, KvFormat::F16, &calib(), 1, none);
+    assert_eq!(got.unwrap(), 0.5);
+    let nll: Vec<f64> = SMOOTH_ATTENTION_STRENGTHS
+        .iter()
+        .map(|&s| {
+            let mut sm = m.clone();
+            smooth_attention_with(&mut sm, &cal.key_absmax, s).unwrap();
+            assert_close(&logits(&sm), &want, 1e-4, &format!("strength {s}"));
+            let sim = Simulated {
+                kv: KvFormat::Int4,
+                ..Simulated::float(&sm)
+            };
+            sim.mean_nll(&calib(), 1, &mut |_, _| {}).unwrap().0
+        })
+        .collect();
+    let got =
+        smooth_attention_strength(&m, &cal.key_absmax, KvFormat::Int4, &calib(), 1, none).unwrap();
+    let best = nll.iter().copied().fold(f64::INFINITY, f64::min);
+    let i = SMOOTH_ATTENTION_STRENGTHS
+        .iter()
+        .position(|&s| s == got)
+        .unwrap();
+    println!("kv4 calibration nll per strength {nll:?}: chose {got}");
+    assert_eq!(nll[i], best);
 }
 
 #[test]

@@ -99,6 +99,55 @@ fn residual_rotation_keeps_the_function() {
 }
 
 #[test]
+fn value_rotation_keeps_the_function() {
+    use nibble_quant::rotation::{Rotation, rotate_values};
+    // Grouped-query (llama3), biased v_proj (qwen2), QK-normed (qwen3) and interleaved rotary
+    // (mistral): the value rotation touches none of what differs between them.
+    for name in ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
+        let mut m = dense(name);
+        let want = logits(&m);
+        let hd = m.config.head_dim;
+        assert!(rotate_values(&mut m, &Rotation::new(hd + 1, 1).unwrap()).is_err());
+        let v0 = m.layers[0].v.clone();
+        rotate_values(&mut m, &Rotation::new(hd, 5).unwrap()).unwrap();
+        assert!(
+            m.layers[0]
+                .v
+                .data
+                .iter()
+                .zip(&v0.data)
+                .any(|(a, b)| (a - b).abs() > 1e-3),
+            "{name}: the values moved"
+        );
+        assert_close(&logits(&m), &want, 1e-4, name);
+    }
+}
+
+/// `sample_first` keeps each sequence's first token on top of the stride.
+#[test]
+fn calibration_can_keep_every_first_token() {
+    let m = dense("tiny-llama3");
+    // 12 + 7 tokens; a stride of 5 lands on global tokens 0, 5, 10 and 15 (the second
+    // sequence's fourth), never on the second sequence's first token (global 12).
+    let seqs = vec![TOKENS.to_vec(), TOKENS[..7].to_vec()];
+    let rows = |sample_first| {
+        let opts = CaptureOptions {
+            hessian: false,
+            max_samples: 100,
+            sample_stride: 5,
+            sample_first,
+        };
+        let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
+        cal.site(0, SiteKind::AttnIn).samples.clone()
+    };
+    let (plain, with_first) = (rows(false), rows(true));
+    assert_eq!((plain.rows, with_first.rows), (4, 5));
+    // The extra row is the second sequence's first token, which is the first sequence's too
+    // (same token, position 0), so it repeats the first sample.
+    assert_eq!(with_first.row(3), with_first.row(0));
+}
+
+#[test]
 fn calibration_records_every_site() {
     let m = dense("tiny-llama3");
     let seqs = vec![TOKENS.to_vec(), TOKENS[..7].to_vec()];
@@ -106,6 +155,7 @@ fn calibration_records_every_site() {
         hessian: true,
         max_samples: 5,
         sample_stride: 2,
+        sample_first: false,
     };
     let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
     assert_eq!(cal.tokens, 19);
