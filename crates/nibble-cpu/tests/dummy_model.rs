@@ -1,19 +1,12 @@
 //! Synthetic models (`nibble_model::dummy`) load through `Transformer::load` on the CPU backend
 //! and run: finite, non-degenerate logits, and a greedy continuation through the KV cache.
 
+mod common;
+
+use common::argmax;
 use nibble_cpu::CpuBackend;
 use nibble_model::dummy::{open_dummy, shipped_config};
 use nibble_model::{Backend, BatchLayout, LogitRows, ModelFiles, Transformer};
-
-fn argmax(x: &[f32]) -> u32 {
-    x.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-        )
-        .0 as u32
-}
 
 fn check_logits(what: &str, logits: &[f32], vocab: usize) {
     assert_eq!(logits.len(), vocab, "{what}");

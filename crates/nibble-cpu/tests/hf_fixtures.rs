@@ -3,18 +3,8 @@
 
 mod common;
 
-use common::{Loaded, expected, fixture, load};
+use common::{Loaded, argmax, expected, fixture, load};
 use nibble_model::{Backend, BatchLayout, LogitRows};
-
-fn argmax(x: &[f32]) -> u32 {
-    x.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-        )
-        .0 as u32
-}
 
 fn check(name: &str) {
     let Loaded {

@@ -71,3 +71,14 @@ pub fn expected(name: &str) -> Expected {
             .collect(),
     }
 }
+
+/// Index of the largest logit (the first on ties).
+pub fn argmax(x: &[f32]) -> u32 {
+    x.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0 as u32
+}
