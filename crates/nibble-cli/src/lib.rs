@@ -131,7 +131,6 @@ impl KvReport for CudaKv {
         CudaKv::bytes_per_token(self) * self.num_blocks * self.block_size
     }
     fn bytes_per_token_of(shape: KvShape, _block_size: usize) -> f64 {
-        // kv16 on the GPU: the model's 16-bit dtype.
-        (shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * 2) as f64
+        CudaKv::bytes_per_token_of(shape) as f64
     }
 }

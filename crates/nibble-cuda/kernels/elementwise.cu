@@ -158,11 +158,6 @@ extern "C" __global__ void gather_rows(const float* x, const int* rows, float* o
     for (int c = threadIdx.x; c < cols; c += blockDim.x) out[r * cols + c] = src[c];
 }
 
-// Fills n floats with a value (tests poison outputs with NaN through this).
-extern "C" __global__ void fill_f32(float* x, float value, long n) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        x[i] = value;
-}
 
 // out[r, c] += bias[c] (QKV biases of Qwen2).
 extern "C" __global__ void add_bias(float* out, const float* bias, int cols, long n) {

@@ -482,6 +482,46 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Device indices: the forward's staged copy when `staged` finds them in its metadata (no
+    /// upload, so a captured graph reads the buffer `begin_forward` refills), else `values`
+    /// uploaded into the arena.
+    fn staged_indices(
+        &self,
+        staged: impl FnOnce(&Meta) -> Option<DevicePtr>,
+        values: &[i32],
+    ) -> Result<DevicePtr> {
+        if let Some(p) = self.lock().meta.as_ref().and_then(staged) {
+            return Ok(p);
+        }
+        let t = self.alloc(1, values.len().max(1), Elem::F32)?;
+        self.gpu.upload(t.ptr, values)?;
+        Ok(t.ptr)
+    }
+
+    /// Checked 2-D weights with equal widths, converted to the model dtype and uploaded as one
+    /// matrix, rows stacked in order (one weight, or a fused projection).
+    fn upload_stacked(&self, parts: &[HostTensor]) -> Result<CudaWeight> {
+        let mut bits = Vec::new();
+        let (mut rows, mut cols) = (0, 0);
+        for t in parts {
+            let (r, c, _) = t.matrix_geometry()?;
+            bits.extend(weight_bits(t, self.dtype)?);
+            rows += r;
+            cols = c;
+        }
+        let names: Vec<&str> = parts.iter().map(|t| t.name.as_str()).collect();
+        let what = format!("weight {}", names.join(" + "));
+        let buf = DeviceBuffer::from_host(&self.gpu, &bits, &what)?;
+        self.weight_bytes
+            .fetch_add(bits.len() * 2, std::sync::atomic::Ordering::Relaxed);
+        Ok(CudaWeight {
+            rows,
+            cols,
+            dtype: self.dtype,
+            buf,
+        })
+    }
+
     /// Benchmark support: records `f`'s GPU work once as a CUDA graph and returns the median
     /// seconds of `reps` replays (device time without host launch gaps, as a decode step runs).
     /// `f` must not grow the activation arena (run it once eagerly first).
@@ -562,17 +602,6 @@ impl CudaBackend {
             ],
         )
     }
-
-    /// Fills an f32 tensor with `value` (tests poison outputs with NaN).
-    pub fn fill(&self, t: &CudaTensor, value: f32) -> Result<()> {
-        let n = t.bytes() / 4;
-        self.launch(
-            "fill_f32",
-            grid_for(n),
-            BLOCK,
-            vec![Arg::Ptr(t.ptr), Arg::F32(value), Arg::I64(n as i64)],
-        )
-    }
 }
 
 pub(crate) fn batch_key(batch: &BatchLayout) -> (usize, usize, usize) {
@@ -643,17 +672,7 @@ impl Backend for CudaBackend {
     }
 
     fn load_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
-        let (rows, cols, _) = t.matrix_geometry()?;
-        let bits = weight_bits(t, self.dtype)?;
-        let buf = DeviceBuffer::from_host(&self.gpu, &bits, &format!("weight '{}'", t.name))?;
-        self.weight_bytes
-            .fetch_add(bits.len() * 2, std::sync::atomic::Ordering::Relaxed);
-        Ok(CudaWeight {
-            rows,
-            cols,
-            dtype: self.dtype,
-            buf,
-        })
+        self.upload_stacked(std::slice::from_ref(t))
     }
 
     fn load_vector(&self, values: &[f32]) -> Result<CudaTensor> {
@@ -719,33 +738,14 @@ impl Backend for CudaBackend {
     fn load_fused_weight(&self, parts: &[HostTensor]) -> Result<Option<CudaWeight>> {
         // One GEMM instead of several over the same input: fewer launches, and the small K/V
         // projections of a decode step no longer run as separate, poorly filled GEMVs.
-        let cols = parts
-            .first()
-            .map_or(0, |t| t.shape.get(1).copied().unwrap_or(0));
-        let mut bits = Vec::new();
-        let mut rows = 0;
-        for t in parts {
-            if t.shape.len() != 2 || t.shape[1] != cols {
-                return Ok(None);
-            }
-            t.matrix_geometry()?;
-            bits.extend(weight_bits(t, self.dtype)?);
-            rows += t.shape[0];
-        }
-        let name = parts
+        let cols = parts.first().and_then(|t| t.shape.get(1)).copied();
+        if parts
             .iter()
-            .map(|t| t.name.as_str())
-            .collect::<Vec<_>>()
-            .join(" + ");
-        let buf = DeviceBuffer::from_host(&self.gpu, &bits, &format!("weights {name}"))?;
-        self.weight_bytes
-            .fetch_add(bits.len() * 2, std::sync::atomic::Ordering::Relaxed);
-        Ok(Some(CudaWeight {
-            rows,
-            cols,
-            dtype: self.dtype,
-            buf,
-        }))
+            .any(|t| t.shape.len() != 2 || Some(t.shape[1]) != cols)
+        {
+            return Ok(None);
+        }
+        self.upload_stacked(parts).map(Some)
     }
 
     fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
@@ -783,21 +783,10 @@ impl Backend for CudaBackend {
             )));
         }
         // The forward's metadata already holds these ids; other callers get them uploaded.
-        let staged = {
-            let st = self.lock();
-            st.meta
-                .as_ref()
-                .filter(|m| m.host_tokens == ids)
-                .map(|m| m.tokens)
-        };
-        let ids_ptr = match staged {
-            Some(p) => p,
-            None => {
-                let t = self.alloc(1, ids.len().max(1), Elem::F32)?;
-                self.gpu.upload(t.ptr, ids)?;
-                t.ptr
-            }
-        };
+        let ids_ptr = self.staged_indices(
+            |m| (m.host_tokens == ids).then_some(m.tokens),
+            &ids.iter().map(|&i| i as i32).collect::<Vec<_>>(),
+        )?;
         let out = self.alloc(ids.len(), table.cols, Elem::F32)?;
         self.half_kernel("embed")?.launch(
             &self.gpu,
@@ -981,22 +970,10 @@ impl Backend for CudaBackend {
 
     fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
         let r = expect_whole_f32(x, "gather input").and_then(|()| {
-            let staged = {
-                let st = self.lock();
-                st.meta
-                    .as_ref()
-                    .filter(|m| m.host_last_rows == rows)
-                    .map(|m| m.last_rows)
-            };
-            let rows_ptr = match staged {
-                Some(p) => p,
-                None => {
-                    let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-                    let t = self.alloc(1, idx.len().max(1), Elem::F32)?;
-                    self.gpu.upload(t.ptr, &idx)?;
-                    t.ptr
-                }
-            };
+            let rows_ptr = self.staged_indices(
+                |m| (m.host_last_rows == rows).then_some(m.last_rows),
+                &rows.iter().map(|&r| r as i32).collect::<Vec<_>>(),
+            )?;
             let out = self.alloc(rows.len(), x.cols, Elem::F32)?;
             self.launch(
                 "gather_rows",

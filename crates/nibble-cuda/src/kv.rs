@@ -63,16 +63,11 @@ impl CudaKv {
 
     /// Bytes one token takes in the pool over all layers (K and V).
     pub fn bytes_per_token(&self) -> usize {
-        self.shape.num_layers * 2 * self.shape.num_kv_heads * self.shape.head_dim * 2
+        Self::bytes_per_token_of(self.shape)
     }
 
-    /// Copies one layer's keys and values to the host (tests read the cache back with it).
-    pub fn read_layer(&self, gpu: &Gpu, layer: usize) -> Result<(Vec<u16>, Vec<u16>)> {
-        let (kp, vp) = self.layer(layer);
-        let mut k = vec![0u16; self.layer_elems];
-        let mut v = vec![0u16; self.layer_elems];
-        gpu.download(&mut k, kp)?;
-        gpu.download(&mut v, vp)?;
-        Ok((k, v))
+    /// Bytes per token of a pool of `shape` (16-bit keys and values).
+    pub fn bytes_per_token_of(shape: KvShape) -> usize {
+        shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * 2
     }
 }

@@ -109,10 +109,6 @@ impl Gpu {
         unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }
             .map_err(|e| driver_err("device copy", e))
     }
-
-    pub fn free_memory(&self) -> usize {
-        cu::mem_get_info().map(|(f, _)| f).unwrap_or(0)
-    }
 }
 
 /// Device memory owned by Rust: weights, vectors, KV pools, the activation arena.
