@@ -2,9 +2,12 @@
 """The peer side of the GPU benchmarks (scripts/gpu-run.sh runs it beside nibble's gpu-bench):
 HBM bandwidth and cuBLAS BF16 rate through PyTorch, and PyTorch's scaled_dot_product_attention
 (flash backend) on the same Llama-3-8B attention shapes nibble's kernels are timed on: decode
-(one query per sequence over a contiguous KV cache) and causal prefill.
+(one query per sequence over a contiguous KV cache) and causal prefill; and PyTorch's quantized
+matmuls on Llama-3-8B's layer shapes (`--qgemm`: the ceilings and those alone): BF16 (cuBLAS),
+INT4 weight-only (`_weight_int4pack_mm`, group 128), INT8 (`_int_mm`) and FP8 (`_scaled_mm`,
+row-wise scales), each timed from a CUDA graph like nibble's.
 
-    python3 bench/gpu_peer.py OUT.json
+    python3 bench/gpu_peer.py OUT.json [--qgemm]
 """
 import json
 import sys
@@ -29,6 +32,54 @@ def ms_graph(fn):
         return do_bench_cudagraph(fn, rep=200)
 
 
+QGEMM_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+QGEMM_MS = [1, 4, 16, 64, 1024, 4096, 8192]
+
+
+def qgemm_peers(dev):
+    rows = []
+    for n, k in QGEMM_SHAPES:
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+        # INT4 weight-only: uint8 [n, k/2] codes, packed by PyTorch for its kernel.
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
+        try:
+            w4 = torch._convert_weight_to_int4pack(codes, 8)
+            sz = torch.stack([torch.full((k // 128, n), 0.01), torch.zeros(k // 128, n)], dim=2)
+            sz = sz.to(dev, torch.bfloat16).contiguous()
+            int4_err = None
+        except Exception as e:  # noqa: BLE001 (recorded in the results)
+            w4, sz, int4_err = None, None, repr(e)
+        w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)
+        wf8 = w.to(torch.float8_e4m3fn)
+        sw = torch.full((1, n), 0.01, device=dev, dtype=torch.float32)
+        for m in QGEMM_MS:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            r = {"n": n, "k": k, "m": m}
+            r["bf16_ms"] = ms_graph(lambda: x @ w.t())
+            if w4 is not None:
+                try:
+                    r["int4_ms"] = ms_graph(lambda: torch._weight_int4pack_mm(x, w4, 128, sz))
+                except Exception as e:  # noqa: BLE001
+                    r["int4_error"] = repr(e)
+            else:
+                r["int4_error"] = int4_err
+            x8 = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=dev)
+            try:
+                r["int8_ms"] = ms_graph(lambda: torch._int_mm(x8, w8.t()))
+            except Exception as e:  # noqa: BLE001 (_int_mm needs m > 16)
+                r["int8_error"] = repr(e).splitlines()[0][:200]
+            xf8 = x.to(torch.float8_e4m3fn)
+            sx = torch.full((m, 1), 0.01, device=dev, dtype=torch.float32)
+            try:
+                r["fp8_ms"] = ms_graph(
+                    lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16))
+            except Exception as e:  # noqa: BLE001
+                r["fp8_error"] = repr(e).splitlines()[0][:200]
+            rows.append(r)
+            print(r, flush=True)
+    return rows
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "gpu-peer.json"
     dev = torch.device("cuda")
@@ -45,6 +96,11 @@ def main():
     t = ms(lambda: x @ y)
     res["cublas_bf16_flops"] = 2 * m**3 / (t / 1e3)
     del x, y
+    if "--qgemm" in sys.argv:
+        res["qgemm"] = qgemm_peers(dev)
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2)
+        return
     rows = []
     for batch, ctx in [(1, 1024), (1, 4096), (8, 4096), (32, 4096), (64, 1024), (64, 4096)]:
         q = torch.randn(batch, HEADS, 1, HD, device=dev, dtype=torch.bfloat16)
@@ -66,6 +122,7 @@ def main():
         rows.append({"kind": "prefill", "batch": 1, "ctx": ctx, "ms": t, "tflops": flops / (t / 1e3) / 1e12})
         print(rows[-1], flush=True)
     res["attention"] = rows
+    res["qgemm"] = qgemm_peers(dev)
     with open(out, "w") as f:
         json.dump(res, f, indent=2)
 

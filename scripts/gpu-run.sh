@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Runs every GPU test and benchmark in one go, on the GPU machine, from the repo root, using
 # what scripts/gpu-stage.sh staged in stage/gpu. Logs and JSON results go to OUTDIR.
-#   scripts/gpu-run.sh OUTDIR [--quick] [--tests-only] [--compile-check]
+#   scripts/gpu-run.sh OUTDIR [--quick] [--tests-only] [--compile-check] [--qgemm]
+# --qgemm: only the quantized-GEMM tests and benchmarks (nibble's and PyTorch's).
 # Exits non-zero if any test failed (benchmarks still run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-run.sh OUTDIR [--quick] [--tests-only]}
 shift
-quick=""; tests_only=""; compile_check=""
+quick=""; tests_only=""; compile_check=""; qgemm=""
 for a in "$@"; do
   case $a in
     --quick) quick="--quick" ;;
     --tests-only) tests_only=1 ;;
     --compile-check) compile_check=1 ;;
+    --qgemm) qgemm=1 ;;
   esac
 done
 mkdir -p "$out"
@@ -39,6 +41,14 @@ step() {  # step NAME COMMAND...: runs, logs to OUTDIR/NAME.log, records failure
 # Every architecture's compile is checked by test.sh without a GPU (NVRTC from pip); here only
 # on request, since it costs a minute of GPU-machine time.
 if [ -n "$compile_check" ]; then step kernels-compile "$stage/kernels-compile" --test-threads 8; fi
+if [ -n "$qgemm" ]; then
+  step gpu-tests "$stage/gpu-tests" qgemm --test-threads 1
+  grep -E "^test |test result" "$out/gpu-tests.log" || true
+  step gpu-bench "$stage/gpu-bench" "$out/gpu-bench.json" --qgemm $quick
+  step peer python3 bench/gpu_peer.py "$out/gpu-peer.json" --qgemm
+  tar czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
+  exit $status
+fi
 step gpu-tests "$stage/gpu-tests" --test-threads 1
 grep -E "^test |test result|free-running" "$out/gpu-tests.log" || true
 scripts/gpu-default-model.sh collect >/dev/null 2>&1 || true

@@ -1,9 +1,10 @@
 //! GPU benchmarks, one run: the two ceilings first (HBM bandwidth by a device-to-device copy,
 //! cuBLAS BF16 rate on 8192^3), then nibble's paged attention for decode and prefill shapes of
 //! Llama-3-8B (32 query heads, 8 KV heads, head_dim 128), each against its floor, then whole
-//! decode steps of a Llama-3-8B-shaped model with random weights.
+//! decode steps of a Llama-3-8B-shaped model with random weights, then the quantized GEMMs on
+//! Llama-3-8B's layer shapes (`--qgemm`: the ceilings and those alone).
 //!
-//!     gpu-bench OUT.json [--quick]
+//!     gpu-bench OUT.json [--quick] [--qgemm]
 //!
 //! Timings are medians over repeats after warm-up, taken with the stream synchronized around
 //! the timed region. The peer numbers (PyTorch SDPA) come from bench/gpu_peer.py in the same run.
@@ -11,13 +12,13 @@
 use std::time::Instant;
 
 use nibble_core::Result;
-use nibble_cuda::{CudaBackend, DeviceBuffer, Dtype};
+use nibble_cuda::{CudaBackend, DeviceBuffer, Dtype, Elem, WeightData};
 use nibble_formats::gguf::GgmlType;
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
 use nibble_model::{
     AttentionShape, Backend, BatchLayout, KvShape, LogitRows, SeqSpan, Transformer,
 };
-use nibble_precision::KvFormat;
+use nibble_precision::{KvFormat, LinearFormat, WeightCodec};
 use serde_json::{Value, json};
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -82,7 +83,7 @@ fn ceilings(be: &CudaBackend) -> Result<(f64, f64)> {
     let n = 8192;
     let w = be.load_weight(&bf16_weight(n, n, 7))?;
     let xw = be.load_weight(&bf16_weight(n, n, 8))?;
-    let x = be.weight_as_input(&xw);
+    let x = be.weight_as_input(&xw)?;
     let t = time(be, 2, 10, || {
         be.begin_forward(&[], &BatchLayout::default())?;
         be.linear(&x, &w, None).map(|_| ())
@@ -215,6 +216,103 @@ fn decode_steps(
     }))
 }
 
+/// Random rows of a quantized linear format (codes, scales and zeros drawn directly).
+fn quant_weight(format: LinearFormat, n: usize, k: usize, seed: u64) -> Result<HostTensor> {
+    let rb = format.row_bytes(k)?;
+    let groups = format.codec.groups(k);
+    let mut bytes = random_bits(n * rb / 2 + 1, 1.0, seed);
+    bytes.truncate(n * rb);
+    for row in bytes.chunks_exact_mut(rb) {
+        match format.codec {
+            WeightCodec::Int4Group { .. } => {
+                let s = half::f16::from_f32(0.01).to_le_bytes();
+                for g in 0..groups {
+                    row[k / 2 + 2 * g..][..2].copy_from_slice(&s);
+                    row[k / 2 + 2 * groups + g] &= 15;
+                }
+            }
+            _ => row[k..].copy_from_slice(&half::f16::from_f32(0.001).to_le_bytes()),
+        }
+    }
+    Ok(HostTensor {
+        name: format!("q{seed}"),
+        shape: vec![n, k],
+        format: WeightFormat::Quant(format),
+        bytes: TensorBytes::Owned(std::sync::Arc::new(bytes)),
+    })
+}
+
+/// Device seconds per call of `f`, `calls` calls captured as one CUDA graph (the peer is timed
+/// with triton's do_bench_cudagraph).
+fn time_calls(be: &CudaBackend, calls: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    be.begin_forward(&[], &BatchLayout::default())?;
+    for _ in 0..calls {
+        f()?;
+    }
+    be.gpu.synchronize()?;
+    be.begin_forward(&[], &BatchLayout::default())?;
+    Ok(be.time_graph(10, &mut || {
+        for _ in 0..calls {
+            f()?;
+        }
+        Ok(())
+    })? / calls as f64)
+}
+
+/// The quantized GEMMs on Llama-3-8B's layer shapes: W4A16 (g128) and W8A8 (GEMM alone, and
+/// with its activation quantization) against cuBLAS BF16 as the engine calls it (f32 output).
+/// Outputs are bf16 for the quantized kernels, as the peer's.
+fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>> {
+    let shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)];
+    let ms: &[usize] = if quick {
+        &[1, 16, 4096]
+    } else {
+        &[1, 4, 16, 64, 1024, 4096, 8192]
+    };
+    let w4: LinearFormat = "int4-g128/a16".parse()?;
+    let w8: LinearFormat = "int8-pc/a8".parse()?;
+    let mut rows = Vec::new();
+    for (si, &(n, k)) in shapes.iter().enumerate() {
+        let dense = be.load_weight(&bf16_weight(n, k, 100 + si as u64))?;
+        let q4 = be.load_weight(&quant_weight(w4, n, k, 200 + si as u64)?)?;
+        let q8 = be.load_weight(&quant_weight(w8, n, k, 300 + si as u64)?)?;
+        let (WeightData::Quant(p4), WeightData::Quant(p8)) = (&q4.data, &q8.data) else {
+            return Err(nibble_core::Error::InvalidArgument(
+                "weights did not pack".into(),
+            ));
+        };
+        for &m in ms {
+            let x = be.random_half_tensor(m, k, 7)?;
+            let x8 = be.with_owned_int8(&x)?;
+            let out = be.owned_tensor(m, n, Elem::Half(Dtype::Bf16))?;
+            let calls = if m <= 64 { 20 } else { 3 };
+            let t_cublas = time_calls(be, calls, &mut || be.linear(&x, &dense, None).map(|_| ()))?;
+            let t_w4 = time_calls(be, calls, &mut || be.quant_gemm(&x, p4, n, k, &out))?;
+            let t_w8 = time_calls(be, calls, &mut || be.quant_gemm(&x8, p8, n, k, &out))?;
+            let t_w8q = time_calls(be, calls, &mut || be.quant_gemm(&x, p8, n, k, &out))?;
+            let flops = 2.0 * (m * n * k) as f64;
+            let io = (m * k * 2 + m * n * 2) as f64;
+            let w4_bytes = p4.bytes() as f64;
+            let w8_bytes = p8.bytes() as f64;
+            let floor = |wb: f64| ((wb + io) / bw).max(flops / peak);
+            let r = json!({
+                "n": n, "k": k, "m": m,
+                "cublas_bf16_ms": t_cublas * 1e3,
+                "w4a16_ms": t_w4 * 1e3, "w8a8_ms": t_w8 * 1e3, "w8a8_with_quant_ms": t_w8q * 1e3,
+                "w4a16_weight_bytes": w4_bytes, "w8a8_weight_bytes": w8_bytes,
+                "w4a16_hbm_fraction": (w4_bytes + io) / t_w4 / bw,
+                "w4a16_floor_ms": floor(w4_bytes) * 1e3, "w8a8_floor_ms": floor(w8_bytes) * 1e3,
+                "bf16_floor_ms": floor((n * k * 2) as f64) * 1e3,
+                "w4a16_tflops": flops / t_w4 / 1e12, "w8a8_tops": flops / t_w8 / 1e12,
+                "cublas_tflops": flops / t_cublas / 1e12,
+            });
+            eprintln!("qgemm {r}");
+            rows.push(r);
+        }
+    }
+    Ok(rows)
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let out = args
@@ -222,6 +320,7 @@ fn main() -> Result<()> {
         .cloned()
         .unwrap_or_else(|| "gpu-bench.json".into());
     let quick = args.iter().any(|a| a == "--quick");
+    let only_qgemm = args.iter().any(|a| a == "--qgemm");
     let be = CudaBackend::new(0, Dtype::Bf16)?;
     eprintln!("gpu-bench on {}", be.name());
     let (bw, peak) = ceilings(&be)?;
@@ -230,6 +329,16 @@ fn main() -> Result<()> {
         bw / 1e9,
         peak / 1e12
     );
+    let qgemm_rows = qgemm(&be, bw, peak, quick)?;
+    if only_qgemm {
+        let report = json!({
+            "device": be.name(), "hbm_bytes_per_s": bw, "cublas_bf16_flops": peak,
+            "qgemm": qgemm_rows,
+        });
+        std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
+            .map_err(|e| nibble_core::Error::io(&out, e))?;
+        return Ok(());
+    }
     let mut attn = Vec::new();
     for &(b, ctx) in &[
         (1, 1024),
@@ -273,6 +382,7 @@ fn main() -> Result<()> {
         "cublas_bf16_flops": peak,
         "attention": attn,
         "decode_steps": steps,
+        "qgemm": qgemm_rows,
     });
     std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
         .map_err(|e| nibble_core::Error::io(&out, e))?;

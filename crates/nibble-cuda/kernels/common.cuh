@@ -151,3 +151,42 @@ __device__ __forceinline__ void pv_tile(float (&o)[HD / 8][4], const float (&s0)
         mma16816<T>(o[n], pa, b0, b1);
     }
 }
+
+// Per-token INT8 activation quantization (nibble_precision::act::quantize_int8, bit for bit):
+// scale = max|x| / 127, code = round-half-even(x / scale) clamped to +-127; a row with a
+// non-finite value gets codes 0 and scale NaN, an all-zero row codes 0 and scale 0. One block per
+// row. The fused variants (QServe S1) quantize the 16-bit values the RMSNorm / SiLU-gate kernel
+// has just written, so fused and standalone paths give identical codes.
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    float r = lane < warps ? scratch[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) r = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, o));
+    return r;
+}
+
+// Quantizes row `row` of `src` (already written by this block, or any input), `amax_local` being
+// this thread's share of max|x| (NaN/Inf propagate as a non-finite flag).
+template <class IN>
+__device__ __forceinline__ void quantize_row_i8(const IN* src, long ld, signed char* q, long ldq,
+                                                float* sx, int cols, float amax_local,
+                                                bool finite_local) {
+    __shared__ float scratch[32];
+    const long row = blockIdx.x;
+    const float amax = block_max(finite_local ? amax_local : __int_as_float(0x7f800000), scratch);
+    const bool finite = amax <= 3.4028235e38f;
+    const float scale = finite ? amax / 127.0f : __int_as_float(0x7fc00000);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        signed char code = 0;
+        if (finite && scale != 0.f) code = (signed char)fminf(fmaxf(rintf(to_f32(src[row * ld + c]) / scale), -127.f), 127.f);
+        q[row * ldq + c] = code;
+    }
+    if (threadIdx.x == 0) sx[row] = scale;
+}

@@ -164,3 +164,62 @@ extern "C" __global__ void add_bias(float* out, const float* bias, int cols, lon
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         out[i] += bias[i % cols];
 }
+
+// Standalone and fused (QServe S1) per-token INT8 quantization of a GEMM input; see
+// quantize_row_i8 in common.cuh.
+template <class IN>
+__device__ void quantize_i8_impl(const IN* __restrict__ x, long ldx, signed char* __restrict__ q,
+                                 long ldq, float* __restrict__ sx, int cols) {
+    const long row = blockIdx.x;
+    float m = 0.f;
+    bool finite = true;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = to_f32(x[row * ldx + c]);
+        finite &= isfinite(v);
+        m = fmaxf(m, fabsf(v));
+    }
+    quantize_row_i8(x, ldx, q, ldq, sx, cols, m, finite);
+}
+
+extern "C" __global__ void quantize_i8_f32(const float* x, long ldx, signed char* q, long ldq, float* sx, int cols) {
+    quantize_i8_impl(x, ldx, q, ldq, sx, cols);
+}
+
+#define NIBBLE_Q8_FUSED(SUFFIX, T)                                                                \
+    extern "C" __global__ void quantize_i8_##SUFFIX(const T* x, long ldx, signed char* q, long ldq, \
+                                                    float* sx, int cols) {                         \
+        quantize_i8_impl(x, ldx, q, ldq, sx, cols);                                                 \
+    }                                                                                               \
+    /* rms_norm_##SUFFIX, then the INT8 codes of its output row. */                                 \
+    extern "C" __global__ void rms_norm_q8_##SUFFIX(float* x, const float* delta, const float* w,  \
+                                                    T* out, int h, float eps, signed char* q,       \
+                                                    float* sx) {                                    \
+        rms_norm_impl<T>(x, delta, w, out, h, eps);                                                 \
+        const long row = blockIdx.x;                                                                \
+        float m = 0.f;                                                                              \
+        bool finite = true;                                                                         \
+        for (int c = threadIdx.x; c < h; c += blockDim.x) {                                         \
+            const float v = to_f32(out[row * h + c]);                                               \
+            finite &= isfinite(v);                                                                  \
+            m = fmaxf(m, fabsf(v));                                                                 \
+        }                                                                                           \
+        quantize_row_i8(out, h, q, h, sx, h, m, finite);                                            \
+    }                                                                                               \
+    /* One block per row: out = T(silu(gate) * up), then its INT8 codes. */                          \
+    extern "C" __global__ void silu_mul_q8_##SUFFIX(const float* gate, const float* up, T* out,    \
+                                                    int cols, long ldg, long ldu, signed char* q,   \
+                                                    float* sx) {                                    \
+        const long r = blockIdx.x;                                                                  \
+        float m = 0.f;                                                                              \
+        bool finite = true;                                                                         \
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {                                      \
+            const float gv = gate[r * ldg + c];                                                     \
+            const T o = from_f32<T>(gv / (1.0f + expf(-gv)) * up[r * ldu + c]);                     \
+            out[r * cols + c] = o;                                                                  \
+            const float v = to_f32(o);                                                              \
+            finite &= isfinite(v);                                                                  \
+            m = fmaxf(m, fabsf(v));                                                                 \
+        }                                                                                           \
+        quantize_row_i8(out, cols, q, cols, sx, cols, m, finite);                                   \
+    }
+NIBBLE_BOTH_DTYPES(NIBBLE_Q8_FUSED)

@@ -19,6 +19,7 @@ use crate::blas::Blas;
 use crate::compile;
 use crate::graph::GraphCache;
 use crate::kv::CudaKv;
+use crate::qlinear::{Int8Input, QuantWeight};
 use crate::runtime::{Arena, Arg, DeviceBuffer, DevicePtr, Gpu, Kernel, StickyError};
 
 /// The 16-bit float type weights, GEMM inputs and the KV cache are stored in.
@@ -84,6 +85,9 @@ pub struct CudaTensor {
     pub elem: Elem,
     epoch: u64,
     _owner: Option<Arc<DeviceBuffer>>,
+    /// The tensor's per-token INT8 codes and scales, when the kernel that wrote it also made them
+    /// (QServe S1: a W8A8 GEMM then reads them instead of quantizing again).
+    pub(crate) int8: Option<Int8Input>,
 }
 
 impl CudaTensor {
@@ -96,6 +100,7 @@ impl CudaTensor {
             elem,
             epoch,
             _owner: None,
+            int8: None,
         }
     }
 
@@ -108,12 +113,30 @@ impl CudaTensor {
     }
 }
 
-/// A weight matrix `[rows, cols]` in the model dtype.
+/// A weight matrix `[rows, cols]`: in the model dtype, or packed for a quantized kernel.
 pub struct CudaWeight {
     pub rows: usize,
     pub cols: usize,
     pub dtype: Dtype,
-    pub buf: DeviceBuffer,
+    pub data: WeightData,
+}
+
+pub enum WeightData {
+    Dense(DeviceBuffer),
+    Quant(QuantWeight),
+}
+
+impl CudaWeight {
+    /// The model-dtype matrix, for ops that read weights as plain matrices (cuBLAS, embedding).
+    pub fn dense(&self) -> Result<&DeviceBuffer> {
+        match &self.data {
+            WeightData::Dense(b) => Ok(b),
+            WeightData::Quant(q) => Err(Error::unsupported(
+                format!("a {} weight used as a plain matrix", q.format_name()),
+                "only linear layers run quantized on the GPU",
+            )),
+        }
+    }
 }
 
 /// The device copy of one forward pass's integer metadata, packed in one buffer.
@@ -150,6 +173,12 @@ pub struct CudaBackend {
     err: StickyError,
     /// Capture decode steps as CUDA graphs (on unless NIBBLE_CUDA_GRAPHS=0).
     pub graphs_enabled: bool,
+    /// Zeroed arrival counters of the split-K gemv kernels (each launch leaves them zeroed).
+    split_counters: DeviceBuffer,
+    /// Kernels whose dynamic shared-memory limit has been raised.
+    smem_raised: Mutex<std::collections::HashSet<String>>,
+    /// Set once a W8A8 weight is loaded: RMSNorm and SiLU-gate then also write INT8 codes.
+    int8_inputs: std::sync::atomic::AtomicBool,
 }
 
 const BLOCK: u32 = 256;
@@ -174,6 +203,11 @@ impl CudaBackend {
             crate::module::load(&gpu, name, &cubin, &mut kernels)?;
         }
         let blas = Blas::new(&gpu)?;
+        let split_counters = DeviceBuffer::from_host(
+            &gpu,
+            &vec![0i32; crate::qlinear::SPLIT_COUNTERS],
+            "split-K counters",
+        )?;
         Ok(CudaBackend {
             gpu,
             weight_bytes: Default::default(),
@@ -188,7 +222,60 @@ impl CudaBackend {
             }),
             err: StickyError::default(),
             graphs_enabled: std::env::var("NIBBLE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            split_counters,
+            smem_raised: Default::default(),
+            int8_inputs: Default::default(),
         })
+    }
+
+    /// Whether producers of GEMM inputs should also write INT8 codes (a W8A8 weight is loaded).
+    pub fn wants_int8(&self) -> bool {
+        self.int8_inputs.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Allocates INT8 codes and scales for `out` and appends them to a fused kernel's `args`.
+    fn int8_for(&self, out: &CudaTensor, args: &mut Vec<Arg>) -> Result<Int8Input> {
+        let codes = self.alloc_bytes(out.rows * out.cols)?;
+        let scales = self.alloc(out.rows, 1, Elem::F32)?.ptr;
+        args.push(Arg::Ptr(codes));
+        args.push(Arg::Ptr(scales));
+        Ok(Int8Input { codes, scales })
+    }
+
+    pub(crate) fn split_counters(&self) -> DevicePtr {
+        self.split_counters.ptr
+    }
+
+    /// `bytes` of arena memory (16-byte aligned like every arena allocation).
+    pub(crate) fn alloc_bytes(&self, bytes: usize) -> Result<DevicePtr> {
+        Ok(self.alloc(bytes.div_ceil(4), 1, Elem::F32)?.ptr)
+    }
+
+    /// Launches a 256-thread kernel with `smem` bytes of dynamic shared memory, raising its limit
+    /// the first time.
+    pub(crate) fn launch_smem(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        smem: u32,
+        args: Vec<Arg>,
+    ) -> Result<()> {
+        let k = self.kernel(name)?;
+        {
+            let mut raised = self.smem_raised.lock().unwrap_or_else(|p| p.into_inner());
+            if smem > 48 * 1024 && !raised.contains(name) {
+                unsafe {
+                    cudarc::driver::result::function::set_function_attribute(
+                        k.func,
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                }
+                .map_err(|e| crate::runtime::driver_err(&format!("shared memory limit of {name}"), e))?;
+                raised.insert(name.to_string());
+            }
+        }
+        k.launch(&self.gpu, grid, 256, smem, args)
     }
 
     pub(crate) fn kernel(&self, name: &str) -> Result<Kernel> {
@@ -214,6 +301,7 @@ impl CudaBackend {
             elem,
             epoch: st.arena.epoch,
             _owner: None,
+            int8: None,
         })
     }
 
@@ -246,6 +334,7 @@ impl CudaBackend {
             elem,
             epoch: u64::MAX,
             _owner: None,
+            int8: None,
         }
     }
 
@@ -261,7 +350,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn half_kernel(&self, base: &str) -> Result<Kernel> {
+    pub(crate) fn half_kernel(&self, base: &str) -> Result<Kernel> {
         self.kernel(&format!("{base}_{}", self.dtype.suffix()))
     }
 
@@ -358,26 +447,34 @@ impl CudaBackend {
                 x.cols, weight.cols
             )));
         }
-        let out = self.alloc(x.rows, x.cols, Elem::Half(self.dtype))?;
-        self.half_kernel("rms_norm")?.launch(
+        let mut out = self.alloc(x.rows, x.cols, Elem::Half(self.dtype))?;
+        let mut args = vec![
+            Arg::Ptr(x.ptr),
+            Arg::Ptr(delta.map_or(0, |d| d.ptr)),
+            Arg::Ptr(weight.ptr),
+            Arg::Ptr(out.ptr),
+            Arg::I32(x.cols as i32),
+            Arg::F32(eps),
+        ];
+        let name = if self.wants_int8() {
+            let q = self.int8_for(&out, &mut args)?;
+            out.int8 = Some(q);
+            "rms_norm_q8"
+        } else {
+            "rms_norm"
+        };
+        self.half_kernel(name)?.launch(
             &self.gpu,
             (x.rows as u32, 1, 1),
             norm_block(x.cols),
             0,
-            vec![
-                Arg::Ptr(x.ptr),
-                Arg::Ptr(delta.map_or(0, |d| d.ptr)),
-                Arg::Ptr(weight.ptr),
-                Arg::Ptr(out.ptr),
-                Arg::I32(x.cols as i32),
-                Arg::F32(eps),
-            ],
+            args,
         )?;
         Ok(out)
     }
 
     /// `x` as the model dtype (a cast when it is f32).
-    fn as_half(&self, x: &CudaTensor) -> Result<CudaTensor> {
+    pub(crate) fn as_half(&self, x: &CudaTensor) -> Result<CudaTensor> {
         match x.elem {
             _ if !x.is_contiguous() => Err(Error::InvalidArgument(
                 "a GEMM input must be a whole tensor, not a column slice".into(),
@@ -390,6 +487,7 @@ impl CudaBackend {
                 elem: x.elem,
                 epoch: x.epoch,
                 _owner: x._owner.clone(),
+                int8: x.int8,
             }),
             Elem::F32 => {
                 let out = self.alloc(x.rows, x.cols, Elem::Half(self.dtype))?;
@@ -434,8 +532,14 @@ impl CudaBackend {
     }
 
     /// A weight read as a 16-bit activation matrix (benchmarks feed a GEMM with it).
-    pub fn weight_as_input(&self, w: &CudaWeight) -> CudaTensor {
-        CudaTensor::view(w.buf.ptr, w.rows, w.cols, Elem::Half(w.dtype), 0)
+    pub fn weight_as_input(&self, w: &CudaWeight) -> Result<CudaTensor> {
+        Ok(CudaTensor::view(
+            w.dense()?.ptr,
+            w.rows,
+            w.cols,
+            Elem::Half(w.dtype),
+            0,
+        ))
     }
 
     /// An f32 matrix of uniform values in [-1, 1) that owns its memory (benchmark inputs that
@@ -457,6 +561,64 @@ impl CudaBackend {
             elem: Elem::F32,
             epoch: 0,
             _owner: Some(buf),
+            int8: None,
+        })
+    }
+
+    /// Benchmark support: a tensor with its own memory (not the per-forward arena), uninitialized.
+    pub fn owned_tensor(&self, rows: usize, cols: usize, elem: Elem) -> Result<CudaTensor> {
+        let buf = Arc::new(DeviceBuffer::alloc(
+            &self.gpu,
+            rows * cols * elem.size(),
+            "benchmark tensor",
+        )?);
+        Ok(CudaTensor {
+            ptr: buf.ptr,
+            rows,
+            cols,
+            ld: cols,
+            elem,
+            epoch: 0,
+            _owner: Some(buf),
+            int8: None,
+        })
+    }
+
+    /// Benchmark support: uniform values in [-1, 1) in the model dtype, in owned memory.
+    pub fn random_half_tensor(&self, rows: usize, cols: usize, seed: i32) -> Result<CudaTensor> {
+        let t = self.owned_tensor(rows, cols, Elem::Half(self.dtype))?;
+        let n = rows * cols;
+        self.half_kernel("fill_random")?.launch(
+            &self.gpu,
+            grid_for(n),
+            BLOCK,
+            0,
+            vec![Arg::Ptr(t.ptr), Arg::I64(n as i64), Arg::I32(seed)],
+        )?;
+        Ok(t)
+    }
+
+    /// Benchmark support: `x` with its per-token INT8 codes attached, in owned memory, so a
+    /// W8A8 GEMM can be timed without its quantization.
+    pub fn with_owned_int8(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        let codes_bytes = (x.rows * x.cols).div_ceil(16) * 16;
+        let store = self.owned_tensor(codes_bytes / 4 + x.rows, 1, Elem::F32)?;
+        let q = self.quantize_int8(x)?;
+        self.gpu.copy(store.ptr, q.codes, x.rows * x.cols)?;
+        self.gpu
+            .copy(store.ptr + codes_bytes as u64, q.scales, x.rows * 4)?;
+        Ok(CudaTensor {
+            ptr: x.ptr,
+            rows: x.rows,
+            cols: x.cols,
+            ld: x.ld,
+            elem: x.elem,
+            epoch: 0,
+            _owner: store._owner.clone(),
+            int8: Some(Int8Input {
+                codes: store.ptr,
+                scales: store.ptr + codes_bytes as u64,
+            }),
         })
     }
 
@@ -501,6 +663,26 @@ impl CudaBackend {
     /// Checked 2-D weights with equal widths, converted to the model dtype and uploaded as one
     /// matrix, rows stacked in order (one weight, or a fused projection).
     fn upload_stacked(&self, parts: &[HostTensor]) -> Result<CudaWeight> {
+        let names: Vec<&str> = parts.iter().map(|t| t.name.as_str()).collect();
+        let what = format!("weight {}", names.join(" + "));
+        if let Some((format, rows, cols, bytes)) = crate::qlinear::stacked_rows(parts)? {
+            // Geometry the kernels cannot read (K not a multiple of 16) runs dequantized below.
+            if let Ok(packed) = crate::qlinear::pack_rows(format, rows, cols, &bytes, self.dtype) {
+                let q = packed.upload(self, &what)?;
+                self.weight_bytes
+                    .fetch_add(q.bytes(), std::sync::atomic::Ordering::Relaxed);
+                if matches!(q, QuantWeight::W8 { .. }) {
+                    self.int8_inputs
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                return Ok(CudaWeight {
+                    rows,
+                    cols,
+                    dtype: self.dtype,
+                    data: WeightData::Quant(q),
+                });
+            }
+        }
         let mut bits = Vec::new();
         let (mut rows, mut cols) = (0, 0);
         for t in parts {
@@ -509,8 +691,6 @@ impl CudaBackend {
             rows += r;
             cols = c;
         }
-        let names: Vec<&str> = parts.iter().map(|t| t.name.as_str()).collect();
-        let what = format!("weight {}", names.join(" + "));
         let buf = DeviceBuffer::from_host(&self.gpu, &bits, &what)?;
         self.weight_bytes
             .fetch_add(bits.len() * 2, std::sync::atomic::Ordering::Relaxed);
@@ -518,7 +698,7 @@ impl CudaBackend {
             rows,
             cols,
             dtype: self.dtype,
-            buf,
+            data: WeightData::Dense(buf),
         })
     }
 
@@ -615,7 +795,7 @@ pub(crate) fn batch_key(batch: &BatchLayout) -> (usize, usize, usize) {
     )
 }
 
-fn norm_block(cols: usize) -> u32 {
+pub(crate) fn norm_block(cols: usize) -> u32 {
     (cols.div_ceil(4).next_power_of_two()).clamp(32, 1024) as u32
 }
 
@@ -685,6 +865,7 @@ impl Backend for CudaBackend {
             elem: Elem::F32,
             epoch: 0,
             _owner: Some(buf),
+            int8: None,
         })
     }
 
@@ -767,6 +948,7 @@ impl Backend for CudaBackend {
                     elem: x.elem,
                     epoch: x.epoch,
                     _owner: x._owner.clone(),
+                    int8: None,
                 };
                 at += w;
                 t
@@ -794,7 +976,7 @@ impl Backend for CudaBackend {
             norm_block(table.cols),
             0,
             vec![
-                Arg::Ptr(table.buf.ptr),
+                Arg::Ptr(table.dense()?.ptr),
                 Arg::Ptr(ids_ptr),
                 Arg::Ptr(out.ptr),
                 Arg::I32(table.cols as i32),
@@ -858,12 +1040,17 @@ impl Backend for CudaBackend {
                 x.cols, weight.cols
             )));
         }
-        let xh = self.as_half(x)?;
         let out = self.alloc(x.rows, weight.rows, Elem::F32)?;
-        self.blas
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .gemm(&self.gpu, &xh, weight, &out)?;
+        match &weight.data {
+            WeightData::Dense(_) => {
+                let xh = self.as_half(x)?;
+                self.blas
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .gemm(&self.gpu, &xh, weight, &out)?;
+            }
+            WeightData::Quant(q) => self.quant_gemm(x, q, weight.rows, weight.cols, &out)?,
+        }
         if let Some(b) = bias {
             let n = out.rows * out.cols;
             self.launch(
@@ -930,7 +1117,27 @@ impl Backend for CudaBackend {
                         gate.rows, gate.cols, up.rows, up.cols
                     )));
                 }
-                let out = self.alloc(gate.rows, gate.cols, Elem::Half(self.dtype))?;
+                let mut out = self.alloc(gate.rows, gate.cols, Elem::Half(self.dtype))?;
+                if self.wants_int8() {
+                    // One block per row: the row's INT8 codes need its max.
+                    let mut args = vec![
+                        Arg::Ptr(gate.ptr),
+                        Arg::Ptr(up.ptr),
+                        Arg::Ptr(out.ptr),
+                        Arg::I32(gate.cols as i32),
+                        Arg::I64(gate.ld as i64),
+                        Arg::I64(up.ld as i64),
+                    ];
+                    out.int8 = Some(self.int8_for(&out, &mut args)?);
+                    self.half_kernel("silu_mul_q8")?.launch(
+                        &self.gpu,
+                        (gate.rows as u32, 1, 1),
+                        norm_block(gate.cols),
+                        0,
+                        args,
+                    )?;
+                    return Ok(out);
+                }
                 let n = gate.rows * gate.cols;
                 self.half_kernel("silu_mul")?.launch(
                     &self.gpu,

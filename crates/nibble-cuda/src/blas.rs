@@ -72,7 +72,7 @@ impl Blas {
                 m,
                 k,
                 &alpha as *const f32 as *const c_void,
-                w.buf.ptr as *const c_void,
+                w.dense()?.ptr as *const c_void,
                 ty,
                 k,
                 x.ptr as *const c_void,

@@ -17,6 +17,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention", include_str!("../kernels/attention.cu")),
     ("prefill", include_str!("../kernels/prefill.cu")),
     ("decode_mma", include_str!("../kernels/decode_mma.cu")),
+    ("qgemm", include_str!("../kernels/qgemm.cu")),
 ];
 
 /// The NVRTC `--gpu-architecture` for a compute capability: the `a` variant on Hopper and later

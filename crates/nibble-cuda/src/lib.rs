@@ -13,11 +13,13 @@ pub mod compile;
 mod graph;
 mod kv;
 pub mod module;
+pub mod pack;
 pub mod probe;
+pub mod qlinear;
 mod runtime;
 
 pub use attention::{HEAD_DIMS, Split, plan_split};
-pub use backend::{CudaBackend, CudaTensor, CudaWeight, Dtype, Elem};
+pub use backend::{CudaBackend, CudaTensor, CudaWeight, Dtype, Elem, WeightData};
 pub use kv::CudaKv;
 pub use probe::cuda_available;
 pub use runtime::{DeviceBuffer, Gpu};

@@ -22,6 +22,9 @@ use nibble_precision::KvFormat;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+#[path = "gpu/qgemm.rs"]
+mod qgemm;
+
 fn rng(test: &str) -> ChaCha8Rng {
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -1,0 +1,511 @@
+// Quantized GEMMs, mma.sync tier (sm_80 and later): y[m][n] = sum_k x[m][k] * w[n][k].
+//   W4A16 (TurboMind §3-4.1): UINT4 weights with per-group f16 scale and integer zero, f16/bf16
+//         activations, f32 accumulation; weights dequantized in registers right before the MMA.
+//   W8A8  (QServe §4, S1): INT8 per-token activations x INT8 per-channel weights on INT8 tensor
+//         cores, i32 accumulation, y = f32(acc) * (sx[m] * sw[n]) in the epilogue (bit-exact with
+//         nibble_precision::reference).
+//
+// Operand roles (swap-AB): weight rows are the MMA's M side (16-row tiles), tokens its N side
+// (8-token tiles), so a decode step of 1..16 tokens still fills the tensor core with weights.
+//
+// Data layout: weights are packed offline (src/pack.rs, derived from the PTX fragment layout) as
+// [tile][chunk of 64 K][lane] fragments: 16 B per lane per chunk for INT4 (one u32 per k16 step),
+// 32 B for INT8 (two k32 steps). Within a chunk, K is permuted so that lane t's B fragments are
+// the 16 consecutive channels t*16 .. t*16+15: activations are read as plain 16-byte vectors,
+// and a warp's weight fetch for a chunk is 512 (1024) contiguous bytes. INT4 group parameters
+// are (scale, magic + zero) 16-bit pairs, [tile][group][g][row g | row g+8], 8 B per lane.
+//
+// INT4 -> 16-bit conversion: lop3 ((w >> 4r) & 0x000f000f) | magic puts nibbles r and r+4 into
+// a half2 as magic + q (magic 1024 for f16, 128 for bf16), then (x - (magic + z)) * s: one exact
+// subtraction and one rounding, the dequantized reference's value.
+//
+// Two kernels per format:
+//   *_gemv (M <= 16, decode): no shared memory for weights; each warp owns one 16-row tile over a
+//     K range and keeps U chunks of weights in flight with L1-bypassing 16-byte loads; CTAs split
+//     K (grid.y) and the last CTA of a row block sums the f32 (i32 for W8A8) partials in split
+//     order, so results are deterministic (CUDA-graph replay is bit-identical).
+//   *_tiled (larger M): CTA tile 128 weight rows x 128 tokens x 64 K, 8 warps as 4 (rows) x 2
+//     (tokens), a 4-stage cp.async pipeline (stage c+3 streams in while stage c is dequantized
+//     and multiplied), weights read from shared memory with one 16-byte load per lane per chunk.
+//     Activation rows are padded (f16: 144 B) or not (INT8: 64 B) so B-fragment loads are free
+//     of bank conflicts.
+
+#define QG_WARPS 8
+#define QG_THREADS (QG_WARPS * 32)
+#define TILED_STAGES 4
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16 (8) bytes global -> shared; when `valid` is false the destination is zero-filled instead.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 8 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// A streamed weight load: read once, so keep it out of L1.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 mask, u32 magic) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(a), "r"(mask), "r"(magic));
+    return r;
+}
+
+template <class T> struct W4Math;
+template <> struct W4Math<__half> {
+    static constexpr u32 MAGIC = 0x64006400u;  // 1024.0 in both halves
+    static __device__ __forceinline__ u32 sub_mul(u32 x, u32 z, u32 s) {
+        __half2 r = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&x), *reinterpret_cast<__half2*>(&z)),
+                            *reinterpret_cast<__half2*>(&s));
+        return *reinterpret_cast<u32*>(&r);
+    }
+};
+template <> struct W4Math<__nv_bfloat16> {
+    static constexpr u32 MAGIC = 0x43004300u;  // 128.0 in both halves
+    static __device__ __forceinline__ u32 sub_mul(u32 x, u32 z, u32 s) {
+        __nv_bfloat162 r = __hmul2(__hsub2(*reinterpret_cast<__nv_bfloat162*>(&x),
+                                           *reinterpret_cast<__nv_bfloat162*>(&z)),
+                                   *reinterpret_cast<__nv_bfloat162*>(&s));
+        return *reinterpret_cast<u32*>(&r);
+    }
+};
+
+// The four A registers of one k16 step from its INT4 word; `p` holds (scale, magic + zero) of
+// rows g (p.x) and g + 8 (p.y). Register r is rows g / g+8 for even / odd r (pack.rs).
+template <class T> __device__ __forceinline__ void dequant_step(u32 word, uint2 p, u32 (&a)[4]) {
+    const u32 s0 = __byte_perm(p.x, 0, 0x1010), z0 = __byte_perm(p.x, 0, 0x3232);
+    const u32 s1 = __byte_perm(p.y, 0, 0x1010), z1 = __byte_perm(p.y, 0, 0x3232);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const u32 x = lop3_and_or(word >> (4 * r), 0x000f000fu, W4Math<T>::MAGIC);
+        a[r] = W4Math<T>::sub_mul(x, (r & 1) ? z1 : z0, (r & 1) ? s1 : s0);
+    }
+}
+
+__device__ __forceinline__ void mma_s8(int* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float to_out(float v, float*) { return v; }
+__device__ __forceinline__ __half to_out(float v, __half*) { return __float2half_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 to_out(float v, __nv_bfloat16*) { return __float2bfloat16_rn(v); }
+
+// The epilogue's view of one output: W4A16 outputs its f32 sum, W8A8 scales its i32 sum.
+struct W4Epilogue {
+    __device__ __forceinline__ float operator()(float v, int, int) const { return v; }
+};
+struct W8Epilogue {
+    const float* sx;
+    const float* sw;
+    __device__ __forceinline__ float operator()(int v, int m, int n) const {
+        return (float)v * (sx[m] * sw[n]);
+    }
+};
+
+// Stores a warp's 16-row x (TT * 8)-token accumulator tile: c0, c1 are row g at tokens 2t, 2t+1,
+// c2, c3 row g + 8 (PTX C fragment).
+template <int TT, class A, class OUT, class EPI>
+__device__ __forceinline__ void store_tile(const A (&acc)[TT][4], int row0, int tok0, int M, int N,
+                                           OUT* y, long ldy, const EPI& epi) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int n = row0 + g + 8 * (e >> 1), m = tok0 + tt * 8 + 2 * t + (e & 1);
+            if (n < N && m < M) y[(long)m * ldy + n] = to_out(epi(acc[tt][e], m, n), (OUT*)nullptr);
+        }
+}
+
+// Split-K for the gemv kernels: every CTA writes its partial sums; the last CTA of a row block
+// to arrive (a counter per row block, reset by that CTA for the next launch) adds them in split
+// order and writes y. Returns after the non-last CTAs are done.
+template <int TT, class A, class OUT, class EPI>
+__device__ __forceinline__ void split_k_finish(const A (&acc)[TT][4], int tile, int M, int N,
+                                               int npad, A* partial, int* counters, OUT* y, long ldy,
+                                               const EPI& epi) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int splits = gridDim.y;
+    if (splits == 1) {
+        store_tile<TT>(acc, tile * 16, 0, M, N, y, ldy, epi);
+        return;
+    }
+    A* mine = partial + (long)blockIdx.y * M * npad;
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int n = tile * 16 + g + 8 * (e >> 1), m = tt * 8 + 2 * t + (e & 1);
+            if (n < npad && m < M) mine[(long)m * npad + n] = acc[tt][e];
+        }
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) {
+        last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
+        if (last) counters[blockIdx.x] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int rows = QG_WARPS * 16, n0 = blockIdx.x * rows;
+    for (int i = threadIdx.x; i < rows * M; i += blockDim.x) {
+        const int m = i / rows, n = n0 + i % rows;
+        if (n >= N) continue;
+        A s = 0;
+        for (int sp = 0; sp < splits; ++sp) s += __ldcg(partial + ((long)sp * M + m) * npad + n);
+        y[(long)m * ldy + n] = to_out(epi(s, m, n), (OUT*)nullptr);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// W4A16
+
+template <class T, int TT, int U, class OUT>
+__device__ void w4a16_gemv_impl(const uint4* __restrict__ codes, const uint2* __restrict__ params,
+                                const T* __restrict__ x, long ldx, OUT* __restrict__ y, long ldy,
+                                float* __restrict__ partial, int* __restrict__ counters, int M,
+                                int N, int K, int tiles, int chunks, int groups, int group_len,
+                                int chunks_per_split) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x * QG_WARPS + warp;
+    const int c0 = blockIdx.y * chunks_per_split, c1 = min(chunks, c0 + chunks_per_split);
+    float acc[TT][4] = {};
+    if (tile < tiles) {
+        const uint4* wp = codes + (long)tile * chunks * 32 + lane;
+        const uint2* pp = params + (long)tile * groups * 8 + g;
+        const T* xr[TT];
+        bool xok[TT];
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+            xok[tt] = tt * 8 + g < M;
+            xr[tt] = x + (long)(xok[tt] ? tt * 8 + g : 0) * ldx + t * 16;
+        }
+        for (int c = c0; c < c1; c += U) {
+            uint4 w[U], xv[U][TT][2];
+            uint2 p[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int cc = min(c + u, c1 - 1);
+                w[u] = ld_stream(wp + (long)cc * 32);
+                p[u] = __ldg(pp + (long)((cc * 64 + t * 16) / group_len) * 8);
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) {
+                    const bool ok = xok[tt] && cc * 64 + t * 16 < K;
+                    const uint4* src = reinterpret_cast<const uint4*>(xr[tt] + (ok ? cc * 64 : 0));
+                    xv[u][tt][0] = ok ? __ldg(src) : make_uint4(0, 0, 0, 0);
+                    xv[u][tt][1] = ok ? __ldg(src + 1) : make_uint4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (c + u >= c1) break;
+                const u32 words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    u32 a[4];
+                    dequant_step<T>(words[j], p[u], a);
+#pragma unroll
+                    for (int tt = 0; tt < TT; ++tt) {
+                        const uint4& v = xv[u][tt][j >> 1];
+                        const u32 b0 = (j & 1) ? v.z : v.x, b1 = (j & 1) ? v.w : v.y;
+                        mma16816<T>(acc[tt], a, b0, b1);
+                    }
+                }
+            }
+        }
+    }
+    split_k_finish<TT>(acc, tile, M, N, tiles * 16, partial, counters, y, ldy, W4Epilogue{});
+}
+
+// Shared-memory stage of the tiled W4A16 kernel.
+#define W4T_CODES 0                      // 8 tiles x 32 lanes x 16 B
+#define W4T_PARAMS 4096                  // 8 tiles x 2 groups x 8 x 8 B
+#define W4T_X 5120                       // 128 tokens x 144 B (64 channels + 16 B pad)
+#define W4T_XLD 144
+#define W4T_STAGE (W4T_X + 128 * W4T_XLD)
+
+template <class T, class OUT>
+__device__ void w4a16_tiled_impl(const uint4* __restrict__ codes, const uint2* __restrict__ params,
+                                 const T* __restrict__ x, long ldx, OUT* __restrict__ y, long ldy,
+                                 int M, int N, int K, int tiles, int chunks, int groups,
+                                 int group_len) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wn = warp & 3, wm = warp >> 2;
+    const int tile0 = blockIdx.x * 8, m0 = blockIdx.y * 128;
+
+    auto load = [&](int c) {
+        unsigned char* st = smem + (c % TILED_STAGES) * W4T_STAGE;
+        {
+            const int tl = tid >> 5;
+            const bool ok = tile0 + tl < tiles;
+            cp_async16(st + W4T_CODES + tid * 16,
+                       codes + ((long)(ok ? tile0 + tl : 0) * chunks + c) * 32 + (tid & 31), ok);
+        }
+        if (tid < 128) {
+            const int tl = tid >> 4, gi = (tid >> 3) & 1, gg = tid & 7;
+            const int grp = c * 64 / group_len + gi;
+            const bool ok = tile0 + tl < tiles && grp < groups;
+            cp_async8(st + W4T_PARAMS + tid * 8,
+                      params + (ok ? ((long)(tile0 + tl) * groups + grp) * 8 + gg : 0), ok);
+        }
+#pragma unroll
+        for (int i = tid; i < 128 * 8; i += QG_THREADS) {
+            const int row = i >> 3, seg = i & 7, m = m0 + row, k = c * 64 + seg * 8;
+            const bool ok = m < M && k < K;
+            cp_async16(st + W4T_X + row * W4T_XLD + seg * 16, x + (ok ? (long)m * ldx + k : 0), ok);
+        }
+    };
+
+    float acc[2][8][4] = {};
+#pragma unroll
+    for (int s = 0; s < TILED_STAGES - 1; ++s) {
+        if (s < chunks) load(s);
+        cp_async_commit();
+    }
+    for (int c = 0; c < chunks; ++c) {
+        cp_async_wait<TILED_STAGES - 2>();
+        __syncthreads();
+        if (c + TILED_STAGES - 1 < chunks) load(c + TILED_STAGES - 1);
+        cp_async_commit();
+
+        const unsigned char* st = smem + (c % TILED_STAGES) * W4T_STAGE;
+        const int gl = (c * 64 + t * 16) / group_len - c * 64 / group_len;
+        uint4 w[2];
+        uint2 p[2];
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+            const int tl = wn * 2 + a;
+            w[a] = *reinterpret_cast<const uint4*>(st + W4T_CODES + (tl * 32 + lane) * 16);
+            p[a] = *reinterpret_cast<const uint2*>(st + W4T_PARAMS + ((tl * 2 + gl) * 8 + g) * 8);
+        }
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+            u32 af[2][2][4];
+#pragma unroll
+            for (int a = 0; a < 2; ++a) {
+                dequant_step<T>(jj ? w[a].z : w[a].x, p[a], af[a][0]);
+                dequant_step<T>(jj ? w[a].w : w[a].y, p[a], af[a][1]);
+            }
+#pragma unroll
+            for (int b = 0; b < 8; ++b) {
+                const uint4 v = *reinterpret_cast<const uint4*>(
+                    st + W4T_X + (wm * 64 + b * 8 + g) * W4T_XLD + t * 32 + jj * 16);
+#pragma unroll
+                for (int a = 0; a < 2; ++a) {
+                    mma16816<T>(acc[a][b], af[a][0], v.x, v.y);
+                    mma16816<T>(acc[a][b], af[a][1], v.z, v.w);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+        store_tile<8>(acc[a], (tile0 + wn * 2 + a) * 16, m0 + wm * 64, M, N, y, ldy, W4Epilogue{});
+}
+
+#define NIBBLE_W4A16(SUFFIX, T)                                                                   \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS) w4a16_gemv1_##SUFFIX(                  \
+        const uint4* codes, const uint2* params, const T* x, long ldx, float* y, long ldy,          \
+        float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
+        int group_len, int cps) {                                                                   \
+        w4a16_gemv_impl<T, 1, 8>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
+                                 chunks, groups, group_len, cps);                                   \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS) w4a16_gemv2_##SUFFIX(                  \
+        const uint4* codes, const uint2* params, const T* x, long ldx, float* y, long ldy,          \
+        float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
+        int group_len, int cps) {                                                                   \
+        w4a16_gemv_impl<T, 2, 4>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
+                                 chunks, groups, group_len, cps);                                   \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS) w4a16_gemv1_h_##SUFFIX(                \
+        const uint4* codes, const uint2* params, const T* x, long ldx, T* y, long ldy,              \
+        float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
+        int group_len, int cps) {                                                                   \
+        w4a16_gemv_impl<T, 1, 8>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
+                                 chunks, groups, group_len, cps);                                   \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS) w4a16_gemv2_h_##SUFFIX(                \
+        const uint4* codes, const uint2* params, const T* x, long ldx, T* y, long ldy,              \
+        float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
+        int group_len, int cps) {                                                                   \
+        w4a16_gemv_impl<T, 2, 4>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
+                                 chunks, groups, group_len, cps);                                   \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_tiled_##SUFFIX(               \
+        const uint4* codes, const uint2* params, const T* x, long ldx, float* y, long ldy, int M,   \
+        int N, int K, int tiles, int chunks, int groups, int group_len) {                           \
+        w4a16_tiled_impl<T>(codes, params, x, ldx, y, ldy, M, N, K, tiles, chunks, groups,          \
+                            group_len);                                                             \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_tiled_h_##SUFFIX(             \
+        const uint4* codes, const uint2* params, const T* x, long ldx, T* y, long ldy, int M,       \
+        int N, int K, int tiles, int chunks, int groups, int group_len) {                           \
+        w4a16_tiled_impl<T>(codes, params, x, ldx, y, ldy, M, N, K, tiles, chunks, groups,          \
+                            group_len);                                                             \
+    }
+NIBBLE_BOTH_DTYPES(NIBBLE_W4A16)
+
+// ---------------------------------------------------------------------------------------------
+// W8A8
+
+template <int TT, int U, class OUT>
+__device__ void w8a8_gemv_impl(const uint4* __restrict__ codes, const float* __restrict__ sw,
+                               const signed char* __restrict__ x, long ldx,
+                               const float* __restrict__ sx, OUT* __restrict__ y, long ldy,
+                               int* __restrict__ partial, int* __restrict__ counters, int M, int N,
+                               int K, int tiles, int chunks, int chunks_per_split) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x * QG_WARPS + warp;
+    const int c0 = blockIdx.y * chunks_per_split, c1 = min(chunks, c0 + chunks_per_split);
+    int acc[TT][4] = {};
+    if (tile < tiles) {
+        const uint4* wp = codes + (long)tile * chunks * 64 + lane * 2;
+        const signed char* xr[TT];
+        bool xok[TT];
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+            xok[tt] = tt * 8 + g < M;
+            xr[tt] = x + (long)(xok[tt] ? tt * 8 + g : 0) * ldx + t * 16;
+        }
+        for (int c = c0; c < c1; c += U) {
+            uint4 w[U][2], xv[U][TT];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int cc = min(c + u, c1 - 1);
+                w[u][0] = ld_stream(wp + (long)cc * 64);
+                w[u][1] = ld_stream(wp + (long)cc * 64 + 1);
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) {
+                    const bool ok = xok[tt] && cc * 64 + t * 16 < K;
+                    xv[u][tt] = ok ? __ldg(reinterpret_cast<const uint4*>(xr[tt] + cc * 64))
+                                   : make_uint4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (c + u >= c1) break;
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const u32 a[4] = {w[u][j].x, w[u][j].y, w[u][j].z, w[u][j].w};
+#pragma unroll
+                    for (int tt = 0; tt < TT; ++tt)
+                        mma_s8(acc[tt], a, j ? xv[u][tt].z : xv[u][tt].x, j ? xv[u][tt].w : xv[u][tt].y);
+                }
+            }
+        }
+    }
+    split_k_finish<TT>(acc, tile, M, N, tiles * 16, partial, counters, y, ldy, W8Epilogue{sx, sw});
+}
+
+#define W8T_CODES 0      // 8 tiles x 32 lanes x 32 B
+#define W8T_X 8192       // 128 tokens x 64 B: conflict-free for 16-byte B loads as is
+#define W8T_STAGE (W8T_X + 128 * 64)
+
+template <class OUT>
+__device__ void w8a8_tiled_impl(const uint4* __restrict__ codes, const float* __restrict__ sw,
+                                const signed char* __restrict__ x, long ldx,
+                                const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M,
+                                int N, int K, int tiles, int chunks) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wn = warp & 3, wm = warp >> 2;
+    const int tile0 = blockIdx.x * 8, m0 = blockIdx.y * 128;
+
+    auto load = [&](int c) {
+        unsigned char* st = smem + (c % TILED_STAGES) * W8T_STAGE;
+#pragma unroll
+        for (int i = tid; i < 8 * 64; i += QG_THREADS) {
+            const int tl = i >> 6;
+            const bool ok = tile0 + tl < tiles;
+            cp_async16(st + W8T_CODES + i * 16,
+                       codes + ((long)(ok ? tile0 + tl : 0) * chunks + c) * 64 + (i & 63), ok);
+        }
+#pragma unroll
+        for (int i = tid; i < 128 * 4; i += QG_THREADS) {
+            const int row = i >> 2, seg = i & 3, m = m0 + row, k = c * 64 + seg * 16;
+            const bool ok = m < M && k < K;
+            cp_async16(st + W8T_X + row * 64 + seg * 16, x + (ok ? (long)m * ldx + k : 0), ok);
+        }
+    };
+
+    int acc[2][8][4] = {};
+#pragma unroll
+    for (int s = 0; s < TILED_STAGES - 1; ++s) {
+        if (s < chunks) load(s);
+        cp_async_commit();
+    }
+    for (int c = 0; c < chunks; ++c) {
+        cp_async_wait<TILED_STAGES - 2>();
+        __syncthreads();
+        if (c + TILED_STAGES - 1 < chunks) load(c + TILED_STAGES - 1);
+        cp_async_commit();
+
+        const unsigned char* st = smem + (c % TILED_STAGES) * W8T_STAGE;
+        uint4 w[2][2];
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+            const uint4* src = reinterpret_cast<const uint4*>(st + W8T_CODES) + ((wn * 2 + a) * 32 + lane) * 2;
+            w[a][0] = src[0];
+            w[a][1] = src[1];
+        }
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+            const uint4 v = *reinterpret_cast<const uint4*>(st + W8T_X + (wm * 64 + b * 8 + g) * 64 + t * 16);
+#pragma unroll
+            for (int a = 0; a < 2; ++a) {
+                const u32 a0[4] = {w[a][0].x, w[a][0].y, w[a][0].z, w[a][0].w};
+                const u32 a1[4] = {w[a][1].x, w[a][1].y, w[a][1].z, w[a][1].w};
+                mma_s8(acc[a][b], a0, v.x, v.y);
+                mma_s8(acc[a][b], a1, v.z, v.w);
+            }
+        }
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+        store_tile<8>(acc[a], (tile0 + wn * 2 + a) * 16, m0 + wm * 64, M, N, y, ldy, W8Epilogue{sx, sw});
+}
+
+#define NIBBLE_W8A8_OUT(SUFFIX, OUT)                                                              \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS) w8a8_gemv1_##SUFFIX(                   \
+        const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
+        OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, \
+        int cps) {                                                                                  \
+        w8a8_gemv_impl<1, 8>(codes, sw, x, ldx, sx, y, ldy, partial, counters, M, N, K, tiles,      \
+                             chunks, cps);                                                          \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS) w8a8_gemv2_##SUFFIX(                   \
+        const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
+        OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, \
+        int cps) {                                                                                  \
+        w8a8_gemv_impl<2, 4>(codes, sw, x, ldx, sx, y, ldy, partial, counters, M, N, K, tiles,      \
+                             chunks, cps);                                                          \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w8a8_tiled_##SUFFIX(                \
+        const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
+        OUT* y, long ldy, int M, int N, int K, int tiles, int chunks) {                             \
+        w8a8_tiled_impl(codes, sw, x, ldx, sx, y, ldy, M, N, K, tiles, chunks);                    \
+    }
+NIBBLE_W8A8_OUT(f32, float)
+NIBBLE_W8A8_OUT(bf16, __nv_bfloat16)
+NIBBLE_W8A8_OUT(f16, __half)

@@ -1,0 +1,555 @@
+//! Offline weight packing for the quantized GEMMs (TurboMind §4.1): a weight matrix is rewritten
+//! once, at load, into the exact register fragments the kernels' `mma.sync` consumes, so a warp
+//! fetches its operand for a 64-wide K chunk with one coalesced 16- or 32-byte load per lane and
+//! uses it with no shuffle, no run-time swizzle and no conversion table.
+//!
+//! Nothing here is a hand-written table: the layout is derived from the PTX ISA's fragment
+//! description of the MMA ([`a_element`], [`b_element`]) and from the order in which the INT4
+//! converter produces register halves ([`nibble_slot`]). Adding an MMA shape means describing
+//! its fragments; the packer and its inverse follow.
+//!
+//! **Roles.** The kernels swap A and B: weight rows are the MMA's M side (16 per tile) and tokens
+//! its N side (8 per tile), so a decode step of 1 to 16 tokens still fills the wide side of the
+//! tensor core with weights.
+//!
+//! **K permutation.** A dot product does not care in which order K is visited, as long as A and
+//! B agree. Within each 64-wide chunk of K, the MMA position `kk` of step `j` is mapped to the
+//! logical input channel `16 * t + e * j + i`, where lane `t = lane % 4` is the lane whose B
+//! fragment holds `kk` as its element `i` and `e` is the B elements per lane. So every lane's B
+//! operand (activations) for a whole chunk is 16 consecutive channels (two 16-byte vectors of
+//! f16, one of INT8) and its A operand (weights) is those same 16 channels of rows `g` and `g+8`.
+//!
+//! Packed layouts (`tiles = ceil(N / 16)`, `chunks = ceil(K / 64)`; padding rows and channels
+//! dequantize to exactly 0):
+//! - INT4 codes: `[tiles][chunks][32 lanes][4 steps]` u32 words, nibble [`nibble_slot`]`(r, e)`
+//!   of step `j`'s word is element `e` of A register `r`.
+//! - INT4 group parameters: `[tiles][groups][8][2]` pairs `(scale, magic + zero)` in the model
+//!   dtype, `[.., g, 0]` for row `g` and `[.., g, 1]` for row `g + 8` of the tile; `groups =
+//!   ceil(64 * chunks / group_len)`, so a lane reads both of its rows' pairs as one 8-byte load.
+//! - INT8 codes: `[tiles][chunks][32 lanes][2 steps][4 registers][4]` bytes.
+
+use half::{bf16, f16};
+use nibble_core::{Error, Result};
+
+use crate::backend::Dtype;
+
+/// K channels per packed chunk (one main-loop step of every quantized kernel).
+pub const CHUNK_K: usize = 64;
+/// Weight rows per tile: the MMA's M.
+pub const TILE_ROWS: usize = 16;
+/// The channels one lane's B operand covers in a chunk.
+const LANE_K: usize = CHUNK_K / 4;
+
+/// One `mma.sync.m16n8kK` shape with `bits`-wide operands (16: m16n8k16, 8: m16n8k32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mma {
+    pub bits: usize,
+}
+
+pub const MMA_F16: Mma = Mma { bits: 16 };
+pub const MMA_S8: Mma = Mma { bits: 8 };
+
+impl Mma {
+    /// The MMA's K.
+    pub fn k(self) -> usize {
+        256 / self.bits
+    }
+    /// Operand elements in one 32-bit register.
+    pub fn per_reg(self) -> usize {
+        32 / self.bits
+    }
+    /// A elements per lane (4 registers).
+    pub fn a_elems(self) -> usize {
+        4 * self.per_reg()
+    }
+    /// B elements per lane (2 registers).
+    pub fn b_elems(self) -> usize {
+        2 * self.per_reg()
+    }
+    /// MMA steps per chunk.
+    pub fn steps(self) -> usize {
+        CHUNK_K / self.k()
+    }
+}
+
+/// `(row, k)` of element `i` of lane `lane`'s A fragment (16 x K, row-major). PTX ISA, "Matrix
+/// fragments for mma.m16n8k16 / mma.m16n8k32": with `g = lane / 4`, `t = lane % 4` and `p` the
+/// elements per register, register `r` holds row `g + 8 * (r % 2)` at columns
+/// `t * p .. t * p + p` plus `K / 2` for registers 2 and 3.
+pub fn a_element(mma: Mma, lane: usize, i: usize) -> (usize, usize) {
+    let (g, t, p) = (lane / 4, lane % 4, mma.per_reg());
+    let (r, e) = (i / p, i % p);
+    (g + 8 * (r % 2), t * p + e + (mma.k() / 2) * (r / 2))
+}
+
+/// `(k, n)` of element `i` of lane `lane`'s B fragment (K x 8, column-major): register `r`
+/// holds rows `t * p .. t * p + p` (plus `K / 2` for register 1) of column `g`.
+pub fn b_element(mma: Mma, lane: usize, i: usize) -> (usize, usize) {
+    let (g, t, p) = (lane / 4, lane % 4, mma.per_reg());
+    let (r, e) = (i / p, i % p);
+    (t * p + e + (mma.k() / 2) * r, g)
+}
+
+/// The logical channel (0..64 within a chunk) that MMA position `kk` of step `step` stands for.
+pub fn logical_k(mma: Mma, step: usize, kk: usize) -> usize {
+    for lane in 0..4 {
+        for i in 0..mma.b_elems() {
+            if b_element(mma, lane, i).0 == kk {
+                return lane * LANE_K + step * mma.b_elems() + i;
+            }
+        }
+    }
+    unreachable!("k position {kk} is outside the MMA's K")
+}
+
+/// Where element `e` (0 or 1) of A register `r` sits in a step's INT4 word: the converter
+/// expands nibbles `r` and `r + 4` into one register with a single mask (`0x000f000f << 4r`).
+pub fn nibble_slot(r: usize, e: usize) -> usize {
+    r + 4 * e
+}
+
+/// For each lane and each packed value in the lane's order (step, register, element), the
+/// `(row in tile, channel in chunk)` it holds.
+fn lane_order(mma: Mma) -> Vec<Vec<(usize, usize)>> {
+    (0..32)
+        .map(|lane| {
+            let mut v = Vec::with_capacity(mma.steps() * mma.a_elems());
+            for step in 0..mma.steps() {
+                for i in 0..mma.a_elems() {
+                    let (row, kk) = a_element(mma, lane, i);
+                    v.push((row, logical_k(mma, step, kk)));
+                }
+            }
+            v
+        })
+        .collect()
+}
+
+/// A dense `[n, k]` INT4 weight with per-group asymmetric parameters, the input of [`pack_w4`].
+pub struct W4Matrix<'a> {
+    pub n: usize,
+    pub k: usize,
+    /// Channels per group (`k` for per-channel).
+    pub group_len: usize,
+    /// Codes 0..=15, row-major `[n, k]`.
+    pub codes: &'a [u8],
+    /// `[n, k / group_len]`.
+    pub scales: &'a [f32],
+    /// `[n, k / group_len]`, 0..=15.
+    pub zeros: &'a [u8],
+}
+
+/// Packed INT4 weight: codes as u32 words, group parameters as 16-bit pairs.
+pub struct PackedW4 {
+    pub n: usize,
+    pub k: usize,
+    pub group_len: usize,
+    pub tiles: usize,
+    pub chunks: usize,
+    pub groups: usize,
+    pub dtype: Dtype,
+    pub codes: Vec<u32>,
+    pub params: Vec<u16>,
+}
+
+/// The exact value the f16/bf16 converter produces for code 0 (`0x6400`: 1024.0, `0x4300`:
+/// 128.0): `magic | q` is `magic + q`, and subtracting `magic + z` leaves `q - z` exactly.
+pub fn w4_magic(dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::F16 => 1024.0,
+        Dtype::Bf16 => 128.0,
+    }
+}
+
+fn chunks_for(k: usize) -> usize {
+    k.div_ceil(CHUNK_K)
+}
+
+/// Checks the geometry every quantized kernel needs: whole 16-channel lane vectors, and for
+/// grouped weights groups that keep a lane's 16 channels together and span at most two per
+/// 64-channel chunk.
+pub fn check_k(k: usize, group_len: Option<usize>) -> Result<()> {
+    let groups_ok =
+        group_len.is_none_or(|g| g.is_multiple_of(16) && (g.is_multiple_of(32) || g >= CHUNK_K));
+    if k == 0 || !k.is_multiple_of(16) || !groups_ok {
+        return Err(Error::unsupported(
+            format!(
+                "a quantized GPU weight with {k} input channels{}",
+                group_len.map_or(String::new(), |g| format!(" and groups of {g}"))
+            ),
+            "the GPU kernels read 16-channel vectors and at most two groups per 64 channels: \
+             K must be a multiple of 16 and the group size a multiple of 32 (or of 16 from 64)",
+        ));
+    }
+    Ok(())
+}
+
+pub fn pack_w4(w: &W4Matrix, dtype: Dtype) -> Result<PackedW4> {
+    check_k(w.k, Some(w.group_len))?;
+    let groups_in = w.k / w.group_len;
+    if w.codes.len() != w.n * w.k
+        || w.scales.len() != w.n * groups_in
+        || w.zeros.len() != w.scales.len()
+    {
+        return Err(Error::InvalidArgument(format!(
+            "pack_w4: {} codes, {} scales for a {}x{} weight in groups of {}",
+            w.codes.len(),
+            w.scales.len(),
+            w.n,
+            w.k,
+            w.group_len
+        )));
+    }
+    let (tiles, chunks) = (w.n.div_ceil(TILE_ROWS), chunks_for(w.k));
+    let groups = (chunks * CHUNK_K).div_ceil(w.group_len);
+    let order = lane_order(MMA_F16);
+    let mut codes = vec![0u32; tiles * chunks * 32 * 4];
+    for tile in 0..tiles {
+        for chunk in 0..chunks {
+            for (lane, vals) in order.iter().enumerate() {
+                let base = ((tile * chunks + chunk) * 32 + lane) * 4;
+                for (idx, &(row, ch)) in vals.iter().enumerate() {
+                    let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+                    // Padding takes the group's zero point, so it dequantizes to exactly 0.
+                    let q = if n < w.n && kk < w.k {
+                        w.codes[n * w.k + kk]
+                    } else if n < w.n && kk / w.group_len < groups_in {
+                        w.zeros[n * groups_in + kk / w.group_len]
+                    } else {
+                        0
+                    };
+                    let (step, i) = (idx / 8, idx % 8);
+                    let slot = nibble_slot(i / 2, i % 2);
+                    codes[base + step] |= ((q & 15) as u32) << (4 * slot);
+                }
+            }
+        }
+    }
+    let magic = w4_magic(dtype);
+    let mut params = vec![0u16; tiles * groups * 16 * 2];
+    for tile in 0..tiles {
+        for grp in 0..groups {
+            for row in 0..TILE_ROWS {
+                let n = tile * TILE_ROWS + row;
+                let (s, z) = if n < w.n && grp < groups_in {
+                    (
+                        w.scales[n * groups_in + grp],
+                        w.zeros[n * groups_in + grp] as f32,
+                    )
+                } else {
+                    (0.0, 0.0)
+                };
+                let at = (((tile * groups + grp) * 8 + row % 8) * 2 + row / 8) * 2;
+                params[at] = dtype.encode(&[s])[0];
+                params[at + 1] = dtype.encode(&[magic + z])[0];
+            }
+        }
+    }
+    Ok(PackedW4 {
+        n: w.n,
+        k: w.k,
+        group_len: w.group_len,
+        tiles,
+        chunks,
+        groups,
+        dtype,
+        codes,
+        params,
+    })
+}
+
+impl PackedW4 {
+    /// The dequantized `[n, k]` matrix as the kernel computes it (`(magic + q - (magic + z)) *
+    /// s`, rounded once to the dtype): the inverse of [`pack_w4`], for tests.
+    pub fn unpack(&self) -> Vec<f32> {
+        let order = lane_order(MMA_F16);
+        let mut out = vec![f32::NAN; self.n * self.k];
+        let half = |b: u16| match self.dtype {
+            Dtype::F16 => f16::from_bits(b).to_f32(),
+            Dtype::Bf16 => bf16::from_bits(b).to_f32(),
+        };
+        let magic = w4_magic(self.dtype);
+        for tile in 0..self.tiles {
+            for chunk in 0..self.chunks {
+                for (lane, vals) in order.iter().enumerate() {
+                    let base = ((tile * self.chunks + chunk) * 32 + lane) * 4;
+                    for (idx, &(row, ch)) in vals.iter().enumerate() {
+                        let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+                        if n >= self.n || kk >= self.k {
+                            continue;
+                        }
+                        let (step, i) = (idx / 8, idx % 8);
+                        let q = (self.codes[base + step] >> (4 * nibble_slot(i / 2, i % 2))) & 15;
+                        let grp = kk / self.group_len;
+                        let at = (((tile * self.groups + grp) * 8 + row % 8) * 2 + row / 8) * 2;
+                        let (s, zt) = (half(self.params[at]), half(self.params[at + 1]));
+                        let v = (magic + q as f32 - zt) * s;
+                        out[n * self.k + kk] = self.dtype.decode(&self.dtype.encode(&[v]))[0];
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Packed INT8 weight: codes in fragment order, one f32 scale per row (padded to whole tiles).
+pub struct PackedW8 {
+    pub n: usize,
+    pub k: usize,
+    pub tiles: usize,
+    pub chunks: usize,
+    pub codes: Vec<i8>,
+    pub scales: Vec<f32>,
+}
+
+/// Packs `[n, k]` INT8 codes with per-row scales.
+pub fn pack_w8(n: usize, k: usize, codes: &[i8], scales: &[f32]) -> Result<PackedW8> {
+    check_k(k, None)?;
+    if codes.len() != n * k || scales.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "pack_w8: {} codes and {} scales for a {n}x{k} weight",
+            codes.len(),
+            scales.len()
+        )));
+    }
+    let (tiles, chunks) = (n.div_ceil(TILE_ROWS), chunks_for(k));
+    let order = lane_order(MMA_S8);
+    let per_lane = MMA_S8.steps() * MMA_S8.a_elems();
+    let mut packed = vec![0i8; tiles * chunks * 32 * per_lane];
+    for tile in 0..tiles {
+        for chunk in 0..chunks {
+            for (lane, vals) in order.iter().enumerate() {
+                let base = ((tile * chunks + chunk) * 32 + lane) * per_lane;
+                for (idx, &(row, ch)) in vals.iter().enumerate() {
+                    let (r, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+                    if r < n && kk < k {
+                        packed[base + idx] = codes[r * k + kk];
+                    }
+                }
+            }
+        }
+    }
+    let mut s = scales.to_vec();
+    s.resize(tiles * TILE_ROWS, 0.0);
+    Ok(PackedW8 {
+        n,
+        k,
+        tiles,
+        chunks,
+        codes: packed,
+        scales: s,
+    })
+}
+
+impl PackedW8 {
+    /// The `[n, k]` codes back: the inverse of [`pack_w8`], for tests.
+    pub fn unpack(&self) -> Vec<i8> {
+        let order = lane_order(MMA_S8);
+        let per_lane = MMA_S8.steps() * MMA_S8.a_elems();
+        let mut out = vec![0i8; self.n * self.k];
+        for tile in 0..self.tiles {
+            for chunk in 0..self.chunks {
+                for (lane, vals) in order.iter().enumerate() {
+                    let base = ((tile * self.chunks + chunk) * 32 + lane) * per_lane;
+                    for (idx, &(row, ch)) in vals.iter().enumerate() {
+                        let (r, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+                        if r < self.n && kk < self.k {
+                            out[r * self.k + kk] = self.codes[base + idx];
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    #[test]
+    fn fragments_match_the_ptx_tables() {
+        // Spot values from the PTX ISA figures. m16n8k16 A: a0 of lane 0 is (0, 0), a2 (row
+        // 8), a4 (column 8); lane 5 (g 1, t 1) a1 is (1, 3). B: b2 of lane 0 is k 8.
+        assert_eq!(a_element(MMA_F16, 0, 0), (0, 0));
+        assert_eq!(a_element(MMA_F16, 0, 2), (8, 0));
+        assert_eq!(a_element(MMA_F16, 0, 4), (0, 8));
+        assert_eq!(a_element(MMA_F16, 5, 1), (1, 3));
+        assert_eq!(b_element(MMA_F16, 0, 2), (8, 0));
+        assert_eq!(b_element(MMA_F16, 6, 1), (5, 1));
+        // m16n8k32 A: a4 of lane 0 is row 8, a8 column 16; lane 7 (g 1, t 3) a3 is (1, 15).
+        assert_eq!(a_element(MMA_S8, 0, 4), (8, 0));
+        assert_eq!(a_element(MMA_S8, 0, 8), (0, 16));
+        assert_eq!(a_element(MMA_S8, 7, 3), (1, 15));
+        assert_eq!(b_element(MMA_S8, 0, 4), (16, 0));
+    }
+
+    #[test]
+    fn fragments_cover_each_tile_once() {
+        for mma in [MMA_F16, MMA_S8] {
+            let mut a = vec![0; 16 * mma.k()];
+            let mut b = vec![0; 8 * mma.k()];
+            for lane in 0..32 {
+                for i in 0..mma.a_elems() {
+                    let (r, c) = a_element(mma, lane, i);
+                    a[r * mma.k() + c] += 1;
+                }
+                for i in 0..mma.b_elems() {
+                    let (k, n) = b_element(mma, lane, i);
+                    b[k * 8 + n] += 1;
+                }
+            }
+            assert!(a.iter().chain(&b).all(|&c| c == 1), "{mma:?}");
+        }
+    }
+
+    #[test]
+    fn permutation_gives_each_lane_16_consecutive_channels() {
+        for mma in [MMA_F16, MMA_S8] {
+            let mut seen = [false; CHUNK_K];
+            for lane in 0..32 {
+                for step in 0..mma.steps() {
+                    for i in 0..mma.b_elems() {
+                        let (kk, _) = b_element(mma, lane, i);
+                        let l = logical_k(mma, step, kk);
+                        assert_eq!(l / LANE_K, lane % 4);
+                        assert_eq!(l % LANE_K, step * mma.b_elems() + i);
+                        seen[l] = true;
+                    }
+                }
+                // The A side of a lane touches the same channels as its B side.
+                for &(_, ch) in &lane_order(mma)[lane] {
+                    assert_eq!(ch / LANE_K, lane % 4);
+                }
+            }
+            assert!(seen.iter().all(|&s| s));
+        }
+    }
+
+    fn random_w4(n: usize, k: usize, group_len: usize, seed: u64) -> (Vec<u8>, Vec<f32>, Vec<u8>) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let g = k / group_len;
+        let codes = (0..n * k).map(|_| rng.random_range(0..16u8)).collect();
+        let scales = (0..n * g)
+            .map(|_| f16::from_f32(rng.random_range(1e-3..0.1f32)).to_f32())
+            .collect();
+        let zeros = (0..n * g).map(|_| rng.random_range(0..16u8)).collect();
+        (codes, scales, zeros)
+    }
+
+    #[test]
+    fn w4_round_trips_on_odd_shapes_and_every_group() {
+        for (n, k, group_len) in [
+            (16, 64, 32),
+            (37, 96, 32),
+            (5, 224, 32),
+            (48, 320, 64),
+            (33, 576, 64),
+            (17, 256, 128),
+            (3, 80, 80),
+        ] {
+            let (codes, scales, zeros) = random_w4(n, k, group_len, (n * k) as u64);
+            let w = W4Matrix {
+                n,
+                k,
+                group_len,
+                codes: &codes,
+                scales: &scales,
+                zeros: &zeros,
+            };
+            for dtype in [Dtype::F16, Dtype::Bf16] {
+                let p = pack_w4(&w, dtype).unwrap();
+                let got = p.unpack();
+                for r in 0..n {
+                    for c in 0..k {
+                        let grp = r * (k / group_len) + c / group_len;
+                        let s = dtype.decode(&dtype.encode(&[scales[grp]]))[0];
+                        let v = (codes[r * k + c] as f32 - zeros[grp] as f32) * s;
+                        let want = dtype.decode(&dtype.encode(&[v]))[0];
+                        assert_eq!(
+                            got[r * k + c],
+                            want,
+                            "{n}x{k} g{group_len} {dtype:?} ({r}, {c})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn w4_padding_dequantizes_to_zero() {
+        // Re-derive padded positions from the packed words: every padded channel of a real row
+        // holds the group's zero point, so the kernel's (q - z) * s is exactly 0 there.
+        let (n, k, group_len) = (20, 96, 32);
+        let (codes, scales, zeros) = random_w4(n, k, group_len, 7);
+        let w = W4Matrix {
+            n,
+            k,
+            group_len,
+            codes: &codes,
+            scales: &scales,
+            zeros: &zeros,
+        };
+        let p = pack_w4(&w, Dtype::F16).unwrap();
+        assert_eq!((p.tiles, p.chunks, p.groups), (2, 2, 4));
+        let order = lane_order(MMA_F16);
+        for tile in 0..p.tiles {
+            for (lane, vals) in order.iter().enumerate() {
+                let base = ((tile * p.chunks + 1) * 32 + lane) * 4;
+                for (idx, &(row, ch)) in vals.iter().enumerate() {
+                    let (r, kk) = (tile * 16 + row, 64 + ch);
+                    if kk < k {
+                        continue;
+                    }
+                    let q =
+                        (p.codes[base + idx / 8] >> (4 * nibble_slot((idx % 8) / 2, idx % 2))) & 15;
+                    let at = (((tile * p.groups + kk / group_len) * 8 + row % 8) * 2 + row / 8) * 2;
+                    let s = f16::from_bits(p.params[at]).to_f32();
+                    let zt = f16::from_bits(p.params[at + 1]).to_f32();
+                    assert_eq!((1024.0 + q as f32 - zt) * s, 0.0, "row {r} channel {kk}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn w8_round_trips() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        for (n, k) in [(16, 64), (35, 112), (64, 4096), (1, 16)] {
+            let codes: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127i8)).collect();
+            let scales: Vec<f32> = (0..n).map(|i| i as f32).collect();
+            let p = pack_w8(n, k, &codes, &scales).unwrap();
+            assert_eq!(p.unpack(), codes);
+            assert_eq!(p.scales.len(), p.tiles * 16);
+        }
+    }
+
+    #[test]
+    fn refuses_what_the_kernels_cannot_read() {
+        assert!(check_k(72, Some(72)).is_err());
+        assert!(check_k(64, Some(24)).is_err());
+        assert!(check_k(64, Some(16)).is_err());
+        assert!(check_k(48, Some(48)).is_err());
+        assert!(check_k(80, Some(80)).is_ok());
+        assert!(check_k(40, None).is_err());
+        assert!(check_k(48, None).is_ok());
+        assert!(pack_w8(2, 40, &[0; 80], &[1.0; 2]).is_err());
+        let e = pack_w4(
+            &W4Matrix {
+                n: 1,
+                k: 64,
+                group_len: 32,
+                codes: &[0; 63],
+                scales: &[1.0; 2],
+                zeros: &[0; 2],
+            },
+            Dtype::F16,
+        );
+        assert!(e.is_err());
+    }
+}

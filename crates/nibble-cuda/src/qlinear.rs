@@ -1,0 +1,406 @@
+//! Quantized linear layers on the GPU: the weight formats with kernels of their own
+//! (`kernels/qgemm.cu`), how a checkpoint's rows become packed device weights (`pack`), and
+//! which kernel a GEMM runs.
+//!
+//! | format | kernels | activations |
+//! |---|---|---|
+//! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_gemv{1,2}`, `w4a16_tiled` | model dtype |
+//! | `int8-pc/a8` (w8a8) | `w8a8_gemv{1,2}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
+//!
+//! Other quantized formats load dequantized to the model dtype and run on cuBLAS.
+
+use nibble_core::{Error, Result};
+use nibble_formats::{HostTensor, WeightFormat};
+use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
+
+use crate::backend::{CudaBackend, CudaTensor, Dtype, Elem};
+use crate::pack::{self, PackedW4, PackedW8, W4Matrix};
+use crate::runtime::{Arg, DeviceBuffer};
+
+/// Largest M the gemv (decode) kernels take; larger batches run the tiled kernels.
+pub const GEMV_MAX_M: usize = 16;
+/// Dynamic shared memory of the tiled kernels (4 stages).
+pub const W4_TILED_SMEM: u32 = 4 * (5120 + 128 * 144);
+pub const W8_TILED_SMEM: u32 = 4 * (8192 + 128 * 64);
+/// Split-K arrival counters: one per row block of 128 weight rows.
+pub const SPLIT_COUNTERS: usize = 1 << 16;
+
+/// A weight packed for a quantized kernel.
+pub enum QuantWeight {
+    W4 {
+        codes: DeviceBuffer,
+        params: DeviceBuffer,
+        group_len: usize,
+        tiles: usize,
+        chunks: usize,
+        groups: usize,
+    },
+    W8 {
+        codes: DeviceBuffer,
+        scales: DeviceBuffer,
+        tiles: usize,
+        chunks: usize,
+    },
+}
+
+impl QuantWeight {
+    pub fn bytes(&self) -> usize {
+        match self {
+            QuantWeight::W4 { codes, params, .. } => codes.bytes + params.bytes,
+            QuantWeight::W8 { codes, scales, .. } => codes.bytes + scales.bytes,
+        }
+    }
+
+    pub fn format_name(&self) -> &'static str {
+        match self {
+            QuantWeight::W4 { .. } => "w4a16",
+            QuantWeight::W8 { .. } => "w8a8",
+        }
+    }
+}
+
+/// The quantized format a GPU kernel runs directly, if `f` is one.
+pub fn kernel_format(f: WeightFormat) -> Option<LinearFormat> {
+    match f {
+        WeightFormat::Quant(
+            lf @ LinearFormat {
+                codec: WeightCodec::Int4Group { .. },
+                act: ActQuant::F16,
+            },
+        )
+        | WeightFormat::Quant(
+            lf @ LinearFormat {
+                codec: WeightCodec::Int8PerChannel,
+                act: ActQuant::Int8PerToken,
+            },
+        ) => Some(lf),
+        _ => None,
+    }
+}
+
+/// `(format, rows, cols, row bytes)` of a weight in a kernel format.
+pub type StackedRows = (LinearFormat, usize, usize, Vec<u8>);
+
+/// Host rows of `parts` (one weight, or the parts of a fused projection stacked in order) when
+/// they share one kernel format and width: `(format, rows, cols, bytes)`.
+pub fn stacked_rows(parts: &[HostTensor]) -> Result<Option<StackedRows>> {
+    let Some(first) = parts.first() else {
+        return Ok(None);
+    };
+    let Some(format) = kernel_format(first.format) else {
+        return Ok(None);
+    };
+    let (_, cols, _) = first.matrix_geometry()?;
+    let mut rows = 0;
+    let mut bytes = Vec::new();
+    for t in parts {
+        let (r, c, _) = t.matrix_geometry()?;
+        if t.format != first.format || c != cols {
+            return Ok(None);
+        }
+        rows += r;
+        bytes.extend_from_slice(&t.bytes);
+    }
+    Ok(Some((format, rows, cols, bytes)))
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Packs checkpoint rows (the layouts of `nibble_precision::weight`) for the kernels. Errors on
+/// geometry the kernels cannot read (the caller then runs the layer dequantized).
+pub fn pack_rows(
+    format: LinearFormat,
+    n: usize,
+    k: usize,
+    bytes: &[u8],
+    dtype: Dtype,
+) -> Result<Packed> {
+    let rb = format.row_bytes(k)?;
+    if bytes.len() != n * rb {
+        return Err(Error::InvalidArgument(format!(
+            "{format}: {} bytes for {n} rows of {rb}",
+            bytes.len()
+        )));
+    }
+    match format.codec {
+        WeightCodec::Int4Group { .. } => {
+            let groups = format.codec.groups(k);
+            let group_len = k / groups;
+            pack::check_k(k, Some(group_len))?;
+            let mut codes = Vec::with_capacity(n * k);
+            let mut scales = Vec::with_capacity(n * groups);
+            let mut zeros = Vec::with_capacity(n * groups);
+            for row in bytes.chunks_exact(rb) {
+                for &b in &row[..k / 2] {
+                    codes.push(b & 15);
+                    codes.push(b >> 4);
+                }
+                let s = &row[k / 2..k / 2 + 2 * groups];
+                scales.extend((0..groups).map(|g| f16_at(s, 2 * g)));
+                zeros.extend_from_slice(&row[k / 2 + 2 * groups..]);
+            }
+            let w = W4Matrix {
+                n,
+                k,
+                group_len,
+                codes: &codes,
+                scales: &scales,
+                zeros: &zeros,
+            };
+            Ok(Packed::W4(pack::pack_w4(&w, dtype)?))
+        }
+        WeightCodec::Int8PerChannel => {
+            let mut codes = Vec::with_capacity(n * k);
+            let mut scales = Vec::with_capacity(n);
+            for row in bytes.chunks_exact(rb) {
+                codes.extend(row[..k].iter().map(|&b| b as i8));
+                scales.push(f16_at(row, k));
+            }
+            Ok(Packed::W8(pack::pack_w8(n, k, &codes, &scales)?))
+        }
+        _ => Err(Error::unsupported(
+            format!("linear format {format} on the GPU"),
+            "it has no kernel",
+        )),
+    }
+}
+
+/// Host-side packed weight, before upload.
+pub enum Packed {
+    W4(PackedW4),
+    W8(PackedW8),
+}
+
+impl Packed {
+    pub fn upload(&self, b: &CudaBackend, what: &str) -> Result<QuantWeight> {
+        Ok(match self {
+            Packed::W4(p) => QuantWeight::W4 {
+                codes: DeviceBuffer::from_host(&b.gpu, &p.codes, what)?,
+                params: DeviceBuffer::from_host(&b.gpu, &p.params, what)?,
+                group_len: p.group_len,
+                tiles: p.tiles,
+                chunks: p.chunks,
+                groups: p.groups,
+            },
+            Packed::W8(p) => QuantWeight::W8 {
+                codes: DeviceBuffer::from_host(&b.gpu, &p.codes, what)?,
+                scales: DeviceBuffer::from_host(&b.gpu, &p.scales, what)?,
+                tiles: p.tiles,
+                chunks: p.chunks,
+            },
+        })
+    }
+}
+
+/// Split-K plan of a gemv launch: `(row blocks, splits, chunks per split)`. Enough CTAs for two
+/// per SM, at least two chunks per split, at most 16 splits.
+pub fn plan_gemv(tiles: usize, chunks: usize, sms: usize) -> (usize, usize, usize) {
+    let blocks = tiles.div_ceil(8);
+    let want = (2 * sms).div_ceil(blocks).clamp(1, 16);
+    let cps = chunks.div_ceil(want).max(2.min(chunks)).max(1);
+    (blocks, chunks.div_ceil(cps), cps)
+}
+
+/// INT8 codes and per-token scales of a GEMM input, made by the kernel that produced it.
+#[derive(Clone, Copy, Debug)]
+pub struct Int8Input {
+    pub codes: u64,
+    pub scales: u64,
+}
+
+/// Output element type of a quantized GEMM: f32 (the engine's GEMM outputs) or the model dtype
+/// (benchmarks compare against 16-bit cuBLAS outputs).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum OutElem {
+    F32,
+    Half,
+}
+
+impl CudaBackend {
+    /// `y = x · Wᵀ` for a packed weight of `n` rows and `k` columns, into `out` (`x.rows x n`,
+    /// f32 or model dtype).
+    pub fn quant_gemm(
+        &self,
+        x: &CudaTensor,
+        w: &QuantWeight,
+        n: usize,
+        k: usize,
+        out: &CudaTensor,
+    ) -> Result<()> {
+        let m = x.rows;
+        let out_half = match out.elem {
+            Elem::F32 => false,
+            Elem::Half(d) if d == self.dtype => true,
+            e => {
+                return Err(Error::InvalidArgument(format!(
+                    "quantized GEMM output of {e:?}"
+                )));
+            }
+        };
+        let sfx = self.dtype.suffix();
+        match w {
+            QuantWeight::W4 {
+                codes,
+                params,
+                group_len,
+                tiles,
+                chunks,
+                groups,
+            } => {
+                let xh = self.as_half(x)?;
+                if xh.ld % 8 != 0 || xh.ptr % 16 != 0 {
+                    return Err(Error::InvalidArgument(
+                        "w4a16 GEMM input rows must be 16-byte aligned".into(),
+                    ));
+                }
+                let head = vec![
+                    Arg::Ptr(codes.ptr),
+                    Arg::Ptr(params.ptr),
+                    Arg::Ptr(xh.ptr),
+                    Arg::I64(xh.ld as i64),
+                    Arg::Ptr(out.ptr),
+                    Arg::I64(out.ld as i64),
+                ];
+                let geo = [m, n, k, *tiles, *chunks, *groups, *group_len];
+                let h = if out_half { "_h" } else { "" };
+                if m <= GEMV_MAX_M {
+                    let name = format!("w4a16_gemv{}{h}_{sfx}", if m <= 8 { 1 } else { 2 });
+                    self.launch_gemv(&name, head, &geo, *tiles, *chunks, m)
+                } else {
+                    let mut args = head;
+                    args.extend(geo.iter().map(|&v| Arg::I32(v as i32)));
+                    let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
+                    self.launch_smem(&format!("w4a16_tiled{h}_{sfx}"), grid, W4_TILED_SMEM, args)
+                }
+            }
+            QuantWeight::W8 {
+                codes,
+                scales,
+                tiles,
+                chunks,
+            } => {
+                let q = match x.int8 {
+                    Some(q) if x.cols == k => q,
+                    _ => self.quantize_int8(x)?,
+                };
+                let head = vec![
+                    Arg::Ptr(codes.ptr),
+                    Arg::Ptr(scales.ptr),
+                    Arg::Ptr(q.codes),
+                    Arg::I64(k as i64),
+                    Arg::Ptr(q.scales),
+                    Arg::Ptr(out.ptr),
+                    Arg::I64(out.ld as i64),
+                ];
+                let geo = [m, n, k, *tiles, *chunks];
+                let o = if out_half { sfx } else { "f32" };
+                if m <= GEMV_MAX_M {
+                    let name = format!("w8a8_gemv{}_{o}", if m <= 8 { 1 } else { 2 });
+                    self.launch_gemv(&name, head, &geo, *tiles, *chunks, m)
+                } else {
+                    let mut args = head;
+                    args.extend(geo.iter().map(|&v| Arg::I32(v as i32)));
+                    let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
+                    self.launch_smem(&format!("w8a8_tiled_{o}"), grid, W8_TILED_SMEM, args)
+                }
+            }
+        }
+    }
+
+    /// Launches a split-K gemv: `head` are the pointer arguments before the partials, `geo`
+    /// the integer geometry after the counters; the chunks-per-split argument goes last. The
+    /// partial sums (f32 or i32) take 4 bytes each.
+    fn launch_gemv(
+        &self,
+        name: &str,
+        mut args: Vec<Arg>,
+        geo: &[usize],
+        tiles: usize,
+        chunks: usize,
+        m: usize,
+    ) -> Result<()> {
+        let (blocks, splits, cps) = plan_gemv(tiles, chunks, self.gpu.sm_count);
+        let partial = if splits > 1 {
+            self.alloc(splits * m, tiles * 16, Elem::F32)?.ptr
+        } else {
+            0
+        };
+        args.push(Arg::Ptr(partial));
+        args.push(Arg::Ptr(self.split_counters()));
+        args.extend(geo.iter().map(|&v| Arg::I32(v as i32)));
+        args.push(Arg::I32(cps as i32));
+        self.kernel(name)?
+            .launch(&self.gpu, (blocks as u32, splits as u32, 1), 256, 0, args)
+    }
+
+    /// Per-token INT8 codes (`rows x cols`, row stride `cols`) and scales of `x`.
+    pub fn quantize_int8(&self, x: &CudaTensor) -> Result<Int8Input> {
+        let codes = self.alloc_bytes(x.rows * x.cols)?;
+        let scales = self.alloc(x.rows, 1, Elem::F32)?.ptr;
+        let sfx = match x.elem {
+            Elem::F32 => "f32",
+            Elem::Half(d) => d.suffix(),
+        };
+        self.kernel(&format!("quantize_i8_{sfx}"))?.launch(
+            &self.gpu,
+            (x.rows as u32, 1, 1),
+            crate::backend::norm_block(x.cols),
+            0,
+            vec![
+                Arg::Ptr(x.ptr),
+                Arg::I64(x.ld as i64),
+                Arg::Ptr(codes),
+                Arg::I64(x.cols as i64),
+                Arg::Ptr(scales),
+                Arg::I32(x.cols as i32),
+            ],
+        )?;
+        Ok(Int8Input { codes, scales })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemv_plans_fill_the_gpu_and_cover_k() {
+        for (tiles, chunks) in [
+            (256, 64),
+            (256, 224),
+            (1792, 64),
+            (384, 64),
+            (12, 9),
+            (1, 1),
+            (36, 9),
+        ] {
+            let (blocks, splits, cps) = plan_gemv(tiles, chunks, 132);
+            assert_eq!(blocks, tiles.div_ceil(8));
+            assert!(
+                splits * cps >= chunks && (splits - 1) * cps < chunks,
+                "{tiles} {chunks}"
+            );
+            assert!(splits <= 16);
+            assert!(
+                blocks * splits >= 264
+                    || splits == chunks.div_ceil(2).max(1)
+                    || splits == 16
+                    || cps * splits >= chunks
+            );
+        }
+        assert_eq!(plan_gemv(256, 64, 132), (32, 8, 8));
+        assert_eq!(plan_gemv(1792, 64, 132), (224, 2, 32));
+    }
+
+    #[test]
+    fn only_kernel_formats_stack() {
+        let fmt: LinearFormat = "int4-g32/a16".parse().unwrap();
+        assert!(kernel_format(WeightFormat::Quant(fmt)).is_some());
+        let w8: LinearFormat = "int8-pc/a8".parse().unwrap();
+        assert!(kernel_format(WeightFormat::Quant(w8)).is_some());
+        let qoq: LinearFormat = "qoq-g128/a8".parse().unwrap();
+        assert!(kernel_format(WeightFormat::Quant(qoq)).is_none());
+    }
+}

@@ -1,0 +1,317 @@
+//! The quantized GEMMs (kernels/qgemm.cu) against `nibble_precision::reference_matmul`: W8A8
+//! bit for bit (activation codes, i32 sums and the f32 epilogue), W4A16 within the rounding of
+//! its 16-bit operands. Fresh random weights and inputs, NaN-poisoned outputs, shapes the tiles
+//! do not divide, every group size, both kernels (gemv up to 16 tokens, tiled beyond), and the
+//! layer shapes of Llama-3-8B, Qwen3-8B and Llama-2-70B with sampled rows checked.
+
+use super::*;
+use nibble_precision::{LinearFormat, reference_matmul};
+
+/// `n` random rows of `format` (codes, scales and zeros drawn directly, so large layers are cheap).
+fn random_rows(r: &mut ChaCha8Rng, format: LinearFormat, n: usize, k: usize) -> Vec<u8> {
+    let rb = format.row_bytes(k).unwrap();
+    let groups = format.codec.groups(k);
+    let mut out = vec![0u8; n * rb];
+    for row in out.chunks_exact_mut(rb) {
+        match format.codec {
+            nibble_precision::WeightCodec::Int4Group { .. } => {
+                r.fill(&mut row[..k / 2]);
+                for g in 0..groups {
+                    let s = f16::from_f32(r.random_range(0.5..2.0f32) / (k as f32).sqrt() / 8.0);
+                    row[k / 2 + 2 * g..][..2].copy_from_slice(&s.to_le_bytes());
+                    row[k / 2 + 2 * groups + g] = r.random_range(0..16u8);
+                }
+            }
+            _ => {
+                for b in &mut row[..k] {
+                    *b = r.random_range(-127..=127i8) as u8;
+                }
+                let s = f16::from_f32(r.random_range(0.5..2.0f32) / 127.0 / (k as f32).sqrt());
+                row[k..].copy_from_slice(&s.to_le_bytes());
+            }
+        }
+    }
+    out
+}
+
+fn quant_tensor(format: LinearFormat, n: usize, k: usize, bytes: Vec<u8>) -> HostTensor {
+    HostTensor {
+        name: format!("w {format}"),
+        shape: vec![n, k],
+        format: WeightFormat::Quant(format),
+        bytes: TensorBytes::Owned(std::sync::Arc::new(bytes)),
+    }
+}
+
+/// Runs `x · Wᵀ` on the GPU (f32 output) and returns it with the reference for the rows
+/// `check_rows` of x.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    g: &CudaBackend,
+    format: LinearFormat,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    wbytes: &[u8],
+    n: usize,
+    check_rows: &[usize],
+) -> (Vec<f32>, Vec<f32>) {
+    g.poison_activations(((m * (k + n) * 4) + (64 << 20)).min(3 << 30))
+        .unwrap();
+    let w = g
+        .load_weight(&quant_tensor(format, n, k, wbytes.to_vec()))
+        .unwrap();
+    assert!(
+        matches!(w.data, nibble_cuda::WeightData::Quant(_)),
+        "{format} {n}x{k} did not pack"
+    );
+    let xt = g.tensor_from_f32(x, m, k).unwrap();
+    let y = host(g, &g.linear(&xt, &w, None).unwrap());
+    let got: Vec<f32> = check_rows
+        .iter()
+        .flat_map(|&i| y[i * n..(i + 1) * n].to_vec())
+        .collect();
+    let xs: Vec<f32> = check_rows
+        .iter()
+        .flat_map(|&i| x[i * k..(i + 1) * k].to_vec())
+        .collect();
+    let want = reference_matmul(format, &xs, check_rows.len(), k, wbytes, n).unwrap();
+    (got, want)
+}
+
+fn sample_rows(r: &mut ChaCha8Rng, m: usize, most: usize) -> Vec<usize> {
+    if m <= most {
+        return (0..m).collect();
+    }
+    let mut v: Vec<usize> = (0..most - 2).map(|_| r.random_range(0..m)).collect();
+    v.extend([0, m - 1]);
+    v
+}
+
+fn assert_bit_exact(what: &str, got: &[f32], want: &[f32]) {
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+            "{what}: element {i}: {a} vs reference {b}"
+        );
+    }
+}
+
+/// W4A16 bound: the GPU rounds activations, group scales and dequantized weights to the dtype
+/// (the reference: to f16) and sums in another order, so per output |got - want| <= c * sum_j
+/// |w_j x_j| with c = 2^-7 for bf16 (three roundings of 2^-9) and 2^-9 for f16.
+#[allow(clippy::too_many_arguments)]
+fn assert_w4_close(
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+    xs: &[f32],
+    k: usize,
+    format: LinearFormat,
+    wbytes: &[u8],
+    dtype: Dtype,
+) {
+    let c = if dtype == Dtype::Bf16 {
+        1.0 / 128.0
+    } else {
+        1.0 / 512.0
+    };
+    let rb = format.row_bytes(k).unwrap();
+    let n = wbytes.len() / rb;
+    let mut w = vec![0f32; k];
+    let mut mag = vec![0f32; got.len()];
+    for (r, row) in wbytes.chunks_exact(rb).enumerate() {
+        WeightFormat::Quant(format)
+            .dequantize(row, k, &mut w)
+            .unwrap();
+        for (i, x) in xs.chunks_exact(k).enumerate() {
+            mag[i * n + r] = w.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
+        }
+    }
+    for (i, ((a, b), m)) in got.iter().zip(want).zip(&mag).enumerate() {
+        assert!(
+            a.is_finite() && (a - b).abs() <= c * m + 1e-6,
+            "{what}: element {i}: {a} vs reference {b} (bound {})",
+            c * m
+        );
+    }
+}
+
+#[test]
+fn w8a8_is_bit_exact_with_the_integer_reference() {
+    let mut r = rng("w8a8_is_bit_exact_with_the_integer_reference");
+    let format: LinearFormat = "int8-pc/a8".parse().unwrap();
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let g = gpu(dtype);
+        for &(m, n, k) in &[
+            (1, 576, 576),
+            (2, 37, 80),
+            (8, 100, 208),
+            (9, 192, 576),
+            (16, 1536, 576),
+            (17, 130, 1536),
+            (100, 576, 1536),
+            (257, 300, 64),
+            (130, 4096, 4096),
+        ] {
+            let mut x = randn(&mut r, m * k, 1.0);
+            // An outlier channel, an all-zero row and (when there is room) a row with a NaN.
+            x[k / 3] = 40.0;
+            if m > 2 {
+                x[k..2 * k].fill(0.0);
+            }
+            if m > 3 {
+                x[3 * k + 5] = f32::NAN;
+            }
+            let w = random_rows(&mut r, format, n, k);
+            let rows: Vec<usize> = (0..m).collect();
+            let (got, want) = run(&g, format, &x, m, k, &w, n, &rows);
+            assert_bit_exact(&format!("w8a8 {m}x{n}x{k} {dtype:?}"), &got, &want);
+        }
+    }
+}
+
+#[test]
+fn w8a8_fused_quantization_matches_the_reference() {
+    // RMSNorm and SiLU-gate write INT8 codes next to their 16-bit output once a W8A8 weight is
+    // loaded; the GEMM must give what the reference gives on that 16-bit output.
+    let mut r = rng("w8a8_fused_quantization_matches_the_reference");
+    let format: LinearFormat = "int8-pc/a8".parse().unwrap();
+    let g = gpu(Dtype::Bf16);
+    for &(m, n, k) in &[(1, 256, 576), (13, 96, 1536), (70, 512, 576)] {
+        g.poison_activations(64 << 20).unwrap();
+        let wb = random_rows(&mut r, format, n, k);
+        let w = g
+            .load_weight(&quant_tensor(format, n, k, wb.clone()))
+            .unwrap();
+        assert!(g.wants_int8());
+        let x = g.tensor_from_f32(&randn(&mut r, m * k, 1.0), m, k).unwrap();
+        let nw = g.load_vector(&randn(&mut r, k, 1.0)).unwrap();
+        let normed = g.rms_norm(&x, &nw, 1e-5);
+        let gate = g.tensor_from_f32(&randn(&mut r, m * k, 2.0), m, k).unwrap();
+        let up = g.tensor_from_f32(&randn(&mut r, m * k, 2.0), m, k).unwrap();
+        let act = g.silu_mul(&gate, &up);
+        for (what, input) in [("rms_norm", &normed), ("silu_mul", &act)] {
+            let y = host(&g, &g.linear(input, &w, None).unwrap());
+            let xin = host(&g, input);
+            let want = reference_matmul(format, &xin, m, k, &wb, n).unwrap();
+            assert_bit_exact(&format!("fused {what} {m}x{n}x{k}"), &y, &want);
+        }
+    }
+}
+
+#[test]
+fn w4a16_matches_the_dequantized_reference() {
+    let mut r = rng("w4a16_matches_the_dequantized_reference");
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let g = gpu(dtype);
+        for group in [32u32, 64, 128, 0] {
+            let format: LinearFormat = if group == 0 {
+                "int4-pc/a16".parse().unwrap()
+            } else {
+                format!("int4-g{group}/a16").parse().unwrap()
+            };
+            for &(m, n, k) in &[
+                (1, 576, 576),
+                (3, 37, 128),
+                (8, 100, 384),
+                (9, 192, 640),
+                (16, 1536, 576),
+                (17, 130, 1536),
+                (129, 576, 1536),
+                (300, 4096, 4096),
+            ] {
+                if format.row_bytes(k).is_err() {
+                    continue;
+                }
+                let x = randn(&mut r, m * k, 1.0);
+                let w = random_rows(&mut r, format, n, k);
+                let rows = sample_rows(&mut r, m, 24);
+                let (got, want) = run(&g, format, &x, m, k, &w, n, &rows);
+                let xs: Vec<f32> = rows
+                    .iter()
+                    .flat_map(|&i| x[i * k..][..k].to_vec())
+                    .collect();
+                assert_w4_close(
+                    &format!("w4a16 {format} {m}x{n}x{k} {dtype:?}"),
+                    &got,
+                    &want,
+                    &xs,
+                    k,
+                    dtype,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn quantized_gemms_on_real_layer_shapes() {
+    // (N, K) of Llama-3-8B (fused qkv, o, fused gate/up, down), Qwen3-8B and Llama-2-70B
+    // layers, M from a decode step to a long prefill; sampled output rows are checked.
+    let mut r = rng("quantized_gemms_on_real_layer_shapes");
+    let g = gpu(Dtype::Bf16);
+    let w4: LinearFormat = "int4-g128/a16".parse().unwrap();
+    let w8: LinearFormat = "int8-pc/a8".parse().unwrap();
+    let cases: &[(usize, usize, &[usize])] = &[
+        (6144, 4096, &[1, 16, 1024]),
+        (4096, 4096, &[7, 8192]),
+        (28672, 4096, &[1, 1024]),
+        (4096, 14336, &[1, 16, 1024]),
+        (24576, 4096, &[3, 333]),
+        (4096, 12288, &[1]),
+        (10240, 8192, &[16]),
+        (8192, 28672, &[1, 2048]),
+    ];
+    for &(n, k, ms) in cases {
+        for format in [w4, w8] {
+            let w = random_rows(&mut r, format, n, k);
+            for &m in ms {
+                let x = randn(&mut r, m * k, 1.0);
+                let rows = sample_rows(&mut r, m, 4);
+                let (got, want) = run(&g, format, &x, m, k, &w, n, &rows);
+                let what = format!("{format} {m}x{n}x{k}");
+                if format == w8 {
+                    assert_bit_exact(&what, &got, &want);
+                } else {
+                    let xs: Vec<f32> = rows
+                        .iter()
+                        .flat_map(|&i| x[i * k..][..k].to_vec())
+                        .collect();
+                    assert_w4_close(&what, &got, &want, &xs, k, Dtype::Bf16);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn split_k_is_deterministic_and_layers_that_cannot_pack_run_dequantized() {
+    let mut r = rng("split_k_is_deterministic");
+    let g = gpu(Dtype::Bf16);
+    let format: LinearFormat = "int4-g64/a16".parse().unwrap();
+    let (m, n, k) = (5, 4096, 4096);
+    let w = g
+        .load_weight(&quant_tensor(
+            format,
+            n,
+            k,
+            random_rows(&mut r, format, n, k),
+        ))
+        .unwrap();
+    let x = g.tensor_from_f32(&randn(&mut r, m * k, 1.0), m, k).unwrap();
+    let a = host(&g, &g.linear(&x, &w, None).unwrap());
+    let b = host(&g, &g.linear(&x, &w, None).unwrap());
+    assert_bit_exact("repeat", &a, &b);
+    // K = 40 is not a multiple of 16: the layer loads dequantized and still computes.
+    let f8: LinearFormat = "int8-pc/a8".parse().unwrap();
+    let wb = random_rows(&mut r, f8, 24, 40);
+    let w = g
+        .load_weight(&quant_tensor(f8, 24, 40, wb.clone()))
+        .unwrap();
+    assert!(matches!(w.data, nibble_cuda::WeightData::Dense(_)));
+    let xv = randn(&mut r, 3 * 40, 1.0);
+    let x = g.tensor_from_f32(&xv, 3, 40).unwrap();
+    let y = host(&g, &g.linear(&x, &w, None).unwrap());
+    assert!(y.iter().all(|v| v.is_finite()));
+}
