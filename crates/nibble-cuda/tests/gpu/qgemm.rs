@@ -238,6 +238,8 @@ fn w4a16_matches_the_dequantized_reference() {
                     &want,
                     &xs,
                     k,
+                    format,
+                    &w,
                     dtype,
                 );
             }
@@ -278,7 +280,7 @@ fn quantized_gemms_on_real_layer_shapes() {
                         .iter()
                         .flat_map(|&i| x[i * k..][..k].to_vec())
                         .collect();
-                    assert_w4_close(&what, &got, &want, &xs, k, Dtype::Bf16);
+                    assert_w4_close(&what, &got, &want, &xs, k, format, &w, Dtype::Bf16);
                 }
             }
         }
