@@ -46,6 +46,13 @@ if [ -n "$qgemm" ]; then
   grep -E "^test |test result" "$out/gpu-tests.log" || true
   step gpu-bench "$stage/gpu-bench" "$out/gpu-bench.json" --qgemm $quick
   step peer python3 bench/gpu_peer.py "$out/gpu-peer.json" --qgemm
+  for p in w4a16-g128 w8a8; do
+    step generate-$p "$stage/nibble" --device cuda --dummy-weights llama-3-8b:$p generate \
+      --prompt "The capital of France is" --max-tokens 64
+    tail -3 "$out/generate-$p.log"
+  done
+  step serve-w4a16 bash scripts/gpu-serve-check.sh "$stage/nibble" llama-3-8b:w4a16-g128
+  tail -4 "$out/serve-w4a16.log"
   tar czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
   exit $status
 fi
@@ -61,9 +68,11 @@ fi
 if [ -z "$tests_only" ]; then
   step gpu-bench "$stage/gpu-bench" "$out/gpu-bench.json" $quick
   step peer python3 bench/gpu_peer.py "$out/gpu-peer.json"
-  step generate "$stage/nibble" --device cuda --dummy-weights llama-3-8b generate \
-    --prompt "The capital of France is" --max-tokens 32
-  tail -5 "$out/generate.log"
+  for p in "" :w4a16-g128 :w8a8; do
+    step generate$p "$stage/nibble" --device cuda --dummy-weights llama-3-8b$p generate \
+      --prompt "The capital of France is" --max-tokens 32
+    tail -3 "$out/generate$p.log"
+  done
   step serve bash scripts/gpu-serve-check.sh "$stage/nibble"
   tail -8 "$out/serve.log"
   python3 bench/gpu_report.py "$out" > /dev/null || status=1

@@ -267,7 +267,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
     let ms: &[usize] = if quick {
         &[1, 16, 4096]
     } else {
-        &[1, 4, 16, 64, 1024, 4096, 8192]
+        &[1, 4, 16, 64, 1024, 8192]
     };
     let w4: LinearFormat = "int4-g128/a16".parse()?;
     let w8: LinearFormat = "int8-pc/a8".parse()?;
@@ -313,6 +313,32 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
     Ok(rows)
 }
 
+/// Decode steps of Llama-3-8B-shaped models with random weights in BF16 and in the quantized
+/// precisions that have GPU kernels (the engine measurement: tokens/s against BF16).
+fn engine_precisions(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
+    let mut rows = Vec::new();
+    for spec in ["", ":w4a16-g128", ":w8a8"] {
+        let files = nibble_model::dummy::open_dummy(&format!("llama-3-8b{spec}"), 0)?;
+        let before = be.weight_bytes();
+        let t0 = Instant::now();
+        let model = Transformer::load(be, files.config, &*files.source, &mut |_, _| {})?;
+        let bytes = (be.weight_bytes() - before) as f64;
+        eprintln!(
+            "llama-3-8b{spec}: {:.2} GB loaded in {:.1}s",
+            bytes / 1e9,
+            t0.elapsed().as_secs_f64()
+        );
+        for &b in &[1, 16, 64] {
+            let mut r = decode_steps(be, &model, bytes, b, 1024, bw)?;
+            r["precision"] = json!(if spec.is_empty() { "bf16" } else { &spec[1..] });
+            r["weight_bytes"] = json!(bytes);
+            eprintln!("decode step {r}");
+            rows.push(r);
+        }
+    }
+    Ok(rows)
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let out = args
@@ -330,10 +356,11 @@ fn main() -> Result<()> {
         peak / 1e12
     );
     let qgemm_rows = qgemm(&be, bw, peak, quick)?;
+    let engine_rows = engine_precisions(&be, bw)?;
     if only_qgemm {
         let report = json!({
             "device": be.name(), "hbm_bytes_per_s": bw, "cublas_bf16_flops": peak,
-            "qgemm": qgemm_rows,
+            "qgemm": qgemm_rows, "engine_precisions": engine_rows,
         });
         std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
             .map_err(|e| nibble_core::Error::io(&out, e))?;
@@ -383,6 +410,7 @@ fn main() -> Result<()> {
         "attention": attn,
         "decode_steps": steps,
         "qgemm": qgemm_rows,
+        "engine_precisions": engine_rows,
     });
     std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
         .map_err(|e| nibble_core::Error::io(&out, e))?;

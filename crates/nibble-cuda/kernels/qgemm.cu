@@ -20,10 +20,12 @@
 // subtraction and one rounding, the dequantized reference's value.
 //
 // Two kernels per format:
-//   *_gemv (M <= 16, decode): no shared memory for weights; each warp owns one 16-row tile over a
-//     K range and keeps U chunks of weights in flight with L1-bypassing 16-byte loads; CTAs split
-//     K (grid.y) and the last CTA of a row block sums the f32 (i32 for W8A8) partials in split
-//     order, so results are deterministic (CUDA-graph replay is bit-identical).
+//   *_gemv (M <= 16, decode): the CTA's slice of the activations is staged in shared memory
+//     once; each warp owns one 16-row tile over that K range and streams its weights with
+//     L1-bypassing 16-byte loads, software-pipelined in registers (the next U chunks load while
+//     the current U are dequantized and multiplied); CTAs split K (grid.y) and the last CTA of a
+//     row block sums the f32 (i32 for W8A8) partials in split order, so results are
+//     deterministic (CUDA-graph replay is bit-identical).
 //   *_tiled (larger M): CTA tile 128 weight rows x 128 tokens x 64 K, 8 warps as 4 (rows) x 2
 //     (tokens), a 4-stage cp.async pipeline (stage c+3 streams in while stage c is dequantized
 //     and multiplied), weights read from shared memory with one 16-byte load per lane per chunk.
@@ -177,57 +179,95 @@ __device__ __forceinline__ void split_k_finish(const A (&acc)[TT][4], int tile, 
 // ---------------------------------------------------------------------------------------------
 // W4A16
 
+// Row stride (bytes) of the gemv kernels' activation slice in shared memory: a quarter-warp's
+// 16-byte B loads (tokens g, g+1 at lanes' offsets t*32 (f16) or t*16 (INT8)) then hit 32
+// distinct banks.
+__device__ __forceinline__ int gemv_x_stride(int cps, int elem_bytes) {
+    return elem_bytes == 2 ? cps * 128 + 16 : ((cps * 64 + 127) / 128) * 128 + 64;
+}
+
+// Stages tokens 0..M-1, channels [c0*64, c1*64) of x into shared memory (zero past K).
+template <class X>
+__device__ __forceinline__ void gemv_stage_x(unsigned char* xs, int stride, const X* x, long ldx,
+                                             int M, int K, int c0, int c1) {
+    const int segs = (c1 - c0) * 64 * (int)sizeof(X) / 16;
+    for (int i = threadIdx.x; i < M * segs; i += blockDim.x) {
+        const int row = i / segs, seg = i % segs;
+        const int k = c0 * 64 + seg * 16 / (int)sizeof(X);
+        const bool ok = k < K;
+        cp_async16(xs + row * stride + seg * 16, x + (ok ? (long)row * ldx + k : 0), ok);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
+__device__ __forceinline__ int group_of(int k, int group_len, int group_shift) {
+    return group_shift >= 0 ? k >> group_shift : k / group_len;
+}
+
+// Decode-size W4A16: the CTA's activation slice sits in shared memory; each warp streams its
+// tile's weights for chunks [c0, c1) U chunks at a time, loading group i+1 into registers while
+// group i is dequantized and multiplied.
 template <class T, int TT, int U, class OUT>
 __device__ void w4a16_gemv_impl(const uint4* __restrict__ codes, const uint2* __restrict__ params,
                                 const T* __restrict__ x, long ldx, OUT* __restrict__ y, long ldy,
                                 float* __restrict__ partial, int* __restrict__ counters, int M,
                                 int N, int K, int tiles, int chunks, int groups, int group_len,
-                                int chunks_per_split) {
+                                int group_shift, int chunks_per_split) {
+    extern __shared__ __align__(16) unsigned char xs[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x * QG_WARPS + warp;
     const int c0 = blockIdx.y * chunks_per_split, c1 = min(chunks, c0 + chunks_per_split);
+    const int stride = gemv_x_stride(chunks_per_split, 2);
+    gemv_stage_x(xs, stride, x, ldx, M, K, c0, c1);
     float acc[TT][4] = {};
     if (tile < tiles) {
         const uint4* wp = codes + (long)tile * chunks * 32 + lane;
         const uint2* pp = params + (long)tile * groups * 8 + g;
-        const T* xr[TT];
-        bool xok[TT];
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt) {
-            xok[tt] = tt * 8 + g < M;
-            xr[tt] = x + (long)(xok[tt] ? tt * 8 + g : 0) * ldx + t * 16;
-        }
-        for (int c = c0; c < c1; c += U) {
-            uint4 w[U], xv[U][TT][2];
-            uint2 p[U];
+        uint4 w[U];
+        uint2 p[U];
+        auto fetch = [&](int c, uint4 (&wv)[U], uint2 (&pv)[U]) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int cc = min(c + u, c1 - 1);
-                w[u] = ld_stream(wp + (long)cc * 32);
-                p[u] = __ldg(pp + (long)((cc * 64 + t * 16) / group_len) * 8);
-#pragma unroll
-                for (int tt = 0; tt < TT; ++tt) {
-                    const bool ok = xok[tt] && cc * 64 + t * 16 < K;
-                    const uint4* src = reinterpret_cast<const uint4*>(xr[tt] + (ok ? cc * 64 : 0));
-                    xv[u][tt][0] = ok ? __ldg(src) : make_uint4(0, 0, 0, 0);
-                    xv[u][tt][1] = ok ? __ldg(src + 1) : make_uint4(0, 0, 0, 0);
-                }
+                wv[u] = ld_stream(wp + (long)cc * 32);
+                pv[u] = __ldg(pp + (long)group_of(cc * 64 + t * 16, group_len, group_shift) * 8);
             }
+        };
+        fetch(c0, w, p);
+        for (int c = c0; c < c1; c += U) {
+            uint4 wn[U];
+            uint2 pn[U];
+            if (c + U < c1) fetch(c + U, wn, pn);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 if (c + u >= c1) break;
                 const u32 words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+                uint4 xv[TT][2];
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) {
+                    const int m = tt * 8 + g;
+                    const uint4* src = reinterpret_cast<const uint4*>(
+                        xs + min(m, M - 1) * stride + (c + u - c0) * 128 + t * 32);
+                    xv[tt][0] = m < M ? src[0] : make_uint4(0, 0, 0, 0);
+                    xv[tt][1] = m < M ? src[1] : make_uint4(0, 0, 0, 0);
+                }
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     u32 a[4];
                     dequant_step<T>(words[j], p[u], a);
 #pragma unroll
                     for (int tt = 0; tt < TT; ++tt) {
-                        const uint4& v = xv[u][tt][j >> 1];
-                        const u32 b0 = (j & 1) ? v.z : v.x, b1 = (j & 1) ? v.w : v.y;
-                        mma16816<T>(acc[tt], a, b0, b1);
+                        const uint4& v = xv[tt][j >> 1];
+                        mma16816<T>(acc[tt], a, (j & 1) ? v.z : v.x, (j & 1) ? v.w : v.y);
                     }
                 }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                w[u] = wn[u];
+                p[u] = pn[u];
             }
         }
     }
@@ -323,33 +363,33 @@ __device__ void w4a16_tiled_impl(const uint4* __restrict__ codes, const uint2* _
 }
 
 #define NIBBLE_W4A16(SUFFIX, T)                                                                   \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS) w4a16_gemv1_##SUFFIX(                  \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv1_##SUFFIX(                  \
         const uint4* codes, const uint2* params, const T* x, long ldx, float* y, long ldy,          \
         float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
-        int group_len, int cps) {                                                                   \
-        w4a16_gemv_impl<T, 1, 8>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
-                                 chunks, groups, group_len, cps);                                   \
+        int group_len, int group_shift, int cps) {                                                  \
+        w4a16_gemv_impl<T, 1, 4>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
+                                 chunks, groups, group_len, group_shift, cps);                                   \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS) w4a16_gemv2_##SUFFIX(                  \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv2_##SUFFIX(                  \
         const uint4* codes, const uint2* params, const T* x, long ldx, float* y, long ldy,          \
         float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
-        int group_len, int cps) {                                                                   \
+        int group_len, int group_shift, int cps) {                                                  \
         w4a16_gemv_impl<T, 2, 4>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
-                                 chunks, groups, group_len, cps);                                   \
+                                 chunks, groups, group_len, group_shift, cps);                                   \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS) w4a16_gemv1_h_##SUFFIX(                \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv1_h_##SUFFIX(                \
         const uint4* codes, const uint2* params, const T* x, long ldx, T* y, long ldy,              \
         float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
-        int group_len, int cps) {                                                                   \
-        w4a16_gemv_impl<T, 1, 8>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
-                                 chunks, groups, group_len, cps);                                   \
+        int group_len, int group_shift, int cps) {                                                  \
+        w4a16_gemv_impl<T, 1, 4>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
+                                 chunks, groups, group_len, group_shift, cps);                                   \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS) w4a16_gemv2_h_##SUFFIX(                \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv2_h_##SUFFIX(                \
         const uint4* codes, const uint2* params, const T* x, long ldx, T* y, long ldy,              \
         float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
-        int group_len, int cps) {                                                                   \
+        int group_len, int group_shift, int cps) {                                                  \
         w4a16_gemv_impl<T, 2, 4>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
-                                 chunks, groups, group_len, cps);                                   \
+                                 chunks, groups, group_len, group_shift, cps);                                   \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_tiled_##SUFFIX(               \
         const uint4* codes, const uint2* params, const T* x, long ldx, float* y, long ldy, int M,   \
@@ -374,43 +414,51 @@ __device__ void w8a8_gemv_impl(const uint4* __restrict__ codes, const float* __r
                                const float* __restrict__ sx, OUT* __restrict__ y, long ldy,
                                int* __restrict__ partial, int* __restrict__ counters, int M, int N,
                                int K, int tiles, int chunks, int chunks_per_split) {
+    extern __shared__ __align__(16) unsigned char xs[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x * QG_WARPS + warp;
     const int c0 = blockIdx.y * chunks_per_split, c1 = min(chunks, c0 + chunks_per_split);
+    const int stride = gemv_x_stride(chunks_per_split, 1);
+    gemv_stage_x(xs, stride, x, ldx, M, K, c0, c1);
     int acc[TT][4] = {};
     if (tile < tiles) {
         const uint4* wp = codes + (long)tile * chunks * 64 + lane * 2;
-        const signed char* xr[TT];
-        bool xok[TT];
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt) {
-            xok[tt] = tt * 8 + g < M;
-            xr[tt] = x + (long)(xok[tt] ? tt * 8 + g : 0) * ldx + t * 16;
-        }
-        for (int c = c0; c < c1; c += U) {
-            uint4 w[U][2], xv[U][TT];
+        uint4 w[U][2];
+        auto fetch = [&](int c, uint4 (&wv)[U][2]) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int cc = min(c + u, c1 - 1);
-                w[u][0] = ld_stream(wp + (long)cc * 64);
-                w[u][1] = ld_stream(wp + (long)cc * 64 + 1);
-#pragma unroll
-                for (int tt = 0; tt < TT; ++tt) {
-                    const bool ok = xok[tt] && cc * 64 + t * 16 < K;
-                    xv[u][tt] = ok ? __ldg(reinterpret_cast<const uint4*>(xr[tt] + cc * 64))
-                                   : make_uint4(0, 0, 0, 0);
-                }
+                wv[u][0] = ld_stream(wp + (long)cc * 64);
+                wv[u][1] = ld_stream(wp + (long)cc * 64 + 1);
             }
+        };
+        fetch(c0, w);
+        for (int c = c0; c < c1; c += U) {
+            uint4 wn[U][2];
+            if (c + U < c1) fetch(c + U, wn);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 if (c + u >= c1) break;
+                uint4 xv[TT];
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) {
+                    const int m = tt * 8 + g;
+                    xv[tt] = m < M ? *reinterpret_cast<const uint4*>(
+                                         xs + min(m, M - 1) * stride + (c + u - c0) * 64 + t * 16)
+                                   : make_uint4(0, 0, 0, 0);
+                }
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     const u32 a[4] = {w[u][j].x, w[u][j].y, w[u][j].z, w[u][j].w};
 #pragma unroll
                     for (int tt = 0; tt < TT; ++tt)
-                        mma_s8(acc[tt], a, j ? xv[u][tt].z : xv[u][tt].x, j ? xv[u][tt].w : xv[u][tt].y);
+                        mma_s8(acc[tt], a, j ? xv[tt].z : xv[tt].x, j ? xv[tt].w : xv[tt].y);
                 }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                w[u][0] = wn[u][0];
+                w[u][1] = wn[u][1];
             }
         }
     }
@@ -487,14 +535,14 @@ __device__ void w8a8_tiled_impl(const uint4* __restrict__ codes, const float* __
 }
 
 #define NIBBLE_W8A8_OUT(SUFFIX, OUT)                                                              \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS) w8a8_gemv1_##SUFFIX(                   \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w8a8_gemv1_##SUFFIX(                   \
         const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
         OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, \
         int cps) {                                                                                  \
-        w8a8_gemv_impl<1, 8>(codes, sw, x, ldx, sx, y, ldy, partial, counters, M, N, K, tiles,      \
+        w8a8_gemv_impl<1, 4>(codes, sw, x, ldx, sx, y, ldy, partial, counters, M, N, K, tiles,      \
                              chunks, cps);                                                          \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS) w8a8_gemv2_##SUFFIX(                   \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w8a8_gemv2_##SUFFIX(                   \
         const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
         OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, \
         int cps) {                                                                                  \

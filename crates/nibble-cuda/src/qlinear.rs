@@ -195,12 +195,33 @@ impl Packed {
 }
 
 /// Split-K plan of a gemv launch: `(row blocks, splits, chunks per split)`. Enough CTAs for two
-/// per SM, at least two chunks per split, at most 16 splits.
-pub fn plan_gemv(tiles: usize, chunks: usize, sms: usize) -> (usize, usize, usize) {
+/// per SM, at least two chunks per split, at most 16 splits, and a CTA's activation slice (`m`
+/// tokens of `x_bytes` bytes per 64-channel chunk) within 48 KB of shared memory.
+pub fn plan_gemv(
+    tiles: usize,
+    chunks: usize,
+    sms: usize,
+    m: usize,
+    x_bytes: usize,
+) -> (usize, usize, usize) {
     let blocks = tiles.div_ceil(8);
     let want = (2 * sms).div_ceil(blocks).clamp(1, 16);
-    let cps = chunks.div_ceil(want).max(2.min(chunks)).max(1);
+    let fit = ((GEMV_SMEM / m.max(1)).saturating_sub(128) / x_bytes).max(1);
+    let cps = chunks.div_ceil(want).max(2.min(chunks)).clamp(1, fit);
     (blocks, chunks.div_ceil(cps), cps)
+}
+
+/// Shared memory a gemv CTA may use for its activation slice.
+const GEMV_SMEM: usize = 48 * 1024;
+
+/// Bytes of a gemv CTA's activation slice, matching `gemv_x_stride` in kernels/qgemm.cu.
+fn gemv_smem(m: usize, cps: usize, x_bytes: usize) -> usize {
+    let stride = if x_bytes == 128 {
+        cps * 128 + 16
+    } else {
+        (cps * 64).div_ceil(128) * 128 + 64
+    };
+    m * stride
 }
 
 /// INT8 codes and per-token scales of a GEMM input, made by the kernel that produced it.
@@ -267,7 +288,14 @@ impl CudaBackend {
                 let h = if out_half { "_h" } else { "" };
                 if m <= GEMV_MAX_M {
                     let name = format!("w4a16_gemv{}{h}_{sfx}", if m <= 8 { 1 } else { 2 });
-                    self.launch_gemv(&name, head, &geo, *tiles, *chunks, m)
+                    let shift = if group_len.is_power_of_two() {
+                        group_len.trailing_zeros() as i32
+                    } else {
+                        -1
+                    };
+                    let mut geo: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
+                    geo.push(Arg::I32(shift));
+                    self.launch_gemv(&name, head, geo, *tiles, *chunks, m, 128)
                 } else {
                     let mut args = head;
                     args.extend(geo.iter().map(|&v| Arg::I32(v as i32)));
@@ -298,7 +326,8 @@ impl CudaBackend {
                 let o = if out_half { sfx } else { "f32" };
                 if m <= GEMV_MAX_M {
                     let name = format!("w8a8_gemv{}_{o}", if m <= 8 { 1 } else { 2 });
-                    self.launch_gemv(&name, head, &geo, *tiles, *chunks, m)
+                    let geo = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
+                    self.launch_gemv(&name, head, geo, *tiles, *chunks, m, 64)
                 } else {
                     let mut args = head;
                     args.extend(geo.iter().map(|&v| Arg::I32(v as i32)));
@@ -311,17 +340,20 @@ impl CudaBackend {
 
     /// Launches a split-K gemv: `head` are the pointer arguments before the partials, `geo`
     /// the integer geometry after the counters; the chunks-per-split argument goes last. The
-    /// partial sums (f32 or i32) take 4 bytes each.
+    /// partial sums (f32 or i32) take 4 bytes each; `x_bytes` is one token's activation bytes
+    /// per 64-channel chunk.
+    #[allow(clippy::too_many_arguments)]
     fn launch_gemv(
         &self,
         name: &str,
         mut args: Vec<Arg>,
-        geo: &[usize],
+        geo: Vec<Arg>,
         tiles: usize,
         chunks: usize,
         m: usize,
+        x_bytes: usize,
     ) -> Result<()> {
-        let (blocks, splits, cps) = plan_gemv(tiles, chunks, self.gpu.sm_count);
+        let (blocks, splits, cps) = plan_gemv(tiles, chunks, self.gpu.sm_count, m, x_bytes);
         let partial = if splits > 1 {
             self.alloc(splits * m, tiles * 16, Elem::F32)?.ptr
         } else {
@@ -329,10 +361,15 @@ impl CudaBackend {
         };
         args.push(Arg::Ptr(partial));
         args.push(Arg::Ptr(self.split_counters()));
-        args.extend(geo.iter().map(|&v| Arg::I32(v as i32)));
+        args.extend(geo);
         args.push(Arg::I32(cps as i32));
-        self.kernel(name)?
-            .launch(&self.gpu, (blocks as u32, splits as u32, 1), 256, 0, args)
+        self.kernel(name)?.launch(
+            &self.gpu,
+            (blocks as u32, splits as u32, 1),
+            256,
+            gemv_smem(m, cps, x_bytes) as u32,
+            args,
+        )
     }
 
     /// Per-token INT8 codes (`rows x cols`, row stride `cols`) and scales of `x`.
@@ -376,7 +413,8 @@ mod tests {
             (1, 1),
             (36, 9),
         ] {
-            let (blocks, splits, cps) = plan_gemv(tiles, chunks, 132);
+            let (blocks, splits, cps) = plan_gemv(tiles, chunks, 132, 16, 128);
+            assert!(gemv_smem(16, cps, 128) <= GEMV_SMEM && gemv_smem(16, cps, 64) <= GEMV_SMEM);
             assert_eq!(blocks, tiles.div_ceil(8));
             assert!(
                 splits * cps >= chunks && (splits - 1) * cps < chunks,
@@ -390,8 +428,10 @@ mod tests {
                     || cps * splits >= chunks
             );
         }
-        assert_eq!(plan_gemv(256, 64, 132), (32, 8, 8));
-        assert_eq!(plan_gemv(1792, 64, 132), (224, 2, 32));
+        assert_eq!(plan_gemv(256, 64, 132, 1, 128), (32, 8, 8));
+        assert_eq!(plan_gemv(1792, 64, 132, 1, 128), (224, 2, 32));
+        // Sixteen tokens of a 14336-wide input: the slice caps the chunks per split.
+        assert_eq!(plan_gemv(256, 224, 132, 16, 128), (32, 10, 23));
     }
 
     #[test]

@@ -19,6 +19,7 @@ use nibble_core::{Error, Result};
 use nibble_formats::gguf::GgmlType;
 use nibble_formats::tokenizer::Tokenizer;
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
+use nibble_precision::LinearFormat;
 use rayon::prelude::*;
 use serde_json::{Value, json};
 
@@ -54,7 +55,18 @@ pub fn shipped_config(name: &str) -> Option<&'static str> {
 /// A model with random weights: `name_or_path` is a shipped config's name (see
 /// [`SHIPPED_CONFIGS`]) or a path to a `config.json` (or a directory holding one). The same
 /// `seed` gives the same weights.
+///
+/// `NAME:PRECISION` (e.g. `llama-3-8b:w4a16-g128`, `llama-3-8b:w8a8`) gives the linear layers
+/// of the blocks in that precision instead, each random row quantized round-to-nearest, so
+/// quantized kernels can be run and timed at a model's real shapes without its checkpoint.
 pub fn open_dummy(name_or_path: &str, seed: u64) -> Result<ModelFiles> {
+    let (name_or_path, quant) = match name_or_path.rsplit_once(':') {
+        Some((name, spec)) if !spec.contains('/') && !spec.contains('\\') => {
+            let spec: nibble_precision::PrecisionSpec = spec.parse()?;
+            (name, spec.linear.linear_format(0))
+        }
+        _ => (name_or_path, None),
+    };
     let (text, origin, path) = match shipped_config(name_or_path) {
         Some(text) => (
             text.to_string(),
@@ -83,12 +95,13 @@ pub fn open_dummy(name_or_path: &str, seed: u64) -> Result<ModelFiles> {
     let config = ModelConfig::from_hf_json(&text, &origin)?;
     let layout = hf_layout(&text, config.arch, &origin)?;
     let tokenizer = byte_level_tokenizer(config.vocab_size)?;
-    let source = DummySource::new(
+    let mut source = DummySource::new(
         &config,
         &layout,
         seed,
         format!("dummy weights for {origin} (seed {seed})"),
     );
+    source.quantize = quant;
     Ok(ModelFiles {
         path,
         config,
@@ -191,6 +204,8 @@ pub struct DummySource {
     seed: u64,
     origin: String,
     tensors: HashMap<String, (Vec<usize>, Init)>,
+    /// Linear layers of the blocks in this format (RTN of the random rows) instead of BF16.
+    pub quantize: Option<LinearFormat>,
 }
 
 impl DummySource {
@@ -226,6 +241,7 @@ impl DummySource {
             seed,
             origin: origin.into(),
             tensors,
+            quantize: None,
         }
     }
 
@@ -248,6 +264,31 @@ impl TensorSource for DummySource {
             .par_chunks_mut(cols * 2)
             .enumerate()
             .for_each(|(row, out)| fill_row(key, row, out, *init));
+        if let Some(format) = self.quantize
+            && shape.len() == 2
+            && name.starts_with("model.layers.")
+            && let Ok(rb) = format.row_bytes(cols)
+        {
+            let mut q = vec![0u8; shape[0] * rb];
+            let ok = q
+                .par_chunks_mut(rb)
+                .zip(bytes.par_chunks(cols * 2))
+                .all(|(out, row)| {
+                    let vals: Vec<f32> = row
+                        .chunks_exact(2)
+                        .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                        .collect();
+                    format.codec.quantize_row(&vals, 1.0, out).is_ok()
+                });
+            if ok {
+                return Some(HostTensor {
+                    name: name.to_string(),
+                    shape: shape.clone(),
+                    format: WeightFormat::Quant(format),
+                    bytes: TensorBytes::Owned(std::sync::Arc::new(q)),
+                });
+            }
+        }
         Some(HostTensor {
             name: name.to_string(),
             shape: shape.clone(),
@@ -571,5 +612,18 @@ mod tests {
         let (mean, std) = stats(&v[..1 << 20]);
         let want = 1.0 / 14336f64.sqrt();
         assert!(mean.abs() < 0.02 * want && (std / want - 1.0).abs() < 0.02);
+    }
+
+    #[test]
+    fn a_precision_suffix_quantizes_the_block_linears() {
+        let files = open_dummy("tiny-dummy:w8a8", 1).unwrap();
+        let q = files
+            .source
+            .get("model.layers.0.self_attn.q_proj.weight")
+            .unwrap();
+        assert_eq!(q.format.to_string(), "int8-pc/a8");
+        let e = files.source.get("model.embed_tokens.weight").unwrap();
+        assert_eq!(e.format, WeightFormat::Ggml(GgmlType::BF16));
+        assert!(open_dummy("tiny-dummy:w9a9", 1).is_err());
     }
 }

@@ -317,3 +317,43 @@ fn split_k_is_deterministic_and_layers_that_cannot_pack_run_dequantized() {
     let y = host(&g, &g.linear(&x, &w, None).unwrap());
     assert!(y.iter().all(|v| v.is_finite()));
 }
+
+fn dummy_engine<B: Backend>(backend: B, name: &str) -> Engine<B> {
+    let files = nibble_model::dummy::open_dummy(name, 3).unwrap();
+    let model = Transformer::load(&backend, files.config, &*files.source, &mut |_, _| {}).unwrap();
+    Engine {
+        backend,
+        model,
+        tokenizer: files.tokenizer,
+    }
+}
+
+/// A whole model with W4A16 and W8A8 linear layers (random weights quantized round-to-nearest)
+/// decodes on the GPU's quantized kernels (fused INT8 quantization and CUDA graphs included)
+/// what the CPU's reference kernels decode: logits along the CPU's greedy path within 3e-2, the
+/// same token wherever the CPU's choice is not a near-tie.
+#[test]
+fn quantized_models_match_cpu() {
+    const STEPS: usize = 24;
+    for spec in ["w4a16-g64", "w4a16-g32", "w8a8"] {
+        let name = format!("tiny-dummy:{spec}");
+        let c = dummy_engine(cpu(), &name);
+        let g = dummy_engine(gpu(Dtype::Bf16), &name);
+        assert!(g.backend.weight_bytes() > 0);
+        let prompt: Vec<u32> = "Quantized kernels".bytes().map(u32::from).collect();
+        let path = [prompt.clone(), greedy(&c, &prompt, STEPS)].concat();
+        let want = decode_logits(&c, &path, prompt.len());
+        let got = decode_logits(&g, &path, prompt.len());
+        for (step, (w, gl)) in want.iter().zip(&got).enumerate() {
+            check(&format!("{name} step {step} logits"), gl, w, 3e-2);
+            let (cpu_tok, gap) = top2(w);
+            if gap > 0.05 {
+                assert_eq!(top2(gl).0, cpu_tok, "{name} step {step}: gap {gap}");
+            }
+        }
+        let free = greedy(&g, &prompt, STEPS);
+        assert_eq!(free.len(), STEPS);
+        let (replays, _) = g.backend.graph_counts();
+        assert!(replays >= 20, "{name}: {replays} graph replays");
+    }
+}
