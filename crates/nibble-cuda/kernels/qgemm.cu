@@ -20,7 +20,7 @@
 // subtraction and one rounding, the dequantized reference's value.
 //
 // Two kernels per format:
-//   *_gemv (M <= 16, decode): the CTA's slice of the activations is staged in shared memory
+//   *_gemv{1,2,4} (M <= 8, 16, 32: decode and small batches): the CTA's slice of the activations is staged in shared memory
 //     once; each warp owns one 16-row tile over that K range and streams its weights with
 //     L1-bypassing 16-byte loads, software-pipelined in registers (the next U chunks load while
 //     the current U are dequantized and multiplied); CTAs split K (grid.y) and the last CTA of a
@@ -377,6 +377,20 @@ __device__ void w4a16_tiled_impl(const uint4* __restrict__ codes, const uint2* _
         w4a16_gemv_impl<T, 2, 4>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
                                  chunks, groups, group_len, group_shift, cps);                                   \
     }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv4_##SUFFIX(                \
+        const uint4* codes, const uint2* params, const T* x, long ldx, float* y, long ldy,          \
+        float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
+        int group_len, int group_shift, int cps) {                                                  \
+        w4a16_gemv_impl<T, 4, 2>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
+                                 chunks, groups, group_len, group_shift, cps);                      \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv4_h_##SUFFIX(              \
+        const uint4* codes, const uint2* params, const T* x, long ldx, T* y, long ldy,              \
+        float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
+        int group_len, int group_shift, int cps) {                                                  \
+        w4a16_gemv_impl<T, 4, 2>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
+                                 chunks, groups, group_len, group_shift, cps);                      \
+    }                                                                                               \
     extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv1_h_##SUFFIX(                \
         const uint4* codes, const uint2* params, const T* x, long ldx, T* y, long ldy,              \
         float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
@@ -547,6 +561,13 @@ __device__ void w8a8_tiled_impl(const uint4* __restrict__ codes, const float* __
         OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, \
         int cps) {                                                                                  \
         w8a8_gemv_impl<2, 4>(codes, sw, x, ldx, sx, y, ldy, partial, counters, M, N, K, tiles,      \
+                             chunks, cps);                                                          \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w8a8_gemv4_##SUFFIX(                   \
+        const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
+        OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, \
+        int cps) {                                                                                  \
+        w8a8_gemv_impl<4, 2>(codes, sw, x, ldx, sx, y, ldy, partial, counters, M, N, K, tiles,      \
                              chunks, cps);                                                          \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w8a8_tiled_##SUFFIX(                \

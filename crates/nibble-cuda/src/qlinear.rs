@@ -4,8 +4,8 @@
 //!
 //! | format | kernels | activations |
 //! |---|---|---|
-//! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_gemv{1,2}`, `w4a16_tiled` | model dtype |
-//! | `int8-pc/a8` (w8a8) | `w8a8_gemv{1,2}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
+//! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_gemv{1,2,4}`, `w4a16_tiled` | model dtype |
+//! | `int8-pc/a8` (w8a8) | `w8a8_gemv{1,2,4}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
 //!
 //! Other quantized formats load dequantized to the model dtype and run on cuBLAS.
 
@@ -18,7 +18,7 @@ use crate::pack::{self, PackedW4, PackedW8, W4Matrix};
 use crate::runtime::{Arg, DeviceBuffer};
 
 /// Largest M the gemv (decode) kernels take; larger batches run the tiled kernels.
-pub const GEMV_MAX_M: usize = 16;
+pub const GEMV_MAX_M: usize = 32;
 /// Dynamic shared memory of the tiled kernels (4 stages).
 pub const W4_TILED_SMEM: u32 = 4 * (5120 + 128 * 144);
 pub const W8_TILED_SMEM: u32 = 4 * (8192 + 128 * 64);
@@ -194,21 +194,41 @@ impl Packed {
     }
 }
 
-/// Split-K plan of a gemv launch: `(row blocks, splits, chunks per split)`. Enough CTAs for two
-/// per SM, at least two chunks per split, at most 16 splits, and a CTA's activation slice (`m`
-/// tokens of `x_bytes` bytes per 64-channel chunk) within 48 KB of shared memory.
+/// Split-K plan of a gemv launch: `(row blocks, splits, chunks per split)`. The split count
+/// (1 to 16, at least 4 chunks per split) makes the grid fill whole waves of `resident` CTAs on
+/// each of `sms` SMs as nearly as it can (a partial last wave idles most of the GPU for a whole
+/// CTA's time), fewer splits winning ties; a CTA's activation slice (`m` tokens of `x_bytes`
+/// bytes per 64-channel chunk) must fit in 48 KB of shared memory.
 pub fn plan_gemv(
     tiles: usize,
     chunks: usize,
     sms: usize,
+    resident: usize,
     m: usize,
     x_bytes: usize,
 ) -> (usize, usize, usize) {
     let blocks = tiles.div_ceil(8);
-    let want = (2 * sms).div_ceil(blocks).clamp(1, 16);
+    let capacity = (sms * resident.max(1)) as f64;
     let fit = ((GEMV_SMEM / m.max(1)).saturating_sub(128) / x_bytes).max(1);
-    let cps = chunks.div_ceil(want).max(2.min(chunks)).clamp(1, fit);
-    (blocks, chunks.div_ceil(cps), cps)
+    let mut best = (f64::MIN, 1, chunks.min(fit));
+    for want in 1..=16 {
+        let cps = chunks.div_ceil(want).clamp(1, fit);
+        let splits = chunks.div_ceil(cps);
+        if splits > 1 && cps < 4.min(chunks) {
+            continue;
+        }
+        let waves = (blocks * splits) as f64 / capacity;
+        let score = waves / waves.ceil() - 0.002 * splits as f64;
+        if score > best.0 + 1e-9 {
+            best = (score, splits, cps);
+        }
+    }
+    (blocks, best.1, best.2)
+}
+
+/// The gemv variant for `m` tokens: 1, 2 or 4 tiles of 8 tokens.
+fn token_tiles(m: usize) -> usize {
+    m.div_ceil(8).next_power_of_two()
 }
 
 /// Shared memory a gemv CTA may use for its activation slice.
@@ -287,7 +307,7 @@ impl CudaBackend {
                 let geo = [m, n, k, *tiles, *chunks, *groups, *group_len];
                 let h = if out_half { "_h" } else { "" };
                 if m <= GEMV_MAX_M {
-                    let name = format!("w4a16_gemv{}{h}_{sfx}", if m <= 8 { 1 } else { 2 });
+                    let name = format!("w4a16_gemv{}{h}_{sfx}", token_tiles(m));
                     let shift = if group_len.is_power_of_two() {
                         group_len.trailing_zeros() as i32
                     } else {
@@ -325,7 +345,7 @@ impl CudaBackend {
                 let geo = [m, n, k, *tiles, *chunks];
                 let o = if out_half { sfx } else { "f32" };
                 if m <= GEMV_MAX_M {
-                    let name = format!("w8a8_gemv{}_{o}", if m <= 8 { 1 } else { 2 });
+                    let name = format!("w8a8_gemv{}_{o}", token_tiles(m));
                     let geo = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
                     self.launch_gemv(&name, head, geo, *tiles, *chunks, m, 64)
                 } else {
@@ -353,7 +373,18 @@ impl CudaBackend {
         m: usize,
         x_bytes: usize,
     ) -> Result<()> {
-        let (blocks, splits, cps) = plan_gemv(tiles, chunks, self.gpu.sm_count, m, x_bytes);
+        let kernel = self.kernel(name)?;
+        let resident = unsafe {
+            cudarc::driver::result::occupancy::max_active_block_per_multiprocessor(
+                kernel.func,
+                256,
+                GEMV_SMEM,
+            )
+        }
+        .unwrap_or(2)
+        .max(1) as usize;
+        let (blocks, splits, cps) =
+            plan_gemv(tiles, chunks, self.gpu.sm_count, resident, m, x_bytes);
         let partial = if splits > 1 {
             self.alloc(splits * m, tiles * 16, Elem::F32)?.ptr
         } else {
@@ -363,7 +394,7 @@ impl CudaBackend {
         args.push(Arg::Ptr(self.split_counters()));
         args.extend(geo);
         args.push(Arg::I32(cps as i32));
-        self.kernel(name)?.launch(
+        kernel.launch(
             &self.gpu,
             (blocks as u32, splits as u32, 1),
             256,
@@ -403,7 +434,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn gemv_plans_fill_the_gpu_and_cover_k() {
+    fn gemv_plans_fill_whole_waves_and_cover_k() {
         for (tiles, chunks) in [
             (256, 64),
             (256, 224),
@@ -413,25 +444,22 @@ mod tests {
             (1, 1),
             (36, 9),
         ] {
-            let (blocks, splits, cps) = plan_gemv(tiles, chunks, 132, 16, 128);
-            assert!(gemv_smem(16, cps, 128) <= GEMV_SMEM && gemv_smem(16, cps, 64) <= GEMV_SMEM);
-            assert_eq!(blocks, tiles.div_ceil(8));
-            assert!(
-                splits * cps >= chunks && (splits - 1) * cps < chunks,
-                "{tiles} {chunks}"
-            );
-            assert!(splits <= 16);
-            assert!(
-                blocks * splits >= 264
-                    || splits == chunks.div_ceil(2).max(1)
-                    || splits == 16
-                    || cps * splits >= chunks
-            );
+            for m in [1, 9, 16] {
+                let (blocks, splits, cps) = plan_gemv(tiles, chunks, 132, 3, m, 128);
+                assert_eq!(blocks, tiles.div_ceil(8));
+                assert!(
+                    splits * cps >= chunks && (splits - 1) * cps < chunks,
+                    "{tiles} {chunks}"
+                );
+                assert!(splits <= 16 && (splits == 1 || cps >= 4.min(chunks)));
+                assert!(gemv_smem(m, cps, 128) <= GEMV_SMEM && gemv_smem(m, cps, 64) <= GEMV_SMEM);
+            }
         }
-        assert_eq!(plan_gemv(256, 64, 132, 1, 128), (32, 8, 8));
-        assert_eq!(plan_gemv(1792, 64, 132, 1, 128), (224, 2, 32));
-        // Sixteen tokens of a 14336-wide input: the slice caps the chunks per split.
-        assert_eq!(plan_gemv(256, 224, 132, 16, 128), (32, 10, 23));
+        // Llama-3-8B's gate/up at batch 1: 224 row blocks; 7 splits fill 4 waves of 396 CTAs
+        // (99%) where 2 splits would leave the second of two waves 13% full.
+        assert_eq!(plan_gemv(1792, 64, 132, 3, 1, 128), (224, 7, 10));
+        // o_proj: 32 row blocks, one wave of 352 CTAs.
+        assert_eq!(plan_gemv(256, 64, 132, 3, 1, 128), (32, 11, 6));
     }
 
     #[test]

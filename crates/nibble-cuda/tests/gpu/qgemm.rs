@@ -150,6 +150,8 @@ fn w8a8_is_bit_exact_with_the_integer_reference() {
             (9, 192, 576),
             (16, 1536, 576),
             (17, 130, 1536),
+            (32, 576, 576),
+            (33, 192, 208),
             (100, 576, 1536),
             (257, 300, 64),
             (130, 4096, 4096),
@@ -218,6 +220,8 @@ fn w4a16_matches_the_dequantized_reference() {
                 (9, 192, 640),
                 (16, 1536, 576),
                 (17, 130, 1536),
+                (32, 64, 384),
+                (33, 100, 640),
                 (129, 576, 1536),
                 (300, 4096, 4096),
             ] {
@@ -260,7 +264,7 @@ fn quantized_gemms_on_real_layer_shapes() {
         (4096, 4096, &[7, 8192]),
         (28672, 4096, &[1, 1024]),
         (4096, 14336, &[1, 16, 1024]),
-        (24576, 4096, &[3, 333]),
+        (24576, 4096, &[3, 24, 333]),
         (4096, 12288, &[1]),
         (10240, 8192, &[16]),
         (8192, 28672, &[1, 2048]),
@@ -330,8 +334,10 @@ fn dummy_engine<B: Backend>(backend: B, name: &str) -> Engine<B> {
 
 /// A whole model with W4A16 and W8A8 linear layers (random weights quantized round-to-nearest)
 /// decodes on the GPU's quantized kernels (fused INT8 quantization and CUDA graphs included)
-/// what the CPU's reference kernels decode: logits along the CPU's greedy path within 3e-2, the
-/// same token wherever the CPU's choice is not a near-tie.
+/// what the CPU's reference kernels decode: logits along the CPU's greedy path within 3e-2 (5e-2
+/// for W8A8: the GPU quantizes the bf16 output of RMSNorm / SiLU-gate, the CPU its f32 value, so
+/// a few codes differ by one step in every layer), the same token wherever the CPU's choice is
+/// not a near-tie.
 #[test]
 fn quantized_models_match_cpu() {
     const STEPS: usize = 24;
@@ -345,7 +351,8 @@ fn quantized_models_match_cpu() {
         let want = decode_logits(&c, &path, prompt.len());
         let got = decode_logits(&g, &path, prompt.len());
         for (step, (w, gl)) in want.iter().zip(&got).enumerate() {
-            check(&format!("{name} step {step} logits"), gl, w, 3e-2);
+            let bound = if spec == "w8a8" { 5e-2 } else { 3e-2 };
+            check(&format!("{name} step {step} logits"), gl, w, bound);
             let (cpu_tok, gap) = top2(w);
             if gap > 0.05 {
                 assert_eq!(top2(gl).0, cpu_tok, "{name} step {step}: gap {gap}");
