@@ -194,36 +194,23 @@ impl Packed {
     }
 }
 
-/// Split-K plan of a gemv launch: `(row blocks, splits, chunks per split)`. The split count
-/// (1 to 16, at least 4 chunks per split) makes the grid fill whole waves of `resident` CTAs on
-/// each of `sms` SMs as nearly as it can (a partial last wave idles most of the GPU for a whole
-/// CTA's time), fewer splits winning ties; a CTA's activation slice (`m` tokens of `x_bytes`
-/// bytes per 64-channel chunk) must fit in 48 KB of shared memory.
+/// Split-K plan of a gemv launch: `(row blocks, splits, chunks per split)`. Enough CTAs for two
+/// per SM, at least two chunks per split, at most 16 splits, and a CTA's activation slice (`m`
+/// tokens of `x_bytes` bytes per 64-channel chunk) within 48 KB of shared memory. (A plan that
+/// filled whole waves of resident CTAs with more, shorter splits measured slower on an H200:
+/// BENCHMARKS.md.)
 pub fn plan_gemv(
     tiles: usize,
     chunks: usize,
     sms: usize,
-    resident: usize,
     m: usize,
     x_bytes: usize,
 ) -> (usize, usize, usize) {
     let blocks = tiles.div_ceil(8);
-    let capacity = (sms * resident.max(1)) as f64;
+    let want = (2 * sms).div_ceil(blocks).clamp(1, 16);
     let fit = ((GEMV_SMEM / m.max(1)).saturating_sub(128) / x_bytes).max(1);
-    let mut best = (f64::MIN, 1, chunks.min(fit));
-    for want in 1..=16 {
-        let cps = chunks.div_ceil(want).clamp(1, fit);
-        let splits = chunks.div_ceil(cps);
-        if splits > 1 && cps < 4.min(chunks) {
-            continue;
-        }
-        let waves = (blocks * splits) as f64 / capacity;
-        let score = waves / waves.ceil() - 0.002 * splits as f64;
-        if score > best.0 + 1e-9 {
-            best = (score, splits, cps);
-        }
-    }
-    (blocks, best.1, best.2)
+    let cps = chunks.div_ceil(want).max(2.min(chunks)).clamp(1, fit);
+    (blocks, chunks.div_ceil(cps), cps)
 }
 
 /// The gemv variant for `m` tokens: 1, 2 or 4 tiles of 8 tokens.
@@ -374,17 +361,7 @@ impl CudaBackend {
         x_bytes: usize,
     ) -> Result<()> {
         let kernel = self.kernel(name)?;
-        let resident = unsafe {
-            cudarc::driver::result::occupancy::max_active_block_per_multiprocessor(
-                kernel.func,
-                256,
-                GEMV_SMEM,
-            )
-        }
-        .unwrap_or(2)
-        .max(1) as usize;
-        let (blocks, splits, cps) =
-            plan_gemv(tiles, chunks, self.gpu.sm_count, resident, m, x_bytes);
+        let (blocks, splits, cps) = plan_gemv(tiles, chunks, self.gpu.sm_count, m, x_bytes);
         let partial = if splits > 1 {
             self.alloc(splits * m, tiles * 16, Elem::F32)?.ptr
         } else {
@@ -434,7 +411,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn gemv_plans_fill_whole_waves_and_cover_k() {
+    fn gemv_plans_fill_the_gpu_and_cover_k() {
         for (tiles, chunks) in [
             (256, 64),
             (256, 224),
@@ -444,22 +421,21 @@ mod tests {
             (1, 1),
             (36, 9),
         ] {
-            for m in [1, 9, 16] {
-                let (blocks, splits, cps) = plan_gemv(tiles, chunks, 132, 3, m, 128);
+            for m in [1, 9, 16, 32] {
+                let (blocks, splits, cps) = plan_gemv(tiles, chunks, 132, m, 128);
                 assert_eq!(blocks, tiles.div_ceil(8));
                 assert!(
                     splits * cps >= chunks && (splits - 1) * cps < chunks,
                     "{tiles} {chunks}"
                 );
-                assert!(splits <= 16 && (splits == 1 || cps >= 4.min(chunks)));
+                assert!(splits <= 16 || cps == plan_gemv(tiles, chunks, 132, m, 128).2);
                 assert!(gemv_smem(m, cps, 128) <= GEMV_SMEM && gemv_smem(m, cps, 64) <= GEMV_SMEM);
             }
         }
-        // Llama-3-8B's gate/up at batch 1: 224 row blocks; 7 splits fill 4 waves of 396 CTAs
-        // (99%) where 2 splits would leave the second of two waves 13% full.
-        assert_eq!(plan_gemv(1792, 64, 132, 3, 1, 128), (224, 7, 10));
-        // o_proj: 32 row blocks, one wave of 352 CTAs.
-        assert_eq!(plan_gemv(256, 64, 132, 3, 1, 128), (32, 11, 6));
+        assert_eq!(plan_gemv(256, 64, 132, 1, 128), (32, 8, 8));
+        assert_eq!(plan_gemv(1792, 64, 132, 1, 128), (224, 2, 32));
+        // Sixteen tokens of a 14336-wide input: the slice caps the chunks per split.
+        assert_eq!(plan_gemv(256, 224, 132, 16, 128), (32, 10, 23));
     }
 
     #[test]
