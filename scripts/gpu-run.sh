@@ -53,6 +53,7 @@ if [ -n "$qgemm" ]; then
   done
   step serve-w4a16 bash scripts/gpu-serve-check.sh "$stage/nibble" llama-3-8b:w4a16-g128
   tail -4 "$out/serve-w4a16.log"
+  python3 bench/qgemm_report.py "$out" > /dev/null || status=1
   tar czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
   exit $status
 fi
@@ -76,6 +77,7 @@ if [ -z "$tests_only" ]; then
   step serve bash scripts/gpu-serve-check.sh "$stage/nibble"
   tail -8 "$out/serve.log"
   python3 bench/gpu_report.py "$out" > /dev/null || status=1
+  python3 bench/qgemm_report.py "$out" > /dev/null || status=1
 fi
 # Logs go back as one archive (the device tool returns at most 8 files).
 tar czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Turns one quantized-GEMM run (scripts/gpu-run.sh OUTDIR --qgemm, or a full run) into the
+BENCHMARKS.md tables, the goal lines of the quantized-GEMM issue, and a roofline plot per shape
+class (decode, M <= 16; prefill, M >= 1024).
+
+    python3 bench/qgemm_report.py OUTDIR     # writes OUTDIR/report-qgemm.md and OUTDIR/qgemm.png
+
+Every ratio compares numbers from the same run on the same GPU: nibble's gpu-bench.json
+(`qgemm`, `engine_precisions`) and PyTorch's gpu-peer.json (`qgemm`), with the ceilings (HBM
+bandwidth, cuBLAS BF16 rate) measured at the start of the run. "cuBLAS BF16" is PyTorch's
+`x @ w.t()` (bf16 output, as the quantized kernels' outputs here).
+"""
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def geomean(v):
+    v = [x for x in v if x > 0]
+    return math.exp(sum(math.log(x) for x in v) / len(v)) if v else float("nan")
+
+
+def main():
+    out = Path(sys.argv[1])
+    ours = json.loads((out / "gpu-bench.json").read_text())
+    peer = json.loads((out / "gpu-peer.json").read_text())
+    device = (out / "device.txt").read_text().strip() if (out / "device.txt").exists() else ""
+    bw, peak = ours["hbm_bytes_per_s"], ours["cublas_bf16_flops"]
+    pk = {(r["n"], r["k"], r["m"]): r for r in peer["qgemm"]}
+    us = lambda ms: f"{ms * 1e3:.1f}" if ms == ms else "-"  # noqa: E731
+    lines = ["```", device, "```", "",
+             f"HBM {bw / 1e12:.2f} TB/s (device copy), cuBLAS BF16 {peak / 1e12:.0f} TFLOP/s (8192³).",
+             "", "Times in µs; ratios are cuBLAS BF16 time over the kernel's time (higher is faster).",
+             "", "| N x K | M | cuBLAS BF16 | nibble W4A16 | torch int4 | nibble W8A8 | W8A8 + act. quant | torch int8 | torch fp8 | W4A16 ratio | W8A8 ratio | W4A16 % HBM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    small4, small8, big4, big8, hbm_large = [], [], [], [], []
+    for r in ours["qgemm"]:
+        key = (r["n"], r["k"], r["m"])
+        p = pk.get(key, {})
+        bf = p.get("bf16_ms", float("nan"))
+        r4, r8 = bf / r["w4a16_ms"], bf / r["w8a8_ms"]
+        if r["m"] <= 16:
+            small4.append(r4)
+            small8.append(r8)
+            if (r["n"], r["k"]) in [(28672, 4096), (4096, 14336)]:
+                hbm_large.append((key, r["w4a16_hbm_fraction"]))
+        if r["m"] >= 1024:
+            big4.append(r4)
+            big8.append(r8)
+        lines.append(
+            f"| {r['n']} x {r['k']} | {r['m']} | {us(bf)} | {us(r['w4a16_ms'])} | {us(p.get('int4_ms', float('nan')))} "
+            f"| {us(r['w8a8_ms'])} | {us(r['w8a8_with_quant_ms'])} | {us(p.get('int8_ms', float('nan')))} "
+            f"| {us(p.get('fp8_ms', float('nan')))} | {r4:.2f}x | {r8:.2f}x | {100 * r['w4a16_hbm_fraction']:.0f}% |")
+    g_small4 = geomean(small4)
+    lines += ["", "| goal | measured | met |", "|---|---|---|",
+              f"| W4A16, M <= 16: >= 3.3x cuBLAS BF16 (geomean over the 4 layer shapes) | {g_small4:.2f}x | {'yes' if g_small4 >= 3.3 else 'no'} |"]
+    for key, f in hbm_large:
+        lines.append(f"| W4A16 {key[0]}x{key[1]} M={key[2]}: >= 85% of HBM bandwidth in weight bytes | {100 * f:.0f}% | {'yes' if f >= 0.85 else 'no'} |")
+    lines.append(f"| W4A16, M >= 1024: >= 0.95x cuBLAS BF16 | {min(big4):.2f}x to {max(big4):.2f}x | {'yes' if min(big4) >= 0.95 else 'no'} |")
+    lines.append(f"| W8A8, M >= 1024: >= 1.6x cuBLAS BF16 | {min(big8):.2f}x to {max(big8):.2f}x | {'yes' if min(big8) >= 1.6 else 'no'} |")
+    eng = ours.get("engine_precisions", [])
+    if eng:
+        base = {r["batch"]: r["tokens_per_s"] for r in eng if r["precision"] == "bf16"}
+        lines += ["", "Decode steps of Llama-3-8B-shaped models with random weights (ctx 1024, CUDA graphs, host sampling excluded):", "",
+                  "| precision | weights GB | batch | step ms | tokens/s | vs BF16 | of floor |", "|---|---|---|---|---|---|---|"]
+        for r in eng:
+            lines.append(f"| {r['precision']} | {r['weight_bytes'] / 1e9:.2f} | {r['batch']} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} "
+                         f"| {r['tokens_per_s'] / base.get(r['batch'], float('nan')):.2f}x | {100 * r['of_floor']:.0f}% |")
+    (out / "report-qgemm.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, (title, sel) in zip(axes, [("decode, M <= 16", lambda m: m <= 16), ("prefill, M >= 1024", lambda m: m >= 1024)]):
+        xs = [10 ** (i / 20) for i in range(-20, 100)]
+        ax.plot(xs, [min(peak, x * bw) / 1e12 for x in xs], "k-", lw=1, label="roofline (BF16 peak, HBM)")
+        series = {"cuBLAS BF16": ("bf16_ms", "o", 2.0), "nibble W4A16": ("w4a16_ms", "s", None),
+                  "nibble W8A8": ("w8a8_ms", "^", 1.0), "torch int4": ("int4_ms", "x", 0.5 + 3 / 128),
+                  "torch fp8": ("fp8_ms", "d", 1.0)}
+        for name, (field, marker, bpe) in series.items():
+            pts = []
+            for r in ours["qgemm"]:
+                if not sel(r["m"]):
+                    continue
+                src = r if field in r else pk.get((r["n"], r["k"], r["m"]), {})
+                t = src.get(field)
+                if not t:
+                    continue
+                flops = 2 * r["m"] * r["n"] * r["k"]
+                wbytes = r["w4a16_weight_bytes"] if bpe is None else r["n"] * r["k"] * bpe
+                byts = wbytes + 2 * r["m"] * (r["n"] + r["k"])
+                pts.append((flops / byts, flops / (t / 1e3) / 1e12))
+            if pts:
+                ax.scatter(*zip(*pts), marker=marker, label=name)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"Llama-3-8B layers, {title}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "qgemm.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
