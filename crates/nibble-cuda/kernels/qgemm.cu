@@ -362,61 +362,31 @@ __device__ void w4a16_tiled_impl(const uint4* __restrict__ codes, const uint2* _
         store_tile<8>(acc[a], (tile0 + wn * 2 + a) * 16, m0 + wm * 64, M, N, y, ldy, W4Epilogue{});
 }
 
-#define NIBBLE_W4A16(SUFFIX, T)                                                                   \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv1_##SUFFIX(                  \
-        const uint4* codes, const uint2* params, const T* x, long ldx, float* y, long ldy,          \
+// Entry points: gemv{1,2,4} = 8, 16, 32-token variants; `_h` writes the model dtype instead of f32.
+#define W4A16_GEMV_ENTRY(NAME, T, TT, U, OUT)                                                      \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) NAME(                               \
+        const uint4* codes, const uint2* params, const T* x, long ldx, OUT* y, long ldy,            \
         float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
         int group_len, int group_shift, int cps) {                                                  \
-        w4a16_gemv_impl<T, 1, 4>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
-                                 chunks, groups, group_len, group_shift, cps);                                   \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv2_##SUFFIX(                  \
-        const uint4* codes, const uint2* params, const T* x, long ldx, float* y, long ldy,          \
-        float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
-        int group_len, int group_shift, int cps) {                                                  \
-        w4a16_gemv_impl<T, 2, 4>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
-                                 chunks, groups, group_len, group_shift, cps);                                   \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv4_##SUFFIX(                \
-        const uint4* codes, const uint2* params, const T* x, long ldx, float* y, long ldy,          \
-        float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
-        int group_len, int group_shift, int cps) {                                                  \
-        w4a16_gemv_impl<T, 4, 2>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
-                                 chunks, groups, group_len, group_shift, cps);                      \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv4_h_##SUFFIX(              \
-        const uint4* codes, const uint2* params, const T* x, long ldx, T* y, long ldy,              \
-        float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
-        int group_len, int group_shift, int cps) {                                                  \
-        w4a16_gemv_impl<T, 4, 2>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
-                                 chunks, groups, group_len, group_shift, cps);                      \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv1_h_##SUFFIX(                \
-        const uint4* codes, const uint2* params, const T* x, long ldx, T* y, long ldy,              \
-        float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
-        int group_len, int group_shift, int cps) {                                                  \
-        w4a16_gemv_impl<T, 1, 4>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
-                                 chunks, groups, group_len, group_shift, cps);                                   \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_gemv2_h_##SUFFIX(                \
-        const uint4* codes, const uint2* params, const T* x, long ldx, T* y, long ldy,              \
-        float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,     \
-        int group_len, int group_shift, int cps) {                                                  \
-        w4a16_gemv_impl<T, 2, 4>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles,  \
-                                 chunks, groups, group_len, group_shift, cps);                                   \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_tiled_##SUFFIX(               \
-        const uint4* codes, const uint2* params, const T* x, long ldx, float* y, long ldy, int M,   \
-        int N, int K, int tiles, int chunks, int groups, int group_len) {                           \
-        w4a16_tiled_impl<T>(codes, params, x, ldx, y, ldy, M, N, K, tiles, chunks, groups,          \
-                            group_len);                                                             \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w4a16_tiled_h_##SUFFIX(             \
-        const uint4* codes, const uint2* params, const T* x, long ldx, T* y, long ldy, int M,       \
+        w4a16_gemv_impl<T, TT, U>(codes, params, x, ldx, y, ldy, partial, counters, M, N, K, tiles, \
+                                  chunks, groups, group_len, group_shift, cps);                     \
+    }
+#define W4A16_TILED_ENTRY(NAME, T, OUT)                                                            \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) NAME(                               \
+        const uint4* codes, const uint2* params, const T* x, long ldx, OUT* y, long ldy, int M,     \
         int N, int K, int tiles, int chunks, int groups, int group_len) {                           \
         w4a16_tiled_impl<T>(codes, params, x, ldx, y, ldy, M, N, K, tiles, chunks, groups,          \
                             group_len);                                                             \
     }
+#define NIBBLE_W4A16(SUFFIX, T)                                   \
+    W4A16_GEMV_ENTRY(w4a16_gemv1_##SUFFIX, T, 1, 4, float)        \
+    W4A16_GEMV_ENTRY(w4a16_gemv2_##SUFFIX, T, 2, 4, float)        \
+    W4A16_GEMV_ENTRY(w4a16_gemv4_##SUFFIX, T, 4, 2, float)        \
+    W4A16_GEMV_ENTRY(w4a16_gemv1_h_##SUFFIX, T, 1, 4, T)          \
+    W4A16_GEMV_ENTRY(w4a16_gemv2_h_##SUFFIX, T, 2, 4, T)          \
+    W4A16_GEMV_ENTRY(w4a16_gemv4_h_##SUFFIX, T, 4, 2, T)          \
+    W4A16_TILED_ENTRY(w4a16_tiled_##SUFFIX, T, float)             \
+    W4A16_TILED_ENTRY(w4a16_tiled_h_##SUFFIX, T, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W4A16)
 
 // ---------------------------------------------------------------------------------------------
@@ -548,28 +518,18 @@ __device__ void w8a8_tiled_impl(const uint4* __restrict__ codes, const float* __
         store_tile<8>(acc[a], (tile0 + wn * 2 + a) * 16, m0 + wm * 64, M, N, y, ldy, W8Epilogue{sx, sw});
 }
 
+#define W8A8_GEMV_ENTRY(NAME, TT, U, OUT)                                                          \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) NAME(                               \
+        const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
+        OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, \
+        int cps) {                                                                                  \
+        w8a8_gemv_impl<TT, U>(codes, sw, x, ldx, sx, y, ldy, partial, counters, M, N, K, tiles,     \
+                              chunks, cps);                                                         \
+    }
 #define NIBBLE_W8A8_OUT(SUFFIX, OUT)                                                              \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w8a8_gemv1_##SUFFIX(                   \
-        const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
-        OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, \
-        int cps) {                                                                                  \
-        w8a8_gemv_impl<1, 4>(codes, sw, x, ldx, sx, y, ldy, partial, counters, M, N, K, tiles,      \
-                             chunks, cps);                                                          \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w8a8_gemv2_##SUFFIX(                   \
-        const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
-        OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, \
-        int cps) {                                                                                  \
-        w8a8_gemv_impl<2, 4>(codes, sw, x, ldx, sx, y, ldy, partial, counters, M, N, K, tiles,      \
-                             chunks, cps);                                                          \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w8a8_gemv4_##SUFFIX(                   \
-        const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
-        OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, \
-        int cps) {                                                                                  \
-        w8a8_gemv_impl<4, 2>(codes, sw, x, ldx, sx, y, ldy, partial, counters, M, N, K, tiles,      \
-                             chunks, cps);                                                          \
-    }                                                                                               \
+    W8A8_GEMV_ENTRY(w8a8_gemv1_##SUFFIX, 1, 4, OUT)                                                \
+    W8A8_GEMV_ENTRY(w8a8_gemv2_##SUFFIX, 2, 4, OUT)                                                \
+    W8A8_GEMV_ENTRY(w8a8_gemv4_##SUFFIX, 4, 2, OUT)                                                \
     extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w8a8_tiled_##SUFFIX(                \
         const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
         OUT* y, long ldy, int M, int N, int K, int tiles, int chunks) {                             \
