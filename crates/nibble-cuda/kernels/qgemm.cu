@@ -274,6 +274,26 @@ __device__ void w4a16_gemv_impl(const uint4* __restrict__ codes, const uint2* __
     split_k_finish<TT>(acc, tile, M, N, tiles * 16, partial, counters, y, ldy, W4Epilogue{});
 }
 
+// The tiled kernels' main loop: TILED_STAGES - 1 chunks in flight (cp.async groups); chunk c
+// is computed while chunks c+1 .. c+3 stream in, and chunk c+3 is issued into the slot chunk c-1
+// used, which every thread has finished with once it passes the barrier.
+template <class Load, class Compute>
+__device__ __forceinline__ void pipelined_chunks(int chunks, Load&& load, Compute&& compute) {
+#pragma unroll
+    for (int s = 0; s < TILED_STAGES - 1; ++s) {
+        if (s < chunks) load(s);
+        cp_async_commit();
+    }
+    for (int c = 0; c < chunks; ++c) {
+        cp_async_wait<TILED_STAGES - 2>();
+        __syncthreads();
+        if (c + TILED_STAGES - 1 < chunks) load(c + TILED_STAGES - 1);
+        cp_async_commit();
+        compute(c);
+    }
+    cp_async_wait<0>();
+}
+
 // Shared-memory stage of the tiled W4A16 kernel.
 #define W4T_CODES 0                      // 8 tiles x 32 lanes x 16 B
 #define W4T_PARAMS 4096                  // 8 tiles x 2 groups x 8 x 8 B
@@ -315,17 +335,7 @@ __device__ void w4a16_tiled_impl(const uint4* __restrict__ codes, const uint2* _
     };
 
     float acc[2][8][4] = {};
-#pragma unroll
-    for (int s = 0; s < TILED_STAGES - 1; ++s) {
-        if (s < chunks) load(s);
-        cp_async_commit();
-    }
-    for (int c = 0; c < chunks; ++c) {
-        cp_async_wait<TILED_STAGES - 2>();
-        __syncthreads();
-        if (c + TILED_STAGES - 1 < chunks) load(c + TILED_STAGES - 1);
-        cp_async_commit();
-
+    pipelined_chunks(chunks, load, [&](int c) {
         const unsigned char* st = smem + (c % TILED_STAGES) * W4T_STAGE;
         const int gl = (c * 64 + t * 16) / group_len - c * 64 / group_len;
         uint4 w[2];
@@ -355,8 +365,7 @@ __device__ void w4a16_tiled_impl(const uint4* __restrict__ codes, const uint2* _
                 }
             }
         }
-    }
-    cp_async_wait<0>();
+    });
 #pragma unroll
     for (int a = 0; a < 2; ++a)
         store_tile<8>(acc[a], (tile0 + wn * 2 + a) * 16, m0 + wm * 64, M, N, y, ldy, W4Epilogue{});
@@ -481,17 +490,7 @@ __device__ void w8a8_tiled_impl(const uint4* __restrict__ codes, const float* __
     };
 
     int acc[2][8][4] = {};
-#pragma unroll
-    for (int s = 0; s < TILED_STAGES - 1; ++s) {
-        if (s < chunks) load(s);
-        cp_async_commit();
-    }
-    for (int c = 0; c < chunks; ++c) {
-        cp_async_wait<TILED_STAGES - 2>();
-        __syncthreads();
-        if (c + TILED_STAGES - 1 < chunks) load(c + TILED_STAGES - 1);
-        cp_async_commit();
-
+    pipelined_chunks(chunks, load, [&](int c) {
         const unsigned char* st = smem + (c % TILED_STAGES) * W8T_STAGE;
         uint4 w[2][2];
 #pragma unroll
@@ -511,8 +510,7 @@ __device__ void w8a8_tiled_impl(const uint4* __restrict__ codes, const float* __
                 mma_s8(acc[a][b], a1, v.z, v.w);
             }
         }
-    }
-    cp_async_wait<0>();
+    });
 #pragma unroll
     for (int a = 0; a < 2; ++a)
         store_tile<8>(acc[a], (tile0 + wn * 2 + a) * 16, m0 + wm * 64, M, N, y, ldy, W8Epilogue{sx, sw});
