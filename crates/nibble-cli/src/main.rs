@@ -39,8 +39,10 @@ struct Cli {
     #[arg(long, global = true, default_value = "bf16", value_parser = parse_dtype)]
     dtype: Dtype,
     /// Random weights in a shipped shape (llama-3-8b, qwen3-8b, llama-2-7b, tiny-dummy) or a
-    /// config.json, to measure speed without a checkpoint. Output text is meaningless.
-    #[arg(long, global = true, value_name = "NAME|CONFIG")]
+    /// config.json, to measure speed without a checkpoint. Output text is meaningless. A
+    /// `:PRECISION` suffix (llama-3-8b:w4a16-g128, llama-3-8b:w8a8) quantizes the blocks' linear
+    /// layers round-to-nearest at load.
+    #[arg(long, global = true, value_name = "NAME|CONFIG[:PRECISION]")]
     dummy_weights: Option<String>,
     #[command(subcommand)]
     command: Command,

@@ -456,3 +456,32 @@ fn eval_ppl_on_held_out_sharegpt_prints_json() {
     );
     assert_clean_failure(&["--model", TINY_LLAMA, "eval", "ppl"], "--sharegpt");
 }
+
+#[test]
+fn quantized_dummy_weights_run_and_bad_precisions_are_refused() {
+    let (ok, out, err) = nibble(&[
+        "--device",
+        "cpu",
+        "--dummy-weights",
+        "tiny-dummy:w8a8",
+        "generate",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "3",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with("hi"), "{out}");
+    assert_clean_failure(
+        &[
+            "--device",
+            "cpu",
+            "--dummy-weights",
+            "tiny-dummy:w9a9",
+            "generate",
+            "--prompt",
+            "hi",
+        ],
+        "unknown weight/activation token",
+    );
+}
