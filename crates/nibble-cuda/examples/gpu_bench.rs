@@ -356,7 +356,11 @@ fn main() -> Result<()> {
         peak / 1e12
     );
     let qgemm_rows = qgemm(&be, bw, peak, quick)?;
-    let engine_rows = engine_precisions(&be, bw)?;
+    let engine_rows = if args.iter().any(|a| a == "--kernels-only") {
+        Vec::new()
+    } else {
+        engine_precisions(&be, bw)?
+    };
     if only_qgemm {
         let report = json!({
             "device": be.name(), "hbm_bytes_per_s": bw, "cublas_bf16_flops": peak,
