@@ -6,7 +6,8 @@
 //         nibble_precision::reference).
 //
 // Operand roles (swap-AB): weight rows are the MMA's M side (16-row tiles), tokens its N side
-// (8-token tiles), so a decode step of 1..16 tokens still fills the tensor core with weights.
+// (8-token tiles), so a decode step of 1..8 tokens still fills half the tensor core's work with
+// weights instead of 1/16 of it.
 //
 // Data layout: weights are packed offline (src/pack.rs, derived from the PTX fragment layout) as
 // [tile][chunk of 64 K][lane] fragments: 16 B per lane per chunk for INT4 (one u32 per k16 step),
@@ -20,8 +21,8 @@
 // subtraction and one rounding, the dequantized reference's value.
 //
 // Two kernels per format:
-//   *_gemv{1,2,4} (M <= 8, 16, 32: decode and small batches): the CTA's slice of the activations is staged in shared memory
-//     once; each warp owns one 16-row tile over that K range and streams its weights with
+//   *_gemv{1,2,4} (M <= 8, 16, 32: decode and small batches): the CTA's slice of the
+//     activations is staged in shared memory once; each warp owns one 16-row tile over that K range and streams its weights with
 //     L1-bypassing 16-byte loads, software-pipelined in registers (the next U chunks load while
 //     the current U are dequantized and multiplied); CTAs split K (grid.y) and the last CTA of a
 //     row block sums the f32 (i32 for W8A8) partials in split order, so results are
@@ -31,6 +32,8 @@
 //     and multiplied), weights read from shared memory with one 16-byte load per lane per chunk.
 //     Activation rows are padded (f16: 144 B) or not (INT8: 64 B) so B-fragment loads are free
 //     of bank conflicts.
+// This is the mma.sync tier only: the Hopper tier (wgmma, TMA, warp specialization) is not
+// written yet; BENCHMARKS.md has where these kernels stand against cuBLAS.
 
 #define QG_WARPS 8
 #define QG_THREADS (QG_WARPS * 32)
