@@ -6,8 +6,8 @@
 //         nibble_precision::reference).
 //
 // Operand roles (swap-AB): weight rows are the MMA's M side (16-row tiles), tokens its N side
-// (8-token tiles), so a decode step of 1..8 tokens still fills half the tensor core's work with
-// weights instead of 1/16 of it.
+// (8-token tiles): a decode step of 1 token leaves 7/8 of an m16n8 MMA idle instead of 15/16,
+// and the weights, the bytes that matter, stream through the A fragments.
 //
 // Data layout: weights are packed offline (src/pack.rs, derived from the PTX fragment layout) as
 // [tile][chunk of 64 K][lane] fragments: 16 B per lane per chunk for INT4 (one u32 per k16 step),
