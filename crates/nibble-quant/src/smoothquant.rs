@@ -35,7 +35,7 @@ use nibble_core::{Error, Result};
 use nibble_precision::{LinearFormat, PrecisionSpec};
 
 use crate::capture::Calibration;
-use crate::dense::{DenseModel, SiteKind};
+use crate::dense::{DenseModel, Mat, SiteKind};
 use crate::pipeline::{Method, QuantizedModel, encode};
 use crate::search::{
     Reduce, fold_site, per_channel, per_factor, scaled_error, site_stats, site_weights,
@@ -54,6 +54,10 @@ pub struct SmoothQuantOptions {
     /// Strengths applied at every site alike, each a whole-model candidate against the per-site
     /// search, judged by calibration perplexity.
     pub global_alphas: Vec<f32>,
+    /// The per-site search smooths a site only where the chosen strength lowers the output error
+    /// by at least this fraction on each of two disjoint halves of the sampled rows (even and
+    /// odd rows): a gain that one half of the rows does not confirm is taken for noise.
+    pub min_gain: f64,
 }
 
 impl Default for SmoothQuantOptions {
@@ -61,6 +65,7 @@ impl Default for SmoothQuantOptions {
         SmoothQuantOptions {
             alphas: (0..20).map(|i| i as f32 * 0.05).collect(),
             global_alphas: vec![0.5],
+            min_gain: 0.0,
         }
     }
 }
@@ -185,29 +190,44 @@ pub fn smooth(
                     }
                 }
                 Strength::PerSite => {
-                    let y_ref = matmul_nt(x, &w);
-                    let mut best: Option<(f64, Option<f32>, Vec<f32>)> = None;
-                    let candidates = std::iter::once((None, vec![1.0; xmax.len()])).chain(
-                        opts.alphas
-                            .iter()
-                            .map(|&a| (Some(a), smooth_scale(&xmax, &wmax, a))),
-                    );
-                    for (alpha, s) in candidates {
-                        if alpha.is_some() && !fits(&s) {
+                    // Two disjoint halves of the rows, each with its reference output.
+                    let halves: Vec<(Mat, Mat)> = [0, 1]
+                        .into_iter()
+                        .map(|h| {
+                            let rows: Vec<usize> = (h..x.rows).step_by(2).collect();
+                            let xh = x.select_rows(&rows);
+                            let y = matmul_nt(&xh, &w);
+                            (xh, y)
+                        })
+                        .collect();
+                    let errors = |s: &[f32]| -> Result<[f64; 2]> {
+                        let full = per_channel(model, site, s);
+                        let mut e = [0f64; 2];
+                        for (e, (xh, y)) in e.iter_mut().zip(&halves) {
+                            *e = scaled_error(xh, &w, y, &full, format).map_err(|e| {
+                                Error::InvalidArgument(format!(
+                                    "SmoothQuant layer {layer} {site:?}: {e}"
+                                ))
+                            })?;
+                        }
+                        Ok(e)
+                    };
+                    let none = errors(&vec![1.0; xmax.len()])?;
+                    let keep = 1.0 - opts.min_gain;
+                    let mut best: (f64, Option<f32>, Vec<f32>) =
+                        (none[0] + none[1], None, vec![1.0; xmax.len()]);
+                    for &a in &opts.alphas {
+                        let s = smooth_scale(&xmax, &wmax, a);
+                        if !fits(&s) {
                             continue;
                         }
-                        let full = per_channel(model, site, &s);
-                        let err = scaled_error(x, &w, &y_ref, &full, format).map_err(|e| {
-                            Error::InvalidArgument(format!(
-                                "SmoothQuant layer {layer} {site:?}: {e}"
-                            ))
-                        })?;
-                        if best.as_ref().is_none_or(|b| err < b.0) {
-                            best = Some((err, alpha, s));
+                        let e = errors(&s)?;
+                        let confirmed = e[0] < keep * none[0] && e[1] < keep * none[1];
+                        if confirmed && e[0] + e[1] < best.0 {
+                            best = (e[0] + e[1], Some(a), s);
                         }
                     }
-                    let (_, alpha, s) = best.expect("the no-smoothing candidate always scores");
-                    (alpha, s)
+                    (best.1, best.2)
                 }
             };
             if alpha.is_some() {
