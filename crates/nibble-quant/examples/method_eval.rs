@@ -10,7 +10,7 @@
 //! Ablations: `qoq-noclip-noreorder:w4a8-g64` leaves steps out of QoQ (`norotate`,
 //! `norotatevalues` / `rotatevalues`, `nosmoothattn`, `nosmoothout`, `noreorder`, `noclip`; SmoothAttention's
 //! strength: `sa0.5` fixed, `sappl` by calibration perplexity, `saerr` by key error per layer;
-//! `norotatepairs`);
+//! `norotatepairs`; `aseqN` keeps N sequences' attention inputs);
 //! `NIBBLE_DEV=1` evaluates on unused calibration-half sequences instead of the evaluation half.
 //! `fmpq@4:w4a4a8-g64` sets FMPQ's outlier threshold.
 
@@ -98,6 +98,11 @@ fn main() -> anyhow::Result<()> {
                     "norotatepairs" => steps.rotate_key_pairs = false,
                     "sappl" => steps.attention_strength = qoq::AttentionStrength::Perplexity,
                     "saerr" => steps.attention_strength = qoq::AttentionStrength::KeyError,
+                    s if s.starts_with("aseq") => {
+                        steps.attention_sequences = s[4..]
+                            .parse()
+                            .with_context(|| format!("bad sequence count '{s}'"))?
+                    }
                     s if s.starts_with("sa") => {
                         let v: f32 = s[2..]
                             .parse()

@@ -408,8 +408,8 @@ fn key_pair_rotation_keeps_the_function_and_aligns_the_key_offsets() {
         }
         assert_close(&logits(&m), &want, 1e-4, &format!("{name} {layout:?}"));
         let after = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
-        for layer in 0..c.num_layers {
-            for (p, a) in predicted[layer].iter().zip(&after.attention[layer]) {
+        for (layer, predicted) in predicted.iter().enumerate() {
+            for (p, a) in predicted.iter().zip(&after.attention[layer]) {
                 assert_close(
                     &a.q.data,
                     &p.q.data,
