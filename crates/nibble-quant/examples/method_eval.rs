@@ -8,7 +8,10 @@
 //! ```
 //!
 //! Ablations: `qoq-noclip-noreorder:w4a8-g64` leaves steps out of QoQ (`norotate`,
-//! `norotatevalues`, `nosmoothattn`, `nosmoothout`, `noreorder`, `noclip`);
+//! `norotatevalues` / `rotatevalues`, `nosmoothattn`, `nosmoothout`, `noreorder`, `noclip`; SmoothAttention's
+//! strength: `sa0.5` fixed, `sappl` by calibration perplexity, `saerr` by key error per layer;
+//! `norotatepairs`; `aseqN` keeps N sequences' attention inputs);
+//! `NIBBLE_DEV=1` evaluates on unused calibration-half sequences instead of the evaluation half.
 //! `fmpq@4:w4a4a8-g64` sets FMPQ's outlier threshold.
 
 use std::collections::BTreeMap;
@@ -38,8 +41,24 @@ fn main() -> anyhow::Result<()> {
     let (n_cal, n_eval, len) = (n(1)?, n(2)?, n(3)?);
     let files = open_model(Path::new(&args[0]), None)?;
     let model = DenseModel::load(files.config.clone(), &*files.source, &mut |_, _| {})?;
-    let calib = sharegpt_sequences(None, &files.tokenizer, Split::Calibration, n_cal, len)?;
-    let eval = sharegpt_sequences(None, &files.tokenizer, Split::Evaluation, n_eval, len)?;
+    // NIBBLE_DEV=1: evaluate on calibration-half sequences the calibration does not use (a dev
+    // set for choosing between variants without looking at the held-out half).
+    let (calib, eval) = if std::env::var("NIBBLE_DEV").is_ok_and(|v| v == "1") {
+        let mut all = sharegpt_sequences(
+            None,
+            &files.tokenizer,
+            Split::Calibration,
+            n_cal + n_eval,
+            len,
+        )?;
+        let eval = all.split_off(n_cal);
+        (all, eval)
+    } else {
+        (
+            sharegpt_sequences(None, &files.tokenizer, Split::Calibration, n_cal, len)?,
+            sharegpt_sequences(None, &files.tokenizer, Split::Evaluation, n_eval, len)?,
+        )
+    };
     let opts = QuantOptions::default();
     let t = Instant::now();
     let (nll, count) = Simulated::float(&model).mean_nll(&eval, 0, &mut |_, _| {})?;
@@ -71,14 +90,64 @@ fn main() -> anyhow::Result<()> {
                 match step {
                     "norotate" => steps.rotate = false,
                     "norotatevalues" => steps.rotate_values = false,
+                    "rotatevalues" => steps.rotate_values = true,
                     "nosmoothattn" => steps.smooth_attention = false,
                     "nosmoothout" => steps.smooth_outputs = false,
                     "noreorder" => steps.reorder = false,
                     "noclip" => steps.clip = false,
+                    "norotatepairs" => steps.rotate_key_pairs = false,
+                    "sappl" => steps.attention_strength = qoq::AttentionStrength::Perplexity,
+                    "saerr" => steps.attention_strength = qoq::AttentionStrength::KeyError,
+                    s if s.starts_with("aseq") => {
+                        steps.attention_sequences = s[4..]
+                            .parse()
+                            .with_context(|| format!("bad sequence count '{s}'"))?
+                    }
+                    s if s.starts_with("sa") => {
+                        let v: f32 = s[2..]
+                            .parse()
+                            .with_context(|| format!("bad SmoothAttention strength '{s}'"))?;
+                        steps.attention_strength = qoq::AttentionStrength::Fixed(v)
+                    }
                     _ => bail!("unknown QoQ ablation '{step}'"),
                 }
             }
             qoq::quantize_with(model.clone(), spec, &calib, &opts, steps, &mut progress)?
+        } else if let Some(v) = m.strip_prefix("sq@") {
+            // `sq@GAIN[@noglobal][@first]`: SmoothQuant's per-site confirmation margin, whether
+            // the global strengths compete, whether the searches see every first token.
+            let mut parts = v.split('@');
+            let gain: f64 = parts
+                .next()
+                .unwrap_or("0")
+                .parse()
+                .with_context(|| format!("bad gain in '{m}'"))?;
+            let mut o = nibble_quant::smoothquant::SmoothQuantOptions {
+                min_gain: gain,
+                ..Default::default()
+            };
+            let rest: Vec<&str> = parts.collect();
+            if rest.contains(&"noglobal") {
+                o.global_alphas.clear();
+            }
+            let calib_stats = nibble_quant::search::calibrate_with_first(
+                &model,
+                &calib,
+                nibble_quant::search::SEARCH_ROWS,
+                false,
+                rest.contains(&"first"),
+                0,
+                &mut progress,
+            )?;
+            nibble_quant::smoothquant::smoothquant(
+                model.clone(),
+                spec,
+                calib_stats,
+                &calib,
+                0,
+                &o,
+                &mut progress,
+            )?
         } else if let Some(r) = m.strip_prefix("fmpq@") {
             let ratio: f32 = r.parse().with_context(|| format!("bad ratio '{r}'"))?;
             fmpq::quantize_with(model.clone(), spec, &calib, &opts, ratio, &mut progress)?

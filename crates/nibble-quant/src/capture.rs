@@ -5,7 +5,8 @@
 //! Per input site (see [`SiteKind`]) of every block it keeps the channel-wise max and mean of
 //! |x|, optionally the Gram matrix `X^T X` (GPTQ's Hessian), and an evenly strided sample of
 //! input rows (for searches that replay a layer: AWQ scales, clipping). Per layer it keeps the
-//! channel-wise max |K| of the rotary-embedded keys (SmoothAttention).
+//! channel-wise max |K| of the rotary-embedded keys (SmoothAttention), and optionally whole
+//! sequences' attention inputs (SmoothAttention's strength search).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -27,6 +28,9 @@ pub struct CaptureOptions {
     pub sample_stride: usize,
     /// Also keep every sequence's first token's row (the attention sink), whatever the stride.
     pub sample_first: bool,
+    /// Keep every layer's whole attention inputs (rotary-embedded queries and keys, values) of
+    /// this many of the first sequences ([`Calibration::attention`]).
+    pub attention_sequences: usize,
 }
 
 impl Default for CaptureOptions {
@@ -36,6 +40,7 @@ impl Default for CaptureOptions {
             max_samples: 1024,
             sample_stride: 4,
             sample_first: false,
+            attention_sequences: 0,
         }
     }
 }
@@ -96,8 +101,20 @@ pub struct Calibration {
     pub sites: HashMap<(usize, SiteKind), SiteStats>,
     /// Per layer, channel-wise max |K| after rotary embedding (`kv_dim` values).
     pub key_absmax: Vec<Vec<f32>>,
+    /// Per layer, the attention inputs of the first [`CaptureOptions::attention_sequences`]
+    /// sequences, in order.
+    pub attention: Vec<Vec<AttentionInputs>>,
     pub tokens: usize,
     pub sequences: usize,
+}
+
+/// One sequence's attention inputs in one layer: `[tokens, q_dim]` rotary-embedded queries,
+/// `[tokens, kv_dim]` rotary-embedded keys and values, as the KV cache is handed them.
+#[derive(Debug, Clone)]
+pub struct AttentionInputs {
+    pub q: Mat,
+    pub k: Mat,
+    pub v: Mat,
 }
 
 impl Calibration {
@@ -115,6 +132,7 @@ impl Calibration {
 struct Recorder {
     sites: HashMap<(usize, SiteKind), SiteStats>,
     key_absmax: HashMap<usize, Vec<f32>>,
+    attention: HashMap<usize, Vec<AttentionInputs>>,
 }
 
 /// Records the inputs of linear layers and the keys as the forward pass runs.
@@ -218,8 +236,18 @@ impl Hooks for Capture {
         None
     }
 
-    fn keys(&self, layer: usize, k: &CpuTensor) {
+    fn attention_inputs(&self, layer: usize, q: &CpuTensor, k: &CpuTensor, v: &CpuTensor) {
         let mut rec = self.rec.lock().expect("recorder lock");
+        // `capture` prefills each sequence whole: one call per layer and sequence.
+        let kept = rec.attention.entry(layer).or_default();
+        if kept.len() < self.opts.attention_sequences {
+            let mat = |t: &CpuTensor| Mat::new(t.rows, t.cols, t.data.clone());
+            kept.push(AttentionInputs {
+                q: mat(q),
+                k: mat(k),
+                v: mat(v),
+            });
+        }
         let m = rec
             .key_absmax
             .entry(layer)
@@ -265,9 +293,12 @@ pub fn capture(
     let rec = backend.hooks.rec.into_inner().expect("recorder lock");
     let mut key_absmax: Vec<(usize, Vec<f32>)> = rec.key_absmax.into_iter().collect();
     key_absmax.sort_by_key(|(l, _)| *l);
+    let mut attention: Vec<(usize, Vec<AttentionInputs>)> = rec.attention.into_iter().collect();
+    attention.sort_by_key(|(l, _)| *l);
     Ok(Calibration {
         sites: rec.sites,
         key_absmax: key_absmax.into_iter().map(|(_, v)| v).collect(),
+        attention: attention.into_iter().map(|(_, v)| v).collect(),
         tokens,
         sequences: sequences.len(),
     })

@@ -36,6 +36,15 @@ impl Mat {
         &mut self.data[r * self.cols..(r + 1) * self.cols]
     }
 
+    /// The rows `rows` (in that order) as a new matrix.
+    pub fn select_rows(&self, rows: &[usize]) -> Mat {
+        let mut data = Vec::with_capacity(rows.len() * self.cols);
+        for &r in rows {
+            data.extend_from_slice(self.row(r));
+        }
+        Mat::new(rows.len(), self.cols, data)
+    }
+
     /// Multiplies column `j` by `s[j]`.
     pub fn scale_cols(&mut self, s: &[f32]) {
         assert_eq!(s.len(), self.cols);

@@ -1,4 +1,4 @@
-//! The CPU backend with hooks on linear-layer inputs and attention keys: what the calibration
+//! The CPU backend with hooks on linear-layer inputs and attention inputs: what the calibration
 //! capture ([`crate::capture`]) and the quantization simulation ([`crate::simulate`]) both need
 //! from the ordinary `Transformer` forward pass. Everything else delegates to [`CpuBackend`], so
 //! both see exactly the rotary, attention, norms and KV cache nibble serves with.
@@ -19,8 +19,9 @@ pub trait Hooks: Send + Sync {
     /// instead (`None`: `x` itself).
     fn linear_input(&self, tag: Self::Tag, x: &CpuTensor) -> Option<CpuTensor>;
 
-    /// Sees layer `layer`'s rotary-embedded keys before they are written to the cache.
-    fn keys(&self, _layer: usize, _k: &CpuTensor) {}
+    /// Sees layer `layer`'s attention inputs, queries and keys rotary-embedded, before the keys
+    /// and values are written to the cache.
+    fn attention_inputs(&self, _layer: usize, _q: &CpuTensor, _k: &CpuTensor, _v: &CpuTensor) {}
 }
 
 /// [`CpuBackend`] with [`Hooks`].
@@ -111,7 +112,7 @@ impl<H: Hooks> Backend for Hooked<H> {
         batch: &BatchLayout,
         shape: AttentionShape,
     ) -> Result<CpuTensor> {
-        self.hooks.keys(layer, k);
+        self.hooks.attention_inputs(layer, q, k, v);
         self.cpu.attention(q, k, v, kv, layer, batch, shape)
     }
 

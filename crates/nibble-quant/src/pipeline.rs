@@ -180,7 +180,7 @@ pub fn quantize(
                 calib,
                 calibration,
                 threads,
-                &Default::default(),
+                &crate::smoothquant::SmoothQuantOptions::for_scheme(spec.linear),
                 progress,
             )
         }

@@ -6,22 +6,33 @@
 //!    gate/up read activations whose outlier channels are spread over all channels. The
 //!    rotation needs no statistics, so it comes first and calibration runs once, on the
 //!    rotated model.
-//!    **Value rotation** (beyond QServe, from QuaRot; with a quantized KV cache only): each
-//!    value head is rotated by a seeded
-//!    Hadamard matrix of the head size ([`crate::rotation::rotate_values`]), folded into
-//!    v_proj's rows and o_proj's input columns. Attention is linear in the values per head, so
-//!    the function is kept; a value cache quantized per token and head (KV4, KV8) and o_proj's
-//!    INT8 input then see each value dim's outliers spread over the head. Keys cannot be
-//!    rotated this way: RoPE sits between k_proj and the cache and commutes only with
-//!    transforms inside each rotary pair, which is what SmoothAttention's scale is.
+//!    **Value rotation** (beyond QServe, from QuaRot; optional, off by default): each value
+//!    head is rotated by a seeded Hadamard matrix of the head size
+//!    ([`crate::rotation::rotate_values`]), folded into v_proj's rows and o_proj's input
+//!    columns. Attention is linear in the values per head, so the function is kept. With KV4 it
+//!    made calibration-half text that the calibration does not use worse on SmolLM2 (W4A8-g64
+//!    KV4 perplexity 15.71 without, 15.90 with), so [`QoqSteps::rotate_values`] is off.
 //! 2. **SmoothAttention.** `λ_i = max(max|K_i|, max|K_pair(i)|)^s` per KV channel from the
 //!    rotary-embedded keys (what the KV cache stores), with `pair` the rotary partner of the
 //!    model's layout so `λ` commutes with RoPE; q_proj rows are multiplied by `λ` (for every
 //!    query head of the KV group) and k_proj rows divided, biases too. QServe's strength is
-//!    `s = 0.5`; with a quantized KV cache `s` is chosen from [`SMOOTH_ATTENTION_STRENGTHS`] by
-//!    calibration perplexity ([`smooth_attention_strength`]). Skipped for models with
+//!    `s = 0.5`; with a per-token quantized KV cache `s` is chosen per layer from
+//!    [`KEY_ERROR_STRENGTHS`] by the error the stored keys cause in the layer's attention output
+//!    on calibration sequences ([`key_error_strengths`]: exact queries and values, the keys
+//!    through the cache's own codec after the fold, against exact keys). Skipped for models with
 //!    per-head QK norms (Qwen3): the norm of `q λ` is not the norm of `q` times `λ`, so the
 //!    scale cannot be folded through it.
+//!    **Key pair rotation** (beyond QServe; per-token quantized KV caches only), before `λ`:
+//!    SmolLM2's keys carry large near-constant offsets in a few low-frequency rotary pairs
+//!    (mean -14 against a spread of 2 in some), of both signs, and a per-token INT4 key spends
+//!    its 16 levels on the distance between them. RoPE commutes with any rotation in a pair's
+//!    plane, and rotating q and k alike keeps every score, so each pair (of every KV head, and
+//!    its query heads) is turned until its mean key points at 225 degrees
+//!    ([`rotate_key_pairs`]): every offset then lies on the negative side of both of its dims,
+//!    where the asymmetric per-token quantizer's range already reaches. `λ` is then taken from
+//!    the rotated keys. This halves the attention-output error of KV4 keys on calibration
+//!    sequences the angles were not fitted on. `λ` and the angle together are a complex scale
+//!    per rotary pair, the general transform of keys that commutes with RoPE.
 //! 3. **Output-module smoothing.** o_proj's and down_proj's inputs are smoothed with migration
 //!    strength from {0, 0.05, 0.1, 0.15} (or not at all), chosen per site on the output error
 //!    of the quantized layer ([`crate::sim::search_smoothing`]).
@@ -41,15 +52,18 @@
 use nibble_core::{Error, Result};
 use nibble_model::RopeLayout;
 use nibble_model::config::ModelConfig;
+use nibble_precision::kv::{KeyLayout, TokenCodec};
 use nibble_precision::{KvFormat, LinearScheme, PrecisionSpec};
 
-use crate::dense::{DenseModel, SiteKind};
+use crate::capture::AttentionInputs;
+
+use crate::dense::{DenseModel, Mat, SiteKind};
 use crate::permute::{HeadPermutation, permute_down_input, sort_desc};
 use crate::pipeline::{Method, QuantOptions, QuantizedModel};
 use crate::rotation::{Rotation, rotate_residual, rotate_values};
 use crate::sim::{
     ActSim, SiteData, Sites, apply_smoothing, calibrate_with, clip_and_encode, clip_grid,
-    reduce_kv_max, search_smoothing,
+    matmul_nt, reduce_kv_max, search_smoothing, sq_err,
 };
 use crate::simulate::Simulated;
 
@@ -59,11 +73,33 @@ const VALUE_ROTATION_SEED: u64 = 0x7654_3210;
 /// Output-module migration strengths: near 0, so the scale comes mostly from the weights.
 pub const OUTPUT_ALPHAS: [f32; 4] = [0.0, 0.05, 0.1, 0.15];
 
-/// SmoothAttention strengths tried with a quantized KV cache: QServe's 0.5 and its neighbours.
-/// The KV4 loss is sharply non-monotonic in the strength on SmolLM2 (simulated perplexity on
-/// calibration-half text: 17.07 at 0.35, 15.79 at 0.5, 16.37 at 0.75), so it is measured, not
-/// assumed.
+/// SmoothAttention strengths tried with a quantized KV cache by the whole-model perplexity
+/// search ([`AttentionStrength::Perplexity`]): QServe's 0.5 and its neighbours.
 pub const SMOOTH_ATTENTION_STRENGTHS: [f32; 5] = [0.4, 0.45, 0.5, 0.55, 0.6];
+
+/// SmoothAttention strengths tried per layer by the key-error search
+/// ([`AttentionStrength::KeyError`]); 0 is no smoothing.
+pub const KEY_ERROR_STRENGTHS: [f32; 9] = [0.0, 0.25, 0.375, 0.5, 0.5625, 0.625, 0.75, 0.875, 1.0];
+
+/// Calibration sequences whose attention inputs the key pair rotation and the key-error search
+/// read (about 1 MB per layer for 256 tokens of the default model). 16 (bench/accuracy.py's
+/// whole calibration set) did better than 8 on calibration-half text the calibration does not
+/// use (W4A8-g64 KV4 perplexity 14.51 against 14.70).
+pub const KEY_ERROR_SEQUENCES: usize = 16;
+
+/// How SmoothAttention's strength is chosen (with a 16-bit KV cache it is always QServe's 0.5:
+/// the fold then changes nothing that is rounded).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum AttentionStrength {
+    /// The same strength in every layer.
+    Fixed(f32),
+    /// One strength for the model, of [`SMOOTH_ATTENTION_STRENGTHS`], by calibration perplexity
+    /// with the quantized cache ([`smooth_attention_strength`]).
+    Perplexity,
+    /// Per layer, the strength of [`KEY_ERROR_STRENGTHS`] whose stored keys change the layer's
+    /// attention output least on calibration sequences ([`key_error_strengths`]).
+    KeyError,
+}
 
 /// SmoothAttention's `λ` for one layer from its channel-wise max |K| (`kv_dim` values), at
 /// QServe's strength 0.5.
@@ -114,29 +150,48 @@ pub fn smooth_attention_with(
     key_absmax: &[Vec<f32>],
     strength: f32,
 ) -> Result<()> {
+    let strengths = vec![vec![strength; model.config.num_kv_heads]; model.layers.len()];
+    smooth_attention_layers(model, key_absmax, &strengths)
+}
+
+/// [`smooth_attention`] with strength `strengths[layer][kv_head]` for each layer and KV head.
+pub fn smooth_attention_layers(
+    model: &mut DenseModel,
+    key_absmax: &[Vec<f32>],
+    strengths: &[Vec<f32>],
+) -> Result<()> {
     if !smooth_attention_applies(model) {
         return Err(Error::InvalidArgument(
             "SmoothAttention cannot be folded through per-head QK norms".into(),
         ));
     }
-    if key_absmax.len() != model.layers.len() {
+    if key_absmax.len() != model.layers.len() || strengths.len() != model.layers.len() {
         return Err(Error::InvalidArgument(format!(
-            "key statistics for {} layers, the model has {}",
+            "key statistics for {} layers and {} strengths, the model has {} layers",
             key_absmax.len(),
+            strengths.len(),
             model.layers.len()
         )));
     }
     let c = model.config.clone();
     let (hd, group) = (c.head_dim, c.num_heads / c.num_kv_heads);
-    for (l, kmax) in model.layers.iter_mut().zip(key_absmax) {
-        if kmax.len() != c.kv_dim() {
+    for ((l, kmax), strength) in model.layers.iter_mut().zip(key_absmax).zip(strengths) {
+        if kmax.len() != c.kv_dim() || strength.len() != c.num_kv_heads {
             return Err(Error::InvalidArgument(format!(
-                "key statistics of {} channels, the model's keys have {}",
+                "key statistics of {} channels and {} strengths, the model's keys have {} \
+                 channels in {} heads",
                 kmax.len(),
-                c.kv_dim()
+                strength.len(),
+                c.kv_dim(),
+                c.num_kv_heads
             )));
         }
-        let lambda = smooth_attention_scale_with(&c, kmax, strength);
+        let lambda: Vec<f32> = (0..c.num_kv_heads)
+            .flat_map(|h| {
+                let one = smooth_attention_scale_with(&c, kmax, strength[h]);
+                one[h * hd..(h + 1) * hd].to_vec()
+            })
+            .collect();
         let q_scale: Vec<f32> = (0..c.q_dim())
             .map(|j| lambda[(j / hd / group) * hd + j % hd])
             .collect();
@@ -190,6 +245,287 @@ pub fn smooth_attention_strength(
     Ok(best.1)
 }
 
+/// The two dims of rotary pair `p` of a head (`p < head_dim / 2`) in the model's layout.
+pub fn rotary_pair(layout: RopeLayout, head_dim: usize, p: usize) -> (usize, usize) {
+    match layout {
+        RopeLayout::HalfSplit => (p, p + head_dim / 2),
+        RopeLayout::Interleaved => (2 * p, 2 * p + 1),
+    }
+}
+
+/// Per KV head and rotary pair (`kv_dim / 2` values, head-major), the angle that turns the
+/// pair's mean rotary-embedded key over `inputs` to 225 degrees: both dims of every pair's key
+/// offset negative and equal, so the offsets stop stretching a token's range between dims of
+/// opposite sign (see [`rotate_key_pairs`]).
+pub fn key_pair_angles(c: &ModelConfig, inputs: &[AttentionInputs]) -> Vec<f32> {
+    let (hd, half) = (c.head_dim, c.head_dim / 2);
+    let mut sum = vec![(0f64, 0f64); c.kv_dim() / 2];
+    for a in inputs {
+        for r in 0..a.k.rows {
+            let row = a.k.row(r);
+            for (i, s) in sum.iter_mut().enumerate() {
+                let (x, y) = rotary_pair(c.rope_layout, hd, i % half);
+                let h = i / half * hd;
+                s.0 += row[h + x] as f64;
+                s.1 += row[h + y] as f64;
+            }
+        }
+    }
+    sum.iter()
+        .map(|&(x, y)| {
+            if x == 0.0 && y == 0.0 {
+                0.0
+            } else {
+                (-3.0 * std::f64::consts::FRAC_PI_4 - y.atan2(x)) as f32
+            }
+        })
+        .collect()
+}
+
+/// Rotates `x` (rows of heads of `head_dim`; head `h` uses the angles of KV head
+/// `h / heads_per_angle_set`) by `angles` in every rotary pair.
+fn rotate_pairs_in(
+    layout: RopeLayout,
+    head_dim: usize,
+    rows: &mut [f32],
+    angles: &[f32],
+    heads_per_set: usize,
+) {
+    let half = head_dim / 2;
+    for (h, head) in rows.chunks_exact_mut(head_dim).enumerate() {
+        let set = &angles[(h / heads_per_set) * half..][..half];
+        for (p, &a) in set.iter().enumerate() {
+            let (i, j) = rotary_pair(layout, head_dim, p);
+            let (sin, cos) = a.sin_cos();
+            let (x, y) = (head[i], head[j]);
+            head[i] = x * cos - y * sin;
+            head[j] = x * sin + y * cos;
+        }
+    }
+}
+
+/// Rotates every rotary pair of the keys, and of the queries of the KV group, by the same angle
+/// (`angles` from [`key_pair_angles`]), folded into k_proj's and q_proj's rows (and biases).
+/// Rotations in a rotary pair's plane commute with RoPE, and rotating q and k alike keeps every
+/// score: the layer's function is unchanged. It is SmoothAttention's `λ` made complex: `λ` scales
+/// each pair, the angle turns it (beyond QServe, which only scales). Like `λ`, the fold cannot pass
+/// through per-head QK norms.
+pub fn rotate_key_pairs(model: &mut DenseModel, layer: usize, angles: &[f32]) -> Result<()> {
+    let c = model.config.clone();
+    if angles.len() != c.kv_dim() / 2 {
+        return Err(Error::InvalidArgument(format!(
+            "{} key pair angles, the model's keys have {} pairs",
+            angles.len(),
+            c.kv_dim() / 2
+        )));
+    }
+    let (hd, group) = (c.head_dim, c.num_heads / c.num_kv_heads);
+    let l = model
+        .layers
+        .get_mut(layer)
+        .ok_or_else(|| Error::InvalidArgument(format!("no layer {layer}")))?;
+    if l.q_norm.is_some() || l.k_norm.is_some() {
+        return Err(Error::InvalidArgument(
+            "key pair rotation cannot be folded through per-head QK norms".into(),
+        ));
+    }
+    // Rotating a projection's output rows: row i of the rotated weight is the combination of
+    // rows i and j that the rotation gives output i. Done column by column on the transpose.
+    let rotate_rows = |w: &mut Mat, heads_per_set: usize| {
+        let mut t = w.transpose();
+        for row in t.data.chunks_exact_mut(t.cols) {
+            rotate_pairs_in(c.rope_layout, hd, row, angles, heads_per_set);
+        }
+        *w = t.transpose();
+    };
+    rotate_rows(&mut l.k, 1);
+    rotate_rows(&mut l.q, group);
+    if let Some(b) = &mut l.k_bias {
+        rotate_pairs_in(c.rope_layout, hd, b, angles, 1);
+    }
+    if let Some(b) = &mut l.q_bias {
+        rotate_pairs_in(c.rope_layout, hd, b, angles, group);
+    }
+    Ok(())
+}
+
+/// `inputs` as the model sees them after [`rotate_key_pairs`] with `angles`.
+pub fn rotate_attention_inputs(
+    c: &ModelConfig,
+    inputs: &[AttentionInputs],
+    angles: &[f32],
+) -> Vec<AttentionInputs> {
+    let group = c.num_heads / c.num_kv_heads;
+    inputs
+        .iter()
+        .map(|a| {
+            let (mut q, mut k) = (a.q.clone(), a.k.clone());
+            for row in q.data.chunks_exact_mut(q.cols) {
+                rotate_pairs_in(c.rope_layout, c.head_dim, row, angles, group);
+            }
+            for row in k.data.chunks_exact_mut(k.cols) {
+                rotate_pairs_in(c.rope_layout, c.head_dim, row, angles, 1);
+            }
+            AttentionInputs {
+                q,
+                k,
+                v: a.v.clone(),
+            }
+        })
+        .collect()
+}
+
+/// Channel-wise max |K| over `inputs`' keys.
+pub fn key_absmax_of(inputs: &[AttentionInputs]) -> Vec<f32> {
+    let mut m = vec![0f32; inputs.first().map_or(0, |a| a.k.cols)];
+    for a in inputs {
+        for row in a.k.data.chunks_exact(a.k.cols) {
+            m.iter_mut().zip(row).for_each(|(m, v)| *m = m.max(v.abs()));
+        }
+    }
+    m
+}
+
+/// Per layer, the strength of [`KEY_ERROR_STRENGTHS`] with the least [`key_error`] on the
+/// layer's recorded attention inputs (`attention[layer]`, from the model before the fold), for
+/// keys stored as `kv`'s per-token key codec, repeated for each KV head (the shape
+/// [`smooth_attention_layers`] takes). An unquantized or channel-wise key cache gets QServe's 0.5
+/// everywhere (a channel-wise scale is undone by channel-wise quantization).
+///
+/// The fold multiplies q by `λ` and divides k by `λ` after RoPE, so the layer's scores become
+/// `q · (λ ∘ Q(k / λ))`: the search replays exactly that against the exact `q · k`, through the
+/// softmax and the values, which a perplexity over a few thousand tokens measures only through
+/// noise (its whole-model choice did not carry over to held-out text). One strength per KV head
+/// (each head's error is separate) did worse on calibration-half text the calibration does not
+/// use (perplexity 14.79 against 14.70 per layer), so the layer shares one.
+pub fn key_error_strengths(
+    c: &ModelConfig,
+    key_absmax: &[Vec<f32>],
+    attention: &[Vec<AttentionInputs>],
+    kv: KvFormat,
+) -> Result<Vec<Vec<f32>>> {
+    let KeyLayout::PerToken(codec) = kv.keys() else {
+        return Ok(vec![vec![0.5; c.num_kv_heads]; c.num_layers]);
+    };
+    if attention.len() != c.num_layers || key_absmax.len() != c.num_layers {
+        return Err(Error::InvalidArgument(format!(
+            "attention inputs of {} layers and key statistics of {}, the model has {}",
+            attention.len(),
+            key_absmax.len(),
+            c.num_layers
+        )));
+    }
+    attention
+        .iter()
+        .zip(key_absmax)
+        .map(|(inputs, kmax)| {
+            let mut best = (f64::INFINITY, 0.5f32);
+            for &strength in &KEY_ERROR_STRENGTHS {
+                let lambda = smooth_attention_scale_with(c, kmax, strength);
+                let e = key_error(c, inputs, &lambda, codec)?;
+                // Strictly better only: ties keep the weaker strength.
+                if e < best.0 {
+                    best = (e, strength);
+                }
+            }
+            Ok(vec![best.1; c.num_kv_heads])
+        })
+        .collect()
+}
+
+/// Summed squared difference, over `inputs`' sequences, query heads and tokens, between one
+/// layer's causal attention output with its keys as a per-token `codec` cache stores them after
+/// SmoothAttention's `λ` (`kv_dim` factors) and with exact keys. Values are exact in both.
+pub fn key_error(
+    c: &ModelConfig,
+    inputs: &[AttentionInputs],
+    lambda: &[f32],
+    codec: TokenCodec,
+) -> Result<f64> {
+    Ok(key_error_per_head(c, inputs, lambda, codec)?.iter().sum())
+}
+
+/// [`key_error`] per KV head (the query heads of its group): a KV head's keys reach only those.
+pub fn key_error_per_head(
+    c: &ModelConfig,
+    inputs: &[AttentionInputs],
+    lambda: &[f32],
+    codec: TokenCodec,
+) -> Result<Vec<f64>> {
+    let (hd, kvh) = (c.head_dim, c.num_kv_heads);
+    let group = c.num_heads / kvh;
+    let mut total = vec![0f64; kvh];
+    for a in inputs {
+        let t = a.k.rows;
+        if a.k.cols != c.kv_dim() || a.q.cols != c.q_dim() || a.v.cols != c.kv_dim() {
+            return Err(Error::InvalidArgument(format!(
+                "attention inputs of {}/{}/{} channels for a model of q {} and kv {}",
+                a.q.cols,
+                a.k.cols,
+                a.v.cols,
+                c.q_dim(),
+                c.kv_dim()
+            )));
+        }
+        // The keys as attention reads them back, in the unsmoothed basis: λ ∘ Q(k / λ).
+        let mut kq = a.k.clone();
+        let mut rec = vec![0u8; codec.record_bytes(hd)];
+        let mut buf = vec![0f32; hd];
+        for row in kq.data.chunks_exact_mut(c.kv_dim()) {
+            for (h, head) in row.chunks_exact_mut(hd).enumerate() {
+                let l = &lambda[h * hd..(h + 1) * hd];
+                buf.iter_mut()
+                    .zip(head.iter())
+                    .zip(l)
+                    .for_each(|((b, &k), &l)| *b = k / l);
+                codec.quantize(&buf, &mut rec)?;
+                codec.dequantize(&rec, &mut buf);
+                head.iter_mut()
+                    .zip(&buf)
+                    .zip(l)
+                    .for_each(|((k, &b), &l)| *k = b * l);
+            }
+        }
+        let cols = |m: &Mat, from: usize| {
+            let mut out = Mat::new(t, hd, vec![0f32; t * hd]);
+            for r in 0..t {
+                out.data[r * hd..(r + 1) * hd].copy_from_slice(&m.row(r)[from..from + hd]);
+            }
+            out
+        };
+        let scale = 1.0 / (hd as f32).sqrt();
+        for (g, total) in total.iter_mut().enumerate() {
+            let (k, kq, v) = (cols(&a.k, g * hd), cols(&kq, g * hd), cols(&a.v, g * hd));
+            let vt = v.transpose();
+            for h in g * group..(g + 1) * group {
+                let q = cols(&a.q, h * hd);
+                let exact = matmul_nt(&causal_softmax(matmul_nt(&q, &k), scale), &vt);
+                let approx = matmul_nt(&causal_softmax(matmul_nt(&q, &kq), scale), &vt);
+                *total += sq_err(&exact, &approx);
+            }
+        }
+    }
+    Ok(total)
+}
+
+/// Row `i` of the `[t, t]` scores: softmax of `scale * s[i, 0..=i]`, zero after `i`.
+fn causal_softmax(mut s: Mat, scale: f32) -> Mat {
+    for (i, row) in s.data.chunks_exact_mut(s.cols).enumerate() {
+        let (live, masked) = row.split_at_mut(i + 1);
+        masked.fill(0.0);
+        let max = live
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+        let mut sum = 0f32;
+        for v in live.iter_mut() {
+            *v = (*v * scale - max).exp();
+            sum += *v;
+        }
+        live.iter_mut().for_each(|v| *v /= sum);
+    }
+    s
+}
+
 /// Sorts down_proj's input channels of `layer` by salience (descending), in the model and in
 /// the site's calibration view.
 pub fn reorder_down_input(model: &mut DenseModel, layer: usize, data: &mut SiteData) -> Result<()> {
@@ -212,13 +548,21 @@ pub fn reorder_o_input(model: &mut DenseModel, layer: usize, data: &mut SiteData
 }
 
 /// Which of QoQ's steps run (all of them for the method; fewer to measure what each brings).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct QoqSteps {
     pub rotate: bool,
-    /// The per-head value rotation (an addition to QServe, see the module documentation);
-    /// applied only with a quantized KV cache.
+    /// The per-head value rotation (an addition to QServe, off by default, see the module
+    /// documentation); applied only with a quantized KV cache.
     pub rotate_values: bool,
     pub smooth_attention: bool,
+    /// How SmoothAttention's strength is chosen with a quantized KV cache.
+    pub attention_strength: AttentionStrength,
+    /// Key pair rotation ([`rotate_key_pairs`]) before SmoothAttention, with a per-token
+    /// quantized KV cache only.
+    pub rotate_key_pairs: bool,
+    /// Calibration sequences whose attention inputs the key pair rotation and the key-error
+    /// search read.
+    pub attention_sequences: usize,
     pub smooth_outputs: bool,
     pub reorder: bool,
     pub clip: bool,
@@ -228,8 +572,11 @@ impl Default for QoqSteps {
     fn default() -> Self {
         QoqSteps {
             rotate: true,
-            rotate_values: true,
+            rotate_values: false,
             smooth_attention: true,
+            attention_strength: AttentionStrength::KeyError,
+            rotate_key_pairs: true,
+            attention_sequences: KEY_ERROR_SEQUENCES,
             smooth_outputs: true,
             reorder: true,
             clip: true,
@@ -281,8 +628,8 @@ pub fn quantize_with(
         rotate_residual(&mut model, &rot, &mut |d, t| progress("qoq: rotate", d, t))?;
     }
 
-    // For a quantized KV cache only: that is what it is for (dev-set perplexity with KV4 15.79
-    // -> 15.71); with a 16-bit cache it would only reshape o_proj's input.
+    // For a quantized KV cache only (when asked for): with a 16-bit cache it would only reshape
+    // o_proj's input.
     if steps.rotate_values && spec.kv != KvFormat::F16 {
         // Its own seed: the value rotation has nothing to do with the residual one.
         let rot = Rotation::new(model.config.head_dim, opts.seed ^ VALUE_ROTATION_SEED)?;
@@ -293,20 +640,58 @@ pub fn quantize_with(
     // 9.52 with the position-walking samples alone, 8.92 with every first token added; w4a8
     // 10.32 vs 9.76). LiquidQuant and FMPQ do better without (8.66 vs 9.32, 11.51 vs 14.61
     // against samples that held the first tokens).
-    let (cal, mut sites) = calibrate_with(&model, calibration, opts.threads, true, &mut |d, t| {
-        progress("qoq: calibrate", d, t)
-    })?;
+    let smooth_attn = steps.smooth_attention && smooth_attention_applies(&model);
+    let per_token_keys = matches!(spec.kv.keys(), KeyLayout::PerToken(_));
+    let rotate_pairs = smooth_attn && steps.rotate_key_pairs && per_token_keys;
+    let key_search =
+        smooth_attn && steps.attention_strength == AttentionStrength::KeyError && per_token_keys;
+    let (mut cal, mut sites) = calibrate_with(
+        &model,
+        calibration,
+        opts.threads,
+        true,
+        if key_search || rotate_pairs {
+            steps.attention_sequences
+        } else {
+            0
+        },
+        &mut |d, t| progress("qoq: calibrate", d, t),
+    )?;
 
-    if steps.smooth_attention && smooth_attention_applies(&model) {
-        let strength = smooth_attention_strength(
-            &model,
-            &cal.key_absmax,
-            spec.kv,
-            calibration,
-            opts.threads,
-            progress,
-        )?;
-        smooth_attention_with(&mut model, &cal.key_absmax, strength)?;
+    if rotate_pairs {
+        let c = model.config.clone();
+        for layer in 0..model.layers.len() {
+            let angles = key_pair_angles(&c, &cal.attention[layer]);
+            rotate_key_pairs(&mut model, layer, &angles)?;
+            cal.attention[layer] = rotate_attention_inputs(&c, &cal.attention[layer], &angles);
+            // The rotation moves magnitude between the dims of a pair: the key maxima that `λ`
+            // is made of are those of the rotated keys, over the sequences kept whole.
+            cal.key_absmax[layer] = key_absmax_of(&cal.attention[layer]);
+        }
+    }
+    progress("qoq: rotate key pairs", 1, 1);
+
+    if smooth_attn {
+        let (layers, kvh) = (model.layers.len(), model.config.num_kv_heads);
+        let strengths = match steps.attention_strength {
+            _ if spec.kv == KvFormat::F16 => vec![vec![0.5; kvh]; layers],
+            AttentionStrength::Fixed(s) => vec![vec![s; kvh]; layers],
+            AttentionStrength::Perplexity => {
+                let s = smooth_attention_strength(
+                    &model,
+                    &cal.key_absmax,
+                    spec.kv,
+                    calibration,
+                    opts.threads,
+                    progress,
+                )?;
+                vec![vec![s; kvh]; layers]
+            }
+            AttentionStrength::KeyError => {
+                key_error_strengths(&model.config, &cal.key_absmax, &cal.attention, spec.kv)?
+            }
+        };
+        smooth_attention_layers(&mut model, &cal.key_absmax, &strengths)?;
     }
     progress("qoq: smooth attention", 1, 1);
 

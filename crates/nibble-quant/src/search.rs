@@ -27,13 +27,28 @@ pub fn calibrate(
     threads: usize,
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> Result<Calibration> {
+    calibrate_with_first(model, sequences, rows, hessian, false, threads, progress)
+}
+
+/// [`calibrate`], with `sample_first`: every sequence's first token (the attention sink) kept
+/// on top of the strided rows.
+pub fn calibrate_with_first(
+    model: &DenseModel,
+    sequences: &[Vec<u32>],
+    rows: usize,
+    hessian: bool,
+    sample_first: bool,
+    threads: usize,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<Calibration> {
     // Before the forward passes, not after: a bad weight should cost no calibration time.
     check_finite(model)?;
     let opts = CaptureOptions {
         hessian,
         max_samples: rows,
         sample_stride: sample_stride(sequences, rows),
-        sample_first: false,
+        sample_first,
+        attention_sequences: 0,
     };
     capture(model, sequences, opts, threads, &mut |d, t| {
         progress("calibration", d, t)

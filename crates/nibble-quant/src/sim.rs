@@ -42,16 +42,18 @@ pub fn calibrate(
     threads: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Calibration, Sites)> {
-    calibrate_with(model, calibration, threads, false, progress)
+    calibrate_with(model, calibration, threads, false, 0, progress)
 }
 
 /// [`calibrate`], with `sample_first`: every sequence's first token (the attention sink) kept
-/// on top of the strided rows (QoQ; see [`crate::qoq`]).
+/// on top of the strided rows (QoQ; see [`crate::qoq`]), and the whole attention inputs of the
+/// first `attention_sequences` sequences kept ([`Calibration::attention`]).
 pub fn calibrate_with(
     model: &DenseModel,
     calibration: &[Vec<u32>],
     threads: usize,
     sample_first: bool,
+    attention_sequences: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Calibration, Sites)> {
     let opts = CaptureOptions {
@@ -61,6 +63,7 @@ pub fn calibrate_with(
         // land on every sequence's first token, and only on a few positions.
         sample_stride: crate::search::sample_stride(calibration, SEARCH_SAMPLES),
         sample_first,
+        attention_sequences,
     };
     let cal = capture(model, calibration, opts, threads, progress)?;
     let sites = cal

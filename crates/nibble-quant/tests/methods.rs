@@ -91,6 +91,7 @@ fn every_row(m: &DenseModel, seqs: &[Vec<u32>]) -> Calibration {
         max_samples: usize::MAX,
         sample_stride: 1,
         sample_first: false,
+        attention_sequences: 0,
     };
     capture(m, seqs, opts, 1, &mut |_, _| {}).unwrap()
 }

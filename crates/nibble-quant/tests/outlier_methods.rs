@@ -293,6 +293,161 @@ fn smooth_attention_strength_is_measured_with_the_quantized_cache() {
     assert_eq!(nll[i], best);
 }
 
+/// The key-error search replays what the fold does: the attention inputs recorded from the
+/// smoothed model, with exact keys through the cache codec, give the error the search computed
+/// from the unsmoothed model's inputs and `λ`. It picks real smoothing for planted key
+/// outliers, and QServe's 0.5 where the keys are not quantized per token.
+#[test]
+fn smooth_attention_key_error_replays_the_folded_cache() {
+    use nibble_precision::{KeyLayout, TokenCodec, UintBits};
+    use nibble_quant::capture::{CaptureOptions, capture};
+    use nibble_quant::qoq::{
+        KEY_ERROR_STRENGTHS, key_error, key_error_strengths, smooth_attention_layers,
+        smooth_attention_scale_with,
+    };
+    let mut m = dense("tiny-llama3");
+    let c = m.config.clone();
+    let hd = c.head_dim;
+    for l in &mut m.layers {
+        let mut ks = vec![1.0f32; c.kv_dim()];
+        ks[3] = 10.0;
+        ks[3 + hd / 2] = 10.0;
+        let qs: Vec<f32> = (0..c.q_dim())
+            .map(|j| 1.0 / ks[(j / hd / (c.num_heads / c.num_kv_heads)) * hd + j % hd])
+            .collect();
+        l.k.scale_rows(&ks);
+        l.q.scale_rows(&qs);
+    }
+    let seqs = calib();
+    let opts = CaptureOptions {
+        max_samples: 16,
+        attention_sequences: 2,
+        ..CaptureOptions::default()
+    };
+    let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
+    assert_eq!(cal.attention.len(), c.num_layers);
+    for a in &cal.attention {
+        assert_eq!(a.len(), 2);
+        assert_eq!((a[0].q.rows, a[0].q.cols), (seqs[0].len(), c.q_dim()));
+        assert_eq!((a[1].k.rows, a[1].k.cols), (seqs[1].len(), c.kv_dim()));
+        assert_eq!(a[1].v.cols, c.kv_dim());
+    }
+    let KeyLayout::PerToken(int4) = KvFormat::Int4.keys() else {
+        unreachable!("kv4 stores keys per token")
+    };
+    let ones = vec![1.0f32; c.kv_dim()];
+    let e4 = key_error(&c, &cal.attention[0], &ones, int4).unwrap();
+    let e8 = key_error(&c, &cal.attention[0], &ones, TokenCodec::Uint(UintBits::B8)).unwrap();
+    assert!(e8 * 20.0 < e4 && e4 > 0.0, "int8 {e8} vs int4 {e4}");
+
+    let strengths =
+        key_error_strengths(&c, &cal.key_absmax, &cal.attention, KvFormat::Int4).unwrap();
+    println!("key-error strengths per layer and KV head: {strengths:?}");
+    let all = || strengths.iter().flatten();
+    assert!(all().all(|s| KEY_ERROR_STRENGTHS.contains(s)));
+    assert!(strengths.iter().all(|s| s.len() == c.num_kv_heads));
+    // The planted outliers are in KV head 0: there smoothing always wins.
+    assert!(strengths.iter().all(|s| s[0] > 0.0), "{strengths:?}");
+    for kv in [KvFormat::F16, KvFormat::Int4Channel] {
+        let got = key_error_strengths(&c, &cal.key_absmax, &cal.attention, kv).unwrap();
+        assert_eq!(got, vec![vec![0.5; c.num_kv_heads]; c.num_layers]);
+    }
+
+    let want = logits(&m);
+    let mut sm = m.clone();
+    smooth_attention_layers(&mut sm, &cal.key_absmax, &strengths).unwrap();
+    assert_close(&logits(&sm), &want, 1e-4, "per-layer SmoothAttention");
+    let after = capture(&sm, &seqs, opts, 1, &mut |_, _| {}).unwrap();
+    for (layer, s) in strengths.iter().enumerate() {
+        let lambda: Vec<f32> = (0..c.kv_dim())
+            .map(|j| smooth_attention_scale_with(&c, &cal.key_absmax[layer], s[j / hd])[j])
+            .collect();
+        let predicted = key_error(&c, &cal.attention[layer], &lambda, int4).unwrap();
+        let replayed = key_error(&c, &after.attention[layer], &ones, int4).unwrap();
+        assert!(
+            (predicted - replayed).abs() <= 0.05 * replayed,
+            "layer {layer}: predicted {predicted}, replayed {replayed}"
+        );
+        assert!(
+            predicted < e4 || layer > 0,
+            "layer 0: {predicted} vs {e4} unsmoothed"
+        );
+    }
+}
+
+/// Key pair rotation keeps the function in both rotary layouts (and with QKV biases), the
+/// rotated attention inputs it predicts are what a fresh capture of the rotated model records,
+/// and every pair's mean key ends at 225 degrees (both dims negative and equal).
+#[test]
+fn key_pair_rotation_keeps_the_function_and_aligns_the_key_offsets() {
+    use nibble_quant::capture::{CaptureOptions, capture};
+    use nibble_quant::qoq::{
+        key_pair_angles, rotary_pair, rotate_attention_inputs, rotate_key_pairs,
+    };
+    for (name, layout) in [
+        ("tiny-llama3", RopeLayout::HalfSplit),
+        ("tiny-qwen2", RopeLayout::HalfSplit),
+        ("tiny-mistral", RopeLayout::Interleaved),
+    ] {
+        let mut m = dense(name);
+        m.config.rope_layout = layout;
+        let c = m.config.clone();
+        let want = logits(&m);
+        let seqs = calib();
+        let opts = CaptureOptions {
+            max_samples: 4,
+            attention_sequences: 3,
+            ..CaptureOptions::default()
+        };
+        let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
+        let mut predicted = Vec::new();
+        for layer in 0..c.num_layers {
+            let angles = key_pair_angles(&c, &cal.attention[layer]);
+            rotate_key_pairs(&mut m, layer, &angles).unwrap();
+            predicted.push(rotate_attention_inputs(&c, &cal.attention[layer], &angles));
+        }
+        assert_close(&logits(&m), &want, 1e-4, &format!("{name} {layout:?}"));
+        let after = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
+        for (layer, predicted) in predicted.iter().enumerate() {
+            for (p, a) in predicted.iter().zip(&after.attention[layer]) {
+                assert_close(
+                    &a.q.data,
+                    &p.q.data,
+                    1e-4,
+                    &format!("{name} layer {layer} q"),
+                );
+                assert_close(
+                    &a.k.data,
+                    &p.k.data,
+                    1e-4,
+                    &format!("{name} layer {layer} k"),
+                );
+            }
+            let (hd, n) = (c.head_dim, c.kv_dim());
+            let (mut mean, mut abs) = (vec![0f64; n], vec![0f64; n]);
+            for a in &after.attention[layer] {
+                for r in 0..a.k.rows {
+                    for (j, &v) in a.k.row(r).iter().enumerate() {
+                        mean[j] += v as f64;
+                        abs[j] += v.abs() as f64;
+                    }
+                }
+            }
+            for h in 0..c.num_kv_heads {
+                for p in 0..hd / 2 {
+                    let (i, j) = rotary_pair(layout, hd, p);
+                    let (x, y) = (mean[h * hd + i], mean[h * hd + j]);
+                    let tol = 1e-4 * (abs[h * hd + i] + abs[h * hd + j]);
+                    assert!(
+                        (x - y).abs() <= tol && (x < 0.0 || x.hypot(y) <= tol),
+                        "{name} layer {layer} head {h} pair {p}: mean ({x}, {y})"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn output_smoothing_and_reordering_keep_the_function_and_the_calibration_view() {
     for name in ["tiny-llama3", "tiny-qwen2"] {

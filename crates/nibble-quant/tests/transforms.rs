@@ -136,6 +136,7 @@ fn calibration_can_keep_every_first_token() {
             max_samples: 100,
             sample_stride: 5,
             sample_first,
+            attention_sequences: 0,
         };
         let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
         cal.site(0, SiteKind::AttnIn).samples.clone()
@@ -156,6 +157,7 @@ fn calibration_records_every_site() {
         max_samples: 5,
         sample_stride: 2,
         sample_first: false,
+        attention_sequences: 0,
     };
     let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
     assert_eq!(cal.tokens, 19);
