@@ -541,3 +541,309 @@ __device__ void w8a8_tiled_impl(const uint4* __restrict__ codes, const float* __
 NIBBLE_W8A8_OUT(f32, float)
 NIBBLE_W8A8_OUT(bf16, __nv_bfloat16)
 NIBBLE_W8A8_OUT(f16, __half)
+
+// ---------------------------------------------------------------------------------------------
+// Hopper tier, decode sizes (M <= 32): stream-K gemv on bulk-async copies (sm_90).
+//
+// Work: the (row block of 8 tiles, 64-channel chunk) units of the whole weight are cut into equal
+// contiguous ranges, one per CTA (grid = 2 CTAs per SM): every SM streams the same number of weight
+// bytes whatever the layer's shape, with no tail wave. Warp w of a CTA owns tile 8b + w of each row
+// block b its range touches, so a CTA's eight warps read the same activation chunks (L1 hits).
+// Pipeline: each warp runs its own ring of SK_STAGES stages in shared memory; lane 0 fills a stage
+// with one `cp.async.bulk` of the tile's contiguous packed codes (U chunks, 2 KB) plus one of the
+// chunks' group parameters, completing on the stage's mbarrier; the warp reads a stage into
+// registers, hands the slot straight back to lane 0 for the stage SK_STAGES ahead, then dequantizes
+// and multiplies (same fragments and arithmetic as the mma.sync tier above). About 6 KB per warp,
+// 100 KB per SM, stay in flight, where the register-pipelined gemv holds one 4 KB group per warp.
+// Split-K by pieces: a row block cut between CTAs leaves each warp a partial tile; the partials go
+// to `partial` and the last warp to arrive (a counter per tile) adds them in CTA order, so results
+// are deterministic. TurboMind §4.1 (packed fragments) and the Hopper copy engine (HOPPER.md).
+#if __CUDA_ARCH__ >= 900
+#define SK_WARPS 8
+#define SK_STAGES 4
+#define SK_STAGE_CODES 2048  // packed weight bytes per warp stage
+#define SK_STAGE_PARAMS 576  // INT4 group parameters of a stage: at most 9 groups of 64 B
+#define SK_STAGE (SK_STAGE_CODES + SK_STAGE_PARAMS)
+#define SK_BARRIERS (SK_WARPS * SK_STAGES * SK_STAGE)
+
+__device__ __forceinline__ void mbar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// `bytes` (a multiple of 16) from global to shared memory, completing on `bar`.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+
+// W4A16 stages: U chunks of 512 B per tile, then the 64-byte parameter rows of the groups they span.
+template <class T, int U_> struct StreamW4 {
+    using X = T;
+    using Acc = float;
+    static constexpr int U = U_;
+    struct Regs {
+        uint4 w[U];
+        uint2 p[U];
+    };
+    struct Xv {
+        uint4 v[2];
+    };
+    const uint4* codes;
+    const uint2* params;
+    int chunks, groups, group_len, group_shift;
+
+    __device__ int first_group(int c) const { return group_of(c * 64, group_len, group_shift); }
+    __device__ void issue(u32 dst, u32 bar, int tile, int c, int n) const {
+        const int g0 = first_group(c), g1 = group_of((c + n) * 64 - 1, group_len, group_shift);
+        const u32 code_bytes = n * 512, param_bytes = (g1 - g0 + 1) * 64;
+        mbar_expect_tx(bar, code_bytes + param_bytes);
+        bulk_load(dst, codes + ((long)tile * chunks + c) * 32, code_bytes, bar);
+        bulk_load(dst + SK_STAGE_CODES, params + ((long)tile * groups + g0) * 8, param_bytes, bar);
+    }
+    __device__ void read(const unsigned char* st, int c, int n, Regs& r) const {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, g0 = first_group(c);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (u >= n) break;
+            r.w[u] = *reinterpret_cast<const uint4*>(st + u * 512 + lane * 16);
+            const int grp = group_of((c + u) * 64 + t * 16, group_len, group_shift) - g0;
+            r.p[u] = *reinterpret_cast<const uint2*>(st + SK_STAGE_CODES + grp * 64 + g * 8);
+        }
+    }
+    // Lane (g, t)'s B fragments of chunk c for token m: channels c*64 + t*16 .. +15.
+    __device__ void load_x(const T* x, long ldx, int m, int M, int K, int c, Xv& xv) const {
+        const int k = c * 64 + (threadIdx.x & 3) * 16;
+        if (m < M && k < K) {
+            const uint4* src = reinterpret_cast<const uint4*>(x + (long)m * ldx + k);
+            xv.v[0] = __ldg(src);
+            xv.v[1] = __ldg(src + 1);
+        } else {
+            xv.v[0] = xv.v[1] = make_uint4(0, 0, 0, 0);
+        }
+    }
+    template <int TT> __device__ void mma(const Regs& r, int u, const Xv (&xv)[TT], float (&acc)[TT][4]) const {
+        const u32 words[4] = {r.w[u].x, r.w[u].y, r.w[u].z, r.w[u].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            u32 a[4];
+            dequant_step<T>(words[j], r.p[u], a);
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt) {
+                const uint4& v = xv[tt].v[j >> 1];
+                mma16816<T>(acc[tt], a, (j & 1) ? v.z : v.x, (j & 1) ? v.w : v.y);
+            }
+        }
+    }
+};
+
+// W8A8 stages: U chunks of 1024 B per tile; no group parameters (scales are per row).
+template <int U_> struct StreamW8 {
+    using X = signed char;
+    using Acc = int;
+    static constexpr int U = U_;
+    struct Regs {
+        uint4 w[U][2];
+    };
+    struct Xv {
+        uint4 v;
+    };
+    const uint4* codes;
+    int chunks;
+
+    __device__ void issue(u32 dst, u32 bar, int tile, int c, int n) const {
+        mbar_expect_tx(bar, n * 1024);
+        bulk_load(dst, codes + ((long)tile * chunks + c) * 64, n * 1024, bar);
+    }
+    __device__ void read(const unsigned char* st, int, int n, Regs& r) const {
+        const int lane = threadIdx.x & 31;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (u >= n) break;
+            r.w[u][0] = *reinterpret_cast<const uint4*>(st + u * 1024 + lane * 32);
+            r.w[u][1] = *reinterpret_cast<const uint4*>(st + u * 1024 + lane * 32 + 16);
+        }
+    }
+    __device__ void load_x(const signed char* x, long ldx, int m, int M, int K, int c, Xv& xv) const {
+        const int k = c * 64 + (threadIdx.x & 3) * 16;
+        xv.v = m < M && k < K ? __ldg(reinterpret_cast<const uint4*>(x + (long)m * ldx + k))
+                              : make_uint4(0, 0, 0, 0);
+    }
+    template <int TT> __device__ void mma(const Regs& r, int u, const Xv (&xv)[TT], int (&acc)[TT][4]) const {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const u32 a[4] = {r.w[u][j].x, r.w[u][j].y, r.w[u][j].z, r.w[u][j].w};
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt)
+                mma_s8(acc[tt], a, j ? xv[tt].v.z : xv[tt].v.x, j ? xv[tt].v.w : xv[tt].v.y);
+        }
+    }
+};
+
+// Ends warp `warp`'s piece of tile `tile` (row block b): a whole block's sums go straight to y;
+// a partial one is written to its slot and the last of the block's pieces adds them in order.
+template <int TT, class A, class OUT, class EPI>
+__device__ __forceinline__ void stream_finish(A (&acc)[TT][4], int tile, int b, int chunks, int per_cta,
+                                              int max_pieces, int M, int N, A* partial, int* counters,
+                                              OUT* y, long ldy, const EPI& epi) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const long first = (long)b * chunks / per_cta, last = ((long)(b + 1) * chunks - 1) / per_cta;
+    const int pieces = (int)(last - first + 1);
+    if (pieces == 1) {
+        store_tile<TT>(acc, tile * 16, 0, M, N, y, ldy, epi);
+    } else {
+        A* mine = partial + ((long)tile * max_pieces + (blockIdx.x - first)) * M * 16;
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = g + 8 * (e >> 1), m = tt * 8 + 2 * t + (e & 1);
+                if (m < M) mine[m * 16 + r] = acc[tt][e];
+            }
+        __threadfence();
+        __syncwarp();
+        int done = 0;
+        if (lane == 0) {
+            done = atomicAdd(&counters[tile], 1) == pieces - 1;
+            if (done) counters[tile] = 0;
+        }
+        if (__shfl_sync(0xffffffffu, done, 0)) {
+            __threadfence();
+            const A* base = partial + (long)tile * max_pieces * M * 16;
+            for (int i = lane; i < M * 16; i += 32) {
+                const int m = i >> 4, n = tile * 16 + (i & 15);
+                A s = 0;
+                for (int p = 0; p < pieces; ++p) s += __ldcg(base + (long)p * M * 16 + i);
+                if (n < N) y[(long)m * ldy + n] = to_out(epi(s, m, n), (OUT*)nullptr);
+            }
+        }
+    }
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[tt][e] = 0;
+}
+
+template <int TT, class F, class OUT, class EPI>
+__device__ void stream_gemv(const F& f, const typename F::X* __restrict__ x, long ldx,
+                            OUT* __restrict__ y, long ldy, typename F::Acc* __restrict__ partial,
+                            int* __restrict__ counters, int M, int N, int K, int tiles, int chunks,
+                            int per_cta, int max_pieces, const EPI& epi) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+    const long units = (long)((tiles + SK_WARPS - 1) / SK_WARPS) * chunks;
+    const long u0 = (long)blockIdx.x * per_cta, u1 = min(units, u0 + per_cta);
+    unsigned char* ring = smem + warp * SK_STAGES * SK_STAGE;
+    const u32 bars = smem_addr(smem + SK_BARRIERS) + warp * SK_STAGES * 8;
+    if (lane == 0) {
+#pragma unroll
+        for (int s = 0; s < SK_STAGES; ++s) mbar_init(bars + 8 * s);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncwarp();
+
+    // The stage starting at unit u: its tile, chunk and chunk count; stages never cross a row
+    // block. Units of a block past the last tile are skipped whole.
+    auto stage_at = [&](long& u, int& tile, int& c, int& n) -> bool {
+        while (u < u1) {
+            const int b = (int)(u / chunks);
+            c = (int)(u % chunks);
+            tile = b * SK_WARPS + warp;
+            if (tile < tiles) {
+                n = (int)min((long)min(F::U, chunks - c), u1 - u);
+                return true;
+            }
+            u = (long)(b + 1) * chunks;
+        }
+        return false;
+    };
+    long up = u0;
+    int issued = 0;
+    auto produce = [&]() {
+        int tile, c, n;
+        if (stage_at(up, tile, c, n)) {
+            const int slot = issued % SK_STAGES;
+            f.issue(smem_addr(ring + slot * SK_STAGE), bars + 8 * slot, tile, c, n);
+            up += n;
+            ++issued;
+        }
+    };
+    if (lane == 0)
+        for (int s = 0; s < SK_STAGES; ++s) produce();
+
+    typename F::Acc acc[TT][4] = {};
+    long uc = u0;
+    int consumed = 0, tile, c, n;
+    while (stage_at(uc, tile, c, n)) {
+        typename F::Xv xv[F::U][TT];
+#pragma unroll
+        for (int u = 0; u < F::U; ++u)
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt)
+                if (u < n) f.load_x(x, ldx, tt * 8 + g, M, K, c + u, xv[u][tt]);
+        const int slot = consumed % SK_STAGES;
+        mbar_wait(bars + 8 * slot, (consumed / SK_STAGES) & 1);
+        typename F::Regs r;
+        f.read(ring + slot * SK_STAGE, c, n, r);
+        __syncwarp();
+        if (lane == 0) produce();
+        ++consumed;
+#pragma unroll
+        for (int u = 0; u < F::U; ++u)
+            if (u < n) f.template mma<TT>(r, u, xv[u], acc);
+        uc += n;
+        if (c + n == chunks || uc == u1)
+            stream_finish<TT>(acc, tile, tile / SK_WARPS, chunks, per_cta, max_pieces, M, N, partial,
+                              counters, y, ldy, epi);
+    }
+}
+
+#define W4A16_STREAM_ENTRY(NAME, T, TT, U, OUT)                                                      \
+    extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) NAME(                              \
+        const uint4* codes, const uint2* params, const T* x, long ldx, OUT* y, long ldy,              \
+        float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,       \
+        int group_len, int group_shift, int per_cta, int max_pieces) {                                \
+        stream_gemv<TT>(StreamW4<T, U>{codes, params, chunks, groups, group_len, group_shift}, x, ldx, \
+                        y, ldy, partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces,       \
+                        W4Epilogue{});                                                                \
+    }
+#define NIBBLE_W4A16_STREAM(SUFFIX, T)                            \
+    W4A16_STREAM_ENTRY(w4a16_stream1_##SUFFIX, T, 1, 4, float)    \
+    W4A16_STREAM_ENTRY(w4a16_stream2_##SUFFIX, T, 2, 4, float)    \
+    W4A16_STREAM_ENTRY(w4a16_stream4_##SUFFIX, T, 4, 2, float)    \
+    W4A16_STREAM_ENTRY(w4a16_stream1_h_##SUFFIX, T, 1, 4, T)      \
+    W4A16_STREAM_ENTRY(w4a16_stream2_h_##SUFFIX, T, 2, 4, T)      \
+    W4A16_STREAM_ENTRY(w4a16_stream4_h_##SUFFIX, T, 4, 2, T)
+NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_STREAM)
+
+#define W8A8_STREAM_ENTRY(NAME, TT, OUT)                                                            \
+    extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) NAME(                             \
+        const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,       \
+        OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks,  \
+        int per_cta, int max_pieces) {                                                               \
+        stream_gemv<TT>(StreamW8<2>{codes, chunks}, x, ldx, y, ldy, partial, counters, M, N, K,     \
+                        tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw});                     \
+    }
+#define NIBBLE_W8A8_STREAM(SUFFIX, OUT)                \
+    W8A8_STREAM_ENTRY(w8a8_stream1_##SUFFIX, 1, OUT)   \
+    W8A8_STREAM_ENTRY(w8a8_stream2_##SUFFIX, 2, OUT)   \
+    W8A8_STREAM_ENTRY(w8a8_stream4_##SUFFIX, 4, OUT)
+NIBBLE_W8A8_STREAM(f32, float)
+NIBBLE_W8A8_STREAM(bf16, __nv_bfloat16)
+NIBBLE_W8A8_STREAM(f16, __half)
+#endif  // __CUDA_ARCH__ >= 900

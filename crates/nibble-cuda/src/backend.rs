@@ -179,6 +179,9 @@ pub struct CudaBackend {
     smem_raised: Mutex<std::collections::HashSet<String>>,
     /// Set once a W8A8 weight is loaded: RMSNorm and SiLU-gate then also write INT8 codes.
     int8_inputs: std::sync::atomic::AtomicBool,
+    /// Keeps decode-size quantized GEMMs on the mma.sync tier even where the Hopper stream
+    /// kernels exist (tests and benchmarks compare the two tiers).
+    pub(crate) mma_sync_only: std::sync::atomic::AtomicBool,
 }
 
 const BLOCK: u32 = 256;
@@ -225,7 +228,20 @@ impl CudaBackend {
             split_counters,
             smem_raised: Default::default(),
             int8_inputs: Default::default(),
+            mma_sync_only: Default::default(),
         })
+    }
+
+    /// Restricts decode-size quantized GEMMs to the mma.sync tier (`true`), or lets them use the
+    /// Hopper stream kernels where the GPU has them (`false`, the default).
+    pub fn set_mma_sync_only(&self, only: bool) {
+        self.mma_sync_only
+            .store(only, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether kernel `name` was compiled for this GPU.
+    pub(crate) fn has_kernel(&self, name: &str) -> bool {
+        self.kernels.contains_key(name)
     }
 
     /// Whether producers of GEMM inputs should also write INT8 codes (a W8A8 weight is loaded).

@@ -4,8 +4,8 @@
 //!
 //! | format | kernels | activations |
 //! |---|---|---|
-//! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_gemv{1,2,4}`, `w4a16_tiled` | model dtype |
-//! | `int8-pc/a8` (w8a8) | `w8a8_gemv{1,2,4}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
+//! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_stream{1,2,4}` (sm_90) or `w4a16_gemv{1,2,4}`, `w4a16_tiled` | model dtype |
+//! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
 //!
 //! Other quantized formats load dequantized to the model dtype and run on cuBLAS.
 
@@ -22,8 +22,12 @@ pub const GEMV_MAX_M: usize = 32;
 /// Dynamic shared memory of the tiled kernels (4 stages).
 pub const W4_TILED_SMEM: u32 = 4 * (5120 + 128 * 144);
 pub const W8_TILED_SMEM: u32 = 4 * (8192 + 128 * 64);
-/// Split-K arrival counters: one per row block of 128 weight rows.
+/// Split-K arrival counters: one per row block of 128 weight rows (mma.sync gemv) or per 16-row
+/// tile (Hopper stream gemv).
 pub const SPLIT_COUNTERS: usize = 1 << 16;
+/// Dynamic shared memory of the Hopper stream gemv: 8 warps x 4 stages x (2048 + 576) bytes, then
+/// the stages' mbarriers (`SK_*` in kernels/qgemm.cu).
+pub const STREAM_SMEM: u32 = 8 * 4 * (2048 + 576) + 8 * 4 * 8;
 
 /// A weight packed for a quantized kernel.
 pub enum QuantWeight {
@@ -213,6 +217,19 @@ pub fn plan_gemv(
     (blocks, chunks.div_ceil(cps), cps)
 }
 
+/// Stream-K plan of a Hopper gemv launch: `(CTAs, units per CTA, most pieces of a row block)`.
+/// The `row blocks x chunks` units are cut into equal ranges for two resident CTAs per SM; a row
+/// block spans at most `max_pieces` CTAs, which sizes the partial-sum slots.
+pub fn plan_stream(tiles: usize, chunks: usize, sms: usize) -> (usize, usize, usize) {
+    let units = tiles.div_ceil(8) * chunks;
+    let per_cta = units.div_ceil(2 * sms.max(1)).max(1);
+    (
+        units.div_ceil(per_cta),
+        per_cta,
+        chunks.div_ceil(per_cta) + 1,
+    )
+}
+
 /// The gemv variant for `m` tokens: 1, 2 or 4 tiles of 8 tokens.
 fn token_tiles(m: usize) -> usize {
     m.div_ceil(8).next_power_of_two()
@@ -294,7 +311,6 @@ impl CudaBackend {
                 let geo = [m, n, k, *tiles, *chunks, *groups, *group_len];
                 let h = if out_half { "_h" } else { "" };
                 if m <= GEMV_MAX_M {
-                    let name = format!("w4a16_gemv{}{h}_{sfx}", token_tiles(m));
                     let shift = if group_len.is_power_of_two() {
                         group_len.trailing_zeros() as i32
                     } else {
@@ -302,6 +318,11 @@ impl CudaBackend {
                     };
                     let mut geo: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
                     geo.push(Arg::I32(shift));
+                    let stream = format!("w4a16_stream{}{h}_{sfx}", token_tiles(m));
+                    if self.stream_tier(&stream) {
+                        return self.launch_stream(&stream, head, geo, *tiles, *chunks, m);
+                    }
+                    let name = format!("w4a16_gemv{}{h}_{sfx}", token_tiles(m));
                     self.launch_gemv(&name, head, geo, *tiles, *chunks, m, 128)
                 } else {
                     let mut args = head;
@@ -332,8 +353,12 @@ impl CudaBackend {
                 let geo = [m, n, k, *tiles, *chunks];
                 let o = if out_half { sfx } else { "f32" };
                 if m <= GEMV_MAX_M {
-                    let name = format!("w8a8_gemv{}_{o}", token_tiles(m));
                     let geo = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
+                    let stream = format!("w8a8_stream{}_{o}", token_tiles(m));
+                    if self.stream_tier(&stream) {
+                        return self.launch_stream(&stream, head, geo, *tiles, *chunks, m);
+                    }
+                    let name = format!("w8a8_gemv{}_{o}", token_tiles(m));
                     self.launch_gemv(&name, head, geo, *tiles, *chunks, m, 64)
                 } else {
                     let mut args = head;
@@ -378,6 +403,40 @@ impl CudaBackend {
             gemv_smem(m, cps, x_bytes) as u32,
             args,
         )
+    }
+
+    /// Whether a decode-size GEMM runs the Hopper stream kernel `name`: compiled for this GPU
+    /// (sm_90 and later) and not switched off by [`CudaBackend::set_mma_sync_only`].
+    fn stream_tier(&self, name: &str) -> bool {
+        !self
+            .mma_sync_only
+            .load(std::sync::atomic::Ordering::Relaxed)
+            && self.has_kernel(name)
+    }
+
+    /// Launches a Hopper stream-K gemv ([`plan_stream`]): arguments as for [`Self::launch_gemv`],
+    /// then the units per CTA and the partial slots per tile. Partial sums take 4 bytes each.
+    fn launch_stream(
+        &self,
+        name: &str,
+        mut args: Vec<Arg>,
+        geo: Vec<Arg>,
+        tiles: usize,
+        chunks: usize,
+        m: usize,
+    ) -> Result<()> {
+        let (ctas, per_cta, max_pieces) = plan_stream(tiles, chunks, self.gpu.sm_count);
+        let partial = if max_pieces > 1 {
+            self.alloc(tiles * max_pieces * m, 16, Elem::F32)?.ptr
+        } else {
+            0
+        };
+        args.push(Arg::Ptr(partial));
+        args.push(Arg::Ptr(self.split_counters()));
+        args.extend(geo);
+        args.push(Arg::I32(per_cta as i32));
+        args.push(Arg::I32(max_pieces as i32));
+        self.launch_smem(name, (ctas as u32, 1, 1), STREAM_SMEM, args)
     }
 
     /// Per-token INT8 codes (`rows x cols`, row stride `cols`) and scales of `x`.
@@ -436,6 +495,29 @@ mod tests {
         assert_eq!(plan_gemv(1792, 64, 132, 1, 128), (224, 2, 32));
         // Sixteen tokens of a 14336-wide input: the slice caps the chunks per split.
         assert_eq!(plan_gemv(256, 224, 132, 16, 128), (32, 10, 23));
+    }
+
+    #[test]
+    fn stream_plans_balance_units_and_bound_pieces() {
+        for (tiles, chunks) in [
+            (256, 64),
+            (256, 224),
+            (1792, 64),
+            (3584, 128),
+            (36, 9),
+            (1, 1),
+        ] {
+            let (ctas, per_cta, max_pieces) = plan_stream(tiles, chunks, 132);
+            let units = tiles.div_ceil(8) * chunks;
+            assert!(ctas <= 264 && ctas * per_cta >= units && (ctas - 1) * per_cta < units);
+            // Count the CTAs each row block's units fall in: never more than max_pieces.
+            for b in 0..tiles.div_ceil(8) {
+                let (first, last) = (b * chunks / per_cta, ((b + 1) * chunks - 1) / per_cta);
+                assert!(last - first < max_pieces, "{tiles} {chunks} block {b}");
+            }
+        }
+        // Llama-3-8B's 28672x4096 at two CTAs per SM of an H200: 55 units each, no tail wave.
+        assert_eq!(plan_stream(1792, 64, 132), (261, 55, 3));
     }
 
     #[test]

@@ -38,8 +38,19 @@ fn kernels_compile_for_every_architecture() {
                         "attention" => &["paged_attn_bf16_hd128_g4", "attn_reduce_f16_hd64_g8"],
                         "decode_mma" => &["decode_mma_bf16_hd128_g4", "decode_mma_f16_hd64_g8"],
                         "prefill" => &["prefill_attn_bf16_hd128", "prefill_attn_f16_hd64"],
+                        // The Hopper stream gemv exists from sm_90 on; the mma.sync tier everywhere.
+                        "qgemm" if cc.0 >= 9 => {
+                            &["w4a16_stream1_bf16", "w8a8_stream4_f32", "w4a16_gemv1_f16"]
+                        }
+                        "qgemm" => &["w4a16_gemv1_bf16", "w8a8_tiled_f32"],
                         _ => &[],
                     };
+                    if *name == "qgemm" && cc.0 < 9 {
+                        assert!(
+                            !entries.iter().any(|e| e.contains("_stream")),
+                            "{arch}: {entries:?}"
+                        );
+                    }
                     for w in want {
                         assert!(entries.iter().any(|e| e == w), "{w} missing: {entries:?}");
                     }

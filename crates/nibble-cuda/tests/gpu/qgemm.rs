@@ -1,7 +1,7 @@
 //! The quantized GEMMs (kernels/qgemm.cu) against `nibble_precision::reference_matmul`: W8A8
 //! bit for bit (activation codes, i32 sums and the f32 epilogue), W4A16 within the rounding of
 //! its 16-bit operands. Fresh random weights and inputs, NaN-poisoned outputs, shapes the tiles
-//! do not divide, every group size, both kernels (gemv up to 16 tokens, tiled beyond), and the
+//! do not divide, every group size, every kernel (the Hopper stream gemv and the mma.sync gemv up to 32 tokens, tiled beyond), and the
 //! layer shapes of Llama-3-8B, Qwen3-8B and Llama-2-70B with sampled rows checked.
 
 use super::*;
@@ -43,8 +43,9 @@ fn quant_tensor(format: LinearFormat, n: usize, k: usize, bytes: Vec<u8>) -> Hos
     }
 }
 
-/// Runs `x · Wᵀ` on the GPU (f32 output) and returns it with the reference for the rows
-/// `check_rows` of x.
+/// Runs `x · Wᵀ` on the GPU (f32 output) on every kernel tier that takes `m` tokens (the
+/// Hopper stream gemv where the GPU has it, and the mma.sync kernels) and returns each tier's
+/// rows `check_rows`, with the reference for them.
 #[allow(clippy::too_many_arguments)]
 fn run(
     g: &CudaBackend,
@@ -55,9 +56,7 @@ fn run(
     wbytes: &[u8],
     n: usize,
     check_rows: &[usize],
-) -> (Vec<f32>, Vec<f32>) {
-    g.poison_activations(((m * (k + n) * 4) + (64 << 20)).min(3 << 30))
-        .unwrap();
+) -> (Vec<(&'static str, Vec<f32>)>, Vec<f32>) {
     let w = g
         .load_weight(&quant_tensor(format, n, k, wbytes.to_vec()))
         .unwrap();
@@ -65,18 +64,31 @@ fn run(
         matches!(w.data, nibble_cuda::WeightData::Quant(_)),
         "{format} {n}x{k} did not pack"
     );
-    let xt = g.tensor_from_f32(x, m, k).unwrap();
-    let y = host(g, &g.linear(&xt, &w, None).unwrap());
-    let got: Vec<f32> = check_rows
-        .iter()
-        .flat_map(|&i| y[i * n..(i + 1) * n].to_vec())
-        .collect();
+    let tiers: &[(&str, bool)] = if m <= nibble_cuda::qlinear::GEMV_MAX_M {
+        &[("default tier", false), ("mma.sync tier", true)]
+    } else {
+        &[("default tier", false)]
+    };
+    let mut out = Vec::new();
+    for &(tier, mma_only) in tiers {
+        g.poison_activations(((m * (k + n) * 4) + (64 << 20)).min(3 << 30))
+            .unwrap();
+        g.set_mma_sync_only(mma_only);
+        let xt = g.tensor_from_f32(x, m, k).unwrap();
+        let y = host(g, &g.linear(&xt, &w, None).unwrap());
+        g.set_mma_sync_only(false);
+        let got: Vec<f32> = check_rows
+            .iter()
+            .flat_map(|&i| y[i * n..(i + 1) * n].to_vec())
+            .collect();
+        out.push((tier, got));
+    }
     let xs: Vec<f32> = check_rows
         .iter()
         .flat_map(|&i| x[i * k..(i + 1) * k].to_vec())
         .collect();
     let want = reference_matmul(format, &xs, check_rows.len(), k, wbytes, n).unwrap();
-    (got, want)
+    (out, want)
 }
 
 fn sample_rows(r: &mut ChaCha8Rng, m: usize, most: usize) -> Vec<usize> {
@@ -167,8 +179,10 @@ fn w8a8_is_bit_exact_with_the_integer_reference() {
             }
             let w = random_rows(&mut r, format, n, k);
             let rows: Vec<usize> = (0..m).collect();
-            let (got, want) = run(&g, format, &x, m, k, &w, n, &rows);
-            assert_bit_exact(&format!("w8a8 {m}x{n}x{k} {dtype:?}"), &got, &want);
+            let (tiers, want) = run(&g, format, &x, m, k, &w, n, &rows);
+            for (tier, got) in tiers {
+                assert_bit_exact(&format!("w8a8 {m}x{n}x{k} {dtype:?} {tier}"), &got, &want);
+            }
         }
     }
 }
@@ -231,21 +245,23 @@ fn w4a16_matches_the_dequantized_reference() {
                 let x = randn(&mut r, m * k, 1.0);
                 let w = random_rows(&mut r, format, n, k);
                 let rows = sample_rows(&mut r, m, 24);
-                let (got, want) = run(&g, format, &x, m, k, &w, n, &rows);
+                let (tiers, want) = run(&g, format, &x, m, k, &w, n, &rows);
                 let xs: Vec<f32> = rows
                     .iter()
                     .flat_map(|&i| x[i * k..][..k].to_vec())
                     .collect();
-                assert_w4_close(
-                    &format!("w4a16 {format} {m}x{n}x{k} {dtype:?}"),
-                    &got,
-                    &want,
-                    &xs,
-                    k,
-                    format,
-                    &w,
-                    dtype,
-                );
+                for (tier, got) in tiers {
+                    assert_w4_close(
+                        &format!("w4a16 {format} {m}x{n}x{k} {dtype:?} {tier}"),
+                        &got,
+                        &want,
+                        &xs,
+                        k,
+                        format,
+                        &w,
+                        dtype,
+                    );
+                }
             }
         }
     }
@@ -275,16 +291,18 @@ fn quantized_gemms_on_real_layer_shapes() {
             for &m in ms {
                 let x = randn(&mut r, m * k, 1.0);
                 let rows = sample_rows(&mut r, m, 4);
-                let (got, want) = run(&g, format, &x, m, k, &w, n, &rows);
-                let what = format!("{format} {m}x{n}x{k}");
-                if format == w8 {
-                    assert_bit_exact(&what, &got, &want);
-                } else {
-                    let xs: Vec<f32> = rows
-                        .iter()
-                        .flat_map(|&i| x[i * k..][..k].to_vec())
-                        .collect();
-                    assert_w4_close(&what, &got, &want, &xs, k, format, &w, Dtype::Bf16);
+                let (tiers, want) = run(&g, format, &x, m, k, &w, n, &rows);
+                let xs: Vec<f32> = rows
+                    .iter()
+                    .flat_map(|&i| x[i * k..][..k].to_vec())
+                    .collect();
+                for (tier, got) in tiers {
+                    let what = format!("{format} {m}x{n}x{k} {tier}");
+                    if format == w8 {
+                        assert_bit_exact(&what, &got, &want);
+                    } else {
+                        assert_w4_close(&what, &got, &want, &xs, k, format, &w, Dtype::Bf16);
+                    }
                 }
             }
         }
@@ -306,9 +324,15 @@ fn split_k_is_deterministic_and_layers_that_cannot_pack_run_dequantized() {
         ))
         .unwrap();
     let x = g.tensor_from_f32(&randn(&mut r, m * k, 1.0), m, k).unwrap();
-    let a = host(&g, &g.linear(&x, &w, None).unwrap());
-    let b = host(&g, &g.linear(&x, &w, None).unwrap());
-    assert_bit_exact("repeat", &a, &b);
+    // Both tiers split K here (the stream gemv into 8 pieces per row block): repeats agree bit
+    // for bit.
+    for mma_only in [false, true] {
+        g.set_mma_sync_only(mma_only);
+        let a = host(&g, &g.linear(&x, &w, None).unwrap());
+        let b = host(&g, &g.linear(&x, &w, None).unwrap());
+        assert_bit_exact(&format!("repeat, mma.sync only: {mma_only}"), &a, &b);
+    }
+    g.set_mma_sync_only(false);
     // K = 40 is not a multiple of 16: the layer loads dequantized and still computes.
     let f8: LinearFormat = "int8-pc/a8".parse().unwrap();
     let wb = random_rows(&mut r, f8, 24, 40);
