@@ -558,13 +558,19 @@ NIBBLE_W8A8_OUT(f16, __half)
 // Split-K by pieces: a row block cut between CTAs leaves each warp a partial tile; the partials go
 // to `partial` and the last warp to arrive (a counter per tile) adds them in CTA order, so results
 // are deterministic. TurboMind §4.1 (packed fragments) and the Hopper copy engine (HOPPER.md).
-#if __CUDA_ARCH__ >= 900
-#define SK_WARPS 8
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // (host pass: bench/probe)
+#define SK_WARPS 16
+#ifndef SK_STAGES  // (overridable only by bench/probe/gemv_probe.cu)
 #define SK_STAGES 4
 #define SK_STAGE_CODES 2048  // packed weight bytes per warp stage
-#define SK_STAGE_PARAMS 576  // INT4 group parameters of a stage: at most 9 groups of 64 B
+#define SK_STAGE_PARAMS 320  // INT4 group parameters of a stage: groups of whole chunks, at most 5
+#endif
 #define SK_STAGE (SK_STAGE_CODES + SK_STAGE_PARAMS)
 #define SK_BARRIERS (SK_WARPS * SK_STAGES * SK_STAGE)
+#ifndef SK_CHAINS
+#define SK_CHAINS 2  // independent accumulator chains of a one-token-tile gemv
+#endif
+#define SK_X (SK_BARRIERS + SK_WARPS * SK_STAGES * 8)  // the staged activations, when they fit
 
 __device__ __forceinline__ void mbar_init(u32 bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
@@ -593,6 +599,17 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
 }
 
 // W4A16 stages: U chunks of 512 B per tile, then the 64-byte parameter rows of the groups they span.
+// Scales after the MMA (groups of whole chunks, 64 channels or a multiple): a k16 step multiplies
+// the raw codes as they come out of lop3, magic + q (exact in the dtype), and a second MMA adds
+// -(magic + z) times the same activations, so the group sum G = sum (q - z) x builds up without a
+// subtraction or multiplication per weight; at the group's end each output adds s * G in f32.
+// Half the ALU work of dequantize-then-multiply, which bounds a decode gemv on Hopper (a warp must
+// retire a 512-byte chunk every ~32 cycles per SM to keep up with HBM). Same sums as the
+// dequantized reference up to f32 rounding (the reference rounds each w to 16 bits first).
+template <class T> __device__ __forceinline__ float half_lo(u32 v);
+template <> __device__ __forceinline__ float half_lo<__half>(u32 v) { return __half2float(__ushort_as_half((unsigned short)v)); }
+template <> __device__ __forceinline__ float half_lo<__nv_bfloat16>(u32 v) { return __uint_as_float(v << 16); }
+
 template <class T, int U_> struct StreamW4 {
     using X = T;
     using Acc = float;
@@ -617,38 +634,67 @@ template <class T, int U_> struct StreamW4 {
         bulk_load(dst + SK_STAGE_CODES, params + ((long)tile * groups + g0) * 8, param_bytes, bar);
     }
     __device__ void read(const unsigned char* st, int c, int n, Regs& r) const {
-        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, g0 = first_group(c);
+        const int lane = threadIdx.x & 31, g = lane >> 2, g0 = first_group(c);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             if (u >= n) break;
             r.w[u] = *reinterpret_cast<const uint4*>(st + u * 512 + lane * 16);
-            const int grp = group_of((c + u) * 64 + t * 16, group_len, group_shift) - g0;
+            const int grp = group_of((c + u) * 64, group_len, group_shift) - g0;
             r.p[u] = *reinterpret_cast<const uint2*>(st + SK_STAGE_CODES + grp * 64 + g * 8);
         }
     }
     // Lane (g, t)'s B fragments of chunk c for token m: channels c*64 + t*16 .. +15.
-    __device__ void load_x(const T* x, long ldx, int m, int M, int K, int c, Xv& xv) const {
+    template <bool XS> __device__ void load_x(const T* x, long ldx, int m, int M, int K, int c, Xv& xv) const {
         const int k = c * 64 + (threadIdx.x & 3) * 16;
         if (m < M && k < K) {
             const uint4* src = reinterpret_cast<const uint4*>(x + (long)m * ldx + k);
-            xv.v[0] = __ldg(src);
-            xv.v[1] = __ldg(src + 1);
+            xv.v[0] = XS ? src[0] : __ldg(src);
+            xv.v[1] = XS ? src[1] : __ldg(src + 1);
         } else {
             xv.v[0] = xv.v[1] = make_uint4(0, 0, 0, 0);
         }
     }
-    template <int TT> __device__ void mma(const Regs& r, int u, const Xv (&xv)[TT], float (&acc)[TT][4]) const {
+    // Adds chunk u's (magic + q) x and -(magic + z) x into the group sums G (into separate
+    // chains when there are two).
+    template <int TT, int CH>
+    __device__ void mma(const Regs& r, int u, const Xv (&xv)[TT], float (&G)[CH][TT][4]) const {
         const u32 words[4] = {r.w[u].x, r.w[u].y, r.w[u].z, r.w[u].w};
+        // Register r of an A fragment is row g (even r) or g + 8 (odd r): pack.rs.
+        const u32 nz0 = __byte_perm(r.p[u].x, 0, 0x3232) ^ 0x80008000u;
+        const u32 nz1 = __byte_perm(r.p[u].y, 0, 0x3232) ^ 0x80008000u;
+        const u32 az[4] = {nz0, nz1, nz0, nz1};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             u32 a[4];
-            dequant_step<T>(words[j], r.p[u], a);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) a[q] = lop3_and_or(words[j] >> (4 * q), 0x000f000fu, W4Math<T>::MAGIC);
 #pragma unroll
             for (int tt = 0; tt < TT; ++tt) {
                 const uint4& v = xv[tt].v[j >> 1];
-                mma16816<T>(acc[tt], a, (j & 1) ? v.z : v.x, (j & 1) ? v.w : v.y);
+                const u32 b0 = (j & 1) ? v.z : v.x, b1 = (j & 1) ? v.w : v.y;
+                // Chains: codes into the first half, zero terms into the second, by step parity.
+                mma16816<T>(G[(j % (CH / 2 > 0 ? CH / 2 : 1))][tt], a, b0, b1);
+                mma16816<T>(G[CH - 1 - (j % (CH / 2 > 0 ? CH / 2 : 1))][tt], az, b0, b1);
             }
         }
+    }
+    // Whether the group sums must be applied after chunk c: its group ends there.
+    __device__ bool group_ends(int c) const { return ((c + 1) * 64) % group_len == 0; }
+    // acc += s * G for rows g (C fragment elements 0, 1) and g + 8 (2, 3); G back to zero.
+    template <int TT, int CH>
+    __device__ void flush(const Regs& r, int u, float (&G)[CH][TT][4], float (&acc)[TT][4]) const {
+        const float s0 = half_lo<T>(r.p[u].x), s1 = half_lo<T>(r.p[u].y);
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float sum = G[0][tt][e];
+#pragma unroll
+                for (int ch = 1; ch < CH; ++ch) sum += G[ch][tt][e];
+                acc[tt][e] = fmaf(e < 2 ? s0 : s1, sum, acc[tt][e]);
+#pragma unroll
+                for (int ch = 0; ch < CH; ++ch) G[ch][tt][e] = 0.f;
+            }
     }
 };
 
@@ -679,19 +725,34 @@ template <int U_> struct StreamW8 {
             r.w[u][1] = *reinterpret_cast<const uint4*>(st + u * 1024 + lane * 32 + 16);
         }
     }
+    template <bool XS>
     __device__ void load_x(const signed char* x, long ldx, int m, int M, int K, int c, Xv& xv) const {
         const int k = c * 64 + (threadIdx.x & 3) * 16;
-        xv.v = m < M && k < K ? __ldg(reinterpret_cast<const uint4*>(x + (long)m * ldx + k))
-                              : make_uint4(0, 0, 0, 0);
+        const uint4* src = reinterpret_cast<const uint4*>(x + (long)m * ldx + k);
+        xv.v = m < M && k < K ? (XS ? *src : __ldg(src)) : make_uint4(0, 0, 0, 0);
     }
-    template <int TT> __device__ void mma(const Regs& r, int u, const Xv (&xv)[TT], int (&acc)[TT][4]) const {
+    template <int TT, int CH> __device__ void mma(const Regs& r, int u, const Xv (&xv)[TT], int (&G)[CH][TT][4]) const {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
             const u32 a[4] = {r.w[u][j].x, r.w[u][j].y, r.w[u][j].z, r.w[u][j].w};
 #pragma unroll
             for (int tt = 0; tt < TT; ++tt)
-                mma_s8(acc[tt], a, j ? xv[tt].v.z : xv[tt].v.x, j ? xv[tt].v.w : xv[tt].v.y);
+                mma_s8(G[j % CH][tt], a, j ? xv[tt].v.z : xv[tt].v.x, j ? xv[tt].v.w : xv[tt].v.y);
         }
+    }
+    // Per-row scales apply in the epilogue: the i32 chains are only added up at a piece's end.
+    __device__ bool group_ends(int) const { return false; }
+    template <int TT, int CH>
+    __device__ void flush(const Regs&, int, int (&G)[CH][TT][4], int (&acc)[TT][4]) const {
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+#pragma unroll
+                for (int ch = 0; ch < CH; ++ch) acc[tt][e] += G[ch][tt][e];
+#pragma unroll
+                for (int ch = 0; ch < CH; ++ch) G[ch][tt][e] = 0;
+            }
     }
 };
 
@@ -739,7 +800,8 @@ __device__ __forceinline__ void stream_finish(A (&acc)[TT][4], int tile, int b, 
         for (int e = 0; e < 4; ++e) acc[tt][e] = 0;
 }
 
-template <int TT, class F, class OUT, class EPI>
+// XS: the activations (M x K) are first copied into shared memory, read there by every warp.
+template <int TT, bool XS, class F, class OUT, class EPI>
 __device__ void stream_gemv(const F& f, const typename F::X* __restrict__ x, long ldx,
                             OUT* __restrict__ y, long ldy, typename F::Acc* __restrict__ partial,
                             int* __restrict__ counters, int M, int N, int K, int tiles, int chunks,
@@ -757,92 +819,159 @@ __device__ void stream_gemv(const F& f, const typename F::X* __restrict__ x, lon
     }
     __syncwarp();
 
-    // The stage starting at unit u: its tile, chunk and chunk count; stages never cross a row
-    // block. Units of a block past the last tile are skipped whole.
-    auto stage_at = [&](long& u, int& tile, int& c, int& n) -> bool {
-        while (u < u1) {
-            const int b = (int)(u / chunks);
-            c = (int)(u % chunks);
-            tile = b * SK_WARPS + warp;
-            if (tile < tiles) {
-                n = (int)min((long)min(F::U, chunks - c), u1 - u);
+    // A position in the CTA's units: unit u is chunk c of row block b. Stages never cross a row
+    // block; blocks past the last tile are skipped whole.
+    struct Cursor {
+        long u;
+        int b, c;
+    };
+    auto settle = [&](Cursor& q, int& n) -> bool {
+        while (q.u < u1) {
+            if (q.b * SK_WARPS + warp < tiles) {
+                n = (int)min((long)min(F::U, chunks - q.c), u1 - q.u);
                 return true;
             }
-            u = (long)(b + 1) * chunks;
+            q.u += chunks - q.c;
+            q.c = 0;
+            ++q.b;
         }
         return false;
     };
-    long up = u0;
+    auto advance = [&](Cursor& q, int n) {
+        q.u += n;
+        q.c += n;
+        if (q.c == chunks) {
+            q.c = 0;
+            ++q.b;
+        }
+    };
+    const Cursor start{u0, (int)(u0 / chunks), (int)(u0 % chunks)};
+    Cursor up = start;
     int issued = 0;
     auto produce = [&]() {
-        int tile, c, n;
-        if (stage_at(up, tile, c, n)) {
+        int n;
+        if (settle(up, n)) {
             const int slot = issued % SK_STAGES;
-            f.issue(smem_addr(ring + slot * SK_STAGE), bars + 8 * slot, tile, c, n);
-            up += n;
+            f.issue(smem_addr(ring + slot * SK_STAGE), bars + 8 * slot, up.b * SK_WARPS + warp, up.c, n);
+            advance(up, n);
             ++issued;
         }
     };
     if (lane == 0)
         for (int s = 0; s < SK_STAGES; ++s) produce();
 
-    typename F::Acc acc[TT][4] = {};
-    long uc = u0;
-    int consumed = 0, tile, c, n;
-    while (stage_at(uc, tile, c, n)) {
-        typename F::Xv xv[F::U][TT];
+    // The weight stages are on their way; stage the activations meanwhile (rows padded by 16 bytes
+    // so a quarter warp's 16-byte reads of two token rows hit distinct banks).
+    const typename F::X* xsrc = x;
+    long xld = ldx;
+    if constexpr (XS) {
+        using Xe = typename F::X;
+        const int vecs = K * (int)sizeof(Xe) / 16;
+        const long stride = (long)K + 16 / (long)sizeof(Xe);
+        Xe* xs = reinterpret_cast<Xe*>(smem + SK_X);
+        for (int i = threadIdx.x; i < M * vecs; i += blockDim.x) {
+            const int row = i / vecs, v = i % vecs;
+            reinterpret_cast<uint4*>(xs + row * stride)[v] =
+                __ldg(reinterpret_cast<const uint4*>(x + row * ldx) + v);
+        }
+        __syncthreads();
+        xsrc = xs;
+        xld = stride;
+    }
+
+    using Xs = typename F::Xv[F::U][TT];
+    auto load_xs = [&](const Cursor& q, int n, Xs& xv) {
 #pragma unroll
         for (int u = 0; u < F::U; ++u)
 #pragma unroll
             for (int tt = 0; tt < TT; ++tt)
-                if (u < n) f.load_x(x, ldx, tt * 8 + g, M, K, c + u, xv[u][tt]);
+                if (u < n) f.template load_x<XS>(xsrc, xld, tt * 8 + g, M, K, q.c + u, xv[u][tt]);
+    };
+    // One token tile read from global memory: the next stage's activations load while this
+    // stage computes (their latency would otherwise stall every stage); more tiles would spill.
+    constexpr bool PREFETCH_X = TT == 1 && !XS;
+    // Accumulator chains: two for one token tile (every MMA of a stage would otherwise wait on
+    // the one before), one for more (the tiles are independent chains already).
+    constexpr int CH = TT == 1 ? SK_CHAINS : 1;
+    typename F::Acc G[CH][TT][4] = {}, acc[TT][4] = {};
+    Cursor uc = start;
+    int consumed = 0, n;
+    bool more = settle(uc, n);
+    Xs xv;
+    if (PREFETCH_X && more) load_xs(uc, n, xv);
+    while (more) {
+        const Cursor cur = uc;
+        const int cn = n;
+        advance(uc, n);
+        more = settle(uc, n);
+        Xs xn;
+        if (PREFETCH_X) {
+            if (more) load_xs(uc, n, xn);
+        } else {
+            load_xs(cur, cn, xv);
+        }
         const int slot = consumed % SK_STAGES;
         mbar_wait(bars + 8 * slot, (consumed / SK_STAGES) & 1);
         typename F::Regs r;
-        f.read(ring + slot * SK_STAGE, c, n, r);
+        f.read(ring + slot * SK_STAGE, cur.c, cn, r);
         __syncwarp();
         if (lane == 0) produce();
         ++consumed;
+        const bool piece_ends = cur.c + cn == chunks || cur.u + cn == u1;
 #pragma unroll
         for (int u = 0; u < F::U; ++u)
-            if (u < n) f.template mma<TT>(r, u, xv[u], acc);
-        uc += n;
-        if (c + n == chunks || uc == u1)
-            stream_finish<TT>(acc, tile, tile / SK_WARPS, chunks, per_cta, max_pieces, M, N, partial,
-                              counters, y, ldy, epi);
+            if (u < cn) {
+                f.template mma<TT, CH>(r, u, xv[u], G);
+                if (f.group_ends(cur.c + u) || (piece_ends && u == cn - 1)) f.flush(r, u, G, acc);
+            }
+        if (piece_ends)
+            stream_finish<TT>(acc, cur.b * SK_WARPS + warp, cur.b, chunks, per_cta, max_pieces, M, N,
+                              partial, counters, y, ldy, epi);
+        if (PREFETCH_X) {
+#pragma unroll
+            for (int u = 0; u < F::U; ++u)
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) xv[u][tt] = xn[u][tt];
+        }
     }
 }
 
-#define W4A16_STREAM_ENTRY(NAME, T, TT, U, OUT)                                                      \
-    extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) NAME(                              \
+#define W4A16_STREAM_ENTRY(NAME, T, TT, U, OUT, XS)                                                  \
+    extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 1) NAME(                              \
         const uint4* codes, const uint2* params, const T* x, long ldx, OUT* y, long ldy,              \
         float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int groups,       \
         int group_len, int group_shift, int per_cta, int max_pieces) {                                \
-        stream_gemv<TT>(StreamW4<T, U>{codes, params, chunks, groups, group_len, group_shift}, x, ldx, \
+        stream_gemv<TT, XS>(StreamW4<T, U>{codes, params, chunks, groups, group_len, group_shift}, x, ldx, \
                         y, ldy, partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces,       \
                         W4Epilogue{});                                                                \
     }
-#define NIBBLE_W4A16_STREAM(SUFFIX, T)                            \
-    W4A16_STREAM_ENTRY(w4a16_stream1_##SUFFIX, T, 1, 4, float)    \
-    W4A16_STREAM_ENTRY(w4a16_stream2_##SUFFIX, T, 2, 4, float)    \
-    W4A16_STREAM_ENTRY(w4a16_stream4_##SUFFIX, T, 4, 2, float)    \
-    W4A16_STREAM_ENTRY(w4a16_stream1_h_##SUFFIX, T, 1, 4, T)      \
-    W4A16_STREAM_ENTRY(w4a16_stream2_h_##SUFFIX, T, 2, 4, T)      \
-    W4A16_STREAM_ENTRY(w4a16_stream4_h_##SUFFIX, T, 4, 2, T)
+#define NIBBLE_W4A16_STREAM_X(SUFFIX, T, XS, X)                         \
+    W4A16_STREAM_ENTRY(w4a16_stream1##X##_##SUFFIX, T, 1, 4, float, XS) \
+    W4A16_STREAM_ENTRY(w4a16_stream2##X##_##SUFFIX, T, 2, 2, float, XS) \
+    W4A16_STREAM_ENTRY(w4a16_stream4##X##_##SUFFIX, T, 4, 1, float, XS) \
+    W4A16_STREAM_ENTRY(w4a16_stream1_h##X##_##SUFFIX, T, 1, 4, T, XS)   \
+    W4A16_STREAM_ENTRY(w4a16_stream2_h##X##_##SUFFIX, T, 2, 2, T, XS)   \
+    W4A16_STREAM_ENTRY(w4a16_stream4_h##X##_##SUFFIX, T, 4, 1, T, XS)
+#define NIBBLE_W4A16_STREAM(SUFFIX, T)            \
+    NIBBLE_W4A16_STREAM_X(SUFFIX, T, false, )     \
+    NIBBLE_W4A16_STREAM_X(SUFFIX, T, true, _xs)
 NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_STREAM)
 
-#define W8A8_STREAM_ENTRY(NAME, TT, OUT)                                                            \
-    extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) NAME(                             \
+#define W8A8_STREAM_ENTRY(NAME, TT, OUT, XS)                                                        \
+    extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 1) NAME(                             \
         const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,       \
         OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks,  \
         int per_cta, int max_pieces) {                                                               \
-        stream_gemv<TT>(StreamW8<2>{codes, chunks}, x, ldx, y, ldy, partial, counters, M, N, K,     \
+        stream_gemv<TT, XS>(StreamW8<2>{codes, chunks}, x, ldx, y, ldy, partial, counters, M, N, K,     \
                         tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw});                     \
     }
-#define NIBBLE_W8A8_STREAM(SUFFIX, OUT)                \
-    W8A8_STREAM_ENTRY(w8a8_stream1_##SUFFIX, 1, OUT)   \
-    W8A8_STREAM_ENTRY(w8a8_stream2_##SUFFIX, 2, OUT)   \
-    W8A8_STREAM_ENTRY(w8a8_stream4_##SUFFIX, 4, OUT)
+#define NIBBLE_W8A8_STREAM(SUFFIX, OUT)                      \
+    W8A8_STREAM_ENTRY(w8a8_stream1_##SUFFIX, 1, OUT, false)  \
+    W8A8_STREAM_ENTRY(w8a8_stream2_##SUFFIX, 2, OUT, false)  \
+    W8A8_STREAM_ENTRY(w8a8_stream4_##SUFFIX, 4, OUT, false)  \
+    W8A8_STREAM_ENTRY(w8a8_stream1_xs_##SUFFIX, 1, OUT, true) \
+    W8A8_STREAM_ENTRY(w8a8_stream2_xs_##SUFFIX, 2, OUT, true) \
+    W8A8_STREAM_ENTRY(w8a8_stream4_xs_##SUFFIX, 4, OUT, true)
 NIBBLE_W8A8_STREAM(f32, float)
 NIBBLE_W8A8_STREAM(bf16, __nv_bfloat16)
 NIBBLE_W8A8_STREAM(f16, __half)

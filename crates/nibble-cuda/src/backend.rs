@@ -175,8 +175,8 @@ pub struct CudaBackend {
     pub graphs_enabled: bool,
     /// Zeroed arrival counters of the split-K gemv kernels (each launch leaves them zeroed).
     split_counters: DeviceBuffer,
-    /// Kernels whose dynamic shared-memory limit has been raised.
-    smem_raised: Mutex<std::collections::HashSet<String>>,
+    /// Kernels whose dynamic shared-memory limit has been raised, and to what.
+    smem_raised: Mutex<HashMap<String, u32>>,
     /// Set once a W8A8 weight is loaded: RMSNorm and SiLU-gate then also write INT8 codes.
     int8_inputs: std::sync::atomic::AtomicBool,
     /// Keeps decode-size quantized GEMMs on the mma.sync tier even where the Hopper stream
@@ -276,10 +276,22 @@ impl CudaBackend {
         smem: u32,
         args: Vec<Arg>,
     ) -> Result<()> {
+        self.launch_block(name, grid, 256, smem, args)
+    }
+
+    /// [`Self::launch_smem`] with `block` threads per CTA.
+    pub(crate) fn launch_block(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: Vec<Arg>,
+    ) -> Result<()> {
         let k = self.kernel(name)?;
         {
             let mut raised = self.smem_raised.lock().unwrap_or_else(|p| p.into_inner());
-            if smem > 48 * 1024 && !raised.contains(name) {
+            if smem > 48 * 1024 && raised.get(name).is_none_or(|&r| r < smem) {
                 unsafe {
                     cudarc::driver::result::function::set_function_attribute(
                         k.func,
@@ -288,10 +300,10 @@ impl CudaBackend {
                     )
                 }
                 .map_err(|e| crate::runtime::driver_err(&format!("shared memory limit of {name}"), e))?;
-                raised.insert(name.to_string());
+                raised.insert(name.to_string(), smem);
             }
         }
-        k.launch(&self.gpu, grid, 256, smem, args)
+        k.launch(&self.gpu, grid, block, smem, args)
     }
 
     pub(crate) fn kernel(&self, name: &str) -> Result<Kernel> {

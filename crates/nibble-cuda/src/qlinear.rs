@@ -25,9 +25,14 @@ pub const W8_TILED_SMEM: u32 = 4 * (8192 + 128 * 64);
 /// Split-K arrival counters: one per row block of 128 weight rows (mma.sync gemv) or per 16-row
 /// tile (Hopper stream gemv).
 pub const SPLIT_COUNTERS: usize = 1 << 16;
-/// Dynamic shared memory of the Hopper stream gemv: 8 warps x 4 stages x (2048 + 576) bytes, then
-/// the stages' mbarriers (`SK_*` in kernels/qgemm.cu).
-pub const STREAM_SMEM: u32 = 8 * 4 * (2048 + 576) + 8 * 4 * 8;
+/// Dynamic shared memory of the Hopper stream gemv before its staged activations: 16 warps x 4
+/// stages x (2048 + 320) bytes, then the stages' mbarriers (`SK_*` in kernels/qgemm.cu).
+pub const STREAM_SMEM: usize = 16 * 4 * (2048 + 320) + 16 * 4 * 8;
+/// Activations (rows padded by 16 bytes) up to this size are staged in the stream gemv's shared
+/// memory (the `_xs` kernels); larger ones are read from global memory by every warp.
+pub const STREAM_X_SMEM: usize = 227 * 1024 - STREAM_SMEM;
+/// Weight rows per stream-gemv row block: one 16-row tile per warp of a CTA.
+const STREAM_BLOCK_TILES: usize = 16;
 
 /// A weight packed for a quantized kernel.
 pub enum QuantWeight {
@@ -218,16 +223,23 @@ pub fn plan_gemv(
 }
 
 /// Stream-K plan of a Hopper gemv launch: `(CTAs, units per CTA, most pieces of a row block)`.
-/// The `row blocks x chunks` units are cut into equal ranges for two resident CTAs per SM; a row
-/// block spans at most `max_pieces` CTAs, which sizes the partial-sum slots.
+/// The `row blocks x chunks` units are cut into equal ranges, one per SM; a row block spans at
+/// most `max_pieces` CTAs, which sizes the partial-sum slots.
 pub fn plan_stream(tiles: usize, chunks: usize, sms: usize) -> (usize, usize, usize) {
-    let units = tiles.div_ceil(8) * chunks;
-    let per_cta = units.div_ceil(2 * sms.max(1)).max(1);
+    let units = tiles.div_ceil(STREAM_BLOCK_TILES) * chunks;
+    let per_cta = units.div_ceil(sms.max(1)).max(1);
     (
         units.div_ceil(per_cta),
         per_cta,
         chunks.div_ceil(per_cta) + 1,
     )
+}
+
+/// Shared-memory bytes of `m` activation rows of `k` elements of `elem` bytes staged for the
+/// stream gemv (rows padded by 16 bytes), or 0 when they do not fit and stay in global memory.
+fn stream_x_bytes(m: usize, k: usize, elem: usize) -> usize {
+    let bytes = m * (k * elem + 16);
+    if bytes <= STREAM_X_SMEM { bytes } else { 0 }
 }
 
 /// The gemv variant for `m` tokens: 1, 2 or 4 tiles of 8 tokens.
@@ -318,9 +330,14 @@ impl CudaBackend {
                     };
                     let mut geo: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
                     geo.push(Arg::I32(shift));
-                    let stream = format!("w4a16_stream{}{h}_{sfx}", token_tiles(m));
-                    if self.stream_tier(&stream) {
-                        return self.launch_stream(&stream, head, geo, *tiles, *chunks, m);
+                    // Scales apply after the MMA there: groups must be whole 64-channel chunks.
+                    if group_len % 64 == 0 {
+                        let xs = stream_x_bytes(m, k, 2);
+                        let v = if xs > 0 { "_xs" } else { "" };
+                        let stream = format!("w4a16_stream{}{h}{v}_{sfx}", token_tiles(m));
+                        if self.stream_tier(&stream) {
+                            return self.launch_stream(&stream, head, geo, *tiles, *chunks, m, xs);
+                        }
                     }
                     let name = format!("w4a16_gemv{}{h}_{sfx}", token_tiles(m));
                     self.launch_gemv(&name, head, geo, *tiles, *chunks, m, 128)
@@ -354,9 +371,11 @@ impl CudaBackend {
                 let o = if out_half { sfx } else { "f32" };
                 if m <= GEMV_MAX_M {
                     let geo = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
-                    let stream = format!("w8a8_stream{}_{o}", token_tiles(m));
+                    let xs = stream_x_bytes(m, k, 1);
+                    let v = if xs > 0 { "_xs" } else { "" };
+                    let stream = format!("w8a8_stream{}{v}_{o}", token_tiles(m));
                     if self.stream_tier(&stream) {
-                        return self.launch_stream(&stream, head, geo, *tiles, *chunks, m);
+                        return self.launch_stream(&stream, head, geo, *tiles, *chunks, m, xs);
                     }
                     let name = format!("w8a8_gemv{}_{o}", token_tiles(m));
                     self.launch_gemv(&name, head, geo, *tiles, *chunks, m, 64)
@@ -415,7 +434,9 @@ impl CudaBackend {
     }
 
     /// Launches a Hopper stream-K gemv ([`plan_stream`]): arguments as for [`Self::launch_gemv`],
-    /// then the units per CTA and the partial slots per tile. Partial sums take 4 bytes each.
+    /// then the units per CTA and the partial slots per tile. Partial sums take 4 bytes each;
+    /// `x_bytes` of staged activations follow the stages in shared memory.
+    #[allow(clippy::too_many_arguments)]
     fn launch_stream(
         &self,
         name: &str,
@@ -424,6 +445,7 @@ impl CudaBackend {
         tiles: usize,
         chunks: usize,
         m: usize,
+        x_bytes: usize,
     ) -> Result<()> {
         let (ctas, per_cta, max_pieces) = plan_stream(tiles, chunks, self.gpu.sm_count);
         let partial = if max_pieces > 1 {
@@ -436,7 +458,14 @@ impl CudaBackend {
         args.extend(geo);
         args.push(Arg::I32(per_cta as i32));
         args.push(Arg::I32(max_pieces as i32));
-        self.launch_smem(name, (ctas as u32, 1, 1), STREAM_SMEM, args)
+        let smem = (STREAM_SMEM + x_bytes) as u32;
+        self.launch_block(
+            name,
+            (ctas as u32, 1, 1),
+            32 * STREAM_BLOCK_TILES as u32,
+            smem,
+            args,
+        )
     }
 
     /// Per-token INT8 codes (`rows x cols`, row stride `cols`) and scales of `x`.
@@ -508,16 +537,19 @@ mod tests {
             (1, 1),
         ] {
             let (ctas, per_cta, max_pieces) = plan_stream(tiles, chunks, 132);
-            let units = tiles.div_ceil(8) * chunks;
-            assert!(ctas <= 264 && ctas * per_cta >= units && (ctas - 1) * per_cta < units);
+            let units = tiles.div_ceil(STREAM_BLOCK_TILES) * chunks;
+            assert!(ctas <= 132 && ctas * per_cta >= units && (ctas - 1) * per_cta < units);
             // Count the CTAs each row block's units fall in: never more than max_pieces.
-            for b in 0..tiles.div_ceil(8) {
+            for b in 0..tiles.div_ceil(STREAM_BLOCK_TILES) {
                 let (first, last) = (b * chunks / per_cta, ((b + 1) * chunks - 1) / per_cta);
                 assert!(last - first < max_pieces, "{tiles} {chunks} block {b}");
             }
         }
-        // Llama-3-8B's 28672x4096 at two CTAs per SM of an H200: 55 units each, no tail wave.
-        assert_eq!(plan_stream(1792, 64, 132), (261, 55, 3));
+        // Llama-3-8B's 28672x4096 on an H200: 109 units per SM, no tail wave.
+        assert_eq!(plan_stream(1792, 64, 132), (132, 109, 2));
+        // One token of every Llama-3-8B input stages in shared memory; 8 of a 14336-wide one do not.
+        assert!(stream_x_bytes(1, 14336, 2) > 0 && stream_x_bytes(8, 4096, 2) > 0);
+        assert_eq!(stream_x_bytes(8, 14336, 2), 0);
     }
 
     #[test]
