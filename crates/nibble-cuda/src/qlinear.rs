@@ -545,8 +545,8 @@ mod tests {
                 assert!(last - first < max_pieces, "{tiles} {chunks} block {b}");
             }
         }
-        // Llama-3-8B's 28672x4096 on an H200: 109 units per SM, no tail wave.
-        assert_eq!(plan_stream(1792, 64, 132), (132, 109, 2));
+        // Llama-3-8B's 28672x4096 on an H200: 55 units per SM, no tail wave.
+        assert_eq!(plan_stream(1792, 64, 132), (131, 55, 3));
         // One token of every Llama-3-8B input stages in shared memory; 8 of a 14336-wide one do not.
         assert!(stream_x_bytes(1, 14336, 2) > 0 && stream_x_bytes(8, 4096, 2) > 0);
         assert_eq!(stream_x_bytes(8, 14336, 2), 0);
