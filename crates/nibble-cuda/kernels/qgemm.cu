@@ -545,19 +545,25 @@ NIBBLE_W8A8_OUT(f16, __half)
 // ---------------------------------------------------------------------------------------------
 // Hopper tier, decode sizes (M <= 32): stream-K gemv on bulk-async copies (sm_90).
 //
-// Work: the (row block of 8 tiles, 64-channel chunk) units of the whole weight are cut into equal
-// contiguous ranges, one per CTA (grid = 2 CTAs per SM): every SM streams the same number of weight
-// bytes whatever the layer's shape, with no tail wave. Warp w of a CTA owns tile 8b + w of each row
-// block b its range touches, so a CTA's eight warps read the same activation chunks (L1 hits).
+// Work: the (row block of 16 tiles, 64-channel chunk) units of the whole weight are cut into equal
+// contiguous ranges, one CTA of 16 warps per SM: every SM streams the same number of weight bytes
+// whatever the layer's shape, with no tail wave. Warp w owns tile 16b + w of each row block b its
+// CTA's range touches, so the CTA's warps read the same activation chunks.
 // Pipeline: each warp runs its own ring of SK_STAGES stages in shared memory; lane 0 fills a stage
 // with one `cp.async.bulk` of the tile's contiguous packed codes (U chunks, 2 KB) plus one of the
 // chunks' group parameters, completing on the stage's mbarrier; the warp reads a stage into
-// registers, hands the slot straight back to lane 0 for the stage SK_STAGES ahead, then dequantizes
-// and multiplies (same fragments and arithmetic as the mma.sync tier above). About 6 KB per warp,
-// 100 KB per SM, stay in flight, where the register-pipelined gemv holds one 4 KB group per warp.
+// registers, hands the slot straight back to lane 0 for the stage SK_STAGES ahead, then multiplies
+// (fragments as in the mma.sync tier above). While the first stages are in flight the CTA copies
+// the activations into shared memory when they fit (the `_xs` kernels), else each warp reads them
+// from global memory one stage ahead.
+// Math: W4A16 applies group scales after the MMA (see StreamW4), so groups must be whole chunks.
 // Split-K by pieces: a row block cut between CTAs leaves each warp a partial tile; the partials go
 // to `partial` and the last warp to arrive (a counter per tile) adds them in CTA order, so results
-// are deterministic. TurboMind §4.1 (packed fragments) and the Hopper copy engine (HOPPER.md).
+// are deterministic. TurboMind §4.1 (packed fragments), QServe §5 (scales after the MMA).
+// Measured on an H200 (BENCHMARKS.md): bulk copies alone stream at 3.6-4.5 TB/s and this kernel
+// without its math at 2.5 TB/s, but with it at 1.5-1.7 TB/s, behind the mma.sync gemv except for
+// more than 8 tokens of wide inputs; the default dispatch (qlinear.rs, GemvTier::Auto) uses it only
+// there. bench/probe has the probes.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // (host pass: bench/probe)
 #define SK_WARPS 16
 #ifndef SK_STAGES  // (overridable only by bench/probe/gemv_probe.cu)

@@ -179,9 +179,8 @@ pub struct CudaBackend {
     smem_raised: Mutex<HashMap<String, u32>>,
     /// Set once a W8A8 weight is loaded: RMSNorm and SiLU-gate then also write INT8 codes.
     int8_inputs: std::sync::atomic::AtomicBool,
-    /// Keeps decode-size quantized GEMMs on the mma.sync tier even where the Hopper stream
-    /// kernels exist (tests and benchmarks compare the two tiers).
-    pub(crate) mma_sync_only: std::sync::atomic::AtomicBool,
+    /// Which kernel tier decode-size quantized GEMMs run ([`crate::qlinear::GemvTier`] as u8).
+    pub(crate) gemv_tier: std::sync::atomic::AtomicU8,
 }
 
 const BLOCK: u32 = 256;
@@ -228,15 +227,15 @@ impl CudaBackend {
             split_counters,
             smem_raised: Default::default(),
             int8_inputs: Default::default(),
-            mma_sync_only: Default::default(),
+            gemv_tier: Default::default(),
         })
     }
 
-    /// Restricts decode-size quantized GEMMs to the mma.sync tier (`true`), or lets them use the
-    /// Hopper stream kernels where the GPU has them (`false`, the default).
-    pub fn set_mma_sync_only(&self, only: bool) {
-        self.mma_sync_only
-            .store(only, std::sync::atomic::Ordering::Relaxed);
+    /// Chooses the kernel tier of decode-size quantized GEMMs (tests and benchmarks compare
+    /// them); the default, [`crate::qlinear::GemvTier::Auto`], picks the faster per shape.
+    pub fn set_gemv_tier(&self, tier: crate::qlinear::GemvTier) {
+        self.gemv_tier
+            .store(tier as u8, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether kernel `name` was compiled for this GPU.

@@ -31,6 +31,19 @@ pub const STREAM_SMEM: usize = 16 * 4 * (2048 + 320) + 16 * 4 * 8;
 /// Activations (rows padded by 16 bytes) up to this size are staged in the stream gemv's shared
 /// memory (the `_xs` kernels); larger ones are read from global memory by every warp.
 pub const STREAM_X_SMEM: usize = 227 * 1024 - STREAM_SMEM;
+/// Kernel tier of the decode-size (gemv) quantized GEMMs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
+pub enum GemvTier {
+    /// The Hopper stream gemv where it measured faster than the mma.sync gemv on an H200
+    /// (BENCHMARKS.md: more than 8 tokens of an input at least 8192 wide), else mma.sync.
+    Auto = 0,
+    /// The register-pipelined mma.sync gemv (sm_80 and later) for every shape.
+    MmaSync = 1,
+    /// The Hopper stream gemv wherever the GPU has it (sm_90) and the format allows it.
+    Stream = 2,
+}
+
 /// Weight rows per stream-gemv row block: one 16-row tile per warp of a CTA.
 const STREAM_BLOCK_TILES: usize = 16;
 
@@ -335,7 +348,7 @@ impl CudaBackend {
                         let xs = stream_x_bytes(m, k, 2);
                         let v = if xs > 0 { "_xs" } else { "" };
                         let stream = format!("w4a16_stream{}{h}{v}_{sfx}", token_tiles(m));
-                        if self.stream_tier(&stream) {
+                        if self.stream_tier(&stream, m, k) {
                             return self.launch_stream(&stream, head, geo, *tiles, *chunks, m, xs);
                         }
                     }
@@ -374,7 +387,7 @@ impl CudaBackend {
                     let xs = stream_x_bytes(m, k, 1);
                     let v = if xs > 0 { "_xs" } else { "" };
                     let stream = format!("w8a8_stream{}{v}_{o}", token_tiles(m));
-                    if self.stream_tier(&stream) {
+                    if self.stream_tier(&stream, m, k) {
                         return self.launch_stream(&stream, head, geo, *tiles, *chunks, m, xs);
                     }
                     let name = format!("w8a8_gemv{}_{o}", token_tiles(m));
@@ -424,13 +437,16 @@ impl CudaBackend {
         )
     }
 
-    /// Whether a decode-size GEMM runs the Hopper stream kernel `name`: compiled for this GPU
-    /// (sm_90 and later) and not switched off by [`CudaBackend::set_mma_sync_only`].
-    fn stream_tier(&self, name: &str) -> bool {
-        !self
-            .mma_sync_only
-            .load(std::sync::atomic::Ordering::Relaxed)
-            && self.has_kernel(name)
+    /// Whether a decode-size GEMM of `m` tokens and `k` input channels runs the Hopper stream
+    /// kernel `name`: compiled for this GPU (sm_90 and later) and chosen by the [`GemvTier`].
+    fn stream_tier(&self, name: &str, m: usize, k: usize) -> bool {
+        let tier = self.gemv_tier.load(std::sync::atomic::Ordering::Relaxed);
+        let wanted = match tier {
+            t if t == GemvTier::MmaSync as u8 => false,
+            t if t == GemvTier::Stream as u8 => true,
+            _ => m > 8 && k >= 8192,
+        };
+        wanted && self.has_kernel(name)
     }
 
     /// Launches a Hopper stream-K gemv ([`plan_stream`]): arguments as for [`Self::launch_gemv`],
