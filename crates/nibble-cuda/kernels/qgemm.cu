@@ -21,7 +21,7 @@
 // subtraction and one rounding, the dequantized reference's value.
 //
 // Two kernels per format:
-//   *_gemv{1,2,4} (M <= 8, 16, 32: decode and small batches): the CTA's slice of the
+//   *_gemv{1,2,4,8} (M <= 8, 16, 32, 64: decode and small batches): the CTA's slice of the
 //     activations is staged in shared memory once; each warp owns one 16-row tile over that K range and streams its weights with
 //     L1-bypassing 16-byte loads, software-pipelined in registers (the next U chunks load while
 //     the current U are dequantized and multiplied); CTAs split K (grid.y) and the last CTA of a
@@ -374,7 +374,7 @@ __device__ void w4a16_tiled_impl(const uint4* __restrict__ codes, const uint2* _
         store_tile<8>(acc[a], (tile0 + wn * 2 + a) * 16, m0 + wm * 64, M, N, y, ldy, W4Epilogue{});
 }
 
-// Entry points: gemv{1,2,4} = 8, 16, 32-token variants; `_h` writes the model dtype instead of f32.
+// Entry points: gemv{1,2,4,8} = 8, 16, 32, 64-token variants; `_h` writes the model dtype instead of f32.
 // U (chunks per pipelined group): 8 for one token tile (on an H200, 28672x4096 at M = 1 took
 // 28 us against 34 us with 4: the decode kernel is bound by loads in flight), else 4 or 2.
 #define W4A16_GEMV_ENTRY(NAME, T, TT, U, OUT)                                                      \
@@ -396,9 +396,11 @@ __device__ void w4a16_tiled_impl(const uint4* __restrict__ codes, const uint2* _
     W4A16_GEMV_ENTRY(w4a16_gemv1_##SUFFIX, T, 1, 8, float)        \
     W4A16_GEMV_ENTRY(w4a16_gemv2_##SUFFIX, T, 2, 4, float)        \
     W4A16_GEMV_ENTRY(w4a16_gemv4_##SUFFIX, T, 4, 2, float)        \
+    W4A16_GEMV_ENTRY(w4a16_gemv8_##SUFFIX, T, 8, 1, float)        \
     W4A16_GEMV_ENTRY(w4a16_gemv1_h_##SUFFIX, T, 1, 8, T)          \
     W4A16_GEMV_ENTRY(w4a16_gemv2_h_##SUFFIX, T, 2, 4, T)          \
     W4A16_GEMV_ENTRY(w4a16_gemv4_h_##SUFFIX, T, 4, 2, T)          \
+    W4A16_GEMV_ENTRY(w4a16_gemv8_h_##SUFFIX, T, 8, 1, T)          \
     W4A16_TILED_ENTRY(w4a16_tiled_##SUFFIX, T, float)             \
     W4A16_TILED_ENTRY(w4a16_tiled_h_##SUFFIX, T, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W4A16)
@@ -533,6 +535,7 @@ __device__ void w8a8_tiled_impl(const uint4* __restrict__ codes, const float* __
     W8A8_GEMV_ENTRY(w8a8_gemv1_##SUFFIX, 1, 4, OUT)                                                \
     W8A8_GEMV_ENTRY(w8a8_gemv2_##SUFFIX, 2, 4, OUT)                                                \
     W8A8_GEMV_ENTRY(w8a8_gemv4_##SUFFIX, 4, 2, OUT)                                                \
+    W8A8_GEMV_ENTRY(w8a8_gemv8_##SUFFIX, 8, 1, OUT)                                                \
     extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w8a8_tiled_##SUFFIX(                \
         const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
         OUT* y, long ldy, int M, int N, int K, int tiles, int chunks) {                             \

@@ -4,8 +4,8 @@
 //!
 //! | format | kernels | activations |
 //! |---|---|---|
-//! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_stream{1,2,4}` (sm_90) or `w4a16_gemv{1,2,4}`, `w4a16_tiled` | model dtype |
-//! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
+//! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_stream{1,2,4}` (sm_90) or `w4a16_gemv{1,2,4,8}`, `w4a16_tiled` | model dtype |
+//! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4,8}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
 //!
 //! Other quantized formats load dequantized to the model dtype and run on cuBLAS.
 
@@ -17,8 +17,10 @@ use crate::backend::{CudaBackend, CudaTensor, Dtype, Elem};
 use crate::pack::{self, PackedW4, PackedW8, W4Matrix};
 use crate::runtime::{Arg, DeviceBuffer};
 
-/// Largest M the gemv (decode) kernels take; larger batches run the tiled kernels.
-pub const GEMV_MAX_M: usize = 32;
+/// Largest M the gemv (decode) kernels take; larger batches run the tiled kernels (whose 128-token
+/// tiles and one CTA per 128 weight rows leave most of the GPU idle at 64 tokens: 80 µs against
+/// cuBLAS's 8 on a 4096x4096 layer, BENCHMARKS.md).
+pub const GEMV_MAX_M: usize = 64;
 /// Dynamic shared memory of the tiled kernels (4 stages).
 pub const W4_TILED_SMEM: u32 = 4 * (5120 + 128 * 144);
 pub const W8_TILED_SMEM: u32 = 4 * (8192 + 128 * 64);
@@ -255,7 +257,7 @@ fn stream_x_bytes(m: usize, k: usize, elem: usize) -> usize {
     if bytes <= STREAM_X_SMEM { bytes } else { 0 }
 }
 
-/// The gemv variant for `m` tokens: 1, 2 or 4 tiles of 8 tokens.
+/// The gemv variant for `m` tokens: 1, 2, 4 or 8 tiles of 8 tokens.
 fn token_tiles(m: usize) -> usize {
     m.div_ceil(8).next_power_of_two()
 }
@@ -525,7 +527,7 @@ mod tests {
             (1, 1),
             (36, 9),
         ] {
-            for m in [1, 9, 16, 32] {
+            for m in [1, 9, 16, 32, 33, 64] {
                 let (blocks, splits, cps) = plan_gemv(tiles, chunks, 132, m, 128);
                 assert_eq!(blocks, tiles.div_ceil(8));
                 assert!(
