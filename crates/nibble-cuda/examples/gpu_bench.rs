@@ -293,7 +293,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
             let t_w8q = time_calls(be, calls, &mut || be.quant_gemm(&x, p8, n, k, &out))?;
             // Decode sizes on each tier (the default picks one per shape).
             let tier_ms = |tier: GemvTier| -> Result<(Option<f64>, Option<f64>)> {
-                if m > nibble_cuda::qlinear::GEMV_MAX_M {
+                if m > 32 {
                     return Ok((None, None));
                 }
                 be.set_gemv_tier(tier);

@@ -250,6 +250,14 @@ pub fn plan_stream(tiles: usize, chunks: usize, sms: usize) -> (usize, usize, us
     )
 }
 
+/// Whether `m` tokens run the gemv kernels rather than the tiled ones: always up to 32; up to
+/// [`GEMV_MAX_M`] when the tiled grid (one CTA per 128 weight rows and 128 tokens) would leave
+/// SMs idle. On an H200 at 64 tokens the gemv took 57 µs against 80 on a 4096x4096 layer and
+/// 171 against 132 on a 28672x4096 one (BENCHMARKS.md).
+pub fn use_gemv(m: usize, tiles: usize, sms: usize) -> bool {
+    m <= 32 || (m <= GEMV_MAX_M && tiles.div_ceil(8) < sms)
+}
+
 /// Shared-memory bytes of `m` activation rows of `k` elements of `elem` bytes staged for the
 /// stream gemv (rows padded by 16 bytes), or 0 when they do not fit and stay in global memory.
 fn stream_x_bytes(m: usize, k: usize, elem: usize) -> usize {
@@ -337,7 +345,7 @@ impl CudaBackend {
                 ];
                 let geo = [m, n, k, *tiles, *chunks, *groups, *group_len];
                 let h = if out_half { "_h" } else { "" };
-                if m <= GEMV_MAX_M {
+                if use_gemv(m, *tiles, self.gpu.sm_count) {
                     let shift = if group_len.is_power_of_two() {
                         group_len.trailing_zeros() as i32
                     } else {
@@ -384,7 +392,7 @@ impl CudaBackend {
                 ];
                 let geo = [m, n, k, *tiles, *chunks];
                 let o = if out_half { sfx } else { "f32" };
-                if m <= GEMV_MAX_M {
+                if use_gemv(m, *tiles, self.gpu.sm_count) {
                     let geo = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
                     let xs = stream_x_bytes(m, k, 1);
                     let v = if xs > 0 { "_xs" } else { "" };
@@ -568,6 +576,13 @@ mod tests {
         // One token of every Llama-3-8B input stages in shared memory; 8 of a 14336-wide one do not.
         assert!(stream_x_bytes(1, 14336, 2) > 0 && stream_x_bytes(8, 4096, 2) > 0);
         assert_eq!(stream_x_bytes(8, 14336, 2), 0);
+    }
+
+    #[test]
+    fn batches_past_32_tokens_take_the_gemv_only_where_tiles_would_idle_sms() {
+        assert!(use_gemv(1, 1792, 132) && use_gemv(32, 1792, 132));
+        assert!(use_gemv(64, 256, 132) && !use_gemv(64, 1792, 132));
+        assert!(!use_gemv(65, 256, 132));
     }
 
     #[test]
