@@ -32,8 +32,9 @@
 //     and multiplied), weights read from shared memory with one 16-byte load per lane per chunk.
 //     Activation rows are padded (f16: 144 B) or not (INT8: 64 B) so B-fragment loads are free
 //     of bank conflicts.
-// This is the mma.sync tier only: the Hopper tier (wgmma, TMA, warp specialization) is not
-// written yet; BENCHMARKS.md has where these kernels stand against cuBLAS.
+// And, from sm_90, the *_stream gemv (end of file): the same fragments fed by cp.async.bulk copies
+// into mbarrier rings. There is no wgmma tier for large M yet; BENCHMARKS.md has where these
+// kernels stand against cuBLAS.
 
 #define QG_WARPS 8
 #define QG_THREADS (QG_WARPS * 32)

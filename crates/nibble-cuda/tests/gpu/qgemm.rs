@@ -87,12 +87,16 @@ fn run(
             .collect();
         out.push((tier, got));
     }
-    let xs: Vec<f32> = check_rows
-        .iter()
-        .flat_map(|&i| x[i * k..(i + 1) * k].to_vec())
-        .collect();
+    let xs = pick_rows(x, check_rows, k);
     let want = reference_matmul(format, &xs, check_rows.len(), k, wbytes, n).unwrap();
     (out, want)
+}
+
+/// Rows `rows` of the row-major `x` with `k` columns.
+fn pick_rows(x: &[f32], rows: &[usize], k: usize) -> Vec<f32> {
+    rows.iter()
+        .flat_map(|&i| x[i * k..][..k].to_vec())
+        .collect()
 }
 
 fn sample_rows(r: &mut ChaCha8Rng, m: usize, most: usize) -> Vec<usize> {
@@ -255,10 +259,7 @@ fn w4a16_matches_the_dequantized_reference() {
                 let w = random_rows(&mut r, format, n, k);
                 let rows = sample_rows(&mut r, m, 24);
                 let (tiers, want) = run(&g, format, &x, m, k, &w, n, &rows);
-                let xs: Vec<f32> = rows
-                    .iter()
-                    .flat_map(|&i| x[i * k..][..k].to_vec())
-                    .collect();
+                let xs = pick_rows(&x, &rows, k);
                 for (tier, got) in tiers {
                     assert_w4_close(
                         &format!("w4a16 {format} {m}x{n}x{k} {dtype:?} {tier}"),
@@ -301,10 +302,7 @@ fn quantized_gemms_on_real_layer_shapes() {
                 let x = randn(&mut r, m * k, 1.0);
                 let rows = sample_rows(&mut r, m, 4);
                 let (tiers, want) = run(&g, format, &x, m, k, &w, n, &rows);
-                let xs: Vec<f32> = rows
-                    .iter()
-                    .flat_map(|&i| x[i * k..][..k].to_vec())
-                    .collect();
+                let xs = pick_rows(&x, &rows, k);
                 for (tier, got) in tiers {
                     let what = format!("{format} {m}x{n}x{k} {tier}");
                     if format == w8 {
