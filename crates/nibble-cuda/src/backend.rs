@@ -179,8 +179,8 @@ pub struct CudaBackend {
     smem_raised: Mutex<HashMap<String, u32>>,
     /// Set once a W8A8 weight is loaded: RMSNorm and SiLU-gate then also write INT8 codes.
     int8_inputs: std::sync::atomic::AtomicBool,
-    /// Which kernel tier decode-size quantized GEMMs run ([`crate::qlinear::GemvTier`] as u8).
-    pub(crate) gemv_tier: std::sync::atomic::AtomicU8,
+    /// Which kernel tier quantized GEMMs run ([`crate::qlinear::KernelTier`] as u8).
+    pub(crate) kernel_tier: std::sync::atomic::AtomicU8,
 }
 
 const BLOCK: u32 = 256;
@@ -227,14 +227,14 @@ impl CudaBackend {
             split_counters,
             smem_raised: Default::default(),
             int8_inputs: Default::default(),
-            gemv_tier: Default::default(),
+            kernel_tier: Default::default(),
         })
     }
 
-    /// Chooses the kernel tier of decode-size quantized GEMMs (tests and benchmarks compare
-    /// them); the default, [`crate::qlinear::GemvTier::Auto`], picks the faster per shape.
-    pub fn set_gemv_tier(&self, tier: crate::qlinear::GemvTier) {
-        self.gemv_tier
+    /// Chooses the kernel tier of quantized GEMMs (tests and benchmarks compare them); the
+    /// default, [`crate::qlinear::KernelTier::Auto`], picks the faster per shape.
+    pub fn set_kernel_tier(&self, tier: crate::qlinear::KernelTier) {
+        self.kernel_tier
             .store(tier as u8, std::sync::atomic::Ordering::Relaxed);
     }
 

@@ -5,7 +5,7 @@
 //! | format | kernels | activations |
 //! |---|---|---|
 //! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_stream{1,2,4}` (sm_90) or `w4a16_gemv{1,2,4,8}`, `w4a16_tiled` | model dtype |
-//! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4,8}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
+//! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4,8}`, `w8a8_wgmma` (sm_90a) or `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
 //!
 //! Other quantized formats load dequantized to the model dtype and run on cuBLAS.
 
@@ -33,17 +33,19 @@ pub const STREAM_SMEM: usize = 16 * 4 * (2048 + 320) + 16 * 4 * 8;
 /// Activations (rows padded by 16 bytes) up to this size are staged in the stream gemv's shared
 /// memory (the `_xs` kernels); larger ones are read from global memory by every warp.
 pub const STREAM_X_SMEM: usize = 227 * 1024 - STREAM_SMEM;
-/// Kernel tier of the decode-size (gemv) quantized GEMMs.
+/// Kernel tier of the quantized GEMMs: the mma.sync kernels (sm_80 and later) or the Hopper ones
+/// (the stream gemv at decode sizes, sm_90; W8A8 on wgmma beyond, sm_90a).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[repr(u8)]
-pub enum GemvTier {
-    /// The Hopper stream gemv where it measured faster than the mma.sync gemv on an H200
-    /// (BENCHMARKS.md: more than 8 tokens of an input at least 8192 wide), else mma.sync.
+pub enum KernelTier {
+    /// Whichever measured faster on an H200 (BENCHMARKS.md): the stream gemv for more than 8
+    /// tokens of an input at least 8192 wide, mma.sync everywhere else (the wgmma W8A8 kernel is
+    /// not faster than the mma.sync tiled one yet).
     Auto = 0,
-    /// The register-pipelined mma.sync gemv (sm_80 and later) for every shape.
+    /// The mma.sync kernels for every shape.
     MmaSync = 1,
-    /// The Hopper stream gemv wherever the GPU has it (sm_90) and the format allows it.
-    Stream = 2,
+    /// The Hopper kernels wherever the GPU has them and the format allows them.
+    Hopper = 2,
 }
 
 /// Weight rows per stream-gemv row block: one 16-row tile per warp of a CTA.
@@ -406,7 +408,14 @@ impl CudaBackend {
                     let mut args = head;
                     args.extend(geo.iter().map(|&v| Arg::I32(v as i32)));
                     let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
-                    self.launch_smem(&format!("w8a8_tiled_{o}"), grid, W8_TILED_SMEM, args)
+                    // The wgmma kernel takes the tiled kernel's arguments, grid and stages.
+                    let wgmma = format!("w8a8_wgmma_{o}");
+                    let name = if self.tier() == KernelTier::Hopper && self.has_kernel(&wgmma) {
+                        wgmma
+                    } else {
+                        format!("w8a8_tiled_{o}")
+                    };
+                    self.launch_smem(&name, grid, W8_TILED_SMEM, args)
                 }
             }
         }
@@ -448,15 +457,23 @@ impl CudaBackend {
     }
 
     /// Whether a decode-size GEMM of `m` tokens and `k` input channels runs the Hopper stream
-    /// kernel `name`: compiled for this GPU (sm_90 and later) and chosen by the [`GemvTier`].
+    /// kernel `name`: compiled for this GPU (sm_90 and later) and chosen by the [`KernelTier`].
     fn stream_tier(&self, name: &str, m: usize, k: usize) -> bool {
-        let tier = self.gemv_tier.load(std::sync::atomic::Ordering::Relaxed);
-        let wanted = match tier {
-            t if t == GemvTier::MmaSync as u8 => false,
-            t if t == GemvTier::Stream as u8 => true,
-            _ => m > 8 && k >= 8192,
+        let wanted = match self.tier() {
+            KernelTier::MmaSync => false,
+            KernelTier::Hopper => true,
+            KernelTier::Auto => m > 8 && k >= 8192,
         };
         wanted && self.has_kernel(name)
+    }
+
+    /// The [`KernelTier`] set by [`CudaBackend::set_kernel_tier`].
+    fn tier(&self) -> KernelTier {
+        match self.kernel_tier.load(std::sync::atomic::Ordering::Relaxed) {
+            t if t == KernelTier::MmaSync as u8 => KernelTier::MmaSync,
+            t if t == KernelTier::Hopper as u8 => KernelTier::Hopper,
+            _ => KernelTier::Auto,
+        }
     }
 
     /// Launches a Hopper stream-K gemv ([`plan_stream`]): arguments as for [`Self::launch_gemv`],

@@ -5,7 +5,7 @@
 //! layer shapes of Llama-3-8B, Qwen3-8B and Llama-2-70B with sampled rows checked.
 
 use super::*;
-use nibble_cuda::qlinear::GemvTier;
+use nibble_cuda::qlinear::KernelTier;
 use nibble_precision::{LinearFormat, reference_matmul};
 
 /// `n` random rows of `format` (codes, scales and zeros drawn directly, so large layers are cheap).
@@ -65,22 +65,25 @@ fn run(
         matches!(w.data, nibble_cuda::WeightData::Quant(_)),
         "{format} {n}x{k} did not pack"
     );
-    let tiers: &[(&str, GemvTier)] = if m <= nibble_cuda::qlinear::GEMV_MAX_M {
+    let tiers: &[(&str, KernelTier)] = if m <= nibble_cuda::qlinear::GEMV_MAX_M {
         &[
-            ("mma.sync tier", GemvTier::MmaSync),
-            ("stream tier", GemvTier::Stream),
+            ("mma.sync tier", KernelTier::MmaSync),
+            ("Hopper tier", KernelTier::Hopper),
         ]
     } else {
-        &[("default tier", GemvTier::Auto)]
+        &[
+            ("default tier", KernelTier::Auto),
+            ("Hopper tier", KernelTier::Hopper),
+        ]
     };
     let mut out = Vec::new();
     for &(tier, choice) in tiers {
         g.poison_activations(((m * (k + n) * 4) + (64 << 20)).min(3 << 30))
             .unwrap();
-        g.set_gemv_tier(choice);
+        g.set_kernel_tier(choice);
         let xt = g.tensor_from_f32(x, m, k).unwrap();
         let y = host(g, &g.linear(&xt, &w, None).unwrap());
-        g.set_gemv_tier(GemvTier::Auto);
+        g.set_kernel_tier(KernelTier::Auto);
         let got: Vec<f32> = check_rows
             .iter()
             .flat_map(|&i| y[i * n..(i + 1) * n].to_vec())
@@ -333,13 +336,13 @@ fn split_k_is_deterministic_and_layers_that_cannot_pack_run_dequantized() {
     let x = g.tensor_from_f32(&randn(&mut r, m * k, 1.0), m, k).unwrap();
     // Both tiers split K here (the stream gemv into 8 pieces per row block): repeats agree bit
     // for bit.
-    for tier in [GemvTier::Stream, GemvTier::MmaSync] {
-        g.set_gemv_tier(tier);
+    for tier in [KernelTier::Hopper, KernelTier::MmaSync] {
+        g.set_kernel_tier(tier);
         let a = host(&g, &g.linear(&x, &w, None).unwrap());
         let b = host(&g, &g.linear(&x, &w, None).unwrap());
         assert_bit_exact(&format!("repeat on the {tier:?} tier"), &a, &b);
     }
-    g.set_gemv_tier(GemvTier::Auto);
+    g.set_kernel_tier(KernelTier::Auto);
     // K = 40 is not a multiple of 16: the layer loads dequantized and still computes.
     let f8: LinearFormat = "int8-pc/a8".parse().unwrap();
     let wb = random_rows(&mut r, f8, 24, 40);
