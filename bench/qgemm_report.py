@@ -65,15 +65,6 @@ def main():
                 f"| {r['n']} x {r['k']} | {r['m']} | {us(r['w4a16_mma_sync_ms'])} | {us(r['w4a16_stream_ms'])} "
                 f"| {r['w4a16_mma_sync_ms'] / r['w4a16_stream_ms']:.2f}x | {us(r['w8a8_mma_sync_ms'])} | {us(r['w8a8_stream_ms'])} "
                 f"| {r['w8a8_mma_sync_ms'] / r['w8a8_stream_ms']:.2f}x | {100 * r['w4a16_hbm_fraction'] * r['w4a16_ms'] / r['w4a16_stream_ms']:.0f}% |")
-    wg = [r for r in ours["qgemm"] if r.get("w8a8_wgmma_ms")]
-    if wg:
-        lines += ["", "W8A8 beyond decode sizes on both tiers: the mma.sync tiled kernel (the default) and the wgmma "
-                  "kernel (sm_90a; same tiles and pipeline, weights as the A operand from registers). Times in µs.", "",
-                  "| N x K | M | cuBLAS BF16 | W8A8 mma.sync | W8A8 wgmma | wgmma speedup | wgmma vs cuBLAS BF16 |", "|---|---|---|---|---|---|---|"]
-        for r in wg:
-            bf = pk.get((r["n"], r["k"], r["m"]), {}).get("bf16_ms", float("nan"))
-            lines.append(f"| {r['n']} x {r['k']} | {r['m']} | {us(bf)} | {us(r['w8a8_ms'])} | {us(r['w8a8_wgmma_ms'])} "
-                         f"| {r['w8a8_ms'] / r['w8a8_wgmma_ms']:.2f}x | {bf / r['w8a8_wgmma_ms']:.2f}x |")
     g_small4 = geomean(small4)
     lines += ["", "| goal | measured | met |", "|---|---|---|",
               f"| W4A16, M <= 16: >= 3.3x cuBLAS BF16 (geomean over the 4 layer shapes) | {g_small4:.2f}x | {'yes' if g_small4 >= 3.3 else 'no'} |"]

@@ -304,15 +304,6 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
             };
             let (t_w4_mma, t_w8_mma) = tier_ms(KernelTier::MmaSync)?;
             let (t_w4_stream, t_w8_stream) = tier_ms(KernelTier::Hopper)?;
-            // Larger batches: W8A8 on wgmma (the default runs the mma.sync tiled kernel).
-            let t_w8_wgmma = if m > nibble_cuda::qlinear::GEMV_MAX_M {
-                be.set_kernel_tier(KernelTier::Hopper);
-                let t = time_calls(be, calls, &mut || be.quant_gemm(&x8, p8, n, k, &out));
-                be.set_kernel_tier(KernelTier::Auto);
-                Some(t? * 1e3)
-            } else {
-                None
-            };
             let flops = 2.0 * (m * n * k) as f64;
             let io = (m * k * 2 + m * n * 2) as f64;
             let w4_bytes = p4.bytes() as f64;
@@ -324,7 +315,6 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
                 "w4a16_ms": t_w4 * 1e3, "w8a8_ms": t_w8 * 1e3, "w8a8_with_quant_ms": t_w8q * 1e3,
                 "w4a16_mma_sync_ms": t_w4_mma, "w8a8_mma_sync_ms": t_w8_mma,
                 "w4a16_stream_ms": t_w4_stream, "w8a8_stream_ms": t_w8_stream,
-                "w8a8_wgmma_ms": t_w8_wgmma,
                 "w4a16_weight_bytes": w4_bytes, "w8a8_weight_bytes": w8_bytes,
                 "w4a16_hbm_fraction": (w4_bytes + io) / t_w4 / bw,
                 "w4a16_floor_ms": floor(w4_bytes) * 1e3, "w8a8_floor_ms": floor(w8_bytes) * 1e3,

@@ -33,8 +33,8 @@
 //     Activation rows are padded (f16: 144 B) or not (INT8: 64 B) so B-fragment loads are free
 //     of bank conflicts.
 // And, from sm_90, the *_stream gemv (end of file): the same fragments fed by cp.async.bulk copies
-// into mbarrier rings. There is no wgmma tier for large M yet; BENCHMARKS.md has where these
-// kernels stand against cuBLAS.
+// into mbarrier rings. There is no wgmma tier for large M yet (a W8A8 one is being worked out in
+// bench/probe/wgmma_probe.cu); BENCHMARKS.md has where these kernels stand against cuBLAS.
 
 #define QG_WARPS 8
 #define QG_THREADS (QG_WARPS * 32)
@@ -46,10 +46,6 @@ __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_gen
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                  "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(valid ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
@@ -990,131 +986,3 @@ NIBBLE_W8A8_STREAM(f32, float)
 NIBBLE_W8A8_STREAM(bf16, __nv_bfloat16)
 NIBBLE_W8A8_STREAM(f16, __half)
 #endif  // __CUDA_ARCH__ >= 900
-
-// ---------------------------------------------------------------------------------------------
-// Hopper tier, W8A8 beyond decode sizes: wgmma (sm_90a).
-// CTA tile and pipeline as w8a8_tiled (128 weight rows x 128 tokens x 64 K, 4 cp.async stages,
-// the same packed weights), but the two warpgroups each issue wgmma.m64n128k32.s32.s8.s8: weights
-// are the A operand straight from the packed fragments in registers (a wgmma A fragment per warp
-// is the mma.sync m16n8k32 A fragment that pack.rs derives), tokens the B operand from shared
-// memory in the no-swizzle K-major core-matrix layout (8 tokens x 16 bytes per 128-byte core
-// matrix, core matrices 128 bytes apart along K and 512 along the tokens). The packer's K
-// permutation (lane t's channels t*16 .. t*16+15) is undone while staging: channel word L of a
-// chunk goes to word 4 * (L % 4) + L / 4 of the token's row (4-byte cp.async). QServe §5's W8A8
-// on Hopper's tensor-core path; warp specialization and TMA are not used yet.
-#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define WG_CM_K 128  // bytes between core matrices along K
-#define WG_CM_N 512  // bytes between 8-token core-matrix groups
-
-__device__ __forceinline__ unsigned long long wgmma_desc(u32 addr, u32 lbo, u32 sbo) {
-    return (unsigned long long)((addr >> 4) & 0x3fff) |
-           ((unsigned long long)((lbo >> 4) & 0x3fff) << 16) |
-           ((unsigned long long)((sbo >> 4) & 0x3fff) << 32);
-}
-
-// d += A (64 weight rows x 32 K, fragments in registers) x B (32 K x 128 tokens, descriptor).
-__device__ __forceinline__ void wgmma_s8_m64n128k32(int (&d)[16][4], const u32 (&a)[4],
-                                                    unsigned long long desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p;\n}\n"
-        : "+r"(d[0][0]), "+r"(d[0][1]), "+r"(d[0][2]), "+r"(d[0][3]), "+r"(d[1][0]), "+r"(d[1][1]), "+r"(d[1][2]), "+r"(d[1][3]), "+r"(d[2][0]), "+r"(d[2][1]), "+r"(d[2][2]), "+r"(d[2][3]), "+r"(d[3][0]), "+r"(d[3][1]), "+r"(d[3][2]), "+r"(d[3][3]), "+r"(d[4][0]), "+r"(d[4][1]), "+r"(d[4][2]), "+r"(d[4][3]), "+r"(d[5][0]), "+r"(d[5][1]), "+r"(d[5][2]), "+r"(d[5][3]), "+r"(d[6][0]), "+r"(d[6][1]), "+r"(d[6][2]), "+r"(d[6][3]), "+r"(d[7][0]), "+r"(d[7][1]), "+r"(d[7][2]), "+r"(d[7][3]), "+r"(d[8][0]), "+r"(d[8][1]), "+r"(d[8][2]), "+r"(d[8][3]), "+r"(d[9][0]), "+r"(d[9][1]), "+r"(d[9][2]), "+r"(d[9][3]), "+r"(d[10][0]), "+r"(d[10][1]), "+r"(d[10][2]), "+r"(d[10][3]), "+r"(d[11][0]), "+r"(d[11][1]), "+r"(d[11][2]), "+r"(d[11][3]), "+r"(d[12][0]), "+r"(d[12][1]), "+r"(d[12][2]), "+r"(d[12][3]), "+r"(d[13][0]), "+r"(d[13][1]), "+r"(d[13][2]), "+r"(d[13][3]), "+r"(d[14][0]), "+r"(d[14][1]), "+r"(d[14][2]), "+r"(d[14][3]), "+r"(d[15][0]), "+r"(d[15][1]), "+r"(d[15][2]), "+r"(d[15][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-
-// Keeps the compiler from touching the accumulators while a wgmma may still write them.
-__device__ __forceinline__ void wgmma_fence_operands(int (&d)[16][4]) {
-        asm volatile("" : "+r"(d[0][0]), "+r"(d[0][1]), "+r"(d[0][2]), "+r"(d[0][3])::"memory");
-        asm volatile("" : "+r"(d[1][0]), "+r"(d[1][1]), "+r"(d[1][2]), "+r"(d[1][3])::"memory");
-        asm volatile("" : "+r"(d[2][0]), "+r"(d[2][1]), "+r"(d[2][2]), "+r"(d[2][3])::"memory");
-        asm volatile("" : "+r"(d[3][0]), "+r"(d[3][1]), "+r"(d[3][2]), "+r"(d[3][3])::"memory");
-        asm volatile("" : "+r"(d[4][0]), "+r"(d[4][1]), "+r"(d[4][2]), "+r"(d[4][3])::"memory");
-        asm volatile("" : "+r"(d[5][0]), "+r"(d[5][1]), "+r"(d[5][2]), "+r"(d[5][3])::"memory");
-        asm volatile("" : "+r"(d[6][0]), "+r"(d[6][1]), "+r"(d[6][2]), "+r"(d[6][3])::"memory");
-        asm volatile("" : "+r"(d[7][0]), "+r"(d[7][1]), "+r"(d[7][2]), "+r"(d[7][3])::"memory");
-        asm volatile("" : "+r"(d[8][0]), "+r"(d[8][1]), "+r"(d[8][2]), "+r"(d[8][3])::"memory");
-        asm volatile("" : "+r"(d[9][0]), "+r"(d[9][1]), "+r"(d[9][2]), "+r"(d[9][3])::"memory");
-        asm volatile("" : "+r"(d[10][0]), "+r"(d[10][1]), "+r"(d[10][2]), "+r"(d[10][3])::"memory");
-        asm volatile("" : "+r"(d[11][0]), "+r"(d[11][1]), "+r"(d[11][2]), "+r"(d[11][3])::"memory");
-        asm volatile("" : "+r"(d[12][0]), "+r"(d[12][1]), "+r"(d[12][2]), "+r"(d[12][3])::"memory");
-        asm volatile("" : "+r"(d[13][0]), "+r"(d[13][1]), "+r"(d[13][2]), "+r"(d[13][3])::"memory");
-        asm volatile("" : "+r"(d[14][0]), "+r"(d[14][1]), "+r"(d[14][2]), "+r"(d[14][3])::"memory");
-        asm volatile("" : "+r"(d[15][0]), "+r"(d[15][1]), "+r"(d[15][2]), "+r"(d[15][3])::"memory");
-}
-
-// LBO_ALONG_K: the descriptor's leading byte offset is the K stride of core matrices (else the
-// token stride; bench/probe/wgmma_probe.cu checks which the hardware means).
-template <class OUT, bool LBO_ALONG_K = true>
-__device__ void w8a8_wgmma_impl(const uint4* __restrict__ codes, const float* __restrict__ sw,
-                                const signed char* __restrict__ x, long ldx,
-                                const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M,
-                                int N, int K, int tiles, int chunks) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int tile0 = blockIdx.x * 8, m0 = blockIdx.y * 128;
-
-    auto load = [&](int c) {
-        unsigned char* st = smem + (c % TILED_STAGES) * W8T_STAGE;
-#pragma unroll
-        for (int i = tid; i < 8 * 64; i += QG_THREADS) {
-            const int tl = i >> 6;
-            const bool ok = tile0 + tl < tiles;
-            cp_async16(st + W8T_CODES + i * 16,
-                       codes + ((long)(ok ? tile0 + tl : 0) * chunks + c) * 64 + (i & 63), ok);
-        }
-        // 128 tokens x 16 words of 4 channels.
-#pragma unroll 4
-        for (int i = tid; i < 128 * 16; i += QG_THREADS) {
-            const int n = i >> 4, word = i & 15, m = m0 + n, k = c * 64 + word * 4;
-            const bool ok = m < M && k < K;
-            const int pos = 4 * (word % 4) + word / 4;  // word's place in the token's 64 bytes
-            cp_async4(st + W8T_X + (n >> 3) * WG_CM_N + (pos >> 2) * WG_CM_K + (n & 7) * 16 + (pos & 3) * 4,
-                      x + (ok ? (long)m * ldx + k : 0), ok);
-        }
-    };
-
-    int acc[16][4] = {};
-    wgmma_fence_operands(acc);
-    const u32 lbo = LBO_ALONG_K ? WG_CM_K : WG_CM_N, sbo = LBO_ALONG_K ? WG_CM_N : WG_CM_K;
-    // Loads run TILED_STAGES - 2 chunks ahead and each chunk's wgmmas stay in flight through the
-    // next chunk's barrier (wait_group 1): the slot a load refills was last read two chunks ago,
-    // whose wgmmas every warpgroup has retired before that barrier.
-#pragma unroll
-    for (int s = 0; s < TILED_STAGES - 2; ++s) {
-        if (s < chunks) load(s);
-        cp_async_commit();
-    }
-    for (int c = 0; c < chunks; ++c) {
-        cp_async_wait<TILED_STAGES - 3>();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        if (c + TILED_STAGES - 2 < chunks) load(c + TILED_STAGES - 2);
-        cp_async_commit();
-        const unsigned char* st = smem + (c % TILED_STAGES) * W8T_STAGE;
-        const uint4* src = reinterpret_cast<const uint4*>(st + W8T_CODES) + (warp * 32 + lane) * 2;
-        const uint4 w0 = src[0], w1 = src[1];
-        const u32 a0[4] = {w0.x, w0.y, w0.z, w0.w}, a1[4] = {w1.x, w1.y, w1.z, w1.w};
-        const u32 xb = smem_addr(st + W8T_X);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-        wgmma_s8_m64n128k32(acc, a0, wgmma_desc(xb, lbo, sbo));
-        wgmma_s8_m64n128k32(acc, a1, wgmma_desc(xb + 2 * WG_CM_K, lbo, sbo));
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    wgmma_fence_operands(acc);
-    cp_async_wait<0>();
-    // Warp w holds rows 16w .. 16w + 15 of the CTA's 128 (its warpgroup's 64, in warp order).
-    store_tile<16>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, W8Epilogue{sx, sw});
-}
-
-#define W8A8_WGMMA_ENTRY(SUFFIX, OUT)                                                               \
-    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) w8a8_wgmma_##SUFFIX(                \
-        const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx,      \
-        OUT* y, long ldy, int M, int N, int K, int tiles, int chunks) {                             \
-        w8a8_wgmma_impl(codes, sw, x, ldx, sx, y, ldy, M, N, K, tiles, chunks);                    \
-    }
-W8A8_WGMMA_ENTRY(f32, float)
-W8A8_WGMMA_ENTRY(bf16, __nv_bfloat16)
-W8A8_WGMMA_ENTRY(f16, __half)
-#endif  // sm_90a

@@ -5,7 +5,7 @@
 //! | format | kernels | activations |
 //! |---|---|---|
 //! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_stream{1,2,4}` (sm_90) or `w4a16_gemv{1,2,4,8}`, `w4a16_tiled` | model dtype |
-//! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4,8}`, `w8a8_wgmma` (sm_90a) or `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
+//! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4,8}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
 //!
 //! Other quantized formats load dequantized to the model dtype and run on cuBLAS.
 
@@ -33,18 +33,18 @@ pub const STREAM_SMEM: usize = 16 * 4 * (2048 + 320) + 16 * 4 * 8;
 /// Activations (rows padded by 16 bytes) up to this size are staged in the stream gemv's shared
 /// memory (the `_xs` kernels); larger ones are read from global memory by every warp.
 pub const STREAM_X_SMEM: usize = 227 * 1024 - STREAM_SMEM;
-/// Kernel tier of the quantized GEMMs: the mma.sync kernels (sm_80 and later) or the Hopper ones
-/// (the stream gemv at decode sizes, sm_90; W8A8 on wgmma beyond, sm_90a).
+/// Kernel tier of the quantized GEMMs at decode sizes: the mma.sync gemv (sm_80 and later) or the
+/// Hopper stream gemv (sm_90). Larger batches run the mma.sync tiled kernels on every tier (a
+/// wgmma W8A8 kernel is in bench/probe/wgmma_probe.cu, not yet here).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[repr(u8)]
 pub enum KernelTier {
     /// Whichever measured faster on an H200 (BENCHMARKS.md): the stream gemv for more than 8
-    /// tokens of an input at least 8192 wide, mma.sync everywhere else (the wgmma W8A8 kernel is
-    /// not faster than the mma.sync tiled one yet).
+    /// tokens of an input at least 8192 wide, mma.sync everywhere else.
     Auto = 0,
     /// The mma.sync kernels for every shape.
     MmaSync = 1,
-    /// The Hopper kernels wherever the GPU has them and the format allows them.
+    /// The Hopper stream gemv wherever the GPU has it and the format allows it.
     Hopper = 2,
 }
 
@@ -408,14 +408,7 @@ impl CudaBackend {
                     let mut args = head;
                     args.extend(geo.iter().map(|&v| Arg::I32(v as i32)));
                     let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
-                    // The wgmma kernel takes the tiled kernel's arguments, grid and stages.
-                    let wgmma = format!("w8a8_wgmma_{o}");
-                    let name = if self.tier() == KernelTier::Hopper && self.has_kernel(&wgmma) {
-                        wgmma
-                    } else {
-                        format!("w8a8_tiled_{o}")
-                    };
-                    self.launch_smem(&name, grid, W8_TILED_SMEM, args)
+                    self.launch_smem(&format!("w8a8_tiled_{o}"), grid, W8_TILED_SMEM, args)
                 }
             }
         }

@@ -71,10 +71,7 @@ fn run(
             ("Hopper tier", KernelTier::Hopper),
         ]
     } else {
-        &[
-            ("default tier", KernelTier::Auto),
-            ("Hopper tier", KernelTier::Hopper),
-        ]
+        &[("default tier", KernelTier::Auto)]
     };
     let mut out = Vec::new();
     for &(tier, choice) in tiers {
