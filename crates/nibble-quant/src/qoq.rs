@@ -49,9 +49,9 @@
 //!    (the attention scores depend on q and k jointly, which a per-layer search cannot see).
 //!    **Level-1 step search** (progressive groups only; beyond QServe, which clips level 0
 //!    alone): per group, the integer level-1 step is lowered by 0 to [`LEVEL1_SHRINKS`] (its
-//!    range clipped at the step), whichever gives the least error `dᵀ X_gᵀ X_g d` of the group's
-//!    weight error `d` on its input columns (INT8 per-token quantized calibration rows): the
-//!    per-group clip of AWQ, on QoQ's integer grid ([`level1_shrinks`]).
+//!    range clipped at the step) where that lowers the row's output error `dᵀ XᵀX d` on the
+//!    INT8 per-token quantized calibration rows ([`level1_shrinks`]): a per-group clip, on
+//!    QoQ's integer grid.
 //! 6. **Encoding** with `Qoq { group }` (or `Int4Group { group: 0 }` for per-channel W4A8).
 
 use nibble_core::{Error, Result};
@@ -559,9 +559,12 @@ pub const LEVEL1_SHRINKS: u8 = 3;
 
 /// Per output row of `w` (encoded with `codec`, a `Qoq` codec, at level-0 clip `clips[r]`), per
 /// group, the amount in `0..=max_shrink` to lower the level-1 step by
-/// ([`WeightCodec::quantize_row_qoq`]) that minimizes `dᵀ X_gᵀ X_g d`, the error the group's
-/// weight error `d` puts into the row's output on the rows of `x` (cross-group terms left out,
-/// as in AWQ's per-group clip search). Ties keep the smaller shrink.
+/// ([`WeightCodec::quantize_row_qoq`]), chosen to lower `dᵀ XᵀX d`, the error the row's weight
+/// error `d` puts into its output on the rows of `x`. The whole row's error, cross-group terms
+/// included: after the residual rotation every channel carries a share of the attention sink's
+/// massive activation, so the groups' errors add up coherently, and a per-group criterion (AWQ's)
+/// clipped every group a little and made the model far worse. Coordinate descent from no shrink,
+/// group by group, [`SHRINK_PASSES`] passes, a change only where it lowers the error.
 pub fn level1_shrinks(
     w: &Mat,
     x: &Mat,
@@ -586,60 +589,109 @@ pub fn level1_shrinks(
     }
     let g = codec.groups(cols);
     let gl = cols / g;
-    // The diagonal blocks X_gᵀ X_g of the inputs' Gram matrix.
-    let grams: Vec<Vec<f64>> = (0..g)
-        .into_par_iter()
-        .map(|gi| {
-            let mut m = vec![0f64; gl * gl];
+    if max_shrink == 0 {
+        return Ok(vec![vec![0; g]; w.rows]);
+    }
+    // The Gram matrix XᵀX, row by row.
+    let gram: Vec<f64> = {
+        let mut m = vec![0f64; cols * cols];
+        m.par_chunks_mut(cols).enumerate().for_each(|(a, out)| {
             for r in 0..x.rows {
-                let row = &x.row(r)[gi * gl..(gi + 1) * gl];
-                for (a, &xa) in row.iter().enumerate() {
-                    if xa != 0.0 {
-                        let xa = xa as f64;
-                        for (m, &xb) in m[a * gl..(a + 1) * gl].iter_mut().zip(row) {
-                            *m += xa * xb as f64;
-                        }
+                let row = x.row(r);
+                let xa = row[a] as f64;
+                if xa != 0.0 {
+                    for (o, &xb) in out.iter_mut().zip(row) {
+                        *o += xa * xb as f64;
                     }
                 }
             }
-            m
-        })
-        .collect();
+        });
+        m
+    };
     let rb = codec.row_bytes(cols)?;
     (0..w.rows)
         .into_par_iter()
         .map(|r| {
             let row = w.row(r);
-            let mut best = vec![(f64::INFINITY, 0u8); g];
+            // The row's weight error under each uniform shrink: groups are encoded
+            // independently, so group `g` of candidate `c` is that group at shrink `c`.
+            let mut cand = Vec::with_capacity(max_shrink as usize + 1);
             let (mut bytes, mut deq) = (vec![0u8; rb], vec![0f32; cols]);
-            let mut d = vec![0f64; gl];
             for shrink in 0..=max_shrink {
                 codec.quantize_row_qoq(row, clips[r], &vec![shrink; g], &mut bytes)?;
                 codec.dequantize(&bytes, cols, &mut deq)?;
-                for (gi, b) in best.iter_mut().enumerate() {
-                    for (d, j) in d.iter_mut().zip(gi * gl..(gi + 1) * gl) {
-                        *d = (row[j] - deq[j]) as f64;
-                    }
-                    let m = &grams[gi];
-                    let e: f64 = (0..gl)
-                        .map(|a| {
-                            let t: f64 = m[a * gl..(a + 1) * gl]
+                let d: Vec<f64> = row.iter().zip(&deq).map(|(w, q)| (w - q) as f64).collect();
+                cand.push(d);
+            }
+            let mut d = cand[0].clone();
+            // gd = XᵀX d, kept up to date as groups change.
+            let mut gd: Vec<f64> = gram
+                .chunks_exact(cols)
+                .map(|m| m.iter().zip(&d).map(|(m, d)| m * d).sum())
+                .collect();
+            let mut choice = vec![0u8; g];
+            let mut delta = vec![0f64; gl];
+            for _ in 0..SHRINK_PASSES {
+                let mut changed = false;
+                for gi in 0..g {
+                    let span = gi * gl..(gi + 1) * gl;
+                    let mut best = (0f64, choice[gi]);
+                    for (c, dc) in cand.iter().enumerate() {
+                        if c as u8 == choice[gi] {
+                            continue;
+                        }
+                        for (o, (a, b)) in delta
+                            .iter_mut()
+                            .zip(dc[span.clone()].iter().zip(&d[span.clone()]))
+                        {
+                            *o = a - b;
+                        }
+                        // e(d + δ) - e(d) = 2 δᵀ(XᵀX d) + δᵀ XᵀX δ on the group's block.
+                        let mut change: f64 = 2.0
+                            * delta
                                 .iter()
-                                .zip(&d)
-                                .map(|(m, d)| m * d)
-                                .sum();
-                            d[a] * t
-                        })
-                        .sum();
-                    if e < b.0 {
-                        *b = (e, shrink);
+                                .zip(&gd[span.clone()])
+                                .map(|(a, b)| a * b)
+                                .sum::<f64>();
+                        for (i, &di) in delta.iter().enumerate() {
+                            if di != 0.0 {
+                                let m = &gram[(gi * gl + i) * cols + gi * gl..][..gl];
+                                change +=
+                                    di * m.iter().zip(&delta).map(|(m, d)| m * d).sum::<f64>();
+                            }
+                        }
+                        if change < best.0 {
+                            best = (change, c as u8);
+                        }
+                    }
+                    if best.1 != choice[gi] {
+                        let dc = &cand[best.1 as usize];
+                        for (i, j) in span.clone().enumerate() {
+                            delta[i] = dc[j] - d[j];
+                            d[j] = dc[j];
+                        }
+                        // XᵀX is symmetric: column j of it is row j.
+                        for (i, &di) in delta.iter().enumerate() {
+                            if di != 0.0 {
+                                let m = &gram[(gi * gl + i) * cols..][..cols];
+                                gd.iter_mut().zip(m).for_each(|(o, m)| *o += di * m);
+                            }
+                        }
+                        choice[gi] = best.1;
+                        changed = true;
                     }
                 }
+                if !changed {
+                    break;
+                }
             }
-            Ok(best.into_iter().map(|b| b.1).collect())
+            Ok(choice)
         })
         .collect()
 }
+
+/// Coordinate-descent passes over a row's groups in [`level1_shrinks`].
+pub const SHRINK_PASSES: usize = 2;
 
 /// Encodes every linear layer of `model` in `format` (a `Qoq` codec), each output row at the
 /// level-0 clip from `grid` with the least output error ([`crate::sim::search_clips`]) and, with
@@ -954,6 +1006,18 @@ mod tests {
         let plain = encoded_error(&w, &x, codec, &vec![vec![0; 4]; w.rows]);
         let searched = encoded_error(&w, &x, codec, &shrinks);
         assert!(searched < 0.97 * plain, "{searched} vs {plain}");
+        // Rows that share one massive component in every channel (the attention sink after the
+        // residual rotation): the groups' errors add up coherently, and the whole-row search
+        // still never raises the error.
+        let mut xs = x.clone();
+        for r in (0..xs.rows).step_by(16) {
+            xs.data[r * 128..(r + 1) * 128]
+                .iter_mut()
+                .for_each(|v| *v += 40.0);
+        }
+        let sink = level1_shrinks(&w, &xs, codec, &clips, LEVEL1_SHRINKS).unwrap();
+        let plain = encoded_error(&w, &xs, codec, &vec![vec![0; 4]; w.rows]);
+        assert!(encoded_error(&w, &xs, codec, &sink) <= plain);
         let none = level1_shrinks(&w, &x, codec, &clips, 0).unwrap();
         assert!(none.iter().flatten().all(|&s| s == 0));
         let int4 = WeightCodec::Int4Group { group: 32 };

@@ -88,16 +88,19 @@ impl SmoothQuantOptions {
         let mut o = SmoothQuantOptions::default();
         if scheme == LinearScheme::Fp8 {
             o.global_alphas.clear();
-            o.weight_ratios = fp8_scale_ratios();
         }
         o
     }
 }
 
-/// FP8 weight scale ratios `2^(i/16)`, `i = 0..16`: e4m3 rounding is relative, so smoothing moves
-/// an FP8 layer's error very little, but where the float grid falls on a row's values does (each
-/// ratio of `[1, 2)` is another alignment, and none clips). The search keeps, per output row,
-/// the ratio with the least output error; ties keep 1, plain round-to-nearest.
+/// FP8 weight scale ratios `2^(i/16)`, `i = 0..16`, for [`SmoothQuantOptions::weight_ratios`]:
+/// e4m3 rounding is relative, so where the float grid falls on a row's values changes its
+/// rounding error (each ratio of `[1, 2)` is another alignment, and none clips). The search
+/// keeps, per output row, the ratio with the least output error; ties keep 1.
+///
+/// Not used by default: on calibration-half text the calibration does not use (32 x 256
+/// calibration tokens, 8 x 256 evaluation tokens; float 7.747, FP8 RTN 7.936) the search alone
+/// gave 7.909 and with SmoothQuant's smoothing 7.902, against 7.884 for the smoothing alone.
 pub fn fp8_scale_ratios() -> Vec<f32> {
     (0..16).map(|i| (i as f32 / 16.0).exp2()).collect()
 }
@@ -324,14 +327,18 @@ mod tests {
     }
 
     #[test]
-    fn fp8_searches_weight_scales_and_integer_schemes_do_not() {
-        let fp8 = SmoothQuantOptions::for_scheme(LinearScheme::Fp8);
-        assert_eq!(fp8.weight_ratios, fp8_scale_ratios());
-        assert_eq!(fp8.weight_ratios[0], 1.0);
-        assert!(fp8.weight_ratios.windows(2).all(|r| r[0] < r[1]));
-        assert!(*fp8.weight_ratios.last().unwrap() < 2.0);
-        let int8 = SmoothQuantOptions::for_scheme(LinearScheme::W8A8);
-        assert_eq!(int8.weight_ratios, vec![1.0]);
+    fn fp8_scale_ratios_span_one_binade_from_one() {
+        let r = fp8_scale_ratios();
+        assert_eq!(r[0], 1.0);
+        assert!(r.windows(2).all(|r| r[0] < r[1]));
+        assert!(*r.last().unwrap() < nibble_precision::weight::FP8_MAX_SCALE_RATIO);
+        // Round-to-nearest by default, FP8 included.
+        for scheme in [LinearScheme::Fp8, LinearScheme::W8A8] {
+            assert_eq!(
+                SmoothQuantOptions::for_scheme(scheme).weight_ratios,
+                vec![1.0]
+            );
+        }
     }
 
     /// The FP8 scale search: per row never worse than round-to-nearest (ratio 1 is a candidate),
