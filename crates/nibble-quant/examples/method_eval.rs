@@ -120,9 +120,10 @@ fn main() -> anyhow::Result<()> {
             }
             qoq::quantize_with(model.clone(), spec, &calib, &opts, steps, &mut progress)?
         } else if let Some(v) = m.strip_prefix("sq@") {
-            // `sq@GAIN[@noglobal][@first][@scales][@nosmooth]`: SmoothQuant's per-site
+            // `sq@GAIN[@noglobal][@first][@scales][@clips][@nosmooth]`: SmoothQuant's per-site
             // confirmation margin, whether the global strengths compete, whether the searches see
-            // every first token, the FP8 weight scale search, no smoothing at all.
+            // every first token, the FP8 weight scale search, a weight clip search (1.0 down to
+            // 0.70 per row), no smoothing at all.
             let mut parts = v.split('@');
             let gain: f64 = parts
                 .next()
@@ -139,6 +140,9 @@ fn main() -> anyhow::Result<()> {
             }
             if rest.contains(&"scales") {
                 o.weight_ratios = nibble_quant::smoothquant::fp8_scale_ratios();
+            }
+            if rest.contains(&"clips") {
+                o.weight_ratios = nibble_quant::sim::clip_grid();
             }
             if rest.contains(&"nosmooth") {
                 o.alphas.clear();
