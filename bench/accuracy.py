@@ -3,7 +3,8 @@
 default model (or --model), against the unquantized baseline, with the issue's acceptance lines
 checked, plus the time and peak memory of each `nibble quantize`.
 
-    python3 bench/accuracy.py            # the documented command (about an hour on 2 cores)
+    python3 bench/accuracy.py            # the documented command: 32 x 256 calibration tokens,
+                                         # 8 x 512 held-out tokens (about an hour on 2 cores)
     python3 bench/accuracy.py --quick    # fewer evaluation tokens, for a smoke run
 
 Every number comes from the release binary: `nibble quantize` writes each checkpoint under

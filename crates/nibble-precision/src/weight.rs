@@ -29,6 +29,10 @@ pub const PROTECTIVE_RANGE: i32 = 119;
 /// Largest FP8 e4m3 magnitude.
 pub const FP8_MAX: f32 = 448.0;
 
+/// The largest scale ratio [`WeightCodec::quantize_row`] takes for `Fp8PerChannel`: a ratio of
+/// 2 is the grid of ratio 1 one binade up, so `(0, 2]` holds every alignment.
+pub const FP8_MAX_SCALE_RATIO: f32 = 2.0;
+
 /// The storage codec of one quantized weight tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightCodec {
@@ -112,6 +116,11 @@ impl WeightCodec {
     /// Quantizes one row. `clip` (0 < clip <= 1) shrinks the range the codec covers: the
     /// channel's absolute maximum for per-channel codecs and level 0 of QoQ/LiquidQuant, each
     /// group's min and max for `Int4Group`. `out` is `row_bytes(row.len())` long.
+    ///
+    /// `Fp8PerChannel` also takes ratios in (1, [`FP8_MAX_SCALE_RATIO`]]: the scale then
+    /// exceeds `max|w| / 448` and nothing is clipped. e4m3 rounding is relative, so the ratios
+    /// of `[1, 2)` between them place every alignment of the float grid on the row's values
+    /// (the FP8 scale search of SmoothQuant picks one per row by output error).
     pub fn quantize_row(self, row: &[f32], clip: f32, out: &mut [u8]) -> Result<()> {
         let cols = row.len();
         if out.len() != self.row_bytes(cols)? {
@@ -120,9 +129,14 @@ impl WeightCodec {
                 out.len()
             )));
         }
-        if !(clip > 0.0 && clip <= 1.0) {
+        let max_ratio = if self == WeightCodec::Fp8PerChannel {
+            FP8_MAX_SCALE_RATIO
+        } else {
+            1.0
+        };
+        if !(clip > 0.0 && clip <= max_ratio) {
             return Err(Error::InvalidArgument(format!(
-                "clip ratio {clip} is outside (0, 1]"
+                "{self}: clip ratio {clip} is outside (0, {max_ratio}]"
             )));
         }
         if let Some(i) = row.iter().position(|x| !x.is_finite()) {
@@ -163,7 +177,8 @@ impl WeightCodec {
                 }
                 pack_nibbles(&codes, &mut out[..cols / 2]);
             }
-            WeightCodec::Qoq { .. } | WeightCodec::Lqq { .. } => {
+            WeightCodec::Qoq { .. } => self.quantize_row_qoq(row, clip, &[], out)?,
+            WeightCodec::Lqq { .. } => {
                 let s0 = f16_scale(absmax(row) * clip / PROTECTIVE_RANGE as f32)?;
                 let q8: Vec<i32> = row
                     .iter()
@@ -173,11 +188,7 @@ impl WeightCodec {
                 let g = cols / gl;
                 let mut codes = vec![0u8; cols];
                 for (gi, group) in q8.chunks_exact(gl).enumerate() {
-                    let (s, z) = if matches!(self, WeightCodec::Qoq { .. }) {
-                        qoq_level1(group, &mut codes[gi * gl..(gi + 1) * gl])
-                    } else {
-                        lqq_level2(group, &mut codes[gi * gl..(gi + 1) * gl])
-                    };
+                    let (s, z) = lqq_level2(group, &mut codes[gi * gl..(gi + 1) * gl]);
                     out[cols / 2 + gi] = s;
                     out[cols / 2 + g + gi] = z;
                 }
@@ -186,6 +197,62 @@ impl WeightCodec {
                 out[end - 2..].copy_from_slice(&f16::from_f32(s0).to_le_bytes());
             }
         }
+        Ok(())
+    }
+
+    /// QoQ's [`Self::quantize_row`] with the level-1 scale of group `g` lowered by `shrink[g]`
+    /// (to at least 1; an empty `shrink` lowers none): the group's range is then clipped at the
+    /// level-1 step (an integer), the grid a per-group clip search picks from. Level 1 stays
+    /// inside INT8 for every shrink (a smaller step only clamps codes sooner; tested
+    /// exhaustively). The layout is the plain QoQ row's.
+    pub fn quantize_row_qoq(
+        self,
+        row: &[f32],
+        clip: f32,
+        shrink: &[u8],
+        out: &mut [u8],
+    ) -> Result<()> {
+        let WeightCodec::Qoq { .. } = self else {
+            return Err(Error::InvalidArgument(format!(
+                "{self}: per-group level-1 shrinks are for QoQ rows"
+            )));
+        };
+        let cols = row.len();
+        let gl = self.group_len(cols);
+        let g = cols / gl.max(1);
+        if out.len() != self.row_bytes(cols)? || !(shrink.is_empty() || shrink.len() == g) {
+            return Err(Error::InvalidArgument(format!(
+                "{self}: {} shrinks and {} output bytes for a row of {cols}",
+                shrink.len(),
+                out.len()
+            )));
+        }
+        if !(clip > 0.0 && clip <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "{self}: clip ratio {clip} is outside (0, 1]"
+            )));
+        }
+        if let Some(i) = row.iter().position(|x| !x.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "weight element {i} is {}: cannot quantize a non-finite weight",
+                row[i]
+            )));
+        }
+        let s0 = f16_scale(absmax(row) * clip / PROTECTIVE_RANGE as f32)?;
+        let q8: Vec<i32> = row
+            .iter()
+            .map(|&x| round_clamp(x, s0, -PROTECTIVE_RANGE, PROTECTIVE_RANGE))
+            .collect();
+        let mut codes = vec![0u8; cols];
+        for (gi, group) in q8.chunks_exact(gl).enumerate() {
+            let by = shrink.get(gi).copied().unwrap_or(0);
+            let (s, z) = qoq_level1_shrunk(group, by, &mut codes[gi * gl..(gi + 1) * gl]);
+            out[cols / 2 + gi] = s;
+            out[cols / 2 + g + gi] = z;
+        }
+        pack_nibbles(&codes, &mut out[..cols / 2]);
+        let end = out.len();
+        out[end - 2..].copy_from_slice(&f16::from_f32(s0).to_le_bytes());
         Ok(())
     }
 
@@ -287,13 +354,20 @@ pub fn lqq_dequant_word(codes: u32, scale: u32, offset: u32) -> u32 {
         ^ 0x8080_8080
 }
 
-/// QoQ level 1 on one group of INT8 values in the protective range: UINT8 scale
-/// `ceil((hi - lo) / 15)` (at least 1), UINT4 zero `round(-lo / s)`, codes
-/// `clamp(round(x / s) + z, 0, 15)`, all in integers.
+/// QoQ level 1 on one group of INT8 values in the protective range (plain QoQ: no shrink).
+#[cfg(test)]
 fn qoq_level1(group: &[i32], codes: &mut [u8]) -> (u8, u8) {
+    qoq_level1_shrunk(group, 0, codes)
+}
+
+/// QoQ level 1 on one group of INT8 values in the protective range: UINT8 scale
+/// `ceil((hi - lo) / 15) - shrink` (at least 1; `shrink` is 0 but for the per-group step
+/// search), UINT4 zero `round(-lo / s)`, codes `clamp(round(x / s) + z, 0, 15)`, all in
+/// integers.
+fn qoq_level1_shrunk(group: &[i32], shrink: u8, codes: &mut [u8]) -> (u8, u8) {
     let lo = group.iter().copied().min().unwrap_or(0).min(0);
     let hi = group.iter().copied().max().unwrap_or(0).max(0);
-    let s = ((hi - lo + 14) / 15).max(1);
+    let s = ((hi - lo + 14) / 15 - shrink as i32).max(1);
     let z = div_round(-lo, s).clamp(0, 15);
     for (c, &x) in codes.iter_mut().zip(group) {
         *c = (div_round(x, s) + z).clamp(0, 15) as u8;
@@ -713,6 +787,65 @@ mod tests {
         }
     }
 
+    /// A shrunk level-1 step keeps every code inside INT8 and the byte-lane products inside a
+    /// byte, for every group range and every shrink; a shrink of 0 is plain QoQ.
+    #[test]
+    fn qoq_shrunk_level1_is_overflow_free_for_every_group_range() {
+        for lo in -PROTECTIVE_RANGE..=PROTECTIVE_RANGE {
+            for hi in lo..=PROTECTIVE_RANGE {
+                let group: Vec<i32> = (lo..=hi).collect();
+                let mut plain = vec![0u8; group.len()];
+                let (s_plain, _) = qoq_level1(&group, &mut plain);
+                for shrink in 0..=16u8 {
+                    let mut codes = vec![0u8; group.len()];
+                    let (s, z) = qoq_level1_shrunk(&group, shrink, &mut codes);
+                    assert_eq!(s as i32, (s_plain as i32 - shrink as i32).max(1));
+                    if shrink == 0 {
+                        assert_eq!(codes, plain);
+                    }
+                    assert!(z <= 15 && s >= 1);
+                    for (&x, &q) in group.iter().zip(&codes) {
+                        let back = (q as i32 - z as i32) * s as i32;
+                        assert!(
+                            (-128..=127).contains(&back),
+                            "[{lo},{hi}]-{shrink} {x} -> {back}"
+                        );
+                        assert!(q as i32 * s as i32 <= 255 && z as i32 * s as i32 <= 255);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn qoq_row_shrinks_clip_only_the_groups_named() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let codec = WeightCodec::Qoq { group: 32 };
+        let row = random_row(&mut rng, 128);
+        let rb = codec.row_bytes(128).unwrap();
+        let (mut plain, mut none, mut shrunk) = (vec![0u8; rb], vec![0u8; rb], vec![0u8; rb]);
+        codec.quantize_row(&row, 0.9, &mut plain).unwrap();
+        codec.quantize_row_qoq(&row, 0.9, &[], &mut none).unwrap();
+        assert_eq!(plain, none);
+        codec
+            .quantize_row_qoq(&row, 0.9, &[0, 2, 0, 0], &mut shrunk)
+            .unwrap();
+        let (mut a, mut b) = (vec![0f32; 128], vec![0f32; 128]);
+        codec.dequantize(&plain, 128, &mut a).unwrap();
+        codec.dequantize(&shrunk, 128, &mut b).unwrap();
+        assert_eq!(a[..32], b[..32]);
+        assert_eq!(a[64..], b[64..]);
+        assert_ne!(a[32..64], b[32..64]);
+        // Only QoQ rows take shrinks, and one per group.
+        assert!(
+            codec
+                .quantize_row_qoq(&row, 0.9, &[1, 2], &mut shrunk)
+                .is_err()
+        );
+        let lqq = WeightCodec::Lqq { group: 32 };
+        assert!(lqq.quantize_row_qoq(&row, 0.9, &[], &mut shrunk).is_err());
+    }
+
     /// The word-wide LiquidQuant dequantization equals the scalar reference for every group
     /// range, every code and every lane position.
     #[test]
@@ -886,6 +1019,32 @@ mod tests {
         let row: Vec<f32> = (0..64).map(|i| i as f32 / 63.0 - 0.5).collect();
         let back = roundtrip(WeightCodec::Int8PerChannel, &row, 0.5);
         assert!(back.iter().all(|x| x.abs() <= 0.2501), "{back:?}");
+    }
+
+    #[test]
+    fn fp8_scale_ratios_above_one_widen_the_scale_without_clipping() {
+        let row: Vec<f32> = (0..64).map(|i| (i as f32 / 63.0 - 0.5) * 3.0).collect();
+        let codec = WeightCodec::Fp8PerChannel;
+        let mut max_err = [0f32; 2];
+        for (e, ratio) in max_err.iter_mut().zip([1.0, 1.5]) {
+            let back = roundtrip(codec, &row, ratio);
+            // No value saturates: the error stays within e4m3's relative half step.
+            for (a, b) in row.iter().zip(&back) {
+                assert!(
+                    (a - b).abs() <= a.abs() / 16.0 + 1e-6,
+                    "{ratio}: {a} -> {b}"
+                );
+                *e = e.max((a - b).abs());
+            }
+        }
+        // A different ratio is a different grid: the errors differ.
+        assert_ne!(max_err[0], max_err[1]);
+        let mut out = vec![0u8; codec.row_bytes(64).unwrap()];
+        assert!(codec.quantize_row(&row, 2.5, &mut out).is_err());
+        // Integer codecs keep (0, 1].
+        let int8 = WeightCodec::Int8PerChannel;
+        let mut out = vec![0u8; int8.row_bytes(64).unwrap()];
+        assert!(int8.quantize_row(&row, 1.5, &mut out).is_err());
     }
 
     #[test]

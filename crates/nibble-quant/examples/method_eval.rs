@@ -10,7 +10,8 @@
 //! Ablations: `qoq-noclip-noreorder:w4a8-g64` leaves steps out of QoQ (`norotate`,
 //! `norotatevalues` / `rotatevalues`, `nosmoothattn`, `nosmoothout`, `noreorder`, `noclip`; SmoothAttention's
 //! strength: `sa0.5` fixed, `sappl` by calibration perplexity, `saerr` by key error per layer;
-//! `norotatepairs`; `aseqN` keeps N sequences' attention inputs);
+//! `norotatepairs`; `aseqN` keeps N sequences' attention inputs; `shrinkN` the level-1 step
+//! search's largest shrink, 0 for none);
 //! `NIBBLE_DEV=1` evaluates on unused calibration-half sequences instead of the evaluation half.
 //! `fmpq@4:w4a4a8-g64` sets FMPQ's outlier threshold.
 
@@ -96,6 +97,11 @@ fn main() -> anyhow::Result<()> {
                     "noreorder" => steps.reorder = false,
                     "noclip" => steps.clip = false,
                     "norotatepairs" => steps.rotate_key_pairs = false,
+                    s if s.starts_with("shrink") => {
+                        steps.level1_shrinks = s[6..]
+                            .parse()
+                            .with_context(|| format!("bad level-1 shrink '{s}'"))?
+                    }
                     "sappl" => steps.attention_strength = qoq::AttentionStrength::Perplexity,
                     "saerr" => steps.attention_strength = qoq::AttentionStrength::KeyError,
                     s if s.starts_with("aseq") => {
@@ -114,8 +120,10 @@ fn main() -> anyhow::Result<()> {
             }
             qoq::quantize_with(model.clone(), spec, &calib, &opts, steps, &mut progress)?
         } else if let Some(v) = m.strip_prefix("sq@") {
-            // `sq@GAIN[@noglobal][@first]`: SmoothQuant's per-site confirmation margin, whether
-            // the global strengths compete, whether the searches see every first token.
+            // `sq@GAIN[@noglobal][@first][@scales][@clips][@nosmooth]`: SmoothQuant's per-site
+            // confirmation margin, whether the global strengths compete, whether the searches see
+            // every first token, the FP8 weight scale search, a weight clip search (1.0 down to
+            // 0.70 per row), no smoothing at all.
             let mut parts = v.split('@');
             let gain: f64 = parts
                 .next()
@@ -129,6 +137,15 @@ fn main() -> anyhow::Result<()> {
             let rest: Vec<&str> = parts.collect();
             if rest.contains(&"noglobal") {
                 o.global_alphas.clear();
+            }
+            if rest.contains(&"scales") {
+                o.weight_ratios = nibble_quant::smoothquant::fp8_scale_ratios();
+            }
+            if rest.contains(&"clips") {
+                o.weight_ratios = nibble_quant::sim::clip_grid();
+            }
+            if rest.contains(&"nosmooth") {
+                o.alphas.clear();
             }
             let calib_stats = nibble_quant::search::calibrate_with_first(
                 &model,
