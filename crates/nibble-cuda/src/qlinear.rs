@@ -260,6 +260,53 @@ pub fn use_gemv(m: usize, tiles: usize, sms: usize) -> bool {
     m <= 32 || (m <= GEMV_MAX_M && tiles.div_ceil(8) < sms)
 }
 
+/// The kernel families of a quantized GEMM.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum QKernel {
+    /// The Hopper stream gemv (sm_90; up to 32 tokens).
+    Stream,
+    /// The mma.sync gemv (up to [`GEMV_MAX_M`] tokens).
+    Gemv,
+    /// The mma.sync tiled kernel.
+    Tiled,
+}
+
+/// Entry point of `kind` for W4A16 (`w4`) or W8A8, `m` tokens of `k` channels, an output in the
+/// model dtype (`out_half`, dtype suffix `sfx`) or f32: the names kernels/qgemm.cu's entry macros
+/// give (`kernels_compile` checks every one the dispatch can ask for exists).
+pub fn qgemm_kernel_name(
+    kind: QKernel,
+    w4: bool,
+    m: usize,
+    k: usize,
+    out_half: bool,
+    sfx: &str,
+) -> String {
+    let tt = token_tiles(m);
+    let xs = |elem| {
+        if stream_x_bytes(m, k, elem) > 0 {
+            "_xs"
+        } else {
+            ""
+        }
+    };
+    if w4 {
+        let h = if out_half { "_h" } else { "" };
+        match kind {
+            QKernel::Stream => format!("w4a16_stream{tt}{h}{}_{sfx}", xs(2)),
+            QKernel::Gemv => format!("w4a16_gemv{tt}{h}_{sfx}"),
+            QKernel::Tiled => format!("w4a16_tiled{h}_{sfx}"),
+        }
+    } else {
+        let o = if out_half { sfx } else { "f32" };
+        match kind {
+            QKernel::Stream => format!("w8a8_stream{tt}{}_{o}", xs(1)),
+            QKernel::Gemv => format!("w8a8_gemv{tt}_{o}"),
+            QKernel::Tiled => format!("w8a8_tiled_{o}"),
+        }
+    }
+}
+
 /// Shared-memory bytes of `m` activation rows of `k` elements of `elem` bytes staged for the
 /// stream gemv (rows padded by 16 bytes), or 0 when they do not fit and stay in global memory.
 fn stream_x_bytes(m: usize, k: usize, elem: usize) -> usize {
@@ -346,7 +393,7 @@ impl CudaBackend {
                     Arg::I64(out.ld as i64),
                 ];
                 let geo = [m, n, k, *tiles, *chunks, *groups, *group_len];
-                let h = if out_half { "_h" } else { "" };
+                let name = |kind| qgemm_kernel_name(kind, true, m, k, out_half, sfx);
                 if use_gemv(m, *tiles, self.gpu.sm_count) {
                     let shift = if group_len.is_power_of_two() {
                         group_len.trailing_zeros() as i32
@@ -356,21 +403,17 @@ impl CudaBackend {
                     let mut geo: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
                     geo.push(Arg::I32(shift));
                     // Scales apply after the MMA there: groups must be whole 64-channel chunks.
-                    if group_len % 64 == 0 {
+                    let stream = name(QKernel::Stream);
+                    if group_len % 64 == 0 && self.stream_tier(&stream, m, k) {
                         let xs = stream_x_bytes(m, k, 2);
-                        let v = if xs > 0 { "_xs" } else { "" };
-                        let stream = format!("w4a16_stream{}{h}{v}_{sfx}", token_tiles(m));
-                        if self.stream_tier(&stream, m, k) {
-                            return self.launch_stream(&stream, head, geo, *tiles, *chunks, m, xs);
-                        }
+                        return self.launch_stream(&stream, head, geo, *tiles, *chunks, m, xs);
                     }
-                    let name = format!("w4a16_gemv{}{h}_{sfx}", token_tiles(m));
-                    self.launch_gemv(&name, head, geo, *tiles, *chunks, m, 128)
+                    self.launch_gemv(&name(QKernel::Gemv), head, geo, *tiles, *chunks, m, 128)
                 } else {
                     let mut args = head;
                     args.extend(geo.iter().map(|&v| Arg::I32(v as i32)));
                     let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
-                    self.launch_smem(&format!("w4a16_tiled{h}_{sfx}"), grid, W4_TILED_SMEM, args)
+                    self.launch_smem(&name(QKernel::Tiled), grid, W4_TILED_SMEM, args)
                 }
             }
             QuantWeight::W8 {
@@ -393,22 +436,20 @@ impl CudaBackend {
                     Arg::I64(out.ld as i64),
                 ];
                 let geo = [m, n, k, *tiles, *chunks];
-                let o = if out_half { sfx } else { "f32" };
+                let name = |kind| qgemm_kernel_name(kind, false, m, k, out_half, sfx);
                 if use_gemv(m, *tiles, self.gpu.sm_count) {
                     let geo = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
-                    let xs = stream_x_bytes(m, k, 1);
-                    let v = if xs > 0 { "_xs" } else { "" };
-                    let stream = format!("w8a8_stream{}{v}_{o}", token_tiles(m));
+                    let stream = name(QKernel::Stream);
                     if self.stream_tier(&stream, m, k) {
+                        let xs = stream_x_bytes(m, k, 1);
                         return self.launch_stream(&stream, head, geo, *tiles, *chunks, m, xs);
                     }
-                    let name = format!("w8a8_gemv{}_{o}", token_tiles(m));
-                    self.launch_gemv(&name, head, geo, *tiles, *chunks, m, 64)
+                    self.launch_gemv(&name(QKernel::Gemv), head, geo, *tiles, *chunks, m, 64)
                 } else {
                     let mut args = head;
                     args.extend(geo.iter().map(|&v| Arg::I32(v as i32)));
                     let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
-                    self.launch_smem(&format!("w8a8_tiled_{o}"), grid, W8_TILED_SMEM, args)
+                    self.launch_smem(&name(QKernel::Tiled), grid, W8_TILED_SMEM, args)
                 }
             }
         }

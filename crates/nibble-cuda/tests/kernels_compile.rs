@@ -45,6 +45,35 @@ fn kernels_compile_for_every_architecture() {
                         "qgemm" => &["w4a16_gemv1_bf16", "w8a8_tiled_f32"],
                         _ => &[],
                     };
+                    if *name == "qgemm" {
+                        // Every entry point the quantized-GEMM dispatch can ask for exists: the
+                        // gemv up to 64 tokens, the tiled kernels, and from sm_90 the stream gemv
+                        // up to 32 tokens with activations staged or not.
+                        use nibble_cuda::qlinear::{QKernel, qgemm_kernel_name};
+                        for w4 in [true, false] {
+                            for out_half in [false, true] {
+                                for sfx in ["bf16", "f16"] {
+                                    for m in 1..=64 {
+                                        for k in [576, 4096, 14336, 28672, 57344] {
+                                            let mut kinds = vec![QKernel::Gemv, QKernel::Tiled];
+                                            if cc.0 >= 9 && m <= 32 {
+                                                kinds.push(QKernel::Stream);
+                                            }
+                                            for kind in kinds {
+                                                let e = qgemm_kernel_name(
+                                                    kind, w4, m, k, out_half, sfx,
+                                                );
+                                                assert!(
+                                                    entries.contains(&e),
+                                                    "{arch}: {e} missing"
+                                                );
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
                     if *name == "qgemm" && cc.0 < 9 {
                         assert!(
                             !entries.iter().any(|e| e.contains("_stream")),
