@@ -139,12 +139,7 @@ impl WeightCodec {
                 "{self}: clip ratio {clip} is outside (0, {max_ratio}]"
             )));
         }
-        if let Some(i) = row.iter().position(|x| !x.is_finite()) {
-            return Err(Error::InvalidArgument(format!(
-                "weight element {i} is {}: cannot quantize a non-finite weight",
-                row[i]
-            )));
-        }
+        check_finite(row)?;
         match self {
             WeightCodec::Int8PerChannel => {
                 let s = f16_scale(absmax(row) * clip / 127.0)?;
@@ -232,12 +227,7 @@ impl WeightCodec {
                 "{self}: clip ratio {clip} is outside (0, 1]"
             )));
         }
-        if let Some(i) = row.iter().position(|x| !x.is_finite()) {
-            return Err(Error::InvalidArgument(format!(
-                "weight element {i} is {}: cannot quantize a non-finite weight",
-                row[i]
-            )));
-        }
+        check_finite(row)?;
         let s0 = f16_scale(absmax(row) * clip / PROTECTIVE_RANGE as f32)?;
         let q8: Vec<i32> = row
             .iter()
@@ -493,12 +483,7 @@ impl WeightCodec {
                 "clip ratio {clip} is outside (0, 1]"
             )));
         }
-        if let Some(i) = vals.iter().position(|x| !x.is_finite()) {
-            return Err(Error::InvalidArgument(format!(
-                "weight element {i} is {}: cannot quantize a non-finite weight",
-                vals[i]
-            )));
-        }
+        check_finite(vals)?;
         match self {
             WeightCodec::Int8PerChannel => Ok(GroupGrid {
                 scale: f16_scale(absmax(vals) * clip / 127.0)?,
@@ -536,12 +521,7 @@ impl WeightCodec {
                 self.row_bytes(cols)?
             )));
         }
-        if let Some(i) = row.iter().position(|x| !x.is_finite()) {
-            return Err(Error::InvalidArgument(format!(
-                "weight element {i} is {}: cannot quantize a non-finite weight",
-                row[i]
-            )));
-        }
+        check_finite(row)?;
         let gl = self.group_len(cols);
         match self {
             WeightCodec::Int8PerChannel => {
@@ -694,6 +674,17 @@ impl LinearFormat {
             )));
         }
         self.codec.row_bytes(cols)
+    }
+}
+
+/// A clear error for the first non-finite weight of `vals`: no codec can represent it.
+fn check_finite(vals: &[f32]) -> Result<()> {
+    match vals.iter().position(|x| !x.is_finite()) {
+        Some(i) => Err(Error::InvalidArgument(format!(
+            "weight element {i} is {}: cannot quantize a non-finite weight",
+            vals[i]
+        ))),
+        None => Ok(()),
     }
 }
 
