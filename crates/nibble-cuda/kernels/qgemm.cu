@@ -613,8 +613,8 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
 // the raw codes as they come out of lop3, magic + q (exact in the dtype), and a second MMA adds
 // -(magic + z) times the same activations, so the group sum G = sum (q - z) x builds up without a
 // subtraction or multiplication per weight; at the group's end each output adds s * G in f32.
-// Half the ALU work of dequantize-then-multiply, which bounds a decode gemv on Hopper (a warp must
-// retire a 512-byte chunk every ~32 cycles per SM to keep up with HBM). Same sums as the
+// Half the ALU work of dequantize-then-multiply (QServe §5's reason for it); on an H200 it did not
+// move this kernel's time, which something else bounds (BENCHMARKS.md). Same sums as the
 // dequantized reference up to f32 rounding (the reference rounds each w to 16 bits first).
 template <class T> __device__ __forceinline__ float half_lo(u32 v);
 template <> __device__ __forceinline__ float half_lo<__half>(u32 v) { return __half2float(__ushort_as_half((unsigned short)v)); }
