@@ -271,6 +271,15 @@ pub enum QKernel {
     Tiled,
 }
 
+/// What picks a quantized GEMM's kernel besides its shape: the format (W4A16 or W8A8), the output
+/// type, and whether the weight may take the stream gemv.
+#[derive(Clone, Copy)]
+struct Route {
+    w4: bool,
+    out_half: bool,
+    stream_ok: bool,
+}
+
 /// Entry point of `kind` for W4A16 (`w4`) or W8A8, `m` tokens of `k` channels, an output in the
 /// model dtype (`out_half`, dtype suffix `sfx`) or f32: the names kernels/qgemm.cu's entry macros
 /// give (`kernels_compile` checks every one the dispatch can ask for exists).
@@ -368,7 +377,6 @@ impl CudaBackend {
                 )));
             }
         };
-        let sfx = self.dtype.suffix();
         match w {
             QuantWeight::W4 {
                 codes,
@@ -393,28 +401,18 @@ impl CudaBackend {
                     Arg::I64(out.ld as i64),
                 ];
                 let geo = [m, n, k, *tiles, *chunks, *groups, *group_len];
-                let name = |kind| qgemm_kernel_name(kind, true, m, k, out_half, sfx);
-                if use_gemv(m, *tiles, self.gpu.sm_count) {
-                    let shift = if group_len.is_power_of_two() {
-                        group_len.trailing_zeros() as i32
-                    } else {
-                        -1
-                    };
-                    let mut geo: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
-                    geo.push(Arg::I32(shift));
-                    // Scales apply after the MMA there: groups must be whole 64-channel chunks.
-                    let stream = name(QKernel::Stream);
-                    if group_len % 64 == 0 && self.stream_tier(&stream, m, k) {
-                        let xs = stream_x_bytes(m, k, 2);
-                        return self.launch_stream(&stream, head, geo, *tiles, *chunks, m, xs);
-                    }
-                    self.launch_gemv(&name(QKernel::Gemv), head, geo, *tiles, *chunks, m, 128)
+                let shift = if group_len.is_power_of_two() {
+                    group_len.trailing_zeros() as i32
                 } else {
-                    let mut args = head;
-                    args.extend(geo.iter().map(|&v| Arg::I32(v as i32)));
-                    let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
-                    self.launch_smem(&name(QKernel::Tiled), grid, W4_TILED_SMEM, args)
-                }
+                    -1
+                };
+                // Scales apply after the MMA in the stream gemv: groups must be whole chunks.
+                let route = Route {
+                    w4: true,
+                    out_half,
+                    stream_ok: group_len % 64 == 0,
+                };
+                self.run_quant(route, head, &geo, &[shift], *tiles, *chunks, m, k)
             }
             QuantWeight::W8 {
                 codes,
@@ -436,22 +434,62 @@ impl CudaBackend {
                     Arg::I64(out.ld as i64),
                 ];
                 let geo = [m, n, k, *tiles, *chunks];
-                let name = |kind| qgemm_kernel_name(kind, false, m, k, out_half, sfx);
-                if use_gemv(m, *tiles, self.gpu.sm_count) {
-                    let geo = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
-                    let stream = name(QKernel::Stream);
-                    if self.stream_tier(&stream, m, k) {
-                        let xs = stream_x_bytes(m, k, 1);
-                        return self.launch_stream(&stream, head, geo, *tiles, *chunks, m, xs);
-                    }
-                    self.launch_gemv(&name(QKernel::Gemv), head, geo, *tiles, *chunks, m, 64)
-                } else {
-                    let mut args = head;
-                    args.extend(geo.iter().map(|&v| Arg::I32(v as i32)));
-                    let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
-                    self.launch_smem(&name(QKernel::Tiled), grid, W8_TILED_SMEM, args)
-                }
+                let route = Route {
+                    w4: false,
+                    out_half,
+                    stream_ok: true,
+                };
+                self.run_quant(route, head, &geo, &[], *tiles, *chunks, m, k)
             }
+        }
+    }
+
+    /// Runs the kernel family a quantized GEMM of `m` tokens takes: the gemv ([`use_gemv`]; the
+    /// Hopper stream gemv when `route` allows it and the [`KernelTier`] picks it) or the tiled
+    /// kernel. `head` are the pointer arguments, `geo` the integers every family takes after them
+    /// (the gemv kernels also `gemv_geo`).
+    #[allow(clippy::too_many_arguments)]
+    fn run_quant(
+        &self,
+        route: Route,
+        head: Vec<Arg>,
+        geo: &[usize],
+        gemv_geo: &[i32],
+        tiles: usize,
+        chunks: usize,
+        m: usize,
+        k: usize,
+    ) -> Result<()> {
+        let name =
+            |kind| qgemm_kernel_name(kind, route.w4, m, k, route.out_half, self.dtype.suffix());
+        let x_elem = if route.w4 { 2 } else { 1 };
+        let mut ints: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
+        if use_gemv(m, tiles, self.gpu.sm_count) {
+            ints.extend(gemv_geo.iter().map(|&v| Arg::I32(v)));
+            let stream = name(QKernel::Stream);
+            if route.stream_ok && self.stream_tier(&stream, m, k) {
+                let xs = stream_x_bytes(m, k, x_elem);
+                return self.launch_stream(&stream, head, ints, tiles, chunks, m, xs);
+            }
+            self.launch_gemv(
+                &name(QKernel::Gemv),
+                head,
+                ints,
+                tiles,
+                chunks,
+                m,
+                64 * x_elem,
+            )
+        } else {
+            let mut args = head;
+            args.extend(ints);
+            let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
+            let smem = if route.w4 {
+                W4_TILED_SMEM
+            } else {
+                W8_TILED_SMEM
+            };
+            self.launch_smem(&name(QKernel::Tiled), grid, smem, args)
         }
     }
 
