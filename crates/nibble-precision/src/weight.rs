@@ -174,22 +174,9 @@ impl WeightCodec {
             }
             WeightCodec::Qoq { .. } => self.quantize_row_qoq(row, clip, &[], out)?,
             WeightCodec::Lqq { .. } => {
-                let s0 = f16_scale(absmax(row) * clip / PROTECTIVE_RANGE as f32)?;
-                let q8: Vec<i32> = row
-                    .iter()
-                    .map(|&x| round_clamp(x, s0, -PROTECTIVE_RANGE, PROTECTIVE_RANGE))
-                    .collect();
-                let gl = self.group_len(cols);
-                let g = cols / gl;
-                let mut codes = vec![0u8; cols];
-                for (gi, group) in q8.chunks_exact(gl).enumerate() {
-                    let (s, z) = lqq_level2(group, &mut codes[gi * gl..(gi + 1) * gl]);
-                    out[cols / 2 + gi] = s;
-                    out[cols / 2 + g + gi] = z;
-                }
-                pack_nibbles(&codes, &mut out[..cols / 2]);
-                let end = out.len();
-                out[end - 2..].copy_from_slice(&f16::from_f32(s0).to_le_bytes());
+                two_level_row(self.group_len(cols), row, clip, out, |_, group, codes| {
+                    lqq_level2(group, codes)
+                })?
             }
         }
         Ok(())
@@ -228,21 +215,9 @@ impl WeightCodec {
             )));
         }
         check_finite(row)?;
-        let s0 = f16_scale(absmax(row) * clip / PROTECTIVE_RANGE as f32)?;
-        let q8: Vec<i32> = row
-            .iter()
-            .map(|&x| round_clamp(x, s0, -PROTECTIVE_RANGE, PROTECTIVE_RANGE))
-            .collect();
-        let mut codes = vec![0u8; cols];
-        for (gi, group) in q8.chunks_exact(gl).enumerate() {
-            let by = shrink.get(gi).copied().unwrap_or(0);
-            let (s, z) = qoq_level1_shrunk(group, by, &mut codes[gi * gl..(gi + 1) * gl]);
-            out[cols / 2 + gi] = s;
-            out[cols / 2 + g + gi] = z;
-        }
-        pack_nibbles(&codes, &mut out[..cols / 2]);
-        let end = out.len();
-        out[end - 2..].copy_from_slice(&f16::from_f32(s0).to_le_bytes());
+        two_level_row(gl, row, clip, out, |gi, group, codes| {
+            qoq_level1_shrunk(group, shrink.get(gi).copied().unwrap_or(0), codes)
+        })?;
         Ok(())
     }
 
@@ -342,6 +317,35 @@ pub fn lqq_dequant_word(codes: u32, scale: u32, offset: u32) -> u32 {
         .wrapping_mul(scale)
         .wrapping_add(offset.wrapping_mul(0x0101_0101))
         ^ 0x8080_8080
+}
+
+/// A two-level row (QoQ, LiquidQuant): level 0 INT8 in the protective range with an f16 scale
+/// (`clip` times the row's range), then `level` turns group `gi`'s INT8 values into 4-bit codes
+/// and a byte scale and zero. Layout `[nibbles][scales][zeros][level-0 scale f16]`.
+fn two_level_row(
+    gl: usize,
+    row: &[f32],
+    clip: f32,
+    out: &mut [u8],
+    mut level: impl FnMut(usize, &[i32], &mut [u8]) -> (u8, u8),
+) -> Result<()> {
+    let cols = row.len();
+    let g = cols / gl;
+    let s0 = f16_scale(absmax(row) * clip / PROTECTIVE_RANGE as f32)?;
+    let q8: Vec<i32> = row
+        .iter()
+        .map(|&x| round_clamp(x, s0, -PROTECTIVE_RANGE, PROTECTIVE_RANGE))
+        .collect();
+    let mut codes = vec![0u8; cols];
+    for (gi, group) in q8.chunks_exact(gl).enumerate() {
+        let (s, z) = level(gi, group, &mut codes[gi * gl..(gi + 1) * gl]);
+        out[cols / 2 + gi] = s;
+        out[cols / 2 + g + gi] = z;
+    }
+    pack_nibbles(&codes, &mut out[..cols / 2]);
+    let end = out.len();
+    out[end - 2..].copy_from_slice(&f16::from_f32(s0).to_le_bytes());
+    Ok(())
 }
 
 /// QoQ level 1 on one group of INT8 values in the protective range (plain QoQ: no shrink).
