@@ -60,17 +60,16 @@ use nibble_model::config::ModelConfig;
 use nibble_precision::kv::{KeyLayout, TokenCodec};
 use nibble_precision::{KvFormat, LinearFormat, LinearScheme, PrecisionSpec, WeightCodec};
 use rayon::prelude::*;
-use std::collections::BTreeMap;
 
 use crate::capture::AttentionInputs;
 
-use crate::dense::{DenseModel, LinearId, Mat, SiteKind};
+use crate::dense::{DenseModel, Mat, SiteKind};
 use crate::permute::{HeadPermutation, permute_down_input, sort_desc};
 use crate::pipeline::{Method, QuantOptions, QuantizedModel};
 use crate::rotation::{Rotation, rotate_residual, rotate_values};
 use crate::sim::{
-    ActSim, SiteData, Sites, apply_smoothing, calibrate_with, clip_and_encode, clip_grid,
-    matmul_nt, reduce_kv_max, search_clips, search_smoothing, sq_err,
+    ActSim, SiteData, Sites, apply_smoothing, calibrate_with, clip_and_encode,
+    clip_and_encode_with, clip_grid, matmul_nt, reduce_kv_max, search_smoothing, sq_err,
 };
 use crate::simulate::Simulated;
 
@@ -697,56 +696,32 @@ pub fn level1_shrinks(
 /// Coordinate-descent passes over a row's groups in [`level1_shrinks`].
 pub const SHRINK_PASSES: usize = 2;
 
-/// Encodes every linear layer of `model` in `format` (a `Qoq` codec), each output row at the
-/// level-0 clip from `grid` with the least output error ([`crate::sim::search_clips`]) and, with
-/// `max_shrink > 0`, each group's level-1 step from [`level1_shrinks`].
-fn clip_shrink_and_encode(
-    model: &DenseModel,
-    sites: &Sites,
+/// Encodes weight `w` in `format` (a `Qoq` codec) at its rows' level-0 `clips`, with each
+/// group's level-1 step from [`level1_shrinks`] when `max_shrink > 0`; `xq` is the layer's
+/// quantized calibration input.
+fn encode_shrunk(
+    w: &Mat,
+    xq: &Mat,
     format: LinearFormat,
-    grid: &[f32],
+    clips: &[f32],
     max_shrink: u8,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<BTreeMap<LinearId, (LinearFormat, Vec<u8>)>> {
-    let ids = model.linear_ids();
-    let mut out = BTreeMap::new();
-    let mut cached: Option<((usize, SiteKind), Mat)> = None;
-    for (i, &id) in ids.iter().enumerate() {
-        let key = (id.layer, id.kind.site());
-        let data = sites.get(&key).ok_or_else(|| {
-            Error::InvalidArgument(format!("no calibration rows for {}", id.name()))
+) -> Result<Vec<u8>> {
+    let shrinks = if max_shrink > 0 {
+        level1_shrinks(w, xq, format.codec, clips, max_shrink)?
+    } else {
+        vec![Vec::new(); w.rows]
+    };
+    let rb = format.row_bytes(w.cols)?;
+    let mut bytes = vec![0u8; rb * w.rows];
+    bytes
+        .par_chunks_mut(rb)
+        .enumerate()
+        .try_for_each(|(r, o)| {
+            format
+                .codec
+                .quantize_row_qoq(w.row(r), clips[r], &shrinks[r], o)
         })?;
-        let w = model.linear(id);
-        // Readers of one site (q/k/v, gate/up) share their quantized input.
-        if cached.as_ref().is_none_or(|(k, _)| *k != key) {
-            cached = Some((key, ActSim::of(format.act).apply(&data.samples)));
-        }
-        let xq = &cached.as_ref().expect("set above").1;
-        let clips = if grid == [1.0] {
-            vec![1.0; w.rows]
-        } else {
-            search_clips(w, &data.samples, xq, format, grid)?.0
-        };
-        let shrinks = if max_shrink > 0 {
-            level1_shrinks(w, xq, format.codec, &clips, max_shrink)?
-        } else {
-            vec![Vec::new(); w.rows]
-        };
-        let rb = format.row_bytes(w.cols)?;
-        let mut bytes = vec![0u8; rb * w.rows];
-        bytes
-            .par_chunks_mut(rb)
-            .enumerate()
-            .try_for_each(|(r, o)| {
-                format
-                    .codec
-                    .quantize_row_qoq(w.row(r), clips[r], &shrinks[r], o)
-            })
-            .map_err(|e| Error::InvalidArgument(format!("{}: {e}", id.name())))?;
-        out.insert(id, (format, bytes));
-        progress(i + 1, ids.len());
-    }
-    Ok(out)
+    Ok(bytes)
 }
 
 /// Which of QoQ's steps run (all of them for the method; fewer to measure what each brings).
@@ -931,13 +906,14 @@ pub fn quantize_with(
     }
 
     let grid = if steps.clip { clip_grid() } else { vec![1.0] };
+    let shrink = steps.level1_shrinks;
     let linears = if matches!(format.codec, WeightCodec::Qoq { .. }) {
-        clip_shrink_and_encode(
+        clip_and_encode_with(
             &model,
             &sites,
-            format,
+            &|_| format,
             &grid,
-            steps.level1_shrinks,
+            &move |w, xq, format, clips| encode_shrunk(w, xq, format, clips, shrink),
             &mut |d, t| progress("qoq: clip and encode", d, t),
         )?
     } else {

@@ -92,6 +92,29 @@ pub fn clip_and_encode(
     grid: &[f32],
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<BTreeMap<LinearId, (LinearFormat, Vec<u8>)>> {
+    clip_and_encode_with(
+        model,
+        sites,
+        format_of,
+        grid,
+        &|w, _, format, clips| encode_matrix(w, format, clips),
+        progress,
+    )
+}
+
+/// Encodes a weight: `(w, quantized site input, format, row clips) -> bytes`.
+pub type EncodeFn = dyn Fn(&Mat, &Mat, LinearFormat, &[f32]) -> Result<Vec<u8>> + Sync;
+
+/// [`clip_and_encode`] with the last step, the encoding of weight `w` at its rows' clips, done
+/// by `encode(w, quantized site input, format, clips)` (QoQ adds its level-1 step search there).
+pub fn clip_and_encode_with(
+    model: &DenseModel,
+    sites: &Sites,
+    format_of: &dyn Fn(LinearId) -> LinearFormat,
+    grid: &[f32],
+    encode: &EncodeFn,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<BTreeMap<LinearId, (LinearFormat, Vec<u8>)>> {
     let ids = model.linear_ids();
     let mut out = BTreeMap::new();
     let mut cached: Option<((usize, SiteKind, ActQuant), Mat)> = None;
@@ -112,7 +135,7 @@ pub fn clip_and_encode(
         } else {
             search_clips(w, &data.samples, xq, format, grid)?.0
         };
-        let bytes = encode_matrix(w, format, &clips)
+        let bytes = encode(w, xq, format, &clips)
             .map_err(|e| Error::InvalidArgument(format!("{}: {e}", id.name())))?;
         out.insert(id, (format, bytes));
         progress(i + 1, ids.len());
