@@ -192,9 +192,15 @@ def test_disconnect_mid_stream_cancels_and_frees_blocks(server):
     r = conn.getresponse()
     assert r.status == 200
     r.fp.readline()  # first SSE line: generation has started
-    assert server.metrics()["nibble_kv_blocks_in_use"] > 0
-    conn.sock.close()
-    conn.close()
+    try:
+        # The gauge is published once per engine step, so it can trail the first token briefly.
+        deadline = time.time() + 5
+        while server.metrics()["nibble_kv_blocks_in_use"] == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.metrics()["nibble_kv_blocks_in_use"] > 0
+    finally:
+        conn.sock.close()
+        conn.close()
     m = wait_idle(server)
     assert m["nibble_requests_cancelled_total"] == before + 1
 
