@@ -1,0 +1,308 @@
+// Quantized GEMMs, wgmma tier (sm_90a: Hopper): the large-M kernels of W4A16 and W8A8, for the
+// same packed weights as the mma.sync tier (qgemm.cu, src/pack.rs). TurboMind §4 (packed
+// fragments, dequantization in registers) and QServe §4-5 (INT8 GEMM, fused scales) taken from
+// mma.sync to wgmma with TMA and warp specialization.
+//
+// Tiling: a CTA computes 128 weight rows x 256 tokens. Two consumer warpgroups own 64 rows each
+// and issue wgmma.m64n256 (k32 for INT8, k16 for f16/bf16) over all 256 tokens; warp w's 16 rows
+// are packed tile tile0 + w. A third warpgroup is the producer (one warp of it issues copies).
+//
+// Pipeline: WGQ_STAGES shared-memory stages on full/empty mbarrier pairs. The producer waits for
+// a stage to be empty, then fills it: the tokens' tile (256 rows x 128 bytes of K) with one TMA
+// tensor copy, 128-byte swizzled (the layout wgmma reads with a SW128 K-major descriptor), and
+// each weight tile's packed bytes for that K with one cp.async.bulk copy (the packing makes them
+// contiguous). Consumers wait for the stage, load and convert their A fragments from it, issue the
+// stage's wgmmas and wait for them before releasing the stage. A warpgroup cannot keep register-A
+// wgmmas in flight while it writes the next stage's A registers (ptxas then serializes them,
+// C7513), so the overlap is between the two consumer warpgroups: one converts while the other's
+// wgmmas run, and the producer keeps STAGES - 1 stages of copies ahead of both.
+//
+// Operands: weights are the register A operand (a wgmma A fragment per warp is the mma.sync
+// m16n8k{16,32} A fragment pack.rs derives), tokens the shared-memory B operand in natural K
+// order. The packing permutes K within each 64-channel chunk so the mma.sync tier reads
+// activations as 16-byte vectors (lane t holds channels 16t .. 16t+15); here TMA loads tokens
+// unpermuted, so each quad of lanes transposes its fragments back (two shuffles per value pair,
+// quad_transpose). W4A16 dequantizes first, exactly as the mma.sync tier: (magic + q - (magic + z))
+// * s with one rounding, so results match it bit for bit up to f32 summation order.
+// Epilogue: straight from the accumulators (store_tile), with W8A8's scales fused.
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (host pass: bench/probe)
+
+#define WGQ_TOKENS 256
+#define WGQ_X_BYTES (WGQ_TOKENS * 128)  // a stage's token tile: 256 rows of 128 B
+#define WGQ_THREADS 384                 // two consumer warpgroups and a producer warpgroup
+#define WGQ_RASTER 16
+// Registers per thread after setmaxnreg: each SM sub-partition (16384 registers) holds one warp of
+// each warpgroup, 40 + 2 x 232 <= 512 per lane. 168 for all (the launch bound) would serialize
+// the consumers' wgmmas (ptxas C7512).
+#define WGQ_PRODUCER_REGS 40
+#define WGQ_CONSUMER_REGS 232                   // token blocks a column of CTAs walks before the next weights
+
+// A CUtensorMap, passed by value as a __grid_constant__ parameter.
+struct __align__(64) TmaMap {
+    unsigned long long v[16];
+};
+
+__device__ __forceinline__ void mbar_init_count(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Box (k0, row0) of `map` into shared memory at `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap* map, int k0, int row0, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(k0), "r"(row0), "r"(bar)
+        : "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle layout: rows of
+// 128 bytes, 8-row atoms of 1024 bytes (SBO), start advanced by 32 bytes per wgmma K step.
+__device__ __forceinline__ u64 sw128_desc(u32 addr) {
+    return (u64)((addr & 0x3ffff) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+// Lanes t = 0..3 of a quad hold rows of a 4x4 matrix v (v[j] = lane t's column j); afterwards
+// lane t holds column t: v[j] = lane j's old v[t]. Two butterfly rounds of two shuffles.
+__device__ __forceinline__ void quad_transpose(u32& v0, u32& v1, u32& v2, u32& v3) {
+    const bool b0 = threadIdx.x & 1, b1 = threadIdx.x & 2;
+    u32 s0 = b0 ? v0 : v1, s1 = b0 ? v2 : v3;
+    s0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+    s1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+    if (b0) { v0 = s0; v2 = s1; } else { v1 = s0; v3 = s1; }
+    u32 u0 = b1 ? v0 : v2, u1 = b1 ? v1 : v3;
+    u0 = __shfl_xor_sync(0xffffffffu, u0, 2);
+    u1 = __shfl_xor_sync(0xffffffffu, u1, 2);
+    if (b1) { v0 = u0; v1 = u1; } else { v2 = u0; v3 = u1; }
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// d (64 rows x 256 tokens, i32) += A (this warp's 16 rows x 32 K in registers) x B (descriptor).
+__device__ __forceinline__ void wgmma_s8_n256(int (&d)[32][4], const u32* a, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p;\n}\n"
+        : "+r"(d[0][0]), "+r"(d[0][1]), "+r"(d[0][2]), "+r"(d[0][3]), "+r"(d[1][0]), "+r"(d[1][1]), "+r"(d[1][2]), "+r"(d[1][3]), "+r"(d[2][0]), "+r"(d[2][1]), "+r"(d[2][2]), "+r"(d[2][3]), "+r"(d[3][0]), "+r"(d[3][1]), "+r"(d[3][2]), "+r"(d[3][3]), "+r"(d[4][0]), "+r"(d[4][1]), "+r"(d[4][2]), "+r"(d[4][3]), "+r"(d[5][0]), "+r"(d[5][1]), "+r"(d[5][2]), "+r"(d[5][3]), "+r"(d[6][0]), "+r"(d[6][1]), "+r"(d[6][2]), "+r"(d[6][3]), "+r"(d[7][0]), "+r"(d[7][1]), "+r"(d[7][2]), "+r"(d[7][3]), "+r"(d[8][0]), "+r"(d[8][1]), "+r"(d[8][2]), "+r"(d[8][3]), "+r"(d[9][0]), "+r"(d[9][1]), "+r"(d[9][2]), "+r"(d[9][3]), "+r"(d[10][0]), "+r"(d[10][1]), "+r"(d[10][2]), "+r"(d[10][3]), "+r"(d[11][0]), "+r"(d[11][1]), "+r"(d[11][2]), "+r"(d[11][3]), "+r"(d[12][0]), "+r"(d[12][1]), "+r"(d[12][2]), "+r"(d[12][3]), "+r"(d[13][0]), "+r"(d[13][1]), "+r"(d[13][2]), "+r"(d[13][3]), "+r"(d[14][0]), "+r"(d[14][1]), "+r"(d[14][2]), "+r"(d[14][3]), "+r"(d[15][0]), "+r"(d[15][1]), "+r"(d[15][2]), "+r"(d[15][3]), "+r"(d[16][0]), "+r"(d[16][1]), "+r"(d[16][2]), "+r"(d[16][3]), "+r"(d[17][0]), "+r"(d[17][1]), "+r"(d[17][2]), "+r"(d[17][3]), "+r"(d[18][0]), "+r"(d[18][1]), "+r"(d[18][2]), "+r"(d[18][3]), "+r"(d[19][0]), "+r"(d[19][1]), "+r"(d[19][2]), "+r"(d[19][3]), "+r"(d[20][0]), "+r"(d[20][1]), "+r"(d[20][2]), "+r"(d[20][3]), "+r"(d[21][0]), "+r"(d[21][1]), "+r"(d[21][2]), "+r"(d[21][3]), "+r"(d[22][0]), "+r"(d[22][1]), "+r"(d[22][2]), "+r"(d[22][3]), "+r"(d[23][0]), "+r"(d[23][1]), "+r"(d[23][2]), "+r"(d[23][3]), "+r"(d[24][0]), "+r"(d[24][1]), "+r"(d[24][2]), "+r"(d[24][3]), "+r"(d[25][0]), "+r"(d[25][1]), "+r"(d[25][2]), "+r"(d[25][3]), "+r"(d[26][0]), "+r"(d[26][1]), "+r"(d[26][2]), "+r"(d[26][3]), "+r"(d[27][0]), "+r"(d[27][1]), "+r"(d[27][2]), "+r"(d[27][3]), "+r"(d[28][0]), "+r"(d[28][1]), "+r"(d[28][2]), "+r"(d[28][3]), "+r"(d[29][0]), "+r"(d[29][1]), "+r"(d[29][2]), "+r"(d[29][3]), "+r"(d[30][0]), "+r"(d[30][1]), "+r"(d[30][2]), "+r"(d[30][3]), "+r"(d[31][0]), "+r"(d[31][1]), "+r"(d[31][2]), "+r"(d[31][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+// The same for 16-bit A and B (f32 sums), one per dtype.
+__device__ __forceinline__ void wgmma_n256(float (&d)[32][4], const u32* a, u64 desc, __half*) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+__device__ __forceinline__ void wgmma_n256(float (&d)[32][4], const u32* a, u64 desc, __nv_bfloat16*) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+__device__ __forceinline__ void fence_acc(int (&d)[32][4]) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) asm volatile("" : "+r"(d[j][0]), "+r"(d[j][1]), "+r"(d[j][2]), "+r"(d[j][3])::"memory");
+}
+__device__ __forceinline__ void fence_acc(float (&d)[32][4]) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) asm volatile("" : "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])::"memory");
+}
+
+// W8A8: a stage is 128 K, two packed chunks (2 x 1 KB per weight tile), four k32 wgmmas.
+struct WgqW8 {
+    static constexpr int STAGES = 4;
+    static constexpr int STAGE = WGQ_X_BYTES + 8 * 2048;
+    static constexpr int K_PER_STAGE = 128;  // TMA box width, in elements
+    static constexpr int A_REGS = 16;
+    using Acc = int;
+    const uint4* codes;
+    int tiles, chunks;
+
+    __device__ int stages() const { return (chunks + 1) / 2; }
+    __device__ int chunks_in(int c) const { return min(2, chunks - 2 * c); }
+    __device__ u32 weight_bytes(int c, int tile0) const {
+        return min(8, tiles - tile0) * chunks_in(c) * 1024;
+    }
+    // Slot `tl` of the stage: weight tile `tile`'s chunks 2c, 2c + 1.
+    __device__ void issue(u32 w, u32 bar, int tile, int tl, int c) const {
+        bulk_load(w + tl * 2048, codes + ((long)tile * chunks + 2 * c) * 64, chunks_in(c) * 1024, bar);
+    }
+    // a[4 * (2 * ch + s) + r]: register r of k32 step s of chunk ch (pack.rs order), then each
+    // quad's words transposed into natural K order: lane t held channels 16t + 4(2s + q) + i of
+    // rows g + 8h in register (s, 2q + h) and needs channels 32s + 16q + 4t + i.
+    __device__ void load_a(const unsigned char* w, int, u32 (&a)[A_REGS]) const {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const uint4* src = reinterpret_cast<const uint4*>(w + warp * 2048);
+#pragma unroll
+        for (int ch = 0; ch < 2; ++ch)
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                const uint4 v = src[ch * 64 + lane * 2 + s];
+                u32* r = a + 4 * (2 * ch + s);
+                r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+            }
+#pragma unroll
+        for (int ch = 0; ch < 2; ++ch)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                quad_transpose(a[8 * ch + h], a[8 * ch + 2 + h], a[8 * ch + 4 + h], a[8 * ch + 6 + h]);
+    }
+    __device__ void mma(int (&acc)[32][4], const u32 (&a)[A_REGS], u32 xs, int) const {
+        // A stage missing its second chunk (odd chunk count) still issues four wgmmas, keeping
+        // them out of divergent code: TMA zero-fills tokens past K, so the stale codes add 0.
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wgmma_s8_n256(acc, a + 4 * j, sw128_desc(xs + 32 * j));
+    }
+};
+
+// W4A16: a stage is one 64-channel chunk (512 B of codes and the 64-byte parameter rows of the one
+// or two groups it spans, per weight tile), four k16 wgmmas.
+template <class T> struct WgqW4 {
+    static constexpr int STAGES = 5;
+    static constexpr int CODES = 8 * 512;
+    static constexpr int STAGE = WGQ_X_BYTES + CODES + 8 * 128;
+    static constexpr int K_PER_STAGE = 64;
+    static constexpr int A_REGS = 16;
+    using Acc = float;
+    const uint4* codes;
+    const uint2* params;
+    int tiles, chunks, groups, group_len;
+
+    __device__ int stages() const { return chunks; }
+    __device__ int first_group(int c) const { return c * 64 / group_len; }
+    __device__ int groups_in(int c) const { return (c * 64 + 63) / group_len - first_group(c) + 1; }
+    __device__ u32 weight_bytes(int c, int tile0) const {
+        return min(8, tiles - tile0) * (512 + groups_in(c) * 64);
+    }
+    __device__ void issue(u32 w, u32 bar, int tile, int tl, int c) const {
+        bulk_load(w + tl * 512, codes + ((long)tile * chunks + c) * 32, 512, bar);
+        bulk_load(w + CODES + tl * 128, params + ((long)tile * groups + first_group(c)) * 8,
+                  groups_in(c) * 64, bar);
+    }
+    // Dequantized as the mma.sync tier does (src[j] = step j's A registers, lane t's channels
+    // 16t + 4j + 2q of rows g + 8h in register 2q + h), then transposed per quad into natural K
+    // order: a[4J + 2Q + h] must hold channels 16J + 8Q + 2t, which lane J held in step
+    // 2Q + t / 2, register 2 (t % 2) + h.
+    __device__ void load_a(const unsigned char* w, int c, u32 (&a)[A_REGS]) const {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        const uint4 v = *reinterpret_cast<const uint4*>(w + warp * 512 + lane * 16);
+        const int gl = (c * 64 + t * 16) / group_len - first_group(c);
+        const uint2 p = *reinterpret_cast<const uint2*>(w + CODES + warp * 128 + gl * 64 + g * 8);
+        u32 src[4][4];
+        dequant_step<T>(v.x, p, src[0]);
+        dequant_step<T>(v.y, p, src[1]);
+        dequant_step<T>(v.z, p, src[2]);
+        dequant_step<T>(v.w, p, src[3]);
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                u32 x0 = src[2 * q][h], x1 = src[2 * q][2 + h], x2 = src[2 * q + 1][h], x3 = src[2 * q + 1][2 + h];
+                quad_transpose(x0, x1, x2, x3);
+                a[2 * q + h] = x0;
+                a[4 + 2 * q + h] = x1;
+                a[8 + 2 * q + h] = x2;
+                a[12 + 2 * q + h] = x3;
+            }
+    }
+    __device__ void mma(float (&acc)[32][4], const u32 (&a)[A_REGS], u32 xs, int) const {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wgmma_n256(acc, a + 4 * j, sw128_desc(xs + 32 * j), (T*)nullptr);
+    }
+};
+
+// The CTA: 128 weight rows (8 packed tiles) x 256 tokens, tokens read through `xmap`. CTAs walk
+// WGQ_RASTER token blocks per weight block so the CTAs in flight share weights and tokens in L2.
+template <class F, class OUT, class EPI>
+__device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, long ldy, int M, int N,
+                           const EPI& epi) {
+    constexpr int S = F::STAGES;
+    extern __shared__ __align__(16) unsigned char wgq_smem[];
+    const u32 raw = smem_addr(wgq_smem), pad = (1024 - (raw & 1023)) & 1023;
+    unsigned char* smem = wgq_smem + pad;  // 128-byte swizzle atoms are 1024-byte aligned
+    const u32 base = raw + pad, bars = base + S * F::STAGE;
+    auto full = [&](int s) { return bars + 8 * s; };
+    auto empty = [&](int s) { return bars + 8 * (S + s); };
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+    const int nb = (f.tiles + 7) / 8, mb = (M + WGQ_TOKENS - 1) / WGQ_TOKENS;
+    const int per_group = WGQ_RASTER * nb, id = blockIdx.x;
+    const int first = id / per_group * WGQ_RASTER, gsz = min(WGQ_RASTER, mb - first);
+    const int tile0 = (id % per_group) / gsz * 8, m0 = (first + (id % per_group) % gsz) * WGQ_TOKENS;
+    const int n = f.stages();
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init_count(full(s), 1);
+            mbar_init_count(empty(s), 8);  // one arrival per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp >= 8) {  // the producer warpgroup: one warp issues the copies
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WGQ_PRODUCER_REGS));
+        if (warp != 8) return;
+        for (int c = 0; c < n; ++c) {
+            const int s = c % S;
+            if (lane == 0) {
+                if (c >= S) mbar_wait(empty(s), (c / S + 1) & 1);
+                mbar_expect_tx(full(s), WGQ_X_BYTES + f.weight_bytes(c, tile0));
+                tma_load_2d(base + s * F::STAGE, xmap, c * F::K_PER_STAGE, m0, full(s));
+            }
+            __syncwarp();
+            if (lane < 8 && tile0 + lane < f.tiles)
+                f.issue(base + s * F::STAGE + WGQ_X_BYTES, full(s), tile0 + lane, lane, c);
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WGQ_CONSUMER_REGS));
+    typename F::Acc acc[32][4];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
+    fence_acc(acc);
+    u32 a[F::A_REGS];
+    for (int c = 0; c < n; ++c) {
+        const int s = c % S;
+        mbar_wait(full(s), (c / S) & 1);
+        f.load_a(smem + s * F::STAGE + WGQ_X_BYTES, c, a);
+        wgmma_fence();
+        f.mma(acc, a, base + s * F::STAGE, c);
+        wgmma_commit();
+        wgmma_wait<0>();
+        if (lane == 0) mbar_arrive(empty(s));
+    }
+    fence_acc(acc);
+    store_tile<32>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
+}
+
+#define W8A8_WGMMA_ENTRY(OUTNAME, OUT)                                                                \
+    extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) w8a8_wgmma_##OUTNAME(                \
+        const __grid_constant__ TmaMap xmap, const uint4* __restrict__ codes, const float* __restrict__ sw, \
+        const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, int N, int tiles, int chunks) { \
+        wgmma_gemm(&xmap, WgqW8{codes, tiles, chunks}, y, ldy, M, N, W8Epilogue{sx, sw});             \
+    }
+W8A8_WGMMA_ENTRY(f32, float)
+W8A8_WGMMA_ENTRY(f16, __half)
+W8A8_WGMMA_ENTRY(bf16, __nv_bfloat16)
+
+#define W4A16_WGMMA_ENTRY(NAME, T, OUT)                                                               \
+    extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
+        const __grid_constant__ TmaMap xmap, const uint4* __restrict__ codes, const uint2* __restrict__ params, \
+        OUT* __restrict__ y, long ldy, int M, int N, int tiles, int chunks, int groups, int group_len) { \
+        wgmma_gemm(&xmap, WgqW4<T>{codes, params, tiles, chunks, groups, group_len}, y, ldy, M, N,    \
+                   W4Epilogue{});                                                                     \
+    }
+W4A16_WGMMA_ENTRY(w4a16_wgmma_f16, __half, float)
+W4A16_WGMMA_ENTRY(w4a16_wgmma_h_f16, __half, __half)
+W4A16_WGMMA_ENTRY(w4a16_wgmma_bf16, __nv_bfloat16, float)
+W4A16_WGMMA_ENTRY(w4a16_wgmma_h_bf16, __nv_bfloat16, __nv_bfloat16)
+
+#endif  // sm_90a
