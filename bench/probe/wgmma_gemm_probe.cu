@@ -102,9 +102,11 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
             printf("\n");
         }
         const int reps = flops > 1e11 ? 10 : 50;
-        float t1 = time_it(reps, wg), t2 = time_it(reps, ti);
-        printf("w8a8 %dx%dx%d: wgmma %.1f us (%.0f TOPS), tiled %.1f us (%.0f TOPS)\n", M, N, K, t1 * 1e3,
-               flops / t1 / 1e9, t2 * 1e3, flops / t2 / 1e9);
+        cudaFuncSetAttribute(w8a8_wgmma_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W8_SMEM);
+        auto wgh = [&] { w8a8_wgmma_f16<<<nb * mb, WGQ_THREADS, W8_SMEM>>>(map, dc, dsw, dsx, (__half*)y1, N, M, N, tiles, chunks); };
+        float t1 = time_it(reps, wg), t2 = time_it(reps, ti), t3 = time_it(reps, wgh);
+        printf("w8a8 %dx%dx%d: wgmma %.1f us (%.0f TOPS), f16 out %.1f us (%.0f TOPS), tiled %.1f us (%.0f TOPS)\n", M, N, K, t1 * 1e3,
+               flops / t1 / 1e9, t3 * 1e3, flops / t3 / 1e9, t2 * 1e3, flops / t2 / 1e9);
         cudaFree(dc); cudaFree(dx); cudaFree(dsw); cudaFree(dsx); cudaFree(y1); cudaFree(y2);
     }
     // --- W4A16, f16 activations
@@ -150,9 +152,11 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
             printf("\n");
         }
         const int reps = flops > 1e11 ? 10 : 50;
-        float t1 = time_it(reps, wg), t2 = time_it(reps, ti);
-        printf("w4a16 g%d %dx%dx%d: wgmma %.1f us (%.0f TFLOPS), tiled %.1f us (%.0f TFLOPS)\n", gl, M, N, K,
-               t1 * 1e3, flops / t1 / 1e9, t2 * 1e3, flops / t2 / 1e9);
+        cudaFuncSetAttribute(w4a16_wgmma_h_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W4_SMEM);
+        auto wgh = [&] { w4a16_wgmma_h_f16<<<nb * mb, WGQ_THREADS, W4_SMEM>>>(map, dc, dp, (__half*)y1, N, M, N, tiles, chunks, groups, gl); };
+        float t1 = time_it(reps, wg), t2 = time_it(reps, ti), t3 = time_it(reps, wgh);
+        printf("w4a16 g%d %dx%dx%d: wgmma %.1f us (%.0f TFLOPS), f16 out %.1f us (%.0f TFLOPS), tiled %.1f us (%.0f TFLOPS)\n", gl, M, N, K,
+               t1 * 1e3, flops / t1 / 1e9, t3 * 1e3, flops / t3 / 1e9, t2 * 1e3, flops / t2 / 1e9);
         cudaFree(dc); cudaFree(dp); cudaFree(dx); cudaFree(y1); cudaFree(y2);
     }
 #ifndef PROBE_NO_CUBLAS

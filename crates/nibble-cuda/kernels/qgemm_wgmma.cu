@@ -11,11 +11,11 @@
 // a stage to be empty, then fills it: the tokens' tile (256 rows x 128 bytes of K) with one TMA
 // tensor copy, 128-byte swizzled (the layout wgmma reads with a SW128 K-major descriptor), and
 // each weight tile's packed bytes for that K with one cp.async.bulk copy (the packing makes them
-// contiguous). Consumers wait for the stage, load and convert their A fragments from it, issue the
-// stage's wgmmas and wait for them before releasing the stage. A warpgroup cannot keep register-A
-// wgmmas in flight while it writes the next stage's A registers (ptxas then serializes them,
-// C7513), so the overlap is between the two consumer warpgroups: one converts while the other's
-// wgmmas run, and the producer keeps STAGES - 1 stages of copies ahead of both.
+// contiguous). Consumers wait for the stage, load and convert their A fragments from it into one
+// of two register sets, issue the stage's wgmmas and keep them in flight while the next stage is
+// converted into the other set (wait_group 1); a stage goes back to the producer once its wgmmas
+// retire. The loop runs two stages per iteration with no condition inside: ptxas serializes
+// register-A wgmmas (C7513) when it cannot see which registers an in-flight wgmma still reads.
 //
 // Operands: weights are the register A operand (a wgmma A fragment per warp is the mma.sync
 // m16n8k{16,32} A fragment pack.rs derives), tokens the shared-memory B operand in natural K
@@ -268,17 +268,23 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
 #pragma unroll
     for (int j = 0; j < 32; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
     fence_acc(acc);
-    u32 a[F::A_REGS];
-    for (int c = 0; c < n; ++c) {
+    u32 a0[F::A_REGS], a1[F::A_REGS];
+    auto step = [&](int c, u32 (&cur)[F::A_REGS], u32 (&prev)[F::A_REGS]) {
         const int s = c % S;
         mbar_wait(full(s), (c / S) & 1);
-        f.load_a(smem + s * F::STAGE + WGQ_X_BYTES, c, a);
+        f.load_a(smem + s * F::STAGE + WGQ_X_BYTES, c, cur);
         wgmma_fence();
-        f.mma(acc, a, base + s * F::STAGE, c);
+        f.mma(acc, cur, base + s * F::STAGE, c);
         wgmma_commit();
-        wgmma_wait<0>();
-        if (lane == 0) mbar_arrive(empty(s));
+        wgmma_wait<1>();
+        if (c > 0 && lane == 0) mbar_arrive(empty((c - 1) % S));
+    };
+    for (int c = 0; c + 1 < n; c += 2) {
+        step(c, a0, a1);
+        step(c + 1, a1, a0);
     }
+    if (n & 1) step(n - 1, a0, a1);
+    wgmma_wait<0>();
     fence_acc(acc);
     store_tile<32>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
 }

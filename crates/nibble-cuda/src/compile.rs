@@ -17,7 +17,15 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention", include_str!("../kernels/attention.cu")),
     ("prefill", include_str!("../kernels/prefill.cu")),
     ("decode_mma", include_str!("../kernels/decode_mma.cu")),
-    ("qgemm", include_str!("../kernels/qgemm.cu")),
+    // One module: the wgmma tier (sm_90a) reuses the mma.sync tier's helpers and epilogues.
+    (
+        "qgemm",
+        concat!(
+            include_str!("../kernels/qgemm.cu"),
+            "\n",
+            include_str!("../kernels/qgemm_wgmma.cu")
+        ),
+    ),
 ];
 
 /// The NVRTC `--gpu-architecture` for a compute capability: the `a` variant on Hopper and later

@@ -15,7 +15,7 @@ use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
 
 use crate::backend::{CudaBackend, CudaTensor, Dtype, Elem};
 use crate::pack::{self, PackedW4, PackedW8, W4Matrix};
-use crate::runtime::{Arg, DeviceBuffer};
+use crate::runtime::{Arg, DeviceBuffer, tensor_map_2d};
 
 /// Largest M the gemv (decode) kernels take; larger batches run the tiled kernels (whose 128-token
 /// tiles and one CTA per 128 weight rows leave most of the GPU idle at 64 tokens: 80 µs against
@@ -40,13 +40,23 @@ pub const STREAM_X_SMEM: usize = 227 * 1024 - STREAM_SMEM;
 #[repr(u8)]
 pub enum KernelTier {
     /// Whichever measured faster on an H200 (BENCHMARKS.md): the stream gemv for more than 8
-    /// tokens of an input at least 8192 wide, mma.sync everywhere else.
+    /// tokens of an input at least 8192 wide, the wgmma kernels from [`WGMMA_TOKENS`] tokens,
+    /// mma.sync everywhere else.
     Auto = 0,
     /// The mma.sync kernels for every shape.
     MmaSync = 1,
-    /// The Hopper stream gemv wherever the GPU has it and the format allows it.
+    /// The Hopper kernels (stream gemv, wgmma) wherever the GPU has them and the format allows.
     Hopper = 2,
 }
+
+/// Tokens per CTA of the wgmma kernels (kernels/qgemm_wgmma.cu): [`KernelTier::Auto`] takes them
+/// from one full CTA of tokens on.
+pub const WGMMA_TOKENS: usize = 256;
+/// Dynamic shared memory of the wgmma kernels: stages x (256 token rows of 128 B + the weight
+/// tiles' bytes), 1 KB to align the swizzle atoms, the mbarriers.
+pub const W8_WGMMA_SMEM: u32 = 4 * (32768 + 8 * 2048) + 1024 + 64;
+pub const W4_WGMMA_SMEM: u32 = 5 * (32768 + 8 * 512 + 8 * 128) + 1024 + 80;
+const WGMMA_THREADS: u32 = 384;
 
 /// Weight rows per stream-gemv row block: one 16-row tile per warp of a CTA.
 const STREAM_BLOCK_TILES: usize = 16;
@@ -269,6 +279,8 @@ pub enum QKernel {
     Gemv,
     /// The mma.sync tiled kernel.
     Tiled,
+    /// The Hopper wgmma kernel (sm_90a; larger M).
+    Wgmma,
 }
 
 /// What picks a quantized GEMM's kernel besides its shape: the format (W4A16 or W8A8), the output
@@ -305,6 +317,7 @@ pub fn qgemm_kernel_name(
             QKernel::Stream => format!("w4a16_stream{tt}{h}{}_{sfx}", xs(2)),
             QKernel::Gemv => format!("w4a16_gemv{tt}{h}_{sfx}"),
             QKernel::Tiled => format!("w4a16_tiled{h}_{sfx}"),
+            QKernel::Wgmma => format!("w4a16_wgmma{h}_{sfx}"),
         }
     } else {
         let o = if out_half { sfx } else { "f32" };
@@ -312,6 +325,7 @@ pub fn qgemm_kernel_name(
             QKernel::Stream => format!("w8a8_stream{tt}{}_{o}", xs(1)),
             QKernel::Gemv => format!("w8a8_gemv{tt}_{o}"),
             QKernel::Tiled => format!("w8a8_tiled_{o}"),
+            QKernel::Wgmma => format!("w8a8_wgmma_{o}"),
         }
     }
 }
@@ -346,6 +360,19 @@ fn gemv_smem(m: usize, cps: usize, x_bytes: usize) -> usize {
 pub struct Int8Input {
     pub codes: u64,
     pub scales: u64,
+}
+
+/// What a wgmma-tier launch takes besides the shape: the activations (read through a TMA
+/// descriptor, not a pointer), the weight arguments in the kernel's order, the output, and the
+/// integers after the shape.
+struct WgmmaOperands {
+    x: u64,
+    x_ld: usize,
+    x_elem: usize,
+    weights: Vec<Arg>,
+    out: u64,
+    ldy: usize,
+    tail: Vec<Arg>,
 }
 
 /// Output element type of a quantized GEMM: f32 (the engine's GEMM outputs) or the model dtype
@@ -412,7 +439,16 @@ impl CudaBackend {
                     out_half,
                     stream_ok: group_len % 64 == 0,
                 };
-                self.run_quant(route, head, &geo, &[shift], *tiles, *chunks, m, k)
+                let wg = WgmmaOperands {
+                    x: xh.ptr,
+                    x_ld: xh.ld,
+                    x_elem: 2,
+                    weights: vec![Arg::Ptr(codes.ptr), Arg::Ptr(params.ptr)],
+                    out: out.ptr,
+                    ldy: out.ld,
+                    tail: vec![Arg::I32(*groups as i32), Arg::I32(*group_len as i32)],
+                };
+                self.run_quant(route, head, wg, &geo, &[shift], *tiles, *chunks)
             }
             QuantWeight::W8 {
                 codes,
@@ -439,27 +475,42 @@ impl CudaBackend {
                     out_half,
                     stream_ok: true,
                 };
-                self.run_quant(route, head, &geo, &[], *tiles, *chunks, m, k)
+                let wg = WgmmaOperands {
+                    x: q.codes,
+                    x_ld: k,
+                    x_elem: 1,
+                    weights: vec![
+                        Arg::Ptr(codes.ptr),
+                        Arg::Ptr(scales.ptr),
+                        Arg::Ptr(q.scales),
+                    ],
+                    out: out.ptr,
+                    ldy: out.ld,
+                    tail: vec![],
+                };
+                self.run_quant(route, head, wg, &geo, &[], *tiles, *chunks)
             }
         }
     }
 
-    /// Runs the kernel family a quantized GEMM of `m` tokens takes: the gemv ([`use_gemv`]; the
-    /// Hopper stream gemv when `route` allows it and the [`KernelTier`] picks it) or the tiled
-    /// kernel. `head` are the pointer arguments, `geo` the integers every family takes after them
-    /// (the gemv kernels also `gemv_geo`).
+    /// Runs the kernel family a quantized GEMM takes: the gemv ([`use_gemv`]; the Hopper stream
+    /// gemv when `route` allows it and the [`KernelTier`] picks it), else the wgmma kernel where
+    /// the tier picks it and the activations suit TMA, else the tiled kernel. `head` are the
+    /// mma.sync kernels' pointer arguments, `wg` the wgmma kernel's operands, `geo` the integers
+    /// `[m, n, k, tiles, chunks, ..]` every mma.sync family takes after them (the gemv kernels
+    /// also `gemv_geo`).
     #[allow(clippy::too_many_arguments)]
     fn run_quant(
         &self,
         route: Route,
         head: Vec<Arg>,
+        wg: WgmmaOperands,
         geo: &[usize],
         gemv_geo: &[i32],
         tiles: usize,
         chunks: usize,
-        m: usize,
-        k: usize,
     ) -> Result<()> {
+        let (m, n, k) = (geo[0], geo[1], geo[2]);
         let name =
             |kind| qgemm_kernel_name(kind, route.w4, m, k, route.out_half, self.dtype.suffix());
         let x_elem = if route.w4 { 2 } else { 1 };
@@ -481,6 +532,13 @@ impl CudaBackend {
                 64 * x_elem,
             )
         } else {
+            let wgmma = name(QKernel::Wgmma);
+            if self.wgmma_tier(&wgmma, m)
+                && wg.x.is_multiple_of(16)
+                && (wg.x_ld * wg.x_elem).is_multiple_of(16)
+            {
+                return self.launch_wgmma(&wgmma, route.w4, wg, m, n, k, tiles, chunks);
+            }
             let mut args = head;
             args.extend(ints);
             let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
@@ -537,6 +595,52 @@ impl CudaBackend {
             KernelTier::Auto => m > 8 && k >= 8192,
         };
         wanted && self.has_kernel(name)
+    }
+
+    /// Whether a GEMM of `m` tokens past the gemv range runs the wgmma kernel `name`: compiled
+    /// for this GPU (sm_90a) and chosen by the [`KernelTier`]. Below a full CTA of tokens the
+    /// mma.sync tiles waste less.
+    fn wgmma_tier(&self, name: &str, m: usize) -> bool {
+        let wanted = match self.tier() {
+            KernelTier::MmaSync => false,
+            KernelTier::Hopper => true,
+            KernelTier::Auto => m >= WGMMA_TOKENS,
+        };
+        wanted && self.has_kernel(name)
+    }
+
+    /// Launches a wgmma-tier GEMM: one CTA per 128 weight rows and [`WGMMA_TOKENS`] tokens, the
+    /// activations read through a TMA descriptor in 128-byte rows of K.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_wgmma(
+        &self,
+        name: &str,
+        w4: bool,
+        op: WgmmaOperands,
+        m: usize,
+        n: usize,
+        k: usize,
+        tiles: usize,
+        chunks: usize,
+    ) -> Result<()> {
+        let map = tensor_map_2d(
+            op.x,
+            m,
+            k,
+            op.x_ld,
+            op.x_elem,
+            WGMMA_TOKENS,
+            128 / op.x_elem,
+        )?;
+        let mut args = vec![Arg::TensorMap(Box::new(map))];
+        args.extend(op.weights);
+        args.push(Arg::Ptr(op.out));
+        args.push(Arg::I64(op.ldy as i64));
+        args.extend([m, n, tiles, chunks].map(|v| Arg::I32(v as i32)));
+        args.extend(op.tail);
+        let ctas = tiles.div_ceil(8) * m.div_ceil(WGMMA_TOKENS);
+        let smem = if w4 { W4_WGMMA_SMEM } else { W8_WGMMA_SMEM };
+        self.launch_block(name, (ctas as u32, 1, 1), WGMMA_THREADS, smem, args)
     }
 
     /// The [`KernelTier`] set by [`CudaBackend::set_kernel_tier`].

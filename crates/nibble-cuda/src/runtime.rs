@@ -234,6 +234,8 @@ pub enum Arg {
     I32(i32),
     I64(i64),
     F32(f32),
+    /// A TMA descriptor passed by value (`const __grid_constant__`), boxed for its alignment.
+    TensorMap(Box<sys::CUtensorMap>),
 }
 
 impl Arg {
@@ -243,7 +245,70 @@ impl Arg {
             Arg::I32(v) => v as *mut i32 as *mut c_void,
             Arg::I64(v) => v as *mut i64 as *mut c_void,
             Arg::F32(v) => v as *mut f32 as *mut c_void,
+            Arg::TensorMap(m) => &mut **m as *mut sys::CUtensorMap as *mut c_void,
         }
+    }
+}
+
+/// A TMA descriptor for a row-major matrix of `rows x cols` elements of `elem` (1 or 2) bytes,
+/// rows `ld` elements apart, read in boxes of `box_rows x box_cols` elements into shared memory
+/// with the 128-byte swizzle (so `box_cols * elem` must be 128). Reads past the matrix are zeros.
+pub fn tensor_map_2d(
+    ptr: DevicePtr,
+    rows: usize,
+    cols: usize,
+    ld: usize,
+    elem: usize,
+    box_rows: usize,
+    box_cols: usize,
+) -> Result<sys::CUtensorMap> {
+    use sys::{
+        CUtensorMapDataType as D, CUtensorMapFloatOOBfill as F, CUtensorMapInterleave as I,
+        CUtensorMapL2promotion as L, CUtensorMapSwizzle as S,
+    };
+    let dtype = match elem {
+        1 => D::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        2 => D::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+        _ => {
+            return Err(Error::InvalidArgument(format!(
+                "TMA tensor of {elem}-byte elements"
+            )));
+        }
+    };
+    if !ptr.is_multiple_of(16)
+        || !(ld * elem).is_multiple_of(16)
+        || box_cols * elem != 128
+        || box_rows > 256
+    {
+        return Err(Error::InvalidArgument(format!(
+            "TMA needs 16-byte aligned rows and 128-byte box rows (pointer {ptr:#x}, row {} bytes, \
+             box {box_rows} x {box_cols})",
+            ld * elem
+        )));
+    }
+    let dims = [cols as u64, rows as u64];
+    let strides = [(ld * elem) as u64];
+    let boxes = [box_cols as u32, box_rows as u32];
+    let steps = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dtype,
+            2,
+            ptr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            I::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            S::CU_TENSOR_MAP_SWIZZLE_128B,
+            L::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            F::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()
+        .map_err(|e| driver_err("cuTensorMapEncodeTiled", e))?;
+        Ok(map.assume_init())
     }
 }
 

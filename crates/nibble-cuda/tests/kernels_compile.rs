@@ -48,7 +48,7 @@ fn kernels_compile_for_every_architecture() {
                     if *name == "qgemm" {
                         // Every entry point the quantized-GEMM dispatch can ask for exists: the
                         // gemv up to 64 tokens, the tiled kernels, and from sm_90 the stream gemv
-                        // up to 32 tokens with activations staged or not.
+                        // up to 32 tokens with activations staged or not and the wgmma kernels.
                         use nibble_cuda::qlinear::{QKernel, qgemm_kernel_name};
                         for w4 in [true, false] {
                             for out_half in [false, true] {
@@ -58,6 +58,9 @@ fn kernels_compile_for_every_architecture() {
                                             let mut kinds = vec![QKernel::Gemv, QKernel::Tiled];
                                             if cc.0 >= 9 && m <= 32 {
                                                 kinds.push(QKernel::Stream);
+                                            }
+                                            if cc.0 >= 9 {
+                                                kinds.push(QKernel::Wgmma);
                                             }
                                             for kind in kinds {
                                                 let e = qgemm_kernel_name(
@@ -76,7 +79,9 @@ fn kernels_compile_for_every_architecture() {
                     }
                     if *name == "qgemm" && cc.0 < 9 {
                         assert!(
-                            !entries.iter().any(|e| e.contains("_stream")),
+                            !entries
+                                .iter()
+                                .any(|e| e.contains("_stream") || e.contains("_wgmma")),
                             "{arch}: {entries:?}"
                         );
                     }
