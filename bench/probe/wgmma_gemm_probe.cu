@@ -22,6 +22,19 @@ typedef void* cublasHandle_t;
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
 
+// The weights' descriptor: [tiles][rows][row_bytes] as u32 words, boxes of 8 tiles x box_rows.
+static TmaMap weight_map(const void* p, int tiles, int rows, int row_bytes, int box_rows) {
+    TmaMap m;
+    cuuint64_t dims[3] = {(cuuint64_t)row_bytes / 4, (cuuint64_t)rows, (cuuint64_t)tiles};
+    cuuint64_t strides[2] = {(cuuint64_t)row_bytes, (cuuint64_t)rows * row_bytes};
+    cuuint32_t box[3] = {(cuuint32_t)row_bytes / 4, (cuuint32_t)box_rows, 8}, es[3] = {1, 1, 1};
+    CUresult r = cuTensorMapEncodeTiled((CUtensorMap*)&m, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, (void*)p, dims, strides, box,
+                                        es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) { printf("weight tensor map: %d\n", (int)r); exit(1); }
+    return m;
+}
+
 static TmaMap make_map(const void* x, int M, int K, int elem) {
     TmaMap m;
     cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M}, strides[1] = {(cuuint64_t)K * elem};
@@ -82,11 +95,11 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
         cudaMemcpy(dx, xq.data(), xq.size(), cudaMemcpyHostToDevice);
         cudaMemcpy(dsw, sw.data(), sw.size() * 4, cudaMemcpyHostToDevice);
         cudaMemcpy(dsx, sx.data(), M * 4, cudaMemcpyHostToDevice);
-        TmaMap map = make_map(dx, M, K, 1);
+        TmaMap map = make_map(dx, M, K, 1), wmap = weight_map(dc, tiles, chunks, 1024, 2);
         const int nb = (tiles + 7) / 8, mb = (M + 255) / 256;
         cudaFuncSetAttribute(w8a8_wgmma_f32, cudaFuncAttributeMaxDynamicSharedMemorySize, W8_SMEM);
         cudaFuncSetAttribute(tiled8, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * (8192 + 128 * 64));
-        auto wg = [&] { w8a8_wgmma_f32<<<nb * mb, WGQ_THREADS, W8_SMEM>>>(map, dc, dsw, dsx, y1, N, M, N, tiles, chunks); };
+        auto wg = [&] { w8a8_wgmma_f32<<<nb * mb, WGQ_THREADS, W8_SMEM>>>(map, wmap, dsw, dsx, y1, N, M, N, tiles, chunks); };
         auto ti = [&] { tiled8<<<dim3(nb, (M + 127) / 128), QG_THREADS, 4 * (8192 + 128 * 64)>>>(dc, dsw, dx, dsx, y2, M, N, K, tiles, chunks); };
         long bad = -1;
         if (!time_only) {
@@ -103,7 +116,7 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
         }
         const int reps = flops > 1e11 ? 10 : 50;
         cudaFuncSetAttribute(w8a8_wgmma_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W8_SMEM);
-        auto wgh = [&] { w8a8_wgmma_f16<<<nb * mb, WGQ_THREADS, W8_SMEM>>>(map, dc, dsw, dsx, (__half*)y1, N, M, N, tiles, chunks); };
+        auto wgh = [&] { w8a8_wgmma_f16<<<nb * mb, WGQ_THREADS, W8_SMEM>>>(map, wmap, dsw, dsx, (__half*)y1, N, M, N, tiles, chunks); };
         float t1 = time_it(reps, wg), t2 = time_it(reps, ti), t3 = time_it(reps, wgh);
         printf("w8a8 %dx%dx%d: wgmma %.1f us (%.0f TOPS), f16 out %.1f us (%.0f TOPS), tiled %.1f us (%.0f TOPS)\n", M, N, K, t1 * 1e3,
                flops / t1 / 1e9, t3 * 1e3, flops / t3 / 1e9, t2 * 1e3, flops / t2 / 1e9);
@@ -128,12 +141,13 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
         cudaMemcpy(dc, codes.data(), codes.size() * 4, cudaMemcpyHostToDevice);
         cudaMemcpy(dp, params.data(), params.size() * 2, cudaMemcpyHostToDevice);
         cudaMemcpy(dx, xh.data(), xh.size() * 2, cudaMemcpyHostToDevice);
-        TmaMap map = make_map(dx, M, K, 2);
+        TmaMap map = make_map(dx, M, K, 2), wmap = weight_map(dc, tiles, chunks, 512, 1),
+               pmap = weight_map(dp, tiles, groups, 64, gl % 64 == 0 ? 1 : 2);
         const int nb = (tiles + 7) / 8, mb = (M + 255) / 256;
         const int tsmem = 4 * (5120 + 128 * 144);
         cudaFuncSetAttribute(w4a16_wgmma_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W4_SMEM);
         cudaFuncSetAttribute(tiled4, cudaFuncAttributeMaxDynamicSharedMemorySize, tsmem);
-        auto wg = [&] { w4a16_wgmma_f16<<<nb * mb, WGQ_THREADS, W4_SMEM>>>(map, dc, dp, y1, N, M, N, tiles, chunks, groups, gl); };
+        auto wg = [&] { w4a16_wgmma_f16<<<nb * mb, WGQ_THREADS, W4_SMEM>>>(map, wmap, pmap, y1, N, M, N, tiles, chunks, groups, gl); };
         auto ti = [&] { tiled4<<<dim3(nb, (M + 127) / 128), QG_THREADS, tsmem>>>(dc, dp, dx, y2, M, N, K, tiles, chunks, groups, gl); };
         if (!time_only) {
             cudaMemset(y1, 0xff, (size_t)M * N * 4); cudaMemset(y2, 0xfe, (size_t)M * N * 4);
@@ -153,7 +167,7 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
         }
         const int reps = flops > 1e11 ? 10 : 50;
         cudaFuncSetAttribute(w4a16_wgmma_h_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W4_SMEM);
-        auto wgh = [&] { w4a16_wgmma_h_f16<<<nb * mb, WGQ_THREADS, W4_SMEM>>>(map, dc, dp, (__half*)y1, N, M, N, tiles, chunks, groups, gl); };
+        auto wgh = [&] { w4a16_wgmma_h_f16<<<nb * mb, WGQ_THREADS, W4_SMEM>>>(map, wmap, pmap, (__half*)y1, N, M, N, tiles, chunks, groups, gl); };
         float t1 = time_it(reps, wg), t2 = time_it(reps, ti), t3 = time_it(reps, wgh);
         printf("w4a16 g%d %dx%dx%d: wgmma %.1f us (%.0f TFLOPS), f16 out %.1f us (%.0f TFLOPS), tiled %.1f us (%.0f TFLOPS)\n", gl, M, N, K,
                t1 * 1e3, flops / t1 / 1e9, t3 * 1e3, flops / t3 / 1e9, t2 * 1e3, flops / t2 / 1e9);
@@ -177,11 +191,15 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
 #endif
 }
 
-int main() {
+int main(int argc, char** argv) {
     cublasHandle_t h = nullptr;
 #ifndef PROBE_NO_CUBLAS
     cublasCreate(&h);
 #endif
+    if (argc == 4) {  // one shape, timed only: wgmma_gemm_probe M N K
+        shape(atoi(argv[1]), atoi(argv[2]), atoi(argv[3]), true, h);
+        return 0;
+    }
     // Odd shapes: M not a multiple of 256, N not of 128, odd chunk counts; then the bench shapes.
     shape(300, 272, 320, false, h);
     shape(1, 4096, 4096, false, h);

@@ -8,10 +8,9 @@
 // are packed tile tile0 + w. A third warpgroup is the producer (one warp of it issues copies).
 //
 // Pipeline: WGQ_STAGES shared-memory stages on full/empty mbarrier pairs. The producer waits for
-// a stage to be empty, then fills it: the tokens' tile (256 rows x 128 bytes of K) with one TMA
-// tensor copy, 128-byte swizzled (the layout wgmma reads with a SW128 K-major descriptor), and
-// each weight tile's packed bytes for that K with one cp.async.bulk copy (the packing makes them
-// contiguous). Consumers wait for the stage, load and convert their A fragments from it into one
+// a stage to be empty, then fills it with TMA tensor copies: the tokens' tile (256 rows x 128 bytes
+// of K), 128-byte swizzled (the layout wgmma reads with a SW128 K-major descriptor), and the 8
+// weight tiles' packed bytes for that K (and W4A16's group parameters), one box each. Consumers wait for the stage, load and convert their A fragments from it into one
 // of two register sets, issue the stage's wgmmas and keep them in flight while the next stage is
 // converted into the other set (wait_group 1); a stage goes back to the producer once its wgmmas
 // retire. The loop runs two stages per iteration with no condition inside: ptxas serializes
@@ -53,6 +52,14 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap* map, int k0, 
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
         "l"(reinterpret_cast<u64>(map)), "r"(k0), "r"(row0), "r"(bar)
+        : "memory");
+}
+
+// Box (c0, c1, c2) of a 3-D `map` (a weight tensor: bytes of a chunk, chunk or group, tile).
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, int c0, int c1, int c2, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
         : "memory");
 }
 
@@ -121,18 +128,13 @@ struct WgqW8 {
     static constexpr int K_PER_STAGE = 128;  // TMA box width, in elements
     static constexpr int A_REGS = 16;
     using Acc = int;
-    const uint4* codes;
+    const TmaMap* codes;  // [tiles][chunks][1024 B], boxes of 8 tiles x 2 chunks
     int tiles, chunks;
 
     __device__ int stages() const { return (chunks + 1) / 2; }
-    __device__ int chunks_in(int c) const { return min(2, chunks - 2 * c); }
-    __device__ u32 weight_bytes(int c, int tile0) const {
-        return min(8, tiles - tile0) * chunks_in(c) * 1024;
-    }
-    // Slot `tl` of the stage: weight tile `tile`'s chunks 2c, 2c + 1.
-    __device__ void issue(u32 w, u32 bar, int tile, int tl, int c) const {
-        bulk_load(w + tl * 2048, codes + ((long)tile * chunks + 2 * c) * 64, chunks_in(c) * 1024, bar);
-    }
+    __device__ u32 weight_bytes() const { return 8 * 2048; }  // TMA counts zero-filled bytes too
+    // Chunks 2c, 2c + 1 of tiles tile0 .. tile0 + 7, as [tile][2 KB].
+    __device__ void issue(u32 w, u32 bar, int tile0, int c) const { tma_load_3d(w, codes, 0, 2 * c, tile0, bar); }
     // a[4 * (2 * ch + s) + r]: register r of k32 step s of chunk ch (pack.rs order), then each
     // quad's words transposed into natural K order: lane t held channels 16t + 4(2s + q) + i of
     // rows g + 8h in register (s, 2q + h) and needs channels 32s + 16q + 4t + i.
@@ -155,14 +157,16 @@ struct WgqW8 {
     }
     __device__ void mma(int (&acc)[32][4], const u32 (&a)[A_REGS], u32 xs, int) const {
         // A stage missing its second chunk (odd chunk count) still issues four wgmmas, keeping
-        // them out of divergent code: TMA zero-fills tokens past K, so the stale codes add 0.
+        // them out of divergent code: TMA zero-fills codes and tokens past K.
 #pragma unroll
         for (int j = 0; j < 4; ++j) wgmma_s8_n256(acc, a + 4 * j, sw128_desc(xs + 32 * j));
     }
 };
 
 // W4A16: a stage is one 64-channel chunk (512 B of codes and the 64-byte parameter rows of the one
-// or two groups it spans, per weight tile), four k16 wgmmas.
+// or two groups it spans, per weight tile), four k16 wgmmas. Codes and parameters each come in one
+// TMA copy for the 8 tiles: with a copy per tile the producer's 17 copies a stage bounded the
+// kernel (474 against 672 TFLOPS without the parameter copies, bench/probe/wgmma_w4_probe.sh).
 template <class T> struct WgqW4 {
     static constexpr int STAGES = 5;
     static constexpr int CODES = 8 * 512;
@@ -170,20 +174,20 @@ template <class T> struct WgqW4 {
     static constexpr int K_PER_STAGE = 64;
     static constexpr int A_REGS = 16;
     using Acc = float;
-    const uint4* codes;
-    const uint2* params;
+    const TmaMap* codes;   // [tiles][chunks][512 B], boxes of 8 tiles x 1 chunk
+    const TmaMap* params;  // [tiles][groups][64 B], boxes of 8 tiles x span() groups
     int tiles, chunks, groups, group_len;
 
     __device__ int stages() const { return chunks; }
     __device__ int first_group(int c) const { return c * 64 / group_len; }
-    __device__ int groups_in(int c) const { return (c * 64 + 63) / group_len - first_group(c) + 1; }
-    __device__ u32 weight_bytes(int c, int tile0) const {
-        return min(8, tiles - tile0) * (512 + groups_in(c) * 64);
-    }
-    __device__ void issue(u32 w, u32 bar, int tile, int tl, int c) const {
-        bulk_load(w + tl * 512, codes + ((long)tile * chunks + c) * 32, 512, bar);
-        bulk_load(w + CODES + tl * 128, params + ((long)tile * groups + first_group(c)) * 8,
-                  groups_in(c) * 64, bar);
+    // Groups a chunk's parameter box covers: one when groups are whole chunks, else the two a
+    // chunk can touch (the second may be past the last group: zero-filled, unread).
+    __device__ int span() const { return group_len % 64 == 0 ? 1 : 2; }
+    __device__ u32 weight_bytes() const { return 8 * (512 + span() * 64); }
+    // As [tile][512 B] codes, then [tile][span() x 64 B] parameters.
+    __device__ void issue(u32 w, u32 bar, int tile0, int c) const {
+        tma_load_3d(w, codes, 0, c, tile0, bar);
+        tma_load_3d(w + CODES, params, 0, first_group(c), tile0, bar);
     }
     // Dequantized as the mma.sync tier does (src[j] = step j's A registers, lane t's channels
     // 16t + 4j + 2q of rows g + 8h in register 2q + h), then transposed per quad into natural K
@@ -193,7 +197,7 @@ template <class T> struct WgqW4 {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
         const uint4 v = *reinterpret_cast<const uint4*>(w + warp * 512 + lane * 16);
         const int gl = (c * 64 + t * 16) / group_len - first_group(c);
-        const uint2 p = *reinterpret_cast<const uint2*>(w + CODES + warp * 128 + gl * 64 + g * 8);
+        const uint2 p = *reinterpret_cast<const uint2*>(w + CODES + (warp * span() + gl) * 64 + g * 8);
         u32 src[4][4];
         dequant_step<T>(v.x, p, src[0]);
         dequant_step<T>(v.y, p, src[1]);
@@ -253,12 +257,10 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
             const int s = c % S;
             if (lane == 0) {
                 if (c >= S) mbar_wait(empty(s), (c / S + 1) & 1);
-                mbar_expect_tx(full(s), WGQ_X_BYTES + f.weight_bytes(c, tile0));
+                mbar_expect_tx(full(s), WGQ_X_BYTES + f.weight_bytes());
                 tma_load_2d(base + s * F::STAGE, xmap, c * F::K_PER_STAGE, m0, full(s));
+                f.issue(base + s * F::STAGE + WGQ_X_BYTES, full(s), tile0, c);
             }
-            __syncwarp();
-            if (lane < 8 && tile0 + lane < f.tiles)
-                f.issue(base + s * F::STAGE + WGQ_X_BYTES, full(s), tile0 + lane, lane, c);
         }
         return;
     }
@@ -291,9 +293,10 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
 
 #define W8A8_WGMMA_ENTRY(OUTNAME, OUT)                                                                \
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) w8a8_wgmma_##OUTNAME(                \
-        const __grid_constant__ TmaMap xmap, const uint4* __restrict__ codes, const float* __restrict__ sw, \
-        const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, int N, int tiles, int chunks) { \
-        wgmma_gemm(&xmap, WgqW8{codes, tiles, chunks}, y, ldy, M, N, W8Epilogue{sx, sw});             \
+        const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
+        const float* __restrict__ sw, const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, \
+        int N, int tiles, int chunks) {                                                               \
+        wgmma_gemm(&xmap, WgqW8{&wmap, tiles, chunks}, y, ldy, M, N, W8Epilogue{sx, sw});             \
     }
 W8A8_WGMMA_ENTRY(f32, float)
 W8A8_WGMMA_ENTRY(f16, __half)
@@ -301,9 +304,10 @@ W8A8_WGMMA_ENTRY(bf16, __nv_bfloat16)
 
 #define W4A16_WGMMA_ENTRY(NAME, T, OUT)                                                               \
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
-        const __grid_constant__ TmaMap xmap, const uint4* __restrict__ codes, const uint2* __restrict__ params, \
-        OUT* __restrict__ y, long ldy, int M, int N, int tiles, int chunks, int groups, int group_len) { \
-        wgmma_gemm(&xmap, WgqW4<T>{codes, params, tiles, chunks, groups, group_len}, y, ldy, M, N,    \
+        const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
+        const __grid_constant__ TmaMap pmap, OUT* __restrict__ y, long ldy, int M, int N, int tiles,  \
+        int chunks, int groups, int group_len) {                                                      \
+        wgmma_gemm(&xmap, WgqW4<T>{&wmap, &pmap, tiles, chunks, groups, group_len}, y, ldy, M, N,     \
                    W4Epilogue{});                                                                     \
     }
 W4A16_WGMMA_ENTRY(w4a16_wgmma_f16, __half, float)

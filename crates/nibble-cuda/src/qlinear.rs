@@ -15,7 +15,7 @@ use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
 
 use crate::backend::{CudaBackend, CudaTensor, Dtype, Elem};
 use crate::pack::{self, PackedW4, PackedW8, W4Matrix};
-use crate::runtime::{Arg, DeviceBuffer, tensor_map_2d};
+use crate::runtime::{Arg, DeviceBuffer, SWIZZLE_128B, tensor_map};
 
 /// Largest M the gemv (decode) kernels take; larger batches run the tiled kernels (whose 128-token
 /// tiles and one CTA per 128 weight rows leave most of the GPU idle at 64 tokens: 80 µs against
@@ -363,8 +363,8 @@ pub struct Int8Input {
 }
 
 /// What a wgmma-tier launch takes besides the shape: the activations (read through a TMA
-/// descriptor, not a pointer), the weight arguments in the kernel's order, the output, and the
-/// integers after the shape.
+/// descriptor, not a pointer), the weights' TMA descriptors and other arguments in the kernel's
+/// order, the output, and the integers after the shape.
 struct WgmmaOperands {
     x: u64,
     x_ld: usize,
@@ -373,6 +373,27 @@ struct WgmmaOperands {
     out: u64,
     ldy: usize,
     tail: Vec<Arg>,
+}
+
+/// A TMA descriptor, as a kernel argument, over packed weight bytes laid out as
+/// `[tiles][rows][row_bytes]`, read in boxes of 8 tiles x `box_rows` rows.
+fn weight_map(
+    ptr: u64,
+    tiles: usize,
+    rows: usize,
+    row_bytes: usize,
+    box_rows: usize,
+) -> Result<Arg> {
+    let words = row_bytes / 4;
+    let map = tensor_map(
+        ptr,
+        4,
+        &[words, rows, tiles],
+        &[row_bytes, rows * row_bytes],
+        &[words, box_rows, 8],
+        !SWIZZLE_128B,
+    )?;
+    Ok(Arg::TensorMap(Box::new(map)))
 }
 
 /// Output element type of a quantized GEMM: f32 (the engine's GEMM outputs) or the model dtype
@@ -443,7 +464,18 @@ impl CudaBackend {
                     x: xh.ptr,
                     x_ld: xh.ld,
                     x_elem: 2,
-                    weights: vec![Arg::Ptr(codes.ptr), Arg::Ptr(params.ptr)],
+                    // Codes a chunk at a time; the parameter rows of the one or two groups a
+                    // chunk can touch (kernels/qgemm_wgmma.cu, WgqW4::span).
+                    weights: vec![
+                        weight_map(codes.ptr, *tiles, *chunks, 512, 1)?,
+                        weight_map(
+                            params.ptr,
+                            *tiles,
+                            *groups,
+                            64,
+                            if group_len % 64 == 0 { 1 } else { 2 },
+                        )?,
+                    ],
                     out: out.ptr,
                     ldy: out.ld,
                     tail: vec![Arg::I32(*groups as i32), Arg::I32(*group_len as i32)],
@@ -480,7 +512,7 @@ impl CudaBackend {
                     x_ld: k,
                     x_elem: 1,
                     weights: vec![
-                        Arg::Ptr(codes.ptr),
+                        weight_map(codes.ptr, *tiles, *chunks, 1024, 2)?,
                         Arg::Ptr(scales.ptr),
                         Arg::Ptr(q.scales),
                     ],
@@ -623,14 +655,13 @@ impl CudaBackend {
         tiles: usize,
         chunks: usize,
     ) -> Result<()> {
-        let map = tensor_map_2d(
+        let map = tensor_map(
             op.x,
-            m,
-            k,
-            op.x_ld,
             op.x_elem,
-            WGMMA_TOKENS,
-            128 / op.x_elem,
+            &[k, m],
+            &[op.x_ld * op.x_elem],
+            &[128 / op.x_elem, WGMMA_TOKENS],
+            SWIZZLE_128B,
         )?;
         let mut args = vec![Arg::TensorMap(Box::new(map))];
         args.extend(op.weights);

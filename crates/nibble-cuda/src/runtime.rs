@@ -250,17 +250,20 @@ impl Arg {
     }
 }
 
-/// A TMA descriptor for a row-major matrix of `rows x cols` elements of `elem` (1 or 2) bytes,
-/// rows `ld` elements apart, read in boxes of `box_rows x box_cols` elements into shared memory
-/// with the 128-byte swizzle (so `box_cols * elem` must be 128). Reads past the matrix are zeros.
-pub fn tensor_map_2d(
+/// The 128-byte swizzle, in which TMA writes an operand tile that wgmma reads with a swizzled
+/// shared-memory descriptor: rows of exactly 128 bytes.
+pub const SWIZZLE_128B: bool = true;
+
+/// A TMA descriptor for a tensor of `dims` elements of `elem` (1, 2 or 4) bytes, innermost first,
+/// dimension `i + 1` `strides[i]` bytes apart, read in boxes of `boxes` elements (reads past the
+/// tensor are zeros), into shared memory as is or 128-byte swizzled.
+pub fn tensor_map(
     ptr: DevicePtr,
-    rows: usize,
-    cols: usize,
-    ld: usize,
     elem: usize,
-    box_rows: usize,
-    box_cols: usize,
+    dims: &[usize],
+    strides: &[usize],
+    boxes: &[usize],
+    swizzle: bool,
 ) -> Result<sys::CUtensorMap> {
     use sys::{
         CUtensorMapDataType as D, CUtensorMapFloatOOBfill as F, CUtensorMapInterleave as I,
@@ -269,40 +272,52 @@ pub fn tensor_map_2d(
     let dtype = match elem {
         1 => D::CU_TENSOR_MAP_DATA_TYPE_UINT8,
         2 => D::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+        4 => D::CU_TENSOR_MAP_DATA_TYPE_UINT32,
         _ => {
             return Err(Error::InvalidArgument(format!(
                 "TMA tensor of {elem}-byte elements"
             )));
         }
     };
-    if !ptr.is_multiple_of(16)
-        || !(ld * elem).is_multiple_of(16)
-        || box_cols * elem != 128
-        || box_rows > 256
+    let inner = boxes.first().copied().unwrap_or(0) * elem;
+    if dims.is_empty()
+        || dims.len() > 5
+        || strides.len() + 1 != dims.len()
+        || boxes.len() != dims.len()
+        || !ptr.is_multiple_of(16)
+        || strides.iter().any(|s| !s.is_multiple_of(16))
+        || !inner.is_multiple_of(16)
+        || (swizzle && inner != 128)
+        || boxes.iter().any(|&b| b == 0 || b > 256)
     {
         return Err(Error::InvalidArgument(format!(
-            "TMA needs 16-byte aligned rows and 128-byte box rows (pointer {ptr:#x}, row {} bytes, \
-             box {box_rows} x {box_cols})",
-            ld * elem
+            "no TMA descriptor for pointer {ptr:#x}, dims {dims:?}, strides {strides:?} bytes, \
+             box {boxes:?} of {elem}-byte elements: TMA needs 16-byte aligned strides and box rows, \
+             boxes of 1 to 256, rows of 128 bytes to swizzle"
         )));
     }
-    let dims = [cols as u64, rows as u64];
-    let strides = [(ld * elem) as u64];
-    let boxes = [box_cols as u32, box_rows as u32];
-    let steps = [1u32, 1];
+    let dims: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+    let strides: Vec<u64> = strides.iter().map(|&s| s as u64).collect();
+    let boxes: Vec<u32> = boxes.iter().map(|&b| b as u32).collect();
+    let steps = vec![1u32; dims.len()];
+    let swizzle = if swizzle {
+        S::CU_TENSOR_MAP_SWIZZLE_128B
+    } else {
+        S::CU_TENSOR_MAP_SWIZZLE_NONE
+    };
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             dtype,
-            2,
+            dims.len() as u32,
             ptr as *mut c_void,
             dims.as_ptr(),
             strides.as_ptr(),
             boxes.as_ptr(),
             steps.as_ptr(),
             I::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            S::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             L::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             F::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
