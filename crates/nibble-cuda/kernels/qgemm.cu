@@ -33,8 +33,8 @@
 //     Activation rows are padded (f16: 144 B) or not (INT8: 64 B) so B-fragment loads are free
 //     of bank conflicts.
 // And, from sm_90, the *_stream gemv (end of file): the same fragments fed by cp.async.bulk copies
-// into mbarrier rings. There is no wgmma tier for large M yet (a W8A8 one is being worked out in
-// bench/probe/wgmma_probe.cu); BENCHMARKS.md has where these kernels stand against cuBLAS.
+// into mbarrier rings. The wgmma tier for large M (sm_90a) is qgemm_wgmma.cu, compiled into the
+// same module; BENCHMARKS.md has where these kernels stand against cuBLAS.
 
 #define QG_WARPS 8
 #define QG_THREADS (QG_WARPS * 32)

@@ -33,9 +33,9 @@ pub const STREAM_SMEM: usize = 16 * 4 * (2048 + 320) + 16 * 4 * 8;
 /// Activations (rows padded by 16 bytes) up to this size are staged in the stream gemv's shared
 /// memory (the `_xs` kernels); larger ones are read from global memory by every warp.
 pub const STREAM_X_SMEM: usize = 227 * 1024 - STREAM_SMEM;
-/// Kernel tier of the quantized GEMMs at decode sizes: the mma.sync gemv (sm_80 and later) or the
-/// Hopper stream gemv (sm_90). Larger batches run the mma.sync tiled kernels on every tier (a
-/// wgmma W8A8 kernel is in bench/probe/wgmma_probe.cu, not yet here).
+/// Kernel tier of the quantized GEMMs: at decode sizes the mma.sync gemv (sm_80 and later) or the
+/// Hopper stream gemv (sm_90); past the gemv range the mma.sync tiled kernels or the Hopper wgmma
+/// kernels (sm_90a).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[repr(u8)]
 pub enum KernelTier {
