@@ -221,8 +221,10 @@ template <class T> struct WgqW4 {
     }
 };
 
-// The CTA: 128 weight rows (8 packed tiles) x 256 tokens, tokens read through `xmap`. CTAs walk
-// WGQ_RASTER token blocks per weight block so the CTAs in flight share weights and tokens in L2.
+// A CTA computes output tiles of 128 weight rows (8 packed tiles) x 256 tokens, tokens read
+// through `xmap`; the grid is at most one CTA per SM and each walks tiles blockIdx.x, + gridDim.x,
+// .. in an order that takes WGQ_RASTER token blocks per weight block, so the tiles in flight
+// share weights and tokens in L2.
 template <class F, class OUT, class EPI>
 __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, long ldy, int M, int N,
                            const EPI& epi) {
@@ -235,10 +237,14 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
     auto empty = [&](int s) { return bars + 8 * (S + s); };
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
-    const int nb = (f.tiles + 7) / 8, mb = (M + WGQ_TOKENS - 1) / WGQ_TOKENS;
-    const int per_group = WGQ_RASTER * nb, id = blockIdx.x;
-    const int first = id / per_group * WGQ_RASTER, gsz = min(WGQ_RASTER, mb - first);
-    const int tile0 = (id % per_group) / gsz * 8, m0 = (first + (id % per_group) % gsz) * WGQ_TOKENS;
+    // Persistent CTAs walk the output tiles; tile t is weight rows tile0 * 16 .. and tokens m0 ..
+    const int nb = (f.tiles + 7) / 8, mb = (M + WGQ_TOKENS - 1) / WGQ_TOKENS, total = nb * mb;
+    auto place = [&](int t, int& tile0, int& m0) {
+        const int per_group = WGQ_RASTER * nb;
+        const int first = t / per_group * WGQ_RASTER, gsz = min(WGQ_RASTER, mb - first);
+        tile0 = (t % per_group) / gsz * 8;
+        m0 = (first + (t % per_group) % gsz) * WGQ_TOKENS;
+    };
     const int n = f.stages();
 
     if (threadIdx.x == 0) {
@@ -250,13 +256,18 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
     }
     __syncthreads();
 
-    if (warp >= 8) {  // the producer warpgroup: one warp issues the copies
+    // Stage g (counted across this CTA's tiles) uses slot g % S in phase g / S.
+    if (warp >= 8) {  // the producer warpgroup: one warp issues the copies, running ahead into
+                      // the next tile while the consumers store this one
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WGQ_PRODUCER_REGS));
-        if (warp != 8) return;
-        for (int c = 0; c < n; ++c) {
-            const int s = c % S;
-            if (lane == 0) {
-                if (c >= S) mbar_wait(empty(s), (c / S + 1) & 1);
+        if (warp != 8 || lane != 0) return;
+        int g = 0;
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            int tile0, m0;
+            place(t, tile0, m0);
+            for (int c = 0; c < n; ++c, ++g) {
+                const int s = g % S;
+                if (g >= S) mbar_wait(empty(s), (g / S + 1) & 1);
                 mbar_expect_tx(full(s), WGQ_X_BYTES + f.weight_bytes());
                 tma_load_2d(base + s * F::STAGE, xmap, c * F::K_PER_STAGE, m0, full(s));
                 f.issue(base + s * F::STAGE + WGQ_X_BYTES, full(s), tile0, c);
@@ -267,28 +278,34 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WGQ_CONSUMER_REGS));
     typename F::Acc acc[32][4];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
-    fence_acc(acc);
     u32 a0[F::A_REGS], a1[F::A_REGS];
-    auto step = [&](int c, u32 (&cur)[F::A_REGS], u32 (&prev)[F::A_REGS]) {
-        const int s = c % S;
-        mbar_wait(full(s), (c / S) & 1);
-        f.load_a(smem + s * F::STAGE + WGQ_X_BYTES, c, cur);
-        wgmma_fence();
-        f.mma(acc, cur, base + s * F::STAGE, c);
-        wgmma_commit();
-        wgmma_wait<1>();
-        if (c > 0 && lane == 0) mbar_arrive(empty((c - 1) % S));
-    };
-    for (int c = 0; c + 1 < n; c += 2) {
-        step(c, a0, a1);
-        step(c + 1, a1, a0);
+    int g = 0;  // this tile's first stage
+    for (int t = blockIdx.x; t < total; t += gridDim.x, g += n) {
+        int tile0, m0;
+        place(t, tile0, m0);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
+        fence_acc(acc);
+        auto step = [&](int c, u32 (&cur)[F::A_REGS]) {
+            const int s = (g + c) % S;
+            mbar_wait(full(s), ((g + c) / S) & 1);
+            f.load_a(smem + s * F::STAGE + WGQ_X_BYTES, c, cur);
+            wgmma_fence();
+            f.mma(acc, cur, base + s * F::STAGE, c);
+            wgmma_commit();
+            wgmma_wait<1>();
+            if (c > 0 && lane == 0) mbar_arrive(empty((g + c - 1) % S));
+        };
+        for (int c = 0; c + 1 < n; c += 2) {
+            step(c, a0);
+            step(c + 1, a1);
+        }
+        if (n & 1) step(n - 1, a0);
+        wgmma_wait<0>();
+        if (lane == 0) mbar_arrive(empty((g + n - 1) % S));
+        fence_acc(acc);
+        store_tile<32>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
     }
-    if (n & 1) step(n - 1, a0, a1);
-    wgmma_wait<0>();
-    fence_acc(acc);
-    store_tile<32>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
 }
 
 #define W8A8_WGMMA_ENTRY(OUTNAME, OUT)                                                                \

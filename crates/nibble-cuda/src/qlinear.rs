@@ -641,7 +641,7 @@ impl CudaBackend {
         wanted && self.has_kernel(name)
     }
 
-    /// Launches a wgmma-tier GEMM: one CTA per 128 weight rows and [`WGMMA_TOKENS`] tokens, the
+    /// Launches a wgmma-tier GEMM: output tiles of 128 weight rows and [`WGMMA_TOKENS`] tokens, the
     /// activations read through a TMA descriptor in 128-byte rows of K.
     #[allow(clippy::too_many_arguments)]
     fn launch_wgmma(
@@ -669,7 +669,9 @@ impl CudaBackend {
         args.push(Arg::I64(op.ldy as i64));
         args.extend([m, n, tiles, chunks].map(|v| Arg::I32(v as i32)));
         args.extend(op.tail);
-        let ctas = tiles.div_ceil(8) * m.div_ceil(WGMMA_TOKENS);
+        // Persistent CTAs, at most one per SM: each walks output tiles, its producer loading the
+        // next tile while the consumers store the last.
+        let ctas = (tiles.div_ceil(8) * m.div_ceil(WGMMA_TOKENS)).min(self.gpu.sm_count);
         let smem = if w4 { W4_WGMMA_SMEM } else { W8_WGMMA_SMEM };
         self.launch_block(name, (ctas as u32, 1, 1), WGMMA_THREADS, smem, args)
     }
