@@ -36,10 +36,10 @@ static TmaMap weight_map(const void* p, int tiles, int rows, int row_bytes, int 
     return m;
 }
 
-static TmaMap make_map(const void* x, int M, int K, int elem) {
+static TmaMap make_map(const void* x, int M, int K, int elem, int box_rows = 256) {
     TmaMap m;
     cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M}, strides[1] = {(cuuint64_t)K * elem};
-    cuuint32_t box[2] = {(cuuint32_t)(128 / elem), 256}, es[2] = {1, 1};
+    cuuint32_t box[2] = {(cuuint32_t)(128 / elem), (cuuint32_t)box_rows}, es[2] = {1, 1};
     CUresult r = cuTensorMapEncodeTiled((CUtensorMap*)&m, elem == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16,
                                         2, (void*)x, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -57,8 +57,10 @@ __global__ void __launch_bounds__(QG_THREADS, 2) tiled4(const uint4* codes, cons
     w4a16_tiled_impl<__half, float>(codes, params, x, (long)K, y, (long)N, M, N, K, tiles, chunks, groups, gl);
 }
 
-static const int W8_SMEM = WgqW8::STAGES * WgqW8::STAGE + 1024 + 64;
-static const int W4_SMEM = WgqW4<__half>::STAGES * WgqW4<__half>::STAGE + 1024 + 80;
+static const int W8_SMEM = WgqW8<256>::STAGES * WgqW8<256>::STAGE + 1024 + 64;
+static const int W8_SMEM128 = WgqW8<128>::STAGES * WgqW8<128>::STAGE + 1024 + 16 * WgqW8<128>::STAGES;
+static const int W4_SMEM128 = WgqW4<__half, 128>::STAGES * WgqW4<__half, 128>::STAGE + 1024 + 16 * WgqW4<__half, 128>::STAGES;
+static const int W4_SMEM = WgqW4<__half, 256>::STAGES * WgqW4<__half, 256>::STAGE + 1024 + 80;
 
 struct Run { float ms; long bad; double maxrel; };
 
@@ -122,6 +124,27 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
         float t1 = time_it(reps, wg), t2 = time_it(reps, ti), t3 = time_it(reps, wgh);
         printf("w8a8 %dx%dx%d: wgmma %.1f us (%.0f TOPS), f16 out %.1f us (%.0f TOPS), tiled %.1f us (%.0f TOPS)\n", M, N, K, t1 * 1e3,
                flops / t1 / 1e9, t3 * 1e3, flops / t3 / 1e9, t2 * 1e3, flops / t2 / 1e9);
+        {  // 128-token tiles
+            TmaMap m128 = make_map(dx, M, K, 1, 128);
+            cudaFuncSetAttribute(w8a8_wgmma128_f32, cudaFuncAttributeMaxDynamicSharedMemorySize, W8_SMEM128);
+            cudaFuncSetAttribute(w8a8_wgmma128_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W8_SMEM128);
+            const int t128 = std::min(nb * ((M + 127) / 128), sms);
+            auto w1 = [&] { w8a8_wgmma128_f32<<<t128, WGQ_THREADS, W8_SMEM128>>>(m128, wmap, dsw, dsx, y1, N, M, N, tiles, chunks); };
+            auto w1h = [&] { w8a8_wgmma128_f16<<<t128, WGQ_THREADS, W8_SMEM128>>>(m128, wmap, dsw, dsx, (__half*)y1, N, M, N, tiles, chunks); };
+            if (!time_only) {
+                cudaMemset(y1, 0xff, (size_t)M * N * 4);
+                w1(); CK(cudaDeviceSynchronize());
+                std::vector<float> a((size_t)M * N), b((size_t)M * N);
+                cudaMemcpy(a.data(), y1, a.size() * 4, cudaMemcpyDeviceToHost);
+                cudaMemcpy(b.data(), y2, b.size() * 4, cudaMemcpyDeviceToHost);
+                long bad = 0;
+                for (size_t i = 0; i < a.size(); ++i) bad += memcmp(&a[i], &b[i], 4) != 0;
+                printf("w8a8 128-token %dx%dx%d: %ld of %zu differ from tiled\n", M, N, K, bad, a.size());
+            }
+            const int reps = flops > 1e11 ? 10 : 50;
+            float t = time_it(reps, w1h);
+            printf("w8a8 128-token %dx%dx%d: f16 out %.1f us (%.0f TOPS)\n", M, N, K, t * 1e3, flops / t / 1e9);
+        }
         cudaFree(dc); cudaFree(dx); cudaFree(dsw); cudaFree(dsx); cudaFree(y1); cudaFree(y2);
     }
     // --- W4A16, f16 activations
@@ -173,6 +196,27 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
         float t1 = time_it(reps, wg), t2 = time_it(reps, ti), t3 = time_it(reps, wgh);
         printf("w4a16 g%d %dx%dx%d: wgmma %.1f us (%.0f TFLOPS), f16 out %.1f us (%.0f TFLOPS), tiled %.1f us (%.0f TFLOPS)\n", gl, M, N, K,
                t1 * 1e3, flops / t1 / 1e9, t3 * 1e3, flops / t3 / 1e9, t2 * 1e3, flops / t2 / 1e9);
+        {  // 128-token tiles
+            TmaMap m128 = make_map(dx, M, K, 2, 128);
+            cudaFuncSetAttribute(w4a16_wgmma128_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W4_SMEM128);
+            cudaFuncSetAttribute(w4a16_wgmma128_h_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W4_SMEM128);
+            const int t128 = std::min(nb * ((M + 127) / 128), sms);
+            auto w1 = [&] { w4a16_wgmma128_f16<<<t128, WGQ_THREADS, W4_SMEM128>>>(m128, wmap, pmap, y1, N, M, N, tiles, chunks, groups, gl); };
+            auto w1h = [&] { w4a16_wgmma128_h_f16<<<t128, WGQ_THREADS, W4_SMEM128>>>(m128, wmap, pmap, (__half*)y1, N, M, N, tiles, chunks, groups, gl); };
+            if (!time_only) {
+                cudaMemset(y1, 0xff, (size_t)M * N * 4);
+                w1(); CK(cudaDeviceSynchronize());
+                std::vector<float> a((size_t)M * N), b((size_t)M * N);
+                cudaMemcpy(a.data(), y1, a.size() * 4, cudaMemcpyDeviceToHost);
+                cudaMemcpy(b.data(), y2, b.size() * 4, cudaMemcpyDeviceToHost);
+                long bad = 0;
+                for (size_t i = 0; i < a.size(); ++i) bad += !(fabs((double)a[i] - b[i]) <= 1e-3 * (1 + fabs((double)b[i])));
+                printf("w4a16 128-token g%d %dx%dx%d: %ld of %zu off tiled\n", gl, M, N, K, bad, a.size());
+            }
+            const int reps = flops > 1e11 ? 10 : 50;
+            float t = time_it(reps, w1h);
+            printf("w4a16 128-token g%d %dx%dx%d: f16 out %.1f us (%.0f TFLOPS)\n", gl, M, N, K, t * 1e3, flops / t / 1e9);
+        }
         cudaFree(dc); cudaFree(dp); cudaFree(dx); cudaFree(y1); cudaFree(y2);
     }
 #ifndef PROBE_NO_CUBLAS
@@ -209,6 +253,7 @@ int main(int argc, char** argv) {
     shape(513, 1040, 1088, false, h);
     shape(1024, 28672, 4096, false, h);
     shape(4096, 4096, 14336, false, h);
+    shape(1024, 6144, 4096, false, h);
     shape(4096, 28672, 4096, true, h);
     shape(8192, 6144, 4096, true, h);
     return 0;

@@ -3,12 +3,13 @@
 // fragments, dequantization in registers) and QServe §4-5 (INT8 GEMM, fused scales) taken from
 // mma.sync to wgmma with TMA and warp specialization.
 //
-// Tiling: a CTA computes 128 weight rows x 256 tokens. Two consumer warpgroups own 64 rows each
-// and issue wgmma.m64n256 (k32 for INT8, k16 for f16/bf16) over all 256 tokens; warp w's 16 rows
+// Tiling: a CTA computes 128 weight rows x TOK tokens (256, or 128 for narrow layers). Two
+// consumer warpgroups own 64 rows each and issue wgmma.m64nTOK (k32 for INT8, k16 for f16/bf16)
+// over all the tile's tokens; warp w's 16 rows
 // are packed tile tile0 + w. A third warpgroup is the producer (one warp of it issues copies).
 //
 // Pipeline: WGQ_STAGES shared-memory stages on full/empty mbarrier pairs. The producer waits for
-// a stage to be empty, then fills it with TMA tensor copies: the tokens' tile (256 rows x 128 bytes
+// a stage to be empty, then fills it with TMA tensor copies: the tokens' tile (TOK rows x 128 bytes
 // of K), 128-byte swizzled (the layout wgmma reads with a SW128 K-major descriptor), and the 8
 // weight tiles' packed bytes for that K (and W4A16's group parameters), one box each. Consumers wait for the stage, load and convert their A fragments from it into one
 // of two register sets, issue the stage's wgmmas and keep them in flight while the next stage is
@@ -26,8 +27,6 @@
 // Epilogue: straight from the accumulators (store_tile), with W8A8's scales fused.
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (host pass: bench/probe)
 
-#define WGQ_TOKENS 256
-#define WGQ_X_BYTES (WGQ_TOKENS * 128)  // a stage's token tile: 256 rows of 128 B
 #define WGQ_THREADS 384                 // two consumer warpgroups and a producer warpgroup
 #define WGQ_RASTER 16
 // Registers per thread after setmaxnreg: each SM sub-partition (16384 registers) holds one warp of
@@ -89,42 +88,66 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// wgmma with A from registers, one overload per token count (N = 256, 128) and A/B type; the
+// accumulator array's extent picks the shape.
 // d (64 rows x 256 tokens, i32) += A (this warp's 16 rows x 32 K in registers) x B (descriptor).
-__device__ __forceinline__ void wgmma_s8_n256(int (&d)[32][4], const u32* a, u64 desc) {
+__device__ __forceinline__ void wgmma_s8(int (&d)[32][4], const u32* a, u64 desc) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p;\n}\n"
         : "+r"(d[0][0]), "+r"(d[0][1]), "+r"(d[0][2]), "+r"(d[0][3]), "+r"(d[1][0]), "+r"(d[1][1]), "+r"(d[1][2]), "+r"(d[1][3]), "+r"(d[2][0]), "+r"(d[2][1]), "+r"(d[2][2]), "+r"(d[2][3]), "+r"(d[3][0]), "+r"(d[3][1]), "+r"(d[3][2]), "+r"(d[3][3]), "+r"(d[4][0]), "+r"(d[4][1]), "+r"(d[4][2]), "+r"(d[4][3]), "+r"(d[5][0]), "+r"(d[5][1]), "+r"(d[5][2]), "+r"(d[5][3]), "+r"(d[6][0]), "+r"(d[6][1]), "+r"(d[6][2]), "+r"(d[6][3]), "+r"(d[7][0]), "+r"(d[7][1]), "+r"(d[7][2]), "+r"(d[7][3]), "+r"(d[8][0]), "+r"(d[8][1]), "+r"(d[8][2]), "+r"(d[8][3]), "+r"(d[9][0]), "+r"(d[9][1]), "+r"(d[9][2]), "+r"(d[9][3]), "+r"(d[10][0]), "+r"(d[10][1]), "+r"(d[10][2]), "+r"(d[10][3]), "+r"(d[11][0]), "+r"(d[11][1]), "+r"(d[11][2]), "+r"(d[11][3]), "+r"(d[12][0]), "+r"(d[12][1]), "+r"(d[12][2]), "+r"(d[12][3]), "+r"(d[13][0]), "+r"(d[13][1]), "+r"(d[13][2]), "+r"(d[13][3]), "+r"(d[14][0]), "+r"(d[14][1]), "+r"(d[14][2]), "+r"(d[14][3]), "+r"(d[15][0]), "+r"(d[15][1]), "+r"(d[15][2]), "+r"(d[15][3]), "+r"(d[16][0]), "+r"(d[16][1]), "+r"(d[16][2]), "+r"(d[16][3]), "+r"(d[17][0]), "+r"(d[17][1]), "+r"(d[17][2]), "+r"(d[17][3]), "+r"(d[18][0]), "+r"(d[18][1]), "+r"(d[18][2]), "+r"(d[18][3]), "+r"(d[19][0]), "+r"(d[19][1]), "+r"(d[19][2]), "+r"(d[19][3]), "+r"(d[20][0]), "+r"(d[20][1]), "+r"(d[20][2]), "+r"(d[20][3]), "+r"(d[21][0]), "+r"(d[21][1]), "+r"(d[21][2]), "+r"(d[21][3]), "+r"(d[22][0]), "+r"(d[22][1]), "+r"(d[22][2]), "+r"(d[22][3]), "+r"(d[23][0]), "+r"(d[23][1]), "+r"(d[23][2]), "+r"(d[23][3]), "+r"(d[24][0]), "+r"(d[24][1]), "+r"(d[24][2]), "+r"(d[24][3]), "+r"(d[25][0]), "+r"(d[25][1]), "+r"(d[25][2]), "+r"(d[25][3]), "+r"(d[26][0]), "+r"(d[26][1]), "+r"(d[26][2]), "+r"(d[26][3]), "+r"(d[27][0]), "+r"(d[27][1]), "+r"(d[27][2]), "+r"(d[27][3]), "+r"(d[28][0]), "+r"(d[28][1]), "+r"(d[28][2]), "+r"(d[28][3]), "+r"(d[29][0]), "+r"(d[29][1]), "+r"(d[29][2]), "+r"(d[29][3]), "+r"(d[30][0]), "+r"(d[30][1]), "+r"(d[30][2]), "+r"(d[30][3]), "+r"(d[31][0]), "+r"(d[31][1]), "+r"(d[31][2]), "+r"(d[31][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
-// The same for 16-bit A and B (f32 sums), one per dtype.
-__device__ __forceinline__ void wgmma_n256(float (&d)[32][4], const u32* a, u64 desc, __half*) {
+__device__ __forceinline__ void wgmma_16(float (&d)[32][4], const u32* a, u64 desc, __half*) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
-__device__ __forceinline__ void wgmma_n256(float (&d)[32][4], const u32* a, u64 desc, __nv_bfloat16*) {
+__device__ __forceinline__ void wgmma_16(float (&d)[32][4], const u32* a, u64 desc, __nv_bfloat16*) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
-__device__ __forceinline__ void fence_acc(int (&d)[32][4]) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j) asm volatile("" : "+r"(d[j][0]), "+r"(d[j][1]), "+r"(d[j][2]), "+r"(d[j][3])::"memory");
+// d (64 rows x 128 tokens, i32) += A (this warp's 16 rows x 32 K in registers) x B (descriptor).
+__device__ __forceinline__ void wgmma_s8(int (&d)[16][4], const u32* a, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p;\n}\n"
+        : "+r"(d[0][0]), "+r"(d[0][1]), "+r"(d[0][2]), "+r"(d[0][3]), "+r"(d[1][0]), "+r"(d[1][1]), "+r"(d[1][2]), "+r"(d[1][3]), "+r"(d[2][0]), "+r"(d[2][1]), "+r"(d[2][2]), "+r"(d[2][3]), "+r"(d[3][0]), "+r"(d[3][1]), "+r"(d[3][2]), "+r"(d[3][3]), "+r"(d[4][0]), "+r"(d[4][1]), "+r"(d[4][2]), "+r"(d[4][3]), "+r"(d[5][0]), "+r"(d[5][1]), "+r"(d[5][2]), "+r"(d[5][3]), "+r"(d[6][0]), "+r"(d[6][1]), "+r"(d[6][2]), "+r"(d[6][3]), "+r"(d[7][0]), "+r"(d[7][1]), "+r"(d[7][2]), "+r"(d[7][3]), "+r"(d[8][0]), "+r"(d[8][1]), "+r"(d[8][2]), "+r"(d[8][3]), "+r"(d[9][0]), "+r"(d[9][1]), "+r"(d[9][2]), "+r"(d[9][3]), "+r"(d[10][0]), "+r"(d[10][1]), "+r"(d[10][2]), "+r"(d[10][3]), "+r"(d[11][0]), "+r"(d[11][1]), "+r"(d[11][2]), "+r"(d[11][3]), "+r"(d[12][0]), "+r"(d[12][1]), "+r"(d[12][2]), "+r"(d[12][3]), "+r"(d[13][0]), "+r"(d[13][1]), "+r"(d[13][2]), "+r"(d[13][3]), "+r"(d[14][0]), "+r"(d[14][1]), "+r"(d[14][2]), "+r"(d[14][3]), "+r"(d[15][0]), "+r"(d[15][1]), "+r"(d[15][2]), "+r"(d[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
-__device__ __forceinline__ void fence_acc(float (&d)[32][4]) {
+__device__ __forceinline__ void wgmma_16(float (&d)[16][4], const u32* a, u64 desc, __half*) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+__device__ __forceinline__ void wgmma_16(float (&d)[16][4], const u32* a, u64 desc, __nv_bfloat16*) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+template <int J> __device__ __forceinline__ void fence_acc(int (&d)[J][4]) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) asm volatile("" : "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])::"memory");
+    for (int j = 0; j < J; ++j) asm volatile("" : "+r"(d[j][0]), "+r"(d[j][1]), "+r"(d[j][2]), "+r"(d[j][3])::"memory");
+}
+template <int J> __device__ __forceinline__ void fence_acc(float (&d)[J][4]) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) asm volatile("" : "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])::"memory");
 }
 
 // W8A8: a stage is 128 K, two packed chunks (2 x 1 KB per weight tile), four k32 wgmmas.
-struct WgqW8 {
-    static constexpr int STAGES = 4;
-    static constexpr int STAGE = WGQ_X_BYTES + 8 * 2048;
+template <int TOK> struct WgqW8 {
+    static constexpr int STAGES = TOK == 256 ? 4 : 6;
+    static constexpr int X_BYTES = TOK * 128;  // a stage's token tile: TOK rows of 128 B
+    static constexpr int STAGE = X_BYTES + 8 * 2048;
     static constexpr int K_PER_STAGE = 128;  // TMA box width, in elements
     static constexpr int A_REGS = 16;
     using Acc = int;
@@ -155,11 +178,11 @@ struct WgqW8 {
             for (int h = 0; h < 2; ++h)
                 quad_transpose(a[8 * ch + h], a[8 * ch + 2 + h], a[8 * ch + 4 + h], a[8 * ch + 6 + h]);
     }
-    __device__ void mma(int (&acc)[32][4], const u32 (&a)[A_REGS], u32 xs, int) const {
+    __device__ void mma(int (&acc)[TOK / 8][4], const u32 (&a)[A_REGS], u32 xs, int) const {
         // A stage missing its second chunk (odd chunk count) still issues four wgmmas, keeping
         // them out of divergent code: TMA zero-fills codes and tokens past K.
 #pragma unroll
-        for (int j = 0; j < 4; ++j) wgmma_s8_n256(acc, a + 4 * j, sw128_desc(xs + 32 * j));
+        for (int j = 0; j < 4; ++j) wgmma_s8(acc, a + 4 * j, sw128_desc(xs + 32 * j));
     }
 };
 
@@ -167,10 +190,11 @@ struct WgqW8 {
 // or two groups it spans, per weight tile), four k16 wgmmas. Codes and parameters each come in one
 // TMA copy for the 8 tiles: with a copy per tile the producer's 17 copies a stage bounded the
 // kernel (474 against 672 TFLOPS without the parameter copies, bench/probe/wgmma_w4_probe.sh).
-template <class T> struct WgqW4 {
-    static constexpr int STAGES = 5;
+template <class T, int TOK> struct WgqW4 {
+    static constexpr int STAGES = TOK == 256 ? 5 : 8;
     static constexpr int CODES = 8 * 512;
-    static constexpr int STAGE = WGQ_X_BYTES + CODES + 8 * 128;
+    static constexpr int X_BYTES = TOK * 128;
+    static constexpr int STAGE = X_BYTES + CODES + 8 * 128;
     static constexpr int K_PER_STAGE = 64;
     static constexpr int A_REGS = 16;
     using Acc = float;
@@ -215,17 +239,17 @@ template <class T> struct WgqW4 {
                 a[12 + 2 * q + h] = x3;
             }
     }
-    __device__ void mma(float (&acc)[32][4], const u32 (&a)[A_REGS], u32 xs, int) const {
+    __device__ void mma(float (&acc)[TOK / 8][4], const u32 (&a)[A_REGS], u32 xs, int) const {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) wgmma_n256(acc, a + 4 * j, sw128_desc(xs + 32 * j), (T*)nullptr);
+        for (int j = 0; j < 4; ++j) wgmma_16(acc, a + 4 * j, sw128_desc(xs + 32 * j), (T*)nullptr);
     }
 };
 
-// A CTA computes output tiles of 128 weight rows (8 packed tiles) x 256 tokens, tokens read
+// A CTA computes output tiles of 128 weight rows (8 packed tiles) x TOK tokens, tokens read
 // through `xmap`; the grid is at most one CTA per SM and each walks tiles blockIdx.x, + gridDim.x,
 // .. in an order that takes WGQ_RASTER token blocks per weight block, so the tiles in flight
 // share weights and tokens in L2.
-template <class F, class OUT, class EPI>
+template <int TOK, class F, class OUT, class EPI>
 __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, long ldy, int M, int N,
                            const EPI& epi) {
     constexpr int S = F::STAGES;
@@ -238,12 +262,12 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
     // Persistent CTAs walk the output tiles; tile t is weight rows tile0 * 16 .. and tokens m0 ..
-    const int nb = (f.tiles + 7) / 8, mb = (M + WGQ_TOKENS - 1) / WGQ_TOKENS, total = nb * mb;
+    const int nb = (f.tiles + 7) / 8, mb = (M + TOK - 1) / TOK, total = nb * mb;
     auto place = [&](int t, int& tile0, int& m0) {
         const int per_group = WGQ_RASTER * nb;
         const int first = t / per_group * WGQ_RASTER, gsz = min(WGQ_RASTER, mb - first);
         tile0 = (t % per_group) / gsz * 8;
-        m0 = (first + (t % per_group) % gsz) * WGQ_TOKENS;
+        m0 = (first + (t % per_group) % gsz) * TOK;
     };
     const int n = f.stages();
 
@@ -268,28 +292,28 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
             for (int c = 0; c < n; ++c, ++g) {
                 const int s = g % S;
                 if (g >= S) mbar_wait(empty(s), (g / S + 1) & 1);
-                mbar_expect_tx(full(s), WGQ_X_BYTES + f.weight_bytes());
+                mbar_expect_tx(full(s), F::X_BYTES + f.weight_bytes());
                 tma_load_2d(base + s * F::STAGE, xmap, c * F::K_PER_STAGE, m0, full(s));
-                f.issue(base + s * F::STAGE + WGQ_X_BYTES, full(s), tile0, c);
+                f.issue(base + s * F::STAGE + F::X_BYTES, full(s), tile0, c);
             }
         }
         return;
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WGQ_CONSUMER_REGS));
-    typename F::Acc acc[32][4];
+    typename F::Acc acc[TOK / 8][4];
     u32 a0[F::A_REGS], a1[F::A_REGS];
     int g = 0;  // this tile's first stage
     for (int t = blockIdx.x; t < total; t += gridDim.x, g += n) {
         int tile0, m0;
         place(t, tile0, m0);
 #pragma unroll
-        for (int j = 0; j < 32; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
+        for (int j = 0; j < TOK / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
         fence_acc(acc);
         auto step = [&](int c, u32 (&cur)[F::A_REGS]) {
             const int s = (g + c) % S;
             mbar_wait(full(s), ((g + c) / S) & 1);
-            f.load_a(smem + s * F::STAGE + WGQ_X_BYTES, c, cur);
+            f.load_a(smem + s * F::STAGE + F::X_BYTES, c, cur);
             wgmma_fence();
             f.mma(acc, cur, base + s * F::STAGE, c);
             wgmma_commit();
@@ -304,32 +328,40 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
         wgmma_wait<0>();
         if (lane == 0) mbar_arrive(empty((g + n - 1) % S));
         fence_acc(acc);
-        store_tile<32>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
+        store_tile<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
     }
 }
 
-#define W8A8_WGMMA_ENTRY(OUTNAME, OUT)                                                                \
-    extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) w8a8_wgmma_##OUTNAME(                \
+// Entry points: `wgmma` takes 256 tokens per tile, `wgmma128` 128 (narrow layers, where 256-token
+// tiles would leave SMs idle in the last round: qlinear::wgmma_tokens).
+#define W8A8_WGMMA_ENTRY(NAME, TOK, OUT)                                                              \
+    extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
         const float* __restrict__ sw, const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, \
         int N, int tiles, int chunks) {                                                               \
-        wgmma_gemm(&xmap, WgqW8{&wmap, tiles, chunks}, y, ldy, M, N, W8Epilogue{sx, sw});             \
+        wgmma_gemm<TOK>(&xmap, WgqW8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, W8Epilogue{sx, sw});   \
     }
-W8A8_WGMMA_ENTRY(f32, float)
-W8A8_WGMMA_ENTRY(f16, __half)
-W8A8_WGMMA_ENTRY(bf16, __nv_bfloat16)
+#define W8A8_WGMMA(OUTNAME, OUT)                            \
+    W8A8_WGMMA_ENTRY(w8a8_wgmma_##OUTNAME, 256, OUT)        \
+    W8A8_WGMMA_ENTRY(w8a8_wgmma128_##OUTNAME, 128, OUT)
+W8A8_WGMMA(f32, float)
+W8A8_WGMMA(f16, __half)
+W8A8_WGMMA(bf16, __nv_bfloat16)
 
-#define W4A16_WGMMA_ENTRY(NAME, T, OUT)                                                               \
+#define W4A16_WGMMA_ENTRY(NAME, TOK, T, OUT)                                                          \
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
         const __grid_constant__ TmaMap pmap, OUT* __restrict__ y, long ldy, int M, int N, int tiles,  \
         int chunks, int groups, int group_len) {                                                      \
-        wgmma_gemm(&xmap, WgqW4<T>{&wmap, &pmap, tiles, chunks, groups, group_len}, y, ldy, M, N,     \
-                   W4Epilogue{});                                                                     \
+        wgmma_gemm<TOK>(&xmap, WgqW4<T, TOK>{&wmap, &pmap, tiles, chunks, groups, group_len}, y, ldy, \
+                        M, N, W4Epilogue{});                                                          \
     }
-W4A16_WGMMA_ENTRY(w4a16_wgmma_f16, __half, float)
-W4A16_WGMMA_ENTRY(w4a16_wgmma_h_f16, __half, __half)
-W4A16_WGMMA_ENTRY(w4a16_wgmma_bf16, __nv_bfloat16, float)
-W4A16_WGMMA_ENTRY(w4a16_wgmma_h_bf16, __nv_bfloat16, __nv_bfloat16)
+#define W4A16_WGMMA(SFX, T)                                            \
+    W4A16_WGMMA_ENTRY(w4a16_wgmma_##SFX, 256, T, float)                \
+    W4A16_WGMMA_ENTRY(w4a16_wgmma_h_##SFX, 256, T, T)                  \
+    W4A16_WGMMA_ENTRY(w4a16_wgmma128_##SFX, 128, T, float)             \
+    W4A16_WGMMA_ENTRY(w4a16_wgmma128_h_##SFX, 128, T, T)
+W4A16_WGMMA(f16, __half)
+W4A16_WGMMA(bf16, __nv_bfloat16)
 
 #endif  // sm_90a

@@ -52,11 +52,35 @@ pub enum KernelTier {
 /// Tokens per CTA of the wgmma kernels (kernels/qgemm_wgmma.cu): [`KernelTier::Auto`] takes them
 /// from one full CTA of tokens on.
 pub const WGMMA_TOKENS: usize = 256;
-/// Dynamic shared memory of the wgmma kernels: stages x (256 token rows of 128 B + the weight
-/// tiles' bytes), 1 KB to align the swizzle atoms, the mbarriers.
-pub const W8_WGMMA_SMEM: u32 = 4 * (32768 + 8 * 2048) + 1024 + 64;
-pub const W4_WGMMA_SMEM: u32 = 5 * (32768 + 8 * 512 + 8 * 128) + 1024 + 80;
 const WGMMA_THREADS: u32 = 384;
+
+/// Dynamic shared memory of a wgmma kernel with `tokens` per tile (kernels/qgemm_wgmma.cu,
+/// `WgqW8` / `WgqW4`): stages x (the token rows of 128 B + the 8 weight tiles' bytes), 1 KB to
+/// align the swizzle atoms, two mbarriers per stage.
+pub fn wgmma_smem(w4: bool, tokens: usize) -> u32 {
+    let (stages, weights) = match (w4, tokens == WGMMA_TOKENS) {
+        (false, true) => (4, 8 * 2048),
+        (false, false) => (6, 8 * 2048),
+        (true, true) => (5, 8 * 512 + 8 * 128),
+        (true, false) => (8, 8 * 512 + 8 * 128),
+    };
+    (stages * (tokens * 128 + weights) + 1024 + stages * 16) as u32
+}
+
+/// Tokens per wgmma tile for `m` tokens on a layer of `tiles` 16-row weight tiles: 256, or 128
+/// where that needs fewer rounds of the `sms` persistent CTAs for the work (a 128-token tile does
+/// about 10% less per token, its conversions shared by half the tokens). 6144x4096 at M = 1024:
+/// 192 tiles of 256 need two rounds of 132 SMs, 384 of 128 need three of half the length.
+pub fn wgmma_tokens(m: usize, tiles: usize, sms: usize) -> usize {
+    let cost = |t: usize, per_mille: usize| {
+        (tiles.div_ceil(8) * m.div_ceil(t)).div_ceil(sms.max(1)) * t * per_mille
+    };
+    if cost(128, 1100) < cost(WGMMA_TOKENS, 1000) {
+        128
+    } else {
+        WGMMA_TOKENS
+    }
+}
 
 /// Weight rows per stream-gemv row block: one 16-row tile per warp of a CTA.
 const STREAM_BLOCK_TILES: usize = 16;
@@ -279,8 +303,10 @@ pub enum QKernel {
     Gemv,
     /// The mma.sync tiled kernel.
     Tiled,
-    /// The Hopper wgmma kernel (sm_90a; larger M).
+    /// The Hopper wgmma kernel (sm_90a; larger M), 256 tokens per tile.
     Wgmma,
+    /// The same with 128 tokens per tile ([`wgmma_tokens`]).
+    Wgmma128,
 }
 
 /// What picks a quantized GEMM's kernel besides its shape: the format (W4A16 or W8A8), the output
@@ -318,6 +344,7 @@ pub fn qgemm_kernel_name(
             QKernel::Gemv => format!("w4a16_gemv{tt}{h}_{sfx}"),
             QKernel::Tiled => format!("w4a16_tiled{h}_{sfx}"),
             QKernel::Wgmma => format!("w4a16_wgmma{h}_{sfx}"),
+            QKernel::Wgmma128 => format!("w4a16_wgmma128{h}_{sfx}"),
         }
     } else {
         let o = if out_half { sfx } else { "f32" };
@@ -326,6 +353,7 @@ pub fn qgemm_kernel_name(
             QKernel::Gemv => format!("w8a8_gemv{tt}_{o}"),
             QKernel::Tiled => format!("w8a8_tiled_{o}"),
             QKernel::Wgmma => format!("w8a8_wgmma_{o}"),
+            QKernel::Wgmma128 => format!("w8a8_wgmma128_{o}"),
         }
     }
 }
@@ -564,12 +592,18 @@ impl CudaBackend {
                 64 * x_elem,
             )
         } else {
-            let wgmma = name(QKernel::Wgmma);
+            let tokens = wgmma_tokens(m, tiles, self.gpu.sm_count);
+            let wgmma = name(if tokens == WGMMA_TOKENS {
+                QKernel::Wgmma
+            } else {
+                QKernel::Wgmma128
+            });
             if self.wgmma_tier(&wgmma, m)
                 && wg.x.is_multiple_of(16)
                 && (wg.x_ld * wg.x_elem).is_multiple_of(16)
             {
-                return self.launch_wgmma(&wgmma, route.w4, wg, m, n, k, tiles, chunks);
+                let shape = (m, n, k, tiles, chunks);
+                return self.launch_wgmma(&wgmma, route.w4, tokens, wg, shape);
             }
             let mut args = head;
             args.extend(ints);
@@ -641,26 +675,22 @@ impl CudaBackend {
         wanted && self.has_kernel(name)
     }
 
-    /// Launches a wgmma-tier GEMM: output tiles of 128 weight rows and [`WGMMA_TOKENS`] tokens, the
-    /// activations read through a TMA descriptor in 128-byte rows of K.
-    #[allow(clippy::too_many_arguments)]
+    /// Launches a wgmma-tier GEMM of shape `(m, n, k, tiles, chunks)`: output tiles of 128 weight
+    /// rows and `tokens` tokens, the activations read through a TMA descriptor in 128-byte rows of K.
     fn launch_wgmma(
         &self,
         name: &str,
         w4: bool,
+        tokens: usize,
         op: WgmmaOperands,
-        m: usize,
-        n: usize,
-        k: usize,
-        tiles: usize,
-        chunks: usize,
+        (m, n, k, tiles, chunks): (usize, usize, usize, usize, usize),
     ) -> Result<()> {
         let map = tensor_map(
             op.x,
             op.x_elem,
             &[k, m],
             &[op.x_ld * op.x_elem],
-            &[128 / op.x_elem, WGMMA_TOKENS],
+            &[128 / op.x_elem, tokens],
             SWIZZLE_128B,
         )?;
         let mut args = vec![Arg::TensorMap(Box::new(map))];
@@ -671,8 +701,8 @@ impl CudaBackend {
         args.extend(op.tail);
         // Persistent CTAs, at most one per SM: each walks output tiles, its producer loading the
         // next tile while the consumers store the last.
-        let ctas = (tiles.div_ceil(8) * m.div_ceil(WGMMA_TOKENS)).min(self.gpu.sm_count);
-        let smem = if w4 { W4_WGMMA_SMEM } else { W8_WGMMA_SMEM };
+        let ctas = (tiles.div_ceil(8) * m.div_ceil(tokens)).min(self.gpu.sm_count);
+        let smem = wgmma_smem(w4, tokens);
         self.launch_block(name, (ctas as u32, 1, 1), WGMMA_THREADS, smem, args)
     }
 
@@ -809,6 +839,24 @@ mod tests {
         assert!(use_gemv(1, 1792, 132) && use_gemv(32, 1792, 132));
         assert!(use_gemv(64, 256, 132) && !use_gemv(64, 1792, 132));
         assert!(!use_gemv(65, 256, 132));
+    }
+
+    #[test]
+    fn narrow_layers_take_128_token_wgmma_tiles_where_256_would_idle_sms() {
+        // 6144x4096 at M = 1024 on 132 SMs: 192 tiles of 256 are two rounds, 384 of 128 three
+        // half-length ones.
+        assert_eq!(wgmma_tokens(1024, 6144 / 16, 132), 128);
+        // Full rounds either way: the larger tile.
+        for (m, n) in [(1024, 28672), (8192, 6144), (1024, 4096), (8192, 4096)] {
+            assert_eq!(wgmma_tokens(m, n / 16, 132), WGMMA_TOKENS, "{m}x{n}");
+        }
+        // A second token block that would be mostly padding.
+        assert_eq!(wgmma_tokens(300, 4096 / 16, 132), 128);
+        for tokens in [128, WGMMA_TOKENS] {
+            for w4 in [false, true] {
+                assert!(wgmma_smem(w4, tokens) <= 227 * 1024, "{w4} {tokens}");
+            }
+        }
     }
 
     #[test]

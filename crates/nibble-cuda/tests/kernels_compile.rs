@@ -61,6 +61,7 @@ fn kernels_compile_for_every_architecture() {
                                             }
                                             if cc.0 >= 9 {
                                                 kinds.push(QKernel::Wgmma);
+                                                kinds.push(QKernel::Wgmma128);
                                             }
                                             for kind in kinds {
                                                 let e = qgemm_kernel_name(
