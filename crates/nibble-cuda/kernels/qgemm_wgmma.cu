@@ -3,7 +3,7 @@
 // fragments, dequantization in registers) and QServe §4-5 (INT8 GEMM, fused scales) taken from
 // mma.sync to wgmma with TMA and warp specialization.
 //
-// Tiling: a CTA computes 128 weight rows x TOK tokens (256, or 128 for narrow layers). Two
+// Tiling: a CTA computes 128 weight rows x TOK tokens (256, or 128 for few tokens). Two
 // consumer warpgroups own 64 rows each and issue wgmma.m64nTOK (k32 for INT8, k16 for f16/bf16)
 // over all the tile's tokens; warp w's 16 rows
 // are packed tile tile0 + w. A third warpgroup is the producer (one warp of it issues copies).
@@ -332,8 +332,8 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
     }
 }
 
-// Entry points: `wgmma` takes 256 tokens per tile, `wgmma128` 128 (narrow layers, where 256-token
-// tiles would leave SMs idle in the last round: qlinear::wgmma_tokens).
+// Entry points: `wgmma` takes 256 tokens per tile, `wgmma128` 128 (where a second block of 256
+// would be mostly padding: qlinear::wgmma_tokens).
 #define W8A8_WGMMA_ENTRY(NAME, TOK, OUT)                                                              \
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
