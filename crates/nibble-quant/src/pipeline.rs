@@ -69,7 +69,7 @@ impl Method {
                 S::W4A16 { .. } | S::W8A16 | S::W4A8 { group: 0 }
             ),
             Method::SmoothQuant => matches!(spec.linear, S::W8A8 | S::Fp8 | S::W4A8 { group: 0 }),
-            Method::Qoq => matches!(spec.linear, S::W4A8 { .. }),
+            Method::Qoq => matches!(spec.linear, S::W4A8 { .. } | S::W8A8 | S::Fp8),
             Method::Lqq => matches!(spec.linear, S::W4A8Lqq { .. }),
             Method::Fmpq => matches!(spec.linear, S::W4A4A8 { .. }),
         };

@@ -79,6 +79,12 @@ const VALUE_ROTATION_SEED: u64 = 0x7654_3210;
 /// Output-module migration strengths: near 0, so the scale comes mostly from the weights.
 pub const OUTPUT_ALPHAS: [f32; 4] = [0.0, 0.05, 0.1, 0.15];
 
+/// SmoothQuant's grid, 0 to 0.95 by 0.05.
+pub const WIDE_ALPHAS: [f32; 20] = [
+    0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8,
+    0.85, 0.9, 0.95,
+];
+
 /// SmoothAttention strengths tried with a quantized KV cache by the whole-model perplexity
 /// search ([`AttentionStrength::Perplexity`]): QServe's 0.5 and its neighbours.
 pub const SMOOTH_ATTENTION_STRENGTHS: [f32; 5] = [0.4, 0.45, 0.5, 0.55, 0.6];
@@ -741,6 +747,10 @@ pub struct QoqSteps {
     /// search read.
     pub attention_sequences: usize,
     pub smooth_outputs: bool,
+    /// Migration strengths the output-module smoothing tries.
+    pub output_alphas: &'static [f32],
+    /// Smoothing of the (rotated) residual readers' inputs too, with `output_alphas`.
+    pub smooth_inputs: bool,
     pub reorder: bool,
     pub clip: bool,
     /// The most the per-group level-1 step search lowers a step (0: no search).
@@ -757,6 +767,8 @@ impl Default for QoqSteps {
             rotate_key_pairs: true,
             attention_sequences: KEY_ERROR_SEQUENCES,
             smooth_outputs: true,
+            output_alphas: &OUTPUT_ALPHAS,
+            smooth_inputs: false,
             reorder: true,
             clip: true,
             level1_shrinks: LEVEL1_SHRINKS,
@@ -790,11 +802,14 @@ pub fn quantize_with(
     steps: QoqSteps,
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> Result<QuantizedModel> {
-    let LinearScheme::W4A8 { group } = spec.linear else {
-        return Err(Error::InvalidArgument(format!(
-            "QoQ quantizes to w4a8 or w4a8-gN, not {}",
-            spec.linear
-        )));
+    let group = match spec.linear {
+        LinearScheme::W4A8 { group } => group,
+        LinearScheme::W8A8 | LinearScheme::Fp8 => 0,
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "QoQ quantizes to w4a8, w4a8-gN, w8a8 or fp8, not {other}"
+            )));
+        }
     };
     let format = spec
         .linear
@@ -876,10 +891,21 @@ pub fn quantize_with(
     progress("qoq: smooth attention", 1, 1);
 
     let layers = model.layers.len();
+    for layer in (0..layers).filter(|_| steps.smooth_inputs) {
+        for site in [SiteKind::AttnIn, SiteKind::MlpIn] {
+            let data = site_mut(&mut sites, layer, site)?;
+            let choice =
+                search_smoothing(&model, layer, site, data, steps.output_alphas, format, act)?;
+            if choice.alpha.is_some() {
+                apply_smoothing(&mut model, layer, site, data, &choice.scale)?;
+            }
+        }
+    }
     for layer in (0..layers).filter(|_| steps.smooth_outputs) {
         for site in [SiteKind::OIn, SiteKind::DownIn] {
             let data = site_mut(&mut sites, layer, site)?;
-            let choice = search_smoothing(&model, layer, site, data, &OUTPUT_ALPHAS, format, act)?;
+            let choice =
+                search_smoothing(&model, layer, site, data, steps.output_alphas, format, act)?;
             if choice.alpha.is_some() {
                 apply_smoothing(&mut model, layer, site, data, &choice.scale)?;
             }
