@@ -755,6 +755,7 @@ pub struct QoqSteps {
     pub clip: bool,
     /// The most the per-group level-1 step search lowers a step (0: no search).
     pub level1_shrinks: u8,
+    pub gptq: bool,
 }
 
 impl Default for QoqSteps {
@@ -772,6 +773,7 @@ impl Default for QoqSteps {
             reorder: true,
             clip: true,
             level1_shrinks: LEVEL1_SHRINKS,
+            gptq: false,
         }
     }
 }
@@ -933,7 +935,31 @@ pub fn quantize_with(
 
     let grid = if steps.clip { clip_grid() } else { vec![1.0] };
     let shrink = steps.level1_shrinks;
-    let linears = if matches!(format.codec, WeightCodec::Qoq { .. }) {
+    let linears = if steps.gptq {
+        let calib = crate::search::calibrate(&model, calibration, 1, true, opts.threads, progress)?;
+        let gopts = crate::gptq::GptqOptions::default();
+        let mut out = std::collections::BTreeMap::new();
+        for layer in 0..layers {
+            for site in SiteKind::ALL {
+                let stats = calib.site(layer, site);
+                let gram = stats.hessian.as_ref().expect("captured with Hessians");
+                let factor = crate::gptq::HessianFactor::new(
+                    gram,
+                    stats.absmax.len(),
+                    stats.tokens,
+                    &gopts,
+                )?;
+                for &kind in site.readers() {
+                    let id = crate::dense::LinearId { layer, kind };
+                    let bytes =
+                        crate::gptq::quantize_matrix(model.linear(id), format.codec, &factor)?;
+                    out.insert(id, (format, bytes));
+                }
+            }
+            progress("qoq: gptq", layer + 1, layers);
+        }
+        out
+    } else if matches!(format.codec, WeightCodec::Qoq { .. }) {
         clip_and_encode_with(
             &model,
             &sites,
