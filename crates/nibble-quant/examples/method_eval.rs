@@ -99,9 +99,6 @@ fn main() -> anyhow::Result<()> {
                     "nosmoothout" => steps.smooth_outputs = false,
                     "noreorder" => steps.reorder = false,
                     "noclip" => steps.clip = false,
-                    "wide" => steps.output_alphas = &qoq::WIDE_ALPHAS,
-                    "smoothin" => steps.smooth_inputs = true,
-                    "gptq" => steps.gptq = true,
                     "norotatepairs" => steps.rotate_key_pairs = false,
                     s if s.starts_with("shrink") => {
                         steps.level1_shrinks = s[6..]

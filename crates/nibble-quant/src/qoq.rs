@@ -79,11 +79,6 @@ const VALUE_ROTATION_SEED: u64 = 0x7654_3210;
 /// Output-module migration strengths: near 0, so the scale comes mostly from the weights.
 pub const OUTPUT_ALPHAS: [f32; 4] = [0.0, 0.05, 0.1, 0.15];
 
-/// SmoothQuant's grid, 0 to 0.95 by 0.05.
-pub const WIDE_ALPHAS: [f32; 20] = [
-    0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8,
-    0.85, 0.9, 0.95,
-];
 
 /// SmoothAttention strengths tried with a quantized KV cache by the whole-model perplexity
 /// search ([`AttentionStrength::Perplexity`]): QServe's 0.5 and its neighbours.
@@ -747,15 +742,10 @@ pub struct QoqSteps {
     /// search read.
     pub attention_sequences: usize,
     pub smooth_outputs: bool,
-    /// Migration strengths the output-module smoothing tries.
-    pub output_alphas: &'static [f32],
-    /// Smoothing of the (rotated) residual readers' inputs too, with `output_alphas`.
-    pub smooth_inputs: bool,
     pub reorder: bool,
     pub clip: bool,
     /// The most the per-group level-1 step search lowers a step (0: no search).
     pub level1_shrinks: u8,
-    pub gptq: bool,
 }
 
 impl Default for QoqSteps {
@@ -768,12 +758,9 @@ impl Default for QoqSteps {
             rotate_key_pairs: true,
             attention_sequences: KEY_ERROR_SEQUENCES,
             smooth_outputs: true,
-            output_alphas: &OUTPUT_ALPHAS,
-            smooth_inputs: false,
             reorder: true,
             clip: true,
             level1_shrinks: LEVEL1_SHRINKS,
-            gptq: false,
         }
     }
 }
@@ -893,21 +880,10 @@ pub fn quantize_with(
     progress("qoq: smooth attention", 1, 1);
 
     let layers = model.layers.len();
-    for layer in (0..layers).filter(|_| steps.smooth_inputs) {
-        for site in [SiteKind::AttnIn, SiteKind::MlpIn] {
-            let data = site_mut(&mut sites, layer, site)?;
-            let choice =
-                search_smoothing(&model, layer, site, data, steps.output_alphas, format, act)?;
-            if choice.alpha.is_some() {
-                apply_smoothing(&mut model, layer, site, data, &choice.scale)?;
-            }
-        }
-    }
     for layer in (0..layers).filter(|_| steps.smooth_outputs) {
         for site in [SiteKind::OIn, SiteKind::DownIn] {
             let data = site_mut(&mut sites, layer, site)?;
-            let choice =
-                search_smoothing(&model, layer, site, data, steps.output_alphas, format, act)?;
+            let choice = search_smoothing(&model, layer, site, data, &OUTPUT_ALPHAS, format, act)?;
             if choice.alpha.is_some() {
                 apply_smoothing(&mut model, layer, site, data, &choice.scale)?;
             }
@@ -935,31 +911,7 @@ pub fn quantize_with(
 
     let grid = if steps.clip { clip_grid() } else { vec![1.0] };
     let shrink = steps.level1_shrinks;
-    let linears = if steps.gptq {
-        let calib = crate::search::calibrate(&model, calibration, 1, true, opts.threads, progress)?;
-        let gopts = crate::gptq::GptqOptions::default();
-        let mut out = std::collections::BTreeMap::new();
-        for layer in 0..layers {
-            for site in SiteKind::ALL {
-                let stats = calib.site(layer, site);
-                let gram = stats.hessian.as_ref().expect("captured with Hessians");
-                let factor = crate::gptq::HessianFactor::new(
-                    gram,
-                    stats.absmax.len(),
-                    stats.tokens,
-                    &gopts,
-                )?;
-                for &kind in site.readers() {
-                    let id = crate::dense::LinearId { layer, kind };
-                    let bytes =
-                        crate::gptq::quantize_matrix(model.linear(id), format.codec, &factor)?;
-                    out.insert(id, (format, bytes));
-                }
-            }
-            progress("qoq: gptq", layer + 1, layers);
-        }
-        out
-    } else if matches!(format.codec, WeightCodec::Qoq { .. }) {
+    let linears = if matches!(format.codec, WeightCodec::Qoq { .. }) {
         clip_and_encode_with(
             &model,
             &sites,
