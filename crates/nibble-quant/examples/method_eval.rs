@@ -209,12 +209,14 @@ fn main() -> anyhow::Result<()> {
 /// Perplexity of `q` with parts of it back in float (see `NIBBLE_ATTR` in the module docs).
 fn attribute(q: &nibble_quant::QuantizedModel, eval: &[Vec<u32>]) -> anyhow::Result<()> {
     use nibble_quant::sim::ActSim;
-    let ppl = |s: &Simulated| -> anyhow::Result<f64> {
-        Ok(s.mean_nll(eval, 0, &mut |_, _| {})?.0.exp())
-    };
+    let ppl =
+        |s: &Simulated| -> anyhow::Result<f64> { Ok(s.mean_nll(eval, 0, &mut |_, _| {})?.0.exp()) };
     let full = Simulated::new(q)?;
     let mut weights_only = full.clone();
-    weights_only.acts.values_mut().for_each(|a| *a = ActSim::Float);
+    weights_only
+        .acts
+        .values_mut()
+        .for_each(|a| *a = ActSim::Float);
     let acts_only = Simulated {
         dense: q.dense.clone(),
         ..full.clone()
@@ -224,7 +226,10 @@ fn attribute(q: &nibble_quant::QuantizedModel, eval: &[Vec<u32>]) -> anyhow::Res
     for site in SiteKind::ALL {
         let mut part = q.clone();
         part.linears.retain(|id, _| id.kind.site() != site);
-        println!("  {site:?} in float: ppl {:.3}", ppl(&Simulated::new(&part)?)?);
+        println!(
+            "  {site:?} in float: ppl {:.3}",
+            ppl(&Simulated::new(&part)?)?
+        );
     }
     let errors = nibble_quant::sim::layer_errors(q, &eval[..eval.len().min(4)], 0)?;
     let mut line = String::from("  down_proj relative error by layer:");

@@ -1,6 +1,18 @@
 //! QServe's QoQ (W4A8, per-channel or progressive per-group weights, INT8 per-token
 //! activations), in the order its steps depend on each other:
 //!
+//! The same pipeline serves W8A8 (per-channel INT8 weights) and FP8 (per-channel e4m3 weights,
+//! per-token e4m3 activations); only the encoding differs. For W8A8 the residual rotation is
+//! what matters: the loss of per-token INT8 activations sits at the residual readers' inputs,
+//! whose few massive channels set every token's scale, and at down_proj's input, which a
+//! rotation of the residual stream does not reach (measured on calibration-half text the
+//! calibration does not use, float 7.747: W8A8 RTN 8.055, SmoothQuant 7.834, QoQ 7.798, with
+//! down_proj's layers alone left in float 7.750). Tried for W8A8 and not kept: SmoothQuant's
+//! strengths 0 to 0.95 for down_proj's input (7.856; they halve the layer's output error on
+//! the calibration rows, which the first tokens' massive outputs dominate), and for o_proj's
+//! too (7.837); GPTQ instead of the clip search (7.790, within the slice's noise, for two more
+//! minutes of Hessians).
+//!
 //! 1. **Block input rotation.** Norm gains are folded into the readers, then the residual
 //!    stream is rotated by a seeded scaled Hadamard matrix ([`crate::rotation`]), so q/k/v and
 //!    gate/up read activations whose outlier channels are spread over all channels. The
@@ -52,7 +64,8 @@
 //!    range clipped at the step) where that lowers the row's output error `dᵀ XᵀX d` on the
 //!    INT8 per-token quantized calibration rows ([`level1_shrinks`]): a per-group clip, on
 //!    QoQ's integer grid.
-//! 6. **Encoding** with `Qoq { group }` (or `Int4Group { group: 0 }` for per-channel W4A8).
+//! 6. **Encoding** with `Qoq { group }` (or `Int4Group { group: 0 }` for per-channel W4A8,
+//!    `Int8PerChannel` for W8A8, `Fp8PerChannel` for FP8).
 
 use nibble_core::{Error, Result};
 use nibble_model::RopeLayout;
@@ -78,7 +91,6 @@ const VALUE_ROTATION_SEED: u64 = 0x7654_3210;
 
 /// Output-module migration strengths: near 0, so the scale comes mostly from the weights.
 pub const OUTPUT_ALPHAS: [f32; 4] = [0.0, 0.05, 0.1, 0.15];
-
 
 /// SmoothAttention strengths tried with a quantized KV cache by the whole-model perplexity
 /// search ([`AttentionStrength::Perplexity`]): QServe's 0.5 and its neighbours.
