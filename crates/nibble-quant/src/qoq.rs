@@ -1,5 +1,5 @@
 //! QServe's QoQ (W4A8, per-channel or progressive per-group weights, INT8 per-token
-//! activations), in the order its steps depend on each other:
+//! activations).
 //!
 //! The same pipeline serves W8A8 (per-channel INT8 weights) and FP8 (per-channel e4m3 weights,
 //! per-token e4m3 activations); only the encoding differs. For W8A8 the residual rotation is
@@ -12,6 +12,8 @@
 //! the calibration rows, which the first tokens' massive outputs dominate), and for o_proj's
 //! too (7.837); GPTQ instead of the clip search (7.790, within the slice's noise, for two more
 //! minutes of Hessians).
+//!
+//! The steps, in the order they depend on each other:
 //!
 //! 1. **Block input rotation.** Norm gains are folded into the readers, then the residual
 //!    stream is rotated by a seeded scaled Hadamard matrix ([`crate::rotation`]), so q/k/v and
