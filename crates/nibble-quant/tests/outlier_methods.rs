@@ -611,7 +611,10 @@ fn qoq_beats_rtn_on_planted_outliers_and_runs_on_each_architecture() {
                 "{name} {s}: layer errors qoq {eq:.4} rtn {er:.4}; residual readers {rq:.4} vs {rr:.4}; logits {lq:.2e} vs {lr:.2e}"
             );
             assert!(eq < er, "{name} {s}: layer errors qoq {eq} rtn {er}");
-            assert!(rq * 2.0 < rr, "{name} {s}: rotated readers {rq} vs {rr}");
+            // FP8 rounds relative to each value, so an outlier costs the other channels of its
+            // token less than on an integer grid, and spreading it gains less (about 1.6x here).
+            let gain = if s == "fp8" { 1.3 } else { 2.0 };
+            assert!(rq * gain < rr, "{name} {s}: rotated readers {rq} vs {rr}");
             assert!(lq < lr, "{name} {s}: logits qoq {lq} rtn {lr}");
         }
     }
