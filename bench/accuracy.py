@@ -42,7 +42,6 @@ ROWS = [
     ("w8a8", "qoq"),
     ("fp8", "rtn"),
     ("fp8", "smoothquant"),
-    ("fp8", "qoq"),
     ("w4a16-g64", "rtn"),
     ("w4a16-g64", "awq"),
     ("w4a16-g64", "gptq"),

@@ -581,23 +581,17 @@ fn logit_error(q: &QuantizedModel, float: &DenseModel) -> f64 {
 #[test]
 fn qoq_beats_rtn_on_planted_outliers_and_runs_on_each_architecture() {
     for name in ["tiny-llama3", "tiny-qwen2", "tiny-qwen3"] {
-        for s in ["w4a8-g32", "w4a8", "w8a8", "fp8"] {
+        for s in ["w4a8-g32", "w4a8", "w8a8"] {
             let m = planted_model(name);
             let q = run(m.clone(), s, Method::Qoq);
             let want = match s {
                 "w4a8" => WeightCodec::Int4Group { group: 0 },
                 "w8a8" => WeightCodec::Int8PerChannel,
-                "fp8" => WeightCodec::Fp8PerChannel,
                 _ => WeightCodec::Qoq { group: 32 },
-            };
-            let act = if s == "fp8" {
-                ActQuant::Fp8PerToken
-            } else {
-                ActQuant::Int8PerToken
             };
             assert_eq!(q.linears.len(), 7 * m.layers.len());
             for (id, (f, bytes)) in &q.linears {
-                assert_eq!(*f, LinearFormat::new(want, act).unwrap());
+                assert_eq!(*f, LinearFormat::new(want, ActQuant::Int8PerToken).unwrap());
                 let w = q.dense.linear(*id);
                 assert_eq!(bytes.len(), f.row_bytes(w.cols).unwrap() * w.rows);
             }
@@ -611,10 +605,7 @@ fn qoq_beats_rtn_on_planted_outliers_and_runs_on_each_architecture() {
                 "{name} {s}: layer errors qoq {eq:.4} rtn {er:.4}; residual readers {rq:.4} vs {rr:.4}; logits {lq:.2e} vs {lr:.2e}"
             );
             assert!(eq < er, "{name} {s}: layer errors qoq {eq} rtn {er}");
-            // FP8 rounds relative to each value, so an outlier costs the other channels of its
-            // token less than on an integer grid, and spreading it gains less (about 1.6x here).
-            let gain = if s == "fp8" { 1.3 } else { 2.0 };
-            assert!(rq * gain < rr, "{name} {s}: rotated readers {rq} vs {rr}");
+            assert!(rq * 2.0 < rr, "{name} {s}: rotated readers {rq} vs {rr}");
             assert!(lq < lr, "{name} {s}: logits qoq {lq} rtn {lr}");
         }
     }
@@ -741,7 +732,6 @@ fn simulation_matches_the_quantized_cpu_kernels() {
         ("w4a8-g32", Method::Qoq),
         ("w4a8", Method::Qoq),
         ("w8a8", Method::Qoq),
-        ("fp8", Method::Qoq),
         ("w4a8-lqq-g32", Method::Lqq),
         ("w4a4a8-g32", Method::Fmpq),
     ] {
