@@ -39,6 +39,7 @@ ROWS = [
     ("kv2c", "rtn"),
     ("w8a8", "rtn"),
     ("w8a8", "smoothquant"),
+    ("w8a8", "qoq"),
     ("fp8", "rtn"),
     ("fp8", "smoothquant"),
     ("w4a16-g64", "rtn"),

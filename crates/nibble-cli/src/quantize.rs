@@ -29,7 +29,7 @@ pub struct QuantizeArgs {
     #[arg(long)]
     pub format: String,
     /// rtn, awq (w4a16, w8a16, w4a8), gptq (w4a16, w8a16, w4a8), smoothquant (w8a8, fp8, w4a8),
-    /// qoq (w4a8[-gN]), lqq (w4a8-lqq), fmpq (w4a4a8).
+    /// qoq (w4a8[-gN], w8a8), lqq (w4a8-lqq), fmpq (w4a4a8).
     #[arg(long, default_value = "rtn")]
     pub method: String,
     /// The checkpoint directory to write.

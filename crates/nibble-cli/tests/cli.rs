@@ -299,6 +299,7 @@ fn quantize_writes_a_checkpoint_with_provenance() {
         ("awq", "w4a16-g32"),
         ("gptq", "w8a16"),
         ("smoothquant", "w8a8-kv8"),
+        ("qoq", "w8a8"),
     ] {
         let out = tmp.path().join(format!("ckpt-{method}"));
         let (ok, stdout, err) = nibble(&[
@@ -340,6 +341,34 @@ fn quantize_writes_a_checkpoint_with_provenance() {
         }
         let q = &manifest["tensors"]["model.layers.1.mlp.down_proj.weight"];
         assert!(q["format"].is_string(), "{q}");
+        if method == "qoq" {
+            // The rotation is folded into every weight (the head untied): the checkpoint must
+            // load and score like the float model through the INT8 kernels, not just be written.
+            let text = tmp.path().join("text.txt");
+            std::fs::write(
+                &text,
+                "The quick brown fox jumps over the lazy dog. ".repeat(6),
+            )
+            .unwrap();
+            let ppl = |model: &str| -> f64 {
+                let (ok, out, err) = nibble(&[
+                    "--model",
+                    model,
+                    "eval",
+                    "ppl",
+                    "--file",
+                    text.to_str().unwrap(),
+                ]);
+                assert!(ok, "{model}: {err}");
+                out.split_whitespace().nth(1).unwrap().parse().unwrap()
+            };
+            let (float, quant) = (ppl(TINY_LLAMA), ppl(out.to_str().unwrap()));
+            assert_ne!(float, quant, "w8a8 must change the arithmetic");
+            assert!(
+                (quant / float - 1.0).abs() < 0.02,
+                "qoq w8a8 perplexity {quant} against float {float}"
+            );
+        }
         assert_eq!(
             manifest["tensors"]["model.norm.weight"]["dtype"], "F16",
             "{manifest}"

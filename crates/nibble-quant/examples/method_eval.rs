@@ -14,6 +14,9 @@
 //! search's largest shrink, 0 for none);
 //! `NIBBLE_DEV=1` evaluates on unused calibration-half sequences instead of the evaluation half.
 //! `fmpq@4:w4a4a8-g64` sets FMPQ's outlier threshold.
+//! `NIBBLE_ATTR=1` says where a quantized model's loss comes from: its perplexity with the
+//! weights alone quantized, the activations alone, each input site's layers left in float, and
+//! the down_proj layers' relative output error per layer.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -175,6 +178,9 @@ fn main() -> anyhow::Result<()> {
         let quant_s = t.elapsed().as_secs_f64();
         let (nll, _) = Simulated::new(&q)?.mean_nll(&eval, 0, &mut |_, _| {})?;
         println!("{job}: ppl {:.3} (quantized in {quant_s:.0}s)", nll.exp());
+        if std::env::var("NIBBLE_ATTR").is_ok_and(|v| v == "1") {
+            attribute(&q, &eval)?;
+        }
         // COMET: the share of activation channels each site kind keeps at INT8.
         let mut share: BTreeMap<SiteKind, (usize, usize)> = BTreeMap::new();
         for (id, (f, _)) in &q.linears {
@@ -197,5 +203,41 @@ fn main() -> anyhow::Result<()> {
             println!("  all linears: {:.1}% INT8", 100.0 * a as f64 / b as f64);
         }
     }
+    Ok(())
+}
+
+/// Perplexity of `q` with parts of it back in float (see `NIBBLE_ATTR` in the module docs).
+fn attribute(q: &nibble_quant::QuantizedModel, eval: &[Vec<u32>]) -> anyhow::Result<()> {
+    use nibble_quant::sim::ActSim;
+    let ppl =
+        |s: &Simulated| -> anyhow::Result<f64> { Ok(s.mean_nll(eval, 0, &mut |_, _| {})?.0.exp()) };
+    let full = Simulated::new(q)?;
+    let mut weights_only = full.clone();
+    weights_only
+        .acts
+        .values_mut()
+        .for_each(|a| *a = ActSim::Float);
+    let acts_only = Simulated {
+        dense: q.dense.clone(),
+        ..full.clone()
+    };
+    println!("  weights only: ppl {:.3}", ppl(&weights_only)?);
+    println!("  activations only: ppl {:.3}", ppl(&acts_only)?);
+    for site in SiteKind::ALL {
+        let mut part = q.clone();
+        part.linears.retain(|id, _| id.kind.site() != site);
+        println!(
+            "  {site:?} in float: ppl {:.3}",
+            ppl(&Simulated::new(&part)?)?
+        );
+    }
+    let errors = nibble_quant::sim::layer_errors(q, &eval[..eval.len().min(4)], 0)?;
+    let mut line = String::from("  down_proj relative error by layer:");
+    for (id, e) in &errors {
+        if id.kind == nibble_quant::dense::LinearKind::Down {
+            line += &format!(" {}:{:.2e}", id.layer, e);
+        }
+    }
+    println!("{line}");
     Ok(())
 }

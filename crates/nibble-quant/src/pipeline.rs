@@ -23,7 +23,8 @@ pub enum Method {
     Gptq,
     /// SmoothQuant: activation outliers migrated into the weights before quantizing both.
     SmoothQuant,
-    /// QServe's QoQ: rotation, SmoothAttention, output smoothing, reordering, clipping search.
+    /// QServe's QoQ: rotation, SmoothAttention, output smoothing, reordering, clipping search;
+    /// for W4A8, and with per-channel INT8 weights for W8A8.
     Qoq,
     /// LiquidQuant: SmoothQuant smoothing with a searched strength, then LQQ encoding.
     Lqq,
@@ -69,7 +70,7 @@ impl Method {
                 S::W4A16 { .. } | S::W8A16 | S::W4A8 { group: 0 }
             ),
             Method::SmoothQuant => matches!(spec.linear, S::W8A8 | S::Fp8 | S::W4A8 { group: 0 }),
-            Method::Qoq => matches!(spec.linear, S::W4A8 { .. }),
+            Method::Qoq => matches!(spec.linear, S::W4A8 { .. } | S::W8A8),
             Method::Lqq => matches!(spec.linear, S::W4A8Lqq { .. }),
             Method::Fmpq => matches!(spec.linear, S::W4A4A8 { .. }),
         };
@@ -80,7 +81,7 @@ impl Method {
                 match self {
                     Method::Awq | Method::Gptq => "w4a16, w8a16 or per-channel w4a8",
                     Method::SmoothQuant => "w8a8, fp8 or per-channel w4a8",
-                    Method::Qoq => "w4a8 or w4a8-gN",
+                    Method::Qoq => "w4a8, w4a8-gN or w8a8",
                     Method::Lqq => "w4a8-lqq-gN",
                     Method::Fmpq => "w4a4a8",
                     Method::Rtn => unreachable!("rtn applies to every scheme"),
@@ -255,6 +256,9 @@ mod tests {
         let spec = |s: &str| s.parse::<PrecisionSpec>().unwrap();
         assert!(Method::Awq.check(&spec("w4a16-g64")).is_ok());
         assert!(Method::Qoq.check(&spec("w4a8-g64-kv4")).is_ok());
+        assert!(Method::Qoq.check(&spec("w8a8")).is_ok());
+        let err = Method::Qoq.check(&spec("fp8")).unwrap_err().to_string();
+        assert!(err.contains("w4a8, w4a8-gN or w8a8"), "{err}");
         let err = Method::Qoq.check(&spec("w4a16")).unwrap_err().to_string();
         assert!(err.contains("does not apply"), "{err}");
         assert!(Method::Fmpq.check(&spec("w8a8")).is_err());

@@ -1,5 +1,22 @@
 //! QServe's QoQ (W4A8, per-channel or progressive per-group weights, INT8 per-token
-//! activations), in the order its steps depend on each other:
+//! activations).
+//!
+//! The same pipeline serves W8A8 (per-channel INT8 weights); only the encoding differs. The
+//! residual rotation is
+//! what matters: the loss of per-token INT8 activations sits at the residual readers' inputs,
+//! whose few massive channels set every token's scale, and at down_proj's input, which a
+//! rotation of the residual stream does not reach (measured on calibration-half text the
+//! calibration does not use, float 7.747: W8A8 RTN 8.055, SmoothQuant 7.834, QoQ 7.798, with
+//! down_proj's layers alone left in float 7.750). Tried for W8A8 and not kept: SmoothQuant's
+//! strengths 0 to 0.95 for down_proj's input (7.856; they halve the layer's output error on
+//! the calibration rows, which the first tokens' massive outputs dominate), and for o_proj's
+//! too (7.837); GPTQ instead of the clip search (7.790, within the slice's noise, for two more
+//! minutes of Hessians). Not for FP8: e4m3 rounds relative to each value, so an outlier costs
+//! its token's other channels little, and on held-out ShareGPT text the same pipeline with FP8
+//! weights was worse than FP8 round-to-nearest (perplexity 10.2327 against 10.2039; SmoothQuant
+//! 10.1159).
+//!
+//! The steps, in the order they depend on each other:
 //!
 //! 1. **Block input rotation.** Norm gains are folded into the readers, then the residual
 //!    stream is rotated by a seeded scaled Hadamard matrix ([`crate::rotation`]), so q/k/v and
@@ -52,7 +69,8 @@
 //!    range clipped at the step) where that lowers the row's output error `dᵀ XᵀX d` on the
 //!    INT8 per-token quantized calibration rows ([`level1_shrinks`]): a per-group clip, on
 //!    QoQ's integer grid.
-//! 6. **Encoding** with `Qoq { group }` (or `Int4Group { group: 0 }` for per-channel W4A8).
+//! 6. **Encoding** with `Qoq { group }` (or `Int4Group { group: 0 }` for per-channel W4A8,
+//!    `Int8PerChannel` for W8A8).
 
 use nibble_core::{Error, Result};
 use nibble_model::RopeLayout;
@@ -790,11 +808,14 @@ pub fn quantize_with(
     steps: QoqSteps,
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> Result<QuantizedModel> {
-    let LinearScheme::W4A8 { group } = spec.linear else {
-        return Err(Error::InvalidArgument(format!(
-            "QoQ quantizes to w4a8 or w4a8-gN, not {}",
-            spec.linear
-        )));
+    let group = match spec.linear {
+        LinearScheme::W4A8 { group } => group,
+        LinearScheme::W8A8 => 0,
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "QoQ quantizes to w4a8, w4a8-gN or w8a8, not {other}"
+            )));
+        }
     };
     let format = spec
         .linear

@@ -581,13 +581,13 @@ fn logit_error(q: &QuantizedModel, float: &DenseModel) -> f64 {
 #[test]
 fn qoq_beats_rtn_on_planted_outliers_and_runs_on_each_architecture() {
     for name in ["tiny-llama3", "tiny-qwen2", "tiny-qwen3"] {
-        for s in ["w4a8-g32", "w4a8"] {
+        for s in ["w4a8-g32", "w4a8", "w8a8"] {
             let m = planted_model(name);
             let q = run(m.clone(), s, Method::Qoq);
-            let want = if s == "w4a8" {
-                WeightCodec::Int4Group { group: 0 }
-            } else {
-                WeightCodec::Qoq { group: 32 }
+            let want = match s {
+                "w4a8" => WeightCodec::Int4Group { group: 0 },
+                "w8a8" => WeightCodec::Int8PerChannel,
+                _ => WeightCodec::Qoq { group: 32 },
             };
             assert_eq!(q.linears.len(), 7 * m.layers.len());
             for (id, (f, bytes)) in &q.linears {
@@ -731,6 +731,7 @@ fn simulation_matches_the_quantized_cpu_kernels() {
     for (s, method) in [
         ("w4a8-g32", Method::Qoq),
         ("w4a8", Method::Qoq),
+        ("w8a8", Method::Qoq),
         ("w4a8-lqq-g32", Method::Lqq),
         ("w4a4a8-g32", Method::Fmpq),
     ] {
