@@ -6,6 +6,10 @@ checked, plus the time and peak memory of each `nibble quantize`.
     python3 bench/accuracy.py            # the documented command: 32 x 256 calibration tokens,
                                          # 8 x 512 held-out tokens (about an hour on 2 cores)
     python3 bench/accuracy.py --quick    # fewer evaluation tokens, for a smoke run
+    python3 bench/accuracy.py --render bench/results/accuracy-<time>.json
+                                         # the page again from a run's raw results, keeping
+                                         # only the rows ROWS still lists (a method withdrawn
+                                         # after the run drops out; nothing is re-measured)
 
 Every number comes from the release binary: `nibble quantize` writes each checkpoint under
 --work, `nibble eval ppl --json` scores it on ../shared/reference/sample.txt and on a held-out
@@ -113,7 +117,17 @@ def main():
     ap.add_argument("--eval-len", type=int, default=512)
     ap.add_argument("--only", help="comma-separated formats to run (default: all rows)")
     ap.add_argument("--quick", action="store_true", help="4 x 256 evaluation tokens")
+    ap.add_argument("--render", metavar="RAW_JSON", help="rewrite --out from a run's raw results")
     args = ap.parse_args()
+    if args.render:
+        raw = Path(args.render).resolve()
+        data = json.loads(raw.read_text())
+        listed = set(ROWS)
+        kept = [r for r in data["results"] if (r["format"], r["method"]) in listed]
+        dropped = [f"{r['format']} {r['method']}" for r in data["results"] if (r["format"], r["method"]) not in listed]
+        Path(args.out).write_text(render(kept, data["meta"], raw, dropped))
+        print(f"wrote {args.out} from {raw}" + (f", without {', '.join(dropped)}" if dropped else ""), file=sys.stderr)
+        return
     if args.quick:
         args.eval_seqs, args.eval_len = 4, 256
 
@@ -174,7 +188,7 @@ def ppl_of(entry, key):
     return None
 
 
-def render(results, meta, raw):
+def render(results, meta, raw, dropped=()):
     base = next((r for r in results if r["method"] == "baseline" and "error" not in r), None)
     bs, bf = (ppl_of(base, "sharegpt"), ppl_of(base, "file")) if base else (None, None)
     a = meta["args"]
@@ -192,6 +206,8 @@ def render(results, meta, raw):
         "- Δ is the change in ShareGPT perplexity against the unquantized baseline. Group size 64: "
         "the hidden size 576 is not a multiple of 128.",
         "- Quantize time and peak memory are for `nibble quantize` on this machine (see also BENCHMARKS.md).",
+        *([f"- Rendered again with `--render` without the rows no longer in the script's list "
+           f"(measured in this run, since withdrawn): {', '.join(dropped)}."] if dropped else []),
         "",
         "| format | method | PPL sample.txt | PPL ShareGPT | Δ ShareGPT | quantize s | peak MB | checkpoint MB |",
         "|---|---|---|---|---|---|---|---|",
