@@ -3,16 +3,17 @@
 // fragments, dequantization in registers) and QServe §4-5 (INT8 GEMM, fused scales) taken from
 // mma.sync to wgmma with TMA and warp specialization.
 //
-// Tiling: a CTA computes 128 weight rows x TOK tokens (256, or 128 for few tokens). Two
-// consumer warpgroups own 64 rows each and issue wgmma.m64nTOK (k32 for INT8, k16 for f16/bf16)
-// over all the tile's tokens; warp w's 16 rows
-// are packed tile tile0 + w. A third warpgroup is the producer (one warp of it issues copies).
+// Tiling: persistent CTAs (at most one per SM) walk output tiles of 128 weight rows x TOK tokens
+// (256, or 128 for few tokens). Two consumer warpgroups own 64 rows each and issue wgmma.m64nTOK
+// (k32 for INT8, k16 for f16/bf16) over all the tile's tokens; warp w's 16 rows are packed tile
+// tile0 + w. A third warpgroup is the producer (one thread of it issues the copies).
 //
-// Pipeline: WGQ_STAGES shared-memory stages on full/empty mbarrier pairs. The producer waits for
-// a stage to be empty, then fills it with TMA tensor copies: the tokens' tile (TOK rows x 128 bytes
+// Pipeline: F::STAGES shared-memory stages on full/empty mbarrier pairs. The producer waits for a
+// stage to be empty, then fills it with TMA tensor copies: the tokens' tile (TOK rows x 128 bytes
 // of K), 128-byte swizzled (the layout wgmma reads with a SW128 K-major descriptor), and the 8
-// weight tiles' packed bytes for that K (and W4A16's group parameters), one box each. Consumers wait for the stage, load and convert their A fragments from it into one
-// of two register sets, issue the stage's wgmmas and keep them in flight while the next stage is
+// weight tiles' packed bytes for that K (and W4A16's group parameters), one box each; it runs on
+// into the next tile while the consumers store this one. Consumers wait for the stage, load and
+// convert their A fragments from it into one of two register sets, issue the stage's wgmmas and keep them in flight while the next stage is
 // converted into the other set (wait_group 1); a stage goes back to the producer once its wgmmas
 // retire. The loop runs two stages per iteration with no condition inside: ptxas serializes
 // register-A wgmmas (C7513) when it cannot see which registers an in-flight wgmma still reads.
@@ -28,12 +29,12 @@
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (host pass: bench/probe)
 
 #define WGQ_THREADS 384                 // two consumer warpgroups and a producer warpgroup
-#define WGQ_RASTER 16
+#define WGQ_RASTER 16  // token blocks a column of tiles walks before the next weights
 // Registers per thread after setmaxnreg: each SM sub-partition (16384 registers) holds one warp of
 // each warpgroup, 40 + 2 x 232 <= 512 per lane. 168 for all (the launch bound) would serialize
 // the consumers' wgmmas (ptxas C7512).
 #define WGQ_PRODUCER_REGS 40
-#define WGQ_CONSUMER_REGS 232                   // token blocks a column of CTAs walks before the next weights
+#define WGQ_CONSUMER_REGS 232
 
 // A CUtensorMap, passed by value as a __grid_constant__ parameter.
 struct __align__(64) TmaMap {
