@@ -29,7 +29,9 @@
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (host pass: bench/probe)
 
 #define WGQ_THREADS 384                 // two consumer warpgroups and a producer warpgroup
+#ifndef WGQ_RASTER  // (overridable only by bench/probe)
 #define WGQ_RASTER 16  // token blocks a column of tiles walks before the next weights
+#endif
 // Registers per thread after setmaxnreg: each SM sub-partition (16384 registers) holds one warp of
 // each warpgroup, 40 + 2 x 232 <= 512 per lane. 168 for all (the launch bound) would serialize
 // the consumers' wgmmas (ptxas C7512).
