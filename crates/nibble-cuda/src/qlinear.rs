@@ -394,16 +394,29 @@ pub struct Int8Input {
 }
 
 /// What a wgmma-tier launch takes besides the shape: the activations (read through a TMA
-/// descriptor, not a pointer), the weights' TMA descriptors and other arguments in the kernel's
-/// order, the output, and the integers after the shape.
+/// descriptor, not a pointer), the weight, and the output. The descriptors are made only when
+/// the wgmma kernel runs, so the other tiers (and GPUs without TMA) never encode one.
 struct WgmmaOperands {
     x: u64,
     x_ld: usize,
     x_elem: usize,
-    weights: Vec<Arg>,
+    weights: WgmmaWeights,
     out: u64,
     ldy: usize,
-    tail: Vec<Arg>,
+}
+
+enum WgmmaWeights {
+    W4 {
+        codes: u64,
+        params: u64,
+        groups: usize,
+        group_len: usize,
+    },
+    W8 {
+        codes: u64,
+        scales: u64,
+        x_scales: u64,
+    },
 }
 
 /// A TMA descriptor, as a kernel argument, over packed weight bytes laid out as
@@ -495,21 +508,14 @@ impl CudaBackend {
                     x: xh.ptr,
                     x_ld: xh.ld,
                     x_elem: 2,
-                    // Codes a chunk at a time; the parameter rows of the one or two groups a
-                    // chunk can touch (kernels/qgemm_wgmma.cu, WgqW4::span).
-                    weights: vec![
-                        weight_map(codes.ptr, *tiles, *chunks, 512, 1)?,
-                        weight_map(
-                            params.ptr,
-                            *tiles,
-                            *groups,
-                            64,
-                            if group_len % 64 == 0 { 1 } else { 2 },
-                        )?,
-                    ],
+                    weights: WgmmaWeights::W4 {
+                        codes: codes.ptr,
+                        params: params.ptr,
+                        groups: *groups,
+                        group_len: *group_len,
+                    },
                     out: out.ptr,
                     ldy: out.ld,
-                    tail: vec![Arg::I32(*groups as i32), Arg::I32(*group_len as i32)],
                 };
                 self.run_quant(route, head, wg, &geo, &[shift], *tiles, *chunks)
             }
@@ -542,14 +548,13 @@ impl CudaBackend {
                     x: q.codes,
                     x_ld: k,
                     x_elem: 1,
-                    weights: vec![
-                        weight_map(codes.ptr, *tiles, *chunks, 1024, 2)?,
-                        Arg::Ptr(scales.ptr),
-                        Arg::Ptr(q.scales),
-                    ],
+                    weights: WgmmaWeights::W8 {
+                        codes: codes.ptr,
+                        scales: scales.ptr,
+                        x_scales: q.scales,
+                    },
                     out: out.ptr,
                     ldy: out.ld,
-                    tail: vec![],
                 };
                 self.run_quant(route, head, wg, &geo, &[], *tiles, *chunks)
             }
@@ -697,11 +702,36 @@ impl CudaBackend {
             SWIZZLE_128B,
         )?;
         let mut args = vec![Arg::TensorMap(Box::new(map))];
-        args.extend(op.weights);
+        let mut tail = vec![];
+        match op.weights {
+            WgmmaWeights::W8 {
+                codes,
+                scales,
+                x_scales,
+            } => {
+                // Two 64-channel chunks of codes a stage.
+                args.push(weight_map(codes, tiles, chunks, 1024, 2)?);
+                args.push(Arg::Ptr(scales));
+                args.push(Arg::Ptr(x_scales));
+            }
+            WgmmaWeights::W4 {
+                codes,
+                params,
+                groups,
+                group_len,
+            } => {
+                // One chunk of codes a stage, and the parameter rows of the one or two groups a
+                // chunk can touch (kernels/qgemm_wgmma.cu, WgqW4::span).
+                let span = if group_len % 64 == 0 { 1 } else { 2 };
+                args.push(weight_map(codes, tiles, chunks, 512, 1)?);
+                args.push(weight_map(params, tiles, groups, 64, span)?);
+                tail = vec![Arg::I32(groups as i32), Arg::I32(group_len as i32)];
+            }
+        }
         args.push(Arg::Ptr(op.out));
         args.push(Arg::I64(op.ldy as i64));
         args.extend([m, n, tiles, chunks].map(|v| Arg::I32(v as i32)));
-        args.extend(op.tail);
+        args.extend(tail);
         // Persistent CTAs, at most one per SM: each walks output tiles, its producer loading the
         // next tile while the consumers store the last.
         let ctas = (tiles.div_ceil(8) * m.div_ceil(tokens)).min(self.gpu.sm_count);
