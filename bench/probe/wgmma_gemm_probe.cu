@@ -75,6 +75,18 @@ template <class L> static float time_it(int reps, L&& launch) {
     return ms / reps;
 }
 
+// Outputs in `got` (device) that differ from `want` (device): bit for bit, or by more than 1e-3
+// relative (f32 summation order).
+static long count_off(const float* got, const float* want, size_t n, bool exact) {
+    std::vector<float> a(n), b(n);
+    cudaMemcpy(a.data(), got, n * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(b.data(), want, n * 4, cudaMemcpyDeviceToHost);
+    long bad = 0;
+    for (size_t i = 0; i < n; ++i)
+        bad += exact ? memcmp(&a[i], &b[i], 4) != 0 : !(fabs((double)a[i] - b[i]) <= 1e-3 * (1 + fabs((double)b[i])));
+    return bad;
+}
+
 static int sms = 132;  // persistent grid: at most one CTA per SM (set in main)
 static unsigned rnd_state = 12345;
 static unsigned rnd() { rnd_state = rnd_state * 1664525u + 1013904223u; return rnd_state >> 8; }
@@ -134,12 +146,8 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
             if (!time_only) {
                 cudaMemset(y1, 0xff, (size_t)M * N * 4);
                 w1(); CK(cudaDeviceSynchronize());
-                std::vector<float> a((size_t)M * N), b((size_t)M * N);
-                cudaMemcpy(a.data(), y1, a.size() * 4, cudaMemcpyDeviceToHost);
-                cudaMemcpy(b.data(), y2, b.size() * 4, cudaMemcpyDeviceToHost);
-                long bad = 0;
-                for (size_t i = 0; i < a.size(); ++i) bad += memcmp(&a[i], &b[i], 4) != 0;
-                printf("w8a8 128-token %dx%dx%d: %ld of %zu differ from tiled\n", M, N, K, bad, a.size());
+                printf("w8a8 128-token %dx%dx%d: %ld of %zu differ from tiled\n", M, N, K,
+                       count_off(y1, y2, (size_t)M * N, true), (size_t)M * N);
             }
             const int reps = flops > 1e11 ? 10 : 50;
             float t = time_it(reps, w1h);
@@ -206,12 +214,8 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
             if (!time_only) {
                 cudaMemset(y1, 0xff, (size_t)M * N * 4);
                 w1(); CK(cudaDeviceSynchronize());
-                std::vector<float> a((size_t)M * N), b((size_t)M * N);
-                cudaMemcpy(a.data(), y1, a.size() * 4, cudaMemcpyDeviceToHost);
-                cudaMemcpy(b.data(), y2, b.size() * 4, cudaMemcpyDeviceToHost);
-                long bad = 0;
-                for (size_t i = 0; i < a.size(); ++i) bad += !(fabs((double)a[i] - b[i]) <= 1e-3 * (1 + fabs((double)b[i])));
-                printf("w4a16 128-token g%d %dx%dx%d: %ld of %zu off tiled\n", gl, M, N, K, bad, a.size());
+                printf("w4a16 128-token g%d %dx%dx%d: %ld of %zu off tiled\n", gl, M, N, K,
+                       count_off(y1, y2, (size_t)M * N, false), (size_t)M * N);
             }
             const int reps = flops > 1e11 ? 10 : 50;
             float t = time_it(reps, w1h);
