@@ -586,7 +586,8 @@ impl CudaBackend {
         if use_gemv(m, tiles, self.gpu.sm_count) {
             ints.extend(gemv_geo.iter().map(|&v| Arg::I32(v)));
             let stream = name(QKernel::Stream);
-            if route.stream_ok && self.stream_tier(&stream, m, k) {
+            // Auto: the stream gemv for more than 8 tokens of inputs at least 8192 wide.
+            if route.stream_ok && self.hopper_tier(&stream, m > 8 && k >= 8192) {
                 let xs = stream_x_bytes(m, k, x_elem);
                 return self.launch_stream(&stream, head, ints, tiles, chunks, m, xs);
             }
@@ -606,7 +607,8 @@ impl CudaBackend {
             } else {
                 QKernel::Wgmma128
             });
-            if self.wgmma_tier(&wgmma, m)
+            // Auto: wgmma from a full 256-token tile on; below it the mma.sync tiles waste less.
+            if self.hopper_tier(&wgmma, m >= WGMMA_TOKENS)
                 && wg.x.is_multiple_of(16)
                 && (wg.x_ld * wg.x_elem).is_multiple_of(16)
             {
@@ -660,25 +662,14 @@ impl CudaBackend {
         )
     }
 
-    /// Whether a decode-size GEMM of `m` tokens and `k` input channels runs the Hopper stream
-    /// kernel `name`: compiled for this GPU (sm_90 and later) and chosen by the [`KernelTier`].
-    fn stream_tier(&self, name: &str, m: usize, k: usize) -> bool {
+    /// Whether the Hopper kernel `name` runs: compiled for this GPU (the stream gemv from sm_90,
+    /// the wgmma kernels on sm_90a) and chosen by the [`KernelTier`], where `auto_picks` is what
+    /// [`KernelTier::Auto`] measured faster for this shape.
+    fn hopper_tier(&self, name: &str, auto_picks: bool) -> bool {
         let wanted = match self.tier() {
             KernelTier::MmaSync => false,
             KernelTier::Hopper => true,
-            KernelTier::Auto => m > 8 && k >= 8192,
-        };
-        wanted && self.has_kernel(name)
-    }
-
-    /// Whether a GEMM of `m` tokens past the gemv range runs the wgmma kernel `name`: compiled
-    /// for this GPU (sm_90a) and chosen by the [`KernelTier`]. Below a full CTA of tokens the
-    /// mma.sync tiles waste less.
-    fn wgmma_tier(&self, name: &str, m: usize) -> bool {
-        let wanted = match self.tier() {
-            KernelTier::MmaSync => false,
-            KernelTier::Hopper => true,
-            KernelTier::Auto => m >= WGMMA_TOKENS,
+            KernelTier::Auto => auto_picks,
         };
         wanted && self.has_kernel(name)
     }
