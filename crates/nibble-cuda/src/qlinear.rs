@@ -15,7 +15,7 @@ use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
 
 use crate::backend::{CudaBackend, CudaTensor, Dtype, Elem};
 use crate::pack::{self, PackedW4, PackedW8, W4Matrix};
-use crate::runtime::{Arg, DeviceBuffer, SWIZZLE_128B, tensor_map};
+use crate::runtime::{Arg, DeviceBuffer, TmaLayout, tensor_map};
 
 /// Largest M the gemv (decode) kernels take; larger batches run the tiled kernels (whose 128-token
 /// tiles and one CTA per 128 weight rows leave most of the GPU idle at 64 tokens: 80 µs against
@@ -435,7 +435,7 @@ fn weight_map(
         &[words, rows, tiles],
         &[row_bytes, rows * row_bytes],
         &[words, box_rows, 8],
-        !SWIZZLE_128B,
+        TmaLayout::Plain,
     )?;
     Ok(Arg::TensorMap(Box::new(map)))
 }
@@ -690,7 +690,7 @@ impl CudaBackend {
             &[k, m],
             &[op.x_ld * op.x_elem],
             &[128 / op.x_elem, tokens],
-            SWIZZLE_128B,
+            TmaLayout::Swizzle128,
         )?;
         let mut args = vec![Arg::TensorMap(Box::new(map))];
         let mut tail = vec![];

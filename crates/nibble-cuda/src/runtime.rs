@@ -250,9 +250,14 @@ impl Arg {
     }
 }
 
-/// The 128-byte swizzle, in which TMA writes an operand tile that wgmma reads with a swizzled
-/// shared-memory descriptor: rows of exactly 128 bytes.
-pub const SWIZZLE_128B: bool = true;
+/// How TMA lays a box out in shared memory.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum TmaLayout {
+    /// As in global memory.
+    Plain,
+    /// The 128-byte swizzle a wgmma operand descriptor reads: box rows of exactly 128 bytes.
+    Swizzle128,
+}
 
 /// A TMA descriptor for a tensor of `dims` elements of `elem` (1, 2 or 4) bytes, innermost first,
 /// dimension `i + 1` `strides[i]` bytes apart, read in boxes of `boxes` elements (reads past the
@@ -263,7 +268,7 @@ pub fn tensor_map(
     dims: &[usize],
     strides: &[usize],
     boxes: &[usize],
-    swizzle: bool,
+    layout: TmaLayout,
 ) -> Result<sys::CUtensorMap> {
     use sys::{
         CUtensorMapDataType as D, CUtensorMapFloatOOBfill as F, CUtensorMapInterleave as I,
@@ -287,7 +292,7 @@ pub fn tensor_map(
         || !ptr.is_multiple_of(16)
         || strides.iter().any(|s| !s.is_multiple_of(16))
         || !inner.is_multiple_of(16)
-        || (swizzle && inner != 128)
+        || (layout == TmaLayout::Swizzle128 && inner != 128)
         || boxes.iter().any(|&b| b == 0 || b > 256)
     {
         return Err(Error::InvalidArgument(format!(
@@ -300,10 +305,9 @@ pub fn tensor_map(
     let strides: Vec<u64> = strides.iter().map(|&s| s as u64).collect();
     let boxes: Vec<u32> = boxes.iter().map(|&b| b as u32).collect();
     let steps = vec![1u32; dims.len()];
-    let swizzle = if swizzle {
-        S::CU_TENSOR_MAP_SWIZZLE_128B
-    } else {
-        S::CU_TENSOR_MAP_SWIZZLE_NONE
+    let swizzle = match layout {
+        TmaLayout::Swizzle128 => S::CU_TENSOR_MAP_SWIZZLE_128B,
+        TmaLayout::Plain => S::CU_TENSOR_MAP_SWIZZLE_NONE,
     };
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     unsafe {
