@@ -1,0 +1,373 @@
+// Where does decode-size W4A16 lose HBM bandwidth, and which persistent gemv geometry wins?
+// Times, per call inside a CUDA graph of 20 calls (as gpu_bench does), on the Llama-3-8B layer
+// shapes at M = 1, 4, 16 (bf16, group 128):
+//   read      a plain persistent read of the same bytes (codes + params), no math: the floor;
+//   gemv      the mma.sync gemv as dispatched today (qgemm.cu, split-K plan of qlinear.rs);
+//   dec ...   kernels/qgemv.cu's persistent gemv in several geometries (warps per CTA, CTAs per
+//             SM, chunks per register batch U), math variants (lean: scales after the MMA;
+//             classic: dequantize then multiply; none: loads only) and with programmatic
+//             dependent launch (pdl: the next call's weight loads start while this one ends).
+// Every dec variant with math is checked against the gemv's output.
+// Build here (no GPU needed): bench/probe/dec_probe.sh build; run there: /tmp/.../dec_probe
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#define DEC_NO_ENTRIES
+#include "../../crates/nibble-cuda/kernels/common.cuh"
+#include "../../crates/nibble-cuda/kernels/qgemm.cu"
+#include "../../crates/nibble-cuda/kernels/qgemv.cu"
+
+using T = __nv_bfloat16;
+
+template <class Tt, int U> struct NoMath : DecW4<Tt, U> {
+    template <int TT>
+    __device__ __forceinline__ void mma(const typename DecW4<Tt, U>::Regs& r, int u, const uint4 (&xv)[TT][2],
+                                        float (&G)[2][TT][4]) const {
+        G[0][0][0] += __uint_as_float((r.w[u].x ^ r.w[u].y ^ r.w[u].z ^ r.w[u].w ^ r.p[u].x ^ xv[0][0].x) & 0x3fffffffu);
+    }
+};
+// NoMath without the group-parameter loads, and also without activation loads.
+template <class Tt, int U> struct NoMathNoParams : NoMath<Tt, U> {
+    __device__ __forceinline__ void fetch(int tile, int c, int n, typename DecW4<Tt, U>::Regs& r) const {
+        const uint4* wp = this->codes + ((long)tile * this->chunks + c) * 32 + (threadIdx.x & 31);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (u < n) {
+                r.w[u] = ld_stream(wp + u * 32);
+                r.p[u] = make_uint2(0, 0);
+            }
+    }
+};
+template <class Tt, int U> struct LoadsOnly : NoMathNoParams<Tt, U> {
+    __device__ __forceinline__ void load_x(const unsigned char* row, int m, int, uint4 (&v)[2]) const {
+        v[0] = v[1] = make_uint4(m, (u32)(size_t)row, 0, 0);
+    }
+};
+
+// Dequantize, then one MMA per k16 step (the mma.sync gemv's math); groups applied per lane.
+template <class Tt, int U> struct Classic : DecW4<Tt, U> {
+    static constexpr bool ZERO_POINTS = false;
+    template <int TT>
+    __device__ __forceinline__ void mma(const typename DecW4<Tt, U>::Regs& r, int u, const uint4 (&xv)[TT][2],
+                                        float (&G)[2][TT][4]) const {
+        const u32 words[4] = {r.w[u].x, r.w[u].y, r.w[u].z, r.w[u].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            u32 a[4];
+            dequant_step<Tt>(words[j], r.p[u], a);
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt) {
+                const uint4& v = xv[tt][j >> 1];
+                mma16816<Tt>(G[j & 1][tt], a, (j & 1) ? v.z : v.x, (j & 1) ? v.w : v.y);
+            }
+        }
+    }
+    template <int TT>
+    __device__ __forceinline__ void flush(const typename DecW4<Tt, U>::Regs&, int, float (&G)[2][TT][4],
+                                          float (&)[TT][2], float (&acc)[TT][4]) const {
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc[tt][e] += G[0][tt][e] + G[1][tt][e];
+                G[0][tt][e] = G[1][tt][e] = 0.f;
+            }
+    }
+};
+
+template <int MATH, int TT, int U, int DW, int MINB>
+__global__ void __launch_bounds__(DW * 32, MINB)
+    dec_probe(const uint4* codes, const uint2* params, const T* x, float* y, float* partial, int* counters, int M,
+              int N, int K, int tiles, int chunks, int groups, int per_cta, int max_pieces) {
+    if constexpr (MATH == 0)
+        dec_gemv<TT, DW>(NoMath<T, U>{{codes, params, chunks, groups, 128, 7}}, x, (long)K, y, (long)N, partial,
+                         counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
+    else if constexpr (MATH == 1)
+        dec_gemv<TT, DW>(DecW4<T, U>{codes, params, chunks, groups, 128, 7}, x, (long)K, y, (long)N, partial,
+                         counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
+    else if constexpr (MATH == 3)
+        dec_gemv<TT, DW>(NoMathNoParams<T, U>{{{codes, params, chunks, groups, 128, 7}}}, x, (long)K, y, (long)N, partial,
+                         counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
+    else if constexpr (MATH == 4)
+        dec_gemv<TT, DW>(LoadsOnly<T, U>{{{{codes, params, chunks, groups, 128, 7}}}}, x, (long)K, y, (long)N, partial,
+                         counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
+    else
+        dec_gemv<TT, DW>(Classic<T, U>{{codes, params, chunks, groups, 128, 7}}, x, (long)K, y, (long)N, partial,
+                         counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
+}
+
+// The floor: each warp reads its contiguous share of `bytes` with U 16-byte loads per lane in flight.
+template <int U>
+__global__ void __launch_bounds__(512, 1) read_probe(const uint4* src, long per_warp16, u32* sink) {
+    const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const uint4* p = src + gw * per_warp16 + (threadIdx.x & 31);
+    u32 acc = 0;
+    for (long i = 0; i < per_warp16 / 32; i += U) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = i + u < per_warp16 / 32 ? ld_stream(p + (i + u) * 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    if (acc == 0x12345678u) sink[0] = acc;
+}
+
+// The same, the outer loop kept rolled: exactly U loads per lane in flight.
+template <int U>
+__global__ void __launch_bounds__(512, 1) read_rolled(const uint4* src, long per_warp16, u32* sink) {
+    const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const uint4* p = src + gw * per_warp16 + (threadIdx.x & 31);
+    u32 acc = 0;
+#pragma unroll 1
+    for (long i = 0; i < per_warp16 / 32; i += U) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = i + u < per_warp16 / 32 ? ld_stream(p + (i + u) * 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    if (acc == 0x12345678u) sink[0] = acc;
+}
+// The gemv's pattern: CTA b (grid-stride over row blocks of 16 tiles), warp w reads tile 16b + w
+// whole, U chunks of 512 B per lane at a time (rolled).
+template <int U>
+__global__ void __launch_bounds__(512, 1) read_tiles(const uint4* src, int tiles, int chunks, u32* sink) {
+    const int warp = threadIdx.x >> 5;
+    u32 acc = 0;
+    for (int b = blockIdx.x; b * 16 < tiles; b += gridDim.x) {
+        const uint4* p = src + (long)(b * 16 + warp) * chunks * 32 + (threadIdx.x & 31);
+#pragma unroll 1
+        for (int c = 0; c < chunks; c += U) {
+            uint4 v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) v[u] = c + u < chunks ? ld_stream(p + (c + u) * 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+        }
+    }
+    if (acc == 0x12345678u) sink[0] = acc;
+}
+
+static u32 f32_bits(float f) {
+    u32 u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static float median(std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+// Per-call microseconds of `launch` (which enqueues one call on the stream) in a graph of 20 calls.
+template <class L> float graph_time(cudaStream_t s, L launch) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+    for (int i = 0; i < 20; ++i) launch();
+    cudaStreamEndCapture(s, &g);
+    if (cudaGraphInstantiate(&ge, g, 0) != cudaSuccess) return -1;
+    cudaGraphLaunch(ge, s);
+    cudaStreamSynchronize(s);
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    std::vector<float> t;
+    for (int r = 0; r < 10; ++r) {
+        cudaEventRecord(a, s);
+        cudaGraphLaunch(ge, s);
+        cudaEventRecord(b, s);
+        cudaEventSynchronize(b);
+        float ms;
+        cudaEventElapsedTime(&ms, a, b);
+        t.push_back(ms * 1e3f / 20);
+    }
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    return median(t);
+}
+
+struct Layer {
+    int N, K, M;
+    int tiles, chunks, groups;
+    uint4* codes;
+    uint2* params;
+    T* x;
+    float *y, *yref, *partial;
+    int* counters;
+    double bytes;
+};
+
+static std::vector<float> host_y;
+static std::vector<float> ref_y;
+
+template <class Kern>
+void run_dec(const char* name, Kern k, int dw, int per_sm, bool pdl, Layer& L, cudaStream_t s, int sms,
+             bool check, int whole = 0) {
+    const long units = (long)((L.tiles + dw - 1) / dw) * L.chunks;
+    const int ctas_want = per_sm * sms;
+    // whole: every CTA takes `whole` row blocks (no tile is split; SMs left unbalanced).
+    const int per_cta = whole ? whole * L.chunks : (int)((units + ctas_want - 1) / ctas_want);
+    const int ctas = (int)((units + per_cta - 1) / per_cta);
+    const int max_pieces = (L.chunks + per_cta - 1) / per_cta + 1;
+    const int win = std::min(per_cta, L.chunks), smem = L.M * (win * 128 + 16) + win * ((L.M + 7) / 8 * 8) * 4;
+    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    int occ = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, dw * 32, smem);
+    auto launch = [&]() {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(ctas);
+        cfg.blockDim = dim3(dw * 32);
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = s;
+        cudaLaunchAttribute at[1];
+        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = at;
+        cfg.numAttrs = pdl ? 1 : 0;
+        cudaLaunchKernelEx(&cfg, k, (const uint4*)L.codes, (const uint2*)L.params, (const T*)L.x, L.y, L.partial,
+                           L.counters, L.M, L.N, L.K, L.tiles, L.chunks, L.groups, per_cta, max_pieces);
+    };
+    cudaMemset(L.y, 0xff, (size_t)L.M * L.N * 4);  // poisoned
+    launch();
+    cudaError_t e = cudaStreamSynchronize(s);
+    double err = 0, scale = 0;
+    if (check) {
+        host_y.resize((size_t)L.M * L.N);
+        cudaMemcpy(host_y.data(), L.y, host_y.size() * 4, cudaMemcpyDeviceToHost);
+        for (size_t i = 0; i < host_y.size(); ++i) {
+            scale = std::max(scale, (double)fabsf(ref_y[i]));
+            const double d = fabs((double)host_y[i] - ref_y[i]);
+            err = std::max(err, std::isnan(d) ? 1e30 : d);
+        }
+    }
+    const float us = graph_time(s, launch);
+    printf("  %-34s occ %d ctas %4d  %7.2f us  %5.2f TB/s  %3.0f%% of 4.22", name, occ, ctas, us, L.bytes / us / 1e6,
+           L.bytes / us / 1e6 / 4.22 * 100);
+    if (check) printf("  max err %.2e of %.2e", err, scale);
+    printf("  %s\n", cudaGetErrorString(e != cudaSuccess ? e : cudaGetLastError()));
+}
+
+int main(int argc, char** argv) {
+    cudaDeviceProp prop;
+    cudaGetDeviceProperties(&prop, 0);
+    const int sms = prop.multiProcessorCount;
+    printf("%s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    const int shapes[4][2] = {{28672, 4096}, {4096, 14336}, {6144, 4096}, {4096, 4096}};
+    const int ms[3] = {1, 4, 16};
+    int* counters;
+    cudaMalloc(&counters, 1 << 20);
+    cudaMemset(counters, 0, 1 << 20);
+    u32* sink;
+    cudaMalloc(&sink, 4);
+    for (auto& sh : shapes) {
+        Layer L{};
+        L.N = sh[0];
+        L.K = sh[1];
+        L.tiles = L.N / 16;
+        L.chunks = L.K / 64;
+        L.groups = L.K / 128;
+        const size_t code_bytes = (size_t)L.tiles * L.chunks * 512, param_bytes = (size_t)L.tiles * L.groups * 64;
+        L.bytes = (double)(code_bytes + param_bytes);
+        std::vector<u32> hc(code_bytes / 4);
+        unsigned st = 12345;
+        for (auto& v : hc) v = (st = st * 1664525u + 1013904223u);
+        // (scale, 128 + zero) bf16 pairs: scale in [2^-8, 2^-7), zero 0..15.
+        std::vector<u32> hp(param_bytes / 4);
+        for (auto& v : hp) {
+            st = st * 1664525u + 1013904223u;
+            const float sc = ldexpf(1.f + (st >> 24) / 256.f, -8), z = 128.f + ((st >> 8) & 15);
+            v = (f32_bits(sc) >> 16) | ((f32_bits(z) >> 16) << 16);
+        }
+        std::vector<unsigned short> hx((size_t)16 * L.K);
+        for (auto& v : hx) {
+            st = st * 1664525u + 1013904223u;
+            v = (unsigned short)(f32_bits(((st >> 8) / 16777216.f) * 2.f - 1.f) >> 16);
+        }
+        cudaMalloc(&L.codes, code_bytes);
+        cudaMalloc(&L.params, param_bytes);
+        cudaMalloc(&L.x, hx.size() * 2);
+        cudaMalloc(&L.y, (size_t)16 * L.N * 4);
+        cudaMalloc(&L.partial, (size_t)L.tiles * (L.chunks + 2) * 16 * 16 * 4);  // the most pieces a tile can have
+        cudaMemcpy(L.codes, hc.data(), code_bytes, cudaMemcpyHostToDevice);
+        cudaMemcpy(L.params, hp.data(), param_bytes, cudaMemcpyHostToDevice);
+        cudaMemcpy(L.x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice);
+        printf("%d x %d  (%.1f MB codes + params)\n", L.N, L.K, L.bytes / 1e6);
+        {
+            const int warps = sms * 16;
+            const long per_warp16 = (long)(code_bytes / 16) / warps / 32 * 32;
+            for (int v = 0; v < 6; ++v) {
+                auto k = v == 0 ? read_probe<4> : v == 1 ? read_rolled<4> : v == 2 ? read_rolled<8> : read_rolled<16>;
+                const char* names[] = {"read U=4 (unrolled)", "read rolled U=4", "read rolled U=8", "read rolled U=16",
+                                       "read tiles U=4", "read tiles U=8"};
+                const float us = v < 4 ? graph_time(s, [&]() { k<<<sms, 512, 0, s>>>(L.codes, per_warp16, sink); })
+                                       : graph_time(s, [&]() {
+                                             (v == 4 ? read_tiles<4> : read_tiles<8>)<<<sms, 512, 0, s>>>(
+                                                 L.codes, L.tiles, L.chunks, sink);
+                                         });
+                const double b = v < 4 ? (double)per_warp16 * 16 * warps : (double)code_bytes;
+                printf("  %-37s %7.2f us  %5.2f TB/s  %3.0f%% of 4.22\n", names[v], us, b / us / 1e6,
+                       b / us / 1e6 / 4.22 * 100);
+            }
+        }
+        for (int M : ms) {
+            L.M = M;
+            printf(" M = %d\n", M);
+            // The mma.sync gemv as qlinear::plan_gemv launches it.
+            const int blocks = (L.tiles + 7) / 8;
+            const int want = std::min(16, std::max(1, (2 * sms + blocks - 1) / blocks));
+            const int fit = std::max(1, (int)((48 * 1024 / M - 128) / 128));
+            const int cps = std::min(fit, std::max(std::min(2, L.chunks), (L.chunks + want - 1) / want));
+            const int splits = (L.chunks + cps - 1) / cps;
+            const int smem = M * (cps * 128 + 16);
+            auto gk = M <= 8 ? w4a16_gemv1_bf16 : w4a16_gemv2_bf16;
+            cudaMemset(L.y, 0xff, (size_t)M * L.N * 4);
+            gk<<<dim3(blocks, splits), 256, smem, s>>>(L.codes, L.params, L.x, L.K, L.y, L.N, L.partial, counters, M,
+                                                      L.N, L.K, L.tiles, L.chunks, L.groups, 128, 7, cps);
+            cudaStreamSynchronize(s);
+            ref_y.resize((size_t)M * L.N);
+            cudaMemcpy(ref_y.data(), L.y, ref_y.size() * 4, cudaMemcpyDeviceToHost);
+            const float us = graph_time(s, [&]() {
+                gk<<<dim3(blocks, splits), 256, smem, s>>>(L.codes, L.params, L.x, L.K, L.y, L.N, L.partial, counters,
+                                                          M, L.N, L.K, L.tiles, L.chunks, L.groups, 128, 7, cps);
+            });
+            printf("  %-34s       ctas %4d  %7.2f us  %5.2f TB/s  %3.0f%% of 4.22\n", "gemv (mma.sync, today)",
+                   blocks * splits, us, L.bytes / us / 1e6, L.bytes / us / 1e6 / 4.22 * 100);
+            L.counters = counters;
+#define DEC(MATH, TT, U, DW, MINB, PER_SM, PDL, NAME) \
+    run_dec(NAME, dec_probe<MATH, TT, U, DW, MINB>, DW, PER_SM, PDL, L, s, sms, MATH == 1 || MATH == 2)
+            if (M <= 8) {
+                DEC(0, 1, 4, 16, 1, 1, false, "dec none  W16 U4 1/SM");
+                DEC(3, 1, 4, 16, 1, 1, false, "dec none  no params");
+                DEC(1, 1, 4, 16, 1, 1, false, "dec lean  W16 U4 1/SM");
+                DEC(1, 1, 8, 16, 1, 1, false, "dec lean  W16 U8 1/SM");
+                DEC(2, 1, 4, 16, 1, 1, false, "dec classic W16 U4 1/SM");
+                DEC(1, 1, 8, 8, 2, 2, false, "dec lean  W8 U8 2/SM");
+                DEC(1, 1, 2, 16, 2, 2, false, "dec lean  W16 U2 2/SM");
+                DEC(1, 1, 4, 16, 1, 1, true, "dec lean  W16 U4 1/SM pdl");
+                DEC(1, 1, 8, 16, 1, 1, true, "dec lean  W16 U8 1/SM pdl");
+            } else {
+                DEC(1, 2, 4, 16, 1, 1, false, "dec lean  W16 U4 1/SM");
+                DEC(2, 2, 4, 16, 1, 1, false, "dec classic W16 U4 1/SM");
+                DEC(1, 2, 2, 16, 1, 1, false, "dec lean  W16 U2 1/SM");
+                DEC(1, 2, 8, 16, 1, 1, false, "dec lean  W16 U8 1/SM");
+                DEC(1, 2, 4, 8, 2, 2, false, "dec lean  W8 U4 2/SM");
+                DEC(1, 2, 4, 16, 1, 1, true, "dec lean  W16 U4 1/SM pdl");
+            }
+        }
+        cudaFree(L.codes);
+        cudaFree(L.params);
+        cudaFree(L.x);
+        cudaFree(L.y);
+        cudaFree(L.partial);
+    }
+    return 0;
+}
