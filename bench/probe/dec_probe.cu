@@ -32,24 +32,6 @@ template <class Tt, int U> struct NoMath : DecW4<Tt, U> {
         G[0][0][0] += __uint_as_float((r.w[u].x ^ r.w[u].y ^ r.w[u].z ^ r.w[u].w ^ r.p[u].x ^ xv[0][0].x) & 0x3fffffffu);
     }
 };
-// NoMath without the group-parameter loads, and also without activation loads.
-template <class Tt, int U> struct NoMathNoParams : NoMath<Tt, U> {
-    __device__ __forceinline__ void fetch(int tile, int c, int n, typename DecW4<Tt, U>::Regs& r) const {
-        const uint4* wp = this->codes + ((long)tile * this->chunks + c) * 32 + (threadIdx.x & 31);
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (u < n) {
-                r.w[u] = ld_stream(wp + u * 32);
-                r.p[u] = make_uint2(0, 0);
-            }
-    }
-};
-template <class Tt, int U> struct LoadsOnly : NoMathNoParams<Tt, U> {
-    __device__ __forceinline__ void load_x(const unsigned char* row, int m, int, uint4 (&v)[2]) const {
-        v[0] = v[1] = make_uint4(m, (u32)(size_t)row, 0, 0);
-    }
-};
-
 // Dequantize, then one MMA per k16 step (the mma.sync gemv's math); groups applied per lane.
 template <class Tt, int U> struct Classic : DecW4<Tt, U> {
     static constexpr bool ZERO_POINTS = false;
@@ -90,12 +72,6 @@ __global__ void __launch_bounds__(DW * 32, MINB)
                          counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
     else if constexpr (MATH == 1)
         dec_gemv<TT, DW>(DecW4<T, U>{codes, params, chunks, groups, 128, 7}, x, (long)K, y, (long)N, partial,
-                         counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
-    else if constexpr (MATH == 3)
-        dec_gemv<TT, DW>(NoMathNoParams<T, U>{{{codes, params, chunks, groups, 128, 7}}}, x, (long)K, y, (long)N, partial,
-                         counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
-    else if constexpr (MATH == 4)
-        dec_gemv<TT, DW>(LoadsOnly<T, U>{{{{codes, params, chunks, groups, 128, 7}}}}, x, (long)K, y, (long)N, partial,
                          counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
     else
         dec_gemv<TT, DW>(Classic<T, U>{{codes, params, chunks, groups, 128, 7}}, x, (long)K, y, (long)N, partial,
@@ -209,11 +185,12 @@ static std::vector<float> ref_y;
 
 template <class Kern>
 void run_dec(const char* name, Kern k, int dw, int per_sm, bool pdl, Layer& L, cudaStream_t s, int sms,
-             bool check, int whole = 0) {
+             bool check, int U, int whole = 0) {
     const long units = (long)((L.tiles + dw - 1) / dw) * L.chunks;
     const int ctas_want = per_sm * sms;
     // whole: every CTA takes `whole` row blocks (no tile is split; SMs left unbalanced).
-    const int per_cta = whole ? whole * L.chunks : (int)((units + ctas_want - 1) / ctas_want);
+    int per_cta = whole ? whole * L.chunks : (int)((units + ctas_want - 1) / ctas_want);
+    per_cta = (per_cta + U - 1) / U * U;
     const int ctas = (int)((units + per_cta - 1) / per_cta);
     const int max_pieces = (L.chunks + per_cta - 1) / per_cta + 1;
     const int win = std::min(per_cta, L.chunks), smem = L.M * (win * 128 + 16) + win * ((L.M + 7) / 8 * 8) * 4;
@@ -343,24 +320,21 @@ int main(int argc, char** argv) {
                    blocks * splits, us, L.bytes / us / 1e6, L.bytes / us / 1e6 / 4.22 * 100);
             L.counters = counters;
 #define DEC(MATH, TT, U, DW, MINB, PER_SM, PDL, NAME) \
-    run_dec(NAME, dec_probe<MATH, TT, U, DW, MINB>, DW, PER_SM, PDL, L, s, sms, MATH == 1 || MATH == 2)
+    run_dec(NAME, dec_probe<MATH, TT, U, DW, MINB>, DW, PER_SM, PDL, L, s, sms, MATH == 1 || MATH == 2, U)
             if (M <= 8) {
-                DEC(0, 1, 4, 16, 1, 1, false, "dec none  W16 U4 1/SM");
-                DEC(3, 1, 4, 16, 1, 1, false, "dec none  no params");
-                DEC(1, 1, 4, 16, 1, 1, false, "dec lean  W16 U4 1/SM");
-                DEC(1, 1, 8, 16, 1, 1, false, "dec lean  W16 U8 1/SM");
-                DEC(2, 1, 4, 16, 1, 1, false, "dec classic W16 U4 1/SM");
-                DEC(1, 1, 8, 8, 2, 2, false, "dec lean  W8 U8 2/SM");
-                DEC(1, 1, 2, 16, 2, 2, false, "dec lean  W16 U2 2/SM");
-                DEC(1, 1, 4, 16, 1, 1, true, "dec lean  W16 U4 1/SM pdl");
-                DEC(1, 1, 8, 16, 1, 1, true, "dec lean  W16 U8 1/SM pdl");
+                DEC(0, 1, 4, 16, 1, 1, false, "dec none  W16 U4");
+                DEC(1, 1, 4, 16, 1, 1, false, "dec lean  W16 U4");
+                DEC(1, 1, 2, 16, 1, 1, false, "dec lean  W16 U2");
+                DEC(1, 1, 8, 16, 1, 1, false, "dec lean  W16 U8");
+                DEC(1, 1, 4, 8, 2, 2, false, "dec lean  W8 U4 2/SM");
+                DEC(2, 1, 4, 16, 1, 1, false, "dec classic W16 U4");
+                DEC(1, 1, 4, 16, 1, 1, true, "dec lean  W16 U4 pdl");
             } else {
-                DEC(1, 2, 4, 16, 1, 1, false, "dec lean  W16 U4 1/SM");
-                DEC(2, 2, 4, 16, 1, 1, false, "dec classic W16 U4 1/SM");
-                DEC(1, 2, 2, 16, 1, 1, false, "dec lean  W16 U2 1/SM");
-                DEC(1, 2, 8, 16, 1, 1, false, "dec lean  W16 U8 1/SM");
+                DEC(1, 2, 4, 16, 1, 1, false, "dec lean  W16 U4");
+                DEC(1, 2, 2, 16, 1, 1, false, "dec lean  W16 U2");
                 DEC(1, 2, 4, 8, 2, 2, false, "dec lean  W8 U4 2/SM");
-                DEC(1, 2, 4, 16, 1, 1, true, "dec lean  W16 U4 1/SM pdl");
+                DEC(2, 2, 4, 16, 1, 1, false, "dec classic W16 U4");
+                DEC(1, 2, 4, 16, 1, 1, true, "dec lean  W16 U4 pdl");
             }
         }
         cudaFree(L.codes);

@@ -74,16 +74,17 @@ template <class T, int U_> struct DecW4 {
     const uint2* params;
     int chunks, groups, group_len, group_shift;
 
-    __device__ __forceinline__ void fetch(int tile, int c, int n, Regs& r) const {
+    // Chunks c .. c + U - 1 of the tile into registers (L1-bypassing code loads; the parameter
+    // rows, shared by the chunks of a group, through L1).
+    __device__ __forceinline__ void fetch(int tile, int c, Regs& r) const {
         const int lane = threadIdx.x & 31;
         const uint4* wp = codes + ((long)tile * chunks + c) * 32 + lane;
         const uint2* pp = params + (long)tile * groups * 8 + (lane >> 2);
 #pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (u < n) {
-                r.w[u] = ld_stream(wp + u * 32);
-                r.p[u] = __ldg(pp + (long)group_of((c + u) * 64, group_len, group_shift) * 8);
-            }
+        for (int u = 0; u < U; ++u) {
+            r.w[u] = ld_stream(wp + u * 32);
+            r.p[u] = __ldg(pp + (long)group_of((c + u) * 64, group_len, group_shift) * 8);
+        }
     }
     // Lane (g, t)'s B fragments of a staged chunk for token m: channels t*16 .. +15 of the chunk.
     __device__ __forceinline__ void load_x(const unsigned char* row, int m, int M, uint4 (&v)[2]) const {
@@ -107,7 +108,10 @@ template <class T, int U_> struct DecW4 {
             }
         }
     }
-    __device__ __forceinline__ bool group_ends(int c) const { return ((c + 1) * 64) % group_len == 0; }
+    // group_len is a power of two (group_shift >= 0) or a multiple of 64 that is not.
+    __device__ __forceinline__ bool group_ends(int c) const {
+        return group_shift >= 0 ? (((c + 1) << 6) & (group_len - 1)) == 0 : ((c + 1) * 64) % group_len == 0;
+    }
     // acc += s * (G - (magic + z) * S) for rows g (C fragment elements 0, 1) and g + 8 (2, 3),
     // S the activation sums of tokens 2t, 2t + 1 over the chunks in G; G and S back to zero.
     template <int TT>
@@ -141,14 +145,13 @@ template <int U_> struct DecW8 {
     const uint4* codes;
     int chunks;
 
-    __device__ __forceinline__ void fetch(int tile, int c, int n, Regs& r) const {
+    __device__ __forceinline__ void fetch(int tile, int c, Regs& r) const {
         const uint4* wp = codes + ((long)tile * chunks + c) * 64 + (threadIdx.x & 31) * 2;
 #pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (u < n) {
-                r.w[u][0] = ld_stream(wp + u * 64);
-                r.w[u][1] = ld_stream(wp + u * 64 + 1);
-            }
+        for (int u = 0; u < U; ++u) {
+            r.w[u][0] = ld_stream(wp + u * 64);
+            r.w[u][1] = ld_stream(wp + u * 64 + 1);
+        }
     }
     __device__ __forceinline__ void load_x(const unsigned char* row, int m, int M, uint4 (&v)[1]) const {
         v[0] = m < M ? *reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 16) : make_uint4(0, 0, 0, 0);
@@ -177,6 +180,10 @@ template <int U_> struct DecW8 {
     }
 };
 
+// Orders this thread's partial-sum stores before its counter update, and the last arriver's
+// counter read before its partial-sum loads (a cheaper fence than __threadfence's fence.sc).
+__device__ __forceinline__ void release_fence() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+
 // Ends a warp's piece of tile `tile` (row block b): a whole tile's sums go straight to y; a
 // partial one is written to its slot and the last of the tile's pieces adds them in CTA order.
 template <int TT, class A, class OUT, class EPI>
@@ -197,7 +204,7 @@ __device__ __forceinline__ void dec_finish(A (&acc)[TT][4], int tile, int b, int
                 const int r = g + 8 * (e >> 1), m = tt * 8 + 2 * t + (e & 1);
                 if (m < M) mine[m * 16 + r] = acc[tt][e];
             }
-        __threadfence();
+        release_fence();
         __syncwarp();
         int done = 0;
         if (lane == 0) {
@@ -205,7 +212,7 @@ __device__ __forceinline__ void dec_finish(A (&acc)[TT][4], int tile, int b, int
             if (done) counters[tile] = 0;
         }
         if (__shfl_sync(0xffffffffu, done, 0)) {
-            __threadfence();
+            release_fence();
             const A* base = partial + (long)tile * max_pieces * M * 16;
             for (int i = lane; i < M * 16; i += 32) {
                 const int m = i >> 4, n = tile * 16 + (i & 15);
@@ -226,40 +233,38 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
                                          OUT* __restrict__ y, long ldy, typename F::Acc* __restrict__ partial,
                                          int* __restrict__ counters, int M, int N, int K, int tiles, int chunks,
                                          int per_cta, int max_pieces, const EPI& epi) {
-    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
-    const long units = (long)((tiles + DW - 1) / DW) * chunks;
-    const long u0 = (long)blockIdx.x * per_cta, u1 = min(units, u0 + per_cta);
-    // A position in the CTA's units: unit u is chunk c of row block b. Batches never cross a row
-    // block; blocks past the last tile are skipped whole.
+    constexpr int U = F::U;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int units = (tiles + DW - 1) / DW * chunks;
+    const int u0 = blockIdx.x * per_cta, u1 = min(units, u0 + per_cta);
+    // A position in the CTA's units: unit u is chunk c of row block b. `chunks` and `per_cta` are
+    // multiples of U (the host's plan), so every batch is U whole chunks of one tile and the
+    // steady state has no per-chunk conditions: on Hopper this kernel is bound by instruction
+    // issue long before the ALU or the tensor pipe, and every instruction per chunk counts.
     struct Cursor {
-        long u;
-        int b, c;
+        int u, b, c;
     };
-    auto settle = [&](Cursor& q, int& n) -> bool {
-        while (q.u < u1) {
-            if (q.b * DW + warp < tiles) {
-                n = (int)min((long)min(F::U, chunks - q.c), u1 - q.u);
-                return true;
-            }
+    // Skips row blocks whose tile for this warp is past the last tile (only the last block).
+    auto settle = [&](Cursor& q) -> bool {
+        while (q.u < u1 && q.b * DW + warp >= tiles) {
             q.u += chunks - q.c;
             q.c = 0;
             ++q.b;
         }
-        return false;
+        return q.u < u1;
     };
-    auto advance = [&](Cursor& q, int n) {
-        q.u += n;
-        q.c += n;
+    auto advance = [&](Cursor& q) {
+        q.u += U;
+        q.c += U;
         if (q.c == chunks) {
             q.c = 0;
             ++q.b;
         }
     };
-    Cursor q{u0, (int)(u0 / chunks), (int)(u0 % chunks)};
-    int n = 0;
-    bool more = settle(q, n);
-    typename F::Regs cur;
-    if (more) f.fetch(q.b * DW + warp, q.c, n, cur);
+    Cursor q{u0, u0 / chunks, u0 % chunks};
+    bool more = settle(q);
+    typename F::Regs ra, rb;
+    if (more) f.fetch(q.b * DW + warp, q.c, ra);
     grid_dependents_launch();
     grid_dependency_wait();
 
@@ -269,7 +274,7 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     // loads in order), stalling every batch on a full memory round trip.
     extern __shared__ __align__(16) unsigned char xs[];
     constexpr int XB = (int)sizeof(typename F::X);
-    const int c0 = (int)(u0 % chunks), win = min(chunks, per_cta);
+    const int c0 = u0 % chunks, win = min(chunks, per_cta);
     const int stride = gemv_x_stride(win, XB);
     {
         const int segs = win * 64 * XB / 16;
@@ -288,7 +293,6 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     constexpr int MP = TT * 8;
     float* xsum = reinterpret_cast<float*>(xs + M * stride);
     if constexpr (F::ZERO_POINTS) {
-        const int lane = threadIdx.x & 31;
         for (int base = warp * 4; base < win * MP; base += DW * 4) {
             const int i = base + (lane >> 3), slot = i / MP, m = i % MP;
             float v = 0.f;
@@ -303,46 +307,43 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     }
 
     constexpr int XV = XB == 2 ? 2 : 1;
-    const int t = threadIdx.x & 3;
     typename F::Acc G[2][TT][4] = {}, acc[TT][4] = {};
     float S[TT][2] = {};
-    while (more) {
-        Cursor nq = q;
-        advance(nq, n);
-        int nn = 0;
-        const bool nmore = settle(nq, nn);
-        typename F::Regs nxt;
-        if (nmore) f.fetch(nq.b * DW + warp, nq.c, nn, nxt);
-        const bool piece_ends = q.c + n == chunks || q.u + n == u1;
+    const unsigned char* xrow[TT];
 #pragma unroll
-        for (int u = 0; u < F::U; ++u)
-            if (u < n) {
-                uint4 xv[TT][XV];
+    for (int tt = 0; tt < TT; ++tt) xrow[tt] = xs + min(tt * 8 + g, M - 1) * stride;
+    // One batch: the next one's loads go out, then this one is multiplied. Two calls per loop
+    // trip with the register sets swapped, so no registers are copied between batches.
+    auto step = [&](typename F::Regs& cur, typename F::Regs& nxt) -> bool {
+        Cursor nq = q;
+        advance(nq);
+        const bool nmore = settle(nq);
+        if (nmore) f.fetch(nq.b * DW + warp, nq.c, nxt);
+        const int slot0 = q.c >= c0 ? q.c - c0 : q.c + chunks - c0;
+        const bool piece_ends = q.c + U == chunks || q.u + U == u1;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            uint4 xv[TT][XV];
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt) f.load_x(xrow[tt] + (slot0 + u) * 64 * XB, tt * 8 + g, M, xv[tt]);
+            f.template mma<TT>(cur, u, xv, G);
+            if constexpr (F::ZERO_POINTS) {
 #pragma unroll
                 for (int tt = 0; tt < TT; ++tt) {
-                    const int m = tt * 8 + g, c = q.c + u, slot = c >= c0 ? c - c0 : c + chunks - c0;
-                    f.load_x(xs + min(m, M - 1) * stride + slot * 64 * XB, m, M, xv[tt]);
+                    const float2 v = *reinterpret_cast<const float2*>(xsum + (slot0 + u) * MP + tt * 8 + 2 * t);
+                    S[tt][0] += v.x;
+                    S[tt][1] += v.y;
                 }
-                f.template mma<TT>(cur, u, xv, G);
-                if constexpr (F::ZERO_POINTS) {
-                    const int c = q.c + u, slot = c >= c0 ? c - c0 : c + chunks - c0;
-#pragma unroll
-                    for (int tt = 0; tt < TT; ++tt) {
-                        const float2 v = *reinterpret_cast<const float2*>(xsum + slot * MP + tt * 8 + 2 * t);
-                        S[tt][0] += v.x;
-                        S[tt][1] += v.y;
-                    }
-                }
-                if (f.group_ends(q.c + u) || (piece_ends && u == n - 1)) f.flush(cur, u, G, S, acc);
             }
+            if (f.group_ends(q.c + u) || (u == U - 1 && piece_ends)) f.flush(cur, u, G, S, acc);
+        }
         if (piece_ends)
             dec_finish<TT>(acc, q.b * DW + warp, q.b, chunks, per_cta, max_pieces, M, N, partial, counters, y,
                            ldy, epi);
-        cur = nxt;
         q = nq;
-        n = nn;
-        more = nmore;
-    }
+        return nmore;
+    };
+    while (more && step(ra, rb)) more = step(rb, ra);
 }
 
 #ifndef DEC_NO_ENTRIES
