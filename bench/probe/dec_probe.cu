@@ -8,7 +8,9 @@
 //             classic: dequantize then multiply; none: loads only) and with programmatic
 //             dependent launch (pdl: the next call's weight loads start while this one ends).
 // Every dec variant with math is checked against the gemv's output.
-// Build here (no GPU needed): bench/probe/dec_probe.sh build; run there: /tmp/.../dec_probe
+// Build here (no GPU needed, nvcc only):
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o stage/probe/dec_probe bench/probe/dec_probe.cu
+// then run stage/probe/dec_probe on the GPU machine (carry stage/probe).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use nibble_core::Result;
-use nibble_cuda::qlinear::KernelTier;
+use nibble_cuda::qlinear::{DECODE_MAX_M, KernelTier};
 use nibble_cuda::{CudaBackend, DeviceBuffer, Dtype, Elem, WeightData};
 use nibble_formats::gguf::GgmlType;
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
@@ -293,7 +293,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
             let t_w8q = time_calls(be, calls, &mut || be.quant_gemm(&x, p8, n, k, &out))?;
             // Decode sizes on each tier (the default picks one per shape).
             let tier_ms = |tier: KernelTier| -> Result<(Option<f64>, Option<f64>)> {
-                if m > 32 {
+                if m > DECODE_MAX_M {
                     return Ok((None, None));
                 }
                 be.set_kernel_tier(tier);
@@ -303,7 +303,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
                 Ok((Some(t4? * 1e3), Some(t8? * 1e3)))
             };
             let (t_w4_mma, t_w8_mma) = tier_ms(KernelTier::MmaSync)?;
-            let (t_w4_stream, t_w8_stream) = tier_ms(KernelTier::Hopper)?;
+            let (t_w4_decode, t_w8_decode) = tier_ms(KernelTier::Hopper)?;
             let flops = 2.0 * (m * n * k) as f64;
             let io = (m * k * 2 + m * n * 2) as f64;
             let w4_bytes = p4.bytes() as f64;
@@ -314,7 +314,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
                 "cublas_bf16_ms": t_cublas * 1e3,
                 "w4a16_ms": t_w4 * 1e3, "w8a8_ms": t_w8 * 1e3, "w8a8_with_quant_ms": t_w8q * 1e3,
                 "w4a16_mma_sync_ms": t_w4_mma, "w8a8_mma_sync_ms": t_w8_mma,
-                "w4a16_stream_ms": t_w4_stream, "w8a8_stream_ms": t_w8_stream,
+                "w4a16_decode_ms": t_w4_decode, "w8a8_decode_ms": t_w8_decode,
                 "w4a16_weight_bytes": w4_bytes, "w8a8_weight_bytes": w8_bytes,
                 "w4a16_hbm_fraction": (w4_bytes + io) / t_w4 / bw,
                 "w4a16_floor_ms": floor(w4_bytes) * 1e3, "w8a8_floor_ms": floor(w8_bytes) * 1e3,

@@ -346,7 +346,9 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     while (more && step(ra, rb)) more = step(rb, ra);
 }
 
-#ifndef DEC_NO_ENTRIES
+// Entry points: dec1 / dec2 = 8 / 16 tokens, `_h` writes the model dtype instead of f32. The
+// Hopper tier only (measured there; the mma.sync gemv serves earlier GPUs).
+#if !defined(DEC_NO_ENTRIES) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
 #define DEC_WARPS 16
 #define W4A16_DEC_ENTRY(NAME, T, TT, U, OUT)                                                           \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
@@ -360,10 +362,8 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
 #define NIBBLE_W4A16_DEC(SUFFIX, T)                        \
     W4A16_DEC_ENTRY(w4a16_dec1_##SUFFIX, T, 1, 4, float)   \
     W4A16_DEC_ENTRY(w4a16_dec2_##SUFFIX, T, 2, 4, float)   \
-    W4A16_DEC_ENTRY(w4a16_dec4_##SUFFIX, T, 4, 2, float)   \
     W4A16_DEC_ENTRY(w4a16_dec1_h_##SUFFIX, T, 1, 4, T)     \
-    W4A16_DEC_ENTRY(w4a16_dec2_h_##SUFFIX, T, 2, 4, T)     \
-    W4A16_DEC_ENTRY(w4a16_dec4_h_##SUFFIX, T, 4, 2, T)
+    W4A16_DEC_ENTRY(w4a16_dec2_h_##SUFFIX, T, 2, 4, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
 
 #define W8A8_DEC_ENTRY(NAME, TT, U, OUT)                                                               \
@@ -376,8 +376,7 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
     }
 #define NIBBLE_W8A8_DEC(SUFFIX, OUT)                \
     W8A8_DEC_ENTRY(w8a8_dec1_##SUFFIX, 1, 4, OUT)   \
-    W8A8_DEC_ENTRY(w8a8_dec2_##SUFFIX, 2, 4, OUT)   \
-    W8A8_DEC_ENTRY(w8a8_dec4_##SUFFIX, 4, 2, OUT)
+    W8A8_DEC_ENTRY(w8a8_dec2_##SUFFIX, 2, 4, OUT)
 NIBBLE_W8A8_DEC(f32, float)
 NIBBLE_W8A8_DEC(bf16, __nv_bfloat16)
 NIBBLE_W8A8_DEC(f16, __half)

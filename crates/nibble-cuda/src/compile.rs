@@ -17,11 +17,14 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention", include_str!("../kernels/attention.cu")),
     ("prefill", include_str!("../kernels/prefill.cu")),
     ("decode_mma", include_str!("../kernels/decode_mma.cu")),
-    // One module: the wgmma tier (sm_90a) reuses the mma.sync tier's helpers and epilogues.
+    // One module: the decode gemv and the wgmma tier (sm_90a) reuse the mma.sync tier's
+    // helpers and epilogues.
     (
         "qgemm",
         concat!(
             include_str!("../kernels/qgemm.cu"),
+            "\n",
+            include_str!("../kernels/qgemv.cu"),
             "\n",
             include_str!("../kernels/qgemm_wgmma.cu")
         ),

@@ -25,27 +25,30 @@ pub const GEMV_MAX_M: usize = 64;
 pub const W4_TILED_SMEM: u32 = 4 * (5120 + 128 * 144);
 pub const W8_TILED_SMEM: u32 = 4 * (8192 + 128 * 64);
 /// Split-K arrival counters: one per row block of 128 weight rows (mma.sync gemv) or per 16-row
-/// tile (Hopper stream gemv).
+/// tile (decode gemv).
 pub const SPLIT_COUNTERS: usize = 1 << 16;
-/// Dynamic shared memory of the Hopper stream gemv before its staged activations: 16 warps x 4
-/// stages x (2048 + 320) bytes, then the stages' mbarriers (`SK_*` in kernels/qgemm.cu).
-pub const STREAM_SMEM: usize = 16 * 4 * (2048 + 320) + 16 * 4 * 8;
-/// Activations (rows padded by 16 bytes) up to this size are staged in the stream gemv's shared
-/// memory (the `_xs` kernels); larger ones are read from global memory by every warp.
-pub const STREAM_X_SMEM: usize = 227 * 1024 - STREAM_SMEM;
+/// Most tokens the persistent decode gemv (kernels/qgemv.cu) takes: two 8-token MMA tiles.
+pub const DECODE_MAX_M: usize = 16;
+/// Chunks of 64 channels per register batch of the decode gemv (`U` of its entry points): the
+/// input width must be a multiple of `64 * DECODE_BATCH`.
+const DECODE_BATCH: usize = 4;
+/// Weight rows per decode-gemv row block: one 16-row tile per warp of its 16-warp CTAs.
+const DECODE_BLOCK_TILES: usize = 16;
+/// Shared memory the decode gemv may take for its staged activations and their sums.
+const DECODE_SMEM: usize = 200 * 1024;
 /// Kernel tier of the quantized GEMMs: at decode sizes the mma.sync gemv (sm_80 and later) or the
-/// Hopper stream gemv (sm_90); past the gemv range the mma.sync tiled kernels or the Hopper wgmma
-/// kernels (sm_90a).
+/// persistent decode gemv (Hopper tier); past the gemv range the mma.sync tiled kernels or the
+/// Hopper wgmma kernels (sm_90a).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[repr(u8)]
 pub enum KernelTier {
-    /// Whichever measured faster on an H200 (BENCHMARKS.md): the stream gemv for more than 8
-    /// tokens of an input at least 8192 wide, the wgmma kernels from [`WGMMA_TOKENS`] tokens,
-    /// mma.sync everywhere else.
+    /// Whichever measured faster on an H200 (BENCHMARKS.md): on Hopper the decode gemv up to
+    /// [`DECODE_MAX_M`] tokens and the wgmma kernels from [`WGMMA_TOKENS`] tokens, mma.sync
+    /// everywhere else.
     Auto = 0,
     /// The mma.sync kernels for every shape.
     MmaSync = 1,
-    /// The Hopper kernels (stream gemv, wgmma) wherever the GPU has them and the format allows.
+    /// The Hopper kernels (decode gemv, wgmma) wherever the GPU has them and the format allows.
     Hopper = 2,
 }
 
@@ -84,9 +87,6 @@ pub fn wgmma_tokens(m: usize, tiles: usize, sms: usize) -> usize {
         WGMMA_TOKENS
     }
 }
-
-/// Weight rows per stream-gemv row block: one 16-row tile per warp of a CTA.
-const STREAM_BLOCK_TILES: usize = 16;
 
 /// A weight packed for a quantized kernel.
 pub enum QuantWeight {
@@ -276,17 +276,52 @@ pub fn plan_gemv(
     (blocks, chunks.div_ceil(cps), cps)
 }
 
-/// Stream-K plan of a Hopper gemv launch: `(CTAs, units per CTA, most pieces of a row block)`.
-/// The `row blocks x chunks` units are cut into equal ranges, one per SM; a row block spans at
-/// most `max_pieces` CTAs, which sizes the partial-sum slots.
-pub fn plan_stream(tiles: usize, chunks: usize, sms: usize) -> (usize, usize, usize) {
-    let units = tiles.div_ceil(STREAM_BLOCK_TILES) * chunks;
-    let per_cta = units.div_ceil(sms.max(1)).max(1);
-    (
-        units.div_ceil(per_cta),
+/// Launch plan of the persistent decode gemv (kernels/qgemv.cu).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct DecodePlan {
+    /// CTAs, at most one per SM.
+    pub ctas: usize,
+    /// `row block x chunk` units per CTA, a multiple of [`DECODE_BATCH`].
+    pub per_cta: usize,
+    /// The most CTAs a row block's units are cut between: partial-sum slots per tile.
+    pub max_pieces: usize,
+    /// Dynamic shared memory: the CTA's window of activation chunks and their sums.
+    pub smem: usize,
+}
+
+/// The decode gemv's plan for `m` tokens of `elem`-byte activations over `tiles` 16-row tiles of
+/// `chunks` 64-channel chunks: the `row block x chunk` units cut into equal ranges, one per SM
+/// (stream-K), or `None` where the kernel does not apply (too many tokens, an input width that is
+/// not a multiple of 256, or an activation window past [`DECODE_SMEM`]).
+pub fn plan_decode(
+    tiles: usize,
+    chunks: usize,
+    sms: usize,
+    m: usize,
+    elem: usize,
+) -> Option<DecodePlan> {
+    if m == 0 || m > DECODE_MAX_M || !chunks.is_multiple_of(DECODE_BATCH) {
+        return None;
+    }
+    let units = tiles.div_ceil(DECODE_BLOCK_TILES) * chunks;
+    let per_cta = units
+        .div_ceil(sms.max(1))
+        .next_multiple_of(DECODE_BATCH)
+        .max(DECODE_BATCH);
+    let window = per_cta.min(chunks);
+    // Rows as gemv_x_stride pads them (kernels/qgemm.cu), then f32 sums per chunk and token.
+    let stride = if elem == 2 {
+        window * 128 + 16
+    } else {
+        (window * 64).div_ceil(128) * 128 + 64
+    };
+    let smem = m * stride + window * m.div_ceil(8) * 8 * 4;
+    (smem <= DECODE_SMEM).then_some(DecodePlan {
+        ctas: units.div_ceil(per_cta),
         per_cta,
-        chunks.div_ceil(per_cta) + 1,
-    )
+        max_pieces: chunks.div_ceil(per_cta) + 1,
+        smem,
+    })
 }
 
 /// Whether `m` tokens run the gemv kernels rather than the tiled ones: always up to 32; up to
@@ -300,8 +335,8 @@ pub fn use_gemv(m: usize, tiles: usize, sms: usize) -> bool {
 /// The kernel families of a quantized GEMM.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum QKernel {
-    /// The Hopper stream gemv (sm_90; up to 32 tokens).
-    Stream,
+    /// The persistent decode gemv (up to [`DECODE_MAX_M`] tokens).
+    Decode,
     /// The mma.sync gemv (up to [`GEMV_MAX_M`] tokens).
     Gemv,
     /// The mma.sync tiled kernel.
@@ -313,37 +348,23 @@ pub enum QKernel {
 }
 
 /// What picks a quantized GEMM's kernel besides its shape: the format (W4A16 or W8A8), the output
-/// type, and whether the weight may take the stream gemv.
+/// type, and whether the weight may take the decode gemv.
 #[derive(Clone, Copy)]
 struct Route {
     w4: bool,
     out_half: bool,
-    stream_ok: bool,
+    decode_ok: bool,
 }
 
 /// Entry point of `kind` for W4A16 (`w4`) or W8A8, `m` tokens of `k` channels, an output in the
 /// model dtype (`out_half`, dtype suffix `sfx`) or f32: the names kernels/qgemm.cu's entry macros
 /// give (`kernels_compile` checks every one the dispatch can ask for exists).
-pub fn qgemm_kernel_name(
-    kind: QKernel,
-    w4: bool,
-    m: usize,
-    k: usize,
-    out_half: bool,
-    sfx: &str,
-) -> String {
+pub fn qgemm_kernel_name(kind: QKernel, w4: bool, m: usize, out_half: bool, sfx: &str) -> String {
     let tt = token_tiles(m);
-    let xs = |elem| {
-        if stream_x_bytes(m, k, elem) > 0 {
-            "_xs"
-        } else {
-            ""
-        }
-    };
     if w4 {
         let h = if out_half { "_h" } else { "" };
         match kind {
-            QKernel::Stream => format!("w4a16_stream{tt}{h}{}_{sfx}", xs(2)),
+            QKernel::Decode => format!("w4a16_dec{tt}{h}_{sfx}"),
             QKernel::Gemv => format!("w4a16_gemv{tt}{h}_{sfx}"),
             QKernel::Tiled => format!("w4a16_tiled{h}_{sfx}"),
             QKernel::Wgmma => format!("w4a16_wgmma{h}_{sfx}"),
@@ -352,20 +373,13 @@ pub fn qgemm_kernel_name(
     } else {
         let o = if out_half { sfx } else { "f32" };
         match kind {
-            QKernel::Stream => format!("w8a8_stream{tt}{}_{o}", xs(1)),
+            QKernel::Decode => format!("w8a8_dec{tt}_{o}"),
             QKernel::Gemv => format!("w8a8_gemv{tt}_{o}"),
             QKernel::Tiled => format!("w8a8_tiled_{o}"),
             QKernel::Wgmma => format!("w8a8_wgmma_{o}"),
             QKernel::Wgmma128 => format!("w8a8_wgmma128_{o}"),
         }
     }
-}
-
-/// Shared-memory bytes of `m` activation rows of `k` elements of `elem` bytes staged for the
-/// stream gemv (rows padded by 16 bytes), or 0 when they do not fit and stay in global memory.
-fn stream_x_bytes(m: usize, k: usize, elem: usize) -> usize {
-    let bytes = m * (k * elem + 16);
-    if bytes <= STREAM_X_SMEM { bytes } else { 0 }
 }
 
 /// The gemv variant for `m` tokens: 1, 2, 4 or 8 tiles of 8 tokens.
@@ -498,11 +512,11 @@ impl CudaBackend {
                 } else {
                     -1
                 };
-                // Scales apply after the MMA in the stream gemv: groups must be whole chunks.
+                // Scales apply after the MMA in the decode gemv: groups must be whole chunks.
                 let route = Route {
                     w4: true,
                     out_half,
-                    stream_ok: group_len % 64 == 0,
+                    decode_ok: group_len % 64 == 0,
                 };
                 let wg = WgmmaOperands {
                     x: xh.ptr,
@@ -542,7 +556,7 @@ impl CudaBackend {
                 let route = Route {
                     w4: false,
                     out_half,
-                    stream_ok: true,
+                    decode_ok: true,
                 };
                 let wg = WgmmaOperands {
                     x: q.codes,
@@ -579,17 +593,17 @@ impl CudaBackend {
         chunks: usize,
     ) -> Result<()> {
         let (m, n, k) = (geo[0], geo[1], geo[2]);
-        let name =
-            |kind| qgemm_kernel_name(kind, route.w4, m, k, route.out_half, self.dtype.suffix());
+        let name = |kind| qgemm_kernel_name(kind, route.w4, m, route.out_half, self.dtype.suffix());
         let x_elem = if route.w4 { 2 } else { 1 };
         let mut ints: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
         if use_gemv(m, tiles, self.gpu.sm_count) {
             ints.extend(gemv_geo.iter().map(|&v| Arg::I32(v)));
-            let stream = name(QKernel::Stream);
-            // Auto: the stream gemv for more than 8 tokens of inputs at least 8192 wide.
-            if route.stream_ok && self.hopper_tier(&stream, m > 8 && k >= 8192) {
-                let xs = stream_x_bytes(m, k, x_elem);
-                return self.launch_stream(&stream, head, ints, tiles, chunks, m, xs);
+            let decode = name(QKernel::Decode);
+            let plan = plan_decode(tiles, chunks, self.gpu.sm_count, m, x_elem);
+            if let Some(plan) = plan.filter(|_| route.decode_ok)
+                && self.hopper_tier(&decode, true)
+            {
+                return self.launch_decode(&decode, head, ints, tiles, m, plan);
             }
             self.launch_gemv(
                 &name(QKernel::Gemv),
@@ -739,37 +753,33 @@ impl CudaBackend {
         }
     }
 
-    /// Launches a Hopper stream-K gemv ([`plan_stream`]): arguments as for [`Self::launch_gemv`],
-    /// then the units per CTA and the partial slots per tile. Partial sums take 4 bytes each;
-    /// `x_bytes` of staged activations follow the stages in shared memory.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_stream(
+    /// Launches the persistent decode gemv on its [`DecodePlan`]: arguments as for
+    /// [`Self::launch_gemv`], then the units per CTA and the partial slots per tile. Partial sums
+    /// take 4 bytes each.
+    fn launch_decode(
         &self,
         name: &str,
         mut args: Vec<Arg>,
         geo: Vec<Arg>,
         tiles: usize,
-        chunks: usize,
         m: usize,
-        x_bytes: usize,
+        plan: DecodePlan,
     ) -> Result<()> {
-        let (ctas, per_cta, max_pieces) = plan_stream(tiles, chunks, self.gpu.sm_count);
-        let partial = if max_pieces > 1 {
-            self.alloc(tiles * max_pieces * m, 16, Elem::F32)?.ptr
+        let partial = if plan.max_pieces > 1 {
+            self.alloc(tiles * plan.max_pieces * m, 16, Elem::F32)?.ptr
         } else {
             0
         };
         args.push(Arg::Ptr(partial));
         args.push(Arg::Ptr(self.split_counters()));
         args.extend(geo);
-        args.push(Arg::I32(per_cta as i32));
-        args.push(Arg::I32(max_pieces as i32));
-        let smem = (STREAM_SMEM + x_bytes) as u32;
+        args.push(Arg::I32(plan.per_cta as i32));
+        args.push(Arg::I32(plan.max_pieces as i32));
         self.launch_block(
             name,
-            (ctas as u32, 1, 1),
-            32 * STREAM_BLOCK_TILES as u32,
-            smem,
+            (plan.ctas as u32, 1, 1),
+            32 * DECODE_BLOCK_TILES as u32,
+            plan.smem as u32,
             args,
         )
     }
@@ -833,29 +843,37 @@ mod tests {
     }
 
     #[test]
-    fn stream_plans_balance_units_and_bound_pieces() {
-        for (tiles, chunks) in [
-            (256, 64),
-            (256, 224),
-            (1792, 64),
-            (3584, 128),
-            (36, 9),
-            (1, 1),
+    fn decode_plans_balance_units_in_whole_batches_and_bound_pieces() {
+        for (tiles, chunks, m) in [
+            (256, 64, 1),
+            (256, 224, 16),
+            (1792, 64, 4),
+            (3584, 128, 8),
+            (384, 64, 1),
+            (1, 4, 1),
         ] {
-            let (ctas, per_cta, max_pieces) = plan_stream(tiles, chunks, 132);
-            let units = tiles.div_ceil(STREAM_BLOCK_TILES) * chunks;
-            assert!(ctas <= 132 && ctas * per_cta >= units && (ctas - 1) * per_cta < units);
+            let p = plan_decode(tiles, chunks, 132, m, 2).unwrap();
+            let units = tiles.div_ceil(DECODE_BLOCK_TILES) * chunks;
+            assert!(
+                p.ctas <= 132 && p.ctas * p.per_cta >= units && (p.ctas - 1) * p.per_cta < units
+            );
+            assert!(p.per_cta.is_multiple_of(DECODE_BATCH) && p.smem <= DECODE_SMEM);
             // Count the CTAs each row block's units fall in: never more than max_pieces.
-            for b in 0..tiles.div_ceil(STREAM_BLOCK_TILES) {
-                let (first, last) = (b * chunks / per_cta, ((b + 1) * chunks - 1) / per_cta);
-                assert!(last - first < max_pieces, "{tiles} {chunks} block {b}");
+            for b in 0..tiles.div_ceil(DECODE_BLOCK_TILES) {
+                let (first, last) = (b * chunks / p.per_cta, ((b + 1) * chunks - 1) / p.per_cta);
+                assert!(last - first < p.max_pieces, "{tiles} {chunks} block {b}");
             }
         }
-        // Llama-3-8B's 28672x4096 on an H200: 55 units per SM, no tail wave.
-        assert_eq!(plan_stream(1792, 64, 132), (131, 55, 3));
-        // One token of every Llama-3-8B input stages in shared memory; 8 of a 14336-wide one do not.
-        assert!(stream_x_bytes(1, 14336, 2) > 0 && stream_x_bytes(8, 4096, 2) > 0);
-        assert_eq!(stream_x_bytes(8, 14336, 2), 0);
+        // Llama-3-8B's 28672x4096 on an H200: 56 units per CTA, 128 CTAs, one wave.
+        let p = plan_decode(1792, 64, 132, 1, 2).unwrap();
+        assert_eq!((p.ctas, p.per_cta, p.max_pieces), (128, 56, 3));
+        // Not for 17 tokens, inputs that are not a multiple of 256 wide, or windows too large.
+        assert!(plan_decode(1792, 64, 132, 17, 2).is_none());
+        assert!(plan_decode(1792, 66, 132, 1, 2).is_none());
+        // 16 bf16 tokens of an 8192-wide input (Llama-2-70B's 57344x8192) take the mma.sync
+        // gemv; as INT8 codes they fit.
+        assert!(plan_decode(3584, 128, 132, 16, 2).is_none());
+        assert!(plan_decode(3584, 128, 132, 16, 1).is_some());
     }
 
     #[test]

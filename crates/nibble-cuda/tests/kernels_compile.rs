@@ -38,40 +38,33 @@ fn kernels_compile_for_every_architecture() {
                         "attention" => &["paged_attn_bf16_hd128_g4", "attn_reduce_f16_hd64_g8"],
                         "decode_mma" => &["decode_mma_bf16_hd128_g4", "decode_mma_f16_hd64_g8"],
                         "prefill" => &["prefill_attn_bf16_hd128", "prefill_attn_f16_hd64"],
-                        // The Hopper stream gemv exists from sm_90 on; the mma.sync tier everywhere.
+                        // The decode gemv exists from sm_90 on; the mma.sync tier everywhere.
                         "qgemm" if cc.0 >= 9 => {
-                            &["w4a16_stream1_bf16", "w8a8_stream4_f32", "w4a16_gemv1_f16"]
+                            &["w4a16_dec1_bf16", "w8a8_dec2_f32", "w4a16_gemv1_f16"]
                         }
                         "qgemm" => &["w4a16_gemv1_bf16", "w8a8_tiled_f32"],
                         _ => &[],
                     };
                     if *name == "qgemm" {
                         // Every entry point the quantized-GEMM dispatch can ask for exists: the
-                        // gemv up to 64 tokens, the tiled kernels, and from sm_90 the stream gemv
-                        // up to 32 tokens with activations staged or not and the wgmma kernels.
-                        use nibble_cuda::qlinear::{QKernel, qgemm_kernel_name};
+                        // gemv up to 64 tokens, the tiled kernels, and from sm_90 the decode gemv
+                        // up to 16 tokens and the wgmma kernels.
+                        use nibble_cuda::qlinear::{DECODE_MAX_M, QKernel, qgemm_kernel_name};
                         for w4 in [true, false] {
                             for out_half in [false, true] {
                                 for sfx in ["bf16", "f16"] {
                                     for m in 1..=64 {
-                                        for k in [576, 4096, 14336, 28672, 57344] {
-                                            let mut kinds = vec![QKernel::Gemv, QKernel::Tiled];
-                                            if cc.0 >= 9 && m <= 32 {
-                                                kinds.push(QKernel::Stream);
-                                            }
-                                            if cc.0 >= 9 {
-                                                kinds.push(QKernel::Wgmma);
-                                                kinds.push(QKernel::Wgmma128);
-                                            }
-                                            for kind in kinds {
-                                                let e = qgemm_kernel_name(
-                                                    kind, w4, m, k, out_half, sfx,
-                                                );
-                                                assert!(
-                                                    entries.contains(&e),
-                                                    "{arch}: {e} missing"
-                                                );
-                                            }
+                                        let mut kinds = vec![QKernel::Gemv, QKernel::Tiled];
+                                        if cc.0 >= 9 && m <= DECODE_MAX_M {
+                                            kinds.push(QKernel::Decode);
+                                        }
+                                        if cc.0 >= 9 {
+                                            kinds.push(QKernel::Wgmma);
+                                            kinds.push(QKernel::Wgmma128);
+                                        }
+                                        for kind in kinds {
+                                            let e = qgemm_kernel_name(kind, w4, m, out_half, sfx);
+                                            assert!(entries.contains(&e), "{arch}: {e} missing");
                                         }
                                     }
                                 }
@@ -82,7 +75,7 @@ fn kernels_compile_for_every_architecture() {
                         assert!(
                             !entries
                                 .iter()
-                                .any(|e| e.contains("_stream") || e.contains("_wgmma")),
+                                .any(|e| e.contains("_dec") || e.contains("_wgmma")),
                             "{arch}: {entries:?}"
                         );
                     }

@@ -1,8 +1,9 @@
 //! The quantized GEMMs (kernels/qgemm.cu) against `nibble_precision::reference_matmul`: W8A8
 //! bit for bit (activation codes, i32 sums and the f32 epilogue), W4A16 within the rounding of
 //! its 16-bit operands. Fresh random weights and inputs, NaN-poisoned outputs, shapes the tiles
-//! do not divide, every group size, every kernel (the Hopper stream gemv and the mma.sync gemv up to 32 tokens, tiled beyond), and the
-//! layer shapes of Llama-3-8B, Qwen3-8B and Llama-2-70B with sampled rows checked.
+//! do not divide, every group size, every kernel (on Hopper the decode gemv up to 16 tokens; the
+//! mma.sync gemv up to 32; tiled and wgmma beyond), and the layer shapes of Llama-3-8B, Qwen3-8B
+//! and Llama-2-70B with sampled rows checked.
 
 use super::*;
 use nibble_cuda::qlinear::KernelTier;
@@ -45,7 +46,7 @@ fn quant_tensor(format: LinearFormat, n: usize, k: usize, bytes: Vec<u8>) -> Hos
 }
 
 /// Runs `x · Wᵀ` on the GPU (f32 output) on every kernel tier that takes `m` tokens (the
-/// Hopper stream gemv where the GPU has it, and the mma.sync kernels) and returns each tier's
+/// Hopper kernels where the GPU has them, and the mma.sync kernels) and returns each tier's
 /// rows `check_rows`, with the reference for them.
 #[allow(clippy::too_many_arguments)]
 fn run(
@@ -65,7 +66,7 @@ fn run(
         matches!(w.data, nibble_cuda::WeightData::Quant(_)),
         "{format} {n}x{k} did not pack"
     );
-    // Every shape on both tiers: the Hopper one is the stream gemv or the wgmma kernel (sm_90a),
+    // Every shape on both tiers: the Hopper one is the decode gemv or the wgmma kernel (sm_90a),
     // whichever the shape takes, and falls back to mma.sync where the GPU lacks it.
     let tiers: &[(&str, KernelTier)] = &[
         ("mma.sync tier", KernelTier::MmaSync),
@@ -164,6 +165,11 @@ fn w8a8_is_bit_exact_with_the_integer_reference() {
         for &(m, n, k) in &[
             (1, 576, 576),
             (2, 37, 80),
+            // Inputs a multiple of 256 wide: the decode gemv on Hopper (odd tiles, pieces).
+            (1, 130, 1024),
+            (5, 1040, 256),
+            (12, 4096, 4096),
+            (16, 300, 1536),
             (8, 100, 208),
             (9, 192, 576),
             (16, 1536, 576),
@@ -241,6 +247,11 @@ fn w4a16_matches_the_dequantized_reference() {
             for &(m, n, k) in &[
                 (1, 576, 576),
                 (3, 37, 128),
+                (1, 130, 1024),
+                (5, 37, 256),
+                (12, 1040, 512),
+                (16, 300, 1536),
+                (2, 4096, 4096),
                 (8, 100, 384),
                 (9, 192, 640),
                 (16, 1536, 576),
@@ -332,8 +343,8 @@ fn split_k_is_deterministic_and_layers_that_cannot_pack_run_dequantized() {
         ))
         .unwrap();
     let x = g.tensor_from_f32(&randn(&mut r, m * k, 1.0), m, k).unwrap();
-    // Both tiers split K here (the stream gemv into 8 pieces per row block): repeats agree bit
-    // for bit.
+    // Both tiers split K here (the decode gemv cuts each row block between CTAs): repeats agree
+    // bit for bit.
     for tier in [KernelTier::Hopper, KernelTier::MmaSync] {
         g.set_kernel_tier(tier);
         let a = host(&g, &g.linear(&x, &w, None).unwrap());
