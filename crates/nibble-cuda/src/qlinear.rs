@@ -43,8 +43,8 @@ const DECODE_SMEM: usize = 200 * 1024;
 #[repr(u8)]
 pub enum KernelTier {
     /// Whichever measured faster on an H200 (BENCHMARKS.md): on Hopper the decode gemv up to
-    /// [`DECODE_MAX_M`] tokens and the wgmma kernels from [`WGMMA_TOKENS`] tokens, mma.sync
-    /// everywhere else.
+    /// [`DECODE_MAX_M`] tokens (but for the smallest layers at up to 4 tokens) and the wgmma
+    /// kernels from [`WGMMA_TOKENS`] tokens, mma.sync everywhere else.
     Auto = 0,
     /// The mma.sync kernels for every shape.
     MmaSync = 1,
@@ -600,8 +600,10 @@ impl CudaBackend {
             ints.extend(gemv_geo.iter().map(|&v| Arg::I32(v)));
             let decode = name(QKernel::Decode);
             let plan = plan_decode(tiles, chunks, self.gpu.sm_count, m, x_elem);
+            // Auto: the decode gemv, except for up to 4 tokens of layers so small that each SM
+            // gets fewer than 12 chunks (4096x4096 on an H200: 7.5 against 6.9 µs at M = 1).
             if let Some(plan) = plan.filter(|_| route.decode_ok)
-                && self.hopper_tier(&decode, true)
+                && self.hopper_tier(&decode, m > 4 || plan.per_cta >= 12)
             {
                 return self.launch_decode(&decode, head, ints, tiles, m, plan);
             }
