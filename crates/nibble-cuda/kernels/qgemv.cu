@@ -57,7 +57,6 @@ template <> __device__ __forceinline__ float sum8<__half>(uint4 v) {
     }
     return s;
 }
-template <> __device__ __forceinline__ float sum8<signed char>(uint4) { return 0.f; }
 
 // W4A16 units: a tile's chunk is 512 B of codes (16 B per lane) and the (scale, magic + zero)
 // pairs of its group, rows g and g + 8 (8 B per lane).
