@@ -80,29 +80,15 @@ __global__ void __launch_bounds__(DW * 32, MINB)
                          counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
 }
 
-// The floor: each warp reads its contiguous share of `bytes` with U 16-byte loads per lane in flight.
-template <int U>
+// The floor: each warp reads its contiguous share of `bytes` with U 16-byte loads per lane in
+// flight; ROLLED keeps the outer loop rolled (exactly U loads in flight), else the compiler
+// unrolls it and hoists more.
+template <int U, bool ROLLED>
 __global__ void __launch_bounds__(512, 1) read_probe(const uint4* src, long per_warp16, u32* sink) {
     const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const uint4* p = src + gw * per_warp16 + (threadIdx.x & 31);
     u32 acc = 0;
-    for (long i = 0; i < per_warp16 / 32; i += U) {
-        uint4 v[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) v[u] = i + u < per_warp16 / 32 ? ld_stream(p + (i + u) * 32) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-    }
-    if (acc == 0x12345678u) sink[0] = acc;
-}
-
-// The same, the outer loop kept rolled: exactly U loads per lane in flight.
-template <int U>
-__global__ void __launch_bounds__(512, 1) read_rolled(const uint4* src, long per_warp16, u32* sink) {
-    const long gw = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const uint4* p = src + gw * per_warp16 + (threadIdx.x & 31);
-    u32 acc = 0;
-#pragma unroll 1
+#pragma unroll(ROLLED ? 1 : 4)
     for (long i = 0; i < per_warp16 / 32; i += U) {
         uint4 v[U];
 #pragma unroll
@@ -284,7 +270,7 @@ int main(int argc, char** argv) {
             const int warps = sms * 16;
             const long per_warp16 = (long)(code_bytes / 16) / warps / 32 * 32;
             for (int v = 0; v < 6; ++v) {
-                auto k = v == 0 ? read_probe<4> : v == 1 ? read_rolled<4> : v == 2 ? read_rolled<8> : read_rolled<16>;
+                auto k = v == 0 ? read_probe<4, false> : v == 1 ? read_probe<4, true> : v == 2 ? read_probe<8, true> : read_probe<16, true>;
                 const char* names[] = {"read U=4 (unrolled)", "read rolled U=4", "read rolled U=8", "read rolled U=16",
                                        "read tiles U=4", "read tiles U=8"};
                 const float us = v < 4 ? graph_time(s, [&]() { k<<<sms, 512, 0, s>>>(L.codes, per_warp16, sink); })
