@@ -309,13 +309,14 @@ pub fn plan_decode(
         .next_multiple_of(DECODE_BATCH)
         .max(DECODE_BATCH);
     let window = per_cta.min(chunks);
-    // Rows as gemv_x_stride pads them (kernels/qgemm.cu), then f32 sums per chunk and token.
-    let stride = if elem == 2 {
-        window * 128 + 16
+    // The window's rows padded as the gemv pads its slice; W4A16 adds f32 sums per chunk and
+    // token tile row.
+    let sums = if elem == 2 {
+        window * m.div_ceil(8) * 8 * 4
     } else {
-        (window * 64).div_ceil(128) * 128 + 64
+        0
     };
-    let smem = m * stride + window * m.div_ceil(8) * 8 * 4;
+    let smem = gemv_smem(m, window, 64 * elem) + sums;
     (smem <= DECODE_SMEM).then_some(DecodePlan {
         ctas: units.div_ceil(per_cta),
         per_cta,
@@ -356,9 +357,10 @@ struct Route {
     decode_ok: bool,
 }
 
-/// Entry point of `kind` for W4A16 (`w4`) or W8A8, `m` tokens of `k` channels, an output in the
-/// model dtype (`out_half`, dtype suffix `sfx`) or f32: the names kernels/qgemm.cu's entry macros
-/// give (`kernels_compile` checks every one the dispatch can ask for exists).
+/// Entry point of `kind` for W4A16 (`w4`) or W8A8, `m` tokens, an output in the model dtype
+/// (`out_half`, dtype suffix `sfx`) or f32: the names the entry macros of kernels/qgemm.cu,
+/// qgemv.cu and qgemm_wgmma.cu give (`kernels_compile` checks every one the dispatch can ask for
+/// exists).
 pub fn qgemm_kernel_name(kind: QKernel, w4: bool, m: usize, out_half: bool, sfx: &str) -> String {
     let tt = token_tiles(m);
     if w4 {
