@@ -3,10 +3,10 @@
 // shapes at M = 1, 4, 16 (bf16, group 128):
 //   read      a plain persistent read of the same bytes (codes + params), no math: the floor;
 //   gemv      the mma.sync gemv as dispatched today (qgemm.cu, split-K plan of qlinear.rs);
-//   dec ...   kernels/qgemv.cu's persistent gemv in several geometries (warps per CTA, CTAs per
-//             SM, chunks per register batch U), math variants (lean: scales after the MMA;
-//             classic: dequantize then multiply; none: loads only) and with programmatic
-//             dependent launch (pdl: the next call's weight loads start while this one ends).
+//   dec ...   kernels/qgemv.cu's persistent gemv (lean: as shipped; none: its loads only; W8 2/SM:
+//             8-warp CTAs, two per SM; as g64: a scale span per chunk, timing only), and with
+//             programmatic dependent launch (pdl: the next call's weight loads start while this
+//             one ends).
 // Every dec variant with math is checked against the gemv's output.
 // Build here (no GPU needed, nvcc only):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o stage/probe/dec_probe bench/probe/dec_probe.cu
@@ -25,58 +25,24 @@
 #include "../../crates/nibble-cuda/kernels/qgemm.cu"
 #include "../../crates/nibble-cuda/kernels/qgemv.cu"
 
-using T = __nv_bfloat16;
-
-template <class Tt, int U> struct NoMath : DecW4<Tt, U> {
+template <class Tt, int GC> struct NoMath : DecW4<Tt, GC> {
     template <int TT>
-    __device__ __forceinline__ void mma(const typename DecW4<Tt, U>::Regs& r, int u, const uint4 (&xv)[TT][2],
+    __device__ __forceinline__ void mma(const typename DecW4<Tt, GC>::Regs& r, int u, const uint4 (&xv)[TT][2],
                                         float (&G)[2][TT][4]) const {
-        G[0][0][0] += __uint_as_float((r.w[u].x ^ r.w[u].y ^ r.w[u].z ^ r.w[u].w ^ r.p[u].x ^ xv[0][0].x) & 0x3fffffffu);
-    }
-};
-// Dequantize, then one MMA per k16 step (the mma.sync gemv's math); groups applied per lane.
-template <class Tt, int U> struct Classic : DecW4<Tt, U> {
-    static constexpr bool ZERO_POINTS = false;
-    template <int TT>
-    __device__ __forceinline__ void mma(const typename DecW4<Tt, U>::Regs& r, int u, const uint4 (&xv)[TT][2],
-                                        float (&G)[2][TT][4]) const {
-        const u32 words[4] = {r.w[u].x, r.w[u].y, r.w[u].z, r.w[u].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            u32 a[4];
-            dequant_step<Tt>(words[j], r.p[u], a);
-#pragma unroll
-            for (int tt = 0; tt < TT; ++tt) {
-                const uint4& v = xv[tt][j >> 1];
-                mma16816<Tt>(G[j & 1][tt], a, (j & 1) ? v.z : v.x, (j & 1) ? v.w : v.y);
-            }
-        }
-    }
-    template <int TT>
-    __device__ __forceinline__ void flush(const typename DecW4<Tt, U>::Regs&, int, float (&G)[2][TT][4],
-                                          float (&)[TT][2], float (&acc)[TT][4]) const {
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                acc[tt][e] += G[0][tt][e] + G[1][tt][e];
-                G[0][tt][e] = G[1][tt][e] = 0.f;
-            }
+        G[0][0][0] += __uint_as_float((r.w[u].x ^ r.w[u].y ^ r.w[u].z ^ r.w[u].w ^ xv[0][0].x) & 0x3fffffffu);
     }
 };
 
-template <int MATH, int TT, int U, int DW, int MINB>
+// MATH 0: loads only; 1: the kernel as shipped. GC chunks per scale span (group 128: 2).
+template <class T, int MATH, int TT, int GC, int DW, int MINB>
 __global__ void __launch_bounds__(DW * 32, MINB)
     dec_probe(const uint4* codes, const uint2* params, const T* x, float* y, float* partial, int* counters, int M,
               int N, int K, int tiles, int chunks, int groups, int per_cta, int max_pieces) {
     if constexpr (MATH == 0)
-        dec_gemv<TT, DW>(NoMath<T, U>{{codes, params, chunks, groups, 128, 7}}, x, (long)K, y, (long)N, partial,
-                         counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
-    else if constexpr (MATH == 1)
-        dec_gemv<TT, DW>(DecW4<T, U>{codes, params, chunks, groups, 128, 7}, x, (long)K, y, (long)N, partial,
+        dec_gemv<TT, DW>(NoMath<T, GC>{{codes, params, chunks, groups, 1}}, x, (long)K, y, (long)N, partial,
                          counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
     else
-        dec_gemv<TT, DW>(Classic<T, U>{{codes, params, chunks, groups, 128, 7}}, x, (long)K, y, (long)N, partial,
+        dec_gemv<TT, DW>(DecW4<T, GC>{codes, params, chunks, groups, 1}, x, (long)K, y, (long)N, partial,
                          counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
 }
 
@@ -118,9 +84,10 @@ __global__ void __launch_bounds__(512, 1) read_tiles(const uint4* src, int tiles
     if (acc == 0x12345678u) sink[0] = acc;
 }
 
-static u32 f32_bits(float f) {
-    u32 u;
-    memcpy(&u, &f, 4);
+template <class T> static unsigned short bits_of(float f) {
+    const T h = (T)f;
+    unsigned short u;
+    memcpy(&u, &h, 2);
     return u;
 }
 
@@ -157,7 +124,7 @@ template <class L> float graph_time(cudaStream_t s, L launch) {
     return median(t);
 }
 
-struct Layer {
+template <class T> struct Layer {
     int N, K, M;
     int tiles, chunks, groups;
     uint4* codes;
@@ -171,13 +138,13 @@ struct Layer {
 static std::vector<float> host_y;
 static std::vector<float> ref_y;
 
-template <class Kern>
-void run_dec(const char* name, Kern k, int dw, int per_sm, bool pdl, Layer& L, cudaStream_t s, int sms,
-             bool check, int U, int whole = 0) {
+template <class T, class Kern>
+void run_dec(const char* name, Kern k, int dw, int per_sm, bool pdl, Layer<T>& L, cudaStream_t s, int sms,
+             bool check, int U, bool g64) {
     const long units = (long)((L.tiles + dw - 1) / dw) * L.chunks;
     const int ctas_want = per_sm * sms;
     // whole: every CTA takes `whole` row blocks (no tile is split; SMs left unbalanced).
-    int per_cta = whole ? whole * L.chunks : (int)((units + ctas_want - 1) / ctas_want);
+    int per_cta = (int)((units + ctas_want - 1) / ctas_want);
     per_cta = (per_cta + U - 1) / U * U;
     const int ctas = (int)((units + per_cta - 1) / per_cta);
     const int max_pieces = (L.chunks + per_cta - 1) / per_cta + 1;
@@ -196,8 +163,10 @@ void run_dec(const char* name, Kern k, int dw, int per_sm, bool pdl, Layer& L, c
         at[0].val.programmaticStreamSerializationAllowed = 1;
         cfg.attrs = at;
         cfg.numAttrs = pdl ? 1 : 0;
+        // g64: the kernel reads a parameter pair per chunk (timing only: the data has groups of 128).
         cudaLaunchKernelEx(&cfg, k, (const uint4*)L.codes, (const uint2*)L.params, (const T*)L.x, L.y, L.partial,
-                           L.counters, L.M, L.N, L.K, L.tiles, L.chunks, L.groups, per_cta, max_pieces);
+                           L.counters, L.M, L.N, L.K, L.tiles, L.chunks, g64 ? L.chunks : L.groups, per_cta,
+                           max_pieces);
     };
     cudaMemset(L.y, 0xff, (size_t)L.M * L.N * 4);  // poisoned
     launch();
@@ -219,22 +188,14 @@ void run_dec(const char* name, Kern k, int dw, int per_sm, bool pdl, Layer& L, c
     printf("  %s\n", cudaGetErrorString(e != cudaSuccess ? e : cudaGetLastError()));
 }
 
-int main(int argc, char** argv) {
-    cudaDeviceProp prop;
-    cudaGetDeviceProperties(&prop, 0);
-    const int sms = prop.multiProcessorCount;
-    printf("%s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
-    cudaStream_t s;
-    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+// Every shape and token count for activations of type T (f16 and bf16 decode differently).
+template <class T> void probe_dtype(int sms, cudaStream_t s, int* counters, u32* sink) {
+    const bool f16 = W4Math<T>::NIBBLE_AT_4;
+    printf("== %s\n", f16 ? "f16" : "bf16");
     const int shapes[4][2] = {{28672, 4096}, {4096, 14336}, {6144, 4096}, {4096, 4096}};
     const int ms[3] = {1, 4, 16};
-    int* counters;
-    cudaMalloc(&counters, 1 << 20);
-    cudaMemset(counters, 0, 1 << 20);
-    u32* sink;
-    cudaMalloc(&sink, 4);
     for (auto& sh : shapes) {
-        Layer L{};
+        Layer<T> L{};
         L.N = sh[0];
         L.K = sh[1];
         L.tiles = L.N / 16;
@@ -249,16 +210,16 @@ int main(int argc, char** argv) {
         std::vector<u32> hp(param_bytes / 4);
         for (auto& v : hp) {
             st = st * 1664525u + 1013904223u;
-            const float sc = ldexpf(1.f + (st >> 24) / 256.f, -8), z = 128.f + ((st >> 8) & 15);
-            v = (f32_bits(sc) >> 16) | ((f32_bits(z) >> 16) << 16);
+            const float sc = ldexpf(1.f + (st >> 24) / 256.f, -8), z = W4Math<T>::MAGIC_F + ((st >> 8) & 15);
+            v = bits_of<T>(sc) | ((u32)bits_of<T>(z) << 16);
         }
         std::vector<unsigned short> hx((size_t)16 * L.K);
         for (auto& v : hx) {
             st = st * 1664525u + 1013904223u;
-            v = (unsigned short)(f32_bits(((st >> 8) / 16777216.f) * 2.f - 1.f) >> 16);
+            v = bits_of<T>(((st >> 8) / 16777216.f) * 2.f - 1.f);
         }
         cudaMalloc(&L.codes, code_bytes);
-        cudaMalloc(&L.params, param_bytes);
+        cudaMalloc(&L.params, 2 * param_bytes);  // room for a parameter pair per chunk (g64 timing)
         cudaMalloc(&L.x, hx.size() * 2);
         cudaMalloc(&L.y, (size_t)16 * L.N * 4);
         cudaMalloc(&L.partial, (size_t)L.tiles * (L.chunks + 2) * 16 * 16 * 4);  // the most pieces a tile can have
@@ -293,7 +254,10 @@ int main(int argc, char** argv) {
             const int cps = std::min(fit, std::max(std::min(2, L.chunks), (L.chunks + want - 1) / want));
             const int splits = (L.chunks + cps - 1) / cps;
             const int smem = M * (cps * 128 + 16);
-            auto gk = M <= 8 ? w4a16_gemv1_bf16 : w4a16_gemv2_bf16;
+            using GemvFn = void (*)(const uint4*, const uint2*, const T*, long, float*, long, float*, int*, int, int,
+                                    int, int, int, int, int, int, int);
+            const GemvFn gk = f16 ? (M <= 8 ? (GemvFn)w4a16_gemv1_f16 : (GemvFn)w4a16_gemv2_f16)
+                                  : (M <= 8 ? (GemvFn)w4a16_gemv1_bf16 : (GemvFn)w4a16_gemv2_bf16);
             cudaMemset(L.y, 0xff, (size_t)M * L.N * 4);
             gk<<<dim3(blocks, splits), 256, smem, s>>>(L.codes, L.params, L.x, L.K, L.y, L.N, L.partial, counters, M,
                                                       L.N, L.K, L.tiles, L.chunks, L.groups, 128, 7, cps);
@@ -307,22 +271,18 @@ int main(int argc, char** argv) {
             printf("  %-34s       ctas %4d  %7.2f us  %5.2f TB/s  %3.0f%% of 4.22\n", "gemv (mma.sync, today)",
                    blocks * splits, us, L.bytes / us / 1e6, L.bytes / us / 1e6 / 4.22 * 100);
             L.counters = counters;
-#define DEC(MATH, TT, U, DW, MINB, PER_SM, PDL, NAME) \
-    run_dec(NAME, dec_probe<MATH, TT, U, DW, MINB>, DW, PER_SM, PDL, L, s, sms, MATH == 1 || MATH == 2, U)
+#define DEC(MATH, TT, GC, DW, MINB, PER_SM, PDL, NAME) \
+    run_dec(NAME, dec_probe<T, MATH, TT, GC, DW, MINB>, DW, PER_SM, PDL, L, s, sms, MATH == 1 && GC == 2, 4, GC == 1)
             if (M <= 8) {
-                DEC(0, 1, 4, 16, 1, 1, false, "dec none  W16 U4");
-                DEC(1, 1, 4, 16, 1, 1, false, "dec lean  W16 U4");
-                DEC(1, 1, 2, 16, 1, 1, false, "dec lean  W16 U2");
-                DEC(1, 1, 8, 16, 1, 1, false, "dec lean  W16 U8");
-                DEC(1, 1, 4, 8, 2, 2, false, "dec lean  W8 U4 2/SM");
-                DEC(2, 1, 4, 16, 1, 1, false, "dec classic W16 U4");
-                DEC(1, 1, 4, 16, 1, 1, true, "dec lean  W16 U4 pdl");
+                DEC(0, 1, 2, 16, 1, 1, false, "dec none  W16");
+                DEC(1, 1, 2, 16, 1, 1, false, "dec lean  W16 g128");
+                DEC(1, 1, 1, 16, 1, 1, false, "dec lean  W16 g128 as g64");
+                DEC(1, 1, 2, 8, 2, 2, false, "dec lean  W8 2/SM");
+                DEC(1, 1, 2, 16, 1, 1, true, "dec lean  W16 pdl");
             } else {
-                DEC(1, 2, 4, 16, 1, 1, false, "dec lean  W16 U4");
-                DEC(1, 2, 2, 16, 1, 1, false, "dec lean  W16 U2");
-                DEC(1, 2, 4, 8, 2, 2, false, "dec lean  W8 U4 2/SM");
-                DEC(2, 2, 4, 16, 1, 1, false, "dec classic W16 U4");
-                DEC(1, 2, 4, 16, 1, 1, true, "dec lean  W16 U4 pdl");
+                DEC(1, 2, 2, 16, 1, 1, false, "dec lean  W16 g128");
+                DEC(1, 2, 1, 16, 1, 1, false, "dec lean  W16 g128 as g64");
+                DEC(1, 2, 2, 16, 1, 1, true, "dec lean  W16 pdl");
             }
         }
         cudaFree(L.codes);
@@ -331,5 +291,21 @@ int main(int argc, char** argv) {
         cudaFree(L.y);
         cudaFree(L.partial);
     }
+}
+
+int main(int argc, char** argv) {
+    cudaDeviceProp prop;
+    cudaGetDeviceProperties(&prop, 0);
+    const int sms = prop.multiProcessorCount;
+    printf("%s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    int* counters;
+    cudaMalloc(&counters, 1 << 20);
+    cudaMemset(counters, 0, 1 << 20);
+    u32* sink;
+    cudaMalloc(&sink, 4);
+    probe_dtype<__nv_bfloat16>(sms, s, counters, sink);
+    probe_dtype<__half>(sms, s, counters, sink);
     return 0;
 }

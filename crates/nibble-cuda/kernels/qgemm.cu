@@ -74,6 +74,9 @@ __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 mask, u32 magic) {
 template <class T> struct W4Math;
 template <> struct W4Math<__half> {
     static constexpr u32 MAGIC = 0x64006400u;  // 1024.0 in both halves
+    // Ten mantissa bits: a nibble at bits 4-7 under the magic reads as magic + 16 q.
+    static constexpr bool NIBBLE_AT_4 = true;
+    static constexpr float MAGIC_F = 1024.f;
     static __device__ __forceinline__ u32 sub_mul(u32 x, u32 z, u32 s) {
         __half2 r = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&x), *reinterpret_cast<__half2*>(&z)),
                             *reinterpret_cast<__half2*>(&s));
@@ -82,6 +85,8 @@ template <> struct W4Math<__half> {
 };
 template <> struct W4Math<__nv_bfloat16> {
     static constexpr u32 MAGIC = 0x43004300u;  // 128.0 in both halves
+    static constexpr bool NIBBLE_AT_4 = false;  // seven mantissa bits: bit 7 is the exponent's
+    static constexpr float MAGIC_F = 128.f;
     static __device__ __forceinline__ u32 sub_mul(u32 x, u32 z, u32 s) {
         __nv_bfloat162 r = __hmul2(__hsub2(*reinterpret_cast<__nv_bfloat162*>(&x),
                                            *reinterpret_cast<__nv_bfloat162*>(&z)),

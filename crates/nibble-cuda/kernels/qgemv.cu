@@ -1,5 +1,5 @@
-// Decode gemv, persistent (sm_80 and later; programmatic dependent launch from sm_90):
-// y[m][n] = sum_k x[m][k] * w[n][k] for up to 32 tokens, W4A16 and W8A8, on the packed weights
+// Decode gemv, persistent, Hopper tier (sm_90 and later, programmatic dependent launch):
+// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens, W4A16 and W8A8, on the packed weights
 // of qgemm.cu (same fragments, same operand roles: weight rows on the MMA's M side).
 //
 // Work (stream-K): the units (row block b of DW 16-row tiles, 64-channel chunk c), b-major, are cut
@@ -7,16 +7,20 @@
 // the same weight bytes whatever the layer's shape, in one wave. Warp w computes tile b*DW + w of
 // each of its CTA's units, so the CTA's warps read the same activation chunks at about the same
 // time (L1 hits) and each warp reads one contiguous run of its tile's fragments.
-// Pipeline: registers. Each lane holds U chunks' 16-byte weight fragments (ld.global.nc, L1
+// Pipeline: registers. Each lane holds U = 4 chunks' 16-byte weight fragments (ld.global.nc, L1
 // no-allocate) and, while it multiplies them, the next U are in flight; the first loads go out
 // before anything else the kernel does (and, with programmatic dependent launch, before the
 // previous kernel has finished: the weights do not depend on it; activations and outputs wait).
+// The loop is bound by instruction issue, so a batch has no per-chunk conditions, loads at
+// constant offsets from one pointer per tile, and reads activations without predicates.
 // Math: W4A16 applies group scales after the MMA (QServe §5): a k16 step multiplies the codes as
-// lop3 leaves them, magic + q, into G, so a weight costs one lop3 and no arithmetic; at the
-// group's end each output adds s * (G - (magic + z) * S) in f32, where S is the sum of the
-// group's activations, made once per CTA while staging them (instead of a second MMA per step:
-// the mma.sync pipe, not the ALU, is what bounds this kernel on Hopper).
-// Groups must be whole chunks (64 channels or a multiple); smaller groups take the mma.sync gemv.
+// lop3 leaves them, magic + q, into G, so a weight costs one lop3 and no arithmetic (with f16,
+// whose mantissa holds a nibble at bits 4-7, rows g + 8 skip the shift too and read magic + 16 q);
+// at the end of each span of GC chunks (GC = 1 for groups of 64, else 2) each output adds
+// s * (G - (magic + z) * S) in f32, where S is the span's activation sum, made once per CTA while
+// staging the activations (instead of a second MMA per step).
+// Groups must be 64 channels, a power of two past it, or a whole row; others take the mma.sync
+// gemv.
 // Split-K by pieces: a row block cut between CTAs leaves a warp a partial tile; its partial sums
 // go to `partial` and the last warp to arrive (a counter per tile) adds the pieces in CTA order,
 // so results are deterministic. TurboMind §4.1 (packed fragments), QServe §5 (scales after MMA).
@@ -58,48 +62,71 @@ template <> __device__ __forceinline__ float sum8<__half>(uint4 v) {
     return s;
 }
 
+// Chunks of 64 channels per register batch: the next batch's loads are in flight while this one
+// is multiplied (qlinear::DECODE_BATCH).
+#define DEC_U 4
+
 // W4A16 units: a tile's chunk is 512 B of codes (16 B per lane) and the (scale, magic + zero)
-// pairs of its group, rows g and g + 8 (8 B per lane).
-template <class T, int U_> struct DecW4 {
+// pairs of its group, rows g and g + 8 (8 B per lane). Scales apply once per span of GC chunks
+// (GC = 1 for groups of 64, 2 for groups of 128 or a larger power of two), so a span's group is
+// known without a test and a batch has no per-chunk conditions.
+template <class T, int GC_> struct DecW4 {
     using X = T;
     using Acc = float;
-    static constexpr int U = U_;
+    static constexpr int U = DEC_U, GC = GC_, SPANS = U / GC;
     static constexpr bool ZERO_POINTS = true;  // flush needs the activation sums
     struct Regs {
         uint4 w[U];
-        uint2 p[U];
+        uint2 p[SPANS];
+    };
+    // A tile's first code fragment and group-parameter pair for this lane.
+    struct Tile {
+        const uint4* w;
+        const uint2* p;
     };
     const uint4* codes;
     const uint2* params;
-    int chunks, groups, group_len, group_shift;
+    int chunks, groups, chunk_shift;  // chunk_shift: log2 of the chunks per group
 
-    // Chunks c .. c + U - 1 of the tile into registers (L1-bypassing code loads; the parameter
-    // rows, shared by the chunks of a group, through L1).
-    __device__ __forceinline__ void fetch(int tile, int c, Regs& r) const {
+    __device__ __forceinline__ Tile tile_at(int tile) const {
         const int lane = threadIdx.x & 31;
-        const uint4* wp = codes + ((long)tile * chunks + c) * 32 + lane;
-        const uint2* pp = params + (long)tile * groups * 8 + (lane >> 2);
+        return {codes + (long)tile * chunks * 32 + lane, params + (long)tile * groups * 8 + (lane >> 2)};
+    }
+    // Chunks c .. c + U - 1 into registers (L1-bypassing code loads; the parameter rows, shared
+    // by the chunks of a group, through L1).
+    __device__ __forceinline__ void fetch(const Tile& t, int c, Regs& r) const {
+        const uint4* wp = t.w + c * 32;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            r.w[u] = ld_stream(wp + u * 32);
-            r.p[u] = __ldg(pp + (long)group_of((c + u) * 64, group_len, group_shift) * 8);
-        }
+        for (int u = 0; u < U; ++u) r.w[u] = ld_stream(wp + u * 32);
+#pragma unroll
+        for (int s = 0; s < SPANS; ++s) r.p[s] = __ldg(t.p + (GC == 1 ? c + s : (c + s * GC) >> chunk_shift) * 8);
     }
-    // Lane (g, t)'s B fragments of a staged chunk for token m: channels t*16 .. +15 of the chunk.
-    __device__ __forceinline__ void load_x(const unsigned char* row, int m, int M, uint4 (&v)[2]) const {
+    // Lane (g, t)'s B fragments of a staged chunk: channels t*16 .. +15 of the chunk.
+    __device__ __forceinline__ void load_x(const unsigned char* row, uint4 (&v)[2]) const {
         const uint4* src = reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 32);
-        v[0] = m < M ? src[0] : make_uint4(0, 0, 0, 0);
-        v[1] = m < M ? src[1] : make_uint4(0, 0, 0, 0);
+        v[0] = src[0];
+        v[1] = src[1];
     }
-    // Chunk u's codes times the activations into G (alternate k16 steps into two chains).
+    // Chunk u's codes times the activations into G (alternate k16 steps into two chains). With
+    // f16, rows g + 8 (the odd registers) take their nibbles where they lie, as magic + 16 q: one
+    // shift per word instead of three, and flush rescales those rows.
+    static constexpr bool X16 = W4Math<T>::NIBBLE_AT_4;
     template <int TT>
     __device__ __forceinline__ void mma(const Regs& r, int u, const uint4 (&xv)[TT][2], float (&G)[2][TT][4]) const {
         const u32 words[4] = {r.w[u].x, r.w[u].y, r.w[u].z, r.w[u].w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             u32 a[4];
+            if constexpr (X16) {
+                const u32 hi = words[j] >> 8;
+                a[0] = lop3_and_or(words[j], 0x000f000fu, W4Math<T>::MAGIC);
+                a[1] = lop3_and_or(words[j], 0x00f000f0u, W4Math<T>::MAGIC);
+                a[2] = lop3_and_or(hi, 0x000f000fu, W4Math<T>::MAGIC);
+                a[3] = lop3_and_or(hi, 0x00f000f0u, W4Math<T>::MAGIC);
+            } else {
 #pragma unroll
-            for (int q = 0; q < 4; ++q) a[q] = lop3_and_or(words[j] >> (4 * q), 0x000f000fu, W4Math<T>::MAGIC);
+                for (int q = 0; q < 4; ++q) a[q] = lop3_and_or(words[j] >> (4 * q), 0x000f000fu, W4Math<T>::MAGIC);
+            }
 #pragma unroll
             for (int tt = 0; tt < TT; ++tt) {
                 const uint4& v = xv[tt][j >> 1];
@@ -107,53 +134,57 @@ template <class T, int U_> struct DecW4 {
             }
         }
     }
-    // group_len is a power of two (group_shift >= 0) or a multiple of 64 that is not.
-    __device__ __forceinline__ bool group_ends(int c) const {
-        return group_shift >= 0 ? (((c + 1) << 6) & (group_len - 1)) == 0 : ((c + 1) * 64) % group_len == 0;
-    }
     // acc += s * (G - (magic + z) * S) for rows g (C fragment elements 0, 1) and g + 8 (2, 3),
-    // S the activation sums of tokens 2t, 2t + 1 over the chunks in G; G and S back to zero.
+    // S the activation sums of tokens 2t, 2t + 1 over span s's chunks. Rows read as magic + 16 q
+    // take s / 16 and magic + 16 z = 16 (magic + z) - 15 magic (both exact in f32).
     template <int TT>
-    __device__ __forceinline__ void flush(const Regs& r, int u, float (&G)[2][TT][4], float (&S)[TT][2],
+    __device__ __forceinline__ void flush(const Regs& r, int s, const float (&G)[2][TT][4], const float (&S)[TT][2],
                                           float (&acc)[TT][4]) const {
-        const float s0 = dec_half_lo<T>(r.p[u].x), s1 = dec_half_lo<T>(r.p[u].y);
-        const float z0 = dec_half_lo<T>(r.p[u].x >> 16), z1 = dec_half_lo<T>(r.p[u].y >> 16);
+        const float s0 = dec_half_lo<T>(r.p[s].x), z0 = dec_half_lo<T>(r.p[s].x >> 16);
+        float s1 = dec_half_lo<T>(r.p[s].y), z1 = dec_half_lo<T>(r.p[s].y >> 16);
+        if constexpr (X16) {
+            s1 *= 0.0625f;
+            z1 = fmaf(16.f, z1, -15.f * W4Math<T>::MAGIC_F);
+        }
 #pragma unroll
-        for (int tt = 0; tt < TT; ++tt) {
+        for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float sum = fmaf(-(e < 2 ? z0 : z1), S[tt][e & 1], G[0][tt][e] + G[1][tt][e]);
                 acc[tt][e] = fmaf(e < 2 ? s0 : s1, sum, acc[tt][e]);
-                G[0][tt][e] = G[1][tt][e] = 0.f;
             }
-            S[tt][0] = S[tt][1] = 0.f;
-        }
     }
 };
 
 // W8A8 units: a tile's chunk is 1024 B of INT8 codes (32 B per lane); scales are per row and
-// token, applied in the epilogue.
-template <int U_> struct DecW8 {
+// token, applied in the epilogue, so a batch is one span.
+struct DecW8 {
     using X = signed char;
     using Acc = int;
-    static constexpr int U = U_;
+    static constexpr int U = DEC_U, GC = DEC_U, SPANS = 1;
     static constexpr bool ZERO_POINTS = false;
     struct Regs {
         uint4 w[U][2];
     };
+    struct Tile {
+        const uint4* w;
+    };
     const uint4* codes;
     int chunks;
 
-    __device__ __forceinline__ void fetch(int tile, int c, Regs& r) const {
-        const uint4* wp = codes + ((long)tile * chunks + c) * 64 + (threadIdx.x & 31) * 2;
+    __device__ __forceinline__ Tile tile_at(int tile) const {
+        return {codes + (long)tile * chunks * 64 + (threadIdx.x & 31) * 2};
+    }
+    __device__ __forceinline__ void fetch(const Tile& t, int c, Regs& r) const {
+        const uint4* wp = t.w + c * 64;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             r.w[u][0] = ld_stream(wp + u * 64);
             r.w[u][1] = ld_stream(wp + u * 64 + 1);
         }
     }
-    __device__ __forceinline__ void load_x(const unsigned char* row, int m, int M, uint4 (&v)[1]) const {
-        v[0] = m < M ? *reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 16) : make_uint4(0, 0, 0, 0);
+    __device__ __forceinline__ void load_x(const unsigned char* row, uint4 (&v)[1]) const {
+        v[0] = *reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 16);
     }
     template <int TT>
     __device__ __forceinline__ void mma(const Regs& r, int u, const uint4 (&xv)[TT][1], int (&G)[2][TT][4]) const {
@@ -165,17 +196,13 @@ template <int U_> struct DecW8 {
                 mma_s8(G[j][tt], a, j ? xv[tt][0].z : xv[tt][0].x, j ? xv[tt][0].w : xv[tt][0].y);
         }
     }
-    __device__ __forceinline__ bool group_ends(int) const { return false; }
     template <int TT>
-    __device__ __forceinline__ void flush(const Regs&, int, int (&G)[2][TT][4], float (&)[TT][2],
+    __device__ __forceinline__ void flush(const Regs&, int, const int (&G)[2][TT][4], const float (&)[TT][2],
                                           int (&acc)[TT][4]) const {
 #pragma unroll
         for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                acc[tt][e] += G[0][tt][e] + G[1][tt][e];
-                G[0][tt][e] = G[1][tt][e] = 0;
-            }
+            for (int e = 0; e < 4; ++e) acc[tt][e] += G[0][tt][e] + G[1][tt][e];
     }
 };
 
@@ -232,38 +259,27 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
                                          OUT* __restrict__ y, long ldy, typename F::Acc* __restrict__ partial,
                                          int* __restrict__ counters, int M, int N, int K, int tiles, int chunks,
                                          int per_cta, int max_pieces, const EPI& epi) {
-    constexpr int U = F::U;
+    constexpr int U = F::U, GC = F::GC;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int units = (tiles + DW - 1) / DW * chunks;
     const int u0 = blockIdx.x * per_cta, u1 = min(units, u0 + per_cta);
-    // A position in the CTA's units: unit u is chunk c of row block b. `chunks` and `per_cta` are
-    // multiples of U (the host's plan), so every batch is U whole chunks of one tile and the
-    // steady state has no per-chunk conditions: on Hopper this kernel is bound by instruction
-    // issue long before the ALU or the tensor pipe, and every instruction per chunk counts.
+    // A position in the CTA's units: unit u is chunk c of row block b, activation window slot
+    // `slot`. `chunks` and `per_cta` are multiples of U (the host's plan), so every batch is U
+    // whole chunks of one tile, spans and groups line up with batches, and the steady state has no
+    // per-chunk conditions: on Hopper this kernel is bound by instruction issue long before the
+    // ALU or the tensor pipe, and every instruction per chunk counts. Only the last row block
+    // has tiles past the end, so a warp stops at its first one.
     struct Cursor {
-        int u, b, c;
+        int u, c, slot, b;
+        typename F::Tile tile;
     };
-    // Skips row blocks whose tile for this warp is past the last tile (only the last block).
-    auto settle = [&](Cursor& q) -> bool {
-        while (q.u < u1 && q.b * DW + warp >= tiles) {
-            q.u += chunks - q.c;
-            q.c = 0;
-            ++q.b;
-        }
-        return q.u < u1;
-    };
-    auto advance = [&](Cursor& q) {
-        q.u += U;
-        q.c += U;
-        if (q.c == chunks) {
-            q.c = 0;
-            ++q.b;
-        }
-    };
-    Cursor q{u0, u0 / chunks, u0 % chunks};
-    bool more = settle(q);
+    Cursor q{u0, u0 % chunks, 0, u0 / chunks, {}};
+    bool more = q.u < u1 && q.b * DW + warp < tiles;
     typename F::Regs ra, rb;
-    if (more) f.fetch(q.b * DW + warp, q.c, ra);
+    if (more) {
+        q.tile = f.tile_at(q.b * DW + warp);
+        f.fetch(q.tile, q.c, ra);
+    }
     grid_dependents_launch();
     grid_dependency_wait();
 
@@ -273,7 +289,7 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     // loads in order), stalling every batch on a full memory round trip.
     extern __shared__ __align__(16) unsigned char xs[];
     constexpr int XB = (int)sizeof(typename F::X);
-    const int c0 = u0 % chunks, win = min(chunks, per_cta);
+    const int c0 = q.c, win = min(chunks, per_cta);
     const int stride = gemv_x_stride(win, XB);
     {
         const int segs = win * 64 * XB / 16;
@@ -288,26 +304,32 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
         cp_async_wait<0>();
         __syncthreads();
     }
-    // W4A16's activation sums per staged chunk, [slot][token] (0 past M); 8 lanes per sum.
+    // W4A16's activation sums per span of GC staged chunks, [span][token] (0 past M); 8 lanes
+    // per sum. c0 and the window are multiples of U, so spans never straddle a wrap.
     constexpr int MP = TT * 8;
     float* xsum = reinterpret_cast<float*>(xs + M * stride);
     if constexpr (F::ZERO_POINTS) {
-        for (int base = warp * 4; base < win * MP; base += DW * 4) {
-            const int i = base + (lane >> 3), slot = i / MP, m = i % MP;
+        const int n = win / GC * MP;
+        for (int base = warp * 4; base < n; base += DW * 4) {
+            const int i = base + (lane >> 3), span = i / MP, m = i % MP;
             float v = 0.f;
-            if (i < win * MP && m < M)
-                v = sum8<typename F::X>(*reinterpret_cast<const uint4*>(xs + m * stride + slot * 128 + (lane & 7) * 16));
+            if (i < n && m < M)
+#pragma unroll
+                for (int cc = 0; cc < GC; ++cc)
+                    v += sum8<typename F::X>(*reinterpret_cast<const uint4*>(
+                        xs + m * stride + (span * GC + cc) * 64 * XB + (lane & 7) * 16));
             v += __shfl_xor_sync(0xffffffffu, v, 4);
             v += __shfl_xor_sync(0xffffffffu, v, 2);
             v += __shfl_xor_sync(0xffffffffu, v, 1);
-            if (i < win * MP && (lane & 7) == 0) xsum[i] = v;
+            if (i < n && (lane & 7) == 0) xsum[i] = v;
         }
         __syncthreads();
     }
 
     constexpr int XV = XB == 2 ? 2 : 1;
-    typename F::Acc G[2][TT][4] = {}, acc[TT][4] = {};
-    float S[TT][2] = {};
+    typename F::Acc acc[TT][4] = {};
+    // Token rows past M read row M - 1: their outputs are never stored, and an MMA column only
+    // feeds its own outputs, so no load needs a predicate.
     const unsigned char* xrow[TT];
 #pragma unroll
     for (int tt = 0; tt < TT; ++tt) xrow[tt] = xs + min(tt * 8 + g, M - 1) * stride;
@@ -315,28 +337,43 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     // trip with the register sets swapped, so no registers are copied between batches.
     auto step = [&](typename F::Regs& cur, typename F::Regs& nxt) -> bool {
         Cursor nq = q;
-        advance(nq);
-        const bool nmore = settle(nq);
-        if (nmore) f.fetch(nq.b * DW + warp, nq.c, nxt);
-        const int slot0 = q.c >= c0 ? q.c - c0 : q.c + chunks - c0;
-        const bool piece_ends = q.c + U == chunks || q.u + U == u1;
+        nq.u += U;
+        nq.c += U;
+        nq.slot = nq.slot + U == win ? 0 : nq.slot + U;
+        const bool tile_ends = nq.c == chunks;
+        if (tile_ends) {
+            nq.c = 0;
+            ++nq.b;
+        }
+        const bool nmore = nq.u < u1 && nq.b * DW + warp < tiles;
+        if (nmore) {
+            if (tile_ends) nq.tile = f.tile_at(nq.b * DW + warp);
+            f.fetch(nq.tile, nq.c, nxt);
+        }
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            uint4 xv[TT][XV];
+        for (int s = 0; s < F::SPANS; ++s) {
+            typename F::Acc G[2][TT][4] = {};
 #pragma unroll
-            for (int tt = 0; tt < TT; ++tt) f.load_x(xrow[tt] + (slot0 + u) * 64 * XB, tt * 8 + g, M, xv[tt]);
-            f.template mma<TT>(cur, u, xv, G);
+            for (int uu = 0; uu < GC; ++uu) {
+                const int off = (q.slot + s * GC + uu) * 64 * XB;
+                uint4 xv[TT][XV];
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) f.load_x(xrow[tt] + off, xv[tt]);
+                f.template mma<TT>(cur, s * GC + uu, xv, G);
+            }
+            float S[TT][2] = {};
             if constexpr (F::ZERO_POINTS) {
 #pragma unroll
                 for (int tt = 0; tt < TT; ++tt) {
-                    const float2 v = *reinterpret_cast<const float2*>(xsum + (slot0 + u) * MP + tt * 8 + 2 * t);
-                    S[tt][0] += v.x;
-                    S[tt][1] += v.y;
+                    const float2 v =
+                        *reinterpret_cast<const float2*>(xsum + (q.slot / GC + s) * MP + tt * 8 + 2 * t);
+                    S[tt][0] = v.x;
+                    S[tt][1] = v.y;
                 }
             }
-            if (f.group_ends(q.c + u) || (u == U - 1 && piece_ends)) f.flush(cur, u, G, S, acc);
+            f.flush(cur, s, G, S, acc);
         }
-        if (piece_ends)
+        if (tile_ends || nq.u == u1)
             dec_finish<TT>(acc, q.b * DW + warp, q.b, chunks, per_cta, max_pieces, M, N, partial, counters, y,
                            ldy, epi);
         q = nq;
@@ -349,33 +386,39 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
 // Hopper tier only (measured there; the mma.sync gemv serves earlier GPUs).
 #if !defined(DEC_NO_ENTRIES) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
 #define DEC_WARPS 16
-#define W4A16_DEC_ENTRY(NAME, T, TT, U, OUT)                                                           \
+#define W4A16_DEC_ENTRY(NAME, T, TT, GC, OUT)                                                          \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
         const uint4* codes, const uint2* params, const T* x, long ldx, OUT* y, long ldy, float* partial, \
         int* counters, int M, int N, int K, int tiles, int chunks, int groups, int group_len,          \
         int group_shift, int per_cta, int max_pieces) {                                                \
-        dec_gemv<TT, DEC_WARPS>(DecW4<T, U>{codes, params, chunks, groups, group_len, group_shift}, x,  \
-                                ldx, y, ldy, partial, counters, M, N, K, tiles, chunks, per_cta,          \
-                                max_pieces, W4Epilogue{});                                             \
+        const int chunk_shift = groups == 1 ? 30 : group_shift - 6;                                    \
+        dec_gemv<TT, DEC_WARPS>(DecW4<T, GC>{codes, params, chunks, groups, chunk_shift}, x, ldx, y, ldy, \
+                                partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces,          \
+                                W4Epilogue{});                                                         \
     }
-#define NIBBLE_W4A16_DEC(SUFFIX, T)                        \
-    W4A16_DEC_ENTRY(w4a16_dec1_##SUFFIX, T, 1, 4, float)   \
-    W4A16_DEC_ENTRY(w4a16_dec2_##SUFFIX, T, 2, 4, float)   \
-    W4A16_DEC_ENTRY(w4a16_dec1_h_##SUFFIX, T, 1, 4, T)     \
-    W4A16_DEC_ENTRY(w4a16_dec2_h_##SUFFIX, T, 2, 4, T)
+// Groups of 128 channels or a larger power of two, or one group per row; `_g64` groups of 64.
+#define NIBBLE_W4A16_DEC(SUFFIX, T)                            \
+    W4A16_DEC_ENTRY(w4a16_dec1_##SUFFIX, T, 1, 2, float)       \
+    W4A16_DEC_ENTRY(w4a16_dec2_##SUFFIX, T, 2, 2, float)       \
+    W4A16_DEC_ENTRY(w4a16_dec1_h_##SUFFIX, T, 1, 2, T)         \
+    W4A16_DEC_ENTRY(w4a16_dec2_h_##SUFFIX, T, 2, 2, T)         \
+    W4A16_DEC_ENTRY(w4a16_dec1_g64_##SUFFIX, T, 1, 1, float)   \
+    W4A16_DEC_ENTRY(w4a16_dec2_g64_##SUFFIX, T, 2, 1, float)   \
+    W4A16_DEC_ENTRY(w4a16_dec1_h_g64_##SUFFIX, T, 1, 1, T)     \
+    W4A16_DEC_ENTRY(w4a16_dec2_h_g64_##SUFFIX, T, 2, 1, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
 
-#define W8A8_DEC_ENTRY(NAME, TT, U, OUT)                                                               \
+#define W8A8_DEC_ENTRY(NAME, TT, OUT)                                                               \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
         const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx, OUT* y,  \
         long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, int per_cta, \
         int max_pieces) {                                                                              \
-        dec_gemv<TT, DEC_WARPS>(DecW8<U>{codes, chunks}, x, ldx, y, ldy, partial, counters, M, N, K,   \
+        dec_gemv<TT, DEC_WARPS>(DecW8{codes, chunks}, x, ldx, y, ldy, partial, counters, M, N, K,      \
                                 tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw});               \
     }
 #define NIBBLE_W8A8_DEC(SUFFIX, OUT)                \
-    W8A8_DEC_ENTRY(w8a8_dec1_##SUFFIX, 1, 4, OUT)   \
-    W8A8_DEC_ENTRY(w8a8_dec2_##SUFFIX, 2, 4, OUT)
+    W8A8_DEC_ENTRY(w8a8_dec1_##SUFFIX, 1, OUT)   \
+    W8A8_DEC_ENTRY(w8a8_dec2_##SUFFIX, 2, OUT)
 NIBBLE_W8A8_DEC(f32, float)
 NIBBLE_W8A8_DEC(bf16, __nv_bfloat16)
 NIBBLE_W8A8_DEC(f16, __half)

@@ -287,6 +287,27 @@ impl CudaBackend {
         smem: u32,
         args: Vec<Arg>,
     ) -> Result<()> {
+        let k = self.kernel_with_smem(name, smem)?;
+        k.launch(&self.gpu, grid, block, smem, args)
+    }
+
+    /// [`Self::launch_block`] as a programmatic dependent launch ([`Kernel::launch_dependent`]):
+    /// only for kernels that wait on the grid dependency before reading their inputs.
+    pub(crate) fn launch_block_dependent(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: Vec<Arg>,
+    ) -> Result<()> {
+        let k = self.kernel_with_smem(name, smem)?;
+        k.launch_dependent(&self.gpu, grid, block, smem, args)
+    }
+
+    /// Kernel `name`, its dynamic shared memory limit raised to `smem` where that is past the
+    /// default 48 KiB.
+    fn kernel_with_smem(&self, name: &str, smem: u32) -> Result<Kernel> {
         let k = self.kernel(name)?;
         {
             let mut raised = self.smem_raised.lock().unwrap_or_else(|p| p.into_inner());
@@ -302,7 +323,7 @@ impl CudaBackend {
                 raised.insert(name.to_string(), smem);
             }
         }
-        k.launch(&self.gpu, grid, block, smem, args)
+        Ok(k)
     }
 
     pub(crate) fn kernel(&self, name: &str) -> Result<Kernel> {

@@ -336,8 +336,12 @@ pub fn use_gemv(m: usize, tiles: usize, sms: usize) -> bool {
 /// The kernel families of a quantized GEMM.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum QKernel {
-    /// The persistent decode gemv (up to [`DECODE_MAX_M`] tokens).
+    /// The persistent decode gemv (up to [`DECODE_MAX_M`] tokens); for W4A16, groups of 128
+    /// channels or a larger power of two.
     Decode,
+    /// The same for W4A16 groups of 64 channels (scales apply every chunk); W8A8 has no groups
+    /// and names [`QKernel::Decode`]'s entry.
+    DecodeG64,
     /// The mma.sync gemv (up to [`GEMV_MAX_M`] tokens).
     Gemv,
     /// The mma.sync tiled kernel.
@@ -349,12 +353,12 @@ pub enum QKernel {
 }
 
 /// What picks a quantized GEMM's kernel besides its shape: the format (W4A16 or W8A8), the output
-/// type, and whether the weight may take the decode gemv.
+/// type, and which decode gemv the weight may take, if any.
 #[derive(Clone, Copy)]
 struct Route {
     w4: bool,
     out_half: bool,
-    decode_ok: bool,
+    decode: Option<QKernel>,
 }
 
 /// Entry point of `kind` for W4A16 (`w4`) or W8A8, `m` tokens, an output in the model dtype
@@ -367,6 +371,7 @@ pub fn qgemm_kernel_name(kind: QKernel, w4: bool, m: usize, out_half: bool, sfx:
         let h = if out_half { "_h" } else { "" };
         match kind {
             QKernel::Decode => format!("w4a16_dec{tt}{h}_{sfx}"),
+            QKernel::DecodeG64 => format!("w4a16_dec{tt}{h}_g64_{sfx}"),
             QKernel::Gemv => format!("w4a16_gemv{tt}{h}_{sfx}"),
             QKernel::Tiled => format!("w4a16_tiled{h}_{sfx}"),
             QKernel::Wgmma => format!("w4a16_wgmma{h}_{sfx}"),
@@ -375,7 +380,7 @@ pub fn qgemm_kernel_name(kind: QKernel, w4: bool, m: usize, out_half: bool, sfx:
     } else {
         let o = if out_half { sfx } else { "f32" };
         match kind {
-            QKernel::Decode => format!("w8a8_dec{tt}_{o}"),
+            QKernel::Decode | QKernel::DecodeG64 => format!("w8a8_dec{tt}_{o}"),
             QKernel::Gemv => format!("w8a8_gemv{tt}_{o}"),
             QKernel::Tiled => format!("w8a8_tiled_{o}"),
             QKernel::Wgmma => format!("w8a8_wgmma_{o}"),
@@ -514,11 +519,17 @@ impl CudaBackend {
                 } else {
                     -1
                 };
-                // Scales apply after the MMA in the decode gemv: groups must be whole chunks.
+                // Scales apply after the MMA in the decode gemv, once per span of chunks whose
+                // group is a shift away: groups of 64, a power of two past it, or one per row.
+                let decode = match *group_len {
+                    64 => Some(QKernel::DecodeG64),
+                    g if *groups == 1 || (g > 64 && g.is_power_of_two()) => Some(QKernel::Decode),
+                    _ => None,
+                };
                 let route = Route {
                     w4: true,
                     out_half,
-                    decode_ok: group_len % 64 == 0,
+                    decode,
                 };
                 let wg = WgmmaOperands {
                     x: xh.ptr,
@@ -558,7 +569,7 @@ impl CudaBackend {
                 let route = Route {
                     w4: false,
                     out_half,
-                    decode_ok: true,
+                    decode: Some(QKernel::Decode),
                 };
                 let wg = WgmmaOperands {
                     x: q.codes,
@@ -600,14 +611,14 @@ impl CudaBackend {
         let mut ints: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
         if use_gemv(m, tiles, self.gpu.sm_count) {
             ints.extend(gemv_geo.iter().map(|&v| Arg::I32(v)));
-            let decode = name(QKernel::Decode);
             let plan = plan_decode(tiles, chunks, self.gpu.sm_count, m, x_elem);
             // Auto: the decode gemv, except for up to 4 tokens of layers so small that each SM
             // gets fewer than 12 chunks (4096x4096 on an H200: 7.5 against 6.9 µs at M = 1).
-            if let Some(plan) = plan.filter(|_| route.decode_ok)
-                && self.hopper_tier(&decode, m > 4 || plan.per_cta >= 12)
-            {
-                return self.launch_decode(&decode, head, ints, tiles, m, plan);
+            if let (Some(plan), Some(kind)) = (plan, route.decode) {
+                let decode = name(kind);
+                if self.hopper_tier(&decode, m > 4 || plan.per_cta >= 12) {
+                    return self.launch_decode(&decode, head, ints, tiles, m, plan);
+                }
             }
             self.launch_gemv(
                 &name(QKernel::Gemv),
@@ -779,7 +790,9 @@ impl CudaBackend {
         args.extend(geo);
         args.push(Arg::I32(plan.per_cta as i32));
         args.push(Arg::I32(plan.max_pieces as i32));
-        self.launch_block(
+        // Its weight loads start before the previous kernel ends (the kernel waits on the grid
+        // dependency before it reads activations or touches the split-K slots).
+        self.launch_block_dependent(
             name,
             (plan.ctas as u32, 1, 1),
             32 * DECODE_BLOCK_TILES as u32,

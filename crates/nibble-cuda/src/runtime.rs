@@ -36,6 +36,8 @@ pub struct Gpu {
     /// Compute capability, e.g. (9, 0) for Hopper.
     pub cc: (i32, i32),
     pub sm_count: usize,
+    /// L2 cache bytes: benchmarks rotate weights through more than this so they read HBM.
+    pub l2_bytes: usize,
     pub total_mem: usize,
 }
 
@@ -58,6 +60,9 @@ impl Gpu {
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| driver_err("attribute", e))? as usize;
+        let l2_bytes = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+            .map_err(|e| driver_err("attribute", e))? as usize;
         Ok(Arc::new(Gpu {
             name: ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
             total_mem: ctx.total_mem().unwrap_or(0),
@@ -66,6 +71,7 @@ impl Gpu {
             ordinal,
             cc,
             sm_count,
+            l2_bytes,
         }))
     }
 
@@ -364,6 +370,52 @@ impl Kernel {
                 &mut params,
             )
         }
+        .map_err(|e| driver_err(&format!("launch of {}", self.name), e))
+    }
+
+    /// [`Self::launch`] as a programmatic dependent launch (sm_90 and later): the kernel may
+    /// start while the previous one on the stream is still running, and must execute
+    /// `griddepcontrol.wait` before it touches anything that kernel writes. Kept in CUDA graphs
+    /// as a programmatic edge.
+    pub fn launch_dependent(
+        &self,
+        gpu: &Gpu,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        mut args: Vec<Arg>,
+    ) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        let mut params: Vec<*mut c_void> = args.iter_mut().map(Arg::as_void).collect();
+        // SAFETY: a zeroed launch attribute is a valid "ignore" value; the union member written
+        // is the one the attribute id names.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: gpu.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: `params` points at `args`, which outlive the call; the driver copies both.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.func,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
         .map_err(|e| driver_err(&format!("launch of {}", self.name), e))
     }
 }

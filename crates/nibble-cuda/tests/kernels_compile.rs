@@ -39,9 +39,12 @@ fn kernels_compile_for_every_architecture() {
                         "decode_mma" => &["decode_mma_bf16_hd128_g4", "decode_mma_f16_hd64_g8"],
                         "prefill" => &["prefill_attn_bf16_hd128", "prefill_attn_f16_hd64"],
                         // The decode gemv exists from sm_90 on; the mma.sync tier everywhere.
-                        "qgemm" if cc.0 >= 9 => {
-                            &["w4a16_dec1_bf16", "w8a8_dec2_f32", "w4a16_gemv1_f16"]
-                        }
+                        "qgemm" if cc.0 >= 9 => &[
+                            "w4a16_dec1_bf16",
+                            "w4a16_dec2_h_g64_f16",
+                            "w8a8_dec2_f32",
+                            "w4a16_gemv1_f16",
+                        ],
                         "qgemm" => &["w4a16_gemv1_bf16", "w8a8_tiled_f32"],
                         _ => &[],
                     };
@@ -57,6 +60,7 @@ fn kernels_compile_for_every_architecture() {
                                         let mut kinds = vec![QKernel::Gemv, QKernel::Tiled];
                                         if cc.0 >= 9 && m <= DECODE_MAX_M {
                                             kinds.push(QKernel::Decode);
+                                            kinds.push(QKernel::DecodeG64);
                                         }
                                         if cc.0 >= 9 {
                                             kinds.push(QKernel::Wgmma);
