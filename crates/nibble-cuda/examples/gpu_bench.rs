@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use nibble_core::Result;
-use nibble_cuda::qlinear::{DECODE_MAX_M, KernelTier, QuantWeight};
+use nibble_cuda::qlinear::{KernelTier, QuantWeight, WGMMA_SMALL_TOKENS};
 use nibble_cuda::{CudaBackend, CudaWeight, DeviceBuffer, Dtype, Elem, WeightData};
 use nibble_formats::gguf::GgmlType;
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
@@ -289,7 +289,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
     let ms: &[usize] = if quick {
         &[1, 16, 4096]
     } else {
-        &[1, 4, 16, 64, 1024, 8192]
+        &[1, 4, 16, 32, 64, 1024, 8192]
     };
     let w4: LinearFormat = "int4-g128/a16".parse()?;
     let w8: LinearFormat = "int8-pc/a8".parse()?;
@@ -330,9 +330,9 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
             let t_w4 = time_calls(be, calls, &mut || be.quant_gemm(&x, p4s[c4()], n, k, &out))?;
             let t_w8 = time_calls(be, calls, &mut || be.quant_gemm(&x8, p8s[c8()], n, k, &out))?;
             let t_w8q = time_calls(be, calls, &mut || be.quant_gemm(&x, p8s[c8()], n, k, &out))?;
-            // Decode sizes on each tier (the default picks one per shape).
+            // Decode and batch sizes on each tier (the default picks one per shape).
             let mut tier_ms = |tier: KernelTier| -> Result<(Option<f64>, Option<f64>)> {
-                if m > DECODE_MAX_M {
+                if m > WGMMA_SMALL_TOKENS {
                     return Ok((None, None));
                 }
                 be.set_kernel_tier(tier);
@@ -342,7 +342,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
                 Ok((Some(t4? * 1e3), Some(t8? * 1e3)))
             };
             let (t_w4_mma, t_w8_mma) = tier_ms(KernelTier::MmaSync)?;
-            let (t_w4_decode, t_w8_decode) = tier_ms(KernelTier::Hopper)?;
+            let (t_w4_hopper, t_w8_hopper) = tier_ms(KernelTier::Hopper)?;
             let flops = 2.0 * (m * n * k) as f64;
             let io = (m * k * 2 + m * n * 2) as f64;
             let w4_bytes = p4.bytes() as f64;
@@ -353,7 +353,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
                 "cublas_bf16_ms": t_cublas * 1e3,
                 "w4a16_ms": t_w4 * 1e3, "w8a8_ms": t_w8 * 1e3, "w8a8_with_quant_ms": t_w8q * 1e3,
                 "w4a16_mma_sync_ms": t_w4_mma, "w8a8_mma_sync_ms": t_w8_mma,
-                "w4a16_decode_ms": t_w4_decode, "w8a8_decode_ms": t_w8_decode,
+                "w4a16_hopper_ms": t_w4_hopper, "w8a8_hopper_ms": t_w8_hopper,
                 "w4a16_weight_bytes": w4_bytes, "w8a8_weight_bytes": w8_bytes,
                 "weight_copies": [dense.len(), p4s.len(), p8s.len()],
                 "w4a16_hbm_fraction": (w4_bytes + io) / t_w4 / bw,

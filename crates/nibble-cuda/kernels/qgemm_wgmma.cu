@@ -4,7 +4,7 @@
 // mma.sync to wgmma with TMA and warp specialization.
 //
 // Tiling: persistent CTAs (at most one per SM) walk output tiles of 128 weight rows x TOK tokens
-// (256, or 128 for few tokens). Two consumer warpgroups own 64 rows each and issue wgmma.m64nTOK
+// (256, or 128 for few tokens, or 64 for batches of 17 to 64). Two consumer warpgroups own 64 rows each and issue wgmma.m64nTOK
 // (k32 for INT8, k16 for f16/bf16) over all the tile's tokens; warp w's 16 rows are packed tile
 // tile0 + w. A third warpgroup is the producer (one thread of it issues the copies).
 //
@@ -94,7 +94,7 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-// wgmma with A from registers, one overload per token count (N = 256, 128) and A/B type; the
+// wgmma with A from registers, one overload per token count (N = 256, 128, 64) and A/B type; the
 // accumulator array's extent picks the shape.
 // d (64 rows x 256 tokens, i32) += A (this warp's 16 rows x 32 K in registers) x B (descriptor).
 __device__ __forceinline__ void wgmma_s8(int (&d)[32][4], const u32* a, u64 desc) {
@@ -140,6 +140,28 @@ __device__ __forceinline__ void wgmma_16(float (&d)[16][4], const u32* a, u64 de
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
+// d (64 rows x 64 tokens) += A x B: the shapes for up to 64 tokens (decode batches).
+__device__ __forceinline__ void wgmma_s8(int (&d)[8][4], const u32* a, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p;\n}\n"
+        : "+r"(d[0][0]), "+r"(d[0][1]), "+r"(d[0][2]), "+r"(d[0][3]), "+r"(d[1][0]), "+r"(d[1][1]), "+r"(d[1][2]), "+r"(d[1][3]), "+r"(d[2][0]), "+r"(d[2][1]), "+r"(d[2][2]), "+r"(d[2][3]), "+r"(d[3][0]), "+r"(d[3][1]), "+r"(d[3][2]), "+r"(d[3][3]), "+r"(d[4][0]), "+r"(d[4][1]), "+r"(d[4][2]), "+r"(d[4][3]), "+r"(d[5][0]), "+r"(d[5][1]), "+r"(d[5][2]), "+r"(d[5][3]), "+r"(d[6][0]), "+r"(d[6][1]), "+r"(d[6][2]), "+r"(d[6][3]), "+r"(d[7][0]), "+r"(d[7][1]), "+r"(d[7][2]), "+r"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+__device__ __forceinline__ void wgmma_16(float (&d)[8][4], const u32* a, u64 desc, __half*) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+__device__ __forceinline__ void wgmma_16(float (&d)[8][4], const u32* a, u64 desc, __nv_bfloat16*) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
 template <int J> __device__ __forceinline__ void fence_acc(int (&d)[J][4]) {
 #pragma unroll
     for (int j = 0; j < J; ++j) asm volatile("" : "+r"(d[j][0]), "+r"(d[j][1]), "+r"(d[j][2]), "+r"(d[j][3])::"memory");
@@ -151,7 +173,7 @@ template <int J> __device__ __forceinline__ void fence_acc(float (&d)[J][4]) {
 
 // W8A8: a stage is 128 K, two packed chunks (2 x 1 KB per weight tile), four k32 wgmmas.
 template <int TOK> struct WgqW8 {
-    static constexpr int STAGES = TOK == 256 ? 4 : 6;
+    static constexpr int STAGES = TOK == 256 ? 4 : TOK == 128 ? 6 : 8;
     static constexpr int X_BYTES = TOK * 128;  // a stage's token tile: TOK rows of 128 B
     static constexpr int STAGE = X_BYTES + 8 * 2048;
     static constexpr int K_PER_STAGE = 128;  // TMA box width, in elements
@@ -197,7 +219,7 @@ template <int TOK> struct WgqW8 {
 // TMA copy for the 8 tiles: with a copy per tile the producer's 17 copies a stage bounded the
 // kernel (474 against 672 TFLOPS without the parameter copies, bench/probe/wgmma_w4_probe.sh).
 template <class T, int TOK> struct WgqW4 {
-    static constexpr int STAGES = TOK == 256 ? 5 : 8;
+    static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 8 : 12;
     static constexpr int CODES = 8 * 512;
     static constexpr int X_BYTES = TOK * 128;
     static constexpr int STAGE = X_BYTES + CODES + 8 * 128;
@@ -339,7 +361,7 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
 }
 
 // Entry points: `wgmma` takes 256 tokens per tile, `wgmma128` 128 (where a second block of 256
-// would be mostly padding: qlinear::wgmma_tokens).
+// would be mostly padding: qlinear::wgmma_tokens), `wgmma64` 64 (batches past the decode gemv).
 #define W8A8_WGMMA_ENTRY(NAME, TOK, OUT)                                                              \
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
@@ -349,7 +371,8 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
     }
 #define W8A8_WGMMA(OUTNAME, OUT)                            \
     W8A8_WGMMA_ENTRY(w8a8_wgmma_##OUTNAME, 256, OUT)        \
-    W8A8_WGMMA_ENTRY(w8a8_wgmma128_##OUTNAME, 128, OUT)
+    W8A8_WGMMA_ENTRY(w8a8_wgmma128_##OUTNAME, 128, OUT)     \
+    W8A8_WGMMA_ENTRY(w8a8_wgmma64_##OUTNAME, 64, OUT)
 W8A8_WGMMA(f32, float)
 W8A8_WGMMA(f16, __half)
 W8A8_WGMMA(bf16, __nv_bfloat16)
@@ -366,7 +389,9 @@ W8A8_WGMMA(bf16, __nv_bfloat16)
     W4A16_WGMMA_ENTRY(w4a16_wgmma_##SFX, 256, T, float)                \
     W4A16_WGMMA_ENTRY(w4a16_wgmma_h_##SFX, 256, T, T)                  \
     W4A16_WGMMA_ENTRY(w4a16_wgmma128_##SFX, 128, T, float)             \
-    W4A16_WGMMA_ENTRY(w4a16_wgmma128_h_##SFX, 128, T, T)
+    W4A16_WGMMA_ENTRY(w4a16_wgmma128_h_##SFX, 128, T, T)               \
+    W4A16_WGMMA_ENTRY(w4a16_wgmma64_##SFX, 64, T, float)               \
+    W4A16_WGMMA_ENTRY(w4a16_wgmma64_h_##SFX, 64, T, T)
 W4A16_WGMMA(f16, __half)
 W4A16_WGMMA(bf16, __nv_bfloat16)
 

@@ -57,16 +57,22 @@ pub enum KernelTier {
 pub const WGMMA_TOKENS: usize = 256;
 const WGMMA_THREADS: u32 = 384;
 
+/// Tokens per tile of the wgmma kernel for batches past the decode gemv (17 to 64 tokens).
+pub const WGMMA_SMALL_TOKENS: usize = 64;
+
 /// Dynamic shared memory of a wgmma kernel with `tokens` per tile (kernels/qgemm_wgmma.cu,
 /// `WgqW8` / `WgqW4`): stages x (the token rows of 128 B + the 8 weight tiles' bytes), 1 KB to
 /// align the swizzle atoms, two mbarriers per stage.
 pub fn wgmma_smem(w4: bool, tokens: usize) -> u32 {
-    let (stages, weights) = match (w4, tokens == WGMMA_TOKENS) {
-        (false, true) => (4, 8 * 2048),
-        (false, false) => (6, 8 * 2048),
-        (true, true) => (5, 8 * 512 + 8 * 128),
-        (true, false) => (8, 8 * 512 + 8 * 128),
+    let stages = match (w4, tokens) {
+        (false, WGMMA_TOKENS) => 4,
+        (false, 128) => 6,
+        (false, _) => 8,
+        (true, WGMMA_TOKENS) => 5,
+        (true, 128) => 8,
+        (true, _) => 12,
     };
+    let weights = if w4 { 8 * 512 + 8 * 128 } else { 8 * 2048 };
     (stages * (tokens * 128 + weights) + 1024 + stages * 16) as u32
 }
 
@@ -78,6 +84,9 @@ pub fn wgmma_smem(w4: bool, tokens: usize) -> u32 {
 /// (two rounds of 256-token tiles against three of 128: 60.0 against 62 µs W8A8, 120 against 114
 /// W4A16).
 pub fn wgmma_tokens(m: usize, tiles: usize, sms: usize) -> usize {
+    if m <= WGMMA_SMALL_TOKENS {
+        return WGMMA_SMALL_TOKENS;
+    }
     let cost = |t: usize, per_mille: usize| {
         (tiles.div_ceil(8) * m.div_ceil(t)).div_ceil(sms.max(1)) * t * per_mille
     };
@@ -350,6 +359,8 @@ pub enum QKernel {
     Wgmma,
     /// The same with 128 tokens per tile ([`wgmma_tokens`]).
     Wgmma128,
+    /// The same with [`WGMMA_SMALL_TOKENS`] tokens per tile.
+    Wgmma64,
 }
 
 /// What picks a quantized GEMM's kernel besides its shape: the format (W4A16 or W8A8), the output
@@ -376,6 +387,7 @@ pub fn qgemm_kernel_name(kind: QKernel, w4: bool, m: usize, out_half: bool, sfx:
             QKernel::Tiled => format!("w4a16_tiled{h}_{sfx}"),
             QKernel::Wgmma => format!("w4a16_wgmma{h}_{sfx}"),
             QKernel::Wgmma128 => format!("w4a16_wgmma128{h}_{sfx}"),
+            QKernel::Wgmma64 => format!("w4a16_wgmma64{h}_{sfx}"),
         }
     } else {
         let o = if out_half { sfx } else { "f32" };
@@ -385,6 +397,7 @@ pub fn qgemm_kernel_name(kind: QKernel, w4: bool, m: usize, out_half: bool, sfx:
             QKernel::Tiled => format!("w8a8_tiled_{o}"),
             QKernel::Wgmma => format!("w8a8_wgmma_{o}"),
             QKernel::Wgmma128 => format!("w8a8_wgmma128_{o}"),
+            QKernel::Wgmma64 => format!("w8a8_wgmma64_{o}"),
         }
     }
 }
@@ -609,6 +622,15 @@ impl CudaBackend {
         let name = |kind| qgemm_kernel_name(kind, route.w4, m, route.out_half, self.dtype.suffix());
         let x_elem = if route.w4 { 2 } else { 1 };
         let mut ints: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
+        let shape = (m, n, k, tiles, chunks);
+        let tma_ok = wg.x.is_multiple_of(16) && (wg.x_ld * wg.x_elem).is_multiple_of(16);
+        // Past the decode gemv, up to 64 tokens: 64-token wgmma tiles on Hopper.
+        if m > DECODE_MAX_M && m <= WGMMA_SMALL_TOKENS {
+            let wgmma = name(QKernel::Wgmma64);
+            if tma_ok && self.hopper_tier(&wgmma, true) {
+                return self.launch_wgmma(&wgmma, route.w4, WGMMA_SMALL_TOKENS, wg, shape);
+            }
+        }
         if use_gemv(m, tiles, self.gpu.sm_count) {
             ints.extend(gemv_geo.iter().map(|&v| Arg::I32(v)));
             let plan = plan_decode(tiles, chunks, self.gpu.sm_count, m, x_elem);
@@ -631,17 +653,13 @@ impl CudaBackend {
             )
         } else {
             let tokens = wgmma_tokens(m, tiles, self.gpu.sm_count);
-            let wgmma = name(if tokens == WGMMA_TOKENS {
-                QKernel::Wgmma
-            } else {
-                QKernel::Wgmma128
+            let wgmma = name(match tokens {
+                WGMMA_TOKENS => QKernel::Wgmma,
+                128 => QKernel::Wgmma128,
+                _ => QKernel::Wgmma64,
             });
             // Auto: wgmma from a full 256-token tile on; below it the mma.sync tiles waste less.
-            if self.hopper_tier(&wgmma, m >= WGMMA_TOKENS)
-                && wg.x.is_multiple_of(16)
-                && (wg.x_ld * wg.x_elem).is_multiple_of(16)
-            {
-                let shape = (m, n, k, tiles, chunks);
+            if tma_ok && self.hopper_tier(&wgmma, m >= WGMMA_TOKENS) {
                 return self.launch_wgmma(&wgmma, route.w4, tokens, wg, shape);
             }
             let mut args = head;

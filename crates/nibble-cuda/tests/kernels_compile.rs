@@ -65,6 +65,7 @@ fn kernels_compile_for_every_architecture() {
                                         if cc.0 >= 9 {
                                             kinds.push(QKernel::Wgmma);
                                             kinds.push(QKernel::Wgmma128);
+                                            kinds.push(QKernel::Wgmma64);
                                         }
                                         for kind in kinds {
                                             let e = qgemm_kernel_name(kind, w4, m, out_half, sfx);

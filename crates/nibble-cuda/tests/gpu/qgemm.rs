@@ -1,9 +1,9 @@
 //! The quantized GEMMs (kernels/qgemm.cu) against `nibble_precision::reference_matmul`: W8A8
 //! bit for bit (activation codes, i32 sums and the f32 epilogue), W4A16 within the rounding of
 //! its 16-bit operands. Fresh random weights and inputs, NaN-poisoned outputs, shapes the tiles
-//! do not divide, every group size, every kernel (on Hopper the decode gemv up to 16 tokens; the
-//! mma.sync gemv up to 32; tiled and wgmma beyond), and the layer shapes of Llama-3-8B, Qwen3-8B
-//! and Llama-2-70B with sampled rows checked.
+//! do not divide, every group size, every kernel (on Hopper the decode gemv up to 16 tokens and
+//! 64-token wgmma tiles up to 64; the mma.sync gemv up to 32 or 64; tiled and wgmma beyond), and
+//! the layer shapes of Llama-3-8B, Qwen3-8B and Llama-2-70B with sampled rows checked.
 
 use super::*;
 use nibble_cuda::qlinear::KernelTier;
@@ -66,7 +66,7 @@ fn run(
         matches!(w.data, nibble_cuda::WeightData::Quant(_)),
         "{format} {n}x{k} did not pack"
     );
-    // Every shape on both tiers: the Hopper one is the decode gemv or the wgmma kernel (sm_90a),
+    // Every shape on both tiers: the Hopper one is the decode gemv or a wgmma kernel (sm_90a),
     // whichever the shape takes, and falls back to mma.sync where the GPU lacks it.
     let tiers: &[(&str, KernelTier)] = &[
         ("mma.sync tier", KernelTier::MmaSync),
