@@ -2,19 +2,23 @@
 # Runs every GPU test and benchmark in one go, on the GPU machine, from the repo root, using
 # what scripts/gpu-stage.sh staged in stage/gpu. Logs and JSON results go to OUTDIR.
 #   scripts/gpu-run.sh OUTDIR [--quick] [--tests-only] [--compile-check] [--qgemm]
-# --qgemm: only the quantized-GEMM tests and benchmarks (nibble's and PyTorch's).
+# --qgemm: only the quantized-GEMM tests and benchmarks (nibble's and PyTorch's), then generate
+# and serve on quantized models; --kernels-first / --engine-after split that run in two calls of
+# under 10 minutes (the first ends with the report, the second runs generate and serve).
 # Exits non-zero if any test failed (benchmarks still run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-run.sh OUTDIR [--quick] [--tests-only]}
 shift
-quick=""; tests_only=""; compile_check=""; qgemm=""
+quick=""; tests_only=""; compile_check=""; qgemm=""; kernels_first=""; engine_after=""
 for a in "$@"; do
   case $a in
     --quick) quick="--quick" ;;
     --tests-only) tests_only=1 ;;
     --compile-check) compile_check=1 ;;
     --qgemm) qgemm=1 ;;
+    --kernels-first) qgemm=1; kernels_first=1 ;;
+    --engine-after) qgemm=1; engine_after=1 ;;
   esac
 done
 mkdir -p "$out"
@@ -42,19 +46,23 @@ step() {  # step NAME COMMAND...: runs, logs to OUTDIR/NAME.log, records failure
 # on request, since it costs a minute of GPU-machine time.
 if [ -n "$compile_check" ]; then step kernels-compile "$stage/kernels-compile" --test-threads 8; fi
 if [ -n "$qgemm" ]; then
-  step gpu-tests "$stage/gpu-tests" qgemm --test-threads 1
-  grep -E "^test |test result" "$out/gpu-tests.log" || true
-  step gpu-bench "$stage/gpu-bench" "$out/gpu-bench.json" --qgemm $quick
-  step peer python3 bench/gpu_peer.py "$out/gpu-peer.json" --qgemm
-  for p in w4a16-g128 w8a8; do
-    step generate-$p "$stage/nibble" --device cuda --dummy-weights llama-3-8b:$p generate \
-      --prompt "The capital of France is" --max-tokens 64
-    tail -3 "$out/generate-$p.log"
-  done
-  step serve-w4a16 bash scripts/gpu-serve-check.sh "$stage/nibble" llama-3-8b:w4a16-g128
-  tail -4 "$out/serve-w4a16.log"
-  python3 bench/qgemm_report.py "$out" > /dev/null || status=1
-  tar czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
+  if [ -z "$engine_after" ]; then
+    step gpu-tests "$stage/gpu-tests" qgemm --test-threads 1
+    grep -E "^test |test result" "$out/gpu-tests.log" || true
+    step gpu-bench "$stage/gpu-bench" "$out/gpu-bench.json" --qgemm $quick
+    step peer python3 bench/gpu_peer.py "$out/gpu-peer.json" --qgemm
+    python3 bench/qgemm_report.py "$out" > /dev/null || status=1
+  fi
+  if [ -z "$kernels_first" ]; then
+    for p in w4a16-g128 w8a8; do
+      step generate-$p "$stage/nibble" --device cuda --dummy-weights llama-3-8b:$p generate \
+        --prompt "The capital of France is" --max-tokens 64
+      tail -3 "$out/generate-$p.log"
+    done
+    step serve-w4a16 bash scripts/gpu-serve-check.sh "$stage/nibble" llama-3-8b:w4a16-g128
+    tail -4 "$out/serve-w4a16.log"
+  fi
+  tar czf "$out/logs$engine_after.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
   exit $status
 fi
 step gpu-tests "$stage/gpu-tests" --test-threads 1

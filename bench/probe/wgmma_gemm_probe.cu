@@ -115,7 +115,7 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
         const int nb = (tiles + 7) / 8, mb = (M + 255) / 256;
         cudaFuncSetAttribute(w8a8_wgmma_f32, cudaFuncAttributeMaxDynamicSharedMemorySize, W8_SMEM);
         cudaFuncSetAttribute(tiled8, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * (8192 + 128 * 64));
-        auto wg = [&] { w8a8_wgmma_f32<<<std::min(nb * mb, sms), WGQ_THREADS, W8_SMEM>>>(map, wmap, dsw, dsx, y1, N, M, N, tiles, chunks); };
+        auto wg = [&] { w8a8_wgmma_f32<<<std::min(nb * mb, sms), WGQ_THREADS, W8_SMEM>>>(map, wmap, dsw, dsx, y1, N, M, N, tiles, chunks, 1, nullptr, nullptr); };
         auto ti = [&] { tiled8<<<dim3(nb, (M + 127) / 128), QG_THREADS, 4 * (8192 + 128 * 64)>>>(dc, dsw, dx, dsx, y2, M, N, K, tiles, chunks); };
         long bad = -1;
         if (!time_only) {
@@ -132,7 +132,7 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
         }
         const int reps = flops > 1e11 ? 10 : 50;
         cudaFuncSetAttribute(w8a8_wgmma_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W8_SMEM);
-        auto wgh = [&] { w8a8_wgmma_f16<<<std::min(nb * mb, sms), WGQ_THREADS, W8_SMEM>>>(map, wmap, dsw, dsx, (__half*)y1, N, M, N, tiles, chunks); };
+        auto wgh = [&] { w8a8_wgmma_f16<<<std::min(nb * mb, sms), WGQ_THREADS, W8_SMEM>>>(map, wmap, dsw, dsx, (__half*)y1, N, M, N, tiles, chunks, 1, nullptr, nullptr); };
         float t1 = time_it(reps, wg), t2 = time_it(reps, ti), t3 = time_it(reps, wgh);
         printf("w8a8 %dx%dx%d: wgmma %.1f us (%.0f TOPS), f16 out %.1f us (%.0f TOPS), tiled %.1f us (%.0f TOPS)\n", M, N, K, t1 * 1e3,
                flops / t1 / 1e9, t3 * 1e3, flops / t3 / 1e9, t2 * 1e3, flops / t2 / 1e9);
@@ -141,8 +141,8 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
             cudaFuncSetAttribute(w8a8_wgmma128_f32, cudaFuncAttributeMaxDynamicSharedMemorySize, W8_SMEM128);
             cudaFuncSetAttribute(w8a8_wgmma128_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W8_SMEM128);
             const int t128 = std::min(nb * ((M + 127) / 128), sms);
-            auto w1 = [&] { w8a8_wgmma128_f32<<<t128, WGQ_THREADS, W8_SMEM128>>>(m128, wmap, dsw, dsx, y1, N, M, N, tiles, chunks); };
-            auto w1h = [&] { w8a8_wgmma128_f16<<<t128, WGQ_THREADS, W8_SMEM128>>>(m128, wmap, dsw, dsx, (__half*)y1, N, M, N, tiles, chunks); };
+            auto w1 = [&] { w8a8_wgmma128_f32<<<t128, WGQ_THREADS, W8_SMEM128>>>(m128, wmap, dsw, dsx, y1, N, M, N, tiles, chunks, 1, nullptr, nullptr); };
+            auto w1h = [&] { w8a8_wgmma128_f16<<<t128, WGQ_THREADS, W8_SMEM128>>>(m128, wmap, dsw, dsx, (__half*)y1, N, M, N, tiles, chunks, 1, nullptr, nullptr); };
             if (!time_only) {
                 cudaMemset(y1, 0xff, (size_t)M * N * 4);
                 w1(); CK(cudaDeviceSynchronize());
@@ -180,7 +180,7 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
         const int tsmem = 4 * (5120 + 128 * 144);
         cudaFuncSetAttribute(w4a16_wgmma_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W4_SMEM);
         cudaFuncSetAttribute(tiled4, cudaFuncAttributeMaxDynamicSharedMemorySize, tsmem);
-        auto wg = [&] { w4a16_wgmma_f16<<<std::min(nb * mb, sms), WGQ_THREADS, W4_SMEM>>>(map, wmap, pmap, y1, N, M, N, tiles, chunks, groups, gl); };
+        auto wg = [&] { w4a16_wgmma_f16<<<std::min(nb * mb, sms), WGQ_THREADS, W4_SMEM>>>(map, wmap, pmap, y1, N, M, N, tiles, chunks, groups, gl, 1, nullptr, nullptr); };
         auto ti = [&] { tiled4<<<dim3(nb, (M + 127) / 128), QG_THREADS, tsmem>>>(dc, dp, dx, y2, M, N, K, tiles, chunks, groups, gl); };
         if (!time_only) {
             cudaMemset(y1, 0xff, (size_t)M * N * 4); cudaMemset(y2, 0xfe, (size_t)M * N * 4);
@@ -200,7 +200,7 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
         }
         const int reps = flops > 1e11 ? 10 : 50;
         cudaFuncSetAttribute(w4a16_wgmma_h_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W4_SMEM);
-        auto wgh = [&] { w4a16_wgmma_h_f16<<<std::min(nb * mb, sms), WGQ_THREADS, W4_SMEM>>>(map, wmap, pmap, (__half*)y1, N, M, N, tiles, chunks, groups, gl); };
+        auto wgh = [&] { w4a16_wgmma_h_f16<<<std::min(nb * mb, sms), WGQ_THREADS, W4_SMEM>>>(map, wmap, pmap, (__half*)y1, N, M, N, tiles, chunks, groups, gl, 1, nullptr, nullptr); };
         float t1 = time_it(reps, wg), t2 = time_it(reps, ti), t3 = time_it(reps, wgh);
         printf("w4a16 g%d %dx%dx%d: wgmma %.1f us (%.0f TFLOPS), f16 out %.1f us (%.0f TFLOPS), tiled %.1f us (%.0f TFLOPS)\n", gl, M, N, K,
                t1 * 1e3, flops / t1 / 1e9, t3 * 1e3, flops / t3 / 1e9, t2 * 1e3, flops / t2 / 1e9);
@@ -209,8 +209,8 @@ static void shape(int M, int N, int K, bool time_only, cublasHandle_t h) {
             cudaFuncSetAttribute(w4a16_wgmma128_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W4_SMEM128);
             cudaFuncSetAttribute(w4a16_wgmma128_h_f16, cudaFuncAttributeMaxDynamicSharedMemorySize, W4_SMEM128);
             const int t128 = std::min(nb * ((M + 127) / 128), sms);
-            auto w1 = [&] { w4a16_wgmma128_f16<<<t128, WGQ_THREADS, W4_SMEM128>>>(m128, wmap, pmap, y1, N, M, N, tiles, chunks, groups, gl); };
-            auto w1h = [&] { w4a16_wgmma128_h_f16<<<t128, WGQ_THREADS, W4_SMEM128>>>(m128, wmap, pmap, (__half*)y1, N, M, N, tiles, chunks, groups, gl); };
+            auto w1 = [&] { w4a16_wgmma128_f16<<<t128, WGQ_THREADS, W4_SMEM128>>>(m128, wmap, pmap, y1, N, M, N, tiles, chunks, groups, gl, 1, nullptr, nullptr); };
+            auto w1h = [&] { w4a16_wgmma128_h_f16<<<t128, WGQ_THREADS, W4_SMEM128>>>(m128, wmap, pmap, (__half*)y1, N, M, N, tiles, chunks, groups, gl, 1, nullptr, nullptr); };
             if (!time_only) {
                 cudaMemset(y1, 0xff, (size_t)M * N * 4);
                 w1(); CK(cudaDeviceSynchronize());

@@ -276,12 +276,18 @@ template <class T, int TOK> struct WgqW4 {
 // A CTA computes output tiles of 128 weight rows (8 packed tiles) x TOK tokens, tokens read
 // through `xmap`; the grid is at most one CTA per SM and each walks tiles blockIdx.x, + gridDim.x,
 // .. in an order that takes WGQ_RASTER token blocks per weight block, so the tiles in flight
-// share weights and tokens in L2.
+// share weights and tokens in L2. With fewer tiles than SMs (small layers at few tokens) each
+// tile's K is cut into `splits` ranges, units of work of their own: a unit's consumers write
+// their accumulators to `partial` (each thread its own registers' slots) and the last unit of a
+// tile to arrive (a counter per tile, left zeroed) adds the ranges in order and stores the tile,
+// so results are deterministic.
 template <int TOK, class F, class OUT, class EPI>
 __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, long ldy, int M, int N,
+                           int splits, typename F::Acc* __restrict__ partial, int* __restrict__ counters,
                            const EPI& epi) {
     constexpr int S = F::STAGES;
     extern __shared__ __align__(16) unsigned char wgq_smem[];
+    __shared__ int last_arrival;
     const u32 raw = smem_addr(wgq_smem), pad = (1024 - (raw & 1023)) & 1023;
     unsigned char* smem = wgq_smem + pad;  // 128-byte swizzle atoms are 1024-byte aligned
     const u32 base = raw + pad, bars = base + S * F::STAGE;
@@ -289,15 +295,19 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
     auto empty = [&](int s) { return bars + 8 * (S + s); };
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
-    // Persistent CTAs walk the output tiles; tile t is weight rows tile0 * 16 .. and tokens m0 ..
-    const int nb = (f.tiles + 7) / 8, mb = (M + TOK - 1) / TOK, total = nb * mb;
-    auto place = [&](int t, int& tile0, int& m0) {
+    // Persistent CTAs walk the units; unit u is K range u % splits of tile u / splits, tile t
+    // weight rows tile0 * 16 .. and tokens m0 ..
+    const int nb = (f.tiles + 7) / 8, mb = (M + TOK - 1) / TOK, total = nb * mb * splits;
+    const int n = f.stages();
+    auto place = [&](int u, int& tile0, int& m0, int& c0, int& c1) {
+        const int t = u / splits, k = u % splits;
         const int per_group = WGQ_RASTER * nb;
         const int first = t / per_group * WGQ_RASTER, gsz = min(WGQ_RASTER, mb - first);
         tile0 = (t % per_group) / gsz * 8;
         m0 = (first + (t % per_group) % gsz) * TOK;
+        c0 = k * n / splits;
+        c1 = (k + 1) * n / splits;
     };
-    const int n = f.stages();
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
@@ -308,16 +318,16 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
     }
     __syncthreads();
 
-    // Stage g (counted across this CTA's tiles) uses slot g % S in phase g / S.
+    // Stage g (counted across this CTA's units) uses slot g % S in phase g / S.
     if (warp >= 8) {  // the producer warpgroup: one warp issues the copies, running ahead into
-                      // the next tile while the consumers store this one
+                      // the next unit while the consumers store this one
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WGQ_PRODUCER_REGS));
         if (warp != 8 || lane != 0) return;
         int g = 0;
-        for (int t = blockIdx.x; t < total; t += gridDim.x) {
-            int tile0, m0;
-            place(t, tile0, m0);
-            for (int c = 0; c < n; ++c, ++g) {
+        for (int u = blockIdx.x; u < total; u += gridDim.x) {
+            int tile0, m0, c0, c1;
+            place(u, tile0, m0, c0, c1);
+            for (int c = c0; c < c1; ++c, ++g) {
                 const int s = g % S;
                 if (g >= S) mbar_wait(empty(s), (g / S + 1) & 1);
                 mbar_expect_tx(full(s), F::X_BYTES + f.weight_bytes());
@@ -331,31 +341,65 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WGQ_CONSUMER_REGS));
     typename F::Acc acc[TOK / 8][4];
     u32 a0[F::A_REGS], a1[F::A_REGS];
-    int g = 0;  // this tile's first stage
-    for (int t = blockIdx.x; t < total; t += gridDim.x, g += n) {
-        int tile0, m0;
-        place(t, tile0, m0);
+    int g = 0;  // this unit's first stage
+    for (int u = blockIdx.x; u < total; u += gridDim.x) {
+        int tile0, m0, c0, c1;
+        place(u, tile0, m0, c0, c1);
+        const int len = c1 - c0;
 #pragma unroll
         for (int j = 0; j < TOK / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
         fence_acc(acc);
-        auto step = [&](int c, u32 (&cur)[F::A_REGS]) {
-            const int s = (g + c) % S;
-            mbar_wait(full(s), ((g + c) / S) & 1);
-            f.load_a(smem + s * F::STAGE + F::X_BYTES, c, cur);
+        auto step = [&](int i, u32 (&cur)[F::A_REGS]) {
+            const int s = (g + i) % S;
+            mbar_wait(full(s), ((g + i) / S) & 1);
+            f.load_a(smem + s * F::STAGE + F::X_BYTES, c0 + i, cur);
             wgmma_fence();
-            f.mma(acc, cur, base + s * F::STAGE, c);
+            f.mma(acc, cur, base + s * F::STAGE, c0 + i);
             wgmma_commit();
             wgmma_wait<1>();
-            if (c > 0 && lane == 0) mbar_arrive(empty((g + c - 1) % S));
+            if (i > 0 && lane == 0) mbar_arrive(empty((g + i - 1) % S));
         };
-        for (int c = 0; c + 1 < n; c += 2) {
-            step(c, a0);
-            step(c + 1, a1);
+        for (int i = 0; i + 1 < len; i += 2) {
+            step(i, a0);
+            step(i + 1, a1);
         }
-        if (n & 1) step(n - 1, a0);
+        if (len & 1) step(len - 1, a0);
         wgmma_wait<0>();
-        if (lane == 0) mbar_arrive(empty((g + n - 1) % S));
+        if (lane == 0) mbar_arrive(empty((g + len - 1) % S));
+        g += len;
         fence_acc(acc);
+        if (splits == 1) {
+            store_tile<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
+            continue;
+        }
+        // [tile][split][register][consumer thread]: every thread keeps its own slots, so the
+        // last arriver adds the splits in its own registers' layout.
+        constexpr int VALS = TOK / 8 * 4, CT = 256;
+        const int t = u / splits, tid = threadIdx.x;
+        typename F::Acc* mine = partial + ((long)u * VALS) * CT + tid;
+#pragma unroll
+        for (int j = 0; j < TOK / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * CT] = acc[j][e];
+        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumer warpgroups only
+        if (tid == 0) {
+            const int done = atomicAdd(&counters[t], 1) == splits - 1;
+            if (done) counters[t] = 0;
+            last_arrival = done;
+        }
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        if (!last_arrival) continue;
+        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+        const typename F::Acc* first = partial + ((long)t * splits * VALS) * CT + tid;
+#pragma unroll
+        for (int j = 0; j < TOK / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                typename F::Acc sum = 0;
+                for (int k = 0; k < splits; ++k) sum += __ldcg(first + ((long)k * VALS + j * 4 + e) * CT);
+                acc[j][e] = sum;
+            }
         store_tile<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
     }
 }
@@ -366,8 +410,9 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
         const float* __restrict__ sw, const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, \
-        int N, int tiles, int chunks) {                                                               \
-        wgmma_gemm<TOK>(&xmap, WgqW8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, W8Epilogue{sx, sw});   \
+        int N, int tiles, int chunks, int splits, int* __restrict__ partial, int* __restrict__ counters) { \
+        wgmma_gemm<TOK>(&xmap, WgqW8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, partial, counters, \
+                        W8Epilogue{sx, sw});                                                          \
     }
 #define W8A8_WGMMA(OUTNAME, OUT)                            \
     W8A8_WGMMA_ENTRY(w8a8_wgmma_##OUTNAME, 256, OUT)        \
@@ -381,9 +426,10 @@ W8A8_WGMMA(bf16, __nv_bfloat16)
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
         const __grid_constant__ TmaMap pmap, OUT* __restrict__ y, long ldy, int M, int N, int tiles,  \
-        int chunks, int groups, int group_len) {                                                      \
+        int chunks, int groups, int group_len, int splits, float* __restrict__ partial,               \
+        int* __restrict__ counters) {                                                                 \
         wgmma_gemm<TOK>(&xmap, WgqW4<T, TOK>{&wmap, &pmap, tiles, chunks, groups, group_len}, y, ldy, \
-                        M, N, W4Epilogue{});                                                          \
+                        M, N, splits, partial, counters, W4Epilogue{});                               \
     }
 #define W4A16_WGMMA(SFX, T)                                            \
     W4A16_WGMMA_ENTRY(w4a16_wgmma_##SFX, 256, T, float)                \

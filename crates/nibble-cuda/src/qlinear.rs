@@ -97,6 +97,16 @@ pub fn wgmma_tokens(m: usize, tiles: usize, sms: usize) -> usize {
     }
 }
 
+/// K splits per output tile of a wgmma kernel with `out_tiles` tiles of `stages` pipeline stages
+/// each on `sms` SMs: with fewer tiles than SMs, as many as fill the SMs (at most 8, and at least
+/// 8 stages per split so the pipeline fills); else 1.
+pub fn wgmma_splits(out_tiles: usize, stages: usize, sms: usize) -> usize {
+    if out_tiles == 0 || out_tiles >= sms {
+        return 1;
+    }
+    (sms / out_tiles).min(8).min(stages / 8).max(1)
+}
+
 /// A weight packed for a quantized kernel.
 pub enum QuantWeight {
     W4 {
@@ -770,9 +780,21 @@ impl CudaBackend {
         args.push(Arg::I64(op.ldy as i64));
         args.extend([m, n, tiles, chunks].map(|v| Arg::I32(v as i32)));
         args.extend(tail);
-        // Persistent CTAs, at most one per SM: each walks output tiles, its producer loading the
-        // next tile while the consumers store the last.
-        let ctas = (tiles.div_ceil(8) * m.div_ceil(tokens)).min(self.gpu.sm_count);
+        let out_tiles = tiles.div_ceil(8) * m.div_ceil(tokens);
+        let stages = if w4 { chunks } else { chunks.div_ceil(2) };
+        let splits = wgmma_splits(out_tiles, stages, self.gpu.sm_count);
+        let partial = if splits > 1 {
+            self.alloc(out_tiles * splits * tokens * 128, 1, Elem::F32)?
+                .ptr
+        } else {
+            0
+        };
+        args.push(Arg::I32(splits as i32));
+        args.push(Arg::Ptr(partial));
+        args.push(Arg::Ptr(self.split_counters()));
+        // Persistent CTAs, at most one per SM: each walks units of work, its producer loading the
+        // next unit while the consumers store the last.
+        let ctas = (out_tiles * splits).min(self.gpu.sm_count);
         let smem = wgmma_smem(w4, tokens);
         self.launch_block(name, (ctas as u32, 1, 1), WGMMA_THREADS, smem, args)
     }
@@ -875,6 +897,19 @@ mod tests {
         assert_eq!(plan_gemv(1792, 64, 132, 1, 128), (224, 2, 32));
         // Sixteen tokens of a 14336-wide input: the slice caps the chunks per split.
         assert_eq!(plan_gemv(256, 224, 132, 16, 128), (32, 10, 23));
+    }
+
+    #[test]
+    fn wgmma_splits_fill_the_sms_only_for_few_tiles() {
+        // 4096 rows at 64 tokens: 32 tiles, 64 stages.
+        assert_eq!(wgmma_splits(32, 64, 132), 4);
+        assert_eq!(wgmma_splits(48, 64, 132), 2);
+        assert_eq!(wgmma_splits(224, 64, 132), 1);
+        assert_eq!(wgmma_splits(132, 64, 132), 1);
+        // Short K keeps 8 stages a split; a lone tile takes at most 8.
+        assert_eq!(wgmma_splits(8, 16, 132), 2);
+        assert_eq!(wgmma_splits(1, 224, 132), 8);
+        assert_eq!(wgmma_splits(1, 4, 132), 1);
     }
 
     #[test]

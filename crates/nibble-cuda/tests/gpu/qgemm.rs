@@ -342,14 +342,16 @@ fn split_k_is_deterministic_and_layers_that_cannot_pack_run_dequantized() {
             random_rows(&mut r, format, n, k),
         ))
         .unwrap();
-    let x = g.tensor_from_f32(&randn(&mut r, m * k, 1.0), m, k).unwrap();
-    // Both tiers split K here (the decode gemv cuts each row block between CTAs): repeats agree
-    // bit for bit.
-    for tier in [KernelTier::Hopper, KernelTier::MmaSync] {
-        g.set_kernel_tier(tier);
-        let a = host(&g, &g.linear(&x, &w, None).unwrap());
-        let b = host(&g, &g.linear(&x, &w, None).unwrap());
-        assert_bit_exact(&format!("repeat on the {tier:?} tier"), &a, &b);
+    // Both tiers split K here (at 5 tokens the decode gemv cuts each row block between CTAs; at
+    // 40 the wgmma kernel cuts each of its 32 tiles' K in 4): repeats agree bit for bit.
+    for m in [m, 40] {
+        let x = g.tensor_from_f32(&randn(&mut r, m * k, 1.0), m, k).unwrap();
+        for tier in [KernelTier::Hopper, KernelTier::MmaSync] {
+            g.set_kernel_tier(tier);
+            let a = host(&g, &g.linear(&x, &w, None).unwrap());
+            let b = host(&g, &g.linear(&x, &w, None).unwrap());
+            assert_bit_exact(&format!("{m} tokens, repeat on the {tier:?} tier"), &a, &b);
+        }
     }
     g.set_kernel_tier(KernelTier::Auto);
     // K = 40 is not a multiple of 16: the layer loads dequantized and still computes.
