@@ -22,8 +22,8 @@
 // Groups must be 64 channels, a power of two past it, or a whole row; others take the mma.sync
 // gemv.
 // Split-K by pieces: a row block cut between CTAs leaves a warp a partial tile; its partial sums
-// go to `partial` and, after the main loop, the last warp to arrive (a counter per tile) adds the
-// pieces in CTA order, so results are deterministic. TurboMind §4.1 (packed fragments), QServe §5 (scales after MMA).
+// go to `partial` and the last warp to arrive (a counter per tile) adds the pieces in CTA order,
+// so results are deterministic. TurboMind §4.1 (packed fragments), QServe §5 (scales after MMA).
 
 __device__ __forceinline__ void grid_dependency_wait() {
 #if __CUDA_ARCH__ >= 900
@@ -210,24 +210,16 @@ struct DecW8 {
 // counter read before its partial-sum loads (a cheaper fence than __threadfence's fence.sc).
 __device__ __forceinline__ void release_fence() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 
-// The pieces row block b's chunks are cut into between CTAs, and the first one's CTA.
-__device__ __forceinline__ int dec_pieces(int b, int chunks, int per_cta, long& first) {
-    first = (long)b * chunks / per_cta;
-    return (int)(((long)(b + 1) * chunks - 1) / per_cta - first + 1);
-}
-
-// Ends a warp's piece of tile `tile` (row block b) and zeroes its sums: a whole tile goes straight
-// to y; a partial one to its slot, returning true: dec_settle finishes it after the main loop. (A
-// fence here would wait for the next batch's loads, already in flight: it cost 4% of the warps'
-// cycles, and a warp has at most two partial pieces, its range's first and last.)
+// Ends a warp's piece of tile `tile` (row block b): a whole tile's sums go straight to y; a
+// partial one is written to its slot and the last of the tile's pieces adds them in CTA order.
 template <int TT, class A, class OUT, class EPI>
-__device__ __forceinline__ bool dec_piece_end(A (&acc)[TT][4], int tile, int b, int chunks, int per_cta,
-                                              int max_pieces, int M, int N, A* partial, OUT* y, long ldy,
-                                              const EPI& epi) {
+__device__ __forceinline__ void dec_finish(A (&acc)[TT][4], int tile, int b, int chunks, int per_cta,
+                                           int max_pieces, int M, int N, A* partial, int* counters,
+                                           OUT* y, long ldy, const EPI& epi) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    long first;
-    const bool split = dec_pieces(b, chunks, per_cta, first) > 1;
-    if (!split) {
+    const long first = (long)b * chunks / per_cta, last = ((long)(b + 1) * chunks - 1) / per_cta;
+    const int pieces = (int)(last - first + 1);
+    if (pieces == 1) {
         store_tile<TT>(acc, tile * 16, 0, M, N, y, ldy, epi);
     } else {
         A* mine = partial + ((long)tile * max_pieces + (blockIdx.x - first)) * M * 16;
@@ -238,37 +230,28 @@ __device__ __forceinline__ bool dec_piece_end(A (&acc)[TT][4], int tile, int b, 
                 const int r = g + 8 * (e >> 1), m = tt * 8 + 2 * t + (e & 1);
                 if (m < M) mine[m * 16 + r] = acc[tt][e];
             }
+        release_fence();
+        __syncwarp();
+        int done = 0;
+        if (lane == 0) {
+            done = atomicAdd(&counters[tile], 1) == pieces - 1;
+            if (done) counters[tile] = 0;
+        }
+        if (__shfl_sync(0xffffffffu, done, 0)) {
+            release_fence();
+            const A* base = partial + (long)tile * max_pieces * M * 16;
+            for (int i = lane; i < M * 16; i += 32) {
+                const int m = i >> 4, n = tile * 16 + (i & 15);
+                A s = 0;
+                for (int p = 0; p < pieces; ++p) s += __ldcg(base + (long)p * M * 16 + i);
+                if (n < N) y[(long)m * ldy + n] = to_out(epi(s, m, n), (OUT*)nullptr);
+            }
+        }
     }
 #pragma unroll
     for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[tt][e] = 0;
-    return split;
-}
-
-// After the warp's release fence: counts its piece of `tile` in, and the last of the tile's
-// pieces to arrive (a counter per tile, left zeroed) adds them in CTA order and writes y.
-template <int TT, class A, class OUT, class EPI>
-__device__ __forceinline__ void dec_settle(int tile, int b, int chunks, int per_cta, int max_pieces, int M,
-                                           int N, const A* partial, int* counters, OUT* y, long ldy,
-                                           const EPI& epi) {
-    const int lane = threadIdx.x & 31;
-    long first;
-    const int pieces = dec_pieces(b, chunks, per_cta, first);
-    int done = 0;
-    if (lane == 0) {
-        done = atomicAdd(&counters[tile], 1) == pieces - 1;
-        if (done) counters[tile] = 0;
-    }
-    if (!__shfl_sync(0xffffffffu, done, 0)) return;
-    release_fence();
-    const A* base = partial + (long)tile * max_pieces * M * 16;
-    for (int i = lane; i < M * 16; i += 32) {
-        const int m = i >> 4, n = tile * 16 + (i & 15);
-        A s = 0;
-        for (int p = 0; p < pieces; ++p) s += __ldcg(base + (long)p * M * 16 + i);
-        if (n < N) y[(long)m * ldy + n] = to_out(epi(s, m, n), (OUT*)nullptr);
-    }
 }
 
 template <int TT, int DW, class F, class OUT, class EPI>
@@ -350,8 +333,6 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     const unsigned char* xrow[TT];
 #pragma unroll
     for (int tt = 0; tt < TT; ++tt) xrow[tt] = xs + min(tt * 8 + g, M - 1) * stride;
-    // Row blocks of this warp's partial pieces (at most two), settled after the loop.
-    int pending0 = 0, pending1 = 0, npending = 0;
     // One batch: the next one's loads go out, then this one is multiplied. Two calls per loop
     // trip with the register sets swapped, so no registers are copied between batches.
     auto step = [&](typename F::Regs& cur, typename F::Regs& nxt) -> bool {
@@ -392,20 +373,13 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
             }
             f.flush(cur, s, G, S, acc);
         }
-        if ((tile_ends || nq.u == u1) && dec_piece_end<TT>(acc, q.b * DW + warp, q.b, chunks, per_cta, max_pieces,
-                                                           M, N, partial, y, ldy, epi))
-            (npending++ == 0 ? pending0 : pending1) = q.b;
+        if (tile_ends || nq.u == u1)
+            dec_finish<TT>(acc, q.b * DW + warp, q.b, chunks, per_cta, max_pieces, M, N, partial, counters, y,
+                           ldy, epi);
         q = nq;
         return nmore;
     };
     while (more && step(ra, rb)) more = step(rb, ra);
-    if (npending == 0) return;
-    release_fence();
-    __syncwarp();
-    for (int i = 0; i < npending; ++i) {
-        const int b = i == 0 ? pending0 : pending1;
-        dec_settle<TT>(b * DW + warp, b, chunks, per_cta, max_pieces, M, N, partial, counters, y, ldy, epi);
-    }
 }
 
 // Entry points: dec1 / dec2 = 8 / 16 tokens, `_h` writes the model dtype instead of f32. The
