@@ -6,7 +6,10 @@
 //   dec ...   kernels/qgemv.cu's persistent gemv (lean: as shipped; none: its loads only; W8 2/SM:
 //             8-warp CTAs, two per SM; as g64: a scale span per chunk, timing only), and with
 //             programmatic dependent launch (pdl: the next call's weight loads start while this
-//             one ends).
+//             one ends);
+//   ring ...  the same math with each warp's batches streamed by bulk copies into its own
+//             shared-memory ring R - 1 batches ahead (R3 to R5), against the register double
+//             buffer: no faster, and slower the deeper the ring (dec9-ring.txt).
 // Every dec variant with math is checked against the gemv's output.
 // Build here (no GPU needed, nvcc only):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o stage/probe/dec_probe bench/probe/dec_probe.cu
@@ -44,6 +47,154 @@ __global__ void __launch_bounds__(DW * 32, MINB)
     else
         dec_gemv<TT, DW>(DecW4<T, GC>{codes, params, chunks, groups, 1}, x, (long)K, y, (long)N, partial,
                          counters, M, N, K, tiles, chunks, per_cta, max_pieces, W4Epilogue{});
+}
+
+// Ring: each warp streams its batches with bulk copies (one lane issues a batch's 2 KB of codes
+// and its parameter rows into the warp's own shared-memory ring slot, completing on the slot's
+// mbarrier) R - 1 batches ahead, and reads its fragments back with ld.shared: more bytes in
+// flight than the registers hold, at one issue per batch.
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+template <class T, int GC, int R, int TT, int DW>
+__device__ void dec_ring(const uint4* codes, const uint2* params, const T* x, float* y, float* partial,
+                         int* counters, int M, int N, int K, int tiles, int chunks, int groups, int per_cta,
+                         int max_pieces) {
+    using F = DecW4<T, GC>;
+    const F f{codes, params, chunks, groups, 1};
+    constexpr int U = F::U, SLOT = U * 512 + 256;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int units = (tiles + DW - 1) / DW * chunks;
+    const int u0 = blockIdx.x * per_cta, u1 = min(units, u0 + per_cta);
+    struct Cursor {
+        int u, c, slot, b;
+    };
+    auto valid = [&](const Cursor& q) { return q.u < u1 && q.b * DW + warp < tiles; };
+    auto advance = [&](Cursor& q, int win) {
+        q.u += U;
+        q.c += U;
+        q.slot = q.slot + U == win ? 0 : q.slot + U;
+        if (q.c == chunks) {
+            q.c = 0;
+            ++q.b;
+        }
+    };
+    extern __shared__ __align__(16) unsigned char xs[];
+    const int c0 = u0 % chunks, win = min(chunks, per_cta);
+    const int stride = gemv_x_stride(win, 2);
+    constexpr int MP = TT * 8;
+    float* xsum = reinterpret_cast<float*>(xs + M * stride);
+    const int ring_off = ((M * stride + win / GC * MP * 4) + 127) / 128 * 128;
+    const u32 ring = smem_addr(xs) + ring_off + warp * R * SLOT;
+    const u32 bars = smem_addr(xs) + ring_off + DW * R * SLOT + warp * R * 8;
+    const unsigned char* ring_p = xs + ring_off + warp * R * SLOT;
+    if (lane == 0) {
+        for (int r = 0; r < R; ++r) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bars + 8 * r));
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncwarp();
+    // Batch i (of this warp) lives in slot i % R.
+    auto issue = [&](const Cursor& q, int i) {
+        if (lane != 0) return;
+        const int tile = q.b * DW + warp, r = i % R;
+        const int g0 = q.c >> f.chunk_shift, g1 = (q.c + (F::SPANS - 1) * GC) >> f.chunk_shift;
+        const u32 pbytes = (g1 - g0 + 1) * 64;
+        mbar_expect_tx(bars + 8 * r, U * 512 + pbytes);
+        bulk_g2s(ring + r * SLOT, codes + ((long)tile * chunks + q.c) * 32, U * 512, bars + 8 * r);
+        bulk_g2s(ring + r * SLOT + U * 512, params + ((long)tile * groups + g0) * 8, pbytes, bars + 8 * r);
+    };
+    Cursor q{u0, c0, 0, u0 / chunks}, qi = q;
+    int issued = 0;
+    for (; issued < R - 1 && valid(qi); ++issued) {
+        issue(qi, issued);
+        advance(qi, win);
+    }
+    grid_dependents_launch();
+    grid_dependency_wait();
+    {
+        const int segs = win * 8;
+        for (int i = threadIdx.x; i < M * segs; i += blockDim.x) {
+            const int row = i / segs, seg = i % segs, slot = seg / 8;
+            const int c = c0 + slot < chunks ? c0 + slot : c0 + slot - chunks;
+            const int k = c * 64 + (seg * 8) % 64;
+            const bool ok = k < K;
+            cp_async16(xs + row * stride + seg * 16, x + (ok ? (long)row * K + k : 0), ok);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+    {
+        const int n = win / GC * MP;
+        for (int base = warp * 4; base < n; base += DW * 4) {
+            const int i = base + (lane >> 3), span = i / MP, m = i % MP;
+            float v = 0.f;
+            if (i < n && m < M)
+#pragma unroll
+                for (int cc = 0; cc < GC; ++cc)
+                    v += sum8<T>(*reinterpret_cast<const uint4*>(xs + m * stride + (span * GC + cc) * 128 + (lane & 7) * 16));
+            v += __shfl_xor_sync(0xffffffffu, v, 4);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            if (i < n && (lane & 7) == 0) xsum[i] = v;
+        }
+        __syncthreads();
+    }
+    float acc[TT][4] = {};
+    const unsigned char* xrow[TT];
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) xrow[tt] = xs + min(tt * 8 + g, M - 1) * stride;
+    for (int i = 0; valid(q); ++i) {
+        if (valid(qi)) {
+            issue(qi, issued++);
+            advance(qi, win);
+        }
+        const int r = i % R;
+        mbar_wait(bars + 8 * r, (i / R) & 1);
+        typename F::Regs cur;
+        const unsigned char* sp = ring_p + r * SLOT;
+#pragma unroll
+        for (int u = 0; u < U; ++u) cur.w[u] = *reinterpret_cast<const uint4*>(sp + u * 512 + lane * 16);
+        const int g0 = q.c >> f.chunk_shift;
+#pragma unroll
+        for (int s = 0; s < F::SPANS; ++s)
+            cur.p[s] = *reinterpret_cast<const uint2*>(sp + U * 512 + (((q.c + s * GC) >> f.chunk_shift) - g0) * 64 + g * 8);
+        __syncwarp();  // the slot is free for the batch issued next
+#pragma unroll
+        for (int s = 0; s < F::SPANS; ++s) {
+            float G[2][TT][4] = {};
+#pragma unroll
+            for (int uu = 0; uu < GC; ++uu) {
+                uint4 xv[TT][2];
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) f.load_x(xrow[tt] + (q.slot + s * GC + uu) * 128, xv[tt]);
+                f.template mma<TT>(cur, s * GC + uu, xv, G);
+            }
+            float S[TT][2];
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt) {
+                const float2 v = *reinterpret_cast<const float2*>(xsum + (q.slot / GC + s) * MP + tt * 8 + 2 * t);
+                S[tt][0] = v.x;
+                S[tt][1] = v.y;
+            }
+            f.flush(cur, s, G, S, acc);
+        }
+        Cursor nq = q;
+        advance(nq, win);
+        if (nq.c == 0 || nq.u == u1)
+            dec_finish<TT>(acc, q.b * DW + warp, q.b, chunks, per_cta, max_pieces, M, N, partial, counters, y, (long)N,
+                           W4Epilogue{});
+        q = nq;
+    }
+}
+template <class T, int GC, int R, int TT, int DW>
+__global__ void __launch_bounds__(DW * 32, 1)
+    ring_probe(const uint4* codes, const uint2* params, const T* x, float* y, float* partial, int* counters, int M,
+               int N, int K, int tiles, int chunks, int groups, int per_cta, int max_pieces) {
+    dec_ring<T, GC, R, TT, DW>(codes, params, x, y, partial, counters, M, N, K, tiles, chunks, groups, per_cta,
+                               max_pieces);
 }
 
 // The floor: each warp reads its contiguous share of `bytes` with U 16-byte loads per lane in
@@ -140,7 +291,7 @@ static std::vector<float> ref_y;
 
 template <class T, class Kern>
 void run_dec(const char* name, Kern k, int dw, int per_sm, bool pdl, Layer<T>& L, cudaStream_t s, int sms,
-             bool check, int U, bool g64) {
+             bool check, int U, bool g64, int ring = 0) {
     const long units = (long)((L.tiles + dw - 1) / dw) * L.chunks;
     const int ctas_want = per_sm * sms;
     // whole: every CTA takes `whole` row blocks (no tile is split; SMs left unbalanced).
@@ -148,7 +299,9 @@ void run_dec(const char* name, Kern k, int dw, int per_sm, bool pdl, Layer<T>& L
     per_cta = (per_cta + U - 1) / U * U;
     const int ctas = (int)((units + per_cta - 1) / per_cta);
     const int max_pieces = (L.chunks + per_cta - 1) / per_cta + 1;
-    const int win = std::min(per_cta, L.chunks), smem = L.M * (win * 128 + 16) + win * ((L.M + 7) / 8 * 8) * 4;
+    const int win = std::min(per_cta, L.chunks);
+    int smem = L.M * (win * 128 + 16) + win * ((L.M + 7) / 8 * 8) * 4;
+    if (ring) smem = (smem + 127) / 128 * 128 + dw * ring * (4 * 512 + 256 + 8);
     cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     int occ = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, dw * 32, smem);
@@ -273,13 +426,21 @@ template <class T> void probe_dtype(int sms, cudaStream_t s, int* counters, u32*
             L.counters = counters;
 #define DEC(MATH, TT, GC, DW, MINB, PER_SM, PDL, NAME) \
     run_dec(NAME, dec_probe<T, MATH, TT, GC, DW, MINB>, DW, PER_SM, PDL, L, s, sms, MATH == 1 && GC == 2, 4, GC == 1)
+#define RING(R, TT, PDL, NAME) \
+    run_dec(NAME, ring_probe<T, 2, R, TT, 16>, 16, 1, PDL, L, s, sms, true, 4, false, R)
             if (M <= 8) {
+                RING(3, 1, false, "ring R3 W16");
+                RING(4, 1, false, "ring R4 W16");
+                RING(5, 1, false, "ring R5 W16");
+                RING(4, 1, true, "ring R4 W16 pdl");
                 DEC(0, 1, 2, 16, 1, 1, false, "dec none  W16");
                 DEC(1, 1, 2, 16, 1, 1, false, "dec lean  W16 g128");
                 DEC(1, 1, 1, 16, 1, 1, false, "dec lean  W16 g128 as g64");
                 DEC(1, 1, 2, 8, 2, 2, false, "dec lean  W8 2/SM");
                 DEC(1, 1, 2, 16, 1, 1, true, "dec lean  W16 pdl");
             } else {
+                RING(2, 2, false, "ring R2 W16");
+                RING(3, 2, true, "ring R3 W16 pdl");
                 DEC(1, 2, 2, 16, 1, 1, false, "dec lean  W16 g128");
                 DEC(1, 2, 1, 16, 1, 1, false, "dec lean  W16 g128 as g64");
                 DEC(1, 2, 2, 16, 1, 1, true, "dec lean  W16 pdl");
