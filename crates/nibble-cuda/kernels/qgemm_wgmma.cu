@@ -281,13 +281,15 @@ template <class T, int TOK> struct WgqW4 {
 // their accumulators to `partial` (each thread its own registers' slots) and the last unit of a
 // tile to arrive (a counter per tile, left zeroed) adds the ranges in order and stores the tile,
 // so results are deterministic.
-template <int TOK, class F, class OUT, class EPI>
+// SPLITS compiles the split path (the 64-token entries only: with it, the 256-token W8A8 kernel
+// ran about 20% slower at M = 1024 on an H200, splits or not).
+template <int TOK, bool SPLITS, class F, class OUT, class EPI>
 __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, long ldy, int M, int N,
-                           int splits, typename F::Acc* __restrict__ partial, int* __restrict__ counters,
+                           int split_arg, typename F::Acc* __restrict__ partial, int* __restrict__ counters,
                            const EPI& epi) {
     constexpr int S = F::STAGES;
+    const int splits = SPLITS ? split_arg : 1;
     extern __shared__ __align__(16) unsigned char wgq_smem[];
-    __shared__ int last_arrival;
     const u32 raw = smem_addr(wgq_smem), pad = (1024 - (raw & 1023)) & 1023;
     unsigned char* smem = wgq_smem + pad;  // 128-byte swizzle atoms are 1024-byte aligned
     const u32 base = raw + pad, bars = base + S * F::STAGE;
@@ -368,10 +370,15 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
         if (lane == 0) mbar_arrive(empty((g + len - 1) % S));
         g += len;
         fence_acc(acc);
+        if constexpr (!SPLITS) {
+            store_tile<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
+            continue;
+        }
         if (splits == 1) {
             store_tile<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
             continue;
         }
+        __shared__ int last_arrival;
         // [tile][split][register][consumer thread]: every thread keeps its own slots, so the
         // last arriver adds the splits in its own registers' layout.
         constexpr int VALS = TOK / 8 * 4, CT = 256;
@@ -411,8 +418,8 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
         const float* __restrict__ sw, const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, \
         int N, int tiles, int chunks, int splits, int* __restrict__ partial, int* __restrict__ counters) { \
-        wgmma_gemm<TOK>(&xmap, WgqW8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, partial, counters, \
-                        W8Epilogue{sx, sw});                                                          \
+        wgmma_gemm<TOK, TOK == 64>(&xmap, WgqW8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, partial, \
+                                   counters, W8Epilogue{sx, sw});                                     \
     }
 #define W8A8_WGMMA(OUTNAME, OUT)                            \
     W8A8_WGMMA_ENTRY(w8a8_wgmma_##OUTNAME, 256, OUT)        \
@@ -428,8 +435,8 @@ W8A8_WGMMA(bf16, __nv_bfloat16)
         const __grid_constant__ TmaMap pmap, OUT* __restrict__ y, long ldy, int M, int N, int tiles,  \
         int chunks, int groups, int group_len, int splits, float* __restrict__ partial,               \
         int* __restrict__ counters) {                                                                 \
-        wgmma_gemm<TOK>(&xmap, WgqW4<T, TOK>{&wmap, &pmap, tiles, chunks, groups, group_len}, y, ldy, \
-                        M, N, splits, partial, counters, W4Epilogue{});                               \
+        wgmma_gemm<TOK, TOK == 64>(&xmap, WgqW4<T, TOK>{&wmap, &pmap, tiles, chunks, groups, group_len}, \
+                                   y, ldy, M, N, splits, partial, counters, W4Epilogue{});            \
     }
 #define W4A16_WGMMA(SFX, T)                                            \
     W4A16_WGMMA_ENTRY(w4a16_wgmma_##SFX, 256, T, float)                \

@@ -97,7 +97,7 @@ pub fn wgmma_tokens(m: usize, tiles: usize, sms: usize) -> usize {
     }
 }
 
-/// K splits per output tile of a wgmma kernel with `out_tiles` tiles of `stages` pipeline stages
+/// K splits per output tile of a 64-token wgmma kernel with `out_tiles` tiles of `stages` stages
 /// each on `sms` SMs: with fewer tiles than SMs, as many as fill the SMs, at most 8 and keeping
 /// at least 16 stages a split (on an H200 at 64 tokens, 4096x4096 W8A8 took 24.7 µs in 4 splits
 /// of 8 stages against 17.6 unsplit; W4A16 26.3 in 4 splits of 16 against 34.3); else 1.
@@ -787,7 +787,12 @@ impl CudaBackend {
         args.extend(tail);
         let out_tiles = tiles.div_ceil(8) * m.div_ceil(tokens);
         let stages = if w4 { chunks } else { chunks.div_ceil(2) };
-        let splits = wgmma_splits(out_tiles, stages, self.gpu.sm_count);
+        // Only the 64-token entries compile the split path (kernels/qgemm_wgmma.cu).
+        let splits = if tokens == WGMMA_SMALL_TOKENS {
+            wgmma_splits(out_tiles, stages, self.gpu.sm_count)
+        } else {
+            1
+        };
         let partial = if splits > 1 {
             self.alloc(out_tiles * splits * tokens * 128, 1, Elem::F32)?
                 .ptr
