@@ -413,6 +413,17 @@ pub fn qgemm_kernel_name(kind: QKernel, w4: bool, m: usize, out_half: bool, sfx:
     }
 }
 
+/// The decode gemv a W4A16 weight with `groups` groups of `group_len` channels per row takes, if
+/// any: scales apply after the MMA once per span of chunks whose group is a shift away, so groups
+/// must be 64 channels ([`QKernel::DecodeG64`]), a power of two past it, or one per row.
+pub fn w4_decode_kernel(group_len: usize, groups: usize) -> Option<QKernel> {
+    match group_len {
+        64 => Some(QKernel::DecodeG64),
+        g if groups == 1 || (g > 64 && g.is_power_of_two()) => Some(QKernel::Decode),
+        _ => None,
+    }
+}
+
 /// The gemv variant for `m` tokens: 1, 2, 4 or 8 tiles of 8 tokens.
 fn token_tiles(m: usize) -> usize {
     m.div_ceil(8).next_power_of_two()
@@ -543,17 +554,10 @@ impl CudaBackend {
                 } else {
                     -1
                 };
-                // Scales apply after the MMA in the decode gemv, once per span of chunks whose
-                // group is a shift away: groups of 64, a power of two past it, or one per row.
-                let decode = match *group_len {
-                    64 => Some(QKernel::DecodeG64),
-                    g if *groups == 1 || (g > 64 && g.is_power_of_two()) => Some(QKernel::Decode),
-                    _ => None,
-                };
                 let route = Route {
                     w4: true,
                     out_half,
-                    decode,
+                    decode: w4_decode_kernel(*group_len, *groups),
                 };
                 let wg = WgmmaOperands {
                     x: xh.ptr,
@@ -907,6 +911,21 @@ mod tests {
         assert_eq!(plan_gemv(1792, 64, 132, 1, 128), (224, 2, 32));
         // Sixteen tokens of a 14336-wide input: the slice caps the chunks per split.
         assert_eq!(plan_gemv(256, 224, 132, 16, 128), (32, 10, 23));
+    }
+
+    #[test]
+    fn w4_decode_kernels_follow_the_group_size() {
+        assert_eq!(w4_decode_kernel(64, 64), Some(QKernel::DecodeG64));
+        assert_eq!(w4_decode_kernel(128, 32), Some(QKernel::Decode));
+        assert_eq!(w4_decode_kernel(1024, 4), Some(QKernel::Decode));
+        // Per-channel: one group of any width.
+        assert_eq!(w4_decode_kernel(14336, 1), Some(QKernel::Decode));
+        // Groups of 32, or a multiple of 64 that is not a power of two, take the mma.sync gemv.
+        assert_eq!(w4_decode_kernel(32, 128), None);
+        assert_eq!(w4_decode_kernel(192, 24), None);
+        let name = |g| qgemm_kernel_name(w4_decode_kernel(g, 2).unwrap(), true, 1, true, "bf16");
+        assert_eq!(name(64), "w4a16_dec1_h_g64_bf16");
+        assert_eq!(name(128), "w4a16_dec1_h_bf16");
     }
 
     #[test]
