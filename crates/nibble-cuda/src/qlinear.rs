@@ -43,8 +43,9 @@ const DECODE_SMEM: usize = 200 * 1024;
 #[repr(u8)]
 pub enum KernelTier {
     /// Whichever measured faster on an H200 (BENCHMARKS.md): on Hopper the decode gemv up to
-    /// [`DECODE_MAX_M`] tokens (but for the smallest layers at up to 4 tokens) and the wgmma
-    /// kernels from [`WGMMA_TOKENS`] tokens, mma.sync everywhere else.
+    /// [`DECODE_MAX_M`] tokens, the 64-token wgmma kernels up to [`WGMMA_SMALL_TOKENS`] (but for
+    /// up to 32 tokens of layers of at most 4096x4096) and the wgmma kernels from
+    /// [`WGMMA_TOKENS`] tokens, mma.sync everywhere else.
     Auto = 0,
     /// The mma.sync kernels for every shape.
     MmaSync = 1,
@@ -653,11 +654,11 @@ impl CudaBackend {
         if use_gemv(m, tiles, self.gpu.sm_count) {
             ints.extend(gemv_geo.iter().map(|&v| Arg::I32(v)));
             let plan = plan_decode(tiles, chunks, self.gpu.sm_count, m, x_elem);
-            // Auto: the decode gemv, except for up to 4 tokens of layers so small that each SM
-            // gets fewer than 12 chunks (4096x4096 on an H200: 7.5 against 6.9 µs at M = 1).
+            // Auto: the decode gemv wherever it applies (on an H200 1.05x to 1.85x the mma.sync
+            // gemv, 4096x4096 at M = 1 included: 6.6 against 7.9 µs).
             if let (Some(plan), Some(kind)) = (plan, route.decode) {
                 let decode = name(kind);
-                if self.hopper_tier(&decode, m > 4 || plan.per_cta >= 12) {
+                if self.hopper_tier(&decode, true) {
                     return self.launch_decode(&decode, head, ints, tiles, m, plan);
                 }
             }
