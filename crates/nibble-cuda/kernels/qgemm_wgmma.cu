@@ -4,9 +4,10 @@
 // mma.sync to wgmma with TMA and warp specialization.
 //
 // Tiling: persistent CTAs (at most one per SM) walk output tiles of 128 weight rows x TOK tokens
-// (256, or 128 for few tokens, or 64 for batches of 17 to 64). Two consumer warpgroups own 64 rows each and issue wgmma.m64nTOK
-// (k32 for INT8, k16 for f16/bf16) over all the tile's tokens; warp w's 16 rows are packed tile
-// tile0 + w. A third warpgroup is the producer (one thread of it issues the copies).
+// (256, or 128 for few tokens, or 64 for batches of 17 to 64, whose tiles also split K across SMs
+// when a layer has fewer tiles than SMs). Two consumer warpgroups own 64 rows each and issue
+// wgmma.m64nTOK (k32 for INT8, k16 for f16/bf16) over all the tile's tokens; warp w's 16 rows are
+// packed tile tile0 + w. A third warpgroup is the producer (one thread of it issues the copies).
 //
 // Pipeline: F::STAGES shared-memory stages on full/empty mbarrier pairs. The producer waits for a
 // stage to be empty, then fills it with TMA tensor copies: the tokens' tile (TOK rows x 128 bytes
