@@ -20,7 +20,7 @@ use crate::compile;
 use crate::graph::GraphCache;
 use crate::kv::CudaKv;
 use crate::qlinear::{Int8Input, QuantWeight};
-use crate::runtime::{Arena, Arg, DeviceBuffer, DevicePtr, Gpu, Kernel, StickyError};
+use crate::runtime::{Arena, Arg, DeviceBuffer, DevicePtr, Gpu, Kernel, Launch, StickyError};
 
 /// The 16-bit float type weights, GEMM inputs and the KV cache are stored in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -287,27 +287,20 @@ impl CudaBackend {
         smem: u32,
         args: Vec<Arg>,
     ) -> Result<()> {
-        let k = self.kernel_with_smem(name, smem)?;
-        k.launch(&self.gpu, grid, block, smem, args)
+        self.launch_block_as(name, grid, block, smem, args, Launch::Stream)
     }
 
-    /// [`Self::launch_block`] as a programmatic dependent launch ([`Kernel::launch_dependent`]):
-    /// only for kernels that wait on the grid dependency before reading their inputs.
-    pub(crate) fn launch_block_dependent(
+    /// [`Self::launch_block`] ordered as `how` says ([`Launch::Dependent`] only for kernels that
+    /// wait on the grid dependency before they touch what the previous kernel writes).
+    pub(crate) fn launch_block_as(
         &self,
         name: &str,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
         args: Vec<Arg>,
+        how: Launch,
     ) -> Result<()> {
-        let k = self.kernel_with_smem(name, smem)?;
-        k.launch_dependent(&self.gpu, grid, block, smem, args)
-    }
-
-    /// Kernel `name`, its dynamic shared memory limit raised to `smem` where that is past the
-    /// default 48 KiB.
-    fn kernel_with_smem(&self, name: &str, smem: u32) -> Result<Kernel> {
         let k = self.kernel(name)?;
         {
             let mut raised = self.smem_raised.lock().unwrap_or_else(|p| p.into_inner());
@@ -323,7 +316,7 @@ impl CudaBackend {
                 raised.insert(name.to_string(), smem);
             }
         }
-        Ok(k)
+        k.launch_as(&self.gpu, grid, block, smem, args, how)
     }
 
     pub(crate) fn kernel(&self, name: &str) -> Result<Kernel> {

@@ -347,6 +347,17 @@ pub struct Kernel {
 unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
 
+/// How a launch is ordered after the previous kernel on the stream.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Launch {
+    /// After it has finished (the default).
+    Stream,
+    /// Programmatic dependent launch (sm_90 and later): the kernel may start while the previous
+    /// one still runs, and must execute `griddepcontrol.wait` before it touches anything that
+    /// kernel writes. Kept in CUDA graphs as a programmatic edge.
+    Dependent,
+}
+
 impl Kernel {
     pub fn launch(
         &self,
@@ -354,69 +365,69 @@ impl Kernel {
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
-        mut args: Vec<Arg>,
+        args: Vec<Arg>,
     ) -> Result<()> {
-        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
-            return Ok(());
-        }
-        let mut params: Vec<*mut c_void> = args.iter_mut().map(Arg::as_void).collect();
-        unsafe {
-            cu::launch_kernel(
-                self.func,
-                grid,
-                (block, 1, 1),
-                smem,
-                gpu.cu_stream(),
-                &mut params,
-            )
-        }
-        .map_err(|e| driver_err(&format!("launch of {}", self.name), e))
+        self.launch_as(gpu, grid, block, smem, args, Launch::Stream)
     }
 
-    /// [`Self::launch`] as a programmatic dependent launch (sm_90 and later): the kernel may
-    /// start while the previous one on the stream is still running, and must execute
-    /// `griddepcontrol.wait` before it touches anything that kernel writes. Kept in CUDA graphs
-    /// as a programmatic edge.
-    pub fn launch_dependent(
+    /// [`Self::launch`], ordered as `how` says.
+    pub fn launch_as(
         &self,
         gpu: &Gpu,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
         mut args: Vec<Arg>,
+        how: Launch,
     ) -> Result<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
         let mut params: Vec<*mut c_void> = args.iter_mut().map(Arg::as_void).collect();
-        // SAFETY: a zeroed launch attribute is a valid "ignore" value; the union member written
-        // is the one the attribute id names.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let config = sys::CUlaunchConfig {
-            gridDimX: grid.0,
-            gridDimY: grid.1,
-            gridDimZ: grid.2,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: gpu.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
+        let launched = match how {
+            Launch::Stream => unsafe {
+                cu::launch_kernel(
+                    self.func,
+                    grid,
+                    (block, 1, 1),
+                    smem,
+                    gpu.cu_stream(),
+                    &mut params,
+                )
+            },
+            Launch::Dependent => {
+                // SAFETY: a zeroed launch attribute is a valid "ignore" value; the union member
+                // written is the one the attribute id names.
+                let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+                attr.id =
+                    sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attr.value.programmaticStreamSerializationAllowed = 1;
+                let config = sys::CUlaunchConfig {
+                    gridDimX: grid.0,
+                    gridDimY: grid.1,
+                    gridDimZ: grid.2,
+                    blockDimX: block,
+                    blockDimY: 1,
+                    blockDimZ: 1,
+                    sharedMemBytes: smem,
+                    hStream: gpu.cu_stream(),
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                // SAFETY: `params` points at `args`, which outlive the call; the driver copies
+                // both.
+                unsafe {
+                    sys::cuLaunchKernelEx(
+                        &config,
+                        self.func,
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                }
+                .result()
+            }
         };
-        // SAFETY: `params` points at `args`, which outlive the call; the driver copies both.
-        unsafe {
-            sys::cuLaunchKernelEx(
-                &config,
-                self.func,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result()
-        .map_err(|e| driver_err(&format!("launch of {}", self.name), e))
+        launched.map_err(|e| driver_err(&format!("launch of {}", self.name), e))
     }
 }
 
