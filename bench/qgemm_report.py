@@ -29,6 +29,7 @@ def main():
     bw, peak = ours["hbm_bytes_per_s"], ours["cublas_bf16_flops"]
     pk = {(r["n"], r["k"], r["m"]): r for r in peer["qgemm"]}
     us = lambda ms: f"{ms * 1e3:.1f}" if ms == ms else "-"  # noqa: E731
+    ratio = lambda x: f"{x:.2f}x" if x == x else "-"  # noqa: E731 (no peer time: NaN)
     lines = ["```", device, "```", "",
              f"HBM {bw / 1e12:.2f} TB/s (device copy), cuBLAS BF16 {peak / 1e12:.0f} TFLOP/s (8192³).",
              "", "Times in µs; ratios are cuBLAS BF16 time over the kernel's time (higher is faster).",
@@ -51,7 +52,7 @@ def main():
         lines.append(
             f"| {r['n']} x {r['k']} | {r['m']} | {us(bf)} | {us(r['w4a16_ms'])} | {us(p.get('int4_ms', float('nan')))} "
             f"| {us(r['w8a8_ms'])} | {us(r['w8a8_with_quant_ms'])} | {us(p.get('int8_ms', float('nan')))} "
-            f"| {us(p.get('fp8_ms', float('nan')))} | {r4:.2f}x | {r8:.2f}x | {100 * r['w4a16_hbm_fraction']:.0f}% |")
+            f"| {us(p.get('fp8_ms', float('nan')))} | {ratio(r4)} | {ratio(r8)} | {100 * r['w4a16_hbm_fraction']:.0f}% |")
     tiers = [r for r in ours["qgemm"] if r.get("w4a16_mma_sync_ms")]
     if tiers:
         lines += ["", "Up to 64 tokens on both tiers: the Hopper tier (up to 16 tokens the persistent decode gemv: "
