@@ -62,7 +62,7 @@ if [ -n "$qgemm" ]; then
     step serve-w4a16 bash scripts/gpu-serve-check.sh "$stage/nibble" llama-3-8b:w4a16-g128
     tail -4 "$out/serve-w4a16.log"
   fi
-  tar czf "$out/logs$engine_after.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
+  tar czf "$out/logs${engine_after:+-engine}.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
   exit $status
 fi
 step gpu-tests "$stage/gpu-tests" --test-threads 1

@@ -113,35 +113,7 @@ __device__ void dec_ring(const uint4* codes, const uint2* params, const T* x, fl
     }
     grid_dependents_launch();
     grid_dependency_wait();
-    {
-        const int segs = win * 8;
-        for (int i = threadIdx.x; i < M * segs; i += blockDim.x) {
-            const int row = i / segs, seg = i % segs, slot = seg / 8;
-            const int c = c0 + slot < chunks ? c0 + slot : c0 + slot - chunks;
-            const int k = c * 64 + (seg * 8) % 64;
-            const bool ok = k < K;
-            cp_async16(xs + row * stride + seg * 16, x + (ok ? (long)row * K + k : 0), ok);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-    }
-    {
-        const int n = win / GC * MP;
-        for (int base = warp * 4; base < n; base += DW * 4) {
-            const int i = base + (lane >> 3), span = i / MP, m = i % MP;
-            float v = 0.f;
-            if (i < n && m < M)
-#pragma unroll
-                for (int cc = 0; cc < GC; ++cc)
-                    v += sum8<T>(*reinterpret_cast<const uint4*>(xs + m * stride + (span * GC + cc) * 128 + (lane & 7) * 16));
-            v += __shfl_xor_sync(0xffffffffu, v, 4);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            if (i < n && (lane & 7) == 0) xsum[i] = v;
-        }
-        __syncthreads();
-    }
+    dec_stage_x<TT, DW, GC, true>(xs, x, (long)K, M, K, chunks, c0, win);
     float acc[TT][4] = {};
     const unsigned char* xrow[TT];
 #pragma unroll

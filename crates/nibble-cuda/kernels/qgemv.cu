@@ -254,6 +254,50 @@ __device__ __forceinline__ void dec_finish(A (&acc)[TT][4], int tile, int b, int
         for (int e = 0; e < 4; ++e) acc[tt][e] = 0;
 }
 
+// Stages the activations of a CTA's chunk window (chunks c0 .. c0 + win - 1 of `chunks`,
+// cyclically; zero past K) in shared memory, rows `stride` bytes apart (returned), and, with
+// SUMS, their sums per span of GC chunks after them, [span][token] (0 past M). Read from global
+// memory inside the loop, the activations would queue behind the streamed weight loads (the L1
+// returns loads in order), stalling every batch on a full memory round trip. c0 and the window
+// are multiples of the batch, so spans never straddle a wrap.
+template <int TT, int DW, int GC, bool SUMS, class X>
+__device__ __forceinline__ int dec_stage_x(unsigned char* xs, const X* x, long ldx, int M, int K, int chunks,
+                                           int c0, int win) {
+    constexpr int XB = (int)sizeof(X), MP = TT * 8;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int stride = gemv_x_stride(win, XB);
+    const int segs = win * 64 * XB / 16;
+    for (int i = threadIdx.x; i < M * segs; i += blockDim.x) {
+        const int row = i / segs, seg = i % segs, slot = seg * 16 / (64 * XB);
+        const int c = c0 + slot < chunks ? c0 + slot : c0 + slot - chunks;
+        const int k = c * 64 + (seg * 16 / XB) % 64;
+        const bool ok = k < K;
+        cp_async16(xs + row * stride + seg * 16, x + (ok ? (long)row * ldx + k : 0), ok);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    if constexpr (SUMS) {
+        float* xsum = reinterpret_cast<float*>(xs + M * stride);
+        const int n = win / GC * MP;
+        for (int base = warp * 4; base < n; base += DW * 4) {
+            const int i = base + (lane >> 3), span = i / MP, m = i % MP;
+            float v = 0.f;
+            if (i < n && m < M)
+#pragma unroll
+                for (int cc = 0; cc < GC; ++cc)
+                    v += sum8<X>(*reinterpret_cast<const uint4*>(xs + m * stride + (span * GC + cc) * 64 * XB +
+                                                                 (lane & 7) * 16));
+            v += __shfl_xor_sync(0xffffffffu, v, 4);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            if (i < n && (lane & 7) == 0) xsum[i] = v;
+        }
+        __syncthreads();
+    }
+    return stride;
+}
+
 template <int TT, int DW, class F, class OUT, class EPI>
 __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __restrict__ x, long ldx,
                                          OUT* __restrict__ y, long ldy, typename F::Acc* __restrict__ partial,
@@ -283,48 +327,13 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     grid_dependents_launch();
     grid_dependency_wait();
 
-    // The activations of the CTA's chunk window (chunks c0 .. c0 + win - 1, cyclically) go to
-    // shared memory, zero past K, while the first weights are on their way: read from global
-    // memory inside the loop, they would queue behind the streamed weight loads (the L1 returns
-    // loads in order), stalling every batch on a full memory round trip.
+    // The CTA's activation window, staged while the first weights are on their way.
     extern __shared__ __align__(16) unsigned char xs[];
     constexpr int XB = (int)sizeof(typename F::X);
-    const int c0 = q.c, win = min(chunks, per_cta);
-    const int stride = gemv_x_stride(win, XB);
-    {
-        const int segs = win * 64 * XB / 16;
-        for (int i = threadIdx.x; i < M * segs; i += blockDim.x) {
-            const int row = i / segs, seg = i % segs, slot = seg * 16 / (64 * XB);
-            const int c = c0 + slot < chunks ? c0 + slot : c0 + slot - chunks;
-            const int k = c * 64 + (seg * 16 / XB) % 64;
-            const bool ok = k < K;
-            cp_async16(xs + row * stride + seg * 16, x + (ok ? (long)row * ldx + k : 0), ok);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-    }
-    // W4A16's activation sums per span of GC staged chunks, [span][token] (0 past M); 8 lanes
-    // per sum. c0 and the window are multiples of U, so spans never straddle a wrap.
     constexpr int MP = TT * 8;
-    float* xsum = reinterpret_cast<float*>(xs + M * stride);
-    if constexpr (F::ZERO_POINTS) {
-        const int n = win / GC * MP;
-        for (int base = warp * 4; base < n; base += DW * 4) {
-            const int i = base + (lane >> 3), span = i / MP, m = i % MP;
-            float v = 0.f;
-            if (i < n && m < M)
-#pragma unroll
-                for (int cc = 0; cc < GC; ++cc)
-                    v += sum8<typename F::X>(*reinterpret_cast<const uint4*>(
-                        xs + m * stride + (span * GC + cc) * 64 * XB + (lane & 7) * 16));
-            v += __shfl_xor_sync(0xffffffffu, v, 4);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            if (i < n && (lane & 7) == 0) xsum[i] = v;
-        }
-        __syncthreads();
-    }
+    const int c0 = q.c, win = min(chunks, per_cta);
+    const int stride = dec_stage_x<TT, DW, GC, F::ZERO_POINTS>(xs, x, ldx, M, K, chunks, c0, win);
+    const float* xsum = reinterpret_cast<const float*>(xs + M * stride);
 
     constexpr int XV = XB == 2 ? 2 : 1;
     typename F::Acc acc[TT][4] = {};
