@@ -36,6 +36,29 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(t);
 }
 
+// Row ops run one block per row, thread t owning elements t, t + blockDim.x, ... . They walk the
+// row in pages of ROW_PAGE elements per thread, issuing every load of a page before using any:
+// one memory round trip per page. A plain strided loop pays one per element, because each
+// iteration's store may alias the next iteration's load; at batch 1 that made a 4096-wide
+// RMSNorm take 5.6 us and a 14336-wide SiLU-gate with INT8 codes 16 us.
+#define ROW_PAGE 8
+template <class Load, class Use>
+__device__ __forceinline__ void row_pages(int n, Load load, Use use) {
+    for (int p = threadIdx.x; p < n; p += ROW_PAGE * blockDim.x) {
+        decltype(load(0)) v[ROW_PAGE];
+#pragma unroll
+        for (int k = 0; k < ROW_PAGE; ++k) {
+            const int c = p + k * blockDim.x;
+            if (c < n) v[k] = load(c);
+        }
+#pragma unroll
+        for (int k = 0; k < ROW_PAGE; ++k) {
+            const int c = p + k * blockDim.x;
+            if (c < n) use(c, v[k]);
+        }
+    }
+}
+
 // Eight 16-bit values moved as one 16-byte access.
 struct __align__(16) Vec8 { unsigned short h[8]; };
 
@@ -183,10 +206,12 @@ __device__ __forceinline__ void quantize_row_i8(const IN* src, long ld, signed c
     const float amax = block_max(finite_local ? amax_local : __int_as_float(0x7f800000), scratch);
     const bool finite = amax <= 3.4028235e38f;
     const float scale = finite ? amax / 127.0f : __int_as_float(0x7fc00000);
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        signed char code = 0;
-        if (finite && scale != 0.f) code = (signed char)fminf(fmaxf(rintf(to_f32(src[row * ld + c]) / scale), -127.f), 127.f);
-        q[row * ldq + c] = code;
-    }
+    row_pages(
+        cols, [&](int c) { return to_f32(src[row * ld + c]); },
+        [&](int c, float v) {
+            signed char code = 0;
+            if (finite && scale != 0.f) code = (signed char)fminf(fmaxf(rintf(v / scale), -127.f), 127.f);
+            q[row * ldq + c] = code;
+        });
     if (threadIdx.x == 0) sx[row] = scale;
 }

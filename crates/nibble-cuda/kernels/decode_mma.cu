@@ -78,10 +78,35 @@ __device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
     const int first = start / DM_BS + warp;
     if (first * DM_BS < end) issue(first, 0);
     // Q rows (the group's heads, then zeros), converted to 16 bits, then read as A fragments.
-    for (int i = lane; i < DM_BS * HD; i += 32) {
-        const int r = i / HD, d = i % HD;
-        const float v = r < group ? q[(long)token * ldq + (kvh * group + r) * HD + d] : 0.f;
-        kq[r * LD + d] = from_f32<T>(v);
+    // The group's heads are group * HD consecutive floats: each lane's loads (4 floats apiece)
+    // are all issued before any is stored, one round trip instead of one per element.
+    {
+        constexpr int QV = (G * HD / 4 + 31) / 32;
+        const float* qg = q + (long)token * ldq + (long)kvh * group * HD;
+        const bool aligned = ((reinterpret_cast<unsigned long long>(qg) & 15) == 0);
+        float4 qv[QV];
+#pragma unroll
+        for (int j = 0; j < QV; ++j) {
+            const int i = (lane + 32 * j) * 4;
+            qv[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < group * HD)
+                qv[j] = aligned ? *reinterpret_cast<const float4*>(qg + i)
+                                : make_float4(qg[i], qg[i + 1], qg[i + 2], qg[i + 3]);
+        }
+#pragma unroll
+        for (int j = 0; j < QV; ++j) {
+            const int i = (lane + 32 * j) * 4;
+            if (i < group * HD) {
+                T* dst = &kq[(i / HD) * LD + i % HD];
+                dst[0] = from_f32<T>(qv[j].x);
+                dst[1] = from_f32<T>(qv[j].y);
+                dst[2] = from_f32<T>(qv[j].z);
+                dst[3] = from_f32<T>(qv[j].w);
+            }
+        }
+        // Rows past the group: zeros, 8 elements (16 bytes; LD * 2 is a multiple of 16) at a time.
+        for (int i = group * (HD / 8) + lane; i < DM_BS * (HD / 8); i += 32)
+            *reinterpret_cast<uint4*>(&kq[(i / (HD / 8)) * LD + (i % (HD / 8)) * 8]) = make_uint4(0, 0, 0, 0);
     }
     __syncwarp();
     u32 qf[HD / 16][4];

@@ -5,9 +5,13 @@
 // Layout: activations are row-major [tokens, features]; the residual stream, GEMM outputs, q/k/v
 // and the gate/up products are f32, everything a GEMM reads is the model dtype T. One block per
 // row for the reductions (RMSNorm: the row is read twice, the second time from L1/L2), a flat
-// grid-stride loop for elementwise ops. Nothing here is compute-bound; each op moves its bytes
+// grid-stride loop for elementwise ops; row ops walk their row in pages (row_pages, common.cuh)
+// so that a thread's loads are in flight together. Nothing here is compute-bound; each op moves its bytes
 // once. The arithmetic follows nibble-cpu's ops.rs (rms: 1/sqrt(mean(x^2)+eps), RoPE angles in
 // f64) so the CPU backend is a tight reference.
+
+// Row kernels take up to 1024 threads (norm_block): registers are capped to fit.
+#define ROW_KERNEL __launch_bounds__(1024)
 
 template <class T>
 __device__ void embed_impl(const T* __restrict__ table, const int* __restrict__ ids,
@@ -17,34 +21,46 @@ __device__ void embed_impl(const T* __restrict__ table, const int* __restrict__ 
     for (int c = threadIdx.x; c < h; c += blockDim.x) out[row * h + c] = to_f32(src[c]);
 }
 
-// x += delta (when delta is not null), then out = T(x * 1/sqrt(mean(x^2) + eps) * w).
+// x += delta (when delta is not null), then out = T(x * 1/sqrt(mean(x^2) + eps) * w). Returns
+// this thread's max |out| and whether its outputs are all finite, for the fused INT8 codes.
 template <class T>
-__device__ void rms_norm_impl(float* __restrict__ x, const float* __restrict__ delta,
-                              const float* __restrict__ w, T* __restrict__ out, int h, float eps) {
+__device__ float rms_norm_impl(float* __restrict__ x, const float* __restrict__ delta,
+                               const float* __restrict__ w, T* __restrict__ out, int h, float eps,
+                               bool& finite) {
     __shared__ float scratch[32];
     const long row = blockIdx.x;
     float* xr = x + row * h;
+    const float* dr = delta + row * h;
     float ss = 0.f;
-    for (int c = threadIdx.x; c < h; c += blockDim.x) {
-        float v = xr[c];
-        if (delta) {
-            v += delta[row * h + c];
-            xr[c] = v;
-        }
-        ss = fmaf(v, v, ss);
-    }
+    row_pages(
+        h, [&](int c) { return delta ? xr[c] + dr[c] : xr[c]; },
+        [&](int c, float v) {
+            if (delta) xr[c] = v;
+            ss = fmaf(v, v, ss);
+        });
     const float total = block_sum(ss, scratch);
     const float scale = 1.0f / sqrtf(total / (float)h + eps);
-    for (int c = threadIdx.x; c < h; c += blockDim.x) out[row * h + c] = from_f32<T>(xr[c] * scale * w[c]);
+    float m = 0.f;
+    finite = true;
+    row_pages(
+        h, [&](int c) { return make_float2(xr[c], w[c]); },
+        [&](int c, float2 v) {
+            const T o = from_f32<T>(v.x * scale * v.y);
+            out[row * h + c] = o;
+            finite &= isfinite(to_f32(o));
+            m = fmaxf(m, fabsf(to_f32(o)));
+        });
+    return m;
 }
 
 #define NIBBLE_ROW_KERNELS(SUFFIX, T)                                                            \
-    extern "C" __global__ void embed_##SUFFIX(const T* table, const int* ids, float* out, int h) { \
+    extern "C" __global__ void ROW_KERNEL embed_##SUFFIX(const T* table, const int* ids, float* out, int h) { \
         embed_impl<T>(table, ids, out, h);                                                       \
     }                                                                                            \
-    extern "C" __global__ void rms_norm_##SUFFIX(float* x, const float* delta, const float* w,     \
+    extern "C" __global__ void ROW_KERNEL rms_norm_##SUFFIX(float* x, const float* delta, const float* w,     \
                                                  T* out, int h, float eps) {                     \
-        rms_norm_impl<T>(x, delta, w, out, h, eps);                                              \
+        bool finite;                                                                             \
+        rms_norm_impl<T>(x, delta, w, out, h, eps, finite);                                      \
     }                                                                                            \
     /* gate and up may be column slices of one fused GEMM output (row strides ldg, ldu). */    \
     extern "C" __global__ void silu_mul_##SUFFIX(const float* gate, const float* up, T* out,      \
@@ -120,7 +136,7 @@ extern "C" __global__ void head_rms_norm(float* x, const float* w, int head_dim,
 // otherwise (i, i + head_dim/2). Angles in f64 as on the CPU: positions reach 1e5 and beyond.
 // blockIdx.y = 1 rotates the second tensor (x2, cols2, ld2) of a rope_qk call, with the same
 // positions: q and k in one launch.
-extern "C" __global__ void rope(float* x, const int* positions, const float* inv_freq, int cols,
+extern "C" __global__ void ROW_KERNEL rope(float* x, const int* positions, const float* inv_freq, int cols,
                                 long ld, int head_dim, int interleaved, float* x2, int cols2,
                                 long ld2) {
     if (blockIdx.y == 1) {
@@ -134,17 +150,30 @@ extern "C" __global__ void rope(float* x, const int* positions, const float* inv
     float* xr = x + row * ld;
     // Whole heads only, like the CPU: a trailing partial head is left as it is.
     const int pairs = (cols / head_dim) * half;
-    for (int idx = threadIdx.x; idx < pairs; idx += blockDim.x) {
-        const int head = idx / half, i = idx % half;
+    // Every head shares the row's angles: each is computed once (double sincos is a long
+    // routine), into shared memory for head sizes up to 256.
+    __shared__ float2 angles[128];
+    const bool tabled = half <= 128;
+    auto angle = [&](int i) {
         double s, c;
         sincos(pos * (double)inv_freq[i], &s, &c);
-        const float cf = (float)c, sf = (float)s;
-        const int a = head * head_dim + (interleaved ? 2 * i : i);
-        const int b = head * head_dim + (interleaved ? 2 * i + 1 : i + half);
-        const float x0 = xr[a], x1 = xr[b];
-        xr[a] = x0 * cf - x1 * sf;
-        xr[b] = x0 * sf + x1 * cf;
+        return make_float2((float)c, (float)s);
+    };
+    if (tabled) {
+        for (int i = threadIdx.x; i < half; i += blockDim.x) angles[i] = angle(i);
+        __syncthreads();
     }
+    auto at = [&](int idx, bool second) {
+        const int head = idx / half, i = idx % half;
+        return head * head_dim + (interleaved ? 2 * i + second : i + (second ? half : 0));
+    };
+    row_pages(
+        pairs, [&](int idx) { return make_float2(xr[at(idx, false)], xr[at(idx, true)]); },
+        [&](int idx, float2 v) {
+            const float2 cs = tabled ? angles[idx % half] : angle(idx % half);
+            xr[at(idx, false)] = v.x * cs.x - v.y * cs.y;
+            xr[at(idx, true)] = v.x * cs.y + v.y * cs.x;
+        });
 }
 
 extern "C" __global__ void add_f32(float* x, const float* d, long n) {
@@ -152,7 +181,7 @@ extern "C" __global__ void add_f32(float* x, const float* d, long n) {
         x[i] += d[i];
 }
 
-extern "C" __global__ void gather_rows(const float* x, const int* rows, float* out, int cols) {
+extern "C" __global__ void ROW_KERNEL gather_rows(const float* x, const int* rows, float* out, int cols) {
     const long r = blockIdx.x;
     const float* src = x + (long)rows[r] * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) out[r * cols + c] = src[c];
@@ -173,53 +202,48 @@ __device__ void quantize_i8_impl(const IN* __restrict__ x, long ldx, signed char
     const long row = blockIdx.x;
     float m = 0.f;
     bool finite = true;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        const float v = to_f32(x[row * ldx + c]);
-        finite &= isfinite(v);
-        m = fmaxf(m, fabsf(v));
-    }
+    row_pages(
+        cols, [&](int c) { return to_f32(x[row * ldx + c]); },
+        [&](int, float v) {
+            finite &= isfinite(v);
+            m = fmaxf(m, fabsf(v));
+        });
     quantize_row_i8(x, ldx, q, ldq, sx, cols, m, finite);
 }
 
-extern "C" __global__ void quantize_i8_f32(const float* x, long ldx, signed char* q, long ldq, float* sx, int cols) {
+extern "C" __global__ void ROW_KERNEL quantize_i8_f32(const float* x, long ldx, signed char* q, long ldq, float* sx, int cols) {
     quantize_i8_impl(x, ldx, q, ldq, sx, cols);
 }
 
 #define NIBBLE_Q8_FUSED(SUFFIX, T)                                                                \
-    extern "C" __global__ void quantize_i8_##SUFFIX(const T* x, long ldx, signed char* q, long ldq, \
+    extern "C" __global__ void ROW_KERNEL quantize_i8_##SUFFIX(const T* x, long ldx, signed char* q, long ldq, \
                                                     float* sx, int cols) {                         \
         quantize_i8_impl(x, ldx, q, ldq, sx, cols);                                                 \
     }                                                                                               \
     /* rms_norm_##SUFFIX, then the INT8 codes of its output row. */                                 \
-    extern "C" __global__ void rms_norm_q8_##SUFFIX(float* x, const float* delta, const float* w,  \
+    extern "C" __global__ void ROW_KERNEL rms_norm_q8_##SUFFIX(float* x, const float* delta, const float* w,  \
                                                     T* out, int h, float eps, signed char* q,       \
                                                     float* sx) {                                    \
-        rms_norm_impl<T>(x, delta, w, out, h, eps);                                                 \
-        const long row = blockIdx.x;                                                                \
-        float m = 0.f;                                                                              \
-        bool finite = true;                                                                         \
-        for (int c = threadIdx.x; c < h; c += blockDim.x) {                                         \
-            const float v = to_f32(out[row * h + c]);                                               \
-            finite &= isfinite(v);                                                                  \
-            m = fmaxf(m, fabsf(v));                                                                 \
-        }                                                                                           \
+        bool finite;                                                                                \
+        const float m = rms_norm_impl<T>(x, delta, w, out, h, eps, finite);                         \
         quantize_row_i8(out, h, q, h, sx, h, m, finite);                                            \
     }                                                                                               \
     /* One block per row: out = T(silu(gate) * up), then its INT8 codes. */                          \
-    extern "C" __global__ void silu_mul_q8_##SUFFIX(const float* gate, const float* up, T* out,    \
+    extern "C" __global__ void ROW_KERNEL silu_mul_q8_##SUFFIX(const float* gate, const float* up, T* out,    \
                                                     int cols, long ldg, long ldu, signed char* q,   \
                                                     float* sx) {                                    \
         const long r = blockIdx.x;                                                                  \
         float m = 0.f;                                                                              \
         bool finite = true;                                                                         \
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {                                      \
-            const float gv = gate[r * ldg + c];                                                     \
-            const T o = from_f32<T>(gv / (1.0f + expf(-gv)) * up[r * ldu + c]);                     \
-            out[r * cols + c] = o;                                                                  \
-            const float v = to_f32(o);                                                              \
-            finite &= isfinite(v);                                                                  \
-            m = fmaxf(m, fabsf(v));                                                                 \
-        }                                                                                           \
+        row_pages(                                                                                  \
+            cols, [&](int c) { return make_float2(gate[r * ldg + c], up[r * ldu + c]); },            \
+            [&](int c, float2 gu) {                                                                 \
+                const T o = from_f32<T>(gu.x / (1.0f + expf(-gu.x)) * gu.y);                         \
+                out[r * cols + c] = o;                                                              \
+                const float v = to_f32(o);                                                          \
+                finite &= isfinite(v);                                                              \
+                m = fmaxf(m, fabsf(v));                                                             \
+            });                                                                                     \
         quantize_row_i8(out, cols, q, cols, sx, cols, m, finite);                                   \
     }
 NIBBLE_BOTH_DTYPES(NIBBLE_Q8_FUSED)

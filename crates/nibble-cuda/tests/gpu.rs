@@ -139,7 +139,8 @@ fn row_ops_match_cpu() {
     let mut r = rng("row_ops_match_cpu");
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let (g, c) = (gpu(dtype), cpu());
-        for &(rows, h) in &[(1usize, 576usize), (7, 1000), (33, 4096)] {
+        // 10000 wide: more than one page (8 per thread) of a 1024-thread row kernel.
+        for &(rows, h) in &[(1usize, 576usize), (7, 1000), (33, 4096), (1, 10000)] {
             g.poison_activations(64 << 20).unwrap();
             let x = CpuTensor::new(randn(&mut r, rows * h, 1.0), rows, h);
             let d = CpuTensor::new(randn(&mut r, rows * h, 0.5), rows, h);
@@ -188,20 +189,26 @@ fn row_ops_match_cpu() {
                 .map(|&l| (r.random_range(0..100_000), l))
                 .collect();
             let batch = layout(&mut r, &spans, 1 << 20, 8);
-            let inv: Vec<f32> = (0..32)
-                .map(|i| 500000f32.powf(-(i as f32) / 32.0))
-                .collect();
-            let (ci, gi) = (c.load_vector(&inv).unwrap(), g.load_vector(&inv).unwrap());
-            for lay in [RopeLayout::HalfSplit, RopeLayout::Interleaved] {
+            // Head size 320: past the kernel's shared table of angles (up to 256).
+            for (head_dim, lay) in [
+                (64, RopeLayout::HalfSplit),
+                (64, RopeLayout::Interleaved),
+                (320, RopeLayout::HalfSplit),
+            ] {
+                let half = head_dim / 2;
+                let inv: Vec<f32> = (0..half)
+                    .map(|i| 500000f32.powf(-(i as f32) / half as f32))
+                    .collect();
+                let (ci, gi) = (c.load_vector(&inv).unwrap(), g.load_vector(&inv).unwrap());
                 let (mut cx, mut gx) = (x.clone(), to_gpu(&g, &x));
-                c.rope(&mut cx, 64, &batch, &ci, lay);
-                g.rope(&mut gx, 64, &batch, &gi, lay);
+                c.rope(&mut cx, head_dim, &batch, &ci, lay);
+                g.rope(&mut gx, head_dim, &batch, &gi, lay);
                 check("rope", &host(&g, &gx), &cx.data, 1e-5);
                 // q and k in one launch.
                 let (mut cq, mut ck) = (x.clone(), d.clone());
-                c.rope_qk(&mut cq, &mut ck, 64, &batch, &ci, lay);
+                c.rope_qk(&mut cq, &mut ck, head_dim, &batch, &ci, lay);
                 let (mut gq, mut gk) = (to_gpu(&g, &x), to_gpu(&g, &d));
-                g.rope_qk(&mut gq, &mut gk, 64, &batch, &gi, lay);
+                g.rope_qk(&mut gq, &mut gk, head_dim, &batch, &gi, lay);
                 check("rope_qk q", &host(&g, &gq), &cq.data, 1e-5);
                 check("rope_qk k", &host(&g, &gk), &ck.data, 1e-5);
             }

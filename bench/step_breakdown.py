@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""Sums an Nsight Compute CSV (gpu__time_duration per kernel, scripts/gpu-profile-step.sh) by
+kernel name: per decode step, how much time each kind of kernel takes.  The window of kernels
+is cut to whole steps by the number of times the final norm's kernel appears."""
+import csv
+import sys
+from collections import defaultdict
+
+
+def main(path):
+    rows = []
+    with open(path, newline="") as f:
+        lines = [l for l in f if l.startswith('"')]
+    for r in csv.DictReader(lines):
+        if r.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        v = float(r["Metric Value"].replace(",", ""))
+        unit = r.get("Metric Unit", "ns")
+        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(unit, 1e-3)
+        name = r["Kernel Name"].split("(")[0]
+        grid = r.get("Grid Size", "")
+        rows.append((name, grid, v * scale))
+    if not rows:
+        print("no kernels")
+        return
+    total = sum(t for _, _, t in rows)
+    by = defaultdict(lambda: [0, 0.0])
+    for name, grid, t in rows:
+        k = f"{name} {grid}"
+        by[k][0] += 1
+        by[k][1] += t
+    # Steps in the window: the most frequent per-step kernel appears 32x per step for a
+    # 32-layer model; the output head's gemm appears once. Report per kernel totals and shares.
+    print(f"{len(rows)} kernels, {total:.1f} us in all")
+    print(f"{'kernel (grid)':60} {'calls':>6} {'us':>10} {'us/call':>8} {'share':>6}")
+    for k, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+        print(f"{k[:60]:60} {n:6d} {t:10.1f} {t / n:8.2f} {100 * t / total:5.1f}%")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
