@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The server on the GPU: starts `nibble serve --device cuda` on a Llama-3-8B-shaped model with
-# random weights, sends a chat completion and a streaming completion with curl, and stops it.
-#   scripts/gpu-serve-check.sh NIBBLE_BINARY [DUMMY_MODEL]
+# random weights, or on a model directory, sends a completion and a streaming completion with
+# curl, and stops it.
+#   scripts/gpu-serve-check.sh NIBBLE_BINARY [DUMMY_MODEL | MODEL_DIR]
 # DUMMY_MODEL defaults to llama-3-8b; llama-3-8b:w4a16-g128 or llama-3-8b:w8a8 serve it on the
 # quantized kernels.
 set -euo pipefail
 bin=${1:?usage: gpu-serve-check.sh NIBBLE_BINARY [DUMMY_MODEL]}
 dummy=${2:-llama-3-8b}
+if [ -d "$dummy" ]; then source=(--model "$dummy"); else source=(--dummy-weights "$dummy"); fi
 port=8123
-"$bin" --device cuda --dummy-weights "$dummy" serve --port $port --kv-cache-tokens 65536 \
+"$bin" --device cuda "${source[@]}" serve --port $port --kv-cache-tokens 65536 \
   --served-model-name llama-3-8b &
 pid=$!
 trap 'kill $pid 2>/dev/null || true' EXIT

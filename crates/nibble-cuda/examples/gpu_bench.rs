@@ -411,7 +411,12 @@ fn main() -> Result<()> {
         bw / 1e9,
         peak / 1e12
     );
-    let qgemm_rows = qgemm(&be, bw, peak, quick)?;
+    // --engine-only: the decode steps per precision without the kernel table (with --qgemm).
+    let qgemm_rows = if args.iter().any(|a| a == "--engine-only") {
+        Vec::new()
+    } else {
+        qgemm(&be, bw, peak, quick)?
+    };
     let engine_rows = if args.iter().any(|a| a == "--kernels-only") {
         Vec::new()
     } else {

@@ -212,7 +212,12 @@ fn w8a8_fused_quantization_matches_the_reference() {
     let format: LinearFormat = "int8-pc/a8".parse().unwrap();
     let g = gpu(Dtype::Bf16);
     // 14336 wide (Llama-3-8B's down_proj input): two pages of the 1024-thread row kernels.
-    for &(m, n, k) in &[(1, 256, 576), (13, 96, 1536), (70, 512, 576), (2, 64, 14336)] {
+    for &(m, n, k) in &[
+        (1, 256, 576),
+        (13, 96, 1536),
+        (70, 512, 576),
+        (2, 64, 14336),
+    ] {
         g.poison_activations(64 << 20).unwrap();
         let wb = random_rows(&mut r, format, n, k);
         let w = g
@@ -409,4 +414,45 @@ fn quantized_models_match_cpu() {
         let (replays, _) = g.backend.graph_counts();
         assert!(replays >= 20, "{name}: {replays} graph replays");
     }
+}
+
+/// AutoAWQ and GPTQ checkpoints run on the GPU: every layer of nibble-model's packed fixtures
+/// (AWQ GEMM, GPTQ v1 and v2 in nibble's group layout; act-order and zero-overflow ones load
+/// dequantized) multiplies on the GPU as on the CPU, for decode and prefill batch sizes.
+#[test]
+fn awq_and_gptq_layers_match_cpu() {
+    use nibble_model::hf_quant::{HfQuantConfig, HfQuantSource};
+    use nibble_model::source::TensorSource;
+    let mut r = rng("awq_and_gptq_layers_match_cpu");
+    let (g, c) = (gpu(Dtype::Bf16), cpu());
+    let mut quantized = 0;
+    for entry in std::fs::read_dir(fixture("awq-gptq")).unwrap() {
+        let dir = entry.unwrap().path();
+        let config_path = dir.join("config.json");
+        let config = std::fs::read_to_string(&config_path).map_or(serde_json::Value::Null, |t| {
+            serde_json::from_str(&t).unwrap()
+        });
+        let cfg = HfQuantConfig::detect(&dir, &config, &config_path)
+            .unwrap()
+            .unwrap();
+        let src = HfQuantSource::open(&dir, cfg).unwrap();
+        let layers: std::collections::BTreeMap<String, String> =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expect.json")).unwrap())
+                .unwrap();
+        for prefix in layers.keys() {
+            let t = src.get(&format!("{prefix}.weight")).unwrap();
+            quantized += usize::from(matches!(t.format, WeightFormat::Quant(_)));
+            let (n, k) = (t.shape[0], t.shape[1]);
+            let (gw, cw) = (g.load_weight(&t).unwrap(), c.load_weight(&t).unwrap());
+            for m in [1, 7, 40] {
+                g.poison_activations(16 << 20).unwrap();
+                let x = CpuTensor::new(randn(&mut r, m * k, 1.0), m, k);
+                let want = c.linear(&x, &cw, None).unwrap();
+                let got = g.linear(&to_gpu(&g, &x), &gw, None).unwrap();
+                let what = format!("{} {prefix} ({}) {m}x{n}x{k}", dir.display(), t.format);
+                check(&what, &host(&g, &got), &want.data, 1e-2);
+            }
+        }
+    }
+    assert_eq!(quantized, 6, "int4 layers among the fixtures");
 }
