@@ -41,7 +41,7 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // one memory round trip per page. A plain strided loop pays one per element, because each
 // iteration's store may alias the next iteration's load; at batch 1 that made a 4096-wide
 // RMSNorm take 5.6 us and a 14336-wide SiLU-gate with INT8 codes 16 us.
-#define ROW_PAGE 8
+#define ROW_PAGE 4
 template <class Load, class Use>
 __device__ __forceinline__ void row_pages(int n, Load load, Use use) {
     for (int p = threadIdx.x; p < n; p += ROW_PAGE * blockDim.x) {

@@ -10,8 +10,9 @@
 // once. The arithmetic follows nibble-cpu's ops.rs (rms: 1/sqrt(mean(x^2)+eps), RoPE angles in
 // f64) so the CPU backend is a tight reference.
 
-// Row kernels take up to 1024 threads (norm_block): registers are capped to fit.
-#define ROW_KERNEL __launch_bounds__(1024)
+// Row kernels take up to 1024 threads (norm_block), two blocks per SM for many-row (prefill)
+// launches: registers are capped to 32.
+#define ROW_KERNEL __launch_bounds__(1024, 2)
 
 template <class T>
 __device__ void embed_impl(const T* __restrict__ table, const int* __restrict__ ids,
