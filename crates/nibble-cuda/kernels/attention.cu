@@ -31,6 +31,7 @@ __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict
                                 const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
                                 float* __restrict__ part, int num_kv_heads, int group,
                                 int max_blocks, int block_size, int chunk, float scale, long ldq) {
+    grid_dependency_enter();
     constexpr int LPT = HD / 8;
     constexpr int TPW = 32 / LPT;
     const int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -185,6 +186,7 @@ template <class T, int HD, int G>
 __device__ void attn_reduce_impl(const float* __restrict__ part, const int* __restrict__ tok_pos,
                                  T* __restrict__ out, int num_kv_heads, int group, int splits,
                                  int chunk) {
+    grid_dependency_enter();
     __shared__ float w[MAX_SPLITS];
     __shared__ float scratch[32];
     const int token = blockIdx.x, h = blockIdx.y;

@@ -36,6 +36,29 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(t);
 }
 
+// Programmatic dependent launch (sm_90 and later; no-ops before). A kernel named in
+// compile::GRID_WAITING_KERNELS is launched while its predecessor still runs and must call
+// grid_dependency_wait() before it touches memory (weights excepted: nothing writes them).
+// grid_dependents_launch() lets the next such kernel be scheduled early; its own wait still
+// holds it until this grid has finished.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependents_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Issued first by the small kernels of a decode step: wait for the previous kernel, then let the
+// next one be scheduled.
+__device__ __forceinline__ void grid_dependency_enter() {
+    grid_dependency_wait();
+    grid_dependents_launch();
+}
+
 // Row ops run one block per row, thread t owning elements t, t + blockDim.x, ... . They walk the
 // row in pages of ROW_PAGE elements per thread, issuing every load of a page before using any:
 // one memory round trip per page. A plain strided loop pays one per element, because each

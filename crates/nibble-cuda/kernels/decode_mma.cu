@@ -25,6 +25,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
                                 int max_blocks, int chunk, float scale_log2, long ldq,
                                 const float* __restrict__ knew, const float* __restrict__ vnew,
                                 long ldk, long ldv) {
+    grid_dependency_enter();
     constexpr int LD = HD + 8;
     constexpr int WARPS = DM_WARPS;
     static_assert(WARPS * G * (HD + 2) * 4 <= WARPS * 2 * DM_BS * (HD + 8) * 2, "merge fits in ks");

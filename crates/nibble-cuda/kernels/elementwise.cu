@@ -17,6 +17,7 @@
 template <class T>
 __device__ void embed_impl(const T* __restrict__ table, const int* __restrict__ ids,
                            float* __restrict__ out, int h) {
+    grid_dependency_enter();
     const long row = blockIdx.x;
     const T* src = table + (long)ids[row] * h;
     for (int c = threadIdx.x; c < h; c += blockDim.x) out[row * h + c] = to_f32(src[c]);
@@ -28,6 +29,7 @@ template <class T>
 __device__ float rms_norm_impl(float* __restrict__ x, const float* __restrict__ delta,
                                const float* __restrict__ w, T* __restrict__ out, int h, float eps,
                                bool& finite) {
+    grid_dependency_enter();
     __shared__ float scratch[32];
     const long row = blockIdx.x;
     float* xr = x + row * h;
@@ -66,6 +68,7 @@ __device__ float rms_norm_impl(float* __restrict__ x, const float* __restrict__ 
     /* gate and up may be column slices of one fused GEMM output (row strides ldg, ldu). */    \
     extern "C" __global__ void silu_mul_##SUFFIX(const float* gate, const float* up, T* out,      \
                                                  long n, int cols, long ldg, long ldu) {         \
+        grid_dependency_enter();                                                                 \
         for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;                        \
              i += (long)gridDim.x * blockDim.x) {                                                \
             const long r = i / cols, c = i % cols;                                               \
@@ -86,6 +89,7 @@ __device__ float rms_norm_impl(float* __restrict__ x, const float* __restrict__ 
                                                   const int* tok_pos, int max_blocks,            \
                                                   int block_size, int kv_row, int head_dim,      \
                                                   long ldk, long ldv) {                          \
+        grid_dependency_enter();                                                                 \
         const long t = blockIdx.x;                                                               \
         const int p = tok_pos[t];                                                                \
         const long blk = block_tables[(long)tok_seq[t] * max_blocks + p / block_size];           \
@@ -140,6 +144,7 @@ extern "C" __global__ void head_rms_norm(float* x, const float* w, int head_dim,
 extern "C" __global__ void ROW_KERNEL rope(float* x, const int* positions, const float* inv_freq, int cols,
                                 long ld, int head_dim, int interleaved, float* x2, int cols2,
                                 long ld2) {
+    grid_dependency_enter();
     if (blockIdx.y == 1) {
         x = x2;
         cols = cols2;
@@ -178,11 +183,13 @@ extern "C" __global__ void ROW_KERNEL rope(float* x, const int* positions, const
 }
 
 extern "C" __global__ void add_f32(float* x, const float* d, long n) {
+    grid_dependency_enter();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         x[i] += d[i];
 }
 
 extern "C" __global__ void ROW_KERNEL gather_rows(const float* x, const int* rows, float* out, int cols) {
+    grid_dependency_enter();
     const long r = blockIdx.x;
     const float* src = x + (long)rows[r] * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) out[r * cols + c] = src[c];
@@ -200,6 +207,7 @@ extern "C" __global__ void add_bias(float* out, const float* bias, int cols, lon
 template <class IN>
 __device__ void quantize_i8_impl(const IN* __restrict__ x, long ldx, signed char* __restrict__ q,
                                  long ldq, float* __restrict__ sx, int cols) {
+    grid_dependency_enter();
     const long row = blockIdx.x;
     float m = 0.f;
     bool finite = true;
@@ -233,6 +241,7 @@ extern "C" __global__ void ROW_KERNEL quantize_i8_f32(const float* x, long ldx, 
     extern "C" __global__ void ROW_KERNEL silu_mul_q8_##SUFFIX(const float* gate, const float* up, T* out,    \
                                                     int cols, long ldg, long ldu, signed char* q,   \
                                                     float* sx) {                                    \
+        grid_dependency_enter();                                                                    \
         const long r = blockIdx.x;                                                                  \
         float m = 0.f;                                                                              \
         bool finite = true;                                                                         \

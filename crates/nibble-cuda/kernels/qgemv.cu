@@ -25,17 +25,6 @@
 // go to `partial` and the last warp to arrive (a counter per tile) adds the pieces in CTA order,
 // so results are deterministic. TurboMind §4.1 (packed fragments), QServe §5 (scales after MMA).
 
-__device__ __forceinline__ void grid_dependency_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_dependents_launch() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 template <class T> __device__ __forceinline__ float dec_half_lo(u32 v);
 template <> __device__ __forceinline__ float dec_half_lo<__half>(u32 v) {
     return __half2float(__ushort_as_half((unsigned short)v));

@@ -20,7 +20,7 @@ use crate::compile;
 use crate::graph::GraphCache;
 use crate::kv::CudaKv;
 use crate::qlinear::{Int8Input, QuantWeight};
-use crate::runtime::{Arena, Arg, DeviceBuffer, DevicePtr, Gpu, Kernel, Launch, StickyError};
+use crate::runtime::{Arena, Arg, DeviceBuffer, DevicePtr, Gpu, Kernel, StickyError};
 
 /// The 16-bit float type weights, GEMM inputs and the KV cache are stored in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -278,7 +278,8 @@ impl CudaBackend {
         self.launch_block(name, grid, 256, smem, args)
     }
 
-    /// [`Self::launch_smem`] with `block` threads per CTA.
+    /// [`Self::launch_smem`] with `block` threads per CTA, ordered as [`Kernel::launch`] orders
+    /// it (kernels that wait on the grid dependency first start early on Hopper).
     pub(crate) fn launch_block(
         &self,
         name: &str,
@@ -286,20 +287,6 @@ impl CudaBackend {
         block: u32,
         smem: u32,
         args: Vec<Arg>,
-    ) -> Result<()> {
-        self.launch_block_as(name, grid, block, smem, args, Launch::Stream)
-    }
-
-    /// [`Self::launch_block`] ordered as `how` says ([`Launch::Dependent`] only for kernels that
-    /// wait on the grid dependency before they touch what the previous kernel writes).
-    pub(crate) fn launch_block_as(
-        &self,
-        name: &str,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        args: Vec<Arg>,
-        how: Launch,
     ) -> Result<()> {
         let k = self.kernel(name)?;
         {
@@ -316,7 +303,7 @@ impl CudaBackend {
                 raised.insert(name.to_string(), smem);
             }
         }
-        k.launch_as(&self.gpu, grid, block, smem, args, how)
+        k.launch(&self.gpu, grid, block, smem, args)
     }
 
     pub(crate) fn kernel(&self, name: &str) -> Result<Kernel> {

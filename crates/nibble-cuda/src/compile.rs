@@ -31,6 +31,32 @@ pub const SOURCES: &[(&str, &str)] = &[
     ),
 ];
 
+/// Kernels, by name prefix, that call `grid_dependency_wait` (common.cuh) before they touch
+/// memory, so that [`crate::runtime::Kernel::launch`] may start them while the previous kernel
+/// still runs (programmatic dependent launch, sm_90 and later). These are the small kernels of a
+/// decode step, whose launch latency is a large share of their time, and the decode gemv, whose
+/// weight loads go out before its wait. Listing a kernel that does not wait first is a data race.
+pub const GRID_WAITING_KERNELS: &[&str] = &[
+    "embed_",
+    "rms_norm_",
+    "silu_mul_",
+    "kv_append_",
+    "rope",
+    "add_f32",
+    "gather_rows",
+    "quantize_i8_",
+    "paged_attn_",
+    "attn_reduce_",
+    "decode_mma_",
+    "w4a16_dec",
+    "w8a8_dec",
+];
+
+/// Whether kernel `name` is one of [`GRID_WAITING_KERNELS`].
+pub fn waits_on_grid_first(name: &str) -> bool {
+    GRID_WAITING_KERNELS.iter().any(|p| name.starts_with(p))
+}
+
 /// The NVRTC `--gpu-architecture` for a compute capability: the `a` variant on Hopper and later
 /// data-center parts, whose arch-specific instructions (wgmma, setmaxnreg) need it.
 pub fn arch_for(cc: (i32, i32)) -> String {

@@ -15,7 +15,7 @@ use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
 
 use crate::backend::{CudaBackend, CudaTensor, Dtype, Elem};
 use crate::pack::{self, PackedW4, PackedW8, W4Matrix};
-use crate::runtime::{Arg, DeviceBuffer, Launch, TmaLayout, tensor_map};
+use crate::runtime::{Arg, DeviceBuffer, TmaLayout, tensor_map};
 
 /// Largest M the gemv (decode) kernels take; larger batches run the tiled kernels (whose 128-token
 /// tiles and one CTA per 128 weight rows leave most of the GPU idle at 64 tokens: 80 µs against
@@ -846,14 +846,14 @@ impl CudaBackend {
         args.push(Arg::I32(plan.per_cta as i32));
         args.push(Arg::I32(plan.max_pieces as i32));
         // Its weight loads start before the previous kernel ends (the kernel waits on the grid
-        // dependency before it reads activations or touches the split-K slots).
-        self.launch_block_as(
+        // dependency before it reads activations or touches the split-K slots; it is one of
+        // compile::GRID_WAITING_KERNELS).
+        self.launch_block(
             name,
             (plan.ctas as u32, 1, 1),
             32 * DECODE_BLOCK_TILES as u32,
             plan.smem as u32,
             args,
-            Launch::Dependent,
         )
     }
 

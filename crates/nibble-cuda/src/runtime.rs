@@ -342,6 +342,10 @@ pub fn tensor_map(
 pub struct Kernel {
     pub func: sys::CUfunction,
     pub name: &'static str,
+    /// The kernel executes `griddepcontrol.wait` before it touches memory
+    /// ([`crate::compile::waits_on_grid_first`]): [`Kernel::launch`] lets it start while the
+    /// previous kernel still runs, on GPUs that can.
+    pub waits_on_grid: bool,
 }
 
 unsafe impl Send for Kernel {}
@@ -367,7 +371,18 @@ impl Kernel {
         smem: u32,
         args: Vec<Arg>,
     ) -> Result<()> {
-        self.launch_as(gpu, grid, block, smem, args, Launch::Stream)
+        self.launch_as(gpu, grid, block, smem, args, self.order(gpu))
+    }
+
+    /// How this kernel follows the previous one: launch latency is a large share of a decode
+    /// step's small kernels, so on Hopper each one that waits on the grid dependency first is
+    /// scheduled while its predecessor finishes.
+    pub fn order(&self, gpu: &Gpu) -> Launch {
+        if self.waits_on_grid && gpu.cc.0 >= 9 {
+            Launch::Dependent
+        } else {
+            Launch::Stream
+        }
     }
 
     /// [`Self::launch`], ordered as `how` says.

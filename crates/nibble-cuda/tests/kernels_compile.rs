@@ -29,6 +29,7 @@ fn kernels_compile_for_every_architecture() {
             scope.spawn(move || {
                 let arch = compile::arch_for(cc);
                 let opts = compile::options(&arch, include);
+                let mut all_entries = Vec::new();
                 for (name, text) in compile::SOURCES {
                     let cubin = compile::compile(name, &compile::full_source(text), &opts)
                         .unwrap_or_else(|e| panic!("{name} for {arch}: {e}"));
@@ -76,6 +77,7 @@ fn kernels_compile_for_every_architecture() {
                             }
                         }
                     }
+                    all_entries.extend(entries.iter().cloned());
                     if *name == "qgemm" && cc.0 < 9 {
                         assert!(
                             !entries
@@ -86,6 +88,16 @@ fn kernels_compile_for_every_architecture() {
                     }
                     for w in want {
                         assert!(entries.iter().any(|e| e == w), "{w} missing: {entries:?}");
+                    }
+                }
+                // Every name prefix of the kernels launched early on Hopper names kernels there
+                // (a stale entry would silently launch nothing early).
+                if cc.0 >= 9 {
+                    for prefix in compile::GRID_WAITING_KERNELS {
+                        assert!(
+                            all_entries.iter().any(|e| e.starts_with(prefix)),
+                            "GRID_WAITING_KERNELS: no kernel '{prefix}*' for {arch}"
+                        );
                     }
                 }
             });
