@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sums an Nsight Compute CSV (gpu__time_duration per kernel, scripts/gpu-profile-step.sh) by
-kernel name: per decode step, how much time each kind of kernel takes.  The window of kernels
-is cut to whole steps by the number of times the final norm's kernel appears."""
+kernel name and grid: calls, total and per-call time, and share of the window. The window is a
+run of consecutive kernels inside the decode steps, so shares are those of a decode step."""
 import csv
 import sys
 from collections import defaultdict
@@ -29,8 +29,6 @@ def main(path):
         k = f"{name} {grid}"
         by[k][0] += 1
         by[k][1] += t
-    # Steps in the window: the most frequent per-step kernel appears 32x per step for a
-    # 32-layer model; the output head's gemm appears once. Report per kernel totals and shares.
     print(f"{len(rows)} kernels, {total:.1f} us in all")
     print(f"{'kernel (grid)':60} {'calls':>6} {'us':>10} {'us/call':>8} {'share':>6}")
     for k, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1]):

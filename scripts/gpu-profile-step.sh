@@ -10,15 +10,15 @@ shift
 mkdir -p "$out"
 export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels} NIBBLE_CUDA_GRAPHS=0
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-for p in "${@:-bf16 w4a16-g128 w8a8}"; do
-  for p1 in $p; do
-    model=llama-3-8b; [ "$p1" = bf16 ] || model=llama-3-8b:$p1
-    # Skip the load and the prompt; time a window of kernels well inside the decode steps.
-    "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
-      --launch-skip 3000 --launch-count 700 \
-      stage/gpu/nibble --device cuda --dummy-weights "$model" generate \
-      --prompt "The capital of France is" --max-tokens 48 >"$out/ncu-$p1.csv" 2>"$out/ncu-$p1.err"
-    echo "$p1: exit $?, $(grep -c gpu__time_duration "$out/ncu-$p1.csv") kernels"
-    python3 bench/step_breakdown.py "$out/ncu-$p1.csv" | tee "$out/breakdown-$p1.txt"
-  done
+precisions=("$@")
+[ ${#precisions[@]} -gt 0 ] || precisions=(bf16 w4a16-g128 w8a8)
+for p in "${precisions[@]}"; do
+  model=llama-3-8b; [ "$p" = bf16 ] || model=llama-3-8b:$p
+  # Skip the load and the prompt; time a window of kernels well inside the decode steps.
+  "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+    --launch-skip 3000 --launch-count 700 \
+    stage/gpu/nibble --device cuda --dummy-weights "$model" generate \
+    --prompt "The capital of France is" --max-tokens 48 >"$out/ncu-$p.csv" 2>"$out/ncu-$p.err"
+  echo "$p: exit $?, $(grep -c gpu__time_duration "$out/ncu-$p.csv") kernels"
+  python3 bench/step_breakdown.py "$out/ncu-$p.csv" | tee "$out/breakdown-$p.txt"
 done

@@ -218,15 +218,25 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return r;
 }
 
-// Quantizes row `row` of `src` (already written by this block, or any input), `amax_local` being
+// A thread's running max |x| over its values of a row, and whether they were all finite: its
+// share of the row's INT8 scale (quantize_row_i8).
+struct AbsMax {
+    float m = 0.f;
+    bool finite = true;
+    __device__ __forceinline__ void add(float v) {
+        finite &= isfinite(v);
+        m = fmaxf(m, fabsf(v));
+    }
+};
+
+// Quantizes row `row` of `src` (already written by this block, or any input), `local` being
 // this thread's share of max|x| (NaN/Inf propagate as a non-finite flag).
 template <class IN>
 __device__ __forceinline__ void quantize_row_i8(const IN* src, long ld, signed char* q, long ldq,
-                                                float* sx, int cols, float amax_local,
-                                                bool finite_local) {
+                                                float* sx, int cols, AbsMax local) {
     __shared__ float scratch[32];
     const long row = blockIdx.x;
-    const float amax = block_max(finite_local ? amax_local : __int_as_float(0x7f800000), scratch);
+    const float amax = block_max(local.finite ? local.m : __int_as_float(0x7f800000), scratch);
     const bool finite = amax <= 3.4028235e38f;
     const float scale = finite ? amax / 127.0f : __int_as_float(0x7fc00000);
     row_pages(

@@ -24,11 +24,11 @@ __device__ void embed_impl(const T* __restrict__ table, const int* __restrict__ 
 }
 
 // x += delta (when delta is not null), then out = T(x * 1/sqrt(mean(x^2) + eps) * w). Returns
-// this thread's max |out| and whether its outputs are all finite, for the fused INT8 codes.
+// this thread's AbsMax of its outputs, for the fused INT8 codes.
 template <class T>
-__device__ float rms_norm_impl(float* __restrict__ x, const float* __restrict__ delta,
-                               const float* __restrict__ w, T* __restrict__ out, int h, float eps,
-                               bool& finite) {
+__device__ AbsMax rms_norm_impl(float* __restrict__ x, const float* __restrict__ delta,
+                                const float* __restrict__ w, T* __restrict__ out, int h,
+                                float eps) {
     grid_dependency_enter();
     __shared__ float scratch[32];
     const long row = blockIdx.x;
@@ -43,17 +43,15 @@ __device__ float rms_norm_impl(float* __restrict__ x, const float* __restrict__ 
         });
     const float total = block_sum(ss, scratch);
     const float scale = 1.0f / sqrtf(total / (float)h + eps);
-    float m = 0.f;
-    finite = true;
+    AbsMax am;
     row_pages(
         h, [&](int c) { return make_float2(xr[c], w[c]); },
         [&](int c, float2 v) {
             const T o = from_f32<T>(v.x * scale * v.y);
             out[row * h + c] = o;
-            finite &= isfinite(to_f32(o));
-            m = fmaxf(m, fabsf(to_f32(o)));
+            am.add(to_f32(o));
         });
-    return m;
+    return am;
 }
 
 #define NIBBLE_ROW_KERNELS(SUFFIX, T)                                                            \
@@ -62,8 +60,7 @@ __device__ float rms_norm_impl(float* __restrict__ x, const float* __restrict__ 
     }                                                                                            \
     extern "C" __global__ void ROW_KERNEL rms_norm_##SUFFIX(float* x, const float* delta, const float* w,     \
                                                  T* out, int h, float eps) {                     \
-        bool finite;                                                                             \
-        rms_norm_impl<T>(x, delta, w, out, h, eps, finite);                                      \
+        rms_norm_impl<T>(x, delta, w, out, h, eps);                                              \
     }                                                                                            \
     /* gate and up may be column slices of one fused GEMM output (row strides ldg, ldu). */    \
     extern "C" __global__ void silu_mul_##SUFFIX(const float* gate, const float* up, T* out,      \
@@ -209,15 +206,10 @@ __device__ void quantize_i8_impl(const IN* __restrict__ x, long ldx, signed char
                                  long ldq, float* __restrict__ sx, int cols) {
     grid_dependency_enter();
     const long row = blockIdx.x;
-    float m = 0.f;
-    bool finite = true;
+    AbsMax am;
     row_pages(
-        cols, [&](int c) { return to_f32(x[row * ldx + c]); },
-        [&](int, float v) {
-            finite &= isfinite(v);
-            m = fmaxf(m, fabsf(v));
-        });
-    quantize_row_i8(x, ldx, q, ldq, sx, cols, m, finite);
+        cols, [&](int c) { return to_f32(x[row * ldx + c]); }, [&](int, float v) { am.add(v); });
+    quantize_row_i8(x, ldx, q, ldq, sx, cols, am);
 }
 
 extern "C" __global__ void ROW_KERNEL quantize_i8_f32(const float* x, long ldx, signed char* q, long ldq, float* sx, int cols) {
@@ -233,9 +225,7 @@ extern "C" __global__ void ROW_KERNEL quantize_i8_f32(const float* x, long ldx, 
     extern "C" __global__ void ROW_KERNEL rms_norm_q8_##SUFFIX(float* x, const float* delta, const float* w,  \
                                                     T* out, int h, float eps, signed char* q,       \
                                                     float* sx) {                                    \
-        bool finite;                                                                                \
-        const float m = rms_norm_impl<T>(x, delta, w, out, h, eps, finite);                         \
-        quantize_row_i8(out, h, q, h, sx, h, m, finite);                                            \
+        quantize_row_i8(out, h, q, h, sx, h, rms_norm_impl<T>(x, delta, w, out, h, eps));           \
     }                                                                                               \
     /* One block per row: out = T(silu(gate) * up), then its INT8 codes. */                          \
     extern "C" __global__ void ROW_KERNEL silu_mul_q8_##SUFFIX(const float* gate, const float* up, T* out,    \
@@ -243,17 +233,14 @@ extern "C" __global__ void ROW_KERNEL quantize_i8_f32(const float* x, long ldx, 
                                                     float* sx) {                                    \
         grid_dependency_enter();                                                                    \
         const long r = blockIdx.x;                                                                  \
-        float m = 0.f;                                                                              \
-        bool finite = true;                                                                         \
+        AbsMax am;                                                                                  \
         row_pages(                                                                                  \
             cols, [&](int c) { return make_float2(gate[r * ldg + c], up[r * ldu + c]); },            \
             [&](int c, float2 gu) {                                                                 \
                 const T o = from_f32<T>(gu.x / (1.0f + expf(-gu.x)) * gu.y);                         \
                 out[r * cols + c] = o;                                                              \
-                const float v = to_f32(o);                                                          \
-                finite &= isfinite(v);                                                              \
-                m = fmaxf(m, fabsf(v));                                                             \
+                am.add(to_f32(o));                                                                  \
             });                                                                                     \
-        quantize_row_i8(out, cols, q, cols, sx, cols, m, finite);                                   \
+        quantize_row_i8(out, cols, q, cols, sx, cols, am);                                          \
     }
 NIBBLE_BOTH_DTYPES(NIBBLE_Q8_FUSED)

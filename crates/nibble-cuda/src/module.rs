@@ -25,14 +25,7 @@ pub fn load(
         let func: sys::CUfunction = unsafe { cu::module::get_function(module, cname) }
             .map_err(|e| driver_err(&format!("kernel {entry}"), e))?;
         let leaked: &'static str = Box::leak(entry.into_boxed_str());
-        kernels.insert(
-            leaked,
-            Kernel {
-                func,
-                name: leaked,
-                waits_on_grid: crate::compile::waits_on_grid_first(leaked),
-            },
-        );
+        kernels.insert(leaked, Kernel { func, name: leaked });
     }
     if kernels.is_empty() {
         return Err(Error::unsupported(

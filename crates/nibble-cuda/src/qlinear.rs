@@ -729,7 +729,7 @@ impl CudaBackend {
         )
     }
 
-    /// Whether the Hopper kernel `name` runs: compiled for this GPU (the stream gemv from sm_90,
+    /// Whether the Hopper kernel `name` runs: compiled for this GPU (the decode gemv from sm_90,
     /// the wgmma kernels on sm_90a) and chosen by the [`KernelTier`], where `auto_picks` is what
     /// [`KernelTier::Auto`] measured faster for this shape.
     fn hopper_tier(&self, name: &str, auto_picks: bool) -> bool {

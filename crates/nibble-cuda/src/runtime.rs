@@ -342,10 +342,6 @@ pub fn tensor_map(
 pub struct Kernel {
     pub func: sys::CUfunction,
     pub name: &'static str,
-    /// The kernel executes `griddepcontrol.wait` before it touches memory
-    /// ([`crate::compile::waits_on_grid_first`]): [`Kernel::launch`] lets it start while the
-    /// previous kernel still runs, on GPUs that can.
-    pub waits_on_grid: bool,
 }
 
 unsafe impl Send for Kernel {}
@@ -363,43 +359,31 @@ pub enum Launch {
 }
 
 impl Kernel {
-    pub fn launch(
-        &self,
-        gpu: &Gpu,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        args: Vec<Arg>,
-    ) -> Result<()> {
-        self.launch_as(gpu, grid, block, smem, args, self.order(gpu))
-    }
-
     /// How this kernel follows the previous one: launch latency is a large share of a decode
-    /// step's small kernels, so on Hopper each one that waits on the grid dependency first is
-    /// scheduled while its predecessor finishes.
+    /// step's small kernels, so on Hopper each one that waits on the grid dependency first
+    /// ([`crate::compile::waits_on_grid_first`]) is scheduled while its predecessor finishes.
     pub fn order(&self, gpu: &Gpu) -> Launch {
-        if self.waits_on_grid && gpu.cc.0 >= 9 {
+        if gpu.cc.0 >= 9 && crate::compile::waits_on_grid_first(self.name) {
             Launch::Dependent
         } else {
             Launch::Stream
         }
     }
 
-    /// [`Self::launch`], ordered as `how` says.
-    pub fn launch_as(
+    /// Launches on the GPU's stream, ordered as [`Self::order`] says.
+    pub fn launch(
         &self,
         gpu: &Gpu,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
         mut args: Vec<Arg>,
-        how: Launch,
     ) -> Result<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
         let mut params: Vec<*mut c_void> = args.iter_mut().map(Arg::as_void).collect();
-        let launched = match how {
+        let launched = match self.order(gpu) {
             Launch::Stream => unsafe {
                 cu::launch_kernel(
                     self.func,
