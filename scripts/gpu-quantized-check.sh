@@ -4,8 +4,9 @@
 # machine's CPU, then decodes each greedily on the CPU and on the GPU's quantized kernels and
 # compares the text, and serves the AWQ checkpoint from the GPU to curl.
 #   scripts/gpu-quantized-check.sh NIBBLE_BINARY MODEL.gguf CALIBRATION.json OUTDIR
-# CALIBRATION.json: ShareGPT records (the GPU machine has no network; .gpu-calib/ carries the
-# first 600 of the file, whose calibration half gives the same sequences as the whole file).
+# CALIBRATION.json: ShareGPT records (the GPU machine has no network; `python3
+# bench/sharegpt_slice.py` writes the file's first 600 to .gpu-calib/, whose calibration half
+# gives the same sequences as the whole file).
 # Text may part ways after some tokens where two logits are near-equal: the GPU rounds
 # activations to bf16 (W4A16) or quantizes the bf16 output of RMSNorm / SiLU-gate (W8A8), the
 # CPU its f32 value. The script prints how many leading words agree.

