@@ -160,6 +160,7 @@ pub(crate) struct State {
     /// Persistent home of the metadata, so a captured graph reads the same addresses each step.
     meta_buf: Option<DeviceBuffer>,
     pub graphs: GraphCache,
+    pub sampling: crate::sampling::SampleScratch,
 }
 
 pub struct CudaBackend {
@@ -221,6 +222,7 @@ impl CudaBackend {
                 meta: None,
                 meta_buf: None,
                 graphs: GraphCache::default(),
+                sampling: Default::default(),
             }),
             err: StickyError::default(),
             graphs_enabled: std::env::var("NIBBLE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
@@ -1247,5 +1249,14 @@ impl Backend for CudaBackend {
                 Ok(d.decode(&bits))
             }
         }
+    }
+
+    fn sample(
+        &self,
+        logits: &CudaTensor,
+        vocab: usize,
+        specs: &[nibble_model::sampling::SampleSpec],
+    ) -> Result<Vec<nibble_model::sampling::Sampled>> {
+        crate::sampling::sample(self, logits, vocab, specs)
     }
 }

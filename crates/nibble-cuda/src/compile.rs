@@ -17,6 +17,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention", include_str!("../kernels/attention.cu")),
     ("prefill", include_str!("../kernels/prefill.cu")),
     ("decode_mma", include_str!("../kernels/decode_mma.cu")),
+    ("sampling", include_str!("../kernels/sampling.cu")),
     // One module: the decode gemv and the wgmma tier (sm_90a) reuse the mma.sync tier's
     // helpers and epilogues.
     (

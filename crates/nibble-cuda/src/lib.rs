@@ -17,12 +17,14 @@ pub mod pack;
 pub mod probe;
 pub mod qlinear;
 mod runtime;
+mod sampling;
 
 pub use attention::{HEAD_DIMS, Split, plan_split};
 pub use backend::{CudaBackend, CudaTensor, CudaWeight, Dtype, Elem, WeightData};
 pub use kv::CudaKv;
 pub use probe::cuda_available;
 pub use runtime::{DeviceBuffer, Gpu};
+pub use sampling::TOP_LOGPROBS;
 
 use nibble_core::{Error, Result};
 

@@ -68,7 +68,10 @@ impl<B: Backend> Engine<B> {
         let b = &self.backend;
         let (mut kv, table) = self.model.single_sequence_kv(b, n + req.max_tokens)?;
 
+        // Prefill ends with its first token sampled (the time to first token): on a GPU the
+        // forward pass only queues work, and sampling is what waits for it.
         let t0 = Instant::now();
+        let vocab = self.model.config.vocab_size;
         let logits = self.model.forward(
             b,
             &req.prompt_ids,
@@ -76,11 +79,13 @@ impl<B: Backend> Engine<B> {
             &mut kv,
             LogitRows::LastPerSeq,
         )?;
-        let mut logits = b.to_host(&logits)?;
+        let mut history = req.prompt_ids.clone();
+        let mut next = sampler
+            .sample_on(b, &logits, vocab, 0, &history, None)?
+            .token;
         let prefill_secs = t0.elapsed().as_secs_f64();
 
         let t1 = Instant::now();
-        let mut history = req.prompt_ids.clone();
         let mut out_ids = Vec::new();
         let mut text = String::new();
         let mut decoder = StreamDecoder::new();
@@ -95,7 +100,6 @@ impl<B: Backend> Engine<B> {
             if out_ids.len() >= req.max_tokens {
                 break FinishReason::Length;
             }
-            let next = sampler.sample(&mut logits, &history);
             if !req.ignore_eos && self.tokenizer.is_eos(next) {
                 break FinishReason::Eos;
             }
@@ -114,14 +118,16 @@ impl<B: Backend> Engine<B> {
             if pos + 1 >= ctx {
                 break FinishReason::ContextFull;
             }
-            let l = self.model.forward(
+            let logits = self.model.forward(
                 b,
                 &[next],
                 &BatchLayout::single(table.clone(), pos, 1),
                 &mut kv,
                 LogitRows::LastPerSeq,
             )?;
-            logits = b.to_host(&l)?;
+            next = sampler
+                .sample_on(b, &logits, vocab, 0, &history, None)?
+                .token;
         };
         emit(&stops.finish(), &mut text);
         Ok(GenerateOutput {

@@ -1,202 +1,37 @@
 //! Next-token sampling with the llama.cpp / Hugging Face semantics users already tune against:
-//! repetition penalty, temperature, top-k, top-p (nucleus) and min-p, in that order.
+//! repetition penalty, temperature, top-k, min-p and top-p, then a draw. The arithmetic is
+//! [`nibble_model::sampling`], the reference every backend's sampler reproduces; a [`Sampler`]
+//! adds what one sequence carries from token to token: its seed and how many draws it made.
 
-use std::cmp::Ordering;
-
-use nibble_core::{Error, Result};
+pub use nibble_model::sampling::SamplingParams;
+use nibble_core::Result;
+use nibble_model::Backend;
+use nibble_model::sampling::{self, SampleScratch, SampleSpec, Sampled};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-/// How to pick the next token. Every knob has an "off" value so one struct covers greedy decoding
-/// and any mix of filters.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-// Request bodies usually set one or two knobs; the rest must fall back to "off", not be errors.
-#[serde(default)]
-pub struct SamplingParams {
-    /// 0 means greedy (argmax); the filters below are then irrelevant.
-    pub temperature: f32,
-    /// Keep only the `top_k` most likely tokens; 0 = off.
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability mass reaches `top_p`; 1 = off.
-    pub top_p: f32,
-    /// Drop tokens less likely than `min_p` times the most likely one; 0 = off.
-    pub min_p: f32,
-    /// CTRL-style penalty for tokens already in the history; 1 = off.
-    pub repetition_penalty: f32,
-    /// Fixed seed for reproducible output; `None` seeds from OS entropy.
-    pub seed: Option<u64>,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        Self {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            seed: None,
-        }
-    }
-}
-
-impl SamplingParams {
-    /// Rejects values that would silently produce garbage (NaN probabilities, empty candidate
-    /// sets) so the mistake surfaces at request time rather than as odd output.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |field: &str, value: f32, want: &str| {
-            Err(Error::InvalidArgument(format!(
-                "sampling parameter {field} is {value}, but must be {want}"
-            )))
-        };
-        let t = self.temperature;
-        if !t.is_finite() || t < 0.0 {
-            return bad("temperature", t, "a finite number >= 0");
-        }
-        let p = self.top_p;
-        // Written so NaN fails the check too.
-        if !(p > 0.0 && p <= 1.0) {
-            return bad("top_p", p, "in (0, 1]");
-        }
-        let m = self.min_p;
-        if !(0.0..=1.0).contains(&m) {
-            return bad("min_p", m, "in [0, 1]");
-        }
-        let r = self.repetition_penalty;
-        // Infinity is rejected as well: it maps every repeated positive logit to 0 and every
-        // negative one to -inf, which is never what a caller means.
-        if !(r > 0.0 && r.is_finite()) {
-            return bad("repetition_penalty", r, "a finite number > 0");
-        }
-        Ok(())
-    }
-}
-
-/// A token id and, depending on the stage, its scaled logit or its unnormalized probability.
-#[derive(Debug, Clone, Copy)]
-struct Candidate {
-    id: u32,
-    val: f32,
-}
-
-/// Most likely first; ties go to the lowest id so filters agree with greedy argmax. Callers
-/// guarantee no NaN, which makes this a total order as `select_nth_unstable_by` requires.
-fn by_rank(a: &Candidate, b: &Candidate) -> Ordering {
-    b.val
-        .partial_cmp(&a.val)
-        .unwrap_or(Ordering::Equal)
-        .then(a.id.cmp(&b.id))
-}
-
-/// First index of the largest logit, skipping NaN; 0 when nothing is selectable, because a
-/// generation loop can always handle a valid id but not a panic.
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    let mut best_val = f32::NEG_INFINITY;
-    for (i, &l) in logits.iter().enumerate() {
-        // NaN compares false, so it can never become the best.
-        if l > best_val {
-            best = i;
-            best_val = l;
-        }
-    }
-    best as u32
-}
-
-/// Up to this many candidates (e.g. after top-k), top-p simply sorts them all.
-const TOP_P_SORT_ALL: usize = 512;
-
-/// Bucket of a probability in [0, 1], most likely first: the f32 exponent plus the top three
-/// mantissa bits, i.e. eight buckets per power of two. Bit patterns of non-negative floats are
-/// ordered like their values, so this is monotone without computing a logarithm.
-fn bucket(p: f32) -> usize {
-    (ONE_BUCKET - (p.to_bits() >> 20)) as usize
-}
-const ONE_BUCKET: u32 = 1.0f32.to_bits() >> 20;
-const N_BUCKETS: usize = ONE_BUCKET as usize + 1;
-
-/// Truncates `cands` (unnormalized probabilities, max 1) to the smallest most-likely set whose
-/// mass reaches `target`, keeping all of them if it never does.
-///
-/// A flat distribution can put tens of thousands of tokens in the nucleus, so rather than sort,
-/// a histogram of mass per bucket locates the one bucket the cut falls in: everything above it
-/// is kept unsorted, everything below dropped, and only that bucket is sorted.
-fn top_p_cut(cands: &mut Vec<Candidate>, target: f64, mass: &mut Vec<f64>) {
-    let n = cands.len();
-    let walk = |cands: &[Candidate], mut cum: f64| {
-        for (i, c) in cands.iter().enumerate() {
-            cum += f64::from(c.val);
-            if cum >= target {
-                return i + 1;
-            }
-        }
-        cands.len()
-    };
-    if n <= TOP_P_SORT_ALL {
-        cands.sort_unstable_by(by_rank);
-        let keep = walk(cands, 0.0);
-        cands.truncate(keep);
-        return;
-    }
-
-    mass.clear();
-    mass.resize(N_BUCKETS, 0.0);
-    for c in cands.iter() {
-        mass[bucket(c.val)] += f64::from(c.val);
-    }
-    let mut above = 0.0f64;
-    let mut boundary = None;
-    for (b, &m) in mass.iter().enumerate() {
-        if above + m >= target {
-            boundary = Some(b);
-            break;
-        }
-        above += m;
-    }
-    let Some(boundary) = boundary else { return };
-
-    let mut kept = 0;
-    for i in 0..n {
-        if bucket(cands[i].val) < boundary {
-            cands.swap(kept, i);
-            kept += 1;
-        }
-    }
-    let mut end = kept;
-    for i in kept..n {
-        if bucket(cands[i].val) == boundary {
-            cands.swap(end, i);
-            end += 1;
-        }
-    }
-    cands[kept..end].sort_unstable_by(by_rank);
-    let keep = kept + walk(&cands[kept..end], above);
-    cands.truncate(keep);
-}
-
-/// Stateful token picker: owns the RNG so a seeded generation is reproducible across calls, and
-/// scratch buffers so a 150k-entry vocabulary does not cost an allocation per token.
+/// Stateful token picker for one sequence: a seeded generation is reproducible across calls
+/// and across backends (draw `n` of seed `s` is the same number everywhere), and the scratch
+/// buffers spare a 150k-entry vocabulary an allocation per token.
 pub struct Sampler {
     params: SamplingParams,
-    rng: ChaCha8Rng,
-    cands: Vec<Candidate>,
-    seen: Vec<u64>,
-    mass: Vec<f64>,
+    seed: u64,
+    draws: u64,
+    scratch: SampleScratch,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self> {
         params.validate()?;
-        let rng = match params.seed {
-            Some(seed) => ChaCha8Rng::seed_from_u64(seed),
-            None => ChaCha8Rng::from_os_rng(),
+        let seed = match params.seed {
+            Some(seed) => seed,
+            None => ChaCha8Rng::from_os_rng().random(),
         };
         Ok(Self {
             params,
-            rng,
-            cands: Vec::new(),
-            seen: Vec::new(),
-            mass: Vec::new(),
+            seed,
+            draws: 0,
+            scratch: SampleScratch::default(),
         })
     }
 
@@ -204,135 +39,87 @@ impl Sampler {
         &self.params
     }
 
+    /// The seed of this sequence's random stream (the request's, or one drawn from the OS).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Draws made so far: the position of the next one in the random stream.
+    pub fn draws(&self) -> u64 {
+        self.draws
+    }
+
+    /// Records a token sampled elsewhere (on a device) from this sampler's stream.
+    pub fn advance(&mut self) {
+        self.draws += 1;
+    }
+
+    /// Samples the next token from row `row` of `logits` where they are (on a GPU, on the GPU)
+    /// and advances the stream; `logprobs` asks for the chosen token's log-probability and that
+    /// many alternatives.
+    pub fn sample_on<B: Backend>(
+        &mut self,
+        backend: &B,
+        logits: &B::Tensor,
+        vocab: usize,
+        row: usize,
+        history: &[u32],
+        logprobs: Option<usize>,
+    ) -> Result<Sampled> {
+        let spec = self.spec(row, history, logprobs);
+        let mut out = backend.sample(logits, vocab, std::slice::from_ref(&spec))?;
+        self.advance();
+        out.pop()
+            .ok_or_else(|| nibble_core::Error::InvalidArgument("the sampler returned no token".into()))
+    }
+
+    /// This sampler's next draw, for a backend's batched [`Backend::sample`].
+    pub fn spec<'a>(
+        &'a self,
+        row: usize,
+        history: &'a [u32],
+        logprobs: Option<usize>,
+    ) -> SampleSpec<'a> {
+        SampleSpec {
+            row,
+            params: &self.params,
+            seed: self.seed,
+            draw: self.draws,
+            history: if self.params.repetition_penalty == 1.0 {
+                &[]
+            } else {
+                history
+            },
+            logprobs,
+        }
+    }
+
     /// Picks the next token. `logits` is modified in place (the repetition penalty is applied to
     /// it) so the caller need not copy the model's output buffer. NaN logits are never chosen; if
     /// nothing is selectable the result is 0.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
-        self.apply_repetition_penalty(logits, history);
-        if self.params.temperature == 0.0 {
-            return argmax(logits);
-        }
-        if let Some(id) = self.filter(logits) {
-            return id;
-        }
-        self.draw()
-    }
-
-    fn apply_repetition_penalty(&mut self, logits: &mut [f32], history: &[u32]) {
-        let penalty = self.params.repetition_penalty;
-        if penalty == 1.0 || history.is_empty() {
-            return;
-        }
-        // A token repeated n times is penalized once (as in HF and llama.cpp); a bitset dedups in
-        // O(history) where sorting a long history would cost more than the rest of sampling.
-        self.seen.clear();
-        self.seen.resize(logits.len().div_ceil(64), 0);
-        for &tok in history {
-            let i = tok as usize;
-            // Ids beyond the vocabulary (e.g. a history from another model) are not ours to judge.
-            let Some(l) = logits.get_mut(i) else { continue };
-            let (word, bit) = (i / 64, 1u64 << (i % 64));
-            if self.seen[word] & bit != 0 {
-                continue;
-            }
-            self.seen[word] |= bit;
-            // Dividing a negative logit would make it *more* likely, hence the sign split.
-            if *l > 0.0 {
-                *l /= penalty;
-            } else {
-                *l *= penalty;
-            }
-        }
-    }
-
-    /// Leaves the surviving distribution (unnormalized probabilities) in `self.cands`, or returns
-    /// the answer directly when no randomness is involved.
-    fn filter(&mut self, logits: &[f32]) -> Option<u32> {
-        let p = &self.params;
-        let t = p.temperature;
-        let cands = &mut self.cands;
-        cands.clear();
-        // -inf and NaN have zero probability; dropping them up front keeps NaN out of every
-        // comparison below.
-        cands.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|&(_, &l)| l > f32::NEG_INFINITY)
-                .map(|(i, &l)| Candidate {
-                    id: i as u32,
-                    val: l / t,
-                }),
+        sampling::apply_repetition_penalty(
+            logits,
+            history,
+            self.params.repetition_penalty,
+            &mut self.scratch.seen,
         );
-        if cands.is_empty() {
-            return Some(0);
-        }
-
-        if p.top_k > 0 && p.top_k < cands.len() {
-            // Partition instead of sorting: O(n) on the full vocabulary; order within the top k
-            // does not matter until top-p needs it.
-            cands.select_nth_unstable_by(p.top_k - 1, by_rank);
-            cands.truncate(p.top_k);
-        }
-
-        let max = cands.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.val));
-        if max == f32::INFINITY {
-            // exp(inf - inf) is NaN; an infinite logit is a certainty, and ties go to the lowest id.
-            let id = cands.iter().filter(|c| c.val == max).map(|c| c.id).min();
-            return id;
-        }
-        if max == f32::NEG_INFINITY {
-            // Every finite logit overflowed to -inf when divided by a tiny temperature; their
-            // order is still meaningful, and a tiny temperature means greedy anyway.
-            return Some(argmax(logits));
-        }
-
-        let mut total = 0.0f64;
-        for c in cands.iter_mut() {
-            c.val = (c.val - max).exp();
-            total += f64::from(c.val);
-        }
-
-        // Min-p before top-p, although the documented order is the reverse: both keep a prefix
-        // of the ranking, and min-p's threshold is relative to the top token, which top-p never
-        // removes. Running min-p first is therefore equivalent as long as top-p keeps measuring
-        // against the pre-min-p total, and it shrinks what top-p has to look at.
-        if p.min_p > 0.0 {
-            // The top token's unnormalized probability is exp(0) = 1, so this is min_p * p_max.
-            let threshold = p.min_p;
-            cands.retain(|c| c.val >= threshold);
-        }
-
-        if p.top_p < 1.0 {
-            top_p_cut(cands, f64::from(p.top_p) * total, &mut self.mass);
-        }
-        None
-    }
-
-    /// Samples from `self.cands`; scaling the uniform draw by the kept mass is the renormalization.
-    fn draw(&mut self) -> u32 {
-        let kept: f64 = self.cands.iter().map(|c| f64::from(c.val)).sum();
-        let r = self.rng.random::<f64>() * kept;
-        let mut cum = 0.0f64;
-        for c in &self.cands {
-            cum += f64::from(c.val);
-            if r < cum {
-                return c.id;
-            }
-        }
-        // Reachable only through rounding; the last token with any mass is the honest answer.
-        self.cands
-            .iter()
-            .rev()
-            .find(|c| c.val > 0.0)
-            .or(self.cands.first())
-            .map_or(0, |c| c.id)
+        let token = sampling::sample_row(
+            logits,
+            &self.params,
+            self.seed,
+            self.draws,
+            &mut self.scratch,
+        );
+        self.draws += 1;
+        token
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nibble_core::Error;
 
     fn params(temperature: f32) -> SamplingParams {
         SamplingParams {
@@ -564,9 +351,12 @@ mod tests {
                     min_p,
                     ..params(0.8)
                 };
-                let mut s = sampler(p.clone());
-                assert_eq!(s.filter(&logits), None);
-                let mut got: Vec<u32> = s.cands.iter().map(|c| c.id).collect();
+                let mut scratch = SampleScratch::default();
+                assert!(matches!(
+                    sampling::filter(&logits, &p, &mut scratch),
+                    sampling::Filtered::Kept
+                ));
+                let mut got: Vec<u32> = scratch.kept_ids().collect();
                 got.sort_unstable();
                 let want = reference_set(&logits, &p);
                 assert_eq!(

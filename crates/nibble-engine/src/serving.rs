@@ -348,27 +348,40 @@ impl<B: Backend> LlmEngine<B> {
             &mut self.kv,
             LogitRows::LastPerSeq,
         )?;
-        let logits = self.backend.to_host(&logits)?;
         let vocab = self.model.config.vocab_size;
-
-        let mut events = Vec::new();
-        let mut finished = Vec::new();
-        let max_len = self.max_sequence_len();
+        // Sequences whose prompt is now complete sample from their row; the logits of one still
+        // mid-prefill are not for sampling.
+        let mut sampling = Vec::new();
         for (idx, chunk) in chunks.iter().enumerate() {
             let s = &mut self.running[idx];
             s.computed += chunk;
             self.blocks
                 .register_full_blocks(&mut s.hashed, &s.blocks, &s.tokens[..s.computed]);
-            if s.computed < s.tokens.len() {
-                continue; // mid-prefill: these logits are not for sampling
+            if s.computed == s.tokens.len() {
+                sampling.push(idx);
             }
-            let mut row = logits[idx * vocab..(idx + 1) * vocab].to_vec();
-            let logprob = s.req.logprobs.map(|n| token_logprobs(&row, n));
-            let next = s.sampler.sample(&mut row, &s.tokens);
-            let logprob = logprob.map(|(lse, top)| TokenLogprob {
+        }
+        let specs: Vec<_> = sampling
+            .iter()
+            .map(|&idx| {
+                let s = &self.running[idx];
+                s.sampler.spec(idx, &s.tokens, s.req.logprobs)
+            })
+            .collect();
+        let sampled = self.backend.sample(&logits, vocab, &specs)?;
+        drop(specs);
+
+        let mut events = Vec::new();
+        let mut finished = Vec::new();
+        let max_len = self.max_sequence_len();
+        for (&idx, sampled) in sampling.iter().zip(sampled) {
+            let s = &mut self.running[idx];
+            s.sampler.advance();
+            let next = sampled.token;
+            let logprob = sampled.logprobs.map(|l| TokenLogprob {
                 token: next,
-                logprob: logits[idx * vocab + next as usize] - lse,
-                top,
+                logprob: l.logprob,
+                top: l.top,
             });
             let eos = !s.req.ignore_eos && self.tokenizer.is_eos(next);
             let mut reason = None;
@@ -411,35 +424,4 @@ impl<B: Backend> LlmEngine<B> {
         }
         Ok(events)
     }
-}
-
-/// Log-sum-exp of the row and its `n` most likely tokens with their log-probabilities.
-fn token_logprobs(row: &[f32], n: usize) -> (f32, Vec<(u32, f32)>) {
-    let max = row
-        .iter()
-        .copied()
-        .filter(|x| !x.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max);
-    let lse = max
-        + row
-            .iter()
-            .filter(|x| !x.is_nan())
-            .map(|&x| (x - max).exp())
-            .sum::<f32>()
-            .ln();
-    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
-    let n = n.min(row.len());
-    if n > 0 {
-        idx.select_nth_unstable_by(n - 1, |&a, &b| row[b as usize].total_cmp(&row[a as usize]));
-        idx.truncate(n);
-        idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
-    } else {
-        idx.clear();
-    }
-    (
-        lse,
-        idx.into_iter()
-            .map(|t| (t, row[t as usize] - lse))
-            .collect(),
-    )
 }

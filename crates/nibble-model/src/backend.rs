@@ -7,6 +7,7 @@ use nibble_formats::HostTensor;
 use nibble_precision::KvFormat;
 
 use crate::config::RopeLayout;
+use crate::sampling::{SampleSpec, Sampled};
 
 /// One sequence's slice of a batch: its tokens are `len` consecutive rows of the batch tensors,
 /// at positions `start_pos..start_pos + len` of the sequence. Its KV lives in the paged pool:
@@ -203,4 +204,18 @@ pub trait Backend: Send + Sync {
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
     /// Copies to host memory, row-major.
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
+
+    /// Samples a token for each spec from its row of `logits` (`[rows, vocab]`, f32), with the
+    /// arithmetic of [`crate::sampling::sample_rows`], which is also this default (the logits
+    /// copied to the host). A device backend samples where the logits are, so that only token
+    /// ids, and the log-probabilities asked for, cross to the host.
+    fn sample(
+        &self,
+        logits: &Self::Tensor,
+        vocab: usize,
+        specs: &[SampleSpec],
+    ) -> Result<Vec<Sampled>> {
+        let host = self.to_host(logits)?;
+        crate::sampling::sample_rows(&host, vocab, specs)
+    }
 }

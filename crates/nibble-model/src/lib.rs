@@ -7,6 +7,7 @@ pub mod config;
 pub mod dummy;
 pub mod hf_quant;
 pub mod loader;
+pub mod sampling;
 pub mod source;
 pub mod transformer;
 

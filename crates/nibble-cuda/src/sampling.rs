@@ -1,0 +1,178 @@
+//! Sampling on the GPU (`kernels/sampling.cu`): the batch's rows are sampled where the head GEMM
+//! left the logits, and only token ids, plus the log-probabilities a request asked for, are
+//! copied back. The arithmetic is `nibble_model::sampling`'s, so seeded requests draw the same
+//! tokens on the CPU and the GPU.
+
+use nibble_core::{Error, Result};
+use nibble_model::sampling::{SampleSpec, Sampled, TokenLogprobs, sample_rows};
+
+use crate::backend::{CudaBackend, CudaTensor, Elem};
+use crate::runtime::{Arg, DeviceBuffer};
+
+/// Top alternatives the kernel reports per token (OpenAI's API allows up to 20); a request for
+/// more is sampled on the host from copied logits.
+pub const TOP_LOGPROBS: usize = 20;
+const THREADS: u32 = 1024;
+
+/// One row's parameters, laid out as the kernel's `SampleRow`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct SampleRow {
+    seed: u64,
+    draw: u64,
+    row: i32,
+    top_k: i32,
+    hist_off: i32,
+    hist_len: i32,
+    temperature: f32,
+    top_p: f32,
+    min_p: f32,
+    penalty: f32,
+    logprobs: i32,
+    pad: [i32; 3],
+}
+
+/// The kernel's `SampleOut`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SampleOut {
+    token: i32,
+    logprob: f32,
+    n: i32,
+    pad: i32,
+    ids: [i32; TOP_LOGPROBS],
+    lps: [f32; TOP_LOGPROBS],
+}
+
+/// Device memory the sampler reuses from call to call (row parameters, outputs, histories and
+/// the repetition-penalty bitsets), grown when a batch needs more.
+#[derive(Default)]
+pub(crate) struct SampleScratch {
+    buf: Option<DeviceBuffer>,
+}
+
+pub(crate) fn sample(
+    be: &CudaBackend,
+    logits: &CudaTensor,
+    vocab: usize,
+    specs: &[SampleSpec],
+) -> Result<Vec<Sampled>> {
+    be.check_live(logits)?;
+    if logits.elem != Elem::F32 || !logits.is_contiguous() || logits.cols != vocab {
+        return Err(Error::InvalidArgument(format!(
+            "sampling needs f32 logits of {vocab} columns, got {}x{} {:?}",
+            logits.rows, logits.cols, logits.elem
+        )));
+    }
+    if let Some(s) = specs.iter().find(|s| s.row >= logits.rows) {
+        return Err(Error::InvalidArgument(format!(
+            "sampling row {} of a {}-row batch",
+            s.row, logits.rows
+        )));
+    }
+    if specs.is_empty() {
+        return Ok(Vec::new());
+    }
+    if specs
+        .iter()
+        .any(|s| s.logprobs.is_some_and(|n| n > TOP_LOGPROBS))
+    {
+        let host = nibble_model::Backend::to_host(be, logits)?;
+        return sample_rows(&host, vocab, specs);
+    }
+    let too_big = |what: &str, v: usize| {
+        Error::LimitExceeded {
+            what: format!("{what} for GPU sampling"),
+            value: v,
+            limit: i32::MAX as usize,
+        }
+    };
+    let mut rows = Vec::with_capacity(specs.len());
+    let mut history: Vec<u32> = Vec::new();
+    for s in specs {
+        let p = s.params;
+        rows.push(SampleRow {
+            seed: s.seed,
+            draw: s.draw,
+            row: s.row as i32,
+            top_k: i32::try_from(p.top_k.min(vocab)).map_err(|_| too_big("top_k", p.top_k))?,
+            hist_off: i32::try_from(history.len()).map_err(|_| too_big("history", history.len()))?,
+            hist_len: if p.repetition_penalty == 1.0 {
+                0
+            } else {
+                s.history.len() as i32
+            },
+            temperature: p.temperature,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            penalty: p.repetition_penalty,
+            logprobs: s.logprobs.map_or(-1, |n| n as i32),
+            pad: [0; 3],
+        });
+        if p.repetition_penalty != 1.0 {
+            history.extend_from_slice(s.history);
+        }
+    }
+    let n = specs.len();
+    let words = vocab.div_ceil(32);
+    let rows_bytes = n * size_of::<SampleRow>();
+    let out_bytes = n * size_of::<SampleOut>();
+    let hist_bytes = (history.len() * 4).div_ceil(16) * 16;
+    let bits_bytes = if history.is_empty() { 0 } else { n * words * 4 };
+    let need = rows_bytes + out_bytes + hist_bytes + bits_bytes;
+
+    let mut st = be.lock();
+    if st.sampling.buf.as_ref().is_none_or(|b| b.bytes < need) {
+        st.sampling.buf = None;
+        st.sampling.buf = Some(DeviceBuffer::alloc(&be.gpu, need * 2, "sampling scratch")?);
+    }
+    let base = st.sampling.buf.as_ref().expect("allocated above").ptr;
+    drop(st);
+    let rows_ptr = base;
+    let out_ptr = base + rows_bytes as u64;
+    let hist_ptr = out_ptr + out_bytes as u64;
+    let bits_ptr = hist_ptr + hist_bytes as u64;
+    be.gpu.upload(rows_ptr, &rows)?;
+    be.gpu.upload(hist_ptr, &history)?;
+    be.kernel("sample_rows")?.launch(
+        &be.gpu,
+        (n as u32, 1, 1),
+        THREADS,
+        0,
+        vec![
+            Arg::Ptr(logits.ptr),
+            Arg::I32(vocab as i32),
+            Arg::I64(logits.ld as i64),
+            Arg::Ptr(rows_ptr),
+            Arg::Ptr(hist_ptr),
+            Arg::Ptr(if bits_bytes == 0 { 0 } else { bits_ptr }),
+            Arg::Ptr(out_ptr),
+        ],
+    )?;
+    let mut outs = vec![
+        SampleOut {
+            token: 0,
+            logprob: 0.0,
+            n: 0,
+            pad: 0,
+            ids: [0; TOP_LOGPROBS],
+            lps: [0.0; TOP_LOGPROBS],
+        };
+        n
+    ];
+    be.gpu.download(&mut outs, out_ptr)?;
+    Ok(outs
+        .iter()
+        .zip(specs)
+        .map(|(o, s)| Sampled {
+            token: o.token as u32,
+            logprobs: s.logprobs.map(|_| {
+                let m = (o.n.max(0) as usize).min(TOP_LOGPROBS);
+                TokenLogprobs {
+                    logprob: o.logprob,
+                    top: (0..m).map(|i| (o.ids[i] as u32, o.lps[i])).collect(),
+                }
+            }),
+        })
+        .collect())
+}
