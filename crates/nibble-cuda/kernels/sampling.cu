@@ -19,6 +19,7 @@
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_TOP 20
+#define SAMPLE_INF __int_as_float(0x7f800000)
 
 struct SampleRow {
     u64 seed;
@@ -227,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         u64 best = 0;
         for (int i = tid; i < vocab; i += blockDim.x) {
             const float v = value(i);
-            if (v > -INFINITY) {
+            if (v > -SAMPLE_INF) {
                 // -0 + 0 = +0: the CPU's strict `>` does not order the two zeros.
                 const u64 k = rank_key(__fadd_rn(v, 0.f), (u32)i);
                 best = k > best ? k : best;
@@ -245,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         auto scaled = [&](int i, float& s) {
             const float v = value(i);
             s = __fdiv_rn(v, T);
-            return v > -INFINITY;
+            return v > -SAMPLE_INF;
         };
         u64 top = 0, count = 0;
         for (int i = tid; i < vocab; i += blockDim.x) {
@@ -273,9 +274,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             }
             const u32 top_id = key_id(top);
             const float top_s = __fdiv_rn(value(top_id), T);
-            if (top_s == INFINITY) {
+            if (top_s == SAMPLE_INF) {
                 token = top_id;
-            } else if (top_s == -INFINITY) {
+            } else if (top_s == -SAMPLE_INF) {
                 token = argmax();
             } else {
                 // Kept by top-k (A); min-p drops some (B); p and its mass for token i.
@@ -366,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 
     SampleOut* o = out + blockIdx.x;
     if (P.logprobs >= 0) {
-        float mx = -INFINITY;
+        float mx = -SAMPLE_INF;
         for (int i = tid; i < vocab; i += blockDim.x) {
             const float x = l[i];
             if (x == x) mx = fmaxf(mx, x);

@@ -24,6 +24,8 @@ use rand_chacha::ChaCha8Rng;
 
 #[path = "gpu/qgemm.rs"]
 mod qgemm;
+#[path = "gpu/sampling.rs"]
+mod sampling;
 
 fn rng(test: &str) -> ChaCha8Rng {
     let seed = std::time::SystemTime::now()
