@@ -51,15 +51,17 @@ pub fn run(args: &ServeArgs, model: Option<&Path>, tokenizer: Option<&Path>) -> 
     if !(args.timeout > 0.0 && args.timeout.is_finite()) {
         anyhow::bail!("--timeout must be a positive number of seconds");
     }
-    let path = crate::resolve_model(model)?;
-    let files = open_model(&path, tokenizer)
-        .with_context(|| format!("cannot read the tokenizer of {}", path.display()))?;
-    let samples = load_sharegpt(
-        args.dataset.as_deref(),
-        &files.tokenizer,
-        args.num_prompts,
-        args.seed,
-    )?;
+    // A tokenizer alone is enough to count tokens: no model needs to be on this machine.
+    let (tok, tok_origin) = match (model, tokenizer) {
+        (None, Some(t)) => (nibble_model::tokenizer_from_path(t)?, t.to_path_buf()),
+        _ => {
+            let path = crate::resolve_model(model)?;
+            let files = open_model(&path, tokenizer)
+                .with_context(|| format!("cannot read the tokenizer of {}", path.display()))?;
+            (files.tokenizer, tokenizer.map_or(path, Path::to_path_buf))
+        }
+    };
+    let samples = load_sharegpt(args.dataset.as_deref(), &tok, args.num_prompts, args.seed)?;
     let mut cfg = ServeBenchConfig {
         base_url: args.base_url.clone(),
         endpoint: args.endpoint,
@@ -73,7 +75,7 @@ pub fn run(args: &ServeArgs, model: Option<&Path>, tokenizer: Option<&Path>) -> 
         ..Default::default()
     };
     cfg.metadata
-        .insert("tokenizer".into(), path.display().to_string());
+        .insert("tokenizer".into(), tok_origin.display().to_string());
     cfg.metadata.insert(
         "dataset".into(),
         args.dataset.as_ref().map_or_else(

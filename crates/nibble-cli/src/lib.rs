@@ -34,8 +34,20 @@ pub fn open_files(
         if model.is_some() {
             anyhow::bail!("--dummy-weights and --model name two different models: pick one");
         }
-        let files = nibble_model::dummy::open_dummy(name, 0)
+        let mut files = nibble_model::dummy::open_dummy(name, 0)
             .with_context(|| format!("cannot make dummy weights '{name}'"))?;
+        if let Some(path) = tokenizer {
+            let tok = nibble_model::tokenizer_from_path(path)?;
+            if tok.vocab_size() > files.config.vocab_size {
+                anyhow::bail!(
+                    "tokenizer {} has {} tokens, more than the {} of dummy model '{name}'",
+                    path.display(),
+                    tok.vocab_size(),
+                    files.config.vocab_size
+                );
+            }
+            files.tokenizer = tok;
+        }
         return Ok((format!("{name} (dummy weights)"), files));
     }
     let path = resolve_model(model)?;

@@ -122,42 +122,122 @@ struct ServeArgs {
     engine: EngineArgs,
 }
 
-/// Sizes of the serving engine.
+/// Sizes of the serving engine. Unset sizes take the device's defaults: on a GPU 256 sequences,
+/// 8192 tokens per step and a KV pool of what `--gpu-memory-utilization` leaves; on the CPU 64
+/// sequences, 512 tokens and 32768 KV tokens.
 #[derive(Args, Clone)]
 struct EngineArgs {
-    /// KV cache capacity in tokens (shared by all requests).
-    #[arg(long, default_value_t = 32768)]
-    kv_cache_tokens: usize,
+    /// KV cache capacity in tokens (shared by all requests). Default: on a GPU, what
+    /// --gpu-memory-utilization leaves after the weights and the largest step's activations;
+    /// on the CPU, 32768.
+    #[arg(long)]
+    kv_cache_tokens: Option<usize>,
+    /// Share of the GPU's memory nibble may take in all (weights, activations, KV cache) when
+    /// it sizes the KV cache itself.
+    #[arg(long, default_value_t = 0.9)]
+    gpu_memory_utilization: f64,
     /// Tokens per KV block; the channel-wise KV formats (kv4c, kv2c) quantize keys over each
     /// block and need at least 16.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// Sequences decoded together at most.
-    #[arg(long, default_value_t = 64)]
-    max_num_seqs: usize,
-    /// Tokens per forward pass at most (chunked prefill budget).
-    #[arg(long, default_value_t = 512)]
-    max_batched_tokens: usize,
+    /// Sequences decoded together at most (default: 256 on a GPU, 64 on the CPU).
+    #[arg(long)]
+    max_num_seqs: Option<usize>,
+    /// Tokens per forward pass at most, the chunked-prefill budget (default: 8192 on a GPU, 512
+    /// on the CPU).
+    #[arg(long)]
+    max_batched_tokens: Option<usize>,
     /// Requests allowed to wait for admission; more get HTTP 429.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
 }
 
 impl EngineArgs {
-    fn config(&self, kv: KvFormat) -> Result<nibble_engine::serving::EngineConfig> {
+    /// The engine's sizes on a device with (`gpu`) or without its own memory; a GPU's KV pool,
+    /// unless given, is sized later by [`build_engine`].
+    fn config(&self, kv: KvFormat, gpu: bool) -> Result<nibble_engine::serving::EngineConfig> {
         if self.block_size == 0 {
             bail!("--block-size must be positive");
         }
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            bail!(
+                "--gpu-memory-utilization must be in (0, 1], got {}",
+                self.gpu_memory_utilization
+            );
+        }
         kv.check_block_size(self.block_size)
             .context("choose a larger --block-size or another --kv")?;
+        let (seqs, tokens) = if gpu { (256, 8192) } else { (64, 512) };
         Ok(nibble_engine::serving::EngineConfig {
             block_size: self.block_size,
-            num_blocks: self.kv_cache_tokens.div_ceil(self.block_size),
-            max_num_seqs: self.max_num_seqs,
-            max_batched_tokens: self.max_batched_tokens,
+            num_blocks: self
+                .kv_cache_tokens
+                .unwrap_or(32768)
+                .div_ceil(self.block_size),
+            max_num_seqs: self.max_num_seqs.unwrap_or(seqs),
+            max_batched_tokens: self.max_batched_tokens.unwrap_or(tokens),
             max_waiting: self.max_waiting,
         })
     }
+}
+
+/// The serving engine for `engine`: on a GPU, warmed up with its largest step (which also
+/// settles the activation memory) and, unless `--kv-cache-tokens` was given, with a KV pool of
+/// what `--gpu-memory-utilization` leaves.
+fn build_engine<B: Backend>(
+    engine: Engine<B>,
+    args: &EngineArgs,
+) -> Result<nibble_engine::serving::LlmEngine<B>>
+where
+    B::Kv: KvReport,
+{
+    use nibble_engine::serving::{LlmEngine, warm_up};
+    let Engine {
+        backend,
+        model,
+        tokenizer,
+    } = engine;
+    let gpu = backend.memory_info().is_some();
+    let mut config = args.config(model.kv_format, gpu)?;
+    if let Some((_, total)) = backend.memory_info() {
+        let t0 = std::time::Instant::now();
+        warm_up(
+            &backend,
+            &model,
+            config.max_batched_tokens,
+            config.max_num_seqs,
+            config.block_size,
+        )
+        .context("warming up with the largest step (lower --max-batched-tokens?)")?;
+        let (free, _) = backend.memory_info().unwrap_or((0, total));
+        if args.kv_cache_tokens.is_none() {
+            let per_token = B::Kv::bytes_per_token_of(model.kv_shape(), config.block_size);
+            let keep = (total as f64 * (1.0 - args.gpu_memory_utilization)) as usize;
+            let budget = free.saturating_sub(keep);
+            let tokens = (budget as f64 / per_token) as usize;
+            config.num_blocks = tokens / config.block_size;
+            if config.num_blocks < 2 {
+                bail!(
+                    "no GPU memory left for a KV cache: {} MiB free of {} MiB after the weights \
+                     and activations, {:.0}% allowed (raise --gpu-memory-utilization, or lower \
+                     --max-batched-tokens)",
+                    free >> 20,
+                    total >> 20,
+                    args.gpu_memory_utilization * 100.0
+                );
+            }
+            // One block is kept aside for padding.
+            config.num_blocks -= 1;
+        }
+        eprintln!(
+            "nibble: warmed up with a step of {} tokens in {:.1}s; {} MiB of {} MiB free",
+            config.max_batched_tokens,
+            t0.elapsed().as_secs_f64(),
+            free >> 20,
+            total >> 20
+        );
+    }
+    Ok(LlmEngine::new(backend, model, tokenizer, config)?)
 }
 
 #[derive(Args)]
@@ -173,6 +253,14 @@ struct ThroughputArgs {
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Run the workload once per batch size in this list (one model load), e.g. 64,128,256;
+    /// overrides --max-num-seqs. The JSON then holds one result per size.
+    #[arg(long, value_delimiter = ',')]
+    sweep_seqs: Vec<usize>,
+    /// Time every step's host and device work (one more wait for the device per step) and
+    /// report them by batch size.
+    #[arg(long)]
+    profile: bool,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -321,7 +409,7 @@ fn run(cli: Cli) -> Result<()> {
             what: Some(BenchCommand::Throughput(ThroughputArgs { engine, .. })),
             ..
         } => {
-            engine.config(kv)?;
+            engine.config(kv, false)?;
         }
         _ => {}
     }
@@ -330,24 +418,41 @@ fn run(cli: Cli) -> Result<()> {
         cli.tokenizer.as_deref(),
         cli.dummy_weights.as_deref(),
     )?;
+    let tokenizer = match (&cli.dummy_weights, &cli.tokenizer) {
+        (Some(_), None) => {
+            eprintln!(
+                "nibble: dummy weights come with a byte-level tokenizer, so token counts are \
+                 bytes; --tokenizer PATH/tokenizer.json counts them as a real model would"
+            );
+            "byte-level (counts are bytes)".to_string()
+        }
+        (_, Some(path)) => path.display().to_string(),
+        (None, None) => label.clone(),
+    };
+    let labels = (label.clone(), tokenizer);
     match cli.device.resolve() {
         Device::Cpu => {
             let engine = load_engine(CpuBackend::new(cli.threads)?, &label, files)?;
-            run_on(engine, cli)
+            run_on(engine, cli, labels)
         }
         Device::Cuda(ordinal) => {
             let backend = CudaBackend::new(ordinal, cli.dtype).with_context(|| {
                 format!("cannot use cuda:{ordinal} (--device cpu runs without a GPU)")
             })?;
             let engine = load_engine(backend, &label, files)?;
-            run_on(engine, cli)
+            run_on(engine, cli, labels)
         }
         Device::Auto => unreachable!("resolved above"),
     }
 }
 
-/// The commands that run a loaded model, on whichever backend it was loaded on.
-fn run_on<B: Backend + 'static>(mut engine: Engine<B>, cli: Cli) -> Result<()>
+/// The commands that run a loaded model, on whichever backend it was loaded on; `labels` name the
+/// model and what its tokenizer counts, for reports.
+fn run_on<B: Backend + 'static>(
+    mut engine: Engine<B>,
+    cli: Cli,
+    labels: (String, String),
+) -> Result<()>
 where
     B::Kv: KvReport,
 {
@@ -393,7 +498,9 @@ where
         Command::Bench { what, cpu } => {
             let a = match what {
                 Some(BenchCommand::Cpu(a)) => a,
-                Some(BenchCommand::Throughput(t)) => return bench_throughput(engine, t),
+                Some(BenchCommand::Throughput(t)) => {
+                    return bench_throughput(engine, t, labels.0, labels.1);
+                }
                 Some(BenchCommand::Serve(_)) => unreachable!("handled above"),
                 None => cpu,
             };
@@ -420,22 +527,14 @@ fn serve<B: Backend + 'static>(
 where
     B::Kv: KvReport,
 {
-    use nibble_engine::serving::LlmEngine;
     let name = args.served_model_name.clone().unwrap_or_else(|| {
         model
             .and_then(|p| p.file_stem())
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "SmolLM2-135M-Instruct".into())
     });
-    let kv = engine.model.kv_format;
-    let config = args.engine.config(kv)?;
-    let Engine {
-        backend,
-        model,
-        tokenizer,
-    } = engine;
-    let llm = LlmEngine::new(backend, model, tokenizer, config.clone())?;
-    eprintln!("nibble serve: {}", kv_pool_line(&llm, &config));
+    let llm = build_engine(engine, &args.engine)?;
+    eprintln!("nibble serve: {}", kv_pool_line(&llm));
     let opts = nibble_server::ServeOptions {
         addr: std::net::SocketAddr::new(args.host, args.port),
         model_name: name,
@@ -453,6 +552,9 @@ where
 struct ThroughputResult {
     engine: &'static str,
     backend: String,
+    model: String,
+    /// What the token counts count: the tokenizer's tokens, or bytes.
+    tokenizer: String,
     requests: usize,
     elapsed_s: f64,
     requests_per_s: f64,
@@ -464,29 +566,140 @@ struct ThroughputResult {
     prefix_cache_hits: u64,
     max_num_seqs: usize,
     max_batched_tokens: usize,
+    kv_cache_tokens: usize,
+    /// With --profile: where the steps' time went.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    steps: Option<StepSummary>,
 }
 
-fn bench_throughput<B: Backend>(engine: Engine<B>, args: ThroughputArgs) -> Result<()>
+/// Host and device time per step, for decode-only steps by batch size and for the rest.
+#[derive(serde::Serialize)]
+struct StepSummary {
+    steps: usize,
+    host_s: f64,
+    device_s: f64,
+    /// Host time over all step time.
+    host_share: f64,
+    decode: Vec<StepRow>,
+    mixed: StepRow,
+}
+
+#[derive(serde::Serialize, Default)]
+struct StepRow {
+    seqs_from: usize,
+    seqs_to: usize,
+    steps: usize,
+    host_ms: f64,
+    device_ms: f64,
+    /// Tokens per second of device time in these steps.
+    device_tok_s: f64,
+}
+
+fn summarize_steps(profile: &[nibble_engine::serving::StepProfile]) -> StepSummary {
+    let row = |steps: Vec<&nibble_engine::serving::StepProfile>, from: usize, to: usize| {
+        let n = steps.len().max(1) as f64;
+        let device: f64 = steps.iter().map(|s| s.device_s).sum();
+        let tokens: usize = steps.iter().map(|s| s.tokens).sum();
+        StepRow {
+            seqs_from: from,
+            seqs_to: to,
+            steps: steps.len(),
+            host_ms: steps.iter().map(|s| s.host_s).sum::<f64>() / n * 1e3,
+            device_ms: device / n * 1e3,
+            device_tok_s: if device > 0.0 {
+                tokens as f64 / device
+            } else {
+                0.0
+            },
+        }
+    };
+    let mut decode = Vec::new();
+    let mut from = 1;
+    while from <= profile.iter().map(|s| s.seqs).max().unwrap_or(0) {
+        let to = from * 2 - 1;
+        let steps: Vec<_> = profile
+            .iter()
+            .filter(|s| s.decode_only && (from..=to).contains(&s.seqs))
+            .collect();
+        if !steps.is_empty() {
+            decode.push(row(steps, from, to));
+        }
+        from *= 2;
+    }
+    let mixed = row(profile.iter().filter(|s| !s.decode_only).collect(), 0, 0);
+    let host_s: f64 = profile.iter().map(|s| s.host_s).sum();
+    let device_s: f64 = profile.iter().map(|s| s.device_s).sum();
+    StepSummary {
+        steps: profile.len(),
+        host_s,
+        device_s,
+        host_share: host_s / (host_s + device_s).max(f64::MIN_POSITIVE),
+        decode,
+        mixed,
+    }
+}
+
+fn bench_throughput<B: Backend>(
+    mut engine: Engine<B>,
+    args: ThroughputArgs,
+    model_label: String,
+    tokenizer_label: String,
+) -> Result<()>
 where
     B::Kv: KvReport,
 {
-    use nibble_engine::serving::{Event, LlmEngine, Request};
     let samples = nibble_bench::sharegpt::load_sharegpt(
         args.dataset.as_deref(),
         &engine.tokenizer,
         args.num_prompts,
         args.seed,
     )?;
-    let mut config = args.engine.config(engine.model.kv_format)?;
-    config.max_waiting = config.max_waiting.max(samples.len());
-    let Engine {
-        backend,
-        model,
-        tokenizer,
-    } = engine;
-    let backend_name = nibble_model::Backend::name(&backend);
-    let mut llm = LlmEngine::new(backend, model, tokenizer, config.clone())?;
-    eprintln!("nibble: {}", kv_pool_line(&llm, &config));
+    let sizes: Vec<Option<usize>> = if args.sweep_seqs.is_empty() {
+        vec![args.engine.max_num_seqs]
+    } else {
+        args.sweep_seqs.iter().map(|&n| Some(n)).collect()
+    };
+    let mut results = Vec::new();
+    for size in sizes {
+        let mut engine_args = args.engine.clone();
+        engine_args.max_num_seqs = size;
+        engine_args.max_waiting = engine_args.max_waiting.max(samples.len());
+        let (r, back) = throughput_run(engine, &engine_args, &samples, args.profile)?;
+        engine = back;
+        let r = ThroughputResult {
+            model: model_label.clone(),
+            tokenizer: tokenizer_label.clone(),
+            ..r
+        };
+        print_throughput(&r);
+        results.push(r);
+    }
+    if let Some(path) = args.json {
+        let text = if results.len() == 1 {
+            serde_json::to_string_pretty(&results[0])?
+        } else {
+            serde_json::to_string_pretty(&results)?
+        };
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// One offline run of `samples` through a serving engine of `args`' sizes; gives the model back.
+fn throughput_run<B: Backend>(
+    engine: Engine<B>,
+    args: &EngineArgs,
+    samples: &[nibble_bench::sharegpt::Sample],
+    profile: bool,
+) -> Result<(ThroughputResult, Engine<B>)>
+where
+    B::Kv: KvReport,
+{
+    use nibble_engine::serving::{Event, Request};
+    let backend_name = nibble_model::Backend::name(&engine.backend);
+    let mut llm = build_engine(engine, args)?;
+    let config = llm.config.clone();
+    eprintln!("nibble: {}", kv_pool_line(&llm));
     let limit = llm.max_sequence_len();
     let (mut prompt_tokens, mut planned) = (0, 0);
     for (i, s) in samples.iter().enumerate() {
@@ -509,6 +722,7 @@ where
             },
         )?;
     }
+    llm.set_profiling(profile);
     let bar = indicatif::ProgressBar::new(planned as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -533,9 +747,12 @@ where
     bar.finish_and_clear();
     let elapsed = t0.elapsed().as_secs_f64();
     let stats = llm.stats();
+    let steps = profile.then(|| summarize_steps(&llm.take_profile()));
     let r = ThroughputResult {
         engine: "nibble",
         backend: backend_name,
+        model: String::new(),
+        tokenizer: String::new(),
         requests: finished,
         elapsed_s: elapsed,
         requests_per_s: finished as f64 / elapsed,
@@ -547,10 +764,25 @@ where
         prefix_cache_hits: stats.prefix_cache_hits,
         max_num_seqs: config.max_num_seqs,
         max_batched_tokens: config.max_batched_tokens,
+        kv_cache_tokens: config.num_blocks * config.block_size,
+        steps,
     };
+    let (backend, model, tokenizer) = llm.into_parts();
+    Ok((
+        r,
+        Engine {
+            backend,
+            model,
+            tokenizer,
+        },
+    ))
+}
+
+fn print_throughput(r: &ThroughputResult) {
     println!(
-        "throughput: {} requests in {:.1}s: {:.2} req/s, {:.1} output tok/s, {:.1} total tok/s \
-         ({} prompt + {} output tokens, {} preemptions)",
+        "throughput at {} seqs: {} requests in {:.1}s: {:.2} req/s, {:.1} output tok/s, {:.1} \
+         total tok/s ({} prompt + {} output tokens, {} preemptions)",
+        r.max_num_seqs,
         r.requests,
         r.elapsed_s,
         r.requests_per_s,
@@ -560,21 +792,32 @@ where
         r.output_tokens,
         r.preemptions
     );
-    if let Some(path) = args.json {
-        std::fs::write(&path, serde_json::to_string_pretty(&r)?)
-            .with_context(|| format!("cannot write {}", path.display()))?;
+    if let Some(st) = &r.steps {
+        println!(
+            "steps: {} ({:.1}% host time); decode-only steps by batch size:",
+            st.steps,
+            st.host_share * 100.0
+        );
+        for d in st.decode.iter().chain(std::iter::once(&st.mixed)) {
+            let name = if d.seqs_to == 0 {
+                "with prefill".to_string()
+            } else {
+                format!("{}-{} seqs", d.seqs_from, d.seqs_to)
+            };
+            println!(
+                "  {name:>14}: {:>6} steps, host {:7.3} ms, device {:8.3} ms, {:9.0} tok/s of device time",
+                d.steps, d.host_ms, d.device_ms, d.device_tok_s
+            );
+        }
     }
-    Ok(())
 }
 
 /// The KV pool's format, size and cost per token, as the serving engine allocated it.
-fn kv_pool_line<B: Backend>(
-    llm: &nibble_engine::serving::LlmEngine<B>,
-    config: &nibble_engine::serving::EngineConfig,
-) -> String
+fn kv_pool_line<B: Backend>(llm: &nibble_engine::serving::LlmEngine<B>) -> String
 where
     B::Kv: KvReport,
 {
+    let config = &llm.config;
     let kv = llm.kv();
     let shape = kv.kv_shape();
     let tokens = config.num_blocks * config.block_size;
@@ -587,13 +830,15 @@ where
     );
     format!(
         "KV cache {}: {} blocks of {} tokens = {tokens} tokens, {:.0} bytes per token \
-         ({:.2}x smaller than kv16), {:.1} MiB",
+         ({:.2}x smaller than kv16), {:.1} MiB; up to {} sequences, {} tokens per step",
         shape.format,
         config.num_blocks,
         config.block_size,
         kv.bytes_per_token(),
         f32_bytes / kv.bytes_per_token(),
-        kv.pool_bytes() as f64 / (1024.0 * 1024.0)
+        kv.pool_bytes() as f64 / (1024.0 * 1024.0),
+        config.max_num_seqs,
+        config.max_batched_tokens
     )
 }
 

@@ -405,6 +405,30 @@ fn main() -> Result<()> {
     let only_qgemm = args.iter().any(|a| a == "--qgemm");
     let be = CudaBackend::new(0, Dtype::Bf16)?;
     eprintln!("gpu-bench on {}", be.name());
+    // --decode-steps B,B,..: only BF16 Llama-3-8B decode steps at those batch sizes (contexts
+    // 512 and 1024), the engine's own rate that offline throughput is held against.
+    if let Some(i) = args.iter().position(|a| a == "--decode-steps") {
+        let batches: Vec<usize> = args
+            .get(i + 1)
+            .map(|l| l.split(',').filter_map(|b| b.parse().ok()).collect())
+            .unwrap_or_default();
+        let bw = ceilings(&be)?.0;
+        let files = nibble_model::dummy::open_dummy("llama-3-8b", 0)?;
+        let model = Transformer::load(&be, files.config, &*files.source, &mut |_, _| {})?;
+        let weight_bytes = be.weight_bytes() as f64;
+        let mut steps = Vec::new();
+        for &ctx in &[512, 1024] {
+            for &b in &batches {
+                let r = decode_steps(&be, &model, weight_bytes, b, ctx, bw)?;
+                eprintln!("decode step b{b} ctx{ctx}: {r}");
+                steps.push(r);
+            }
+        }
+        let report = json!({"device": be.name(), "hbm_bytes_per_s": bw, "decode_steps": steps});
+        std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
+            .map_err(|e| nibble_core::Error::io(&out, e))?;
+        return Ok(());
+    }
     let (bw, peak) = ceilings(&be)?;
     eprintln!(
         "HBM {:.0} GB/s (copy, read+write), cuBLAS BF16 {:.0} TFLOP/s",

@@ -174,6 +174,9 @@ pub struct CudaBackend {
     err: StickyError,
     /// Capture decode steps as CUDA graphs (on unless NIBBLE_CUDA_GRAPHS=0).
     pub graphs_enabled: bool,
+    /// Sample on the host from copied logits (NIBBLE_HOST_SAMPLING=1): the reference path, kept
+    /// to measure what device sampling saves.
+    pub host_sampling: bool,
     /// Zeroed arrival counters of the split-K gemv kernels (each launch leaves them zeroed).
     split_counters: DeviceBuffer,
     /// Kernels whose dynamic shared-memory limit has been raised, and to what.
@@ -226,6 +229,7 @@ impl CudaBackend {
             }),
             err: StickyError::default(),
             graphs_enabled: std::env::var("NIBBLE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            host_sampling: std::env::var("NIBBLE_HOST_SAMPLING").is_ok_and(|v| v != "0"),
             split_counters,
             smem_raised: Default::default(),
             int8_inputs: Default::default(),
@@ -1251,12 +1255,33 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn decode_bucket(&self, n: usize) -> usize {
+        if self.graphs_enabled {
+            crate::graph::decode_bucket(n)
+        } else {
+            n
+        }
+    }
+
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        self.gpu.bind().ok()?;
+        cudarc::driver::result::mem_get_info().ok()
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.gpu.synchronize()
+    }
+
     fn sample(
         &self,
         logits: &CudaTensor,
         vocab: usize,
         specs: &[nibble_model::sampling::SampleSpec],
     ) -> Result<Vec<nibble_model::sampling::Sampled>> {
+        if self.host_sampling {
+            let host = self.to_host(logits)?;
+            return nibble_model::sampling::sample_rows(&host, vocab, specs);
+        }
         crate::sampling::sample(self, logits, vocab, specs)
     }
 }

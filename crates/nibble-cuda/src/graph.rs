@@ -17,6 +17,22 @@ use nibble_model::BatchLayout;
 use crate::backend::{CudaBackend, CudaTensor, Elem};
 use crate::runtime::{DevicePtr, driver_err};
 
+/// Decode steps of more sequences run eagerly: their kernels are long enough that queueing them
+/// one by one keeps the GPU busy, and a graph per size would cost more to record than it saves.
+pub const GRAPH_MAX_SEQS: usize = 128;
+
+/// The size a decode step of `n` sequences is padded to, so that a few graphs serve every batch:
+/// powers of two to 8, then multiples of 8 to 32 and of 16 to [`GRAPH_MAX_SEQS`]; larger steps
+/// run eagerly at their own size.
+pub fn decode_bucket(n: usize) -> usize {
+    match n {
+        0..=8 => n.next_power_of_two(),
+        9..=32 => n.div_ceil(8) * 8,
+        33..=GRAPH_MAX_SEQS => n.div_ceil(16) * 16,
+        _ => n,
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GraphKey {
     model: usize,
@@ -35,8 +51,6 @@ struct Captured {
 #[derive(Default)]
 pub struct GraphCache {
     graphs: HashMap<GraphKey, Captured>,
-    /// Keys seen once: the first step of a shape runs eagerly and sizes the arena.
-    warm: HashSet<GraphKey>,
     /// Keys whose capture failed; they run eagerly from then on.
     refused: HashSet<GraphKey>,
     /// The KV pool the cached graphs write; graphs of an earlier pool are dropped when another
@@ -55,7 +69,6 @@ impl GraphCache {
                 let _ = cu::graph::destroy(c.graph);
             }
         }
-        self.warm.clear();
         self.refused.clear();
     }
 }
@@ -76,7 +89,9 @@ pub fn run_forward(
     batch: &BatchLayout,
     body: &mut dyn FnMut() -> Result<CudaTensor>,
 ) -> Result<CudaTensor> {
-    let decode = !batch.seqs.is_empty() && batch.seqs.iter().all(|s| s.len == 1);
+    let decode = !batch.seqs.is_empty()
+        && batch.seqs.len() <= GRAPH_MAX_SEQS
+        && batch.seqs.iter().all(|s| s.len == 1);
     if !be.graphs_enabled || !decode {
         return body();
     }
@@ -102,7 +117,9 @@ pub fn run_forward(
             let epoch = st.arena.epoch;
             return Ok(CudaTensor::view(out.0, out.1, out.2, out.3, epoch));
         }
-        if st.graphs.refused.contains(&key) || st.graphs.warm.insert(key) || !st.arena.settled() {
+        // Recorded at first sight once the arena has its size (the engine's warm-up gives it
+        // the largest step's); before that, steps run eagerly and size it.
+        if st.graphs.refused.contains(&key) || !st.arena.settled() {
             drop(st);
             return body();
         }

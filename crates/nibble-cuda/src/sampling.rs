@@ -9,9 +9,9 @@ use nibble_model::sampling::{SampleSpec, Sampled, TokenLogprobs, sample_rows};
 use crate::backend::{CudaBackend, CudaTensor, Elem};
 use crate::runtime::{Arg, DeviceBuffer};
 
-/// Top alternatives the kernel reports per token (OpenAI's API allows up to 20); a request for
+/// Top alternatives the kernel reports per token (`SAMPLE_TOP` in the kernel); a request for
 /// more is sampled on the host from copied logits.
-pub const TOP_LOGPROBS: usize = 20;
+pub const TOP_LOGPROBS: usize = nibble_model::sampling::MAX_TOP_LOGPROBS;
 const THREADS: u32 = 1024;
 
 /// One row's parameters, laid out as the kernel's `SampleRow`.
@@ -80,12 +80,10 @@ pub(crate) fn sample(
         let host = nibble_model::Backend::to_host(be, logits)?;
         return sample_rows(&host, vocab, specs);
     }
-    let too_big = |what: &str, v: usize| {
-        Error::LimitExceeded {
-            what: format!("{what} for GPU sampling"),
-            value: v,
-            limit: i32::MAX as usize,
-        }
+    let too_big = |what: &str, v: usize| Error::LimitExceeded {
+        what: format!("{what} for GPU sampling"),
+        value: v,
+        limit: i32::MAX as usize,
     };
     let mut rows = Vec::with_capacity(specs.len());
     let mut history: Vec<u32> = Vec::new();
@@ -96,7 +94,8 @@ pub(crate) fn sample(
             draw: s.draw,
             row: s.row as i32,
             top_k: i32::try_from(p.top_k.min(vocab)).map_err(|_| too_big("top_k", p.top_k))?,
-            hist_off: i32::try_from(history.len()).map_err(|_| too_big("history", history.len()))?,
+            hist_off: i32::try_from(history.len())
+                .map_err(|_| too_big("history", history.len()))?,
             hist_len: if p.repetition_penalty == 1.0 {
                 0
             } else {

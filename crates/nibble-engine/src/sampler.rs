@@ -3,9 +3,9 @@
 //! [`nibble_model::sampling`], the reference every backend's sampler reproduces; a [`Sampler`]
 //! adds what one sequence carries from token to token: its seed and how many draws it made.
 
-pub use nibble_model::sampling::SamplingParams;
 use nibble_core::Result;
 use nibble_model::Backend;
+pub use nibble_model::sampling::SamplingParams;
 use nibble_model::sampling::{self, SampleScratch, SampleSpec, Sampled};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -69,8 +69,9 @@ impl Sampler {
         let spec = self.spec(row, history, logprobs);
         let mut out = backend.sample(logits, vocab, std::slice::from_ref(&spec))?;
         self.advance();
-        out.pop()
-            .ok_or_else(|| nibble_core::Error::InvalidArgument("the sampler returned no token".into()))
+        out.pop().ok_or_else(|| {
+            nibble_core::Error::InvalidArgument("the sampler returned no token".into())
+        })
     }
 
     /// This sampler's next draw, for a backend's batched [`Backend::sample`].

@@ -133,6 +133,66 @@ pub struct LlmEngine<B: Backend> {
     preemptions: u64,
     prompt_tokens: u64,
     generated_tokens: u64,
+    /// Per-step timings, when [`LlmEngine::set_profiling`] turned them on.
+    profile: Option<Vec<StepProfile>>,
+}
+
+/// Where one step's time went: `host_s` scheduling and preparing the batch, queueing the forward
+/// pass and handling its tokens; `device_s` waiting for the device (the forward pass and the
+/// sampling). On the CPU backend the forward pass is host time.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct StepProfile {
+    pub seqs: usize,
+    pub tokens: usize,
+    pub decode_only: bool,
+    pub host_s: f64,
+    pub device_s: f64,
+}
+
+/// Runs the largest step the engine will build (`max_tokens` tokens over up to `max_seqs`
+/// sequences, then sampled) twice in a scratch pool, so that a device backend takes its
+/// activation and sampling memory now: before the KV pool is sized from what is left, and
+/// before decode steps are recorded as graphs, which a later growth of that memory would make
+/// it record again.
+pub fn warm_up<B: Backend>(
+    backend: &B,
+    model: &Transformer<B>,
+    max_tokens: usize,
+    max_seqs: usize,
+    block_size: usize,
+) -> Result<()> {
+    let seqs = max_seqs.min(max_tokens).max(1);
+    let ctx = model.config.max_context.saturating_sub(1).max(1);
+    let mut batch = BatchLayout::default();
+    let mut next_block = 0u32;
+    for i in 0..seqs {
+        let len = (max_tokens / seqs + usize::from(i < max_tokens % seqs)).clamp(1, ctx);
+        let blocks = len.div_ceil(block_size) as u32;
+        batch.seqs.push(SeqSpan {
+            blocks: (next_block..next_block + blocks).collect(),
+            start_pos: 0,
+            len,
+        });
+        next_block += blocks;
+    }
+    let tokens = vec![0u32; batch.num_tokens()];
+    let mut kv = backend.new_kv_pool(model.kv_shape(), next_block as usize, block_size)?;
+    let params = crate::SamplingParams::default();
+    let specs: Vec<_> = (0..seqs)
+        .map(|row| nibble_model::sampling::SampleSpec {
+            row,
+            params: &params,
+            seed: 0,
+            draw: 0,
+            history: &[],
+            logprobs: Some(nibble_model::sampling::MAX_TOP_LOGPROBS),
+        })
+        .collect();
+    for _ in 0..2 {
+        let logits = model.forward(backend, &tokens, &batch, &mut kv, LogitRows::LastPerSeq)?;
+        backend.sample(&logits, model.config.vocab_size, &specs)?;
+    }
+    backend.synchronize()
 }
 
 impl<B: Backend> LlmEngine<B> {
@@ -151,7 +211,9 @@ impl<B: Backend> LlmEngine<B> {
                 "engine sizes must be positive: {config:?}"
             )));
         }
-        let kv = backend.new_kv_pool(model.kv_shape(), config.num_blocks, config.block_size)?;
+        // One block past the block manager's: the padding sequences of a bucketed decode step
+        // write there, and nothing reads it.
+        let kv = backend.new_kv_pool(model.kv_shape(), config.num_blocks + 1, config.block_size)?;
         Ok(LlmEngine {
             blocks: BlockManager::new(config.num_blocks, config.block_size),
             backend,
@@ -164,7 +226,27 @@ impl<B: Backend> LlmEngine<B> {
             preemptions: 0,
             prompt_tokens: 0,
             generated_tokens: 0,
+            profile: None,
         })
+    }
+
+    /// Gives the model back (its KV pool freed), e.g. to build another engine of other sizes.
+    pub fn into_parts(self) -> (B, Transformer<B>, Tokenizer) {
+        (self.backend, self.model, self.tokenizer)
+    }
+
+    /// Records a [`StepProfile`] for every step from now on (each step then waits for the
+    /// device once more, to split host from device time).
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(Vec::new);
+    }
+
+    /// The steps profiled so far.
+    pub fn take_profile(&mut self) -> Vec<StepProfile> {
+        self.profile
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Largest prompt + completion one request may reach: the model's context, and the whole pool.
@@ -331,6 +413,7 @@ impl<B: Backend> LlmEngine<B> {
             return Ok(Vec::new());
         }
 
+        let t_start = self.profile.is_some().then(std::time::Instant::now);
         let mut tokens = Vec::with_capacity(self.config.max_batched_tokens);
         let mut batch = BatchLayout::default();
         for (s, &chunk) in self.running.iter().zip(&chunks) {
@@ -341,6 +424,20 @@ impl<B: Backend> LlmEngine<B> {
                 len: chunk,
             });
         }
+        let decode_only = chunks.iter().all(|&c| c == 1);
+        if decode_only {
+            // Padding sequences (token 0 at position 0 of the block kept aside) fill the step to
+            // the size the backend asks for; their logits are never sampled.
+            let pad = self.backend.decode_bucket(chunks.len()).max(chunks.len()) - chunks.len();
+            for _ in 0..pad {
+                tokens.push(0);
+                batch.seqs.push(SeqSpan {
+                    blocks: vec![self.config.num_blocks as u32],
+                    start_pos: 0,
+                    len: 1,
+                });
+            }
+        }
         let logits = self.model.forward(
             &self.backend,
             &tokens,
@@ -348,6 +445,11 @@ impl<B: Backend> LlmEngine<B> {
             &mut self.kv,
             LogitRows::LastPerSeq,
         )?;
+        // Profiling only: how long the forward pass keeps the host waiting once it is queued.
+        let forward_wait = t_start.map(|_| {
+            let waited = std::time::Instant::now();
+            self.backend.synchronize().map(|()| waited.elapsed())
+        });
         let vocab = self.model.config.vocab_size;
         // Sequences whose prompt is now complete sample from their row; the logits of one still
         // mid-prefill are not for sampling.
@@ -368,7 +470,9 @@ impl<B: Backend> LlmEngine<B> {
                 s.sampler.spec(idx, &s.tokens, s.req.logprobs)
             })
             .collect();
+        let t_sample = std::time::Instant::now();
         let sampled = self.backend.sample(&logits, vocab, &specs)?;
+        let sample_s = t_sample.elapsed();
         drop(specs);
 
         let mut events = Vec::new();
@@ -421,6 +525,19 @@ impl<B: Backend> LlmEngine<B> {
         for idx in finished.into_iter().rev() {
             let s = self.running.remove(idx);
             self.release(&s.blocks);
+        }
+        if let (Some(t0), Some(waited), Some(profile)) =
+            (t_start, forward_wait, self.profile.as_mut())
+        {
+            // Sampling is device work behind one small copy: counted as device time.
+            let device = waited? + sample_s;
+            profile.push(StepProfile {
+                seqs: batch.seqs.len(),
+                tokens: tokens.len(),
+                decode_only,
+                host_s: (t0.elapsed() - device).as_secs_f64(),
+                device_s: device.as_secs_f64(),
+            });
         }
         Ok(events)
     }

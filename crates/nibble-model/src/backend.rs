@@ -205,6 +205,27 @@ pub trait Backend: Send + Sync {
     /// Copies to host memory, row-major.
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
 
+    /// Sequences a decode step of `n` sequences is best padded to: a backend that replays decode
+    /// steps as recorded graphs keeps one per size it sees, so it asks for a few sizes. The
+    /// engine pads with one-token sequences that write only a block it keeps aside. `n` (the
+    /// default) pads nothing.
+    fn decode_bucket(&self, n: usize) -> usize {
+        n
+    }
+
+    /// `(free, total)` bytes of the backend's own memory (a GPU's), or `None` for host memory.
+    /// The serving engine sizes its KV pool from it, after a warm-up step has taken the
+    /// activation memory of the largest batch.
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        None
+    }
+
+    /// Waits until the work queued so far has finished (a device's stream; nothing on the host).
+    /// Profiles use it to split a step's host time from its device time.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Samples a token for each spec from its row of `logits` (`[rows, vocab]`, f32), with the
     /// arithmetic of [`crate::sampling::sample_rows`], which is also this default (the logits
     /// copied to the host). A device backend samples where the logits are, so that only token

@@ -14,6 +14,6 @@ pub mod transformer;
 pub use backend::{AttentionShape, Backend, BatchLayout, KvShape, SeqSpan};
 pub use checkpoint::{CheckpointData, CheckpointSource, CheckpointTensor, write_checkpoint};
 pub use config::{Arch, ModelConfig, RopeLayout, RopeScaling, TensorLayout};
-pub use loader::{ModelFiles, open_model};
+pub use loader::{ModelFiles, open_model, tokenizer_from_path};
 pub use nibble_precision::KvFormat;
 pub use transformer::{LogitRows, SINGLE_SEQUENCE_BLOCK, TensorRole, Transformer, model_tensors};

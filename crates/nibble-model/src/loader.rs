@@ -26,23 +26,25 @@ pub struct ModelFiles {
     pub precision: Option<PrecisionSpec>,
 }
 
+/// The tokenizer `--tokenizer` names: a `tokenizer.json` file (with the `tokenizer_config.json`
+/// beside it, if any).
+pub fn tokenizer_from_path(p: &Path) -> Result<Tokenizer> {
+    let dir = p.parent().unwrap_or(Path::new("."));
+    if p.file_name().is_some_and(|n| n == "tokenizer.json") {
+        Tokenizer::from_hf_dir(dir)
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "--tokenizer must name a tokenizer.json file, got {}",
+            p.display()
+        )))
+    }
+}
+
 /// `tokenizer_json` overrides the tokenizer the model carries.
 pub fn open_model(path: &Path, tokenizer_json: Option<&Path>) -> Result<ModelFiles> {
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
-    let override_tok = |t: Option<&Path>| -> Result<Option<Tokenizer>> {
-        t.map(|p| {
-            let dir = p.parent().unwrap_or(Path::new("."));
-            if p.file_name().is_some_and(|n| n == "tokenizer.json") {
-                Tokenizer::from_hf_dir(dir)
-            } else {
-                Err(Error::InvalidArgument(format!(
-                    "--tokenizer must name a tokenizer.json file, got {}",
-                    p.display()
-                )))
-            }
-        })
-        .transpose()
-    };
+    let override_tok =
+        |t: Option<&Path>| -> Result<Option<Tokenizer>> { t.map(tokenizer_from_path).transpose() };
     if meta.is_dir() {
         let cfg_path = path.join("config.json");
         let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;

@@ -84,6 +84,10 @@ impl SamplingParams {
     }
 }
 
+/// The most top alternatives a request may ask for (OpenAI's limit, which the server enforces):
+/// what a device sampler reports per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// One row of a batch's logits to sample from.
 #[derive(Debug, Clone)]
 pub struct SampleSpec<'a> {
@@ -312,7 +316,11 @@ pub fn filter(logits: &[f32], params: &SamplingParams, scratch: &mut SampleScrat
         cands.retain(|c| c.1 != u64::MAX);
     }
     if params.top_p < 1.0 {
-        top_p_cut(cands, top_p_target(total, params.top_p), &mut scratch.buckets);
+        top_p_cut(
+            cands,
+            top_p_target(total, params.top_p),
+            &mut scratch.buckets,
+        );
     }
     Filtered::Kept
 }

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Tabulates a scripts/gpu-engine-run.sh folder: offline throughput per precision and batch size
+(with the host share of step time when profiled), the engine's own decode-step rate, and
+`bench serve` latencies per request rate; draws OUTDIR/throughput.png (output tokens/s against
+sequences per precision, and TTFT/TPOT against request rate).
+    python3 bench/throughput_report.py OUTDIR > report.md"""
+import json
+import sys
+from pathlib import Path
+
+
+def load(path):
+    data = json.loads(path.read_text())
+    return data if isinstance(data, list) else [data]
+
+
+def precision(model):
+    return model.split(":")[1].split(" ")[0] if ":" in model else "bf16"
+
+
+def main():
+    out = Path(sys.argv[1])
+    print((out / "device.txt").read_text() if (out / "device.txt").exists() else "")
+    runs = []
+    for p in sorted(out.glob("*.json")):
+        if p.name.startswith(("throughput", "profile")):
+            for r in load(p):
+                r["run"] = p.stem
+                runs.append(r)
+    if runs:
+        print("| run | precision | seqs | prompts | prompt tok | output tok | s | output tok/s | "
+              "total tok/s | host share |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in runs:
+            share = r.get("steps", {}).get("host_share")
+            print(f"| {r['run']} | {precision(r['model'])} | {r['max_num_seqs']} | {r['requests']} | "
+                  f"{r['prompt_tokens']} | {r['output_tokens']} | {r['elapsed_s']:.1f} | "
+                  f"{r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} | "
+                  f"{'' if share is None else f'{share * 100:.1f}%'} |")
+        print()
+        print("Decode-only steps (profiled runs): mean host and device ms per step by batch size")
+        print()
+        print("| run | seqs | batch sizes | steps | host ms | device ms | tok/s of device time |")
+        print("|---|---|---|---|---|---|---|")
+        for r in runs:
+            for d in r.get("steps", {}).get("decode", []):
+                print(f"| {r['run']} | {r['max_num_seqs']} | {d['seqs_from']}-{d['seqs_to']} | "
+                      f"{d['steps']} | {d['host_ms']:.3f} | {d['device_ms']:.3f} | "
+                      f"{d['device_tok_s']:.0f} |")
+        print()
+    steps = out / "decode-steps.json"
+    if steps.exists():
+        print("| decode step (bf16) | batch | ctx | ms | tok/s |")
+        print("|---|---|---|---|---|")
+        for s in json.loads(steps.read_text())["decode_steps"]:
+            if "ms" in s:
+                print(f"| | {s['batch']} | {s['ctx']} | {s['ms']:.2f} | {s['tokens_per_s']:.0f} |")
+        print()
+    serves = []
+    for p in sorted(out.glob("serve-*.json")):
+        s = json.loads(p.read_text())
+        s["rate"] = p.stem.split("-", 1)[1]
+        serves.append(s)
+    if serves:
+        keys = ["ttft", "tpot", "itl"]
+        print("| request rate | req/s | output tok/s | " +
+              " | ".join(f"{k.upper()} p50 / p99 ms" for k in keys) + " |")
+        print("|---|---|---|" + "---|" * len(keys))
+        for s in serves:
+            cells = []
+            for k in keys:
+                m = s.get(f"{k}_ms", {})
+                cells.append(f"{m.get('p50', float('nan')):.1f} / {m.get('p99', float('nan')):.1f}")
+            print(f"| {s['rate']} | {s.get('request_throughput', 0):.2f} | "
+                  f"{s.get('output_throughput', 0):.0f} | " + " | ".join(cells) + " |")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("\n(matplotlib missing: no plot)", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2 if serves else 1, figsize=(11 if serves else 6, 4))
+    axes = axes if serves else [axes]
+    by = {}
+    for r in runs:
+        if r["requests"] >= 500:
+            by.setdefault(precision(r["model"]), []).append((r["max_num_seqs"], r["output_tok_s"]))
+    for name, pts in sorted(by.items()):
+        pts.sort()
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
+    axes[0].set_xlabel("max sequences")
+    axes[0].set_ylabel("output tokens/s")
+    axes[0].set_title("offline ShareGPT throughput")
+    axes[0].legend()
+    if serves:
+        finite = [s for s in serves if s["rate"] != "inf"]
+        xs = [float(s["rate"]) for s in finite]
+        for k in ["ttft", "tpot"]:
+            axes[1].plot(xs, [s.get(f"{k}_ms", {}).get("p50", 0) for s in finite], "o-",
+                         label=f"{k.upper()} p50")
+        axes[1].set_xscale("log")
+        axes[1].set_xlabel("request rate (req/s)")
+        axes[1].set_ylabel("ms")
+        axes[1].set_title("nibble serve, bf16")
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The serving engine end to end on the GPU machine, from the repo root, with what
+# scripts/gpu-stage.sh staged in stage/gpu and what scripts/gpu-engine-data.sh put in .gpu-data
+# (a ShareGPT slice and the default model's tokenizer, so token counts are a real tokenizer's).
+#   scripts/gpu-engine-run.sh OUTDIR PART...
+# PARTs, run in the order given:
+#   tests       every GPU test (device sampling against the reference among them)
+#   steps       BF16 Llama-3-8B decode steps at batch 1, 64, 256 (the engine's own rate)
+#   profile     host vs device time per step at batch 1, 64, 256, sampling on the host
+#               (NIBBLE_HOST_SAMPLING=1, the path before device sampling) and on the device
+#   throughput  1000 ShareGPT prompts offline: BF16 at 64 and 256 sequences, W4A16-g128 and W8A8
+#               at 256
+#   serve       `nibble serve` (BF16) under `nibble bench serve` at several request rates
+# Logs and JSON go to OUTDIR; exits non-zero if a step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu-engine-run.sh OUTDIR PART...}
+shift
+mkdir -p "$out"
+bin=stage/gpu/nibble
+ds=.gpu-data/sharegpt.json
+tok=.gpu-data/tokenizer/tokenizer.json
+export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
+status=0
+{
+  date -u +"date %Y-%m-%dT%H:%M:%SZ"
+  echo "commit $(cat stage/gpu/COMMIT 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+} | tee -a "$out/device.txt"
+
+step() {  # step NAME COMMAND...: runs, logs to OUTDIR/NAME.log, records failure
+  local name=$1; shift
+  echo "== $name"
+  local t0=$(date +%s)
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "   exit $rc after $(( $(date +%s) - t0 ))s"
+  grep -E "^throughput|^steps|seqs:|with prefill|^test result|FAILED|panicked" "$out/$name.log" | head -40
+  if [ $rc -ne 0 ]; then status=1; tail -30 "$out/$name.log"; fi
+}
+
+throughput() {  # throughput NAME MODEL ARGS...
+  local name=$1 model=$2; shift 2
+  step "$name" "$bin" --device cuda --dummy-weights "$model" --tokenizer "$tok" \
+    bench throughput --dataset "$ds" --json "$out/$name.json" "$@"
+}
+
+for part in "$@"; do
+  case $part in
+    tests)
+      step gpu-tests stage/gpu/gpu-tests --test-threads 1 ;;
+    steps)
+      step decode-steps stage/gpu/gpu-bench "$out/decode-steps.json" --decode-steps 1,64,256 ;;
+    profile)
+      NIBBLE_HOST_SAMPLING=1 throughput profile-host llama-3-8b --num-prompts 256 \
+        --sweep-seqs 1,64,256 --profile
+      throughput profile-device llama-3-8b --num-prompts 256 --sweep-seqs 1,64,256 --profile ;;
+    throughput)
+      throughput throughput-bf16 llama-3-8b --num-prompts 1000 --sweep-seqs 64,256 --profile
+      throughput throughput-w4a16 llama-3-8b:w4a16-g128 --num-prompts 1000 --profile
+      throughput throughput-w8a8 llama-3-8b:w8a8 --num-prompts 1000 --profile ;;
+    serve)
+      step serve-bf16 bash scripts/gpu-serve-bench.sh "$bin" llama-3-8b "$tok" "$ds" "$out" ;;
+    *) echo "unknown part $part" >&2; status=1 ;;
+  esac
+done
+python3 bench/throughput_report.py "$out" > "$out/report.md" 2>"$out/report.err" || true
+tar czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
+exit $status
