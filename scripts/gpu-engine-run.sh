@@ -52,9 +52,13 @@ for part in "$@"; do
     steps)
       step decode-steps stage/gpu/gpu-bench "$out/decode-steps.json" --decode-steps 1,64,256 ;;
     profile)
-      NIBBLE_HOST_SAMPLING=1 throughput profile-host llama-3-8b --num-prompts 256 \
-        --sweep-seqs 1,64,256 --profile
-      throughput profile-device llama-3-8b --num-prompts 256 --sweep-seqs 1,64,256 --profile ;;
+      for mode in host device; do
+        host=$([ $mode = host ] && echo 1 || echo 0)
+        NIBBLE_HOST_SAMPLING=$host throughput profile-$mode-b1 llama-3-8b --num-prompts 16 \
+          --max-num-seqs 1 --profile
+        NIBBLE_HOST_SAMPLING=$host throughput profile-$mode llama-3-8b --num-prompts 256 \
+          --sweep-seqs 64,256 --profile
+      done ;;
     throughput)
       throughput throughput-bf16 llama-3-8b --num-prompts 1000 --sweep-seqs 64,256 --profile
       throughput throughput-w4a16 llama-3-8b:w4a16-g128 --num-prompts 1000 --profile

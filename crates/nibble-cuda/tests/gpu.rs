@@ -540,4 +540,69 @@ fn graph_replay_equals_eager() {
     let prompt: Vec<u32> = (1..20).collect();
     assert_eq!(greedy(&a, &prompt, 48), greedy(&b, &prompt, 48));
     assert_eq!(a.backend.graph_counts(), (0, 0));
+    let (replays, captures) = b.backend.graph_counts();
+    assert!(
+        captures >= 1 && replays >= 40,
+        "{replays} replays of {captures} graphs"
+    );
+}
+
+/// The serving engine on the GPU: requests of different lengths finish and leave, so decode steps
+/// run at many batch sizes, padded to graph buckets; every request gets its tokens, seeded
+/// sampling on the device, and a second run of the same requests gives the same tokens.
+#[test]
+fn serving_engine_on_the_gpu_is_deterministic() {
+    use nibble_engine::serving::{EngineConfig, Event, LlmEngine, Request, warm_up};
+    let dir = fixture("tiny-llama3");
+    let run = || {
+        let e = engine(gpu(Dtype::Bf16), &dir);
+        warm_up(&e.backend, &e.model, 256, 16, 16).unwrap();
+        let config = EngineConfig {
+            num_blocks: 256,
+            max_num_seqs: 16,
+            max_batched_tokens: 256,
+            ..EngineConfig::default()
+        };
+        let mut llm = LlmEngine::new(e.backend, e.model, e.tokenizer, config).unwrap();
+        for i in 0..13u64 {
+            let params = SamplingParams {
+                temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
+                top_p: 0.9,
+                seed: Some(i),
+                ..SamplingParams::default()
+            };
+            let prompt: Vec<u32> = (0..3 + i as u32 * 5)
+                .map(|t| 1 + (t * 7 + i as u32) % 200)
+                .collect();
+            let req = Request {
+                prompt,
+                params,
+                max_tokens: 5 + i as usize * 3,
+                stop: vec![],
+                ignore_eos: true,
+                logprobs: (i % 3 == 0).then_some(3),
+            };
+            llm.add_request(i, req).unwrap();
+        }
+        let mut out = vec![Vec::new(); 13];
+        while llm.has_work() {
+            for ev in llm.step().unwrap() {
+                if let Event::Token {
+                    id, token, logprob, ..
+                } = ev
+                {
+                    assert_eq!(logprob.is_some(), id % 3 == 0);
+                    out[id as usize].push(token);
+                }
+            }
+        }
+        let (replays, _) = llm.backend.graph_counts();
+        (out, replays)
+    };
+    let (a, replays) = run();
+    for (i, toks) in a.iter().enumerate() {
+        assert_eq!(toks.len(), 5 + i * 3, "request {i}");
+    }
+    assert!(replays > 0, "no decode step replayed a graph");
+    assert_eq!(a, run().0);
 }
