@@ -939,6 +939,14 @@ impl Backend for CudaBackend {
         self.ensure_meta(Some(tokens), batch)
     }
 
+    fn begin_layer(&self, layer: usize) {
+        let mut st = self.lock();
+        let recording = st.graphs.recording;
+        let r = st.arena.begin_layer(&self.gpu, layer, recording);
+        drop(st);
+        self.sticky(r);
+    }
+
     fn run_forward(
         &self,
         model: usize,

@@ -15,7 +15,7 @@ use nibble_core::Result;
 use nibble_model::BatchLayout;
 
 use crate::backend::{CudaBackend, CudaTensor, Elem};
-use crate::runtime::{DevicePtr, driver_err};
+use crate::runtime::{ArenaMark, DevicePtr, driver_err};
 
 /// Decode steps of more sequences run eagerly: their kernels are long enough that queueing them
 /// one by one keeps the GPU busy, and a graph per size would cost more to record than it saves.
@@ -45,7 +45,7 @@ struct Captured {
     exec: sys::CUgraphExec,
     graph: sys::CUgraph,
     out: (DevicePtr, usize, usize, Elem),
-    arena_used: usize,
+    arena: ArenaMark,
 }
 
 #[derive(Default)]
@@ -58,6 +58,8 @@ pub struct GraphCache {
     pool: u64,
     pub replays: u64,
     pub captures: u64,
+    /// A capture is under way: nothing may synchronize the stream.
+    pub recording: bool,
 }
 
 impl GraphCache {
@@ -109,11 +111,11 @@ pub fn run_forward(
             st.graphs.pool = kv_id;
         }
         if let Some(c) = st.graphs.graphs.get(&key) {
-            let (exec, out, used) = (c.exec, c.out, c.arena_used);
+            let (exec, out, mark) = (c.exec, c.out, c.arena);
             unsafe { cu::graph::launch(exec, be.gpu.cu_stream()) }
                 .map_err(|e| driver_err("graph launch", e))?;
             st.graphs.replays += 1;
-            st.arena.set_used(used);
+            st.arena.restore(mark);
             let epoch = st.arena.epoch;
             return Ok(CudaTensor::view(out.0, out.1, out.2, out.3, epoch));
         }
@@ -132,7 +134,9 @@ pub fn run_forward(
         )
     }
     .map_err(|e| driver_err("graph capture", e))?;
+    be.lock().graphs.recording = true;
     let out = body();
+    be.lock().graphs.recording = false;
     let graph = unsafe { cu::stream::end_capture(stream) };
     let out = out?;
     let graph = graph.map_err(|e| driver_err("graph capture end", e))?;
@@ -151,14 +155,14 @@ pub fn run_forward(
     unsafe { cu::graph::launch(exec, stream) }.map_err(|e| driver_err("graph launch", e))?;
     let mut st = be.lock();
     if st.arena.settled() {
-        let arena_used = st.arena.used();
+        let arena = st.arena.mark();
         st.graphs.graphs.insert(
             key,
             Captured {
                 exec,
                 graph,
                 out: (out.ptr, out.rows, out.cols, out.elem),
-                arena_used,
+                arena,
             },
         );
         st.graphs.captures += 1;

@@ -150,34 +150,32 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// Per-forward scratch memory: every activation of one forward pass is bump-allocated here and
-/// the whole arena is recycled when the next forward begins. Allocation is a pointer add, and a
-/// decode step replays with the same addresses, which is what lets it be captured as a graph.
-/// A forward that outgrows the arena gets extra buffers; the next reset folds them into one.
-pub struct Arena {
+/// One bump-allocated stretch of device memory. An allocation past its main buffer gets an
+/// extra buffer; the next reset folds the extras into a main buffer as large as the most the
+/// region held at once, plus a quarter.
+struct Region {
     main: Option<DeviceBuffer>,
     used: usize,
     extra: Vec<DeviceBuffer>,
-    extra_bytes: usize,
-    /// Bumped by every reset; tensors carry the epoch they were made in.
-    pub epoch: u64,
+    /// Bytes handed out since the last rewind (main and extras), and the most of that seen.
+    span: usize,
+    peak: usize,
 }
 
-const ALIGN: usize = 256;
-
-impl Arena {
-    pub fn new() -> Arena {
-        Arena {
+impl Region {
+    const fn new() -> Region {
+        Region {
             main: None,
             used: 0,
             extra: Vec::new(),
-            extra_bytes: 0,
-            epoch: 1,
+            span: 0,
+            peak: 0,
         }
     }
 
-    pub fn alloc(&mut self, gpu: &Arc<Gpu>, bytes: usize) -> Result<DevicePtr> {
-        let bytes = bytes.div_ceil(ALIGN) * ALIGN;
+    fn alloc(&mut self, gpu: &Arc<Gpu>, bytes: usize) -> Result<DevicePtr> {
+        self.span += bytes;
+        self.peak = self.peak.max(self.span);
         if let Some(m) = &self.main
             && self.used + bytes <= m.bytes
         {
@@ -187,50 +185,134 @@ impl Arena {
         }
         let buf = DeviceBuffer::alloc(gpu, bytes, "activations")?;
         let p = buf.ptr;
-        self.extra_bytes += bytes;
         self.extra.push(buf);
         Ok(p)
     }
 
-    /// Starts a new forward pass; returns whether the main buffer moved (it grew).
+    /// Hands the region out again from its start. A region that outgrew its main buffer is
+    /// folded into one now (after the GPU has finished with the old buffers), so a growing first
+    /// forward does not take new memory for every layer; while a graph is being recorded the
+    /// extras stay until the forward's reset instead (the recording is then dropped).
+    fn rewind(&mut self, gpu: &Arc<Gpu>, recording: bool) -> Result<()> {
+        self.used = 0;
+        self.span = 0;
+        if self.extra.is_empty() || recording {
+            return Ok(());
+        }
+        gpu.synchronize()?;
+        self.extra.clear();
+        let want = self.peak + self.peak / 4;
+        if self.main.as_ref().is_none_or(|m| m.bytes < want) {
+            self.main = None;
+            self.main = Some(DeviceBuffer::alloc(gpu, want, "activations")?);
+        }
+        Ok(())
+    }
+
+    /// Returns whether the main buffer moved (it grew).
+    fn reset(&mut self, gpu: &Arc<Gpu>) -> Result<bool> {
+        self.used = 0;
+        self.span = 0;
+        if self.extra.is_empty() {
+            return Ok(false);
+        }
+        let want = self.peak + self.peak / 4;
+        self.extra.clear();
+        self.main = None;
+        self.main = Some(DeviceBuffer::alloc(gpu, want, "activations")?);
+        Ok(true)
+    }
+}
+
+/// Where an arena stands: the bytes used in each region and the one allocating. A replayed graph
+/// restores the state its recording ended in.
+#[derive(Clone, Copy, Debug)]
+pub struct ArenaMark {
+    used: [usize; 3],
+    current: usize,
+}
+
+/// Per-forward scratch memory: every activation of one forward pass is bump-allocated here and
+/// recycled, so allocation is a pointer add and a decode step replays with the same addresses,
+/// which is what lets it be captured as a graph. The model's layers alternate between two
+/// regions, each rewound when the layer after next begins ([`Arena::begin_layer`]): a layer reads
+/// only the previous layer's outputs and what was made before the first layer (the residual
+/// stream, in the base region), so a forward pass needs two layers' activations, not all of
+/// them. The whole arena is recycled when the next forward begins.
+pub struct Arena {
+    /// 0: before the first layer and outside forwards; 1 and 2: even and odd layers.
+    regions: [Region; 3],
+    current: usize,
+    /// Bumped by every reset; tensors carry the epoch they were made in.
+    pub epoch: u64,
+}
+
+const ALIGN: usize = 256;
+
+impl Arena {
+    pub fn new() -> Arena {
+        Arena {
+            regions: [Region::new(), Region::new(), Region::new()],
+            current: 0,
+            epoch: 1,
+        }
+    }
+
+    pub fn alloc(&mut self, gpu: &Arc<Gpu>, bytes: usize) -> Result<DevicePtr> {
+        let bytes = bytes.div_ceil(ALIGN) * ALIGN;
+        self.regions[self.current].alloc(gpu, bytes)
+    }
+
+    /// Layer `layer` begins: its activations go to its parity's region, whose previous contents
+    /// (layer `layer - 2`'s) are dead. `recording`: a graph is being captured (no synchronizing).
+    pub fn begin_layer(&mut self, gpu: &Arc<Gpu>, layer: usize, recording: bool) -> Result<()> {
+        self.current = 1 + layer % 2;
+        self.regions[self.current].rewind(gpu, recording)
+    }
+
+    /// Starts a new forward pass; returns whether a main buffer moved (one grew).
     pub fn reset(&mut self, gpu: &Arc<Gpu>) -> Result<bool> {
         self.epoch += 1;
-        self.used = 0;
-        if !self.extra.is_empty() {
-            let want = self.main.as_ref().map_or(0, |m| m.bytes) + self.extra_bytes;
-            self.extra.clear();
-            self.extra_bytes = 0;
-            self.main = None;
-            self.main = Some(DeviceBuffer::alloc(gpu, want + want / 4, "activations")?);
-            return Ok(true);
+        self.current = 0;
+        let mut moved = false;
+        for r in &mut self.regions {
+            moved |= r.reset(gpu)?;
         }
-        Ok(false)
+        Ok(moved)
     }
 
-    /// Whether everything allocated since the reset came from the main buffer (a graph may
-    /// only be kept then: extra buffers are freed at the next reset).
+    /// Whether everything allocated since the reset came from main buffers (a graph may only be
+    /// kept then: extra buffers are freed at the next reset), after a forward sized them.
     pub fn settled(&self) -> bool {
-        self.extra.is_empty() && self.main.is_some()
+        self.regions[0].main.is_some() && self.regions.iter().all(|r| r.extra.is_empty())
     }
 
-    /// Empties the arena and makes its main buffer at least `bytes`; returns that buffer.
+    /// Empties the arena and makes its base region at least `bytes`; returns that buffer.
     pub fn reserve(&mut self, gpu: &Arc<Gpu>, bytes: usize) -> Result<(DevicePtr, usize)> {
         self.reset(gpu)?;
-        if self.main.as_ref().is_none_or(|m| m.bytes < bytes) {
-            self.main = None;
-            self.main = Some(DeviceBuffer::alloc(gpu, bytes, "activations")?);
+        let base = &mut self.regions[0];
+        if base.main.as_ref().is_none_or(|m| m.bytes < bytes) {
+            base.main = None;
+            base.main = Some(DeviceBuffer::alloc(gpu, bytes, "activations")?);
         }
-        let m = self.main.as_ref().expect("allocated above");
+        let m = base.main.as_ref().expect("allocated above");
         Ok((m.ptr, m.bytes))
     }
 
-    pub fn used(&self) -> usize {
-        self.used
+    pub fn mark(&self) -> ArenaMark {
+        ArenaMark {
+            used: [0, 1, 2].map(|i| self.regions[i].used),
+            current: self.current,
+        }
     }
 
-    /// After a graph replay: the replayed step's activations occupy the first `used` bytes.
-    pub fn set_used(&mut self, used: usize) {
-        self.used = used;
+    /// After a graph replay: the arena as the recorded step left it.
+    pub fn restore(&mut self, mark: ArenaMark) {
+        for (r, &used) in self.regions.iter_mut().zip(&mark.used) {
+            r.used = used;
+            r.span = used;
+        }
+        self.current = mark.current;
     }
 }
 

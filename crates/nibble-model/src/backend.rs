@@ -111,6 +111,11 @@ pub trait Backend: Send + Sync {
     fn begin_forward(&self, _tokens: &[u32], _batch: &BatchLayout) -> Result<()> {
         Ok(())
     }
+    /// Called by the model as layer `layer` of a forward pass begins, and with the number of
+    /// layers once they are done: a layer reads only what the previous layer made (and what was
+    /// made before the first), so a backend may recycle the memory of layer `layer - 2`.
+    fn begin_layer(&self, _layer: usize) {}
+
     /// Runs one whole forward pass, `body`. A backend may record the work of a step once and
     /// replay it for later steps of the same shape (CUDA graphs for decode steps); `model`
     /// identifies the weights the body reads.

@@ -387,6 +387,7 @@ impl<B: Backend> Transformer<B> {
         // The residual add of each block is fused into the next block's norm.
         let mut pending: Option<B::Tensor> = None;
         for (i, l) in self.layers.iter().enumerate() {
+            backend.begin_layer(i);
             let h = match pending.take() {
                 None => backend.rms_norm(&x, &l.attn_norm, eps),
                 Some(d) => backend.add_rms_norm(&mut x, &d, &l.attn_norm, eps),
@@ -415,6 +416,7 @@ impl<B: Backend> Transformer<B> {
             let act = backend.silu_mul(&gate_up[0], &gate_up[1]);
             pending = Some(backend.linear(&act, &l.down, None)?);
         }
+        backend.begin_layer(self.layers.len());
         if let Some(d) = pending {
             backend.add(&mut x, &d);
         }
