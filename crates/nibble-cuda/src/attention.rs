@@ -116,9 +116,6 @@ pub fn attention(
     be.ensure_meta(None, batch)?;
     let (positions, tok_seq, tables, max_blocks) =
         be.with_meta(|m| (m.positions, m.tok_seq, m.block_tables, m.max_blocks));
-    // The split is planned for the padded table width, not the exact context, so a decode step
-    // launches the same grid at every length within a power of two (what a graph replays).
-    let max_ctx = max_blocks * kv.block_size;
     let (kc, vc) = kv.layer(layer);
     let dt = be.dtype.suffix();
 
@@ -153,10 +150,21 @@ pub fn attention(
     let out = be.alloc(n, num_heads * head_dim, Elem::Half(be.dtype))?;
     let scale = 1.0 / (head_dim as f32).sqrt();
     if prefill && PREFILL_HEAD_DIMS.contains(&head_dim) {
+        // A mixed step's leading one-token sequences (the engine schedules running decodes
+        // first) take the decode kernel, which reads each KV head once for its whole GQA group;
+        // the prefill kernel would read it once per query head.
+        let decodes = if group >= 2 {
+            batch.seqs.iter().take_while(|s| s.len == 1).count()
+        } else {
+            0
+        };
+        if decodes > 0 {
+            decode_rows(be, q, k, v, kv, layer, decodes, shape, g, &out)?;
+        }
         // Query tiles of up to PREFILL_ROWS rows, each within one sequence.
         let mut tiles: Vec<i32> = Vec::new();
-        let mut row = 0;
-        for (i, s) in batch.seqs.iter().enumerate() {
+        let mut row = decodes;
+        for (i, s) in batch.seqs.iter().enumerate().skip(decodes) {
             for r0 in (0..s.len).step_by(PREFILL_ROWS) {
                 let rows = (s.len - r0).min(PREFILL_ROWS);
                 tiles.extend([
@@ -194,9 +202,50 @@ pub fn attention(
         return Ok(out);
     }
 
-    let split = plan_split(n, num_kv_heads, max_ctx, be.gpu.sm_count);
-    let part = be.alloc(n * num_kv_heads * split.splits * g, head_dim + 2, Elem::F32)?;
-    let grid = (n as u32, num_kv_heads as u32, split.splits as u32);
+    decode_rows(be, q, k, v, kv, layer, n, shape, g, &out)?;
+    Ok(out)
+}
+
+/// Decode attention of the batch's first `rows` tokens (one per sequence) into `out`'s rows:
+/// the context split across CTAs, then the splits reduced. Grouped heads run on tensor cores
+/// where a kernel exists (appending the rows' keys and values themselves: after an append of a
+/// whole mixed batch, that rewrites the same bytes); MHA and other head sizes on CUDA cores. Both write the same partials (the MMA kernel converts
+/// its base-2 maxima to base e).
+#[allow(clippy::too_many_arguments)]
+fn decode_rows(
+    be: &CudaBackend,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    kv: &CudaKv,
+    layer: usize,
+    rows: usize,
+    shape: AttentionShape,
+    g: usize,
+    out: &CudaTensor,
+) -> Result<()> {
+    let AttentionShape {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    } = shape;
+    let group = num_heads / num_kv_heads;
+    let (positions, tok_seq, tables, max_blocks) =
+        be.with_meta(|m| (m.positions, m.tok_seq, m.block_tables, m.max_blocks));
+    let max_ctx = max_blocks * kv.block_size;
+    let (kc, vc) = kv.layer(layer);
+    let dt = be.dtype.suffix();
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let mma = group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim);
+    // The split is planned for the padded table width, not the exact context, so a decode step
+    // launches the same grid at every length within a power of two (what a graph replays).
+    let split = plan_split(rows, num_kv_heads, max_ctx, be.gpu.sm_count);
+    let part = be.alloc(
+        rows * num_kv_heads * split.splits * g,
+        head_dim + 2,
+        Elem::F32,
+    )?;
+    let grid = (rows as u32, num_kv_heads as u32, split.splits as u32);
     let common = |scale: f32, with_block: bool| {
         let mut args = vec![
             Arg::Ptr(q.ptr),
@@ -218,9 +267,7 @@ pub fn attention(
         args.push(Arg::I64(q.ld as i64));
         args
     };
-    // Grouped heads run on tensor cores where a kernel exists; MHA and other head sizes on CUDA
-    // cores. Both write the same partials (the MMA kernel converts its base-2 maxima to base e).
-    if fused_append {
+    if mma {
         let mut args = common(scale * std::f32::consts::LOG2_E, false);
         args.extend([
             Arg::Ptr(k.ptr),
@@ -237,7 +284,7 @@ pub fn attention(
     be.kernel(&format!("attn_reduce_{dt}_hd{head_dim}_g{g}"))?
         .launch(
             &be.gpu,
-            (n as u32, num_heads as u32, 1),
+            (rows as u32, num_heads as u32, 1),
             128,
             0,
             vec![
@@ -250,7 +297,7 @@ pub fn attention(
                 Arg::I32(split.chunk as i32),
             ],
         )?;
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]
