@@ -166,7 +166,7 @@ fn bench_throughput_runs_sharegpt_requests_through_the_engine() {
         "2",
     ]);
     assert!(ok, "{err}");
-    assert!(out.contains("throughput: 3 requests"), "{out}");
+    assert!(out.contains("throughput at 2 seqs: 3 requests"), "{out}");
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(
