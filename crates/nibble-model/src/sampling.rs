@@ -140,8 +140,11 @@ pub fn key_id(key: u64) -> u32 {
 /// computes the same bits), within a few ulp of the true value; 0 below -87.
 pub fn exp_det(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 split so that n * LN2_HI is exact for |n| < 2^11.
+    // ln 2 split so that n * LN2_HI is exact for |n| < 2^11; kernels/sampling.cu spells the same
+    // digits.
+    #[allow(clippy::excessive_precision)]
     const LN2_HI: f32 = 0.693_145_751_953_125;
+    #[allow(clippy::excessive_precision)]
     const LN2_LO: f32 = 1.428_606_765_330_187e-6;
     if x.is_nan() || x < -87.0 {
         return 0.0;
@@ -360,7 +363,7 @@ fn top_p_cut(cands: &mut Vec<(u64, u64)>, target: u64, buckets: &mut Vec<u64>) {
             end += 1;
         }
     }
-    cands[kept..end].sort_unstable_by(|a, b| b.0.cmp(&a.0));
+    cands[kept..end].sort_unstable_by_key(|c| std::cmp::Reverse(c.0));
     let mut cum = above;
     let mut keep = end;
     for (i, c) in cands[kept..end].iter().enumerate() {
