@@ -112,6 +112,22 @@ def main():
     t = ms(lambda: x @ y)
     res["cublas_bf16_flops"] = 2 * m**3 / (t / 1e3)
     del x, y
+    if "--prefill-attention" in sys.argv:
+        # Causal prefill attention of one Llama-3-8B layer, as gpu-bench --prefill-attention.
+        rows = []
+        for ctx in [1024, 2048, 4096, 8192, 16384]:
+            q = torch.randn(1, HEADS, ctx, HD, device=dev, dtype=torch.bfloat16)
+            k = torch.randn(1, KV_HEADS, ctx, HD, device=dev, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                t = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+            flops = 4 * ctx * ctx / 2 * HEADS * HD
+            rows.append({"kind": "prefill", "batch": 1, "ctx": ctx, "ms": t, "tflops": flops / (t / 1e3) / 1e12})
+            print(rows[-1], flush=True)
+        res["prefill_attention"] = rows
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2)
+        return
     if "--qgemm" in sys.argv:
         res["qgemm"] = qgemm_peers(dev)
         with open(out, "w") as f:

@@ -5,6 +5,9 @@
 #   scripts/gpu-engine-run.sh OUTDIR PART...
 # PARTs, run in the order given:
 #   tests       every GPU test (device sampling against the reference among them)
+#   tests=NAME  the GPU tests whose names contain NAME
+#   prefill     causal prefill attention, 1k to 16k tokens: both of nibble's kernel tiers and
+#               PyTorch's flash SDPA
 #   steps       BF16 Llama-3-8B decode steps at batch 1, 64, 256 (the engine's own rate)
 #   profile     host vs device time per step at batch 1, 64, 256, sampling on the host
 #               (NIBBLE_HOST_SAMPLING=1, the path before device sampling) and on the device
@@ -49,6 +52,11 @@ for part in "$@"; do
   case $part in
     tests)
       step gpu-tests stage/gpu/gpu-tests --test-threads 1 ;;
+    tests=*)
+      step "gpu-tests-${part#tests=}" stage/gpu/gpu-tests "${part#tests=}" --test-threads 1 ;;
+    prefill)
+      step prefill-attention stage/gpu/gpu-bench "$out/prefill-attention.json" --prefill-attention
+      step prefill-peer python3 bench/gpu_peer.py "$out/prefill-peer.json" --prefill-attention ;;
     steps)
       step decode-steps stage/gpu/gpu-bench "$out/decode-steps.json" --decode-steps 1,64,256 ;;
     profile)

@@ -405,6 +405,29 @@ fn main() -> Result<()> {
     let only_qgemm = args.iter().any(|a| a == "--qgemm");
     let be = CudaBackend::new(0, Dtype::Bf16)?;
     eprintln!("gpu-bench on {}", be.name());
+    // --prefill-attention: only causal prefill attention of one Llama-3-8B layer, 1k to 16k
+    // tokens, by both kernel tiers (Hopper's wgmma kernel, the mma.sync kernel).
+    if args.iter().any(|a| a == "--prefill-attention") {
+        let (bw, peak) = ceilings(&be)?;
+        let mut rows = Vec::new();
+        for &ctx in &[1024, 2048, 4096, 8192, 16384] {
+            for tier in [KernelTier::Auto, KernelTier::MmaSync] {
+                be.set_kernel_tier(tier);
+                let mut r = attention(&be, 1, ctx, true, bw, peak)?;
+                r["tier"] = json!(format!("{tier:?}"));
+                eprintln!("prefill attention ctx{ctx} {tier:?}: {r}");
+                rows.push(r);
+            }
+        }
+        be.set_kernel_tier(KernelTier::Auto);
+        let report = json!({
+            "device": be.name(), "hbm_bytes_per_s": bw, "cublas_bf16_flops": peak,
+            "prefill_attention": rows,
+        });
+        std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
+            .map_err(|e| nibble_core::Error::io(&out, e))?;
+        return Ok(());
+    }
     // --decode-steps B,B,..: only BF16 Llama-3-8B decode steps at those batch sizes (contexts
     // 512 and 1024), the engine's own rate that offline throughput is held against.
     if let Some(i) = args.iter().position(|a| a == "--decode-steps") {

@@ -83,6 +83,9 @@ __device__ __forceinline__ void row_pages(int n, Load load, Use use) {
 }
 
 // Eight 16-bit values moved as one 16-byte access.
+// The shared-state-space address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
 struct __align__(16) Vec8 { unsigned short h[8]; };
 
 template <class T> __device__ __forceinline__ void unpack8(const Vec8& v, float* out) {

@@ -40,7 +40,6 @@
 #define QG_THREADS (QG_WARPS * 32)
 #define TILED_STAGES 4
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // 16 (8) bytes global -> shared; when `valid` is false the destination is zero-filled instead.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
@@ -551,22 +550,3 @@ NIBBLE_W8A8_OUT(f32, float)
 NIBBLE_W8A8_OUT(bf16, __nv_bfloat16)
 NIBBLE_W8A8_OUT(f16, __half)
 
-// ---------------------------------------------------------------------------------------------
-// mbarrier helpers of the Hopper kernels (qgemm_wgmma.cu).
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // (host pass: bench/probe)
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-#endif  // __CUDA_ARCH__ >= 900

@@ -42,39 +42,6 @@
 #define WGQ_PRODUCER_REGS 40
 #define WGQ_CONSUMER_REGS 232
 
-// A CUtensorMap, passed by value as a __grid_constant__ parameter.
-struct __align__(64) TmaMap {
-    unsigned long long v[16];
-};
-
-__device__ __forceinline__ void mbar_init_count(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Box (k0, row0) of `map` into shared memory at `dst`, completing on `bar`.
-__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap* map, int k0, int row0, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-        "l"(reinterpret_cast<u64>(map)), "r"(k0), "r"(row0), "r"(bar)
-        : "memory");
-}
-
-// Box (c0, c1, c2) of a 3-D `map` (a weight tensor: bytes of a chunk, chunk or group, tile).
-__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, int c0, int c1, int c2, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-        "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-        : "memory");
-}
-
-// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle layout: rows of
-// 128 bytes, 8-row atoms of 1024 bytes (SBO), start advanced by 32 bytes per wgmma K step.
-__device__ __forceinline__ u64 sw128_desc(u32 addr) {
-    return (u64)((addr & 0x3ffff) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-}
-
 // Lanes t = 0..3 of a quad hold rows of a 4x4 matrix v (v[j] = lane t's column j); afterwards
 // lane t holds column t: v[j] = lane j's old v[t]. Two butterfly rounds of two shuffles.
 __device__ __forceinline__ void quad_transpose(u32& v0, u32& v1, u32& v2, u32& v3) {
@@ -87,12 +54,6 @@ __device__ __forceinline__ void quad_transpose(u32& v0, u32& v1, u32& v2, u32& v
     u0 = __shfl_xor_sync(0xffffffffu, u0, 2);
     u1 = __shfl_xor_sync(0xffffffffu, u1, 2);
     if (b1) { v0 = u0; v1 = u1; } else { v2 = u0; v3 = u1; }
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
 // wgmma with A from registers, one overload per token count (N = 256, 128, 64) and A/B type; the
@@ -163,15 +124,6 @@ __device__ __forceinline__ void wgmma_16(float (&d)[8][4], const u32* a, u64 des
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
-template <int J> __device__ __forceinline__ void fence_acc(int (&d)[J][4]) {
-#pragma unroll
-    for (int j = 0; j < J; ++j) asm volatile("" : "+r"(d[j][0]), "+r"(d[j][1]), "+r"(d[j][2]), "+r"(d[j][3])::"memory");
-}
-template <int J> __device__ __forceinline__ void fence_acc(float (&d)[J][4]) {
-#pragma unroll
-    for (int j = 0; j < J; ++j) asm volatile("" : "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])::"memory");
-}
-
 // W8A8: a stage is 128 K, two packed chunks (2 x 1 KB per weight tile), four k32 wgmmas.
 template <int TOK> struct WgqW8 {
     static constexpr int STAGES = TOK == 256 ? 4 : TOK == 128 ? 6 : 8;

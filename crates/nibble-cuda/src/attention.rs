@@ -6,7 +6,8 @@ use nibble_model::{AttentionShape, BatchLayout};
 
 use crate::backend::{CudaBackend, CudaTensor, Elem};
 use crate::kv::CudaKv;
-use crate::runtime::Arg;
+use crate::qlinear::KernelTier;
+use crate::runtime::{Arg, DevicePtr, TmaLayout, tensor_map};
 
 /// Heads per KV head the kernels are instantiated for (the smallest that fits is used).
 const GROUPS: [usize; 4] = [1, 2, 4, 8];
@@ -18,6 +19,10 @@ pub const HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
 pub const PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Query rows per prefill CTA (4 warps of 16).
 const PREFILL_ROWS: usize = 64;
+/// Query rows per CTA of the wgmma prefill kernel (kernels/prefill_wgmma.cu, Hopper): two
+/// consumer warpgroups of 64, and a producer warpgroup.
+const WGMMA_PREFILL_ROWS: usize = 128;
+const WGMMA_PREFILL_THREADS: u32 = 384;
 /// Tokens per KV block: the decode kernel reads a block's rows of a head as one contiguous run.
 pub const KV_BLOCK: usize = 16;
 /// Tokens one CTA takes at the least: below that a CTA's fixed costs dominate.
@@ -161,27 +166,51 @@ pub fn attention(
         if decodes > 0 {
             decode_rows(be, q, k, v, kv, layer, decodes, shape, g, &out)?;
         }
-        // Query tiles of up to PREFILL_ROWS rows, each within one sequence.
-        let mut tiles: Vec<i32> = Vec::new();
-        let mut row = decodes;
-        for (i, s) in batch.seqs.iter().enumerate().skip(decodes) {
-            for r0 in (0..s.len).step_by(PREFILL_ROWS) {
-                let rows = (s.len - r0).min(PREFILL_ROWS);
-                tiles.extend([
-                    (row + r0) as i32,
-                    (s.start_pos + r0) as i32,
-                    rows as i32,
-                    i as i32,
-                ]);
-            }
-            row += s.len;
+        let wgmma = be.gpu.cc == (9, 0)
+            && be.tier() != KernelTier::MmaSync
+            && kv.block_size == KV_BLOCK
+            && q.ld % 4 == 0;
+        let rows_per_tile = if wgmma {
+            WGMMA_PREFILL_ROWS
+        } else {
+            PREFILL_ROWS
+        };
+        let mut tiles = prefill_tiles(batch, decodes, rows_per_tile);
+        if wgmma {
+            // Longest first: a causal tile's work grows with its last position.
+            tiles.sort_by_key(|t| std::cmp::Reverse(t[1] + t[2]));
         }
-        let list = be.alloc(1, tiles.len(), Elem::F32)?;
-        be.gpu.upload(list.ptr, &tiles)?;
+        let list = be.alloc(1, tiles.len() * 4, Elem::F32)?;
+        be.gpu.upload(list.ptr, tiles.as_flattened())?;
+        let scale_log2 = Arg::F32(scale * std::f32::consts::LOG2_E);
+        if wgmma {
+            let args = vec![
+                kv_tensor_map(kc, kv, head_dim)?,
+                kv_tensor_map(vc, kv, head_dim)?,
+                Arg::Ptr(q.ptr),
+                Arg::Ptr(tables),
+                Arg::Ptr(list.ptr),
+                Arg::Ptr(out.ptr),
+                Arg::I32(num_kv_heads as i32),
+                Arg::I32(group as i32),
+                Arg::I32(max_blocks as i32),
+                Arg::I32(kv.num_blocks as i32),
+                scale_log2,
+                Arg::I64(q.ld as i64),
+            ];
+            be.launch_block(
+                &format!("prefill_wgmma_{dt}_hd{head_dim}"),
+                (num_heads as u32, tiles.len() as u32, 1),
+                WGMMA_PREFILL_THREADS,
+                wgmma_prefill_smem(head_dim),
+                args,
+            )?;
+            return Ok(out);
+        }
         be.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?
             .launch(
                 &be.gpu,
-                ((tiles.len() / 4) as u32, num_heads as u32, 1),
+                (tiles.len() as u32, num_heads as u32, 1),
                 128,
                 0,
                 vec![
@@ -195,7 +224,7 @@ pub fn attention(
                     Arg::I32(group as i32),
                     Arg::I32(max_blocks as i32),
                     Arg::I32(kv.block_size as i32),
-                    Arg::F32(scale * std::f32::consts::LOG2_E),
+                    scale_log2,
                     Arg::I64(q.ld as i64),
                 ],
             )?;
@@ -298,6 +327,52 @@ fn decode_rows(
             ],
         )?;
     Ok(())
+}
+
+/// The prefill kernels' tile list (kernels/prefill.cu `PrefillTile`): query tiles of up to
+/// `rows_per_tile` rows, each within one sequence, for the sequences after the first `skip`,
+/// as (first batch row, first position, rows, sequence).
+fn prefill_tiles(batch: &BatchLayout, skip: usize, rows_per_tile: usize) -> Vec<[i32; 4]> {
+    let mut tiles = Vec::new();
+    let mut row: usize = batch.seqs[..skip].iter().map(|s| s.len).sum();
+    for (i, s) in batch.seqs.iter().enumerate().skip(skip) {
+        for r0 in (0..s.len).step_by(rows_per_tile) {
+            tiles.push([
+                (row + r0) as i32,
+                (s.start_pos + r0) as i32,
+                (s.len - r0).min(rows_per_tile) as i32,
+                i as i32,
+            ]);
+        }
+        row += s.len;
+    }
+    tiles
+}
+
+/// Dynamic shared memory of the wgmma prefill kernel (kernels/prefill_wgmma.cu `FaSmem`): Q
+/// (128 rows), two stages of K and V (128 keys each), the stages' barriers, alignment slack.
+fn wgmma_prefill_smem(head_dim: usize) -> u32 {
+    let tile = 128 * head_dim * 2;
+    (tile + 2 * 2 * tile + 3 * 2 * 8 + 1024) as u32
+}
+
+/// A TMA descriptor of one layer's keys or values, `[blocks][kv_heads][block][head_dim]`, read in
+/// boxes of one block of one head, 64 channels wide (a 128-byte swizzled row per token).
+fn kv_tensor_map(ptr: DevicePtr, kv: &CudaKv, head_dim: usize) -> Result<Arg> {
+    let heads = kv.shape.num_kv_heads;
+    let map = tensor_map(
+        ptr,
+        2,
+        &[head_dim, kv.block_size, heads, kv.num_blocks],
+        &[
+            head_dim * 2,
+            kv.block_size * head_dim * 2,
+            heads * kv.block_size * head_dim * 2,
+        ],
+        &[64, kv.block_size, 1, 1],
+        TmaLayout::Swizzle128,
+    )?;
+    Ok(Arg::TensorMap(Box::new(map)))
 }
 
 #[cfg(test)]

@@ -15,17 +15,29 @@ pub const COMMON: &str = include_str!("../kernels/common.cuh");
 pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise", include_str!("../kernels/elementwise.cu")),
     ("attention", include_str!("../kernels/attention.cu")),
-    ("prefill", include_str!("../kernels/prefill.cu")),
+    // The mma.sync prefill kernel and its wgmma tier (sm_90a) share the tile list.
+    (
+        "prefill",
+        concat!(
+            include_str!("../kernels/prefill.cu"),
+            "\n",
+            include_str!("../kernels/hopper.cuh"),
+            "\n",
+            include_str!("../kernels/prefill_wgmma.cu")
+        ),
+    ),
     ("decode_mma", include_str!("../kernels/decode_mma.cu")),
     ("sampling", include_str!("../kernels/sampling.cu")),
     // One module: the decode gemv and the wgmma tier (sm_90a) reuse the mma.sync tier's
-    // helpers and epilogues.
+    // helpers and epilogues; hopper.cuh holds what the wgmma kernels share.
     (
         "qgemm",
         concat!(
             include_str!("../kernels/qgemm.cu"),
             "\n",
             include_str!("../kernels/qgemv.cu"),
+            "\n",
+            include_str!("../kernels/hopper.cuh"),
             "\n",
             include_str!("../kernels/qgemm_wgmma.cu")
         ),

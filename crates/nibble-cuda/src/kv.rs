@@ -42,6 +42,13 @@ impl CudaKv {
             .ok_or_else(|| Error::InvalidArgument("KV pool size overflows".into()))?;
         let k = DeviceBuffer::alloc(gpu, bytes, "the KV cache (keys)")?;
         let v = DeviceBuffer::alloc(gpu, bytes, "the KV cache (values)")?;
+        // Attention kernels read whole blocks and mask the slots past a sequence's end; a masked
+        // value still multiplies a zero probability, so it must not be NaN: never-written slots
+        // start as zeros.
+        for buf in [&k, &v] {
+            unsafe { cudarc::driver::result::memset_d8_sync(buf.ptr, 0, bytes) }
+                .map_err(|e| crate::runtime::driver_err("clearing the KV cache", e))?;
+        }
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(CudaKv {
             shape,

@@ -815,7 +815,7 @@ impl CudaBackend {
     }
 
     /// The [`KernelTier`] set by [`CudaBackend::set_kernel_tier`].
-    fn tier(&self) -> KernelTier {
+    pub(crate) fn tier(&self) -> KernelTier {
         match self.kernel_tier.load(std::sync::atomic::Ordering::Relaxed) {
             t if t == KernelTier::MmaSync as u8 => KernelTier::MmaSync,
             t if t == KernelTier::Hopper as u8 => KernelTier::Hopper,

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 
 use half::{bf16, f16};
 use nibble_cpu::{CpuBackend, CpuTensor};
+use nibble_cuda::qlinear::KernelTier;
 use nibble_cuda::{CudaBackend, CudaTensor, Dtype};
 use nibble_engine::{Engine, GenerateRequest, SamplingParams};
 use nibble_formats::gguf::GgmlType;
@@ -375,6 +376,79 @@ fn attention_matches_cpu() {
             .expect("kv8 is CPU-only")
             .to_string();
         assert!(e.contains("kv8") || e.contains("CUDA"), "{e}");
+    }
+}
+
+/// The prefill kernels, Hopper's wgmma tier (where the GPU has it) and the mma.sync tier, against
+/// the CPU: a leading decode row, prompts that end inside a 128-row tile and on its edge, a chunk
+/// that starts off any tile or block boundary, a chunk of at most 64 rows (one consumer
+/// warpgroup), a prompt of 9 key tiles; GQA groups 4 and 3 and MHA, head sizes 128 and 64.
+#[test]
+fn prefill_attention_tiers_match_cpu() {
+    let mut r = rng("prefill_attention_tiers_match_cpu");
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let (g, c) = (gpu(dtype), cpu());
+        for &(num_heads, num_kv_heads, head_dim) in &[(32, 8, 128), (6, 2, 64), (4, 4, 128)] {
+            for tier in [KernelTier::Auto, KernelTier::MmaSync] {
+                g.set_kernel_tier(tier);
+                let shape = AttentionShape {
+                    num_heads,
+                    num_kv_heads,
+                    head_dim,
+                };
+                let kv_shape = KvShape {
+                    num_layers: 1,
+                    num_kv_heads,
+                    head_dim,
+                    format: KvFormat::F16,
+                };
+                let (block, pool) = (16, 300);
+                let mut ckv = c.new_kv_pool(kv_shape, pool, block).unwrap();
+                let mut gkv = g.new_kv_pool(kv_shape, pool, block).unwrap();
+                let spans = [(0, 38), (0, 256), (0, 259), (0, 1064), (0, 1100)];
+                let owned = layout(&mut r, &spans, block, pool);
+                let span = |i: usize, start_pos, len| SeqSpan {
+                    blocks: owned.seqs[i].blocks.clone(),
+                    start_pos,
+                    len,
+                };
+                let hist = BatchLayout {
+                    seqs: vec![span(0, 0, 37), span(2, 0, 130), span(3, 0, 1000)],
+                };
+                let step = BatchLayout {
+                    seqs: vec![
+                        span(0, 37, 1),
+                        span(1, 0, 256),
+                        span(2, 130, 129),
+                        span(3, 1000, 64),
+                        span(4, 0, 1100),
+                    ],
+                };
+                for batch in [&hist, &step] {
+                    let n = batch.num_tokens();
+                    g.poison_activations(256 << 20).unwrap();
+                    let [q, k, v] = [num_heads, num_kv_heads, num_kv_heads].map(|heads| {
+                        CpuTensor::new(
+                            randn(&mut r, n * heads * head_dim, 1.0),
+                            n,
+                            heads * head_dim,
+                        )
+                    });
+                    let want = c.attention(&q, &k, &v, &mut ckv, 0, batch, shape).unwrap();
+                    let (gq, gk, gv) = (to_gpu(&g, &q), to_gpu(&g, &k), to_gpu(&g, &v));
+                    let got = g
+                        .attention(&gq, &gk, &gv, &mut gkv, 0, batch, shape)
+                        .unwrap();
+                    check(
+                        &format!("prefill attention {shape:?} {dtype:?} {tier:?} {n} tokens"),
+                        &host(&g, &got),
+                        &want.data,
+                        1e-2,
+                    );
+                }
+            }
+        }
+        g.set_kernel_tier(KernelTier::Auto);
     }
 }
 

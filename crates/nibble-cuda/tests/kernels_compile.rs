@@ -38,6 +38,15 @@ fn kernels_compile_for_every_architecture() {
                     let want: &[&str] = match *name {
                         "attention" => &["paged_attn_bf16_hd128_g4", "attn_reduce_f16_hd64_g8"],
                         "decode_mma" => &["decode_mma_bf16_hd128_g4", "decode_mma_f16_hd64_g8"],
+                        // The wgmma tier exists from sm_90 (sm_90a) on.
+                        "prefill" if cc.0 >= 9 => &[
+                            "prefill_attn_bf16_hd128",
+                            "prefill_attn_f16_hd64",
+                            "prefill_wgmma_bf16_hd128",
+                            "prefill_wgmma_bf16_hd64",
+                            "prefill_wgmma_f16_hd128",
+                            "prefill_wgmma_f16_hd64",
+                        ],
                         "prefill" => &["prefill_attn_bf16_hd128", "prefill_attn_f16_hd64"],
                         // The decode gemv exists from sm_90 on; the mma.sync tier everywhere.
                         "qgemm" if cc.0 >= 9 => &[
