@@ -12,7 +12,7 @@
 // K-major operands of S = Q K^T (wgmma m64n128k16, both from shared memory), V the N-major B
 // operand of O += P V (transposed read; LBO = one panel, SBO = 8 rows), P the register A operand:
 // the S accumulator layout is the A fragment layout, so P never touches shared memory.
-// Pipeline: FA_STAGES stages of (K, V), each with a full barrier for K and one for V (so S can
+// Pipeline: FaSmem::STAGES stages (3 at head_dim 128, 4 at 64) of (K, V), each with a full barrier for K and one for V (so S can
 // start before V lands) and an empty barrier the consumer warps release once P V retired. The
 // producer fills a stage with 16-token TMA boxes (a KV block of one head is a [16][HD] run of the
 // cache: boxes of 64 channels x 16 slots), block ids read from the sequence's table; blocks past
@@ -26,7 +26,6 @@
 #define FA_M 128        // query rows per CTA
 #define FA_N 128        // keys per tile
 #define FA_BLOCK 16     // tokens per KV block (attention.rs KV_BLOCK)
-#define FA_STAGES 2
 // Registers after setmaxnreg (as qgemm_wgmma.cu): 40 + 2 x 232 per lane of each SM sub-partition.
 #define FA_PRODUCER_REGS 40
 #define FA_CONSUMER_REGS 232
@@ -78,12 +77,20 @@ __device__ __forceinline__ void wgmma_rs_nmajor(float (&d)[8][4], const u32* a, 
 
 
 template <int HD> struct FaSmem {
+    // Stages of (K, V): as many as fit next to Q in 227 KB (attention.rs wgmma_prefill_smem).
+    static constexpr int STAGES = HD == 128 ? 3 : 4;
     static constexpr int PANELS = HD / 64;
     static constexpr int PANEL_Q = FA_M * 128, PANEL_KV = FA_N * 128;  // bytes of a 64-channel panel
     static constexpr int Q_BYTES = PANELS * PANEL_Q, KV_BYTES = PANELS * PANEL_KV;
-    static constexpr int BARS = Q_BYTES + 2 * FA_STAGES * KV_BYTES;      // offset of the barriers
-    static constexpr int BYTES = BARS + 3 * FA_STAGES * 8 + 1024;         // + alignment slack
+    static constexpr int BARS = Q_BYTES + 2 * STAGES * KV_BYTES;  // offset of the barriers
+    static constexpr int BYTES = BARS + 3 * STAGES * 8 + 1024;    // + alignment slack
 };
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 // Descriptor of 16 keys x HD channels of a V tile as the N-major B operand: 64-channel panels
 // PANEL_KV apart (LBO), 8-key atoms 1024 bytes apart (SBO), 128-byte swizzle.
@@ -103,10 +110,10 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
     unsigned char* smem = fa_smem + pad;  // swizzle atoms are 1024-byte aligned
     const u32 base = raw + pad;
     auto kst = [&](int s) { return base + L::Q_BYTES + s * L::KV_BYTES; };
-    auto vst = [&](int s) { return base + L::Q_BYTES + (FA_STAGES + s) * L::KV_BYTES; };
+    auto vst = [&](int s) { return base + L::Q_BYTES + (L::STAGES + s) * L::KV_BYTES; };
     auto full_k = [&](int s) { return base + L::BARS + 8 * s; };
-    auto full_v = [&](int s) { return base + L::BARS + 8 * (FA_STAGES + s); };
-    auto empty = [&](int s) { return base + L::BARS + 8 * (2 * FA_STAGES + s); };
+    auto full_v = [&](int s) { return base + L::BARS + 8 * (L::STAGES + s); };
+    auto empty = [&](int s) { return base + L::BARS + 8 * (2 * L::STAGES + s); };
 
     const PrefillTile tile = tiles[blockIdx.y];
     const int h = blockIdx.x, kvh = h / group, num_heads = num_kv_heads * group;
@@ -116,7 +123,7 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
     const int consumer_warps = tile.rows > 64 ? 8 : 4;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < FA_STAGES; ++s) {
+        for (int s = 0; s < L::STAGES; ++s) {
             mbar_init_count(full_k(s), 1);
             mbar_init_count(full_v(s), 1);
             mbar_init_count(empty(s), consumer_warps);  // lane 0 of each working consumer warp
@@ -129,15 +136,22 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FA_PRODUCER_REGS));
         if (warp != 8 || lane != 0) return;
         const int* table = block_tables + (long)tile.seq * max_blocks;
-        for (int j = 0; j < n; ++j) {
-            const int s = j % FA_STAGES;
-            if (j >= FA_STAGES) mbar_wait(empty(s), (j / FA_STAGES + 1) & 1);
-            int blk[FA_N / FA_BLOCK];
+        // Block ids of key tile j, read a tile ahead so their latency hides behind the wait.
+        int blk[FA_N / FA_BLOCK], next[FA_N / FA_BLOCK];
+        auto read_ids = [&](int j) {
 #pragma unroll
             for (int b = 0; b < FA_N / FA_BLOCK; ++b) {
                 const int p = j * FA_N + b * FA_BLOCK;
-                blk[b] = p <= last ? table[p / FA_BLOCK] : num_blocks;
+                next[b] = p <= last ? table[p / FA_BLOCK] : num_blocks;
             }
+        };
+        read_ids(0);
+        for (int j = 0; j < n; ++j) {
+            const int s = j % L::STAGES;
+#pragma unroll
+            for (int b = 0; b < FA_N / FA_BLOCK; ++b) blk[b] = next[b];
+            if (j + 1 < n) read_ids(j + 1);
+            if (j >= L::STAGES) mbar_wait(empty(s), (j / L::STAGES + 1) & 1);
             mbar_expect_tx(full_k(s), L::KV_BYTES);
 #pragma unroll
             for (int b = 0; b < FA_N / FA_BLOCK; ++b)
@@ -197,8 +211,9 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
 #pragma unroll
         for (int kk = 0; kk < FA_N / 16; ++kk) wgmma_rs_nmajor(o, p[kk], fa_v_desc(vst(st) + kk * 16 * 128), (T*)nullptr);
     };
-    // Scale (and mask) S of key tile j, fold its maxima into m, and replace S by exp2(S - m);
-    // corr rescales what was summed before, l takes this thread's share of the row sums.
+    // Mask S of key tile j, fold its maxima into m (raw scores), and replace S by
+    // exp2((S - m) * scale_log2), one FFMA and one ex2 each; corr rescales what was summed before,
+    // l takes this thread's share of the row sums (the quad adds them at the end).
     auto probs = [&](int j) {
         const int kv0 = j * FA_N;
         const bool masked = kv0 + FA_N - 1 > wpos;
@@ -207,25 +222,23 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
         for (int i = 0; i < FA_N / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int kp = kv0 + i * 8 + 2 * t + (e & 1);
-                float v = s[i][e] * scale_log2;
-                if (masked && kp > (e < 2 ? qp0 : qp1)) v = NEG_BIG;
-                s[i][e] = v;
-                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+                if (masked && kv0 + i * 8 + 2 * t + (e & 1) > (e < 2 ? qp0 : qp1)) s[i][e] = NEG_BIG;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[i][e]);
             }
-        float rs[2] = {0.f, 0.f};
+        float rs[2] = {0.f, 0.f}, bias[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            corr[r] = exp2f(m[r] - mx[r]);
+            corr[r] = fast_exp2((m[r] - mx[r]) * scale_log2);
             m[r] = mx[r];
+            bias[r] = -mx[r] * scale_log2;
         }
 #pragma unroll
         for (int i = 0; i < FA_N / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float v = s[i][e] > -1e29f ? exp2f(s[i][e] - mx[e >> 1]) : 0.f;
+                const float v = fast_exp2(fmaf(s[i][e], scale_log2, bias[e >> 1]));
                 s[i][e] = v;
                 rs[e >> 1] += v;
             }
@@ -242,23 +255,42 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
         }
     };
 
+    // Ping-pong (FlashAttention-3 §3.1): the two warpgroups take turns to issue their GEMMs, so
+    // one's softmax runs while the other's GEMMs hold the tensor cores. Warpgroup w waits on
+    // named barrier 3 + w, which the other one's 128 threads arrive at once they have issued;
+    // warpgroup 1 lets warpgroup 0 go first, and skips its last arrival, which nobody awaits.
+    const bool pingpong = consumer_warps == 8;
+    int turn = 0;  // GEMM issues so far (n + 1 in all)
+    auto my_turn = [&]() {
+        if (pingpong) asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory");
+    };
+    auto pass_turn = [&]() {
+        ++turn;
+        if (pingpong && !(wg == 1 && turn == n + 1)) asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - wg) : "memory");
+    };
+    if (pingpong && wg == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+
     mbar_wait(full_k(0), 0);
+    my_turn();
     wgmma_fence();
     qk(0);
     wgmma_commit();
+    pass_turn();
     wgmma_wait<0>();
     fence_acc(s);
     probs(0);
     pack_p();
     for (int j = 1; j < n; ++j) {
-        const int st = j % FA_STAGES, prev = (j - 1) % FA_STAGES;
-        mbar_wait(full_k(st), (j / FA_STAGES) & 1);
+        const int st = j % L::STAGES, prev = (j - 1) % L::STAGES;
+        mbar_wait(full_k(st), (j / L::STAGES) & 1);
+        mbar_wait(full_v(prev), ((j - 1) / L::STAGES) & 1);
+        my_turn();
         wgmma_fence();
         qk(st);
         wgmma_commit();
-        mbar_wait(full_v(prev), ((j - 1) / FA_STAGES) & 1);
         pv(prev);
         wgmma_commit();
+        pass_turn();
         wgmma_wait<1>();  // S of tile j is in; P V of tile j - 1 may still run
         fence_acc(s);
         probs(j);
@@ -274,10 +306,12 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
         }
         pack_p();
     }
-    mbar_wait(full_v((n - 1) % FA_STAGES), ((n - 1) / FA_STAGES) & 1);
+    mbar_wait(full_v((n - 1) % L::STAGES), ((n - 1) / L::STAGES) & 1);
+    my_turn();
     wgmma_fence();
-    pv((n - 1) % FA_STAGES);
+    pv((n - 1) % L::STAGES);
     wgmma_commit();
+    pass_turn();
     wgmma_wait<0>();
     fence_acc(o);
 

@@ -350,10 +350,12 @@ fn prefill_tiles(batch: &BatchLayout, skip: usize, rows_per_tile: usize) -> Vec<
 }
 
 /// Dynamic shared memory of the wgmma prefill kernel (kernels/prefill_wgmma.cu `FaSmem`): Q
-/// (128 rows), two stages of K and V (128 keys each), the stages' barriers, alignment slack.
+/// (128 rows), 3 (head_dim 128) or 4 (64) stages of K and V (128 keys each), the stages'
+/// barriers, alignment slack.
 fn wgmma_prefill_smem(head_dim: usize) -> u32 {
+    let stages = if head_dim == 128 { 3 } else { 4 };
     let tile = 128 * head_dim * 2;
-    (tile + 2 * 2 * tile + 3 * 2 * 8 + 1024) as u32
+    (tile + 2 * stages * tile + 3 * stages * 8 + 1024) as u32
 }
 
 /// A TMA descriptor of one layer's keys or values, `[blocks][kv_heads][block][head_dim]`, read in
