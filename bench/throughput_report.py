@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Tabulates a scripts/gpu-engine-run.sh folder: offline throughput per precision and batch size
 (with the host share of step time when profiled), the engine's own decode-step rate, and
-`bench serve` latencies per request rate; draws OUTDIR/throughput.png (output tokens/s against
-sequences per precision, and TTFT/TPOT against request rate).
+`bench serve` latencies per request rate, prefill attention against PyTorch's flash SDPA; draws
+OUTDIR/throughput.png (output tokens/s against sequences per precision, and TTFT/TPOT against
+request rate) and OUTDIR/prefill.png (prefill attention TFLOP/s against tokens).
     python3 bench/throughput_report.py OUTDIR > report.md"""
 import json
 import sys
@@ -73,12 +74,17 @@ def main():
                 cells.append(f"{m.get('p50', float('nan')):.1f} / {m.get('p99', float('nan')):.1f}")
             print(f"| {s['rate']} | {s.get('request_throughput', 0):.2f} | "
                   f"{s.get('output_throughput', 0):.0f} | " + " | ".join(cells) + " |")
+    prefill = prefill_table(out)
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("\n(matplotlib missing: no plot)", file=sys.stderr)
+        return
+    if prefill:
+        prefill_plot(plt, out, prefill)
+    if not runs and not serves:
         return
     fig, axes = plt.subplots(1, 2 if serves else 1, figsize=(11 if serves else 6, 4))
     axes = axes if serves else [axes]
@@ -106,6 +112,45 @@ def main():
         axes[1].legend()
     fig.tight_layout()
     fig.savefig(out / "throughput.png", dpi=120)
+
+
+def prefill_table(out):
+    """Prefill attention rows per kernel (nibble's tiers, PyTorch), printed as a table."""
+    ours, peer = out / "prefill-attention.json", out / "prefill-peer.json"
+    if not ours.exists():
+        return None
+    rows = json.loads(ours.read_text())["prefill_attention"]
+    torch = {r["ctx"]: r for r in json.loads(peer.read_text())["prefill_attention"]} if peer.exists() else {}
+    series = {}
+    print("\nPrefill attention, one Llama-3-8B layer (32 heads, 8 KV heads, head_dim 128), causal, "
+          "batch 1:\n")
+    print("| tokens | nibble wgmma ms | TFLOP/s | nibble mma.sync ms | TFLOP/s | PyTorch flash ms | "
+          "TFLOP/s | wgmma speedup over PyTorch |")
+    print("|---|---|---|---|---|---|---|---|")
+    for ctx in sorted({r["ctx"] for r in rows}):
+        by = {r["tier"]: r for r in rows if r["ctx"] == ctx}
+        w, m, t = by.get("Auto"), by.get("MmaSync"), torch.get(ctx)
+        for name, r in [("nibble wgmma", w), ("nibble mma.sync", m), ("PyTorch flash SDPA", t)]:
+            if r:
+                series.setdefault(name, []).append((ctx, r["tflops"]))
+        cell = lambda r: f"{r['ms']:.3f} | {r['tflops']:.0f}" if r else " | "
+        speed = f"{t['ms'] / w['ms']:.2f}x" if (w and t) else ""
+        print(f"| {ctx} | {cell(w)} | {cell(m)} | {cell(t)} | {speed} |")
+    print()
+    return series
+
+
+def prefill_plot(plt, out, series):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, pts in series.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TFLOP/s (causal)")
+    ax.set_title("prefill attention, Llama-3-8B layer")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "prefill.png", dpi=120)
 
 
 if __name__ == "__main__":
