@@ -20,17 +20,18 @@ use crate::runtime::{ArenaMark, DevicePtr, driver_err};
 /// Decode steps of more sequences run eagerly. Up to here queueing a step's few hundred launches
 /// costs the host 3 to 4.5 ms against 8 to 10 ms of GPU time (Llama-3-8B on an H100), which a
 /// graph replay saves.
-pub const GRAPH_MAX_SEQS: usize = 512;
+pub const GRAPH_MAX_SEQS: usize = 1024;
 
 /// The size a decode step of `n` sequences is padded to, so that a few graphs serve every batch:
-/// powers of two to 8, then multiples of 8 to 32, of 16 to 128 and of 32 to [`GRAPH_MAX_SEQS`];
-/// larger steps run eagerly at their own size.
+/// powers of two to 8, then multiples of 8 to 32, of 16 to 128, of 32 to 512 and of 64 to
+/// [`GRAPH_MAX_SEQS`]; larger steps run eagerly at their own size.
 pub fn decode_bucket(n: usize) -> usize {
     match n {
         0..=8 => n.next_power_of_two(),
         9..=32 => n.div_ceil(8) * 8,
         33..=128 => n.div_ceil(16) * 16,
-        129..=GRAPH_MAX_SEQS => n.div_ceil(32) * 32,
+        129..=512 => n.div_ceil(32) * 32,
+        513..=GRAPH_MAX_SEQS => n.div_ceil(64) * 64,
         _ => n,
     }
 }
