@@ -27,7 +27,7 @@ use crate::front_door;
 use crate::validate::{self, Generation, Prompt, Rules};
 
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
@@ -42,8 +42,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         // `admit` has read the body within --max-body-bytes; axum's own 2 MiB cap would answer
         // in plain text.
         .layer(DefaultBodyLimit::disable())
-        .layer(middleware::from_fn(front_door::http_errors))
-        .with_state(state)
+        .with_state(state);
+    front_door::with_json_errors(routes)
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {

@@ -14,6 +14,7 @@
 
 use std::sync::Arc;
 
+use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, Method, StatusCode, header};
@@ -28,8 +29,16 @@ use crate::error::{ApiError, ApiResult};
 /// head is bounded separately by `--max-header-bytes` (431, in `listener`).
 pub const MAX_URI_BYTES: usize = 8192;
 
+/// `routes` behind [`http_errors`]. Around the whole router rather than as its layer: a layer
+/// runs inside each route, before axum adds the `Allow` header to a 405.
+pub fn with_json_errors(routes: Router) -> Router {
+    Router::new()
+        .fallback_service(routes)
+        .layer(axum::middleware::from_fn(http_errors))
+}
+
 /// Outermost layer: the URI length, then OpenAI's shape for every error response.
-pub async fn http_errors(req: Request, next: Next) -> Response {
+async fn http_errors(req: Request, next: Next) -> Response {
     let uri_len = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
     if uri_len > MAX_URI_BYTES {
         return ApiError::client(

@@ -24,7 +24,7 @@ use axum::http::StatusCode;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tower::ServiceExt;
@@ -118,10 +118,22 @@ async fn connection(
         let _ = io.write_all(&reply).await;
     }
     // Sends whatever JsonErrors still owes, then FIN.
-    tokio::time::timeout(Duration::from_secs(5), io.shutdown())
+    tokio::time::timeout(LINGER, io.shutdown())
         .await
-        .unwrap_or(Ok(()))
+        .unwrap_or(Ok(()))?;
+    // A refused request may still be arriving (a body over the limit). Closing a socket with
+    // unread data makes the kernel send a reset, which can destroy the answer before the client
+    // reads it; so read and drop what comes, for a little while, as nginx's lingering close does.
+    let mut sink = [0u8; 8192];
+    let deadline = tokio::time::Instant::now() + LINGER;
+    while let Ok(Ok(n)) = tokio::time::timeout_at(deadline, io.read(&mut sink)).await
+        && n > 0
+    {}
+    Ok(())
 }
+
+/// How long a closing connection waits for the client to take its last answer.
+const LINGER: Duration = Duration::from_secs(2);
 
 /// The socket as hyper sees it, with hyper's empty-bodied automatic error responses replaced
 /// by OpenAI-shaped ones (see the module's comment).

@@ -16,9 +16,7 @@ const TIMEOUT: Duration = Duration::from_millis(600);
 async fn start() -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(axum::middleware::from_fn(crate::front_door::http_errors));
+    let app = crate::front_door::with_json_errors(Router::new().route("/", get(|| async { "ok" })));
     let limits = Limits {
         header_timeout: TIMEOUT,
         max_header_bytes: 4096,
@@ -125,16 +123,20 @@ async fn a_partial_head_gets_408_and_an_idle_connection_is_closed() {
 async fn a_slow_client_does_not_hold_up_others() {
     let addr = start().await;
     let slow = tokio::spawn(async move {
-        let mut s = TcpStream::connect(addr).await.unwrap();
+        let (mut r, mut w) = TcpStream::connect(addr).await.unwrap().into_split();
         let t0 = Instant::now();
-        for b in b"GET / HTTP/1.1\r\nHost: slowloris\r\nX-A: " {
-            if s.write_all(&[*b]).await.is_err() {
-                break;
+        // Keeps sending a byte every 50 ms; the answer and the close come meanwhile.
+        let writer = tokio::spawn(async move {
+            for b in b"GET / HTTP/1.1\r\nHost: slowloris\r\nX-A: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa" {
+                if w.write_all(&[*b]).await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        });
         let mut out = Vec::new();
-        let _ = s.read_to_end(&mut out).await;
+        let _ = r.read_to_end(&mut out).await;
+        writer.abort();
         (t0.elapsed(), String::from_utf8_lossy(&out).into_owned())
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
