@@ -461,8 +461,11 @@ fn run(cli: Cli) -> Result<()> {
     // Validate flags before spending time on loading.
     match &cli.command {
         Command::Generate { opts, .. } | Command::Chat { opts, .. } => opts.params().validate()?,
-        Command::Serve(ServeArgs { engine, .. })
-        | Command::Bench {
+        Command::Serve(ServeArgs { engine, limits, .. }) => {
+            engine.config(kv, false)?;
+            limits.limits()?;
+        }
+        Command::Bench {
             what: Some(BenchCommand::Throughput(ThroughputArgs { engine, .. })),
             ..
         } => {
