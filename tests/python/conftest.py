@@ -68,6 +68,20 @@ def keyed_server():
     s.stop()
 
 
+# Small limits, so that the tests of timeouts and sizes run fast.
+LIMITS = {"header_timeout": 1.5, "body_timeout": 1.5, "max_body_bytes": 65536, "max_messages": 8,
+          "max_stop_strings": 4}
+
+
+@pytest.fixture(scope="session")
+def limits_server():
+    s = Server(*[a for k, v in LIMITS.items() for a in ("--" + k.replace("_", "-"), str(v))])
+    s.limits = LIMITS
+    yield s
+    assert s.proc.poll() is None, "the server died during the tests"
+    s.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_queue_server():
     s = Server("--max-waiting", "1", "--max-num-seqs", "1")

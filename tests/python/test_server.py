@@ -93,14 +93,14 @@ def test_stop_seed_and_logprobs(server):
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 10**7}, "max_tokens"),
-    ({"prompt": "x", "top_p": 1.5}, "sampling"),
-    ({"prompt": "x", "temperature": -1}, "sampling"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
     (b'{"prompt": "x", "temperature": NaN}', "body"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "n": 3}, "n"),
     ({"prompt": {"a": 1}}, "prompt"),
     ({}, "prompt"),
-    ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": [10**9]}, "prompt[0]"),
     ({"prompt": "word " * 9000}, "prompt"),
 ])
 def test_bad_completion_requests_get_400(server, body, param):
@@ -114,7 +114,7 @@ def test_bad_completion_requests_get_400(server, body, param):
 def test_bad_chat_requests_and_unknown_model(server):
     assert post(server, "/v1/chat/completions", {"messages": []})[0] == 400
     status, err = post(server, "/v1/chat/completions", {"messages": [{"content": "no role"}]})
-    assert status == 400 and err["error"]["param"] == "messages"
+    assert status == 400 and err["error"]["param"] == "messages[0].role"
     with pytest.raises(openai.NotFoundError):
         client(server).completions.create(model="gpt-4", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError) as e:
@@ -159,7 +159,8 @@ def test_curl_completion_and_stream(server):
                           "-d", json.dumps({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})],
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out)["choices"][0]["text"].startswith(" Paris")
-    out = subprocess.run(["curl", "-sS", "-N", server.base + "/v1/chat/completions", "-d",
+    out = subprocess.run(["curl", "-sS", "-N", server.base + "/v1/chat/completions",
+                          "-H", "Content-Type: application/json", "-d",
                           json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
                                       "stream": True})],
                          capture_output=True, text=True, check=True).stdout

@@ -119,7 +119,64 @@ struct ServeArgs {
     #[arg(long)]
     served_model_name: Option<String>,
     #[command(flatten)]
+    limits: LimitArgs,
+    #[command(flatten)]
     engine: EngineArgs,
+}
+
+/// What one client may take from the server. Requests reach the engine only once their body is
+/// read whole and validated, so a slow client holds a connection, never an engine slot.
+#[derive(Args, Clone)]
+struct LimitArgs {
+    /// Seconds a client has to send a request head; also how long an idle keep-alive
+    /// connection stays open.
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds a client has to send a request body once its head has arrived.
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout: f64,
+    /// Largest request body in bytes (413 above).
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+    /// Largest request head (request line and headers) in bytes (431 above).
+    #[arg(long, default_value_t = 32 << 10)]
+    max_header_bytes: usize,
+    /// Most messages in one chat request.
+    #[arg(long, default_value_t = 2048)]
+    max_messages: usize,
+    /// Most stop strings in one request.
+    #[arg(long, default_value_t = 16)]
+    max_stop_strings: usize,
+}
+
+impl LimitArgs {
+    fn limits(&self) -> Result<nibble_server::Limits> {
+        let secs = |v: f64, flag: &str| {
+            if v > 0.0 && v <= 86_400.0 {
+                Ok(std::time::Duration::from_secs_f64(v))
+            } else {
+                bail!("{flag} must be more than 0 and at most 86400 seconds, got {v}")
+            }
+        };
+        // hyper reads a head into a buffer of about 400 KiB at most.
+        if !(1024..=256 << 10).contains(&self.max_header_bytes) {
+            bail!(
+                "--max-header-bytes must be 1024 to 262144, got {}",
+                self.max_header_bytes
+            );
+        }
+        if self.max_body_bytes == 0 || self.max_messages == 0 {
+            bail!("--max-body-bytes and --max-messages must be positive");
+        }
+        Ok(nibble_server::Limits {
+            header_timeout: secs(self.header_timeout, "--header-timeout")?,
+            body_timeout: secs(self.body_timeout, "--body-timeout")?,
+            max_body_bytes: self.max_body_bytes,
+            max_header_bytes: self.max_header_bytes,
+            max_messages: self.max_messages,
+            max_stop: self.max_stop_strings,
+        })
+    }
 }
 
 /// Sizes of the serving engine. Unset sizes take the device's defaults: on a GPU 256 sequences,
@@ -404,8 +461,11 @@ fn run(cli: Cli) -> Result<()> {
     // Validate flags before spending time on loading.
     match &cli.command {
         Command::Generate { opts, .. } | Command::Chat { opts, .. } => opts.params().validate()?,
-        Command::Serve(ServeArgs { engine, .. })
-        | Command::Bench {
+        Command::Serve(ServeArgs { engine, limits, .. }) => {
+            engine.config(kv, false)?;
+            limits.limits()?;
+        }
+        Command::Bench {
             what: Some(BenchCommand::Throughput(ThroughputArgs { engine, .. })),
             ..
         } => {
@@ -533,12 +593,14 @@ where
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "SmolLM2-135M-Instruct".into())
     });
+    let limits = args.limits.limits()?;
     let llm = build_engine(engine, &args.engine)?;
     eprintln!("nibble serve: {}", kv_pool_line(&llm));
     let opts = nibble_server::ServeOptions {
         addr: std::net::SocketAddr::new(args.host, args.port),
         model_name: name,
         api_key: args.api_key,
+        limits,
     };
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

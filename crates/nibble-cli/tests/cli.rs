@@ -259,6 +259,25 @@ fn kv_flags_are_checked_before_loading() {
     assert_clean_failure(&["--kv", "kv8", "bench", "serve"], "bench serve only sends");
 }
 
+#[test]
+fn serve_limits_are_checked_before_loading() {
+    let serve = |flag: &str, value: &str, needle: &str| {
+        let arg = format!("{flag}={value}");
+        assert_clean_failure(&["--model", "/nonexistent/m.gguf", "serve", &arg], needle)
+    };
+    serve("--header-timeout", "0", "--header-timeout must be");
+    serve("--body-timeout", "-1", "--body-timeout must be");
+    serve("--body-timeout", "NaN", "--body-timeout must be");
+    serve("--max-header-bytes", "100", "--max-header-bytes must be");
+    serve(
+        "--max-header-bytes",
+        "1000000",
+        "--max-header-bytes must be",
+    );
+    serve("--max-body-bytes", "0", "--max-body-bytes");
+    serve("--max-messages", "0", "--max-messages");
+}
+
 const TINY_LLAMA: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../nibble-model/tests/fixtures/tiny-llama3"

@@ -1,109 +1,56 @@
-//! Request parsing, validation and OpenAI response shapes.
+//! The routes and OpenAI's response shapes. Requests arrive here read whole and authorized
+//! (`front_door`); they are validated (`validate`), tokenized, and handed to the engine.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{StatusCode, header};
+use axum::middleware;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
 use futures_util::stream::{self, Stream, StreamExt};
 use nibble_core::Error;
+use nibble_engine::FinishReason;
 use nibble_engine::serving::{Event, Request, TokenLogprob};
-use nibble_engine::{FinishReason, SamplingParams};
 use nibble_formats::chat_template::ChatMessage;
 use serde_json::{Map, Value, json};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::AppState;
+use crate::error::{ApiError, ApiResult};
+use crate::front_door;
+use crate::validate::{self, Generation, Prompt, Rules};
 
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        // Only the routes above, and only their methods (a 405 is answered before it).
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            front_door::admit,
+        ))
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(metrics))
-        .fallback(|| async {
-            ApiError::new(
-                StatusCode::NOT_FOUND,
-                "no such route",
-                "invalid_request_error",
-            )
-        })
-        .with_state(state)
+        .fallback(front_door::not_found)
+        // `admit` has read the body within --max-body-bytes; axum's own 2 MiB cap would answer
+        // in plain text.
+        .layer(DefaultBodyLimit::disable())
+        .with_state(state);
+    front_door::with_json_errors(routes)
 }
 
-pub struct ApiError {
-    status: StatusCode,
-    message: String,
-    kind: &'static str,
-    param: Option<String>,
-    code: Option<&'static str>,
-}
-
-impl ApiError {
-    fn new(status: StatusCode, message: impl Into<String>, kind: &'static str) -> Self {
-        ApiError {
-            status,
-            message: message.into(),
-            kind,
-            param: None,
-            code: None,
-        }
-    }
-
-    fn bad(message: impl Into<String>, param: &str) -> Self {
-        ApiError {
-            param: Some(param.to_string()),
-            ..ApiError::new(StatusCode::BAD_REQUEST, message, "invalid_request_error")
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = json!({"error": {"message": self.message, "type": self.kind,
-                                    "param": self.param, "code": self.code}});
-        (self.status, Json(body)).into_response()
-    }
-}
-
-type ApiResult<T> = Result<T, ApiError>;
-
-fn authorize(state: &AppState, headers: &HeaderMap) -> ApiResult<()> {
-    let Some(key) = &state.api_key else {
-        return Ok(());
-    };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    if given == Some(key.as_str()) {
-        Ok(())
-    } else {
-        state.engine.metrics.rejected.inc();
-        Err(ApiError {
-            code: Some("invalid_api_key"),
-            ..ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "missing or incorrect API key",
-                "authentication_error",
-            )
-        })
-    }
-}
-
-async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> ApiResult<Json<Value>> {
-    authorize(&state, &headers)?;
-    Ok(Json(
+async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    Json(
         json!({"object": "list", "data": [{"id": state.model_name, "object": "model",
         "created": state.created, "owned_by": "nibble", "max_model_len": state.max_sequence_len}]}),
-    ))
+    )
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
@@ -120,158 +67,6 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-/// Typed access to a JSON object's fields with errors that name the field.
-struct Fields(Map<String, Value>);
-
-impl Fields {
-    fn parse(body: &[u8]) -> ApiResult<Fields> {
-        match serde_json::from_slice::<Value>(body) {
-            Ok(Value::Object(m)) => Ok(Fields(m)),
-            Ok(_) => Err(ApiError::bad(
-                "the request body must be a JSON object",
-                "body",
-            )),
-            Err(e) => Err(ApiError::bad(
-                format!("the request body is not valid JSON: {e}"),
-                "body",
-            )),
-        }
-    }
-
-    fn get(&self, k: &str) -> Option<&Value> {
-        self.0.get(k).filter(|v| !v.is_null())
-    }
-
-    fn f32(&self, k: &str, default: f32) -> ApiResult<f32> {
-        match self.get(k) {
-            None => Ok(default),
-            Some(v) => v
-                .as_f64()
-                .map(|x| x as f32)
-                .ok_or_else(|| ApiError::bad(format!("'{k}' must be a number, got {v}"), k)),
-        }
-    }
-
-    fn int(&self, k: &str) -> ApiResult<Option<i64>> {
-        match self.get(k) {
-            None => Ok(None),
-            Some(v) => v
-                .as_i64()
-                .map(Some)
-                .ok_or_else(|| ApiError::bad(format!("'{k}' must be an integer, got {v}"), k)),
-        }
-    }
-
-    fn bool(&self, k: &str) -> ApiResult<bool> {
-        match self.get(k) {
-            None => Ok(false),
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| ApiError::bad(format!("'{k}' must be true or false, got {v}"), k)),
-        }
-    }
-
-    fn stop(&self) -> ApiResult<Vec<String>> {
-        match self.get("stop") {
-            None => Ok(vec![]),
-            Some(Value::String(s)) => Ok(vec![s.clone()]),
-            Some(Value::Array(a)) if a.iter().all(Value::is_string) && a.len() <= 16 => Ok(a
-                .iter()
-                .filter_map(|s| s.as_str().map(str::to_string))
-                .collect()),
-            Some(v) => Err(ApiError::bad(
-                format!("'stop' must be a string or up to 16 strings, got {v}"),
-                "stop",
-            )),
-        }
-    }
-}
-
-/// What both endpoints share after parsing.
-struct Common {
-    params: SamplingParams,
-    max_tokens: Option<usize>,
-    stop: Vec<String>,
-    stream: bool,
-    include_usage: bool,
-    ignore_eos: bool,
-    logprobs: Option<usize>,
-}
-
-fn common(state: &AppState, f: &Fields, max_tokens_keys: &[&str]) -> ApiResult<Common> {
-    match f.get("model").map(|m| m.as_str()) {
-        None => {}
-        Some(Some(m)) if m == state.model_name => {}
-        Some(m) => {
-            return Err(ApiError {
-                code: Some("model_not_found"),
-                param: Some("model".into()),
-                ..ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    format!(
-                        "the model '{}' does not exist; this server serves '{}'",
-                        m.unwrap_or("?"),
-                        state.model_name
-                    ),
-                    "invalid_request_error",
-                )
-            });
-        }
-    }
-    if let Some(n) = f.int("n")?
-        && n != 1
-    {
-        return Err(ApiError::bad("only n = 1 is supported", "n"));
-    }
-    let top_k = f.int("top_k")?.unwrap_or(0);
-    let seed = f.int("seed")?;
-    let params = SamplingParams {
-        temperature: f.f32("temperature", 1.0)?,
-        top_p: f.f32("top_p", 1.0)?,
-        top_k: if top_k < 0 { 0 } else { top_k as usize },
-        min_p: f.f32("min_p", 0.0)?,
-        repetition_penalty: f.f32("repetition_penalty", 1.0)?,
-        seed: seed.map(|s| s as u64),
-    };
-    params
-        .validate()
-        .map_err(|e| ApiError::bad(e.to_string(), "sampling"))?;
-    let mut max_tokens = None;
-    for k in max_tokens_keys {
-        if let Some(m) = f.int(k)? {
-            if m < 1 {
-                return Err(ApiError::bad(
-                    format!("'{k}' must be at least 1, got {m}"),
-                    k,
-                ));
-            }
-            max_tokens = Some(m as usize);
-        }
-    }
-    let include_usage = match f.get("stream_options") {
-        None => false,
-        Some(Value::Object(o)) => o
-            .get("include_usage")
-            .and_then(Value::as_bool)
-            .unwrap_or(false),
-        Some(v) => {
-            return Err(ApiError::bad(
-                format!("'stream_options' must be an object, got {v}"),
-                "stream_options",
-            ));
-        }
-    };
-    Ok(Common {
-        params,
-        max_tokens,
-        stop: f.stop()?,
-        stream: f.bool("stream")?,
-        include_usage,
-        ignore_eos: f.bool("ignore_eos")?,
-        logprobs: None,
-    })
-}
-
 fn finish_name(r: FinishReason) -> &'static str {
     match r {
         FinishReason::Eos | FinishReason::Stop => "stop",
@@ -285,139 +80,100 @@ enum Kind {
     Chat,
 }
 
-async fn completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    handle(state, headers, body, Kind::Completion)
+async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    handle(state, body, Kind::Completion)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn chat_completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    handle(state, headers, body, Kind::Chat)
+async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    handle(state, body, Kind::Chat)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-fn prompt_ids(state: &AppState, f: &Fields, kind: Kind) -> ApiResult<Vec<u32>> {
-    let encode = |text: &str, special: bool| {
-        state
-            .tokenizer
-            .encode(text, special)
-            .map_err(|e| ApiError::bad(e.to_string(), "prompt"))
-    };
-    match kind {
-        Kind::Completion => match f.get("prompt") {
-            Some(Value::String(s)) => encode(s, true),
-            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-                encode(a[0].as_str().unwrap_or_default(), true)
-            }
-            Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.as_u64().is_some()) => {
-                let ids: Vec<u32> = a
-                    .iter()
-                    .filter_map(Value::as_u64)
-                    .map(|x| x as u32)
-                    .collect();
-                match ids.iter().find(|&&t| t as usize >= state.vocab_size) {
-                    Some(t) => Err(ApiError::bad(
-                        format!("token id {t} is outside the vocabulary"),
-                        "prompt",
-                    )),
-                    None => Ok(ids),
-                }
-            }
-            Some(Value::Array(_)) => Err(ApiError::bad(
-                "'prompt' must be a string, a list with one string, or a list of token ids (batched prompts are not supported)",
-                "prompt",
-            )),
-            Some(v) => Err(ApiError::bad(
-                format!("'prompt' must be a string, got {v}"),
-                "prompt",
-            )),
-            None => Err(ApiError::bad("'prompt' is required", "prompt")),
-        },
-        Kind::Chat => {
-            let Some(Value::Array(msgs)) = f.get("messages") else {
-                return Err(ApiError::bad(
-                    "'messages' must be a non-empty list",
-                    "messages",
-                ));
-            };
-            if msgs.is_empty() {
-                return Err(ApiError::bad(
-                    "'messages' must be a non-empty list",
-                    "messages",
-                ));
-            }
-            let mut messages = Vec::with_capacity(msgs.len());
-            for (i, m) in msgs.iter().enumerate() {
-                let role = m.get("role").and_then(Value::as_str);
-                let content = match m.get("content") {
-                    Some(Value::String(s)) => Some(s.clone()),
-                    // Content parts: keep the text ones.
-                    Some(Value::Array(parts)) => Some(
-                        parts
-                            .iter()
-                            .filter_map(|p| p.get("text").and_then(Value::as_str))
-                            .collect::<Vec<_>>()
-                            .join(""),
-                    ),
-                    Some(Value::Null) | None => Some(String::new()),
-                    _ => None,
-                };
-                match (role, content) {
-                    (Some(r), Some(c)) => messages.push(ChatMessage::new(r, &c)),
-                    _ => {
-                        return Err(ApiError::bad(
-                            format!("messages[{i}] needs a string 'role' and a string 'content'"),
-                            "messages",
-                        ));
-                    }
-                }
-            }
-            let template = state.template.as_ref().ok_or_else(|| {
-                ApiError::bad(
-                    "this model has no chat template; use /v1/completions",
-                    "messages",
-                )
-            })?;
-            let text = template
-                .render(&messages, true)
-                .map_err(|e| ApiError::bad(e.to_string(), "messages"))?;
-            encode(&text, false)
-        }
+fn rules(state: &AppState) -> Rules<'_> {
+    Rules {
+        model_name: &state.model_name,
+        vocab_size: state.vocab_size,
+        max_messages: state.limits.max_messages,
+        max_stop: state.limits.max_stop,
     }
 }
 
-async fn handle(
-    state: Arc<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-    kind: Kind,
-) -> ApiResult<Response> {
-    let result = prepare(&state, &headers, &body, kind);
-    let (prompt, mut c) = match result {
+/// Validates and tokenizes: the prompt's token ids and what to generate.
+fn prepare(state: &AppState, body: &[u8], kind: Kind) -> ApiResult<(Vec<u32>, Generation)> {
+    let encode = |text: &str, add_special: bool, param: &str| {
+        state
+            .tokenizer
+            .encode(text, add_special)
+            .map_err(|e| ApiError::invalid_value(param, e.to_string()))
+    };
+    let (prompt, generation) = match kind {
+        Kind::Completion => {
+            let r = validate::completion(body, &rules(state))?;
+            let ids = match r.prompt {
+                Prompt::Text(text) => encode(&text, true, "prompt")?,
+                Prompt::Tokens(ids) => ids,
+            };
+            (ids, r.generation)
+        }
+        Kind::Chat => {
+            let r = validate::chat(body, &rules(state))?;
+            let template = state.template.as_ref().ok_or_else(|| {
+                ApiError::unsupported(
+                    "messages",
+                    "needs a chat template, and this model has none: use /v1/completions",
+                )
+            })?;
+            let messages: Vec<ChatMessage> = r
+                .messages
+                .iter()
+                .map(|m| ChatMessage::new(m.role.template_name(), &m.content))
+                .collect();
+            let text = template
+                .render(&messages, true)
+                .map_err(|e| ApiError::invalid_value("messages", e.to_string()))?;
+            (encode(&text, false, "messages")?, r.generation)
+        }
+    };
+    if prompt.is_empty() {
+        let param = if kind == Kind::Chat {
+            "messages"
+        } else {
+            "prompt"
+        };
+        return Err(ApiError::invalid_value(
+            param,
+            "the prompt is empty: it has no tokens.",
+        ));
+    }
+    Ok((prompt, generation))
+}
+
+async fn handle(state: Arc<AppState>, body: Bytes, kind: Kind) -> ApiResult<Response> {
+    let (prompt, mut c) = match prepare(&state, &body, kind) {
         Ok(x) => x,
         Err(e) => {
             state.engine.metrics.rejected.inc();
             return Err(e);
         }
     };
+    let prompt_param = if kind == Kind::Chat {
+        "messages"
+    } else {
+        "prompt"
+    };
     let prompt_len = prompt.len();
     let limit = state.max_sequence_len;
     if prompt_len >= limit {
         state.engine.metrics.rejected.inc();
         return Err(ApiError::bad(
+            prompt_param,
+            "context_length_exceeded",
             format!(
-                "the prompt is {prompt_len} tokens; this model's maximum context length is {limit} tokens"
+                "The prompt is {prompt_len} tokens; this model's maximum context length is {limit} tokens."
             ),
-            "prompt",
         ));
     }
     let default_max = if kind == Kind::Completion {
@@ -429,11 +185,12 @@ async fn handle(
     if prompt_len + max_tokens > limit {
         state.engine.metrics.rejected.inc();
         return Err(ApiError::bad(
-            format!(
-                "this model's maximum context length is {limit} tokens; you requested {} tokens ({prompt_len} in the prompt, {max_tokens} for the completion)",
-                prompt_len + max_tokens
-            ),
             "max_tokens",
+            "context_length_exceeded",
+            format!(
+                "This model's maximum context length is {limit} tokens; you requested {} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
+                prompt_len.saturating_add(max_tokens)
+            ),
         ));
     }
     let id = state.next_id.fetch_add(1, Ordering::Relaxed);
@@ -454,11 +211,11 @@ async fn handle(
                     code: Some("server_overloaded"),
                     ..ApiError::new(
                         StatusCode::TOO_MANY_REQUESTS,
-                        format!("the server is at capacity ({e}); retry later"),
+                        format!("The server is at capacity ({e}); retry later."),
                         "server_error",
                     )
                 },
-                other => ApiError::bad(other.to_string(), "prompt"),
+                other => ApiError::invalid_value(prompt_param, other.to_string()),
             });
         }
     };
@@ -481,49 +238,6 @@ async fn handle(
     } else {
         Ok(Json(collect(meta, rx).await?).into_response())
     }
-}
-
-fn prepare(
-    state: &AppState,
-    headers: &HeaderMap,
-    body: &[u8],
-    kind: Kind,
-) -> ApiResult<(Vec<u32>, Common)> {
-    authorize(state, headers)?;
-    let f = Fields::parse(body)?;
-    let keys: &[&str] = match kind {
-        Kind::Completion => &["max_tokens"],
-        Kind::Chat => &["max_tokens", "max_completion_tokens"],
-    };
-    let mut c = common(state, &f, keys)?;
-    c.logprobs = match kind {
-        Kind::Completion => match f.int("logprobs")? {
-            None => None,
-            Some(n) if (0..=20).contains(&n) => Some(n as usize),
-            Some(n) => {
-                return Err(ApiError::bad(
-                    format!("'logprobs' must be 0 to 20, got {n}"),
-                    "logprobs",
-                ));
-            }
-        },
-        Kind::Chat => {
-            if f.bool("logprobs")? {
-                match f.int("top_logprobs")?.unwrap_or(0) {
-                    n @ 0..=20 => Some(n as usize),
-                    n => {
-                        return Err(ApiError::bad(
-                            format!("'top_logprobs' must be 0 to 20, got {n}"),
-                            "top_logprobs",
-                        ));
-                    }
-                }
-            } else {
-                None
-            }
-        }
-    };
-    Ok((prompt_ids(state, &f, kind)?, c))
 }
 
 fn now() -> u64 {

@@ -1,15 +1,25 @@
 //! The OpenAI-compatible HTTP API: `/v1/completions`, `/v1/chat/completions` (streaming over
-//! SSE or not), `/v1/models`, `/health`, `/metrics`. Handlers validate and tokenize; the engine
-//! thread (`engine_loop`) does all model work. Every error is an OpenAI-style JSON body with a
-//! 4xx/5xx status; nothing a client sends can take the server down.
+//! SSE or not), `/v1/models`, `/health`, `/metrics`.
+//!
+//! A request passes, in order: the connection layer (`listener`: header timeout and size), the
+//! front door (`front_door`: URI length, content type, API key, the whole body within its size
+//! and timeout), validation (`validate`: every field typed and in range) and tokenization
+//! (`api`); only then does it reach the engine thread (`engine_loop`), which does all model
+//! work. Every error is an OpenAI-style JSON body with a 4xx/5xx status; nothing a client sends
+//! can take the server down.
 
 mod api;
 pub mod engine_loop;
+pub mod error;
+mod front_door;
+pub mod listener;
 pub mod metrics;
+pub mod validate;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
+use std::time::Duration;
 
 use nibble_engine::serving::LlmEngine;
 use nibble_formats::chat_template::ChatTemplate;
@@ -28,14 +38,43 @@ pub struct AppState {
     /// Longest prompt + completion a request may reach.
     pub max_sequence_len: usize,
     pub vocab_size: usize,
+    pub limits: Limits,
     pub next_id: AtomicU64,
     pub created: u64,
+}
+
+/// What the server takes from one client; `nibble serve` sets each with a flag.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Time to deliver a request head, and how long an idle keep-alive connection stays open.
+    pub header_timeout: Duration,
+    /// Time to deliver a request body once its head has arrived.
+    pub body_timeout: Duration,
+    pub max_body_bytes: usize,
+    /// The request line and headers together.
+    pub max_header_bytes: usize,
+    pub max_messages: usize,
+    pub max_stop: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            max_body_bytes: 4 << 20,
+            max_header_bytes: 32 << 10,
+            max_messages: 2048,
+            max_stop: 16,
+        }
+    }
 }
 
 pub struct ServeOptions {
     pub addr: SocketAddr,
     pub model_name: String,
     pub api_key: Option<String>,
+    pub limits: Limits,
 }
 
 /// Starts the engine thread and returns the shared state the router needs.
@@ -43,6 +82,7 @@ pub fn start<B: Backend + 'static>(
     engine: LlmEngine<B>,
     model_name: String,
     api_key: Option<String>,
+    limits: Limits,
 ) -> Arc<AppState>
 where
     B::Kv: 'static,
@@ -66,6 +106,7 @@ where
         api_key,
         max_sequence_len,
         vocab_size,
+        limits,
         next_id: AtomicU64::new(1),
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -82,15 +123,15 @@ pub async fn serve<B: Backend + 'static>(
 where
     B::Kv: 'static,
 {
-    let state = start(engine, opts.model_name, opts.api_key);
+    let limits = opts.limits.clone();
+    let state = start(engine, opts.model_name, opts.api_key, opts.limits);
     let listener = tokio::net::TcpListener::bind(opts.addr).await?;
     eprintln!(
         "nibble serve: listening on http://{}",
         listener.local_addr()?
     );
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await
+    listener::serve(listener, router(state), &limits, async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await
 }

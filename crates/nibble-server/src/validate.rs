@@ -1,0 +1,864 @@
+//! The one validation layer for `/v1/completions` and `/v1/chat/completions`: a request body
+//! becomes a typed [`CompletionRequest`] or [`ChatRequest`], or a 400 that names the offending
+//! field in `param` (`temperature`, `messages[1].content[0].text`), in OpenAI's words and codes
+//! (`invalid_type`, `invalid_value`, `missing_required_parameter`, `unknown_parameter`,
+//! `unsupported_parameter`).
+//!
+//! The rules, as OpenAI's and vLLM's request models have them:
+//! * every field has a type and a range (`temperature` 0 to 2, `top_p` in (0, 1], penalties -2 to
+//!   2, `logit_bias` values -100 to 100, `top_logprobs` 0 to 20, `max_tokens` at least 1), and a
+//!   value outside it is refused, never clamped; `null` means "not given";
+//! * integers are JSON integers (`2.0` is not one), checked at 64 bits before any narrowing, so
+//!   the token id 2^32 is out of the vocabulary rather than token 0;
+//! * an unknown field is refused (a misspelt `max_token` must not silently mean the default);
+//! * a field OpenAI defines but nibble does not implement is refused unless it holds the value
+//!   that asks for nothing (`presence_penalty: 0`, `echo: false`, `logit_bias: {}`, ...);
+//! * chat roles come from a closed set, each with the fields it allows; the role string never
+//!   reaches the chat template, so a client cannot forge a turn through it.
+//!
+//! Tokenizing and rendering the chat template happen after this, in `api`.
+
+use nibble_engine::SamplingParams;
+use nibble_model::sampling::MAX_TOP_LOGPROBS;
+use serde_json::{Map, Value};
+
+use crate::error::{ApiError, ApiResult};
+
+/// What a request is checked against.
+pub struct Rules<'a> {
+    pub model_name: &'a str,
+    pub vocab_size: usize,
+    pub max_messages: usize,
+    pub max_stop: usize,
+}
+
+/// What both endpoints ask of the engine.
+#[derive(Debug)]
+pub struct Generation {
+    pub params: SamplingParams,
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub ignore_eos: bool,
+    /// Alternatives to report per token; `Some(0)` reports the chosen token's log-probability.
+    pub logprobs: Option<usize>,
+}
+
+#[derive(Debug, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    pub generation: Generation,
+}
+
+#[derive(Debug)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    pub generation: Generation,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Role {
+    System,
+    Developer,
+    User,
+    Assistant,
+    Tool,
+}
+
+impl Role {
+    const NAMES: [(&'static str, Role); 5] = [
+        ("system", Role::System),
+        ("developer", Role::Developer),
+        ("user", Role::User),
+        ("assistant", Role::Assistant),
+        ("tool", Role::Tool),
+    ];
+
+    /// The role as the chat template sees it. `developer` is OpenAI's newer name for the
+    /// system turn; templates written before it know only `system`.
+    pub fn template_name(self) -> &'static str {
+        match self {
+            Role::System | Role::Developer => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+}
+
+#[derive(Debug, PartialEq)]
+pub struct Message {
+    pub role: Role,
+    pub content: String,
+}
+
+/// Fields both endpoints take. `user` is OpenAI's end-user id for abuse monitoring; it never
+/// changes the output, so it is accepted (as a string) and not recorded.
+const COMMON: &[&str] = &[
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    // vLLM's extensions, which nibble implements.
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+];
+const COMPLETION_ONLY: &[&str] = &["prompt", "echo", "suffix", "best_of"];
+const CHAT_ONLY: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "store",
+];
+/// OpenAI chat fields nibble does not implement and that have no "off" value worth checking:
+/// any value but `null` is refused.
+const CHAT_UNSUPPORTED: &[&str] = &[
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "metadata",
+    "service_tier",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+    "verbosity",
+];
+
+/// Parses a body that must be one JSON object.
+pub fn json_object(body: &[u8]) -> ApiResult<Map<String, Value>> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(other) => Err(ApiError::invalid_type("body", "a JSON object", &other)),
+        Err(e) => Err(ApiError::bad(
+            "body",
+            "invalid_json",
+            format!("The request body is not valid JSON: {e}."),
+        )),
+    }
+}
+
+pub fn completion(body: &[u8], rules: &Rules) -> ApiResult<CompletionRequest> {
+    let map = json_object(body)?;
+    let o = Obj::top(&map);
+    o.only(&[COMMON, COMPLETION_ONLY])?;
+    model(&o, rules)?;
+    let prompt = prompt(&o, rules.vocab_size)?;
+    let mut generation = generation(&o, rules)?;
+    generation.logprobs = o
+        .int_in("logprobs", 0, MAX_TOP_LOGPROBS as i64)?
+        .map(|n| n as usize);
+    if o.bool("echo")? == Some(true) {
+        return Err(ApiError::unsupported(
+            "echo",
+            "is not supported: the completion does not repeat the prompt",
+        ));
+    }
+    if o.str("suffix")?.is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::unsupported(
+            "suffix",
+            "is not supported: nibble does not insert text",
+        ));
+    }
+    if let Some(b) = o.int_in("best_of", 1, i64::MAX)?
+        && b > 1
+    {
+        return Err(ApiError::unsupported(
+            "best_of",
+            "above 1 is not supported: nibble generates one completion per request",
+        ));
+    }
+    Ok(CompletionRequest { prompt, generation })
+}
+
+pub fn chat(body: &[u8], rules: &Rules) -> ApiResult<ChatRequest> {
+    let map = json_object(body)?;
+    let o = Obj::top(&map);
+    o.only(&[COMMON, CHAT_ONLY, CHAT_UNSUPPORTED])?;
+    model(&o, rules)?;
+    let messages = messages(&o, rules.max_messages)?;
+    let mut generation = generation(&o, rules)?;
+    if let Some(m) = o.int_in("max_completion_tokens", 1, i64::MAX)? {
+        if generation.max_tokens.is_some_and(|t| t != m as usize) {
+            return Err(ApiError::invalid_value(
+                "max_completion_tokens",
+                "it is the newer name of 'max_tokens'; give one of them, or both equal.",
+            ));
+        }
+        generation.max_tokens = Some(m as usize);
+    }
+    let top = o.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS as i64)?;
+    generation.logprobs = match (o.bool("logprobs")?, top) {
+        (Some(true), top) => Some(top.unwrap_or(0) as usize),
+        (_, Some(_)) => {
+            return Err(ApiError::invalid_value(
+                "top_logprobs",
+                "it needs 'logprobs' to be true.",
+            ));
+        }
+        (_, None) => None,
+    };
+    response_format(&o)?;
+    if let Some(v) = o.get("tools") {
+        if !v.is_array() {
+            return Err(ApiError::invalid_type("tools", "an array of tools", v));
+        }
+        return Err(ApiError::unsupported(
+            "tools",
+            "is not supported yet: nibble does not call tools",
+        ));
+    }
+    match o.get("tool_choice") {
+        None => {}
+        Some(Value::String(s)) if s == "none" => {}
+        Some(Value::String(s)) if s == "auto" || s == "required" => {
+            return Err(ApiError::unsupported(
+                "tool_choice",
+                "is not supported yet: nibble does not call tools",
+            ));
+        }
+        Some(Value::String(s)) => {
+            return Err(ApiError::invalid_value(
+                "tool_choice",
+                format!("{} is not one of 'none', 'auto', 'required'.", quote(s)),
+            ));
+        }
+        Some(Value::Object(_)) => {
+            return Err(ApiError::unsupported(
+                "tool_choice",
+                "is not supported yet: nibble does not call tools",
+            ));
+        }
+        Some(v) => return Err(ApiError::invalid_type("tool_choice", "a string", v)),
+    }
+    if o.bool("store")? == Some(true) {
+        return Err(ApiError::unsupported(
+            "store",
+            "is not supported: nibble keeps no completions",
+        ));
+    }
+    for key in CHAT_UNSUPPORTED {
+        if o.get(key).is_some() {
+            return Err(ApiError::unsupported(key, "is not supported yet"));
+        }
+    }
+    Ok(ChatRequest {
+        messages,
+        generation,
+    })
+}
+
+/// A JSON object's fields, named by their path in the request for errors. `null` reads as
+/// absent, as in OpenAI's API.
+struct Obj<'a> {
+    map: &'a Map<String, Value>,
+    prefix: String,
+}
+
+impl<'a> Obj<'a> {
+    fn top(map: &'a Map<String, Value>) -> Self {
+        Obj {
+            map,
+            prefix: String::new(),
+        }
+    }
+
+    fn nested(map: &'a Map<String, Value>, prefix: String) -> Self {
+        Obj { map, prefix }
+    }
+
+    fn path(&self, key: &str) -> String {
+        if self.prefix.is_empty() {
+            key.to_string()
+        } else {
+            format!("{}.{key}", self.prefix)
+        }
+    }
+
+    /// Refuses the first field not in `known`.
+    fn only(&self, known: &[&[&str]]) -> ApiResult<()> {
+        match self
+            .map
+            .keys()
+            .find(|k| !known.iter().any(|set| set.contains(&k.as_str())))
+        {
+            Some(k) => Err(ApiError::unknown(&self.path(&quote_key(k)))),
+            None => Ok(()),
+        }
+    }
+
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+
+    fn bool(&self, key: &str) -> ApiResult<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(ApiError::invalid_type(&self.path(key), "a boolean", v)),
+        }
+    }
+
+    fn str(&self, key: &str) -> ApiResult<Option<&'a str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(ApiError::invalid_type(&self.path(key), "a string", v)),
+        }
+    }
+
+    /// An integer in `lo..=hi`.
+    fn int_in(&self, key: &str, lo: i64, hi: i64) -> ApiResult<Option<i64>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let param = self.path(key);
+        let n = integer(&param, v)?;
+        if n < lo || n > hi {
+            let want = if hi == i64::MAX {
+                format!("at least {lo}")
+            } else {
+                format!("from {lo} to {hi}")
+            };
+            return Err(ApiError::invalid_value(
+                &param,
+                format!("expected an integer {want}, but got {n}."),
+            ));
+        }
+        Ok(Some(n))
+    }
+
+    /// A number in the range `lo`..=`hi`, or (`lo_open`) above `lo`.
+    fn number_in(&self, key: &str, lo: f64, lo_open: bool, hi: f64) -> ApiResult<Option<f64>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let param = self.path(key);
+        let x = number(&param, v)?;
+        if x > hi || x < lo || (lo_open && x == lo) {
+            let low = if lo_open { "above" } else { "at least" };
+            let high = if hi.is_finite() {
+                format!(" and at most {hi}")
+            } else {
+                String::new()
+            };
+            return Err(ApiError::invalid_value(
+                &param,
+                format!("expected a number {low} {lo}{high}, but got {v}."),
+            ));
+        }
+        Ok(Some(x))
+    }
+}
+
+/// A JSON integer as an `i64`. serde_json reads an integer beyond 64 bits as a decimal, so a
+/// whole decimal that large is reported as out of range rather than as a type error.
+fn integer(param: &str, v: &Value) -> ApiResult<i64> {
+    let Value::Number(n) = v else {
+        return Err(ApiError::invalid_type(param, "an integer", v));
+    };
+    if let Some(i) = n.as_i64() {
+        return Ok(i);
+    }
+    let huge = n.is_u64()
+        || n.as_f64()
+            .is_some_and(|f| f.fract() == 0.0 && f.abs() >= 9.2e18);
+    if huge {
+        Err(ApiError::invalid_value(
+            param,
+            format!("{n} is out of the 64-bit integer range."),
+        ))
+    } else {
+        Err(ApiError::invalid_type(param, "an integer", v))
+    }
+}
+
+fn number(param: &str, v: &Value) -> ApiResult<f64> {
+    match v.as_f64() {
+        Some(x) if v.is_number() => Ok(x),
+        _ => Err(ApiError::invalid_type(param, "a number", v)),
+    }
+}
+
+/// A client's string inside a message, shortened and escaped.
+fn quote(s: &str) -> String {
+    let short: String = s.chars().take(40).collect();
+    let more = if short.len() < s.len() { "..." } else { "" };
+    format!("{:?}{more}", short)
+}
+
+/// A field name as part of `param`: names with odd characters are escaped and shortened.
+fn quote_key(k: &str) -> String {
+    let plain = k.len() <= 64
+        && k.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if plain { k.to_string() } else { quote(k) }
+}
+
+fn model(o: &Obj, rules: &Rules) -> ApiResult<()> {
+    match o.str("model")? {
+        Some(m) if m != rules.model_name => Err(ApiError::client(
+            axum::http::StatusCode::NOT_FOUND,
+            "model_not_found",
+            format!(
+                "The model {} does not exist; this server serves '{}'.",
+                quote(m),
+                rules.model_name
+            ),
+        )
+        .param("model")),
+        _ => Ok(()),
+    }
+}
+
+fn generation(o: &Obj, rules: &Rules) -> ApiResult<Generation> {
+    let stream = o.bool("stream")?.unwrap_or(false);
+    let include_usage = match o.get("stream_options") {
+        None => false,
+        Some(Value::Object(m)) => {
+            if !stream {
+                return Err(ApiError::invalid_value(
+                    "stream_options",
+                    "it is only allowed when 'stream' is true.",
+                ));
+            }
+            let so = Obj::nested(m, "stream_options".into());
+            so.only(&[&["include_usage"]])?;
+            so.bool("include_usage")?.unwrap_or(false)
+        }
+        Some(v) => return Err(ApiError::invalid_type("stream_options", "an object", v)),
+    };
+    let max_tokens = o.int_in("max_tokens", 1, i64::MAX)?.map(|m| m as usize);
+    if let Some(n) = o.int_in("n", 1, i64::MAX)?
+        && n > 1
+    {
+        return Err(ApiError::unsupported(
+            "n",
+            "above 1 is not supported: send one request per completion",
+        ));
+    }
+    // vLLM's convention: -1 (or 0) turns top-k off; nothing below that means anything.
+    let top_k = match o.get("top_k") {
+        None => 0,
+        Some(v) => match integer("top_k", v)? {
+            -1 | 0 => 0,
+            k if k > 0 => k as usize,
+            k => {
+                return Err(ApiError::invalid_value(
+                    "top_k",
+                    format!("expected -1 or 0 (off) or at least 1, but got {k}."),
+                ));
+            }
+        },
+    };
+    let params = SamplingParams {
+        temperature: o.number_in("temperature", 0.0, false, 2.0)?.unwrap_or(1.0) as f32,
+        top_p: o.number_in("top_p", 0.0, true, 1.0)?.unwrap_or(1.0) as f32,
+        top_k,
+        min_p: o.number_in("min_p", 0.0, false, 1.0)?.unwrap_or(0.0) as f32,
+        repetition_penalty: o
+            .number_in("repetition_penalty", 0.0, true, f64::INFINITY)?
+            .unwrap_or(1.0) as f32,
+        // Any 64-bit seed; a negative one is the same 64 bits read unsigned.
+        seed: o.int_in("seed", i64::MIN, i64::MAX)?.map(|s| s as u64),
+    };
+    // A float32 sampler cannot tell a repetition penalty of 1e300 from infinity.
+    if !params.repetition_penalty.is_finite() {
+        return Err(ApiError::invalid_value(
+            "repetition_penalty",
+            "expected a number above 0 that fits in 32 bits.",
+        ));
+    }
+    for key in ["presence_penalty", "frequency_penalty"] {
+        if o.number_in(key, -2.0, false, 2.0)?
+            .is_some_and(|p| p != 0.0)
+        {
+            return Err(ApiError::unsupported(
+                key,
+                "is not supported yet (0 is accepted; 'repetition_penalty' is implemented)",
+            ));
+        }
+    }
+    logit_bias(o, rules.vocab_size)?;
+    o.str("user")?;
+    Ok(Generation {
+        params,
+        max_tokens,
+        stop: stop(o, rules.max_stop)?,
+        stream,
+        include_usage,
+        ignore_eos: o.bool("ignore_eos")?.unwrap_or(false),
+        logprobs: None,
+    })
+}
+
+fn stop(o: &Obj, max: usize) -> ApiResult<Vec<String>> {
+    let list = match o.get("stop") {
+        None => return Ok(vec![]),
+        Some(Value::String(s)) => vec![("stop".to_string(), s)],
+        Some(Value::Array(a)) => {
+            if a.len() > max {
+                return Err(ApiError::invalid_value(
+                    "stop",
+                    format!(
+                        "{} stop strings; this server takes at most {max} (--max-stop-strings).",
+                        a.len()
+                    ),
+                ));
+            }
+            let mut list = Vec::with_capacity(a.len());
+            for (i, v) in a.iter().enumerate() {
+                let param = format!("stop[{i}]");
+                match v {
+                    Value::String(s) => list.push((param, s)),
+                    v => return Err(ApiError::invalid_type(&param, "a string", v)),
+                }
+            }
+            list
+        }
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "stop",
+                "a string or an array of strings",
+                v,
+            ));
+        }
+    };
+    list.into_iter()
+        .map(|(param, s)| {
+            if s.is_empty() {
+                Err(ApiError::invalid_value(
+                    &param,
+                    "an empty stop string would end every completion before it starts.",
+                ))
+            } else {
+                Ok(s.clone())
+            }
+        })
+        .collect()
+}
+
+fn logit_bias(o: &Obj, vocab_size: usize) -> ApiResult<()> {
+    let map = match o.get("logit_bias") {
+        None => return Ok(()),
+        Some(Value::Object(m)) => m,
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "logit_bias",
+                "an object from token ids to numbers",
+                v,
+            ));
+        }
+    };
+    for (k, v) in map {
+        let token_ok = k
+            .parse::<i64>()
+            .is_ok_and(|t| t >= 0 && (t as u64) < vocab_size as u64);
+        if !token_ok {
+            return Err(ApiError::invalid_value(
+                "logit_bias",
+                format!(
+                    "the key {} is not a token id from 0 to {}.",
+                    quote(k),
+                    vocab_size - 1
+                ),
+            ));
+        }
+        let b = number("logit_bias", v)?;
+        if !(-100.0..=100.0).contains(&b) {
+            return Err(ApiError::invalid_value(
+                "logit_bias",
+                format!("the bias for token {k} is {v}; expected a number from -100 to 100."),
+            ));
+        }
+    }
+    if map.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::unsupported(
+            "logit_bias",
+            "is not supported yet ({} is accepted)",
+        ))
+    }
+}
+
+fn prompt(o: &Obj, vocab_size: usize) -> ApiResult<Prompt> {
+    const WANT: &str = "a string, an array with one string, or an array of token ids";
+    let a = match o.get("prompt") {
+        None => return Err(ApiError::missing("prompt")),
+        Some(Value::String(s)) => return Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(a)) => a,
+        Some(v) => return Err(ApiError::invalid_type("prompt", WANT, v)),
+    };
+    let batched = || {
+        ApiError::unsupported(
+            "prompt",
+            "with several prompts (a batch) is not supported: send one request per prompt",
+        )
+    };
+    match a.first() {
+        None => Err(ApiError::invalid_value(
+            "prompt",
+            "the array is empty; give a string or at least one token id.",
+        )),
+        Some(Value::String(s)) if a.len() == 1 => Ok(Prompt::Text(s.clone())),
+        Some(Value::String(_)) => match a.iter().position(|v| !v.is_string()) {
+            Some(i) => Err(ApiError::invalid_type(
+                &format!("prompt[{i}]"),
+                "a string",
+                &a[i],
+            )),
+            None => Err(batched()),
+        },
+        Some(Value::Array(_)) => Err(batched()),
+        Some(Value::Number(_)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| token_id(&format!("prompt[{i}]"), v, vocab_size))
+            .collect::<ApiResult<Vec<u32>>>()
+            .map(Prompt::Tokens),
+        Some(v) => Err(ApiError::invalid_type(
+            "prompt[0]",
+            "a string or a token id",
+            v,
+        )),
+    }
+}
+
+/// A token id, checked against the vocabulary as a 64-bit integer before it is narrowed.
+fn token_id(param: &str, v: &Value, vocab_size: usize) -> ApiResult<u32> {
+    let t = integer(param, v).map_err(|e| match e.code {
+        Some("invalid_type") => ApiError::invalid_type(param, "an integer token id", v),
+        _ => e,
+    })?;
+    if t < 0 || t as u64 >= vocab_size as u64 {
+        return Err(ApiError::invalid_value(
+            param,
+            format!(
+                "token id {t} is outside the vocabulary (0 to {}).",
+                vocab_size - 1
+            ),
+        ));
+    }
+    Ok(t as u32)
+}
+
+fn messages(o: &Obj, max: usize) -> ApiResult<Vec<Message>> {
+    let a = match o.get("messages") {
+        None => return Err(ApiError::missing("messages")),
+        Some(Value::Array(a)) => a,
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "messages",
+                "an array of messages",
+                v,
+            ));
+        }
+    };
+    if a.is_empty() {
+        return Err(ApiError::invalid_value(
+            "messages",
+            "the array is empty; give at least one message.",
+        ));
+    }
+    if a.len() > max {
+        return Err(ApiError::invalid_value(
+            "messages",
+            format!(
+                "{} messages; this server takes at most {max} (--max-messages).",
+                a.len()
+            ),
+        ));
+    }
+    a.iter()
+        .enumerate()
+        .map(|(i, m)| message(format!("messages[{i}]"), m))
+        .collect()
+}
+
+fn message(path: String, v: &Value) -> ApiResult<Message> {
+    let Value::Object(m) = v else {
+        return Err(ApiError::invalid_type(&path, "an object", v));
+    };
+    let o = Obj::nested(m, path);
+    let role = match o.get("role") {
+        None => return Err(ApiError::missing(&o.path("role"))),
+        Some(Value::String(s)) => Role::NAMES
+            .iter()
+            .find(|(name, _)| name == s)
+            .map(|&(_, r)| r)
+            .ok_or_else(|| {
+                ApiError::invalid_value(
+                    &o.path("role"),
+                    format!(
+                        "{} is not a role; expected one of 'system', 'developer', 'user', 'assistant', 'tool'.",
+                        quote(s)
+                    ),
+                )
+            })?,
+        Some(v) => return Err(ApiError::invalid_type(&o.path("role"), "a string", v)),
+    };
+    match role {
+        Role::System | Role::Developer | Role::User => o.only(&[&["role", "content", "name"]])?,
+        Role::Assistant => o.only(&[&[
+            "role",
+            "content",
+            "name",
+            "refusal",
+            "tool_calls",
+            "function_call",
+            "audio",
+        ]])?,
+        Role::Tool => o.only(&[&["role", "content", "tool_call_id"]])?,
+    }
+    if o.get("name").is_some() {
+        o.str("name")?;
+        return Err(ApiError::unsupported(
+            &o.path("name"),
+            "is not supported: the chat template does not show participant names",
+        ));
+    }
+    if role == Role::Assistant {
+        if o.str("refusal")?.is_some() {
+            return Err(ApiError::unsupported(
+                &o.path("refusal"),
+                "is not supported: give the refusal as 'content'",
+            ));
+        }
+        match o.get("tool_calls") {
+            None => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(Value::Array(_)) => {
+                return Err(ApiError::unsupported(
+                    &o.path("tool_calls"),
+                    "is not supported yet: nibble does not call tools",
+                ));
+            }
+            Some(v) => {
+                return Err(ApiError::invalid_type(
+                    &o.path("tool_calls"),
+                    "an array of tool calls",
+                    v,
+                ));
+            }
+        }
+        for key in ["function_call", "audio"] {
+            if o.get(key).is_some() {
+                return Err(ApiError::unsupported(&o.path(key), "is not supported"));
+            }
+        }
+    }
+    if role == Role::Tool && o.str("tool_call_id")?.is_none() {
+        return Err(ApiError::missing(&o.path("tool_call_id")));
+    }
+    Ok(Message {
+        role,
+        content: content(&o)?,
+    })
+}
+
+/// A message's `content`: a string, or an array of text parts (joined with newlines, as vLLM
+/// does). Every role needs one here: the roles that may go without (an assistant turn with
+/// tool calls) need features nibble does not have.
+fn content(o: &Obj) -> ApiResult<String> {
+    let param = o.path("content");
+    let parts = match o.get("content") {
+        None => return Err(ApiError::missing(&param)),
+        Some(Value::String(s)) => return Ok(s.clone()),
+        Some(Value::Array(a)) => a,
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                &param,
+                "a string or an array of content parts",
+                v,
+            ));
+        }
+    };
+    if parts.is_empty() {
+        return Err(ApiError::invalid_value(
+            &param,
+            "the array is empty; give a string or at least one text part.",
+        ));
+    }
+    let mut texts = Vec::with_capacity(parts.len());
+    for (j, part) in parts.iter().enumerate() {
+        let path = format!("{param}[{j}]");
+        let Value::Object(m) = part else {
+            return Err(ApiError::invalid_type(&path, "a content part object", part));
+        };
+        let p = Obj::nested(m, path);
+        match p.str("type")? {
+            None => return Err(ApiError::missing(&p.path("type"))),
+            Some("text") => {}
+            Some(t @ ("image_url" | "input_audio" | "file" | "refusal")) => {
+                return Err(ApiError::unsupported(
+                    &p.path("type"),
+                    &format!("'{t}' is not supported: this model reads text only"),
+                ));
+            }
+            Some(t) => {
+                return Err(ApiError::invalid_value(
+                    &p.path("type"),
+                    format!("{} is not a content part type; expected 'text'.", quote(t)),
+                ));
+            }
+        }
+        p.only(&[&["type", "text"]])?;
+        match p.str("text")? {
+            Some(t) => texts.push(t),
+            None => return Err(ApiError::missing(&p.path("text"))),
+        }
+    }
+    Ok(texts.join("\n"))
+}
+
+fn response_format(o: &Obj) -> ApiResult<()> {
+    let m = match o.get("response_format") {
+        None => return Ok(()),
+        Some(Value::Object(m)) => m,
+        Some(v) => return Err(ApiError::invalid_type("response_format", "an object", v)),
+    };
+    let f = Obj::nested(m, "response_format".into());
+    match f.str("type")? {
+        None => Err(ApiError::missing("response_format.type")),
+        Some("text") => f.only(&[&["type"]]),
+        Some("json_object" | "json_schema") => Err(ApiError::unsupported(
+            "response_format",
+            "other than {\"type\": \"text\"} is not supported yet",
+        )),
+        Some(t) => Err(ApiError::invalid_value(
+            "response_format.type",
+            format!(
+                "{} is not one of 'text', 'json_object', 'json_schema'.",
+                quote(t)
+            ),
+        )),
+    }
+}
+
+#[cfg(test)]
+#[path = "validate_tests.rs"]
+mod tests;
