@@ -34,6 +34,21 @@ def ms_graph(fn):
         return do_bench_cudagraph(fn, rep=200)
 
 
+def prefill_rows(dev, ctxs):
+    """Causal prefill attention of one Llama-3-8B layer, batch 1, by flash SDPA."""
+    rows = []
+    for ctx in ctxs:
+        q = torch.randn(1, HEADS, ctx, HD, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(1, KV_HEADS, ctx, HD, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            t = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        flops = 4 * ctx * ctx / 2 * HEADS * HD
+        rows.append({"kind": "prefill", "batch": 1, "ctx": ctx, "ms": t, "tflops": flops / (t / 1e3) / 1e12})
+        print(rows[-1], flush=True)
+    return rows
+
+
 QGEMM_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 QGEMM_MS = [1, 4, 16, 64, 1024, 8192]
 
@@ -114,17 +129,7 @@ def main():
     del x, y
     if "--prefill-attention" in sys.argv:
         # Causal prefill attention of one Llama-3-8B layer, as gpu-bench --prefill-attention.
-        rows = []
-        for ctx in [1024, 2048, 4096, 8192, 16384]:
-            q = torch.randn(1, HEADS, ctx, HD, device=dev, dtype=torch.bfloat16)
-            k = torch.randn(1, KV_HEADS, ctx, HD, device=dev, dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                t = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-            flops = 4 * ctx * ctx / 2 * HEADS * HD
-            rows.append({"kind": "prefill", "batch": 1, "ctx": ctx, "ms": t, "tflops": flops / (t / 1e3) / 1e12})
-            print(rows[-1], flush=True)
-        res["prefill_attention"] = rows
+        res["prefill_attention"] = prefill_rows(dev, [1024, 2048, 4096, 8192, 16384])
         with open(out, "w") as f:
             json.dump(res, f, indent=2)
         return
@@ -144,15 +149,7 @@ def main():
         rows.append({"kind": "decode", "batch": batch, "ctx": ctx, "ms": t,
                      "bandwidth_fraction": kv_bytes / (t / 1e3) / res["hbm_bytes_per_s"]})
         print(rows[-1], flush=True)
-    for ctx in [1024, 4096]:
-        q = torch.randn(1, HEADS, ctx, HD, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(1, KV_HEADS, ctx, HD, device=dev, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            t = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-        flops = 4 * ctx * ctx / 2 * HEADS * HD
-        rows.append({"kind": "prefill", "batch": 1, "ctx": ctx, "ms": t, "tflops": flops / (t / 1e3) / 1e12})
-        print(rows[-1], flush=True)
+    rows += prefill_rows(dev, [1024, 4096])
     res["attention"] = rows
     res["qgemm"] = qgemm_peers(dev)
     with open(out, "w") as f:

@@ -31,16 +31,8 @@ status=0
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 } | tee -a "$out/device.txt"
 
-step() {  # step NAME COMMAND...: runs, logs to OUTDIR/NAME.log, records failure
-  local name=$1; shift
-  echo "== $name"
-  local t0=$(date +%s)
-  "$@" >"$out/$name.log" 2>&1
-  local rc=$?
-  echo "   exit $rc after $(( $(date +%s) - t0 ))s"
-  grep -E "^throughput|^steps|seqs:|with prefill|^test result|FAILED|panicked" "$out/$name.log" | head -40
-  if [ $rc -ne 0 ]; then status=1; tail -30 "$out/$name.log"; fi
-}
+source scripts/gpu-lib.sh
+STEP_SUMMARY="^throughput|^steps|seqs:|with prefill|^test result|FAILED|panicked"
 
 throughput() {  # throughput NAME MODEL ARGS...
   local name=$1 model=$2; shift 2

@@ -32,15 +32,7 @@ status=0
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 } | tee "$out/device.txt"
 
-step() {  # step NAME COMMAND...: runs, logs to OUTDIR/NAME.log, records failure
-  local name=$1; shift
-  echo "== $name"
-  local t0=$(date +%s)
-  "$@" >"$out/$name.log" 2>&1
-  local rc=$?
-  echo "   exit $rc after $(( $(date +%s) - t0 ))s"
-  if [ $rc -ne 0 ]; then status=1; tail -40 "$out/$name.log"; fi
-}
+source scripts/gpu-lib.sh
 
 # Every architecture's compile is checked by test.sh without a GPU (NVRTC from pip); here only
 # on request, since it costs a minute of GPU-machine time.

@@ -6,17 +6,10 @@
 set -euo pipefail
 bin=${1:?usage: gpu-serve-bench.sh NIBBLE MODEL TOKENIZER_JSON SHAREGPT_JSON OUTDIR}
 model=$2 tok=$3 ds=$4 out=$5
-if [ -d "$model" ]; then source=(--model "$model"); else source=(--dummy-weights "$model"); fi
+source "$(dirname "$0")/gpu-lib.sh"
 port=8124
-"$bin" --device cuda "${source[@]}" --tokenizer "$tok" serve --port $port \
-  --served-model-name bench --max-waiting 4096 &
-pid=$!
-trap 'kill $pid 2>/dev/null || true' EXIT
-for _ in $(seq 400); do
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-  sleep 0.5
-done
-curl -sf "http://127.0.0.1:$port/health" >/dev/null || { echo "server did not come up"; exit 1; }
+start_server $port 400 "$bin" --device cuda $(model_flags "$model") --tokenizer "$tok" serve \
+  --port $port --served-model-name bench --max-waiting 4096
 for rate in 4 16 64 inf; do
   n=$([ "$rate" = 4 ] && echo 200 || echo 500)
   "$bin" --tokenizer "$tok" bench serve --base-url "http://127.0.0.1:$port" \

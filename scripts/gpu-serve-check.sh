@@ -8,16 +8,10 @@
 set -euo pipefail
 bin=${1:?usage: gpu-serve-check.sh NIBBLE_BINARY [DUMMY_MODEL]}
 dummy=${2:-llama-3-8b}
-if [ -d "$dummy" ]; then source=(--model "$dummy"); else source=(--dummy-weights "$dummy"); fi
+source "$(dirname "$0")/gpu-lib.sh"
 port=8123
-"$bin" --device cuda "${source[@]}" serve --port $port --kv-cache-tokens 65536 \
-  --served-model-name llama-3-8b &
-pid=$!
-trap 'kill $pid 2>/dev/null || true' EXIT
-for _ in $(seq 240); do
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-  sleep 0.5
-done
+start_server $port 240 "$bin" --device cuda $(model_flags "$dummy") serve --port $port \
+  --kv-cache-tokens 65536 --served-model-name llama-3-8b
 curl -sf "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
   -d '{"model":"llama-3-8b","prompt":"Hello","max_tokens":16,"temperature":0}'
 echo

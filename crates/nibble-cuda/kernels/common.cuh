@@ -18,23 +18,32 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
 }
 template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Warp and block reductions with any associative `op`; every thread gets the result. A block has
+// up to 1024 threads and `scratch` 32 values; warps past blockDim.x contribute `idle`, the
+// operation's identity.
+struct SumOp {
+    template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct MaxOp {  // on floats fmaxf: a NaN loses to any number
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+    __device__ __forceinline__ u64 operator()(u64 a, u64 b) const { return b > a ? b : a; }
+};
+template <class T, class Op> __device__ __forceinline__ T warp_reduce(T v, Op op) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-
-// Sum over a block of up to 1024 threads; every thread gets the result. `scratch` holds 32 floats.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+template <class T, class Op> __device__ __forceinline__ T block_reduce(T v, T* scratch, T idle, Op op) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = warp_reduce(v, op);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     const int warps = (blockDim.x + 31) >> 5;
-    float t = lane < warps ? scratch[lane] : 0.f;
-    return warp_sum(t);
+    return warp_reduce(lane < warps ? scratch[lane] : idle, op);
 }
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, SumOp{}); }
+__device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce(v, scratch, 0.f, SumOp{}); }
 
 // Programmatic dependent launch (sm_90 and later; no-ops before). A kernel named in
 // compile::GRID_WAITING_KERNELS is launched while its predecessor still runs and must call
@@ -208,17 +217,7 @@ __device__ __forceinline__ void pv_tile(float (&o)[HD / 8][4], const float (&s0)
 // has just written, so fused and standalone paths give identical codes.
 
 __device__ __forceinline__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    const int warps = (blockDim.x + 31) >> 5;
-    float r = lane < warps ? scratch[lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) r = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, o));
-    return r;
+    return block_reduce(v, scratch, -__int_as_float(0x7f800000), MaxOp{});
 }
 
 // A thread's running max |x| over its values of a row, and whether they were all finite: its

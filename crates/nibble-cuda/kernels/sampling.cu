@@ -78,53 +78,6 @@ __device__ __forceinline__ u64 splitmix(u64 z) {
     return z ^ (z >> 31);
 }
 
-__device__ __forceinline__ u64 warp_max_u64(u64 v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const u64 w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = w > v ? w : v;
-    }
-    return v;
-}
-
-__device__ __forceinline__ u64 warp_sum_u64(u64 v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// Block-wide max / sum of u64 (1024 threads); every thread gets the result.
-__device__ u64 block_max_u64(u64 v, u64* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max_u64(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    return warp_max_u64(scratch[lane]);
-}
-
-__device__ u64 block_sum_u64(u64 v, u64* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum_u64(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    return warp_sum_u64(scratch[lane]);
-}
-
-__device__ float block_max_f32(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = scratch[lane];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
 struct SelectSmem {
     u64 mass[256];
     u64 top[256];
@@ -234,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 best = k > best ? k : best;
             }
         }
-        best = block_max_u64(best, red);
+        best = block_reduce(best, red, (u64)0, MaxOp{});
         return best ? key_id(best) : 0u;
     };
 
@@ -257,8 +210,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                 ++count;
             }
         }
-        top = block_max_u64(top, red);
-        count = block_sum_u64(count, red);
+        top = block_reduce(top, red, (u64)0, MaxOp{});
+        count = block_reduce(count, red, (u64)0, SumOp{});
         if (count == 0) {
             token = 0;
         } else {
@@ -303,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                         float p;
                         if (in_a(i, key, p)) total += mass_of(p);
                     }
-                    total = block_sum_u64(total, red);
+                    total = block_reduce(total, red, (u64)0, SumOp{});
                     u64 target = (u64)__dmul_rn((double)total, (double)P.top_p);
                     target = target > 1 ? target : 1;
                     k_p = radix_select(vocab, target, sm, in_b);
@@ -372,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             const float x = l[i];
             if (x == x) mx = fmaxf(mx, x);
         }
-        mx = block_max_f32(mx, redf);
+        mx = block_max(mx, redf);
         float sum = 0.f;
         for (int i = tid; i < vocab; i += blockDim.x) {
             const float x = l[i];

@@ -182,22 +182,30 @@ pub fn attention(
         }
         let list = be.alloc(1, tiles.len() * 4, Elem::F32)?;
         be.gpu.upload(list.ptr, tiles.as_flattened())?;
-        let scale_log2 = Arg::F32(scale * std::f32::consts::LOG2_E);
-        if wgmma {
-            let args = vec![
+        // The two kernels take the same arguments but for how they reach the cache: the wgmma
+        // kernel through TMA descriptors (and the pool size, its out-of-range block), the
+        // mma.sync kernel through pointers (and the block size).
+        let mut args = if wgmma {
+            vec![
                 kv_tensor_map(kc, kv, head_dim)?,
                 kv_tensor_map(vc, kv, head_dim)?,
                 Arg::Ptr(q.ptr),
-                Arg::Ptr(tables),
-                Arg::Ptr(list.ptr),
-                Arg::Ptr(out.ptr),
-                Arg::I32(num_kv_heads as i32),
-                Arg::I32(group as i32),
-                Arg::I32(max_blocks as i32),
-                Arg::I32(kv.num_blocks as i32),
-                scale_log2,
-                Arg::I64(q.ld as i64),
-            ];
+            ]
+        } else {
+            vec![Arg::Ptr(q.ptr), Arg::Ptr(kc), Arg::Ptr(vc)]
+        };
+        args.extend([
+            Arg::Ptr(tables),
+            Arg::Ptr(list.ptr),
+            Arg::Ptr(out.ptr),
+            Arg::I32(num_kv_heads as i32),
+            Arg::I32(group as i32),
+            Arg::I32(max_blocks as i32),
+            Arg::I32(if wgmma { kv.num_blocks } else { kv.block_size } as i32),
+            Arg::F32(scale * std::f32::consts::LOG2_E),
+            Arg::I64(q.ld as i64),
+        ]);
+        if wgmma {
             be.launch_block(
                 &format!("prefill_wgmma_{dt}_hd{head_dim}"),
                 (num_heads as u32, tiles.len() as u32, 1),
@@ -205,29 +213,15 @@ pub fn attention(
                 wgmma_prefill_smem(head_dim),
                 args,
             )?;
-            return Ok(out);
-        }
-        be.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?
-            .launch(
+        } else {
+            be.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?.launch(
                 &be.gpu,
                 (tiles.len() as u32, num_heads as u32, 1),
                 128,
                 0,
-                vec![
-                    Arg::Ptr(q.ptr),
-                    Arg::Ptr(kc),
-                    Arg::Ptr(vc),
-                    Arg::Ptr(tables),
-                    Arg::Ptr(list.ptr),
-                    Arg::Ptr(out.ptr),
-                    Arg::I32(num_kv_heads as i32),
-                    Arg::I32(group as i32),
-                    Arg::I32(max_blocks as i32),
-                    Arg::I32(kv.block_size as i32),
-                    scale_log2,
-                    Arg::I64(q.ld as i64),
-                ],
+                args,
             )?;
+        }
         return Ok(out);
     }
 

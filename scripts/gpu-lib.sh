@@ -1,0 +1,36 @@
+# Helpers the GPU scripts share; sourced, not run.
+
+# step NAME COMMAND...: runs COMMAND with its output in $out/NAME.log, prints the exit status and
+# time, the log lines matching $STEP_SUMMARY (a grep -E pattern) if set, and on failure the log's
+# tail, and sets status=1.
+step() {
+  local name=$1; shift
+  echo "== $name"
+  local t0=$(date +%s)
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "   exit $rc after $(( $(date +%s) - t0 ))s"
+  if [ -n "${STEP_SUMMARY:-}" ]; then grep -E "$STEP_SUMMARY" "$out/$name.log" | head -40; fi
+  if [ $rc -ne 0 ]; then status=1; tail -40 "$out/$name.log"; fi
+}
+
+# model_flags MODEL: how nibble loads MODEL, a model directory or a dummy-weights name.
+model_flags() {
+  if [ -d "$1" ]; then echo --model "$1"; else echo --dummy-weights "$1"; fi
+}
+
+# start_server PORT TRIES COMMAND...: starts a server in the background, stops it when the
+# calling script exits, and waits up to TRIES half-seconds for its /health; fails if it never
+# answers.
+start_server() {
+  local port=$1 tries=$2; shift 2
+  "$@" &
+  server_pid=$!
+  trap 'kill $server_pid 2>/dev/null || true' EXIT
+  for _ in $(seq "$tries"); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0
+    sleep 0.5
+  done
+  echo "server did not come up on port $port" >&2
+  return 1
+}
