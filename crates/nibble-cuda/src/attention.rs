@@ -214,13 +214,14 @@ pub fn attention(
                 args,
             )?;
         } else {
-            be.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?.launch(
-                &be.gpu,
-                (tiles.len() as u32, num_heads as u32, 1),
-                128,
-                0,
-                args,
-            )?;
+            be.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?
+                .launch(
+                    &be.gpu,
+                    (tiles.len() as u32, num_heads as u32, 1),
+                    128,
+                    0,
+                    args,
+                )?;
         }
         return Ok(out);
     }
