@@ -42,10 +42,10 @@ const DECODE_SMEM: usize = 200 * 1024;
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[repr(u8)]
 pub enum KernelTier {
-    /// Whichever measured faster on an H200 (BENCHMARKS.md): on Hopper the decode gemv up to
+    /// Whichever measured faster (BENCHMARKS.md): on Hopper the decode gemv up to
     /// [`DECODE_MAX_M`] tokens, the 64-token wgmma kernels up to [`WGMMA_SMALL_TOKENS`] (but for
-    /// up to 32 tokens of layers of at most 4096x4096) and the wgmma kernels from
-    /// [`WGMMA_TOKENS`] tokens, mma.sync everywhere else.
+    /// up to 32 tokens of layers of at most 4096x4096) and the 128- or 256-token wgmma kernels
+    /// past that, mma.sync everywhere else.
     Auto = 0,
     /// The mma.sync kernels for every shape.
     MmaSync = 1,
@@ -678,8 +678,12 @@ impl CudaBackend {
                 128 => QKernel::Wgmma128,
                 _ => QKernel::Wgmma64,
             });
-            // Auto: wgmma from a full 256-token tile on; below it the mma.sync tiles waste less.
-            if tma_ok && self.hopper_tier(&wgmma, m >= WGMMA_TOKENS) {
+            // Auto: wgmma past 64 tokens. Kernel by kernel the mma.sync tiles looked cheaper
+            // under a full 256-token tile, but in the engine (Llama-3-8B on an H100, 1000
+            // ShareGPT prompts) steps of 128 to 255 sequences took 27.0 ms W4A16 and 20.2 W8A8
+            // on them against 16.9 and 12.4 for steps of 256 to 511 on wgmma
+            // (bench/results/engine-20261124-77517f0).
+            if tma_ok && self.hopper_tier(&wgmma, true) {
                 return self.launch_wgmma(&wgmma, route.w4, tokens, wg, shape);
             }
             let mut args = head;
