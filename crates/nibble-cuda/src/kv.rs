@@ -7,8 +7,8 @@ use std::sync::Arc;
 use nibble_core::{Error, Result};
 use nibble_model::KvShape;
 
-use crate::backend::Dtype;
 use crate::runtime::{DeviceBuffer, DevicePtr, Gpu};
+use crate::tensor::Dtype;
 
 pub struct CudaKv {
     pub shape: KvShape,

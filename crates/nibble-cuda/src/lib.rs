@@ -5,11 +5,37 @@
 //! Everything CUDA is loaded at run time (cudarc's dynamic loading), so nibble builds and runs
 //! its CPU paths on machines with no CUDA at all; `probe` checks for the libraries first, since
 //! a missing one would otherwise panic inside cudarc.
+//!
+//! The modules form three layers, each importing only from the layers below it (and, within the
+//! runtime layer, only from the modules listed before it), so an op can be read, changed or
+//! tested knowing the context alone:
+//!
+//! ```text
+//! backend      the `Backend` trait over the ops        -> all of the below
+//! ------------------------------------------------------------------------------------------
+//! ops          attention                               -> context, kv, runtime, tensor
+//!              qlinear (+ pack)                        -> context, pack, runtime, tensor
+//!              blas                                    -> runtime, tensor
+//!              sampling                                -> context, runtime, tensor
+//!              elementwise                             -> context, kv, runtime, tensor
+//! ------------------------------------------------------------------------------------------
+//! runtime      context: kernels, arena, metadata, launch helpers, sticky error, kernel tier
+//!                                                      -> compile, graph, module, probe, runtime, tensor
+//!              graph: the CUDA graph cache              -> runtime, tensor
+//!              kv: the paged KV pool                   -> runtime, tensor
+//!              tensor: Dtype, Elem, CudaTensor, CudaWeight -> runtime
+//!              pack: weight layouts of the quantized kernels -> tensor
+//!              module: loading cubins                  -> runtime
+//!              runtime: device, buffers, arena, launch -> compile, probe
+//!              compile, probe                          -> (nothing in the crate)
+//! ```
 
 mod attention;
 mod backend;
 mod blas;
 pub mod compile;
+mod context;
+mod elementwise;
 mod graph;
 mod kv;
 pub mod module;
@@ -18,13 +44,16 @@ pub mod probe;
 pub mod qlinear;
 mod runtime;
 mod sampling;
+mod tensor;
 
 pub use attention::{HEAD_DIMS, Split, plan_split};
-pub use backend::{CudaBackend, CudaTensor, CudaWeight, Dtype, Elem, WeightData};
+pub use backend::CudaBackend;
+pub use context::CudaContext;
 pub use kv::CudaKv;
 pub use probe::cuda_available;
 pub use runtime::{DeviceBuffer, Gpu};
 pub use sampling::TOP_LOGPROBS;
+pub use tensor::{CudaTensor, CudaWeight, Dtype, Elem, WeightData};
 
 use nibble_core::{Error, Result};
 
