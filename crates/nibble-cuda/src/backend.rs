@@ -63,7 +63,7 @@ impl CudaBackend {
         })
     }
 
-    /// `y = x · Wᵀ` for a packed weight (benchmarks time the kernels alone): [`qlinear::quant_gemm`].
+    /// [`qlinear::quant_gemm`] (benchmarks and tests time and check the kernels alone).
     pub fn quant_gemm(
         &self,
         x: &CudaTensor,
@@ -80,17 +80,17 @@ impl CudaBackend {
         qlinear::with_owned_int8(&self.ctx, x)
     }
 
-    /// Benchmark support: [`elementwise::random_tensor`](crate::elementwise::random_tensor).
+    /// Benchmark support: an f32 matrix of uniform values in [-1, 1) in owned memory.
     pub fn random_tensor(&self, rows: usize, cols: usize, seed: i32) -> Result<CudaTensor> {
         ew::random_tensor(&self.ctx, rows, cols, seed)
     }
 
-    /// Benchmark support: [`elementwise::random_half_tensor`](crate::elementwise::random_half_tensor).
+    /// Benchmark support: uniform values in [-1, 1) in the model dtype, in owned memory.
     pub fn random_half_tensor(&self, rows: usize, cols: usize, seed: i32) -> Result<CudaTensor> {
         ew::random_half_tensor(&self.ctx, rows, cols, seed)
     }
 
-    /// Benchmark support: [`elementwise::fill_kv_random`](crate::elementwise::fill_kv_random).
+    /// Benchmark support: fills a whole KV pool with uniform values in [-1, 1).
     pub fn fill_kv_random(&self, kv: &CudaKv, seed: i32) -> Result<()> {
         ew::fill_kv_random(&self.ctx, kv, seed)
     }

@@ -560,7 +560,9 @@ impl CudaContext {
         (st.graphs.replays, st.graphs.captures)
     }
 
-    /// Benchmark support: [`graph::time_graph`] on this GPU.
+    /// Benchmark support: records `f`'s GPU work once as a CUDA graph and returns the median
+    /// seconds of `reps` replays (device time without host launch gaps, as a decode step runs).
+    /// `f` must not grow the activation arena (run it once eagerly first).
     pub fn time_graph(&self, reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
         graph::time_graph(&self.gpu, reps, f)
     }

@@ -185,9 +185,7 @@ pub(crate) fn destroy(exec: Option<sys::CUgraphExec>, graph: sys::CUgraph) {
     }
 }
 
-/// Benchmark support: records `f`'s GPU work once as a CUDA graph and returns the median
-/// seconds of `reps` replays (device time without host launch gaps, as a decode step runs).
-/// `f` must not grow the activation arena (run it once eagerly first).
+/// `CudaContext::time_graph`: here, beside the capture it shares with decode steps.
 pub fn time_graph(gpu: &Gpu, reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
     let stream = gpu.cu_stream();
     let err = |what: &str, e: cudarc::driver::DriverError| driver_err(what, e);

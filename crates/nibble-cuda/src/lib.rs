@@ -6,28 +6,30 @@
 //! its CPU paths on machines with no CUDA at all; `probe` checks for the libraries first, since
 //! a missing one would otherwise panic inside cudarc.
 //!
-//! The modules form three layers, each importing only from the layers below it (and, within the
-//! runtime layer, only from the modules listed before it), so an op can be read, changed or
-//! tested knowing the context alone:
+//! The modules form three layers, each importing only from the layers below it, so that an op
+//! can be read, changed or tested knowing the context and the data types alone, and a new op
+//! touches its own module and the `Backend` impl, nothing else. Within a layer the arrows point
+//! down the list; the ops do not import one another, but for `qlinear` and its packer `pack`.
 //!
 //! ```text
-//! backend      the `Backend` trait over the ops        -> all of the below
-//! ------------------------------------------------------------------------------------------
-//! ops          attention                               -> context, kv, runtime, tensor
-//!              qlinear (+ pack)                        -> context, pack, runtime, tensor
-//!              blas                                    -> runtime, tensor
-//!              sampling                                -> context, runtime, tensor
-//!              elementwise                             -> context, kv, runtime, tensor
-//! ------------------------------------------------------------------------------------------
-//! runtime      context: kernels, arena, metadata, launch helpers, sticky error, kernel tier
-//!                                                      -> compile, graph, module, probe, runtime, tensor
-//!              graph: the CUDA graph cache              -> runtime, tensor
-//!              kv: the paged KV pool                   -> runtime, tensor
-//!              tensor: Dtype, Elem, CudaTensor, CudaWeight -> runtime
-//!              pack: weight layouts of the quantized kernels -> tensor
-//!              module: loading cubins                  -> runtime
-//!              runtime: device, buffers, arena, launch -> compile, probe
-//!              compile, probe                          -> (nothing in the crate)
+//! backend       impl Backend for CudaBackend: picks and calls the ops  -> every module below
+//! ---------------------------------------------------------------------------------------------
+//! ops           attention    paged attention, prefill and decode       -> context kv runtime tensor
+//!               qlinear      quantized GEMMs, weight packing           -> context pack runtime tensor
+//!               pack         the quantized kernels' weight layouts     -> tensor
+//!               blas         cuBLAS GEMMs                              -> runtime tensor
+//!               sampling     sampling on the device                    -> context runtime tensor
+//!               elementwise  embedding, norms, RoPE, SiLU gate, adds   -> context kv runtime tensor
+//! ---------------------------------------------------------------------------------------------
+//! runtime       context      CudaContext: kernels, arena, batch        -> compile graph module probe
+//!                            metadata, launches, sticky error, tier       runtime tensor
+//!               graph        the CUDA graph cache, capture primitives  -> runtime tensor
+//!               kv           CudaKv, the paged KV pool                 -> runtime tensor
+//!               tensor       Dtype, Elem, CudaTensor, CudaWeight       -> runtime
+//!               module       loading cubins                            -> runtime
+//!               runtime      Gpu, DeviceBuffer, Arena, Kernel, Arg     -> compile probe
+//!               compile      NVRTC and the cubin cache                 -> (none)
+//!               probe        finding the CUDA libraries                -> (none)
 //! ```
 
 mod attention;
