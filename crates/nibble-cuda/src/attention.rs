@@ -4,10 +4,10 @@
 use nibble_core::{Error, Result};
 use nibble_model::{AttentionShape, BatchLayout};
 
-use crate::backend::{CudaBackend, CudaTensor, Elem};
+use crate::context::{CudaContext, KernelTier};
 use crate::kv::CudaKv;
-use crate::qlinear::KernelTier;
 use crate::runtime::{Arg, DevicePtr, TmaLayout, tensor_map};
+use crate::tensor::{CudaTensor, Elem};
 
 /// Heads per KV head the kernels are instantiated for (the smallest that fits is used).
 const GROUPS: [usize; 4] = [1, 2, 4, 8];
@@ -55,7 +55,7 @@ pub fn plan_split(tokens: usize, kv_heads: usize, max_ctx: usize, sm_count: usiz
 
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
-    be: &CudaBackend,
+    ctx: &CudaContext,
     q: &CudaTensor,
     k: &CudaTensor,
     v: &CudaTensor,
@@ -118,19 +118,19 @@ pub fn attention(
             )));
         }
     }
-    be.ensure_meta(None, batch)?;
+    ctx.ensure_meta(None, batch)?;
     let (positions, tok_seq, tables, max_blocks) =
-        be.with_meta(|m| (m.positions, m.tok_seq, m.block_tables, m.max_blocks));
+        ctx.with_meta(|m| (m.positions, m.tok_seq, m.block_tables, m.max_blocks));
     let (kc, vc) = kv.layer(layer);
-    let dt = be.dtype.suffix();
+    let dt = ctx.dtype.suffix();
 
     let prefill = batch.seqs.iter().any(|s| s.len > 1);
     // A decode batch on tensor cores appends inside the attention kernel; the other paths write
     // the batch's keys and values first.
     let fused_append = !prefill && group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim);
     if !fused_append {
-        be.kernel(&format!("kv_append_{dt}"))?.launch(
-            &be.gpu,
+        ctx.kernel(&format!("kv_append_{dt}"))?.launch(
+            &ctx.gpu,
             (n as u32, 1, 1),
             128,
             0,
@@ -152,7 +152,7 @@ pub fn attention(
         )?;
     }
 
-    let out = be.alloc(n, num_heads * head_dim, Elem::Half(be.dtype))?;
+    let out = ctx.alloc(n, num_heads * head_dim, Elem::Half(ctx.dtype))?;
     let scale = 1.0 / (head_dim as f32).sqrt();
     if prefill && PREFILL_HEAD_DIMS.contains(&head_dim) {
         // A mixed step's leading one-token sequences (the engine schedules running decodes
@@ -164,12 +164,12 @@ pub fn attention(
             0
         };
         if decodes > 0 {
-            decode_rows(be, q, k, v, kv, layer, decodes, shape, g, &out)?;
+            decode_rows(ctx, q, k, v, kv, layer, decodes, shape, g, &out)?;
         }
-        let wgmma = be.gpu.cc == (9, 0)
-            && be.tier() != KernelTier::MmaSync
+        let wgmma = ctx.gpu.cc == (9, 0)
+            && ctx.tier() != KernelTier::MmaSync
             && kv.block_size == KV_BLOCK
-            && q.ld % 4 == 0;
+            && q.ld.is_multiple_of(4);
         let rows_per_tile = if wgmma {
             WGMMA_PREFILL_ROWS
         } else {
@@ -180,8 +180,8 @@ pub fn attention(
             // Longest first: a causal tile's work grows with its last position.
             tiles.sort_by_key(|t| std::cmp::Reverse(t[1] + t[2]));
         }
-        let list = be.alloc(1, tiles.len() * 4, Elem::F32)?;
-        be.gpu.upload(list.ptr, tiles.as_flattened())?;
+        let list = ctx.alloc(1, tiles.len() * 4, Elem::F32)?;
+        ctx.gpu.upload(list.ptr, tiles.as_flattened())?;
         // The two kernels take the same arguments but for how they reach the cache: the wgmma
         // kernel through TMA descriptors (and the pool size, its out-of-range block), the
         // mma.sync kernel through pointers (and the block size).
@@ -206,7 +206,7 @@ pub fn attention(
             Arg::I64(q.ld as i64),
         ]);
         if wgmma {
-            be.launch_block(
+            ctx.launch_block(
                 &format!("prefill_wgmma_{dt}_hd{head_dim}"),
                 (num_heads as u32, tiles.len() as u32, 1),
                 WGMMA_PREFILL_THREADS,
@@ -214,9 +214,9 @@ pub fn attention(
                 args,
             )?;
         } else {
-            be.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?
+            ctx.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?
                 .launch(
-                    &be.gpu,
+                    &ctx.gpu,
                     (tiles.len() as u32, num_heads as u32, 1),
                     128,
                     0,
@@ -226,18 +226,18 @@ pub fn attention(
         return Ok(out);
     }
 
-    decode_rows(be, q, k, v, kv, layer, n, shape, g, &out)?;
+    decode_rows(ctx, q, k, v, kv, layer, n, shape, g, &out)?;
     Ok(out)
 }
 
 /// Decode attention of the batch's first `rows` tokens (one per sequence) into `out`'s rows:
 /// the context split across CTAs, then the splits reduced. Grouped heads run on tensor cores
 /// where a kernel exists (appending the rows' keys and values themselves: after an append of a
-/// whole mixed batch, that rewrites the same bytes); MHA and other head sizes on CUDA cores. Both write the same partials (the MMA kernel converts
-/// its base-2 maxima to base e).
+/// whole mixed batch, that rewrites the same bytes); MHA and other head sizes on CUDA cores.
+/// Both write the same partials (the MMA kernel converts its base-2 maxima to base e).
 #[allow(clippy::too_many_arguments)]
 fn decode_rows(
-    be: &CudaBackend,
+    ctx: &CudaContext,
     q: &CudaTensor,
     k: &CudaTensor,
     v: &CudaTensor,
@@ -255,16 +255,16 @@ fn decode_rows(
     } = shape;
     let group = num_heads / num_kv_heads;
     let (positions, tok_seq, tables, max_blocks) =
-        be.with_meta(|m| (m.positions, m.tok_seq, m.block_tables, m.max_blocks));
+        ctx.with_meta(|m| (m.positions, m.tok_seq, m.block_tables, m.max_blocks));
     let max_ctx = max_blocks * kv.block_size;
     let (kc, vc) = kv.layer(layer);
-    let dt = be.dtype.suffix();
+    let dt = ctx.dtype.suffix();
     let scale = 1.0 / (head_dim as f32).sqrt();
     let mma = group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim);
     // The split is planned for the padded table width, not the exact context, so a decode step
     // launches the same grid at every length within a power of two (what a graph replays).
-    let split = plan_split(rows, num_kv_heads, max_ctx, be.gpu.sm_count);
-    let part = be.alloc(
+    let split = plan_split(rows, num_kv_heads, max_ctx, ctx.gpu.sm_count);
+    let part = ctx.alloc(
         rows * num_kv_heads * split.splits * g,
         head_dim + 2,
         Elem::F32,
@@ -299,15 +299,15 @@ fn decode_rows(
             Arg::I64(k.ld as i64),
             Arg::I64(v.ld as i64),
         ]);
-        be.kernel(&format!("decode_mma_{dt}_hd{head_dim}_g{g}"))?
-            .launch(&be.gpu, grid, 64, 0, args)?;
+        ctx.kernel(&format!("decode_mma_{dt}_hd{head_dim}_g{g}"))?
+            .launch(&ctx.gpu, grid, 64, 0, args)?;
     } else {
-        be.kernel(&format!("paged_attn_{dt}_hd{head_dim}_g{g}"))?
-            .launch(&be.gpu, grid, 128, 0, common(scale, true))?;
+        ctx.kernel(&format!("paged_attn_{dt}_hd{head_dim}_g{g}"))?
+            .launch(&ctx.gpu, grid, 128, 0, common(scale, true))?;
     }
-    be.kernel(&format!("attn_reduce_{dt}_hd{head_dim}_g{g}"))?
+    ctx.kernel(&format!("attn_reduce_{dt}_hd{head_dim}_g{g}"))?
         .launch(
-            &be.gpu,
+            &ctx.gpu,
             (rows as u32, num_heads as u32, 1),
             128,
             0,

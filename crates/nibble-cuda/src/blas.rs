@@ -7,8 +7,8 @@ use std::sync::Arc;
 use cudarc::cublas::{result as blas, sys};
 use nibble_core::{Error, Result};
 
-use crate::backend::{CudaTensor, CudaWeight, Dtype, Elem};
 use crate::runtime::{DeviceBuffer, Gpu};
+use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem};
 
 /// cuBLAS needs a workspace it owns for graph capture (otherwise it allocates inside the step).
 const WORKSPACE: usize = 32 << 20;

@@ -6,6 +6,10 @@
 //! activation comes from the arena, which hands out the same addresses for the same sequence of
 //! allocations. So a graph is keyed by what changes kernel arguments or grid sizes: the model,
 //! the KV pool, the number of sequences and the padded block-table width.
+//!
+//! The cache and the capture primitives are here; the context drives them (`CudaContext::
+//! run_forward`), since the arena and the metadata a graph bakes in are the context's and the
+//! cache must be dropped whenever they move.
 
 use std::collections::{HashMap, HashSet};
 
@@ -14,8 +18,8 @@ use cudarc::driver::sys;
 use nibble_core::Result;
 use nibble_model::BatchLayout;
 
-use crate::backend::{CudaBackend, CudaTensor, Elem};
-use crate::runtime::{ArenaMark, DevicePtr, driver_err};
+use crate::runtime::{ArenaMark, DevicePtr, Gpu, driver_err};
+use crate::tensor::Elem;
 
 /// Decode steps of more sequences run eagerly. Up to here queueing a step's few hundred launches
 /// costs the host 3 to 4.5 ms against 8 to 10 ms of GPU time (Llama-3-8B on an H100), which a
@@ -36,18 +40,28 @@ pub fn decode_bucket(n: usize) -> usize {
     }
 }
 
+/// Whether `batch` is a decode step small enough to replay as a graph.
+pub fn is_graph_step(batch: &BatchLayout) -> bool {
+    !batch.seqs.is_empty()
+        && batch.seqs.len() <= GRAPH_MAX_SEQS
+        && batch.seqs.iter().all(|s| s.len == 1)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GraphKey {
-    model: usize,
-    kv: u64,
-    seqs: usize,
-    max_blocks: usize,
+    pub model: usize,
+    pub kv: u64,
+    pub seqs: usize,
+    pub max_blocks: usize,
 }
+
+/// A graph's output tensor, as its parts: the tensor itself belongs to the step that made it.
+pub type GraphOut = (DevicePtr, usize, usize, Elem);
 
 struct Captured {
     exec: sys::CUgraphExec,
     graph: sys::CUgraph,
-    out: (DevicePtr, usize, usize, Elem),
+    out: GraphOut,
     arena: ArenaMark,
 }
 
@@ -69,12 +83,59 @@ impl GraphCache {
     /// Drops every graph: needed whenever an address they bake in (arena, metadata) moves.
     pub(crate) fn clear(&mut self) {
         for (_, c) in self.graphs.drain() {
-            unsafe {
-                let _ = cu::graph::exec_destroy(c.exec);
-                let _ = cu::graph::destroy(c.graph);
-            }
+            destroy(Some(c.exec), c.graph);
         }
         self.refused.clear();
+    }
+
+    /// Launches the graph recorded for `key`, if there is one: its output and the arena as the
+    /// step left it. Graphs of another KV pool are dropped first.
+    pub(crate) fn replay(
+        &mut self,
+        gpu: &Gpu,
+        key: &GraphKey,
+    ) -> Result<Option<(GraphOut, ArenaMark)>> {
+        if self.pool != key.kv {
+            gpu.synchronize()?;
+            self.clear();
+            self.pool = key.kv;
+        }
+        let Some(c) = self.graphs.get(key) else {
+            return Ok(None);
+        };
+        let (exec, out, mark) = (c.exec, c.out, c.arena);
+        launch(exec, gpu.cu_stream())?;
+        self.replays += 1;
+        Ok(Some((out, mark)))
+    }
+
+    /// Whether an earlier capture of `key` failed (it then runs eagerly).
+    pub(crate) fn refused(&self, key: &GraphKey) -> bool {
+        self.refused.contains(key)
+    }
+
+    pub(crate) fn refuse(&mut self, key: GraphKey) {
+        self.refused.insert(key);
+    }
+
+    /// Keeps a captured step for replay.
+    pub(crate) fn keep(
+        &mut self,
+        key: GraphKey,
+        (exec, graph): (sys::CUgraphExec, sys::CUgraph),
+        out: GraphOut,
+        arena: ArenaMark,
+    ) {
+        self.graphs.insert(
+            key,
+            Captured {
+                exec,
+                graph,
+                out,
+                arena,
+            },
+        );
+        self.captures += 1;
     }
 }
 
@@ -86,98 +147,64 @@ impl Drop for GraphCache {
     }
 }
 
-/// Runs one forward pass, through a graph when it is a decode step.
-pub fn run_forward(
-    be: &CudaBackend,
-    model: usize,
-    kv_id: u64,
-    batch: &BatchLayout,
-    body: &mut dyn FnMut() -> Result<CudaTensor>,
-) -> Result<CudaTensor> {
-    let decode = !batch.seqs.is_empty()
-        && batch.seqs.len() <= GRAPH_MAX_SEQS
-        && batch.seqs.iter().all(|s| s.len == 1);
-    if !be.graphs_enabled || !decode {
-        return body();
-    }
-    let key = GraphKey {
-        model,
-        kv: kv_id,
-        seqs: batch.seqs.len(),
-        max_blocks: be.with_meta(|m| m.max_blocks),
-    };
-    {
-        let mut st = be.lock();
-        if st.graphs.pool != kv_id {
-            be.gpu.synchronize()?;
-            st.graphs.clear();
-            st.graphs.pool = kv_id;
-        }
-        if let Some(c) = st.graphs.graphs.get(&key) {
-            let (exec, out, mark) = (c.exec, c.out, c.arena);
-            unsafe { cu::graph::launch(exec, be.gpu.cu_stream()) }
-                .map_err(|e| driver_err("graph launch", e))?;
-            st.graphs.replays += 1;
-            st.arena.restore(mark);
-            let epoch = st.arena.epoch;
-            return Ok(CudaTensor::view(out.0, out.1, out.2, out.3, epoch));
-        }
-        // Recorded at first sight once the arena has its size (the engine's warm-up gives it
-        // the largest step's); before that, steps run eagerly and size it.
-        if st.graphs.refused.contains(&key) || !st.arena.settled() {
-            drop(st);
-            return body();
-        }
-    }
-    let stream = be.gpu.cu_stream();
+/// Starts recording what the stream is given, instead of running it.
+pub(crate) fn begin_capture(stream: sys::CUstream, what: &str) -> Result<()> {
     unsafe {
         cu::stream::begin_capture(
             stream,
             sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
         )
     }
-    .map_err(|e| driver_err("graph capture", e))?;
-    be.lock().graphs.recording = true;
-    let out = body();
-    be.lock().graphs.recording = false;
-    let graph = unsafe { cu::stream::end_capture(stream) };
-    let out = out?;
-    let graph = graph.map_err(|e| driver_err("graph capture end", e))?;
-    let exec = unsafe { cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) };
-    let exec = match exec {
-        Ok(e) => e,
-        Err(e) => {
-            unsafe {
-                let _ = cu::graph::destroy(graph);
-            }
-            be.lock().graphs.refused.insert(key);
-            return Err(driver_err("graph instantiate", e));
-        }
-    };
-    // Capture records without running: run it now.
-    unsafe { cu::graph::launch(exec, stream) }.map_err(|e| driver_err("graph launch", e))?;
-    let mut st = be.lock();
-    if st.arena.settled() {
-        let arena = st.arena.mark();
-        st.graphs.graphs.insert(
-            key,
-            Captured {
-                exec,
-                graph,
-                out: (out.ptr, out.rows, out.cols, out.elem),
-                arena,
-            },
-        );
-        st.graphs.captures += 1;
-    } else {
-        // The step outgrew the arena while capturing: its extra buffers go at the next reset,
-        // so this graph must not be replayed. It has run; destroy it once it finished.
-        drop(st);
-        be.gpu.synchronize()?;
-        unsafe {
+    .map_err(|e| driver_err(what, e))
+}
+
+/// Ends a recording; the raw result, so that callers decide what fails first.
+pub(crate) fn end_capture(
+    stream: sys::CUstream,
+) -> std::result::Result<sys::CUgraph, cudarc::driver::DriverError> {
+    unsafe { cu::stream::end_capture(stream) }
+}
+
+pub(crate) fn instantiate(
+    graph: sys::CUgraph,
+) -> std::result::Result<sys::CUgraphExec, cudarc::driver::DriverError> {
+    unsafe { cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+}
+
+pub(crate) fn launch(exec: sys::CUgraphExec, stream: sys::CUstream) -> Result<()> {
+    unsafe { cu::graph::launch(exec, stream) }.map_err(|e| driver_err("graph launch", e))
+}
+
+/// Frees a graph and, if it was instantiated, its executable.
+pub(crate) fn destroy(exec: Option<sys::CUgraphExec>, graph: sys::CUgraph) {
+    unsafe {
+        if let Some(exec) = exec {
             let _ = cu::graph::exec_destroy(exec);
-            let _ = cu::graph::destroy(graph);
         }
+        let _ = cu::graph::destroy(graph);
     }
-    Ok(out)
+}
+
+/// `CudaContext::time_graph`: here, beside the capture it shares with decode steps.
+pub fn time_graph(gpu: &Gpu, reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    let stream = gpu.cu_stream();
+    let err = |what: &str, e: cudarc::driver::DriverError| driver_err(what, e);
+    begin_capture(stream, "capture")?;
+    let body = f();
+    let graph = end_capture(stream).map_err(|e| err("capture end", e))?;
+    body?;
+    let exec = instantiate(graph).map_err(|e| err("instantiate", e))?;
+    let mut times = Vec::with_capacity(reps);
+    let run = || launch(exec, stream);
+    run()?;
+    gpu.synchronize()?;
+    for _ in 0..reps {
+        let t0 = std::time::Instant::now();
+        run()?;
+        gpu.synchronize()?;
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    destroy(Some(exec), graph);
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
 }

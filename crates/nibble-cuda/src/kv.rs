@@ -1,14 +1,18 @@
 //! The paged KV pool on the GPU: per layer, keys and values as `[blocks, kv_heads, block_size,
 //! head_dim]` in the model dtype, so one head's rows of a block are contiguous for attention. Which blocks a sequence
 //! owns is the engine's business; the pool only stores what the batch's block tables name.
+//!
+//! It sits in the runtime layer beside the tensor types, not among the ops: it is storage that
+//! attention writes and reads and benchmark fills write, so both can name it without naming each
+//! other.
 
 use std::sync::Arc;
 
 use nibble_core::{Error, Result};
 use nibble_model::KvShape;
 
-use crate::backend::Dtype;
 use crate::runtime::{DeviceBuffer, DevicePtr, Gpu};
+use crate::tensor::Dtype;
 
 pub struct CudaKv {
     pub shape: KvShape,

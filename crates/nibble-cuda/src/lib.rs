@@ -5,11 +5,39 @@
 //! Everything CUDA is loaded at run time (cudarc's dynamic loading), so nibble builds and runs
 //! its CPU paths on machines with no CUDA at all; `probe` checks for the libraries first, since
 //! a missing one would otherwise panic inside cudarc.
+//!
+//! The modules form three layers, each importing only from the layers below it, so that an op
+//! can be read, changed or tested knowing the context and the data types alone, and a new op
+//! touches its own module and the `Backend` impl, nothing else. Within a layer the arrows point
+//! down the list; the ops do not import one another, but for `qlinear` and its packer `pack`.
+//!
+//! ```text
+//! backend       impl Backend for CudaBackend: picks and calls the ops  -> every module below
+//! ---------------------------------------------------------------------------------------------
+//! ops           attention    paged attention, prefill and decode       -> context kv runtime tensor
+//!               qlinear      quantized GEMMs, weight packing           -> context pack runtime tensor
+//!               pack         the quantized kernels' weight layouts     -> tensor
+//!               blas         cuBLAS GEMMs                              -> runtime tensor
+//!               sampling     sampling on the device                    -> context runtime tensor
+//!               elementwise  embedding, norms, RoPE, SiLU gate, adds   -> context kv runtime tensor
+//! ---------------------------------------------------------------------------------------------
+//! runtime       context      CudaContext: kernels, arena, batch        -> compile graph module probe
+//!                            metadata, launches, sticky error, tier       runtime tensor
+//!               graph        the CUDA graph cache, capture primitives  -> runtime tensor
+//!               kv           CudaKv, the paged KV pool                 -> runtime tensor
+//!               tensor       Dtype, Elem, CudaTensor, CudaWeight       -> runtime
+//!               module       loading cubins                            -> runtime
+//!               runtime      Gpu, DeviceBuffer, Arena, Kernel, Arg     -> compile probe
+//!               compile      NVRTC and the cubin cache                 -> (none)
+//!               probe        finding the CUDA libraries                -> (none)
+//! ```
 
 mod attention;
 mod backend;
 mod blas;
 pub mod compile;
+mod context;
+mod elementwise;
 mod graph;
 mod kv;
 pub mod module;
@@ -18,13 +46,16 @@ pub mod probe;
 pub mod qlinear;
 mod runtime;
 mod sampling;
+mod tensor;
 
 pub use attention::{HEAD_DIMS, Split, plan_split};
-pub use backend::{CudaBackend, CudaTensor, CudaWeight, Dtype, Elem, WeightData};
+pub use backend::CudaBackend;
+pub use context::CudaContext;
 pub use kv::CudaKv;
 pub use probe::cuda_available;
 pub use runtime::{DeviceBuffer, Gpu};
 pub use sampling::TOP_LOGPROBS;
+pub use tensor::{CudaTensor, CudaWeight, Dtype, Elem, WeightData};
 
 use nibble_core::{Error, Result};
 

@@ -31,7 +31,7 @@
 use half::{bf16, f16};
 use nibble_core::{Error, Result};
 
-use crate::backend::Dtype;
+use crate::tensor::Dtype;
 
 /// K channels per packed chunk (one main-loop step of every quantized kernel).
 pub const CHUNK_K: usize = 64;

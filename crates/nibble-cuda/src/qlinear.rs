@@ -13,9 +13,12 @@ use nibble_core::{Error, Result};
 use nibble_formats::{HostTensor, WeightFormat};
 use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
 
-use crate::backend::{CudaBackend, CudaTensor, Dtype, Elem};
+use crate::context::{CudaContext, norm_block};
+pub use crate::context::{KernelTier, SPLIT_COUNTERS};
 use crate::pack::{self, PackedW4, PackedW8, W4Matrix};
 use crate::runtime::{Arg, DeviceBuffer, TmaLayout, tensor_map};
+use crate::tensor::{CudaTensor, Dtype, Elem};
+pub use crate::tensor::{Int8Input, QuantWeight};
 
 /// Largest M the gemv (decode) kernels take; larger batches run the tiled kernels (whose 128-token
 /// tiles and one CTA per 128 weight rows leave most of the GPU idle at 64 tokens: 80 µs against
@@ -24,9 +27,6 @@ pub const GEMV_MAX_M: usize = 64;
 /// Dynamic shared memory of the tiled kernels (4 stages).
 pub const W4_TILED_SMEM: u32 = 4 * (5120 + 128 * 144);
 pub const W8_TILED_SMEM: u32 = 4 * (8192 + 128 * 64);
-/// Split-K arrival counters: one per row block of 128 weight rows (mma.sync gemv) or per 16-row
-/// tile (decode gemv).
-pub const SPLIT_COUNTERS: usize = 1 << 16;
 /// Most tokens the persistent decode gemv (kernels/qgemv.cu) takes: two 8-token MMA tiles.
 pub const DECODE_MAX_M: usize = 16;
 /// Chunks of 64 channels per register batch of the decode gemv (`U` of its entry points): the
@@ -36,23 +36,6 @@ const DECODE_BATCH: usize = 4;
 const DECODE_BLOCK_TILES: usize = 16;
 /// Shared memory the decode gemv may take for its staged activations and their sums.
 const DECODE_SMEM: usize = 200 * 1024;
-/// Kernel tier of the quantized GEMMs: at decode sizes the mma.sync gemv (sm_80 and later) or the
-/// persistent decode gemv (Hopper tier); past the gemv range the mma.sync tiled kernels or the
-/// Hopper wgmma kernels (sm_90a).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-#[repr(u8)]
-pub enum KernelTier {
-    /// Whichever measured faster (BENCHMARKS.md): on Hopper the decode gemv up to
-    /// [`DECODE_MAX_M`] tokens, the 64-token wgmma kernels up to [`WGMMA_SMALL_TOKENS`] (but for
-    /// up to 32 tokens of layers of at most 4096x4096) and the 128- or 256-token wgmma kernels
-    /// past that, mma.sync everywhere else.
-    Auto = 0,
-    /// The mma.sync kernels for every shape.
-    MmaSync = 1,
-    /// The Hopper kernels (decode gemv, wgmma) wherever the GPU has them and the format allows.
-    Hopper = 2,
-}
-
 /// Tokens per CTA of the wgmma kernels (kernels/qgemm_wgmma.cu): [`KernelTier::Auto`] takes them
 /// from one full CTA of tokens on.
 pub const WGMMA_TOKENS: usize = 256;
@@ -107,40 +90,6 @@ pub fn wgmma_splits(out_tiles: usize, stages: usize, sms: usize) -> usize {
         return 1;
     }
     (sms / out_tiles).min(8).min(stages / 16).max(1)
-}
-
-/// A weight packed for a quantized kernel.
-pub enum QuantWeight {
-    W4 {
-        codes: DeviceBuffer,
-        params: DeviceBuffer,
-        group_len: usize,
-        tiles: usize,
-        chunks: usize,
-        groups: usize,
-    },
-    W8 {
-        codes: DeviceBuffer,
-        scales: DeviceBuffer,
-        tiles: usize,
-        chunks: usize,
-    },
-}
-
-impl QuantWeight {
-    pub fn bytes(&self) -> usize {
-        match self {
-            QuantWeight::W4 { codes, params, .. } => codes.bytes + params.bytes,
-            QuantWeight::W8 { codes, scales, .. } => codes.bytes + scales.bytes,
-        }
-    }
-
-    pub fn format_name(&self) -> &'static str {
-        match self {
-            QuantWeight::W4 { .. } => "w4a16",
-            QuantWeight::W8 { .. } => "w8a8",
-        }
-    }
 }
 
 /// The quantized format a GPU kernel runs directly, if `f` is one.
@@ -258,19 +207,19 @@ pub enum Packed {
 }
 
 impl Packed {
-    pub fn upload(&self, b: &CudaBackend, what: &str) -> Result<QuantWeight> {
+    pub fn upload(&self, ctx: &CudaContext, what: &str) -> Result<QuantWeight> {
         Ok(match self {
             Packed::W4(p) => QuantWeight::W4 {
-                codes: DeviceBuffer::from_host(&b.gpu, &p.codes, what)?,
-                params: DeviceBuffer::from_host(&b.gpu, &p.params, what)?,
+                codes: DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
+                params: DeviceBuffer::from_host(&ctx.gpu, &p.params, what)?,
                 group_len: p.group_len,
                 tiles: p.tiles,
                 chunks: p.chunks,
                 groups: p.groups,
             },
             Packed::W8(p) => QuantWeight::W8 {
-                codes: DeviceBuffer::from_host(&b.gpu, &p.codes, what)?,
-                scales: DeviceBuffer::from_host(&b.gpu, &p.scales, what)?,
+                codes: DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
+                scales: DeviceBuffer::from_host(&ctx.gpu, &p.scales, what)?,
                 tiles: p.tiles,
                 chunks: p.chunks,
             },
@@ -443,13 +392,6 @@ fn gemv_smem(m: usize, cps: usize, x_bytes: usize) -> usize {
     m * stride
 }
 
-/// INT8 codes and per-token scales of a GEMM input, made by the kernel that produced it.
-#[derive(Clone, Copy, Debug)]
-pub struct Int8Input {
-    pub codes: u64,
-    pub scales: u64,
-}
-
 /// What a wgmma-tier launch takes besides the shape: the activations (read through a TMA
 /// descriptor, not a pointer), the weight, and the output. The descriptors are made only when
 /// the wgmma kernel runs, so the other tiers (and GPUs without TMA) never encode one.
@@ -505,388 +447,397 @@ pub enum OutElem {
     Half,
 }
 
-impl CudaBackend {
-    /// `y = x · Wᵀ` for a packed weight of `n` rows and `k` columns, into `out` (`x.rows x n`,
-    /// f32 or model dtype).
-    pub fn quant_gemm(
-        &self,
-        x: &CudaTensor,
-        w: &QuantWeight,
-        n: usize,
-        k: usize,
-        out: &CudaTensor,
-    ) -> Result<()> {
-        let m = x.rows;
-        let out_half = match out.elem {
-            Elem::F32 => false,
-            Elem::Half(d) if d == self.dtype => true,
-            e => {
-                return Err(Error::InvalidArgument(format!(
-                    "quantized GEMM output of {e:?}"
-                )));
-            }
-        };
-        match w {
-            QuantWeight::W4 {
-                codes,
-                params,
-                group_len,
-                tiles,
-                chunks,
-                groups,
-            } => {
-                let xh = self.as_half(x)?;
-                if xh.ld % 8 != 0 || xh.ptr % 16 != 0 {
-                    return Err(Error::InvalidArgument(
-                        "w4a16 GEMM input rows must be 16-byte aligned".into(),
-                    ));
-                }
-                let head = vec![
-                    Arg::Ptr(codes.ptr),
-                    Arg::Ptr(params.ptr),
-                    Arg::Ptr(xh.ptr),
-                    Arg::I64(xh.ld as i64),
-                    Arg::Ptr(out.ptr),
-                    Arg::I64(out.ld as i64),
-                ];
-                let geo = [m, n, k, *tiles, *chunks, *groups, *group_len];
-                let shift = if group_len.is_power_of_two() {
-                    group_len.trailing_zeros() as i32
-                } else {
-                    -1
-                };
-                let route = Route {
-                    w4: true,
-                    out_half,
-                    decode: w4_decode_kernel(*group_len, *groups),
-                };
-                let wg = WgmmaOperands {
-                    x: xh.ptr,
-                    x_ld: xh.ld,
-                    x_elem: 2,
-                    weights: WgmmaWeights::W4 {
-                        codes: codes.ptr,
-                        params: params.ptr,
-                        groups: *groups,
-                        group_len: *group_len,
-                    },
-                    out: out.ptr,
-                    ldy: out.ld,
-                };
-                self.run_quant(route, head, wg, &geo, &[shift], *tiles, *chunks)
-            }
-            QuantWeight::W8 {
-                codes,
-                scales,
-                tiles,
-                chunks,
-            } => {
-                let q = match x.int8 {
-                    Some(q) if x.cols == k => q,
-                    _ => self.quantize_int8(x)?,
-                };
-                let head = vec![
-                    Arg::Ptr(codes.ptr),
-                    Arg::Ptr(scales.ptr),
-                    Arg::Ptr(q.codes),
-                    Arg::I64(k as i64),
-                    Arg::Ptr(q.scales),
-                    Arg::Ptr(out.ptr),
-                    Arg::I64(out.ld as i64),
-                ];
-                let geo = [m, n, k, *tiles, *chunks];
-                let route = Route {
-                    w4: false,
-                    out_half,
-                    decode: Some(QKernel::Decode),
-                };
-                let wg = WgmmaOperands {
-                    x: q.codes,
-                    x_ld: k,
-                    x_elem: 1,
-                    weights: WgmmaWeights::W8 {
-                        codes: codes.ptr,
-                        scales: scales.ptr,
-                        x_scales: q.scales,
-                    },
-                    out: out.ptr,
-                    ldy: out.ld,
-                };
-                self.run_quant(route, head, wg, &geo, &[], *tiles, *chunks)
-            }
+/// `y = x · Wᵀ` for a packed weight of `n` rows and `k` columns, into `out` (`x.rows x n`,
+/// f32 or model dtype).
+pub fn quant_gemm(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    w: &QuantWeight,
+    n: usize,
+    k: usize,
+    out: &CudaTensor,
+) -> Result<()> {
+    let m = x.rows;
+    let out_half = match out.elem {
+        Elem::F32 => false,
+        Elem::Half(d) if d == ctx.dtype => true,
+        e => {
+            return Err(Error::InvalidArgument(format!(
+                "quantized GEMM output of {e:?}"
+            )));
         }
-    }
-
-    /// Runs the kernel family a quantized GEMM takes: the gemv ([`use_gemv`]; the Hopper stream
-    /// gemv when `route` allows it and the [`KernelTier`] picks it), else the wgmma kernel where
-    /// the tier picks it and the activations suit TMA, else the tiled kernel. `head` are the
-    /// mma.sync kernels' pointer arguments, `wg` the wgmma kernel's operands, `geo` the integers
-    /// `[m, n, k, tiles, chunks, ..]` every mma.sync family takes after them (the gemv kernels
-    /// also `gemv_geo`).
-    #[allow(clippy::too_many_arguments)]
-    fn run_quant(
-        &self,
-        route: Route,
-        head: Vec<Arg>,
-        wg: WgmmaOperands,
-        geo: &[usize],
-        gemv_geo: &[i32],
-        tiles: usize,
-        chunks: usize,
-    ) -> Result<()> {
-        let (m, n, k) = (geo[0], geo[1], geo[2]);
-        let name = |kind| qgemm_kernel_name(kind, route.w4, m, route.out_half, self.dtype.suffix());
-        let x_elem = if route.w4 { 2 } else { 1 };
-        let mut ints: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
-        let shape = (m, n, k, tiles, chunks);
-        let tma_ok = wg.x.is_multiple_of(16) && (wg.x_ld * wg.x_elem).is_multiple_of(16);
-        // Past the decode gemv, up to 64 tokens: 64-token wgmma tiles on Hopper. Auto keeps the
-        // mma.sync gemv for up to 32 tokens of layers of at most 4096x4096 (on an H200 at 32
-        // tokens: 21.3 against 26.0 µs W4A16, 20.8 against 23.6 W8A8; larger layers gain 1.2x to
-        // 1.5x, and every layer at 64 tokens 1.4x to 3.0x).
-        if m > DECODE_MAX_M && m <= WGMMA_SMALL_TOKENS {
-            let wgmma = name(QKernel::Wgmma64);
-            let auto = m > 32 || n * k > 4096 * 4096;
-            if tma_ok && self.hopper_tier(&wgmma, auto) {
-                return self.launch_wgmma(&wgmma, route.w4, WGMMA_SMALL_TOKENS, wg, shape);
+    };
+    match w {
+        QuantWeight::W4 {
+            codes,
+            params,
+            group_len,
+            tiles,
+            chunks,
+            groups,
+        } => {
+            let xh = ctx.as_half(x)?;
+            if xh.ld % 8 != 0 || xh.ptr % 16 != 0 {
+                return Err(Error::InvalidArgument(
+                    "w4a16 GEMM input rows must be 16-byte aligned".into(),
+                ));
             }
-        }
-        if use_gemv(m, tiles, self.gpu.sm_count) {
-            ints.extend(gemv_geo.iter().map(|&v| Arg::I32(v)));
-            let plan = plan_decode(tiles, chunks, self.gpu.sm_count, m, x_elem);
-            // Auto: the decode gemv wherever it applies (on an H200 1.05x to 1.85x the mma.sync
-            // gemv, 4096x4096 at M = 1 included: 6.6 against 7.9 µs).
-            if let (Some(plan), Some(kind)) = (plan, route.decode) {
-                let decode = name(kind);
-                if self.hopper_tier(&decode, true) {
-                    return self.launch_decode(&decode, head, ints, tiles, m, plan);
-                }
-            }
-            self.launch_gemv(
-                &name(QKernel::Gemv),
-                head,
-                ints,
-                tiles,
-                chunks,
-                m,
-                64 * x_elem,
-            )
-        } else {
-            let tokens = wgmma_tokens(m, tiles, self.gpu.sm_count);
-            let wgmma = name(match tokens {
-                WGMMA_TOKENS => QKernel::Wgmma,
-                128 => QKernel::Wgmma128,
-                _ => QKernel::Wgmma64,
-            });
-            // Auto: wgmma past 64 tokens. Kernel by kernel the mma.sync tiles looked cheaper
-            // under a full 256-token tile, but in the engine (Llama-3-8B on an H100, 1000
-            // ShareGPT prompts) steps of 128 to 255 sequences took 27.0 ms W4A16 and 20.2 W8A8
-            // on them against 16.9 and 12.4 for steps of 256 to 511 on wgmma
-            // (bench/results/engine-20261124-77517f0).
-            if tma_ok && self.hopper_tier(&wgmma, true) {
-                return self.launch_wgmma(&wgmma, route.w4, tokens, wg, shape);
-            }
-            let mut args = head;
-            args.extend(ints);
-            let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
-            let smem = if route.w4 {
-                W4_TILED_SMEM
+            let head = vec![
+                Arg::Ptr(codes.ptr),
+                Arg::Ptr(params.ptr),
+                Arg::Ptr(xh.ptr),
+                Arg::I64(xh.ld as i64),
+                Arg::Ptr(out.ptr),
+                Arg::I64(out.ld as i64),
+            ];
+            let geo = [m, n, k, *tiles, *chunks, *groups, *group_len];
+            let shift = if group_len.is_power_of_two() {
+                group_len.trailing_zeros() as i32
             } else {
-                W8_TILED_SMEM
+                -1
             };
-            self.launch_smem(&name(QKernel::Tiled), grid, smem, args)
+            let route = Route {
+                w4: true,
+                out_half,
+                decode: w4_decode_kernel(*group_len, *groups),
+            };
+            let wg = WgmmaOperands {
+                x: xh.ptr,
+                x_ld: xh.ld,
+                x_elem: 2,
+                weights: WgmmaWeights::W4 {
+                    codes: codes.ptr,
+                    params: params.ptr,
+                    groups: *groups,
+                    group_len: *group_len,
+                },
+                out: out.ptr,
+                ldy: out.ld,
+            };
+            run_quant(ctx, route, head, wg, &geo, &[shift], *tiles, *chunks)
         }
-    }
-
-    /// Launches a split-K gemv: `head` are the pointer arguments before the partials, `geo`
-    /// the integer geometry after the counters; the chunks-per-split argument goes last. The
-    /// partial sums (f32 or i32) take 4 bytes each; `x_bytes` is one token's activation bytes
-    /// per 64-channel chunk.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_gemv(
-        &self,
-        name: &str,
-        mut args: Vec<Arg>,
-        geo: Vec<Arg>,
-        tiles: usize,
-        chunks: usize,
-        m: usize,
-        x_bytes: usize,
-    ) -> Result<()> {
-        let kernel = self.kernel(name)?;
-        let (blocks, splits, cps) = plan_gemv(tiles, chunks, self.gpu.sm_count, m, x_bytes);
-        let partial = if splits > 1 {
-            self.alloc(splits * m, tiles * 16, Elem::F32)?.ptr
-        } else {
-            0
-        };
-        args.push(Arg::Ptr(partial));
-        args.push(Arg::Ptr(self.split_counters()));
-        args.extend(geo);
-        args.push(Arg::I32(cps as i32));
-        kernel.launch(
-            &self.gpu,
-            (blocks as u32, splits as u32, 1),
-            256,
-            gemv_smem(m, cps, x_bytes) as u32,
-            args,
-        )
-    }
-
-    /// Whether the Hopper kernel `name` runs: compiled for this GPU (the decode gemv from sm_90,
-    /// the wgmma kernels on sm_90a) and chosen by the [`KernelTier`], where `auto_picks` is what
-    /// [`KernelTier::Auto`] measured faster for this shape.
-    fn hopper_tier(&self, name: &str, auto_picks: bool) -> bool {
-        let wanted = match self.tier() {
-            KernelTier::MmaSync => false,
-            KernelTier::Hopper => true,
-            KernelTier::Auto => auto_picks,
-        };
-        wanted && self.has_kernel(name)
-    }
-
-    /// Launches a wgmma-tier GEMM of shape `(m, n, k, tiles, chunks)`: output tiles of 128 weight
-    /// rows and `tokens` tokens, the activations read through a TMA descriptor in 128-byte rows of K.
-    fn launch_wgmma(
-        &self,
-        name: &str,
-        w4: bool,
-        tokens: usize,
-        op: WgmmaOperands,
-        (m, n, k, tiles, chunks): (usize, usize, usize, usize, usize),
-    ) -> Result<()> {
-        let map = tensor_map(
-            op.x,
-            op.x_elem,
-            &[k, m],
-            &[op.x_ld * op.x_elem],
-            &[128 / op.x_elem, tokens],
-            TmaLayout::Swizzle128,
-        )?;
-        let mut args = vec![Arg::TensorMap(Box::new(map))];
-        let mut tail = vec![];
-        match op.weights {
-            WgmmaWeights::W8 {
-                codes,
-                scales,
-                x_scales,
-            } => {
-                // Two 64-channel chunks of codes a stage.
-                args.push(weight_map(codes, tiles, chunks, 1024, 2)?);
-                args.push(Arg::Ptr(scales));
-                args.push(Arg::Ptr(x_scales));
-            }
-            WgmmaWeights::W4 {
-                codes,
-                params,
-                groups,
-                group_len,
-            } => {
-                // One chunk of codes a stage, and the parameter rows of the one or two groups a
-                // chunk can touch (kernels/qgemm_wgmma.cu, WgqW4::span).
-                let span = if group_len % 64 == 0 { 1 } else { 2 };
-                args.push(weight_map(codes, tiles, chunks, 512, 1)?);
-                args.push(weight_map(params, tiles, groups, 64, span)?);
-                tail = vec![Arg::I32(groups as i32), Arg::I32(group_len as i32)];
-            }
+        QuantWeight::W8 {
+            codes,
+            scales,
+            tiles,
+            chunks,
+        } => {
+            let q = match x.int8 {
+                Some(q) if x.cols == k => q,
+                _ => quantize_int8(ctx, x)?,
+            };
+            let head = vec![
+                Arg::Ptr(codes.ptr),
+                Arg::Ptr(scales.ptr),
+                Arg::Ptr(q.codes),
+                Arg::I64(k as i64),
+                Arg::Ptr(q.scales),
+                Arg::Ptr(out.ptr),
+                Arg::I64(out.ld as i64),
+            ];
+            let geo = [m, n, k, *tiles, *chunks];
+            let route = Route {
+                w4: false,
+                out_half,
+                decode: Some(QKernel::Decode),
+            };
+            let wg = WgmmaOperands {
+                x: q.codes,
+                x_ld: k,
+                x_elem: 1,
+                weights: WgmmaWeights::W8 {
+                    codes: codes.ptr,
+                    scales: scales.ptr,
+                    x_scales: q.scales,
+                },
+                out: out.ptr,
+                ldy: out.ld,
+            };
+            run_quant(ctx, route, head, wg, &geo, &[], *tiles, *chunks)
         }
-        args.push(Arg::Ptr(op.out));
-        args.push(Arg::I64(op.ldy as i64));
-        args.extend([m, n, tiles, chunks].map(|v| Arg::I32(v as i32)));
-        args.extend(tail);
-        let out_tiles = tiles.div_ceil(8) * m.div_ceil(tokens);
-        let stages = if w4 { chunks } else { chunks.div_ceil(2) };
-        // Only the 64-token entries compile the split path (kernels/qgemm_wgmma.cu).
-        let splits = if tokens == WGMMA_SMALL_TOKENS {
-            wgmma_splits(out_tiles, stages, self.gpu.sm_count)
-        } else {
-            1
-        };
-        let partial = if splits > 1 {
-            self.alloc(out_tiles * splits * tokens * 128, 1, Elem::F32)?
-                .ptr
-        } else {
-            0
-        };
-        args.push(Arg::I32(splits as i32));
-        args.push(Arg::Ptr(partial));
-        args.push(Arg::Ptr(self.split_counters()));
-        // Persistent CTAs, at most one per SM: each walks units of work, its producer loading the
-        // next unit while the consumers store the last.
-        let ctas = (out_tiles * splits).min(self.gpu.sm_count);
-        let smem = wgmma_smem(w4, tokens);
-        self.launch_block(name, (ctas as u32, 1, 1), WGMMA_THREADS, smem, args)
-    }
-
-    /// The [`KernelTier`] set by [`CudaBackend::set_kernel_tier`].
-    pub(crate) fn tier(&self) -> KernelTier {
-        match self.kernel_tier.load(std::sync::atomic::Ordering::Relaxed) {
-            t if t == KernelTier::MmaSync as u8 => KernelTier::MmaSync,
-            t if t == KernelTier::Hopper as u8 => KernelTier::Hopper,
-            _ => KernelTier::Auto,
-        }
-    }
-
-    /// Launches the persistent decode gemv on its [`DecodePlan`]: arguments as for
-    /// [`Self::launch_gemv`], then the units per CTA and the partial slots per tile. Partial sums
-    /// take 4 bytes each.
-    fn launch_decode(
-        &self,
-        name: &str,
-        mut args: Vec<Arg>,
-        geo: Vec<Arg>,
-        tiles: usize,
-        m: usize,
-        plan: DecodePlan,
-    ) -> Result<()> {
-        let partial = if plan.max_pieces > 1 {
-            self.alloc(tiles * plan.max_pieces * m, 16, Elem::F32)?.ptr
-        } else {
-            0
-        };
-        args.push(Arg::Ptr(partial));
-        args.push(Arg::Ptr(self.split_counters()));
-        args.extend(geo);
-        args.push(Arg::I32(plan.per_cta as i32));
-        args.push(Arg::I32(plan.max_pieces as i32));
-        // Its weight loads start before the previous kernel ends (the kernel waits on the grid
-        // dependency before it reads activations or touches the split-K slots; it is one of
-        // compile::GRID_WAITING_KERNELS).
-        self.launch_block(
-            name,
-            (plan.ctas as u32, 1, 1),
-            32 * DECODE_BLOCK_TILES as u32,
-            plan.smem as u32,
-            args,
-        )
-    }
-
-    /// Per-token INT8 codes (`rows x cols`, row stride `cols`) and scales of `x`.
-    pub fn quantize_int8(&self, x: &CudaTensor) -> Result<Int8Input> {
-        let codes = self.alloc_bytes(x.rows * x.cols)?;
-        let scales = self.alloc(x.rows, 1, Elem::F32)?.ptr;
-        let sfx = match x.elem {
-            Elem::F32 => "f32",
-            Elem::Half(d) => d.suffix(),
-        };
-        self.kernel(&format!("quantize_i8_{sfx}"))?.launch(
-            &self.gpu,
-            (x.rows as u32, 1, 1),
-            crate::backend::norm_block(x.cols),
-            0,
-            vec![
-                Arg::Ptr(x.ptr),
-                Arg::I64(x.ld as i64),
-                Arg::Ptr(codes),
-                Arg::I64(x.cols as i64),
-                Arg::Ptr(scales),
-                Arg::I32(x.cols as i32),
-            ],
-        )?;
-        Ok(Int8Input { codes, scales })
     }
 }
 
+/// Runs the kernel family a quantized GEMM takes: the gemv ([`use_gemv`]; the Hopper stream
+/// gemv when `route` allows it and the [`KernelTier`] picks it), else the wgmma kernel where
+/// the tier picks it and the activations suit TMA, else the tiled kernel. `head` are the
+/// mma.sync kernels' pointer arguments, `wg` the wgmma kernel's operands, `geo` the integers
+/// `[m, n, k, tiles, chunks, ..]` every mma.sync family takes after them (the gemv kernels
+/// also `gemv_geo`).
+#[allow(clippy::too_many_arguments)]
+fn run_quant(
+    ctx: &CudaContext,
+    route: Route,
+    head: Vec<Arg>,
+    wg: WgmmaOperands,
+    geo: &[usize],
+    gemv_geo: &[i32],
+    tiles: usize,
+    chunks: usize,
+) -> Result<()> {
+    let (m, n, k) = (geo[0], geo[1], geo[2]);
+    let name = |kind| qgemm_kernel_name(kind, route.w4, m, route.out_half, ctx.dtype.suffix());
+    let x_elem = if route.w4 { 2 } else { 1 };
+    let mut ints: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
+    let shape = (m, n, k, tiles, chunks);
+    let tma_ok = wg.x.is_multiple_of(16) && (wg.x_ld * wg.x_elem).is_multiple_of(16);
+    // Past the decode gemv, up to 64 tokens: 64-token wgmma tiles on Hopper. Auto keeps the
+    // mma.sync gemv for up to 32 tokens of layers of at most 4096x4096 (on an H200 at 32
+    // tokens: 21.3 against 26.0 µs W4A16, 20.8 against 23.6 W8A8; larger layers gain 1.2x to
+    // 1.5x, and every layer at 64 tokens 1.4x to 3.0x).
+    if m > DECODE_MAX_M && m <= WGMMA_SMALL_TOKENS {
+        let wgmma = name(QKernel::Wgmma64);
+        let auto = m > 32 || n * k > 4096 * 4096;
+        if tma_ok && hopper_tier(ctx, &wgmma, auto) {
+            return launch_wgmma(ctx, &wgmma, route.w4, WGMMA_SMALL_TOKENS, wg, shape);
+        }
+    }
+    if use_gemv(m, tiles, ctx.gpu.sm_count) {
+        ints.extend(gemv_geo.iter().map(|&v| Arg::I32(v)));
+        let plan = plan_decode(tiles, chunks, ctx.gpu.sm_count, m, x_elem);
+        // Auto: the decode gemv wherever it applies (on an H200 1.05x to 1.85x the mma.sync
+        // gemv, 4096x4096 at M = 1 included: 6.6 against 7.9 µs).
+        if let (Some(plan), Some(kind)) = (plan, route.decode) {
+            let decode = name(kind);
+            if hopper_tier(ctx, &decode, true) {
+                return launch_decode(ctx, &decode, head, ints, tiles, m, plan);
+            }
+        }
+        launch_gemv(
+            ctx,
+            &name(QKernel::Gemv),
+            head,
+            ints,
+            tiles,
+            chunks,
+            m,
+            64 * x_elem,
+        )
+    } else {
+        let tokens = wgmma_tokens(m, tiles, ctx.gpu.sm_count);
+        let wgmma = name(match tokens {
+            WGMMA_TOKENS => QKernel::Wgmma,
+            128 => QKernel::Wgmma128,
+            _ => QKernel::Wgmma64,
+        });
+        // Auto: wgmma past 64 tokens. Kernel by kernel the mma.sync tiles looked cheaper
+        // under a full 256-token tile, but in the engine (Llama-3-8B on an H100, 1000
+        // ShareGPT prompts) steps of 128 to 255 sequences took 27.0 ms W4A16 and 20.2 W8A8
+        // on them against 16.9 and 12.4 for steps of 256 to 511 on wgmma
+        // (bench/results/engine-20261124-77517f0).
+        if tma_ok && hopper_tier(ctx, &wgmma, true) {
+            return launch_wgmma(ctx, &wgmma, route.w4, tokens, wg, shape);
+        }
+        let mut args = head;
+        args.extend(ints);
+        let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
+        let smem = if route.w4 {
+            W4_TILED_SMEM
+        } else {
+            W8_TILED_SMEM
+        };
+        ctx.launch_smem(&name(QKernel::Tiled), grid, smem, args)
+    }
+}
+
+/// Launches a split-K gemv: `head` are the pointer arguments before the partials, `geo`
+/// the integer geometry after the counters; the chunks-per-split argument goes last. The
+/// partial sums (f32 or i32) take 4 bytes each; `x_bytes` is one token's activation bytes
+/// per 64-channel chunk.
+#[allow(clippy::too_many_arguments)]
+fn launch_gemv(
+    ctx: &CudaContext,
+    name: &str,
+    mut args: Vec<Arg>,
+    geo: Vec<Arg>,
+    tiles: usize,
+    chunks: usize,
+    m: usize,
+    x_bytes: usize,
+) -> Result<()> {
+    let kernel = ctx.kernel(name)?;
+    let (blocks, splits, cps) = plan_gemv(tiles, chunks, ctx.gpu.sm_count, m, x_bytes);
+    let partial = if splits > 1 {
+        ctx.alloc(splits * m, tiles * 16, Elem::F32)?.ptr
+    } else {
+        0
+    };
+    args.push(Arg::Ptr(partial));
+    args.push(Arg::Ptr(ctx.split_counters()));
+    args.extend(geo);
+    args.push(Arg::I32(cps as i32));
+    kernel.launch(
+        &ctx.gpu,
+        (blocks as u32, splits as u32, 1),
+        256,
+        gemv_smem(m, cps, x_bytes) as u32,
+        args,
+    )
+}
+
+/// Whether the Hopper kernel `name` runs: compiled for this GPU (the decode gemv from sm_90,
+/// the wgmma kernels on sm_90a) and chosen by the [`KernelTier`], where `auto_picks` is what
+/// [`KernelTier::Auto`] measured faster for this shape.
+fn hopper_tier(ctx: &CudaContext, name: &str, auto_picks: bool) -> bool {
+    let wanted = match ctx.tier() {
+        KernelTier::MmaSync => false,
+        KernelTier::Hopper => true,
+        KernelTier::Auto => auto_picks,
+    };
+    wanted && ctx.has_kernel(name)
+}
+
+/// Launches a wgmma-tier GEMM of shape `(m, n, k, tiles, chunks)`: output tiles of 128 weight
+/// rows and `tokens` tokens, the activations read through a TMA descriptor in 128-byte rows of K.
+fn launch_wgmma(
+    ctx: &CudaContext,
+    name: &str,
+    w4: bool,
+    tokens: usize,
+    op: WgmmaOperands,
+    (m, n, k, tiles, chunks): (usize, usize, usize, usize, usize),
+) -> Result<()> {
+    let map = tensor_map(
+        op.x,
+        op.x_elem,
+        &[k, m],
+        &[op.x_ld * op.x_elem],
+        &[128 / op.x_elem, tokens],
+        TmaLayout::Swizzle128,
+    )?;
+    let mut args = vec![Arg::TensorMap(Box::new(map))];
+    let mut tail = vec![];
+    match op.weights {
+        WgmmaWeights::W8 {
+            codes,
+            scales,
+            x_scales,
+        } => {
+            // Two 64-channel chunks of codes a stage.
+            args.push(weight_map(codes, tiles, chunks, 1024, 2)?);
+            args.push(Arg::Ptr(scales));
+            args.push(Arg::Ptr(x_scales));
+        }
+        WgmmaWeights::W4 {
+            codes,
+            params,
+            groups,
+            group_len,
+        } => {
+            // One chunk of codes a stage, and the parameter rows of the one or two groups a
+            // chunk can touch (kernels/qgemm_wgmma.cu, WgqW4::span).
+            let span = if group_len % 64 == 0 { 1 } else { 2 };
+            args.push(weight_map(codes, tiles, chunks, 512, 1)?);
+            args.push(weight_map(params, tiles, groups, 64, span)?);
+            tail = vec![Arg::I32(groups as i32), Arg::I32(group_len as i32)];
+        }
+    }
+    args.push(Arg::Ptr(op.out));
+    args.push(Arg::I64(op.ldy as i64));
+    args.extend([m, n, tiles, chunks].map(|v| Arg::I32(v as i32)));
+    args.extend(tail);
+    let out_tiles = tiles.div_ceil(8) * m.div_ceil(tokens);
+    let stages = if w4 { chunks } else { chunks.div_ceil(2) };
+    // Only the 64-token entries compile the split path (kernels/qgemm_wgmma.cu).
+    let splits = if tokens == WGMMA_SMALL_TOKENS {
+        wgmma_splits(out_tiles, stages, ctx.gpu.sm_count)
+    } else {
+        1
+    };
+    let partial = if splits > 1 {
+        ctx.alloc(out_tiles * splits * tokens * 128, 1, Elem::F32)?
+            .ptr
+    } else {
+        0
+    };
+    args.push(Arg::I32(splits as i32));
+    args.push(Arg::Ptr(partial));
+    args.push(Arg::Ptr(ctx.split_counters()));
+    // Persistent CTAs, at most one per SM: each walks units of work, its producer loading the
+    // next unit while the consumers store the last.
+    let ctas = (out_tiles * splits).min(ctx.gpu.sm_count);
+    let smem = wgmma_smem(w4, tokens);
+    ctx.launch_block(name, (ctas as u32, 1, 1), WGMMA_THREADS, smem, args)
+}
+
+/// Launches the persistent decode gemv on its [`DecodePlan`]: arguments as for
+/// [`launch_gemv`], then the units per CTA and the partial slots per tile. Partial sums
+/// take 4 bytes each.
+fn launch_decode(
+    ctx: &CudaContext,
+    name: &str,
+    mut args: Vec<Arg>,
+    geo: Vec<Arg>,
+    tiles: usize,
+    m: usize,
+    plan: DecodePlan,
+) -> Result<()> {
+    let partial = if plan.max_pieces > 1 {
+        ctx.alloc(tiles * plan.max_pieces * m, 16, Elem::F32)?.ptr
+    } else {
+        0
+    };
+    args.push(Arg::Ptr(partial));
+    args.push(Arg::Ptr(ctx.split_counters()));
+    args.extend(geo);
+    args.push(Arg::I32(plan.per_cta as i32));
+    args.push(Arg::I32(plan.max_pieces as i32));
+    // Its weight loads start before the previous kernel ends (the kernel waits on the grid
+    // dependency before it reads activations or touches the split-K slots; it is one of
+    // compile::GRID_WAITING_KERNELS).
+    ctx.launch_block(
+        name,
+        (plan.ctas as u32, 1, 1),
+        32 * DECODE_BLOCK_TILES as u32,
+        plan.smem as u32,
+        args,
+    )
+}
+
+/// Per-token INT8 codes (`rows x cols`, row stride `cols`) and scales of `x`.
+pub fn quantize_int8(ctx: &CudaContext, x: &CudaTensor) -> Result<Int8Input> {
+    let codes = ctx.alloc_bytes(x.rows * x.cols)?;
+    let scales = ctx.alloc(x.rows, 1, Elem::F32)?.ptr;
+    let sfx = match x.elem {
+        Elem::F32 => "f32",
+        Elem::Half(d) => d.suffix(),
+    };
+    ctx.kernel(&format!("quantize_i8_{sfx}"))?.launch(
+        &ctx.gpu,
+        (x.rows as u32, 1, 1),
+        norm_block(x.cols),
+        0,
+        vec![
+            Arg::Ptr(x.ptr),
+            Arg::I64(x.ld as i64),
+            Arg::Ptr(codes),
+            Arg::I64(x.cols as i64),
+            Arg::Ptr(scales),
+            Arg::I32(x.cols as i32),
+        ],
+    )?;
+    Ok(Int8Input { codes, scales })
+}
+
+/// Benchmark support: `x` with its per-token INT8 codes attached, in owned memory, so a W8A8
+/// GEMM can be timed without its quantization.
+pub fn with_owned_int8(ctx: &CudaContext, x: &CudaTensor) -> Result<CudaTensor> {
+    let codes_bytes = (x.rows * x.cols).div_ceil(16) * 16;
+    let store = ctx.owned_tensor(codes_bytes / 4 + x.rows, 1, Elem::F32)?;
+    let q = quantize_int8(ctx, x)?;
+    ctx.gpu.copy(store.ptr, q.codes, x.rows * x.cols)?;
+    ctx.gpu
+        .copy(store.ptr + codes_bytes as u64, q.scales, x.rows * 4)?;
+    Ok(CudaTensor {
+        ld: x.ld,
+        owner: store.owner.clone(),
+        int8: Some(Int8Input {
+            codes: store.ptr,
+            scales: store.ptr + codes_bytes as u64,
+        }),
+        ..CudaTensor::view(x.ptr, x.rows, x.cols, x.elem, 0)
+    })
+}
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,8 +6,11 @@
 use nibble_core::{Error, Result};
 use nibble_model::sampling::{SampleSpec, Sampled, TokenLogprobs, sample_rows};
 
-use crate::backend::{CudaBackend, CudaTensor, Elem};
+use std::sync::Mutex;
+
+use crate::context::CudaContext;
 use crate::runtime::{Arg, DeviceBuffer};
+use crate::tensor::{CudaTensor, Elem};
 
 /// Top alternatives the kernel reports per token (`SAMPLE_TOP` in the kernel); a request for
 /// more is sampled on the host from copied logits.
@@ -45,19 +48,21 @@ struct SampleOut {
 }
 
 /// Device memory the sampler reuses from call to call (row parameters, outputs, histories and
-/// the repetition-penalty bitsets), grown when a batch needs more.
+/// the repetition-penalty bitsets), grown when a batch needs more. The backend owns it rather than
+/// the context, since no other op reads it.
 #[derive(Default)]
 pub(crate) struct SampleScratch {
-    buf: Option<DeviceBuffer>,
+    buf: Mutex<Option<DeviceBuffer>>,
 }
 
 pub(crate) fn sample(
-    be: &CudaBackend,
+    ctx: &CudaContext,
+    scratch: &SampleScratch,
     logits: &CudaTensor,
     vocab: usize,
     specs: &[SampleSpec],
 ) -> Result<Vec<Sampled>> {
-    be.check_live(logits)?;
+    ctx.check_live(logits)?;
     if logits.elem != Elem::F32 || !logits.is_contiguous() || logits.cols != vocab {
         return Err(Error::InvalidArgument(format!(
             "sampling needs f32 logits of {vocab} columns, got {}x{} {:?}",
@@ -77,7 +82,7 @@ pub(crate) fn sample(
         .iter()
         .any(|s| s.logprobs.is_some_and(|n| n > TOP_LOGPROBS))
     {
-        let host = nibble_model::Backend::to_host(be, logits)?;
+        let host = ctx.to_host(logits)?;
         return sample_rows(&host, vocab, specs);
     }
     let too_big = |what: &str, v: usize| Error::LimitExceeded {
@@ -120,21 +125,21 @@ pub(crate) fn sample(
     let bits_bytes = if history.is_empty() { 0 } else { n * words * 4 };
     let need = rows_bytes + out_bytes + hist_bytes + bits_bytes;
 
-    let mut st = be.lock();
-    if st.sampling.buf.as_ref().is_none_or(|b| b.bytes < need) {
-        st.sampling.buf = None;
-        st.sampling.buf = Some(DeviceBuffer::alloc(&be.gpu, need * 2, "sampling scratch")?);
+    let mut buf = scratch.buf.lock().unwrap_or_else(|p| p.into_inner());
+    if buf.as_ref().is_none_or(|b| b.bytes < need) {
+        *buf = None;
+        *buf = Some(DeviceBuffer::alloc(&ctx.gpu, need * 2, "sampling scratch")?);
     }
-    let base = st.sampling.buf.as_ref().expect("allocated above").ptr;
-    drop(st);
+    let base = buf.as_ref().expect("allocated above").ptr;
+    drop(buf);
     let rows_ptr = base;
     let out_ptr = base + rows_bytes as u64;
     let hist_ptr = out_ptr + out_bytes as u64;
     let bits_ptr = hist_ptr + hist_bytes as u64;
-    be.gpu.upload(rows_ptr, &rows)?;
-    be.gpu.upload(hist_ptr, &history)?;
-    be.kernel("sample_rows")?.launch(
-        &be.gpu,
+    ctx.gpu.upload(rows_ptr, &rows)?;
+    ctx.gpu.upload(hist_ptr, &history)?;
+    ctx.kernel("sample_rows")?.launch(
+        &ctx.gpu,
         (n as u32, 1, 1),
         THREADS,
         0,
@@ -159,7 +164,7 @@ pub(crate) fn sample(
         };
         n
     ];
-    be.gpu.download(&mut outs, out_ptr)?;
+    ctx.gpu.download(&mut outs, out_ptr)?;
     Ok(outs
         .iter()
         .zip(specs)

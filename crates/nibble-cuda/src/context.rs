@@ -1,0 +1,580 @@
+//! The device context: what every op needs to run on the GPU, gathered in one place so that the
+//! ops can depend on it and on nothing of each other. It owns the compiled kernels, the per-
+//! forward state that captured graphs bake in (arena, batch metadata, the graph cache itself),
+//! the sticky error of infallible ops and the switches that pick kernels; the ops in their own
+//! modules take it by reference.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use nibble_core::{Error, Result};
+use nibble_model::BatchLayout;
+
+use crate::compile;
+use crate::graph::{self, GraphCache, GraphKey};
+use crate::runtime::{Arena, Arg, DeviceBuffer, DevicePtr, Gpu, Kernel, StickyError, driver_err};
+use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem};
+
+/// Split-K arrival counters: one per row block of 128 weight rows (mma.sync gemv) or per 16-row
+/// tile (decode gemv).
+pub const SPLIT_COUNTERS: usize = 1 << 16;
+
+/// Kernel tier of the quantized GEMMs: at decode sizes the mma.sync gemv (sm_80 and later) or the
+/// persistent decode gemv (Hopper tier); past the gemv range the mma.sync tiled kernels or the
+/// Hopper wgmma kernels (sm_90a). A context setting, not a GEMM argument, because attention reads
+/// it too (its wgmma prefill kernel is a Hopper-tier kernel).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
+pub enum KernelTier {
+    /// Whichever measured faster (BENCHMARKS.md): on Hopper the decode gemv up to
+    /// `qlinear::DECODE_MAX_M` tokens, the 64-token wgmma kernels up to
+    /// `qlinear::WGMMA_SMALL_TOKENS` (but for up to 32 tokens of layers of at most 4096x4096) and
+    /// the 128- or 256-token wgmma kernels past that, mma.sync everywhere else.
+    Auto = 0,
+    /// The mma.sync kernels for every shape.
+    MmaSync = 1,
+    /// The Hopper kernels (decode gemv, wgmma) wherever the GPU has them and the format allows.
+    Hopper = 2,
+}
+
+/// The device copy of one forward pass's integer metadata, packed in one buffer.
+pub(crate) struct Meta {
+    /// Identifies the `BatchLayout` it was built from (its address and shape): ops compare
+    /// against it instead of walking every block table again.
+    key: (usize, usize, usize),
+    pub tokens: DevicePtr,
+    pub positions: DevicePtr,
+    pub tok_seq: DevicePtr,
+    pub block_tables: DevicePtr,
+    pub last_rows: DevicePtr,
+    pub max_blocks: usize,
+    pub host_tokens: Vec<u32>,
+    pub host_last_rows: Vec<usize>,
+}
+
+pub(crate) struct State {
+    pub arena: Arena,
+    pub meta: Option<Meta>,
+    /// Persistent home of the metadata, so a captured graph reads the same addresses each step.
+    meta_buf: Option<DeviceBuffer>,
+    pub graphs: GraphCache,
+}
+
+pub struct CudaContext {
+    pub gpu: Arc<Gpu>,
+    /// Bytes of every weight loaded so far (benchmarks state their floor with it).
+    weight_bytes: AtomicUsize,
+    pub dtype: Dtype,
+    kernels: HashMap<&'static str, Kernel>,
+    pub(crate) state: Mutex<State>,
+    err: StickyError,
+    /// Capture decode steps as CUDA graphs (on unless NIBBLE_CUDA_GRAPHS=0).
+    pub graphs_enabled: bool,
+    /// Zeroed arrival counters of the split-K gemv kernels (each launch leaves them zeroed).
+    split_counters: DeviceBuffer,
+    /// Kernels whose dynamic shared-memory limit has been raised, and to what.
+    smem_raised: Mutex<HashMap<String, u32>>,
+    /// Set once a W8A8 weight is loaded: RMSNorm and SiLU-gate then also write INT8 codes.
+    int8_inputs: AtomicBool,
+    /// Which kernel tier quantized GEMMs run ([`KernelTier`] as u8).
+    kernel_tier: AtomicU8,
+}
+
+/// Threads per CTA of the element-wise kernels.
+pub(crate) const BLOCK: u32 = 256;
+
+/// A grid of [`BLOCK`]-thread CTAs over `n` elements (the kernels loop past 65535 * 4 CTAs).
+pub(crate) fn grid_for(n: usize) -> (u32, u32, u32) {
+    (n.div_ceil(BLOCK as usize).clamp(1, 65535 * 4) as u32, 1, 1)
+}
+
+/// Threads of a one-CTA-per-row kernel over rows of `cols` elements: four elements a thread.
+pub(crate) fn norm_block(cols: usize) -> u32 {
+    (cols.div_ceil(4).next_power_of_two()).clamp(32, 1024) as u32
+}
+
+impl CudaContext {
+    /// Opens GPU `ordinal`, compiles (or loads cached) kernels for it.
+    pub fn new(ordinal: usize, dtype: Dtype) -> Result<CudaContext> {
+        crate::probe::ensure_driver()?;
+        crate::probe::ensure_libraries()?;
+        let gpu = Gpu::open(ordinal)?;
+        let arch = compile::arch_for(gpu.cc);
+        let include = crate::probe::cuda_include_dir()?;
+        let opts = compile::options(&arch, &include);
+        let mut kernels = HashMap::new();
+        for (name, text) in compile::SOURCES {
+            let src = compile::full_source(text);
+            let cubin = compile::cubin(name, &src, &opts)?;
+            crate::module::load(&gpu, name, &cubin, &mut kernels)?;
+        }
+        let split_counters =
+            DeviceBuffer::from_host(&gpu, &vec![0i32; SPLIT_COUNTERS], "split-K counters")?;
+        Ok(CudaContext {
+            gpu,
+            weight_bytes: Default::default(),
+            dtype,
+            kernels,
+            state: Mutex::new(State {
+                arena: Arena::new(),
+                meta: None,
+                meta_buf: None,
+                graphs: GraphCache::default(),
+            }),
+            err: StickyError::default(),
+            graphs_enabled: std::env::var("NIBBLE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            split_counters,
+            smem_raised: Default::default(),
+            int8_inputs: Default::default(),
+            kernel_tier: Default::default(),
+        })
+    }
+
+    /// Chooses the kernel tier of quantized GEMMs (tests and benchmarks compare them); the
+    /// default, [`KernelTier::Auto`], picks the faster per shape.
+    pub fn set_kernel_tier(&self, tier: KernelTier) {
+        self.kernel_tier.store(tier as u8, Ordering::Relaxed);
+    }
+
+    /// The [`KernelTier`] set by [`Self::set_kernel_tier`].
+    pub(crate) fn tier(&self) -> KernelTier {
+        match self.kernel_tier.load(Ordering::Relaxed) {
+            t if t == KernelTier::MmaSync as u8 => KernelTier::MmaSync,
+            t if t == KernelTier::Hopper as u8 => KernelTier::Hopper,
+            _ => KernelTier::Auto,
+        }
+    }
+
+    /// Whether kernel `name` was compiled for this GPU.
+    pub(crate) fn has_kernel(&self, name: &str) -> bool {
+        self.kernels.contains_key(name)
+    }
+
+    /// Whether producers of GEMM inputs should also write INT8 codes (a W8A8 weight is loaded).
+    pub fn wants_int8(&self) -> bool {
+        self.int8_inputs.load(Ordering::Relaxed)
+    }
+
+    /// Counts a loaded weight's bytes; `int8_inputs` when it is a W8A8 weight, whose GEMMs read
+    /// INT8 codes that the producers of their inputs then write.
+    pub(crate) fn note_weight(&self, bytes: usize, int8_inputs: bool) {
+        self.weight_bytes.fetch_add(bytes, Ordering::Relaxed);
+        if int8_inputs {
+            self.int8_inputs.store(true, Ordering::Relaxed);
+        }
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn split_counters(&self) -> DevicePtr {
+        self.split_counters.ptr
+    }
+
+    pub(crate) fn kernel(&self, name: &str) -> Result<Kernel> {
+        self.kernels
+            .get(name)
+            .copied()
+            .ok_or_else(|| Error::unsupported("CUDA kernel", format!("'{name}' was not compiled")))
+    }
+
+    pub(crate) fn half_kernel(&self, base: &str) -> Result<Kernel> {
+        self.kernel(&format!("{base}_{}", self.dtype.suffix()))
+    }
+
+    pub(crate) fn launch(
+        &self,
+        k: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: Vec<Arg>,
+    ) -> Result<()> {
+        self.kernel(k)?.launch(&self.gpu, grid, block, 0, args)
+    }
+
+    /// Launches a 256-thread kernel with `smem` bytes of dynamic shared memory, raising its limit
+    /// the first time.
+    pub(crate) fn launch_smem(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        smem: u32,
+        args: Vec<Arg>,
+    ) -> Result<()> {
+        self.launch_block(name, grid, 256, smem, args)
+    }
+
+    /// [`Self::launch_smem`] with `block` threads per CTA, ordered as [`Kernel::launch`] orders
+    /// it (kernels that wait on the grid dependency first start early on Hopper).
+    pub(crate) fn launch_block(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: Vec<Arg>,
+    ) -> Result<()> {
+        let k = self.kernel(name)?;
+        {
+            let mut raised = self.smem_raised.lock().unwrap_or_else(|p| p.into_inner());
+            if smem > 48 * 1024 && raised.get(name).is_none_or(|&r| r < smem) {
+                unsafe {
+                    cudarc::driver::result::function::set_function_attribute(
+                        k.func,
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                }
+                .map_err(|e| driver_err(&format!("shared memory limit of {name}"), e))?;
+                raised.insert(name.to_string(), smem);
+            }
+        }
+        k.launch(&self.gpu, grid, block, smem, args)
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A fresh activation tensor in the current forward's arena.
+    pub(crate) fn alloc(&self, rows: usize, cols: usize, elem: Elem) -> Result<CudaTensor> {
+        let mut st = self.lock();
+        let ptr = st.arena.alloc(&self.gpu, rows * cols * elem.size())?;
+        Ok(CudaTensor::view(ptr, rows, cols, elem, st.arena.epoch))
+    }
+
+    /// `bytes` of arena memory (16-byte aligned like every arena allocation).
+    pub(crate) fn alloc_bytes(&self, bytes: usize) -> Result<DevicePtr> {
+        Ok(self.alloc(bytes.div_ceil(4), 1, Elem::F32)?.ptr)
+    }
+
+    /// A tensor made of the f32 values given (tests and metadata use it).
+    pub fn tensor_from_f32(&self, data: &[f32], rows: usize, cols: usize) -> Result<CudaTensor> {
+        assert_eq!(data.len(), rows * cols);
+        let t = self.alloc(rows, cols, Elem::F32)?;
+        self.gpu.upload(t.ptr, data)?;
+        Ok(t)
+    }
+
+    /// Benchmark support: a tensor with its own memory (not the per-forward arena), uninitialized.
+    pub fn owned_tensor(&self, rows: usize, cols: usize, elem: Elem) -> Result<CudaTensor> {
+        let buf = Arc::new(DeviceBuffer::alloc(
+            &self.gpu,
+            rows * cols * elem.size(),
+            "benchmark tensor",
+        )?);
+        Ok(CudaTensor::owned(buf, rows, cols, elem))
+    }
+
+    /// A weight read as a 16-bit activation matrix (benchmarks feed a GEMM with it).
+    pub fn weight_as_input(&self, w: &CudaWeight) -> Result<CudaTensor> {
+        Ok(CudaTensor::view(
+            w.dense()?.ptr,
+            w.rows,
+            w.cols,
+            Elem::Half(w.dtype),
+            0,
+        ))
+    }
+
+    /// Records an infallible op's failure and hands back nothing; the next fallible op reports
+    /// the error. The `Backend` trait makes element-wise ops infallible so that model code stays
+    /// free of `?` on every line.
+    pub(crate) fn sticky<T>(&self, r: Result<T>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.err.record(e);
+                None
+            }
+        }
+    }
+
+    /// Fails if an earlier op failed, or if `t` belongs to an earlier forward pass.
+    pub(crate) fn check_live(&self, t: &CudaTensor) -> Result<()> {
+        self.err.check()?;
+        let epoch = self.lock().arena.epoch;
+        if t.epoch != 0 && t.epoch != epoch {
+            return Err(Error::InvalidArgument(
+                "a GPU activation was used after the forward pass that made it ended".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Fails if an earlier infallible op failed.
+    pub(crate) fn check_err(&self) -> Result<()> {
+        self.err.check()
+    }
+
+    /// `x` as the model dtype (a cast when it is f32): what every GEMM reads.
+    pub(crate) fn as_half(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        match x.elem {
+            _ if !x.is_contiguous() => Err(Error::InvalidArgument(
+                "a GEMM input must be a whole tensor, not a column slice".into(),
+            )),
+            Elem::Half(d) if d == self.dtype => Ok(x.share()),
+            Elem::F32 => {
+                let out = self.alloc(x.rows, x.cols, Elem::Half(self.dtype))?;
+                let n = x.rows * x.cols;
+                self.half_kernel("cast")?.launch(
+                    &self.gpu,
+                    grid_for(n),
+                    BLOCK,
+                    0,
+                    vec![Arg::Ptr(x.ptr), Arg::Ptr(out.ptr), Arg::I64(n as i64)],
+                )?;
+                Ok(out)
+            }
+            Elem::Half(d) => Err(Error::InvalidArgument(format!(
+                "a {d:?} activation on a {:?} backend",
+                self.dtype
+            ))),
+        }
+    }
+
+    /// `x`'s values on the host, as f32.
+    pub(crate) fn to_host(&self, x: &CudaTensor) -> Result<Vec<f32>> {
+        self.check_live(x)?;
+        if !x.is_contiguous() {
+            return Err(Error::InvalidArgument(
+                "to_host of a column slice: copy it whole".into(),
+            ));
+        }
+        let n = x.rows * x.cols;
+        match x.elem {
+            Elem::F32 => {
+                let mut out = vec![0f32; n];
+                self.gpu.download(&mut out, x.ptr)?;
+                Ok(out)
+            }
+            Elem::Half(d) => {
+                let mut bits = vec![0u16; n];
+                self.gpu.download(&mut bits, x.ptr)?;
+                Ok(d.decode(&bits))
+            }
+        }
+    }
+
+    /// A forward pass begins: the arena is recycled (graphs go if it moved) and `batch`'s
+    /// metadata uploaded.
+    pub(crate) fn begin_forward(&self, tokens: &[u32], batch: &BatchLayout) -> Result<()> {
+        self.err.check()?;
+        self.gpu.bind()?;
+        {
+            let mut st = self.lock();
+            if st.arena.reset(&self.gpu)? {
+                st.graphs.clear();
+            }
+            st.meta = None;
+        }
+        self.ensure_meta(Some(tokens), batch)
+    }
+
+    /// Layer `layer` begins: its arena region is rewound.
+    pub(crate) fn begin_layer(&self, layer: usize) -> Result<()> {
+        let mut st = self.lock();
+        let recording = st.graphs.recording;
+        st.arena.begin_layer(&self.gpu, layer, recording)
+    }
+
+    /// Uploads `batch`'s metadata unless the current forward already did.
+    pub(crate) fn ensure_meta(&self, tokens: Option<&[u32]>, batch: &BatchLayout) -> Result<()> {
+        let key = batch_key(batch);
+        {
+            let st = self.lock();
+            if let Some(m) = &st.meta
+                && m.key == key
+                && tokens.is_none_or(|t| t == m.host_tokens.as_slice())
+            {
+                return Ok(());
+            }
+        }
+        let n = batch.num_tokens();
+        let tokens: Vec<u32> = match tokens {
+            Some(t) => t.to_vec(),
+            None => vec![0; n],
+        };
+        if tokens.len() != n {
+            return Err(Error::InvalidArgument(format!(
+                "{} tokens for a batch of {n}",
+                tokens.len()
+            )));
+        }
+        // Padded to a power of two: it is a kernel argument, and graphs are keyed by it.
+        let max_blocks = batch
+            .seqs
+            .iter()
+            .map(|s| s.blocks.len())
+            .max()
+            .unwrap_or(0)
+            .max(1)
+            .next_power_of_two();
+        let s = batch.seqs.len();
+        let mut host: Vec<i32> = Vec::with_capacity(3 * n + s * max_blocks + s);
+        host.extend(tokens.iter().map(|&t| t as i32));
+        host.extend(batch.positions().iter().map(|&p| p as i32));
+        for (i, seq) in batch.seqs.iter().enumerate() {
+            host.extend(std::iter::repeat_n(i as i32, seq.len));
+        }
+        for seq in &batch.seqs {
+            host.extend(seq.blocks.iter().map(|&b| b as i32));
+            host.extend(std::iter::repeat_n(0, max_blocks - seq.blocks.len()));
+        }
+        let last_rows = batch.last_rows();
+        host.extend(last_rows.iter().map(|&r| r as i32));
+        let bytes = host.len() * 4;
+        let mut st = self.lock();
+        if st.meta_buf.as_ref().is_none_or(|b| b.bytes < bytes) {
+            // Graphs read the metadata where it was: they go with the old buffer.
+            self.gpu.synchronize()?;
+            st.graphs.clear();
+            st.meta_buf = Some(DeviceBuffer::alloc(&self.gpu, bytes * 2, "batch metadata")?);
+        }
+        let base = st.meta_buf.as_ref().expect("allocated above").ptr;
+        self.gpu.upload(base, &host)?;
+        let at = |i: usize| base + (i * 4) as u64;
+        st.meta = Some(Meta {
+            key,
+            tokens: at(0),
+            positions: at(n),
+            tok_seq: at(2 * n),
+            block_tables: at(3 * n),
+            last_rows: at(3 * n + s * max_blocks),
+            max_blocks,
+            host_tokens: tokens,
+            host_last_rows: last_rows,
+        });
+        Ok(())
+    }
+
+    pub(crate) fn with_meta<R>(&self, f: impl FnOnce(&Meta) -> R) -> R {
+        let st = self.lock();
+        f(st.meta.as_ref().expect("ensure_meta ran"))
+    }
+
+    /// Device indices: the forward's staged copy when `staged` finds them in its metadata (no
+    /// upload, so a captured graph reads the buffer `begin_forward` refills), else `values`
+    /// uploaded into the arena.
+    pub(crate) fn staged_indices(
+        &self,
+        staged: impl FnOnce(&Meta) -> Option<DevicePtr>,
+        values: &[i32],
+    ) -> Result<DevicePtr> {
+        if let Some(p) = self.lock().meta.as_ref().and_then(staged) {
+            return Ok(p);
+        }
+        let t = self.alloc(1, values.len().max(1), Elem::F32)?;
+        self.gpu.upload(t.ptr, values)?;
+        Ok(t.ptr)
+    }
+
+    /// Runs one forward pass, through a graph when it is a decode step ([`graph`] says why that
+    /// is valid). Driven from here because the replay restores the arena and the cache must see
+    /// the same lock as everything that moves what graphs bake in.
+    pub(crate) fn run_forward(
+        &self,
+        model: usize,
+        kv_id: u64,
+        batch: &BatchLayout,
+        body: &mut dyn FnMut() -> Result<CudaTensor>,
+    ) -> Result<CudaTensor> {
+        if !self.graphs_enabled || !graph::is_graph_step(batch) {
+            return body();
+        }
+        let key = GraphKey {
+            model,
+            kv: kv_id,
+            seqs: batch.seqs.len(),
+            max_blocks: self.with_meta(|m| m.max_blocks),
+        };
+        {
+            let mut st = self.lock();
+            if let Some((out, mark)) = st.graphs.replay(&self.gpu, &key)? {
+                st.arena.restore(mark);
+                let epoch = st.arena.epoch;
+                return Ok(CudaTensor::view(out.0, out.1, out.2, out.3, epoch));
+            }
+            // Recorded at first sight once the arena has its size (the engine's warm-up gives it
+            // the largest step's); before that, steps run eagerly and size it.
+            if st.graphs.refused(&key) || !st.arena.settled() {
+                drop(st);
+                return body();
+            }
+        }
+        let stream = self.gpu.cu_stream();
+        graph::begin_capture(stream, "graph capture")?;
+        self.lock().graphs.recording = true;
+        let out = body();
+        self.lock().graphs.recording = false;
+        let captured = graph::end_capture(stream);
+        let out = out?;
+        let captured = captured.map_err(|e| driver_err("graph capture end", e))?;
+        let exec = match graph::instantiate(captured) {
+            Ok(e) => e,
+            Err(e) => {
+                graph::destroy(None, captured);
+                self.lock().graphs.refuse(key);
+                return Err(driver_err("graph instantiate", e));
+            }
+        };
+        // Capture records without running: run it now.
+        graph::launch(exec, stream)?;
+        let mut st = self.lock();
+        if st.arena.settled() {
+            let arena = st.arena.mark();
+            st.graphs.keep(
+                key,
+                (exec, captured),
+                (out.ptr, out.rows, out.cols, out.elem),
+                arena,
+            );
+        } else {
+            // The step outgrew the arena while capturing: its extra buffers go at the next reset,
+            // so this graph must not be replayed. It has run; destroy it once it finished.
+            drop(st);
+            self.gpu.synchronize()?;
+            graph::destroy(Some(exec), captured);
+        }
+        Ok(out)
+    }
+
+    /// Test support: recycles the activation arena with room for `bytes` and fills it with 0xFF
+    /// bytes, NaN as f32, bf16 and f16 alike, so an output element a kernel fails to write reads
+    /// as NaN. Tensors made before this call are invalid afterwards.
+    pub fn poison_activations(&self, bytes: usize) -> Result<()> {
+        let mut st = self.lock();
+        st.meta = None;
+        st.graphs.clear();
+        let (ptr, len) = st.arena.reserve(&self.gpu, bytes)?;
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xFF, len, self.gpu.cu_stream()) }
+            .map_err(|e| driver_err("memset", e))?;
+        Ok(())
+    }
+
+    /// Graph replays and captures so far (tests check that decode steps replay).
+    pub fn graph_counts(&self) -> (u64, u64) {
+        let st = self.lock();
+        (st.graphs.replays, st.graphs.captures)
+    }
+
+    /// Benchmark support: records `f`'s GPU work once as a CUDA graph and returns the median
+    /// seconds of `reps` replays (device time without host launch gaps, as a decode step runs).
+    /// `f` must not grow the activation arena (run it once eagerly first).
+    pub fn time_graph(&self, reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        graph::time_graph(&self.gpu, reps, f)
+    }
+}
+
+fn batch_key(batch: &BatchLayout) -> (usize, usize, usize) {
+    (
+        batch as *const BatchLayout as usize,
+        batch.seqs.len(),
+        batch
+            .seqs
+            .first()
+            .map_or(0, |s| s.start_pos * 65536 + s.len),
+    )
+}

@@ -1,0 +1,356 @@
+//! The row-wise and element-wise ops of a layer (kernels/elementwise.cu): embedding and row
+//! gathers, RMSNorm, RoPE, the SiLU gate, residual adds and biases, and the fills benchmarks
+//! start from. They sit apart from the GEMMs and attention because each is one launch with
+//! nothing to plan; they return errors, and the backend turns those of the `Backend` trait's
+//! infallible ops into its sticky error.
+
+use nibble_core::{Error, Result};
+use nibble_model::{BatchLayout, RopeLayout};
+
+use crate::context::{BLOCK, CudaContext, grid_for, norm_block};
+use crate::kv::CudaKv;
+use crate::runtime::{Arg, DeviceBuffer};
+use crate::tensor::{CudaTensor, CudaWeight, Elem, Int8Input};
+
+/// Rows `ids` of `table`, as f32.
+pub fn embed(ctx: &CudaContext, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor> {
+    ctx.check_err()?;
+    if let Some(&bad) = ids.iter().find(|&&id| id as usize >= table.rows) {
+        return Err(Error::InvalidArgument(format!(
+            "token id {bad} outside the {}-row embedding table",
+            table.rows
+        )));
+    }
+    // The forward's metadata already holds these ids; other callers get them uploaded.
+    let ids_ptr = ctx.staged_indices(
+        |m| (m.host_tokens == ids).then_some(m.tokens),
+        &ids.iter().map(|&i| i as i32).collect::<Vec<_>>(),
+    )?;
+    let out = ctx.alloc(ids.len(), table.cols, Elem::F32)?;
+    ctx.half_kernel("embed")?.launch(
+        &ctx.gpu,
+        (ids.len() as u32, 1, 1),
+        norm_block(table.cols),
+        0,
+        vec![
+            Arg::Ptr(table.dense()?.ptr),
+            Arg::Ptr(ids_ptr),
+            Arg::Ptr(out.ptr),
+            Arg::I32(table.cols as i32),
+        ],
+    )?;
+    Ok(out)
+}
+
+/// RMSNorm of `x` into a new model-dtype tensor (with INT8 codes when a W8A8 GEMM will read it).
+pub fn rms_norm(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    weight: &CudaTensor,
+    eps: f32,
+) -> Result<CudaTensor> {
+    norm_into(ctx, x, None, weight, eps)
+}
+
+/// `x += delta`, then [`rms_norm`] of the sum, in one launch.
+pub fn add_rms_norm(
+    ctx: &CudaContext,
+    x: &mut CudaTensor,
+    delta: &CudaTensor,
+    weight: &CudaTensor,
+    eps: f32,
+) -> Result<CudaTensor> {
+    expect_whole_f32(delta, "residual delta")?;
+    norm_into(ctx, x, Some(delta), weight, eps)
+}
+
+fn norm_into(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    delta: Option<&CudaTensor>,
+    weight: &CudaTensor,
+    eps: f32,
+) -> Result<CudaTensor> {
+    expect_whole_f32(x, "rms_norm input")?;
+    if weight.cols != x.cols {
+        return Err(Error::InvalidArgument(format!(
+            "rms_norm: {} features, weight of {}",
+            x.cols, weight.cols
+        )));
+    }
+    let mut out = ctx.alloc(x.rows, x.cols, Elem::Half(ctx.dtype))?;
+    let mut args = vec![
+        Arg::Ptr(x.ptr),
+        Arg::Ptr(delta.map_or(0, |d| d.ptr)),
+        Arg::Ptr(weight.ptr),
+        Arg::Ptr(out.ptr),
+        Arg::I32(x.cols as i32),
+        Arg::F32(eps),
+    ];
+    let name = if ctx.wants_int8() {
+        let q = int8_for(ctx, &out, &mut args)?;
+        out.int8 = Some(q);
+        "rms_norm_q8"
+    } else {
+        "rms_norm"
+    };
+    ctx.half_kernel(name)?
+        .launch(&ctx.gpu, (x.rows as u32, 1, 1), norm_block(x.cols), 0, args)?;
+    Ok(out)
+}
+
+/// RMSNorm of every `head_dim` slice of `x`'s rows, in place.
+pub fn head_rms_norm(
+    ctx: &CudaContext,
+    x: &mut CudaTensor,
+    weight: &CudaTensor,
+    head_dim: usize,
+    eps: f32,
+) -> Result<()> {
+    expect_f32(x, "head_rms_norm input")?;
+    // Whole heads of each row, like the CPU.
+    let row_heads = x.cols / head_dim;
+    let heads = x.rows * row_heads;
+    ctx.launch(
+        "head_rms_norm",
+        (heads.div_ceil(8) as u32, 1, 1),
+        256,
+        vec![
+            Arg::Ptr(x.ptr),
+            Arg::Ptr(weight.ptr),
+            Arg::I32(head_dim as i32),
+            Arg::I32(row_heads as i32),
+            Arg::I64(x.ld as i64),
+            Arg::I64(heads as i64),
+            Arg::F32(eps),
+        ],
+    )
+}
+
+/// Adds bias `b` to every row of a GEMM's output.
+pub fn add_bias(ctx: &CudaContext, out: &CudaTensor, b: &CudaTensor) -> Result<()> {
+    let n = out.rows * out.cols;
+    ctx.launch(
+        "add_bias",
+        grid_for(n),
+        BLOCK,
+        vec![
+            Arg::Ptr(out.ptr),
+            Arg::Ptr(b.ptr),
+            Arg::I32(out.cols as i32),
+            Arg::I64(n as i64),
+        ],
+    )
+}
+
+/// RoPE over `x` and, in the same launch, `second` (q and k of one layer).
+pub fn rope(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    second: Option<&CudaTensor>,
+    head_dim: usize,
+    batch: &BatchLayout,
+    inv_freq: &CudaTensor,
+    layout: RopeLayout,
+) -> Result<()> {
+    expect_f32(x, "rope input")?;
+    if let Some(k) = second {
+        expect_f32(k, "rope input")?;
+        if k.rows != x.rows {
+            return Err(Error::InvalidArgument(format!(
+                "rope of q with {} rows and k with {}",
+                x.rows, k.rows
+            )));
+        }
+    }
+    ctx.ensure_meta(None, batch)?;
+    let positions = ctx.with_meta(|m| m.positions);
+    let other = second.unwrap_or(x);
+    ctx.launch(
+        "rope",
+        (x.rows as u32, if second.is_some() { 2 } else { 1 }, 1),
+        norm_block(x.cols.max(other.cols) / 2),
+        vec![
+            Arg::Ptr(x.ptr),
+            Arg::Ptr(positions),
+            Arg::Ptr(inv_freq.ptr),
+            Arg::I32(x.cols as i32),
+            Arg::I64(x.ld as i64),
+            Arg::I32(head_dim as i32),
+            Arg::I32(i32::from(layout == RopeLayout::Interleaved)),
+            Arg::Ptr(other.ptr),
+            Arg::I32(other.cols as i32),
+            Arg::I64(other.ld as i64),
+        ],
+    )
+}
+
+/// `silu(gate) * up` in the model dtype (with INT8 codes when a W8A8 GEMM will read it).
+pub fn silu_mul(ctx: &CudaContext, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+    expect_f32(gate, "gate")?;
+    expect_f32(up, "up")?;
+    if (gate.rows, gate.cols) != (up.rows, up.cols) {
+        return Err(Error::InvalidArgument(format!(
+            "silu_mul of {}x{} and {}x{}",
+            gate.rows, gate.cols, up.rows, up.cols
+        )));
+    }
+    let mut out = ctx.alloc(gate.rows, gate.cols, Elem::Half(ctx.dtype))?;
+    if ctx.wants_int8() {
+        // One block per row: the row's INT8 codes need its max.
+        let mut args = vec![
+            Arg::Ptr(gate.ptr),
+            Arg::Ptr(up.ptr),
+            Arg::Ptr(out.ptr),
+            Arg::I32(gate.cols as i32),
+            Arg::I64(gate.ld as i64),
+            Arg::I64(up.ld as i64),
+        ];
+        out.int8 = Some(int8_for(ctx, &out, &mut args)?);
+        ctx.half_kernel("silu_mul_q8")?.launch(
+            &ctx.gpu,
+            (gate.rows as u32, 1, 1),
+            norm_block(gate.cols),
+            0,
+            args,
+        )?;
+        return Ok(out);
+    }
+    let n = gate.rows * gate.cols;
+    ctx.half_kernel("silu_mul")?.launch(
+        &ctx.gpu,
+        grid_for(n),
+        BLOCK,
+        0,
+        vec![
+            Arg::Ptr(gate.ptr),
+            Arg::Ptr(up.ptr),
+            Arg::Ptr(out.ptr),
+            Arg::I64(n as i64),
+            Arg::I32(gate.cols as i32),
+            Arg::I64(gate.ld as i64),
+            Arg::I64(up.ld as i64),
+        ],
+    )?;
+    Ok(out)
+}
+
+/// `x += delta` (the residual stream).
+pub fn add(ctx: &CudaContext, x: &mut CudaTensor, delta: &CudaTensor) -> Result<()> {
+    expect_whole_f32(x, "add target")?;
+    expect_whole_f32(delta, "add delta")?;
+    let n = x.rows * x.cols;
+    ctx.launch(
+        "add_f32",
+        grid_for(n),
+        BLOCK,
+        vec![Arg::Ptr(x.ptr), Arg::Ptr(delta.ptr), Arg::I64(n as i64)],
+    )
+}
+
+/// Rows `rows` of `x` (the last token of each sequence, for the head).
+pub fn gather_rows(ctx: &CudaContext, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
+    expect_whole_f32(x, "gather input")?;
+    let rows_ptr = ctx.staged_indices(
+        |m| (m.host_last_rows == rows).then_some(m.last_rows),
+        &rows.iter().map(|&r| r as i32).collect::<Vec<_>>(),
+    )?;
+    let out = ctx.alloc(rows.len(), x.cols, Elem::F32)?;
+    ctx.launch(
+        "gather_rows",
+        (rows.len() as u32, 1, 1),
+        norm_block(x.cols),
+        vec![
+            Arg::Ptr(x.ptr),
+            Arg::Ptr(rows_ptr),
+            Arg::Ptr(out.ptr),
+            Arg::I32(x.cols as i32),
+        ],
+    )?;
+    Ok(out)
+}
+
+/// An f32 matrix of uniform values in [-1, 1) that owns its memory (benchmark inputs that
+/// outlive forward passes).
+pub fn random_tensor(ctx: &CudaContext, rows: usize, cols: usize, seed: i32) -> Result<CudaTensor> {
+    let n = rows * cols;
+    let buf = std::sync::Arc::new(DeviceBuffer::alloc(&ctx.gpu, n * 4, "benchmark input")?);
+    ctx.launch(
+        "fill_random_f32",
+        grid_for(n),
+        BLOCK,
+        vec![Arg::Ptr(buf.ptr), Arg::I64(n as i64), Arg::I32(seed)],
+    )?;
+    Ok(CudaTensor::owned(buf, rows, cols, Elem::F32))
+}
+
+/// Benchmark support: uniform values in [-1, 1) in the model dtype, in owned memory.
+pub fn random_half_tensor(
+    ctx: &CudaContext,
+    rows: usize,
+    cols: usize,
+    seed: i32,
+) -> Result<CudaTensor> {
+    let t = ctx.owned_tensor(rows, cols, Elem::Half(ctx.dtype))?;
+    let n = rows * cols;
+    ctx.half_kernel("fill_random")?.launch(
+        &ctx.gpu,
+        grid_for(n),
+        BLOCK,
+        0,
+        vec![Arg::Ptr(t.ptr), Arg::I64(n as i64), Arg::I32(seed)],
+    )?;
+    Ok(t)
+}
+
+/// Fills a whole KV pool with uniform values in [-1, 1).
+pub fn fill_kv_random(ctx: &CudaContext, kv: &CudaKv, seed: i32) -> Result<()> {
+    let n = kv.num_blocks * kv.block_size * kv.shape.num_kv_heads * kv.shape.head_dim;
+    for layer in 0..kv.shape.num_layers {
+        let (k, v) = kv.layer(layer);
+        for (i, p) in [k, v].into_iter().enumerate() {
+            ctx.half_kernel("fill_random")?.launch(
+                &ctx.gpu,
+                grid_for(n),
+                BLOCK,
+                0,
+                vec![
+                    Arg::Ptr(p),
+                    Arg::I64(n as i64),
+                    Arg::I32(seed + 2 * layer as i32 + i as i32),
+                ],
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Allocates INT8 codes and scales for `out` and appends them to a fused kernel's `args`.
+fn int8_for(ctx: &CudaContext, out: &CudaTensor, args: &mut Vec<Arg>) -> Result<Int8Input> {
+    let codes = ctx.alloc_bytes(out.rows * out.cols)?;
+    let scales = ctx.alloc(out.rows, 1, Elem::F32)?.ptr;
+    args.push(Arg::Ptr(codes));
+    args.push(Arg::Ptr(scales));
+    Ok(Int8Input { codes, scales })
+}
+
+/// For ops that read rows back to back (norms, adds, gathers).
+fn expect_whole_f32(t: &CudaTensor, what: &str) -> Result<()> {
+    expect_f32(t, what)?;
+    if !t.is_contiguous() {
+        return Err(Error::InvalidArgument(format!(
+            "{what} must be a whole tensor, not a column slice"
+        )));
+    }
+    Ok(())
+}
+
+fn expect_f32(t: &CudaTensor, what: &str) -> Result<()> {
+    if t.elem != Elem::F32 {
+        return Err(Error::InvalidArgument(format!(
+            "{what} must be f32, got {:?}",
+            t.elem
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,218 @@
+//! The data types every layer passes around, kept apart from the context and the ops so that both
+//! can name them without naming each other. A quantized weight's packed buffers are here too: a
+//! [`CudaWeight`] holds them, while how they are made and read is `qlinear`'s business.
+
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use nibble_core::{Error, Result};
+
+use crate::runtime::{DeviceBuffer, DevicePtr};
+
+/// The 16-bit float type weights, GEMM inputs and the KV cache are stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    Bf16,
+    F16,
+}
+
+impl Dtype {
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        }
+    }
+
+    /// Converts f32 values to this dtype's bit patterns.
+    pub fn encode(self, values: &[f32]) -> Vec<u16> {
+        match self {
+            Dtype::Bf16 => values
+                .iter()
+                .map(|&v| bf16::from_f32(v).to_bits())
+                .collect(),
+            Dtype::F16 => values.iter().map(|&v| f16::from_f32(v).to_bits()).collect(),
+        }
+    }
+
+    pub fn decode(self, bits: &[u16]) -> Vec<f32> {
+        match self {
+            Dtype::Bf16 => bits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
+            Dtype::F16 => bits.iter().map(|&b| f16::from_bits(b).to_f32()).collect(),
+        }
+    }
+}
+
+/// What a tensor's elements are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    F32,
+    Half(Dtype),
+}
+
+impl Elem {
+    pub fn size(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            Elem::Half(_) => 2,
+        }
+    }
+}
+
+/// INT8 codes and per-token scales of a GEMM input, made by the kernel that produced it.
+#[derive(Clone, Copy, Debug)]
+pub struct Int8Input {
+    pub codes: u64,
+    pub scales: u64,
+}
+
+/// A row-major matrix on the GPU. Activations live in the per-forward arena and are valid until
+/// the next forward begins (`epoch` says which one); vectors loaded with the model own their
+/// memory (`epoch` 0).
+pub struct CudaTensor {
+    pub ptr: DevicePtr,
+    pub rows: usize,
+    pub cols: usize,
+    /// Elements from one row to the next: `cols`, except for a column slice of a wider tensor
+    /// (the q/k/v and gate/up parts of a fused projection's output).
+    pub ld: usize,
+    pub elem: Elem,
+    pub(crate) epoch: u64,
+    pub(crate) owner: Option<Arc<DeviceBuffer>>,
+    /// The tensor's per-token INT8 codes and scales, when the kernel that wrote it also made them
+    /// (QServe S1: a W8A8 GEMM then reads them instead of quantizing again).
+    pub(crate) int8: Option<Int8Input>,
+}
+
+impl CudaTensor {
+    pub(crate) fn view(ptr: DevicePtr, rows: usize, cols: usize, elem: Elem, epoch: u64) -> Self {
+        CudaTensor {
+            ptr,
+            rows,
+            cols,
+            ld: cols,
+            elem,
+            epoch,
+            owner: None,
+            int8: None,
+        }
+    }
+
+    /// A tensor that keeps `buf` alive and outlives forward passes (epoch 0).
+    pub(crate) fn owned(buf: Arc<DeviceBuffer>, rows: usize, cols: usize, elem: Elem) -> Self {
+        CudaTensor {
+            owner: Some(buf.clone()),
+            ..CudaTensor::view(buf.ptr, rows, cols, elem, 0)
+        }
+    }
+
+    /// What an infallible op that failed hands back: an epoch no forward has, so nothing reads
+    /// it as valid.
+    pub(crate) fn dead(rows: usize, cols: usize, elem: Elem) -> Self {
+        CudaTensor::view(0, rows, cols, elem, u64::MAX)
+    }
+
+    /// Another handle to the same memory, INT8 codes included.
+    pub(crate) fn share(&self) -> Self {
+        CudaTensor {
+            owner: self.owner.clone(),
+            ..*self
+        }
+    }
+
+    /// Column slices of `widths` (the outputs of a fused projection): views of the same rows.
+    pub(crate) fn split_cols(&self, widths: &[usize]) -> Result<Vec<CudaTensor>> {
+        if widths.iter().sum::<usize>() != self.cols {
+            return Err(Error::InvalidArgument(format!(
+                "split of {} columns into {widths:?}",
+                self.cols
+            )));
+        }
+        let mut at = 0;
+        Ok(widths
+            .iter()
+            .map(|&w| {
+                let t = CudaTensor {
+                    ptr: self.ptr + (at * self.elem.size()) as u64,
+                    rows: self.rows,
+                    cols: w,
+                    ld: self.ld,
+                    elem: self.elem,
+                    epoch: self.epoch,
+                    owner: self.owner.clone(),
+                    int8: None,
+                };
+                at += w;
+                t
+            })
+            .collect())
+    }
+
+    pub fn is_contiguous(&self) -> bool {
+        self.ld == self.cols
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.rows * self.cols * self.elem.size()
+    }
+}
+
+/// A weight matrix `[rows, cols]`: in the model dtype, or packed for a quantized kernel.
+pub struct CudaWeight {
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: Dtype,
+    pub data: WeightData,
+}
+
+pub enum WeightData {
+    Dense(DeviceBuffer),
+    Quant(QuantWeight),
+}
+
+impl CudaWeight {
+    /// The model-dtype matrix, for ops that read weights as plain matrices (cuBLAS, embedding).
+    pub fn dense(&self) -> Result<&DeviceBuffer> {
+        match &self.data {
+            WeightData::Dense(b) => Ok(b),
+            WeightData::Quant(q) => Err(Error::unsupported(
+                format!("a {} weight used as a plain matrix", q.format_name()),
+                "only linear layers run quantized on the GPU",
+            )),
+        }
+    }
+}
+
+/// A weight packed for a quantized kernel.
+pub enum QuantWeight {
+    W4 {
+        codes: DeviceBuffer,
+        params: DeviceBuffer,
+        group_len: usize,
+        tiles: usize,
+        chunks: usize,
+        groups: usize,
+    },
+    W8 {
+        codes: DeviceBuffer,
+        scales: DeviceBuffer,
+        tiles: usize,
+        chunks: usize,
+    },
+}
+
+impl QuantWeight {
+    pub fn bytes(&self) -> usize {
+        match self {
+            QuantWeight::W4 { codes, params, .. } => codes.bytes + params.bytes,
+            QuantWeight::W8 { codes, scales, .. } => codes.bytes + scales.bytes,
+        }
+    }
+
+    pub fn format_name(&self) -> &'static str {
+        match self {
+            QuantWeight::W4 { .. } => "w4a16",
+            QuantWeight::W8 { .. } => "w8a8",
+        }
+    }
+}
