@@ -7,8 +7,8 @@ step() {
   local name=$1; shift
   echo "== $name"
   local t0=$(date +%s)
-  "$@" >"$out/$name.log" 2>&1
-  local rc=$?
+  local rc=0
+  "$@" >"$out/$name.log" 2>&1 || rc=$?
   echo "   exit $rc after $(( $(date +%s) - t0 ))s"
   if [ -n "${STEP_SUMMARY:-}" ]; then grep -E "$STEP_SUMMARY" "$out/$name.log" | head -40; fi
   if [ $rc -ne 0 ]; then status=1; tail -40 "$out/$name.log"; fi
