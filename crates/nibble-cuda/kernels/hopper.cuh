@@ -30,10 +30,11 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, int c0, 
         : "memory");
 }
 
-// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle layout: rows of
-// 128 bytes, 8-row atoms of 1024 bytes (SBO), start advanced by 32 bytes per wgmma K step.
-__device__ __forceinline__ u64 sw128_desc(u32 addr) {
-    return (u64)((addr & 0x3ffff) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+// Shared-memory matrix descriptor in the 128-byte swizzle layout: rows of 128 bytes, 8-row atoms
+// of 1024 bytes (SBO). A K-major operand ignores `lbo` and advances its start by 32 bytes per
+// wgmma K step; an MN-major one finds its next 64 columns `lbo` bytes on.
+__device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo = 16) {
+    return (u64)((addr & 0x3ffff) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
 
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {

@@ -92,13 +92,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// Descriptor of 16 keys x HD channels of a V tile as the N-major B operand: 64-channel panels
-// PANEL_KV apart (LBO), 8-key atoms 1024 bytes apart (SBO), 128-byte swizzle.
-__device__ __forceinline__ u64 fa_v_desc(u32 addr) {
-    return (u64)((addr & 0x3ffff) >> 4) | ((u64)((FA_N * 128) >> 4) << 16) | ((u64)(1024 >> 4) << 32) |
-           ((u64)1 << 62);
-}
-
 template <class T, int HD>
 __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const float* __restrict__ q,
                                    const int* __restrict__ block_tables, const PrefillTile* __restrict__ tiles,
@@ -209,7 +202,7 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
     };
     auto pv = [&](int st) {
 #pragma unroll
-        for (int kk = 0; kk < FA_N / 16; ++kk) wgmma_rs_nmajor(o, p[kk], fa_v_desc(vst(st) + kk * 16 * 128), (T*)nullptr);
+        for (int kk = 0; kk < FA_N / 16; ++kk) wgmma_rs_nmajor(o, p[kk], sw128_desc(vst(st) + kk * 16 * 128, L::PANEL_KV), (T*)nullptr);
     };
     // Mask S of key tile j, fold its maxima into m (raw scores), and replace S by
     // exp2((S - m) * scale_log2), one FFMA and one ex2 each; corr rescales what was summed before,

@@ -6,7 +6,7 @@ use nibble_model::{AttentionShape, BatchLayout};
 
 use crate::context::{CudaContext, KernelTier};
 use crate::kv::CudaKv;
-use crate::runtime::{Arg, DevicePtr, TmaLayout, tensor_map};
+use crate::runtime::Arg;
 use crate::tensor::{CudaTensor, Elem};
 
 /// Heads per KV head the kernels are instantiated for (the smallest that fits is used).
@@ -175,20 +175,23 @@ pub fn attention(
         } else {
             PREFILL_ROWS
         };
-        let mut tiles = prefill_tiles(batch, decodes, rows_per_tile);
-        if wgmma {
-            // Longest first: a causal tile's work grows with its last position.
-            tiles.sort_by_key(|t| std::cmp::Reverse(t[1] + t[2]));
-        }
-        let list = ctx.alloc(1, tiles.len() * 4, Elem::F32)?;
-        ctx.gpu.upload(list.ptr, tiles.as_flattened())?;
+        // Every layer of the forward launches over the same tiles: the first one uploads them.
+        let (list, num_tiles) = ctx.prefill_tile_list(decodes, rows_per_tile, || {
+            let mut tiles = prefill_tiles(batch, decodes, rows_per_tile);
+            if wgmma {
+                // Longest first: a causal tile's work grows with its last position.
+                tiles.sort_by_key(|t| std::cmp::Reverse(t[1] + t[2]));
+            }
+            tiles
+        })?;
         // The two kernels take the same arguments but for how they reach the cache: the wgmma
         // kernel through TMA descriptors (and the pool size, its out-of-range block), the
         // mma.sync kernel through pointers (and the block size).
         let mut args = if wgmma {
+            let [kmap, vmap] = kv.tensor_maps(layer)?;
             vec![
-                kv_tensor_map(kc, kv, head_dim)?,
-                kv_tensor_map(vc, kv, head_dim)?,
+                Arg::TensorMap(Box::new(kmap)),
+                Arg::TensorMap(Box::new(vmap)),
                 Arg::Ptr(q.ptr),
             ]
         } else {
@@ -196,7 +199,7 @@ pub fn attention(
         };
         args.extend([
             Arg::Ptr(tables),
-            Arg::Ptr(list.ptr),
+            Arg::Ptr(list),
             Arg::Ptr(out.ptr),
             Arg::I32(num_kv_heads as i32),
             Arg::I32(group as i32),
@@ -208,7 +211,7 @@ pub fn attention(
         if wgmma {
             ctx.launch_block(
                 &format!("prefill_wgmma_{dt}_hd{head_dim}"),
-                (num_heads as u32, tiles.len() as u32, 1),
+                (num_heads as u32, num_tiles as u32, 1),
                 WGMMA_PREFILL_THREADS,
                 wgmma_prefill_smem(head_dim),
                 args,
@@ -217,7 +220,7 @@ pub fn attention(
             ctx.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?
                 .launch(
                     &ctx.gpu,
-                    (tiles.len() as u32, num_heads as u32, 1),
+                    (num_tiles as u32, num_heads as u32, 1),
                     128,
                     0,
                     args,
@@ -351,25 +354,6 @@ fn wgmma_prefill_smem(head_dim: usize) -> u32 {
     let stages = if head_dim == 128 { 3 } else { 4 };
     let tile = 128 * head_dim * 2;
     (tile + 2 * stages * tile + 3 * stages * 8 + 1024) as u32
-}
-
-/// A TMA descriptor of one layer's keys or values, `[blocks][kv_heads][block][head_dim]`, read in
-/// boxes of one block of one head, 64 channels wide (a 128-byte swizzled row per token).
-fn kv_tensor_map(ptr: DevicePtr, kv: &CudaKv, head_dim: usize) -> Result<Arg> {
-    let heads = kv.shape.num_kv_heads;
-    let map = tensor_map(
-        ptr,
-        2,
-        &[head_dim, kv.block_size, heads, kv.num_blocks],
-        &[
-            head_dim * 2,
-            kv.block_size * head_dim * 2,
-            heads * kv.block_size * head_dim * 2,
-        ],
-        &[64, kv.block_size, 1, 1],
-        TmaLayout::Swizzle128,
-    )?;
-    Ok(Arg::TensorMap(Box::new(map)))
 }
 
 #[cfg(test)]

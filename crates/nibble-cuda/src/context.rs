@@ -51,6 +51,17 @@ pub(crate) struct Meta {
     pub max_blocks: usize,
     pub host_tokens: Vec<u32>,
     pub host_last_rows: Vec<usize>,
+    /// The prefill kernels' tile list of this batch, once a layer has uploaded it.
+    prefill_tiles: Option<TileList>,
+}
+
+/// A prefill tile list on the device (`attention::prefill_tiles`): the sequences it skips, its
+/// rows per tile, where it is and how many tiles.
+struct TileList {
+    skip: usize,
+    rows_per_tile: usize,
+    ptr: DevicePtr,
+    count: usize,
 }
 
 pub(crate) struct State {
@@ -58,6 +69,8 @@ pub(crate) struct State {
     pub meta: Option<Meta>,
     /// Persistent home of the metadata, so a captured graph reads the same addresses each step.
     meta_buf: Option<DeviceBuffer>,
+    /// Home of the prefill tile lists.
+    tiles_buf: Option<DeviceBuffer>,
     pub graphs: GraphCache,
 }
 
@@ -120,6 +133,7 @@ impl CudaContext {
                 arena: Arena::new(),
                 meta: None,
                 meta_buf: None,
+                tiles_buf: None,
                 graphs: GraphCache::default(),
             }),
             err: StickyError::default(),
@@ -446,8 +460,44 @@ impl CudaContext {
             max_blocks,
             host_tokens: tokens,
             host_last_rows: last_rows,
+            prefill_tiles: None,
         });
         Ok(())
+    }
+
+    /// The current batch's prefill tile list for `skip` leading sequences and `rows_per_tile`
+    /// rows, made by `build` and uploaded the first time a layer asks, as (device address,
+    /// tiles).
+    pub(crate) fn prefill_tile_list(
+        &self,
+        skip: usize,
+        rows_per_tile: usize,
+        build: impl FnOnce() -> Vec<[i32; 4]>,
+    ) -> Result<(DevicePtr, usize)> {
+        let mut st = self.lock();
+        let meta = st.meta.as_ref().expect("ensure_meta ran");
+        if let Some(t) = &meta.prefill_tiles
+            && (t.skip, t.rows_per_tile) == (skip, rows_per_tile)
+        {
+            return Ok((t.ptr, t.count));
+        }
+        let tiles = build();
+        let bytes = std::mem::size_of_val(tiles.as_slice());
+        if st.tiles_buf.as_ref().is_none_or(|b| b.bytes < bytes) {
+            // Kernels of earlier steps may still read the old buffer.
+            self.gpu.synchronize()?;
+            st.tiles_buf = Some(DeviceBuffer::alloc(&self.gpu, bytes * 2, "prefill tiles")?);
+        }
+        let ptr = st.tiles_buf.as_ref().expect("allocated above").ptr;
+        self.gpu.upload(ptr, tiles.as_flattened())?;
+        let count = tiles.len();
+        st.meta.as_mut().expect("ensure_meta ran").prefill_tiles = Some(TileList {
+            skip,
+            rows_per_tile,
+            ptr,
+            count,
+        });
+        Ok((ptr, count))
     }
 
     pub(crate) fn with_meta<R>(&self, f: impl FnOnce(&Meta) -> R) -> R {

@@ -6,12 +6,14 @@
 //! attention writes and reads and benchmark fills write, so both can name it without naming each
 //! other.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use nibble_core::{Error, Result};
 use nibble_model::KvShape;
 
-use crate::runtime::{DeviceBuffer, DevicePtr, Gpu};
+use cudarc::driver::sys;
+
+use crate::runtime::{DeviceBuffer, DevicePtr, Gpu, TmaLayout, tensor_map};
 use crate::tensor::Dtype;
 
 pub struct CudaKv {
@@ -25,6 +27,8 @@ pub struct CudaKv {
     layer_elems: usize,
     /// Distinguishes pools in the graph cache (a graph bakes in the pool's addresses).
     pub id: u64,
+    /// Each layer's TMA descriptors of keys and values, made on first use (Hopper prefill).
+    tma: OnceLock<Vec<[sys::CUtensorMap; 2]>>,
 }
 
 impl CudaKv {
@@ -63,6 +67,7 @@ impl CudaKv {
             v,
             layer_elems,
             id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            tma: OnceLock::new(),
         })
     }
 
@@ -70,6 +75,38 @@ impl CudaKv {
     pub fn layer(&self, layer: usize) -> (DevicePtr, DevicePtr) {
         let off = (layer * self.layer_elems * 2) as u64;
         (self.k.ptr + off, self.v.ptr + off)
+    }
+
+    /// TMA descriptors of layer `layer`'s keys and values, `[blocks][kv_heads][block][head_dim]`
+    /// read in boxes of one block of one head, 64 channels wide (a 128-byte swizzled row per
+    /// token). Made for every layer the first time any is asked for: they only change with the
+    /// pool.
+    pub fn tensor_maps(&self, layer: usize) -> Result<[sys::CUtensorMap; 2]> {
+        if let Some(maps) = self.tma.get() {
+            return Ok(maps[layer]);
+        }
+        let (heads, hd, block) = (
+            self.shape.num_kv_heads,
+            self.shape.head_dim,
+            self.block_size,
+        );
+        let map = |ptr| {
+            tensor_map(
+                ptr,
+                2,
+                &[hd, block, heads, self.num_blocks],
+                &[hd * 2, block * hd * 2, heads * block * hd * 2],
+                &[64, block, 1, 1],
+                TmaLayout::Swizzle128,
+            )
+        };
+        let maps = (0..self.shape.num_layers)
+            .map(|l| {
+                let (k, v) = self.layer(l);
+                Ok([map(k)?, map(v)?])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.tma.get_or_init(|| maps)[layer])
     }
 
     /// Bytes one token takes in the pool over all layers (K and V).
