@@ -254,9 +254,9 @@ where
         model,
         tokenizer,
     } = engine;
-    let gpu = backend.memory_info().is_some();
-    let mut config = args.config(model.kv_format, gpu)?;
-    if let Some((_, total)) = backend.memory_info() {
+    let memory = backend.memory_info();
+    let mut config = args.config(model.kv_format, memory.is_some())?;
+    if let Some((_, total)) = memory {
         let t0 = std::time::Instant::now();
         warm_up(
             &backend,
