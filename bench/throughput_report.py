@@ -91,7 +91,8 @@ def main():
     by = {}
     for r in runs:
         if r["requests"] >= 500:
-            by.setdefault(precision(r["model"]), []).append((r["max_num_seqs"], r["output_tok_s"]))
+            label = precision(r["model"]) + (" lockstep" if "lockstep" in r["run"] else "")
+            by.setdefault(label, []).append((r["max_num_seqs"], r["output_tok_s"]))
     for name, pts in sorted(by.items()):
         pts.sort()
         axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)

@@ -9,10 +9,10 @@
 #   prefill     causal prefill attention, 1k to 16k tokens: both of nibble's kernel tiers and
 #               PyTorch's flash SDPA
 #   steps       BF16 Llama-3-8B decode steps at batch 1, 64, 256 (the engine's own rate)
-#   profile     host vs device time per step at batch 1, 64, 256, sampling on the host
-#               (NIBBLE_HOST_SAMPLING=1, the path before device sampling) and on the device
-#   throughput  1000 ShareGPT prompts offline: BF16 at 64 and 256 sequences, W4A16-g128 and W8A8
-#               at 256
+#   profile     host vs device time per step at batch 1, 64, 256, in lockstep (--no-run-ahead:
+#               each step waits for its tokens) and running ahead (step n+1 queued first)
+#   throughput  1000 ShareGPT prompts offline: BF16 at 64 and 256 sequences (running ahead and
+#               in lockstep), W4A16-g128 and W8A8 at 256
 #   serve       `nibble serve` (BF16) under `nibble bench serve` at several request rates
 # Logs and JSON go to OUTDIR; exits non-zero if a step failed.
 set -uo pipefail
@@ -52,15 +52,15 @@ for part in "$@"; do
     steps)
       step decode-steps stage/gpu/gpu-bench "$out/decode-steps.json" --decode-steps 1,64,256 ;;
     profile)
-      for mode in host device; do
-        host=$([ $mode = host ] && echo 1 || echo 0)
-        NIBBLE_HOST_SAMPLING=$host throughput profile-$mode-b1 llama-3-8b --num-prompts 16 \
-          --max-num-seqs 1 --profile
-        NIBBLE_HOST_SAMPLING=$host throughput profile-$mode llama-3-8b --num-prompts 256 \
-          --sweep-seqs 64,256 --profile
+      for mode in lockstep ahead; do
+        flag=$([ $mode = lockstep ] && echo --no-run-ahead || true)
+        throughput profile-$mode-b1 llama-3-8b --num-prompts 16 --max-num-seqs 1 --profile $flag
+        throughput profile-$mode llama-3-8b --num-prompts 256 --sweep-seqs 64,256 --profile $flag
       done ;;
     throughput)
       throughput throughput-bf16 llama-3-8b --num-prompts 1000 --sweep-seqs 64,256 --profile
+      throughput throughput-bf16-lockstep llama-3-8b --num-prompts 1000 --sweep-seqs 64,256 \
+        --profile --no-run-ahead
       throughput throughput-w4a16 llama-3-8b:w4a16-g128 --num-prompts 1000 --profile
       throughput throughput-w8a8 llama-3-8b:w8a8 --num-prompts 1000 --profile ;;
     serve)

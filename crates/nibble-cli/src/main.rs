@@ -207,6 +207,10 @@ struct EngineArgs {
     /// Requests allowed to wait for admission; more get HTTP 429.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
+    /// Wait for each step's tokens before scheduling the next. On a GPU the engine otherwise
+    /// queues step n+1 while step n runs; this is for measuring what that gains.
+    #[arg(long)]
+    no_run_ahead: bool,
 }
 
 impl EngineArgs {
@@ -234,6 +238,7 @@ impl EngineArgs {
             max_num_seqs: self.max_num_seqs.unwrap_or(seqs),
             max_batched_tokens: self.max_batched_tokens.unwrap_or(tokens),
             max_waiting: self.max_waiting,
+            run_ahead: !self.no_run_ahead,
         })
     }
 }

@@ -193,6 +193,15 @@ extern "C" __global__ void ROW_KERNEL gather_rows(const float* x, const int* row
 }
 
 
+// A step queued before the previous one's tokens reached the host: row pairs[2i] of the batch
+// takes the token the previous step sampled for spec pairs[2i + 1] (`sampled` holds one record
+// of `stride` ints per spec, the token first). Runs after the metadata upload, before the
+// embedding reads the tokens.
+extern "C" __global__ void feed_tokens(int* tokens, const int* sampled, int stride, const int* pairs, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        tokens[pairs[2 * i]] = sampled[(long)pairs[2 * i + 1] * stride];
+}
+
 // out[r, c] += bias[c] (QKV biases of Qwen2).
 extern "C" __global__ void add_bias(float* out, const float* bias, int cols, long n) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)

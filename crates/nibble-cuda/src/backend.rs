@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use nibble_core::{Error, Result};
 use nibble_formats::gguf::GgmlType;
 use nibble_formats::{HostTensor, WeightFormat};
-use nibble_model::sampling::{SampleSpec, Sampled};
+use nibble_model::sampling::{PendingSample, SampleSpec, Sampled};
 use nibble_model::{AttentionShape, Backend, BatchLayout, KvShape, RopeLayout};
 use nibble_precision::KvFormat;
 
@@ -384,6 +384,48 @@ impl Backend for CudaBackend {
             let host = self.ctx.to_host(logits)?;
             return nibble_model::sampling::sample_rows(&host, vocab, specs);
         }
-        sampling::sample(&self.ctx, &self.sampling, logits, vocab, specs)
+        let pending = sampling::launch(&self.ctx, &self.sampling, logits, vocab, specs)?;
+        sampling::collect(&self.sampling, pending)
+    }
+
+    fn runs_ahead(&self) -> bool {
+        true
+    }
+
+    fn launch_sample(
+        &self,
+        logits: &CudaTensor,
+        vocab: usize,
+        specs: &[SampleSpec],
+    ) -> Result<PendingSample> {
+        if self.host_sampling {
+            return self.sample(logits, vocab, specs).map(PendingSample::Ready);
+        }
+        sampling::launch(&self.ctx, &self.sampling, logits, vocab, specs)
+    }
+
+    fn collect_sample(&self, pending: PendingSample) -> Result<Vec<Sampled>> {
+        sampling::collect(&self.sampling, pending)
+    }
+
+    fn feed_sampled(&self, rows: &[(usize, usize)]) -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let (sampled, records) = sampling::latest_on_device(&self.sampling).ok_or_else(|| {
+            Error::InvalidArgument(
+                "tokens fed from a sampling that is not on the device (none, or sampled on \
+                 the host)"
+                    .into(),
+            )
+        })?;
+        if let Some(&(_, spec)) = rows.iter().find(|&&(_, spec)| spec >= records) {
+            return Err(Error::InvalidArgument(format!(
+                "fed token of spec {spec} from a sampling of {records}"
+            )));
+        }
+        self.ctx
+            .feed_next_forward(sampled, sampling::OUT_STRIDE, rows);
+        Ok(())
     }
 }

@@ -13,6 +13,7 @@ use nibble_model::BatchLayout;
 
 use crate::compile;
 use crate::graph::{self, GraphCache, GraphKey};
+use crate::host::StagingRing;
 use crate::runtime::{Arena, Arg, DeviceBuffer, DevicePtr, Gpu, Kernel, StickyError, driver_err};
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem};
 
@@ -72,6 +73,15 @@ pub(crate) struct State {
     /// Home of the prefill tile lists.
     tiles_buf: Option<DeviceBuffer>,
     pub graphs: GraphCache,
+    /// Rows of the next forward pass that take their token from a sampling on the device.
+    feed: Option<Feed>,
+}
+
+/// Tokens the next forward pass reads from the device ([`CudaContext::feed_next_forward`]).
+struct Feed {
+    sampled: DevicePtr,
+    stride: usize,
+    rows: Vec<(usize, usize)>,
 }
 
 pub struct CudaContext {
@@ -81,6 +91,9 @@ pub struct CudaContext {
     pub dtype: Dtype,
     kernels: HashMap<&'static str, Kernel>,
     pub(crate) state: Mutex<State>,
+    /// Per-step uploads go through page-locked memory, so queueing a step never waits for the
+    /// one before it.
+    staging: Mutex<StagingRing>,
     err: StickyError,
     /// Capture decode steps as CUDA graphs (on unless NIBBLE_CUDA_GRAPHS=0).
     pub graphs_enabled: bool,
@@ -135,7 +148,9 @@ impl CudaContext {
                 meta_buf: None,
                 tiles_buf: None,
                 graphs: GraphCache::default(),
+                feed: None,
             }),
+            staging: Mutex::new(StagingRing::new()),
             err: StickyError::default(),
             graphs_enabled: std::env::var("NIBBLE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             split_counters,
@@ -377,14 +392,78 @@ impl CudaContext {
     pub(crate) fn begin_forward(&self, tokens: &[u32], batch: &BatchLayout) -> Result<()> {
         self.err.check()?;
         self.gpu.bind()?;
-        {
+        let feed = {
             let mut st = self.lock();
             if st.arena.reset(&self.gpu)? {
                 st.graphs.clear();
             }
             st.meta = None;
+            st.feed.take()
+        };
+        self.ensure_meta(Some(tokens), batch)?;
+        match feed {
+            Some(f) => self.apply_feed(f, tokens.len()),
+            None => Ok(()),
         }
-        self.ensure_meta(Some(tokens), batch)
+    }
+
+    /// Says that the next forward pass's rows `rows[i].0` take the token of record `rows[i].1`
+    /// of `sampled` (records of `stride` ints, the token first), on the device.
+    pub(crate) fn feed_next_forward(
+        &self,
+        sampled: DevicePtr,
+        stride: usize,
+        rows: &[(usize, usize)],
+    ) {
+        self.lock().feed = (!rows.is_empty()).then(|| Feed {
+            sampled,
+            stride,
+            rows: rows.to_vec(),
+        });
+    }
+
+    /// Overwrites the staged tokens of the fed rows with their sampled ids. The pairs travel
+    /// in the arena, which the forward pass has just recycled.
+    fn apply_feed(&self, feed: Feed, num_tokens: usize) -> Result<()> {
+        if let Some(&(row, _)) = feed.rows.iter().find(|&&(row, _)| row >= num_tokens) {
+            return Err(Error::InvalidArgument(format!(
+                "fed row {row} of a {num_tokens}-token batch"
+            )));
+        }
+        let pairs: Vec<i32> = feed
+            .rows
+            .iter()
+            .flat_map(|&(row, spec)| [row as i32, spec as i32])
+            .collect();
+        let buf = self.alloc(1, pairs.len(), Elem::F32)?;
+        self.stage_upload(buf.ptr, &pairs)?;
+        let tokens = self.with_meta(|m| m.tokens);
+        let n = feed.rows.len();
+        self.launch(
+            "feed_tokens",
+            grid_for(n),
+            BLOCK,
+            vec![
+                Arg::Ptr(tokens),
+                Arg::Ptr(feed.sampled),
+                Arg::I32(feed.stride as i32),
+                Arg::Ptr(buf.ptr),
+                Arg::I32(n as i32),
+            ],
+        )
+    }
+
+    /// Queues a copy of per-step data to the device through page-locked staging: the host
+    /// does not wait for the stream. While a graph is being recorded, a plain upload (recorded
+    /// as its node) instead.
+    pub(crate) fn stage_upload<T: Copy>(&self, dst: DevicePtr, src: &[T]) -> Result<()> {
+        if self.lock().graphs.recording {
+            return self.gpu.upload(dst, src);
+        }
+        self.staging
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .upload(&self.gpu, dst, src)
     }
 
     /// Layer `layer` begins: its arena region is rewound.
@@ -448,7 +527,10 @@ impl CudaContext {
             st.meta_buf = Some(DeviceBuffer::alloc(&self.gpu, bytes * 2, "batch metadata")?);
         }
         let base = st.meta_buf.as_ref().expect("allocated above").ptr;
-        self.gpu.upload(base, &host)?;
+        self.staging
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .upload(&self.gpu, base, &host)?;
         let at = |i: usize| base + (i * 4) as u64;
         st.meta = Some(Meta {
             key,
@@ -489,7 +571,14 @@ impl CudaContext {
             st.tiles_buf = Some(DeviceBuffer::alloc(&self.gpu, bytes * 2, "prefill tiles")?);
         }
         let ptr = st.tiles_buf.as_ref().expect("allocated above").ptr;
-        self.gpu.upload(ptr, tiles.as_flattened())?;
+        if st.graphs.recording {
+            self.gpu.upload(ptr, tiles.as_flattened())?;
+        } else {
+            self.staging
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .upload(&self.gpu, ptr, tiles.as_flattened())?;
+        }
         let count = tiles.len();
         st.meta.as_mut().expect("ensure_meta ran").prefill_tiles = Some(TileList {
             skip,
@@ -517,7 +606,7 @@ impl CudaContext {
             return Ok(p);
         }
         let t = self.alloc(1, values.len().max(1), Elem::F32)?;
-        self.gpu.upload(t.ptr, values)?;
+        self.stage_upload(t.ptr, values)?;
         Ok(t.ptr)
     }
 

@@ -27,6 +27,7 @@
 //!               kv           CudaKv, the paged KV pool                 -> runtime tensor
 //!               tensor       Dtype, Elem, CudaTensor, CudaWeight       -> runtime
 //!               module       loading cubins                            -> runtime
+//!               host         page-locked memory, events, staging ring  -> runtime
 //!               runtime      Gpu, DeviceBuffer, Arena, Kernel, Arg     -> compile probe
 //!               compile      NVRTC and the cubin cache                 -> (none)
 //!               probe        finding the CUDA libraries                -> (none)
@@ -39,6 +40,7 @@ pub mod compile;
 mod context;
 mod elementwise;
 mod graph;
+mod host;
 mod kv;
 pub mod module;
 pub mod pack;

@@ -4,12 +4,13 @@
 //! tokens on the CPU and the GPU.
 
 use nibble_core::{Error, Result};
-use nibble_model::sampling::{SampleSpec, Sampled, TokenLogprobs, sample_rows};
+use nibble_model::sampling::{PendingSample, SampleSpec, Sampled, TokenLogprobs, sample_rows};
 
 use std::sync::Mutex;
 
 use crate::context::CudaContext;
-use crate::runtime::{Arg, DeviceBuffer};
+use crate::host::{Event, PinnedBuffer, copy_to_host};
+use crate::runtime::{Arg, DeviceBuffer, DevicePtr};
 use crate::tensor::{CudaTensor, Elem};
 
 /// Top alternatives the kernel reports per token (`SAMPLE_TOP` in the kernel); a request for
@@ -47,21 +48,46 @@ struct SampleOut {
     lps: [f32; TOP_LOGPROBS],
 }
 
+/// Ints per `SampleOut` record: the stride at which the next forward pass reads fed tokens.
+pub(crate) const OUT_STRIDE: usize = size_of::<SampleOut>() / 4;
+
 /// Device memory the sampler reuses from call to call (row parameters, outputs, histories and
-/// the repetition-penalty bitsets), grown when a batch needs more. The backend owns it rather than
-/// the context, since no other op reads it.
+/// the repetition-penalty bitsets), grown when a batch needs more, and the page-locked slots its
+/// results come back to. The backend owns it rather than the context, since no other op reads
+/// it.
 #[derive(Default)]
 pub(crate) struct SampleScratch {
     buf: Mutex<Option<DeviceBuffer>>,
+    slots: Mutex<Slots>,
 }
 
-pub(crate) fn sample(
+/// Two result slots: step n's results wait in one while step n+1 is queued into the other.
+#[derive(Default)]
+struct Slots {
+    /// Launches so far; launch `g` uses slot `g % 2`.
+    launches: u64,
+    slot: [Option<Slot>; 2],
+    /// Where the latest launch left its records on the device, and how many, while they are
+    /// there.
+    latest_out: Option<(DevicePtr, usize)>,
+}
+
+struct Slot {
+    host: PinnedBuffer,
+    done: Event,
+    /// The launch whose results the slot holds, until collected.
+    holds: Option<u64>,
+}
+
+/// Queues sampling of `specs`' rows of `logits`; the tokens come from [`collect`]. Requests for
+/// more log-probabilities than the kernel reports are sampled on the host, now.
+pub(crate) fn launch(
     ctx: &CudaContext,
     scratch: &SampleScratch,
     logits: &CudaTensor,
     vocab: usize,
     specs: &[SampleSpec],
-) -> Result<Vec<Sampled>> {
+) -> Result<PendingSample> {
     ctx.check_live(logits)?;
     if logits.elem != Elem::F32 || !logits.is_contiguous() || logits.cols != vocab {
         return Err(Error::InvalidArgument(format!(
@@ -75,15 +101,17 @@ pub(crate) fn sample(
             s.row, logits.rows
         )));
     }
+    let mut slots = scratch.slots.lock().unwrap_or_else(|p| p.into_inner());
+    slots.latest_out = None;
     if specs.is_empty() {
-        return Ok(Vec::new());
+        return Ok(PendingSample::Ready(Vec::new()));
     }
     if specs
         .iter()
         .any(|s| s.logprobs.is_some_and(|n| n > TOP_LOGPROBS))
     {
         let host = ctx.to_host(logits)?;
-        return sample_rows(&host, vocab, specs);
+        return sample_rows(&host, vocab, specs).map(PendingSample::Ready);
     }
     let too_big = |what: &str, v: usize| Error::LimitExceeded {
         what: format!("{what} for GPU sampling"),
@@ -127,6 +155,8 @@ pub(crate) fn sample(
 
     let mut buf = scratch.buf.lock().unwrap_or_else(|p| p.into_inner());
     if buf.as_ref().is_none_or(|b| b.bytes < need) {
+        // A queued forward pass may still read fed tokens from the old buffer.
+        ctx.gpu.synchronize()?;
         *buf = None;
         *buf = Some(DeviceBuffer::alloc(&ctx.gpu, need * 2, "sampling scratch")?);
     }
@@ -136,8 +166,8 @@ pub(crate) fn sample(
     let out_ptr = base + rows_bytes as u64;
     let hist_ptr = out_ptr + out_bytes as u64;
     let bits_ptr = hist_ptr + hist_bytes as u64;
-    ctx.gpu.upload(rows_ptr, &rows)?;
-    ctx.gpu.upload(hist_ptr, &history)?;
+    ctx.stage_upload(rows_ptr, &rows)?;
+    ctx.stage_upload(hist_ptr, &history)?;
     ctx.kernel("sample_rows")?.launch(
         &ctx.gpu,
         (n as u32, 1, 1),
@@ -153,24 +183,75 @@ pub(crate) fn sample(
             Arg::Ptr(out_ptr),
         ],
     )?;
-    let mut outs = vec![
-        SampleOut {
-            token: 0,
-            logprob: 0.0,
-            n: 0,
-            pad: 0,
-            ids: [0; TOP_LOGPROBS],
-            lps: [0.0; TOP_LOGPROBS],
-        };
-        n
-    ];
-    ctx.gpu.download(&mut outs, out_ptr)?;
+    let launch = slots.launches;
+    slots.launches += 1;
+    let slot = match &mut slots.slot[(launch % 2) as usize] {
+        Some(slot) if slot.host.bytes >= out_bytes => {
+            // Results nobody collected (a failed step's) are given up.
+            if slot.holds.is_some() {
+                slot.done.wait()?;
+            }
+            slot
+        }
+        entry => {
+            if let Some(old) = entry.as_ref()
+                && old.holds.is_some()
+            {
+                old.done.wait()?;
+            }
+            entry.insert(Slot {
+                host: PinnedBuffer::alloc(&ctx.gpu, (out_bytes * 2).max(64 << 10))?,
+                done: Event::new(&ctx.gpu)?,
+                holds: None,
+            })
+        }
+    };
+    // The page-locked slot is unread: results of launch - 2 were collected or given up above.
+    unsafe { copy_to_host(&ctx.gpu, slot.host.addr_mut(), out_ptr, out_bytes)? };
+    slot.done.record(&ctx.gpu)?;
+    slot.holds = Some(launch);
+    slots.latest_out = Some((out_ptr, n));
+    Ok(PendingSample::Queued {
+        slot: launch as usize,
+        logprobs: specs.iter().map(|s| s.logprobs).collect(),
+    })
+}
+
+/// Where the latest [`launch`] left its records on the device and how many, unless it sampled
+/// on the host.
+pub(crate) fn latest_on_device(scratch: &SampleScratch) -> Option<(DevicePtr, usize)> {
+    scratch
+        .slots
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .latest_out
+}
+
+/// Waits for a [`launch`]'s results and reads them.
+pub(crate) fn collect(scratch: &SampleScratch, pending: PendingSample) -> Result<Vec<Sampled>> {
+    let (launch, logprobs) = match pending {
+        PendingSample::Ready(s) => return Ok(s),
+        PendingSample::Queued { slot, logprobs } => (slot as u64, logprobs),
+    };
+    let mut slots = scratch.slots.lock().unwrap_or_else(|p| p.into_inner());
+    let slot = slots.slot[(launch % 2) as usize]
+        .as_mut()
+        .filter(|s| s.holds == Some(launch))
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "sampling {launch} was not collected before two later ones reused its slot"
+            ))
+        })?;
+    slot.holds = None;
+    slot.done.wait()?;
+    // The event fired: the copy into the slot has run, and SampleOut is plain ints and floats.
+    let outs: &[SampleOut] = unsafe { slot.host.read(0, logprobs.len()) };
     Ok(outs
         .iter()
-        .zip(specs)
-        .map(|(o, s)| Sampled {
+        .zip(&logprobs)
+        .map(|(o, lp)| Sampled {
             token: o.token as u32,
-            logprobs: s.logprobs.map(|_| {
+            logprobs: lp.map(|_| {
                 let m = (o.n.max(0) as usize).min(TOP_LOGPROBS);
                 TokenLogprobs {
                     logprob: o.logprob,

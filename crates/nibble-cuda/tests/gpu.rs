@@ -623,26 +623,32 @@ fn graph_replay_equals_eager() {
 
 /// The serving engine on the GPU: requests of different lengths finish and leave, so decode steps
 /// run at many batch sizes, padded to graph buckets; every request gets its tokens, seeded
-/// sampling on the device, and a second run of the same requests gives the same tokens.
+/// sampling on the device, and a second run of the same requests gives the same tokens. Running
+/// ahead (step n+1 queued, its tokens fed on the device, before step n's are read) gives the
+/// same tokens and log-probabilities as lockstep, with a repetition penalty (which makes it
+/// wait), and completes every request through preemption (a pool too small for all).
 #[test]
 fn serving_engine_on_the_gpu_is_deterministic() {
     use nibble_engine::serving::{EngineConfig, Event, LlmEngine, Request, warm_up};
     let dir = fixture("tiny-llama3");
-    let run = || {
+    let run = |run_ahead: bool, num_blocks: usize| {
         let e = engine(gpu(Dtype::Bf16), &dir);
         warm_up(&e.backend, &e.model, 256, 16, 16).unwrap();
         let config = EngineConfig {
-            num_blocks: 256,
+            num_blocks,
             max_num_seqs: 16,
             max_batched_tokens: 256,
+            run_ahead,
             ..EngineConfig::default()
         };
         let mut llm = LlmEngine::new(e.backend, e.model, e.tokenizer, config).unwrap();
+        assert_eq!(llm.runs_ahead(), run_ahead);
         for i in 0..13u64 {
             let params = SamplingParams {
                 temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
                 top_p: 0.9,
                 seed: Some(i),
+                repetition_penalty: if i == 5 { 1.2 } else { 1.0 },
                 ..SamplingParams::default()
             };
             let prompt: Vec<u32> = (0..3 + i as u32 * 5)
@@ -666,17 +672,30 @@ fn serving_engine_on_the_gpu_is_deterministic() {
                 } = ev
                 {
                     assert_eq!(logprob.is_some(), id % 3 == 0);
-                    out[id as usize].push(token);
+                    let bits = logprob.map(|l| l.logprob.to_bits());
+                    out[id as usize].push((token, bits));
                 }
             }
         }
         let (replays, _) = llm.backend.graph_counts();
-        (out, replays)
+        let stats = llm.stats();
+        assert_eq!(stats.blocks_in_use, 0, "every block comes back");
+        (out, replays, stats.preemptions)
     };
-    let (a, replays) = run();
+    let (a, replays, _) = run(false, 256);
     for (i, toks) in a.iter().enumerate() {
         assert_eq!(toks.len(), 5 + i * 3, "request {i}");
     }
     assert!(replays > 0, "no decode step replayed a graph");
-    assert_eq!(a, run().0);
+    assert_eq!(a, run(false, 256).0);
+    // The same batches, so the same bits: fed tokens are the sampled ones.
+    assert_eq!(a, run(true, 256).0, "running ahead changed the output");
+    // 12 blocks of 16 tokens for 16 sequences of up to 104 tokens. Batches now differ between
+    // the two (blocks freed a step later when running ahead), and the GPU's rounding depends on
+    // the batch, so only completeness is compared; the CPU tests compare the tokens.
+    let (small, _, preempted) = run(true, 12);
+    assert!(preempted > 0, "nothing was preempted");
+    for (i, toks) in small.iter().enumerate() {
+        assert_eq!(toks.len(), 5 + i * 3, "request {i} with preemption");
+    }
 }

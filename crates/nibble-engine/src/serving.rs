@@ -13,6 +13,7 @@ use std::collections::VecDeque;
 
 use nibble_core::{Error, Result};
 use nibble_formats::tokenizer::{StreamDecoder, Tokenizer};
+use nibble_model::sampling::PendingSample;
 use nibble_model::{Backend, BatchLayout, LogitRows, SeqSpan, Transformer};
 
 use crate::block_manager::{BlockId, BlockManager, HashChain};
@@ -32,6 +33,9 @@ pub struct EngineConfig {
     pub max_batched_tokens: usize,
     /// Requests that may wait for admission; beyond this `add_request` refuses.
     pub max_waiting: usize,
+    /// Queue step n+1 while step n runs, on backends that [run ahead](Backend::runs_ahead)
+    /// (`false`: every step waits for its tokens before the next is scheduled).
+    pub run_ahead: bool,
 }
 
 impl Default for EngineConfig {
@@ -42,6 +46,7 @@ impl Default for EngineConfig {
             max_num_seqs: 64,
             max_batched_tokens: 512,
             max_waiting: 256,
+            run_ahead: true,
         }
     }
 }
@@ -86,6 +91,8 @@ pub enum Event {
 
 struct Sequence {
     id: RequestId,
+    /// Unique within the engine (request ids come from outside and might repeat).
+    serial: u64,
     req: Request,
     /// Prompt followed by generated tokens.
     tokens: Vec<u32>,
@@ -98,12 +105,32 @@ struct Sequence {
     decoder: StreamDecoder,
     stops: StopMatcher,
     generated: usize,
+    /// Tokens sampled in steps still in flight, not yet in `tokens` (0 or 1; 2 for a moment
+    /// while the step run ahead is launched).
+    unseen: usize,
+    /// This sequence's spec index in the latest launched sampling, where the device keeps its
+    /// unseen token.
+    latest_spec: Option<usize>,
 }
 
 impl Sequence {
+    /// Tokens whose KV is still to be computed (an unseen token counts: its KV is computed in
+    /// the step after it is sampled).
     fn pending(&self) -> usize {
-        self.tokens.len() - self.computed
+        self.tokens.len() + self.unseen - self.computed
     }
+}
+
+/// A step whose sampled tokens have not been read yet.
+struct InFlight {
+    pending: PendingSample,
+    /// The sampled sequences' serials, in spec order.
+    serials: Vec<u64>,
+    seqs: usize,
+    tokens: usize,
+    decode_only: bool,
+    launch_s: f64,
+    forward_wait_s: f64,
 }
 
 /// Counters for /metrics.
@@ -135,11 +162,18 @@ pub struct LlmEngine<B: Backend> {
     generated_tokens: u64,
     /// Per-step timings, when [`LlmEngine::set_profiling`] turned them on.
     profile: Option<Vec<StepProfile>>,
+    /// Whether steps run ahead (the config asks and the backend can).
+    run_ahead: bool,
+    in_flight: Option<InFlight>,
+    next_serial: u64,
 }
 
 /// Where one step's time went: `host_s` scheduling and preparing the batch, queueing the forward
 /// pass and handling its tokens; `device_s` waiting for the device (the forward pass and the
-/// sampling). On the CPU backend the forward pass is host time.
+/// sampling). On the CPU backend the forward pass is host time. When steps run ahead, the host
+/// time of a step (launching the next one, handling this one's tokens) overlaps the device's
+/// work on it, and `device_s` is only the wait for its tokens; `launch_s` is the part spent
+/// scheduling and queueing a step.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct StepProfile {
     pub seqs: usize,
@@ -147,6 +181,7 @@ pub struct StepProfile {
     pub decode_only: bool,
     pub host_s: f64,
     pub device_s: f64,
+    pub launch_s: f64,
 }
 
 /// Runs the largest step the engine will build (`max_tokens` tokens over up to `max_seqs`
@@ -214,7 +249,11 @@ impl<B: Backend> LlmEngine<B> {
         // One block past the block manager's: the padding sequences of a bucketed decode step
         // write there, and nothing reads it.
         let kv = backend.new_kv_pool(model.kv_shape(), config.num_blocks + 1, config.block_size)?;
+        let run_ahead = config.run_ahead && backend.runs_ahead();
         Ok(LlmEngine {
+            run_ahead,
+            in_flight: None,
+            next_serial: 0,
             blocks: BlockManager::new(config.num_blocks, config.block_size),
             backend,
             model,
@@ -232,6 +271,10 @@ impl<B: Backend> LlmEngine<B> {
 
     /// Gives the model back (its KV pool freed), e.g. to build another engine of other sizes.
     pub fn into_parts(self) -> (B, Transformer<B>, Tokenizer) {
+        // A step still in flight reads the pool about to be freed.
+        if self.in_flight.is_some() {
+            let _ = self.backend.synchronize();
+        }
         (self.backend, self.model, self.tokenizer)
     }
 
@@ -289,8 +332,12 @@ impl<B: Backend> LlmEngine<B> {
             });
         }
         let sampler = Sampler::new(req.params.clone())?;
+        self.next_serial += 1;
         self.waiting.push_back(Sequence {
             id,
+            serial: self.next_serial,
+            unseen: 0,
+            latest_spec: None,
             tokens: req.prompt.clone(),
             stops: StopMatcher::new(req.stop.clone()),
             req,
@@ -320,7 +367,12 @@ impl<B: Backend> LlmEngine<B> {
     }
 
     pub fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty()
+        !self.waiting.is_empty() || !self.running.is_empty() || self.in_flight.is_some()
+    }
+
+    /// Whether steps run ahead of the host (see [`LlmEngine::step`]).
+    pub fn runs_ahead(&self) -> bool {
+        self.run_ahead
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -352,6 +404,7 @@ impl<B: Backend> LlmEngine<B> {
     fn preempt_last(&mut self) -> bool {
         match self.running.pop() {
             Some(mut s) => {
+                debug_assert_eq!(s.unseen, 0, "preempted with a step in flight");
                 self.release(&s.blocks);
                 s.blocks.clear();
                 s.hashed = HashChain::default();
@@ -364,20 +417,107 @@ impl<B: Backend> LlmEngine<B> {
         }
     }
 
-    /// Runs one forward pass over a batch and returns what it produced.
+    /// Runs one step and returns what it produced: the tokens of one forward pass.
+    ///
+    /// On a backend that [runs ahead](Backend::runs_ahead) of the host, the step after it is
+    /// queued before this one's tokens are read back, its decode rows taking their tokens from
+    /// the device: the host schedules, stages and launches step n+1, then handles step n's
+    /// tokens (detokenizing, stop strings, events) while the GPU runs n+1. The only wait is for
+    /// step n's sampled ids. Whatever step n decides (a sequence reached EOS or a stop string)
+    /// is seen one step late: the row step n+1 computed for it is discarded, which costs one row
+    /// and changes no output.
     pub fn step(&mut self) -> Result<Vec<Event>> {
+        let r = self.step_inner();
+        if r.is_err() {
+            self.recover();
+        }
+        r
+    }
+
+    fn step_inner(&mut self) -> Result<Vec<Event>> {
+        let t0 = std::time::Instant::now();
+        let current = match self.in_flight.take() {
+            Some(f) => f,
+            None => {
+                // Without a step in flight nothing makes the schedule wait: it is `Some`.
+                let rows = self.schedule(false)?.unwrap_or_default();
+                if rows.is_empty() {
+                    return Ok(Vec::new());
+                }
+                self.launch(rows)?
+            }
+        };
+        let ahead = if self.run_ahead && current.pending.on_device() {
+            match self.schedule(true)? {
+                Some(rows) if !rows.is_empty() => Some(self.launch(rows)?),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        let events = self.finish(current, t0)?;
+        self.in_flight = ahead;
+        Ok(events)
+    }
+
+    /// After a failed step: nothing is in flight any more, and every running sequence goes back
+    /// to the queue to be recomputed (a failed forward pass may have left its KV half written).
+    /// Tokens sampled but not yet read are dropped with their draws, so recomputing samples
+    /// them again, the same.
+    fn recover(&mut self) {
+        self.in_flight = None;
+        let _ = self.backend.synchronize();
+        while let Some(mut s) = self.running.pop() {
+            self.release(&s.blocks);
+            s.blocks.clear();
+            s.hashed = HashChain::default();
+            s.computed = 0;
+            s.unseen = 0;
+            self.waiting.push_front(s);
+        }
+    }
+
+    /// Picks the next batch: `(index in running, tokens)` per scheduled sequence. Running
+    /// sequences come first, in admission order, preempted from the back when blocks run out;
+    /// then waiting requests while budget and sequences allow, chunked to the budget.
+    ///
+    /// `ahead`: step n is still in flight. Its sampled tokens are not on the host, so a sequence
+    /// with one takes it from the device ([`Backend::feed_sampled`]); one whose unseen token
+    /// ends it for certain (its length limit) is left out. Nothing can be preempted while its
+    /// blocks may be in use, and the repetition penalty needs the token on the host: either
+    /// makes this return `None`, and the step is scheduled once step n is collected.
+    fn schedule(&mut self, ahead: bool) -> Result<Option<Vec<(usize, usize)>>> {
+        let max_len = self.max_sequence_len();
         let mut budget = self.config.max_batched_tokens;
-        // Running sequences first, in admission order; preempt from the back when blocks run out.
+        let mut rows: Vec<(usize, usize)> = Vec::new();
         let mut i = 0;
-        let mut chunks: Vec<usize> = Vec::new();
         while i < self.running.len() && budget > 0 {
-            let chunk = self.running[i].pending().min(budget);
-            let new_len = self.running[i].computed + chunk;
+            let s = &self.running[i];
+            if s.unseen > 0 {
+                if s.generated + s.unseen >= s.req.max_tokens
+                    || s.tokens.len() + s.unseen >= max_len
+                {
+                    i += 1;
+                    continue;
+                }
+                if s.req.params.repetition_penalty != 1.0 {
+                    return Ok(None);
+                }
+            }
+            let chunk = s.pending().min(budget);
+            if chunk == 0 {
+                i += 1;
+                continue;
+            }
+            let new_len = s.computed + chunk;
             let grown = {
                 let s = &mut self.running[i];
                 self.blocks.grow(&mut s.blocks, new_len)
             };
             if grown.is_err() {
+                if ahead {
+                    return Ok(None);
+                }
                 let last = self.running.len() - 1;
                 self.preempt_last();
                 if last == i {
@@ -385,7 +525,7 @@ impl<B: Backend> LlmEngine<B> {
                 }
                 continue;
             }
-            chunks.push(chunk);
+            rows.push((i, chunk));
             budget -= chunk;
             i += 1;
         }
@@ -405,30 +545,41 @@ impl<B: Backend> LlmEngine<B> {
             if s.generated == 0 {
                 self.prompt_tokens += s.tokens.len() as u64;
             }
-            // Scheduled sequences are the first `chunks.len()` of `running`.
-            self.running.insert(chunks.len(), s);
-            chunks.push(chunk);
+            self.running.push(s);
+            rows.push((self.running.len() - 1, chunk));
         }
-        if chunks.is_empty() {
-            return Ok(Vec::new());
-        }
+        Ok(Some(rows))
+    }
 
-        let t_start = self.profile.is_some().then(std::time::Instant::now);
+    /// Queues the forward pass and the sampling of `rows` (from [`Self::schedule`]) and marks
+    /// their tokens computed; the sampled tokens are read by [`Self::finish`].
+    fn launch(&mut self, rows: Vec<(usize, usize)>) -> Result<InFlight> {
+        let t_start = std::time::Instant::now();
         let mut tokens = Vec::with_capacity(self.config.max_batched_tokens);
         let mut batch = BatchLayout::default();
-        for (s, &chunk) in self.running.iter().zip(&chunks) {
-            tokens.extend_from_slice(&s.tokens[s.computed..s.computed + chunk]);
+        let mut feed = Vec::new();
+        for &(idx, chunk) in &rows {
+            let s = &self.running[idx];
+            if s.unseen > 0 {
+                // Its next token is the one step n sampled, still on the device.
+                debug_assert_eq!((s.unseen, chunk), (1, 1));
+                let spec = s.latest_spec.expect("an unseen token has a spec");
+                feed.push((tokens.len(), spec));
+                tokens.push(0);
+            } else {
+                tokens.extend_from_slice(&s.tokens[s.computed..s.computed + chunk]);
+            }
             batch.seqs.push(SeqSpan {
                 blocks: s.blocks.clone(),
                 start_pos: s.computed,
                 len: chunk,
             });
         }
-        let decode_only = chunks.iter().all(|&c| c == 1);
+        let decode_only = rows.iter().all(|&(_, c)| c == 1);
         if decode_only {
             // Padding sequences (token 0 at position 0 of the block kept aside) fill the step to
             // the size the backend asks for; their logits are never sampled.
-            let pad = self.backend.decode_bucket(chunks.len()).max(chunks.len()) - chunks.len();
+            let pad = self.backend.decode_bucket(rows.len()).max(rows.len()) - rows.len();
             for _ in 0..pad {
                 tokens.push(0);
                 batch.seqs.push(SeqSpan {
@@ -438,6 +589,7 @@ impl<B: Backend> LlmEngine<B> {
                 });
             }
         }
+        self.backend.feed_sampled(&feed)?;
         let logits = self.model.forward(
             &self.backend,
             &tokens,
@@ -445,41 +597,81 @@ impl<B: Backend> LlmEngine<B> {
             &mut self.kv,
             LogitRows::LastPerSeq,
         )?;
-        // Profiling only: how long the forward pass keeps the host waiting once it is queued.
-        let forward_wait = t_start.map(|_| {
+        // Profiling a step that does not run ahead: how long the forward pass keeps the host
+        // waiting once it is queued (a step that runs ahead must not wait here).
+        let forward_wait = if self.profile.is_some() && !self.run_ahead {
             let waited = std::time::Instant::now();
-            self.backend.synchronize().map(|()| waited.elapsed())
-        });
-        let vocab = self.model.config.vocab_size;
+            self.backend.synchronize()?;
+            waited.elapsed()
+        } else {
+            std::time::Duration::ZERO
+        };
         // Sequences whose prompt is now complete sample from their row; the logits of one still
         // mid-prefill are not for sampling.
         let mut sampling = Vec::new();
-        for (idx, chunk) in chunks.iter().enumerate() {
+        for (row, &(idx, chunk)) in rows.iter().enumerate() {
             let s = &mut self.running[idx];
             s.computed += chunk;
+            let known = s.computed.min(s.tokens.len());
             self.blocks
-                .register_full_blocks(&mut s.hashed, &s.blocks, &s.tokens[..s.computed]);
-            if s.computed == s.tokens.len() {
-                sampling.push(idx);
+                .register_full_blocks(&mut s.hashed, &s.blocks, &s.tokens[..known]);
+            if s.computed == s.tokens.len() + s.unseen {
+                sampling.push((row, idx));
             }
         }
         let specs: Vec<_> = sampling
             .iter()
-            .map(|&idx| {
+            .map(|&(row, idx)| {
                 let s = &self.running[idx];
-                s.sampler.spec(idx, &s.tokens, s.req.logprobs)
+                let mut spec = s.sampler.spec(row, &s.tokens, s.req.logprobs);
+                spec.draw += s.unseen as u64;
+                spec
             })
             .collect();
-        let t_sample = std::time::Instant::now();
-        let sampled = self.backend.sample(&logits, vocab, &specs)?;
-        let sample_s = t_sample.elapsed();
+        let vocab = self.model.config.vocab_size;
+        let pending = self.backend.launch_sample(&logits, vocab, &specs)?;
         drop(specs);
-
-        let mut events = Vec::new();
-        let mut finished = Vec::new();
-        let max_len = self.max_sequence_len();
-        for (&idx, sampled) in sampling.iter().zip(sampled) {
+        let mut serials = Vec::with_capacity(sampling.len());
+        for (spec, &(_, idx)) in sampling.iter().enumerate() {
             let s = &mut self.running[idx];
+            s.unseen += 1;
+            s.latest_spec = Some(spec);
+            serials.push(s.serial);
+        }
+        Ok(InFlight {
+            pending,
+            serials,
+            seqs: batch.seqs.len(),
+            tokens: tokens.len(),
+            decode_only,
+            launch_s: t_start.elapsed().saturating_sub(forward_wait).as_secs_f64(),
+            forward_wait_s: forward_wait.as_secs_f64(),
+        })
+    }
+
+    /// Reads a launched step's tokens and turns them into events; sequences that end are
+    /// released. `t0` is when the step call began (for the profile).
+    fn finish(&mut self, step: InFlight, t0: std::time::Instant) -> Result<Vec<Event>> {
+        let t_wait = std::time::Instant::now();
+        let sampled = self.backend.collect_sample(step.pending)?;
+        let wait = t_wait.elapsed();
+        let mut events = Vec::new();
+        let max_len = self.max_sequence_len();
+        // Where each sequence is now: a step run ahead may have admitted sequences since, and
+        // abort or an earlier finish may have removed some (whose tokens are then dropped).
+        let at: std::collections::HashMap<u64, usize> = self
+            .running
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.serial, i))
+            .collect();
+        let mut finished = Vec::new();
+        for (&serial, sampled) in step.serials.iter().zip(sampled) {
+            let Some(&idx) = at.get(&serial) else {
+                continue;
+            };
+            let s = &mut self.running[idx];
+            s.unseen -= 1;
             s.sampler.advance();
             let next = sampled.token;
             let logprob = sampled.logprobs.map(|l| TokenLogprob {
@@ -522,21 +714,23 @@ impl<B: Backend> LlmEngine<B> {
                 });
             }
         }
+        finished.sort_unstable();
         for idx in finished.into_iter().rev() {
+            // Blocks a step run ahead still writes are safe to hand out: whoever gets them is in
+            // a later step, queued behind it.
             let s = self.running.remove(idx);
             self.release(&s.blocks);
         }
-        if let (Some(t0), Some(waited), Some(profile)) =
-            (t_start, forward_wait, self.profile.as_mut())
-        {
-            // Sampling is device work behind one small copy: counted as device time.
-            let device = waited? + sample_s;
+        if let Some(profile) = self.profile.as_mut() {
+            // Sampling is device work behind one small copy: the wait for it is device time.
+            let device = step.forward_wait_s + wait.as_secs_f64();
             profile.push(StepProfile {
-                seqs: batch.seqs.len(),
-                tokens: tokens.len(),
-                decode_only,
-                host_s: (t0.elapsed() - device).as_secs_f64(),
-                device_s: device.as_secs_f64(),
+                seqs: step.seqs,
+                tokens: step.tokens,
+                decode_only: step.decode_only,
+                host_s: (t0.elapsed().as_secs_f64() - device).max(0.0),
+                device_s: device,
+                launch_s: step.launch_s,
             });
         }
         Ok(events)

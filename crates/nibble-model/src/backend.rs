@@ -7,7 +7,7 @@ use nibble_formats::HostTensor;
 use nibble_precision::KvFormat;
 
 use crate::config::RopeLayout;
-use crate::sampling::{SampleSpec, Sampled};
+use crate::sampling::{PendingSample, SampleSpec, Sampled};
 
 /// One sequence's slice of a batch: its tokens are `len` consecutive rows of the batch tensors,
 /// at positions `start_pos..start_pos + len` of the sequence. Its KV lives in the paged pool:
@@ -243,5 +243,51 @@ pub trait Backend: Send + Sync {
     ) -> Result<Vec<Sampled>> {
         let host = self.to_host(logits)?;
         crate::sampling::sample_rows(&host, vocab, specs)
+    }
+
+    /// Whether this backend queues work and returns before it runs (a GPU's stream), so that the
+    /// engine gains by preparing step n+1 while step n runs: it then uses
+    /// [`Backend::launch_sample`], [`Backend::collect_sample`] and [`Backend::feed_sampled`].
+    /// A backend that computes on the calling thread (the CPU) has nothing to overlap.
+    fn runs_ahead(&self) -> bool {
+        false
+    }
+
+    /// [`Backend::sample`], but returning once the work is queued: the tokens come from
+    /// [`Backend::collect_sample`]. The default samples now.
+    fn launch_sample(
+        &self,
+        logits: &Self::Tensor,
+        vocab: usize,
+        specs: &[SampleSpec],
+    ) -> Result<PendingSample> {
+        self.sample(logits, vocab, specs).map(PendingSample::Ready)
+    }
+
+    /// Waits for a [`Backend::launch_sample`]'s tokens (only for them, not for work queued
+    /// after it) and returns them in spec order.
+    fn collect_sample(&self, pending: PendingSample) -> Result<Vec<Sampled>> {
+        match pending {
+            PendingSample::Ready(s) => Ok(s),
+            PendingSample::Queued { .. } => Err(nibble_core::Error::InvalidArgument(format!(
+                "{} queued no sampling to collect",
+                self.name()
+            ))),
+        }
+    }
+
+    /// Says that in the next forward pass, batch row `row` takes as its token the one sampled
+    /// for spec `spec` of the latest [`Backend::launch_sample`], read on the device: the token
+    /// ids the host passes for those rows are placeholders. This is how step n+1 is queued
+    /// before step n's tokens reach the host. Only for backends that [`Backend::runs_ahead`],
+    /// and only while that sampling is [`PendingSample::on_device`].
+    fn feed_sampled(&self, rows: &[(usize, usize)]) -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        Err(nibble_core::Error::unsupported(
+            format!("feeding sampled tokens on {}", self.name()),
+            "it does not run ahead of the host",
+        ))
     }
 }

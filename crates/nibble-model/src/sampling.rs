@@ -111,6 +111,28 @@ pub struct Sampled {
     pub logprobs: Option<TokenLogprobs>,
 }
 
+/// A batch's sampling as [`crate::Backend::launch_sample`] left it: already on the host, or
+/// queued on the device behind the forward pass, its tokens to be fetched by
+/// [`crate::Backend::collect_sample`].
+#[derive(Debug)]
+pub enum PendingSample {
+    Ready(Vec<Sampled>),
+    /// `slot` names the backend's staging area for the results; `logprobs` is each spec's
+    /// request, which says what to read back from it.
+    Queued {
+        slot: usize,
+        logprobs: Vec<Option<usize>>,
+    },
+}
+
+impl PendingSample {
+    /// Whether the tokens are still on the device, where the next forward pass can read them
+    /// ([`crate::Backend::feed_sampled`]).
+    pub fn on_device(&self) -> bool {
+        matches!(self, PendingSample::Queued { .. })
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprobs {
     /// The chosen token's log-probability.

@@ -1,0 +1,307 @@
+//! The engine running ahead of the host (step n+1 queued before step n's tokens are read) gives
+//! exactly what it gives in lockstep: the same tokens, log-probabilities, texts and finish
+//! reasons, through EOS, stop strings, length limits, preemption, aborts, the repetition
+//! penalty (which makes it wait) and requests admitted mid-run.
+//!
+//! The CPU computes on the calling thread and never runs ahead, so a test double does what a
+//! GPU does: [`Deferred`] wraps the CPU backend, keeps each sampling's results until they are
+//! collected, and substitutes fed tokens the way the device does, at the embedding, so that a
+//! placeholder the engine forgot to feed shows up as a different output.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use nibble_core::{Error, Result};
+use nibble_cpu::{CpuBackend, CpuKvCache, CpuTensor, CpuWeight};
+use nibble_engine::serving::{EngineConfig, Event, LlmEngine, Request, RequestId};
+use nibble_engine::{FinishReason, SamplingParams};
+use nibble_formats::HostTensor;
+use nibble_model::sampling::{PendingSample, SampleSpec, Sampled};
+use nibble_model::{
+    AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, Transformer, open_model,
+};
+
+#[derive(Default)]
+struct DeferredState {
+    launches: usize,
+    /// Uncollected results by launch.
+    queued: HashMap<usize, Vec<Sampled>>,
+    /// The latest launch's tokens, where a fed row reads them.
+    latest: Option<Vec<u32>>,
+    feed: Vec<(usize, usize)>,
+    /// The current forward pass's tokens with the fed ones in place.
+    fed_tokens: Option<Vec<u32>>,
+    /// Rows fed so far (the test checks running ahead happened).
+    fed_rows: usize,
+}
+
+struct Deferred {
+    cpu: CpuBackend,
+    state: Mutex<DeferredState>,
+}
+
+impl Deferred {
+    fn st(&self) -> std::sync::MutexGuard<'_, DeferredState> {
+        self.state.lock().unwrap()
+    }
+}
+
+impl Backend for Deferred {
+    type Tensor = CpuTensor;
+    type Weight = CpuWeight;
+    type Kv = CpuKvCache;
+
+    fn name(&self) -> String {
+        "deferred cpu".into()
+    }
+    fn load_weight(&self, t: &HostTensor) -> Result<CpuWeight> {
+        self.cpu.load_weight(t)
+    }
+    fn load_vector(&self, v: &[f32]) -> Result<CpuTensor> {
+        self.cpu.load_vector(v)
+    }
+    fn new_kv_pool(&self, shape: KvShape, blocks: usize, block_size: usize) -> Result<CpuKvCache> {
+        self.cpu.new_kv_pool(shape, blocks, block_size)
+    }
+    fn release_kv_blocks(&self, kv: &mut CpuKvCache, blocks: &[u32]) {
+        self.cpu.release_kv_blocks(kv, blocks)
+    }
+    fn begin_forward(&self, tokens: &[u32], batch: &BatchLayout) -> Result<()> {
+        let mut st = self.st();
+        let feed = std::mem::take(&mut st.feed);
+        let mut fed = tokens.to_vec();
+        for &(row, spec) in &feed {
+            let latest = st.latest.as_ref().ok_or_else(|| {
+                Error::InvalidArgument("fed from a sampling not on the device".into())
+            })?;
+            fed[row] = latest[spec];
+        }
+        st.fed_rows += feed.len();
+        st.fed_tokens = Some(fed);
+        drop(st);
+        self.cpu.begin_forward(tokens, batch)
+    }
+    fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {
+        let fed = self.st().fed_tokens.take();
+        match fed {
+            Some(f) if f.len() == ids.len() => self.cpu.embed(table, &f),
+            _ => self.cpu.embed(table, ids),
+        }
+    }
+    fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
+        self.cpu.rms_norm(x, w, eps)
+    }
+    fn add_rms_norm(&self, x: &mut CpuTensor, d: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
+        self.cpu.add_rms_norm(x, d, w, eps)
+    }
+    fn head_rms_norm(&self, x: &mut CpuTensor, w: &CpuTensor, head_dim: usize, eps: f32) {
+        self.cpu.head_rms_norm(x, w, head_dim, eps)
+    }
+    fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
+        self.cpu.linear(x, w, bias)
+    }
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        head_dim: usize,
+        batch: &BatchLayout,
+        inv_freq: &CpuTensor,
+        layout: RopeLayout,
+    ) {
+        self.cpu.rope(x, head_dim, batch, inv_freq, layout)
+    }
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        kv: &mut CpuKvCache,
+        layer: usize,
+        batch: &BatchLayout,
+        shape: AttentionShape,
+    ) -> Result<CpuTensor> {
+        self.cpu.attention(q, k, v, kv, layer, batch, shape)
+    }
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
+        self.cpu.silu_mul(gate, up)
+    }
+    fn add(&self, x: &mut CpuTensor, d: &CpuTensor) {
+        self.cpu.add(x, d)
+    }
+    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
+        self.cpu.gather_rows(x, rows)
+    }
+    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
+        self.cpu.to_host(x)
+    }
+
+    fn runs_ahead(&self) -> bool {
+        true
+    }
+    fn launch_sample(
+        &self,
+        logits: &CpuTensor,
+        vocab: usize,
+        specs: &[SampleSpec],
+    ) -> Result<PendingSample> {
+        let out = self.cpu.sample(logits, vocab, specs)?;
+        let mut st = self.st();
+        let launch = st.launches;
+        st.launches += 1;
+        st.latest = Some(out.iter().map(|s| s.token).collect());
+        st.queued.insert(launch, out);
+        Ok(PendingSample::Queued {
+            slot: launch,
+            logprobs: specs.iter().map(|s| s.logprobs).collect(),
+        })
+    }
+    fn collect_sample(&self, pending: PendingSample) -> Result<Vec<Sampled>> {
+        match pending {
+            PendingSample::Ready(s) => Ok(s),
+            PendingSample::Queued { slot, .. } => self
+                .st()
+                .queued
+                .remove(&slot)
+                .ok_or_else(|| Error::InvalidArgument(format!("launch {slot} collected twice"))),
+        }
+    }
+    fn feed_sampled(&self, rows: &[(usize, usize)]) -> Result<()> {
+        let mut st = self.st();
+        let n = st.latest.as_ref().map_or(0, Vec::len);
+        if let Some(&(_, spec)) = rows.iter().find(|&&(_, s)| s >= n) {
+            return Err(Error::InvalidArgument(format!(
+                "fed spec {spec} of a sampling of {n}"
+            )));
+        }
+        st.feed = rows.to_vec();
+        Ok(())
+    }
+}
+
+fn engine(config: EngineConfig) -> LlmEngine<Deferred> {
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../nibble-model/tests/fixtures/tiny-qwen2");
+    let files = open_model(&dir, None).unwrap();
+    let backend = Deferred {
+        cpu: CpuBackend::new(2).unwrap(),
+        state: Mutex::default(),
+    };
+    let model = Transformer::load(&backend, files.config, &*files.source, &mut |_, _| {}).unwrap();
+    LlmEngine::new(backend, model, files.tokenizer, config).unwrap()
+}
+
+/// Requests that end every way: length, EOS (not ignored, so whichever token is EOS ends it),
+/// stop strings, seeded sampling, logprobs, and one with a repetition penalty.
+fn requests() -> Vec<(RequestId, Request)> {
+    (0..9u64)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..2 + i as u32 * 4)
+                .map(|t| 1 + (t * 13 + i as u32 * 7) % 250)
+                .collect();
+            let params = SamplingParams {
+                temperature: if i % 3 == 0 { 0.0 } else { 0.9 },
+                top_k: if i % 2 == 0 { 40 } else { 0 },
+                seed: Some(100 + i),
+                repetition_penalty: if i == 4 { 1.3 } else { 1.0 },
+                ..SamplingParams::default()
+            };
+            let req = Request {
+                prompt,
+                params,
+                max_tokens: 6 + i as usize * 3,
+                stop: if i % 4 == 1 || i == 6 {
+                    vec!["w".into(), "C*".into()]
+                } else {
+                    vec![]
+                },
+                ignore_eos: i % 2 == 0,
+                logprobs: (i % 3 == 2).then_some(2),
+            };
+            (i, req)
+        })
+        .collect()
+}
+
+/// Everything the engine said, per request, in order; requests join as the run goes (one
+/// before each of the first steps) and request 7 is aborted two steps after it joins.
+fn run(run_ahead: bool, num_blocks: usize) -> (HashMap<RequestId, Vec<Event>>, usize, u64) {
+    let mut e = engine(EngineConfig {
+        num_blocks,
+        max_num_seqs: 5,
+        max_batched_tokens: 24,
+        run_ahead,
+        ..EngineConfig::default()
+    });
+    assert_eq!(e.runs_ahead(), run_ahead);
+    let mut reqs = requests().into_iter();
+    let mut out: HashMap<RequestId, Vec<Event>> = HashMap::new();
+    let mut steps = 0;
+    loop {
+        if let Some((id, r)) = reqs.next() {
+            e.add_request(id, r).unwrap();
+        } else if !e.has_work() {
+            break;
+        }
+        if steps == 9 {
+            assert!(e.abort(7), "request 7 is known");
+        }
+        for ev in e.step().unwrap() {
+            let id = match &ev {
+                Event::Token { id, .. } | Event::Finished { id, .. } => *id,
+            };
+            out.entry(id).or_default().push(ev);
+        }
+        steps += 1;
+    }
+    let stats = e.stats();
+    assert_eq!(stats.blocks_in_use, 0, "every block comes back");
+    let fed = e.backend.state.lock().unwrap().fed_rows;
+    (out, fed, stats.preemptions)
+}
+
+fn finish_reasons(out: &HashMap<RequestId, Vec<Event>>) -> Vec<(RequestId, FinishReason)> {
+    let mut r: Vec<_> = out
+        .iter()
+        .filter_map(|(&id, evs)| match evs.last() {
+            Some(Event::Finished { reason, .. }) => Some((id, *reason)),
+            _ => None,
+        })
+        .collect();
+    r.sort_by_key(|&(id, _)| id);
+    r
+}
+
+#[test]
+fn running_ahead_changes_no_output() {
+    let (lockstep, fed, _) = run(false, 64);
+    assert_eq!(fed, 0, "lockstep feeds nothing");
+    let (ahead, fed, _) = run(true, 64);
+    assert!(fed > 20, "only {fed} rows were fed from the device");
+    assert_eq!(ahead, lockstep);
+    let reasons = finish_reasons(&lockstep);
+    // Request 7 was aborted: no Finished event.
+    assert_eq!(reasons.len(), 8, "{reasons:?}");
+    assert!(reasons.iter().any(|(_, r)| *r == FinishReason::Length));
+    assert!(
+        reasons
+            .iter()
+            .filter(|(_, r)| *r == FinishReason::Stop)
+            .count()
+            >= 2,
+        "{reasons:?}"
+    );
+}
+
+#[test]
+fn running_ahead_with_preemption_changes_no_output() {
+    // 5 blocks of 16 tokens for 5 sequences of up to 64 tokens: sequences are preempted.
+    let (lockstep, _, preempted) = run(false, 5);
+    assert!(
+        preempted > 0,
+        "the pool was large enough to preempt nothing"
+    );
+    let (ahead, fed, _) = run(true, 5);
+    assert!(fed > 0);
+    assert_eq!(ahead, lockstep);
+}
