@@ -658,6 +658,11 @@ struct StepRow {
     steps: usize,
     host_ms: f64,
     device_ms: f64,
+    /// Parts of host_ms: scheduling and queueing a step, of which queueing its forward pass
+    /// and its sampling.
+    launch_ms: f64,
+    forward_call_ms: f64,
+    sample_call_ms: f64,
     /// Tokens per second of device time in these steps.
     device_tok_s: f64,
 }
@@ -672,6 +677,9 @@ fn summarize_steps(profile: &[nibble_engine::serving::StepProfile]) -> StepSumma
             seqs_to: to,
             steps: steps.len(),
             host_ms: steps.iter().map(|s| s.host_s).sum::<f64>() / n * 1e3,
+            launch_ms: steps.iter().map(|s| s.launch_s).sum::<f64>() / n * 1e3,
+            forward_call_ms: steps.iter().map(|s| s.forward_call_s).sum::<f64>() / n * 1e3,
+            sample_call_ms: steps.iter().map(|s| s.sample_call_s).sum::<f64>() / n * 1e3,
             device_ms: device / n * 1e3,
             device_tok_s: if device > 0.0 {
                 tokens as f64 / device
@@ -872,8 +880,15 @@ fn print_throughput(r: &ThroughputResult) {
                 format!("{}-{} seqs", d.seqs_from, d.seqs_to)
             };
             println!(
-                "  {name:>14}: {:>6} steps, host {:7.3} ms, device {:8.3} ms, {:9.0} tok/s of device time",
-                d.steps, d.host_ms, d.device_ms, d.device_tok_s
+                "  {name:>14}: {:>6} steps, host {:7.3} ms (launch {:.3}: forward {:.3}, sampling \
+                 {:.3}), device {:8.3} ms, {:9.0} tok/s of device time",
+                d.steps,
+                d.host_ms,
+                d.launch_ms,
+                d.forward_call_ms,
+                d.sample_call_ms,
+                d.device_ms,
+                d.device_tok_s
             );
         }
     }

@@ -130,6 +130,8 @@ struct InFlight {
     tokens: usize,
     decode_only: bool,
     launch_s: f64,
+    forward_call_s: f64,
+    sample_call_s: f64,
     forward_wait_s: f64,
 }
 
@@ -182,6 +184,9 @@ pub struct StepProfile {
     pub host_s: f64,
     pub device_s: f64,
     pub launch_s: f64,
+    /// Parts of `launch_s`: queueing the forward pass, and queueing the sampling.
+    pub forward_call_s: f64,
+    pub sample_call_s: f64,
 }
 
 /// Runs the largest step the engine will build (`max_tokens` tokens over up to `max_seqs`
@@ -435,27 +440,28 @@ impl<B: Backend> LlmEngine<B> {
     }
 
     fn step_inner(&mut self) -> Result<Vec<Event>> {
-        let t0 = std::time::Instant::now();
         let current = match self.in_flight.take() {
             Some(f) => f,
             None => {
+                let t0 = std::time::Instant::now();
                 // Without a step in flight nothing makes the schedule wait: it is `Some`.
                 let rows = self.schedule(false)?.unwrap_or_default();
                 if rows.is_empty() {
                     return Ok(Vec::new());
                 }
-                self.launch(rows)?
+                self.launch(rows, t0)?
             }
         };
         let ahead = if self.run_ahead && current.pending.on_device() {
+            let t0 = std::time::Instant::now();
             match self.schedule(true)? {
-                Some(rows) if !rows.is_empty() => Some(self.launch(rows)?),
+                Some(rows) if !rows.is_empty() => Some(self.launch(rows, t0)?),
                 _ => None,
             }
         } else {
             None
         };
-        let events = self.finish(current, t0)?;
+        let events = self.finish(current)?;
         self.in_flight = ahead;
         Ok(events)
     }
@@ -553,8 +559,12 @@ impl<B: Backend> LlmEngine<B> {
 
     /// Queues the forward pass and the sampling of `rows` (from [`Self::schedule`]) and marks
     /// their tokens computed; the sampled tokens are read by [`Self::finish`].
-    fn launch(&mut self, rows: Vec<(usize, usize)>) -> Result<InFlight> {
-        let t_start = std::time::Instant::now();
+    /// `t_start` is when its scheduling began (for the profile).
+    fn launch(
+        &mut self,
+        rows: Vec<(usize, usize)>,
+        t_start: std::time::Instant,
+    ) -> Result<InFlight> {
         let mut tokens = Vec::with_capacity(self.config.max_batched_tokens);
         let mut batch = BatchLayout::default();
         let mut feed = Vec::new();
@@ -590,6 +600,7 @@ impl<B: Backend> LlmEngine<B> {
             }
         }
         self.backend.feed_sampled(&feed)?;
+        let t_forward = std::time::Instant::now();
         let logits = self.model.forward(
             &self.backend,
             &tokens,
@@ -599,6 +610,7 @@ impl<B: Backend> LlmEngine<B> {
         )?;
         // Profiling a step that does not run ahead: how long the forward pass keeps the host
         // waiting once it is queued (a step that runs ahead must not wait here).
+        let forward_call = t_forward.elapsed();
         let forward_wait = if self.profile.is_some() && !self.run_ahead {
             let waited = std::time::Instant::now();
             self.backend.synchronize()?;
@@ -629,7 +641,9 @@ impl<B: Backend> LlmEngine<B> {
             })
             .collect();
         let vocab = self.model.config.vocab_size;
+        let t_sample = std::time::Instant::now();
         let pending = self.backend.launch_sample(&logits, vocab, &specs)?;
+        let sample_call = t_sample.elapsed();
         drop(specs);
         let mut serials = Vec::with_capacity(sampling.len());
         for (spec, &(_, idx)) in sampling.iter().enumerate() {
@@ -645,13 +659,15 @@ impl<B: Backend> LlmEngine<B> {
             tokens: tokens.len(),
             decode_only,
             launch_s: t_start.elapsed().saturating_sub(forward_wait).as_secs_f64(),
+            forward_call_s: forward_call.as_secs_f64(),
+            sample_call_s: sample_call.as_secs_f64(),
             forward_wait_s: forward_wait.as_secs_f64(),
         })
     }
 
     /// Reads a launched step's tokens and turns them into events; sequences that end are
-    /// released. `t0` is when the step call began (for the profile).
-    fn finish(&mut self, step: InFlight, t0: std::time::Instant) -> Result<Vec<Event>> {
+    /// released.
+    fn finish(&mut self, step: InFlight) -> Result<Vec<Event>> {
         let t_wait = std::time::Instant::now();
         let sampled = self.backend.collect_sample(step.pending)?;
         let wait = t_wait.elapsed();
@@ -722,15 +738,19 @@ impl<B: Backend> LlmEngine<B> {
             self.release(&s.blocks);
         }
         if let Some(profile) = self.profile.as_mut() {
-            // Sampling is device work behind one small copy: the wait for it is device time.
-            let device = step.forward_wait_s + wait.as_secs_f64();
+            // A step's own host time: scheduling and queueing it, and handling its tokens (not
+            // the queueing of the step run ahead meanwhile, which is that step's). Sampling is
+            // device work behind one small copy: the wait for it is device time.
+            let handling = t_wait.elapsed().saturating_sub(wait).as_secs_f64();
             profile.push(StepProfile {
                 seqs: step.seqs,
                 tokens: step.tokens,
                 decode_only: step.decode_only,
-                host_s: (t0.elapsed().as_secs_f64() - device).max(0.0),
-                device_s: device,
+                host_s: step.launch_s + handling,
+                device_s: step.forward_wait_s + wait.as_secs_f64(),
                 launch_s: step.launch_s,
+                forward_call_s: step.forward_call_s,
+                sample_call_s: step.sample_call_s,
             });
         }
         Ok(events)
