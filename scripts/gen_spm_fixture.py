@@ -20,7 +20,7 @@ Writes into crates/nibble-formats/tests/fixtures/spm/:
                       the text; lines with control-token strings, whose expected ids follow
                       llama.cpp's rule (the text split at control tokens, each piece encoded by
                       sentencepiece with its dummy prefix); and a subset encoded by the same model
-                      with add_dummy_prefix off (spm_no_prefix in the GGUF tests)
+                      with add_dummy_prefix off (add_space_prefix = false in GGUF terms)
 
 Usage (deterministic; rerunning rewrites identical files):
   python3 -m venv .venv-spm && .venv-spm/bin/pip install sentencepiece gguf protobuf
