@@ -11,6 +11,7 @@ use nibble_core::Error;
 use nibble_cpu::CpuBackend;
 use nibble_formats::gguf::{GgmlType, GgufWriter, MetaValue};
 use nibble_formats::safetensors_dir::SafetensorsDir;
+use nibble_formats::tokenizer::StreamDecoder;
 use nibble_model::source::{gguf_name, unpermute_qk_order};
 use nibble_model::{Backend, BatchLayout, LogitRows, Transformer, open_model};
 
@@ -222,6 +223,95 @@ fn gguf_export_of_a_fixture_reproduces_its_logits() {
         .err()
         .unwrap();
     assert!(matches!(e, Error::LimitExceeded { limit: 64, .. }), "{e}");
+}
+
+/// The tiny model with a SentencePiece tokenizer (`tokenizer.ggml.model = "llama"`, what Llama 2
+/// and Mistral GGUF files carry) in place of its byte-level BPE: three special tokens, the 256
+/// byte tokens and 13 pieces fill its 272 rows. The reader keeps the last value of a repeated
+/// key, so the BPE keys written before are overridden (its merges are left and ignored).
+fn tiny_gguf_with_sentencepiece() -> GgufWriter {
+    let mut w = tiny_gguf();
+    let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>"].map(String::from).to_vec();
+    let mut types = vec![2, 3, 3];
+    tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+    types.extend([6; 256]);
+    let pieces = [
+        "▁t", "he", "▁the", "▁a", "at", "▁h", "▁hat", "▁", "t", "h", "e", "a", "n",
+    ];
+    tokens.extend(pieces.map(String::from));
+    types.extend([1; 13]);
+    let scores = (0..272).map(|i| MetaValue::F32(if i < 259 { 0.0 } else { 258.0 - i as f32 }));
+    w.meta("tokenizer.ggml.model", MetaValue::String("llama".into()))
+        .meta(
+            "tokenizer.ggml.tokens",
+            MetaValue::Array(tokens.into_iter().map(MetaValue::String).collect()),
+        )
+        .meta("tokenizer.ggml.scores", MetaValue::Array(scores.collect()))
+        .meta(
+            "tokenizer.ggml.token_type",
+            MetaValue::Array(types.into_iter().map(MetaValue::I32).collect()),
+        )
+        .meta("tokenizer.ggml.bos_token_id", MetaValue::U32(1))
+        .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(2))
+        .meta("tokenizer.ggml.unknown_token_id", MetaValue::U32(0))
+        .meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(true));
+    w
+}
+
+#[test]
+fn sentencepiece_gguf_loads_encodes_and_generates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = write(
+        tmp.path(),
+        "spm.gguf",
+        &tiny_gguf_with_sentencepiece().to_bytes(),
+    );
+    let Loaded {
+        files,
+        backend,
+        model,
+    } = load(&path, 1);
+    let tok = &files.tokenizer;
+    assert_eq!(tok.eos_ids, vec![2]);
+    assert_eq!(tok.bos_token.as_deref(), Some("<s>"));
+    // BOS, then "▁the" and "▁hat" by the pieces' scores; "é" is not a piece: two byte tokens.
+    let prompt = tok.encode("the hat é", true).unwrap();
+    assert_eq!(prompt, [1, 261, 265, 266, 3 + 0xc3, 3 + 0xa9]);
+    assert_eq!(tok.decode(&prompt, true).unwrap(), "the hat é");
+
+    // Greedy generation from the prompt, streamed back to text.
+    let (mut kv, slot) = model.single_sequence_kv(&backend, 32).unwrap();
+    let n = prompt.len();
+    let logits = model
+        .forward(
+            &backend,
+            &prompt,
+            &BatchLayout::single(slot.clone(), 0, n),
+            &mut kv,
+            LogitRows::LastPerSeq,
+        )
+        .unwrap();
+    let mut next = common::argmax(&backend.to_host(&logits).unwrap());
+    let mut generated = vec![];
+    let mut stream = StreamDecoder::new();
+    let mut streamed = String::new();
+    for step in 0..8 {
+        generated.push(next);
+        streamed += &stream.push(tok, next).unwrap();
+        let l = model
+            .forward(
+                &backend,
+                &[next],
+                &BatchLayout::single(slot.clone(), n + step, 1),
+                &mut kv,
+                LogitRows::LastPerSeq,
+            )
+            .unwrap();
+        next = common::argmax(&backend.to_host(&l).unwrap());
+    }
+    assert!(generated.iter().all(|&id| id < 272), "{generated:?}");
+    let text = tok.decode(&generated, true).unwrap();
+    assert!(text.starts_with(&streamed), "{streamed:?} vs {text:?}");
 }
 
 #[test]

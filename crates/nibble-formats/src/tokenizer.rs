@@ -1,6 +1,10 @@
 //! Tokenizers, from a Hugging Face `tokenizer.json` or from a GGUF file's `tokenizer.ggml.*`
-//! metadata. Both end up as a `tokenizers::Tokenizer`: the GGUF path writes the equivalent
-//! tokenizer.json in memory, so there is one encoder and one decoder to trust.
+//! metadata. A GGUF byte-level BPE (`gpt2`) becomes a `tokenizers::Tokenizer`: the GGUF path
+//! writes the equivalent tokenizer.json in memory, so there is one encoder and one decoder to
+//! trust. A GGUF SentencePiece BPE (`llama`) has its own encoder in `spm`, because the
+//! `tokenizers` crate cannot reproduce SentencePiece's output exactly (the module says where).
+
+mod spm;
 
 use std::path::Path;
 
@@ -8,10 +12,11 @@ use nibble_core::{Error, Result};
 use serde_json::{Value, json};
 
 use crate::gguf::GgufFile;
+use spm::SpmTokenizer;
 
 #[derive(Clone)]
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Inner,
     /// Token ids that end generation (EOS, end-of-turn).
     pub eos_ids: Vec<u32>,
     pub bos_token: Option<String>,
@@ -27,6 +32,12 @@ impl std::fmt::Debug for Tokenizer {
             .field("eos_ids", &self.eos_ids)
             .finish()
     }
+}
+
+#[derive(Clone)]
+enum Inner {
+    Hf(Box<tokenizers::Tokenizer>),
+    Spm(Box<SpmTokenizer>),
 }
 
 // GGUF token types (llama.cpp `llama_token_type`).
@@ -95,7 +106,7 @@ impl Tokenizer {
         eos_ids.sort_unstable();
         eos_ids.dedup();
         Ok(Tokenizer {
-            inner,
+            inner: Inner::Hf(Box::new(inner)),
             eos_ids,
             bos_token,
             eos_token,
@@ -111,7 +122,7 @@ impl Tokenizer {
             .parse()
             .map_err(|e| Error::Tokenizer(format!("cannot parse tokenizer {origin}: {e}")))?;
         Ok(Tokenizer {
-            inner,
+            inner: Inner::Hf(Box::new(inner)),
             eos_ids: Vec::new(),
             bos_token: None,
             eos_token: None,
@@ -121,115 +132,37 @@ impl Tokenizer {
 
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let model = file.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
+        if !matches!(model, "gpt2" | "llama") {
             return Err(Error::unsupported(
                 format!(
                     "GGUF tokenizer model '{model}' in {}",
                     file.path().display()
                 ),
-                "nibble builds byte-level BPE ('gpt2') tokenizers from GGUF metadata; pass \
-                 --tokenizer path/to/tokenizer.json for other kinds",
+                "nibble builds byte-level BPE ('gpt2') and SentencePiece ('llama') tokenizers \
+                 from GGUF metadata; pass --tokenizer path/to/tokenizer.json for other kinds",
             ));
         }
         let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
-        let merges = file.get_str_array("tokenizer.ggml.merges")?;
-        let types: Vec<u64> = match file.metadata("tokenizer.ggml.token_type") {
-            Some(v) => v
-                .as_array()
-                .unwrap_or(&[])
-                .iter()
-                .map(|t| t.as_u64().unwrap_or(1))
-                .collect(),
-            None => vec![1; tokens.len()],
-        };
-        let pre = file
-            .metadata("tokenizer.ggml.pre")
-            .and_then(|v| v.as_str())
-            .unwrap_or("default");
         let id_of = |key: &str| {
             file.metadata(key)
                 .and_then(|v| v.as_u64())
                 .map(|x| x as u32)
         };
-        let bos_id = id_of("tokenizer.ggml.bos_token_id");
-        let add_bos = file
-            .metadata("tokenizer.ggml.add_bos_token")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false);
-
-        let vocab: serde_json::Map<String, Value> = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.to_string(), json!(i)))
-            .collect();
-        let added: Vec<Value> = tokens
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| {
-                matches!(
-                    types.get(*i),
-                    Some(&TOKEN_TYPE_CONTROL) | Some(&TOKEN_TYPE_USER_DEFINED)
-                )
-            })
-            .map(|(i, t)| {
-                json!({"id": i, "content": t, "single_word": false, "lstrip": false,
-                       "rstrip": false, "normalized": false,
-                       "special": types[i] == TOKEN_TYPE_CONTROL})
-            })
-            .collect();
-        let byte_level = |use_regex: bool| {
-            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
-                   "use_regex": use_regex})
-        };
-        let split = |pattern: &str| {
-            json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
-                   "invert": false})
-        };
-        let pre_tokenizer = match pre {
-            "smollm" => json!({"type": "Sequence", "pretokenizers": [
-                {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
-            "qwen2" | "deepseek-r1-qwen" => json!({"type": "Sequence", "pretokenizers": [
-                split(QWEN2_PATTERN), byte_level(false)]}),
-            "llama3" | "llama-bpe" | "llama-v3" => json!({"type": "Sequence", "pretokenizers": [
-                split(LLAMA3_PATTERN), byte_level(false)]}),
-            "default" | "gpt2" | "gpt-2" => byte_level(true),
-            other => {
-                return Err(Error::unsupported(
-                    format!("GGUF pre-tokenizer '{other}' in {}", file.path().display()),
-                    "known: smollm, qwen2, llama-bpe, gpt2/default; pass --tokenizer \
-                     path/to/tokenizer.json to use the model's own",
-                ));
-            }
-        };
-        let post_processor = match (add_bos, bos_id) {
-            (true, Some(id)) => {
-                let bos = tokens.get(id as usize).copied().unwrap_or_default();
-                json!({"type": "TemplateProcessing",
-                    "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                    "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                             {"Sequence": {"id": "B", "type_id": 1}}],
-                    "special_tokens": {bos: {"id": bos, "ids": [id], "tokens": [bos]}}})
-            }
-            _ => Value::Null,
-        };
-        let spec = json!({
-            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-            "normalizer": null, "pre_tokenizer": pre_tokenizer, "post_processor": post_processor,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-            "model": {"type": "BPE", "dropout": null, "unk_token": null,
-                      "continuing_subword_prefix": null, "end_of_word_suffix": null,
-                      "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                      "vocab": vocab, "merges": merges}
-        });
-        let inner: tokenizers::Tokenizer = spec.to_string().parse().map_err(|e| {
-            Error::corrupt(
-                file.path(),
-                format!("tokenizer metadata is inconsistent: {e}"),
+        let (inner, bos_id, eos_id) = if model == "gpt2" {
+            (
+                Inner::Hf(Box::new(byte_level_bpe(file, &tokens)?)),
+                id_of("tokenizer.ggml.bos_token_id"),
+                id_of("tokenizer.ggml.eos_token_id"),
             )
-        })?;
-        let mut eos_ids: Vec<u32> = ["eos_token_id", "eot_token_id", "eom_token_id"]
+        } else {
+            let spm = SpmTokenizer::from_gguf(file, &tokens)?;
+            let (bos, eos) = (spm.bos, spm.eos);
+            (Inner::Spm(Box::new(spm)), bos, eos)
+        };
+        let mut eos_ids: Vec<u32> = ["eot_token_id", "eom_token_id"]
             .iter()
             .filter_map(|k| id_of(&format!("tokenizer.ggml.{k}")))
+            .chain(eos_id)
             .collect();
         eos_ids.sort_unstable();
         eos_ids.dedup();
@@ -240,7 +173,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             inner,
             bos_token: name(bos_id),
-            eos_token: name(id_of("tokenizer.ggml.eos_token_id")),
+            eos_token: name(eos_id),
             eos_ids,
             chat_template: file
                 .metadata("tokenizer.chat_template")
@@ -250,11 +183,15 @@ impl Tokenizer {
     }
 
     /// The underlying tokenizer as a Hugging Face `tokenizer.json` document (for a GGUF
-    /// tokenizer, the equivalent one nibble built from its metadata).
+    /// tokenizer, the equivalent one built from its metadata; for a SentencePiece one, Hugging
+    /// Face's conversion, which differs from SentencePiece in the cases `spm` names).
     pub fn to_hf_json(&self) -> Result<String> {
-        self.inner
-            .to_string(false)
-            .map_err(|e| Error::Tokenizer(format!("cannot serialize the tokenizer: {e}")))
+        match &self.inner {
+            Inner::Hf(t) => t
+                .to_string(false)
+                .map_err(|e| Error::Tokenizer(format!("cannot serialize the tokenizer: {e}"))),
+            Inner::Spm(t) => Ok(t.to_hf_json().to_string()),
+        }
     }
 
     /// A `tokenizer_config.json` carrying what [`Tokenizer::from_hf_dir`] reads from it: the
@@ -284,29 +221,156 @@ impl Tokenizer {
     /// Encodes text. `add_special` lets the tokenizer add BOS where the model expects it; chat
     /// prompts rendered by a template already carry their special tokens and pass `false`.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        self.inner
-            .encode(text, add_special)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| Error::Tokenizer(format!("encode failed: {e}")))
+        match &self.inner {
+            Inner::Hf(t) => t
+                .encode(text, add_special)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| Error::Tokenizer(format!("encode failed: {e}"))),
+            Inner::Spm(t) => t.encode(text, add_special),
+        }
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special)
-            .map_err(|e| Error::Tokenizer(format!("decode failed: {e}")))
+        match &self.inner {
+            Inner::Hf(t) => t
+                .decode(ids, skip_special)
+                .map_err(|e| Error::Tokenizer(format!("decode failed: {e}"))),
+            Inner::Spm(t) => Ok(t.decode(ids, skip_special)),
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.inner {
+            Inner::Hf(t) => t.get_vocab_size(true),
+            Inner::Spm(t) => t.vocab_size(),
+        }
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        match &self.inner {
+            Inner::Hf(t) => t.token_to_id(token),
+            Inner::Spm(t) => t.token_to_id(token),
+        }
     }
 
     pub fn is_eos(&self, id: u32) -> bool {
         self.eos_ids.contains(&id)
     }
+}
+
+/// A GGUF byte-level BPE (`tokenizer.ggml.model = "gpt2"`) as the `tokenizer.json` it stands for.
+fn byte_level_bpe(file: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+    let merges = file.get_str_array("tokenizer.ggml.merges")?;
+    let types: Vec<u64> = match file.metadata("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .as_array()
+            .unwrap_or(&[])
+            .iter()
+            .map(|t| t.as_u64().unwrap_or(1))
+            .collect(),
+        None => vec![1; tokens.len()],
+    };
+    let pre = file
+        .metadata("tokenizer.ggml.pre")
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    let bos_id = file
+        .metadata("tokenizer.ggml.bos_token_id")
+        .and_then(|v| v.as_u64())
+        .map(|x| x as u32);
+    let add_bos = file
+        .metadata("tokenizer.ggml.add_bos_token")
+        .and_then(|v| v.as_bool())
+        .unwrap_or(false);
+
+    let vocab: serde_json::Map<String, Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), json!(i)))
+        .collect();
+    let added: Vec<Value> = tokens
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| {
+            matches!(
+                types.get(*i),
+                Some(&TOKEN_TYPE_CONTROL) | Some(&TOKEN_TYPE_USER_DEFINED)
+            )
+        })
+        .map(|(i, t)| {
+            json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                       "rstrip": false, "normalized": false,
+                       "special": types[i] == TOKEN_TYPE_CONTROL})
+        })
+        .collect();
+    let byte_level = |use_regex: bool| {
+        json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                   "use_regex": use_regex})
+    };
+    let split = |pattern: &str| {
+        json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+                   "invert": false})
+    };
+    let pre_tokenizer = match pre {
+        "smollm" => json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+        "qwen2" | "deepseek-r1-qwen" => json!({"type": "Sequence", "pretokenizers": [
+                split(QWEN2_PATTERN), byte_level(false)]}),
+        "llama3" | "llama-bpe" | "llama-v3" => json!({"type": "Sequence", "pretokenizers": [
+                split(LLAMA3_PATTERN), byte_level(false)]}),
+        "default" | "gpt2" | "gpt-2" => byte_level(true),
+        other => {
+            return Err(Error::unsupported(
+                format!("GGUF pre-tokenizer '{other}' in {}", file.path().display()),
+                "known: smollm, qwen2, llama-bpe, gpt2/default; pass --tokenizer \
+                     path/to/tokenizer.json to use the model's own",
+            ));
+        }
+    };
+    let post_processor = template_processing(
+        bos_id
+            .filter(|_| add_bos)
+            .map(|id| (id, tokens.get(id as usize).copied().unwrap_or_default())),
+        None,
+    );
+    let spec = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": pre_tokenizer, "post_processor": post_processor,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": merges}
+    });
+    spec.to_string().parse().map_err(|e| {
+        Error::corrupt(
+            file.path(),
+            format!("tokenizer metadata is inconsistent: {e}"),
+        )
+    })
+}
+
+/// A `TemplateProcessing` post-processor that puts `bos` before and `eos` after the text (null
+/// when neither is added).
+fn template_processing(bos: Option<(u32, &str)>, eos: Option<(u32, &str)>) -> Value {
+    if bos.is_none() && eos.is_none() {
+        return Value::Null;
+    }
+    let special = |(_, t): (u32, &str)| json!({"SpecialToken": {"id": t, "type_id": 0}});
+    let seq = |id: &str, type_id: u32| json!({"Sequence": {"id": id, "type_id": type_id}});
+    let mut single: Vec<Value> = bos.map(special).into_iter().collect();
+    single.push(seq("A", 0));
+    single.extend(eos.map(special));
+    let mut pair = single.clone();
+    pair.push(seq("B", 1));
+    pair.extend(eos.map(special));
+    let special_tokens: serde_json::Map<String, Value> = bos
+        .into_iter()
+        .chain(eos)
+        .map(|(id, t)| (t.to_string(), json!({"id": t, "ids": [id], "tokens": [t]})))
+        .collect();
+    json!({"type": "TemplateProcessing", "single": single, "pair": pair,
+           "special_tokens": special_tokens})
 }
 
 /// Turns a growing list of token ids into text pieces as soon as they are complete UTF-8: a
