@@ -44,7 +44,9 @@ impl PinnedBuffer {
     /// The device must have finished writing them (the copy's event has fired), and `T` must be
     /// plain data for any bit pattern.
     pub unsafe fn read<T: Copy>(&self, offset: usize, n: usize) -> &[T] {
-        assert!(offset + n * size_of::<T>() <= self.bytes && offset % align_of::<T>() == 0);
+        assert!(
+            offset + n * size_of::<T>() <= self.bytes && offset.is_multiple_of(align_of::<T>())
+        );
         unsafe { std::slice::from_raw_parts(self.ptr.add(offset) as *const T, n) }
     }
 
