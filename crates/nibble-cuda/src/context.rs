@@ -527,10 +527,14 @@ impl CudaContext {
             st.meta_buf = Some(DeviceBuffer::alloc(&self.gpu, bytes * 2, "batch metadata")?);
         }
         let base = st.meta_buf.as_ref().expect("allocated above").ptr;
-        self.staging
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .upload(&self.gpu, base, &host)?;
+        if st.graphs.recording {
+            self.gpu.upload(base, &host)?;
+        } else {
+            self.staging
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .upload(&self.gpu, base, &host)?;
+        }
         let at = |i: usize| base + (i * 4) as u64;
         st.meta = Some(Meta {
             key,
