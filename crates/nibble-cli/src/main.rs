@@ -793,6 +793,7 @@ where
                 max_tokens,
                 stop: vec![],
                 ignore_eos: true,
+                stop_token_ids: vec![],
                 logprobs: None,
             },
         )?;

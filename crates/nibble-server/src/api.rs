@@ -200,6 +200,7 @@ async fn handle(state: Arc<AppState>, body: Bytes, kind: Kind) -> ApiResult<Resp
         max_tokens,
         stop: std::mem::take(&mut c.stop),
         ignore_eos: c.ignore_eos,
+        stop_token_ids: vec![],
         logprobs: c.logprobs,
     };
     let rx = match state.engine.submit(id, request).await {
