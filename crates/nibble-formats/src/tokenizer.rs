@@ -37,7 +37,8 @@ impl std::fmt::Debug for Tokenizer {
 
 #[derive(Clone)]
 enum Inner {
-    Hf(Box<HfTokenizer>),
+    // Shared: clones (the server's, the engine's) need not copy two vocabularies.
+    Hf(std::sync::Arc<HfTokenizer>),
     Spm(Box<SpmTokenizer>),
 }
 
@@ -198,7 +199,7 @@ impl Tokenizer {
         eos_ids.sort_unstable();
         eos_ids.dedup();
         Ok(Tokenizer {
-            inner: Inner::Hf(Box::new(HfTokenizer::new(inner)?)),
+            inner: Inner::Hf(std::sync::Arc::new(HfTokenizer::new(inner)?)),
             eos_ids,
             bos_token,
             eos_token,
@@ -214,7 +215,7 @@ impl Tokenizer {
             .parse()
             .map_err(|e| Error::Tokenizer(format!("cannot parse tokenizer {origin}: {e}")))?;
         Ok(Tokenizer {
-            inner: Inner::Hf(Box::new(HfTokenizer::new(inner)?)),
+            inner: Inner::Hf(std::sync::Arc::new(HfTokenizer::new(inner)?)),
             eos_ids: Vec::new(),
             bos_token: None,
             eos_token: None,
@@ -242,7 +243,9 @@ impl Tokenizer {
         };
         let (inner, bos_id, eos_id) = if model == "gpt2" {
             (
-                Inner::Hf(Box::new(HfTokenizer::new(byte_level_bpe(file, &tokens)?)?)),
+                Inner::Hf(std::sync::Arc::new(HfTokenizer::new(byte_level_bpe(
+                    file, &tokens,
+                )?)?)),
                 id_of("tokenizer.ggml.bos_token_id"),
                 id_of("tokenizer.ggml.eos_token_id"),
             )
