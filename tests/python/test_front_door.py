@@ -68,14 +68,13 @@ RANGES = {  # field: values out of its range (each refused, never clamped)
     "presence_penalty": [-2.01, 2.01, 10, -100, 1e38],
     "frequency_penalty": [-2.0001, 2.5, 50, -1e38],
     "max_tokens": [0, -1, -100, -2**63, 2**63, 2**64, 10**30],
-    "n": [0, -1, -2**63, 2**63],
+    "n": [0, -1, -2**63, 2**63, 17, 128, 2**40],  # 1 to --max-n (16)
     "top_k": [-2, -3, -1000, -2**63, 2**64],
     "seed": [2**63, 2**64, -2**63 - 1, 10**25],
 }
 UNSUPPORTED = {  # field: valid values asking for something nibble does not do
     "presence_penalty": [0.5, -1, 2, -2, 1e-9],
     "frequency_penalty": [0.1, -2, 2],
-    "n": [2, 5, 128],
     "logit_bias": [{"1": 5}, {"0": -100}, {"100": 100}, {"49151": 0.5}],
 }
 BAD_LOGIT_BIAS = [{"1": 101}, {"1": -101}, {"1": 1e9}, {"1": "x"}, {"1": None}, {"1": [1]}, {"abc": 1},
@@ -167,6 +166,11 @@ def battery():
                                ([str(i) for i in range(100)], "stop", "invalid_value"), ("", "stop", "invalid_value"),
                                (["a", ""], "stop[1]", "invalid_value")]:
             add(Case(f"stop/{ep}", path, with_field(path, "stop", v), 400, param, code))
+        for v, param, code in [(5, "stop_token_ids", "invalid_type"), ("1", "stop_token_ids", "invalid_type"),
+                               ([1, "2"], "stop_token_ids[1]", "invalid_type"), ([1.5], "stop_token_ids[0]", "invalid_type"),
+                               ([-1], "stop_token_ids[0]", "invalid_value"), ([VOCAB], "stop_token_ids[0]", "invalid_value"),
+                               ([2**32], "stop_token_ids[0]", "invalid_value"), ([1] * 17, "stop_token_ids", "invalid_value")]:
+            add(Case(f"stop/{ep}", path, with_field(path, "stop_token_ids", v), 400, param, code))
         # stream_options
         streaming = with_field(path, "stream", True)
         for v in [5, "x", [], True, [{"include_usage": True}]]:
@@ -211,15 +215,18 @@ def battery():
     P = COMPLETIONS
     for v, param, code in [(5, "prompt", "invalid_type"), (True, "prompt", "invalid_type"), ({}, "prompt", "invalid_type"),
                            (1.5, "prompt", "invalid_type"), ([], "prompt", "invalid_value"),
-                           (["a", "b"], "prompt", "unsupported_parameter"), ([["a"]], "prompt", "unsupported_parameter"),
-                           ([[1, 2]], "prompt", "unsupported_parameter"), ([[1], 2], "prompt", "unsupported_parameter"),
+                           ([["a"]], "prompt[0][0]", "invalid_type"), ([[1], 2], "prompt[1]", "invalid_type"),
+                           ([[1], []], "prompt[1]", "invalid_value"), ([[1], [VOCAB]], "prompt[1][0]", "invalid_value"),
+                           (["a", ""], "prompt[1]", "invalid_value"), ([[1]] * 300, "prompt", "invalid_value"),
                            (None, "prompt", "missing_required_parameter"), ("", "prompt", "invalid_value")]:
         add(Case("prompt", P, with_field(P, "prompt", v), 400, param, code))
     add(Case("prompt", P, without(P, "prompt"), 400, "prompt", "missing_required_parameter"))
     for ids, i, code in TOKEN_IDS:
         add(Case("token_ids", P, with_field(P, "prompt", ids), 400, f"prompt[{i}]", code))
+    add(Case("completions_only", P, {**BASE[P], "echo": True, "logprobs": 1}, 400, "echo", "unsupported_parameter"))
+    add(Case("completions_only", P, {**BASE[P], "n": 2, "best_of": 1}, 400, "best_of", "invalid_value"))
     for f, values, code in [("logprobs", [-1, 21, 100, 2**40], "invalid_value"), ("best_of", [0, -1], "invalid_value"),
-                            ("best_of", [2, 3], "unsupported_parameter"), ("echo", [True], "unsupported_parameter"),
+                            ("best_of", [2, 3], "unsupported_parameter"),
                             ("suffix", ["x", " and then"], "unsupported_parameter")]:
         for v in values:
             add(Case("completions_only", P, with_field(P, f, v), 400, f, code))

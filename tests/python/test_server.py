@@ -97,7 +97,7 @@ def test_stop_seed_and_logprobs(server):
     ({"prompt": "x", "temperature": -1}, "temperature"),
     (b'{"prompt": "x", "temperature": NaN}', "body"),
     ({"prompt": "x", "stop": 5}, "stop"),
-    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
     ({"prompt": {"a": 1}}, "prompt"),
     ({}, "prompt"),
     ({"prompt": [10**9]}, "prompt[0]"),

@@ -144,9 +144,12 @@ struct LimitArgs {
     /// Most messages in one chat request.
     #[arg(long, default_value_t = 2048)]
     max_messages: usize,
-    /// Most stop strings in one request.
+    /// Most stop strings in one request (and most stop token ids).
     #[arg(long, default_value_t = 16)]
     max_stop_strings: usize,
+    /// Most choices (`n`) per prompt in one request; each is a sequence of its own.
+    #[arg(long, default_value_t = 16)]
+    max_n: usize,
 }
 
 impl LimitArgs {
@@ -165,8 +168,8 @@ impl LimitArgs {
                 self.max_header_bytes
             );
         }
-        if self.max_body_bytes == 0 || self.max_messages == 0 {
-            bail!("--max-body-bytes and --max-messages must be positive");
+        if self.max_body_bytes == 0 || self.max_messages == 0 || self.max_n == 0 {
+            bail!("--max-body-bytes, --max-messages and --max-n must be positive");
         }
         Ok(nibble_server::Limits {
             header_timeout: secs(self.header_timeout, "--header-timeout")?,
@@ -175,6 +178,7 @@ impl LimitArgs {
             max_header_bytes: self.max_header_bytes,
             max_messages: self.max_messages,
             max_stop: self.max_stop_strings,
+            max_n: self.max_n,
         })
     }
 }
@@ -793,6 +797,7 @@ where
                 max_tokens,
                 stop: vec![],
                 ignore_eos: true,
+                stop_token_ids: vec![],
                 logprobs: None,
             },
         )?;

@@ -660,6 +660,7 @@ fn serving_engine_on_the_gpu_is_deterministic() {
                 max_tokens: 5 + i as usize * 3,
                 stop: vec![],
                 ignore_eos: true,
+                stop_token_ids: vec![],
                 logprobs: (i % 3 == 0).then_some(3),
             };
             llm.add_request(i, req).unwrap();

@@ -58,6 +58,9 @@ pub struct Request {
     pub max_tokens: usize,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// Token ids that end the generation when sampled, as EOS does (finish reason `Stop`):
+    /// the token is not part of the output. Unlike EOS they apply with `ignore_eos` too.
+    pub stop_token_ids: Vec<u32>,
     /// Also report the sampled token's log-probability and this many top alternatives.
     pub logprobs: Option<usize>,
 }
@@ -111,6 +114,10 @@ struct Sequence {
     /// This sequence's spec index in the latest launched sampling, where the device keeps its
     /// unseen token.
     latest_spec: Option<usize>,
+    /// The serial of an earlier sequence of the same [`LlmEngine::add_requests`] call with the
+    /// same prompt. This one is admitted once that one's prompt is computed, so that it finds
+    /// the prompt's full blocks in the prefix cache instead of computing them again.
+    follows: Option<u64>,
 }
 
 impl Sequence {
@@ -308,6 +315,76 @@ impl<B: Backend> LlmEngine<B> {
     /// Queues a request. Refuses (nothing queued) a request that can never fit, or when the
     /// waiting queue is full.
     pub fn add_request(&mut self, id: RequestId, req: Request) -> Result<()> {
+        self.add_requests(vec![(id, req)])
+    }
+
+    /// Queues several requests (the choices of one API request) together: all of them, or none
+    /// when one can never fit or the waiting queue cannot take them all. Requests with the same
+    /// prompt share its KV blocks: the first computes it, the others are admitted after it and
+    /// find the prompt's full blocks in the prefix cache.
+    pub fn add_requests(&mut self, reqs: Vec<(RequestId, Request)>) -> Result<()> {
+        for (_, req) in &reqs {
+            self.check(req)?;
+        }
+        if reqs.len() > self.config.max_waiting {
+            // Waiting could never make room for them: say so rather than "try again".
+            return Err(Error::LimitExceeded {
+                what: "sequences in one request (the queue's size)".into(),
+                value: reqs.len(),
+                limit: self.config.max_waiting,
+            });
+        }
+        if self.waiting.len() + reqs.len() > self.config.max_waiting {
+            return Err(Error::LimitExceeded {
+                what: "waiting requests".into(),
+                value: self.waiting.len() + reqs.len(),
+                limit: self.config.max_waiting,
+            });
+        }
+        let samplers = reqs
+            .iter()
+            .map(|(_, r)| Sampler::new(r.params.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        // Only a prompt with a full block before its last token has anything to share
+        // (`BlockManager::match_prefix` leaves the last token uncached).
+        let shareable = |p: &[u32]| (p.len() - 1) / self.config.block_size > 0;
+        let mut leaders: std::collections::HashMap<Vec<u32>, u64> = Default::default();
+        for ((id, req), sampler) in reqs.into_iter().zip(samplers) {
+            self.next_serial += 1;
+            let serial = self.next_serial;
+            let follows = if shareable(&req.prompt) {
+                match leaders.get(&req.prompt) {
+                    Some(&leader) => Some(leader),
+                    None => {
+                        leaders.insert(req.prompt.clone(), serial);
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            self.waiting.push_back(Sequence {
+                id,
+                serial,
+                unseen: 0,
+                latest_spec: None,
+                follows,
+                tokens: req.prompt.clone(),
+                stops: StopMatcher::new(req.stop.clone()),
+                req,
+                computed: 0,
+                blocks: Vec::new(),
+                hashed: HashChain::default(),
+                sampler,
+                decoder: StreamDecoder::new(),
+                generated: 0,
+            });
+        }
+        Ok(())
+    }
+
+    /// Refuses a request that can never be served.
+    fn check(&self, req: &Request) -> Result<()> {
         req.params.validate()?;
         let limit = self.max_sequence_len();
         if req.prompt.is_empty() {
@@ -329,30 +406,6 @@ impl<B: Backend> LlmEngine<B> {
                 "token id {bad} is outside the vocabulary"
             )));
         }
-        if self.waiting.len() >= self.config.max_waiting {
-            return Err(Error::LimitExceeded {
-                what: "waiting requests".into(),
-                value: self.waiting.len() + 1,
-                limit: self.config.max_waiting,
-            });
-        }
-        let sampler = Sampler::new(req.params.clone())?;
-        self.next_serial += 1;
-        self.waiting.push_back(Sequence {
-            id,
-            serial: self.next_serial,
-            unseen: 0,
-            latest_spec: None,
-            tokens: req.prompt.clone(),
-            stops: StopMatcher::new(req.stop.clone()),
-            req,
-            computed: 0,
-            blocks: Vec::new(),
-            hashed: HashChain::default(),
-            sampler,
-            decoder: StreamDecoder::new(),
-            generated: 0,
-        });
         Ok(())
     }
 
@@ -540,6 +593,16 @@ impl<B: Backend> LlmEngine<B> {
             let Some(front) = self.waiting.front() else {
                 break;
             };
+            // A sequence that shares its prompt with one still computing it waits for it (and
+            // keeps the queue's order): admitted now, it would compute the same blocks again.
+            if let Some(leader) = front.follows
+                && self
+                    .running
+                    .iter()
+                    .any(|s| s.serial == leader && s.computed < s.req.prompt.len())
+            {
+                break;
+            }
             let Ok((table, cached)) = self.blocks.allocate(&front.tokens) else {
                 break;
             };
@@ -699,6 +762,9 @@ impl<B: Backend> LlmEngine<B> {
             let mut reason = None;
             if eos {
                 reason = Some(FinishReason::Eos);
+            } else if s.req.stop_token_ids.contains(&next) {
+                // Like EOS: the token ends the sequence and is not part of its output.
+                reason = Some(FinishReason::Stop);
             } else {
                 s.tokens.push(next);
                 s.generated += 1;

@@ -216,6 +216,13 @@ fn requests() -> Vec<(RequestId, Request)> {
                     vec![]
                 },
                 ignore_eos: i % 2 == 0,
+                // Tokens these sample (at the 11th and 24th place): they end in a step whose
+                // successor was already run ahead for them.
+                stop_token_ids: match i {
+                    2 => vec![161, 300],
+                    8 => vec![113],
+                    _ => vec![],
+                },
                 logprobs: (i % 3 == 2).then_some(2),
             };
             (i, req)
@@ -280,6 +287,25 @@ fn running_ahead_changes_no_output() {
     assert!(fed > 20, "only {fed} rows were fed from the device");
     assert_eq!(ahead, lockstep);
     let reasons = finish_reasons(&lockstep);
+    // Requests 2 and 8 stop at a stop token id, which never reaches the output.
+    for (id, len) in [(2, 10), (8, 23)] {
+        let events = &lockstep[&id];
+        assert!(
+            matches!(
+                events.last(),
+                Some(Event::Finished {
+                    reason: FinishReason::Stop,
+                    ..
+                })
+            ),
+            "request {id}: {events:?}"
+        );
+        let tokens = events
+            .iter()
+            .filter(|e| matches!(e, Event::Token { .. }))
+            .count();
+        assert_eq!(tokens, len, "request {id}");
+    }
     // Request 7 was aborted: no Finished event.
     assert_eq!(reasons.len(), 8, "{reasons:?}");
     assert!(reasons.iter().any(|(_, r)| *r == FinishReason::Length));
@@ -304,4 +330,52 @@ fn running_ahead_with_preemption_changes_no_output() {
     let (ahead, fed, _) = run(true, 5);
     assert!(fed > 0);
     assert_eq!(ahead, lockstep);
+}
+
+/// Choices of one prompt admitted together: the later ones join once the first has computed the
+/// prompt, which with running ahead is while that step is still in flight.
+#[test]
+fn running_ahead_with_shared_prompts_changes_no_output() {
+    let run = |run_ahead: bool| {
+        let mut e = engine(EngineConfig {
+            run_ahead,
+            ..EngineConfig::default()
+        });
+        let prompt: Vec<u32> = (0..40).map(|t| 1 + (t * 11) % 250).collect();
+        let group = (0..3u64)
+            .map(|i| {
+                let params = SamplingParams {
+                    temperature: 0.8,
+                    seed: Some(7 + i),
+                    ..SamplingParams::default()
+                };
+                let req = Request {
+                    prompt: prompt.clone(),
+                    params,
+                    max_tokens: 8,
+                    stop: vec![],
+                    ignore_eos: true,
+                    stop_token_ids: vec![],
+                    logprobs: None,
+                };
+                (i, req)
+            })
+            .collect();
+        e.add_requests(group).unwrap();
+        let mut out: HashMap<RequestId, Vec<Event>> = HashMap::new();
+        while e.has_work() {
+            for ev in e.step().unwrap() {
+                let id = match &ev {
+                    Event::Token { id, .. } | Event::Finished { id, .. } => *id,
+                };
+                out.entry(id).or_default().push(ev);
+            }
+        }
+        let stats = e.stats();
+        assert_eq!(stats.blocks_in_use, 0);
+        // 40 tokens in blocks of 16: 2 full blocks, shared by the 2 later choices.
+        assert_eq!(stats.prefix_cache_hits, 4, "run ahead: {run_ahead}");
+        out
+    };
+    assert_eq!(run(true), run(false));
 }

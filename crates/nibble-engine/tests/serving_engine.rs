@@ -31,6 +31,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
         max_tokens,
         stop: vec![],
         ignore_eos: true,
+        stop_token_ids: vec![],
         // Runs are compared on each token's exact log-probability too, not just the argmax.
         logprobs: Some(0),
     }
@@ -54,7 +55,8 @@ fn run(
 ) -> HashMap<RequestId, Vec<(u32, u32)>> {
     let mut out: HashMap<RequestId, Vec<(u32, u32)>> = HashMap::new();
     let mut done = 0;
-    let n = reqs.len();
+    // Requests queued before the call run too.
+    let n = reqs.len() + e.stats().waiting;
     for (id, r) in reqs {
         e.add_request(id, r).unwrap();
     }
@@ -333,4 +335,107 @@ fn channel_wise_caches_refuse_small_blocks() {
         .expect("blocks of 8 are too small for kv2c")
         .to_string();
     assert!(err.contains("at least 16"), "{err}");
+}
+
+/// Runs one request to the end: its tokens and how it finished.
+fn run_one(e: &mut LlmEngine<CpuBackend>, r: Request) -> (Vec<u32>, Option<(FinishReason, usize)>) {
+    e.add_request(1, r).unwrap();
+    let (mut tokens, mut finish) = (vec![], None);
+    while e.has_work() {
+        for ev in e.step().unwrap() {
+            match ev {
+                Event::Token { token, .. } => tokens.push(token),
+                Event::Finished {
+                    reason,
+                    completion_tokens,
+                    ..
+                } => finish = Some((reason, completion_tokens)),
+            }
+        }
+    }
+    (tokens, finish)
+}
+
+#[test]
+fn a_stop_token_id_ends_the_sequence_and_is_not_output() {
+    let mut e = engine(EngineConfig::default());
+    let (greedy, _) = run_one(&mut e, request(prompts()[0].clone(), 12));
+    // The first token of the greedy output that did not come before: the run stops right there.
+    let at = (1..greedy.len())
+        .find(|&i| !greedy[..i].contains(&greedy[i]))
+        .expect("some token is new");
+    let mut r = request(prompts()[0].clone(), 12);
+    r.stop_token_ids = vec![greedy[at], 999_999];
+    let (tokens, finish) = run_one(&mut e, r);
+    assert_eq!(tokens, greedy[..at]);
+    assert_eq!(finish, Some((FinishReason::Stop, at)));
+    assert_eq!(e.stats().blocks_in_use, 0);
+}
+
+#[test]
+fn requests_added_together_are_all_queued_or_none() {
+    let mut e = engine(EngineConfig {
+        max_waiting: 4,
+        ..EngineConfig::default()
+    });
+    let group = |n: u64, from: u64| -> Vec<(RequestId, Request)> {
+        (from..from + n)
+            .map(|id| (id, request(vec![1, 2, 3], 2)))
+            .collect()
+    };
+    let never = e.add_requests(group(5, 0)).unwrap_err();
+    assert!(!never.to_string().contains("waiting"), "{never}");
+    e.add_requests(group(3, 0)).unwrap();
+    let full = e.add_requests(group(2, 10)).unwrap_err();
+    assert!(full.to_string().contains("waiting requests"), "{full}");
+    // One bad request refuses its whole group.
+    let mut bad = group(1, 20);
+    bad.push((21, request(vec![], 2)));
+    assert!(e.add_requests(bad).is_err());
+    assert_eq!(e.stats().waiting, 3, "nothing of a refused group is queued");
+    e.add_requests(group(1, 30)).unwrap();
+}
+
+#[test]
+fn choices_of_one_prompt_share_its_blocks_and_keep_their_outputs() {
+    // 35 tokens in blocks of 8: 4 full blocks before the last token.
+    let prompt = prompts()[2]
+        .iter()
+        .chain(&prompts()[4])
+        .copied()
+        .collect::<Vec<u32>>();
+    assert_eq!(prompt.len(), 40);
+    let prompt = prompt[..35].to_vec();
+    let config = EngineConfig {
+        block_size: 8,
+        ..EngineConfig::default()
+    };
+    let seeded = |seed: u64| {
+        let mut r = request(prompt.clone(), 10);
+        r.params.temperature = 1.0;
+        r.params.seed = Some(seed);
+        r
+    };
+    let mut want = HashMap::new();
+    for i in 0..4 {
+        want.extend(run(&mut engine(config.clone()), vec![(i, seeded(i))]));
+    }
+    for budget in [512, 16] {
+        let mut e = engine(EngineConfig {
+            max_batched_tokens: budget,
+            ..config.clone()
+        });
+        e.add_requests((0..4).map(|i| (i, seeded(i))).collect())
+            .unwrap();
+        let got = run(&mut e, vec![]);
+        assert_eq!(got, want, "budget {budget}");
+        assert_eq!(
+            e.stats().prefix_cache_hits,
+            3 * 4,
+            "3 choices x 4 blocks from the first choice (budget {budget})"
+        );
+        assert_eq!(e.stats().prompt_tokens, 4 * 35);
+    }
+    let distinct: std::collections::HashSet<_> = want.values().collect();
+    assert_eq!(distinct.len(), 4, "different seeds, different outputs");
 }

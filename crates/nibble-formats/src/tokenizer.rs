@@ -8,6 +8,7 @@ mod spm;
 
 use std::path::Path;
 
+use aho_corasick::{AhoCorasick, MatchKind};
 use nibble_core::{Error, Result};
 use serde_json::{Value, json};
 
@@ -36,8 +37,100 @@ impl std::fmt::Debug for Tokenizer {
 
 #[derive(Clone)]
 enum Inner {
-    Hf(Box<tokenizers::Tokenizer>),
+    // Shared: clones (the server's, the engine's) need not copy two vocabularies.
+    Hf(std::sync::Arc<HfTokenizer>),
     Spm(Box<SpmTokenizer>),
+}
+
+/// A `tokenizers::Tokenizer` twice: as loaded, and with special tokens encoded as the text they
+/// are spelt with, for text that comes from a user.
+#[derive(Clone)]
+struct HfTokenizer {
+    parse: tokenizers::Tokenizer,
+    plain: tokenizers::Tokenizer,
+    /// The special tokens, found as the `tokenizers` crate finds them (leftmost, longest).
+    specials: Option<(AhoCorasick, Vec<SpecialToken>)>,
+}
+
+/// A special token's id and whether it swallows the whitespace before and after it.
+#[derive(Clone, Copy)]
+struct SpecialToken {
+    id: u32,
+    lstrip: bool,
+    rstrip: bool,
+}
+
+impl HfTokenizer {
+    fn new(parse: tokenizers::Tokenizer) -> Result<Self> {
+        let mut plain = parse.clone();
+        plain.set_encode_special_tokens(true);
+        let mut added: Vec<(u32, tokenizers::AddedToken)> = parse
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special && !t.content.is_empty())
+            .collect();
+        added.sort_by_key(|&(id, _)| id);
+        let specials = if added.is_empty() {
+            None
+        } else {
+            let automaton = AhoCorasick::builder()
+                .match_kind(MatchKind::LeftmostLongest)
+                .build(added.iter().map(|(_, t)| t.content.as_str()))
+                .map_err(|e| Error::Tokenizer(format!("cannot index the special tokens: {e}")))?;
+            let flags = added
+                .iter()
+                .map(|(id, t)| SpecialToken {
+                    id: *id,
+                    lstrip: t.lstrip,
+                    rstrip: t.rstrip,
+                })
+                .collect();
+            Some((automaton, flags))
+        };
+        Ok(HfTokenizer {
+            parse,
+            plain,
+            specials,
+        })
+    }
+
+    /// Cuts the text at the special tokens `cut` accepts, as `tokenizers` would at every one,
+    /// and encodes the pieces between them with the others as text.
+    fn encode_cutting(
+        &self,
+        text: &str,
+        cut: &dyn Fn(std::ops::Range<usize>) -> bool,
+    ) -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        let piece = |text: &str, out: &mut Vec<u32>| -> Result<()> {
+            if !text.is_empty() {
+                let e = self
+                    .plain
+                    .encode(text, false)
+                    .map_err(|e| Error::Tokenizer(format!("encode failed: {e}")))?;
+                out.extend_from_slice(e.get_ids());
+            }
+            Ok(())
+        };
+        let mut start = 0;
+        if let Some((automaton, flags)) = &self.specials {
+            for hit in automaton.find_iter(text) {
+                if hit.start() < start || !cut(hit.range()) {
+                    continue;
+                }
+                let t = flags[hit.pattern().as_usize()];
+                let before = &text[start..hit.start()];
+                piece(if t.lstrip { before.trim_end() } else { before }, &mut out)?;
+                out.push(t.id);
+                start = hit.end();
+                if t.rstrip {
+                    start = text.len() - text[start..].trim_start().len();
+                }
+            }
+        }
+        piece(&text[start..], &mut out)?;
+        Ok(out)
+    }
 }
 
 // GGUF token types (llama.cpp `llama_token_type`).
@@ -106,7 +199,7 @@ impl Tokenizer {
         eos_ids.sort_unstable();
         eos_ids.dedup();
         Ok(Tokenizer {
-            inner: Inner::Hf(Box::new(inner)),
+            inner: Inner::Hf(std::sync::Arc::new(HfTokenizer::new(inner)?)),
             eos_ids,
             bos_token,
             eos_token,
@@ -122,7 +215,7 @@ impl Tokenizer {
             .parse()
             .map_err(|e| Error::Tokenizer(format!("cannot parse tokenizer {origin}: {e}")))?;
         Ok(Tokenizer {
-            inner: Inner::Hf(Box::new(inner)),
+            inner: Inner::Hf(std::sync::Arc::new(HfTokenizer::new(inner)?)),
             eos_ids: Vec::new(),
             bos_token: None,
             eos_token: None,
@@ -150,7 +243,9 @@ impl Tokenizer {
         };
         let (inner, bos_id, eos_id) = if model == "gpt2" {
             (
-                Inner::Hf(Box::new(byte_level_bpe(file, &tokens)?)),
+                Inner::Hf(std::sync::Arc::new(HfTokenizer::new(byte_level_bpe(
+                    file, &tokens,
+                )?)?)),
                 id_of("tokenizer.ggml.bos_token_id"),
                 id_of("tokenizer.ggml.eos_token_id"),
             )
@@ -188,6 +283,7 @@ impl Tokenizer {
     pub fn to_hf_json(&self) -> Result<String> {
         match &self.inner {
             Inner::Hf(t) => t
+                .parse
                 .to_string(false)
                 .map_err(|e| Error::Tokenizer(format!("cannot serialize the tokenizer: {e}"))),
             Inner::Spm(t) => Ok(t.to_hf_json().to_string()),
@@ -218,11 +314,14 @@ impl Tokenizer {
         std::fs::write(&cfg, text).map_err(|e| Error::io(&cfg, e))
     }
 
-    /// Encodes text. `add_special` lets the tokenizer add BOS where the model expects it; chat
-    /// prompts rendered by a template already carry their special tokens and pass `false`.
+    /// Encodes text, special tokens included (`<|im_end|>` in the text is that token): for text
+    /// the server trusts, like a rendered chat template. `add_special` lets the tokenizer add BOS
+    /// where the model expects it; chat prompts rendered by a template already carry their
+    /// special tokens and pass `false`.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
         match &self.inner {
             Inner::Hf(t) => t
+                .parse
                 .encode(text, add_special)
                 .map(|e| e.get_ids().to_vec())
                 .map_err(|e| Error::Tokenizer(format!("encode failed: {e}"))),
@@ -230,9 +329,63 @@ impl Tokenizer {
         }
     }
 
+    /// Encodes a user's text: a special token's string in it is text like any other, so a
+    /// client cannot end a turn or forge one by typing `<|im_end|>`. Only the BOS or EOS that
+    /// `add_special` asks for are special.
+    pub fn encode_plain(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        match &self.inner {
+            Inner::Hf(t) => t
+                .plain
+                .encode(text, add_special)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| Error::Tokenizer(format!("encode failed: {e}"))),
+            Inner::Spm(t) => t.encode_cutting(text, add_special, &|_| false),
+        }
+    }
+
+    /// Encodes a rendered chat template whose `literal` byte ranges (sorted, disjoint) are a
+    /// user's text: special tokens count only outside them. Without literal ranges this is
+    /// [`Tokenizer::encode`] exactly; with some, the text is cut at the template's special
+    /// tokens and the pieces between are encoded with special tokens as text. That equals
+    /// `encode` wherever the `tokenizers` crate encodes the pieces between special tokens
+    /// independently (byte-level BPE, SentencePiece); a Hugging Face Metaspace tokenizer that
+    /// prefixes only the first piece of a text gives the later pieces a prefix too.
+    pub fn encode_with_literals(
+        &self,
+        text: &str,
+        literal: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>> {
+        if literal.is_empty() {
+            return self.encode(text, false);
+        }
+        let outside = |r: std::ops::Range<usize>| {
+            // The first range that ends after the hit starts is the only one it can overlap.
+            let i = literal.partition_point(|l| l.end <= r.start);
+            literal.get(i).is_none_or(|l| l.start >= r.end)
+        };
+        match &self.inner {
+            Inner::Hf(t) => t.encode_cutting(text, &outside),
+            Inner::Spm(t) => t.encode_cutting(text, false, &outside),
+        }
+    }
+
+    /// The strings that [`Tokenizer::encode`] reads as special tokens.
+    pub fn special_tokens(&self) -> Vec<String> {
+        match &self.inner {
+            Inner::Hf(t) => t.specials.as_ref().map_or_else(Vec::new, |(_, flags)| {
+                flags
+                    .iter()
+                    .filter_map(|f| t.parse.id_to_token(f.id))
+                    .collect()
+            }),
+            Inner::Spm(t) => t.special_strings(),
+        }
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         match &self.inner {
             Inner::Hf(t) => t
+                .parse
                 .decode(ids, skip_special)
                 .map_err(|e| Error::Tokenizer(format!("decode failed: {e}"))),
             Inner::Spm(t) => Ok(t.decode(ids, skip_special)),
@@ -241,14 +394,14 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         match &self.inner {
-            Inner::Hf(t) => t.get_vocab_size(true),
+            Inner::Hf(t) => t.parse.get_vocab_size(true),
             Inner::Spm(t) => t.vocab_size(),
         }
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         match &self.inner {
-            Inner::Hf(t) => t.token_to_id(token),
+            Inner::Hf(t) => t.parse.token_to_id(token),
             Inner::Spm(t) => t.token_to_id(token),
         }
     }

@@ -399,3 +399,31 @@ fn hugging_face_export_encodes_the_same_but_for_user_defined_and_unused_tokens()
     eprintln!("{same} of {total} lines encode the same after the Hugging Face export");
     assert!(same >= total * 9 / 10, "{same} of {total}");
 }
+
+/// Control-token strings in a user's text stay text; in a template's text outside the user's
+/// ranges they are control tokens, cut as `encode` cuts them.
+#[test]
+fn control_token_strings_in_user_text_are_text() {
+    let tok = fixture_tokenizer();
+    assert_eq!(
+        tok.special_tokens(),
+        ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    );
+    let text = "<s>hi </s> there";
+    let plain = tok.encode_plain(text, true).unwrap();
+    assert_eq!(plain[0], 1, "the BOS asked for");
+    assert!(!plain[1..].iter().any(|&i| i < 3), "{plain:?}");
+    assert_eq!(tok.decode(&plain[1..], false).unwrap(), text);
+    // The user's `</s>` (bytes 6..10) is text; the template's `<s>` is the token.
+    let mixed = tok
+        .encode_with_literals(text, std::slice::from_ref(&(6..10)))
+        .unwrap();
+    assert_eq!(mixed[0], 1);
+    assert!(!mixed[1..].contains(&2), "{mixed:?}");
+    // Ranges without a control token in them change nothing.
+    assert_eq!(
+        tok.encode_with_literals(text, std::slice::from_ref(&(3..5)))
+            .unwrap(),
+        tok.encode(text, false).unwrap()
+    );
+}

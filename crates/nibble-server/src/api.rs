@@ -1,5 +1,7 @@
 //! The routes and OpenAI's response shapes. Requests arrive here read whole and authorized
-//! (`front_door`); they are validated (`validate`), tokenized, and handed to the engine.
+//! (`front_door`); they are validated (`validate`), tokenized, and handed to the engine as one
+//! sequence per choice: `n` per prompt, prompt-major (choice `index = prompt_i * n + j`, as
+//! OpenAI and vLLM number them).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -16,9 +18,10 @@ use axum::routing::{get, post};
 use futures_util::stream::{self, Stream, StreamExt};
 use nibble_core::Error;
 use nibble_engine::FinishReason;
-use nibble_engine::serving::{Event, Request, TokenLogprob};
+use nibble_engine::serving::{Event, Request, RequestId, TokenLogprob};
 use nibble_formats::chat_template::ChatMessage;
 use serde_json::{Map, Value, json};
+use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::AppState;
@@ -98,25 +101,68 @@ fn rules(state: &AppState) -> Rules<'_> {
         vocab_size: state.vocab_size,
         max_messages: state.limits.max_messages,
         max_stop: state.limits.max_stop,
+        max_n: state.limits.max_n,
+        max_sequences: state.max_waiting,
     }
 }
 
-/// Validates and tokenizes: the prompt's token ids and what to generate.
-fn prepare(state: &AppState, body: &[u8], kind: Kind) -> ApiResult<(Vec<u32>, Generation)> {
-    let encode = |text: &str, add_special: bool, param: &str| {
-        state
-            .tokenizer
-            .encode(text, add_special)
-            .map_err(|e| ApiError::invalid_value(param, e.to_string()))
-    };
-    let (prompt, generation) = match kind {
+/// One prompt of a request, tokenized.
+struct PromptIn {
+    ids: Vec<u32>,
+    /// What `echo` puts before each of its choices' text.
+    echo: Option<String>,
+    /// The field to name in errors about it: `prompt[i]` in a batch.
+    param: String,
+}
+
+/// Validates and tokenizes: the prompts' token ids and what to generate.
+fn prepare(state: &AppState, body: &[u8], kind: Kind) -> ApiResult<(Vec<PromptIn>, Generation)> {
+    let tokenizer_error =
+        |param: &str, e: nibble_core::Error| ApiError::invalid_value(param, e.to_string());
+    let (prompts, generation) = match kind {
         Kind::Completion => {
             let r = validate::completion(body, &rules(state))?;
-            let ids = match r.prompt {
-                Prompt::Text(text) => encode(&text, true, "prompt")?,
-                Prompt::Tokens(ids) => ids,
-            };
-            (ids, r.generation)
+            let batch = r.prompts.len() > 1;
+            let prompts = r
+                .prompts
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let param = if batch {
+                        format!("prompt[{i}]")
+                    } else {
+                        "prompt".to_string()
+                    };
+                    // A prompt's text is the client's: a special token's string in it is text
+                    // (send token ids for special tokens).
+                    let (ids, text) = match p {
+                        Prompt::Text(text) => (
+                            state
+                                .tokenizer
+                                .encode_plain(&text, true)
+                                .map_err(|e| tokenizer_error(&param, e))?,
+                            text,
+                        ),
+                        Prompt::Tokens(ids) => {
+                            let text = if r.echo {
+                                state
+                                    .tokenizer
+                                    .decode(&ids, false)
+                                    .map_err(|e| tokenizer_error(&param, e))?
+                            } else {
+                                String::new()
+                            };
+                            (ids, text)
+                        }
+                    };
+                    Ok(PromptIn {
+                        ids,
+                        echo: r.echo.then_some(text),
+                        param,
+                    })
+                })
+                .collect::<ApiResult<Vec<_>>>()?;
+            (prompts, r.generation)
         }
         Kind::Chat => {
             let r = validate::chat(body, &rules(state))?;
@@ -131,82 +177,102 @@ fn prepare(state: &AppState, body: &[u8], kind: Kind) -> ApiResult<(Vec<u32>, Ge
                 .iter()
                 .map(|m| ChatMessage::new(m.role.template_name(), &m.content))
                 .collect();
-            let text = template
-                .render(&messages, true)
+            // The template's special tokens are special; the ones users typed are text.
+            let rendered = template
+                .render_guarded(&messages, true, &state.guard)
                 .map_err(|e| ApiError::invalid_value("messages", e.to_string()))?;
-            (encode(&text, false, "messages")?, r.generation)
+            let ids = state
+                .tokenizer
+                .encode_with_literals(&rendered.text, &rendered.literal)
+                .map_err(|e| tokenizer_error("messages", e))?;
+            let prompt = PromptIn {
+                ids,
+                echo: None,
+                param: "messages".into(),
+            };
+            (vec![prompt], r.generation)
         }
     };
-    if prompt.is_empty() {
-        let param = if kind == Kind::Chat {
-            "messages"
-        } else {
-            "prompt"
-        };
+    if let Some(p) = prompts.iter().find(|p| p.ids.is_empty()) {
         return Err(ApiError::invalid_value(
-            param,
+            &p.param,
             "the prompt is empty: it has no tokens.",
         ));
     }
-    Ok((prompt, generation))
+    Ok((prompts, generation))
+}
+
+/// The engine's requests for every choice of every prompt, prompt-major, with the length
+/// checks of each prompt.
+fn requests(
+    state: &AppState,
+    kind: Kind,
+    prompts: &[PromptIn],
+    c: &Generation,
+) -> ApiResult<Vec<Request>> {
+    let limit = state.max_sequence_len;
+    let mut out = Vec::with_capacity(prompts.len() * c.n);
+    for p in prompts {
+        let prompt_len = p.ids.len();
+        if prompt_len >= limit {
+            return Err(ApiError::bad(
+                &p.param,
+                "context_length_exceeded",
+                format!(
+                    "The prompt is {prompt_len} tokens; this model's maximum context length is {limit} tokens."
+                ),
+            ));
+        }
+        let default_max = if kind == Kind::Completion {
+            16
+        } else {
+            limit - prompt_len
+        };
+        let max_tokens = c.max_tokens.unwrap_or(default_max.min(limit - prompt_len));
+        if prompt_len + max_tokens > limit {
+            return Err(ApiError::bad(
+                "max_tokens",
+                "context_length_exceeded",
+                format!(
+                    "This model's maximum context length is {limit} tokens; you requested {} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
+                    prompt_len.saturating_add(max_tokens)
+                ),
+            ));
+        }
+        for j in 0..c.n {
+            let mut params = c.params.clone();
+            // Choice j of a seeded request draws from seed + j: the choices differ, a rerun
+            // repeats them, and each prompt of a batch gets what it would get alone (vLLM's
+            // rule).
+            params.seed = c.params.seed.map(|s| s.wrapping_add(j as u64));
+            out.push(Request {
+                prompt: p.ids.clone(),
+                params,
+                max_tokens,
+                stop: c.stop.clone(),
+                ignore_eos: c.ignore_eos,
+                stop_token_ids: c.stop_token_ids.clone(),
+                logprobs: c.logprobs,
+            });
+        }
+    }
+    Ok(out)
 }
 
 async fn handle(state: Arc<AppState>, body: Bytes, kind: Kind) -> ApiResult<Response> {
-    let (prompt, mut c) = match prepare(&state, &body, kind) {
-        Ok(x) => x,
-        Err(e) => {
-            state.engine.metrics.rejected.inc();
-            return Err(e);
-        }
-    };
-    let prompt_param = if kind == Kind::Chat {
-        "messages"
-    } else {
-        "prompt"
-    };
-    let prompt_len = prompt.len();
-    let limit = state.max_sequence_len;
-    if prompt_len >= limit {
+    let refused = |e: ApiError| {
         state.engine.metrics.rejected.inc();
-        return Err(ApiError::bad(
-            prompt_param,
-            "context_length_exceeded",
-            format!(
-                "The prompt is {prompt_len} tokens; this model's maximum context length is {limit} tokens."
-            ),
-        ));
-    }
-    let default_max = if kind == Kind::Completion {
-        16
-    } else {
-        limit - prompt_len
+        e
     };
-    let max_tokens = c.max_tokens.unwrap_or(default_max.min(limit - prompt_len));
-    if prompt_len + max_tokens > limit {
-        state.engine.metrics.rejected.inc();
-        return Err(ApiError::bad(
-            "max_tokens",
-            "context_length_exceeded",
-            format!(
-                "This model's maximum context length is {limit} tokens; you requested {} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
-                prompt_len.saturating_add(max_tokens)
-            ),
-        ));
-    }
-    let id = state.next_id.fetch_add(1, Ordering::Relaxed);
-    let request = Request {
-        prompt,
-        params: std::mem::take(&mut c.params),
-        max_tokens,
-        stop: std::mem::take(&mut c.stop),
-        ignore_eos: c.ignore_eos,
-        logprobs: c.logprobs,
-    };
-    let rx = match state.engine.submit(id, request).await {
+    let (prompts, c) = prepare(&state, &body, kind).map_err(refused)?;
+    let reqs = requests(&state, kind, &prompts, &c).map_err(refused)?;
+    let count = reqs.len() as u64;
+    let first = state.next_id.fetch_add(count, Ordering::Relaxed);
+    let batch: Vec<(RequestId, Request)> = (first..first + count).zip(reqs).collect();
+    let rx = match state.engine.submit(batch).await {
         Ok(rx) => rx,
         Err(e) => {
-            state.engine.metrics.rejected.inc();
-            return Err(match e {
+            return Err(refused(match e {
                 Error::LimitExceeded { ref what, .. } if what.contains("waiting") => ApiError {
                     code: Some("server_overloaded"),
                     ..ApiError::new(
@@ -215,13 +281,13 @@ async fn handle(state: Arc<AppState>, body: Bytes, kind: Kind) -> ApiResult<Resp
                         "server_error",
                     )
                 },
-                other => ApiError::invalid_value(prompt_param, other.to_string()),
-            });
+                other => ApiError::invalid_value(&prompts[0].param, other.to_string()),
+            }));
         }
     };
     let meta = ResponseMeta {
         id: format!(
-            "{}-{id}",
+            "{}-{first}",
             if kind == Kind::Chat {
                 "chatcmpl"
             } else {
@@ -231,10 +297,15 @@ async fn handle(state: Arc<AppState>, body: Bytes, kind: Kind) -> ApiResult<Resp
         model: state.model_name.clone(),
         created: now(),
         kind,
+        first,
+        n: c.n,
+        prompt_tokens: prompts.iter().map(|p| p.ids.len()).sum(),
+        echo: prompts.into_iter().map(|p| p.echo).collect(),
+        include_usage: c.include_usage,
         state: state.clone(),
     };
     if c.stream {
-        Ok(stream_response(meta, rx, c.include_usage).into_response())
+        Ok(stream_response(meta, rx).into_response())
     } else {
         Ok(Json(collect(meta, rx).await?).into_response())
     }
@@ -252,15 +323,49 @@ struct ResponseMeta {
     model: String,
     created: u64,
     kind: Kind,
+    /// The engine id of choice 0; choice `i` is `first + i`.
+    first: RequestId,
+    /// Choices per prompt.
+    n: usize,
+    /// All prompts' tokens, each prompt counted once however many choices it has.
+    prompt_tokens: usize,
+    /// Per prompt, the text `echo` puts before its choices' text.
+    echo: Vec<Option<String>>,
+    include_usage: bool,
     state: Arc<AppState>,
 }
 
 impl ResponseMeta {
+    fn choices(&self) -> usize {
+        self.echo.len() * self.n
+    }
+
+    /// The choice an engine event is for.
+    fn index(&self, id: RequestId) -> Option<usize> {
+        let i = id.checked_sub(self.first)? as usize;
+        (i < self.choices()).then_some(i)
+    }
+
+    fn echo_of(&self, index: usize) -> &str {
+        self.echo[index / self.n].as_deref().unwrap_or("")
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+
     fn token_text(&self, t: u32) -> String {
         self.state.tokenizer.decode(&[t], false).unwrap_or_default()
     }
 
     fn logprobs_json(&self, lps: &[TokenLogprob]) -> Value {
+        if lps.is_empty() {
+            return Value::Null;
+        }
         match self.kind {
             Kind::Completion => json!({
                 "tokens": lps.iter().map(|l| self.token_text(l.token)).collect::<Vec<_>>(),
@@ -277,19 +382,30 @@ impl ResponseMeta {
         }
     }
 
-    fn usage(prompt: usize, completion: usize) -> Value {
+    fn usage(&self, completion: usize) -> Value {
+        let prompt = self.prompt_tokens;
         json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
     }
 
-    fn chunk(&self, text: &str, lps: &[TokenLogprob], finish: Option<&str>, first: bool) -> Value {
-        let logprobs = if lps.is_empty() {
-            Value::Null
-        } else {
-            self.logprobs_json(lps)
-        };
+    /// A streamed chunk of one choice; `first` is its first chunk (which carries the chat role,
+    /// and the echoed prompt).
+    fn chunk(
+        &self,
+        index: usize,
+        text: &str,
+        lps: &[TokenLogprob],
+        finish: Option<&str>,
+        first: bool,
+    ) -> Value {
+        let logprobs = self.logprobs_json(lps);
         let choice = match self.kind {
             Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
+                let text = if first {
+                    format!("{}{text}", self.echo_of(index))
+                } else {
+                    text.to_string()
+                };
+                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Chat => {
                 let delta = match (first, finish.is_some() && text.is_empty()) {
@@ -297,100 +413,118 @@ impl ResponseMeta {
                     (false, true) => json!({}),
                     (false, false) => json!({"content": text}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
         };
-        let object = if self.kind == Kind::Chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]})
+        let mut chunk = json!({"id": self.id, "object": self.object(true), "created": self.created,
+            "model": self.model, "choices": [choice]});
+        if self.include_usage {
+            // OpenAI: with include_usage, every chunk has `usage`, null until the last one.
+            chunk["usage"] = Value::Null;
+        }
+        chunk
     }
 }
 
-async fn collect(
-    meta: ResponseMeta,
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
-) -> ApiResult<Value> {
-    let mut text = String::new();
-    let mut lps = Vec::new();
-    while let Some(ev) = rx.recv().await {
+#[derive(Default)]
+struct Choice {
+    text: String,
+    lps: Vec<TokenLogprob>,
+    finish: Option<FinishReason>,
+    completion_tokens: usize,
+}
+
+async fn collect(meta: ResponseMeta, mut rx: UnboundedReceiver<Event>) -> ApiResult<Value> {
+    let mut choices: Vec<Choice> = (0..meta.choices()).map(|_| Choice::default()).collect();
+    let mut left = choices.len();
+    while left > 0 {
+        let Some(ev) = rx.recv().await else {
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the engine dropped the request",
+                "server_error",
+            ));
+        };
+        let (Event::Token { id, .. } | Event::Finished { id, .. }) = ev;
+        let Some(c) = meta.index(id).map(|i| &mut choices[i]) else {
+            continue;
+        };
         match ev {
-            Event::Token {
-                text: t, logprob, ..
-            } => {
-                text.push_str(&t);
-                lps.extend(logprob);
+            Event::Token { text, logprob, .. } => {
+                c.text.push_str(&text);
+                c.lps.extend(logprob);
             }
             Event::Finished {
                 reason,
                 tail,
-                prompt_tokens,
                 completion_tokens,
                 ..
             } => {
-                text.push_str(&tail);
-                let logprobs = if lps.is_empty() {
-                    Value::Null
-                } else {
-                    meta.logprobs_json(&lps)
-                };
-                let choice = match meta.kind {
-                    Kind::Completion => json!({"index": 0, "text": text, "logprobs": logprobs,
-                        "finish_reason": finish_name(reason)}),
-                    Kind::Chat => {
-                        json!({"index": 0, "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs, "finish_reason": finish_name(reason)})
-                    }
-                };
-                let object = if meta.kind == Kind::Chat {
-                    "chat.completion"
-                } else {
-                    "text_completion"
-                };
-                return Ok(
-                    json!({"id": meta.id, "object": object, "created": meta.created, "model": meta.model,
-                    "choices": [choice], "usage": ResponseMeta::usage(prompt_tokens, completion_tokens)}),
-                );
+                c.text.push_str(&tail);
+                c.finish = Some(reason);
+                c.completion_tokens = completion_tokens;
+                left -= 1;
             }
         }
     }
-    Err(ApiError::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "the engine dropped the request",
-        "server_error",
-    ))
+    let completion_tokens = choices.iter().map(|c| c.completion_tokens).sum();
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let logprobs = meta.logprobs_json(&c.lps);
+            let finish = c.finish.map(finish_name);
+            match meta.kind {
+                Kind::Completion => {
+                    json!({"index": i, "text": format!("{}{}", meta.echo_of(i), c.text),
+                    "logprobs": logprobs, "finish_reason": finish})
+                }
+                Kind::Chat => {
+                    json!({"index": i, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs, "finish_reason": finish})
+                }
+            }
+        })
+        .collect();
+    Ok(
+        json!({"id": meta.id, "object": meta.object(false), "created": meta.created, "model": meta.model,
+        "choices": choices, "usage": meta.usage(completion_tokens)}),
+    )
 }
 
 fn stream_response(
     meta: ResponseMeta,
-    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
-    include_usage: bool,
+    rx: UnboundedReceiver<Event>,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    let mut first = true;
+    // Per choice: whether its first chunk is still to come.
+    let mut first = vec![true; meta.choices()];
+    let mut left = meta.choices();
+    let mut completion_tokens = 0;
     let events = UnboundedReceiverStream::new(rx).flat_map(move |ev| {
         let mut out: Vec<Value> = Vec::new();
-        let mut done = false;
-        match ev {
-            Event::Token { text, logprob, .. } => {
-                let lps: Vec<TokenLogprob> = logprob.into_iter().collect();
-                if !text.is_empty() || !lps.is_empty() || first {
-                    out.push(meta.chunk(&text, &lps, None, first));
-                    first = false;
+        let (Event::Token { id, .. } | Event::Finished { id, .. }) = ev;
+        if let Some(i) = meta.index(id) {
+            match ev {
+                Event::Token { text, logprob, .. } => {
+                    let lps: Vec<TokenLogprob> = logprob.into_iter().collect();
+                    if !text.is_empty() || !lps.is_empty() || first[i] {
+                        out.push(meta.chunk(i, &text, &lps, None, first[i]));
+                        first[i] = false;
+                    }
                 }
-            }
-            Event::Finished { reason, tail, prompt_tokens, completion_tokens, .. } => {
-                out.push(meta.chunk(&tail, &[], Some(finish_name(reason)), first));
-                first = false;
-                if include_usage {
-                    let object = if meta.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
-                    out.push(json!({"id": meta.id, "object": object, "created": meta.created, "model": meta.model,
-                        "choices": [], "usage": ResponseMeta::usage(prompt_tokens, completion_tokens)}));
+                Event::Finished { reason, tail, completion_tokens: n, .. } => {
+                    out.push(meta.chunk(i, &tail, &[], Some(finish_name(reason)), first[i]));
+                    first[i] = false;
+                    completion_tokens += n;
+                    left -= 1;
+                    if left == 0 && meta.include_usage {
+                        out.push(json!({"id": meta.id, "object": meta.object(true), "created": meta.created,
+                            "model": meta.model, "choices": [], "usage": meta.usage(completion_tokens)}));
+                    }
                 }
-                done = true;
             }
         }
+        let done = left == 0 && !out.is_empty();
         let mut sse: Vec<Result<SseEvent, Infallible>> =
             out.into_iter().map(|v| Ok(SseEvent::default().data(v.to_string()))).collect();
         if done {
@@ -400,3 +534,7 @@ fn stream_response(
     });
     Sse::new(events).keep_alive(KeepAlive::default())
 }
+
+#[cfg(test)]
+#[path = "api_tests.rs"]
+mod tests;

@@ -1,6 +1,8 @@
 //! The engine thread: owns the `LlmEngine`, takes commands from HTTP handlers, steps the model
-//! while there is work, and routes each event to the request's channel. A request whose channel
-//! is closed (the client went away) is aborted and its KV blocks freed at the next step.
+//! while there is work, and routes each event to the request's channel. One HTTP request is a
+//! group of engine sequences (its choices, `n` per prompt) that share one channel; when the
+//! channel is closed (the client went away) every sequence of the group is aborted and its KV
+//! blocks freed at the next step.
 
 use std::collections::HashMap;
 use std::sync::mpsc as std_mpsc;
@@ -14,17 +16,26 @@ use tokio::sync::{mpsc, oneshot};
 use crate::metrics::Metrics;
 
 pub enum Command {
+    /// The sequences of one HTTP request: queued all together or not at all.
     Add {
-        id: RequestId,
-        request: Request,
+        requests: Vec<(RequestId, Request)>,
         events: mpsc::UnboundedSender<Event>,
         accepted: oneshot::Sender<Result<(), nibble_core::Error>>,
     },
 }
 
-struct Live {
+/// One HTTP request in the engine, named by its first sequence's id.
+struct Group {
     events: mpsc::UnboundedSender<Event>,
     arrived: Instant,
+    first_token: bool,
+    /// Its sequences that have not finished.
+    live: Vec<RequestId>,
+}
+
+/// One sequence: its group, and when it last produced a token.
+struct Live {
+    group: RequestId,
     last_token: Option<Instant>,
 }
 
@@ -55,18 +66,17 @@ impl EngineHandle {
         }
     }
 
-    /// Queues a request; the engine answers whether it was accepted.
+    /// Queues the sequences of one request (all or none); the engine answers whether they were
+    /// accepted. Their events arrive on one channel, told apart by id.
     pub async fn submit(
         &self,
-        id: RequestId,
-        request: Request,
+        requests: Vec<(RequestId, Request)>,
     ) -> Result<mpsc::UnboundedReceiver<Event>, nibble_core::Error> {
         let (events, rx) = mpsc::unbounded_channel();
         let (accepted, answer) = oneshot::channel();
         self.commands
             .send(Command::Add {
-                id,
-                request,
+                requests,
                 events,
                 accepted,
             })
@@ -84,7 +94,16 @@ fn run<B: Backend>(
     stats: &Mutex<EngineStats>,
     metrics: &Metrics,
 ) {
+    let mut groups: HashMap<RequestId, Group> = HashMap::new();
     let mut live: HashMap<RequestId, Live> = HashMap::new();
+    // Aborts what is left of a group.
+    let drop_group =
+        |engine: &mut LlmEngine<B>, live: &mut HashMap<RequestId, Live>, group: Group| {
+            for id in group.live {
+                engine.abort(id);
+                live.remove(&id);
+            }
+        };
     loop {
         // Block when idle; otherwise take whatever arrived since the last step.
         let first = if engine.has_work() {
@@ -104,19 +123,35 @@ fn run<B: Backend>(
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))
         {
             let Command::Add {
-                id,
-                request,
+                requests,
                 events,
                 accepted,
             } = cmd;
-            match engine.add_request(id, request) {
+            let ids: Vec<RequestId> = requests.iter().map(|(id, _)| *id).collect();
+            let Some(&name) = ids.first() else {
+                let _ = accepted.send(Err(nibble_core::Error::InvalidArgument(
+                    "a request without sequences".into(),
+                )));
+                continue;
+            };
+            match engine.add_requests(requests) {
                 Ok(()) => {
-                    live.insert(
-                        id,
-                        Live {
+                    for &id in &ids {
+                        live.insert(
+                            id,
+                            Live {
+                                group: name,
+                                last_token: None,
+                            },
+                        );
+                    }
+                    groups.insert(
+                        name,
+                        Group {
                             events,
                             arrived: Instant::now(),
-                            last_token: None,
+                            first_token: false,
+                            live: ids,
                         },
                     );
                     let _ = accepted.send(Ok(()));
@@ -127,15 +162,16 @@ fn run<B: Backend>(
             }
         }
         // Clients that disconnected: free their blocks before computing for them.
-        let gone: Vec<RequestId> = live
+        let gone: Vec<RequestId> = groups
             .iter()
-            .filter(|(_, l)| l.events.is_closed())
-            .map(|(&id, _)| id)
+            .filter(|(_, g)| g.events.is_closed())
+            .map(|(&name, _)| name)
             .collect();
-        for id in gone {
-            engine.abort(id);
-            live.remove(&id);
-            metrics.cancelled.inc();
+        for name in gone {
+            if let Some(g) = groups.remove(&name) {
+                drop_group(engine, &mut live, g);
+                metrics.cancelled.inc();
+            }
         }
         if engine.has_work() {
             match engine.step() {
@@ -147,30 +183,41 @@ fn run<B: Backend>(
                         };
                         let finished = matches!(ev, Event::Finished { .. });
                         let Some(l) = live.get_mut(&id) else { continue };
+                        let name = l.group;
+                        let Some(g) = groups.get_mut(&name) else {
+                            continue;
+                        };
                         if let Event::Token { .. } = ev {
-                            match l.last_token {
-                                None => metrics.ttft.observe((now - l.arrived).as_secs_f64()),
-                                Some(t) => metrics.tpot.observe((now - t).as_secs_f64()),
+                            if !g.first_token {
+                                metrics.ttft.observe((now - g.arrived).as_secs_f64());
+                                g.first_token = true;
+                            }
+                            if let Some(t) = l.last_token {
+                                metrics.tpot.observe((now - t).as_secs_f64());
                             }
                             l.last_token = Some(now);
                         }
-                        if l.events.send(ev).is_err() {
-                            engine.abort(id);
-                            live.remove(&id);
+                        if g.events.send(ev).is_err() {
+                            let g = groups.remove(&name).expect("found above");
+                            drop_group(engine, &mut live, g);
                             metrics.cancelled.inc();
                             continue;
                         }
                         if finished {
                             live.remove(&id);
-                            metrics.completed.inc();
+                            g.live.retain(|&s| s != id);
+                            if g.live.is_empty() {
+                                groups.remove(&name);
+                                metrics.completed.inc();
+                            }
                         }
                     }
                 }
                 Err(e) => {
                     // A failed step (e.g. out of memory) fails the requests in it, not the server.
                     eprintln!("nibble serve: engine step failed: {e}");
-                    for (id, _) in live.drain() {
-                        engine.abort(id);
+                    for (_, g) in groups.drain() {
+                        drop_group(engine, &mut live, g);
                         metrics.failed.inc();
                     }
                 }

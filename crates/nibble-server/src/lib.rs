@@ -22,7 +22,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use nibble_engine::serving::LlmEngine;
-use nibble_formats::chat_template::ChatTemplate;
+use nibble_formats::chat_template::{ChatTemplate, ContentGuard};
 use nibble_formats::tokenizer::Tokenizer;
 use nibble_model::Backend;
 
@@ -33,11 +33,15 @@ pub struct AppState {
     pub engine: EngineHandle,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
+    /// Keeps special-token strings in messages from rendering as the template's own.
+    pub guard: ContentGuard,
     pub model_name: String,
     pub api_key: Option<String>,
     /// Longest prompt + completion a request may reach.
     pub max_sequence_len: usize,
     pub vocab_size: usize,
+    /// The engine's waiting queue: the most sequences one request may start.
+    pub max_waiting: usize,
     pub limits: Limits,
     pub next_id: AtomicU64,
     pub created: u64,
@@ -54,7 +58,10 @@ pub struct Limits {
     /// The request line and headers together.
     pub max_header_bytes: usize,
     pub max_messages: usize,
+    /// Stop strings, and stop token ids, in one request.
     pub max_stop: usize,
+    /// Choices (`n`) per prompt.
+    pub max_n: usize,
 }
 
 impl Default for Limits {
@@ -66,6 +73,7 @@ impl Default for Limits {
             max_header_bytes: 32 << 10,
             max_messages: 2048,
             max_stop: 16,
+            max_n: 16,
         }
     }
 }
@@ -83,7 +91,7 @@ pub fn start<B: Backend + 'static>(
     model_name: String,
     api_key: Option<String>,
     limits: Limits,
-) -> Arc<AppState>
+) -> nibble_core::Result<Arc<AppState>>
 where
     B::Kv: 'static,
 {
@@ -96,12 +104,16 @@ where
         )
         .ok()
     });
+    let guard = ContentGuard::new(&tokenizer.special_tokens())?;
     let max_sequence_len = engine.max_sequence_len();
     let vocab_size = engine.model.config.vocab_size;
-    Arc::new(AppState {
+    let max_waiting = engine.config.max_waiting;
+    Ok(Arc::new(AppState {
         engine: EngineHandle::spawn(engine),
         tokenizer,
         template,
+        guard,
+        max_waiting,
         model_name,
         api_key,
         max_sequence_len,
@@ -112,7 +124,7 @@ where
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-    })
+    }))
 }
 
 /// Serves until Ctrl-C.
@@ -124,7 +136,8 @@ where
     B::Kv: 'static,
 {
     let limits = opts.limits.clone();
-    let state = start(engine, opts.model_name, opts.api_key, opts.limits);
+    let state =
+        start(engine, opts.model_name, opts.api_key, opts.limits).map_err(std::io::Error::other)?;
     let listener = tokio::net::TcpListener::bind(opts.addr).await?;
     eprintln!(
         "nibble serve: listening on http://{}",

@@ -12,7 +12,9 @@
 //!   the token id 2^32 is out of the vocabulary rather than token 0;
 //! * an unknown field is refused (a misspelt `max_token` must not silently mean the default);
 //! * a field OpenAI defines but nibble does not implement is refused unless it holds the value
-//!   that asks for nothing (`presence_penalty: 0`, `echo: false`, `logit_bias: {}`, ...);
+//!   that asks for nothing (`presence_penalty: 0`, `best_of: 1`, `logit_bias: {}`, ...);
+//! * `n` is capped (`--max-n`), and a request never asks for more sequences (`n` times its
+//!   prompts) than the engine's waiting queue holds, which could never admit it;
 //! * chat roles come from a closed set, each with the fields it allows; the role string never
 //!   reaches the chat template, so a client cannot forge a turn through it.
 //!
@@ -30,14 +32,21 @@ pub struct Rules<'a> {
     pub vocab_size: usize,
     pub max_messages: usize,
     pub max_stop: usize,
+    pub max_n: usize,
+    /// The engine's waiting queue (`--max-waiting`): the most sequences one request may start.
+    pub max_sequences: usize,
 }
 
 /// What both endpoints ask of the engine.
 #[derive(Debug)]
 pub struct Generation {
+    /// Choices per prompt, each its own sequence.
+    pub n: usize,
     pub params: SamplingParams,
     pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
+    /// vLLM's `stop_token_ids`: sampling one ends the choice, the token not in its text.
+    pub stop_token_ids: Vec<u32>,
     pub stream: bool,
     pub include_usage: bool,
     pub ignore_eos: bool,
@@ -53,7 +62,10 @@ pub enum Prompt {
 
 #[derive(Debug)]
 pub struct CompletionRequest {
-    pub prompt: Prompt,
+    /// One prompt, or a batch: each gets `n` choices.
+    pub prompts: Vec<Prompt>,
+    /// Each choice's text starts with its prompt's.
+    pub echo: bool,
     pub generation: Generation,
 }
 
@@ -121,6 +133,7 @@ const COMMON: &[&str] = &[
     "min_p",
     "repetition_penalty",
     "ignore_eos",
+    "stop_token_ids",
 ];
 const COMPLETION_ONLY: &[&str] = &["prompt", "echo", "suffix", "best_of"];
 const CHAT_ONLY: &[&str] = &[
@@ -166,15 +179,17 @@ pub fn completion(body: &[u8], rules: &Rules) -> ApiResult<CompletionRequest> {
     let o = Obj::top(&map);
     o.only(&[COMMON, COMPLETION_ONLY])?;
     model(&o, rules)?;
-    let prompt = prompt(&o, rules.vocab_size)?;
+    let prompts = prompts(&o, rules.vocab_size)?;
     let mut generation = generation(&o, rules)?;
+    sequences(prompts.len(), generation.n, rules)?;
     generation.logprobs = o
         .int_in("logprobs", 0, MAX_TOP_LOGPROBS as i64)?
         .map(|n| n as usize);
-    if o.bool("echo")? == Some(true) {
+    let echo = o.bool("echo")?.unwrap_or(false);
+    if echo && generation.logprobs.is_some() {
         return Err(ApiError::unsupported(
             "echo",
-            "is not supported: the completion does not repeat the prompt",
+            "with 'logprobs' is not supported: nibble does not compute the prompt's log-probabilities",
         ));
     }
     if o.str("suffix")?.is_some_and(|s| !s.is_empty()) {
@@ -183,15 +198,49 @@ pub fn completion(body: &[u8], rules: &Rules) -> ApiResult<CompletionRequest> {
             "is not supported: nibble does not insert text",
         ));
     }
-    if let Some(b) = o.int_in("best_of", 1, i64::MAX)?
-        && b > 1
-    {
-        return Err(ApiError::unsupported(
-            "best_of",
-            "above 1 is not supported: nibble generates one completion per request",
-        ));
+    if let Some(b) = o.int_in("best_of", 1, i64::MAX)? {
+        if b > 1 {
+            return Err(ApiError::unsupported(
+                "best_of",
+                "above 1 is not supported: use 'n' for several completions",
+            ));
+        }
+        if (b as usize) < generation.n {
+            return Err(ApiError::invalid_value(
+                "best_of",
+                "it must be at least 'n' (it is how many completions are generated to return 'n').",
+            ));
+        }
     }
-    Ok(CompletionRequest { prompt, generation })
+    Ok(CompletionRequest {
+        prompts,
+        echo,
+        generation,
+    })
+}
+
+/// Refuses a request for more sequences than the waiting queue holds: it could never be
+/// admitted, so "retry later" (429) would be wrong.
+fn sequences(prompts: usize, n: usize, rules: &Rules) -> ApiResult<()> {
+    let total = prompts.saturating_mul(n);
+    if total <= rules.max_sequences {
+        return Ok(());
+    }
+    let (param, what) = if prompts > 1 {
+        (
+            "prompt",
+            format!("{prompts} prompts with n = {n} are {total} sequences"),
+        )
+    } else {
+        ("n", format!("{n} choices"))
+    };
+    Err(ApiError::invalid_value(
+        param,
+        format!(
+            "{what}; this server queues at most {} at once (--max-waiting).",
+            rules.max_sequences
+        ),
+    ))
 }
 
 pub fn chat(body: &[u8], rules: &Rules) -> ApiResult<ChatRequest> {
@@ -201,6 +250,7 @@ pub fn chat(body: &[u8], rules: &Rules) -> ApiResult<ChatRequest> {
     model(&o, rules)?;
     let messages = messages(&o, rules.max_messages)?;
     let mut generation = generation(&o, rules)?;
+    sequences(1, generation.n, rules)?;
     if let Some(m) = o.int_in("max_completion_tokens", 1, i64::MAX)? {
         if generation.max_tokens.is_some_and(|t| t != m as usize) {
             return Err(ApiError::invalid_value(
@@ -452,12 +502,14 @@ fn generation(o: &Obj, rules: &Rules) -> ApiResult<Generation> {
         Some(v) => return Err(ApiError::invalid_type("stream_options", "an object", v)),
     };
     let max_tokens = o.int_in("max_tokens", 1, i64::MAX)?.map(|m| m as usize);
-    if let Some(n) = o.int_in("n", 1, i64::MAX)?
-        && n > 1
-    {
-        return Err(ApiError::unsupported(
+    let n = o.int_in("n", 1, i64::MAX)?.unwrap_or(1);
+    if n as u64 > rules.max_n as u64 {
+        return Err(ApiError::invalid_value(
             "n",
-            "above 1 is not supported: send one request per completion",
+            format!(
+                "{n} choices; this server generates at most {} per request (--max-n).",
+                rules.max_n
+            ),
         ));
     }
     // vLLM's convention: -1 (or 0) turns top-k off; nothing below that means anything.
@@ -505,9 +557,11 @@ fn generation(o: &Obj, rules: &Rules) -> ApiResult<Generation> {
     logit_bias(o, rules.vocab_size)?;
     o.str("user")?;
     Ok(Generation {
+        n: n as usize,
         params,
         max_tokens,
         stop: stop(o, rules.max_stop)?,
+        stop_token_ids: stop_token_ids(o, rules)?,
         stream,
         include_usage,
         ignore_eos: o.bool("ignore_eos")?.unwrap_or(false),
@@ -561,6 +615,34 @@ fn stop(o: &Obj, max: usize) -> ApiResult<Vec<String>> {
         .collect()
 }
 
+fn stop_token_ids(o: &Obj, rules: &Rules) -> ApiResult<Vec<u32>> {
+    let a = match o.get("stop_token_ids") {
+        None => return Ok(vec![]),
+        Some(Value::Array(a)) => a,
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "stop_token_ids",
+                "an array of token ids",
+                v,
+            ));
+        }
+    };
+    if a.len() > rules.max_stop {
+        return Err(ApiError::invalid_value(
+            "stop_token_ids",
+            format!(
+                "{} stop token ids; this server takes at most {} (--max-stop-strings).",
+                a.len(),
+                rules.max_stop
+            ),
+        ));
+    }
+    a.iter()
+        .enumerate()
+        .map(|(i, v)| token_id(&format!("stop_token_ids[{i}]"), v, rules.vocab_size))
+        .collect()
+}
+
 fn logit_bias(o: &Obj, vocab_size: usize) -> ApiResult<()> {
     let map = match o.get("logit_bias") {
         None => return Ok(()),
@@ -605,44 +687,59 @@ fn logit_bias(o: &Obj, vocab_size: usize) -> ApiResult<()> {
     }
 }
 
-fn prompt(o: &Obj, vocab_size: usize) -> ApiResult<Prompt> {
-    const WANT: &str = "a string, an array with one string, or an array of token ids";
+/// `prompt`: a string, a list of strings, a list of token ids, or a list of lists of token ids
+/// (the lists of several are a batch).
+fn prompts(o: &Obj, vocab_size: usize) -> ApiResult<Vec<Prompt>> {
+    const WANT: &str =
+        "a string, an array of strings, an array of token ids or an array of arrays of token ids";
     let a = match o.get("prompt") {
         None => return Err(ApiError::missing("prompt")),
-        Some(Value::String(s)) => return Ok(Prompt::Text(s.clone())),
+        Some(Value::String(s)) => return Ok(vec![Prompt::Text(s.clone())]),
         Some(Value::Array(a)) => a,
         Some(v) => return Err(ApiError::invalid_type("prompt", WANT, v)),
     };
-    let batched = || {
-        ApiError::unsupported(
-            "prompt",
-            "with several prompts (a batch) is not supported: send one request per prompt",
-        )
+    let ids = |param: &str, a: &[Value]| {
+        a.iter()
+            .enumerate()
+            .map(|(i, v)| token_id(&format!("{param}[{i}]"), v, vocab_size))
+            .collect::<ApiResult<Vec<u32>>>()
     };
     match a.first() {
         None => Err(ApiError::invalid_value(
             "prompt",
-            "the array is empty; give a string or at least one token id.",
+            "the array is empty; give a string, strings, token ids or arrays of token ids.",
         )),
-        Some(Value::String(s)) if a.len() == 1 => Ok(Prompt::Text(s.clone())),
-        Some(Value::String(_)) => match a.iter().position(|v| !v.is_string()) {
-            Some(i) => Err(ApiError::invalid_type(
-                &format!("prompt[{i}]"),
-                "a string",
-                &a[i],
-            )),
-            None => Err(batched()),
-        },
-        Some(Value::Array(_)) => Err(batched()),
-        Some(Value::Number(_)) => a
+        Some(Value::String(_)) => a
             .iter()
             .enumerate()
-            .map(|(i, v)| token_id(&format!("prompt[{i}]"), v, vocab_size))
-            .collect::<ApiResult<Vec<u32>>>()
-            .map(Prompt::Tokens),
+            .map(|(i, v)| match v {
+                Value::String(s) => Ok(Prompt::Text(s.clone())),
+                v => Err(ApiError::invalid_type(
+                    &format!("prompt[{i}]"),
+                    "a string",
+                    v,
+                )),
+            })
+            .collect(),
+        Some(Value::Number(_)) => Ok(vec![Prompt::Tokens(ids("prompt", a)?)]),
+        Some(Value::Array(_)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let param = format!("prompt[{i}]");
+                match v {
+                    Value::Array(inner) if inner.is_empty() => Err(ApiError::invalid_value(
+                        &param,
+                        "the array is empty; give at least one token id.",
+                    )),
+                    Value::Array(inner) => Ok(Prompt::Tokens(ids(&param, inner)?)),
+                    v => Err(ApiError::invalid_type(&param, "an array of token ids", v)),
+                }
+            })
+            .collect(),
         Some(v) => Err(ApiError::invalid_type(
             "prompt[0]",
-            "a string or a token id",
+            "a string, a token id or an array of token ids",
             v,
         )),
     }

@@ -9,6 +9,8 @@ const RULES: Rules = Rules {
     vocab_size: 1000,
     max_messages: 4,
     max_stop: 3,
+    max_n: 4,
+    max_sequences: 6,
 };
 
 fn completion_of(body: Value) -> ApiResult<CompletionRequest> {
@@ -55,9 +57,11 @@ fn valid_requests_become_typed_requests() {
         "temperature": 0, "top_p": 1, "top_k": -1, "stop": ["a", "b"], "seed": -1,
         "logprobs": 2, "stream": true, "stream_options": {"include_usage": true},
         "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "echo": false,
-        "suffix": "", "best_of": 1, "n": 1, "user": "u1", "ignore_eos": true, "min_p": null}))
+        "suffix": "", "best_of": 1, "n": 1, "user": "u1", "ignore_eos": true, "min_p": null,
+        "stop_token_ids": [0, 999]}))
     .unwrap();
-    assert_eq!(r.prompt, Prompt::Text("hi".into()));
+    assert_eq!(r.prompts, [Prompt::Text("hi".into())]);
+    assert!(!r.echo);
     let g = r.generation;
     assert_eq!(g.max_tokens, Some(5));
     assert_eq!(g.params.temperature, 0.0);
@@ -66,14 +70,23 @@ fn valid_requests_become_typed_requests() {
     assert_eq!(g.stop, ["a", "b"]);
     assert_eq!(g.logprobs, Some(2));
     assert!(g.stream && g.include_usage && g.ignore_eos);
+    assert_eq!(g.n, 1);
+    assert_eq!(g.stop_token_ids, [0, 999]);
+    let prompts = |p: Value| completion_of(json!({ "prompt": p })).unwrap().prompts;
+    assert_eq!(prompts(json!([1, 999])), [Prompt::Tokens(vec![1, 999])]);
+    assert_eq!(prompts(json!(["one"])), [Prompt::Text("one".into())]);
     assert_eq!(
-        completion_of(json!({"prompt": [1, 999]})).unwrap().prompt,
-        Prompt::Tokens(vec![1, 999])
+        prompts(json!(["one", ""])),
+        [Prompt::Text("one".into()), Prompt::Text("".into())]
     );
     assert_eq!(
-        completion_of(json!({"prompt": ["one"]})).unwrap().prompt,
-        Prompt::Text("one".into())
+        prompts(json!([[1], [2, 3]])),
+        [Prompt::Tokens(vec![1]), Prompt::Tokens(vec![2, 3])]
     );
+    let r = completion_of(json!({"prompt": ["a", "b"], "n": 3, "echo": true, "best_of": null}))
+        .unwrap();
+    assert!(r.echo);
+    assert_eq!((r.prompts.len(), r.generation.n), (2, 3));
 
     let c = chat_of(json!({"messages": [
         {"role": "system", "content": "s"},
@@ -88,6 +101,13 @@ fn valid_requests_become_typed_requests() {
     assert_eq!(c.messages[1].role.template_name(), "system");
     assert_eq!(c.generation.logprobs, Some(3));
     assert_eq!(c.generation.max_tokens, Some(7));
+    assert_eq!(
+        chat_of(json!({"messages": [{"role": "user", "content": "u"}], "n": 4}))
+            .unwrap()
+            .generation
+            .n,
+        4
+    );
     let t = chat_of(json!({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}))
         .unwrap();
     assert_eq!(t.messages[0].role, Role::Tool);
@@ -146,6 +166,21 @@ fn types_are_checked() {
     both(
         json!({"stream": true, "stream_options": {"include_usage": 1}}),
         "stream_options.include_usage",
+        "invalid_type",
+    );
+    both(
+        json!({"stop_token_ids": 5}),
+        "stop_token_ids",
+        "invalid_type",
+    );
+    both(
+        json!({"stop_token_ids": [1, "2"]}),
+        "stop_token_ids[1]",
+        "invalid_type",
+    );
+    both(
+        json!({"stop_token_ids": [1.5]}),
+        "stop_token_ids[0]",
         "invalid_type",
     );
     both(json!({"logit_bias": [1]}), "logit_bias", "invalid_type");
@@ -259,6 +294,21 @@ fn ranges_are_checked_not_clamped() {
         "invalid_value",
     );
     both(json!({"stop": ""}), "stop", "invalid_value");
+    both(
+        json!({"stop_token_ids": [1, 2, 3, 4]}),
+        "stop_token_ids",
+        "invalid_value",
+    );
+    both(
+        json!({"stop_token_ids": [1, 1000]}),
+        "stop_token_ids[1]",
+        "invalid_value",
+    );
+    both(
+        json!({"stop_token_ids": [-1]}),
+        "stop_token_ids[0]",
+        "invalid_value",
+    );
     both(json!({"stop": ["a", ""]}), "stop[1]", "invalid_value");
     both(
         json!({"stream_options": {"include_usage": true}}),
@@ -382,10 +432,9 @@ fn unimplemented_fields_are_refused_unless_off() {
         "logit_bias",
         "unsupported_parameter",
     );
-    both(json!({"n": 2}), "n", "unsupported_parameter");
     refused(
         "completion",
-        json!({"echo": true}),
+        json!({"echo": true, "logprobs": 0}),
         "echo",
         "unsupported_parameter",
     );
@@ -399,18 +448,6 @@ fn unimplemented_fields_are_refused_unless_off() {
         "completion",
         json!({"best_of": 2}),
         "best_of",
-        "unsupported_parameter",
-    );
-    refused(
-        "completion",
-        json!({"prompt": ["a", "b"]}),
-        "prompt",
-        "unsupported_parameter",
-    );
-    refused(
-        "completion",
-        json!({"prompt": [[1, 2]]}),
-        "prompt",
         "unsupported_parameter",
     );
     refused(
@@ -723,5 +760,50 @@ fn content_parts() {
             "messages[1].content[1].type",
             "unsupported_parameter",
         );
+    }
+}
+
+#[test]
+fn n_and_the_number_of_sequences_are_capped() {
+    both(json!({"n": 5}), "n", "invalid_value");
+    let err = completion_of(json!({"prompt": "x", "n": 5})).unwrap_err();
+    assert!(err.message.contains("--max-n"), "{}", err.message);
+    // 7 prompts, or 2 prompts with n = 4: more than the queue (6) holds.
+    let seven = Value::Array(vec![json!("x"); 7]);
+    refused(
+        "completion",
+        json!({ "prompt": seven }),
+        "prompt",
+        "invalid_value",
+    );
+    let err = completion_of(json!({"prompt": [[1], [2]], "n": 4})).unwrap_err();
+    assert_eq!(err.param.as_deref(), Some("prompt"));
+    assert!(err.message.contains("--max-waiting"), "{}", err.message);
+    completion_of(json!({"prompt": [[1], [2]], "n": 3})).unwrap();
+    // best_of, were it given, counts the completions generated: at least n.
+    refused(
+        "completion",
+        json!({"n": 2, "best_of": 1}),
+        "best_of",
+        "invalid_value",
+    );
+}
+
+#[test]
+fn batched_prompts() {
+    for (p, param, code) in [
+        (json!(["a", 1]), "prompt[1]", "invalid_type"),
+        (json!(["a", ["b"]]), "prompt[1]", "invalid_type"),
+        (json!([[1], 2]), "prompt[1]", "invalid_type"),
+        (json!([[1], "a"]), "prompt[1]", "invalid_type"),
+        (json!([[1], []]), "prompt[1]", "invalid_value"),
+        (json!([[]]), "prompt[0]", "invalid_value"),
+        (json!([["a"]]), "prompt[0][0]", "invalid_type"),
+        (json!([[1, 2], [3, 1000]]), "prompt[1][1]", "invalid_value"),
+        (json!([[1], [-1]]), "prompt[1][0]", "invalid_value"),
+        (json!([{}]), "prompt[0]", "invalid_type"),
+        (json!([null]), "prompt[0]", "invalid_type"),
+    ] {
+        refused("completion", json!({ "prompt": p }), param, code);
     }
 }

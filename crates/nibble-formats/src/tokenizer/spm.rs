@@ -224,6 +224,17 @@ impl SpmTokenizer {
     /// SentencePiece encodes a whole text, dummy prefix included: llama.cpp's rule, which gives
     /// a chat template's `<s>[INST] hi` the `▁[INST]` that Meta's reference code produces.
     pub(crate) fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        self.encode_cutting(text, add_special, &|_| true)
+    }
+
+    /// [`Self::encode`], cutting only at the control tokens `cut` accepts (by their byte range):
+    /// the others stay in their piece as text.
+    pub(crate) fn encode_cutting(
+        &self,
+        text: &str,
+        add_special: bool,
+        cut: &dyn Fn(std::ops::Range<usize>) -> bool,
+    ) -> Result<Vec<u32>> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
             out.extend(self.bos);
@@ -231,6 +242,9 @@ impl SpmTokenizer {
         let mut start = 0;
         if let Some(m) = &self.specials {
             for hit in m.automaton.find_iter(text) {
+                if !cut(hit.range()) {
+                    continue;
+                }
                 self.encode_piece(&text[start..hit.start()], &mut out)?;
                 out.push(m.ids[hit.pattern().as_usize()]);
                 start = hit.end();
@@ -241,6 +255,16 @@ impl SpmTokenizer {
             out.extend(self.eos);
         }
         Ok(out)
+    }
+
+    /// The strings of the control tokens that [`Self::encode`] cuts out of a text.
+    pub(crate) fn special_strings(&self) -> Vec<String> {
+        self.specials.as_ref().map_or_else(Vec::new, |m| {
+            m.ids
+                .iter()
+                .map(|&i| self.tokens[i as usize].clone())
+                .collect()
+        })
     }
 
     fn encode_piece(&self, raw: &str, out: &mut Vec<u32>) -> Result<()> {
