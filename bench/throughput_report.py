@@ -30,14 +30,16 @@ def main():
                 runs.append(r)
     if runs:
         print("| run | precision | seqs | prompts | prompt tok | output tok | s | output tok/s | "
-              "total tok/s | host share |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "total tok/s | host share | GPU idle (device clock) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in runs:
             share = r.get("steps", {}).get("host_share")
+            idle = r.get("steps", {}).get("device_idle_share")
             print(f"| {r['run']} | {precision(r['model'])} | {r['max_num_seqs']} | {r['requests']} | "
                   f"{r['prompt_tokens']} | {r['output_tokens']} | {r['elapsed_s']:.1f} | "
                   f"{r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} | "
-                  f"{'' if share is None else f'{share * 100:.1f}%'} |")
+                  f"{'' if share is None else f'{share * 100:.1f}%'} | "
+                  f"{'' if idle is None else f'{idle * 100:.1f}%'} |")
         print()
         print("Decode-only steps (profiled runs): mean host and device ms per step by batch size")
         print()

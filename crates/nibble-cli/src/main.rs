@@ -651,6 +651,13 @@ struct StepSummary {
     device_s: f64,
     /// Host time over all step time.
     host_share: f64,
+    /// The device's own clock (GPU): busy with steps, and idle between them waiting for the
+    /// host, over the run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device_timeline: Option<nibble_model::DeviceTimeline>,
+    /// Idle over busy plus idle: the share of the device's time the host cost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device_idle_share: Option<f64>,
     decode: Vec<StepRow>,
     mixed: StepRow,
 }
@@ -713,6 +720,8 @@ fn summarize_steps(profile: &[nibble_engine::serving::StepProfile]) -> StepSumma
         host_s,
         device_s,
         host_share: host_s / (host_s + device_s).max(f64::MIN_POSITIVE),
+        device_timeline: None,
+        device_idle_share: None,
         decode,
         mixed,
     }
@@ -827,7 +836,14 @@ where
     bar.finish_and_clear();
     let elapsed = t0.elapsed().as_secs_f64();
     let stats = llm.stats();
-    let steps = profile.then(|| summarize_steps(&llm.take_profile()));
+    let steps = profile.then(|| {
+        let mut s = summarize_steps(&llm.take_profile());
+        s.device_timeline = llm.take_device_timeline();
+        s.device_idle_share = s
+            .device_timeline
+            .map(|t| t.idle_s / (t.busy_s + t.idle_s).max(f64::MIN_POSITIVE));
+        s
+    });
     let r = ThroughputResult {
         engine: "nibble",
         backend: backend_name,
@@ -878,6 +894,15 @@ fn print_throughput(r: &ThroughputResult) {
             st.steps,
             st.host_share * 100.0
         );
+        if let (Some(t), Some(share)) = (st.device_timeline, st.device_idle_share) {
+            println!(
+                "device clock: {} steps, busy {:.2} s, idle between steps {:.2} s ({:.1}% idle)",
+                t.steps,
+                t.busy_s,
+                t.idle_s,
+                share * 100.0
+            );
+        }
         for d in st.decode.iter().chain(std::iter::once(&st.mixed)) {
             let name = if d.seqs_to == 0 {
                 "with prefill".to_string()

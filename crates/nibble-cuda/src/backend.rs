@@ -398,10 +398,22 @@ impl Backend for CudaBackend {
         vocab: usize,
         specs: &[SampleSpec],
     ) -> Result<PendingSample> {
-        if self.host_sampling {
-            return self.sample(logits, vocab, specs).map(PendingSample::Ready);
-        }
-        sampling::launch(&self.ctx, &self.sampling, logits, vocab, specs)
+        let pending = if self.host_sampling {
+            self.sample(logits, vocab, specs).map(PendingSample::Ready)
+        } else {
+            sampling::launch(&self.ctx, &self.sampling, logits, vocab, specs)
+        }?;
+        self.ctx.mark_step_end()?;
+        Ok(pending)
+    }
+
+    fn record_device_timeline(&self, on: bool) {
+        self.ctx.record_timeline(on);
+    }
+
+    fn take_device_timeline(&self) -> Option<nibble_model::DeviceTimeline> {
+        let r = self.ctx.take_timeline();
+        self.ctx.sticky(r).flatten()
     }
 
     fn collect_sample(&self, pending: PendingSample) -> Result<Vec<Sampled>> {

@@ -13,7 +13,7 @@ use nibble_model::BatchLayout;
 
 use crate::compile;
 use crate::graph::{self, GraphCache, GraphKey};
-use crate::host::StagingRing;
+use crate::host::{Event, StagingRing};
 use crate::runtime::{Arena, Arg, DeviceBuffer, DevicePtr, Gpu, Kernel, StickyError, driver_err};
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem};
 
@@ -77,6 +77,9 @@ pub(crate) struct State {
     feed: Option<Feed>,
 }
 
+/// Each step's start event and, once its sampling is queued, its end event.
+type StepMarks = Vec<(Event, Option<Event>)>;
+
 /// Tokens the next forward pass reads from the device ([`CudaContext::feed_next_forward`]).
 struct Feed {
     sampled: DevicePtr,
@@ -94,6 +97,8 @@ pub struct CudaContext {
     /// Per-step uploads go through page-locked memory, so queueing a step never waits for the
     /// one before it.
     staging: Mutex<StagingRing>,
+    /// Timed events at each step's start and end, while a profile records them.
+    timeline: Mutex<Option<StepMarks>>,
     err: StickyError,
     /// Capture decode steps as CUDA graphs (on unless NIBBLE_CUDA_GRAPHS=0).
     pub graphs_enabled: bool,
@@ -151,6 +156,7 @@ impl CudaContext {
                 feed: None,
             }),
             staging: Mutex::new(StagingRing::new()),
+            timeline: Mutex::new(None),
             err: StickyError::default(),
             graphs_enabled: std::env::var("NIBBLE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             split_counters,
@@ -392,6 +398,16 @@ impl CudaContext {
     pub(crate) fn begin_forward(&self, tokens: &[u32], batch: &BatchLayout) -> Result<()> {
         self.err.check()?;
         self.gpu.bind()?;
+        if let Some(t) = self
+            .timeline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+        {
+            let start = Event::timed(&self.gpu)?;
+            start.record(&self.gpu)?;
+            t.push((start, None));
+        }
         let feed = {
             let mut st = self.lock();
             if st.arena.reset(&self.gpu)? {
@@ -405,6 +421,53 @@ impl CudaContext {
             Some(f) => self.apply_feed(f, tokens.len()),
             None => Ok(()),
         }
+    }
+
+    /// Starts or stops recording each step's start and end on the device's clock.
+    pub(crate) fn record_timeline(&self, on: bool) {
+        *self.timeline.lock().unwrap_or_else(|p| p.into_inner()) = on.then(Vec::new);
+    }
+
+    /// Marks the end of the current step's work (after its sampling is queued).
+    pub(crate) fn mark_step_end(&self) -> Result<()> {
+        let mut t = self.timeline.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, end @ None)) = t.as_mut().and_then(|t| t.last_mut()) {
+            let e = Event::timed(&self.gpu)?;
+            e.record(&self.gpu)?;
+            *end = Some(e);
+        }
+        Ok(())
+    }
+
+    /// The recorded steps' busy and idle time (waits for the device), and starts afresh. A
+    /// forward pass that sampled nothing counts as busy until the next one starts.
+    pub(crate) fn take_timeline(&self) -> Result<Option<nibble_model::DeviceTimeline>> {
+        let steps = {
+            let mut t = self.timeline.lock().unwrap_or_else(|p| p.into_inner());
+            match t.as_mut() {
+                Some(t) => std::mem::take(t),
+                None => return Ok(None),
+            }
+        };
+        self.gpu.synchronize()?;
+        let mut out = nibble_model::DeviceTimeline {
+            steps: steps.len(),
+            ..Default::default()
+        };
+        for (i, (start, end)) in steps.iter().enumerate() {
+            let next = steps.get(i + 1).map(|(s, _)| s);
+            match (end, next) {
+                (Some(end), next) => {
+                    out.busy_s += end.seconds_since(start)?;
+                    if let Some(next) = next {
+                        out.idle_s += next.seconds_since(end)?.max(0.0);
+                    }
+                }
+                (None, Some(next)) => out.busy_s += next.seconds_since(start)?,
+                (None, None) => {}
+            }
+        }
+        Ok(Some(out))
     }
 
     /// Says that the next forward pass's rows `rows[i].0` take the token of record `rows[i].1`

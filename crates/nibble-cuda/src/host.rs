@@ -82,6 +82,21 @@ unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
 
 impl Event {
+    /// An event that keeps the time it fired, for [`Event::seconds_since`].
+    pub fn timed(gpu: &Gpu) -> Result<Event> {
+        gpu.bind()?;
+        cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map(Event)
+            .map_err(|e| driver_err("event create", e))
+    }
+
+    /// Seconds from `earlier` to this event, both timed and both fired.
+    pub fn seconds_since(&self, earlier: &Event) -> Result<f64> {
+        unsafe { cu::event::elapsed(earlier.0, self.0) }
+            .map(|ms| f64::from(ms) / 1e3)
+            .map_err(|e| driver_err("event elapsed time", e))
+    }
+
     pub fn new(gpu: &Gpu) -> Result<Event> {
         gpu.bind()?;
         cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)

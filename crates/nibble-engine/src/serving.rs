@@ -294,6 +294,13 @@ impl<B: Backend> LlmEngine<B> {
     /// device once more, to split host from device time).
     pub fn set_profiling(&mut self, on: bool) {
         self.profile = on.then(Vec::new);
+        self.backend.record_device_timeline(on);
+    }
+
+    /// Where the device's time went since profiling was turned on, by its own clock (devices
+    /// that record it): busy with steps, or idle between them waiting for the host.
+    pub fn take_device_timeline(&mut self) -> Option<nibble_model::DeviceTimeline> {
+        self.backend.take_device_timeline()
     }
 
     /// The steps profiled so far.

@@ -61,6 +61,16 @@ impl BatchLayout {
     }
 }
 
+/// Where a device's time went over a run of steps, by its own clock: `busy_s` from the start of
+/// each step's work to the end of its sampling, `idle_s` between the end of one step and the start
+/// of the next (the device waiting for the host).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct DeviceTimeline {
+    pub steps: usize,
+    pub busy_s: f64,
+    pub idle_s: f64,
+}
+
 /// Geometry of a KV cache entry: per layer, per token, `num_kv_heads * head_dim` keys and values,
 /// stored as `format` says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -243,6 +253,18 @@ pub trait Backend: Send + Sync {
     ) -> Result<Vec<Sampled>> {
         let host = self.to_host(logits)?;
         crate::sampling::sample_rows(&host, vocab, specs)
+    }
+
+    /// Starts (or stops) recording, on the device's own clock, when each forward pass's work
+    /// begins and when its sampling ends, so that [`Backend::take_device_timeline`] can say how
+    /// long the device was busy with steps and how long it sat idle between them. Nothing for a
+    /// backend that computes on the calling thread.
+    fn record_device_timeline(&self, _on: bool) {}
+
+    /// The device time recorded since [`Backend::record_device_timeline`] was turned on (and
+    /// clears it): `None` where nothing is recorded.
+    fn take_device_timeline(&self) -> Option<DeviceTimeline> {
+        None
     }
 
     /// Whether this backend queues work and returns before it runs (a GPU's stream), so that the

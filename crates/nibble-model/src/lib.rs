@@ -11,7 +11,7 @@ pub mod sampling;
 pub mod source;
 pub mod transformer;
 
-pub use backend::{AttentionShape, Backend, BatchLayout, KvShape, SeqSpan};
+pub use backend::{AttentionShape, Backend, BatchLayout, DeviceTimeline, KvShape, SeqSpan};
 pub use checkpoint::{CheckpointData, CheckpointSource, CheckpointTensor, write_checkpoint};
 pub use config::{Arch, ModelConfig, RopeLayout, RopeScaling, TensorLayout};
 pub use loader::{ModelFiles, open_model, tokenizer_from_path};
