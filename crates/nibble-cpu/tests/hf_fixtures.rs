@@ -33,6 +33,7 @@ fn check(name: &str) {
         worst = worst.max((a - b).abs());
     }
     assert!(worst < 2e-4, "{name}: max |logit error| {worst}");
+    eprintln!("{name}: max |logit error| {worst:e} against the float64 reference");
 
     // Greedy continuation through the KV cache, one token at a time.
     let mut next = argmax(&host[(n - 1) * vocab..n * vocab]);
@@ -76,6 +77,21 @@ fn qwen3_qk_norm_explicit_head_dim() {
 #[test]
 fn llama_tied_bf16_sharded() {
     check("tiny-llama-tied-bf16");
+}
+
+#[test]
+fn mixtral_moe_renormalized_router_bf16() {
+    check("tiny-mixtral");
+}
+
+#[test]
+fn qwen2_moe_shared_expert_unnormalized_router() {
+    check("tiny-qwen2-moe");
+}
+
+#[test]
+fn qwen3_moe_dense_and_sparse_layers_f16() {
+    check("tiny-qwen3-moe");
 }
 
 /// Sequences batched together (a prefill beside a decode step, different positions and slots)
