@@ -275,3 +275,29 @@ fn quantized_kv_formats_stay_near_the_f32_cache() {
         }
     }
 }
+
+/// A MoE checkpoint whose tensors disagree with its config's expert count fails at load,
+/// naming the tensor (the router, whose shape is checked before any expert is read).
+#[test]
+fn moe_checkpoint_with_other_expert_count_names_the_router() {
+    let src = fixture("tiny-mixtral");
+    let dir = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), dir.path().join(f.file_name())).unwrap();
+    }
+    let config = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&config).unwrap();
+    v["num_local_experts"] = 5.into();
+    std::fs::write(dir.path().join("config.json"), v.to_string()).unwrap();
+    let files = nibble_model::open_model(dir.path(), None).unwrap();
+    let backend = nibble_cpu::CpuBackend::new(1).unwrap();
+    let e = nibble_model::Transformer::load(&backend, files.config, &*files.source, &mut |_, _| {})
+        .err()
+        .expect("an expert count the tensors do not have must fail the load")
+        .to_string();
+    assert!(
+        e.contains("model.layers.0.block_sparse_moe.gate.weight") && e.contains("[5, 64]"),
+        "{e}"
+    );
+}
