@@ -111,6 +111,20 @@ impl ModelConfig {
         let arch_name = file.get_str("general.architecture")?;
         let arch = Arch::from_name(arch_name, &file.path().display().to_string())?;
         let key = |k: &str| format!("{arch_name}.{k}");
+        // A llama-arch Mixtral GGUF must not load as a dense model (its FFN tensors are stacked
+        // experts the dense loader would report as missing, less clearly).
+        if let Some(v) = file.metadata(&key("expert_count"))
+            && v.as_u64().is_some_and(|n| n > 0)
+        {
+            return Err(Error::unsupported(
+                format!(
+                    "a mixture-of-experts GGUF file ({} = {v:?} in {})",
+                    key("expert_count"),
+                    file.path().display()
+                ),
+                "nibble loads mixture-of-experts models from Hugging Face safetensors directories",
+            ));
+        }
         let hidden_size = file.get_u64(&key("embedding_length"))? as usize;
         let num_heads = file.get_u64(&key("attention.head_count"))? as usize;
         let num_kv_heads = match file.metadata(&key("attention.head_count_kv")) {
@@ -153,18 +167,6 @@ impl ModelConfig {
             return Err(Error::unsupported(
                 format!("partial rotary embedding ({v:?} of {head_dim} dims)"),
                 "nibble rotates the whole head",
-            ));
-        }
-        if let Some(v) = file.metadata(&key("expert_count"))
-            && v.as_u64().is_some_and(|n| n > 0)
-        {
-            return Err(Error::unsupported(
-                format!(
-                    "a mixture-of-experts GGUF file ({} = {v:?} in {})",
-                    key("expert_count"),
-                    file.path().display()
-                ),
-                "nibble loads mixture-of-experts models from Hugging Face safetensors directories",
             ));
         }
         let cfg = ModelConfig {
@@ -893,6 +895,21 @@ mod tests {
         let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
         let v = serde_json::from_str(&text).unwrap();
         (text, v)
+    }
+
+    #[test]
+    fn moe_gguf_is_refused_naming_the_key() {
+        use nibble_formats::gguf::{GgufWriter, MetaValue};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mixtral.gguf");
+        let mut w = GgufWriter::new();
+        w.meta("general.architecture", MetaValue::String("llama".into()))
+            .meta("llama.expert_count", MetaValue::U32(8))
+            .meta("llama.expert_used_count", MetaValue::U32(2));
+        w.write_to(&path).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let e = ModelConfig::from_gguf(&file).unwrap_err().to_string();
+        assert!(e.contains("llama.expert_count"), "{e}");
     }
 
     #[test]
