@@ -18,7 +18,7 @@ use std::sync::OnceLock;
 
 use nibble_core::{Error, Result};
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
-use nibble_model::{AttentionShape, Backend, BatchLayout, KvShape, RopeLayout};
+use nibble_model::{AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, ScaledRows};
 
 pub use kv::CpuKvCache;
 
@@ -262,6 +262,39 @@ impl Backend for CpuBackend {
             data.extend_from_slice(x.row(r));
         }
         CpuTensor::new(data, rows.len(), x.cols)
+    }
+
+    fn scatter_add_scaled(
+        &self,
+        rows: usize,
+        cols: usize,
+        parts: &[ScaledRows<'_, CpuTensor>],
+    ) -> Result<CpuTensor> {
+        let mut out = CpuTensor::zeros(rows, cols);
+        for (n, p) in parts.iter().enumerate() {
+            if p.x.cols != cols || p.x.rows != p.rows.len() || p.rows.len() != p.scales.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "scatter_add_scaled part {n}: a [{}, {}] tensor with {} target rows and {} \
+                     scales for a [{rows}, {cols}] result",
+                    p.x.rows,
+                    p.x.cols,
+                    p.rows.len(),
+                    p.scales.len()
+                )));
+            }
+            if let Some(&r) = p.rows.iter().find(|&&r| r >= rows) {
+                return Err(Error::InvalidArgument(format!(
+                    "scatter_add_scaled part {n}: target row {r} of {rows}"
+                )));
+            }
+            for ((i, &r), &s) in p.rows.iter().enumerate().zip(p.scales) {
+                let dst = &mut out.data[r * cols..(r + 1) * cols];
+                for (o, &v) in dst.iter_mut().zip(p.x.row(i)) {
+                    *o = s.mul_add(v, *o);
+                }
+            }
+        }
+        Ok(out)
     }
 
     fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {

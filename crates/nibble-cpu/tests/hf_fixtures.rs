@@ -33,6 +33,7 @@ fn check(name: &str) {
         worst = worst.max((a - b).abs());
     }
     assert!(worst < 2e-4, "{name}: max |logit error| {worst}");
+    eprintln!("{name}: max |logit error| {worst:e} against the float64 reference");
 
     // Greedy continuation through the KV cache, one token at a time.
     let mut next = argmax(&host[(n - 1) * vocab..n * vocab]);
@@ -76,6 +77,21 @@ fn qwen3_qk_norm_explicit_head_dim() {
 #[test]
 fn llama_tied_bf16_sharded() {
     check("tiny-llama-tied-bf16");
+}
+
+#[test]
+fn mixtral_moe_renormalized_router_bf16() {
+    check("tiny-mixtral");
+}
+
+#[test]
+fn qwen2_moe_shared_expert_unnormalized_router() {
+    check("tiny-qwen2-moe");
+}
+
+#[test]
+fn qwen3_moe_dense_and_sparse_layers_f16() {
+    check("tiny-qwen3-moe");
 }
 
 /// Sequences batched together (a prefill beside a decode step, different positions and slots)
@@ -258,4 +274,30 @@ fn quantized_kv_formats_stay_near_the_f32_cache() {
             );
         }
     }
+}
+
+/// A MoE checkpoint whose tensors disagree with its config's expert count fails at load,
+/// naming the tensor (the router, whose shape is checked before any expert is read).
+#[test]
+fn moe_checkpoint_with_other_expert_count_names_the_router() {
+    let src = fixture("tiny-mixtral");
+    let dir = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), dir.path().join(f.file_name())).unwrap();
+    }
+    let config = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&config).unwrap();
+    v["num_local_experts"] = 5.into();
+    std::fs::write(dir.path().join("config.json"), v.to_string()).unwrap();
+    let files = nibble_model::open_model(dir.path(), None).unwrap();
+    let backend = nibble_cpu::CpuBackend::new(1).unwrap();
+    let e = nibble_model::Transformer::load(&backend, files.config, &*files.source, &mut |_, _| {})
+        .err()
+        .expect("an expert count the tensors do not have must fail the load")
+        .to_string();
+    assert!(
+        e.contains("model.layers.0.block_sparse_moe.gate.weight") && e.contains("[5, 64]"),
+        "{e}"
+    );
 }

@@ -15,7 +15,7 @@ use nibble_core::{Error, Result};
 use nibble_formats::gguf::GgmlType;
 use nibble_formats::{HostTensor, WeightFormat};
 use nibble_model::sampling::{PendingSample, SampleSpec, Sampled};
-use nibble_model::{AttentionShape, Backend, BatchLayout, KvShape, RopeLayout};
+use nibble_model::{AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, ScaledRows};
 use nibble_precision::KvFormat;
 
 use crate::blas::Blas;
@@ -351,6 +351,18 @@ impl Backend for CudaBackend {
     fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
         let r = ew::gather_rows(&self.ctx, x, rows);
         self.or_dead(r, rows.len(), x.cols, Elem::F32)
+    }
+
+    fn scatter_add_scaled(
+        &self,
+        _rows: usize,
+        _cols: usize,
+        _parts: &[ScaledRows<'_, CudaTensor>],
+    ) -> Result<CudaTensor> {
+        Err(Error::unsupported(
+            "mixture-of-experts layers on the CUDA backend",
+            "their expert combine has no GPU kernel yet; run the model on the CPU backend",
+        ))
     }
 
     fn to_host(&self, x: &CudaTensor) -> Result<Vec<f32>> {

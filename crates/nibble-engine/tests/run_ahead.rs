@@ -19,7 +19,7 @@ use nibble_engine::{FinishReason, SamplingParams};
 use nibble_formats::HostTensor;
 use nibble_model::sampling::{PendingSample, SampleSpec, Sampled};
 use nibble_model::{
-    AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, Transformer, open_model,
+    AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, ScaledRows, Transformer, open_model,
 };
 
 #[derive(Default)]
@@ -131,6 +131,14 @@ impl Backend for Deferred {
     }
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
         self.cpu.gather_rows(x, rows)
+    }
+    fn scatter_add_scaled(
+        &self,
+        rows: usize,
+        cols: usize,
+        parts: &[ScaledRows<'_, CpuTensor>],
+    ) -> Result<CpuTensor> {
+        self.cpu.scatter_add_scaled(rows, cols, parts)
     }
     fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
         self.cpu.to_host(x)

@@ -14,8 +14,14 @@ fn engine(config: EngineConfig) -> LlmEngine<CpuBackend> {
 }
 
 fn engine_kv(config: EngineConfig, kv: KvFormat) -> LlmEngine<CpuBackend> {
-    let dir =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../nibble-model/tests/fixtures/tiny-qwen2");
+    engine_of("tiny-qwen2", config, kv)
+}
+
+/// An engine over the fixture model `name`.
+fn engine_of(name: &str, config: EngineConfig, kv: KvFormat) -> LlmEngine<CpuBackend> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../nibble-model/tests/fixtures")
+        .join(name);
     let files = open_model(&dir, None).unwrap();
     let backend = CpuBackend::new(2).unwrap();
     let mut model =
@@ -113,6 +119,32 @@ fn batched_equals_alone() {
     let mut e = engine(EngineConfig::default());
     let reqs = all_prompts(12);
     assert_eq!(run(&mut e, reqs), want);
+}
+
+/// Mixture-of-experts models: a token's experts run on whichever rows chose them, so batching
+/// and chunking change which rows share an expert's matmul; the outputs (tokens and the bits of
+/// their log-probabilities) must not change.
+#[test]
+fn moe_batched_and_chunked_equal_alone() {
+    for name in ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"] {
+        let mut want = HashMap::new();
+        for (i, p) in prompts().into_iter().enumerate() {
+            let mut e = engine_of(name, EngineConfig::default(), KvFormat::F16);
+            want.extend(run(&mut e, vec![(i as u64, request(p, 12))]));
+        }
+        let mut e = engine_of(name, EngineConfig::default(), KvFormat::F16);
+        assert_eq!(run(&mut e, all_prompts(12)), want, "{name}: batched");
+        let chunked = EngineConfig {
+            max_batched_tokens: 4,
+            ..EngineConfig::default()
+        };
+        let mut e = engine_of(name, chunked, KvFormat::F16);
+        assert_eq!(
+            run(&mut e, all_prompts(12)),
+            want,
+            "{name}: chunked prefill"
+        );
+    }
 }
 
 #[test]

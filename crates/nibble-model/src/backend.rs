@@ -89,6 +89,15 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
+/// Rows of `x` to be added, each scaled, into rows of a result: row `i` of `x` times
+/// `scales[i]` goes to row `rows[i]`. One expert's outputs in a mixture-of-experts layer.
+#[derive(Debug, Clone, Copy)]
+pub struct ScaledRows<'a, T> {
+    pub x: &'a T,
+    pub rows: &'a [usize],
+    pub scales: &'a [f32],
+}
+
 pub trait Backend: Send + Sync {
     /// Activations: a row-major matrix `[tokens, features]`.
     type Tensor: Send + Sync;
@@ -217,6 +226,16 @@ pub trait Backend: Send + Sync {
     fn add(&self, x: &mut Self::Tensor, delta: &Self::Tensor);
     /// A tensor made of the given rows.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+    /// A `[rows, cols]` tensor that starts at zero and gets each part's scaled rows added, part
+    /// after part in the order given (a mixture-of-experts layer's weighted sum of its experts'
+    /// outputs): each output row's sum is in that order whatever the other rows hold, which
+    /// keeps the forward pass batch-invariant. Rows and shapes out of range are errors.
+    fn scatter_add_scaled(
+        &self,
+        rows: usize,
+        cols: usize,
+        parts: &[ScaledRows<'_, Self::Tensor>],
+    ) -> Result<Self::Tensor>;
     /// Copies to host memory, row-major.
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
 

@@ -12,6 +12,12 @@ pub enum Arch {
     Mistral,
     Qwen2,
     Qwen3,
+    /// Mistral with a sparse feed-forward in every layer.
+    Mixtral,
+    /// Qwen2 with sparse feed-forwards and a gated shared expert.
+    Qwen2Moe,
+    /// Qwen3 with sparse feed-forwards.
+    Qwen3Moe,
 }
 
 impl Arch {
@@ -21,10 +27,13 @@ impl Arch {
             "mistral" | "MistralForCausalLM" => Arch::Mistral,
             "qwen2" | "Qwen2ForCausalLM" => Arch::Qwen2,
             "qwen3" | "Qwen3ForCausalLM" => Arch::Qwen3,
+            "mixtral" | "MixtralForCausalLM" => Arch::Mixtral,
+            "qwen2_moe" | "Qwen2MoeForCausalLM" => Arch::Qwen2Moe,
+            "qwen3_moe" | "Qwen3MoeForCausalLM" => Arch::Qwen3Moe,
             other => {
                 return Err(Error::unsupported(
                     format!("architecture '{other}' (from {origin})"),
-                    "nibble runs llama, mistral, qwen2 and qwen3",
+                    "nibble runs llama, mistral, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe",
                 ));
             }
         })
@@ -73,6 +82,28 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
     pub rope_layout: RopeLayout,
     pub max_context: usize,
+    /// The sparse feed-forward of mixture-of-experts models; `None` for dense ones.
+    pub moe: Option<MoeConfig>,
+}
+
+/// A sparse feed-forward: a router picks `top_k` of `num_experts` expert MLPs per token (softmax
+/// in f32 over all experts, the `top_k` largest probabilities), whose outputs are summed weighted
+/// by those probabilities.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub top_k: usize,
+    /// The chosen probabilities are divided by their sum (Mixtral always; Qwen when
+    /// `norm_topk_prob`). Otherwise they are used as they are, summing to less than one.
+    pub renormalize: bool,
+    /// Hidden width of each routed expert.
+    pub expert_intermediate_size: usize,
+    /// Qwen2-MoE's shared expert, run for every token and scaled by
+    /// `sigmoid(shared_expert_gate · x)`: its hidden width.
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// Per layer, whether its feed-forward is sparse; the others are dense MLPs of
+    /// `intermediate_size` (Qwen's `decoder_sparse_step` and `mlp_only_layers`).
+    pub sparse_layers: Vec<bool>,
 }
 
 impl ModelConfig {
@@ -80,6 +111,20 @@ impl ModelConfig {
         let arch_name = file.get_str("general.architecture")?;
         let arch = Arch::from_name(arch_name, &file.path().display().to_string())?;
         let key = |k: &str| format!("{arch_name}.{k}");
+        // A llama-arch Mixtral GGUF must not load as a dense model (its FFN tensors are stacked
+        // experts the dense loader would report as missing, less clearly).
+        if let Some(v) = file.metadata(&key("expert_count"))
+            && v.as_u64().is_some_and(|n| n > 0)
+        {
+            return Err(Error::unsupported(
+                format!(
+                    "a mixture-of-experts GGUF file ({} = {v:?} in {})",
+                    key("expert_count"),
+                    file.path().display()
+                ),
+                "nibble loads mixture-of-experts models from Hugging Face safetensors directories",
+            ));
+        }
         let hidden_size = file.get_u64(&key("embedding_length"))? as usize;
         let num_heads = file.get_u64(&key("attention.head_count"))? as usize;
         let num_kv_heads = match file.metadata(&key("attention.head_count_kv")) {
@@ -146,6 +191,7 @@ impl ModelConfig {
                 Some(_) => file.get_u64(&key("context_length"))? as usize,
                 None => 2048,
             },
+            moe: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -230,11 +276,13 @@ impl ModelConfig {
             max_context: opt("max_position_embeddings")
                 .and_then(Value::as_u64)
                 .unwrap_or(2048) as usize,
+            moe: None,
         };
+        cfg.moe = moe_from_hf(&v, arch, cfg.num_layers, origin)?;
         // Sliding-window attention is not implemented; within the window it equals full
         // attention, so the usable context is capped there (a clear limit, never wrong output).
         let window_on = match arch {
-            Arch::Mistral => true,
+            Arch::Mistral | Arch::Mixtral => true,
             _ => opt("use_sliding_window")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
@@ -259,6 +307,9 @@ impl ModelConfig {
             Arch::Mistral => ("MistralForCausalLM", "mistral"),
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+            Arch::Mixtral => ("MixtralForCausalLM", "mixtral"),
+            Arch::Qwen2Moe => ("Qwen2MoeForCausalLM", "qwen2_moe"),
+            Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
         };
         let refuse = |why: &str| {
             Err(Error::unsupported(
@@ -267,10 +318,18 @@ impl ModelConfig {
             ))
         };
         match self.arch {
-            Arch::Qwen2 if !layout.attention_bias => return refuse("without Q/K/V biases"),
-            Arch::Mistral if layout.attention_bias => return refuse("with Q/K/V biases"),
-            Arch::Qwen3 if !layout.qk_norm => return refuse("without per-head Q/K norms"),
-            Arch::Llama | Arch::Mistral | Arch::Qwen2 if layout.qk_norm => {
+            Arch::Qwen2 | Arch::Qwen2Moe if !layout.attention_bias => {
+                return refuse("without Q/K/V biases");
+            }
+            Arch::Mistral | Arch::Mixtral if layout.attention_bias => {
+                return refuse("with Q/K/V biases");
+            }
+            Arch::Qwen3 | Arch::Qwen3Moe if !layout.qk_norm => {
+                return refuse("without per-head Q/K norms");
+            }
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Mixtral | Arch::Qwen2Moe
+                if layout.qk_norm =>
+            {
                 return refuse("with per-head Q/K norms");
             }
             _ => {}
@@ -352,10 +411,51 @@ impl ModelConfig {
                 o.insert("sliding_window".into(), Value::Null);
                 o.insert("use_sliding_window".into(), false.into());
             }
-            Arch::Qwen3 => {
+            Arch::Qwen3 | Arch::Qwen3Moe => {
                 o.insert("attention_bias".into(), layout.attention_bias.into());
                 o.insert("sliding_window".into(), Value::Null);
                 o.insert("use_sliding_window".into(), false.into());
+            }
+            Arch::Mixtral => {
+                o.insert("sliding_window".into(), Value::Null);
+            }
+            Arch::Qwen2Moe => {
+                o.insert("sliding_window".into(), Value::Null);
+                o.insert("use_sliding_window".into(), false.into());
+            }
+        }
+        if let Some(m) = &self.moe {
+            let dense: Vec<usize> = (0..self.num_layers)
+                .filter(|&i| !m.sparse_layers.get(i).copied().unwrap_or(false))
+                .collect();
+            o.insert("num_experts_per_tok".into(), m.top_k.into());
+            if self.arch == Arch::Mixtral {
+                if !m.renormalize
+                    || !dense.is_empty()
+                    || m.shared_expert_intermediate_size.is_some()
+                    || m.expert_intermediate_size != self.intermediate_size
+                {
+                    return refuse(
+                        "with a router, dense layers or expert widths other than Mixtral's",
+                    );
+                }
+                o.insert("num_local_experts".into(), m.num_experts.into());
+            } else {
+                o.insert("num_experts".into(), m.num_experts.into());
+                o.insert("norm_topk_prob".into(), m.renormalize.into());
+                o.insert(
+                    "moe_intermediate_size".into(),
+                    m.expert_intermediate_size.into(),
+                );
+                o.insert("decoder_sparse_step".into(), 1.into());
+                o.insert("mlp_only_layers".into(), dense.into());
+                match (self.arch, m.shared_expert_intermediate_size) {
+                    (Arch::Qwen2Moe, Some(s)) => {
+                        o.insert("shared_expert_intermediate_size".into(), s.into());
+                    }
+                    (Arch::Qwen3Moe, None) => {}
+                    _ => return refuse("with a shared expert layout its class lacks"),
+                }
             }
         }
         Ok(v)
@@ -419,6 +519,26 @@ impl ModelConfig {
                 self.rms_norm_eps
             ));
         }
+        let sparse_arch = matches!(self.arch, Arch::Mixtral | Arch::Qwen2Moe | Arch::Qwen3Moe);
+        match &self.moe {
+            None if sparse_arch => {
+                return bad(format!(
+                    "a {:?} model needs its experts described",
+                    self.arch
+                ));
+            }
+            Some(_) if !sparse_arch => {
+                return bad(format!("a {:?} model has no experts", self.arch));
+            }
+            Some(m) if m.sparse_layers.len() != self.num_layers => {
+                return bad(format!(
+                    "{} layers but {} sparse-layer flags",
+                    self.num_layers,
+                    m.sparse_layers.len()
+                ));
+            }
+            _ => {}
+        }
         Ok(())
     }
 
@@ -464,6 +584,131 @@ impl ModelConfig {
             })
             .collect()
     }
+}
+
+/// The sparse feed-forward a Hugging Face config of a mixture-of-experts architecture describes
+/// (`None` for dense architectures), with every count checked: a router or expert layout nibble
+/// does not implement is refused, naming the field, rather than run as something else.
+fn moe_from_hf(
+    v: &Value,
+    arch: Arch,
+    num_layers: usize,
+    origin: &str,
+) -> Result<Option<MoeConfig>> {
+    let bad = |m: String| Err(Error::Config(format!("{origin}: {m}")));
+    let opt = |k: &str| v.get(k).filter(|x| !x.is_null());
+    let count = |k: &str| -> Result<usize> {
+        opt(k)
+            .and_then(Value::as_u64)
+            .map(|x| x as usize)
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "{origin}: '{k}' missing or not an integer (a {arch:?} model needs it)"
+                ))
+            })
+    };
+    let flag = |k: &str| -> Result<bool> {
+        match opt(k) {
+            None => Ok(false),
+            Some(x) => x
+                .as_bool()
+                .ok_or_else(|| Error::Config(format!("{origin}: '{k}' is not a boolean"))),
+        }
+    };
+    let (experts_key, renormalize, ff_key, shared) = match arch {
+        // Mixtral's router always renormalizes the chosen probabilities.
+        Arch::Mixtral => ("num_local_experts", true, "intermediate_size", None),
+        Arch::Qwen2Moe => (
+            "num_experts",
+            flag("norm_topk_prob")?,
+            "moe_intermediate_size",
+            Some(count("shared_expert_intermediate_size")?),
+        ),
+        Arch::Qwen3Moe => (
+            "num_experts",
+            flag("norm_topk_prob")?,
+            "moe_intermediate_size",
+            None,
+        ),
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => return Ok(None),
+    };
+    // Other routers (DeepSeek's sigmoid scoring, grouped top-k) pick different experts.
+    if let Some(f) = opt("scoring_func")
+        && f.as_str() != Some("softmax")
+    {
+        return Err(Error::unsupported(
+            format!("router scoring_func {f} in {origin}"),
+            "nibble's router is a softmax over all experts",
+        ));
+    }
+    if let Some(m) = opt("topk_method")
+        && m.as_str() != Some("greedy")
+    {
+        return Err(Error::unsupported(
+            format!("router topk_method {m} in {origin}"),
+            "nibble's router takes the top-k experts over all of them (greedy)",
+        ));
+    }
+    let num_experts = count(experts_key)?;
+    let top_k = count("num_experts_per_tok")?;
+    let expert_intermediate_size = count(ff_key)?;
+    if num_experts == 0 {
+        return bad(format!(
+            "'{experts_key}' is 0: a {arch:?} model needs experts"
+        ));
+    }
+    if top_k == 0 || top_k > num_experts {
+        return bad(format!(
+            "'num_experts_per_tok' is {top_k}: it must be between 1 and {experts_key} ({num_experts})"
+        ));
+    }
+    if expert_intermediate_size == 0 {
+        return bad(format!("'{ff_key}' is 0"));
+    }
+    if shared == Some(0) {
+        return bad("'shared_expert_intermediate_size' is 0".into());
+    }
+    let sparse_layers = if arch == Arch::Mixtral {
+        vec![true; num_layers]
+    } else {
+        // Hugging Face: layer i is sparse unless listed in mlp_only_layers, and only when
+        // (i + 1) is a multiple of decoder_sparse_step.
+        let step = if opt("decoder_sparse_step").is_some() {
+            count("decoder_sparse_step")?
+        } else {
+            1
+        };
+        if step == 0 {
+            return bad("'decoder_sparse_step' is 0".into());
+        }
+        let mut dense = Vec::new();
+        if let Some(list) = opt("mlp_only_layers") {
+            let items = list.as_array().ok_or_else(|| {
+                Error::Config(format!("{origin}: 'mlp_only_layers' is not a list"))
+            })?;
+            for x in items {
+                match x.as_u64() {
+                    Some(i) if (i as usize) < num_layers => dense.push(i as usize),
+                    _ => {
+                        return bad(format!(
+                            "'mlp_only_layers' holds {x}, not a layer index below {num_layers}"
+                        ));
+                    }
+                }
+            }
+        }
+        (0..num_layers)
+            .map(|i| !dense.contains(&i) && (i + 1).is_multiple_of(step))
+            .collect()
+    };
+    Ok(Some(MoeConfig {
+        num_experts,
+        top_k,
+        renormalize,
+        expert_intermediate_size,
+        shared_expert_intermediate_size: shared,
+        sparse_layers,
+    }))
 }
 
 /// What a Hugging Face config states and nibble instead reads off the tensors that exist.
@@ -593,12 +838,15 @@ mod tests {
             .join(name)
     }
 
-    const FIXTURES: [&str; 5] = [
+    const FIXTURES: [&str; 8] = [
         "tiny-llama-tied-bf16",
         "tiny-llama3",
         "tiny-mistral",
         "tiny-qwen2",
         "tiny-qwen3",
+        "tiny-mixtral",
+        "tiny-qwen2-moe",
+        "tiny-qwen3-moe",
     ];
 
     /// Every fixture's config survives `to_hf_json` -> `from_hf_json`, the tensor layout read
@@ -641,6 +889,135 @@ mod tests {
             got.sort();
             assert_eq!(got, want, "{name}");
         }
+    }
+
+    fn moe_fixture_config(name: &str) -> (String, Value) {
+        let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
+        let v = serde_json::from_str(&text).unwrap();
+        (text, v)
+    }
+
+    #[test]
+    fn moe_gguf_is_refused_naming_the_key() {
+        use nibble_formats::gguf::{GgufWriter, MetaValue};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mixtral.gguf");
+        let mut w = GgufWriter::new();
+        w.meta("general.architecture", MetaValue::String("llama".into()))
+            .meta("llama.expert_count", MetaValue::U32(8))
+            .meta("llama.expert_used_count", MetaValue::U32(2));
+        w.write_to(&path).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let e = ModelConfig::from_gguf(&file).unwrap_err().to_string();
+        assert!(e.contains("llama.expert_count"), "{e}");
+    }
+
+    #[test]
+    fn moe_configs_parse() {
+        let cfg = |name: &str| {
+            let (text, _) = moe_fixture_config(name);
+            ModelConfig::from_hf_json(&text, name).unwrap()
+        };
+        let m = cfg("tiny-mixtral").moe.unwrap();
+        assert_eq!((m.num_experts, m.top_k, m.renormalize), (4, 2, true));
+        assert_eq!(m.expert_intermediate_size, 32);
+        assert_eq!(m.sparse_layers, vec![true, true]);
+        let q2 = cfg("tiny-qwen2-moe");
+        assert_eq!(q2.arch, Arch::Qwen2Moe);
+        let m = q2.moe.unwrap();
+        assert_eq!((m.num_experts, m.top_k, m.renormalize), (8, 2, false));
+        assert_eq!(m.shared_expert_intermediate_size, Some(48));
+        let q3 = cfg("tiny-qwen3-moe");
+        assert_eq!(q3.intermediate_size, 96);
+        let m = q3.moe.unwrap();
+        assert!(m.renormalize && m.shared_expert_intermediate_size.is_none());
+        assert_eq!(m.sparse_layers, vec![false, true]);
+        // decoder_sparse_step 2 makes every second layer (1, 3, ...) sparse.
+        let (_, mut v) = moe_fixture_config("tiny-qwen3-moe");
+        v["decoder_sparse_step"] = 2.into();
+        v["mlp_only_layers"] = serde_json::json!([]);
+        v["num_hidden_layers"] = 4.into();
+        let c = ModelConfig::from_hf_json(&v.to_string(), "c").unwrap();
+        assert_eq!(c.moe.unwrap().sparse_layers, vec![false, true, false, true]);
+        // A dense architecture never has experts, whatever stray keys its config holds.
+        let dense = ModelConfig::from_hf_json(&hf(r#","num_experts":8"#), "c").unwrap();
+        assert!(dense.moe.is_none());
+    }
+
+    /// Router and expert layouts nibble does not implement are refused, naming the field.
+    #[test]
+    fn bad_moe_configs_name_the_field() {
+        let cases: [(&str, &str, Value, &str); 9] = [
+            (
+                "tiny-mixtral",
+                "num_local_experts",
+                Value::Null,
+                "num_local_experts",
+            ),
+            ("tiny-qwen3-moe", "num_experts", 0.into(), "num_experts"),
+            (
+                "tiny-qwen3-moe",
+                "num_experts_per_tok",
+                9.into(),
+                "num_experts_per_tok",
+            ),
+            (
+                "tiny-mixtral",
+                "num_experts_per_tok",
+                Value::Null,
+                "num_experts_per_tok",
+            ),
+            (
+                "tiny-qwen3-moe",
+                "scoring_func",
+                "sigmoid".into(),
+                "scoring_func",
+            ),
+            (
+                "tiny-qwen3-moe",
+                "topk_method",
+                "group_limited_greedy".into(),
+                "topk_method",
+            ),
+            (
+                "tiny-qwen2-moe",
+                "shared_expert_intermediate_size",
+                Value::Null,
+                "shared_expert",
+            ),
+            (
+                "tiny-qwen3-moe",
+                "moe_intermediate_size",
+                Value::Null,
+                "moe_intermediate_size",
+            ),
+            (
+                "tiny-qwen3-moe",
+                "mlp_only_layers",
+                serde_json::json!([5]),
+                "mlp_only_layers",
+            ),
+        ];
+        for (name, key, value, want) in cases {
+            let (_, mut v) = moe_fixture_config(name);
+            v[key] = value;
+            let e = ModelConfig::from_hf_json(&v.to_string(), name)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{name} {key}: {e}");
+        }
+        let (_, mut v) = moe_fixture_config("tiny-qwen3-moe");
+        v["decoder_sparse_step"] = 0.into();
+        let e = ModelConfig::from_hf_json(&v.to_string(), "c")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("decoder_sparse_step"), "{e}");
+        let (_, mut v) = moe_fixture_config("tiny-qwen3-moe");
+        v["norm_topk_prob"] = "yes".into();
+        let e = ModelConfig::from_hf_json(&v.to_string(), "c")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("norm_topk_prob"), "{e}");
     }
 
     fn with_scaling(rope_scaling: RopeScaling) -> ModelConfig {

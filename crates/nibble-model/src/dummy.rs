@@ -126,11 +126,11 @@ fn hf_layout(text: &str, arch: Arch, origin: &str) -> Result<TensorLayout> {
     Ok(TensorLayout {
         tie_word_embeddings: flag("tie_word_embeddings"),
         attention_bias: match arch {
-            Arch::Qwen2 => true,
-            Arch::Mistral => false,
-            Arch::Llama | Arch::Qwen3 => flag("attention_bias"),
+            Arch::Qwen2 | Arch::Qwen2Moe => true,
+            Arch::Mistral | Arch::Mixtral => false,
+            Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe => flag("attention_bias"),
         },
-        qk_norm: arch == Arch::Qwen3,
+        qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
     })
 }
 

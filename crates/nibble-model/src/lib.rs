@@ -7,13 +7,16 @@ pub mod config;
 pub mod dummy;
 pub mod hf_quant;
 pub mod loader;
+pub mod moe;
 pub mod sampling;
 pub mod source;
 pub mod transformer;
 
-pub use backend::{AttentionShape, Backend, BatchLayout, DeviceTimeline, KvShape, SeqSpan};
+pub use backend::{
+    AttentionShape, Backend, BatchLayout, DeviceTimeline, KvShape, ScaledRows, SeqSpan,
+};
 pub use checkpoint::{CheckpointData, CheckpointSource, CheckpointTensor, write_checkpoint};
-pub use config::{Arch, ModelConfig, RopeLayout, RopeScaling, TensorLayout};
+pub use config::{Arch, ModelConfig, MoeConfig, RopeLayout, RopeScaling, TensorLayout};
 pub use loader::{ModelFiles, open_model, tokenizer_from_path};
 pub use nibble_precision::KvFormat;
 pub use transformer::{LogitRows, SINGLE_SEQUENCE_BLOCK, TensorRole, Transformer, model_tensors};

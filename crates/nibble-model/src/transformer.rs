@@ -1,12 +1,15 @@
-//! The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3, written once against
-//! `Backend`. Architectural differences are data: optional QKV biases (Qwen2), optional per-head
-//! QK norms (Qwen3), tied or separate output head, rotary scaling.
+//! The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3 and their
+//! mixture-of-experts relatives (Mixtral, Qwen2-MoE, Qwen3-MoE), written once against `Backend`.
+//! Architectural differences are data: optional QKV biases (Qwen2), optional per-head QK norms
+//! (Qwen3), tied or separate output head, rotary scaling, and per layer a dense or sparse
+//! feed-forward.
 
 use nibble_core::{Error, Result};
 use nibble_precision::KvFormat;
 
+use crate::backend::ScaledRows;
 use crate::backend::{AttentionShape, Backend, BatchLayout, KvShape};
-use crate::config::{ModelConfig, TensorLayout};
+use crate::config::{Arch, ModelConfig, TensorLayout};
 use crate::source::TensorSource;
 
 /// Projections that read the same input: one weight each with their biases, or one fused
@@ -31,6 +34,81 @@ impl<B: Backend> Projections<B> {
     }
 }
 
+/// A SwiGLU feed-forward: `down(silu(gate x) * up x)`.
+struct Mlp<B: Backend> {
+    /// gate, up.
+    gate_up: Projections<B>,
+    down: B::Weight,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn apply(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        let gate_up = self.gate_up.apply(backend, x)?;
+        let act = backend.silu_mul(&gate_up[0], &gate_up[1]);
+        backend.linear(&act, &self.down, None)
+    }
+}
+
+/// A mixture-of-experts feed-forward (see [`crate::config::MoeConfig`]).
+struct Sparse<B: Backend> {
+    /// `[experts, hidden]`: one logit per expert.
+    router: B::Weight,
+    experts: Vec<Mlp<B>>,
+    /// Qwen2-MoE's shared expert and its gate `[1, hidden]`.
+    shared: Option<(Mlp<B>, B::Weight)>,
+    top_k: usize,
+    renormalize: bool,
+}
+
+impl<B: Backend> Sparse<B> {
+    /// Each token's experts run on the rows routed to them (a row's result does not depend on
+    /// the other rows of a linear layer), and the sum over a token's experts is taken in expert
+    /// order, then the shared expert: so a token's output is the same in any batch.
+    fn apply(&self, backend: &B, x: &B::Tensor, tokens: usize, hidden: usize) -> Result<B::Tensor> {
+        let logits = backend.to_host(&backend.linear(x, &self.router, None)?)?;
+        let routes = crate::moe::route(&logits, self.experts.len(), self.top_k, self.renormalize)?;
+        let mut outputs = Vec::new();
+        for (expert, r) in self.experts.iter().zip(&routes) {
+            if r.rows.is_empty() {
+                continue;
+            }
+            let y = expert.apply(backend, &backend.gather_rows(x, &r.rows))?;
+            outputs.push((y, r));
+        }
+        let all_rows: Vec<usize> = (0..tokens).collect();
+        let shared = match &self.shared {
+            None => None,
+            Some((mlp, gate)) => {
+                let y = mlp.apply(backend, x)?;
+                let g = backend.to_host(&backend.linear(x, gate, None)?)?;
+                let scales: Vec<f32> = g.iter().map(|&g| 1.0 / (1.0 + (-g).exp())).collect();
+                Some((y, scales))
+            }
+        };
+        let mut parts: Vec<ScaledRows<'_, B::Tensor>> = outputs
+            .iter()
+            .map(|(y, r)| ScaledRows {
+                x: y,
+                rows: &r.rows,
+                scales: &r.weights,
+            })
+            .collect();
+        if let Some((y, scales)) = &shared {
+            parts.push(ScaledRows {
+                x: y,
+                rows: &all_rows,
+                scales,
+            });
+        }
+        backend.scatter_add_scaled(tokens, hidden, &parts)
+    }
+}
+
+enum Ffn<B: Backend> {
+    Dense(Mlp<B>),
+    Sparse(Box<Sparse<B>>),
+}
+
 struct Layer<B: Backend> {
     attn_norm: B::Tensor,
     /// q, k, v.
@@ -39,9 +117,26 @@ struct Layer<B: Backend> {
     q_norm: Option<B::Tensor>,
     k_norm: Option<B::Tensor>,
     mlp_norm: B::Tensor,
-    /// gate, up.
-    gate_up: Projections<B>,
-    down: B::Weight,
+    ffn: Ffn<B>,
+}
+
+/// The Hugging Face names (without `.weight`) of a sparse layer's tensors, under the layer prefix
+/// `p`: the router, and expert `e`'s gate, up and down projections. Mixtral's checkpoints name
+/// them `block_sparse_moe.*` and `w1`/`w3`/`w2`; Qwen's `mlp.*`.
+fn router_name(arch: Arch, p: &str) -> String {
+    match arch {
+        Arch::Mixtral => format!("{p}.block_sparse_moe.gate"),
+        _ => format!("{p}.mlp.gate"),
+    }
+}
+
+fn expert_names(arch: Arch, p: &str, e: usize) -> [String; 3] {
+    match arch {
+        Arch::Mixtral => {
+            ["w1", "w3", "w2"].map(|w| format!("{p}.block_sparse_moe.experts.{e}.{w}"))
+        }
+        _ => ["gate_proj", "up_proj", "down_proj"].map(|w| format!("{p}.mlp.experts.{e}.{w}")),
+    }
 }
 
 pub struct Transformer<B: Backend> {
@@ -166,6 +261,48 @@ impl<B: Backend> Loader<'_, B> {
         Ok(Some(values))
     }
 
+    /// A SwiGLU MLP of width `ff` whose projections are `{gate, up, down}.weight`.
+    fn mlp(&mut self, [gate, up, down]: [String; 3], h: usize, ff: usize) -> Result<Mlp<B>> {
+        Ok(Mlp {
+            gate_up: self.projections(&[(gate, ff), (up, ff)], h)?,
+            down: self.weight(&format!("{down}.weight"), &[h, ff])?,
+        })
+    }
+
+    /// Layer `i`'s feed-forward, dense or sparse as the config says.
+    fn ffn(&mut self, c: &ModelConfig, i: usize) -> Result<Ffn<B>> {
+        let p = format!("model.layers.{i}");
+        let h = c.hidden_size;
+        let Some(m) = c.moe.as_ref().filter(|m| m.sparse_layers[i]) else {
+            let names = ["gate_proj", "up_proj", "down_proj"].map(|n| format!("{p}.mlp.{n}"));
+            return Ok(Ffn::Dense(self.mlp(names, h, c.intermediate_size)?));
+        };
+        let router = self.weight(
+            &format!("{}.weight", router_name(c.arch, &p)),
+            &[m.num_experts, h],
+        )?;
+        let experts = (0..m.num_experts)
+            .map(|e| self.mlp(expert_names(c.arch, &p, e), h, m.expert_intermediate_size))
+            .collect::<Result<Vec<_>>>()?;
+        let shared = match m.shared_expert_intermediate_size {
+            None => None,
+            Some(sf) => {
+                let names = ["gate_proj", "up_proj", "down_proj"]
+                    .map(|n| format!("{p}.mlp.shared_expert.{n}"));
+                let mlp = self.mlp(names, h, sf)?;
+                let gate = self.weight(&format!("{p}.mlp.shared_expert_gate.weight"), &[1, h])?;
+                Some((mlp, gate))
+            }
+        };
+        Ok(Ffn::Sparse(Box::new(Sparse {
+            router,
+            experts,
+            shared,
+            top_k: m.top_k,
+            renormalize: m.renormalize,
+        })))
+    }
+
     fn optional_vector(&mut self, name: &str, len: usize) -> Result<Option<B::Tensor>> {
         if self.source.contains(name) {
             self.vector(name, len).map(Some)
@@ -230,9 +367,29 @@ pub fn model_tensors(
             add("self_attn.q_norm.weight", vec![hd], Vector);
             add("self_attn.k_norm.weight", vec![hd], Vector);
         }
-        add("mlp.gate_proj.weight", vec![ff, h], Weight);
-        add("mlp.up_proj.weight", vec![ff, h], Weight);
-        add("mlp.down_proj.weight", vec![h, ff], Weight);
+        let moe = c.moe.as_ref().filter(|m| m.sparse_layers[i]);
+        let Some(m) = moe else {
+            add("mlp.gate_proj.weight", vec![ff, h], Weight);
+            add("mlp.up_proj.weight", vec![ff, h], Weight);
+            add("mlp.down_proj.weight", vec![h, ff], Weight);
+            continue;
+        };
+        let ef = m.expert_intermediate_size;
+        let mut add =
+            |n: String, shape: Vec<usize>| out.push((format!("{n}.weight"), shape, Weight));
+        add(router_name(c.arch, &p), vec![m.num_experts, h]);
+        for e in 0..m.num_experts {
+            let [g, u, d] = expert_names(c.arch, &p, e);
+            add(g, vec![ef, h]);
+            add(u, vec![ef, h]);
+            add(d, vec![h, ef]);
+        }
+        if let Some(sf) = m.shared_expert_intermediate_size {
+            add(format!("{p}.mlp.shared_expert.gate_proj"), vec![sf, h]);
+            add(format!("{p}.mlp.shared_expert.up_proj"), vec![sf, h]);
+            add(format!("{p}.mlp.shared_expert.down_proj"), vec![h, sf]);
+            add(format!("{p}.mlp.shared_expert_gate"), vec![1, h]);
+        }
     }
     out
 }
@@ -246,20 +403,25 @@ impl<B: Backend> Transformer<B> {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let c = &config;
-        let (h, qd, kvd, ff, hd) = (
-            c.hidden_size,
-            c.q_dim(),
-            c.kv_dim(),
-            c.intermediate_size,
-            c.head_dim,
-        );
+        let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
         let tied = !source.contains("lm_head.weight");
+        // Tensors loaded per feed-forward beyond a dense one's three.
+        let sparse_extra = c.moe.as_ref().map_or(0, |m| {
+            let per_layer = 1
+                + 3 * m.num_experts
+                + if m.shared_expert_intermediate_size.is_some() {
+                    4
+                } else {
+                    0
+                };
+            m.sparse_layers.iter().filter(|&&s| s).count() * (per_layer - 3)
+        });
         let mut ld = Loader {
             backend,
             source,
             progress,
             done: 0,
-            total: 2 + usize::from(!tied) + c.num_layers * 9,
+            total: 2 + usize::from(!tied) + c.num_layers * 9 + sparse_extra,
         };
         let embed = ld.weight("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let lm_head = if tied {
@@ -279,14 +441,7 @@ impl<B: Backend> Transformer<B> {
                 q_norm: ld.optional_vector(&format!("{p}.self_attn.q_norm.weight"), hd)?,
                 k_norm: ld.optional_vector(&format!("{p}.self_attn.k_norm.weight"), hd)?,
                 mlp_norm: ld.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                gate_up: ld.projections(
-                    &[
-                        (format!("{p}.mlp.gate_proj"), ff),
-                        (format!("{p}.mlp.up_proj"), ff),
-                    ],
-                    h,
-                )?,
-                down: ld.weight(&format!("{p}.mlp.down_proj.weight"), &[h, ff])?,
+                ffn: ld.ffn(c, i)?,
             });
         }
         let inv_freq = backend.load_vector(&config.rope_inv_freq())?;
@@ -412,9 +567,10 @@ impl<B: Backend> Transformer<B> {
             let attn = backend.attention(&q, &k, &v, kv, i, batch, shape)?;
             let o = backend.linear(&attn, &l.o, None)?;
             let h = backend.add_rms_norm(&mut x, &o, &l.mlp_norm, eps);
-            let gate_up = l.gate_up.apply(backend, &h)?;
-            let act = backend.silu_mul(&gate_up[0], &gate_up[1]);
-            pending = Some(backend.linear(&act, &l.down, None)?);
+            pending = Some(match &l.ffn {
+                Ffn::Dense(mlp) => mlp.apply(backend, &h)?,
+                Ffn::Sparse(s) => s.apply(backend, &h, tokens.len(), c.hidden_size)?,
+            });
         }
         backend.begin_layer(self.layers.len());
         if let Some(d) = pending {

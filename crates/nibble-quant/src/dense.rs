@@ -291,6 +291,13 @@ impl DenseModel {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let c = &config;
+        // Said plainly here rather than as a missing `mlp.gate_proj` tensor later.
+        if c.moe.is_some() {
+            return Err(Error::unsupported(
+                format!("quantizing a mixture-of-experts model ({:?})", c.arch),
+                "nibble quantizes dense models; run this one in its stored format",
+            ));
+        }
         let (h, qd, kvd, ff, hd) = (
             c.hidden_size,
             c.q_dim(),

@@ -6,7 +6,7 @@
 use nibble_core::Result;
 use nibble_cpu::{CpuBackend, CpuKvCache, CpuTensor, CpuWeight};
 use nibble_formats::HostTensor;
-use nibble_model::{AttentionShape, Backend, BatchLayout, KvShape, RopeLayout};
+use nibble_model::{AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, ScaledRows};
 
 /// What a [`Hooked`] backend does besides the CPU backend's arithmetic.
 pub trait Hooks: Send + Sync {
@@ -126,6 +126,15 @@ impl<H: Hooks> Backend for Hooked<H> {
 
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
         self.cpu.gather_rows(x, rows)
+    }
+
+    fn scatter_add_scaled(
+        &self,
+        rows: usize,
+        cols: usize,
+        parts: &[ScaledRows<'_, CpuTensor>],
+    ) -> Result<CpuTensor> {
+        self.cpu.scatter_add_scaled(rows, cols, parts)
     }
 
     fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
