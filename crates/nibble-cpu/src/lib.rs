@@ -7,6 +7,7 @@
 //! ([`quant`]), since their reference arithmetic is what every GPU kernel is checked against.
 
 mod attention;
+mod delegate;
 mod kv;
 mod linear;
 mod ops;

@@ -18,9 +18,7 @@ use nibble_engine::serving::{EngineConfig, Event, LlmEngine, Request, RequestId}
 use nibble_engine::{FinishReason, SamplingParams};
 use nibble_formats::HostTensor;
 use nibble_model::sampling::{PendingSample, SampleSpec, Sampled};
-use nibble_model::{
-    AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, ScaledRows, Transformer, open_model,
-};
+use nibble_model::{AttentionShape, Backend, BatchLayout, Transformer, open_model};
 
 #[derive(Default)]
 struct DeferredState {
@@ -52,20 +50,13 @@ impl Backend for Deferred {
     type Weight = CpuWeight;
     type Kv = CpuKvCache;
 
+    nibble_cpu::delegate_to_cpu!(cpu);
+
     fn name(&self) -> String {
         "deferred cpu".into()
     }
     fn load_weight(&self, t: &HostTensor) -> Result<CpuWeight> {
         self.cpu.load_weight(t)
-    }
-    fn load_vector(&self, v: &[f32]) -> Result<CpuTensor> {
-        self.cpu.load_vector(v)
-    }
-    fn new_kv_pool(&self, shape: KvShape, blocks: usize, block_size: usize) -> Result<CpuKvCache> {
-        self.cpu.new_kv_pool(shape, blocks, block_size)
-    }
-    fn release_kv_blocks(&self, kv: &mut CpuKvCache, blocks: &[u32]) {
-        self.cpu.release_kv_blocks(kv, blocks)
     }
     fn begin_forward(&self, tokens: &[u32], batch: &BatchLayout) -> Result<()> {
         let mut st = self.st();
@@ -89,27 +80,8 @@ impl Backend for Deferred {
             _ => self.cpu.embed(table, ids),
         }
     }
-    fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
-        self.cpu.rms_norm(x, w, eps)
-    }
-    fn add_rms_norm(&self, x: &mut CpuTensor, d: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
-        self.cpu.add_rms_norm(x, d, w, eps)
-    }
-    fn head_rms_norm(&self, x: &mut CpuTensor, w: &CpuTensor, head_dim: usize, eps: f32) {
-        self.cpu.head_rms_norm(x, w, head_dim, eps)
-    }
     fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
         self.cpu.linear(x, w, bias)
-    }
-    fn rope(
-        &self,
-        x: &mut CpuTensor,
-        head_dim: usize,
-        batch: &BatchLayout,
-        inv_freq: &CpuTensor,
-        layout: RopeLayout,
-    ) {
-        self.cpu.rope(x, head_dim, batch, inv_freq, layout)
     }
     fn attention(
         &self,
@@ -123,27 +95,6 @@ impl Backend for Deferred {
     ) -> Result<CpuTensor> {
         self.cpu.attention(q, k, v, kv, layer, batch, shape)
     }
-    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
-        self.cpu.silu_mul(gate, up)
-    }
-    fn add(&self, x: &mut CpuTensor, d: &CpuTensor) {
-        self.cpu.add(x, d)
-    }
-    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
-        self.cpu.gather_rows(x, rows)
-    }
-    fn scatter_add_scaled(
-        &self,
-        rows: usize,
-        cols: usize,
-        parts: &[ScaledRows<'_, CpuTensor>],
-    ) -> Result<CpuTensor> {
-        self.cpu.scatter_add_scaled(rows, cols, parts)
-    }
-    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
-        self.cpu.to_host(x)
-    }
-
     fn runs_ahead(&self) -> bool {
         true
     }

@@ -6,7 +6,7 @@
 use nibble_core::Result;
 use nibble_cpu::{CpuBackend, CpuKvCache, CpuTensor, CpuWeight};
 use nibble_formats::HostTensor;
-use nibble_model::{AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, ScaledRows};
+use nibble_model::{AttentionShape, Backend, BatchLayout};
 
 /// What a [`Hooked`] backend does besides the CPU backend's arithmetic.
 pub trait Hooks: Send + Sync {
@@ -40,6 +40,8 @@ impl<H: Hooks> Backend for Hooked<H> {
     type Weight = HookedWeight<H::Tag>;
     type Kv = CpuKvCache;
 
+    nibble_cpu::delegate_to_cpu!(cpu);
+
     fn name(&self) -> String {
         format!("{} with quantization hooks", self.cpu.name())
     }
@@ -51,32 +53,8 @@ impl<H: Hooks> Backend for Hooked<H> {
         })
     }
 
-    fn load_vector(&self, values: &[f32]) -> Result<CpuTensor> {
-        self.cpu.load_vector(values)
-    }
-
-    fn new_kv_pool(&self, shape: KvShape, blocks: usize, block_size: usize) -> Result<CpuKvCache> {
-        self.cpu.new_kv_pool(shape, blocks, block_size)
-    }
-
-    fn release_kv_blocks(&self, kv: &mut CpuKvCache, blocks: &[u32]) {
-        self.cpu.release_kv_blocks(kv, blocks)
-    }
-
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<CpuTensor> {
         self.cpu.embed(&table.inner, ids)
-    }
-
-    fn rms_norm(&self, x: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
-        self.cpu.rms_norm(x, w, eps)
-    }
-
-    fn add_rms_norm(&self, x: &mut CpuTensor, d: &CpuTensor, w: &CpuTensor, eps: f32) -> CpuTensor {
-        self.cpu.add_rms_norm(x, d, w, eps)
-    }
-
-    fn head_rms_norm(&self, x: &mut CpuTensor, w: &CpuTensor, head_dim: usize, eps: f32) {
-        self.cpu.head_rms_norm(x, w, head_dim, eps)
     }
 
     fn linear(
@@ -91,17 +69,6 @@ impl<H: Hooks> Backend for Hooked<H> {
         }
     }
 
-    fn rope(
-        &self,
-        x: &mut CpuTensor,
-        head_dim: usize,
-        batch: &BatchLayout,
-        inv_freq: &CpuTensor,
-        layout: RopeLayout,
-    ) {
-        self.cpu.rope(x, head_dim, batch, inv_freq, layout)
-    }
-
     fn attention(
         &self,
         q: &CpuTensor,
@@ -114,30 +81,5 @@ impl<H: Hooks> Backend for Hooked<H> {
     ) -> Result<CpuTensor> {
         self.hooks.attention_inputs(layer, q, k, v);
         self.cpu.attention(q, k, v, kv, layer, batch, shape)
-    }
-
-    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
-        self.cpu.silu_mul(gate, up)
-    }
-
-    fn add(&self, x: &mut CpuTensor, d: &CpuTensor) {
-        self.cpu.add(x, d)
-    }
-
-    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
-        self.cpu.gather_rows(x, rows)
-    }
-
-    fn scatter_add_scaled(
-        &self,
-        rows: usize,
-        cols: usize,
-        parts: &[ScaledRows<'_, CpuTensor>],
-    ) -> Result<CpuTensor> {
-        self.cpu.scatter_add_scaled(rows, cols, parts)
-    }
-
-    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
-        self.cpu.to_host(x)
     }
 }
