@@ -28,8 +28,8 @@ impl Arch {
             "qwen2" | "Qwen2ForCausalLM" => Arch::Qwen2,
             "qwen3" | "Qwen3ForCausalLM" => Arch::Qwen3,
             "mixtral" | "MixtralForCausalLM" => Arch::Mixtral,
-            "qwen2_moe" | "Qwen2MoeForCausalLM" => Arch::Qwen2Moe,
-            "qwen3_moe" | "Qwen3MoeForCausalLM" => Arch::Qwen3Moe,
+            "qwen2_moe" | "qwen2moe" | "Qwen2MoeForCausalLM" => Arch::Qwen2Moe,
+            "qwen3_moe" | "qwen3moe" | "Qwen3MoeForCausalLM" => Arch::Qwen3Moe,
             other => {
                 return Err(Error::unsupported(
                     format!("architecture '{other}' (from {origin})"),
@@ -111,20 +111,11 @@ impl ModelConfig {
         let arch_name = file.get_str("general.architecture")?;
         let arch = Arch::from_name(arch_name, &file.path().display().to_string())?;
         let key = |k: &str| format!("{arch_name}.{k}");
-        // A llama-arch Mixtral GGUF must not load as a dense model (its FFN tensors are stacked
-        // experts the dense loader would report as missing, less clearly).
-        if let Some(v) = file.metadata(&key("expert_count"))
-            && v.as_u64().is_some_and(|n| n > 0)
-        {
-            return Err(Error::unsupported(
-                format!(
-                    "a mixture-of-experts GGUF file ({} = {v:?} in {})",
-                    key("expert_count"),
-                    file.path().display()
-                ),
-                "nibble loads mixture-of-experts models from Hugging Face safetensors directories",
-            ));
-        }
+        // llama.cpp writes Mixtral as a llama-arch file with experts.
+        let arch = match file.metadata(&key("expert_count")).and_then(|v| v.as_u64()) {
+            Some(n) if n > 0 && matches!(arch, Arch::Llama | Arch::Mistral) => Arch::Mixtral,
+            _ => arch,
+        };
         let hidden_size = file.get_u64(&key("embedding_length"))? as usize;
         let num_heads = file.get_u64(&key("attention.head_count"))? as usize;
         let num_kv_heads = match file.metadata(&key("attention.head_count_kv")) {
@@ -169,7 +160,7 @@ impl ModelConfig {
                 "nibble rotates the whole head",
             ));
         }
-        let cfg = ModelConfig {
+        let mut cfg = ModelConfig {
             arch,
             hidden_size,
             intermediate_size: file.get_u64(&key("feed_forward_length"))? as usize,
@@ -193,6 +184,7 @@ impl ModelConfig {
             },
             moe: None,
         };
+        cfg.moe = moe_from_gguf(file, arch, cfg.num_layers, cfg.intermediate_size)?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -589,6 +581,105 @@ impl ModelConfig {
 /// The sparse feed-forward a Hugging Face config of a mixture-of-experts architecture describes
 /// (`None` for dense architectures), with every count checked: a router or expert layout nibble
 /// does not implement is refused, naming the field, rather than run as something else.
+/// The sparse feed-forward of a GGUF file as llama.cpp writes it: `<arch>.expert_count`,
+/// `expert_used_count`, `expert_feed_forward_length` (Mixtral: `feed_forward_length`) and, for
+/// Qwen2-MoE, `expert_shared_feed_forward_length`. llama.cpp renormalizes the chosen
+/// probabilities for Mixtral and Qwen3-MoE and not for Qwen2-MoE, unless
+/// `expert_weights_norm` says otherwise. Every layer is sparse except one with no router
+/// (`blk.N.ffn_gate_inp.weight`) but a dense `blk.N.ffn_up.weight`.
+fn moe_from_gguf(
+    file: &GgufFile,
+    arch: Arch,
+    num_layers: usize,
+    intermediate_size: usize,
+) -> Result<Option<MoeConfig>> {
+    let arch_name = file.get_str("general.architecture")?;
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let origin = file.path().display().to_string();
+    let bad = |m: String| Err(Error::Config(format!("{origin}: {m}")));
+    let renormalize = match arch {
+        Arch::Mixtral | Arch::Qwen3Moe => true,
+        Arch::Qwen2Moe => false,
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+            return match file.metadata(&key("expert_count")).and_then(|v| v.as_u64()) {
+                Some(n) if n > 0 => Err(Error::unsupported(
+                    format!(
+                        "a mixture-of-experts {arch_name} GGUF file ({} = {n} in {origin})",
+                        key("expert_count")
+                    ),
+                    "nibble runs mixture-of-experts GGUF files of architecture llama \
+                     (Mixtral), qwen2moe and qwen3moe",
+                )),
+                _ => Ok(None),
+            };
+        }
+    };
+    let renormalize = match file.metadata(&key("expert_weights_norm")) {
+        Some(v) => match v.as_bool() {
+            Some(b) => b,
+            None => {
+                return bad(format!(
+                    "{} is {v:?}, not a boolean",
+                    key("expert_weights_norm")
+                ));
+            }
+        },
+        None => renormalize,
+    };
+    if let Some(v) = file.metadata(&key("expert_gating_func"))
+        && v.as_u64() != Some(1)
+    {
+        return Err(Error::unsupported(
+            format!(
+                "router gating function {v:?} ({}) in {origin}",
+                key("expert_gating_func")
+            ),
+            "nibble's router is a softmax over all experts (gating function 1)",
+        ));
+    }
+    let num_experts = file.get_u64(&key("expert_count"))? as usize;
+    let top_k = file.get_u64(&key("expert_used_count"))? as usize;
+    let expert_intermediate_size = match arch {
+        Arch::Mixtral => intermediate_size,
+        _ => file.get_u64(&key("expert_feed_forward_length"))? as usize,
+    };
+    let shared_expert_intermediate_size = match arch {
+        Arch::Qwen2Moe => Some(file.get_u64(&key("expert_shared_feed_forward_length"))? as usize),
+        _ => None,
+    };
+    if num_experts == 0 {
+        return bad(format!(
+            "{} is 0: a {arch:?} model needs experts",
+            key("expert_count")
+        ));
+    }
+    if top_k == 0 || top_k > num_experts {
+        return bad(format!(
+            "{} is {top_k}: it must be between 1 and {} ({num_experts})",
+            key("expert_used_count"),
+            key("expert_count")
+        ));
+    }
+    if expert_intermediate_size == 0 || shared_expert_intermediate_size == Some(0) {
+        return bad("an expert feed-forward length is 0".into());
+    }
+    let sparse_layers = (0..num_layers)
+        .map(|i| {
+            file.tensor(&format!("blk.{i}.ffn_gate_inp.weight"))
+                .is_some()
+                || file.tensor(&format!("blk.{i}.ffn_up.weight")).is_none()
+        })
+        .collect();
+    Ok(Some(MoeConfig {
+        num_experts,
+        top_k,
+        renormalize,
+        expert_intermediate_size,
+        shared_expert_intermediate_size,
+        sparse_layers,
+    }))
+}
+
 fn moe_from_hf(
     v: &Value,
     arch: Arch,
@@ -897,19 +988,103 @@ mod tests {
         (text, v)
     }
 
-    #[test]
-    fn moe_gguf_is_refused_naming_the_key() {
+    /// A GGUF file holding only `meta` plus the dense keys `from_gguf` needs, for `arch`.
+    fn gguf_config(
+        arch: &str,
+        meta: &[(&str, nibble_formats::gguf::MetaValue)],
+    ) -> Result<ModelConfig> {
         use nibble_formats::gguf::{GgufWriter, MetaValue};
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("mixtral.gguf");
+        let path = dir.path().join("m.gguf");
         let mut w = GgufWriter::new();
-        w.meta("general.architecture", MetaValue::String("llama".into()))
-            .meta("llama.expert_count", MetaValue::U32(8))
-            .meta("llama.expert_used_count", MetaValue::U32(2));
+        w.meta("general.architecture", MetaValue::String(arch.into()));
+        for (k, v) in [
+            ("embedding_length", 64),
+            ("attention.head_count", 4),
+            ("vocab_size", 272),
+            ("feed_forward_length", 32),
+            ("block_count", 2),
+        ] {
+            w.meta(&format!("{arch}.{k}"), MetaValue::U32(v));
+        }
+        w.meta(
+            &format!("{arch}.attention.layer_norm_rms_epsilon"),
+            MetaValue::F32(1e-5),
+        );
+        for (k, v) in meta {
+            w.meta(k, v.clone());
+        }
         w.write_to(&path).unwrap();
-        let file = GgufFile::open(&path).unwrap();
-        let e = ModelConfig::from_gguf(&file).unwrap_err().to_string();
-        assert!(e.contains("llama.expert_count"), "{e}");
+        ModelConfig::from_gguf(&GgufFile::open(&path).unwrap())
+    }
+
+    #[test]
+    fn moe_gguf_metadata_parses_as_llama_cpp_writes_it() {
+        use nibble_formats::gguf::MetaValue::U32;
+        // Mixtral is a llama-arch file with experts; its experts are feed_forward_length wide.
+        let c = gguf_config(
+            "llama",
+            &[
+                ("llama.expert_count", U32(8)),
+                ("llama.expert_used_count", U32(2)),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.arch, Arch::Mixtral);
+        let m = c.moe.unwrap();
+        assert_eq!((m.num_experts, m.top_k, m.renormalize), (8, 2, true));
+        assert_eq!(m.expert_intermediate_size, 32);
+        assert_eq!(m.shared_expert_intermediate_size, None);
+        // With no tensors, every layer counts as sparse (the loader then names the missing router).
+        assert_eq!(m.sparse_layers, vec![true, true]);
+
+        let c = gguf_config(
+            "qwen2moe",
+            &[
+                ("qwen2moe.expert_count", U32(8)),
+                ("qwen2moe.expert_used_count", U32(4)),
+                ("qwen2moe.expert_feed_forward_length", U32(16)),
+                ("qwen2moe.expert_shared_feed_forward_length", U32(48)),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.arch, Arch::Qwen2Moe);
+        let m = c.moe.unwrap();
+        assert_eq!((m.num_experts, m.top_k, m.renormalize), (8, 4, false));
+        assert_eq!(m.expert_intermediate_size, 16);
+        assert_eq!(m.shared_expert_intermediate_size, Some(48));
+
+        let c = gguf_config(
+            "qwen3moe",
+            &[
+                ("qwen3moe.expert_count", U32(8)),
+                ("qwen3moe.expert_used_count", U32(2)),
+                ("qwen3moe.expert_feed_forward_length", U32(16)),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.arch, Arch::Qwen3Moe);
+        assert!(c.moe.unwrap().renormalize);
+
+        // A missing expert key is named.
+        let e = gguf_config("qwen3moe", &[("qwen3moe.expert_count", U32(8))])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("qwen3moe.expert_used_count"), "{e}");
+    }
+
+    #[test]
+    fn moe_gguf_of_a_dense_architecture_is_refused_naming_the_key() {
+        let e = gguf_config(
+            "qwen2",
+            &[(
+                "qwen2.expert_count",
+                nibble_formats::gguf::MetaValue::U32(8),
+            )],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("qwen2.expert_count"), "{e}");
     }
 
     #[test]

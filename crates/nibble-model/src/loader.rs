@@ -89,6 +89,7 @@ pub fn open_model(path: &Path, tokenizer_json: Option<&Path>) -> Result<ModelFil
             config.num_kv_heads,
             true,
         );
+        source.check_experts(&config)?;
         Ok(ModelFiles {
             path: path.to_path_buf(),
             config,

@@ -8,7 +8,9 @@ use nibble_formats::gguf::{GgufFile, TensorInfo};
 use nibble_formats::safetensors_dir::SafetensorsDir;
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
 
-use crate::config::Arch;
+use nibble_core::{Error, Result};
+
+use crate::config::{Arch, ModelConfig};
 
 pub trait TensorSource: Send + Sync {
     fn get(&self, name: &str) -> Option<HostTensor>;
@@ -60,6 +62,111 @@ impl GgufSource {
         &self.file
     }
 
+    /// Expert `e`'s projection: a slice of the stacked `blk.L.ffn_<proj>_exps.weight` (ggml
+    /// dims `[in, out, experts]`, so expert `e` is the contiguous `e`-th of `experts` equal byte
+    /// ranges, for any ggml type), or older llama.cpp's split `blk.L.ffn_<proj>.E.weight`.
+    fn expert(&self, name: &str, layer: usize, e: usize, proj: &str) -> Option<HostTensor> {
+        if let Some(info) = self
+            .file
+            .tensor(&format!("blk.{layer}.ffn_{proj}_exps.weight"))
+        {
+            let [cols, rows, n] = info.dims[..] else {
+                return None;
+            };
+            if e >= n || !info.len.is_multiple_of(n) {
+                return None;
+            }
+            let len = info.len / n;
+            return Some(HostTensor {
+                name: name.to_string(),
+                shape: vec![rows, cols],
+                format: WeightFormat::Ggml(info.ty),
+                bytes: TensorBytes::Mapped {
+                    map: self.file.mmap().clone(),
+                    start: info.start + e * len,
+                    len,
+                },
+            });
+        }
+        let info = self
+            .file
+            .tensor(&format!("blk.{layer}.ffn_{proj}.{e}.weight"))?;
+        Some(self.host(info, name))
+    }
+
+    /// Checks the mixture-of-experts tensors of every sparse layer against `cfg`, naming the
+    /// GGUF tensor that is missing or misshapen (the model loader would name the Hugging Face
+    /// tensor, or a slice of a stacked one).
+    pub fn check_experts(&self, cfg: &ModelConfig) -> Result<()> {
+        let Some(m) = &cfg.moe else {
+            return Ok(());
+        };
+        let origin = self.origin();
+        let (h, f, n) = (cfg.hidden_size, m.expert_intermediate_size, m.num_experts);
+        let missing = |name: String| Error::MissingTensor {
+            name,
+            source_name: origin.clone(),
+        };
+        // Expected ggml dims (innermost first).
+        let check = |name: String, dims: &[usize]| -> Result<()> {
+            let info = self
+                .file
+                .tensor(&name)
+                .ok_or_else(|| missing(name.clone()))?;
+            if info.dims != dims {
+                return Err(Error::corrupt(
+                    &origin,
+                    format!(
+                        "tensor '{name}' has ggml dims {:?}, expected {dims:?} \
+                         ({n} experts, hidden {h}, expert width {f})",
+                        info.dims
+                    ),
+                ));
+            }
+            Ok(())
+        };
+        for (layer, _) in m.sparse_layers.iter().enumerate().filter(|(_, s)| **s) {
+            let b = format!("blk.{layer}");
+            check(format!("{b}.ffn_gate_inp.weight"), &[h, n])?;
+            for (proj, dims) in [("gate", [h, f]), ("up", [h, f]), ("down", [f, h])] {
+                let stacked = format!("{b}.ffn_{proj}_exps.weight");
+                if self.file.tensor(&stacked).is_some() {
+                    check(stacked, &[dims[0], dims[1], n])?;
+                } else if self
+                    .file
+                    .tensor(&format!("{b}.ffn_{proj}.0.weight"))
+                    .is_some()
+                {
+                    for e in 0..n {
+                        check(format!("{b}.ffn_{proj}.{e}.weight"), &dims)?;
+                    }
+                } else {
+                    return Err(missing(stacked));
+                }
+            }
+            if let Some(sf) = m.shared_expert_intermediate_size {
+                check(format!("{b}.ffn_gate_shexp.weight"), &[h, sf])?;
+                check(format!("{b}.ffn_up_shexp.weight"), &[h, sf])?;
+                check(format!("{b}.ffn_down_shexp.weight"), &[sf, h])?;
+                let gate = format!("{b}.ffn_gate_inp_shexp.weight");
+                let info = self
+                    .file
+                    .tensor(&gate)
+                    .ok_or_else(|| missing(gate.clone()))?;
+                if info.dims != [h] && info.dims != [h, 1] {
+                    return Err(Error::corrupt(
+                        &origin,
+                        format!(
+                            "tensor '{gate}' has ggml dims {:?}, expected [{h}]",
+                            info.dims
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn host(&self, info: &TensorInfo, name: &str) -> HostTensor {
         HostTensor {
             name: name.to_string(),
@@ -96,11 +203,37 @@ pub fn gguf_name(hf: &str) -> Option<String> {
                 "mlp.gate_proj" => "ffn_gate",
                 "mlp.up_proj" => "ffn_up",
                 "mlp.down_proj" => "ffn_down",
+                // Mixture-of-experts routers, and Qwen2-MoE's shared expert and its gate.
+                "block_sparse_moe.gate" | "mlp.gate" => "ffn_gate_inp",
+                "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
+                "mlp.shared_expert.up_proj" => "ffn_up_shexp",
+                "mlp.shared_expert.down_proj" => "ffn_down_shexp",
+                "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
                 _ => return None,
             };
             format!("blk.{layer}.{g}.{suffix}")
         }
     })
+}
+
+/// A routed expert's projection under its Hugging Face name (Mixtral's
+/// `block_sparse_moe.experts.E.w1`, Qwen's `mlp.experts.E.gate_proj`): the layer, the expert and
+/// the GGUF projection (`gate`, `up` or `down`).
+pub fn expert_part(hf: &str) -> Option<(usize, usize, &'static str)> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let part = part.strip_suffix(".weight")?;
+    let part = part
+        .strip_prefix("block_sparse_moe.experts.")
+        .or_else(|| part.strip_prefix("mlp.experts."))?;
+    let (expert, proj) = part.split_once('.')?;
+    let proj = match proj {
+        "w1" | "gate_proj" => "gate",
+        "w3" | "up_proj" => "up",
+        "w2" | "down_proj" => "down",
+        _ => return None,
+    };
+    Some((layer.parse().ok()?, expert.parse().ok()?, proj))
 }
 
 /// Row order that undoes llama.cpp's permutation of a Q or K projection with `heads` heads:
@@ -119,9 +252,16 @@ pub fn unpermute_qk_order(rows: usize, heads: usize) -> Vec<usize> {
 
 impl TensorSource for GgufSource {
     fn get(&self, name: &str) -> Option<HostTensor> {
+        if let Some((layer, e, proj)) = expert_part(name) {
+            return self.expert(name, layer, e, proj);
+        }
         let gname = gguf_name(name)?;
         let info = self.file.tensor(&gname)?;
-        let t = self.host(info, name);
+        let mut t = self.host(info, name);
+        if gname.ends_with("ffn_gate_inp_shexp.weight") && t.shape.len() == 1 {
+            // llama.cpp stores Qwen2-MoE's shared-expert gate `[1, hidden]` as a vector.
+            t.shape.insert(0, 1);
+        }
         let heads = if name.ends_with("self_attn.q_proj.weight")
             || name.ends_with("self_attn.q_proj.bias")
         {
@@ -133,7 +273,7 @@ impl TensorSource for GgufSource {
         } else {
             return Some(t);
         };
-        if !(self.unpermute && matches!(self.arch, Arch::Llama | Arch::Mistral)) {
+        if !(self.unpermute && matches!(self.arch, Arch::Llama | Arch::Mistral | Arch::Mixtral)) {
             return Some(t);
         }
         let rows = t.shape[0];
@@ -181,6 +321,23 @@ mod tests {
             Some("output.weight")
         );
         assert_eq!(gguf_name("model.layers.0.unknown.weight"), None);
+        assert_eq!(
+            gguf_name("model.layers.2.block_sparse_moe.gate.weight").as_deref(),
+            Some("blk.2.ffn_gate_inp.weight")
+        );
+        assert_eq!(
+            gguf_name("model.layers.1.mlp.shared_expert_gate.weight").as_deref(),
+            Some("blk.1.ffn_gate_inp_shexp.weight")
+        );
+        assert_eq!(
+            expert_part("model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+            Some((1, 3, "down"))
+        );
+        assert_eq!(
+            expert_part("model.layers.0.mlp.experts.7.gate_proj.weight"),
+            Some((0, 7, "gate"))
+        );
+        assert_eq!(expert_part("model.layers.0.mlp.gate_proj.weight"), None);
     }
 
     #[test]
