@@ -291,24 +291,13 @@ fn sentencepiece_gguf_loads_encodes_and_generates() {
             LogitRows::LastPerSeq,
         )
         .unwrap();
-    let mut next = common::argmax(&backend.to_host(&logits).unwrap());
-    let mut generated = vec![];
+    let first = common::argmax(&backend.to_host(&logits).unwrap());
+    let generated = common::greedy_continue(&backend, &model, &mut kv, &slot, first, n, 8);
     let mut stream = StreamDecoder::new();
-    let mut streamed = String::new();
-    for step in 0..8 {
-        generated.push(next);
-        streamed += &stream.push(tok, next).unwrap();
-        let l = model
-            .forward(
-                &backend,
-                &[next],
-                &BatchLayout::single(slot.clone(), n + step, 1),
-                &mut kv,
-                LogitRows::LastPerSeq,
-            )
-            .unwrap();
-        next = common::argmax(&backend.to_host(&l).unwrap());
-    }
+    let streamed: String = generated
+        .iter()
+        .map(|&t| stream.push(tok, t).unwrap())
+        .collect();
     assert!(generated.iter().all(|&id| id < 272), "{generated:?}");
     let text = tok.decode(&generated, true).unwrap();
     assert!(text.starts_with(&streamed), "{streamed:?} vs {text:?}");

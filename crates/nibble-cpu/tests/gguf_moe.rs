@@ -7,7 +7,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{Loaded, argmax, expected, fixture, load};
+use common::{Loaded, argmax, expected, expected_at, fixture, greedy_continue, load};
 use nibble_formats::gguf::{GgufFile, GgufWriter};
 use nibble_model::{Backend, BatchLayout, LogitRows};
 
@@ -37,21 +37,8 @@ fn run(path: &Path, fixture_name: &str) -> (Vec<f32>, Vec<u32>) {
         .unwrap();
     let logits = backend.to_host(&l).unwrap();
     let vocab = files.config.vocab_size;
-    let mut next = argmax(&logits[(n - 1) * vocab..]);
-    let mut greedy = vec![];
-    for step in 0..exp.greedy.len() {
-        greedy.push(next);
-        let l = model
-            .forward(
-                &backend,
-                &[next],
-                &BatchLayout::single(slot.clone(), n + step, 1),
-                &mut kv,
-                LogitRows::LastPerSeq,
-            )
-            .unwrap();
-        next = argmax(&backend.to_host(&l).unwrap());
-    }
+    let first = argmax(&logits[(n - 1) * vocab..]);
+    let greedy = greedy_continue(&backend, &model, &mut kv, &slot, first, n, exp.greedy.len());
     (logits, greedy)
 }
 
@@ -116,32 +103,12 @@ fn qwen2_moe_q8_0_with_shared_expert_stays_near_the_hf_directory() {
     let d = compare(name, false);
     assert!(d < Q8_0_BOUND, "max |logit difference| {d}");
 
-    let text =
-        std::fs::read_to_string(fixture("gguf-moe").join(format!("{name}.q8_0-expected.json")))
-            .unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let want: Vec<f32> = v["logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|r| {
-            r.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-        })
-        .collect();
-    let want_greedy: Vec<u32> = v["greedy"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect();
+    let want = expected_at(&fixture("gguf-moe").join(format!("{name}.q8_0-expected.json")));
     let (got, greedy) = run(&gguf(name), name);
-    let e = max_diff(&got, &want);
+    let e = max_diff(&got, &want.logits);
     eprintln!("{name} Q8_0: max |logit error| {e:e} against float64 on the dequantized values");
     assert!(e < 3e-4, "max |logit error| {e}");
-    assert_eq!(greedy, want_greedy);
+    assert_eq!(greedy, want.greedy);
 }
 
 const Q8_0_BOUND: f32 = 6e-2;

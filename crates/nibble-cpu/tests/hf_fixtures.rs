@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Loaded, argmax, expected, fixture, load};
+use common::{Loaded, argmax, expected, fixture, greedy_continue, load};
 use nibble_model::{Backend, BatchLayout, LogitRows};
 
 fn check(name: &str) {
@@ -36,21 +36,8 @@ fn check(name: &str) {
     eprintln!("{name}: max |logit error| {worst:e} against the float64 reference");
 
     // Greedy continuation through the KV cache, one token at a time.
-    let mut next = argmax(&host[(n - 1) * vocab..n * vocab]);
-    let mut got = vec![];
-    for step in 0..exp.greedy.len() {
-        got.push(next);
-        let l = model
-            .forward(
-                &backend,
-                &[next],
-                &BatchLayout::single(slot.clone(), n + step, 1),
-                &mut kv,
-                LogitRows::LastPerSeq,
-            )
-            .unwrap();
-        next = argmax(&backend.to_host(&l).unwrap());
-    }
+    let first = argmax(&host[(n - 1) * vocab..n * vocab]);
+    let got = greedy_continue(&backend, &model, &mut kv, &slot, first, n, exp.greedy.len());
     assert_eq!(got, exp.greedy, "{name}: greedy continuation");
 }
 

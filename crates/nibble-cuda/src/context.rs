@@ -520,7 +520,13 @@ impl CudaContext {
     /// does not wait for the stream. While a graph is being recorded, a plain upload (recorded
     /// as its node) instead.
     pub(crate) fn stage_upload<T: Copy>(&self, dst: DevicePtr, src: &[T]) -> Result<()> {
-        if self.lock().graphs.recording {
+        let recording = self.lock().graphs.recording;
+        self.upload_step_data(recording, dst, src)
+    }
+
+    /// [`Self::stage_upload`] for callers that hold the state lock and read `recording` there.
+    fn upload_step_data<T: Copy>(&self, recording: bool, dst: DevicePtr, src: &[T]) -> Result<()> {
+        if recording {
             return self.gpu.upload(dst, src);
         }
         self.staging
@@ -590,14 +596,7 @@ impl CudaContext {
             st.meta_buf = Some(DeviceBuffer::alloc(&self.gpu, bytes * 2, "batch metadata")?);
         }
         let base = st.meta_buf.as_ref().expect("allocated above").ptr;
-        if st.graphs.recording {
-            self.gpu.upload(base, &host)?;
-        } else {
-            self.staging
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .upload(&self.gpu, base, &host)?;
-        }
+        self.upload_step_data(st.graphs.recording, base, &host)?;
         let at = |i: usize| base + (i * 4) as u64;
         st.meta = Some(Meta {
             key,
@@ -638,14 +637,7 @@ impl CudaContext {
             st.tiles_buf = Some(DeviceBuffer::alloc(&self.gpu, bytes * 2, "prefill tiles")?);
         }
         let ptr = st.tiles_buf.as_ref().expect("allocated above").ptr;
-        if st.graphs.recording {
-            self.gpu.upload(ptr, tiles.as_flattened())?;
-        } else {
-            self.staging
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .upload(&self.gpu, ptr, tiles.as_flattened())?;
-        }
+        self.upload_step_data(st.graphs.recording, ptr, tiles.as_flattened())?;
         let count = tiles.len();
         st.meta.as_mut().expect("ensure_meta ran").prefill_tiles = Some(TileList {
             skip,

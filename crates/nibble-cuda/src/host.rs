@@ -84,10 +84,7 @@ unsafe impl Sync for Event {}
 impl Event {
     /// An event that keeps the time it fired, for [`Event::seconds_since`].
     pub fn timed(gpu: &Gpu) -> Result<Event> {
-        gpu.bind()?;
-        cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
-            .map(Event)
-            .map_err(|e| driver_err("event create", e))
+        Event::create(gpu, sys::CUevent_flags::CU_EVENT_DEFAULT)
     }
 
     /// Seconds from `earlier` to this event, both timed and both fired.
@@ -98,8 +95,12 @@ impl Event {
     }
 
     pub fn new(gpu: &Gpu) -> Result<Event> {
+        Event::create(gpu, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+    }
+
+    fn create(gpu: &Gpu, flags: sys::CUevent_flags) -> Result<Event> {
         gpu.bind()?;
-        cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+        cu::event::create(flags)
             .map(Event)
             .map_err(|e| driver_err("event create", e))
     }

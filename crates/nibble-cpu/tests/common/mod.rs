@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use nibble_cpu::CpuBackend;
-use nibble_model::{ModelFiles, Transformer, open_model};
+use nibble_cpu::{CpuBackend, CpuKvCache};
+use nibble_model::{Backend, BatchLayout, LogitRows, ModelFiles, Transformer, open_model};
 
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -46,7 +46,12 @@ pub struct Expected {
 }
 
 pub fn expected(name: &str) -> Expected {
-    let text = std::fs::read_to_string(fixture(name).join("expected.json")).unwrap();
+    expected_at(&fixture(name).join("expected.json"))
+}
+
+/// An `expected.json`-shaped file anywhere.
+pub fn expected_at(path: &Path) -> Expected {
+    let text = std::fs::read_to_string(path).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let ids = |k: &str| {
         v[k].as_array()
@@ -81,4 +86,33 @@ pub fn argmax(x: &[f32]) -> u32 {
             |b, (i, &v)| if v > b.1 { (i, v) } else { b },
         )
         .0 as u32
+}
+
+/// Greedy decoding through the KV cache, one token at a time: `first` is fed at position
+/// `start` of the sequence in `slot`, then each argmax; returns the `n` tokens fed.
+pub fn greedy_continue(
+    backend: &CpuBackend,
+    model: &Transformer<CpuBackend>,
+    kv: &mut CpuKvCache,
+    slot: &[u32],
+    first: u32,
+    start: usize,
+    n: usize,
+) -> Vec<u32> {
+    let mut next = first;
+    let mut fed = Vec::with_capacity(n);
+    for step in 0..n {
+        fed.push(next);
+        let l = model
+            .forward(
+                backend,
+                &[next],
+                &BatchLayout::single(slot.to_vec(), start + step, 1),
+                kv,
+                LogitRows::LastPerSeq,
+            )
+            .unwrap();
+        next = argmax(&backend.to_host(&l).unwrap());
+    }
+    fed
 }
