@@ -50,7 +50,7 @@ def prefill_rows(dev, ctxs):
 
 
 QGEMM_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-QGEMM_MS = [1, 4, 16, 64, 1024, 8192]
+QGEMM_MS = [1, 4, 16, 64, 256, 1024, 8192]
 
 
 def cold_copies(dev, make, nbytes):

@@ -53,6 +53,27 @@ def main():
             f"| {r['n']} x {r['k']} | {r['m']} | {us(bf)} | {us(r['w4a16_ms'])} | {us(p.get('int4_ms', float('nan')))} "
             f"| {us(r['w8a8_ms'])} | {us(r['w8a8_with_quant_ms'])} | {us(p.get('int8_ms', float('nan')))} "
             f"| {us(p.get('fp8_ms', float('nan')))} | {ratio(r4)} | {ratio(r8)} | {100 * r['w4a16_hbm_fraction']:.0f}% |")
+    w48 = [r for r in ours["qgemm"] if "w4a8_ms" in r]
+    w48_big_w8, w48_big_fp8, w48_small = [], [], []
+    if w48:
+        lines += ["", "W4A8 (QoQ g128: 4-bit codes widened to INT8 in registers, INT8 tensor cores; the same kernel "
+                  "serves LiquidQuant and INT4 per channel) against nibble's W8A8 and W4A16 and PyTorch's FP8 "
+                  "(`torch._scaled_mm`, row-wise scales). Times in µs; ratios are the other kernel's time over W4A8's "
+                  "(higher: W4A8 faster); % HBM counts W4A8's weight and activation bytes.", "",
+                  "| N x K | M | nibble W4A8 | W4A8 + act. quant | nibble W8A8 | nibble W4A16 | torch fp8 | vs W8A8 | vs W4A16 | vs fp8 | W4A8 % HBM |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in w48:
+            p = pk.get((r["n"], r["k"], r["m"]), {})
+            fp8 = p.get("fp8_ms", float("nan"))
+            v8, v4, vf = r["w8a8_ms"] / r["w4a8_ms"], r["w4a16_ms"] / r["w4a8_ms"], fp8 / r["w4a8_ms"]
+            if r["m"] >= 256:
+                w48_big_w8.append(v8)
+                if vf == vf:
+                    w48_big_fp8.append(vf)
+            if r["m"] <= 16:
+                w48_small.append(v4)
+            lines.append(f"| {r['n']} x {r['k']} | {r['m']} | {us(r['w4a8_ms'])} | {us(r['w4a8_with_quant_ms'])} | {us(r['w8a8_ms'])} "
+                         f"| {us(r['w4a16_ms'])} | {us(fp8)} | {ratio(v8)} | {ratio(v4)} | {ratio(vf)} | {100 * r['w4a8_hbm_fraction']:.0f}% |")
     tiers = [r for r in ours["qgemm"] if r.get("w4a16_mma_sync_ms")]
     if tiers:
         lines += ["", "Up to 64 tokens on both tiers: the Hopper tier (up to 16 tokens the persistent decode gemv: "
@@ -74,6 +95,11 @@ def main():
         lines.append(f"| W4A16 {key[0]}x{key[1]} M={key[2]}: >= 85% of HBM bandwidth in weight bytes | {100 * f:.0f}% | {'yes' if f >= 0.85 else 'no'} |")
     lines.append(f"| W4A16, M >= 1024: >= 0.95x cuBLAS BF16 | {min(big4):.2f}x to {max(big4):.2f}x | {'yes' if min(big4) >= 0.95 else 'no'} |")
     lines.append(f"| W8A8, M >= 1024: >= 1.6x cuBLAS BF16 | {min(big8):.2f}x to {max(big8):.2f}x | {'yes' if min(big8) >= 1.6 else 'no'} |")
+    for name, vals, goal in [("W4A8, M >= 256: >= 1.1x nibble W8A8", w48_big_w8, 1.1),
+                             ("W4A8, M >= 256: >= 1.0x torch fp8", w48_big_fp8, 1.0),
+                             ("W4A8, M <= 16: >= 0.9x nibble W4A16", w48_small, 0.9)]:
+        if vals:
+            lines.append(f"| {name} | {min(vals):.2f}x to {max(vals):.2f}x (geomean {geomean(vals):.2f}x) | {'yes' if min(vals) >= goal else 'no'} |")
     eng = ours.get("engine_precisions", [])
     if eng:
         base = {r["batch"]: r["tokens_per_s"] for r in eng if r["precision"] == "bf16"}
@@ -96,7 +122,8 @@ def main():
         xs = [10 ** (i / 20) for i in range(-20, 100)]
         ax.plot(xs, [min(peak, x * bw) / 1e12 for x in xs], "k-", lw=1, label="roofline (BF16 peak, HBM)")
         series = {"cuBLAS BF16": ("bf16_ms", "o", 2.0), "nibble W4A16": ("w4a16_ms", "s", None),
-                  "nibble W8A8": ("w8a8_ms", "^", 1.0), "torch int4": ("int4_ms", "x", 0.5 + 3 / 128),
+                  "nibble W8A8": ("w8a8_ms", "^", 1.0), "nibble W4A8": ("w4a8_ms", "v", 0.5 + 4 / 128),
+                  "torch int4": ("int4_ms", "x", 0.5 + 3 / 128),
                   "torch fp8": ("fp8_ms", "d", 1.0)}
         for name, (field, marker, bpe) in series.items():
             pts = []

@@ -14,6 +14,10 @@
 #   throughput  1000 ShareGPT prompts offline: BF16 at 64 and 256 sequences (running ahead and
 #               in lockstep), W4A16-g128 and W8A8 at 256
 #   serve       `nibble serve` (BF16) under `nibble bench serve` at several request rates
+#   qgemm       the quantized GEMMs (W4A16, W8A8, W4A8) on Llama-3-8B's layer shapes against
+#               cuBLAS BF16 and PyTorch's int4 / int8 / fp8 matmuls (report-qgemm.md, qgemm.png)
+#   w4a8        1000 ShareGPT prompts offline at 64 and 256 sequences: W4A8 (QoQ g128) and BF16
+#               in the same session (the W4A8 issue's end-to-end ratio)
 # Logs and JSON go to OUTDIR; exits non-zero if a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +67,13 @@ for part in "$@"; do
         --profile --no-run-ahead
       throughput throughput-w4a16 llama-3-8b:w4a16-g128 --num-prompts 1000 --profile
       throughput throughput-w8a8 llama-3-8b:w8a8 --num-prompts 1000 --profile ;;
+    qgemm)
+      step gpu-bench stage/gpu/gpu-bench "$out/gpu-bench.json" --qgemm
+      step peer python3 bench/gpu_peer.py "$out/gpu-peer.json" --qgemm
+      python3 bench/qgemm_report.py "$out" > /dev/null 2>"$out/qgemm-report.err" || status=1 ;;
+    w4a8)
+      throughput throughput-w4a8 llama-3-8b:w4a8-g128 --num-prompts 1000 --sweep-seqs 64,256 --profile
+      throughput throughput-bf16 llama-3-8b --num-prompts 1000 --sweep-seqs 64,256 --profile ;;
     serve)
       step serve-bf16 bash scripts/gpu-serve-bench.sh "$bin" llama-3-8b "$tok" "$ds" "$out" ;;
     *) echo "unknown part $part" >&2; status=1 ;;

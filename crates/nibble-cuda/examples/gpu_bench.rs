@@ -235,6 +235,16 @@ fn quant_weight(format: LinearFormat, n: usize, k: usize, seed: u64) -> Result<H
                     row[k / 2 + 2 * groups + g] &= 15;
                 }
             }
+            // QoQ / LiquidQuant: level-1 scales small enough that every group widens exactly
+            // (as the quantizer's protective range guarantees), zeros 0..=15.
+            WeightCodec::Qoq { .. } | WeightCodec::Lqq { .. } => {
+                for g in 0..groups {
+                    row[k / 2 + g] = 1 + row[k / 2 + g] % 8;
+                    row[k / 2 + groups + g] &= 15;
+                }
+                let end = row.len();
+                row[end - 2..].copy_from_slice(&half::f16::from_f32(0.001).to_le_bytes());
+            }
             _ => row[k..].copy_from_slice(&half::f16::from_f32(0.001).to_le_bytes()),
         }
     }
@@ -292,10 +302,11 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
     let ms: &[usize] = if quick {
         &[1, 16, 4096]
     } else {
-        &[1, 4, 16, 32, 64, 1024, 8192]
+        &[1, 4, 16, 32, 64, 256, 1024, 8192]
     };
     let w4: LinearFormat = "int4-g128/a16".parse()?;
     let w8: LinearFormat = "int8-pc/a8".parse()?;
+    let w4a8: LinearFormat = "qoq-g128/a8".parse()?;
     let mut rows = Vec::new();
     for (si, &(n, k)) in shapes.iter().enumerate() {
         let copies = |host: &HostTensor| -> Result<Vec<_>> {
@@ -305,13 +316,15 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
         let dense = copies(&bf16_weight(n, k, 100 + si as u64))?;
         let q4 = copies(&quant_weight(w4, n, k, 200 + si as u64)?)?;
         let q8 = copies(&quant_weight(w8, n, k, 300 + si as u64)?)?;
-        let (p4s, p8s) = (quant_params(&q4)?, quant_params(&q8)?);
-        let (p4, p8) = (p4s[0], p8s[0]);
+        let q48 = copies(&quant_weight(w4a8, n, k, 400 + si as u64)?)?;
+        let (p4s, p8s, p48s) = (quant_params(&q4)?, quant_params(&q8)?, quant_params(&q48)?);
+        let (p4, p8, p48) = (p4s[0], p8s[0], p48s[0]);
         eprintln!(
-            "qgemm {n}x{k}: {} bf16, {} w4a16, {} w8a8 weight copies",
+            "qgemm {n}x{k}: {} bf16, {} w4a16, {} w8a8, {} w4a8 weight copies",
             dense.len(),
             p4s.len(),
-            p8s.len()
+            p8s.len(),
+            p48s.len()
         );
         for &m in ms {
             let x = be.random_half_tensor(m, k, 7)?;
@@ -327,12 +340,19 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
                 }
             };
             let (mut cd, mut c4, mut c8) = (cycle(dense.len()), cycle(p4s.len()), cycle(p8s.len()));
+            let mut c48 = cycle(p48s.len());
             let t_cublas = time_calls(be, calls, &mut || {
                 be.linear(&x, &dense[cd()], None).map(|_| ())
             })?;
             let t_w4 = time_calls(be, calls, &mut || be.quant_gemm(&x, p4s[c4()], n, k, &out))?;
             let t_w8 = time_calls(be, calls, &mut || be.quant_gemm(&x8, p8s[c8()], n, k, &out))?;
             let t_w8q = time_calls(be, calls, &mut || be.quant_gemm(&x, p8s[c8()], n, k, &out))?;
+            let t_w48 = time_calls(be, calls, &mut || {
+                be.quant_gemm(&x8, p48s[c48()], n, k, &out)
+            })?;
+            let t_w48q = time_calls(be, calls, &mut || {
+                be.quant_gemm(&x, p48s[c48()], n, k, &out)
+            })?;
             // Decode and batch sizes on each tier (the default picks one per shape).
             let mut tier_ms = |tier: KernelTier| -> Result<(Option<f64>, Option<f64>)> {
                 if m > WGMMA_SMALL_TOKENS {
@@ -350,6 +370,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
             let io = (m * k * 2 + m * n * 2) as f64;
             let w4_bytes = p4.bytes() as f64;
             let w8_bytes = p8.bytes() as f64;
+            let w48_bytes = p48.bytes() as f64;
             let floor = |wb: f64| ((wb + io) / bw).max(flops / peak);
             let r = json!({
                 "n": n, "k": k, "m": m,
@@ -358,7 +379,11 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
                 "w4a16_mma_sync_ms": t_w4_mma, "w8a8_mma_sync_ms": t_w8_mma,
                 "w4a16_hopper_ms": t_w4_hopper, "w8a8_hopper_ms": t_w8_hopper,
                 "w4a16_weight_bytes": w4_bytes, "w8a8_weight_bytes": w8_bytes,
-                "weight_copies": [dense.len(), p4s.len(), p8s.len()],
+                "w4a8_ms": t_w48 * 1e3, "w4a8_with_quant_ms": t_w48q * 1e3,
+                "w4a8_weight_bytes": w48_bytes, "w4a8_floor_ms": floor(w48_bytes) * 1e3,
+                "w4a8_tops": flops / t_w48 / 1e12,
+                "w4a8_hbm_fraction": (w48_bytes + io) / t_w48 / bw,
+                "weight_copies": [dense.len(), p4s.len(), p8s.len(), p48s.len()],
                 "w4a16_hbm_fraction": (w4_bytes + io) / t_w4 / bw,
                 "w4a16_floor_ms": floor(w4_bytes) * 1e3, "w8a8_floor_ms": floor(w8_bytes) * 1e3,
                 "bf16_floor_ms": floor((n * k * 2) as f64) * 1e3,
@@ -376,7 +401,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
 /// precisions that have GPU kernels (the engine measurement: tokens/s against BF16).
 fn engine_precisions(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
     let mut rows = Vec::new();
-    for spec in ["", ":w4a16-g128", ":w8a8"] {
+    for spec in ["", ":w4a16-g128", ":w8a8", ":w4a8-g128"] {
         let files = nibble_model::dummy::open_dummy(&format!("llama-3-8b{spec}"), 0)?;
         let before = be.weight_bytes();
         let t0 = Instant::now();

@@ -120,6 +120,21 @@ __device__ __forceinline__ __nv_bfloat16 to_out(float v, __nv_bfloat16*) { retur
 struct W4Epilogue {
     __device__ __forceinline__ float operator()(float v, int, int) const { return v; }
 };
+// W4A8: a packed word's eight 4-bit codes widened to two registers of INT8 (its low nibbles,
+// then its high ones) by a group's byte-affine parameters `p` = scale | offset << 16 (offset an
+// i16): per register one IMAD and one XOR for four values, (q * s + offset) ^ 0x80 per byte with
+// no carry between bytes (LiquidGEMM §4; QoQ's (q - z) * s is offset = 128 - z * s, QServe §5's
+// subtraction after multiplication folded into the addend). nibble_precision::byte_affine_word
+// is the reference; pack.rs checks at load that every group is exact.
+struct W4A8Affine {
+    u32 s, off;
+    __device__ __forceinline__ explicit W4A8Affine(u32 p) : s(p & 0xffffu), off((u32)((int)p >> 16) * 0x01010101u) {}
+    __device__ __forceinline__ void widen(u32 w, u32& lo, u32& hi) const {
+        lo = ((w & 0x0f0f0f0fu) * s + off) ^ 0x80808080u;
+        hi = (((w >> 4) & 0x0f0f0f0fu) * s + off) ^ 0x80808080u;
+    }
+};
+
 struct W8Epilogue {
     const float* sx;
     const float* sw;

@@ -1,5 +1,5 @@
-// Quantized GEMMs, wgmma tier (sm_90a: Hopper): the large-M kernels of W4A16 and W8A8, for the
-// same packed weights as the mma.sync tier (qgemm.cu, src/pack.rs). TurboMind §4 (packed
+// Quantized GEMMs, wgmma tier (sm_90a: Hopper): the large-M kernels of W4A16, W8A8 and W4A8, for
+// the same packed weights as the mma.sync tier and the decode gemv (qgemm.cu, src/pack.rs). TurboMind §4 (packed
 // fragments, dequantization in registers) and QServe §4-5 (INT8 GEMM, fused scales) taken from
 // mma.sync to wgmma with TMA and warp specialization.
 //
@@ -226,6 +226,64 @@ template <class T, int TOK> struct WgqW4 {
     }
 };
 
+// W4A8 (QoQ, LiquidQuant, INT4 per channel; QServe §5, LiquidGEMM §4-5): a stage is 128 K as for
+// W8A8, but the weights arrive as 4-bit codes (two 512-B chunks per weight tile, half W8A8's
+// bytes) with the group parameter rows the stage's 128 channels touch (`span` of them, one per
+// row for groups of 128 and up). Consumers widen the codes to W8A8's INT8 fragments in registers
+// (W4A8Affine: an IMAD and an XOR per four weights) straight into the wgmma A operand, so the
+// widened weights never go through shared memory (LiquidGEMM's implicit pipeline: the TMA
+// producer warpgroup streams codes while the consumer warpgroups widen and multiply), then
+// transpose quads into natural K order as WgqW8 does. The epilogue is W8A8's per-row and
+// per-token scales. On Hopper the gain over W8A8 is bytes, not math: the tensor cores run INT8.
+template <int TOK> struct WgqW4A8 {
+    static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 8 : 12;
+    static constexpr int X_BYTES = TOK * 128;
+    static constexpr int CODES = 8 * 1024;
+    static constexpr int STAGE = X_BYTES + CODES + 8 * 4 * 64;
+    static constexpr int K_PER_STAGE = 128;
+    static constexpr int A_REGS = 16;
+    using Acc = int;
+    const TmaMap* codes;   // [tiles][chunks][512 B], boxes of 8 tiles x 2 chunks
+    const TmaMap* params;  // [tiles][groups][64 B], boxes of 8 tiles x span groups
+    int tiles, chunks, groups, group_shift, span;
+
+    __device__ int stages() const { return (chunks + 1) / 2; }
+    __device__ int first_group(int c) const { return (c * 128) >> group_shift; }
+    __device__ u32 weight_bytes() const { return CODES + 8 * span * 64; }
+    // As [tile][1 KB] codes, then [tile][span x 64 B] parameters.
+    __device__ void issue(u32 w, u32 bar, int tile0, int c) const {
+        tma_load_3d(w, codes, 0, 2 * c, tile0, bar);
+        tma_load_3d(w + CODES, params, 0, first_group(c), tile0, bar);
+    }
+    // Chunk ch's four words widen to a[8 ch ..] in W8A8's register order (word 2s + h: register h
+    // of k32 step s in its low nibbles, register 2 + h in its high ones), then WgqW8's transposes.
+    __device__ void load_a(const unsigned char* w, int c, u32 (&a)[A_REGS]) const {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        const int g0 = first_group(c);
+#pragma unroll
+        for (int ch = 0; ch < 2; ++ch) {
+            const uint4 v = *reinterpret_cast<const uint4*>(w + warp * 1024 + ch * 512 + lane * 16);
+            const int gi = ((c * 128 + ch * 64 + t * 16) >> group_shift) - g0;
+            const uint2 p = *reinterpret_cast<const uint2*>(w + CODES + (warp * span + gi) * 64 + g * 8);
+            const W4A8Affine row0(p.x), row8(p.y);
+            u32* r = a + 8 * ch;
+            row0.widen(v.x, r[0], r[2]);
+            row8.widen(v.y, r[1], r[3]);
+            row0.widen(v.z, r[4], r[6]);
+            row8.widen(v.w, r[5], r[7]);
+        }
+#pragma unroll
+        for (int ch = 0; ch < 2; ++ch)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                quad_transpose(a[8 * ch + h], a[8 * ch + 2 + h], a[8 * ch + 4 + h], a[8 * ch + 6 + h]);
+    }
+    __device__ void mma(int (&acc)[TOK / 8][4], const u32 (&a)[A_REGS], u32 xs, int) const {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wgmma_s8(acc, a + 4 * j, sw128_desc(xs + 32 * j));
+    }
+};
+
 // A CTA computes output tiles of 128 weight rows (8 packed tiles) x TOK tokens, tokens read
 // through `xmap`; the grid is at most one CTA per SM and each walks tiles blockIdx.x, + gridDim.x,
 // .. in an order that takes WGQ_RASTER token blocks per weight block, so the tiles in flight
@@ -400,5 +458,22 @@ W8A8_WGMMA(bf16, __nv_bfloat16)
     W4A16_WGMMA_ENTRY(w4a16_wgmma64_h_##SFX, 64, T, T)
 W4A16_WGMMA(f16, __half)
 W4A16_WGMMA(bf16, __nv_bfloat16)
+
+#define W4A8_WGMMA_ENTRY(NAME, TOK, OUT)                                                              \
+    extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
+        const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
+        const __grid_constant__ TmaMap pmap, const float* __restrict__ sw, const float* __restrict__ sx, \
+        OUT* __restrict__ y, long ldy, int M, int N, int tiles, int chunks, int groups, int group_shift, \
+        int span, int splits, int* __restrict__ partial, int* __restrict__ counters) {                \
+        wgmma_gemm<TOK, TOK == 64>(&xmap, WgqW4A8<TOK>{&wmap, &pmap, tiles, chunks, groups, group_shift, span}, \
+                                   y, ldy, M, N, splits, partial, counters, W8Epilogue{sx, sw});       \
+    }
+#define W4A8_WGMMA(OUTNAME, OUT)                            \
+    W4A8_WGMMA_ENTRY(w4a8_wgmma_##OUTNAME, 256, OUT)        \
+    W4A8_WGMMA_ENTRY(w4a8_wgmma128_##OUTNAME, 128, OUT)     \
+    W4A8_WGMMA_ENTRY(w4a8_wgmma64_##OUTNAME, 64, OUT)
+W4A8_WGMMA(f32, float)
+W4A8_WGMMA(f16, __half)
+W4A8_WGMMA(bf16, __nv_bfloat16)
 
 #endif  // sm_90a

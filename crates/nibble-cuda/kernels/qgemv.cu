@@ -1,6 +1,7 @@
 // Decode gemv, persistent, Hopper tier (sm_90 and later, programmatic dependent launch):
-// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens, W4A16 and W8A8, on the packed weights
-// of qgemm.cu (same fragments, same operand roles: weight rows on the MMA's M side).
+// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens, W4A16, W8A8 and W4A8, on the packed
+// weights of qgemm.cu (same fragments, same operand roles: weight rows on the MMA's M side); W4A8
+// widens its 4-bit codes to W8A8's INT8 fragments in registers (QServe §5, LiquidGEMM §4).
 //
 // Work (stream-K): the units (row block b of DW 16-row tiles, 64-channel chunk c), b-major, are cut
 // into equal contiguous ranges, one per CTA, with a fixed number of CTAs per SM: every SM streams
@@ -184,6 +185,65 @@ struct DecW8 {
             for (int tt = 0; tt < TT; ++tt)
                 mma_s8(G[j][tt], a, j ? xv[tt][0].z : xv[tt][0].x, j ? xv[tt][0].w : xv[tt][0].y);
         }
+    }
+    template <int TT>
+    __device__ __forceinline__ void flush(const Regs&, int, const int (&G)[2][TT][4], const float (&)[TT][2],
+                                          int (&acc)[TT][4]) const {
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[tt][e] += G[0][tt][e] + G[1][tt][e];
+    }
+};
+
+// W4A8 units: a tile's chunk is 512 B of 4-bit codes (16 B per lane) that widen in registers to
+// exactly DecW8's INT8 fragments (W4A8Affine), and the parameter pair of the group the lane's 16
+// channels lie in (rows g and g + 8, 8 B per lane, through L1: the chunks of a group share it).
+// Scales are per row and token as for W8A8: a batch is one span.
+struct DecW4A8 {
+    using X = signed char;
+    using Acc = int;
+    static constexpr int U = DEC_U, GC = DEC_U, SPANS = 1;
+    static constexpr bool ZERO_POINTS = false;
+    struct Regs {
+        uint4 w[U];
+        uint2 p[U];
+    };
+    struct Tile {
+        const uint4* w;
+        const uint2* p;
+    };
+    const uint4* codes;
+    const uint2* params;
+    int chunks, groups, group_shift;  // group_shift 30: one group per row
+
+    __device__ __forceinline__ Tile tile_at(int tile) const {
+        const int lane = threadIdx.x & 31;
+        return {codes + (long)tile * chunks * 32 + lane, params + (long)tile * groups * 8 + (lane >> 2)};
+    }
+    __device__ __forceinline__ void fetch(const Tile& t, int c, Regs& r) const {
+        const int lane_k = (threadIdx.x & 3) * 16;
+#pragma unroll
+        for (int u = 0; u < U; ++u) r.w[u] = ld_stream(t.w + (c + u) * 32);
+#pragma unroll
+        for (int u = 0; u < U; ++u) r.p[u] = __ldg(t.p + (((c + u) * 64 + lane_k) >> group_shift) * 8);
+    }
+    __device__ __forceinline__ void load_x(const unsigned char* row, uint4 (&v)[1]) const {
+        v[0] = *reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 16);
+    }
+    template <int TT>
+    __device__ __forceinline__ void mma(const Regs& r, int u, const uint4 (&xv)[TT][1], int (&G)[2][TT][4]) const {
+        const W4A8Affine row0(r.p[u].x), row8(r.p[u].y);
+        u32 a[2][4];
+        row0.widen(r.w[u].x, a[0][0], a[0][2]);
+        row8.widen(r.w[u].y, a[0][1], a[0][3]);
+        row0.widen(r.w[u].z, a[1][0], a[1][2]);
+        row8.widen(r.w[u].w, a[1][1], a[1][3]);
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt)
+                mma_s8(G[j][tt], a[j], j ? xv[tt][0].z : xv[tt][0].x, j ? xv[tt][0].w : xv[tt][0].y);
     }
     template <int TT>
     __device__ __forceinline__ void flush(const Regs&, int, const int (&G)[2][TT][4], const float (&)[TT][2],
@@ -420,4 +480,20 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
 NIBBLE_W8A8_DEC(f32, float)
 NIBBLE_W8A8_DEC(bf16, __nv_bfloat16)
 NIBBLE_W8A8_DEC(f16, __half)
+
+#define W4A8_DEC_ENTRY(NAME, TT, OUT)                                                               \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
+        const uint4* codes, const uint2* params, const float* sw, const signed char* x, long ldx,     \
+        const float* sx, OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, \
+        int chunks, int groups, int group_shift, int per_cta, int max_pieces) {                       \
+        dec_gemv<TT, DEC_WARPS>(DecW4A8{codes, params, chunks, groups, group_shift}, x, ldx, y, ldy,  \
+                                partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces,          \
+                                W8Epilogue{sx, sw});                                                   \
+    }
+#define NIBBLE_W4A8_DEC(SUFFIX, OUT)                \
+    W4A8_DEC_ENTRY(w4a8_dec1_##SUFFIX, 1, OUT)   \
+    W4A8_DEC_ENTRY(w4a8_dec2_##SUFFIX, 2, OUT)
+NIBBLE_W4A8_DEC(f32, float)
+NIBBLE_W4A8_DEC(bf16, __nv_bfloat16)
+NIBBLE_W4A8_DEC(f16, __half)
 #endif

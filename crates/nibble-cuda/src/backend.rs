@@ -103,10 +103,15 @@ impl CudaBackend {
         let what = format!("weight {}", names.join(" + "));
         if let Some((format, rows, cols, bytes)) = qlinear::stacked_rows(parts)? {
             // Geometry the kernels cannot read (K not a multiple of 16) runs dequantized below.
-            if let Ok(packed) = qlinear::pack_rows(format, rows, cols, &bytes, dtype) {
+            // W4A8 has Hopper kernels only; elsewhere it runs dequantized too.
+            let runs = qlinear::QFamily::of(format) != Some(qlinear::QFamily::W4A8)
+                || self.ctx.has_kernel("w4a8_wgmma_f32");
+            if let Some(packed) = runs
+                .then(|| qlinear::pack_rows(format, rows, cols, &bytes, dtype).ok())
+                .flatten()
+            {
                 let q = packed.upload(&self.ctx, &what)?;
-                self.ctx
-                    .note_weight(q.bytes(), matches!(q, QuantWeight::W8 { .. }));
+                self.ctx.note_weight(q.bytes(), q.reads_int8());
                 return Ok(CudaWeight {
                     rows,
                     cols,

@@ -30,6 +30,7 @@
 
 use half::{bf16, f16};
 use nibble_core::{Error, Result};
+use nibble_precision::{ByteAffine, byte_affine_word};
 
 use crate::tensor::Dtype;
 
@@ -357,6 +358,173 @@ impl PackedW8 {
                         if r < self.n && kk < self.k {
                             out[r * self.k + kk] = self.codes[base + idx];
                         }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A dense `[n, k]` W4A8 weight (QoQ, LiquidQuant, INT4 per channel with INT8 activations):
+/// 4-bit codes and each group's [`ByteAffine`] widening, the input of [`pack_w4a8`].
+pub struct W4A8Matrix<'a> {
+    pub n: usize,
+    pub k: usize,
+    /// Channels per group: a power of two from 32, or `k` for one group per row.
+    pub group_len: usize,
+    /// Codes 0..=15, row-major `[n, k]`.
+    pub codes: &'a [u8],
+    /// `[n, k / group_len]`.
+    pub affine: &'a [ByteAffine],
+    /// The per-row scale of the INT8 weights (`[n]`).
+    pub scales: &'a [f32],
+}
+
+/// Packed W4A8 weight. Codes: `[tiles][chunks][32 lanes][4]` u32 words, 16 bytes a lane, which
+/// widen to the lane's eight INT8 registers of [`pack_w8`]'s layout: word `2 * step + h` holds
+/// register `h` of that step (rows `g + 8h`, the step's first 4 channels) in its low nibbles and
+/// register `2 + h` in its high nibbles, byte `b` in byte `b`. Parameters: `[tiles][groups][8][2]`
+/// u32 words `scale | offset << 16` (offset as i16), row `g` then row `g + 8`, as W4A16's pairs.
+/// A lane's 16 channels of a chunk (`16 t ..`) lie in one group.
+pub struct PackedW4A8 {
+    pub n: usize,
+    pub k: usize,
+    pub tiles: usize,
+    pub chunks: usize,
+    pub groups: usize,
+    pub group_len: usize,
+    /// `log2(group_len)`, or 30 for one group per row (any lane's channel shifts to group 0).
+    pub group_shift: u32,
+    pub codes: Vec<u32>,
+    pub params: Vec<u32>,
+    pub scales: Vec<f32>,
+}
+
+/// The parameter word of one group and row.
+pub fn w4a8_param(a: ByteAffine) -> u32 {
+    a.scale & 0xffff | (a.offset as i16 as u16 as u32) << 16
+}
+
+/// A packed word's two INT8 registers, as the kernels widen them (`w4a8_widen` in
+/// kernels/common.cuh): the low nibbles, then the high ones.
+pub fn w4a8_widen(word: u32, param: u32) -> (u32, u32) {
+    let a = ByteAffine {
+        scale: param & 0xffff,
+        offset: (param >> 16) as u16 as i16 as i32,
+    };
+    (
+        byte_affine_word(word & 0x0f0f_0f0f, a),
+        byte_affine_word((word >> 4) & 0x0f0f_0f0f, a),
+    )
+}
+
+pub fn pack_w4a8(w: &W4A8Matrix) -> Result<PackedW4A8> {
+    check_k(w.k, None)?;
+    let groups_in = w.k / w.group_len.max(1);
+    let one_group = groups_in == 1 && w.group_len == w.k;
+    if !one_group && !(w.group_len >= 32 && w.group_len.is_power_of_two()) {
+        return Err(Error::unsupported(
+            format!("a W4A8 GPU weight in groups of {}", w.group_len),
+            "the W4A8 kernels take groups of a power of two from 32 channels, or one per row",
+        ));
+    }
+    if w.codes.len() != w.n * w.k
+        || w.affine.len() != w.n * groups_in
+        || w.scales.len() != w.n
+        || w.k % w.group_len != 0
+    {
+        return Err(Error::InvalidArgument(format!(
+            "pack_w4a8: {} codes, {} group parameters, {} scales for a {}x{} weight in groups of {}",
+            w.codes.len(),
+            w.affine.len(),
+            w.scales.len(),
+            w.n,
+            w.k,
+            w.group_len
+        )));
+    }
+    let (tiles, chunks) = (w.n.div_ceil(TILE_ROWS), chunks_for(w.k));
+    let groups = if one_group {
+        1
+    } else {
+        (chunks * CHUNK_K).div_ceil(w.group_len)
+    };
+    let order = lane_order(MMA_S8);
+    let per_reg = MMA_S8.per_reg();
+    let mut codes = vec![0u32; tiles * chunks * 32 * 4];
+    for tile in 0..tiles {
+        for chunk in 0..chunks {
+            for (lane, vals) in order.iter().enumerate() {
+                let base = ((tile * chunks + chunk) * 32 + lane) * 4;
+                for (idx, &(row, ch)) in vals.iter().enumerate() {
+                    let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+                    if n >= w.n || kk >= w.k {
+                        continue; // padding: its activations are zero
+                    }
+                    let (step, reg, byte) = (idx / 16, idx % 16 / per_reg, idx % per_reg);
+                    let word = 2 * step + reg % 2;
+                    let shift = 8 * byte + 4 * (reg / 2);
+                    codes[base + word] |= ((w.codes[n * w.k + kk] & 15) as u32) << shift;
+                }
+            }
+        }
+    }
+    let mut params = vec![0u32; tiles * groups * 16];
+    for tile in 0..tiles {
+        for grp in 0..groups.min(groups_in) {
+            for row in 0..TILE_ROWS {
+                let n = tile * TILE_ROWS + row;
+                if n < w.n {
+                    let at = ((tile * groups + grp) * 8 + row % 8) * 2 + row / 8;
+                    params[at] = w4a8_param(w.affine[n * groups_in + grp]);
+                }
+            }
+        }
+    }
+    let mut scales = w.scales.to_vec();
+    scales.resize(tiles * TILE_ROWS, 0.0);
+    Ok(PackedW4A8 {
+        n: w.n,
+        k: w.k,
+        tiles,
+        chunks,
+        groups,
+        group_len: w.group_len,
+        group_shift: if one_group {
+            30
+        } else {
+            w.group_len.trailing_zeros()
+        },
+        codes,
+        params,
+        scales,
+    })
+}
+
+impl PackedW4A8 {
+    /// The `[n, k]` INT8 weights as the kernels widen them from the packed words: what
+    /// [`WeightCodec::integer_row`](nibble_precision::WeightCodec::integer_row) gives, for tests.
+    pub fn widened(&self) -> Vec<i8> {
+        let order = lane_order(MMA_S8);
+        let per_reg = MMA_S8.per_reg();
+        let mut out = vec![0i8; self.n * self.k];
+        for tile in 0..self.tiles {
+            for chunk in 0..self.chunks {
+                for (lane, vals) in order.iter().enumerate() {
+                    let base = ((tile * self.chunks + chunk) * 32 + lane) * 4;
+                    let grp = (chunk * CHUNK_K + 16 * (lane % 4)) >> self.group_shift;
+                    for (idx, &(row, ch)) in vals.iter().enumerate() {
+                        let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+                        if n >= self.n || kk >= self.k {
+                            continue;
+                        }
+                        let (step, reg, byte) = (idx / 16, idx % 16 / per_reg, idx % per_reg);
+                        let p =
+                            self.params[((tile * self.groups + grp) * 8 + row % 8) * 2 + row / 8];
+                        let (lo, hi) = w4a8_widen(self.codes[base + 2 * step + reg % 2], p);
+                        let word = if reg < 2 { lo } else { hi };
+                        out[n * self.k + kk] = word.to_le_bytes()[byte] as i8;
                     }
                 }
             }

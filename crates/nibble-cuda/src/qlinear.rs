@@ -6,8 +6,11 @@
 //! |---|---|---|
 //! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_stream{1,2,4}` (sm_90) or `w4a16_gemv{1,2,4,8}`, `w4a16_tiled` | model dtype |
 //! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4,8}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
+//! | `qoq-gN/a8`, `lqq-gN/a8`, `int4-pc/a8` (w4a8) | `w4a8_dec{1,2}` up to 16 tokens, `w4a8_wgmma{64,128,}` beyond (sm_90a only) | as W8A8 |
 //!
-//! Other quantized formats load dequantized to the model dtype and run on cuBLAS.
+//! Other quantized formats load dequantized to the model dtype and run on cuBLAS; so do W4A8
+//! weights on GPUs without the Hopper kernels, and QoQ groups whose codes the word arithmetic
+//! cannot widen exactly ([`WeightCodec::byte_affine`]).
 
 use nibble_core::{Error, Result};
 use nibble_formats::{HostTensor, WeightFormat};
@@ -15,7 +18,7 @@ use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
 
 use crate::context::{CudaContext, norm_block};
 pub use crate::context::{KernelTier, SPLIT_COUNTERS};
-use crate::pack::{self, PackedW4, PackedW8, W4Matrix};
+use crate::pack::{self, PackedW4, PackedW4A8, PackedW8, W4A8Matrix, W4Matrix};
 use crate::runtime::{Arg, DeviceBuffer, TmaLayout, tensor_map};
 use crate::tensor::{CudaTensor, Dtype, Elem};
 pub use crate::tensor::{Int8Input, QuantWeight};
@@ -45,18 +48,22 @@ const WGMMA_THREADS: u32 = 384;
 pub const WGMMA_SMALL_TOKENS: usize = 64;
 
 /// Dynamic shared memory of a wgmma kernel with `tokens` per tile (kernels/qgemm_wgmma.cu,
-/// `WgqW8` / `WgqW4`): stages x (the token rows of 128 B + the 8 weight tiles' bytes), 1 KB to
-/// align the swizzle atoms, two mbarriers per stage.
-pub fn wgmma_smem(w4: bool, tokens: usize) -> u32 {
-    let stages = match (w4, tokens) {
-        (false, WGMMA_TOKENS) => 4,
-        (false, 128) => 6,
-        (false, _) => 8,
-        (true, WGMMA_TOKENS) => 5,
-        (true, 128) => 8,
-        (true, _) => 12,
+/// `WgqW8` / `WgqW4` / `WgqW4A8`): stages x (the token rows of 128 B + the 8 weight tiles' bytes),
+/// 1 KB to align the swizzle atoms, two mbarriers per stage.
+pub fn wgmma_smem(family: QFamily, tokens: usize) -> u32 {
+    let stages = match (family, tokens) {
+        (QFamily::W8A8, WGMMA_TOKENS) => 4,
+        (QFamily::W8A8, 128) => 6,
+        (QFamily::W8A8, _) => 8,
+        (_, WGMMA_TOKENS) => 5,
+        (_, 128) => 8,
+        (_, _) => 12,
     };
-    let weights = if w4 { 8 * 512 + 8 * 128 } else { 8 * 2048 };
+    let weights = match family {
+        QFamily::W4A16 => 8 * 512 + 8 * 128,
+        QFamily::W8A8 => 8 * 2048,
+        QFamily::W4A8 => 8 * 1024 + 8 * 4 * 64,
+    };
     (stages * (tokens * 128 + weights) + 1024 + stages * 16) as u32
 }
 
@@ -94,20 +101,64 @@ pub fn wgmma_splits(out_tiles: usize, stages: usize, sms: usize) -> usize {
 
 /// The quantized format a GPU kernel runs directly, if `f` is one.
 pub fn kernel_format(f: WeightFormat) -> Option<LinearFormat> {
-    match f {
-        WeightFormat::Quant(
-            lf @ LinearFormat {
-                codec: WeightCodec::Int4Group { .. },
-                act: ActQuant::F16,
-            },
-        )
-        | WeightFormat::Quant(
-            lf @ LinearFormat {
-                codec: WeightCodec::Int8PerChannel,
-                act: ActQuant::Int8PerToken,
-            },
-        ) => Some(lf),
-        _ => None,
+    let WeightFormat::Quant(lf) = f else {
+        return None;
+    };
+    QFamily::of(lf).map(|_| lf)
+}
+
+/// The kernel families of the quantized GEMMs, by weight and activation format.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum QFamily {
+    /// INT4 in groups, 16-bit activations (`int4-gN/a16`).
+    W4A16,
+    /// INT8 per channel, INT8 per token (`int8-pc/a8`).
+    W8A8,
+    /// 4-bit codes widened to INT8 in registers, INT8 per token (`qoq-gN/a8`, `lqq-gN/a8`,
+    /// `int4-pc/a8`).
+    W4A8,
+}
+
+impl QFamily {
+    pub fn of(f: LinearFormat) -> Option<QFamily> {
+        match (f.codec, f.act) {
+            (WeightCodec::Int4Group { .. }, ActQuant::F16) => Some(QFamily::W4A16),
+            (WeightCodec::Int8PerChannel, ActQuant::Int8PerToken) => Some(QFamily::W8A8),
+            (
+                WeightCodec::Qoq { .. }
+                | WeightCodec::Lqq { .. }
+                | WeightCodec::Int4Group { group: 0 },
+                ActQuant::Int8PerToken,
+            ) => Some(QFamily::W4A8),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one activation element.
+    fn x_elem(self) -> usize {
+        match self {
+            QFamily::W4A16 => 2,
+            QFamily::W8A8 | QFamily::W4A8 => 1,
+        }
+    }
+
+    /// The kernels this family has for `m` tokens, on a GPU with (`hopper`) or without the sm_90
+    /// ones: what the dispatch may ask for.
+    pub fn kernels(self, hopper: bool, m: usize) -> Vec<QKernel> {
+        let mut kinds = vec![];
+        if self != QFamily::W4A8 {
+            kinds.extend([QKernel::Gemv, QKernel::Tiled]);
+        }
+        if hopper && m <= DECODE_MAX_M {
+            kinds.push(QKernel::Decode);
+            if self == QFamily::W4A16 {
+                kinds.push(QKernel::DecodeG64);
+            }
+        }
+        if hopper {
+            kinds.extend([QKernel::Wgmma, QKernel::Wgmma128, QKernel::Wgmma64]);
+        }
+        kinds
     }
 }
 
@@ -157,6 +208,9 @@ pub fn pack_rows(
             bytes.len()
         )));
     }
+    if QFamily::of(format) == Some(QFamily::W4A8) {
+        return pack_w4a8_rows(format, n, k, rb, bytes).map(Packed::W4A8);
+    }
     match format.codec {
         WeightCodec::Int4Group { .. } => {
             let groups = format.codec.groups(k);
@@ -200,10 +254,52 @@ pub fn pack_rows(
     }
 }
 
+/// W4A8 rows (`qoq-gN`, `lqq-gN`, `int4-pc` with INT8 activations): codes, each group's
+/// byte-affine widening and the per-row scale, packed for the W4A8 kernels.
+fn pack_w4a8_rows(
+    format: LinearFormat,
+    n: usize,
+    k: usize,
+    rb: usize,
+    bytes: &[u8],
+) -> Result<PackedW4A8> {
+    let groups = format.codec.groups(k);
+    let mut codes = Vec::with_capacity(n * k);
+    let mut affine = Vec::with_capacity(n * groups);
+    let mut scales = Vec::with_capacity(n);
+    for (r, row) in bytes.chunks_exact(rb).enumerate() {
+        for &b in &row[..k / 2] {
+            codes.push(b & 15);
+            codes.push(b >> 4);
+        }
+        affine.extend(format.codec.byte_affine(row, k).ok_or_else(|| {
+            Error::unsupported(
+                format!("{format} row {r} on the W4A8 kernels"),
+                "a group's (q - z) * s leaves INT8, which the reference wraps per element",
+            )
+        })?);
+        // The INT8 weights' scale: the level-0 f16 after the groups (QoQ, LiquidQuant), or
+        // INT4's single group scale.
+        scales.push(match format.codec {
+            WeightCodec::Int4Group { .. } => f16_at(row, k / 2),
+            _ => f16_at(row, rb - 2),
+        });
+    }
+    pack::pack_w4a8(&W4A8Matrix {
+        n,
+        k,
+        group_len: k / groups,
+        codes: &codes,
+        affine: &affine,
+        scales: &scales,
+    })
+}
+
 /// Host-side packed weight, before upload.
 pub enum Packed {
     W4(PackedW4),
     W8(PackedW8),
+    W4A8(PackedW4A8),
 }
 
 impl Packed {
@@ -222,6 +318,16 @@ impl Packed {
                 scales: DeviceBuffer::from_host(&ctx.gpu, &p.scales, what)?,
                 tiles: p.tiles,
                 chunks: p.chunks,
+            },
+            Packed::W4A8(p) => QuantWeight::W4A8 {
+                codes: DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
+                params: DeviceBuffer::from_host(&ctx.gpu, &p.params, what)?,
+                scales: DeviceBuffer::from_host(&ctx.gpu, &p.scales, what)?,
+                tiles: p.tiles,
+                chunks: p.chunks,
+                groups: p.groups,
+                group_len: p.group_len,
+                group_shift: p.group_shift,
             },
         })
     }
@@ -328,20 +434,25 @@ pub enum QKernel {
 /// type, and which decode gemv the weight may take, if any.
 #[derive(Clone, Copy)]
 struct Route {
-    w4: bool,
+    family: QFamily,
     out_half: bool,
     decode: Option<QKernel>,
 }
 
-/// Entry point of `kind` for W4A16 (`w4`) or W8A8, `m` tokens, an output in the model dtype
-/// (`out_half`, dtype suffix `sfx`) or f32: the names the entry macros of kernels/qgemm.cu,
-/// qgemv.cu and qgemm_wgmma.cu give (`kernels_compile` checks every one the dispatch can ask for
-/// exists).
-pub fn qgemm_kernel_name(kind: QKernel, w4: bool, m: usize, out_half: bool, sfx: &str) -> String {
+/// Entry point of `kind` for `family`, `m` tokens, an output in the model dtype (`out_half`,
+/// dtype suffix `sfx`) or f32: the names the entry macros of kernels/qgemm.cu, qgemv.cu and
+/// qgemm_wgmma.cu give (`kernels_compile` checks every one [`QFamily::kernels`] lists exists).
+pub fn qgemm_kernel_name(
+    kind: QKernel,
+    family: QFamily,
+    m: usize,
+    out_half: bool,
+    sfx: &str,
+) -> String {
     let tt = token_tiles(m);
-    if w4 {
+    if family == QFamily::W4A16 {
         let h = if out_half { "_h" } else { "" };
-        match kind {
+        return match kind {
             QKernel::Decode => format!("w4a16_dec{tt}{h}_{sfx}"),
             QKernel::DecodeG64 => format!("w4a16_dec{tt}{h}_g64_{sfx}"),
             QKernel::Gemv => format!("w4a16_gemv{tt}{h}_{sfx}"),
@@ -349,17 +460,21 @@ pub fn qgemm_kernel_name(kind: QKernel, w4: bool, m: usize, out_half: bool, sfx:
             QKernel::Wgmma => format!("w4a16_wgmma{h}_{sfx}"),
             QKernel::Wgmma128 => format!("w4a16_wgmma128{h}_{sfx}"),
             QKernel::Wgmma64 => format!("w4a16_wgmma64{h}_{sfx}"),
-        }
+        };
+    }
+    let o = if out_half { sfx } else { "f32" };
+    let p = if family == QFamily::W8A8 {
+        "w8a8"
     } else {
-        let o = if out_half { sfx } else { "f32" };
-        match kind {
-            QKernel::Decode | QKernel::DecodeG64 => format!("w8a8_dec{tt}_{o}"),
-            QKernel::Gemv => format!("w8a8_gemv{tt}_{o}"),
-            QKernel::Tiled => format!("w8a8_tiled_{o}"),
-            QKernel::Wgmma => format!("w8a8_wgmma_{o}"),
-            QKernel::Wgmma128 => format!("w8a8_wgmma128_{o}"),
-            QKernel::Wgmma64 => format!("w8a8_wgmma64_{o}"),
-        }
+        "w4a8"
+    };
+    match kind {
+        QKernel::Decode | QKernel::DecodeG64 => format!("{p}_dec{tt}_{o}"),
+        QKernel::Gemv => format!("{p}_gemv{tt}_{o}"),
+        QKernel::Tiled => format!("{p}_tiled_{o}"),
+        QKernel::Wgmma => format!("{p}_wgmma_{o}"),
+        QKernel::Wgmma128 => format!("{p}_wgmma128_{o}"),
+        QKernel::Wgmma64 => format!("{p}_wgmma64_{o}"),
     }
 }
 
@@ -415,6 +530,14 @@ enum WgmmaWeights {
         codes: u64,
         scales: u64,
         x_scales: u64,
+    },
+    W4A8 {
+        codes: u64,
+        params: u64,
+        scales: u64,
+        x_scales: u64,
+        groups: usize,
+        group_shift: u32,
     },
 }
 
@@ -497,7 +620,7 @@ pub fn quant_gemm(
                 -1
             };
             let route = Route {
-                w4: true,
+                family: QFamily::W4A16,
                 out_half,
                 decode: w4_decode_kernel(*group_len, *groups),
             };
@@ -537,7 +660,7 @@ pub fn quant_gemm(
             ];
             let geo = [m, n, k, *tiles, *chunks];
             let route = Route {
-                w4: false,
+                family: QFamily::W8A8,
                 out_half,
                 decode: Some(QKernel::Decode),
             };
@@ -554,6 +677,81 @@ pub fn quant_gemm(
                 ldy: out.ld,
             };
             run_quant(ctx, route, head, wg, &geo, &[], *tiles, *chunks)
+        }
+        QuantWeight::W4A8 {
+            codes,
+            params,
+            scales,
+            tiles,
+            chunks,
+            groups,
+            group_shift,
+            ..
+        } => {
+            let q = match x.int8 {
+                Some(q) if x.cols == k => q,
+                _ => quantize_int8(ctx, x)?,
+            };
+            let wg = WgmmaOperands {
+                x: q.codes,
+                x_ld: k,
+                x_elem: 1,
+                weights: WgmmaWeights::W4A8 {
+                    codes: codes.ptr,
+                    params: params.ptr,
+                    scales: scales.ptr,
+                    x_scales: q.scales,
+                    groups: *groups,
+                    group_shift: *group_shift,
+                },
+                out: out.ptr,
+                ldy: out.ld,
+            };
+            let name =
+                |kind| qgemm_kernel_name(kind, QFamily::W4A8, m, out_half, ctx.dtype.suffix());
+            let shape = (m, n, k, *tiles, *chunks);
+            // Hopper only: the decode gemv up to 16 tokens (inputs a multiple of 256 wide),
+            // wgmma tiles beyond.
+            let plan = plan_decode(*tiles, *chunks, ctx.gpu.sm_count, m, 1);
+            if let Some(plan) = plan {
+                let args = vec![
+                    Arg::Ptr(codes.ptr),
+                    Arg::Ptr(params.ptr),
+                    Arg::Ptr(scales.ptr),
+                    Arg::Ptr(q.codes),
+                    Arg::I64(k as i64),
+                    Arg::Ptr(q.scales),
+                    Arg::Ptr(out.ptr),
+                    Arg::I64(out.ld as i64),
+                ];
+                let geo = [m, n, k, *tiles, *chunks, *groups, *group_shift as usize]
+                    .into_iter()
+                    .map(|v| Arg::I32(v as i32))
+                    .collect();
+                return launch_decode(ctx, &name(QKernel::Decode), args, geo, *tiles, m, plan);
+            }
+            let tokens = if m <= WGMMA_SMALL_TOKENS {
+                WGMMA_SMALL_TOKENS
+            } else {
+                wgmma_tokens(m, *tiles, ctx.gpu.sm_count)
+            };
+            let wgmma = name(match tokens {
+                WGMMA_TOKENS => QKernel::Wgmma,
+                128 => QKernel::Wgmma128,
+                _ => QKernel::Wgmma64,
+            });
+            if !ctx.has_kernel(&wgmma) {
+                return Err(Error::unsupported(
+                    "a W4A8 GEMM on this GPU",
+                    "the W4A8 kernels are Hopper's (sm_90a)",
+                ));
+            }
+            if !(q.codes.is_multiple_of(16) && k.is_multiple_of(16)) {
+                return Err(Error::InvalidArgument(
+                    "w4a8 GEMM input rows must be 16-byte aligned".into(),
+                ));
+            }
+            launch_wgmma(ctx, &wgmma, QFamily::W4A8, tokens, wg, shape)
         }
     }
 }
@@ -576,8 +774,8 @@ fn run_quant(
     chunks: usize,
 ) -> Result<()> {
     let (m, n, k) = (geo[0], geo[1], geo[2]);
-    let name = |kind| qgemm_kernel_name(kind, route.w4, m, route.out_half, ctx.dtype.suffix());
-    let x_elem = if route.w4 { 2 } else { 1 };
+    let name = |kind| qgemm_kernel_name(kind, route.family, m, route.out_half, ctx.dtype.suffix());
+    let x_elem = route.family.x_elem();
     let mut ints: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
     let shape = (m, n, k, tiles, chunks);
     let tma_ok = wg.x.is_multiple_of(16) && (wg.x_ld * wg.x_elem).is_multiple_of(16);
@@ -589,7 +787,7 @@ fn run_quant(
         let wgmma = name(QKernel::Wgmma64);
         let auto = m > 32 || n * k > 4096 * 4096;
         if tma_ok && hopper_tier(ctx, &wgmma, auto) {
-            return launch_wgmma(ctx, &wgmma, route.w4, WGMMA_SMALL_TOKENS, wg, shape);
+            return launch_wgmma(ctx, &wgmma, route.family, WGMMA_SMALL_TOKENS, wg, shape);
         }
     }
     if use_gemv(m, tiles, ctx.gpu.sm_count) {
@@ -626,12 +824,12 @@ fn run_quant(
         // on them against 16.9 and 12.4 for steps of 256 to 511 on wgmma
         // (bench/results/engine-20261124-77517f0).
         if tma_ok && hopper_tier(ctx, &wgmma, true) {
-            return launch_wgmma(ctx, &wgmma, route.w4, tokens, wg, shape);
+            return launch_wgmma(ctx, &wgmma, route.family, tokens, wg, shape);
         }
         let mut args = head;
         args.extend(ints);
         let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
-        let smem = if route.w4 {
+        let smem = if route.family == QFamily::W4A16 {
             W4_TILED_SMEM
         } else {
             W8_TILED_SMEM
@@ -692,7 +890,7 @@ fn hopper_tier(ctx: &CudaContext, name: &str, auto_picks: bool) -> bool {
 fn launch_wgmma(
     ctx: &CudaContext,
     name: &str,
-    w4: bool,
+    family: QFamily,
     tokens: usize,
     op: WgmmaOperands,
     (m, n, k, tiles, chunks): (usize, usize, usize, usize, usize),
@@ -731,13 +929,38 @@ fn launch_wgmma(
             args.push(weight_map(params, tiles, groups, 64, span)?);
             tail = vec![Arg::I32(groups as i32), Arg::I32(group_len as i32)];
         }
+        WgmmaWeights::W4A8 {
+            codes,
+            params,
+            scales,
+            x_scales,
+            groups,
+            group_shift,
+        } => {
+            // Two chunks of codes a stage, and the parameter rows of the groups 128 channels
+            // can touch (kernels/qgemm_wgmma.cu, WgqW4A8).
+            let span = w4a8_span(group_shift);
+            args.push(weight_map(codes, tiles, chunks, 512, 2)?);
+            args.push(weight_map(params, tiles, groups, 64, span)?);
+            args.push(Arg::Ptr(scales));
+            args.push(Arg::Ptr(x_scales));
+            tail = vec![
+                Arg::I32(groups as i32),
+                Arg::I32(group_shift as i32),
+                Arg::I32(span as i32),
+            ];
+        }
     }
     args.push(Arg::Ptr(op.out));
     args.push(Arg::I64(op.ldy as i64));
     args.extend([m, n, tiles, chunks].map(|v| Arg::I32(v as i32)));
     args.extend(tail);
     let out_tiles = tiles.div_ceil(8) * m.div_ceil(tokens);
-    let stages = if w4 { chunks } else { chunks.div_ceil(2) };
+    let stages = if family == QFamily::W4A16 {
+        chunks
+    } else {
+        chunks.div_ceil(2)
+    };
     // Only the 64-token entries compile the split path (kernels/qgemm_wgmma.cu).
     let splits = if tokens == WGMMA_SMALL_TOKENS {
         wgmma_splits(out_tiles, stages, ctx.gpu.sm_count)
@@ -756,8 +979,17 @@ fn launch_wgmma(
     // Persistent CTAs, at most one per SM: each walks units of work, its producer loading the
     // next unit while the consumers store the last.
     let ctas = (out_tiles * splits).min(ctx.gpu.sm_count);
-    let smem = wgmma_smem(w4, tokens);
+    let smem = wgmma_smem(family, tokens);
     ctx.launch_block(name, (ctas as u32, 1, 1), WGMMA_THREADS, smem, args)
+}
+
+/// Groups of W4A8 parameters one 128-channel wgmma stage reads (`group_shift` 30: one per row).
+fn w4a8_span(group_shift: u32) -> usize {
+    if group_shift >= 7 {
+        1
+    } else {
+        128 >> group_shift
+    }
 }
 
 /// Launches the persistent decode gemv on its [`DecodePlan`]: arguments as for
@@ -880,7 +1112,15 @@ mod tests {
         // Groups of 32, or a multiple of 64 that is not a power of two, take the mma.sync gemv.
         assert_eq!(w4_decode_kernel(32, 128), None);
         assert_eq!(w4_decode_kernel(192, 24), None);
-        let name = |g| qgemm_kernel_name(w4_decode_kernel(g, 2).unwrap(), true, 1, true, "bf16");
+        let name = |g| {
+            qgemm_kernel_name(
+                w4_decode_kernel(g, 2).unwrap(),
+                QFamily::W4A16,
+                1,
+                true,
+                "bf16",
+            )
+        };
         assert_eq!(name(64), "w4a16_dec1_h_g64_bf16");
         assert_eq!(name(128), "w4a16_dec1_h_bf16");
     }
@@ -955,11 +1195,73 @@ mod tests {
         }
         // A second token block that would be mostly padding.
         assert_eq!(wgmma_tokens(300, 4096 / 16, 132), 128);
-        for tokens in [128, WGMMA_TOKENS] {
-            for w4 in [false, true] {
-                assert!(wgmma_smem(w4, tokens) <= 227 * 1024, "{w4} {tokens}");
+        for tokens in [WGMMA_SMALL_TOKENS, 128, WGMMA_TOKENS] {
+            for family in [QFamily::W4A16, QFamily::W8A8, QFamily::W4A8] {
+                assert!(
+                    wgmma_smem(family, tokens) <= 227 * 1024,
+                    "{family:?} {tokens}"
+                );
             }
         }
+    }
+
+    /// Rows of `format` quantized from random values (outliers included), as a checkpoint has.
+    fn quantized_rows(format: LinearFormat, n: usize, k: usize, seed: u64) -> Vec<u8> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let rb = format.row_bytes(k).unwrap();
+        let mut out = vec![0u8; n * rb];
+        for row in out.chunks_exact_mut(rb) {
+            let vals: Vec<f32> = (0..k)
+                .map(|_| {
+                    rng.random_range(-1.0..1.0f32) * if rng.random_bool(0.01) { 30.0 } else { 1.0 }
+                })
+                .collect();
+            let clip = [1.0, 0.8][rng.random_range(0..2)];
+            format.codec.quantize_row(&vals, clip, row).unwrap();
+        }
+        out
+    }
+
+    #[test]
+    fn w4a8_packing_widens_to_the_integer_weights() {
+        for (i, (f, n, k)) in [
+            ("qoq-g128/a8", 35, 256),
+            ("qoq-g32/a8", 17, 192),
+            ("qoq-g64/a8", 16, 4096),
+            ("lqq-g64/a8", 16, 320),
+            ("lqq-g128/a8", 3, 1024),
+            ("int4-pc/a8", 20, 208),
+            ("int4-pc/a8", 33, 4096),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let format: LinearFormat = f.parse().unwrap();
+            let bytes = quantized_rows(format, n, k, i as u64);
+            let Packed::W4A8(p) = pack_rows(format, n, k, &bytes, Dtype::Bf16).unwrap() else {
+                panic!("{f} did not pack as W4A8");
+            };
+            let widened = p.widened();
+            let (mut ints, mut scales) = (vec![0i8; k], Vec::new());
+            for (r, row) in bytes.chunks_exact(format.row_bytes(k).unwrap()).enumerate() {
+                format.codec.integer_row(row, k, &mut ints, &mut scales);
+                assert_eq!(
+                    &widened[r * k..(r + 1) * k],
+                    &ints[..],
+                    "{f} {n}x{k} row {r}"
+                );
+                assert_eq!(p.scales[r], scales[0], "{f} row {r} scale");
+            }
+            assert!(p.scales[n..].iter().all(|&s| s == 0.0));
+        }
+        // A QoQ group whose (q - z) * s wraps in the reference cannot take the word arithmetic.
+        let format: LinearFormat = "qoq-g32/a8".parse().unwrap();
+        let mut bytes = quantized_rows(format, 1, 64, 9);
+        bytes[0] = 0xff; // codes 15 in group 0
+        bytes[32] = 200; // its scale
+        bytes[34] = 0; // its zero
+        assert!(pack_rows(format, 1, 64, &bytes, Dtype::Bf16).is_err());
     }
 
     #[test]
@@ -968,7 +1270,18 @@ mod tests {
         assert!(kernel_format(WeightFormat::Quant(fmt)).is_some());
         let w8: LinearFormat = "int8-pc/a8".parse().unwrap();
         assert!(kernel_format(WeightFormat::Quant(w8)).is_some());
-        let qoq: LinearFormat = "qoq-g128/a8".parse().unwrap();
-        assert!(kernel_format(WeightFormat::Quant(qoq)).is_none());
+        for f in ["qoq-g128/a8", "lqq-g64/a8", "int4-pc/a8"] {
+            let f: LinearFormat = f.parse().unwrap();
+            assert_eq!(QFamily::of(f), Some(QFamily::W4A8), "{f}");
+        }
+        for f in [
+            "int4-g128/a8",
+            "fp8-pc/afp8",
+            "int8-pc/a16",
+            "int4-g128/a4a8-b128-n1",
+        ] {
+            let f: LinearFormat = f.parse().unwrap();
+            assert!(kernel_format(WeightFormat::Quant(f)).is_none(), "{f}");
+        }
     }
 }

@@ -199,6 +199,17 @@ pub enum QuantWeight {
         tiles: usize,
         chunks: usize,
     },
+    /// 4-bit codes widened to INT8 in the kernels (`pack::PackedW4A8`).
+    W4A8 {
+        codes: DeviceBuffer,
+        params: DeviceBuffer,
+        scales: DeviceBuffer,
+        tiles: usize,
+        chunks: usize,
+        groups: usize,
+        group_len: usize,
+        group_shift: u32,
+    },
 }
 
 impl QuantWeight {
@@ -206,13 +217,26 @@ impl QuantWeight {
         match self {
             QuantWeight::W4 { codes, params, .. } => codes.bytes + params.bytes,
             QuantWeight::W8 { codes, scales, .. } => codes.bytes + scales.bytes,
+            QuantWeight::W4A8 {
+                codes,
+                params,
+                scales,
+                ..
+            } => codes.bytes + params.bytes + scales.bytes,
         }
+    }
+
+    /// Whether its GEMMs read INT8 activation codes (which the producers of their inputs then
+    /// write alongside).
+    pub fn reads_int8(&self) -> bool {
+        !matches!(self, QuantWeight::W4 { .. })
     }
 
     pub fn format_name(&self) -> &'static str {
         match self {
             QuantWeight::W4 { .. } => "w4a16",
             QuantWeight::W8 { .. } => "w8a8",
+            QuantWeight::W4A8 { .. } => "w4a8",
         }
     }
 }

@@ -62,23 +62,14 @@ fn kernels_compile_for_every_architecture() {
                         // Every entry point the quantized-GEMM dispatch can ask for exists: the
                         // gemv up to 64 tokens, the tiled kernels, and from sm_90 the decode gemv
                         // up to 16 tokens and the wgmma kernels.
-                        use nibble_cuda::qlinear::{DECODE_MAX_M, QKernel, qgemm_kernel_name};
-                        for w4 in [true, false] {
+                        use nibble_cuda::qlinear::{QFamily, qgemm_kernel_name};
+                        for family in [QFamily::W4A16, QFamily::W8A8, QFamily::W4A8] {
                             for out_half in [false, true] {
                                 for sfx in ["bf16", "f16"] {
                                     for m in 1..=64 {
-                                        let mut kinds = vec![QKernel::Gemv, QKernel::Tiled];
-                                        if cc.0 >= 9 && m <= DECODE_MAX_M {
-                                            kinds.push(QKernel::Decode);
-                                            kinds.push(QKernel::DecodeG64);
-                                        }
-                                        if cc.0 >= 9 {
-                                            kinds.push(QKernel::Wgmma);
-                                            kinds.push(QKernel::Wgmma128);
-                                            kinds.push(QKernel::Wgmma64);
-                                        }
-                                        for kind in kinds {
-                                            let e = qgemm_kernel_name(kind, w4, m, out_half, sfx);
+                                        for kind in family.kernels(cc.0 >= 9, m) {
+                                            let e =
+                                                qgemm_kernel_name(kind, family, m, out_half, sfx);
                                             assert!(entries.contains(&e), "{arch}: {e} missing");
                                         }
                                     }

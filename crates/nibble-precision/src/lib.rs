@@ -14,7 +14,7 @@ pub use act::QuantizedRow;
 pub use kv::{ChannelKeys, KeyLayout, TokenCodec, UintBits};
 pub use reference::reference_matmul;
 pub use spec::{KvFormat, LinearScheme, PrecisionSpec};
-pub use weight::{ActQuant, LinearFormat, WeightCodec};
+pub use weight::{ActQuant, ByteAffine, LinearFormat, WeightCodec, byte_affine_word};
 
 impl LinearScheme {
     /// The per-tensor format this scheme gives a layer. `int8_blocks` is the number of INT8

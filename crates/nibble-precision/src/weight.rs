@@ -319,6 +319,75 @@ pub fn lqq_dequant_word(codes: u32, scale: u32, offset: u32) -> u32 {
         ^ 0x8080_8080
 }
 
+/// The byte-affine form of a 4-bit group with INT8 activations (`qoq-gN`, `lqq-gN`, `int4-pc`):
+/// every INT8 weight of the group is byte `b` of [`byte_affine_word`]`(codes, scale, offset)`
+/// over four consecutive channels (4-aligned, channel `j + b` zero-extended in byte `b`). The
+/// GPU's W4A8 kernels widen codes to INT8 with exactly this word arithmetic (LiquidGEMM §4's
+/// one IMAD and one XOR per four values, for QoQ too), so one parameter pair per group and row
+/// replaces the codec's own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteAffine {
+    /// The multiplier, at most 255.
+    pub scale: u32,
+    /// The per-byte addend, `-3697..=255`: LiquidQuant's `z'`, QoQ's `128 - z * s`, INT4's
+    /// `128 - z`.
+    pub offset: i32,
+}
+
+/// `(codes * scale + offset * 0x01010101) ^ 0x80808080` in wrapping 32-bit arithmetic: for
+/// LiquidQuant this is [`lqq_dequant_word`] itself; for QoQ and INT4 each byte holds
+/// `(q - z) * s + 128`, which is exact (no carry or borrow crosses a byte) while that lies in
+/// `0..=255`, and the XOR turns it into the two's-complement `(q - z) * s`.
+pub fn byte_affine_word(codes: u32, a: ByteAffine) -> u32 {
+    codes
+        .wrapping_mul(a.scale)
+        .wrapping_add((a.offset as u32).wrapping_mul(0x0101_0101))
+        ^ 0x8080_8080
+}
+
+impl WeightCodec {
+    /// One [`ByteAffine`] per group of a row (`src`, this codec's row bytes) whose INT8 weights
+    /// [`byte_affine_word`] reproduces exactly, or `None` if the codec has no such form (INT8,
+    /// FP8, INT4 with group scales) or a QoQ group holds a code whose `(q - z) * s` leaves
+    /// `-128..=127` (the reference then wraps per element, which the word cannot).
+    pub fn byte_affine(self, src: &[u8], cols: usize) -> Option<Vec<ByteAffine>> {
+        let g = self.groups(cols);
+        let gl = cols / g;
+        let params = |gi: usize| (src[cols / 2 + gi] as i32, src[cols / 2 + g + gi] as i32);
+        match self {
+            WeightCodec::Lqq { .. } => Some(
+                (0..g)
+                    .map(|gi| {
+                        let (s, z) = params(gi);
+                        ByteAffine {
+                            scale: s as u32,
+                            offset: z,
+                        }
+                    })
+                    .collect(),
+            ),
+            // `w = (q - z) * s`; INT4 per channel is the case `s = 1` with an f16 zero byte.
+            WeightCodec::Qoq { .. } | WeightCodec::Int4Group { group: 0 } => (0..g)
+                .map(|gi| {
+                    let (s, z) = match self {
+                        WeightCodec::Qoq { .. } => params(gi),
+                        _ => (1, src[cols / 2 + 2] as i32),
+                    };
+                    let (lo, hi) = (gi * gl..(gi + 1) * gl)
+                        .map(|j| nibble(src, j) as i32)
+                        .fold((15, 0), |(lo, hi), q| (lo.min(q), hi.max(q)));
+                    let exact = |q: i32| (0..=255).contains(&((q - z) * s + 128));
+                    (exact(lo) && exact(hi)).then_some(ByteAffine {
+                        scale: s as u32,
+                        offset: 128 - z * s,
+                    })
+                })
+                .collect(),
+            _ => None,
+        }
+    }
+}
+
 /// A two-level row (QoQ, LiquidQuant): level 0 INT8 in the protective range with an f16 scale
 /// (`clip` times the row's range), then `level` turns group `gi`'s INT8 values into 4-bit codes
 /// and a byte scale and zero. Layout `[nibbles][scales][zeros][level-0 scale f16]`.
@@ -717,6 +786,69 @@ mod tests {
                 if rng.random_bool(0.01) { x * 20.0 } else { x }
             })
             .collect()
+    }
+
+    #[test]
+    fn byte_affine_words_are_the_integer_weights() {
+        // Quantized rows (every clip, so QoQ's groups take varied scales and zeros) and rows of
+        // raw random bytes (LiquidQuant's word arithmetic holds whatever the parameters; QoQ
+        // must then refuse the groups that would wrap).
+        let mut rng = ChaCha8Rng::seed_from_u64(41);
+        let codecs = [
+            WeightCodec::Qoq { group: 32 },
+            WeightCodec::Qoq { group: 128 },
+            WeightCodec::Lqq { group: 64 },
+            WeightCodec::Lqq { group: 128 },
+            WeightCodec::Int4Group { group: 0 },
+        ];
+        let (mut refused, mut checked) = (0, 0);
+        for codec in codecs {
+            for trial in 0..40 {
+                let cols = 256;
+                let mut src = vec![0u8; codec.row_bytes(cols).unwrap()];
+                if trial < 20 {
+                    let clip = [1.0, 0.9, 0.75, 0.5][trial % 4];
+                    codec
+                        .quantize_row(&random_row(&mut rng, cols), clip, &mut src)
+                        .unwrap();
+                } else {
+                    rng.fill(&mut src[..]);
+                }
+                let mut ints = vec![0i8; cols];
+                let mut scales = Vec::new();
+                codec.integer_row(&src, cols, &mut ints, &mut scales);
+                let Some(affine) = codec.byte_affine(&src, cols) else {
+                    assert!(trial >= 20 && !matches!(codec, WeightCodec::Lqq { .. }));
+                    refused += 1;
+                    continue;
+                };
+                let gl = cols / affine.len();
+                for j in (0..cols).step_by(4) {
+                    let codes = u32::from_le_bytes(std::array::from_fn(|b| nibble(&src, j + b)));
+                    let word = byte_affine_word(codes, affine[j / gl]).to_le_bytes();
+                    for b in 0..4 {
+                        assert_eq!(
+                            word[b] as i8,
+                            ints[j + b],
+                            "{codec} trial {trial} channel {}",
+                            j + b
+                        );
+                    }
+                }
+                checked += 1;
+            }
+        }
+        assert!(
+            refused > 0 && checked >= 140,
+            "{refused} refused, {checked} checked"
+        );
+        // No form for codecs whose scales are not per channel.
+        let src = vec![0u8; WeightCodec::Int4Group { group: 32 }.row_bytes(64).unwrap()];
+        assert!(
+            WeightCodec::Int4Group { group: 32 }
+                .byte_affine(&src, 64)
+                .is_none()
+        );
     }
 
     fn roundtrip(codec: WeightCodec, row: &[f32], clip: f32) -> Vec<f32> {
