@@ -252,7 +252,7 @@ fn w4a8_is_bit_exact_with_the_integer_reference() {
                 (257, 300, 384),
                 (513, 272, 1024),
             ];
-            if format.codec.groups(208) == 1 {
+            if format.codec == nibble_precision::WeightCodec::Int4Group { group: 0 } {
                 shapes.extend([(3, 100, 208), (100, 100, 208)]);
             }
             // Both dtypes for one format; the rest once (the output dtype is the epilogue's only).
@@ -467,12 +467,12 @@ fn dummy_engine<B: Backend>(backend: B, name: &str) -> Engine<B> {
     }
 }
 
-/// A whole model with W4A16 and W8A8 linear layers (random weights quantized round-to-nearest)
-/// decodes on the GPU's quantized kernels (fused INT8 quantization and CUDA graphs included)
-/// what the CPU's reference kernels decode: logits along the CPU's greedy path within 3e-2 (5e-2
-/// for W8A8: the GPU quantizes the bf16 output of RMSNorm / SiLU-gate, the CPU its f32 value, so
-/// a few codes differ by one step in every layer), the same token wherever the CPU's choice is
-/// not a near-tie.
+/// A whole model with W4A16, W8A8 and W4A8 linear layers (random weights quantized
+/// round-to-nearest) decodes on the GPU's quantized kernels (fused INT8 quantization and CUDA
+/// graphs included) what the CPU's reference kernels decode: logits along the CPU's greedy path
+/// within 3e-2 (5e-2 for W8A8, 8e-2 for W4A8: the GPU quantizes the bf16 output of RMSNorm /
+/// SiLU-gate, the CPU its f32 value, so a few codes differ by one step in every layer; the GEMMs
+/// themselves are bit-exact), the same token wherever the CPU's choice is not a near-tie.
 #[test]
 fn quantized_models_match_cpu() {
     const STEPS: usize = 24;
@@ -493,7 +493,13 @@ fn quantized_models_match_cpu() {
         let want = decode_logits(&c, &path, prompt.len());
         let got = decode_logits(&g, &path, prompt.len());
         for (step, (w, gl)) in want.iter().zip(&got).enumerate() {
-            let bound = if spec.contains("a8") { 5e-2 } else { 3e-2 };
+            // INT8 activations: the GPU quantizes the bf16 output of RMSNorm / SiLU-gate, the
+            // CPU its f32 value; with 4-bit weights a code off by one moves a logit further.
+            let bound = match spec {
+                "w8a8" => 5e-2,
+                s if s.starts_with("w4a8") => 8e-2,
+                _ => 3e-2,
+            };
             check(&format!("{name} step {step} logits"), gl, w, bound);
             let (cpu_tok, gap) = top2(w);
             if gap > 0.05 {
