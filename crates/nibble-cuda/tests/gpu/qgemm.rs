@@ -252,7 +252,7 @@ fn w4a8_is_bit_exact_with_the_integer_reference() {
                 (257, 300, 384),
                 (513, 272, 1024),
             ];
-            if format.codec == nibble_precision::WeightCodec::Int4Group { group: 0 } {
+            if matches!(format.codec, nibble_precision::WeightCodec::Int4Group { group: 0 }) {
                 shapes.extend([(3, 100, 208), (100, 100, 208)]);
             }
             // Both dtypes for one format; the rest once (the output dtype is the epilogue's only).
