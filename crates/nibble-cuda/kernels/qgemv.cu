@@ -1,5 +1,5 @@
 // Decode gemv, persistent, Hopper tier (sm_90 and later, programmatic dependent launch):
-// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens, W4A16, W8A8 and W4A8, on the packed
+// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens (W4A16) or 64 (W8A8, W4A8), on the packed
 // weights of qgemm.cu (same fragments, same operand roles: weight rows on the MMA's M side); W4A8
 // widens its 4-bit codes to W8A8's INT8 fragments in registers (QServe §5, LiquidGEMM §4).
 //
@@ -194,6 +194,23 @@ struct DecW8 {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[tt][e] += G[0][tt][e] + G[1][tt][e];
     }
+    // Wide batches (TT >= 4): TT independent accumulator chains already, so no second chain, and
+    // each token tile's activations are read just before their MMAs (registers, not ILP, bound
+    // these variants).
+    template <int TT>
+    __device__ __forceinline__ void mma_direct(const Regs& r, int u, const unsigned char* const (&xrow)[TT], int off,
+                                               int (&acc)[TT][4]) const {
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+            uint4 v[1];
+            load_x(xrow[tt] + off, v);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const u32 a[4] = {r.w[u][j].x, r.w[u][j].y, r.w[u][j].z, r.w[u][j].w};
+                mma_s8(acc[tt], a, j ? v[0].z : v[0].x, j ? v[0].w : v[0].y);
+            }
+        }
+    }
 };
 
 // W4A8 units: a tile's chunk is 512 B of 4-bit codes (16 B per lane) that widen in registers to
@@ -231,14 +248,31 @@ struct DecW4A8 {
     __device__ __forceinline__ void load_x(const unsigned char* row, uint4 (&v)[1]) const {
         v[0] = *reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 16);
     }
-    template <int TT>
-    __device__ __forceinline__ void mma(const Regs& r, int u, const uint4 (&xv)[TT][1], int (&G)[2][TT][4]) const {
+    // Chunk u's INT8 A registers of its two k32 steps, as DecW8's packing holds them.
+    __device__ __forceinline__ void widen(const Regs& r, int u, u32 (&a)[2][4]) const {
         const W4A8Affine row0(r.p[u].x), row8(r.p[u].y);
-        u32 a[2][4];
         row0.widen(r.w[u].x, a[0][0], a[0][2]);
         row8.widen(r.w[u].y, a[0][1], a[0][3]);
         row0.widen(r.w[u].z, a[1][0], a[1][2]);
         row8.widen(r.w[u].w, a[1][1], a[1][3]);
+    }
+    template <int TT>
+    __device__ __forceinline__ void mma_direct(const Regs& r, int u, const unsigned char* const (&xrow)[TT], int off,
+                                               int (&acc)[TT][4]) const {
+        u32 a[2][4];
+        widen(r, u, a);
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+            uint4 v[1];
+            load_x(xrow[tt] + off, v);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) mma_s8(acc[tt], a[j], j ? v[0].z : v[0].x, j ? v[0].w : v[0].y);
+        }
+    }
+    template <int TT>
+    __device__ __forceinline__ void mma(const Regs& r, int u, const uint4 (&xv)[TT][1], int (&G)[2][TT][4]) const {
+        u32 a[2][4];
+        widen(r, u, a);
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -408,6 +442,10 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
             if (tile_ends) nq.tile = f.tile_at(nq.b * DW + warp);
             f.fetch(nq.tile, nq.c, nxt);
         }
+        if constexpr (TT >= 4) {  // INT8 families only (W4A16 stops at 16 tokens)
+#pragma unroll
+            for (int uu = 0; uu < U; ++uu) f.template mma_direct<TT>(cur, uu, xrow, (q.slot + uu) * 64 * XB, acc);
+        } else {
 #pragma unroll
         for (int s = 0; s < F::SPANS; ++s) {
             typename F::Acc G[2][TT][4] = {};
@@ -430,6 +468,7 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
                 }
             }
             f.flush(cur, s, G, S, acc);
+        }
         }
         if (tile_ends || nq.u == u1)
             dec_finish<TT>(acc, q.b * DW + warp, q.b, chunks, per_cta, max_pieces, M, N, partial, counters, y,
@@ -474,9 +513,12 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
         dec_gemv<TT, DEC_WARPS>(DecW8{codes, chunks}, x, ldx, y, ldy, partial, counters, M, N, K,      \
                                 tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw});               \
     }
+// dec4 / dec8: 32 / 64 tokens, the INT8 families only.
 #define NIBBLE_W8A8_DEC(SUFFIX, OUT)                \
     W8A8_DEC_ENTRY(w8a8_dec1_##SUFFIX, 1, OUT)   \
-    W8A8_DEC_ENTRY(w8a8_dec2_##SUFFIX, 2, OUT)
+    W8A8_DEC_ENTRY(w8a8_dec2_##SUFFIX, 2, OUT)   \
+    W8A8_DEC_ENTRY(w8a8_dec4_##SUFFIX, 4, OUT)   \
+    W8A8_DEC_ENTRY(w8a8_dec8_##SUFFIX, 8, OUT)
 NIBBLE_W8A8_DEC(f32, float)
 NIBBLE_W8A8_DEC(bf16, __nv_bfloat16)
 NIBBLE_W8A8_DEC(f16, __half)
@@ -492,7 +534,9 @@ NIBBLE_W8A8_DEC(f16, __half)
     }
 #define NIBBLE_W4A8_DEC(SUFFIX, OUT)                \
     W4A8_DEC_ENTRY(w4a8_dec1_##SUFFIX, 1, OUT)   \
-    W4A8_DEC_ENTRY(w4a8_dec2_##SUFFIX, 2, OUT)
+    W4A8_DEC_ENTRY(w4a8_dec2_##SUFFIX, 2, OUT)   \
+    W4A8_DEC_ENTRY(w4a8_dec4_##SUFFIX, 4, OUT)   \
+    W4A8_DEC_ENTRY(w4a8_dec8_##SUFFIX, 8, OUT)
 NIBBLE_W4A8_DEC(f32, float)
 NIBBLE_W4A8_DEC(bf16, __nv_bfloat16)
 NIBBLE_W4A8_DEC(f16, __half)
