@@ -33,9 +33,11 @@ pub const W8_TILED_SMEM: u32 = 4 * (8192 + 128 * 64);
 /// Most tokens the persistent decode gemv (kernels/qgemv.cu) takes for W4A16: two 8-token MMA
 /// tiles.
 pub const DECODE_MAX_M: usize = 16;
-/// Most tokens it takes for the INT8-activation families (W8A8, W4A8): eight tiles, where its
-/// activation window fits ([`plan_decode`]).
-pub const DECODE_MAX_M_INT8: usize = 64;
+/// Most tokens it takes for the INT8-activation families (W8A8, W4A8): four tiles, where its
+/// activation window fits ([`plan_decode`]). On an H200 at 32 tokens against the 64-token wgmma
+/// tiles: 4096x4096 W4A8 16.7 against 27.1 µs, 4096x14336 23.0 against 32.9, the larger layers
+/// within 5%; eight tiles (64 tokens) lost to the wgmma tiles (46 against 28 µs on 6144x4096).
+pub const DECODE_MAX_M_INT8: usize = 32;
 /// Chunks of 64 channels per register batch of the decode gemv (`U` of its entry points): the
 /// input width must be a multiple of `64 * DECODE_BATCH`.
 const DECODE_BATCH: usize = 4;
@@ -796,9 +798,8 @@ fn run_quant(
     // mma.sync gemv for up to 32 tokens of layers of at most 4096x4096 (on an H200 at 32
     // tokens: 21.3 against 26.0 µs W4A16, 20.8 against 23.6 W8A8; larger layers gain 1.2x to
     // 1.5x, and every layer at 64 tokens 1.4x to 3.0x).
-    // INT8 activations, 17 to 64 tokens: the decode gemv in 4 or 8 token tiles where its
-    // activation window fits (on an H200 at 64 tokens the 64-token wgmma tiles took 28 µs on
-    // 4096x4096 W8A8 and W4A8 against cuBLAS BF16's 12: BENCHMARKS.md).
+    // INT8 activations, 17 to 32 tokens: the decode gemv in 4-token tiles where its activation
+    // window fits ([`DECODE_MAX_M_INT8`]).
     if route.family != QFamily::W4A16 && m > DECODE_MAX_M && m <= DECODE_MAX_M_INT8 {
         if let (Some(plan), Some(kind)) = (
             plan_decode(tiles, chunks, ctx.gpu.sm_count, m, x_elem),
@@ -1191,12 +1192,11 @@ mod tests {
         // Llama-3-8B's 28672x4096 on an H200: 56 units per CTA, 128 CTAs, one wave.
         let p = plan_decode(1792, 64, 132, 1, 2).unwrap();
         assert_eq!((p.ctas, p.per_cta, p.max_pieces), (128, 56, 3));
-        // Not for 17 tokens of 16-bit activations (INT8 codes: up to 64 where the window fits),
+        // Not for 17 tokens of 16-bit activations (INT8 codes: up to 32 where the window fits),
         // inputs that are not a multiple of 256 wide, or windows too large.
         assert!(plan_decode(1792, 64, 132, 17, 2).is_none());
-        assert!(plan_decode(256, 64, 132, 64, 1).is_some());
-        assert!(plan_decode(256, 64, 132, 65, 1).is_none());
-        assert!(plan_decode(1792, 64, 132, 64, 1).is_none());
+        assert!(plan_decode(256, 64, 132, 32, 1).is_some());
+        assert!(plan_decode(256, 64, 132, 33, 1).is_none());
         assert!(plan_decode(1792, 66, 132, 1, 2).is_none());
         // 16 bf16 tokens of an 8192-wide input (Llama-2-70B's 57344x8192) take the mma.sync
         // gemv; as INT8 codes they fit.
