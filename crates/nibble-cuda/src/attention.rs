@@ -68,7 +68,24 @@ pub fn attention(
         num_heads,
         num_kv_heads,
         head_dim,
+        window,
     } = shape;
+    // Within its window a sequence sees its whole context, so only a longer one needs masking,
+    // which the kernels do not do yet.
+    if let Some(w) = window
+        && let Some(s) = batch.seqs.iter().find(|s| s.start_pos + s.len > w)
+    {
+        return Err(Error::unsupported(
+            format!(
+                "sliding-window attention on the CUDA backend past the window ({} tokens of \
+                 context, a window of {w})",
+                s.start_pos + s.len
+            ),
+            "the GPU attention kernels attend to the whole context, which equals the window \
+             only up to its length; run longer contexts of models with a sliding window \
+             (Mistral's sliding_window, Gemma 3's local layers) with --device cpu",
+        ));
+    }
     let n = batch.num_tokens();
     let kv_row = num_kv_heads * head_dim;
     if num_kv_heads == 0
@@ -255,6 +272,7 @@ fn decode_rows(
         num_heads,
         num_kv_heads,
         head_dim,
+        ..
     } = shape;
     let group = num_heads / num_kv_heads;
     let (positions, tok_seq, tables, max_blocks) =

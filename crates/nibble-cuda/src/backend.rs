@@ -252,6 +252,16 @@ impl Backend for CudaBackend {
         self.or_dead(r, x.rows, x.cols, Elem::Half(self.ctx.dtype))
     }
 
+    fn residual_rms_norm(&self, x: &CudaTensor, _weight: &CudaTensor, _eps: f32) -> CudaTensor {
+        let r = Err(Error::unsupported(
+            "RMS norms on block outputs (Gemma's post-attention and post-feed-forward norms) \
+             on the CUDA backend",
+            "its RMS norm kernels write the GEMM dtype, not the f32 residual stream; run Gemma \
+             models with --device cpu",
+        ));
+        self.or_dead(r, x.rows, x.cols, Elem::F32)
+    }
+
     fn add_rms_norm(
         &self,
         x: &mut CudaTensor,
@@ -341,6 +351,16 @@ impl Backend for CudaBackend {
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
         let r = ew::silu_mul(&self.ctx, gate, up);
         self.or_dead(r, gate.rows, gate.cols, Elem::Half(self.ctx.dtype))
+    }
+
+    fn gelu_tanh_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
+        let r = ew::gelu_tanh_mul(&self.ctx, gate, up);
+        self.or_dead(r, gate.rows, gate.cols, Elem::Half(self.ctx.dtype))
+    }
+
+    fn scale(&self, x: &mut CudaTensor, factor: f32) {
+        let r = ew::scale(&self.ctx, x, factor);
+        self.ctx.sticky(r);
     }
 
     fn add(&self, x: &mut CudaTensor, delta: &CudaTensor) {

@@ -248,6 +248,55 @@ pub fn add(ctx: &CudaContext, x: &mut CudaTensor, delta: &CudaTensor) -> Result<
     )
 }
 
+/// `x *= factor` (Gemma's embedding scale).
+pub fn scale(ctx: &CudaContext, x: &mut CudaTensor, factor: f32) -> Result<()> {
+    expect_whole_f32(x, "scale target")?;
+    let n = x.rows * x.cols;
+    ctx.launch(
+        "scale_f32",
+        grid_for(n),
+        BLOCK,
+        vec![Arg::Ptr(x.ptr), Arg::I64(n as i64), Arg::F32(factor)],
+    )
+}
+
+/// `gelu_tanh(gate) * up` in the model dtype (Gemma's GeGLU). No fused INT8 variant: the
+/// quantized W8A8 GEMM after it is refused rather than fed unquantized rows.
+pub fn gelu_tanh_mul(ctx: &CudaContext, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+    expect_f32(gate, "gate")?;
+    expect_f32(up, "up")?;
+    if (gate.rows, gate.cols) != (up.rows, up.cols) {
+        return Err(Error::InvalidArgument(format!(
+            "gelu_tanh_mul of {}x{} and {}x{}",
+            gate.rows, gate.cols, up.rows, up.cols
+        )));
+    }
+    if ctx.wants_int8() {
+        return Err(Error::unsupported(
+            "GeGLU (Gemma) with W8A8 weights on the CUDA backend",
+            "its fused INT8 activation quantizer exists for SwiGLU only",
+        ));
+    }
+    let out = ctx.alloc(gate.rows, gate.cols, Elem::Half(ctx.dtype))?;
+    let n = gate.rows * gate.cols;
+    ctx.half_kernel("gelu_tanh_mul")?.launch(
+        &ctx.gpu,
+        grid_for(n),
+        BLOCK,
+        0,
+        vec![
+            Arg::Ptr(gate.ptr),
+            Arg::Ptr(up.ptr),
+            Arg::Ptr(out.ptr),
+            Arg::I64(n as i64),
+            Arg::I32(gate.cols as i32),
+            Arg::I64(gate.ld as i64),
+            Arg::I64(up.ld as i64),
+        ],
+    )?;
+    Ok(out)
+}
+
 /// Rows `rows` of `x` (the last token of each sequence, for the head).
 pub fn gather_rows(ctx: &CudaContext, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
     expect_whole_f32(x, "gather input")?;

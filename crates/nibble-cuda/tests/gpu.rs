@@ -301,6 +301,7 @@ fn attention_matches_cpu() {
                 num_heads,
                 num_kv_heads,
                 head_dim,
+                window: None,
             };
             let kv_shape = KvShape {
                 num_layers: 2,
@@ -395,6 +396,7 @@ fn prefill_attention_tiers_match_cpu() {
                     num_heads,
                     num_kv_heads,
                     head_dim,
+                    window: None,
                 };
                 let kv_shape = KvShape {
                     num_layers: 1,
