@@ -164,6 +164,15 @@ fn row_ops_match_cpu() {
             let got = g.silu_mul(&to_gpu(&g, &x), &to_gpu(&g, &d));
             check("silu_mul", &host(&g, &got), &want.data, 1e-2);
 
+            let want = c.gelu_tanh_mul(&x, &d);
+            let got = g.gelu_tanh_mul(&to_gpu(&g, &x), &to_gpu(&g, &d));
+            check("gelu_tanh_mul", &host(&g, &got), &want.data, 1e-2);
+
+            let (mut cx, mut gx) = (x.clone(), to_gpu(&g, &x));
+            c.scale(&mut cx, 25.3);
+            g.scale(&mut gx, 25.3);
+            check("scale", &host(&g, &gx), &cx.data, 1e-7);
+
             let (mut cx, mut gx) = (x.clone(), to_gpu(&g, &x));
             c.add(&mut cx, &d);
             g.add(&mut gx, &to_gpu(&g, &d));
@@ -377,6 +386,62 @@ fn attention_matches_cpu() {
             .expect("kv8 is CPU-only")
             .to_string();
         assert!(e.contains("kv8") || e.contains("CUDA"), "{e}");
+    }
+}
+
+/// Sliding windows: the GPU attends within a window while no sequence outgrows it (where the
+/// window changes nothing; equal to the CPU, which masks), and refuses a longer one naming the
+/// window, since its kernels do not mask yet.
+#[test]
+fn windowed_attention_within_the_window_and_refused_past_it() {
+    let mut r = rng("windowed_attention");
+    let (g, c) = (gpu(Dtype::Bf16), cpu());
+    let (num_heads, num_kv_heads, head_dim) = (8, 2, 128);
+    let shape = AttentionShape {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        window: Some(40),
+    };
+    let kv_shape = KvShape {
+        num_layers: 1,
+        num_kv_heads,
+        head_dim,
+        format: KvFormat::F16,
+    };
+    let mut ckv = c.new_kv_pool(kv_shape, 16, 16).unwrap();
+    let mut gkv = g.new_kv_pool(kv_shape, 16, 16).unwrap();
+    let owned = layout(&mut r, &[(0, 48)], 16, 16);
+    let blocks = owned.seqs[0].blocks.clone();
+    for (start, len, fits) in [(0, 30, true), (30, 1, true), (31, 9, true), (40, 1, false)] {
+        let batch = BatchLayout::single(blocks.clone(), start, len);
+        let mut t = |w| CpuTensor::new(randn(&mut r, len * w, 1.0), len, w);
+        let (q, k, v) = (
+            t(num_heads * head_dim),
+            t(num_kv_heads * head_dim),
+            t(num_kv_heads * head_dim),
+        );
+        let got = g.attention(
+            &to_gpu(&g, &q),
+            &to_gpu(&g, &k),
+            &to_gpu(&g, &v),
+            &mut gkv,
+            0,
+            &batch,
+            shape,
+        );
+        if !fits {
+            let e = got.err().expect("past the window").to_string();
+            assert!(e.contains("window of 40"), "{e}");
+            break;
+        }
+        let want = c.attention(&q, &k, &v, &mut ckv, 0, &batch, shape).unwrap();
+        check(
+            &format!("windowed attention at {start}+{len}"),
+            &host(&g, &got.unwrap()),
+            &want.data,
+            1e-2,
+        );
     }
 }
 
