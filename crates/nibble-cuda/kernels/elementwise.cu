@@ -196,6 +196,13 @@ extern "C" __global__ void add_f32(float* x, const float* d, long n) {
         x[i] += d[i];
 }
 
+// RMSNorm of a block's output that stays in the f32 residual stream (Gemma's post-attention and
+// post-feed-forward norms): rms_norm_impl writing f32.
+extern "C" __global__ void ROW_KERNEL rms_norm_f32(float* x, const float* w, float* out, int h,
+                                                   float eps) {
+    rms_norm_impl<float>(x, nullptr, w, out, h, eps);
+}
+
 extern "C" __global__ void scale_f32(float* x, long n, float factor) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         x[i] *= factor;

@@ -252,13 +252,8 @@ impl Backend for CudaBackend {
         self.or_dead(r, x.rows, x.cols, Elem::Half(self.ctx.dtype))
     }
 
-    fn residual_rms_norm(&self, x: &CudaTensor, _weight: &CudaTensor, _eps: f32) -> CudaTensor {
-        let r = Err(Error::unsupported(
-            "RMS norms on block outputs (Gemma's post-attention and post-feed-forward norms) \
-             on the CUDA backend",
-            "its RMS norm kernels write the GEMM dtype, not the f32 residual stream; run Gemma \
-             models with --device cpu",
-        ));
+    fn residual_rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32) -> CudaTensor {
+        let r = ew::residual_rms_norm(&self.ctx, x, weight, eps);
         self.or_dead(r, x.rows, x.cols, Elem::F32)
     }
 

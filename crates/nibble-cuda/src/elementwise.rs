@@ -248,6 +248,37 @@ pub fn add(ctx: &CudaContext, x: &mut CudaTensor, delta: &CudaTensor) -> Result<
     )
 }
 
+/// RMSNorm of `x` into a new f32 tensor (a block output before its residual add).
+pub fn residual_rms_norm(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    weight: &CudaTensor,
+    eps: f32,
+) -> Result<CudaTensor> {
+    expect_whole_f32(x, "residual_rms_norm input")?;
+    if weight.cols != x.cols {
+        return Err(Error::InvalidArgument(format!(
+            "residual_rms_norm: {} features, weight of {}",
+            x.cols, weight.cols
+        )));
+    }
+    let out = ctx.alloc(x.rows, x.cols, Elem::F32)?;
+    ctx.kernel("rms_norm_f32")?.launch(
+        &ctx.gpu,
+        (x.rows as u32, 1, 1),
+        norm_block(x.cols),
+        0,
+        vec![
+            Arg::Ptr(x.ptr),
+            Arg::Ptr(weight.ptr),
+            Arg::Ptr(out.ptr),
+            Arg::I32(x.cols as i32),
+            Arg::F32(eps),
+        ],
+    )?;
+    Ok(out)
+}
+
 /// `x *= factor` (Gemma's embedding scale).
 pub fn scale(ctx: &CudaContext, x: &mut CudaTensor, factor: f32) -> Result<()> {
     expect_whole_f32(x, "scale target")?;
