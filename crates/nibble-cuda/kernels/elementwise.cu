@@ -203,9 +203,10 @@ extern "C" __global__ void ROW_KERNEL rms_norm_f32(float* x, const float* w, flo
     rms_norm_impl<float>(x, nullptr, w, out, h, eps);
 }
 
-extern "C" __global__ void scale_f32(float* x, long n, float factor) {
+// x may be a column slice of a fused GEMM output (q of q/k/v): rows of `cols` at stride `ld`.
+extern "C" __global__ void scale_f32(float* x, long n, int cols, long ld, float factor) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        x[i] *= factor;
+        x[(i / cols) * ld + i % cols] *= factor;
 }
 
 extern "C" __global__ void ROW_KERNEL gather_rows(const float* x, const int* rows, float* out, int cols) {

@@ -279,15 +279,22 @@ pub fn residual_rms_norm(
     Ok(out)
 }
 
-/// `x *= factor` (Gemma's embedding scale).
+/// `x *= factor` (Gemma's embedding scale, and q's when `query_pre_attn_scalar` is not the head
+/// size): `x` may be a column slice of a fused projection.
 pub fn scale(ctx: &CudaContext, x: &mut CudaTensor, factor: f32) -> Result<()> {
-    expect_whole_f32(x, "scale target")?;
+    expect_f32(x, "scale target")?;
     let n = x.rows * x.cols;
     ctx.launch(
         "scale_f32",
         grid_for(n),
         BLOCK,
-        vec![Arg::Ptr(x.ptr), Arg::I64(n as i64), Arg::F32(factor)],
+        vec![
+            Arg::Ptr(x.ptr),
+            Arg::I64(n as i64),
+            Arg::I32(x.cols as i32),
+            Arg::I64(x.ld as i64),
+            Arg::F32(factor),
+        ],
     )
 }
 

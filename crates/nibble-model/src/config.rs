@@ -367,8 +367,8 @@ impl ModelConfig {
             Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 if !layout.qk_norm => {
                 return refuse("without per-head Q/K norms");
             }
-            Arch::Gemma3 if !layout.tie_word_embeddings || layout.attention_bias => {
-                return refuse("with an untied output head or Q/K/V biases");
+            Arch::Gemma3 if layout.attention_bias => {
+                return refuse("with Q/K/V biases");
             }
             Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Mixtral | Arch::Qwen2Moe
                 if layout.qk_norm =>

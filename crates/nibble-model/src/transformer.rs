@@ -489,13 +489,6 @@ impl<B: Backend> Transformer<B> {
                 Activation::Silu
             },
         };
-        if gemma && !tied {
-            // Gemma always ties its head; a file with one would be run by HF without it.
-            return Err(Error::corrupt(
-                source.origin(),
-                "a Gemma 3 model with a separate lm_head.weight (Gemma ties its output head)",
-            ));
-        }
         let embed = ld.weight("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let lm_head = if tied {
             None
