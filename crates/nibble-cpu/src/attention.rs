@@ -73,7 +73,7 @@ pub fn attention(
     let kv_ref = &*kv;
     let mut row0 = 0;
     for s in &batch.seqs {
-        let view = kv_ref.view(layer, s, &mut scratch, pool)?;
+        let view = kv_ref.view(layer, s, shape.first_key(s.start_pos), &mut scratch, pool)?;
         let out_rows =
             &mut out.data[row0 * num_heads * head_dim..(row0 + s.len) * num_heads * head_dim];
         let head = |(idx, o): (usize, &mut [f32])| {
