@@ -41,7 +41,13 @@ pub fn attention(
         num_heads,
         num_kv_heads,
         head_dim,
+        window,
     } = shape;
+    if window == Some(0) {
+        return Err(Error::InvalidArgument(
+            "a sliding window of 0 tokens".into(),
+        ));
+    }
     let kv_row = num_kv_heads * head_dim;
     let tokens = batch.num_tokens();
     if num_kv_heads == 0
@@ -67,18 +73,20 @@ pub fn attention(
     let kv_ref = &*kv;
     let mut row0 = 0;
     for s in &batch.seqs {
-        let view = kv_ref.view(layer, s, &mut scratch, pool)?;
+        let view = kv_ref.view(layer, s, shape.first_key(s.start_pos), &mut scratch, pool)?;
         let out_rows =
             &mut out.data[row0 * num_heads * head_dim..(row0 + s.len) * num_heads * head_dim];
         let head = |(idx, o): (usize, &mut [f32])| {
             let (t, h) = (idx / num_heads, idx % num_heads);
             let qv = &q.data[(row0 + t) * q.cols + h * head_dim..][..head_dim];
             let off = (h / group) * head_dim;
-            attend(&view, qv, s.start_pos + t, off, kv_row, scale, o);
+            let pos = s.start_pos + t;
+            attend(&view, qv, shape.first_key(pos), pos, off, kv_row, scale, o);
         };
         // Waking the pool costs more than a few small heads (a decode step at short context), so
         // those run on the calling thread, without handing anything to the pool.
-        let work = s.len * num_heads * (s.start_pos + s.len) * head_dim;
+        let keys = window.map_or(s.start_pos + s.len, |w| w.min(s.start_pos + s.len));
+        let work = s.len * num_heads * keys * head_dim;
         if work < SERIAL_WORK {
             out_rows.chunks_mut(head_dim).enumerate().for_each(head);
         } else {
@@ -91,11 +99,13 @@ pub fn attention(
     Ok(out)
 }
 
-/// One query head at position `pos` over positions `0..=pos` of its sequence, reading KV head
-/// columns `off..off + head_dim` of each row; the result goes to `o`.
+/// One query head at position `pos` over positions `first..=pos` of its sequence, reading KV
+/// head columns `off..off + head_dim` of each row; the result goes to `o`.
+#[allow(clippy::too_many_arguments)]
 fn attend(
     view: &SeqView,
     qv: &[f32],
+    first: usize,
     pos: usize,
     off: usize,
     kv_row: usize,
@@ -108,9 +118,10 @@ fn attend(
     SCORES.with(|scores| {
         let mut scores = scores.borrow_mut();
         scores.clear();
-        scores.extend((0..split).map(|p| dot(qv, view.key(p, off, hd)) * scale));
+        scores.extend((first..split).map(|p| dot(qv, view.key(p, off, hd)) * scale));
         scores.extend(
-            (split..=pos).map(|p| dot(qv, &own_k[(p - split) * kv_row + off..][..hd]) * scale),
+            (split.max(first)..=pos)
+                .map(|p| dot(qv, &own_k[(p - split) * kv_row + off..][..hd]) * scale),
         );
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f32;
@@ -118,7 +129,7 @@ fn attend(
             *s = (*s - max).exp();
             sum += *s;
         }
-        for (p, &w) in scores.iter().enumerate() {
+        for (p, &w) in (first..).zip(scores.iter()) {
             let vv = if p < split {
                 view.value(p, off, hd)
             } else {

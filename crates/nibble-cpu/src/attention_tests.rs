@@ -22,6 +22,7 @@ fn shape(heads: usize, kv_heads: usize, hd: usize) -> AttentionShape {
         num_heads: heads,
         num_kv_heads: kv_heads,
         head_dim: hd,
+        window: None,
     }
 }
 
@@ -208,12 +209,14 @@ fn reference(format: KvFormat, seq: &Seq, s: AttentionShape, bs: usize) -> Vec<f
                     &seq.v.row(p)[off..off + hd]
                 }
             };
-            let scores: Vec<f32> = (0..=pos).map(|p| dot(qv, row_k(p)) * scale).collect();
+            // A window keeps the keys with pos - p < window.
+            let first = s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let scores: Vec<f32> = (first..=pos).map(|p| dot(qv, row_k(p)) * scale).collect();
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let w: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
             let sum = w.iter().fold(0f32, |a, b| a + b);
             let o = &mut out[(pos * heads + h) * hd..(pos * heads + h + 1) * hd];
-            for (p, &wp) in w.iter().enumerate() {
+            for (p, &wp) in (first..).zip(w.iter()) {
                 for (a, b) in o.iter_mut().zip(row_v(p)) {
                     *a = wp.mul_add(*b, *a);
                 }
@@ -266,6 +269,80 @@ fn every_format_reads_exactly_the_dequantized_cache() {
             }
         }
     }
+}
+
+/// Sliding windows over every format: the reference masks keys with `pos - p >= window`; chunked
+/// runs equal the one-shot one; a window as long as the sequence is full attention, and a window
+/// of one token returns each position's own value.
+#[test]
+fn sliding_windows_mask_the_old_keys() {
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let tp = thread_pool(2);
+    let bs = 16;
+    for format in KvFormat::ALL {
+        for (heads, kv_heads, hd) in [(4, 2, 8), (6, 3, 16)] {
+            let len = 53;
+            let full = shape(heads, kv_heads, hd);
+            let seq = Seq::new(&mut rng, full, len);
+            let blocks = scattered_blocks(len.div_ceil(bs));
+            let mut kv = pool(format, full, 1, blocks.len() + 4, bs);
+            let unwindowed = run_chunks(&tp, &mut kv, &seq, full, &blocks, &[len]);
+            for w in [1, 5, 16, 17, 40, 53, 1000] {
+                let s = AttentionShape {
+                    window: Some(w),
+                    ..full
+                };
+                let what = format!("{format} {s:?}");
+                let want = reference(format, &seq, s, bs);
+                for chunks in [vec![len], vec![20, 1, 1, 16, 15], vec![1; len]] {
+                    let mut kv = pool(format, s, 1, blocks.len() + 4, bs);
+                    let got = run_chunks(&tp, &mut kv, &seq, s, &blocks, &chunks);
+                    assert_bits_eq(&got, &want, &format!("{what} chunks {chunks:?}"));
+                }
+                if w >= len {
+                    assert_bits_eq(&want, &unwindowed, &format!("{what} = full attention"));
+                } else {
+                    assert_ne!(want, unwindowed, "{what}: the window changes nothing");
+                }
+            }
+        }
+    }
+    // Window 1: each query reads only its own key, so its output is its value row.
+    let s = AttentionShape {
+        window: Some(1),
+        ..shape(2, 1, 4)
+    };
+    let seq = Seq::new(&mut rng, s, 9);
+    let mut kv = pool(KvFormat::F16, s, 1, 2, bs);
+    let got = run_chunks(&tp, &mut kv, &seq, s, &[1, 0], &[4, 5]);
+    for p in 0..9 {
+        for h in 0..2 {
+            let o = &got[(p * 2 + h) * 4..][..4];
+            for (a, b) in o.iter().zip(seq.v.row(p)) {
+                assert!(
+                    (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                    "pos {p}: {a} vs {b}"
+                );
+            }
+        }
+    }
+    let bad = AttentionShape {
+        window: Some(0),
+        ..s
+    };
+    let (q, k, v) = concat(&[(&seq, 0..1)]);
+    let e = super::attention(
+        &tp,
+        &q,
+        &k,
+        &v,
+        &mut kv,
+        0,
+        &BatchLayout::single(vec![1], 0, 1),
+        bad,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("window"), "{e}");
 }
 
 #[test]

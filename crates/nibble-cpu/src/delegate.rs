@@ -63,6 +63,24 @@ macro_rules! delegate_to_cpu {
         fn silu_mul(&self, gate: &$crate::CpuTensor, up: &$crate::CpuTensor) -> $crate::CpuTensor {
             self.$cpu.silu_mul(gate, up)
         }
+        fn gelu_tanh_mul(
+            &self,
+            gate: &$crate::CpuTensor,
+            up: &$crate::CpuTensor,
+        ) -> $crate::CpuTensor {
+            self.$cpu.gelu_tanh_mul(gate, up)
+        }
+        fn residual_rms_norm(
+            &self,
+            x: &$crate::CpuTensor,
+            w: &$crate::CpuTensor,
+            eps: f32,
+        ) -> $crate::CpuTensor {
+            self.$cpu.residual_rms_norm(x, w, eps)
+        }
+        fn scale(&self, x: &mut $crate::CpuTensor, factor: f32) {
+            self.$cpu.scale(x, factor)
+        }
         fn add(&self, x: &mut $crate::CpuTensor, d: &$crate::CpuTensor) {
             self.$cpu.add(x, d)
         }

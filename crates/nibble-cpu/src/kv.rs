@@ -85,8 +85,12 @@ enum Rows<'a> {
         block_size: usize,
         row: usize,
     },
-    /// Dequantized rows from position 0.
-    Dense { data: &'a [f32], row: usize },
+    /// Dequantized rows from position `first` (a sliding window's first block).
+    Dense {
+        data: &'a [f32],
+        row: usize,
+        first: usize,
+    },
 }
 
 impl<'a> Rows<'a> {
@@ -102,7 +106,7 @@ impl<'a> Rows<'a> {
                 let slot = blocks[p / block_size] as usize * block_size + p % block_size;
                 &data[slot * row + off..][..len]
             }
-            Rows::Dense { data, row } => &data[p * row + off..][..len],
+            Rows::Dense { data, row, first } => &data[(p - first) * row + off..][..len],
         }
     }
 }
@@ -452,12 +456,14 @@ impl CpuKvCache {
         self.scratch = scratch;
     }
 
-    /// What the queries of `s` (already written) read in `layer`: the f32 pool directly, or its
-    /// rows dequantized into `scratch`.
+    /// What the queries of `s` (already written) read in `layer`, from position `first` on (a
+    /// sliding window's start for the call's first query; 0 without one): the f32 pool directly,
+    /// or its rows from `first`'s block on dequantized into `scratch`.
     pub(crate) fn view<'a>(
         &'a self,
         layer: usize,
         s: &'a SeqSpan,
+        first: usize,
         scratch: &'a mut Scratch,
         pool: &rayon::ThreadPool,
     ) -> Result<SeqView<'a>> {
@@ -468,6 +474,8 @@ impl CpuKvCache {
             self.shape.head_dim,
         );
         let ctx = s.start_pos + s.len;
+        // Blocks before the window's first are never read: not dequantized either.
+        let first_block = first.min(ctx.saturating_sub(1)) / bs;
         let plain = |keys, values| SeqView {
             keys,
             values,
@@ -488,18 +496,19 @@ impl CpuKvCache {
             }
             Layer::Tokens { codec, k, v } => {
                 let rb = codec.record_bytes(hd);
-                let (keys, values) = self.dequantize_rows(ctx, scratch, pool, &|j, ck, cv| {
-                    let first = (s.blocks[j] as usize * bs) * heads;
-                    for (i, (ok, ov)) in ck
-                        .chunks_exact_mut(hd)
-                        .zip(cv.chunks_exact_mut(hd))
-                        .enumerate()
-                    {
-                        let at = (first + i) * rb;
-                        codec.dequantize(&k[at..at + rb], ok);
-                        codec.dequantize(&v[at..at + rb], ov);
-                    }
-                });
+                let (keys, values) =
+                    self.dequantize_rows(first_block, ctx, scratch, pool, &|j, ck, cv| {
+                        let first = (s.blocks[j] as usize * bs) * heads;
+                        for (i, (ok, ov)) in ck
+                            .chunks_exact_mut(hd)
+                            .zip(cv.chunks_exact_mut(hd))
+                            .enumerate()
+                        {
+                            let at = (first + i) * rb;
+                            codec.dequantize(&k[at..at + rb], ok);
+                            codec.dequantize(&v[at..at + rb], ov);
+                        }
+                    });
                 Ok(plain(keys, values))
             }
             Layer::Channel {
@@ -513,7 +522,8 @@ impl CpuKvCache {
                 // Queries of this call sit in blocks own_first..=own_last; everything before
                 // their own block is read packed.
                 let (own_first, own_last) = (s.start_pos / bs, (ctx - 1) / bs);
-                if let Some(j) = (0..own_last).find(|&j| !packed[s.blocks[j] as usize]) {
+                let first_block = first_block.min(own_last);
+                if let Some(j) = (first_block..own_last).find(|&j| !packed[s.blocks[j] as usize]) {
                     return Err(Error::InvalidArgument(format!(
                         "KV block {} (positions {}..{}) is read before it was filled",
                         s.blocks[j],
@@ -534,8 +544,12 @@ impl CpuKvCache {
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let (kb, vb) = (kc.block_bytes(hd, bs), vc.record_bytes(hd));
-                let (keys, values) =
-                    self.dequantize_rows(own_last * bs, scratch, pool, &|j, ck, cv| {
+                let (keys, values) = self.dequantize_rows(
+                    first_block,
+                    own_last * bs,
+                    scratch,
+                    pool,
+                    &|j, ck, cv| {
                         let b = s.blocks[j] as usize;
                         for h in 0..heads {
                             let rec = &k[(b * heads + h) * kb..(b * heads + h + 1) * kb];
@@ -545,7 +559,8 @@ impl CpuKvCache {
                             let at = (b * bs * heads + i) * vb;
                             vc.dequantize(&v[at..at + vb], ov);
                         }
-                    });
+                    },
+                );
                 Ok(SeqView {
                     keys,
                     values,
@@ -564,16 +579,19 @@ impl CpuKvCache {
     /// rows of block index `j` (one task per block), and returns them as dense rows.
     fn dequantize_rows<'a>(
         &self,
-        n: usize,
+        first_block: usize,
+        end: usize,
         scratch: &'a mut Scratch,
         pool: &rayon::ThreadPool,
         fill: &FillBlock<'_>,
     ) -> (Rows<'a>, Rows<'a>) {
         let (row, bs) = (self.row(), self.block_size);
+        let first = (first_block * bs).min(end);
+        let n = end - first;
         scratch.k.resize(n * row, 0.0);
         scratch.v.resize(n * row, 0.0);
         let (sk, sv) = (&mut scratch.k[..n * row], &mut scratch.v[..n * row]);
-        let task = |(j, (ck, cv)): (usize, (&mut [f32], &mut [f32]))| fill(j, ck, cv);
+        let task = |(j, (ck, cv)): (usize, (&mut [f32], &mut [f32]))| fill(first_block + j, ck, cv);
         if n * row < SERIAL_DEQUANT {
             sk.chunks_mut(bs * row)
                 .zip(sv.chunks_mut(bs * row))
@@ -592,10 +610,12 @@ impl CpuKvCache {
             Rows::Dense {
                 data: &scratch.k[..n * row],
                 row,
+                first,
             },
             Rows::Dense {
                 data: &scratch.v[..n * row],
                 row,
+                first,
             },
         )
     }

@@ -175,6 +175,10 @@ impl Backend for CpuBackend {
         out
     }
 
+    fn residual_rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> CpuTensor {
+        self.rms_norm(x, weight, eps)
+    }
+
     fn add_rms_norm(
         &self,
         x: &mut CpuTensor,
@@ -249,6 +253,20 @@ impl Backend for CpuBackend {
             .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
             .collect();
         CpuTensor::new(data, gate.rows, gate.cols)
+    }
+
+    fn gelu_tanh_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
+        let data = gate
+            .data
+            .iter()
+            .zip(&up.data)
+            .map(|(&g, &u)| ops::gelu_tanh(g) * u)
+            .collect();
+        CpuTensor::new(data, gate.rows, gate.cols)
+    }
+
+    fn scale(&self, x: &mut CpuTensor, factor: f32) {
+        x.data.iter_mut().for_each(|a| *a *= factor);
     }
 
     fn add(&self, x: &mut CpuTensor, delta: &CpuTensor) {

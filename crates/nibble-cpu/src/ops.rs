@@ -57,3 +57,12 @@ pub fn rope_row(
         }
     }
 }
+
+/// PyTorch's `gelu(x, approximate="tanh")` in f32, its constants as PyTorch spells them.
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const BETA: f32 = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
+    const KAPPA: f32 = 0.044715;
+    let inner = BETA * (x + KAPPA * x * x * x);
+    0.5 * x * (1.0 + inner.tanh())
+}

@@ -108,6 +108,7 @@ fn attention(
         num_heads: heads,
         num_kv_heads: kv_heads,
         head_dim: hd,
+        window: None,
     };
     let blocks_per_seq = ctx.div_ceil(block);
     let kv_shape = KvShape {

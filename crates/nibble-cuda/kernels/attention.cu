@@ -19,6 +19,9 @@
 // -inf so that merging two empty states gives exp(0) * 0 instead of NaN.
 //
 // Partials: part[((token * kv_heads + kvh) * splits + split) * G + gi] holds (m, l, acc[HD]).
+// Sliding window (window > 0): a query at position p reads positions p - window + 1 ..= p only;
+// blocks wholly before that are not read, and a split wholly before it writes the empty state
+// (m = -1e30, l = 0, acc = 0), which the reduction weighs by exp(-1e30 - M) = 0.
 
 
 struct Partial {
@@ -30,7 +33,8 @@ __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict
                                 const T* __restrict__ vc, const int* __restrict__ block_tables,
                                 const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
                                 float* __restrict__ part, int num_kv_heads, int group,
-                                int max_blocks, int block_size, int chunk, float scale, long ldq) {
+                                int max_blocks, int block_size, int chunk, float scale, long ldq,
+                                int window) {
     grid_dependency_enter();
     constexpr int LPT = HD / 8;
     constexpr int TPW = 32 / LPT;
@@ -41,6 +45,7 @@ __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict
     const int start = split * chunk;
     if (start >= ctx) return;  // attn_reduce reads only the splits that hold context
     const int end = min(ctx, start + chunk);
+    const int lo = window > 0 ? max(0, ctx - window) : 0;  // the first position read
     const int* table = block_tables + (long)tok_seq[token] * max_blocks;
 
     float qr[G][8];
@@ -63,7 +68,7 @@ __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict
     // Warps take whole 16-token blocks: one block-table read per block, and a block's rows of
     // this head are one contiguous BS * HD run, read in U-step batches of TPW tokens.
     constexpr int STEPS = BS / TPW;
-    for (int b = start / BS + warp; b * BS < end; b += WARPS) {
+    for (int b = max(start, lo) / BS + warp; b * BS < end; b += WARPS) {
         const long base = ((long)table[b] * num_kv_heads + kvh) * BS * HD + sub * 8;
 #pragma unroll
         for (int s0 = 0; s0 < STEPS; s0 += U) {
@@ -72,7 +77,7 @@ __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int slot = (s0 + u) * TPW + tslot;
-            valid[u] = s0 + u < STEPS && b * BS + slot < end;
+            valid[u] = s0 + u < STEPS && b * BS + slot < end && b * BS + slot >= lo;
             if (valid[u]) {
                 kv[u] = *reinterpret_cast<const Vec8*>(kc + base + slot * HD);
                 vv[u] = *reinterpret_cast<const Vec8*>(vc + base + slot * HD);
@@ -232,11 +237,11 @@ __device__ void attn_reduce_impl(const float* __restrict__ part, const int* __re
     extern "C" __global__ void __launch_bounds__(128) paged_attn_##SUFFIX##_hd##HD##_g##G(       \
         const float* q, const T* kc, const T* vc, const int* block_tables, const int* tok_seq,   \
         const int* tok_pos, float* part, int num_kv_heads, int group, int max_blocks,            \
-        int block_size, int chunk, float scale, long ldq) {                                      \
+        int block_size, int chunk, float scale, long ldq, int window) {                          \
         /* Eight heads' accumulators leave registers for only two tokens in flight. */             \
         paged_attn_impl<T, HD, G, 4, (G >= 8 ? 2 : 4), 16>(q, kc, vc, block_tables, tok_seq, tok_pos, part,          \
                                         num_kv_heads, group, max_blocks, block_size, chunk,      \
-                                        scale, ldq);                                             \
+                                        scale, ldq, window);                                     \
     }                                                                                            \
     extern "C" __global__ void attn_reduce_##SUFFIX##_hd##HD##_g##G(                              \
         const float* part, const int* tok_pos, T* out, int num_kv_heads, int group, int splits,  \

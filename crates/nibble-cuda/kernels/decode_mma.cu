@@ -12,7 +12,9 @@
 // softmax in base 2, and O += P V with P re-packed from the S accumulators and V's B fragments
 // from ldmatrix.trans. Warps merge through shared memory and write (m, l, acc) per head. The
 // CTA whose split holds the step's position first writes the step's key and value into the cache
-// (the KV append, fused).
+// (the KV append, fused). A sliding window (window > 0) starts the block walk at the window's
+// first position and masks the keys before it in that block; a split wholly before the window
+// writes the empty state, as attention.cu's.
 
 #define DM_BS 16
 #define DM_WARPS 2
@@ -24,7 +26,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
                                 float* __restrict__ part, int num_kv_heads, int group,
                                 int max_blocks, int chunk, float scale_log2, long ldq,
                                 const float* __restrict__ knew, const float* __restrict__ vnew,
-                                long ldk, long ldv) {
+                                long ldk, long ldv, int window) {
     grid_dependency_enter();
     constexpr int LD = HD + 8;
     constexpr int WARPS = DM_WARPS;
@@ -39,6 +41,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
     const int start = split * chunk;
     if (start >= ctx) return;
     const int end = min(ctx, start + chunk);
+    const int lo = window > 0 ? max(0, ctx - window) : 0;  // the first position read
     const int* table = block_tables + (long)tok_seq[token] * max_blocks;
     // The step's own key and value go into the cache here, by the CTA whose split holds the
     // position (one launch fewer per layer than a separate append); it reads them back below.
@@ -76,7 +79,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
     };
     // The first block streams in while Q is staged (through stage 1) into A fragments.
     int stage = 0;
-    const int first = start / DM_BS + warp;
+    const int first = max(start, lo) / DM_BS + warp;
     if (first * DM_BS < end) issue(first, 0);
     // Q rows (the group's heads, then zeros), converted to 16 bits, then read as A fragments.
     // The group's heads are group * HD consecutive floats: each lane's loads (4 floats apiece)
@@ -151,7 +154,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int p = b * DM_BS + n * 8 + 2 * t + (e & 1);
-                s[n][e] = p < end ? s[n][e] * scale_log2 : NEG_BIG;
+                s[n][e] = p < end && p >= lo ? s[n][e] * scale_log2 : NEG_BIG;
             }
         }
         softmax_tile(s, m, l, o);
@@ -201,10 +204,10 @@ __device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
         const float* q, T* kc, T* vc, const int* block_tables, const int* tok_seq,  \
         const int* tok_pos, float* part, int num_kv_heads, int group, int max_blocks,           \
         int chunk, float scale_log2, long ldq, const float* knew, const float* vnew, long ldk,  \
-        long ldv) {                                                                             \
+        long ldv, int window) {                                                                 \
         decode_mma_impl<T, HD, G>(q, kc, vc, block_tables, tok_seq, tok_pos, part,      \
                                   num_kv_heads, group, max_blocks, chunk, scale_log2, ldq,      \
-                                  knew, vnew, ldk, ldv);                                        \
+                                  knew, vnew, ldk, ldv, window);                                \
     }
 #define NIBBLE_DECODE_MMA_G(SUFFIX, T, HD) \
     NIBBLE_DECODE_MMA(SUFFIX, T, HD, 2)    \

@@ -73,6 +73,17 @@ __device__ AbsMax rms_norm_impl(float* __restrict__ x, const float* __restrict__
             out[i] = from_f32<T>(g / (1.0f + expf(-g)) * up[r * ldu + c]);                       \
         }                                                                                        \
     }                                                                                            \
+    /* Gemma's GeGLU: PyTorch's gelu(approximate="tanh") of gate, times up (the CPU's gelu_tanh). */ \
+    extern "C" __global__ void gelu_tanh_mul_##SUFFIX(const float* gate, const float* up, T* out, \
+                                                      long n, int cols, long ldg, long ldu) {    \
+        for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;                        \
+             i += (long)gridDim.x * blockDim.x) {                                                \
+            const long r = i / cols, c = i % cols;                                               \
+            const float g = gate[r * ldg + c];                                                   \
+            const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);               \
+            out[i] = from_f32<T>(0.5f * g * (1.0f + tanhf(inner)) * up[r * ldu + c]);             \
+        }                                                                                        \
+    }                                                                                            \
     extern "C" __global__ void cast_##SUFFIX(const float* x, T* out, long n) {                    \
         for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;                        \
              i += (long)gridDim.x * blockDim.x)                                                  \
@@ -183,6 +194,19 @@ extern "C" __global__ void add_f32(float* x, const float* d, long n) {
     grid_dependency_enter();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         x[i] += d[i];
+}
+
+// RMSNorm of a block's output that stays in the f32 residual stream (Gemma's post-attention and
+// post-feed-forward norms): rms_norm_impl writing f32.
+extern "C" __global__ void ROW_KERNEL rms_norm_f32(float* x, const float* w, float* out, int h,
+                                                   float eps) {
+    rms_norm_impl<float>(x, nullptr, w, out, h, eps);
+}
+
+// x may be a column slice of a fused GEMM output (q of q/k/v): rows of `cols` at stride `ld`.
+extern "C" __global__ void scale_f32(float* x, long n, int cols, long ld, float factor) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        x[(i / cols) * ld + i % cols] *= factor;
 }
 
 extern "C" __global__ void ROW_KERNEL gather_rows(const float* x, const int* rows, float* out, int cols) {

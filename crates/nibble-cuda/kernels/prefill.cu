@@ -11,8 +11,10 @@
 // fragments; the online softmax (base 2, scale folded into log2e) works on the S accumulators,
 // which are re-packed in place as the A fragments of P V (the m16n8 C layout is the m16k16 A
 // layout), and V's B fragments come from ldmatrix.trans.
-// Causality: key position kp joins query position qp when kp <= qp; rows past the tile's length
-// compute and are not stored.
+// Causality: key position kp joins query position qp when kp <= qp, and with a sliding window
+// (window > 0) when also qp - kp < window; key tiles before the window of the tile's first query
+// are not read. A row whose keys in a tile are all masked adds nothing (softmax_tile gives them
+// probability 0). Rows past the tile's length compute and are not stored.
 
 #define PF_M 64
 #define PF_N 64
@@ -27,7 +29,7 @@ __device__ void prefill_impl(const float* __restrict__ q, const T* __restrict__ 
                              const T* __restrict__ vc, const int* __restrict__ block_tables,
                              const PrefillTile* __restrict__ tiles, T* __restrict__ out,
                              int num_kv_heads, int group, int max_blocks, int block_size,
-                             float scale_log2, long ldq) {
+                             float scale_log2, long ldq, int window) {
     constexpr int LD = HD + 8;  // padded row, in elements
     __shared__ __align__(16) T ks[PF_N * LD];
     __shared__ __align__(16) T vs[PF_N * LD];
@@ -62,7 +64,8 @@ __device__ void prefill_impl(const float* __restrict__ q, const T* __restrict__ 
     const int qp0 = tile.pos0 + r0, qp1 = qp0 + 8;  // positions of this thread's two rows
     const int last = tile.pos0 + tile.rows - 1;     // the tile's last query position
 
-    for (int kv0 = 0; kv0 <= last; kv0 += PF_N) {
+    const int kv_first = window > 0 ? max(0, tile.pos0 - window + 1) / PF_N * PF_N : 0;
+    for (int kv0 = kv_first; kv0 <= last; kv0 += PF_N) {
         __syncthreads();  // the previous tile (or Q) is no longer read
         // Gather 64 keys and values, 16 bytes at a time.
         for (int i = threadIdx.x; i < PF_N * HD / 8; i += blockDim.x) {
@@ -101,7 +104,8 @@ __device__ void prefill_impl(const float* __restrict__ q, const T* __restrict__ 
             for (int e = 0; e < 4; ++e) {
                 const int kp = kv0 + n * 8 + 2 * t + (e & 1);
                 const int qp = e < 2 ? qp0 : qp1;
-                s[n][e] = kp <= qp ? s[n][e] * scale_log2 : NEG_BIG;
+                const bool in = kp <= qp && (window <= 0 || qp - kp < window);
+                s[n][e] = in ? s[n][e] * scale_log2 : NEG_BIG;
             }
         }
         softmax_tile(s, m, l, o);
@@ -131,9 +135,9 @@ __device__ void prefill_impl(const float* __restrict__ q, const T* __restrict__ 
     extern "C" __global__ void __launch_bounds__(128) prefill_attn_##SUFFIX##_hd##HD(            \
         const float* q, const T* kc, const T* vc, const int* block_tables,                      \
         const PrefillTile* tiles, T* out, int num_kv_heads, int group, int max_blocks,          \
-        int block_size, float scale_log2, long ldq) {                                            \
+        int block_size, float scale_log2, long ldq, int window) {                                \
         prefill_impl<T, HD>(q, kc, vc, block_tables, tiles, out, num_kv_heads, group,           \
-                            max_blocks, block_size, scale_log2, ldq);                            \
+                            max_blocks, block_size, scale_log2, ldq, window);                    \
     }
 #define NIBBLE_PREFILL_ALL(SUFFIX, T) \
     NIBBLE_PREFILL(SUFFIX, T, 64)     \

@@ -20,6 +20,12 @@
 // fills with zeros.
 // Causality: key position kp joins query position qp when kp <= qp; only tiles that cross a
 // warp's first position are masked. Rows past the tile compute and are not stored.
+// Sliding window (window > 0): kp also needs qp - kp < window. Key tiles before the window of
+// the CTA's first query are neither loaded nor computed (tile j below is the (j0 + j)-th of the
+// sequence); a tile that reaches below a warp's last window is masked. In a masked tile the
+// masked keys get probability 0 explicitly: a row can meet a tile with none of its keys before
+// its first one (m still -1e30), where exp2((s - m) * scale) would be exp2 of the rounding error
+// of -1e30 * scale, anything from 0 to inf.
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 #define FA_THREADS 384  // two consumer warpgroups, then the producer warpgroup
@@ -96,7 +102,7 @@ template <class T, int HD>
 __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const float* __restrict__ q,
                                    const int* __restrict__ block_tables, const PrefillTile* __restrict__ tiles,
                                    T* __restrict__ out, int num_kv_heads, int group, int max_blocks,
-                                   int num_blocks, float scale_log2, long ldq) {
+                                   int num_blocks, float scale_log2, long ldq, int window) {
     using L = FaSmem<HD>;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     const u32 raw = smem_addr(fa_smem), pad = (1024 - (raw & 1023)) & 1023;
@@ -112,7 +118,8 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
     const int h = blockIdx.x, kvh = h / group, num_heads = num_kv_heads * group;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int last = tile.pos0 + tile.rows - 1;  // the tile's last query position
-    const int n = last / FA_N + 1;               // key tiles
+    const int j0 = window > 0 ? max(0, tile.pos0 - window + 1) / FA_N : 0;  // first key tile
+    const int n = last / FA_N + 1 - j0;          // key tiles read
     const int consumer_warps = tile.rows > 64 ? 8 : 4;
 
     if (threadIdx.x == 0) {
@@ -134,7 +141,7 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
         auto read_ids = [&](int j) {
 #pragma unroll
             for (int b = 0; b < FA_N / FA_BLOCK; ++b) {
-                const int p = j * FA_N + b * FA_BLOCK;
+                const int p = (j0 + j) * FA_N + b * FA_BLOCK;
                 next[b] = p <= last ? table[p / FA_BLOCK] : num_blocks;
             }
         };
@@ -208,14 +215,18 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
     // exp2((S - m) * scale_log2), one FFMA and one ex2 each; corr rescales what was summed before,
     // l takes this thread's share of the row sums (the quad adds them at the end).
     auto probs = [&](int j) {
-        const int kv0 = j * FA_N;
-        const bool masked = kv0 + FA_N - 1 > wpos;
+        const int kv0 = (j0 + j) * FA_N;
+        const bool below = window > 0 && kv0 + window <= wpos + 15;
+        const bool masked = kv0 + FA_N - 1 > wpos || below;
         float mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int i = 0; i < FA_N / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                if (masked && kv0 + i * 8 + 2 * t + (e & 1) > (e < 2 ? qp0 : qp1)) s[i][e] = NEG_BIG;
+                if (masked) {
+                    const int kp = kv0 + i * 8 + 2 * t + (e & 1), qp = e < 2 ? qp0 : qp1;
+                    if (kp > qp || (below && qp - kp >= window)) s[i][e] = NEG_BIG;
+                }
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[i][e]);
             }
         float rs[2] = {0.f, 0.f}, bias[2];
@@ -231,7 +242,8 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
         for (int i = 0; i < FA_N / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float v = fast_exp2(fmaf(s[i][e], scale_log2, bias[e >> 1]));
+                float v = fast_exp2(fmaf(s[i][e], scale_log2, bias[e >> 1]));
+                if (masked && s[i][e] == NEG_BIG) v = 0.f;
                 s[i][e] = v;
                 rs[e >> 1] += v;
             }
@@ -328,9 +340,9 @@ __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const
     extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) prefill_wgmma_##SUFFIX##_hd##HD(           \
         const __grid_constant__ TmaMap kmap, const __grid_constant__ TmaMap vmap, const float* q,         \
         const int* block_tables, const PrefillTile* tiles, T* out, int num_kv_heads, int group,           \
-        int max_blocks, int num_blocks, float scale_log2, long ldq) {                                     \
+        int max_blocks, int num_blocks, float scale_log2, long ldq, int window) {                         \
         prefill_wgmma_impl<T, HD>(&kmap, &vmap, q, block_tables, tiles, out, num_kv_heads, group,         \
-                                  max_blocks, num_blocks, scale_log2, ldq);                               \
+                                  max_blocks, num_blocks, scale_log2, ldq, window);                       \
     }
 #define NIBBLE_PREFILL_WGMMA_ALL(SUFFIX, T) \
     NIBBLE_PREFILL_WGMMA(SUFFIX, T, 64)     \

@@ -68,7 +68,13 @@ pub fn attention(
         num_heads,
         num_kv_heads,
         head_dim,
+        window,
     } = shape;
+    if window == Some(0) {
+        return Err(Error::InvalidArgument(
+            "a sliding window of 0 tokens".into(),
+        ));
+    }
     let n = batch.num_tokens();
     let kv_row = num_kv_heads * head_dim;
     if num_kv_heads == 0
@@ -207,6 +213,7 @@ pub fn attention(
             Arg::I32(if wgmma { kv.num_blocks } else { kv.block_size } as i32),
             Arg::F32(scale * std::f32::consts::LOG2_E),
             Arg::I64(q.ld as i64),
+            Arg::I32(window_arg(window)),
         ]);
         if wgmma {
             ctx.launch_block(
@@ -255,6 +262,7 @@ fn decode_rows(
         num_heads,
         num_kv_heads,
         head_dim,
+        ..
     } = shape;
     let group = num_heads / num_kv_heads;
     let (positions, tok_seq, tables, max_blocks) =
@@ -301,12 +309,15 @@ fn decode_rows(
             Arg::Ptr(v.ptr),
             Arg::I64(k.ld as i64),
             Arg::I64(v.ld as i64),
+            Arg::I32(window_arg(shape.window)),
         ]);
         ctx.kernel(&format!("decode_mma_{dt}_hd{head_dim}_g{g}"))?
             .launch(&ctx.gpu, grid, 64, 0, args)?;
     } else {
+        let mut args = common(scale, true);
+        args.push(Arg::I32(window_arg(shape.window)));
         ctx.kernel(&format!("paged_attn_{dt}_hd{head_dim}_g{g}"))?
-            .launch(&ctx.gpu, grid, 128, 0, common(scale, true))?;
+            .launch(&ctx.gpu, grid, 128, 0, args)?;
     }
     ctx.kernel(&format!("attn_reduce_{dt}_hd{head_dim}_g{g}"))?
         .launch(
@@ -325,6 +336,11 @@ fn decode_rows(
             ],
         )?;
     Ok(())
+}
+
+/// The kernels' `window` argument: 0 for none (a window past `i32::MAX` masks nothing either).
+fn window_arg(window: Option<usize>) -> i32 {
+    window.map_or(0, |w| w.min(i32::MAX as usize) as i32)
 }
 
 /// The prefill kernels' tile list (kernels/prefill.cu `PrefillTile`): query tiles of up to

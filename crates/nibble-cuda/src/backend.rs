@@ -257,6 +257,11 @@ impl Backend for CudaBackend {
         self.or_dead(r, x.rows, x.cols, Elem::Half(self.ctx.dtype))
     }
 
+    fn residual_rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32) -> CudaTensor {
+        let r = ew::residual_rms_norm(&self.ctx, x, weight, eps);
+        self.or_dead(r, x.rows, x.cols, Elem::F32)
+    }
+
     fn add_rms_norm(
         &self,
         x: &mut CudaTensor,
@@ -346,6 +351,16 @@ impl Backend for CudaBackend {
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
         let r = ew::silu_mul(&self.ctx, gate, up);
         self.or_dead(r, gate.rows, gate.cols, Elem::Half(self.ctx.dtype))
+    }
+
+    fn gelu_tanh_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
+        let r = ew::gelu_tanh_mul(&self.ctx, gate, up);
+        self.or_dead(r, gate.rows, gate.cols, Elem::Half(self.ctx.dtype))
+    }
+
+    fn scale(&self, x: &mut CudaTensor, factor: f32) {
+        let r = ew::scale(&self.ctx, x, factor);
+        self.ctx.sticky(r);
     }
 
     fn add(&self, x: &mut CudaTensor, delta: &CudaTensor) {

@@ -248,6 +248,93 @@ pub fn add(ctx: &CudaContext, x: &mut CudaTensor, delta: &CudaTensor) -> Result<
     )
 }
 
+/// RMSNorm of `x` into a new f32 tensor (a block output before its residual add).
+pub fn residual_rms_norm(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    weight: &CudaTensor,
+    eps: f32,
+) -> Result<CudaTensor> {
+    expect_whole_f32(x, "residual_rms_norm input")?;
+    if weight.cols != x.cols {
+        return Err(Error::InvalidArgument(format!(
+            "residual_rms_norm: {} features, weight of {}",
+            x.cols, weight.cols
+        )));
+    }
+    let out = ctx.alloc(x.rows, x.cols, Elem::F32)?;
+    ctx.kernel("rms_norm_f32")?.launch(
+        &ctx.gpu,
+        (x.rows as u32, 1, 1),
+        norm_block(x.cols),
+        0,
+        vec![
+            Arg::Ptr(x.ptr),
+            Arg::Ptr(weight.ptr),
+            Arg::Ptr(out.ptr),
+            Arg::I32(x.cols as i32),
+            Arg::F32(eps),
+        ],
+    )?;
+    Ok(out)
+}
+
+/// `x *= factor` (Gemma's embedding scale, and q's when `query_pre_attn_scalar` is not the head
+/// size): `x` may be a column slice of a fused projection.
+pub fn scale(ctx: &CudaContext, x: &mut CudaTensor, factor: f32) -> Result<()> {
+    expect_f32(x, "scale target")?;
+    let n = x.rows * x.cols;
+    ctx.launch(
+        "scale_f32",
+        grid_for(n),
+        BLOCK,
+        vec![
+            Arg::Ptr(x.ptr),
+            Arg::I64(n as i64),
+            Arg::I32(x.cols as i32),
+            Arg::I64(x.ld as i64),
+            Arg::F32(factor),
+        ],
+    )
+}
+
+/// `gelu_tanh(gate) * up` in the model dtype (Gemma's GeGLU). No fused INT8 variant: the
+/// quantized W8A8 GEMM after it is refused rather than fed unquantized rows.
+pub fn gelu_tanh_mul(ctx: &CudaContext, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+    expect_f32(gate, "gate")?;
+    expect_f32(up, "up")?;
+    if (gate.rows, gate.cols) != (up.rows, up.cols) {
+        return Err(Error::InvalidArgument(format!(
+            "gelu_tanh_mul of {}x{} and {}x{}",
+            gate.rows, gate.cols, up.rows, up.cols
+        )));
+    }
+    if ctx.wants_int8() {
+        return Err(Error::unsupported(
+            "GeGLU (Gemma) with W8A8 weights on the CUDA backend",
+            "its fused INT8 activation quantizer exists for SwiGLU only",
+        ));
+    }
+    let out = ctx.alloc(gate.rows, gate.cols, Elem::Half(ctx.dtype))?;
+    let n = gate.rows * gate.cols;
+    ctx.half_kernel("gelu_tanh_mul")?.launch(
+        &ctx.gpu,
+        grid_for(n),
+        BLOCK,
+        0,
+        vec![
+            Arg::Ptr(gate.ptr),
+            Arg::Ptr(up.ptr),
+            Arg::Ptr(out.ptr),
+            Arg::I64(n as i64),
+            Arg::I32(gate.cols as i32),
+            Arg::I64(gate.ld as i64),
+            Arg::I64(up.ld as i64),
+        ],
+    )?;
+    Ok(out)
+}
+
 /// Rows `rows` of `x` (the last token of each sequence, for the head).
 pub fn gather_rows(ctx: &CudaContext, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
     expect_whole_f32(x, "gather input")?;

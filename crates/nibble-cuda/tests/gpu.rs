@@ -154,6 +154,10 @@ fn row_ops_match_cpu() {
             let got = g.rms_norm(&to_gpu(&g, &x), &gw, 1e-5);
             check("rms_norm", &host(&g, &got), &want.data, 1e-2);
 
+            let want = c.residual_rms_norm(&x, &w, 1e-6);
+            let got = g.residual_rms_norm(&to_gpu(&g, &x), &gw, 1e-6);
+            check("residual_rms_norm", &host(&g, &got), &want.data, 1e-6);
+
             let (mut cx, mut gx) = (x.clone(), to_gpu(&g, &x));
             let want = c.add_rms_norm(&mut cx, &d, &w, 1e-6);
             let got = g.add_rms_norm(&mut gx, &to_gpu(&g, &d), &gw, 1e-6);
@@ -163,6 +167,15 @@ fn row_ops_match_cpu() {
             let want = c.silu_mul(&x, &d);
             let got = g.silu_mul(&to_gpu(&g, &x), &to_gpu(&g, &d));
             check("silu_mul", &host(&g, &got), &want.data, 1e-2);
+
+            let want = c.gelu_tanh_mul(&x, &d);
+            let got = g.gelu_tanh_mul(&to_gpu(&g, &x), &to_gpu(&g, &d));
+            check("gelu_tanh_mul", &host(&g, &got), &want.data, 1e-2);
+
+            let (mut cx, mut gx) = (x.clone(), to_gpu(&g, &x));
+            c.scale(&mut cx, 25.3);
+            g.scale(&mut gx, 25.3);
+            check("scale", &host(&g, &gx), &cx.data, 1e-7);
 
             let (mut cx, mut gx) = (x.clone(), to_gpu(&g, &x));
             c.add(&mut cx, &d);
@@ -301,6 +314,7 @@ fn attention_matches_cpu() {
                 num_heads,
                 num_kv_heads,
                 head_dim,
+                window: None,
             };
             let kv_shape = KvShape {
                 num_layers: 2,
@@ -379,6 +393,79 @@ fn attention_matches_cpu() {
     }
 }
 
+/// Sliding windows against the CPU, which masks keys with `pos - p >= window`: prompts in chunks
+/// (the prefill tiers at head_dim 64 and 128, the paged kernel for every token at 256), a mixed
+/// step, and decode steps (tensor-core decode for GQA at 64/128, the CUDA-core split-K kernel for
+/// MHA and head_dim 256) with contexts of several splits; windows of 1 token, inside one 16-token
+/// block, across tiles, and longer than the context.
+#[test]
+fn windowed_attention_matches_cpu() {
+    let mut r = rng("windowed_attention_matches_cpu");
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let (g, c) = (gpu(dtype), cpu());
+        for &(num_heads, num_kv_heads, head_dim) in &[(8, 2, 128), (4, 4, 64), (4, 1, 256)] {
+            for window in [1, 7, 130, 700, 5000] {
+                let shape = AttentionShape {
+                    num_heads,
+                    num_kv_heads,
+                    head_dim,
+                    window: Some(window),
+                };
+                let kv_shape = KvShape {
+                    num_layers: 1,
+                    num_kv_heads,
+                    head_dim,
+                    format: KvFormat::F16,
+                };
+                let (block, pool) = (16, 200);
+                let mut ckv = c.new_kv_pool(kv_shape, pool, block).unwrap();
+                let mut gkv = g.new_kv_pool(kv_shape, pool, block).unwrap();
+                let owned = layout(&mut r, &[(0, 1500), (0, 300)], block, pool);
+                let span = |i: usize, start_pos, len| SeqSpan {
+                    blocks: owned.seqs[i].blocks.clone(),
+                    start_pos,
+                    len,
+                };
+                let steps = [
+                    vec![span(0, 0, 700), span(1, 0, 150)],
+                    vec![span(0, 700, 790), span(1, 150, 140)],
+                    vec![span(0, 1490, 1), span(1, 290, 9)],
+                    vec![span(0, 1491, 1), span(1, 299, 1)],
+                ];
+                for seqs in steps {
+                    let batch = BatchLayout { seqs };
+                    let n = batch.num_tokens();
+                    g.poison_activations(256 << 20).unwrap();
+                    let mut t = |w| CpuTensor::new(randn(&mut r, n * w, 1.0), n, w);
+                    let (q, k, v) = (
+                        t(num_heads * head_dim),
+                        t(num_kv_heads * head_dim),
+                        t(num_kv_heads * head_dim),
+                    );
+                    let want = c.attention(&q, &k, &v, &mut ckv, 0, &batch, shape).unwrap();
+                    let got = g
+                        .attention(
+                            &to_gpu(&g, &q),
+                            &to_gpu(&g, &k),
+                            &to_gpu(&g, &v),
+                            &mut gkv,
+                            0,
+                            &batch,
+                            shape,
+                        )
+                        .unwrap();
+                    check(
+                        &format!("windowed attention {shape:?} {dtype:?} {n} tokens"),
+                        &host(&g, &got),
+                        &want.data,
+                        1e-2,
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The prefill kernels, Hopper's wgmma tier (where the GPU has it) and the mma.sync tier, against
 /// the CPU: a leading decode row, prompts that end inside a 128-row tile and on its edge, a chunk
 /// that starts off any tile or block boundary, a chunk of at most 64 rows (one consumer
@@ -395,6 +482,7 @@ fn prefill_attention_tiers_match_cpu() {
                     num_heads,
                     num_kv_heads,
                     head_dim,
+                    window: None,
                 };
                 let kv_shape = KvShape {
                     num_layers: 1,
@@ -557,6 +645,8 @@ fn greedy_generation_matches_cpu() {
         "tiny-qwen2",
         "tiny-qwen3",
         "tiny-llama-tied-bf16",
+        // Sliding windows of 6 tokens, GeGLU, post-block norms, embedding scale.
+        "tiny-gemma3",
     ] {
         let dir = fixture(name);
         let c = engine(cpu(), &dir);

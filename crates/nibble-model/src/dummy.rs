@@ -124,13 +124,17 @@ fn hf_layout(text: &str, arch: Arch, origin: &str) -> Result<TensorLayout> {
         ));
     }
     Ok(TensorLayout {
-        tie_word_embeddings: flag("tie_word_embeddings"),
+        // Gemma's config class ties the head unless told otherwise.
+        tie_word_embeddings: v
+            .get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(arch == Arch::Gemma3),
         attention_bias: match arch {
             Arch::Qwen2 | Arch::Qwen2Moe => true,
-            Arch::Mistral | Arch::Mixtral => false,
+            Arch::Mistral | Arch::Mixtral | Arch::Gemma3 => false,
             Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe => flag("attention_bias"),
         },
-        qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+        qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
     })
 }
 

@@ -16,7 +16,9 @@ pub use backend::{
     AttentionShape, Backend, BatchLayout, DeviceTimeline, KvShape, ScaledRows, SeqSpan,
 };
 pub use checkpoint::{CheckpointData, CheckpointSource, CheckpointTensor, write_checkpoint};
-pub use config::{Arch, ModelConfig, MoeConfig, RopeLayout, RopeScaling, TensorLayout};
+pub use config::{
+    Arch, GemmaConfig, ModelConfig, MoeConfig, RopeLayout, RopeScaling, SlidingWindow, TensorLayout,
+};
 pub use loader::{ModelFiles, open_model, tokenizer_from_path};
 pub use nibble_precision::KvFormat;
 pub use transformer::{LogitRows, SINGLE_SEQUENCE_BLOCK, TensorRole, Transformer, model_tensors};

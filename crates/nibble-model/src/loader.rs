@@ -40,6 +40,28 @@ pub fn tokenizer_from_path(p: &Path) -> Result<Tokenizer> {
     }
 }
 
+/// Gemma 3's chat template (that of the instruction-tuned checkpoints' `tokenizer_config.json`),
+/// for files that carry none: llama.cpp's GGUF conversions of the base models do not.
+pub const GEMMA3_CHAT_TEMPLATE: &str = include_str!("../templates/gemma3.jinja");
+
+/// What an architecture's tokenizer needs beyond its file: Gemma 3 ends a chat turn with
+/// `<end_of_turn>`, which is not its EOS (`<eos>`) but ends generation as the model's
+/// `generation_config.json` says, and gets its chat template when the file has none.
+fn adapt_tokenizer(config: &ModelConfig, tokenizer: &mut Tokenizer) {
+    if config.arch != crate::config::Arch::Gemma3 {
+        return;
+    }
+    if let Some(id) = tokenizer.token_to_id("<end_of_turn>")
+        && !tokenizer.eos_ids.contains(&id)
+    {
+        tokenizer.eos_ids.push(id);
+        tokenizer.eos_ids.sort_unstable();
+    }
+    if tokenizer.chat_template.is_none() {
+        tokenizer.chat_template = Some(GEMMA3_CHAT_TEMPLATE.to_string());
+    }
+}
+
 /// `tokenizer_json` overrides the tokenizer the model carries.
 pub fn open_model(path: &Path, tokenizer_json: Option<&Path>) -> Result<ModelFiles> {
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
@@ -49,10 +71,11 @@ pub fn open_model(path: &Path, tokenizer_json: Option<&Path>) -> Result<ModelFil
         let cfg_path = path.join("config.json");
         let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
         let config = ModelConfig::from_hf_json(&text, &cfg_path.display().to_string())?;
-        let tokenizer = match override_tok(tokenizer_json)? {
+        let mut tokenizer = match override_tok(tokenizer_json)? {
             Some(t) => t,
             None => Tokenizer::from_hf_dir(path)?,
         };
+        adapt_tokenizer(&config, &mut tokenizer);
         let (source, precision): (Box<dyn TensorSource>, _) = if path.join(QUANT_FILE).exists() {
             let ckpt = CheckpointSource::open(path)?;
             let spec = ckpt.spec();
@@ -78,10 +101,11 @@ pub fn open_model(path: &Path, tokenizer_json: Option<&Path>) -> Result<ModelFil
     } else {
         let file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file)?;
-        let tokenizer = match override_tok(tokenizer_json)? {
+        let mut tokenizer = match override_tok(tokenizer_json)? {
             Some(t) => t,
             None => Tokenizer::from_gguf(&file)?,
         };
+        adapt_tokenizer(&config, &mut tokenizer);
         let source = GgufSource::new(
             file,
             config.arch,

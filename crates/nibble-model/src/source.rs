@@ -216,6 +216,41 @@ pub fn gguf_name(hf: &str) -> Option<String> {
     })
 }
 
+/// GGUF name of a Gemma 3 tensor: its four norms per layer are named apart (Hugging Face's
+/// `post_attention_layernorm` follows attention, not the feed-forward's input as in Llama).
+pub fn gemma_gguf_name(hf: &str) -> Option<String> {
+    let rest = hf.strip_prefix("model.layers.");
+    if let Some((layer, part)) = rest.and_then(|r| r.split_once('.')) {
+        let g = match part {
+            "post_attention_layernorm.weight" => Some("post_attention_norm"),
+            "pre_feedforward_layernorm.weight" => Some("ffn_norm"),
+            "post_feedforward_layernorm.weight" => Some("post_ffw_norm"),
+            _ => None,
+        };
+        if let Some(g) = g {
+            return Some(format!("blk.{layer}.{g}.weight"));
+        }
+    }
+    gguf_name(hf)
+}
+
+/// A Gemma norm scale in Hugging Face's terms, `w` of `x * (1 + w)`: llama.cpp's converter
+/// stores `1 + w` (its RMSNorm multiplies by the weight alone), so 1 is taken off here and the
+/// model adds it back, as for a Hugging Face checkpoint. Both steps are exact for stored values
+/// of at least 0.5 (Sterbenz) and for smaller ones on the 2^-24 grid (bf16 weights plus one).
+fn gemma_norm_from_gguf(t: HostTensor) -> Option<HostTensor> {
+    let values = t.to_f32().ok()?;
+    let bytes: Vec<u8> = values
+        .iter()
+        .flat_map(|&x| (x - 1.0).to_le_bytes())
+        .collect();
+    Some(HostTensor {
+        format: WeightFormat::Ggml(nibble_formats::gguf::GgmlType::F32),
+        bytes: TensorBytes::Owned(std::sync::Arc::new(bytes)),
+        ..t
+    })
+}
+
 /// A routed expert's projection under its Hugging Face name (Mixtral's
 /// `block_sparse_moe.experts.E.w1`, Qwen's `mlp.experts.E.gate_proj`): the layer, the expert and
 /// the GGUF projection (`gate`, `up` or `down`).
@@ -255,9 +290,15 @@ impl TensorSource for GgufSource {
         if let Some((layer, e, proj)) = expert_part(name) {
             return self.expert(name, layer, e, proj);
         }
-        let gname = gguf_name(name)?;
+        let gname = match self.arch {
+            Arch::Gemma3 => gemma_gguf_name(name),
+            _ => gguf_name(name),
+        }?;
         let info = self.file.tensor(&gname)?;
         let mut t = self.host(info, name);
+        if self.arch == Arch::Gemma3 && gname.ends_with("norm.weight") {
+            return gemma_norm_from_gguf(t);
+        }
         if gname.ends_with("ffn_gate_inp_shexp.weight") && t.shape.len() == 1 {
             // llama.cpp stores Qwen2-MoE's shared-expert gate `[1, hidden]` as a vector.
             t.shape.insert(0, 1);

@@ -1,8 +1,9 @@
-//! The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3 and their
+//! The decoder-only transformer shared by Llama, Mistral, Qwen2, Qwen3 and Gemma 3 and the
 //! mixture-of-experts relatives (Mixtral, Qwen2-MoE, Qwen3-MoE), written once against `Backend`.
 //! Architectural differences are data: optional QKV biases (Qwen2), optional per-head QK norms
-//! (Qwen3), tied or separate output head, rotary scaling, and per layer a dense or sparse
-//! feed-forward.
+//! (Qwen3, Gemma 3), tied or separate output head, rotary scaling, per layer a dense or sparse
+//! feed-forward, a sliding window and its rotary base; Gemma 3 adds norms after attention and the
+//! feed-forward, GeGLU, `(1 + w)` norm scales and a scaled embedding.
 
 use nibble_core::{Error, Result};
 use nibble_precision::KvFormat;
@@ -34,17 +35,30 @@ impl<B: Backend> Projections<B> {
     }
 }
 
-/// A SwiGLU feed-forward: `down(silu(gate x) * up x)`.
+/// The gate's activation of a gated feed-forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Activation {
+    /// SwiGLU (Llama and the others).
+    Silu,
+    /// GeGLU with tanh-approximated GELU (Gemma).
+    GeluTanh,
+}
+
+/// A gated feed-forward: `down(act(gate x) * up x)`.
 struct Mlp<B: Backend> {
     /// gate, up.
     gate_up: Projections<B>,
     down: B::Weight,
+    act: Activation,
 }
 
 impl<B: Backend> Mlp<B> {
     fn apply(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor> {
         let gate_up = self.gate_up.apply(backend, x)?;
-        let act = backend.silu_mul(&gate_up[0], &gate_up[1]);
+        let act = match self.act {
+            Activation::Silu => backend.silu_mul(&gate_up[0], &gate_up[1]),
+            Activation::GeluTanh => backend.gelu_tanh_mul(&gate_up[0], &gate_up[1]),
+        };
         backend.linear(&act, &self.down, None)
     }
 }
@@ -116,8 +130,18 @@ struct Layer<B: Backend> {
     o: B::Weight,
     q_norm: Option<B::Tensor>,
     k_norm: Option<B::Tensor>,
+    /// Gemma's norm of the attention output, before the residual add.
+    post_attn_norm: Option<B::Tensor>,
+    /// The feed-forward's input norm (`post_attention_layernorm` in Llama's names,
+    /// `pre_feedforward_layernorm` in Gemma's).
     mlp_norm: B::Tensor,
     ffn: Ffn<B>,
+    /// Gemma's norm of the feed-forward output, before the residual add.
+    post_ffn_norm: Option<B::Tensor>,
+    /// Sliding window of this layer's attention.
+    window: Option<usize>,
+    /// Whether the layer rotates with `Transformer::local_inv_freq` (Gemma's sliding layers).
+    local_rope: bool,
 }
 
 /// The Hugging Face names (without `.weight`) of a sparse layer's tensors, under the layer prefix
@@ -148,6 +172,8 @@ pub struct Transformer<B: Backend> {
     lm_head: Option<B::Weight>,
     final_norm: B::Tensor,
     inv_freq: B::Tensor,
+    /// Gemma 3's rotary frequencies of its sliding-window layers.
+    local_inv_freq: Option<B::Tensor>,
     layers: Vec<Layer<B>>,
 }
 
@@ -170,6 +196,10 @@ struct Loader<'a, B: Backend> {
     progress: &'a mut dyn FnMut(usize, usize),
     done: usize,
     total: usize,
+    /// Added to every norm scale: 1 for Gemma, whose RMSNorm multiplies by `1 + w`.
+    norm_shift: f32,
+    /// The gated feed-forward's activation.
+    act: Activation,
 }
 
 impl<B: Backend> Loader<'_, B> {
@@ -194,9 +224,30 @@ impl<B: Backend> Loader<'_, B> {
         Ok(w)
     }
 
+    /// A norm's scale, with the architecture's offset folded in (in f32, as Gemma's
+    /// `x * (1.0 + w.float())` computes it).
+    fn norm(&mut self, name: &str, len: usize) -> Result<B::Tensor> {
+        self.vector_shifted(name, len, self.norm_shift)
+    }
+
+    fn optional_norm(&mut self, name: &str, len: usize) -> Result<Option<B::Tensor>> {
+        if self.source.contains(name) {
+            self.norm(name, len).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
     fn vector(&mut self, name: &str, len: usize) -> Result<B::Tensor> {
+        self.vector_shifted(name, len, 0.0)
+    }
+
+    fn vector_shifted(&mut self, name: &str, len: usize, shift: f32) -> Result<B::Tensor> {
         let t = self.host(name, &[len])?;
-        let values = t.to_f32()?;
+        let mut values = t.to_f32()?;
+        if shift != 0.0 {
+            values.iter_mut().for_each(|x| *x += shift);
+        }
         if let Some(i) = values.iter().position(|x| !x.is_finite()) {
             return Err(Error::corrupt(
                 self.source.origin(),
@@ -266,6 +317,7 @@ impl<B: Backend> Loader<'_, B> {
         Ok(Mlp {
             gate_up: self.projections(&[(gate, ff), (up, ff)], h)?,
             down: self.weight(&format!("{down}.weight"), &[h, ff])?,
+            act: self.act,
         })
     }
 
@@ -354,6 +406,10 @@ pub fn model_tensors(
             |n: &str, shape: Vec<usize>, role| out.push((format!("{p}.{n}"), shape, role));
         add("input_layernorm.weight", vec![h], Vector);
         add("post_attention_layernorm.weight", vec![h], Vector);
+        if c.arch == Arch::Gemma3 {
+            add("pre_feedforward_layernorm.weight", vec![h], Vector);
+            add("post_feedforward_layernorm.weight", vec![h], Vector);
+        }
         add("self_attn.q_proj.weight", vec![qd, h], Weight);
         add("self_attn.k_proj.weight", vec![kvd, h], Weight);
         add("self_attn.v_proj.weight", vec![kvd, h], Weight);
@@ -416,12 +472,22 @@ impl<B: Backend> Transformer<B> {
                 };
             m.sparse_layers.iter().filter(|&&s| s).count() * (per_layer - 3)
         });
+        let gemma = c.arch == Arch::Gemma3;
         let mut ld = Loader {
             backend,
             source,
             progress,
             done: 0,
-            total: 2 + usize::from(!tied) + c.num_layers * 9 + sparse_extra,
+            total: 2
+                + usize::from(!tied)
+                + c.num_layers * (9 + 2 * usize::from(gemma))
+                + sparse_extra,
+            norm_shift: if gemma { 1.0 } else { 0.0 },
+            act: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
         };
         let embed = ld.weight("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let lm_head = if tied {
@@ -429,27 +495,62 @@ impl<B: Backend> Transformer<B> {
         } else {
             Some(ld.weight("lm_head.weight", &[c.vocab_size, h])?)
         };
-        let final_norm = ld.vector("model.norm.weight", h)?;
+        let final_norm = ld.norm("model.norm.weight", h)?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
             let attn = |n: &str| format!("{p}.self_attn.{n}_proj");
+            let norm = |n: &str| format!("{p}.{n}.weight");
+            let attn_norm = ld.norm(&norm("input_layernorm"), h)?;
+            let qkv = ld.projections(&[(attn("q"), qd), (attn("k"), kvd), (attn("v"), kvd)], h)?;
+            let o = ld.weight(&format!("{p}.self_attn.o_proj.weight"), &[h, qd])?;
+            let q_norm = ld.optional_norm(&format!("{p}.self_attn.q_norm.weight"), hd)?;
+            let k_norm = ld.optional_norm(&format!("{p}.self_attn.k_norm.weight"), hd)?;
+            if gemma && (q_norm.is_none() || k_norm.is_none()) {
+                return Err(Error::MissingTensor {
+                    name: format!("{p}.self_attn.{{q,k}}_norm.weight"),
+                    source_name: source.origin(),
+                });
+            }
+            let (post_attn_norm, mlp_norm) = if gemma {
+                (
+                    Some(ld.norm(&norm("post_attention_layernorm"), h)?),
+                    ld.norm(&norm("pre_feedforward_layernorm"), h)?,
+                )
+            } else {
+                (None, ld.norm(&norm("post_attention_layernorm"), h)?)
+            };
+            let ffn = ld.ffn(c, i)?;
+            let post_ffn_norm = if gemma {
+                Some(ld.norm(&norm("post_feedforward_layernorm"), h)?)
+            } else {
+                None
+            };
             layers.push(Layer {
-                attn_norm: ld.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                qkv: ld.projections(&[(attn("q"), qd), (attn("k"), kvd), (attn("v"), kvd)], h)?,
-                o: ld.weight(&format!("{p}.self_attn.o_proj.weight"), &[h, qd])?,
-                q_norm: ld.optional_vector(&format!("{p}.self_attn.q_norm.weight"), hd)?,
-                k_norm: ld.optional_vector(&format!("{p}.self_attn.k_norm.weight"), hd)?,
-                mlp_norm: ld.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                ffn: ld.ffn(c, i)?,
+                attn_norm,
+                qkv,
+                o,
+                q_norm,
+                k_norm,
+                post_attn_norm,
+                mlp_norm,
+                ffn,
+                post_ffn_norm,
+                window: c.layer_window(i),
+                local_rope: gemma && c.layer_window(i).is_some(),
             });
         }
         let inv_freq = backend.load_vector(&config.rope_inv_freq())?;
+        let local = layers.iter().position(|l| l.local_rope);
+        let local_inv_freq = local
+            .map(|i| backend.load_vector(&config.layer_rope_inv_freq(i)))
+            .transpose()?;
         Ok(Transformer {
             embed,
             lm_head,
             final_norm,
             inv_freq,
+            local_inv_freq,
             layers,
             config,
             kv_format: KvFormat::F16,
@@ -532,13 +633,18 @@ impl<B: Backend> Transformer<B> {
         which: LogitRows,
     ) -> Result<B::Tensor> {
         let c = &self.config;
-        let shape = AttentionShape {
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-        };
         let eps = c.rms_norm_eps;
         let mut x = backend.embed(&self.embed, tokens)?;
+        // Gemma's attention scale, as a factor on q next to the backend's 1/sqrt(head_dim)
+        // (none when they agree, as in every Gemma 3 but the 27B).
+        let mut q_scale = None;
+        if let Some(g) = &c.gemma {
+            // llama.cpp's f32 sqrt(hidden); Hugging Face rounds it to the weights' dtype.
+            backend.scale(&mut x, (c.hidden_size as f32).sqrt());
+            if g.query_pre_attn_scalar != c.head_dim as f64 {
+                q_scale = Some((c.head_dim as f64 / g.query_pre_attn_scalar).sqrt() as f32);
+            }
+        }
         // The residual add of each block is fused into the next block's norm.
         let mut pending: Option<B::Tensor> = None;
         for (i, l) in self.layers.iter().enumerate() {
@@ -556,21 +662,34 @@ impl<B: Backend> Transformer<B> {
                 backend.head_rms_norm(&mut q, qn, c.head_dim, eps);
                 backend.head_rms_norm(&mut k, kn, c.head_dim, eps);
             }
-            backend.rope_qk(
-                &mut q,
-                &mut k,
-                c.head_dim,
-                batch,
-                &self.inv_freq,
-                c.rope_layout,
-            );
+            let inv_freq = match (&self.local_inv_freq, l.local_rope) {
+                (Some(local), true) => local,
+                _ => &self.inv_freq,
+            };
+            backend.rope_qk(&mut q, &mut k, c.head_dim, batch, inv_freq, c.rope_layout);
+            if let Some(f) = q_scale {
+                backend.scale(&mut q, f);
+            }
+            let shape = AttentionShape {
+                num_heads: c.num_heads,
+                num_kv_heads: c.num_kv_heads,
+                head_dim: c.head_dim,
+                window: l.window,
+            };
             let attn = backend.attention(&q, &k, &v, kv, i, batch, shape)?;
-            let o = backend.linear(&attn, &l.o, None)?;
+            let mut o = backend.linear(&attn, &l.o, None)?;
+            if let Some(n) = &l.post_attn_norm {
+                o = backend.residual_rms_norm(&o, n, eps);
+            }
             let h = backend.add_rms_norm(&mut x, &o, &l.mlp_norm, eps);
-            pending = Some(match &l.ffn {
+            let mut d = match &l.ffn {
                 Ffn::Dense(mlp) => mlp.apply(backend, &h)?,
                 Ffn::Sparse(s) => s.apply(backend, &h, tokens.len(), c.hidden_size)?,
-            });
+            };
+            if let Some(n) = &l.post_ffn_norm {
+                d = backend.residual_rms_norm(&d, n, eps);
+            }
+            pending = Some(d);
         }
         backend.begin_layer(self.layers.len());
         if let Some(d) = pending {

@@ -298,6 +298,15 @@ impl DenseModel {
                 "nibble quantizes dense models; run this one in its stored format",
             ));
         }
+        // Its extra norms, GeGLU and scales are not in this model's folds and simulation, which
+        // would quantize a different function.
+        if c.gemma.is_some() {
+            return Err(Error::unsupported(
+                "quantizing a Gemma 3 model",
+                "nibble's quantization pipeline models the Llama block (SwiGLU, two norms); run \
+                 Gemma in its stored format",
+            ));
+        }
         let (h, qd, kvd, ff, hd) = (
             c.hidden_size,
             c.q_dim(),

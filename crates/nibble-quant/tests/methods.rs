@@ -384,3 +384,15 @@ fn smoothquant_keeps_the_lowest_calibration_perplexity() {
         assert!((nll(&alone) - scores[0]).abs() <= 1e-9 * scores[0], "{s}");
     }
 }
+
+/// Gemma 3's block (four norms, GeGLU, scaled embedding) is not the one the pipeline folds and
+/// simulates: it is refused by name rather than quantized as a Llama.
+#[test]
+fn gemma3_is_refused() {
+    let files = open_model(&fixture("tiny-gemma3"), None).unwrap();
+    let Err(e) = DenseModel::load(files.config.clone(), &*files.source, &mut |_, _| {}) else {
+        panic!("Gemma 3 is refused");
+    };
+    let e = e.to_string();
+    assert!(e.contains("Gemma 3"), "{e}");
+}
