@@ -423,7 +423,7 @@ pub fn pack_w4a8(w: &W4A8Matrix) -> Result<PackedW4A8> {
     check_k(w.k, None)?;
     let groups_in = w.k / w.group_len.max(1);
     let one_group = groups_in == 1 && w.group_len == w.k;
-    if !one_group && !(w.group_len >= 32 && w.group_len.is_power_of_two()) {
+    if !(one_group || w.group_len >= 32 && w.group_len.is_power_of_two()) {
         return Err(Error::unsupported(
             format!("a W4A8 GPU weight in groups of {}", w.group_len),
             "the W4A8 kernels take groups of a power of two from 32 channels, or one per row",
@@ -432,7 +432,7 @@ pub fn pack_w4a8(w: &W4A8Matrix) -> Result<PackedW4A8> {
     if w.codes.len() != w.n * w.k
         || w.affine.len() != w.n * groups_in
         || w.scales.len() != w.n
-        || w.k % w.group_len != 0
+        || !w.k.is_multiple_of(w.group_len)
     {
         return Err(Error::InvalidArgument(format!(
             "pack_w4a8: {} codes, {} group parameters, {} scales for a {}x{} weight in groups of {}",

@@ -794,23 +794,24 @@ fn run_quant(
     let mut ints: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
     let shape = (m, n, k, tiles, chunks);
     let tma_ok = wg.x.is_multiple_of(16) && (wg.x_ld * wg.x_elem).is_multiple_of(16);
+    // INT8 activations, 17 to 32 tokens: the decode gemv in 4-token tiles where its activation
+    // window fits ([`DECODE_MAX_M_INT8`]).
+    let int8_decode = route.family != QFamily::W4A16 && m > DECODE_MAX_M && m <= DECODE_MAX_M_INT8;
+    if int8_decode
+        && let (Some(plan), Some(kind)) = (
+            plan_decode(tiles, chunks, ctx.gpu.sm_count, m, x_elem),
+            route.decode,
+        )
+    {
+        let decode = name(kind);
+        if hopper_tier(ctx, &decode, true) {
+            return launch_decode(ctx, &decode, head, ints, tiles, m, plan);
+        }
+    }
     // Past the decode gemv, up to 64 tokens: 64-token wgmma tiles on Hopper. Auto keeps the
     // mma.sync gemv for up to 32 tokens of layers of at most 4096x4096 (on an H200 at 32
     // tokens: 21.3 against 26.0 µs W4A16, 20.8 against 23.6 W8A8; larger layers gain 1.2x to
     // 1.5x, and every layer at 64 tokens 1.4x to 3.0x).
-    // INT8 activations, 17 to 32 tokens: the decode gemv in 4-token tiles where its activation
-    // window fits ([`DECODE_MAX_M_INT8`]).
-    if route.family != QFamily::W4A16 && m > DECODE_MAX_M && m <= DECODE_MAX_M_INT8 {
-        if let (Some(plan), Some(kind)) = (
-            plan_decode(tiles, chunks, ctx.gpu.sm_count, m, x_elem),
-            route.decode,
-        ) {
-            let decode = name(kind);
-            if hopper_tier(ctx, &decode, true) {
-                return launch_decode(ctx, &decode, head, ints, tiles, m, plan);
-            }
-        }
-    }
     if m > DECODE_MAX_M && m <= WGMMA_SMALL_TOKENS {
         let wgmma = name(QKernel::Wgmma64);
         let auto = m > 32 || n * k > 4096 * 4096;
