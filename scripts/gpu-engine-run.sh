@@ -15,7 +15,8 @@
 #               in lockstep), W4A16-g128 and W8A8 at 256
 #   serve       `nibble serve` (BF16) under `nibble bench serve` at several request rates
 #   qgemm       the quantized GEMMs (W4A16, W8A8, W4A8) on Llama-3-8B's layer shapes against
-#               cuBLAS BF16 and PyTorch's int4 / int8 / fp8 matmuls (report-qgemm.md, qgemm.png)
+#               cuBLAS BF16 and PyTorch's int4 / int8 / fp8 matmuls (report-qgemm.md, qgemm.png),
+#               then decode steps per precision; qgemm-kernels: the kernels alone
 #   w4a8        1000 ShareGPT prompts offline at 64 and 256 sequences: W4A8 (QoQ g128) and BF16
 #               in the same session (the W4A8 issue's end-to-end ratio)
 # Logs and JSON go to OUTDIR; exits non-zero if a step failed.
@@ -67,8 +68,9 @@ for part in "$@"; do
         --profile --no-run-ahead
       throughput throughput-w4a16 llama-3-8b:w4a16-g128 --num-prompts 1000 --profile
       throughput throughput-w8a8 llama-3-8b:w8a8 --num-prompts 1000 --profile ;;
-    qgemm)
-      step gpu-bench stage/gpu/gpu-bench "$out/gpu-bench.json" --qgemm
+    qgemm|qgemm-kernels)
+      step gpu-bench stage/gpu/gpu-bench "$out/gpu-bench.json" --qgemm \
+        $([ $part = qgemm-kernels ] && echo --kernels-only)
       step peer python3 bench/gpu_peer.py "$out/gpu-peer.json" --qgemm
       python3 bench/qgemm_report.py "$out" > /dev/null 2>"$out/qgemm-report.err" || status=1 ;;
     w4a8)

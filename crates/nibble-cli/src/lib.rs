@@ -102,6 +102,9 @@ pub fn load_engine<B: Backend>(backend: B, label: &str, files: ModelFiles) -> Re
         backend.name(),
         t0.elapsed().as_secs_f64()
     );
+    for note in backend.load_notes() {
+        eprintln!("nibble: note: {note}");
+    }
     Ok(Engine {
         backend,
         model,

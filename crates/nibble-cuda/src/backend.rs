@@ -34,6 +34,8 @@ pub struct CudaBackend {
     /// Sample on the host from copied logits (NIBBLE_HOST_SAMPLING=1): the reference path, kept
     /// to measure what device sampling saves.
     pub host_sampling: bool,
+    /// Quantized formats loaded dequantized, and why (`Backend::load_notes`).
+    dequantized: Mutex<std::collections::BTreeSet<String>>,
     ctx: CudaContext,
 }
 
@@ -59,6 +61,7 @@ impl CudaBackend {
             blas: Mutex::new(Blas::new(&ctx.gpu)?),
             sampling: SampleScratch::default(),
             host_sampling: std::env::var("NIBBLE_HOST_SAMPLING").is_ok_and(|v| v != "0"),
+            dequantized: Mutex::default(),
             ctx,
         })
     }
@@ -120,6 +123,12 @@ impl CudaBackend {
                 });
             }
         }
+        if let Some(why) = dequantized_reason(&self.ctx, parts) {
+            self.dequantized
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(why);
+        }
         let mut bits = Vec::new();
         let (mut rows, mut cols) = (0, 0);
         for t in parts {
@@ -147,6 +156,32 @@ impl CudaBackend {
     }
 }
 
+/// Why quantized `parts` are about to load dequantized, for the user (`None` for 16/32-bit
+/// weights, which are not quantized to begin with).
+fn dequantized_reason(ctx: &CudaContext, parts: &[HostTensor]) -> Option<String> {
+    let first = parts.first()?;
+    let (fmt, why) = match first.format {
+        WeightFormat::Quant(f) => (
+            f.to_string(),
+            match qlinear::QFamily::of(f) {
+                None => "it has no GPU kernel yet",
+                Some(qlinear::QFamily::W4A8) if !ctx.has_kernel("w4a8_wgmma_f32") => {
+                    "its kernels need Hopper (sm_90a)"
+                }
+                Some(_) => "this layer's shape or groups do not suit the kernel",
+            },
+        ),
+        WeightFormat::Ggml(t) if !matches!(t, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) => {
+            (format!("GGUF {t:?}"), "GGUF blocks have no GPU kernels yet")
+        }
+        _ => return None,
+    };
+    Some(format!(
+        "{fmt} weights run dequantized to {:?} on the GPU: {why}",
+        ctx.dtype
+    ))
+}
+
 /// Host bits of a weight in `dtype`: 16-bit files of the same dtype as they are, anything else
 /// (f32, the other 16-bit type, ggml blocks, nibble's quantized formats) decoded to f32 first.
 /// Quantized formats run dequantized here until their GPU kernels exist.
@@ -166,6 +201,11 @@ impl Backend for CudaBackend {
     type Tensor = CudaTensor;
     type Weight = CudaWeight;
     type Kv = CudaKv;
+
+    fn load_notes(&self) -> Vec<String> {
+        let set = self.dequantized.lock().unwrap_or_else(|e| e.into_inner());
+        set.iter().cloned().collect()
+    }
 
     fn name(&self) -> String {
         let gpu = &self.ctx.gpu;

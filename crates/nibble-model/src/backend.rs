@@ -123,6 +123,12 @@ pub trait Backend: Send + Sync {
 
     fn name(&self) -> String;
 
+    /// What a user should know about how the loaded weights run here, e.g. quantized formats
+    /// this backend has no kernel for and runs dequantized (one line each, no duplicates).
+    fn load_notes(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Prepares a 2-D weight (linear layers, embedding tables), keeping its storage format.
     fn load_weight(&self, tensor: &HostTensor) -> Result<Self::Weight>;
     /// Uploads a small f32 vector (norm weights, biases, rotary frequencies).

@@ -454,6 +454,23 @@ fn split_k_is_deterministic_and_layers_that_cannot_pack_run_dequantized() {
         .load_weight(&quant_tensor(f8, 24, 40, wb.clone()))
         .unwrap();
     assert!(matches!(w.data, nibble_cuda::WeightData::Dense(_)));
+    // ... and the user is told, as for a format without a kernel (FP8).
+    let fp8: LinearFormat = "fp8-pc/afp8".parse().unwrap();
+    let mut fb = vec![0u8; 16 * fp8.row_bytes(64).unwrap()];
+    for row in fb.chunks_exact_mut(fp8.row_bytes(64).unwrap()) {
+        row[64..].copy_from_slice(&1.0f32.to_le_bytes());
+    }
+    g.load_weight(&quant_tensor(fp8, 16, 64, fb)).unwrap();
+    let notes = g.load_notes();
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.starts_with("int8-pc/a8") && n.contains("shape"))
+            && notes
+                .iter()
+                .any(|n| n.starts_with("fp8-pc/afp8") && n.contains("no GPU kernel")),
+        "{notes:?}"
+    );
     let xv = randn(&mut r, 3 * 40, 1.0);
     let x = g.tensor_from_f32(&xv, 3, 40).unwrap();
     let y = host(&g, &g.linear(&x, &w, None).unwrap());
