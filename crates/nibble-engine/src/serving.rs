@@ -719,7 +719,14 @@ impl<B: Backend> LlmEngine<B> {
             masks.push(match s.req.constraint.as_mut() {
                 Some(c) => {
                     let mut m = Vec::new();
-                    c.mask(&mut m)?;
+                    // A grammar in error (past one of llguidance's limits) allows nothing: its
+                    // mask stays empty, the sampler's token is refused by `commit` in `finish`,
+                    // and the sequence ends there. Failing the step would fail every sequence
+                    // in it, again and again.
+                    if c.mask(&mut m).is_err() {
+                        m.clear();
+                        m.resize(self.model.config.vocab_size.div_ceil(32), 0);
+                    }
                     Some(m)
                 }
                 None => None,

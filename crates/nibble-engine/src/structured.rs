@@ -138,6 +138,17 @@ impl Grammars {
     pub fn mask_words(&self) -> usize {
         self.words
     }
+
+    /// The bytes token `id` stands for, as the grammar engine matches them (a special token's
+    /// start with 0xFF, so that no text matches them; empty for ids the tokenizer lacks).
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let trie = self.factory.tok_env().tok_trie();
+        if (id as usize) < trie.vocab_size() {
+            trie.token(id).to_vec()
+        } else {
+            Vec::new()
+        }
+    }
 }
 
 impl GrammarSpec {
@@ -196,7 +207,8 @@ impl Constraint {
         out.resize(self.words, 0);
         let vob = self
             .matcher
-            .compute_mask()
+            // A complete grammar's mask is its end-of-sequence tokens.
+            .compute_mask_or_eos()
             .map_err(|e| Error::InvalidArgument(format!("structured output: {e}")))?;
         let bits = vob.as_slice();
         let n = bits.len().min(out.len());
