@@ -29,5 +29,5 @@ if [ ! -x .venv-test/bin/pytest ]; then
   python3 -m venv .venv-test
   .venv-test/bin/python -m pip install -q --upgrade pip
 fi
-.venv-test/bin/python -m pip install -q "openai>=1.40,<4" "pytest>=8,<10"
+.venv-test/bin/python -m pip install -q "openai>=1.40,<4" "pytest>=8,<10" "jsonschema>=4,<5"
 .venv-test/bin/pytest -q tests/python

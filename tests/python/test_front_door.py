@@ -72,17 +72,15 @@ RANGES = {  # field: values out of its range (each refused, never clamped)
     "top_k": [-2, -3, -1000, -2**63, 2**64],
     "seed": [2**63, 2**64, -2**63 - 1, 10**25],
 }
-UNSUPPORTED = {  # field: valid values asking for something nibble does not do
-    "presence_penalty": [0.5, -1, 2, -2, 1e-9],
-    "frequency_penalty": [0.1, -2, 2],
-    "logit_bias": [{"1": 5}, {"0": -100}, {"100": 100}, {"49151": 0.5}],
-}
+# Fields both endpoints share with valid values asking for something nibble does not do: none
+# since the penalties and logit_bias were implemented (completions_only and chat_only list theirs).
+UNSUPPORTED = {}
 BAD_LOGIT_BIAS = [{"1": 101}, {"1": -101}, {"1": 1e9}, {"1": "x"}, {"1": None}, {"1": [1]}, {"abc": 1},
                   {"-1": 1}, {str(VOCAB): 1}, {"1.5": 1}, {"": 1}, {"99999999999999999999": 1}]
 BAD_LOGIT_BIAS_TYPE = [[], "x", 5, True, [[1, 2]]]
 UNKNOWN = ["max_token", "temprature", "top-p", "Stream", "PROMPT", "Messages", "foo", "__proto__",
            "constructor", "x" * 100, "a b", "x\ny", "ñ", "stop_sequences", "max_new_tokens", "do_sample",
-           "typical_p", "length_penalty", "num_beams", "use_beam_search", "guided_json", "guided_regex",
+           "typical_p", "length_penalty", "num_beams", "use_beam_search", "guided_choice", "guided_decoding_backend",
            "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
            "prompt_logprobs", "add_generation_prompt", "chat_template", "documents", "priority", "request_id",
            "stream_usage", "logprob", "best-of", "penalty", "api_key", "organization", "deployment_id",
@@ -153,7 +151,7 @@ def battery():
             add(Case(f"type/{ep}", path, with_field(path, "logit_bias", v), 400, "logit_bias", "invalid_type"))
         for k in UNKNOWN:
             add(Case(f"unknown/{ep}", path, with_field(path, k, 1), 400, rust_quote(k), "unknown_parameter"))
-        other_only = ["messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
+        other_only = ["messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                       "store", "functions", "parallel_tool_calls"] if ep == "completions" else \
             ["prompt", "echo", "suffix", "best_of"]
         for k in other_only:
@@ -304,8 +302,10 @@ def battery():
         ({"role": "assistant", "content": "x", "tool_calls": 5}, "tool_calls", "invalid_type"),
         ({"role": "assistant", "content": "x", "tool_calls": "x"}, "tool_calls", "invalid_type"),
         ({"role": "assistant", "content": "x", "tool_calls": {}}, "tool_calls", "invalid_type"),
-        ({"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}, "tool_calls",
-         "unsupported_parameter"),
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
+         "tool_calls[0].function", "missing_required_parameter"),
+        ({"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
+         "tool_calls[0].id", "missing_required_parameter"),
         ({"role": "assistant", "content": "x", "refusal": "no"}, "refusal", "unsupported_parameter"),
         ({"role": "assistant", "content": "x", "refusal": 5}, "refusal", "invalid_type"),
         ({"role": "assistant", "content": "x", "function_call": {"name": "f"}}, "function_call", "unsupported_parameter"),
@@ -319,17 +319,21 @@ def battery():
         ("response_format", {}, "response_format.type", "missing_required_parameter"),
         ("response_format", {"type": 5}, "response_format.type", "invalid_type"),
         ("response_format", {"type": "xml"}, "response_format.type", "invalid_value"),
-        ("response_format", {"type": "json_object"}, "response_format", "unsupported_parameter"),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, "response_format",
-         "unsupported_parameter"),
+        ("response_format", {"type": "json_object", "schema": {}}, "response_format.schema", "unknown_parameter"),
+        ("response_format", {"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name",
+         "missing_required_parameter"),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
+         "response_format", "invalid_value"),
+        ("guided_regex", "a(b", "guided_regex", "invalid_value"),
         ("response_format", {"type": "text", "x": 1}, "response_format.x", "unknown_parameter"),
-        ("tools", [], "tools", "unsupported_parameter"),
-        ("tools", [{"type": "function", "function": {"name": "f"}}], "tools", "unsupported_parameter"),
+        ("tools", [{"type": "function", "function": {"name": "a b"}}], "tools[0].function.name", "invalid_value"),
+        ("tools", [{"type": "function"}], "tools[0].function", "missing_required_parameter"),
         ("tools", "x", "tools", "invalid_type"),
         ("tools", {}, "tools", "invalid_type"),
-        ("tool_choice", "auto", "tool_choice", "unsupported_parameter"),
-        ("tool_choice", "required", "tool_choice", "unsupported_parameter"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice", "unsupported_parameter"),
+        ("tool_choice", "auto", "tool_choice", "invalid_value"),  # no tools
+        ("tool_choice", "required", "tool_choice", "invalid_value"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice.function.name", "invalid_value"),
+        ("parallel_tool_calls", "auto", "parallel_tool_calls", "invalid_type"),
         ("tool_choice", "maybe", "tool_choice", "invalid_value"),
         ("tool_choice", "", "tool_choice", "invalid_value"),
         ("tool_choice", 5, "tool_choice", "invalid_type"),
@@ -339,7 +343,7 @@ def battery():
         ("max_completion_tokens", 0, "max_completion_tokens", "invalid_value"),
         ("max_completion_tokens", 2, "max_completion_tokens", "invalid_value"),  # differs from max_tokens: 1
     ] + [(f, v, f, "unsupported_parameter") for f in
-         ["parallel_tool_calls", "functions", "function_call", "metadata", "service_tier", "modalities", "audio",
+         ["functions", "function_call", "metadata", "service_tier", "modalities", "audio",
           "prediction", "reasoning_effort", "web_search_options", "verbosity"] for v in [True, "auto", {}]]:
         add(Case("chat_only", C, with_field(C, f, v), 400, param, code))
     for extra, param in [({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),

@@ -300,7 +300,8 @@ mod tests {
                 serde_json::json!({"from": if i % 2 == 0 { "human" } else { "gpt" }, "value": v})
             })
             .collect();
-        serde_json::json!({"id": "x", "conversations": turns})
+        // Keys in the order the truncation test cuts after (`"id":"x"},`).
+        serde_json::json!({"conversations": turns, "id": "x"})
     }
 
     fn dataset() -> String {

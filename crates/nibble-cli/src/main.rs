@@ -9,6 +9,7 @@ use nibble_cli::{KvReport, default_model, load_engine, open_files};
 use nibble_cpu::CpuBackend;
 use nibble_cuda::{CudaBackend, Device, Dtype};
 use nibble_engine::eval::{perplexity, perplexity_sequences};
+use nibble_engine::structured::{Constraint, GrammarSpec, Grammars};
 use nibble_engine::{Engine, GenerateRequest, SamplingParams};
 use nibble_formats::chat_template::{ChatMessage, ChatTemplate};
 use nibble_model::{Backend, KvFormat};
@@ -399,6 +400,18 @@ struct GenArgs {
     /// Stop when this text appears (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// OpenAI's presence penalty (-2 to 2): subtracted once from every generated token's logit.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
+    /// OpenAI's frequency penalty (-2 to 2): subtracted per time a token was generated.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
+    /// Structured output: the reply is JSON valid against the JSON schema in FILE.
+    #[arg(long, value_name = "FILE", conflicts_with = "grammar")]
+    json_schema: Option<PathBuf>,
+    /// Structured output: the reply follows the grammar in FILE (llguidance's Lark dialect).
+    #[arg(long, value_name = "FILE")]
+    grammar: Option<PathBuf>,
 }
 
 impl GenArgs {
@@ -409,17 +422,39 @@ impl GenArgs {
             top_p: self.top_p,
             min_p: self.min_p,
             repetition_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
             seed: self.seed,
+            ..SamplingParams::default()
         }
     }
 
-    fn request(&self, prompt_ids: Vec<u32>) -> GenerateRequest {
+    /// The structured output `--json-schema` or `--grammar` asks for, compiled for `engine`.
+    fn constraint<B: Backend>(&self, engine: &Engine<B>) -> Result<Option<Constraint>> {
+        let read = |path: &PathBuf| {
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+        };
+        let spec = match (&self.json_schema, &self.grammar) {
+            (Some(path), _) => {
+                let schema = serde_json::from_str(&read(path)?)
+                    .with_context(|| format!("{} is not JSON", path.display()))?;
+                GrammarSpec::JsonSchema(schema)
+            }
+            (None, Some(path)) => GrammarSpec::Lark(read(path)?),
+            (None, None) => return Ok(None),
+        };
+        let grammars = Grammars::new(&engine.tokenizer, engine.model.config.vocab_size)?;
+        Ok(Some(grammars.compile(&spec)?))
+    }
+
+    fn request(&self, prompt_ids: Vec<u32>, constraint: Option<Constraint>) -> GenerateRequest {
         GenerateRequest {
             prompt_ids,
             params: self.params(),
             max_tokens: self.max_tokens,
             stop: self.stop.clone(),
             ignore_eos: false,
+            constraint,
         }
     }
 }
@@ -808,6 +843,7 @@ where
                 ignore_eos: true,
                 stop_token_ids: vec![],
                 logprobs: None,
+                constraint: None,
             },
         )?;
     }
@@ -979,11 +1015,12 @@ fn generate<B: Backend>(
     } else {
         engine.tokenizer.encode(prompt, true)?
     };
+    let constraint = opts.constraint(engine)?;
     let mut stdout = std::io::stdout();
     if !chat {
         print!("{prompt}");
     }
-    let out = engine.generate(&opts.request(ids), &mut |piece| {
+    let out = engine.generate(&opts.request(ids, constraint), &mut |piece| {
         print!("{piece}");
         let _ = stdout.flush();
     })?;
@@ -1001,6 +1038,7 @@ fn generate<B: Backend>(
 
 fn chat<B: Backend>(engine: &Engine<B>, system: Option<String>, opts: &GenArgs) -> Result<()> {
     let tmpl = template(engine)?;
+    let constraint = opts.constraint(engine)?;
     let mut messages: Vec<ChatMessage> = system
         .iter()
         .map(|s| ChatMessage::new("system", s))
@@ -1032,7 +1070,7 @@ fn chat<B: Backend>(engine: &Engine<B>, system: Option<String>, opts: &GenArgs) 
         let ids = engine
             .tokenizer
             .encode(&tmpl.render(&messages, true)?, false)?;
-        let result = engine.generate(&opts.request(ids), &mut |piece| {
+        let result = engine.generate(&opts.request(ids, constraint.clone()), &mut |piece| {
             print!("{piece}");
             let _ = stdout.flush();
         });
@@ -1158,6 +1196,7 @@ fn bench<B: Backend>(
         max_tokens: gen_tokens,
         stop: vec![],
         ignore_eos: true,
+        constraint: None,
     };
     let mut runs = Vec::new();
     let bar = indicatif::ProgressBar::new(repeats as u64 + 1);

@@ -26,6 +26,7 @@ fn greedy(prompt: &str, max_tokens: usize) -> (String, usize) {
         max_tokens,
         stop: vec![],
         ignore_eos: false,
+        constraint: None,
     };
     let out = e.generate(&req, &mut |_| {}).unwrap();
     (out.text, out.token_ids.len())
@@ -93,6 +94,7 @@ fn seeded_sampling_is_reproducible_and_stops_on_strings() {
             max_tokens: 24,
             stop: vec![],
             ignore_eos: true,
+            constraint: None,
         };
         e.generate(&req, &mut |_| {}).unwrap().token_ids
     };
@@ -105,6 +107,7 @@ fn seeded_sampling_is_reproducible_and_stops_on_strings() {
         max_tokens: 40,
         stop: vec!["metropolis".into()],
         ignore_eos: false,
+        constraint: None,
     };
     let mut streamed = String::new();
     let out = e.generate(&req, &mut |p| streamed.push_str(p)).unwrap();
@@ -149,6 +152,7 @@ fn chat_template_prompt_ends_at_eos() {
         max_tokens: 64,
         stop: vec![],
         ignore_eos: false,
+        constraint: None,
     };
     let out = e.generate(&req, &mut |_| {}).unwrap();
     assert!(out.text.contains("Paris"), "{:?}", out.text);
@@ -164,6 +168,7 @@ fn prompt_longer_than_context_is_refused() {
         max_tokens: 4,
         stop: vec![],
         ignore_eos: false,
+        constraint: None,
     };
     let err = e.generate(&req, &mut |_| {}).expect_err("must be refused");
     let msg = err.to_string();

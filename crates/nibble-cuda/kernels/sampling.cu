@@ -14,6 +14,10 @@
 //     multiply, and found in id order by a block scan of per-thread ranges.
 // Passes over a row (greedy 1; sampling up to 4 plus two selects) re-read the logits, which a
 // 128k vocabulary keeps in L2. The repetition penalty marks the history in a per-row bitset first.
+// A logit goes through, in nibble_model::sampling's order: the row's allowed-token mask
+// (structured outputs: a token outside it is -inf), the repetition penalty, then the row's
+// additive delta (logit_bias and presence/frequency penalties, one f32 per token computed on the
+// host, sorted by id: a second bitset says which tokens have one, and a binary search finds it).
 // Log-probabilities come from the raw logits: a float log-sum-exp (equal to the CPU's to
 // rounding) and the top n (n <= SAMPLE_TOP) by rank key, exact.
 
@@ -33,7 +37,9 @@ struct SampleRow {
     float min_p;
     float penalty;
     int logprobs;  // -1: none
-    int pad[3];
+    int mask_off;  // word offset of the row's allowed-token mask; -1: every token allowed
+    int delta_off;  // the row's (id, delta) entries in delta_ids / delta_vals
+    int delta_len;
 };
 
 struct SampleOut {
@@ -147,7 +153,9 @@ __device__ u64 radix_select(int vocab, u64 need, SelectSmem& sm, Item item) {
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_rows(const float* __restrict__ logits, int vocab, long ld, const SampleRow* __restrict__ rows,
-                const u32* __restrict__ history, u32* __restrict__ bitsets, SampleOut* __restrict__ out) {
+                const u32* __restrict__ history, u32* __restrict__ bitsets, const u32* __restrict__ masks,
+                const u32* __restrict__ delta_ids, const float* __restrict__ delta_vals,
+                SampleOut* __restrict__ out) {
     __shared__ SelectSmem sm;
     __shared__ u64 red[32];
     __shared__ float redf[32];
@@ -160,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 
     const u32* bits = nullptr;
     if (P.penalty != 1.f && P.hist_len > 0) {
-        u32* b = bitsets + (long)blockIdx.x * words;
+        u32* b = bitsets + (long)blockIdx.x * 2 * words;
         for (int w = tid; w < words; w += blockDim.x) b[w] = 0;
         __syncthreads();
         for (int h = tid; h < P.hist_len; h += blockDim.x) {
@@ -170,10 +178,32 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         __syncthreads();
         bits = b;
     }
+    const u32* dbits = nullptr;
+    if (P.delta_len > 0) {
+        u32* b = bitsets + (long)blockIdx.x * 2 * words + words;
+        for (int w = tid; w < words; w += blockDim.x) b[w] = 0;
+        __syncthreads();
+        for (int h = tid; h < P.delta_len; h += blockDim.x) {
+            const u32 t = delta_ids[P.delta_off + h];
+            if (t < (u32)vocab) atomicOr(&b[t >> 5], 1u << (t & 31));
+        }
+        __syncthreads();
+        dbits = b;
+    }
+    const u32* allowed = P.mask_off >= 0 ? masks + P.mask_off : nullptr;
     const float pen = P.penalty;
     auto value = [&](int i) {
+        if (allowed && !((allowed[i >> 5] >> (i & 31)) & 1u)) return -SAMPLE_INF;
         float x = l[i];
         if (bits && ((bits[i >> 5] >> (i & 31)) & 1u)) x = x > 0.f ? __fdiv_rn(x, pen) : __fmul_rn(x, pen);
+        if (dbits && ((dbits[i >> 5] >> (i & 31)) & 1u)) {
+            int lo = P.delta_off, hi = P.delta_off + P.delta_len - 1;
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (delta_ids[mid] < (u32)i) lo = mid + 1; else hi = mid;
+            }
+            x = __fadd_rn(x, delta_vals[lo]);
+        }
         return x;
     };
     // Greedy: the largest penalized logit, lowest id on ties (rank keys of the logits).

@@ -4,7 +4,9 @@
 //! tokens on the CPU and the GPU.
 
 use nibble_core::{Error, Result};
-use nibble_model::sampling::{PendingSample, SampleSpec, Sampled, TokenLogprobs, sample_rows};
+use nibble_model::sampling::{
+    PendingSample, SampleSpec, Sampled, TokenLogprobs, additive_deltas, sample_rows,
+};
 
 use std::sync::Mutex;
 
@@ -33,7 +35,9 @@ struct SampleRow {
     min_p: f32,
     penalty: f32,
     logprobs: i32,
-    pad: [i32; 3],
+    mask_off: i32,
+    delta_off: i32,
+    delta_len: i32,
 }
 
 /// The kernel's `SampleOut`.
@@ -51,8 +55,8 @@ struct SampleOut {
 /// Ints per `SampleOut` record: the stride at which the next forward pass reads fed tokens.
 pub(crate) const OUT_STRIDE: usize = size_of::<SampleOut>() / 4;
 
-/// Device memory the sampler reuses from call to call (row parameters, outputs, histories and
-/// the repetition-penalty bitsets), grown when a batch needs more, and the page-locked slots its
+/// Device memory the sampler reuses from call to call (row parameters, outputs, histories,
+/// allowed-token masks, additive deltas and the per-row bitsets), grown when a batch needs more, and the page-locked slots its
 /// results come back to. The backend owns it rather than the context, since no other op reads
 /// it.
 #[derive(Default)]
@@ -118,10 +122,36 @@ pub(crate) fn launch(
         value: v,
         limit: i32::MAX as usize,
     };
+    let words = vocab.div_ceil(32);
+    if let Some(s) = specs
+        .iter()
+        .find(|s| s.allowed.is_some_and(|m| m.len() != words))
+    {
+        return Err(Error::InvalidArgument(format!(
+            "an allowed-token mask of {} words for a vocabulary of {vocab} ({words} words)",
+            s.allowed.map_or(0, <[u32]>::len)
+        )));
+    }
     let mut rows = Vec::with_capacity(specs.len());
     let mut history: Vec<u32> = Vec::new();
+    let mut masks: Vec<u32> = Vec::new();
+    let mut delta_ids: Vec<u32> = Vec::new();
+    let mut delta_vals: Vec<f32> = Vec::new();
     for s in specs {
         let p = s.params;
+        let deltas = additive_deltas(p, s.output, vocab);
+        let delta_off = i32::try_from(delta_ids.len())
+            .map_err(|_| too_big("logit adjustments", delta_ids.len()))?;
+        delta_ids.extend(deltas.iter().map(|d| d.0));
+        delta_vals.extend(deltas.iter().map(|d| d.1));
+        let mask_off = match s.allowed {
+            Some(m) => {
+                let off = i32::try_from(masks.len()).map_err(|_| too_big("masks", masks.len()))?;
+                masks.extend_from_slice(m);
+                off
+            }
+            None => -1,
+        };
         rows.push(SampleRow {
             seed: s.seed,
             draw: s.draw,
@@ -139,19 +169,30 @@ pub(crate) fn launch(
             min_p: p.min_p,
             penalty: p.repetition_penalty,
             logprobs: s.logprobs.map_or(-1, |n| n as i32),
-            pad: [0; 3],
+            mask_off,
+            delta_off,
+            delta_len: deltas.len() as i32,
         });
         if p.repetition_penalty != 1.0 {
             history.extend_from_slice(s.history);
         }
     }
     let n = specs.len();
-    let words = vocab.div_ceil(32);
     let rows_bytes = n * size_of::<SampleRow>();
     let out_bytes = n * size_of::<SampleOut>();
-    let hist_bytes = (history.len() * 4).div_ceil(16) * 16;
-    let bits_bytes = if history.is_empty() { 0 } else { n * words * 4 };
-    let need = rows_bytes + out_bytes + hist_bytes + bits_bytes;
+    let padded = |len: usize| (len * 4).div_ceil(16) * 16;
+    let hist_bytes = padded(history.len());
+    let mask_bytes = padded(masks.len());
+    let ids_bytes = padded(delta_ids.len());
+    let vals_bytes = padded(delta_vals.len());
+    // Two bitsets per row: the history's and the tokens that have a delta.
+    let bits_bytes = if history.is_empty() && delta_ids.is_empty() {
+        0
+    } else {
+        n * 2 * words * 4
+    };
+    let need =
+        rows_bytes + out_bytes + hist_bytes + mask_bytes + ids_bytes + vals_bytes + bits_bytes;
 
     let mut buf = scratch.buf.lock().unwrap_or_else(|p| p.into_inner());
     if buf.as_ref().is_none_or(|b| b.bytes < need) {
@@ -165,9 +206,15 @@ pub(crate) fn launch(
     let rows_ptr = base;
     let out_ptr = base + rows_bytes as u64;
     let hist_ptr = out_ptr + out_bytes as u64;
-    let bits_ptr = hist_ptr + hist_bytes as u64;
+    let mask_ptr = hist_ptr + hist_bytes as u64;
+    let ids_ptr = mask_ptr + mask_bytes as u64;
+    let vals_ptr = ids_ptr + ids_bytes as u64;
+    let bits_ptr = vals_ptr + vals_bytes as u64;
     ctx.stage_upload(rows_ptr, &rows)?;
     ctx.stage_upload(hist_ptr, &history)?;
+    ctx.stage_upload(mask_ptr, &masks)?;
+    ctx.stage_upload(ids_ptr, &delta_ids)?;
+    ctx.stage_upload(vals_ptr, &delta_vals)?;
     ctx.kernel("sample_rows")?.launch(
         &ctx.gpu,
         (n as u32, 1, 1),
@@ -180,6 +227,9 @@ pub(crate) fn launch(
             Arg::Ptr(rows_ptr),
             Arg::Ptr(hist_ptr),
             Arg::Ptr(if bits_bytes == 0 { 0 } else { bits_ptr }),
+            Arg::Ptr(mask_ptr),
+            Arg::Ptr(ids_ptr),
+            Arg::Ptr(vals_ptr),
             Arg::Ptr(out_ptr),
         ],
     )?;

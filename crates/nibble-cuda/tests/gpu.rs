@@ -586,6 +586,7 @@ fn greedy<B: Backend>(e: &Engine<B>, prompt: &[u32], n: usize) -> Vec<u32> {
         max_tokens: n,
         stop: vec![],
         ignore_eos: true,
+        constraint: None,
     };
     e.generate(&req, &mut |_| {}).unwrap().token_ids
 }
@@ -739,6 +740,14 @@ fn serving_engine_on_the_gpu_is_deterministic() {
                 top_p: 0.9,
                 seed: Some(i),
                 repetition_penalty: if i == 5 { 1.2 } else { 1.0 },
+                // Penalties that read the output make a step wait, as the repetition penalty does.
+                presence_penalty: if i == 7 { 0.8 } else { 0.0 },
+                frequency_penalty: if i == 9 { 0.6 } else { 0.0 },
+                logit_bias: if i == 11 {
+                    vec![(3, 5.0), (9, -100.0)]
+                } else {
+                    vec![]
+                },
                 ..SamplingParams::default()
             };
             let prompt: Vec<u32> = (0..3 + i as u32 * 5)
@@ -752,6 +761,7 @@ fn serving_engine_on_the_gpu_is_deterministic() {
                 ignore_eos: true,
                 stop_token_ids: vec![],
                 logprobs: (i % 3 == 0).then_some(3),
+                constraint: None,
             };
             llm.add_request(i, req).unwrap();
         }

@@ -7,6 +7,7 @@ use nibble_core::{Error, Result};
 use nibble_formats::tokenizer::{StreamDecoder, Tokenizer};
 use nibble_model::{Backend, BatchLayout, LogitRows, Transformer};
 
+use crate::structured::Constraint;
 use crate::{Sampler, SamplingParams, StopMatcher};
 
 /// A loaded model ready to generate.
@@ -24,6 +25,9 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Keep going past EOS (benchmarks want a fixed token count).
     pub ignore_eos: bool,
+    /// Structured output: only tokens this grammar allows are sampled, and the output ends
+    /// once it is complete (EOS where the grammar accepts ends it even with `ignore_eos`).
+    pub constraint: Option<Constraint>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,8 +84,14 @@ impl<B: Backend> Engine<B> {
             LogitRows::LastPerSeq,
         )?;
         let mut history = req.prompt_ids.clone();
+        let mut constraint = req.constraint.clone();
+        let mut mask = Vec::new();
+        if let Some(c) = constraint.as_mut() {
+            c.mask(&mut mask)?;
+        }
+        let masked = constraint.is_some();
         let mut next = sampler
-            .sample_on(b, &logits, vocab, 0, &history, None)?
+            .sample_on(b, &logits, vocab, &history, n, masked.then_some(&mask[..]))?
             .token;
         let prefill_secs = t0.elapsed().as_secs_f64();
 
@@ -100,7 +110,14 @@ impl<B: Backend> Engine<B> {
             if out_ids.len() >= req.max_tokens {
                 break FinishReason::Length;
             }
-            if !req.ignore_eos && self.tokenizer.is_eos(next) {
+            let eos = self.tokenizer.is_eos(next);
+            if let Some(c) = constraint.as_mut() {
+                if eos && c.accepting() {
+                    break FinishReason::Eos;
+                }
+                // The mask allowed it, unless the mask allowed nothing at all.
+                c.commit(next)?;
+            } else if !req.ignore_eos && eos {
                 break FinishReason::Eos;
             }
             out_ids.push(next);
@@ -110,6 +127,9 @@ impl<B: Backend> Engine<B> {
             emit(&safe, &mut text);
             if hit {
                 break FinishReason::Stop;
+            }
+            if constraint.as_ref().is_some_and(|c| c.finished()) {
+                break FinishReason::Eos;
             }
             if out_ids.len() >= req.max_tokens {
                 break FinishReason::Length;
@@ -125,8 +145,11 @@ impl<B: Backend> Engine<B> {
                 &mut kv,
                 LogitRows::LastPerSeq,
             )?;
+            if let Some(c) = constraint.as_mut() {
+                c.mask(&mut mask)?;
+            }
             next = sampler
-                .sample_on(b, &logits, vocab, 0, &history, None)?
+                .sample_on(b, &logits, vocab, &history, n, masked.then_some(&mask[..]))?
                 .token;
         };
         emit(&stops.finish(), &mut text);

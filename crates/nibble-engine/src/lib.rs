@@ -8,6 +8,7 @@ pub mod generate;
 pub mod sampler;
 pub mod serving;
 pub mod stop;
+pub mod structured;
 
 pub use generate::{Engine, FinishReason, GenerateOutput, GenerateRequest};
 pub use sampler::{Sampler, SamplingParams};

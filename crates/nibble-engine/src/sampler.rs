@@ -54,19 +54,19 @@ impl Sampler {
         self.draws += 1;
     }
 
-    /// Samples the next token from row `row` of `logits` where they are (on a GPU, on the GPU)
-    /// and advances the stream; `logprobs` asks for the chosen token's log-probability and that
-    /// many alternatives.
+    /// Samples the next token from row 0 of `logits` where they are (on a GPU, on the GPU) and
+    /// advances the stream. `tokens` is the sequence so far, its first `prompt_len` the prompt;
+    /// `allowed` the structured-output mask, if any.
     pub fn sample_on<B: Backend>(
         &mut self,
         backend: &B,
         logits: &B::Tensor,
         vocab: usize,
-        row: usize,
-        history: &[u32],
-        logprobs: Option<usize>,
+        tokens: &[u32],
+        prompt_len: usize,
+        allowed: Option<&[u32]>,
     ) -> Result<Sampled> {
-        let spec = self.spec(row, history, logprobs);
+        let spec = self.spec(0, tokens, prompt_len, allowed, None);
         let mut out = backend.sample(logits, vocab, std::slice::from_ref(&spec))?;
         self.advance();
         out.pop().ok_or_else(|| {
@@ -74,11 +74,14 @@ impl Sampler {
         })
     }
 
-    /// This sampler's next draw, for a backend's batched [`Backend::sample`].
+    /// This sampler's next draw, for a backend's batched [`Backend::sample`]: `tokens` is the
+    /// sequence so far (prompt, then output from `prompt_len` on).
     pub fn spec<'a>(
         &'a self,
         row: usize,
-        history: &'a [u32],
+        tokens: &'a [u32],
+        prompt_len: usize,
+        allowed: Option<&'a [u32]>,
         logprobs: Option<usize>,
     ) -> SampleSpec<'a> {
         SampleSpec {
@@ -89,8 +92,14 @@ impl Sampler {
             history: if self.params.repetition_penalty == 1.0 {
                 &[]
             } else {
-                history
+                tokens
             },
+            output: if self.params.uses_output() {
+                tokens.get(prompt_len..).unwrap_or(&[])
+            } else {
+                &[]
+            },
+            allowed,
             logprobs,
         }
     }
@@ -550,6 +559,9 @@ mod tests {
             top_p: 1.0,
             min_p: 1.0,
             repetition_penalty: 0.5,
+            presence_penalty: -2.0,
+            frequency_penalty: 2.0,
+            logit_bias: vec![(0, -100.0), (1, 100.0)],
             seed: Some(0),
         };
         ok.validate().unwrap();

@@ -17,6 +17,7 @@ use nibble_model::sampling::PendingSample;
 use nibble_model::{Backend, BatchLayout, LogitRows, SeqSpan, Transformer};
 
 use crate::block_manager::{BlockId, BlockManager, HashChain};
+use crate::structured::Constraint;
 use crate::{FinishReason, Sampler, SamplingParams, StopMatcher};
 
 pub type RequestId = u64;
@@ -63,6 +64,10 @@ pub struct Request {
     pub stop_token_ids: Vec<u32>,
     /// Also report the sampled token's log-probability and this many top alternatives.
     pub logprobs: Option<usize>,
+    /// Structured output: only tokens the grammar allows are sampled; the sequence ends
+    /// (`FinishReason::Eos`) once the grammar is complete, or at an EOS where it accepts (even
+    /// with `ignore_eos`).
+    pub constraint: Option<Constraint>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -232,6 +237,8 @@ pub fn warm_up<B: Backend>(
             seed: 0,
             draw: 0,
             history: &[],
+            output: &[],
+            allowed: None,
             logprobs: Some(nibble_model::sampling::MAX_TOP_LOGPROBS),
         })
         .collect();
@@ -551,7 +558,9 @@ impl<B: Backend> LlmEngine<B> {
     /// with one takes it from the device ([`Backend::feed_sampled`]); one whose unseen token
     /// ends it for certain (its length limit) is left out. Nothing can be preempted while its
     /// blocks may be in use, and the repetition penalty needs the token on the host: either
-    /// makes this return `None`, and the step is scheduled once step n is collected.
+    /// makes this return `None`, and the step is scheduled once step n is collected. So do the
+    /// presence and frequency penalties, and a structured output's grammar, whose mask for the
+    /// next token depends on the unseen one.
     fn schedule(&mut self, ahead: bool) -> Result<Option<Vec<(usize, usize)>>> {
         let max_len = self.max_sequence_len();
         let mut budget = self.config.max_batched_tokens;
@@ -566,7 +575,8 @@ impl<B: Backend> LlmEngine<B> {
                     i += 1;
                     continue;
                 }
-                if s.req.params.repetition_penalty != 1.0 {
+                // Penalties read the tokens, and a grammar's mask depends on the last one.
+                if s.req.params.uses_history() || s.req.constraint.is_some() {
                     return Ok(None);
                 }
             }
@@ -701,11 +711,39 @@ impl<B: Backend> LlmEngine<B> {
                 sampling.push((row, idx));
             }
         }
+        // The grammar's masks, computed while the forward pass runs on a device (a constrained
+        // sequence has no unseen token: its step waited for it).
+        let mut masks: Vec<Option<Vec<u32>>> = Vec::with_capacity(sampling.len());
+        for &(_, idx) in &sampling {
+            let s = &mut self.running[idx];
+            masks.push(match s.req.constraint.as_mut() {
+                Some(c) => {
+                    let mut m = Vec::new();
+                    // A grammar in error (past one of llguidance's limits) allows nothing: its
+                    // mask stays empty, the sampler's token is refused by `commit` in `finish`,
+                    // and the sequence ends there. Failing the step would fail every sequence
+                    // in it, again and again.
+                    if c.mask(&mut m).is_err() {
+                        m.clear();
+                        m.resize(self.model.config.vocab_size.div_ceil(32), 0);
+                    }
+                    Some(m)
+                }
+                None => None,
+            });
+        }
         let specs: Vec<_> = sampling
             .iter()
-            .map(|&(row, idx)| {
+            .zip(&masks)
+            .map(|(&(row, idx), mask)| {
                 let s = &self.running[idx];
-                let mut spec = s.sampler.spec(row, &s.tokens, s.req.logprobs);
+                let mut spec = s.sampler.spec(
+                    row,
+                    &s.tokens,
+                    s.req.prompt.len(),
+                    mask.as_deref(),
+                    s.req.logprobs,
+                );
                 spec.draw += s.unseen as u64;
                 spec
             })
@@ -765,10 +803,18 @@ impl<B: Backend> LlmEngine<B> {
                 logprob: l.logprob,
                 top: l.top,
             });
-            let eos = !s.req.ignore_eos && self.tokenizer.is_eos(next);
+            let is_eos = self.tokenizer.is_eos(next);
+            let eos = match s.req.constraint.as_mut() {
+                Some(c) => is_eos && c.accepting(),
+                None => !s.req.ignore_eos && is_eos,
+            };
             let mut reason = None;
             if eos {
                 reason = Some(FinishReason::Eos);
+            } else if let Some(Err(_)) = s.req.constraint.as_mut().map(|c| c.commit(next)) {
+                // Only a grammar that allowed nothing (its mask was empty, so the sampler's
+                // fallback token came out) gets here: the token is not output.
+                reason = Some(FinishReason::Stop);
             } else if s.req.stop_token_ids.contains(&next) {
                 // Like EOS: the token ends the sequence and is not part of its output.
                 reason = Some(FinishReason::Stop);
@@ -786,6 +832,8 @@ impl<B: Backend> LlmEngine<B> {
                 });
                 if hit {
                     reason = Some(FinishReason::Stop);
+                } else if s.req.constraint.as_ref().is_some_and(|c| c.finished()) {
+                    reason = Some(FinishReason::Eos);
                 } else if s.generated >= s.req.max_tokens {
                     reason = Some(FinishReason::Length);
                 } else if s.tokens.len() >= max_len {

@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use nibble_core::{Error, Result};
 use nibble_cpu::{CpuBackend, CpuKvCache, CpuTensor, CpuWeight};
 use nibble_engine::serving::{EngineConfig, Event, LlmEngine, Request, RequestId};
+use nibble_engine::structured::{GrammarSpec, Grammars};
 use nibble_engine::{FinishReason, SamplingParams};
 use nibble_formats::HostTensor;
 use nibble_model::sampling::{PendingSample, SampleSpec, Sampled};
@@ -151,8 +152,16 @@ fn engine(config: EngineConfig) -> LlmEngine<Deferred> {
 }
 
 /// Requests that end every way: length, EOS (not ignored, so whichever token is EOS ends it),
-/// stop strings, seeded sampling, logprobs, and one with a repetition penalty.
+/// stop strings, seeded sampling, logprobs, one with a repetition penalty, one with presence
+/// and frequency penalties and a logit bias, and one held to a regular expression.
+/// What request 5's output must match.
+const REQUEST_5: &str = "[a-z]{2,8}( [a-z]{1,8}){0,3}[.!]";
+
 fn requests() -> Vec<(RequestId, Request)> {
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../nibble-model/tests/fixtures/tiny-qwen2");
+    let files = open_model(&dir, None).unwrap();
+    let grammars = Grammars::new(&files.tokenizer, files.config.vocab_size).unwrap();
     (0..9u64)
         .map(|i| {
             let prompt: Vec<u32> = (0..2 + i as u32 * 4)
@@ -163,13 +172,17 @@ fn requests() -> Vec<(RequestId, Request)> {
                 top_k: if i % 2 == 0 { 40 } else { 0 },
                 seed: Some(100 + i),
                 repetition_penalty: if i == 4 { 1.3 } else { 1.0 },
+                presence_penalty: if i == 3 { 0.7 } else { 0.0 },
+                frequency_penalty: if i == 3 { 0.4 } else { 0.0 },
+                logit_bias: if i == 3 { vec![(100, 3.0)] } else { vec![] },
                 ..SamplingParams::default()
             };
             let req = Request {
                 prompt,
                 params,
-                max_tokens: 6 + i as usize * 3,
-                stop: if i % 4 == 1 || i == 6 {
+                // Room for request 5's grammar to finish.
+                max_tokens: if i == 5 { 60 } else { 6 + i as usize * 3 },
+                stop: if i == 1 || i == 6 || i == 9 {
                     vec!["w".into(), "C*".into()]
                 } else {
                     vec![]
@@ -183,6 +196,11 @@ fn requests() -> Vec<(RequestId, Request)> {
                     _ => vec![],
                 },
                 logprobs: (i % 3 == 2).then_some(2),
+                constraint: (i == 5).then(|| {
+                    grammars
+                        .compile(&GrammarSpec::Regex(REQUEST_5.into()))
+                        .unwrap()
+                }),
             };
             (i, req)
         })
@@ -265,6 +283,29 @@ fn running_ahead_changes_no_output() {
             .count();
         assert_eq!(tokens, len, "request {id}");
     }
+    // Request 5 wrote what its grammar allows, and stopped where the grammar ended.
+    let text: String = lockstep[&5]
+        .iter()
+        .map(|e| match e {
+            Event::Token { text, .. } => text.clone(),
+            Event::Finished { tail, reason, .. } => {
+                assert_eq!(*reason, FinishReason::Eos, "request 5");
+                tail.clone()
+            }
+        })
+        .collect();
+    let words: Vec<&str> = text[..text.len() - 1].split(' ').collect();
+    assert!(
+        text.ends_with(['.', '!'])
+            && (1..=4).contains(&words.len())
+            && words
+                .iter()
+                .enumerate()
+                .all(|(i, w)| w.len() >= if i == 0 { 2 } else { 1 }
+                    && w.len() <= 8
+                    && w.bytes().all(|b| b.is_ascii_lowercase())),
+        "request 5: {text:?}"
+    );
     // Request 7 was aborted: no Finished event.
     assert_eq!(reasons.len(), 8, "{reasons:?}");
     assert!(reasons.iter().any(|(_, r)| *r == FinishReason::Length));
@@ -316,6 +357,7 @@ fn running_ahead_with_shared_prompts_changes_no_output() {
                     ignore_eos: true,
                     stop_token_ids: vec![],
                     logprobs: None,
+                    constraint: None,
                 };
                 (i, req)
             })

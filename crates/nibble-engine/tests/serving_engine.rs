@@ -40,6 +40,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
         stop_token_ids: vec![],
         // Runs are compared on each token's exact log-probability too, not just the argmax.
         logprobs: Some(0),
+        constraint: None,
     }
 }
 

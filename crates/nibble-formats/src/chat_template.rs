@@ -9,10 +9,18 @@ use minijinja::{Environment, ErrorKind, Value, context};
 use nibble_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool calls, as Hugging Face templates read them (`[{"type":
+    /// "function", "function": {"name", "arguments"}}]`, the arguments an object). Absent, not
+    /// empty, when there are none: templates test `message.tool_calls is defined`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool result's call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -20,6 +28,7 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            ..ChatMessage::default()
         }
     }
 }
@@ -43,6 +52,10 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
             },
         );
+        // Templates print tool definitions and call arguments with `tojson`; Hugging Face's is
+        // Python's `json.dumps` (", " and ": " separators, nothing HTML-escaped), and the model
+        // was trained on what it writes.
+        env.add_filter("tojson", py_tojson);
         env.add_function("strftime_now", |_fmt: String| -> String {
             // Templates use it for a "today's date" line; a fixed date keeps prompts reproducible.
             "01 Jan 2026".to_string()
@@ -57,14 +70,94 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Renders with the `tools` variable that Hugging Face templates read (a list of
+    /// `{"type": "function", "function": {...}}`); `None` leaves it undefined.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self.env.get_template("chat").expect("added in new()");
         tmpl.render(context! {
             messages => messages,
+            tools => tools.map(Value::from_serialize),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
         })
         .map_err(|e| Error::Template(format!("rendering failed: {e}")))
+    }
+}
+
+/// Python's `json.dumps(value, ensure_ascii=False)`, or with `indent`.
+fn py_tojson(
+    value: &Value,
+    indent: Option<Value>,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<Value, minijinja::Error> {
+    let indent = match indent.or(kwargs.get::<Option<Value>>("indent")?) {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => Some(usize::try_from(v)?),
+    };
+    // Other json.dumps arguments (sort_keys, separators) are rare in chat templates; refusing
+    // them beats rendering something the model never saw.
+    kwargs.assert_all_used()?;
+    let mut out = Vec::new();
+    let written = match indent {
+        Some(n) => {
+            let pad = " ".repeat(n);
+            let f = serde_json::ser::PrettyFormatter::with_indent(pad.as_bytes());
+            value.serialize(&mut serde_json::Serializer::with_formatter(&mut out, f))
+        }
+        None => value.serialize(&mut serde_json::Serializer::with_formatter(
+            &mut out,
+            PyFormatter,
+        )),
+    };
+    written.map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    Ok(Value::from_safe_string(
+        String::from_utf8(out).expect("serde_json writes UTF-8"),
+    ))
+}
+
+/// `json.dumps`'s default separators.
+struct PyFormatter;
+
+impl serde_json::ser::Formatter for PyFormatter {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+    ) -> std::io::Result<()> {
+        writer.write_all(b": ")
     }
 }
 
@@ -169,14 +262,27 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         guard: &ContentGuard,
     ) -> Result<Rendered> {
+        self.render_guarded_with_tools(messages, None, add_generation_prompt, guard)
+    }
+
+    /// [`ChatTemplate::render_with_tools`], guarded. Tool definitions and calls are the
+    /// client's too, but templates print them as JSON, where a special-token string stays
+    /// inside a JSON string; only message contents are marked.
+    pub fn render_guarded_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        guard: &ContentGuard,
+    ) -> Result<Rendered> {
         let escaped: Vec<ChatMessage> = messages
             .iter()
             .map(|m| ChatMessage {
-                role: m.role.clone(),
                 content: guard.escape(&m.content).into_owned(),
+                ..m.clone()
             })
             .collect();
-        guard.unescape(self.render(&escaped, add_generation_prompt)?)
+        guard.unescape(self.render_with_tools(&escaped, tools, add_generation_prompt)?)
     }
 }
 
@@ -215,6 +321,46 @@ mod tests {
             .render(&[ChatMessage::new("system", "x")], false)
             .unwrap_err();
         assert!(e.to_string().contains("first must be user"), "{e}");
+    }
+
+    #[test]
+    fn tools_and_tool_calls_reach_the_template() {
+        let src = "{% if tools %}T:{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}{% for m in messages %}[{{ m.role }}{% if m.tool_calls is defined %} calls {{ m.tool_calls[0].function.name }}({{ m.tool_calls[0].function.arguments | tojson }}){% endif %}{% if m.tool_call_id is defined %} id {{ m.tool_call_id }}{% endif %}: {{ m.content }}]{% endfor %}";
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
+        let msgs = [
+            ChatMessage::new("user", "hi"),
+            ChatMessage {
+                tool_calls: Some(
+                    serde_json::json!([{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]),
+                ),
+                ..ChatMessage::new("assistant", "")
+            },
+            ChatMessage {
+                tool_call_id: Some("c1".into()),
+                ..ChatMessage::new("tool", "42")
+            },
+        ];
+        assert_eq!(
+            t.render_with_tools(&msgs, Some(&tools), false).unwrap(),
+            "T:f;[user: hi][assistant calls f({\"x\": 1}): ][tool id c1: 42]"
+        );
+        // Without tools the variable is undefined, and plain messages have neither field.
+        assert_eq!(t.render(&msgs[..1], false).unwrap(), "[user: hi]");
+    }
+
+    #[test]
+    fn tojson_is_pythons_json_dumps() {
+        let t = ChatTemplate::new(
+            "{{ messages[0] | tojson }}|{{ [1, {'a': '<b> & é'}] | tojson }}|{{ {'k': [1]} | tojson(indent=2) }}",
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            t.render(&[ChatMessage::new("user", "hi")], false).unwrap(),
+            "{\"role\": \"user\", \"content\": \"hi\"}|[1, {\"a\": \"<b> & é\"}]|{\n  \"k\": [\n    1\n  ]\n}"
+        );
     }
 
     #[test]

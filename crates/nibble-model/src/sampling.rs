@@ -1,8 +1,10 @@
 //! Next-token sampling as one exact function of (logits, parameters, seed, draw index), the
 //! reference that every backend's sampler reproduces bit for bit.
 //!
-//! The semantics are llama.cpp's and Hugging Face's: repetition penalty, temperature, top-k,
-//! min-p, top-p (nucleus), then a draw. What makes the GPU able to give the very same token is
+//! The semantics are llama.cpp's and Hugging Face's: an allowed-token mask (structured outputs)
+//! first, then the repetition penalty, the additive adjustments (OpenAI's `logit_bias`,
+//! `presence_penalty` and `frequency_penalty`, summed per token on the host by
+//! [`additive_deltas`]), temperature, top-k, min-p, top-p (nucleus), then a draw. What makes the GPU able to give the very same token is
 //! that nothing here depends on the order of a floating-point sum:
 //!
 //! * **Ranking** is by a 64-bit key, the scaled logit's order-preserving bits above the complement
@@ -35,6 +37,12 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// CTRL-style penalty for tokens already in the history; 1 = off.
     pub repetition_penalty: f32,
+    /// OpenAI's: subtracted once from the logit of every token already generated; 0 = off.
+    pub presence_penalty: f32,
+    /// OpenAI's: subtracted from a token's logit once per time it was generated; 0 = off.
+    pub frequency_penalty: f32,
+    /// OpenAI's `logit_bias`: added to the token's logit; empty = off.
+    pub logit_bias: Vec<(u32, f32)>,
     /// Fixed seed for reproducible output; `None` seeds from OS entropy.
     pub seed: Option<u64>,
 }
@@ -47,6 +55,9 @@ impl Default for SamplingParams {
             top_p: 1.0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             seed: None,
         }
     }
@@ -80,7 +91,32 @@ impl SamplingParams {
         if !(r > 0.0 && r.is_finite()) {
             return bad("repetition_penalty", r, "a finite number > 0");
         }
+        // OpenAI's ranges: past them a penalty or bias only ever means "always" or "never".
+        for (field, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(field, v, "in [-2, 2]");
+            }
+        }
+        for &(id, b) in &self.logit_bias {
+            if !(-100.0..=100.0).contains(&b) {
+                return bad(&format!("logit_bias[{id}]"), b, "in [-100, 100]");
+            }
+        }
         Ok(())
+    }
+
+    /// Whether sampling reads the generated tokens (presence and frequency penalties).
+    pub fn uses_output(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    /// Whether sampling reads the sequence's tokens at all: then a step cannot be sampled
+    /// before the previous step's token is on the host.
+    pub fn uses_history(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.uses_output()
     }
 }
 
@@ -100,6 +136,11 @@ pub struct SampleSpec<'a> {
     pub draw: u64,
     /// Tokens the repetition penalty looks at (prompt and output so far).
     pub history: &'a [u32],
+    /// The generated tokens, which the presence and frequency penalties count.
+    pub output: &'a [u32],
+    /// Structured outputs: bit `i % 32` of word `i / 32` says whether token `i` may be sampled
+    /// (`vocab.div_ceil(32)` words); `None` allows every token.
+    pub allowed: Option<&'a [u32]>,
     /// Report the chosen token's log-probability and this many top alternatives.
     pub logprobs: Option<usize>,
 }
@@ -210,6 +251,55 @@ pub fn scale_draw(u53: u64, total: u64) -> u64 {
 /// The top-p target: the mass the kept prefix must reach, at least one unit.
 pub fn top_p_target(total: u64, top_p: f32) -> u64 {
     ((total as f64 * f64::from(top_p)) as u64).max(1)
+}
+
+/// Sets the logit of every token `allowed` leaves out (and of every token past its words) to
+/// -inf, so that no filter can bring it back.
+pub fn apply_mask(logits: &mut [f32], allowed: &[u32]) {
+    for (i, l) in logits.iter_mut().enumerate() {
+        if allowed.get(i / 32).is_none_or(|w| (w >> (i % 32)) & 1 == 0) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// The additive adjustment of each token that has one, sorted by id: `logit_bias` minus
+/// `presence + frequency * count` over the generated tokens, each computed once here in f32, so
+/// that every backend adds the very same number (the GPU's kernel looks them up). Ids at or past
+/// `vocab` are left out.
+pub fn additive_deltas(params: &SamplingParams, output: &[u32], vocab: usize) -> Vec<(u32, f32)> {
+    let mut out: Vec<(u32, f32)> = Vec::new();
+    if params.uses_output() && !output.is_empty() {
+        let mut ids: Vec<u32> = output
+            .iter()
+            .copied()
+            .filter(|&t| (t as usize) < vocab)
+            .collect();
+        ids.sort_unstable();
+        for run in ids.chunk_by(|a, b| a == b) {
+            let pen = params.presence_penalty + params.frequency_penalty * run.len() as f32;
+            out.push((run[0], -pen));
+        }
+    }
+    for &(id, b) in &params.logit_bias {
+        if id as usize >= vocab {
+            continue;
+        }
+        match out.binary_search_by_key(&id, |e| e.0) {
+            Ok(i) => out[i].1 += b,
+            Err(i) => out.insert(i, (id, b)),
+        }
+    }
+    out
+}
+
+/// Adds [`additive_deltas`] to their tokens' logits.
+pub fn apply_deltas(logits: &mut [f32], deltas: &[(u32, f32)]) {
+    for &(id, d) in deltas {
+        if let Some(l) = logits.get_mut(id as usize) {
+            *l += d;
+        }
+    }
 }
 
 /// Applies the repetition penalty in place, once per distinct token of `history`. `seen` is
@@ -473,6 +563,16 @@ pub fn top_logprobs(row: &[f32], n: usize) -> (f32, Vec<(u32, f32)>) {
     (lse, top)
 }
 
+/// What comes before the filters, in their order: the mask, the repetition penalty, then the
+/// additive deltas.
+pub fn adjust_row(row: &mut [f32], spec: &SampleSpec, seen: &mut Vec<u64>) {
+    if let Some(allowed) = spec.allowed {
+        apply_mask(row, allowed);
+    }
+    apply_repetition_penalty(row, spec.history, spec.params.repetition_penalty, seen);
+    apply_deltas(row, &additive_deltas(spec.params, spec.output, row.len()));
+}
+
 /// The reference for a whole batch: `logits` is `[rows, vocab]` on the host.
 pub fn sample_rows(logits: &[f32], vocab: usize, specs: &[SampleSpec]) -> Result<Vec<Sampled>> {
     let mut scratch = SampleScratch::default();
@@ -491,12 +591,7 @@ pub fn sample_rows(logits: &[f32], vocab: usize, specs: &[SampleSpec]) -> Result
                 })?;
             row.clear();
             row.extend_from_slice(raw);
-            apply_repetition_penalty(
-                &mut row,
-                s.history,
-                s.params.repetition_penalty,
-                &mut scratch.seen,
-            );
+            adjust_row(&mut row, s, &mut scratch.seen);
             let token = sample_row(&row, s.params, s.seed, s.draw, &mut scratch);
             let logprobs = s.logprobs.map(|n| {
                 let (lse, top) = top_logprobs(raw, n);
@@ -554,5 +649,122 @@ mod tests {
         assert!((mean - 0.5).abs() < 0.01, "mean {mean}");
         assert_eq!(scale_draw((1 << 53) - 1, 10), 9);
         assert_eq!(scale_draw(0, 10), 0);
+    }
+
+    fn spec<'a>(
+        params: &'a SamplingParams,
+        output: &'a [u32],
+        allowed: Option<&'a [u32]>,
+    ) -> SampleSpec<'a> {
+        SampleSpec {
+            row: 0,
+            params,
+            seed: 9,
+            draw: 0,
+            history: &[],
+            output,
+            allowed,
+            logprobs: Some(2),
+        }
+    }
+
+    #[test]
+    fn a_mask_leaves_only_allowed_tokens_whatever_the_filters() {
+        let vocab = 70;
+        let logits: Vec<f32> = (0..vocab).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        // Tokens 3, 40 and 69 only: the first and the last word, and past a word boundary.
+        let allowed = [1u32 << 3, 1 << 8, 1 << 5];
+        for temperature in [0.0, 0.7, 1.5] {
+            for top_k in [0, 1, 5] {
+                let params = SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p: 0.9,
+                    ..SamplingParams::default()
+                };
+                for draw in 0..40 {
+                    let mut s = spec(&params, &[], Some(&allowed));
+                    s.draw = draw;
+                    let out = sample_rows(&logits, vocab, &[s]).unwrap();
+                    assert!(
+                        [3, 40, 69].contains(&out[0].token),
+                        "{} at t {temperature} top_k {top_k}",
+                        out[0].token
+                    );
+                    // Log-probabilities stay those of the raw logits.
+                    let (lse, _) = top_logprobs(&logits, 0);
+                    let lp = out[0].logprobs.as_ref().unwrap().logprob;
+                    assert_eq!(lp, logits[out[0].token as usize] - lse);
+                }
+            }
+        }
+        // Greedy under a mask is the argmax of the allowed tokens.
+        let params = SamplingParams::default();
+        let best = [3usize, 40, 69]
+            .into_iter()
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+            .unwrap();
+        let out = sample_rows(&logits, vocab, &[spec(&params, &[], Some(&allowed))]).unwrap();
+        assert_eq!(out[0].token as usize, best);
+    }
+
+    #[test]
+    fn penalties_and_bias_follow_openai() {
+        let params = SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            logit_bias: vec![(2, 10.0), (7, -100.0), (99, 5.0)],
+            ..SamplingParams::default()
+        };
+        // Token 1 three times, token 2 once, token 500 is past the vocabulary.
+        let d = additive_deltas(&params, &[1, 2, 1, 1, 500], 10);
+        assert_eq!(d, vec![(1, -(0.5 + 0.75)), (2, 10.0 - 0.75), (7, -100.0)]);
+        let mut row = vec![1.0f32; 10];
+        apply_deltas(&mut row, &d);
+        assert_eq!(row[1], 1.0 - 1.25);
+        assert_eq!(row[2], 1.0 + 9.25);
+        assert_eq!(row[7], -99.0);
+        assert_eq!(row[0], 1.0);
+        // Greedy follows the bias: token 2 wins though 0 has the larger raw logit.
+        let logits = [3.0f32, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        let p = SamplingParams {
+            logit_bias: vec![(2, 4.0)],
+            ..SamplingParams::default()
+        };
+        assert_eq!(
+            sample_rows(&logits, 10, &[spec(&p, &[], None)]).unwrap()[0].token,
+            2
+        );
+        // A frequency penalty pushes a repeated token below the next one.
+        let p = SamplingParams {
+            frequency_penalty: 1.0,
+            ..SamplingParams::default()
+        };
+        let logits = [3.0f32, 1.5, 0.0];
+        assert_eq!(
+            sample_rows(&logits, 3, &[spec(&p, &[0], None)]).unwrap()[0].token,
+            0
+        );
+        assert_eq!(
+            sample_rows(&logits, 3, &[spec(&p, &[0, 0], None)]).unwrap()[0].token,
+            1
+        );
+        // Out-of-range values are refused.
+        for bad in [
+            SamplingParams {
+                presence_penalty: 2.5,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                frequency_penalty: f32::NAN,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                logit_bias: vec![(1, 101.0)],
+                ..SamplingParams::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
     }
 }

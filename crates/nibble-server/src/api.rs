@@ -27,7 +27,8 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
 use crate::front_door;
-use crate::validate::{self, Generation, Prompt, Rules};
+use crate::tools::{self, TemplateTools, Tool, ToolCall, ToolChoice, ToolFormat};
+use crate::validate::{self, Generation, Message, Prompt, Role, Rules};
 
 pub fn router(state: Arc<AppState>) -> Router {
     let routes = Router::new()
@@ -115,11 +116,16 @@ struct PromptIn {
     param: String,
 }
 
-/// Validates and tokenizes: the prompts' token ids and what to generate.
-fn prepare(state: &AppState, body: &[u8], kind: Kind) -> ApiResult<(Vec<PromptIn>, Generation)> {
+/// Validates and tokenizes: the prompts' token ids, what to generate, and the format of tool
+/// calls to parse from the replies (when tools may be called).
+fn prepare(
+    state: &AppState,
+    body: &[u8],
+    kind: Kind,
+) -> ApiResult<(Vec<PromptIn>, Generation, Option<ToolFormat>)> {
     let tokenizer_error =
         |param: &str, e: nibble_core::Error| ApiError::invalid_value(param, e.to_string());
-    let (prompts, generation) = match kind {
+    let (prompts, generation, parse) = match kind {
         Kind::Completion => {
             let r = validate::completion(body, &rules(state))?;
             let batch = r.prompts.len() > 1;
@@ -162,7 +168,7 @@ fn prepare(state: &AppState, body: &[u8], kind: Kind) -> ApiResult<(Vec<PromptIn
                     })
                 })
                 .collect::<ApiResult<Vec<_>>>()?;
-            (prompts, r.generation)
+            (prompts, r.generation, None)
         }
         Kind::Chat => {
             let r = validate::chat(body, &rules(state))?;
@@ -172,14 +178,13 @@ fn prepare(state: &AppState, body: &[u8], kind: Kind) -> ApiResult<(Vec<PromptIn
                     "needs a chat template, and this model has none: use /v1/completions",
                 )
             })?;
-            let messages: Vec<ChatMessage> = r
-                .messages
-                .iter()
-                .map(|m| ChatMessage::new(m.role.template_name(), &m.content))
-                .collect();
+            let tt = TemplateTools::detect(state.tokenizer.chat_template.as_deref().unwrap_or(""));
+            let messages = chat_messages(&r.messages, &r.tools, tt);
+            let tools = (tt.renders_tools && !r.tools.is_empty())
+                .then(|| Value::Array(r.tools.iter().map(|t| t.spec.clone()).collect()));
             // The template's special tokens are special; the ones users typed are text.
             let rendered = template
-                .render_guarded(&messages, true, &state.guard)
+                .render_guarded_with_tools(&messages, tools.as_ref(), true, &state.guard)
                 .map_err(|e| ApiError::invalid_value("messages", e.to_string()))?;
             let ids = state
                 .tokenizer
@@ -190,7 +195,12 @@ fn prepare(state: &AppState, body: &[u8], kind: Kind) -> ApiResult<(Vec<PromptIn
                 echo: None,
                 param: "messages".into(),
             };
-            (vec![prompt], r.generation)
+            let mut generation = r.generation;
+            if let Some(g) = tools::grammar(tt.format, &r.tools, &r.tool_choice) {
+                generation.grammar = Some(("tool_choice", g));
+            }
+            let parse = (r.tool_choice != ToolChoice::None).then_some(tt.format);
+            (vec![prompt], generation, parse)
         }
     };
     if let Some(p) = prompts.iter().find(|p| p.ids.is_empty()) {
@@ -199,7 +209,64 @@ fn prepare(state: &AppState, body: &[u8], kind: Kind) -> ApiResult<(Vec<PromptIn
             "the prompt is empty: it has no tokens.",
         ));
     }
-    Ok((prompts, generation))
+    Ok((prompts, generation, parse))
+}
+
+/// The request's messages as the template takes them. A template that renders tools gets the
+/// calls and results in Hugging Face's fields (arguments as objects, as vLLM passes them); for
+/// one that does not, the tools are described in the system message and calls and results are
+/// written out as a Hermes-style model reads them.
+fn chat_messages(messages: &[Message], tools: &[Tool], tt: TemplateTools) -> Vec<ChatMessage> {
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
+    if !tt.renders_tools && !tools.is_empty() {
+        let prompt = tools::system_prompt(tools);
+        match messages.first() {
+            Some(m) if m.role.template_name() == "system" => {
+                out.push(ChatMessage::new(
+                    "system",
+                    &format!("{}\n\n{prompt}", m.content),
+                ));
+            }
+            _ => out.push(ChatMessage::new("system", &prompt)),
+        }
+    }
+    for (i, m) in messages.iter().enumerate() {
+        if i == 0 && !out.is_empty() && m.role.template_name() == "system" {
+            continue;
+        }
+        let mut cm = ChatMessage::new(m.role.template_name(), &m.content);
+        if tt.renders_tools {
+            cm.tool_call_id = m.tool_call_id.clone();
+            if !m.tool_calls.is_empty() {
+                cm.tool_calls = Some(Value::Array(
+                    m.tool_calls
+                        .iter()
+                        .map(|(id, c)| {
+                            let args: Value = serde_json::from_str(&c.arguments)
+                                .unwrap_or_else(|_| Value::String(c.arguments.clone()));
+                            json!({"id": id, "type": "function",
+                                "function": {"name": c.name, "arguments": args}})
+                        })
+                        .collect(),
+                ));
+            }
+        } else if m.role == Role::Tool {
+            cm = ChatMessage::new(
+                "user",
+                &format!("<tool_response>\n{}\n</tool_response>", m.content),
+            );
+        } else if !m.tool_calls.is_empty() {
+            let calls: Vec<ToolCall> = m.tool_calls.iter().map(|(_, c)| c.clone()).collect();
+            let text = tools::calls_as_text(&calls);
+            cm.content = if m.content.is_empty() {
+                text
+            } else {
+                format!("{}\n{text}", m.content)
+            };
+        }
+        out.push(cm);
+    }
+    out
 }
 
 /// The engine's requests for every choice of every prompt, prompt-major, with the length
@@ -211,6 +278,20 @@ fn requests(
     c: &Generation,
 ) -> ApiResult<Vec<Request>> {
     let limit = state.max_sequence_len;
+    // Compiled once; every choice starts from a copy.
+    let constraint = match &c.grammar {
+        None => None,
+        Some((param, spec)) => {
+            let grammars = state.grammars.as_ref().map_err(|why| {
+                ApiError::unsupported(param, &format!("is not available for this model ({why})"))
+            })?;
+            Some(
+                grammars
+                    .compile(spec)
+                    .map_err(|e| ApiError::invalid_value(param, e.to_string()))?,
+            )
+        }
+    };
     let mut out = Vec::with_capacity(prompts.len() * c.n);
     for p in prompts {
         let prompt_len = p.ids.len();
@@ -253,6 +334,7 @@ fn requests(
                 ignore_eos: c.ignore_eos,
                 stop_token_ids: c.stop_token_ids.clone(),
                 logprobs: c.logprobs,
+                constraint: constraint.clone(),
             });
         }
     }
@@ -264,7 +346,7 @@ async fn handle(state: Arc<AppState>, body: Bytes, kind: Kind) -> ApiResult<Resp
         state.engine.metrics.rejected.inc();
         e
     };
-    let (prompts, c) = prepare(&state, &body, kind).map_err(refused)?;
+    let (prompts, c, parse_tools) = prepare(&state, &body, kind).map_err(refused)?;
     let reqs = requests(&state, kind, &prompts, &c).map_err(refused)?;
     let count = reqs.len() as u64;
     let first = state.next_id.fetch_add(count, Ordering::Relaxed);
@@ -302,6 +384,7 @@ async fn handle(state: Arc<AppState>, body: Bytes, kind: Kind) -> ApiResult<Resp
         prompt_tokens: prompts.iter().map(|p| p.ids.len()).sum(),
         echo: prompts.into_iter().map(|p| p.echo).collect(),
         include_usage: c.include_usage,
+        tools: parse_tools,
         state: state.clone(),
     };
     if c.stream {
@@ -332,6 +415,8 @@ struct ResponseMeta {
     /// Per prompt, the text `echo` puts before its choices' text.
     echo: Vec<Option<String>>,
     include_usage: bool,
+    /// Tool calls are parsed from the replies, in this format.
+    tools: Option<ToolFormat>,
     state: Arc<AppState>,
 }
 
@@ -380,6 +465,43 @@ impl ResponseMeta {
                         json!({"token": s, "logprob": p, "bytes": s.as_bytes()}) }).collect::<Vec<_>>()})
             }).collect::<Vec<_>>()}),
         }
+    }
+
+    /// OpenAI's `tool_calls` of choice `index` (with each call's `index` in a stream's delta).
+    fn tool_calls_json(&self, index: usize, calls: &[ToolCall], delta: bool) -> Value {
+        Value::Array(
+            calls
+                .iter()
+                .enumerate()
+                .map(|(k, c)| {
+                    let mut v = json!({"id": format!("call_{}_{index}_{k}", self.first),
+                        "type": "function", "function": {"name": c.name, "arguments": c.arguments}});
+                    if delta {
+                        v["index"] = json!(k);
+                    }
+                    v
+                })
+                .collect(),
+        )
+    }
+
+    /// A reply that calls tools finished to call them, unless it was cut off.
+    fn calls_finish(&self, finish: Option<FinishReason>) -> Option<&'static str> {
+        finish.map(|r| match r {
+            FinishReason::Eos | FinishReason::Stop => "tool_calls",
+            other => finish_name(other),
+        })
+    }
+
+    /// A chat chunk whose delta is `delta`.
+    fn delta_chunk(&self, index: usize, delta: Value, finish: Option<&str>) -> Value {
+        let mut chunk = json!({"id": self.id, "object": self.object(true), "created": self.created,
+            "model": self.model, "choices": [{"index": index, "delta": delta, "logprobs": null,
+            "finish_reason": finish}]});
+        if self.include_usage {
+            chunk["usage"] = Value::Null;
+        }
+        chunk
     }
 
     fn usage(&self, completion: usize) -> Value {
@@ -479,10 +601,15 @@ async fn collect(meta: ResponseMeta, mut rx: UnboundedReceiver<Event>) -> ApiRes
                     json!({"index": i, "text": format!("{}{}", meta.echo_of(i), c.text),
                     "logprobs": logprobs, "finish_reason": finish})
                 }
-                Kind::Chat => {
-                    json!({"index": i, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": logprobs, "finish_reason": finish})
-                }
+                Kind::Chat => match meta.tools.and_then(|f| tools::parse(f, &c.text)) {
+                    Some((content, calls)) => {
+                        json!({"index": i, "message": {"role": "assistant", "content": content,
+                            "tool_calls": meta.tool_calls_json(i, &calls, false)},
+                        "logprobs": logprobs, "finish_reason": meta.calls_finish(c.finish)})
+                    }
+                    None => json!({"index": i, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs, "finish_reason": finish}),
+                },
             }
         })
         .collect();
@@ -500,6 +627,8 @@ fn stream_response(
     let mut first = vec![true; meta.choices()];
     let mut left = meta.choices();
     let mut completion_tokens = 0;
+    // Per choice, with tools: text held back because a tool call may start in it.
+    let mut held = vec![String::new(); meta.choices()];
     let events = UnboundedReceiverStream::new(rx).flat_map(move |ev| {
         let mut out: Vec<Value> = Vec::new();
         let (Event::Token { id, .. } | Event::Finished { id, .. }) = ev;
@@ -507,13 +636,45 @@ fn stream_response(
             match ev {
                 Event::Token { text, logprob, .. } => {
                     let lps: Vec<TokenLogprob> = logprob.into_iter().collect();
+                    let text = match meta.tools {
+                        None => text,
+                        Some(format) => {
+                            held[i].push_str(&text);
+                            let cut = tools::call_start(format, &held[i]).unwrap_or(held[i].len());
+                            let rest = held[i].split_off(cut);
+                            std::mem::replace(&mut held[i], rest)
+                        }
+                    };
                     if !text.is_empty() || !lps.is_empty() || first[i] {
                         out.push(meta.chunk(i, &text, &lps, None, first[i]));
                         first[i] = false;
                     }
                 }
                 Event::Finished { reason, tail, completion_tokens: n, .. } => {
-                    out.push(meta.chunk(i, &tail, &[], Some(finish_name(reason)), first[i]));
+                    let mut tail = tail;
+                    if let Some(format) = meta.tools {
+                        let text = std::mem::take(&mut held[i]) + &tail;
+                        tail = match tools::parse(format, &text) {
+                            Some((_, calls)) => {
+                                // The content before the call went out already.
+                                let delta = json!({"tool_calls": meta.tool_calls_json(i, &calls, true)});
+                                let delta = if first[i] {
+                                    json!({"role": "assistant", "content": null,
+                                        "tool_calls": delta["tool_calls"]})
+                                } else {
+                                    delta
+                                };
+                                out.push(meta.delta_chunk(i, delta, None));
+                                out.push(meta.delta_chunk(i, json!({}), meta.calls_finish(Some(reason))));
+                                first[i] = false;
+                                String::new()
+                            }
+                            None => text,
+                        };
+                    }
+                    if first[i] || out.is_empty() {
+                        out.push(meta.chunk(i, &tail, &[], Some(finish_name(reason)), first[i]));
+                    }
                     first[i] = false;
                     completion_tokens += n;
                     left -= 1;

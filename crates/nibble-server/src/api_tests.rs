@@ -321,3 +321,6 @@ async fn too_many_sequences_and_unknown_roles_are_400() {
     )
     .await;
 }
+
+#[path = "structured_tests.rs"]
+mod structured;

@@ -14,6 +14,7 @@ pub mod error;
 mod front_door;
 pub mod listener;
 pub mod metrics;
+pub mod tools;
 pub mod validate;
 
 use std::net::SocketAddr;
@@ -22,6 +23,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use nibble_engine::serving::LlmEngine;
+use nibble_engine::structured::Grammars;
 use nibble_formats::chat_template::{ChatTemplate, ContentGuard};
 use nibble_formats::tokenizer::Tokenizer;
 use nibble_model::Backend;
@@ -35,6 +37,8 @@ pub struct AppState {
     pub template: Option<ChatTemplate>,
     /// Keeps special-token strings in messages from rendering as the template's own.
     pub guard: ContentGuard,
+    /// Compiles structured outputs for this tokenizer, or says why this model cannot have them.
+    pub grammars: Result<Grammars, String>,
     pub model_name: String,
     pub api_key: Option<String>,
     /// Longest prompt + completion a request may reach.
@@ -108,11 +112,13 @@ where
     let max_sequence_len = engine.max_sequence_len();
     let vocab_size = engine.model.config.vocab_size;
     let max_waiting = engine.config.max_waiting;
+    let grammars = Grammars::new(&tokenizer, vocab_size).map_err(|e| e.to_string());
     Ok(Arc::new(AppState {
         engine: EngineHandle::spawn(engine),
         tokenizer,
         template,
         guard,
+        grammars,
         max_waiting,
         model_name,
         api_key,

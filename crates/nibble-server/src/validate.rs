@@ -12,7 +12,7 @@
 //!   the token id 2^32 is out of the vocabulary rather than token 0;
 //! * an unknown field is refused (a misspelt `max_token` must not silently mean the default);
 //! * a field OpenAI defines but nibble does not implement is refused unless it holds the value
-//!   that asks for nothing (`presence_penalty: 0`, `best_of: 1`, `logit_bias: {}`, ...);
+//!   that asks for nothing (`best_of: 1`, `suffix: ""`, ...);
 //! * `n` is capped (`--max-n`), and a request never asks for more sequences (`n` times its
 //!   prompts) than the engine's waiting queue holds, which could never admit it;
 //! * chat roles come from a closed set, each with the fields it allows; the role string never
@@ -21,10 +21,12 @@
 //! Tokenizing and rendering the chat template happen after this, in `api`.
 
 use nibble_engine::SamplingParams;
+use nibble_engine::structured::GrammarSpec;
 use nibble_model::sampling::MAX_TOP_LOGPROBS;
 use serde_json::{Map, Value};
 
 use crate::error::{ApiError, ApiResult};
+use crate::tools::{Tool, ToolCall, ToolChoice};
 
 /// What a request is checked against.
 pub struct Rules<'a> {
@@ -52,6 +54,8 @@ pub struct Generation {
     pub ignore_eos: bool,
     /// Alternatives to report per token; `Some(0)` reports the chosen token's log-probability.
     pub logprobs: Option<usize>,
+    /// Structured output, and the field that asked for it (for errors when it is compiled).
+    pub grammar: Option<(&'static str, GrammarSpec)>,
 }
 
 #[derive(Debug, PartialEq)]
@@ -73,6 +77,9 @@ pub struct CompletionRequest {
 pub struct ChatRequest {
     pub messages: Vec<Message>,
     pub generation: Generation,
+    pub tools: Vec<Tool>,
+    /// `none` when no tools are given; `auto` by default when some are.
+    pub tool_choice: ToolChoice,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -109,6 +116,10 @@ impl Role {
 pub struct Message {
     pub role: Role,
     pub content: String,
+    /// An assistant turn's calls: (id, call).
+    pub tool_calls: Vec<(String, ToolCall)>,
+    /// A tool result's call id.
+    pub tool_call_id: Option<String>,
 }
 
 /// Fields both endpoints take. `user` is OpenAI's end-user id for abuse monitoring; it never
@@ -134,21 +145,25 @@ const COMMON: &[&str] = &[
     "repetition_penalty",
     "ignore_eos",
     "stop_token_ids",
+    "response_format",
+    // vLLM's structured-output extensions (`guided_grammar` in llguidance's Lark dialect).
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
 ];
 const COMPLETION_ONLY: &[&str] = &["prompt", "echo", "suffix", "best_of"];
 const CHAT_ONLY: &[&str] = &[
     "messages",
     "max_completion_tokens",
     "top_logprobs",
-    "response_format",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
     "store",
 ];
 /// OpenAI chat fields nibble does not implement and that have no "off" value worth checking:
 /// any value but `null` is refused.
 const CHAT_UNSUPPORTED: &[&str] = &[
-    "parallel_tool_calls",
     "functions",
     "function_call",
     "metadata",
@@ -271,38 +286,16 @@ pub fn chat(body: &[u8], rules: &Rules) -> ApiResult<ChatRequest> {
         }
         (_, None) => None,
     };
-    response_format(&o)?;
-    if let Some(v) = o.get("tools") {
-        if !v.is_array() {
-            return Err(ApiError::invalid_type("tools", "an array of tools", v));
-        }
-        return Err(ApiError::unsupported(
-            "tools",
-            "is not supported yet: nibble does not call tools",
+    let tools = tools(&o)?;
+    let tool_choice = tool_choice(&o, &tools)?;
+    // Parsing takes every call the model writes; a reply held to a grammar makes one. Either
+    // value is honest.
+    o.bool("parallel_tool_calls")?;
+    if tool_choice != ToolChoice::None && generation.grammar.is_some() {
+        return Err(ApiError::invalid_value(
+            "tool_choice",
+            "tools and a structured output cannot be combined; give 'tool_choice': 'none'.",
         ));
-    }
-    match o.get("tool_choice") {
-        None => {}
-        Some(Value::String(s)) if s == "none" => {}
-        Some(Value::String(s)) if s == "auto" || s == "required" => {
-            return Err(ApiError::unsupported(
-                "tool_choice",
-                "is not supported yet: nibble does not call tools",
-            ));
-        }
-        Some(Value::String(s)) => {
-            return Err(ApiError::invalid_value(
-                "tool_choice",
-                format!("{} is not one of 'none', 'auto', 'required'.", quote(s)),
-            ));
-        }
-        Some(Value::Object(_)) => {
-            return Err(ApiError::unsupported(
-                "tool_choice",
-                "is not supported yet: nibble does not call tools",
-            ));
-        }
-        Some(v) => return Err(ApiError::invalid_type("tool_choice", "a string", v)),
     }
     if o.bool("store")? == Some(true) {
         return Err(ApiError::unsupported(
@@ -318,6 +311,8 @@ pub fn chat(body: &[u8], rules: &Rules) -> ApiResult<ChatRequest> {
     Ok(ChatRequest {
         messages,
         generation,
+        tools,
+        tool_choice,
     })
 }
 
@@ -536,6 +531,7 @@ fn generation(o: &Obj, rules: &Rules) -> ApiResult<Generation> {
             .unwrap_or(1.0) as f32,
         // Any 64-bit seed; a negative one is the same 64 bits read unsigned.
         seed: o.int_in("seed", i64::MIN, i64::MAX)?.map(|s| s as u64),
+        ..SamplingParams::default()
     };
     // A float32 sampler cannot tell a repetition penalty of 1e300 from infinity.
     if !params.repetition_penalty.is_finite() {
@@ -544,17 +540,16 @@ fn generation(o: &Obj, rules: &Rules) -> ApiResult<Generation> {
             "expected a number above 0 that fits in 32 bits.",
         ));
     }
-    for key in ["presence_penalty", "frequency_penalty"] {
-        if o.number_in(key, -2.0, false, 2.0)?
-            .is_some_and(|p| p != 0.0)
-        {
-            return Err(ApiError::unsupported(
-                key,
-                "is not supported yet (0 is accepted; 'repetition_penalty' is implemented)",
-            ));
-        }
-    }
-    logit_bias(o, rules.vocab_size)?;
+    let params = SamplingParams {
+        presence_penalty: o
+            .number_in("presence_penalty", -2.0, false, 2.0)?
+            .unwrap_or(0.0) as f32,
+        frequency_penalty: o
+            .number_in("frequency_penalty", -2.0, false, 2.0)?
+            .unwrap_or(0.0) as f32,
+        logit_bias: logit_bias(o, rules.vocab_size)?,
+        ..params
+    };
     o.str("user")?;
     Ok(Generation {
         n: n as usize,
@@ -566,6 +561,7 @@ fn generation(o: &Obj, rules: &Rules) -> ApiResult<Generation> {
         include_usage,
         ignore_eos: o.bool("ignore_eos")?.unwrap_or(false),
         logprobs: None,
+        grammar: grammar(o)?,
     })
 }
 
@@ -643,9 +639,9 @@ fn stop_token_ids(o: &Obj, rules: &Rules) -> ApiResult<Vec<u32>> {
         .collect()
 }
 
-fn logit_bias(o: &Obj, vocab_size: usize) -> ApiResult<()> {
+fn logit_bias(o: &Obj, vocab_size: usize) -> ApiResult<Vec<(u32, f32)>> {
     let map = match o.get("logit_bias") {
-        None => return Ok(()),
+        None => return Ok(Vec::new()),
         Some(Value::Object(m)) => m,
         Some(v) => {
             return Err(ApiError::invalid_type(
@@ -655,11 +651,13 @@ fn logit_bias(o: &Obj, vocab_size: usize) -> ApiResult<()> {
             ));
         }
     };
+    let mut out = Vec::with_capacity(map.len());
     for (k, v) in map {
-        let token_ok = k
+        let token = k
             .parse::<i64>()
-            .is_ok_and(|t| t >= 0 && (t as u64) < vocab_size as u64);
-        if !token_ok {
+            .ok()
+            .filter(|&t| t >= 0 && (t as u64) < vocab_size as u64);
+        let Some(token) = token else {
             return Err(ApiError::invalid_value(
                 "logit_bias",
                 format!(
@@ -668,7 +666,7 @@ fn logit_bias(o: &Obj, vocab_size: usize) -> ApiResult<()> {
                     vocab_size - 1
                 ),
             ));
-        }
+        };
         let b = number("logit_bias", v)?;
         if !(-100.0..=100.0).contains(&b) {
             return Err(ApiError::invalid_value(
@@ -676,15 +674,9 @@ fn logit_bias(o: &Obj, vocab_size: usize) -> ApiResult<()> {
                 format!("the bias for token {k} is {v}; expected a number from -100 to 100."),
             ));
         }
+        out.push((token as u32, b as f32));
     }
-    if map.is_empty() {
-        Ok(())
-    } else {
-        Err(ApiError::unsupported(
-            "logit_bias",
-            "is not supported yet ({} is accepted)",
-        ))
-    }
+    Ok(out)
 }
 
 /// `prompt`: a string, a list of strings, a list of token ids, or a list of lists of token ids
@@ -845,36 +837,229 @@ fn message(path: String, v: &Value) -> ApiResult<Message> {
                 "is not supported: give the refusal as 'content'",
             ));
         }
-        match o.get("tool_calls") {
-            None => {}
-            Some(Value::Array(a)) if a.is_empty() => {}
-            Some(Value::Array(_)) => {
-                return Err(ApiError::unsupported(
-                    &o.path("tool_calls"),
-                    "is not supported yet: nibble does not call tools",
-                ));
-            }
-            Some(v) => {
-                return Err(ApiError::invalid_type(
-                    &o.path("tool_calls"),
-                    "an array of tool calls",
-                    v,
-                ));
-            }
-        }
         for key in ["function_call", "audio"] {
             if o.get(key).is_some() {
                 return Err(ApiError::unsupported(&o.path(key), "is not supported"));
             }
         }
     }
-    if role == Role::Tool && o.str("tool_call_id")?.is_none() {
+    let tool_call_id = o.str("tool_call_id")?.map(str::to_string);
+    if role == Role::Tool && tool_call_id.is_none() {
         return Err(ApiError::missing(&o.path("tool_call_id")));
     }
+    let tool_calls = if role == Role::Assistant {
+        tool_calls(&o)?
+    } else {
+        Vec::new()
+    };
+    // An assistant turn that calls tools may have no content (OpenAI sends `null`).
+    let content = if !tool_calls.is_empty() && o.get("content").is_none() {
+        String::new()
+    } else {
+        content(&o)?
+    };
     Ok(Message {
         role,
-        content: content(&o)?,
+        content,
+        tool_calls,
+        tool_call_id,
     })
+}
+
+/// A function or tool name as OpenAI allows it.
+fn name_ok(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 64
+        && n.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+/// `tools`: `[{"type": "function", "function": {"name", "description", "parameters",
+/// "strict"}}]`.
+fn tools(o: &Obj) -> ApiResult<Vec<Tool>> {
+    let a = match o.get("tools") {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(v) => return Err(ApiError::invalid_type("tools", "an array of tools", v)),
+    };
+    let mut out: Vec<Tool> = Vec::with_capacity(a.len());
+    for (i, v) in a.iter().enumerate() {
+        let path = format!("tools[{i}]");
+        let Value::Object(m) = v else {
+            return Err(ApiError::invalid_type(&path, "a tool object", v));
+        };
+        let t = Obj::nested(m, path);
+        t.only(&[&["type", "function"]])?;
+        match t.str("type")? {
+            None => return Err(ApiError::missing(&t.path("type"))),
+            Some("function") => {}
+            Some(other) => {
+                return Err(ApiError::invalid_value(
+                    &t.path("type"),
+                    format!("{} is not a tool type; expected 'function'.", quote(other)),
+                ));
+            }
+        }
+        let f = match t.get("function") {
+            None => return Err(ApiError::missing(&t.path("function"))),
+            Some(Value::Object(m)) => Obj::nested(m, t.path("function")),
+            Some(v) => return Err(ApiError::invalid_type(&t.path("function"), "an object", v)),
+        };
+        f.only(&[&["name", "description", "parameters", "strict"]])?;
+        let name = match f.str("name")? {
+            None => return Err(ApiError::missing(&f.path("name"))),
+            Some(n) if !name_ok(n) => {
+                return Err(ApiError::invalid_value(
+                    &f.path("name"),
+                    format!(
+                        "{} must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'.",
+                        quote(n)
+                    ),
+                ));
+            }
+            Some(n) => n.to_string(),
+        };
+        if out.iter().any(|t| t.name == name) {
+            return Err(ApiError::invalid_value(
+                &f.path("name"),
+                format!("{} names two tools.", quote(&name)),
+            ));
+        }
+        f.str("description")?;
+        f.bool("strict")?;
+        let parameters = match f.get("parameters") {
+            None => serde_json::json!({"type": "object", "properties": {}}),
+            Some(v @ Value::Object(_)) => v.clone(),
+            Some(v) => {
+                return Err(ApiError::invalid_type(
+                    &f.path("parameters"),
+                    "a JSON schema object",
+                    v,
+                ));
+            }
+        };
+        out.push(Tool {
+            name,
+            spec: v.clone(),
+            parameters,
+        });
+    }
+    Ok(out)
+}
+
+fn tool_choice(o: &Obj, tools: &[Tool]) -> ApiResult<ToolChoice> {
+    let choice = match o.get("tool_choice") {
+        None if tools.is_empty() => ToolChoice::None,
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            s => {
+                return Err(ApiError::invalid_value(
+                    "tool_choice",
+                    format!("{} is not one of 'none', 'auto', 'required'.", quote(s)),
+                ));
+            }
+        },
+        Some(Value::Object(m)) => {
+            let c = Obj::nested(m, "tool_choice".into());
+            c.only(&[&["type", "function"]])?;
+            if c.str("type")? != Some("function") {
+                return Err(ApiError::invalid_value(
+                    "tool_choice.type",
+                    "expected 'function'.",
+                ));
+            }
+            let f = match c.get("function") {
+                Some(Value::Object(m)) => Obj::nested(m, "tool_choice.function".into()),
+                Some(v) => {
+                    return Err(ApiError::invalid_type(
+                        "tool_choice.function",
+                        "an object",
+                        v,
+                    ));
+                }
+                None => return Err(ApiError::missing("tool_choice.function")),
+            };
+            f.only(&[&["name"]])?;
+            match f.str("name")? {
+                None => return Err(ApiError::missing("tool_choice.function.name")),
+                Some(n) => ToolChoice::Function(n.to_string()),
+            }
+        }
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "tool_choice",
+                "a string or a function object",
+                v,
+            ));
+        }
+    };
+    match &choice {
+        ToolChoice::Auto | ToolChoice::Required if tools.is_empty() => {
+            Err(ApiError::invalid_value("tool_choice", "it needs 'tools'."))
+        }
+        ToolChoice::Function(n) if !tools.iter().any(|t| &t.name == n) => {
+            Err(ApiError::invalid_value(
+                "tool_choice.function.name",
+                format!("{} is not one of the request's tools.", quote(n)),
+            ))
+        }
+        _ => Ok(choice),
+    }
+}
+
+/// An assistant message's `tool_calls`: `[{"id", "type": "function", "function": {"name",
+/// "arguments"}}]`, the arguments a JSON string.
+fn tool_calls(o: &Obj) -> ApiResult<Vec<(String, ToolCall)>> {
+    let a = match o.get("tool_calls") {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                &o.path("tool_calls"),
+                "an array of tool calls",
+                v,
+            ));
+        }
+    };
+    a.iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let path = o.path(&format!("tool_calls[{i}]"));
+            let Value::Object(m) = v else {
+                return Err(ApiError::invalid_type(&path, "a tool call object", v));
+            };
+            let c = Obj::nested(m, path);
+            c.only(&[&["id", "type", "function"]])?;
+            let id = c
+                .str("id")?
+                .ok_or_else(|| ApiError::missing(&c.path("id")))?
+                .to_string();
+            if c.str("type")?.is_some_and(|t| t != "function") {
+                return Err(ApiError::invalid_value(
+                    &c.path("type"),
+                    "expected 'function'.",
+                ));
+            }
+            let f = match c.get("function") {
+                Some(Value::Object(m)) => Obj::nested(m, c.path("function")),
+                Some(v) => return Err(ApiError::invalid_type(&c.path("function"), "an object", v)),
+                None => return Err(ApiError::missing(&c.path("function"))),
+            };
+            f.only(&[&["name", "arguments"]])?;
+            let name = f
+                .str("name")?
+                .ok_or_else(|| ApiError::missing(&f.path("name")))?
+                .to_string();
+            let arguments = f
+                .str("arguments")?
+                .ok_or_else(|| ApiError::missing(&f.path("arguments")))?
+                .to_string();
+            Ok((id, ToolCall { name, arguments }))
+        })
+        .collect()
 }
 
 /// A message's `content`: a string, or an array of text parts (joined with newlines, as vLLM
@@ -932,20 +1117,119 @@ fn content(o: &Obj) -> ApiResult<String> {
     Ok(texts.join("\n"))
 }
 
-fn response_format(o: &Obj) -> ApiResult<()> {
+/// The structured output asked for: `response_format` (OpenAI's), or one of vLLM's
+/// `guided_json`, `guided_regex`, `guided_grammar`; at most one of them.
+fn grammar(o: &Obj) -> ApiResult<Option<(&'static str, GrammarSpec)>> {
+    let mut found: Vec<(&'static str, GrammarSpec)> = Vec::new();
+    if let Some(spec) = response_format(o)? {
+        found.push(("response_format", spec));
+    }
+    match o.get("guided_json") {
+        None => {}
+        Some(Value::Object(_)) => found.push((
+            "guided_json",
+            GrammarSpec::JsonSchema(o.get("guided_json").cloned().unwrap_or_default()),
+        )),
+        // vLLM also takes the schema as a JSON string.
+        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+            Ok(v @ (Value::Object(_) | Value::Bool(_))) => {
+                found.push(("guided_json", GrammarSpec::JsonSchema(v)))
+            }
+            _ => {
+                return Err(ApiError::invalid_value(
+                    "guided_json",
+                    "the string is not a JSON schema (a JSON object).",
+                ));
+            }
+        },
+        Some(v) => {
+            return Err(ApiError::invalid_type(
+                "guided_json",
+                "a JSON schema object",
+                v,
+            ));
+        }
+    }
+    if let Some(rx) = o.str("guided_regex")? {
+        found.push(("guided_regex", GrammarSpec::Regex(rx.to_string())));
+    }
+    if let Some(g) = o.str("guided_grammar")? {
+        found.push(("guided_grammar", GrammarSpec::Lark(g.to_string())));
+    }
+    if found.len() > 1 {
+        return Err(ApiError::invalid_value(
+            found[1].0,
+            format!(
+                "only one structured output may be asked for, and '{}' already is.",
+                found[0].0
+            ),
+        ));
+    }
+    Ok(found.pop())
+}
+
+fn response_format(o: &Obj) -> ApiResult<Option<GrammarSpec>> {
     let m = match o.get("response_format") {
-        None => return Ok(()),
+        None => return Ok(None),
         Some(Value::Object(m)) => m,
         Some(v) => return Err(ApiError::invalid_type("response_format", "an object", v)),
     };
     let f = Obj::nested(m, "response_format".into());
     match f.str("type")? {
         None => Err(ApiError::missing("response_format.type")),
-        Some("text") => f.only(&[&["type"]]),
-        Some("json_object" | "json_schema") => Err(ApiError::unsupported(
-            "response_format",
-            "other than {\"type\": \"text\"} is not supported yet",
-        )),
+        Some("text") => f.only(&[&["type"]]).map(|()| None),
+        Some("json_object") => f.only(&[&["type"]]).map(|()| Some(GrammarSpec::JsonObject)),
+        Some("json_schema") => {
+            f.only(&[&["type", "json_schema"]])?;
+            let js = match f.get("json_schema") {
+                None => return Err(ApiError::missing("response_format.json_schema")),
+                Some(Value::Object(m)) => Obj::nested(m, "response_format.json_schema".into()),
+                Some(v) => {
+                    return Err(ApiError::invalid_type(
+                        "response_format.json_schema",
+                        "an object",
+                        v,
+                    ));
+                }
+            };
+            js.only(&[&["name", "description", "schema", "strict"]])?;
+            // OpenAI's rule for the name: it appears in no output, but a client that breaks it
+            // would be refused there too.
+            match js.str("name")? {
+                None => return Err(ApiError::missing("response_format.json_schema.name")),
+                Some(n)
+                    if n.is_empty()
+                        || n.len() > 64
+                        || !n
+                            .chars()
+                            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') =>
+                {
+                    return Err(ApiError::invalid_value(
+                        "response_format.json_schema.name",
+                        format!(
+                            "{} must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'.",
+                            quote(n)
+                        ),
+                    ));
+                }
+                Some(_) => {}
+            }
+            js.str("description")?;
+            // `strict: false` asks for less than nibble does: the schema is always enforced.
+            js.bool("strict")?;
+            match js.get("schema") {
+                // OpenAI's schema is optional; without one, any JSON object.
+                None => Ok(Some(GrammarSpec::JsonObject)),
+                Some(v @ (Value::Object(_) | Value::Bool(_))) => {
+                    Ok(Some(GrammarSpec::JsonSchema(v.clone())))
+                }
+                Some(v) => Err(ApiError::invalid_type(
+                    "response_format.json_schema.schema",
+                    "a JSON schema object",
+                    v,
+                )),
+            }
+        }
         Some(t) => Err(ApiError::invalid_value(
             "response_format.type",
             format!(

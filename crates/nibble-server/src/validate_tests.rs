@@ -417,21 +417,6 @@ fn unknown_fields_are_refused() {
 
 #[test]
 fn unimplemented_fields_are_refused_unless_off() {
-    both(
-        json!({"presence_penalty": 0.5}),
-        "presence_penalty",
-        "unsupported_parameter",
-    );
-    both(
-        json!({"frequency_penalty": -1}),
-        "frequency_penalty",
-        "unsupported_parameter",
-    );
-    both(
-        json!({"logit_bias": {"5": 10}}),
-        "logit_bias",
-        "unsupported_parameter",
-    );
     refused(
         "completion",
         json!({"echo": true, "logprobs": 0}),
@@ -448,30 +433,6 @@ fn unimplemented_fields_are_refused_unless_off() {
         "completion",
         json!({"best_of": 2}),
         "best_of",
-        "unsupported_parameter",
-    );
-    refused(
-        "chat",
-        json!({"tools": []}),
-        "tools",
-        "unsupported_parameter",
-    );
-    refused(
-        "chat",
-        json!({"tool_choice": "auto"}),
-        "tool_choice",
-        "unsupported_parameter",
-    );
-    refused(
-        "chat",
-        json!({"tool_choice": {"type": "function"}}),
-        "tool_choice",
-        "unsupported_parameter",
-    );
-    refused(
-        "chat",
-        json!({"response_format": {"type": "json_object"}}),
-        "response_format",
         "unsupported_parameter",
     );
     refused(
@@ -681,8 +642,8 @@ fn messages_and_roles() {
     );
     bad_message(
         json!({"role": "assistant", "content": "x", "tool_calls": [{}]}),
-        "messages[1].tool_calls",
-        "unsupported_parameter",
+        "messages[1].tool_calls[0].id",
+        "missing_required_parameter",
     );
     bad_message(
         json!({"role": "assistant", "content": "x", "refusal": "no"}),
@@ -806,4 +767,175 @@ fn batched_prompts() {
     ] {
         refused("completion", json!({ "prompt": p }), param, code);
     }
+}
+
+#[test]
+fn penalties_bias_structured_outputs_and_tools() {
+    let r = completion_of(
+        json!({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -2,
+        "logit_bias": {"5": 10, "7": -100}, "guided_regex": "[ab]+"}),
+    )
+    .unwrap();
+    let p = &r.generation.params;
+    assert_eq!((p.presence_penalty, p.frequency_penalty), (0.5, -2.0));
+    let mut bias = p.logit_bias.clone();
+    bias.sort_by_key(|b| b.0);
+    assert_eq!(bias, [(5, 10.0), (7, -100.0)]);
+    assert_eq!(
+        r.generation.grammar,
+        Some(("guided_regex", GrammarSpec::Regex("[ab]+".into())))
+    );
+    both(
+        json!({"presence_penalty": 2.5}),
+        "presence_penalty",
+        "invalid_value",
+    );
+    both(
+        json!({"frequency_penalty": "1"}),
+        "frequency_penalty",
+        "invalid_type",
+    );
+    both(
+        json!({"logit_bias": {"5": 101}}),
+        "logit_bias",
+        "invalid_value",
+    );
+    both(
+        json!({"logit_bias": {"x": 1}}),
+        "logit_bias",
+        "invalid_value",
+    );
+    both(
+        json!({"logit_bias": {"1000": 1}}),
+        "logit_bias",
+        "invalid_value",
+    );
+
+    let grammar = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        chat_of(body).unwrap().generation.grammar
+    };
+    assert_eq!(
+        grammar(json!({"response_format": {"type": "json_object"}})),
+        Some(("response_format", GrammarSpec::JsonObject))
+    );
+    assert_eq!(
+        grammar(
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "a-b_1",
+            "schema": {"type": "integer"}, "strict": false, "description": "d"}}})
+        ),
+        Some((
+            "response_format",
+            GrammarSpec::JsonSchema(json!({"type": "integer"}))
+        ))
+    );
+    assert_eq!(
+        grammar(json!({"guided_json": "{\"type\": \"boolean\"}"})),
+        Some((
+            "guided_json",
+            GrammarSpec::JsonSchema(json!({"type": "boolean"}))
+        ))
+    );
+    assert_eq!(grammar(json!({"response_format": {"type": "text"}})), None);
+    both(
+        json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}),
+        "response_format.json_schema.name",
+        "missing_required_parameter",
+    );
+    both(
+        json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}}),
+        "response_format.json_schema.schema",
+        "invalid_type",
+    );
+    both(
+        json!({"response_format": {"type": "json_object", "schema": {}}}),
+        "response_format.schema",
+        "unknown_parameter",
+    );
+    both(
+        json!({"guided_json": "nope"}),
+        "guided_json",
+        "invalid_value",
+    );
+    both(
+        json!({"guided_grammar": 5}),
+        "guided_grammar",
+        "invalid_type",
+    );
+    both(
+        json!({"guided_regex": "a", "guided_grammar": "start: \"a\""}),
+        "guided_grammar",
+        "invalid_value",
+    );
+
+    // Tools.
+    let tool =
+        json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}});
+    let r = chat_of(
+        json!({"messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+        "parallel_tool_calls": false}),
+    )
+    .unwrap();
+    assert_eq!(r.tool_choice, ToolChoice::Auto);
+    assert_eq!(r.tools[0].name, "f");
+    let r = chat_of(json!({"messages": [{"role": "user", "content": "hi"}], "tools": []})).unwrap();
+    assert_eq!(r.tool_choice, ToolChoice::None);
+    for (extra, param, code) in [
+        (
+            json!({"tool_choice": "auto"}),
+            "tool_choice",
+            "invalid_value",
+        ),
+        (
+            json!({"tool_choice": {"type": "function"}}),
+            "tool_choice.function",
+            "missing_required_parameter",
+        ),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+            "tool_choice.function.name",
+            "invalid_value",
+        ),
+        (json!({"tools": {}}), "tools", "invalid_type"),
+        (
+            json!({"tools": [{"type": "retrieval"}]}),
+            "tools[0].type",
+            "invalid_value",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}),
+            "tools[0].function.parameters",
+            "invalid_type",
+        ),
+        (
+            json!({"tools": [tool, tool]}),
+            "tools[1].function.name",
+            "invalid_value",
+        ),
+        (
+            json!({"tools": [tool], "parallel_tool_calls": 1}),
+            "parallel_tool_calls",
+            "invalid_type",
+        ),
+    ] {
+        refused("chat", extra, param, code);
+    }
+    // Tool turns.
+    let r = chat_of(json!({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}))
+    .unwrap();
+    assert_eq!(r.messages[1].tool_calls[0].0, "c1");
+    assert_eq!(r.messages[1].tool_calls[0].1.name, "f");
+    assert_eq!(r.messages[2].tool_call_id.as_deref(), Some("c1"));
+    bad_message(
+        json!({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}),
+        "messages[1].tool_calls[0].function.arguments",
+        "missing_required_parameter",
+    );
 }

@@ -33,7 +33,7 @@ fn param_mixes() -> Vec<SamplingParams> {
         top_p,
         min_p,
         repetition_penalty,
-        seed: None,
+        ..SamplingParams::default()
     };
     vec![
         p(0.0, 0, 1.0, 0.0, 1.0),
@@ -78,6 +78,8 @@ fn device_sampling_matches_the_reference() {
                     seed: seeds[i].0,
                     draw: seeds[i].1,
                     history: &histories[(i * 7 + round) % rows],
+                    output: &[],
+                    allowed: None,
                     logprobs: [None, Some(0), Some(5), Some(20)][(i + round) % 4],
                 })
                 .collect();
@@ -138,6 +140,8 @@ fn device_draws_follow_the_seeded_stream() {
             seed: 99,
             draw: d,
             history: &[],
+            output: &[],
+            allowed: None,
             logprobs: None,
         })
         .collect();
@@ -152,4 +156,93 @@ fn device_draws_follow_the_seeded_stream() {
         ..specs[0].clone()
     }];
     assert!(g.sample(&t, vocab, &bad).is_err());
+}
+
+/// Structured outputs and OpenAI's adjustments on the device: an allowed-token mask (dense,
+/// sparse, a single token, and words past the last token), `logit_bias`, presence and frequency
+/// penalties, alone and with the repetition penalty and every filter, give the reference's token
+/// on every row; a masked token never comes out.
+#[test]
+fn device_sampling_with_masks_and_biases_matches_the_reference() {
+    let g = CudaBackend::new(0, Dtype::Bf16).expect("a CUDA GPU");
+    let mut r = super::rng("device_sampling_with_masks_and_biases_matches_the_reference");
+    let mut mixes = param_mixes();
+    for (i, m) in mixes.iter_mut().enumerate() {
+        m.presence_penalty = [0.0, 0.5, -1.0, 2.0][i % 4];
+        m.frequency_penalty = [0.0, 0.3, 1.5, -0.7][(i / 2) % 4];
+        m.logit_bias = (0..(i * 3) % 11)
+            .map(|_| {
+                (
+                    r.random_range(0..40_000u32),
+                    r.random_range(-100.0f32..100.0),
+                )
+            })
+            .collect();
+    }
+    for &vocab in &[7usize, 33, 32_003, 151_936] {
+        let rows = 17;
+        let words = vocab.div_ceil(32);
+        let host = logits(&mut r, rows, vocab);
+        let t = g.tensor_from_f32(&host, rows, vocab).unwrap();
+        let masks: Vec<Vec<u32>> = (0..rows)
+            .map(|i| {
+                let density = [0.5f64, 0.01, 0.0, 0.9][i % 4];
+                let mut m: Vec<u32> = (0..words)
+                    .map(|_| {
+                        (0..32).fold(0u32, |w, b| w | (u32::from(r.random_bool(density)) << b))
+                    })
+                    .collect();
+                // At least one allowed token, and bits past the vocabulary set (never tokens).
+                let one = r.random_range(0..vocab);
+                m[one / 32] |= 1 << (one % 32);
+                if vocab % 32 != 0 {
+                    m[words - 1] |= !0u32 << (vocab % 32);
+                }
+                m
+            })
+            .collect();
+        let outputs: Vec<Vec<u32>> = (0..rows)
+            .map(|i| {
+                (0..(i * 53) % 400)
+                    .map(|_| r.random_range(0..vocab as u32))
+                    .collect()
+            })
+            .collect();
+        let specs: Vec<SampleSpec> = (0..rows * mixes.len())
+            .map(|i| {
+                let row = (i * 5) % rows;
+                SampleSpec {
+                    row,
+                    params: &mixes[i % mixes.len()],
+                    seed: r.random(),
+                    draw: r.random_range(0..1000),
+                    history: &outputs[row],
+                    output: &outputs[row],
+                    allowed: (i % 3 != 2).then_some(&masks[row][..]),
+                    logprobs: [None, Some(3)][i % 2],
+                }
+            })
+            .collect();
+        let want = sample_rows(&host, vocab, &specs).unwrap();
+        let got = g.sample(&t, vocab, &specs).unwrap();
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            let s = &specs[i];
+            assert_eq!(
+                a.token, b.token,
+                "vocab {vocab} spec {i} (row {}, {:?})",
+                s.row, s.params
+            );
+            if let Some(m) = s.allowed {
+                let t = a.token as usize;
+                let row = &host[s.row * vocab..(s.row + 1) * vocab];
+                // Unless every allowed logit is -inf or NaN, the token is an allowed one.
+                let live = (0..vocab)
+                    .any(|j| (m[j / 32] >> (j % 32)) & 1 == 1 && row[j] > f32::NEG_INFINITY);
+                assert!(
+                    !live || (m[t / 32] >> (t % 32)) & 1 == 1,
+                    "masked token {t}, spec {i}"
+                );
+            }
+        }
+    }
 }
