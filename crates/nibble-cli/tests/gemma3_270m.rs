@@ -148,6 +148,7 @@ fn greedy_continuations_match_numpy() {
             max_tokens: want.len(),
             stop: vec![],
             ignore_eos: true,
+            constraint: None,
         };
         let out = e.generate(&req, &mut |_| {}).unwrap();
         eprintln!("{prompt:?} -> {:?}", out.text);

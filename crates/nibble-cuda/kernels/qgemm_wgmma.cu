@@ -56,6 +56,17 @@ __device__ __forceinline__ void quad_transpose(u32& v0, u32& v1, u32& v2, u32& v
     if (b1) { v0 = u0; v1 = u1; } else { v2 = u0; v3 = u1; }
 }
 
+// A stage's 16 INT8 A registers in the packer's mma.sync order (two chunks of two k32 steps:
+// lane t held channels 16t + 4(2s + q) + i of rows g + 8h in register (s, 2q + h)) transposed per
+// quad into the natural K order wgmma reads (channels 32s + 16q + 4t + i).
+__device__ __forceinline__ void w8_regs_to_k_order(u32 (&a)[16]) {
+#pragma unroll
+    for (int ch = 0; ch < 2; ++ch)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            quad_transpose(a[8 * ch + h], a[8 * ch + 2 + h], a[8 * ch + 4 + h], a[8 * ch + 6 + h]);
+}
+
 // wgmma with A from registers, one overload per token count (N = 256, 128, 64) and A/B type; the
 // accumulator array's extent picks the shape.
 // d (64 rows x 256 tokens, i32) += A (this warp's 16 rows x 32 K in registers) x B (descriptor).
@@ -153,11 +164,7 @@ template <int TOK> struct WgqW8 {
                 u32* r = a + 4 * (2 * ch + s);
                 r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
             }
-#pragma unroll
-        for (int ch = 0; ch < 2; ++ch)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                quad_transpose(a[8 * ch + h], a[8 * ch + 2 + h], a[8 * ch + 4 + h], a[8 * ch + 6 + h]);
+        w8_regs_to_k_order(a);
     }
     __device__ void mma(int (&acc)[TOK / 8][4], const u32 (&a)[A_REGS], u32 xs, int) const {
         // A stage missing its second chunk (odd chunk count) still issues four wgmmas, keeping
@@ -272,11 +279,7 @@ template <int TOK> struct WgqW4A8 {
             row0.widen(v.z, r[4], r[6]);
             row8.widen(v.w, r[5], r[7]);
         }
-#pragma unroll
-        for (int ch = 0; ch < 2; ++ch)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                quad_transpose(a[8 * ch + h], a[8 * ch + 2 + h], a[8 * ch + 4 + h], a[8 * ch + 6 + h]);
+        w8_regs_to_k_order(a);
     }
     __device__ void mma(int (&acc)[TOK / 8][4], const u32 (&a)[A_REGS], u32 xs, int) const {
 #pragma unroll

@@ -660,10 +660,7 @@ pub fn quant_gemm(
             tiles,
             chunks,
         } => {
-            let q = match x.int8 {
-                Some(q) if x.cols == k => q,
-                _ => quantize_int8(ctx, x)?,
-            };
+            let q = int8_input(ctx, x, k)?;
             let head = vec![
                 Arg::Ptr(codes.ptr),
                 Arg::Ptr(scales.ptr),
@@ -703,10 +700,7 @@ pub fn quant_gemm(
             group_shift,
             ..
         } => {
-            let q = match x.int8 {
-                Some(q) if x.cols == k => q,
-                _ => quantize_int8(ctx, x)?,
-            };
+            let q = int8_input(ctx, x, k)?;
             let wg = WgmmaOperands {
                 x: q.codes,
                 x_ld: k,
@@ -1053,6 +1047,15 @@ fn launch_decode(
         plan.smem as u32,
         args,
     )
+}
+
+/// The INT8 codes a GEMM over `k` input channels reads: those the producer of `x` wrote
+/// alongside it (fused into RMSNorm / SiLU-gate), else quantized now.
+fn int8_input(ctx: &CudaContext, x: &CudaTensor, k: usize) -> Result<Int8Input> {
+    match x.int8 {
+        Some(q) if x.cols == k => Ok(q),
+        _ => quantize_int8(ctx, x),
+    }
 }
 
 /// Per-token INT8 codes (`rows x cols`, row stride `cols`) and scales of `x`.
