@@ -222,3 +222,78 @@ fn a_missing_router_or_shared_expert_gate_is_named() {
         assert!(e.contains(missing), "{src} without {missing}: {e}");
     }
 }
+
+/// A backend without mixture-of-experts layers (the CUDA backend today) refuses a MoE model
+/// before a single weight loads: a Mixtral-sized model would otherwise load for minutes first.
+#[test]
+fn a_backend_without_moe_refuses_before_any_weight_loads() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use nibble_core::{Error, Result};
+    use nibble_cpu::{CpuBackend, CpuKvCache, CpuTensor, CpuWeight};
+    use nibble_formats::HostTensor;
+    use nibble_model::{AttentionShape, Transformer, open_model};
+
+    struct NoMoe {
+        cpu: CpuBackend,
+        loaded: AtomicUsize,
+    }
+    impl Backend for NoMoe {
+        type Tensor = CpuTensor;
+        type Weight = CpuWeight;
+        type Kv = CpuKvCache;
+
+        nibble_cpu::delegate_to_cpu!(cpu);
+
+        fn name(&self) -> String {
+            "cpu without moe".into()
+        }
+        fn load_weight(&self, t: &HostTensor) -> Result<CpuWeight> {
+            self.loaded.fetch_add(1, Ordering::Relaxed);
+            self.cpu.load_weight(t)
+        }
+        fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {
+            self.cpu.embed(table, ids)
+        }
+        fn linear(&self, x: &CpuTensor, w: &CpuWeight, b: Option<&CpuTensor>) -> Result<CpuTensor> {
+            self.cpu.linear(x, w, b)
+        }
+        fn attention(
+            &self,
+            q: &CpuTensor,
+            k: &CpuTensor,
+            v: &CpuTensor,
+            kv: &mut CpuKvCache,
+            layer: usize,
+            batch: &BatchLayout,
+            shape: AttentionShape,
+        ) -> Result<CpuTensor> {
+            self.cpu.attention(q, k, v, kv, layer, batch, shape)
+        }
+        fn check_moe(&self) -> Result<()> {
+            Err(Error::unsupported(
+                "mixture-of-experts layers here",
+                "a test backend",
+            ))
+        }
+    }
+
+    let backend = NoMoe {
+        cpu: CpuBackend::new(1).unwrap(),
+        loaded: AtomicUsize::new(0),
+    };
+    for name in ["tiny-mixtral", "tiny-qwen3-moe"] {
+        let files = open_model(&fixture(name), None).unwrap();
+        let err = Transformer::load(&backend, files.config, &*files.source, &mut |_, _| {})
+            .err()
+            .expect("a MoE model on a backend without MoE");
+        assert!(
+            err.to_string().contains("mixture-of-experts"),
+            "{name}: {err}"
+        );
+        assert_eq!(backend.loaded.load(Ordering::Relaxed), 0, "{name}");
+    }
+    // The same model loads where MoE runs.
+    let files = open_model(&fixture("tiny-mixtral"), None).unwrap();
+    assert!(Transformer::load(&backend.cpu, files.config, &*files.source, &mut |_, _| {}).is_ok());
+}

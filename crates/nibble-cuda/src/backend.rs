@@ -156,6 +156,13 @@ impl CudaBackend {
     }
 }
 
+fn moe_unsupported() -> Error {
+    Error::unsupported(
+        "mixture-of-experts layers on the CUDA backend",
+        "their grouped expert GEMMs have no GPU kernel yet; run the model with --device cpu",
+    )
+}
+
 /// Why quantized `parts` are about to load dequantized, for the user (`None` for 16/32-bit
 /// weights, which are not quantized to begin with).
 fn dequantized_reason(ctx: &CudaContext, parts: &[HostTensor]) -> Option<String> {
@@ -419,10 +426,11 @@ impl Backend for CudaBackend {
         _cols: usize,
         _parts: &[ScaledRows<'_, CudaTensor>],
     ) -> Result<CudaTensor> {
-        Err(Error::unsupported(
-            "mixture-of-experts layers on the CUDA backend",
-            "their expert combine has no GPU kernel yet; run the model on the CPU backend",
-        ))
+        Err(moe_unsupported())
+    }
+
+    fn check_moe(&self) -> Result<()> {
+        Err(moe_unsupported())
     }
 
     fn to_host(&self, x: &CudaTensor) -> Result<Vec<f32>> {

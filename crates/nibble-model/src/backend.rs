@@ -129,6 +129,12 @@ pub trait Backend: Send + Sync {
         Vec::new()
     }
 
+    /// Whether this backend runs mixture-of-experts layers ([`Backend::scatter_add_scaled`]);
+    /// checked before a MoE model's weights load.
+    fn check_moe(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Prepares a 2-D weight (linear layers, embedding tables), keeping its storage format.
     fn load_weight(&self, tensor: &HostTensor) -> Result<Self::Weight>;
     /// Uploads a small f32 vector (norm weights, biases, rotary frequencies).

@@ -29,11 +29,16 @@ use crate::source::TensorSource;
 use crate::transformer::{TensorRole, model_tensors};
 
 /// The configs the binary carries, by name: published Hugging Face shapes (`torch_dtype`
-/// bfloat16), and `tiny-dummy` for tests.
-pub const SHIPPED_CONFIGS: [(&str, &str); 4] = [
+/// bfloat16; two mixture-of-experts ones), and `tiny-dummy` for tests.
+pub const SHIPPED_CONFIGS: [(&str, &str); 6] = [
     ("llama-3-8b", include_str!("../configs/llama-3-8b.json")),
     ("qwen3-8b", include_str!("../configs/qwen3-8b.json")),
     ("llama-2-7b", include_str!("../configs/llama-2-7b.json")),
+    ("mixtral-8x7b", include_str!("../configs/mixtral-8x7b.json")),
+    (
+        "qwen3-30b-a3b",
+        include_str!("../configs/qwen3-30b-a3b.json"),
+    ),
     ("tiny-dummy", include_str!("../configs/tiny-dummy.json")),
 ];
 
@@ -420,6 +425,32 @@ mod tests {
                     4096,
                     false,
                 ),
+                "mixtral-8x7b" => (
+                    Arch::Mixtral,
+                    4096,
+                    32,
+                    32,
+                    8,
+                    128,
+                    14336,
+                    32000,
+                    1e6,
+                    32768,
+                    false,
+                ),
+                "qwen3-30b-a3b" => (
+                    Arch::Qwen3Moe,
+                    2048,
+                    48,
+                    32,
+                    4,
+                    128,
+                    6144,
+                    151936,
+                    1e6,
+                    40960,
+                    true,
+                ),
                 "tiny-dummy" => (
                     Arch::Llama,
                     256,
@@ -436,6 +467,24 @@ mod tests {
                 other => panic!("untested shipped config {other}"),
             };
             assert_eq!(shape, want, "{name}");
+            // The routers: Mixtral's 8 experts of 14336, two per token, renormalized; Qwen3's
+            // 128 of 768, eight per token, renormalized (`norm_topk_prob`), every layer sparse.
+            let moe = c.moe.as_ref().map(|m| {
+                (
+                    m.num_experts,
+                    m.top_k,
+                    m.renormalize,
+                    m.expert_intermediate_size,
+                    m.shared_expert_intermediate_size,
+                    m.sparse_layers.iter().all(|&s| s),
+                )
+            });
+            let want_moe = match name {
+                "mixtral-8x7b" => Some((8, 2, true, 14336, None, true)),
+                "qwen3-30b-a3b" => Some((128, 8, true, 768, None, true)),
+                _ => None,
+            };
+            assert_eq!(moe, want_moe, "{name}");
         }
     }
 
@@ -445,6 +494,8 @@ mod tests {
             ("llama-3-8b", 8.03e9),
             ("qwen3-8b", 8.19e9),
             ("llama-2-7b", 6.74e9),
+            ("mixtral-8x7b", 46.7e9),
+            ("qwen3-30b-a3b", 30.5e9),
         ] {
             let text = shipped_config(name).unwrap();
             let c = ModelConfig::from_hf_json(text, name).unwrap();

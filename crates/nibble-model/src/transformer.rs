@@ -459,6 +459,10 @@ impl<B: Backend> Transformer<B> {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let c = &config;
+        // Before any weight moves: a Mixtral-sized model is minutes of loading.
+        if c.moe.is_some() {
+            backend.check_moe()?;
+        }
         let (h, qd, kvd, hd) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim);
         let tied = !source.contains("lm_head.weight");
         // Tensors loaded per feed-forward beyond a dense one's three.
