@@ -185,39 +185,58 @@ pub fn rope(
     )
 }
 
-/// `silu(gate) * up` in the model dtype (with INT8 codes when a W8A8 GEMM will read it).
+/// `silu(gate) * up` in the model dtype (with INT8 codes when an INT8-activation GEMM will read
+/// it).
 pub fn silu_mul(ctx: &CudaContext, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+    if !ctx.wants_int8() {
+        return gated(ctx, "silu_mul", gate, up);
+    }
+    check_gated("silu_mul", gate, up)?;
+    let mut out = ctx.alloc(gate.rows, gate.cols, Elem::Half(ctx.dtype))?;
+    // One block per row: the row's INT8 codes need its max.
+    let mut args = vec![
+        Arg::Ptr(gate.ptr),
+        Arg::Ptr(up.ptr),
+        Arg::Ptr(out.ptr),
+        Arg::I32(gate.cols as i32),
+        Arg::I64(gate.ld as i64),
+        Arg::I64(up.ld as i64),
+    ];
+    out.int8 = Some(int8_for(ctx, &out, &mut args)?);
+    ctx.half_kernel("silu_mul_q8")?.launch(
+        &ctx.gpu,
+        (gate.rows as u32, 1, 1),
+        norm_block(gate.cols),
+        0,
+        args,
+    )?;
+    Ok(out)
+}
+
+fn check_gated(what: &str, gate: &CudaTensor, up: &CudaTensor) -> Result<()> {
     expect_f32(gate, "gate")?;
     expect_f32(up, "up")?;
     if (gate.rows, gate.cols) != (up.rows, up.cols) {
         return Err(Error::InvalidArgument(format!(
-            "silu_mul of {}x{} and {}x{}",
+            "{what} of {}x{} and {}x{}",
             gate.rows, gate.cols, up.rows, up.cols
         )));
     }
-    let mut out = ctx.alloc(gate.rows, gate.cols, Elem::Half(ctx.dtype))?;
-    if ctx.wants_int8() {
-        // One block per row: the row's INT8 codes need its max.
-        let mut args = vec![
-            Arg::Ptr(gate.ptr),
-            Arg::Ptr(up.ptr),
-            Arg::Ptr(out.ptr),
-            Arg::I32(gate.cols as i32),
-            Arg::I64(gate.ld as i64),
-            Arg::I64(up.ld as i64),
-        ];
-        out.int8 = Some(int8_for(ctx, &out, &mut args)?);
-        ctx.half_kernel("silu_mul_q8")?.launch(
-            &ctx.gpu,
-            (gate.rows as u32, 1, 1),
-            norm_block(gate.cols),
-            0,
-            args,
-        )?;
-        return Ok(out);
-    }
+    Ok(())
+}
+
+/// `act(gate) * up` in the model dtype by the element-wise kernel `kernel` (`silu_mul`,
+/// `gelu_tanh_mul`): f32 gate and up, possibly strided views of one fused projection.
+fn gated(
+    ctx: &CudaContext,
+    kernel: &str,
+    gate: &CudaTensor,
+    up: &CudaTensor,
+) -> Result<CudaTensor> {
+    check_gated(kernel, gate, up)?;
+    let out = ctx.alloc(gate.rows, gate.cols, Elem::Half(ctx.dtype))?;
     let n = gate.rows * gate.cols;
-    ctx.half_kernel("silu_mul")?.launch(
+    ctx.half_kernel(kernel)?.launch(
         &ctx.gpu,
         grid_for(n),
         BLOCK,
@@ -298,41 +317,10 @@ pub fn scale(ctx: &CudaContext, x: &mut CudaTensor, factor: f32) -> Result<()> {
     )
 }
 
-/// `gelu_tanh(gate) * up` in the model dtype (Gemma's GeGLU). No fused INT8 variant: the
-/// quantized W8A8 GEMM after it is refused rather than fed unquantized rows.
+/// `gelu_tanh(gate) * up` in the model dtype (Gemma's GeGLU). No fused INT8 variant: an
+/// INT8-activation GEMM after it quantizes its input itself (`qlinear::quantize_int8`).
 pub fn gelu_tanh_mul(ctx: &CudaContext, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
-    expect_f32(gate, "gate")?;
-    expect_f32(up, "up")?;
-    if (gate.rows, gate.cols) != (up.rows, up.cols) {
-        return Err(Error::InvalidArgument(format!(
-            "gelu_tanh_mul of {}x{} and {}x{}",
-            gate.rows, gate.cols, up.rows, up.cols
-        )));
-    }
-    if ctx.wants_int8() {
-        return Err(Error::unsupported(
-            "GeGLU (Gemma) with W8A8 weights on the CUDA backend",
-            "its fused INT8 activation quantizer exists for SwiGLU only",
-        ));
-    }
-    let out = ctx.alloc(gate.rows, gate.cols, Elem::Half(ctx.dtype))?;
-    let n = gate.rows * gate.cols;
-    ctx.half_kernel("gelu_tanh_mul")?.launch(
-        &ctx.gpu,
-        grid_for(n),
-        BLOCK,
-        0,
-        vec![
-            Arg::Ptr(gate.ptr),
-            Arg::Ptr(up.ptr),
-            Arg::Ptr(out.ptr),
-            Arg::I64(n as i64),
-            Arg::I32(gate.cols as i32),
-            Arg::I64(gate.ld as i64),
-            Arg::I64(up.ld as i64),
-        ],
-    )?;
-    Ok(out)
+    gated(ctx, "gelu_tanh_mul", gate, up)
 }
 
 /// Rows `rows` of `x` (the last token of each sequence, for the head).

@@ -126,6 +126,13 @@ fn lane_order(mma: Mma) -> Vec<Vec<(usize, usize)>> {
         .collect()
 }
 
+/// Where row `row` of tile `tile`'s group `grp` parameters sit among `groups` per tile, in the
+/// units of one row's parameters: `[tiles][groups][8][2]`, row `g` then row `g + 8`, so a lane
+/// (`g = lane / 4`) reads both of its rows' with one load.
+fn param_slot(tile: usize, groups: usize, grp: usize, row: usize) -> usize {
+    ((tile * groups + grp) * 8 + row % 8) * 2 + row / 8
+}
+
 /// A dense `[n, k]` INT4 weight with per-group asymmetric parameters, the input of [`pack_w4`].
 pub struct W4Matrix<'a> {
     pub n: usize,
@@ -240,7 +247,7 @@ pub fn pack_w4(w: &W4Matrix, dtype: Dtype) -> Result<PackedW4> {
                 } else {
                     (0.0, 0.0)
                 };
-                let at = (((tile * groups + grp) * 8 + row % 8) * 2 + row / 8) * 2;
+                let at = param_slot(tile, groups, grp, row) * 2;
                 params[at] = dtype.encode(&[s])[0];
                 params[at + 1] = dtype.encode(&[magic + z])[0];
             }
@@ -282,7 +289,7 @@ impl PackedW4 {
                         let (step, i) = (idx / 8, idx % 8);
                         let q = (self.codes[base + step] >> (4 * nibble_slot(i / 2, i % 2))) & 15;
                         let grp = kk / self.group_len;
-                        let at = (((tile * self.groups + grp) * 8 + row % 8) * 2 + row / 8) * 2;
+                        let at = param_slot(tile, self.groups, grp, row) * 2;
                         let (s, zt) = (half(self.params[at]), half(self.params[at + 1]));
                         let v = (magic + q as f32 - zt) * s;
                         out[n * self.k + kk] = self.dtype.decode(&self.dtype.encode(&[v]))[0];
@@ -476,7 +483,7 @@ pub fn pack_w4a8(w: &W4A8Matrix) -> Result<PackedW4A8> {
             for row in 0..TILE_ROWS {
                 let n = tile * TILE_ROWS + row;
                 if n < w.n {
-                    let at = ((tile * groups + grp) * 8 + row % 8) * 2 + row / 8;
+                    let at = param_slot(tile, groups, grp, row);
                     params[at] = w4a8_param(w.affine[n * groups_in + grp]);
                 }
             }
@@ -520,8 +527,7 @@ impl PackedW4A8 {
                             continue;
                         }
                         let (step, reg, byte) = (idx / 16, idx % 16 / per_reg, idx % per_reg);
-                        let p =
-                            self.params[((tile * self.groups + grp) * 8 + row % 8) * 2 + row / 8];
+                        let p = self.params[param_slot(tile, self.groups, grp, row)];
                         let (lo, hi) = w4a8_widen(self.codes[base + 2 * step + reg % 2], p);
                         let word = if reg < 2 { lo } else { hi };
                         out[n * self.k + kk] = word.to_le_bytes()[byte] as i8;

@@ -336,7 +336,6 @@ impl Packed {
                 tiles: p.tiles,
                 chunks: p.chunks,
                 groups: p.groups,
-                group_len: p.group_len,
                 group_shift: p.group_shift,
             },
         })
@@ -698,9 +697,24 @@ pub fn quant_gemm(
             chunks,
             groups,
             group_shift,
-            ..
         } => {
             let q = int8_input(ctx, x, k)?;
+            let head = vec![
+                Arg::Ptr(codes.ptr),
+                Arg::Ptr(params.ptr),
+                Arg::Ptr(scales.ptr),
+                Arg::Ptr(q.codes),
+                Arg::I64(k as i64),
+                Arg::Ptr(q.scales),
+                Arg::Ptr(out.ptr),
+                Arg::I64(out.ld as i64),
+            ];
+            let geo = [m, n, k, *tiles, *chunks];
+            let route = Route {
+                family: QFamily::W4A8,
+                out_half,
+                decode: Some(QKernel::Decode),
+            };
             let wg = WgmmaOperands {
                 x: q.codes,
                 x_ld: k,
@@ -716,61 +730,19 @@ pub fn quant_gemm(
                 out: out.ptr,
                 ldy: out.ld,
             };
-            let name =
-                |kind| qgemm_kernel_name(kind, QFamily::W4A8, m, out_half, ctx.dtype.suffix());
-            let shape = (m, n, k, *tiles, *chunks);
-            // Hopper only: the decode gemv up to 16 tokens (inputs a multiple of 256 wide),
-            // wgmma tiles beyond.
-            let plan = plan_decode(*tiles, *chunks, ctx.gpu.sm_count, m, 1);
-            if let Some(plan) = plan {
-                let args = vec![
-                    Arg::Ptr(codes.ptr),
-                    Arg::Ptr(params.ptr),
-                    Arg::Ptr(scales.ptr),
-                    Arg::Ptr(q.codes),
-                    Arg::I64(k as i64),
-                    Arg::Ptr(q.scales),
-                    Arg::Ptr(out.ptr),
-                    Arg::I64(out.ld as i64),
-                ];
-                let geo = [m, n, k, *tiles, *chunks, *groups, *group_shift as usize]
-                    .into_iter()
-                    .map(|v| Arg::I32(v as i32))
-                    .collect();
-                return launch_decode(ctx, &name(QKernel::Decode), args, geo, *tiles, m, plan);
-            }
-            let tokens = if m <= WGMMA_SMALL_TOKENS {
-                WGMMA_SMALL_TOKENS
-            } else {
-                wgmma_tokens(m, *tiles, ctx.gpu.sm_count)
-            };
-            let wgmma = name(match tokens {
-                WGMMA_TOKENS => QKernel::Wgmma,
-                128 => QKernel::Wgmma128,
-                _ => QKernel::Wgmma64,
-            });
-            if !ctx.has_kernel(&wgmma) {
-                return Err(Error::unsupported(
-                    "a W4A8 GEMM on this GPU",
-                    "the W4A8 kernels are Hopper's (sm_90a)",
-                ));
-            }
-            if !(q.codes.is_multiple_of(16) && k.is_multiple_of(16)) {
-                return Err(Error::InvalidArgument(
-                    "w4a8 GEMM input rows must be 16-byte aligned".into(),
-                ));
-            }
-            launch_wgmma(ctx, &wgmma, QFamily::W4A8, tokens, wg, shape)
+            let decode_geo = [*groups as i32, *group_shift as i32];
+            run_quant(ctx, route, head, wg, &geo, &decode_geo, *tiles, *chunks)
         }
     }
 }
 
-/// Runs the kernel family a quantized GEMM takes: the gemv ([`use_gemv`]; the Hopper stream
-/// gemv when `route` allows it and the [`KernelTier`] picks it), else the wgmma kernel where
-/// the tier picks it and the activations suit TMA, else the tiled kernel. `head` are the
-/// mma.sync kernels' pointer arguments, `wg` the wgmma kernel's operands, `geo` the integers
-/// `[m, n, k, tiles, chunks, ..]` every mma.sync family takes after them (the gemv kernels
-/// also `gemv_geo`).
+/// Runs the kernel family a quantized GEMM takes: the decode gemv where it applies and the
+/// [`KernelTier`] picks it, else the mma.sync gemv ([`use_gemv`]), else the wgmma kernel where
+/// the tier picks it and the activations suit TMA, else the tiled kernel; W4A8, which has the
+/// Hopper kernels only, takes the decode gemv or the wgmma kernel whatever the tier. `head` are
+/// the gemv and tiled kernels' pointer arguments, `wg` the wgmma kernel's operands, `geo` the
+/// integers `[m, n, k, tiles, chunks, ..]` they take after them (the gemv kernels also
+/// `gemv_geo`).
 #[allow(clippy::too_many_arguments)]
 fn run_quant(
     ctx: &CudaContext,
@@ -784,80 +756,147 @@ fn run_quant(
 ) -> Result<()> {
     let (m, n, k) = (geo[0], geo[1], geo[2]);
     let name = |kind| qgemm_kernel_name(kind, route.family, m, route.out_half, ctx.dtype.suffix());
-    let x_elem = route.family.x_elem();
-    let mut ints: Vec<Arg> = geo.iter().map(|&v| Arg::I32(v as i32)).collect();
-    let shape = (m, n, k, tiles, chunks);
+    // The integers after the pointers: `geo`, and for the gemv kernels `gemv_geo` too.
+    let ints = |gemv: bool| -> Vec<Arg> {
+        let extra = if gemv { gemv_geo } else { &[] };
+        let geo = geo.iter().map(|&v| Arg::I32(v as i32));
+        geo.chain(extra.iter().map(|&v| Arg::I32(v))).collect()
+    };
     let tma_ok = wg.x.is_multiple_of(16) && (wg.x_ld * wg.x_elem).is_multiple_of(16);
-    // INT8 activations, 17 to 32 tokens: the decode gemv in 4-token tiles where its activation
-    // window fits ([`DECODE_MAX_M_INT8`]).
-    let int8_decode = route.family != QFamily::W4A16 && m > DECODE_MAX_M && m <= DECODE_MAX_M_INT8;
-    if int8_decode
-        && let (Some(plan), Some(kind)) = (
-            plan_decode(tiles, chunks, ctx.gpu.sm_count, m, x_elem),
-            route.decode,
-        )
-    {
-        let decode = name(kind);
-        if hopper_tier(ctx, &decode, true) {
-            return launch_decode(ctx, &decode, head, ints, tiles, m, plan);
+    let gemm = QGemm {
+        route,
+        m,
+        n,
+        k,
+        tiles,
+        chunks,
+        sms: ctx.gpu.sm_count,
+        tier: ctx.tier(),
+        tma_ok,
+    };
+    match gemm.pick(&|kind| ctx.has_kernel(&name(kind))) {
+        Pick::Decode(kind, plan) => {
+            launch_decode(ctx, &name(kind), head, ints(true), tiles, m, plan)
         }
-    }
-    // Past the decode gemv, up to 64 tokens: 64-token wgmma tiles on Hopper. Auto keeps the
-    // mma.sync gemv for up to 32 tokens of layers of at most 4096x4096 (on an H200 at 32
-    // tokens: 21.3 against 26.0 µs W4A16, 20.8 against 23.6 W8A8; larger layers gain 1.2x to
-    // 1.5x, and every layer at 64 tokens 1.4x to 3.0x).
-    if m > DECODE_MAX_M && m <= WGMMA_SMALL_TOKENS {
-        let wgmma = name(QKernel::Wgmma64);
-        let auto = m > 32 || n * k > 4096 * 4096;
-        if tma_ok && hopper_tier(ctx, &wgmma, auto) {
-            return launch_wgmma(ctx, &wgmma, route.family, WGMMA_SMALL_TOKENS, wg, shape);
-        }
-    }
-    if use_gemv(m, tiles, ctx.gpu.sm_count) {
-        ints.extend(gemv_geo.iter().map(|&v| Arg::I32(v)));
-        let plan = plan_decode(tiles, chunks, ctx.gpu.sm_count, m, x_elem);
-        // Auto: the decode gemv wherever it applies (on an H200 1.05x to 1.85x the mma.sync
-        // gemv, 4096x4096 at M = 1 included: 6.6 against 7.9 µs).
-        if let (Some(plan), Some(kind)) = (plan, route.decode) {
-            let decode = name(kind);
-            if hopper_tier(ctx, &decode, true) {
-                return launch_decode(ctx, &decode, head, ints, tiles, m, plan);
-            }
-        }
-        launch_gemv(
+        Pick::Gemv => launch_gemv(
             ctx,
             &name(QKernel::Gemv),
             head,
-            ints,
+            ints(true),
             tiles,
             chunks,
             m,
-            64 * x_elem,
-        )
-    } else {
-        let tokens = wgmma_tokens(m, tiles, ctx.gpu.sm_count);
-        let wgmma = name(match tokens {
+            64 * route.family.x_elem(),
+        ),
+        Pick::Wgmma(kind, tokens) => launch_wgmma(
+            ctx,
+            &name(kind),
+            route.family,
+            tokens,
+            wg,
+            (m, n, k, tiles, chunks),
+        ),
+        Pick::Tiled => {
+            let mut args = head;
+            args.extend(ints(false));
+            let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
+            let smem = if route.family == QFamily::W4A16 {
+                W4_TILED_SMEM
+            } else {
+                W8_TILED_SMEM
+            };
+            ctx.launch_smem(&name(QKernel::Tiled), grid, smem, args)
+        }
+        Pick::None => Err(Error::unsupported(
+            format!("a {:?} GEMM of {m} tokens here", route.family),
+            "its kernels are Hopper's (sm_90a) and read 16-byte aligned INT8 input rows",
+        )),
+    }
+}
+
+/// The kernel a quantized GEMM runs ([`QGemm::pick`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Pick {
+    Decode(QKernel, DecodePlan),
+    Gemv,
+    Wgmma(QKernel, usize),
+    Tiled,
+    /// W4A8 where its Hopper kernels cannot run.
+    None,
+}
+
+/// What picks a quantized GEMM's kernel: the route, the shape, the GPU and the [`KernelTier`].
+#[derive(Clone, Copy)]
+struct QGemm {
+    route: Route,
+    m: usize,
+    n: usize,
+    k: usize,
+    tiles: usize,
+    chunks: usize,
+    sms: usize,
+    tier: KernelTier,
+    /// The activations suit a TMA descriptor (16-byte aligned rows).
+    tma_ok: bool,
+}
+
+impl QGemm {
+    /// The decode gemv where it applies and the tier picks it, else the 64-token wgmma tiles
+    /// (17 to 64 tokens), the mma.sync gemv ([`use_gemv`]), the wgmma tiles or the tiled kernel.
+    /// W4A8, which has the Hopper kernels only, takes the decode gemv or a wgmma kernel whatever
+    /// the tier. `has` says whether a Hopper kernel was compiled for this GPU.
+    fn pick(self, has: &dyn Fn(QKernel) -> bool) -> Pick {
+        let QGemm { route, m, n, .. } = self;
+        let hopper_only = route.family == QFamily::W4A8;
+        let wanted = |kind: QKernel, auto_picks: bool| {
+            let tier = match self.tier {
+                _ if hopper_only => true,
+                KernelTier::MmaSync => false,
+                KernelTier::Hopper => true,
+                KernelTier::Auto => auto_picks,
+            };
+            tier && has(kind)
+        };
+        // The decode gemv: up to 16 tokens (32 with INT8 activations, in 4-token tiles:
+        // [`DECODE_MAX_M_INT8`]) where its activation window fits. On an H200 1.05x to 1.85x
+        // the mma.sync gemv, 4096x4096 at M = 1 included: 6.6 against 7.9 µs.
+        let plan = plan_decode(self.tiles, self.chunks, self.sms, m, route.family.x_elem());
+        if let (Some(plan), Some(kind)) = (plan, route.decode)
+            && wanted(kind, true)
+        {
+            return Pick::Decode(kind, plan);
+        }
+        // Past the decode gemv, up to 64 tokens: 64-token wgmma tiles on Hopper. Auto keeps the
+        // mma.sync gemv for up to 32 tokens of layers of at most 4096x4096 (on an H200 at 32
+        // tokens: 21.3 against 26.0 µs W4A16, 20.8 against 23.6 W8A8; larger layers gain 1.2x
+        // to 1.5x, and every layer at 64 tokens 1.4x to 3.0x).
+        if m > DECODE_MAX_M && m <= WGMMA_SMALL_TOKENS {
+            let auto = m > 32 || n * self.k > 4096 * 4096;
+            if self.tma_ok && wanted(QKernel::Wgmma64, auto) {
+                return Pick::Wgmma(QKernel::Wgmma64, WGMMA_SMALL_TOKENS);
+            }
+        }
+        if !hopper_only && use_gemv(m, self.tiles, self.sms) {
+            return Pick::Gemv;
+        }
+        let tokens = wgmma_tokens(m, self.tiles, self.sms);
+        let kind = match tokens {
             WGMMA_TOKENS => QKernel::Wgmma,
             128 => QKernel::Wgmma128,
             _ => QKernel::Wgmma64,
-        });
-        // Auto: wgmma past 64 tokens. Kernel by kernel the mma.sync tiles looked cheaper
-        // under a full 256-token tile, but in the engine (Llama-3-8B on an H100, 1000
-        // ShareGPT prompts) steps of 128 to 255 sequences took 27.0 ms W4A16 and 20.2 W8A8
-        // on them against 16.9 and 12.4 for steps of 256 to 511 on wgmma
-        // (bench/results/engine-20261124-77517f0).
-        if tma_ok && hopper_tier(ctx, &wgmma, true) {
-            return launch_wgmma(ctx, &wgmma, route.family, tokens, wg, shape);
-        }
-        let mut args = head;
-        args.extend(ints);
-        let grid = (tiles.div_ceil(8) as u32, m.div_ceil(128) as u32, 1);
-        let smem = if route.family == QFamily::W4A16 {
-            W4_TILED_SMEM
-        } else {
-            W8_TILED_SMEM
         };
-        ctx.launch_smem(&name(QKernel::Tiled), grid, smem, args)
+        // Auto: wgmma past 64 tokens. Kernel by kernel the mma.sync tiles looked cheaper under
+        // a full 256-token tile, but in the engine (Llama-3-8B on an H100, 1000 ShareGPT
+        // prompts) steps of 128 to 255 sequences took 27.0 ms W4A16 and 20.2 W8A8 on them
+        // against 16.9 and 12.4 for steps of 256 to 511 on wgmma
+        // (bench/results/engine-20261124-77517f0).
+        if self.tma_ok && wanted(kind, true) {
+            Pick::Wgmma(kind, tokens)
+        } else if hopper_only {
+            Pick::None
+        } else {
+            Pick::Tiled
+        }
     }
 }
 
@@ -894,18 +933,6 @@ fn launch_gemv(
         gemv_smem(m, cps, x_bytes) as u32,
         args,
     )
-}
-
-/// Whether the Hopper kernel `name` runs: compiled for this GPU (the decode gemv from sm_90,
-/// the wgmma kernels on sm_90a) and chosen by the [`KernelTier`], where `auto_picks` is what
-/// [`KernelTier::Auto`] measured faster for this shape.
-fn hopper_tier(ctx: &CudaContext, name: &str, auto_picks: bool) -> bool {
-    let wanted = match ctx.tier() {
-        KernelTier::MmaSync => false,
-        KernelTier::Hopper => true,
-        KernelTier::Auto => auto_picks,
-    };
-    wanted && ctx.has_kernel(name)
 }
 
 /// Launches a wgmma-tier GEMM of shape `(m, n, k, tiles, chunks)`: output tiles of 128 weight
@@ -1297,6 +1324,69 @@ mod tests {
         bytes[32] = 200; // its scale
         bytes[34] = 0; // its zero
         assert!(pack_rows(format, 1, 64, &bytes, Dtype::Bf16).is_err());
+    }
+
+    #[test]
+    fn kernel_picks_follow_the_family_the_tier_and_the_shape() {
+        let gemm = |family, m: usize, n: usize, k: usize, tier| QGemm {
+            route: Route {
+                family,
+                out_half: false,
+                decode: match family {
+                    QFamily::W4A16 => w4_decode_kernel(128, k / 128),
+                    _ => Some(QKernel::Decode),
+                },
+            },
+            m,
+            n,
+            k,
+            tiles: n / 16,
+            chunks: k / 64,
+            sms: 132,
+            tier,
+            tma_ok: true,
+        };
+        let hopper = |_: QKernel| true;
+        let ampere = |_: QKernel| false;
+        let kind = |p: Pick| match p {
+            Pick::Decode(k, _) => format!("decode {k:?}"),
+            other => format!("{other:?}"),
+        };
+        use KernelTier::{Auto, MmaSync};
+        use QFamily::{W4A8, W4A16, W8A8};
+        for (family, m, n, k, tier, has_hopper, want) in [
+            // Decode sizes: the decode gemv, up to 16 tokens for W4A16 and 32 for INT8.
+            (W4A16, 1, 4096, 4096, Auto, true, "decode Decode"),
+            (W8A8, 24, 4096, 4096, Auto, true, "decode Decode"),
+            (W4A8, 32, 4096, 4096, Auto, true, "decode Decode"),
+            (W4A16, 24, 4096, 4096, Auto, true, "Gemv"),
+            // The mma.sync tier and GPUs without the Hopper kernels: the gemv and tiled
+            // kernels, except for W4A8, which has none and is refused.
+            (W8A8, 8, 4096, 4096, MmaSync, true, "Gemv"),
+            (W4A16, 1000, 4096, 4096, Auto, false, "Tiled"),
+            (W4A8, 8, 4096, 4096, MmaSync, true, "decode Decode"),
+            (W4A8, 8, 4096, 4096, Auto, false, "None"),
+            (W4A8, 1000, 4096, 4096, Auto, false, "None"),
+            // 33 to 64 tokens: the 64-token wgmma tiles; past them 256-token tiles.
+            (W8A8, 48, 4096, 4096, Auto, true, "Wgmma(Wgmma64, 64)"),
+            (W4A8, 64, 28672, 4096, MmaSync, true, "Wgmma(Wgmma64, 64)"),
+            (W4A16, 1024, 28672, 4096, Auto, true, "Wgmma(Wgmma, 256)"),
+            (W4A8, 1024, 28672, 4096, Auto, true, "Wgmma(Wgmma, 256)"),
+        ] {
+            let has: &dyn Fn(QKernel) -> bool = if has_hopper { &hopper } else { &ampere };
+            let got = kind(gemm(family, m, n, k, tier).pick(has));
+            assert_eq!(
+                got, want,
+                "{family:?} {m}x{n}x{k} {tier:?} hopper {has_hopper}"
+            );
+        }
+        // W4A8 with inputs the decode gemv cannot stage (K not a multiple of 256): wgmma tiles.
+        let odd = QGemm {
+            chunks: 9,
+            k: 576,
+            ..gemm(W4A8, 4, 576, 576, Auto)
+        };
+        assert_eq!(kind(odd.pick(&hopper)), "Wgmma(Wgmma64, 64)");
     }
 
     #[test]

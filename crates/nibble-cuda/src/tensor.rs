@@ -207,7 +207,6 @@ pub enum QuantWeight {
         tiles: usize,
         chunks: usize,
         groups: usize,
-        group_len: usize,
         group_shift: u32,
     },
 }
