@@ -19,6 +19,7 @@
 #               then decode steps per precision; qgemm-kernels: the kernels alone
 #   w4a8        1000 ShareGPT prompts offline at 64 and 256 sequences: W4A8 (QoQ g128) and BF16
 #               in the same session (the W4A8 issue's end-to-end ratio)
+#   fp8         the same for FP8 W8A8 (run it with w4a8 for a BF16 figure from the same session)
 # Logs and JSON go to OUTDIR; exits non-zero if a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +77,8 @@ for part in "$@"; do
     w4a8)
       throughput throughput-w4a8 llama-3-8b:w4a8-g128 --num-prompts 1000 --sweep-seqs 64,256 --profile
       throughput throughput-bf16 llama-3-8b --num-prompts 1000 --sweep-seqs 64,256 --profile ;;
+    fp8)
+      throughput throughput-fp8 llama-3-8b:fp8 --num-prompts 1000 --sweep-seqs 64,256 --profile ;;
     serve)
       step serve-bf16 bash scripts/gpu-serve-bench.sh "$bin" llama-3-8b "$tok" "$ds" "$out" ;;
     *) echo "unknown part $part" >&2; status=1 ;;

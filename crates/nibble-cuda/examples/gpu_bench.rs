@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use nibble_core::Result;
-use nibble_cuda::qlinear::{KernelTier, QuantWeight, WGMMA_SMALL_TOKENS};
+use nibble_cuda::qlinear::{Act8, KernelTier, QuantWeight, WGMMA_SMALL_TOKENS};
 use nibble_cuda::{CudaBackend, CudaWeight, DeviceBuffer, Dtype, Elem, WeightData};
 use nibble_formats::gguf::GgmlType;
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
@@ -246,6 +246,15 @@ fn quant_weight(format: LinearFormat, n: usize, k: usize, seed: u64) -> Result<H
                 let end = row.len();
                 row[end - 2..].copy_from_slice(&half::f16::from_f32(0.001).to_le_bytes());
             }
+            // e4m3 codes, the NaN patterns (S.1111.111) made zero, and an f32 scale.
+            WeightCodec::Fp8PerChannel => {
+                for b in &mut row[..k] {
+                    if *b & 0x7f == 0x7f {
+                        *b = 0;
+                    }
+                }
+                row[k..].copy_from_slice(&0.001f32.to_le_bytes());
+            }
             _ => row[k..].copy_from_slice(&half::f16::from_f32(0.001).to_le_bytes()),
         }
     }
@@ -308,6 +317,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
     let w4: LinearFormat = "int4-g128/a16".parse()?;
     let w8: LinearFormat = "int8-pc/a8".parse()?;
     let w4a8: LinearFormat = "qoq-g128/a8".parse()?;
+    let fp8: LinearFormat = "fp8-pc/afp8".parse()?;
     let mut rows = Vec::new();
     for (si, &(n, k)) in shapes.iter().enumerate() {
         let copies = |host: &HostTensor| -> Result<Vec<_>> {
@@ -318,8 +328,10 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
         let q4 = copies(&quant_weight(w4, n, k, 200 + si as u64)?)?;
         let q8 = copies(&quant_weight(w8, n, k, 300 + si as u64)?)?;
         let q48 = copies(&quant_weight(w4a8, n, k, 400 + si as u64)?)?;
+        let qf8 = copies(&quant_weight(fp8, n, k, 500 + si as u64)?)?;
         let (p4s, p8s, p48s) = (quant_params(&q4)?, quant_params(&q8)?, quant_params(&q48)?);
-        let (p4, p8, p48) = (p4s[0], p8s[0], p48s[0]);
+        let pf8s = quant_params(&qf8)?;
+        let (p4, p8, p48, pf8) = (p4s[0], p8s[0], p48s[0], pf8s[0]);
         eprintln!(
             "qgemm {n}x{k}: {} bf16, {} w4a16, {} w8a8, {} w4a8 weight copies",
             dense.len(),
@@ -329,7 +341,8 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
         );
         for &m in ms {
             let x = be.random_half_tensor(m, k, 7)?;
-            let x8 = be.with_owned_int8(&x)?;
+            let x8 = be.with_owned_act8(&x, Act8::Int8)?;
+            let xf8 = be.with_owned_act8(&x, Act8::Fp8)?;
             let out = be.owned_tensor(m, n, Elem::Half(Dtype::Bf16))?;
             let calls = if m <= 64 { 20 } else { 3 };
             // Call i reads copy i mod copies.
@@ -341,7 +354,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
                 }
             };
             let (mut cd, mut c4, mut c8) = (cycle(dense.len()), cycle(p4s.len()), cycle(p8s.len()));
-            let mut c48 = cycle(p48s.len());
+            let (mut c48, mut cf8) = (cycle(p48s.len()), cycle(pf8s.len()));
             let t_cublas = time_calls(be, calls, &mut || {
                 be.linear(&x, &dense[cd()], None).map(|_| ())
             })?;
@@ -353,6 +366,12 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
             })?;
             let t_w48q = time_calls(be, calls, &mut || {
                 be.quant_gemm(&x, p48s[c48()], n, k, &out)
+            })?;
+            let t_f8 = time_calls(be, calls, &mut || {
+                be.quant_gemm(&xf8, pf8s[cf8()], n, k, &out)
+            })?;
+            let t_f8q = time_calls(be, calls, &mut || {
+                be.quant_gemm(&x, pf8s[cf8()], n, k, &out)
             })?;
             // Decode and batch sizes on each tier (the default picks one per shape).
             let mut tier_ms = |tier: KernelTier| -> Result<(Option<f64>, Option<f64>)> {
@@ -372,6 +391,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
             let w4_bytes = p4.bytes() as f64;
             let w8_bytes = p8.bytes() as f64;
             let w48_bytes = p48.bytes() as f64;
+            let f8_bytes = pf8.bytes() as f64;
             let floor = |wb: f64| ((wb + io) / bw).max(flops / peak);
             let r = json!({
                 "n": n, "k": k, "m": m,
@@ -384,7 +404,10 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
                 "w4a8_weight_bytes": w48_bytes, "w4a8_floor_ms": floor(w48_bytes) * 1e3,
                 "w4a8_tops": flops / t_w48 / 1e12,
                 "w4a8_hbm_fraction": (w48_bytes + io) / t_w48 / bw,
-                "weight_copies": [dense.len(), p4s.len(), p8s.len(), p48s.len()],
+                "nibble_fp8_ms": t_f8 * 1e3, "nibble_fp8_with_quant_ms": t_f8q * 1e3,
+                "nibble_fp8_weight_bytes": f8_bytes, "nibble_fp8_floor_ms": floor(f8_bytes) * 1e3,
+                "nibble_fp8_tflops": flops / t_f8 / 1e12,
+                "weight_copies": [dense.len(), p4s.len(), p8s.len(), p48s.len(), pf8s.len()],
                 "w4a16_hbm_fraction": (w4_bytes + io) / t_w4 / bw,
                 "w4a16_floor_ms": floor(w4_bytes) * 1e3, "w8a8_floor_ms": floor(w8_bytes) * 1e3,
                 "bf16_floor_ms": floor((n * k * 2) as f64) * 1e3,
@@ -402,7 +425,7 @@ fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>
 /// precisions that have GPU kernels (the engine measurement: tokens/s against BF16).
 fn engine_precisions(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
     let mut rows = Vec::new();
-    for spec in ["", ":w4a16-g128", ":w8a8", ":w4a8-g128"] {
+    for spec in ["", ":w4a16-g128", ":w8a8", ":w4a8-g128", ":fp8"] {
         let files = nibble_model::dummy::open_dummy(&format!("llama-3-8b{spec}"), 0)?;
         let before = be.weight_bytes();
         let t0 = Instant::now();

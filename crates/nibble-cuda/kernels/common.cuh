@@ -3,6 +3,7 @@
 // 16-bit dtype `T` (GEMM inputs, the KV cache); these helpers convert between them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -221,7 +222,7 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 }
 
 // A thread's running max |x| over its values of a row, and whether they were all finite: its
-// share of the row's INT8 scale (quantize_row_i8).
+// share of the row's activation scale (quantize_row).
 struct AbsMax {
     float m = 0.f;
     bool finite = true;
@@ -231,22 +232,33 @@ struct AbsMax {
     }
 };
 
-// Quantizes row `row` of `src` (already written by this block, or any input), `local` being
-// this thread's share of max|x| (NaN/Inf propagate as a non-finite flag).
-template <class IN>
-__device__ __forceinline__ void quantize_row_i8(const IN* src, long ld, signed char* q, long ldq,
-                                                float* sx, int cols, AbsMax local) {
+// The 8-bit activation codes of a GEMM input, per token (nibble_precision::act): INT8 codes
+// rint(x / s) within +-127 for s = max|x| / 127; FP8 e4m3 codes of x / s, rounded to nearest even
+// and saturated, for s = max|x| / 448 (the float8 crate's from_f32 on the CPU).
+struct Int8Codes {
+    using Code = signed char;
+    static constexpr float QMAX = 127.0f;
+    __device__ __forceinline__ static Code code(float v) { return (Code)fminf(fmaxf(rintf(v), -127.f), 127.f); }
+};
+struct Fp8Codes {
+    using Code = unsigned char;
+    static constexpr float QMAX = 448.0f;
+    __device__ __forceinline__ static Code code(float v) { return (Code)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
+};
+
+// Quantizes row `row` of `src` (already written by this block, or any input) to codes `C`,
+// `local` being this thread's share of max|x| (NaN/Inf propagate as a non-finite flag: codes 0,
+// scale NaN, as the reference).
+template <class C, class IN>
+__device__ __forceinline__ void quantize_row(const IN* src, long ld, typename C::Code* q, long ldq,
+                                             float* sx, int cols, AbsMax local) {
     __shared__ float scratch[32];
     const long row = blockIdx.x;
     const float amax = block_max(local.finite ? local.m : __int_as_float(0x7f800000), scratch);
     const bool finite = amax <= 3.4028235e38f;
-    const float scale = finite ? amax / 127.0f : __int_as_float(0x7fc00000);
+    const float scale = finite ? amax / C::QMAX : __int_as_float(0x7fc00000);
     row_pages(
         cols, [&](int c) { return to_f32(src[row * ld + c]); },
-        [&](int c, float v) {
-            signed char code = 0;
-            if (finite && scale != 0.f) code = (signed char)fminf(fmaxf(rintf(v / scale), -127.f), 127.f);
-            q[row * ldq + c] = code;
-        });
+        [&](int c, float v) { q[row * ldq + c] = finite && scale != 0.f ? C::code(v / scale) : (typename C::Code)0; });
     if (threadIdx.x == 0) sx[row] = scale;
 }

@@ -232,38 +232,39 @@ extern "C" __global__ void add_bias(float* out, const float* bias, int cols, lon
         out[i] += bias[i % cols];
 }
 
-// Standalone and fused (QServe S1) per-token INT8 quantization of a GEMM input; see
-// quantize_row_i8 in common.cuh.
-template <class IN>
-__device__ void quantize_i8_impl(const IN* __restrict__ x, long ldx, signed char* __restrict__ q,
-                                 long ldq, float* __restrict__ sx, int cols) {
+// Standalone and fused (QServe S1) per-token 8-bit quantization of a GEMM input, INT8 (`i8`, `q8`)
+// or FP8 e4m3 (`f8`); see quantize_row in common.cuh.
+template <class C, class IN>
+__device__ void quantize_act_impl(const IN* __restrict__ x, long ldx, typename C::Code* __restrict__ q,
+                                  long ldq, float* __restrict__ sx, int cols) {
     grid_dependency_enter();
     const long row = blockIdx.x;
     AbsMax am;
     row_pages(
         cols, [&](int c) { return to_f32(x[row * ldx + c]); }, [&](int, float v) { am.add(v); });
-    quantize_row_i8(x, ldx, q, ldq, sx, cols, am);
+    quantize_row<C>(x, ldx, q, ldq, sx, cols, am);
 }
 
-extern "C" __global__ void ROW_KERNEL quantize_i8_f32(const float* x, long ldx, signed char* q, long ldq, float* sx, int cols) {
-    quantize_i8_impl(x, ldx, q, ldq, sx, cols);
-}
+#define NIBBLE_ACT8_F32(NAME, C)                                                                    \
+    extern "C" __global__ void ROW_KERNEL NAME(const float* x, long ldx, C::Code* q, long ldq, float* sx, int cols) { \
+        quantize_act_impl<C>(x, ldx, q, ldq, sx, cols);                                             \
+    }
+NIBBLE_ACT8_F32(quantize_i8_f32, Int8Codes)
+NIBBLE_ACT8_F32(quantize_f8_f32, Fp8Codes)
 
-#define NIBBLE_Q8_FUSED(SUFFIX, T)                                                                \
-    extern "C" __global__ void ROW_KERNEL quantize_i8_##SUFFIX(const T* x, long ldx, signed char* q, long ldq, \
+#define NIBBLE_ACT8_FUSED(SUFFIX, T, QNAME, TAG, C)                                                 \
+    extern "C" __global__ void ROW_KERNEL QNAME##_##SUFFIX(const T* x, long ldx, C::Code* q, long ldq, \
                                                     float* sx, int cols) {                         \
-        quantize_i8_impl(x, ldx, q, ldq, sx, cols);                                                 \
+        quantize_act_impl<C>(x, ldx, q, ldq, sx, cols);                                             \
     }                                                                                               \
-    /* rms_norm_##SUFFIX, then the INT8 codes of its output row. */                                 \
-    extern "C" __global__ void ROW_KERNEL rms_norm_q8_##SUFFIX(float* x, const float* delta, const float* w,  \
-                                                    T* out, int h, float eps, signed char* q,       \
-                                                    float* sx) {                                    \
-        quantize_row_i8(out, h, q, h, sx, h, rms_norm_impl<T>(x, delta, w, out, h, eps));           \
+    /* rms_norm_##SUFFIX, then the codes of its output row. */                                      \
+    extern "C" __global__ void ROW_KERNEL rms_norm_##TAG##_##SUFFIX(float* x, const float* delta, const float* w, \
+                                                    T* out, int h, float eps, C::Code* q, float* sx) { \
+        quantize_row<C>(out, h, q, h, sx, h, rms_norm_impl<T>(x, delta, w, out, h, eps));           \
     }                                                                                               \
-    /* One block per row: out = T(silu(gate) * up), then its INT8 codes. */                          \
-    extern "C" __global__ void ROW_KERNEL silu_mul_q8_##SUFFIX(const float* gate, const float* up, T* out,    \
-                                                    int cols, long ldg, long ldu, signed char* q,   \
-                                                    float* sx) {                                    \
+    /* One block per row: out = T(silu(gate) * up), then its codes. */                             \
+    extern "C" __global__ void ROW_KERNEL silu_mul_##TAG##_##SUFFIX(const float* gate, const float* up, T* out, \
+                                                    int cols, long ldg, long ldu, C::Code* q, float* sx) { \
         grid_dependency_enter();                                                                    \
         const long r = blockIdx.x;                                                                  \
         AbsMax am;                                                                                  \
@@ -274,6 +275,9 @@ extern "C" __global__ void ROW_KERNEL quantize_i8_f32(const float* x, long ldx, 
                 out[r * cols + c] = o;                                                              \
                 am.add(to_f32(o));                                                                  \
             });                                                                                     \
-        quantize_row_i8(out, cols, q, cols, sx, cols, am);                                          \
+        quantize_row<C>(out, cols, q, cols, sx, cols, am);                                          \
     }
+#define NIBBLE_Q8_FUSED(SUFFIX, T) NIBBLE_ACT8_FUSED(SUFFIX, T, quantize_i8, q8, Int8Codes)
+#define NIBBLE_F8_FUSED(SUFFIX, T) NIBBLE_ACT8_FUSED(SUFFIX, T, quantize_f8, f8, Fp8Codes)
 NIBBLE_BOTH_DTYPES(NIBBLE_Q8_FUSED)
+NIBBLE_BOTH_DTYPES(NIBBLE_F8_FUSED)

@@ -138,7 +138,8 @@ struct W4A8Affine {
 struct W8Epilogue {
     const float* sx;
     const float* sw;
-    __device__ __forceinline__ float operator()(int v, int m, int n) const {
+    // i32 sums (INT8) or f32 sums (FP8): the sum times one f32 product of the two scales.
+    template <class A> __device__ __forceinline__ float operator()(A v, int m, int n) const {
         return (float)v * (sx[m] * sw[n]);
     }
 };

@@ -78,9 +78,20 @@ impl CudaBackend {
         qlinear::quant_gemm(&self.ctx, x, w, n, k, out)
     }
 
-    /// Benchmark support: [`qlinear::with_owned_int8`].
-    pub fn with_owned_int8(&self, x: &CudaTensor) -> Result<CudaTensor> {
-        qlinear::with_owned_int8(&self.ctx, x)
+    /// Test support: the per-token 8-bit codes of `kind` and scales a quantized GEMM would read
+    /// for `x` (those its producer wrote alongside it, else quantized now), on the host.
+    pub fn act8_codes(&self, x: &CudaTensor, kind: qlinear::Act8) -> Result<(Vec<u8>, Vec<f32>)> {
+        let q = qlinear::act8_input(&self.ctx, x, x.cols, kind)?;
+        let mut codes = vec![0u8; x.rows * x.cols];
+        let mut scales = vec![0f32; x.rows];
+        self.ctx.gpu.download(&mut codes, q.codes)?;
+        self.ctx.gpu.download(&mut scales, q.scales)?;
+        Ok((codes, scales))
+    }
+
+    /// Benchmark support: [`qlinear::with_owned_act8`].
+    pub fn with_owned_act8(&self, x: &CudaTensor, kind: qlinear::Act8) -> Result<CudaTensor> {
+        qlinear::with_owned_act8(&self.ctx, x, kind)
     }
 
     /// Benchmark support: an f32 matrix of uniform values in [-1, 1) in owned memory.
@@ -107,14 +118,14 @@ impl CudaBackend {
         if let Some((format, rows, cols, bytes)) = qlinear::stacked_rows(parts)? {
             // Geometry the kernels cannot read (K not a multiple of 16) runs dequantized below.
             // W4A8 has Hopper kernels only; elsewhere it runs dequantized too.
-            let runs = qlinear::QFamily::of(format) != Some(qlinear::QFamily::W4A8)
-                || self.ctx.has_kernel("w4a8_wgmma_f32");
+            let runs = qlinear::QFamily::of(format)
+                .is_some_and(|f| !f.hopper_only() || self.ctx.has_kernel(f.hopper_probe()));
             if let Some(packed) = runs
                 .then(|| qlinear::pack_rows(format, rows, cols, &bytes, dtype).ok())
                 .flatten()
             {
                 let q = packed.upload(&self.ctx, &what)?;
-                self.ctx.note_weight(q.bytes(), q.reads_int8());
+                self.ctx.note_weight(q.bytes(), q.reads_act8());
                 return Ok(CudaWeight {
                     rows,
                     cols,
@@ -138,7 +149,7 @@ impl CudaBackend {
             cols = c;
         }
         let buf = DeviceBuffer::from_host(&self.ctx.gpu, &bits, &what)?;
-        self.ctx.note_weight(bits.len() * 2, false);
+        self.ctx.note_weight(bits.len() * 2, None);
         Ok(CudaWeight {
             rows,
             cols,
@@ -172,7 +183,7 @@ fn dequantized_reason(ctx: &CudaContext, parts: &[HostTensor]) -> Option<String>
             f.to_string(),
             match qlinear::QFamily::of(f) {
                 None => "it has no GPU kernel yet",
-                Some(qlinear::QFamily::W4A8) if !ctx.has_kernel("w4a8_wgmma_f32") => {
+                Some(f) if f.hopper_only() && !ctx.has_kernel(f.hopper_probe()) => {
                     "its kernels need Hopper (sm_90a)"
                 }
                 Some(_) => "this layer's shape or groups do not suit the kernel",

@@ -39,7 +39,9 @@ pub const SOURCES: &[(&str, &str)] = &[
             "\n",
             include_str!("../kernels/hopper.cuh"),
             "\n",
-            include_str!("../kernels/qgemm_wgmma.cu")
+            include_str!("../kernels/qgemm_wgmma.cu"),
+            "\n",
+            include_str!("../kernels/qgemm_fp8.cu")
         ),
     ),
 ];
@@ -58,11 +60,14 @@ pub const GRID_WAITING_KERNELS: &[&str] = &[
     "add_f32",
     "gather_rows",
     "quantize_i8_",
+    "quantize_f8_",
     "paged_attn_",
     "attn_reduce_",
     "decode_mma_",
     "w4a16_dec",
     "w8a8_dec",
+    "w4a8_dec",
+    "fp8_dec",
 ];
 
 /// Whether kernel `name` is one of [`GRID_WAITING_KERNELS`].

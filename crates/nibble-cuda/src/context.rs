@@ -5,7 +5,7 @@
 //! modules take it by reference.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use nibble_core::{Error, Result};
@@ -15,7 +15,7 @@ use crate::compile;
 use crate::graph::{self, GraphCache, GraphKey};
 use crate::host::{Event, StagingRing};
 use crate::runtime::{Arena, Arg, DeviceBuffer, DevicePtr, Gpu, Kernel, StickyError, driver_err};
-use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem};
+use crate::tensor::{Act8, CudaTensor, CudaWeight, Dtype, Elem};
 
 /// Split-K arrival counters: one per row block of 128 weight rows (mma.sync gemv) or per 16-row
 /// tile (decode gemv).
@@ -106,8 +106,9 @@ pub struct CudaContext {
     split_counters: DeviceBuffer,
     /// Kernels whose dynamic shared-memory limit has been raised, and to what.
     smem_raised: Mutex<HashMap<String, u32>>,
-    /// Set once a W8A8 weight is loaded: RMSNorm and SiLU-gate then also write INT8 codes.
-    int8_inputs: AtomicBool,
+    /// Set once a weight that reads 8-bit activation codes is loaded (0: none, 1: INT8, 2: FP8;
+    /// the first such weight decides): RMSNorm and SiLU-gate then also write those codes.
+    act8_inputs: AtomicU8,
     /// Which kernel tier quantized GEMMs run ([`KernelTier`] as u8).
     kernel_tier: AtomicU8,
 }
@@ -161,7 +162,7 @@ impl CudaContext {
             graphs_enabled: std::env::var("NIBBLE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             split_counters,
             smem_raised: Default::default(),
-            int8_inputs: Default::default(),
+            act8_inputs: Default::default(),
             kernel_tier: Default::default(),
         })
     }
@@ -186,17 +187,29 @@ impl CudaContext {
         self.kernels.contains_key(name)
     }
 
-    /// Whether producers of GEMM inputs should also write INT8 codes (a W8A8 weight is loaded).
-    pub fn wants_int8(&self) -> bool {
-        self.int8_inputs.load(Ordering::Relaxed)
+    /// The 8-bit codes producers of GEMM inputs should also write, if any (a W8A8, W4A8 or FP8
+    /// weight is loaded).
+    pub fn wants_act8(&self) -> Option<Act8> {
+        match self.act8_inputs.load(Ordering::Relaxed) {
+            1 => Some(Act8::Int8),
+            2 => Some(Act8::Fp8),
+            _ => None,
+        }
     }
 
-    /// Counts a loaded weight's bytes; `int8_inputs` when it is a W8A8 weight, whose GEMMs read
-    /// INT8 codes that the producers of their inputs then write.
-    pub(crate) fn note_weight(&self, bytes: usize, int8_inputs: bool) {
+    /// Counts a loaded weight's bytes; `act8` the activation codes its GEMMs read, which the
+    /// producers of their inputs then write (the first kind loaded; a GEMM reading the other
+    /// kind quantizes its input itself).
+    pub(crate) fn note_weight(&self, bytes: usize, act8: Option<Act8>) {
         self.weight_bytes.fetch_add(bytes, Ordering::Relaxed);
-        if int8_inputs {
-            self.int8_inputs.store(true, Ordering::Relaxed);
+        if let Some(kind) = act8 {
+            let v = match kind {
+                Act8::Int8 => 1,
+                Act8::Fp8 => 2,
+            };
+            let _ = self
+                .act8_inputs
+                .compare_exchange(0, v, Ordering::Relaxed, Ordering::Relaxed);
         }
     }
 

@@ -10,7 +10,7 @@ use nibble_model::{BatchLayout, RopeLayout};
 use crate::context::{BLOCK, CudaContext, grid_for, norm_block};
 use crate::kv::CudaKv;
 use crate::runtime::{Arg, DeviceBuffer};
-use crate::tensor::{CudaTensor, CudaWeight, Elem, Int8Input};
+use crate::tensor::{Act8, Act8Input, CudaTensor, CudaWeight, Elem};
 
 /// Rows `ids` of `table`, as f32.
 pub fn embed(ctx: &CudaContext, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor> {
@@ -87,14 +87,14 @@ fn norm_into(
         Arg::I32(x.cols as i32),
         Arg::F32(eps),
     ];
-    let name = if ctx.wants_int8() {
-        let q = int8_for(ctx, &out, &mut args)?;
-        out.int8 = Some(q);
-        "rms_norm_q8"
-    } else {
-        "rms_norm"
+    let name = match ctx.wants_act8() {
+        Some(kind) => {
+            out.act8 = Some(act8_for(ctx, &out, kind, &mut args)?);
+            format!("rms_norm_{}", kind.fused_tag())
+        }
+        None => "rms_norm".into(),
     };
-    ctx.half_kernel(name)?
+    ctx.half_kernel(&name)?
         .launch(&ctx.gpu, (x.rows as u32, 1, 1), norm_block(x.cols), 0, args)?;
     Ok(out)
 }
@@ -188,9 +188,9 @@ pub fn rope(
 /// `silu(gate) * up` in the model dtype (with INT8 codes when an INT8-activation GEMM will read
 /// it).
 pub fn silu_mul(ctx: &CudaContext, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
-    if !ctx.wants_int8() {
+    let Some(kind) = ctx.wants_act8() else {
         return gated(ctx, "silu_mul", gate, up);
-    }
+    };
     check_gated("silu_mul", gate, up)?;
     let mut out = ctx.alloc(gate.rows, gate.cols, Elem::Half(ctx.dtype))?;
     // One block per row: the row's INT8 codes need its max.
@@ -202,14 +202,15 @@ pub fn silu_mul(ctx: &CudaContext, gate: &CudaTensor, up: &CudaTensor) -> Result
         Arg::I64(gate.ld as i64),
         Arg::I64(up.ld as i64),
     ];
-    out.int8 = Some(int8_for(ctx, &out, &mut args)?);
-    ctx.half_kernel("silu_mul_q8")?.launch(
-        &ctx.gpu,
-        (gate.rows as u32, 1, 1),
-        norm_block(gate.cols),
-        0,
-        args,
-    )?;
+    out.act8 = Some(act8_for(ctx, &out, kind, &mut args)?);
+    ctx.half_kernel(&format!("silu_mul_{}", kind.fused_tag()))?
+        .launch(
+            &ctx.gpu,
+            (gate.rows as u32, 1, 1),
+            norm_block(gate.cols),
+            0,
+            args,
+        )?;
     Ok(out)
 }
 
@@ -400,13 +401,22 @@ pub fn fill_kv_random(ctx: &CudaContext, kv: &CudaKv, seed: i32) -> Result<()> {
     Ok(())
 }
 
-/// Allocates INT8 codes and scales for `out` and appends them to a fused kernel's `args`.
-fn int8_for(ctx: &CudaContext, out: &CudaTensor, args: &mut Vec<Arg>) -> Result<Int8Input> {
+/// Allocates 8-bit codes and scales for `out` and appends them to a fused kernel's `args`.
+fn act8_for(
+    ctx: &CudaContext,
+    out: &CudaTensor,
+    kind: Act8,
+    args: &mut Vec<Arg>,
+) -> Result<Act8Input> {
     let codes = ctx.alloc_bytes(out.rows * out.cols)?;
     let scales = ctx.alloc(out.rows, 1, Elem::F32)?.ptr;
     args.push(Arg::Ptr(codes));
     args.push(Arg::Ptr(scales));
-    Ok(Int8Input { codes, scales })
+    Ok(Act8Input {
+        codes,
+        scales,
+        kind,
+    })
 }
 
 /// For ops that read rows back to back (norms, adds, gathers).

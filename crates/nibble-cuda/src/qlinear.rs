@@ -6,11 +6,12 @@
 //! |---|---|---|
 //! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_stream{1,2,4}` (sm_90) or `w4a16_gemv{1,2,4,8}`, `w4a16_tiled` | model dtype |
 //! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4,8}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
-//! | `qoq-gN/a8`, `lqq-gN/a8`, `int4-pc/a8` (w4a8) | `w4a8_dec{1,2}` up to 16 tokens, `w4a8_wgmma{64,128,}` beyond (sm_90a only) | as W8A8 |
+//! | `qoq-gN/a8`, `lqq-gN/a8`, `int4-pc/a8` (w4a8) | `w4a8_dec{1,2,4}` up to 32 tokens, `w4a8_wgmma{64,128,}` beyond (sm_90a only) | as W8A8 |
+//! | `fp8-pc/afp8` (fp8) | `fp8_dec{1,2,4}` up to 32 tokens, `fp8_wgmma{64,128}` beyond (sm_90a only; kernels/qgemm_fp8.cu) | FP8 e4m3 per token, by the producing kernel or `quantize_f8` |
 //!
 //! Other quantized formats load dequantized to the model dtype and run on cuBLAS; so do W4A8
-//! weights on GPUs without the Hopper kernels, and QoQ groups whose codes the word arithmetic
-//! cannot widen exactly ([`WeightCodec::byte_affine`]).
+//! and FP8 weights on GPUs without the Hopper kernels, and QoQ groups whose codes the word
+//! arithmetic cannot widen exactly ([`WeightCodec::byte_affine`]).
 
 use nibble_core::{Error, Result};
 use nibble_formats::{HostTensor, WeightFormat};
@@ -20,8 +21,8 @@ use crate::context::{CudaContext, norm_block};
 pub use crate::context::{KernelTier, SPLIT_COUNTERS};
 use crate::pack::{self, PackedW4, PackedW4A8, PackedW8, W4A8Matrix, W4Matrix};
 use crate::runtime::{Arg, DeviceBuffer, TmaLayout, tensor_map};
+pub use crate::tensor::{Act8, Act8Input, QuantWeight};
 use crate::tensor::{CudaTensor, Dtype, Elem};
-pub use crate::tensor::{Int8Input, QuantWeight};
 
 /// Largest M the gemv (decode) kernels take; larger batches run the tiled kernels (whose 128-token
 /// tiles and one CTA per 128 weight rows leave most of the GPU idle at 64 tokens: 80 µs against
@@ -61,13 +62,15 @@ pub fn wgmma_smem(family: QFamily, tokens: usize) -> u32 {
         (QFamily::W8A8, WGMMA_TOKENS) => 4,
         (QFamily::W8A8, 128) => 6,
         (QFamily::W8A8, _) => 8,
+        (QFamily::Fp8, 128) => 6,
+        (QFamily::Fp8, _) => 8,
         (_, WGMMA_TOKENS) => 5,
         (_, 128) => 8,
         (_, _) => 12,
     };
     let weights = match family {
         QFamily::W4A16 => 8 * 512 + 8 * 128,
-        QFamily::W8A8 => 8 * 2048,
+        QFamily::W8A8 | QFamily::Fp8 => 8 * 2048,
         QFamily::W4A8 => 8 * 1024 + 8 * 4 * 64,
     };
     (stages * (tokens * 128 + weights) + 1024 + stages * 16) as u32
@@ -123,9 +126,13 @@ pub enum QFamily {
     /// 4-bit codes widened to INT8 in registers, INT8 per token (`qoq-gN/a8`, `lqq-gN/a8`,
     /// `int4-pc/a8`).
     W4A8,
+    /// FP8 e4m3 per channel, FP8 e4m3 per token (`fp8-pc/afp8`), packed as W8A8.
+    Fp8,
 }
 
 impl QFamily {
+    pub const ALL: [QFamily; 4] = [QFamily::W4A16, QFamily::W8A8, QFamily::W4A8, QFamily::Fp8];
+
     pub fn of(f: LinearFormat) -> Option<QFamily> {
         match (f.codec, f.act) {
             (WeightCodec::Int4Group { .. }, ActQuant::F16) => Some(QFamily::W4A16),
@@ -136,7 +143,43 @@ impl QFamily {
                 | WeightCodec::Int4Group { group: 0 },
                 ActQuant::Int8PerToken,
             ) => Some(QFamily::W4A8),
+            (WeightCodec::Fp8PerChannel, ActQuant::Fp8PerToken) => Some(QFamily::Fp8),
             _ => None,
+        }
+    }
+
+    /// Families with the Hopper kernels only (the decode gemv and wgmma, sm_90a): no mma.sync
+    /// gemv or tiled kernel to fall back on.
+    pub fn hopper_only(self) -> bool {
+        matches!(self, QFamily::W4A8 | QFamily::Fp8)
+    }
+
+    /// A kernel that exists only where the family's Hopper kernels were compiled.
+    pub fn hopper_probe(self) -> &'static str {
+        match self {
+            QFamily::W4A16 => "w4a16_wgmma64_bf16",
+            QFamily::W8A8 => "w8a8_wgmma64_f32",
+            QFamily::W4A8 => "w4a8_wgmma64_f32",
+            QFamily::Fp8 => "fp8_wgmma64_f32",
+        }
+    }
+
+    /// Tokens per tile of its largest wgmma kernel: FP8's promotion fragment leaves no registers
+    /// for 256-token tiles (kernels/qgemm_fp8.cu).
+    fn max_wgmma_tokens(self) -> usize {
+        if self == QFamily::Fp8 {
+            128
+        } else {
+            WGMMA_TOKENS
+        }
+    }
+
+    /// The 8-bit activation codes its kernels read, if any.
+    pub fn act8(self) -> Option<Act8> {
+        match self {
+            QFamily::W4A16 => None,
+            QFamily::W8A8 | QFamily::W4A8 => Some(Act8::Int8),
+            QFamily::Fp8 => Some(Act8::Fp8),
         }
     }
 
@@ -144,7 +187,7 @@ impl QFamily {
     fn x_elem(self) -> usize {
         match self {
             QFamily::W4A16 => 2,
-            QFamily::W8A8 | QFamily::W4A8 => 1,
+            QFamily::W8A8 | QFamily::W4A8 | QFamily::Fp8 => 1,
         }
     }
 
@@ -152,7 +195,7 @@ impl QFamily {
     /// ones: what the dispatch may ask for.
     pub fn kernels(self, hopper: bool, m: usize) -> Vec<QKernel> {
         let mut kinds = vec![];
-        if self != QFamily::W4A8 {
+        if !self.hopper_only() {
             kinds.extend([QKernel::Gemv, QKernel::Tiled]);
         }
         let decode_max = match self {
@@ -166,7 +209,10 @@ impl QFamily {
             }
         }
         if hopper {
-            kinds.extend([QKernel::Wgmma, QKernel::Wgmma128, QKernel::Wgmma64]);
+            if self.max_wgmma_tokens() == WGMMA_TOKENS {
+                kinds.push(QKernel::Wgmma);
+            }
+            kinds.extend([QKernel::Wgmma128, QKernel::Wgmma64]);
         }
         kinds
     }
@@ -248,14 +294,21 @@ pub fn pack_rows(
             };
             Ok(Packed::W4(pack::pack_w4(&w, dtype)?))
         }
-        WeightCodec::Int8PerChannel => {
+        WeightCodec::Int8PerChannel | WeightCodec::Fp8PerChannel => {
+            // FP8 packs its e4m3 bit patterns where INT8 packs codes: the fragments are bytes.
+            let fp8 = format.codec == WeightCodec::Fp8PerChannel;
             let mut codes = Vec::with_capacity(n * k);
             let mut scales = Vec::with_capacity(n);
             for row in bytes.chunks_exact(rb) {
                 codes.extend(row[..k].iter().map(|&b| b as i8));
-                scales.push(f16_at(row, k));
+                scales.push(if fp8 {
+                    f32::from_le_bytes([row[k], row[k + 1], row[k + 2], row[k + 3]])
+                } else {
+                    f16_at(row, k)
+                });
             }
-            Ok(Packed::W8(pack::pack_w8(n, k, &codes, &scales)?))
+            let act = if fp8 { Act8::Fp8 } else { Act8::Int8 };
+            Ok(Packed::W8(pack::pack_w8(n, k, &codes, &scales)?, act))
         }
         _ => Err(Error::unsupported(
             format!("linear format {format} on the GPU"),
@@ -308,7 +361,7 @@ fn pack_w4a8_rows(
 /// Host-side packed weight, before upload.
 pub enum Packed {
     W4(PackedW4),
-    W8(PackedW8),
+    W8(PackedW8, Act8),
     W4A8(PackedW4A8),
 }
 
@@ -323,11 +376,12 @@ impl Packed {
                 chunks: p.chunks,
                 groups: p.groups,
             },
-            Packed::W8(p) => QuantWeight::W8 {
+            Packed::W8(p, act) => QuantWeight::W8 {
                 codes: DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
                 scales: DeviceBuffer::from_host(&ctx.gpu, &p.scales, what)?,
                 tiles: p.tiles,
                 chunks: p.chunks,
+                act: *act,
             },
             Packed::W4A8(p) => QuantWeight::W4A8 {
                 codes: DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
@@ -477,10 +531,10 @@ pub fn qgemm_kernel_name(
         };
     }
     let o = if out_half { sfx } else { "f32" };
-    let p = if family == QFamily::W8A8 {
-        "w8a8"
-    } else {
-        "w4a8"
+    let p = match family {
+        QFamily::W8A8 => "w8a8",
+        QFamily::Fp8 => "fp8",
+        _ => "w4a8",
     };
     match kind {
         QKernel::Decode | QKernel::DecodeG64 => format!("{p}_dec{tt}_{o}"),
@@ -658,8 +712,9 @@ pub fn quant_gemm(
             scales,
             tiles,
             chunks,
+            act,
         } => {
-            let q = int8_input(ctx, x, k)?;
+            let q = act8_input(ctx, x, k, *act)?;
             let head = vec![
                 Arg::Ptr(codes.ptr),
                 Arg::Ptr(scales.ptr),
@@ -671,7 +726,10 @@ pub fn quant_gemm(
             ];
             let geo = [m, n, k, *tiles, *chunks];
             let route = Route {
-                family: QFamily::W8A8,
+                family: match act {
+                    Act8::Int8 => QFamily::W8A8,
+                    Act8::Fp8 => QFamily::Fp8,
+                },
                 out_half,
                 decode: Some(QKernel::Decode),
             };
@@ -698,7 +756,7 @@ pub fn quant_gemm(
             groups,
             group_shift,
         } => {
-            let q = int8_input(ctx, x, k)?;
+            let q = act8_input(ctx, x, k, Act8::Int8)?;
             let head = vec![
                 Arg::Ptr(codes.ptr),
                 Arg::Ptr(params.ptr),
@@ -809,7 +867,7 @@ fn run_quant(
         }
         Pick::None => Err(Error::unsupported(
             format!("a {:?} GEMM of {m} tokens here", route.family),
-            "its kernels are Hopper's (sm_90a) and read 16-byte aligned INT8 input rows",
+            "its kernels are Hopper's (sm_90a) and read 16-byte aligned 8-bit input rows",
         )),
     }
 }
@@ -821,7 +879,7 @@ enum Pick {
     Gemv,
     Wgmma(QKernel, usize),
     Tiled,
-    /// W4A8 where its Hopper kernels cannot run.
+    /// A Hopper-only family (W4A8, FP8) where its kernels cannot run.
     None,
 }
 
@@ -847,7 +905,7 @@ impl QGemm {
     /// the tier. `has` says whether a Hopper kernel was compiled for this GPU.
     fn pick(self, has: &dyn Fn(QKernel) -> bool) -> Pick {
         let QGemm { route, m, n, .. } = self;
-        let hopper_only = route.family == QFamily::W4A8;
+        let hopper_only = route.family.hopper_only();
         let wanted = |kind: QKernel, auto_picks: bool| {
             let tier = match self.tier {
                 _ if hopper_only => true,
@@ -879,7 +937,7 @@ impl QGemm {
         if !hopper_only && use_gemv(m, self.tiles, self.sms) {
             return Pick::Gemv;
         }
-        let tokens = wgmma_tokens(m, self.tiles, self.sms);
+        let tokens = wgmma_tokens(m, self.tiles, self.sms).min(route.family.max_wgmma_tokens());
         let kind = match tokens {
             WGMMA_TOKENS => QKernel::Wgmma,
             128 => QKernel::Wgmma128,
@@ -1076,55 +1134,66 @@ fn launch_decode(
     )
 }
 
-/// The INT8 codes a GEMM over `k` input channels reads: those the producer of `x` wrote
-/// alongside it (fused into RMSNorm / SiLU-gate), else quantized now.
-fn int8_input(ctx: &CudaContext, x: &CudaTensor, k: usize) -> Result<Int8Input> {
-    match x.int8 {
-        Some(q) if x.cols == k => Ok(q),
-        _ => quantize_int8(ctx, x),
+/// The 8-bit codes of `kind` a GEMM over `k` input channels reads: those the producer of `x`
+/// wrote alongside it (fused into RMSNorm / SiLU-gate), else quantized now.
+pub(crate) fn act8_input(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    k: usize,
+    kind: Act8,
+) -> Result<Act8Input> {
+    match x.act8 {
+        Some(q) if x.cols == k && q.kind == kind => Ok(q),
+        _ => quantize_act8(ctx, x, kind),
     }
 }
 
-/// Per-token INT8 codes (`rows x cols`, row stride `cols`) and scales of `x`.
-pub fn quantize_int8(ctx: &CudaContext, x: &CudaTensor) -> Result<Int8Input> {
+/// Per-token 8-bit codes of `kind` (`rows x cols`, row stride `cols`) and scales of `x`.
+pub fn quantize_act8(ctx: &CudaContext, x: &CudaTensor, kind: Act8) -> Result<Act8Input> {
     let codes = ctx.alloc_bytes(x.rows * x.cols)?;
     let scales = ctx.alloc(x.rows, 1, Elem::F32)?.ptr;
     let sfx = match x.elem {
         Elem::F32 => "f32",
         Elem::Half(d) => d.suffix(),
     };
-    ctx.kernel(&format!("quantize_i8_{sfx}"))?.launch(
-        &ctx.gpu,
-        (x.rows as u32, 1, 1),
-        norm_block(x.cols),
-        0,
-        vec![
-            Arg::Ptr(x.ptr),
-            Arg::I64(x.ld as i64),
-            Arg::Ptr(codes),
-            Arg::I64(x.cols as i64),
-            Arg::Ptr(scales),
-            Arg::I32(x.cols as i32),
-        ],
-    )?;
-    Ok(Int8Input { codes, scales })
+    ctx.kernel(&format!("{}_{sfx}", kind.quantize_kernel()))?
+        .launch(
+            &ctx.gpu,
+            (x.rows as u32, 1, 1),
+            norm_block(x.cols),
+            0,
+            vec![
+                Arg::Ptr(x.ptr),
+                Arg::I64(x.ld as i64),
+                Arg::Ptr(codes),
+                Arg::I64(x.cols as i64),
+                Arg::Ptr(scales),
+                Arg::I32(x.cols as i32),
+            ],
+        )?;
+    Ok(Act8Input {
+        codes,
+        scales,
+        kind,
+    })
 }
 
-/// Benchmark support: `x` with its per-token INT8 codes attached, in owned memory, so a W8A8
-/// GEMM can be timed without its quantization.
-pub fn with_owned_int8(ctx: &CudaContext, x: &CudaTensor) -> Result<CudaTensor> {
+/// Benchmark support: `x` with its per-token 8-bit codes of `kind` attached, in owned memory, so
+/// a W8A8 / W4A8 / FP8 GEMM can be timed without its quantization.
+pub fn with_owned_act8(ctx: &CudaContext, x: &CudaTensor, kind: Act8) -> Result<CudaTensor> {
     let codes_bytes = (x.rows * x.cols).div_ceil(16) * 16;
     let store = ctx.owned_tensor(codes_bytes / 4 + x.rows, 1, Elem::F32)?;
-    let q = quantize_int8(ctx, x)?;
+    let q = quantize_act8(ctx, x, kind)?;
     ctx.gpu.copy(store.ptr, q.codes, x.rows * x.cols)?;
     ctx.gpu
         .copy(store.ptr + codes_bytes as u64, q.scales, x.rows * 4)?;
     Ok(CudaTensor {
         ld: x.ld,
         owner: store.owner.clone(),
-        int8: Some(Int8Input {
+        act8: Some(Act8Input {
             codes: store.ptr,
             scales: store.ptr + codes_bytes as u64,
+            kind,
         }),
         ..CudaTensor::view(x.ptr, x.rows, x.cols, x.elem, 0)
     })
@@ -1353,7 +1422,7 @@ mod tests {
             other => format!("{other:?}"),
         };
         use KernelTier::{Auto, MmaSync};
-        use QFamily::{W4A8, W4A16, W8A8};
+        use QFamily::{Fp8, W4A8, W4A16, W8A8};
         for (family, m, n, k, tier, has_hopper, want) in [
             // Decode sizes: the decode gemv, up to 16 tokens for W4A16 and 32 for INT8.
             (W4A16, 1, 4096, 4096, Auto, true, "decode Decode"),
@@ -1372,6 +1441,11 @@ mod tests {
             (W4A8, 64, 28672, 4096, MmaSync, true, "Wgmma(Wgmma64, 64)"),
             (W4A16, 1024, 28672, 4096, Auto, true, "Wgmma(Wgmma, 256)"),
             (W4A8, 1024, 28672, 4096, Auto, true, "Wgmma(Wgmma, 256)"),
+            // FP8: Hopper only, as W4A8, and 128-token tiles at most (its promotion fragment).
+            (Fp8, 32, 4096, 4096, Auto, true, "decode Decode"),
+            (Fp8, 48, 4096, 4096, MmaSync, true, "Wgmma(Wgmma64, 64)"),
+            (Fp8, 8192, 28672, 4096, Auto, true, "Wgmma(Wgmma128, 128)"),
+            (Fp8, 8, 4096, 4096, Auto, false, "None"),
         ] {
             let has: &dyn Fn(QKernel) -> bool = if has_hopper { &hopper } else { &ampere };
             let got = kind(gemm(family, m, n, k, tier).pick(has));
@@ -1399,12 +1473,9 @@ mod tests {
             let f: LinearFormat = f.parse().unwrap();
             assert_eq!(QFamily::of(f), Some(QFamily::W4A8), "{f}");
         }
-        for f in [
-            "int4-g128/a8",
-            "fp8-pc/afp8",
-            "int8-pc/a16",
-            "int4-g128/a4a8-b128-n1",
-        ] {
+        let fp8: LinearFormat = "fp8-pc/afp8".parse().unwrap();
+        assert_eq!(QFamily::of(fp8), Some(QFamily::Fp8));
+        for f in ["int4-g128/a8", "int8-pc/a16", "int4-g128/a4a8-b128-n1"] {
             let f: LinearFormat = f.parse().unwrap();
             assert!(kernel_format(WeightFormat::Quant(f)).is_none(), "{f}");
         }

@@ -59,11 +59,37 @@ impl Elem {
     }
 }
 
-/// INT8 codes and per-token scales of a GEMM input, made by the kernel that produced it.
+/// The 8-bit activation codes a quantized GEMM reads, per token (`nibble_precision::act`): INT8
+/// (W8A8, W4A8) or FP8 e4m3 (FP8 W8A8).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act8 {
+    Int8,
+    Fp8,
+}
+
+impl Act8 {
+    /// The tag of the kernels that write these codes: `quantize_i8_*` / `rms_norm_q8_*` /
+    /// `silu_mul_q8_*`, or their `f8` twins (kernels/elementwise.cu).
+    pub fn quantize_kernel(self) -> &'static str {
+        match self {
+            Act8::Int8 => "quantize_i8",
+            Act8::Fp8 => "quantize_f8",
+        }
+    }
+    pub fn fused_tag(self) -> &'static str {
+        match self {
+            Act8::Int8 => "q8",
+            Act8::Fp8 => "f8",
+        }
+    }
+}
+
+/// 8-bit codes and per-token scales of a GEMM input, made by the kernel that produced it.
 #[derive(Clone, Copy, Debug)]
-pub struct Int8Input {
+pub struct Act8Input {
     pub codes: u64,
     pub scales: u64,
+    pub kind: Act8,
 }
 
 /// A row-major matrix on the GPU. Activations live in the per-forward arena and are valid until
@@ -79,9 +105,9 @@ pub struct CudaTensor {
     pub elem: Elem,
     pub(crate) epoch: u64,
     pub(crate) owner: Option<Arc<DeviceBuffer>>,
-    /// The tensor's per-token INT8 codes and scales, when the kernel that wrote it also made them
+    /// The tensor's per-token 8-bit codes and scales, when the kernel that wrote it also made them
     /// (QServe S1: a W8A8 GEMM then reads them instead of quantizing again).
-    pub(crate) int8: Option<Int8Input>,
+    pub(crate) act8: Option<Act8Input>,
 }
 
 impl CudaTensor {
@@ -94,7 +120,7 @@ impl CudaTensor {
             elem,
             epoch,
             owner: None,
-            int8: None,
+            act8: None,
         }
     }
 
@@ -140,7 +166,7 @@ impl CudaTensor {
                     elem: self.elem,
                     epoch: self.epoch,
                     owner: self.owner.clone(),
-                    int8: None,
+                    act8: None,
                 };
                 at += w;
                 t
@@ -193,11 +219,14 @@ pub enum QuantWeight {
         chunks: usize,
         groups: usize,
     },
+    /// INT8 (W8A8) or FP8 e4m3 (FP8 W8A8) codes per channel, f32 scales: one packing
+    /// (`pack::PackedW8`), the MMA's element type set by `act`.
     W8 {
         codes: DeviceBuffer,
         scales: DeviceBuffer,
         tiles: usize,
         chunks: usize,
+        act: Act8,
     },
     /// 4-bit codes widened to INT8 in the kernels (`pack::PackedW4A8`).
     W4A8 {
@@ -225,16 +254,23 @@ impl QuantWeight {
         }
     }
 
-    /// Whether its GEMMs read INT8 activation codes (which the producers of their inputs then
-    /// write alongside).
-    pub fn reads_int8(&self) -> bool {
-        !matches!(self, QuantWeight::W4 { .. })
+    /// The 8-bit activation codes its GEMMs read, if any (which the producers of their inputs
+    /// then write alongside).
+    pub fn reads_act8(&self) -> Option<Act8> {
+        match self {
+            QuantWeight::W4 { .. } => None,
+            QuantWeight::W8 { act, .. } => Some(*act),
+            QuantWeight::W4A8 { .. } => Some(Act8::Int8),
+        }
     }
 
     pub fn format_name(&self) -> &'static str {
         match self {
             QuantWeight::W4 { .. } => "w4a16",
-            QuantWeight::W8 { .. } => "w8a8",
+            QuantWeight::W8 {
+                act: Act8::Int8, ..
+            } => "w8a8",
+            QuantWeight::W8 { act: Act8::Fp8, .. } => "fp8",
             QuantWeight::W4A8 { .. } => "w4a8",
         }
     }

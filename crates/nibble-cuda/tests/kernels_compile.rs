@@ -37,6 +37,12 @@ fn kernels_compile_for_every_architecture() {
                     assert!(!entries.is_empty(), "{name} for {arch}: no entry points");
                     let want: &[&str] = match *name {
                         "attention" => &["paged_attn_bf16_hd128_g4", "attn_reduce_f16_hd64_g8"],
+                        "elementwise" => &[
+                            "quantize_i8_bf16",
+                            "quantize_f8_f32",
+                            "rms_norm_f8_bf16",
+                            "silu_mul_f8_f16",
+                        ],
                         "decode_mma" => &["decode_mma_bf16_hd128_g4", "decode_mma_f16_hd64_g8"],
                         // The wgmma tier exists from sm_90 (sm_90a) on.
                         "prefill" if cc.0 >= 9 => &[
@@ -53,6 +59,8 @@ fn kernels_compile_for_every_architecture() {
                             "w4a16_dec1_bf16",
                             "w4a16_dec2_h_g64_f16",
                             "w8a8_dec2_f32",
+                            "fp8_dec4_bf16",
+                            "fp8_wgmma128_f32",
                             "w4a16_gemv1_f16",
                         ],
                         "qgemm" => &["w4a16_gemv1_bf16", "w8a8_tiled_f32"],
@@ -63,7 +71,7 @@ fn kernels_compile_for_every_architecture() {
                         // gemv up to 64 tokens, the tiled kernels, and from sm_90 the decode gemv
                         // up to 16 tokens and the wgmma kernels.
                         use nibble_cuda::qlinear::{QFamily, qgemm_kernel_name};
-                        for family in [QFamily::W4A16, QFamily::W8A8, QFamily::W4A8] {
+                        for family in QFamily::ALL {
                             for out_half in [false, true] {
                                 for sfx in ["bf16", "f16"] {
                                     for m in 1..=64 {

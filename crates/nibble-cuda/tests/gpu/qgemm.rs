@@ -6,7 +6,7 @@
 //! the layer shapes of Llama-3-8B, Qwen3-8B and Llama-2-70B with sampled rows checked.
 
 use super::*;
-use nibble_cuda::qlinear::KernelTier;
+use nibble_cuda::qlinear::{Act8, KernelTier};
 use nibble_precision::{LinearFormat, reference_matmul};
 
 /// `n` random rows of `format` (codes, scales and zeros drawn directly, so large layers are cheap).
@@ -305,7 +305,7 @@ fn w8a8_fused_quantization_matches_the_reference() {
         let w = g
             .load_weight(&quant_tensor(format, n, k, wb.clone()))
             .unwrap();
-        assert!(g.wants_int8());
+        assert_eq!(g.wants_act8(), Some(Act8::Int8));
         let x = g.tensor_from_f32(&randn(&mut r, m * k, 1.0), m, k).unwrap();
         let nw = g.load_vector(&randn(&mut r, k, 1.0)).unwrap();
         let normed = g.rms_norm(&x, &nw, 1e-5);
@@ -319,6 +319,182 @@ fn w8a8_fused_quantization_matches_the_reference() {
             assert_bit_exact(&format!("fused {what} {m}x{n}x{k}"), &y, &want);
         }
     }
+}
+
+/// FP8 bound. Activation codes and scales are the reference's exactly (checked on their own in
+/// `fp8_activation_codes_are_the_references`), and every product is exact; what differs is the
+/// sum: tensor cores add the products of one MMA with fewer bits than f32 and the kernels add
+/// 128-product partial sums in f32 in another order. Per output |got - want| <= c * sum_j
+/// |w_j x_j| (decoded e4m3 values times both scales) with c = 2^-12, about 4x the largest error
+/// seen on an H200 (printed), far under FP8's own precision of 2^-4.
+fn assert_fp8_close(
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+    xs: &[f32],
+    k: usize,
+    wbytes: &[u8],
+) -> f64 {
+    let rb = k + 4;
+    let n = wbytes.len() / rb;
+    let format: LinearFormat = "fp8-pc/afp8".parse().unwrap();
+    let mut w = vec![0f32; k];
+    let mut worst = 0f64;
+    for (i, x) in xs.chunks_exact(k).enumerate() {
+        let mut codes = vec![0u8; k];
+        let sx = nibble_precision::act::quantize_fp8(x, &mut codes);
+        let xq: Vec<f32> = codes
+            .iter()
+            .map(|&c| nibble_precision::act::fp8_value(c) * sx)
+            .collect();
+        for (r, row) in wbytes.chunks_exact(rb).enumerate() {
+            WeightFormat::Quant(format)
+                .dequantize(row, k, &mut w)
+                .unwrap();
+            let mag: f32 = w.iter().zip(&xq).map(|(a, b)| (a * b).abs()).sum();
+            let (a, b) = (got[i * n + r], want[i * n + r]);
+            if b.is_nan() {
+                assert!(
+                    a.is_nan(),
+                    "{what}: row {i} col {r}: {a} where the reference is NaN"
+                );
+                continue;
+            }
+            let err = (a - b).abs();
+            assert!(
+                a.is_finite() && err <= mag / 4096.0 + 1e-30,
+                "{what}: row {i} col {r}: {a} vs reference {b} (bound {})",
+                mag / 4096.0
+            );
+            if mag > 0.0 {
+                worst = worst.max((err / mag) as f64);
+            }
+        }
+    }
+    worst
+}
+
+/// `n` FP8 rows quantized from random values (one outlier each) by the codec, with the scale
+/// ratios the SmoothQuant search may pick.
+fn fp8_rows(r: &mut ChaCha8Rng, n: usize, k: usize) -> Vec<u8> {
+    let format: LinearFormat = "fp8-pc/afp8".parse().unwrap();
+    let mut out = vec![0u8; n * (k + 4)];
+    for row in out.chunks_exact_mut(k + 4) {
+        let mut vals = randn(r, k, 0.02);
+        vals[r.random_range(0..k)] *= 30.0;
+        let ratio = [1.0, 0.9, 1.37, 2.0][r.random_range(0..4)];
+        format.codec.quantize_row(&vals, ratio, row).unwrap();
+    }
+    out
+}
+
+#[test]
+fn fp8_activation_codes_are_the_references() {
+    // Standalone (`quantize_f8`) and fused into RMSNorm and SiLU-gate once an FP8 weight is
+    // loaded: codes and scales bit for bit against nibble_precision::act::quantize_fp8, with
+    // an outlier, a zero row, a NaN row, subnormal codes and the 448 saturation edge.
+    let mut r = rng("fp8_activation_codes_are_the_references");
+    let format: LinearFormat = "fp8-pc/afp8".parse().unwrap();
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let g = gpu(dtype);
+        let _w = g
+            .load_weight(&quant_tensor(format, 64, 576, fp8_rows(&mut r, 64, 576)))
+            .unwrap();
+        assert_eq!(g.wants_act8(), Some(Act8::Fp8));
+        for &(m, k) in &[(1, 576), (7, 1536), (3, 14336), (70, 208)] {
+            g.poison_activations(64 << 20).unwrap();
+            let mut x = randn(&mut r, m * k, 1.0);
+            x[k / 2] = 300.0;
+            x[1] = 1e-5;
+            if m > 2 {
+                x[k..2 * k].fill(0.0);
+            }
+            if m > 3 {
+                x[3 * k + 2] = f32::NAN;
+            }
+            let xt = g.tensor_from_f32(&x, m, k).unwrap();
+            let nw = g.load_vector(&randn(&mut r, k, 1.0)).unwrap();
+            let normed = g.rms_norm(&xt, &nw, 1e-5);
+            let gate = g.tensor_from_f32(&randn(&mut r, m * k, 2.0), m, k).unwrap();
+            let up = g.tensor_from_f32(&randn(&mut r, m * k, 2.0), m, k).unwrap();
+            let act = g.silu_mul(&gate, &up);
+            for (what, t) in [
+                ("quantize_f8", &xt),
+                ("rms_norm", &normed),
+                ("silu_mul", &act),
+            ] {
+                let (codes, scales) = g.act8_codes(t, Act8::Fp8).unwrap();
+                let input = host(&g, t);
+                for (i, row) in input.chunks_exact(k).enumerate() {
+                    let mut want = vec![0u8; k];
+                    let s = nibble_precision::act::quantize_fp8(row, &mut want);
+                    assert!(
+                        s.to_bits() == scales[i].to_bits() || (s.is_nan() && scales[i].is_nan()),
+                        "{what} {m}x{k} {dtype:?} row {i}: scale {} vs reference {s}",
+                        scales[i]
+                    );
+                    let got = &codes[i * k..(i + 1) * k];
+                    if let Some(j) = (0..k).find(|&j| got[j] != want[j]) {
+                        panic!(
+                            "{what} {m}x{k} {dtype:?} row {i} channel {j}: code {:#04x} vs \
+                             reference {:#04x} for {}",
+                            got[j], want[j], row[j]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fp8_matches_the_reference_within_tensor_core_rounding() {
+    // The decode gemv (up to 32 tokens, inputs a multiple of 256), 64-token wgmma tiles with
+    // split K, and 128-token tiles; odd K chunk counts (a stage's second chunk zero-filled),
+    // rows the tiles do not divide, NaN-poisoned outputs, a NaN input row and a zero row.
+    let mut r = rng("fp8_matches_the_reference_within_tensor_core_rounding");
+    let format: LinearFormat = "fp8-pc/afp8".parse().unwrap();
+    let mut worst = 0f64;
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let g = gpu(dtype);
+        for &(m, n, k) in &[
+            (1, 576, 576),
+            (1, 130, 1024),
+            (5, 1040, 256),
+            (12, 4096, 4096),
+            (16, 300, 1536),
+            (32, 576, 1024),
+            (17, 130, 1536),
+            (33, 192, 640),
+            (64, 576, 1536),
+            (65, 96, 576),
+            (100, 576, 1536),
+            (130, 4096, 4096),
+            (257, 300, 384),
+            (513, 1040, 1088),
+        ] {
+            if dtype == Dtype::F16 && m > 64 && m != 130 {
+                continue;
+            }
+            let mut x = randn(&mut r, m * k, 1.0);
+            x[k / 3] = 40.0;
+            if m > 2 {
+                x[k..2 * k].fill(0.0);
+            }
+            if m > 3 {
+                x[3 * k + 5] = f32::NAN;
+            }
+            let w = fp8_rows(&mut r, n, k);
+            let rows = sample_rows(&mut r, m, 40);
+            let (tiers, want) = run(&g, format, &x, m, k, &w, n, &rows);
+            let xs = pick_rows(&x, &rows, k);
+            for (tier, got) in tiers {
+                let what = format!("fp8 {m}x{n}x{k} {dtype:?} {tier}");
+                worst = worst.max(assert_fp8_close(&what, &got, &want, &xs, k, &w));
+            }
+        }
+    }
+    eprintln!("fp8: largest |got - want| / sum |w x| = {worst:.3e} (bound 2^-12 = 2.44e-4)");
 }
 
 #[test]
@@ -487,16 +663,24 @@ fn dummy_engine<B: Backend>(backend: B, name: &str) -> Engine<B> {
     }
 }
 
-/// A whole model with W4A16, W8A8 and W4A8 linear layers (random weights quantized
-/// round-to-nearest) decodes on the GPU's quantized kernels (fused INT8 quantization and CUDA
+/// A whole model with W4A16, W8A8, W4A8 and FP8 linear layers (random weights quantized
+/// round-to-nearest) decodes on the GPU's quantized kernels (fused 8-bit quantization and CUDA
 /// graphs included) what the CPU's reference kernels decode: logits along the CPU's greedy path
-/// within 3e-2 (5e-2 for W8A8, 8e-2 for W4A8: the GPU quantizes the bf16 output of RMSNorm /
-/// SiLU-gate, the CPU its f32 value, so a few codes differ by one step in every layer; the GEMMs
-/// themselves are bit-exact), the same token wherever the CPU's choice is not a near-tie.
+/// within 3e-2 (5e-2 for W8A8, 8e-2 for W4A8 and FP8: the GPU quantizes the bf16 output of
+/// RMSNorm / SiLU-gate, the CPU its f32 value, so a few codes differ by one step in every layer;
+/// the integer GEMMs themselves are bit-exact), the same token wherever the CPU's choice is not a
+/// near-tie.
 #[test]
 fn quantized_models_match_cpu() {
     const STEPS: usize = 24;
-    for spec in ["w4a16-g64", "w4a16-g32", "w8a8", "w4a8-g64", "w4a8-lqq-g32"] {
+    for spec in [
+        "w4a16-g64",
+        "w4a16-g32",
+        "w8a8",
+        "w4a8-g64",
+        "w4a8-lqq-g32",
+        "fp8",
+    ] {
         // (INT4 per channel with INT8 activations, plain `w4a8`, is too coarse on this tiny
         // random model for the near-tie rule; its kernels are checked bit for bit above.)
         let name = format!("tiny-dummy:{spec}");
@@ -512,7 +696,7 @@ fn quantized_models_match_cpu() {
             // CPU its f32 value; with 4-bit weights a code off by one moves a logit further.
             let bound = match spec {
                 "w8a8" => 5e-2,
-                s if s.starts_with("w4a8") => 8e-2,
+                s if s.starts_with("w4a8") || s == "fp8" => 8e-2,
                 _ => 3e-2,
             };
             check(&format!("{name} step {step} logits"), gl, w, bound);
