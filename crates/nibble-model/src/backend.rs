@@ -4,7 +4,7 @@
 
 use nibble_core::Result;
 use nibble_formats::HostTensor;
-use nibble_precision::KvFormat;
+use nibble_precision::KvSpec;
 
 use crate::config::RopeLayout;
 use crate::sampling::{PendingSample, SampleSpec, Sampled};
@@ -78,7 +78,7 @@ pub struct KvShape {
     pub num_layers: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
-    pub format: KvFormat,
+    pub format: KvSpec,
 }
 
 /// Attention geometry of one call.
