@@ -442,7 +442,12 @@ impl KvFormat {
     /// Bytes one token's keys take in one KV head, averaged over a full block (the channel-wise
     /// formats share their parameters over the block). `float_bytes` is the size of the
     /// backend's unquantized element, which `kv16` stores.
-    pub fn key_bytes_per_token(self, head_dim: usize, block_size: usize, float_bytes: usize) -> f64 {
+    pub fn key_bytes_per_token(
+        self,
+        head_dim: usize,
+        block_size: usize,
+        float_bytes: usize,
+    ) -> f64 {
         match self.keys() {
             KeyLayout::Float => (head_dim * float_bytes) as f64,
             KeyLayout::PerToken(c) => c.record_bytes(head_dim) as f64,
@@ -517,7 +522,9 @@ impl KvSpec {
         block_size: usize,
         float_bytes: usize,
     ) -> f64 {
-        let keys = self.k.key_bytes_per_token(head_dim, block_size, float_bytes);
+        let keys = self
+            .k
+            .key_bytes_per_token(head_dim, block_size, float_bytes);
         let values = self.v.value_bytes_per_token(head_dim, float_bytes);
         num_kv_heads as f64 * (keys + values as f64)
     }

@@ -260,9 +260,7 @@ impl KvSpec {
         };
         let side = |s: &str, what: &str| {
             KvFormat::from_side_token(s).ok_or_else(|| {
-                format!(
-                    "unknown KV token '{t}': {what} format '{s}' is not one of {SIDE_TOKENS}"
-                )
+                format!("unknown KV token '{t}': {what} format '{s}' is not one of {SIDE_TOKENS}")
             })
         };
         Ok(KvSpec {
@@ -517,7 +515,10 @@ mod tests {
         }
         let err = "w4a8-k8v4-kv8".parse::<PrecisionSpec>().unwrap_err();
         assert!(err.to_string().contains("more than one KV"), "{err}");
-        assert!("k8v4".parse::<KvFormat>().is_err(), "a mix is not one format");
+        assert!(
+            "k8v4".parse::<KvFormat>().is_err(),
+            "a mix is not one format"
+        );
     }
 
     #[test]
