@@ -183,7 +183,9 @@ fn every_kv_format_generates_and_states_its_size() {
         "/../nibble-model/tests/fixtures/tiny-qwen3"
     );
     let mut sizes = Vec::new();
-    for kv in ["kv16", "kv8", "kv4", "kvfp8", "kv4c", "kv2c", "k8v4", "k4cv2c"] {
+    for kv in [
+        "kv16", "kv8", "kv4", "kvfp8", "kv4c", "kv2c", "k8v4", "k4cv2c",
+    ] {
         let (ok, out, err) = nibble(&[
             "--model",
             dir,
