@@ -200,8 +200,8 @@ struct EngineArgs {
     /// it sizes the KV cache itself.
     #[arg(long, default_value_t = 0.9)]
     gpu_memory_utilization: f64,
-    /// Tokens per KV block; the channel-wise KV formats (kv4c, kv2c) quantize keys over each
-    /// block and need at least 16.
+    /// Tokens per KV block; channel-wise keys (kv4c, kv2c, a k4c/k2c side) are quantized over
+    /// each block and need at least 16.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// Sequences decoded together at most (default: 256 on a GPU, 64 on the CPU).
