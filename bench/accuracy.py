@@ -41,6 +41,13 @@ ROWS = [
     ("kv4", "rtn"),
     ("kv4c", "rtn"),
     ("kv2c", "rtn"),
+    # Keys and values in different formats (`k<K>v<V>`, see README's KV section).
+    ("k8v4", "rtn"),
+    ("k4v8", "rtn"),
+    ("kfp8v4", "rtn"),
+    ("k8v2c", "rtn"),
+    ("k4v2c", "rtn"),
+    ("k4cv2c", "rtn"),
     ("w8a8", "rtn"),
     ("w8a8", "smoothquant"),
     ("w8a8", "qoq"),
@@ -62,7 +69,7 @@ ROWS = [
     ("w4a8-g64-kv4", "qoq"),
 ]
 
-KV_ONLY = {"kv8", "kvfp8", "kv4", "kv4c", "kv2c"}
+KV_ONLY = {"kv8", "kvfp8", "kv4", "kv4c", "kv2c", "k8v4", "k4v8", "kfp8v4", "k8v2c", "k4v2c", "k4cv2c"}
 
 
 def run(cmd, log):

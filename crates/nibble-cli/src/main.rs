@@ -12,7 +12,7 @@ use nibble_engine::eval::{perplexity, perplexity_sequences};
 use nibble_engine::structured::{Constraint, GrammarSpec, Grammars};
 use nibble_engine::{Engine, GenerateRequest, SamplingParams};
 use nibble_formats::chat_template::{ChatMessage, ChatTemplate};
-use nibble_model::{Backend, KvFormat};
+use nibble_model::{Backend, KvSpec};
 
 #[derive(Parser)]
 #[command(name = "nibble", version, about = "Mixed-precision LLM inference")]
@@ -30,9 +30,11 @@ struct Cli {
     /// KV cache format: kv16 (unquantized; f32 on the CPU), kv8 / kv4 (INT8 / INT4 per token per
     /// head), kvfp8 (FP8 e4m3 per token per head), kv4c / kv2c (BitDecoding 4 / 2-bit: keys per
     /// channel over each KV block, values per token; the block being filled stays full
-    /// precision; needs --block-size of at least 16). For generate, chat, eval, bench and serve.
+    /// precision; needs --block-size of at least 16). k<K>v<V> stores keys and values apart, each
+    /// side one of 16, 8, 4, fp8, 4c, 2c (k8v4, kfp8v4, k4cv2c). For generate, chat, eval, bench
+    /// and serve.
     #[arg(long, global = true, value_name = "FORMAT", value_parser = parse_kv)]
-    kv: Option<KvFormat>,
+    kv: Option<KvSpec>,
     /// Where to run: auto (a CUDA GPU when one is usable, else the CPU), cpu, cuda or cuda:N.
     #[arg(long, global = true, default_value = "auto", value_parser = parse_device)]
     device: Device,
@@ -61,7 +63,7 @@ fn parse_dtype(s: &str) -> std::result::Result<Dtype, String> {
     }
 }
 
-fn parse_kv(s: &str) -> std::result::Result<KvFormat, String> {
+fn parse_kv(s: &str) -> std::result::Result<KvSpec, String> {
     s.parse().map_err(|e: nibble_core::Error| e.to_string())
 }
 
@@ -198,8 +200,8 @@ struct EngineArgs {
     /// it sizes the KV cache itself.
     #[arg(long, default_value_t = 0.9)]
     gpu_memory_utilization: f64,
-    /// Tokens per KV block; the channel-wise KV formats (kv4c, kv2c) quantize keys over each
-    /// block and need at least 16.
+    /// Tokens per KV block; channel-wise keys (kv4c, kv2c, a k4c/k2c side) are quantized over
+    /// each block and need at least 16.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// Sequences decoded together at most (default: 256 on a GPU, 64 on the CPU).
@@ -221,7 +223,7 @@ struct EngineArgs {
 impl EngineArgs {
     /// The engine's sizes on a device with (`gpu`) or without its own memory; a GPU's KV pool,
     /// unless given, is sized later by [`build_engine`].
-    fn config(&self, kv: KvFormat, gpu: bool) -> Result<nibble_engine::serving::EngineConfig> {
+    fn config(&self, kv: KvSpec, gpu: bool) -> Result<nibble_engine::serving::EngineConfig> {
         if self.block_size == 0 {
             bail!("--block-size must be positive");
         }
@@ -971,7 +973,7 @@ where
     let tokens = config.num_blocks * config.block_size;
     let f32_bytes = B::Kv::bytes_per_token_of(
         nibble_model::KvShape {
-            format: KvFormat::F16,
+            format: KvSpec::default(),
             ..shape
         },
         config.block_size,

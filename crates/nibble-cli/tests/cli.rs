@@ -183,7 +183,9 @@ fn every_kv_format_generates_and_states_its_size() {
         "/../nibble-model/tests/fixtures/tiny-qwen3"
     );
     let mut sizes = Vec::new();
-    for kv in ["kv16", "kv8", "kv4", "kvfp8", "kv4c", "kv2c"] {
+    for kv in [
+        "kv16", "kv8", "kv4", "kvfp8", "kv4c", "kv2c", "k8v4", "k4cv2c",
+    ] {
         let (ok, out, err) = nibble(&[
             "--model",
             dir,
@@ -204,8 +206,12 @@ fn every_kv_format_generates_and_states_its_size() {
         let bytes: f64 = line.split(' ').next().unwrap().parse().unwrap();
         sizes.push(bytes);
     }
-    // tiny-qwen3: 2 layers x 2 KV heads x head dim 32, keys and values, in 16-token blocks.
-    assert_eq!(sizes, vec![1024.0, 288.0, 160.0, 272.0, 176.0, 112.0]);
+    // tiny-qwen3: 2 layers x 2 KV heads x head dim 32, keys and values, in 16-token blocks. A mix
+    // pays each side's record: k8v4 is kv8's keys (36 bytes a head) and kv4's values (20).
+    assert_eq!(
+        sizes,
+        vec![1024.0, 288.0, 160.0, 272.0, 176.0, 112.0, 224.0, 144.0]
+    );
 }
 
 #[test]
@@ -243,6 +249,10 @@ fn eval_ppl_takes_a_kv_format() {
 #[test]
 fn kv_flags_are_checked_before_loading() {
     assert_clean_failure(&["--kv", "kv3", "generate", "--prompt", "hi"], "kv3");
+    assert_clean_failure(
+        &["--kv", "k8", "generate", "--prompt", "hi"],
+        "'k8' names the keys' format but not the values'",
+    );
     // The model path is never opened: the block size is refused first.
     assert_clean_failure(
         &[

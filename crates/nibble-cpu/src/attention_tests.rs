@@ -1,8 +1,8 @@
-//! Attention over every KV format against a reference that dequantizes the cache with
-//! `nibble_precision`'s own functions and attends with the same arithmetic order, so outputs must
-//! be bit-identical; plus chunking, batching, block reuse and refusal.
+//! Attention over every KV format, uniform and mixed, against a reference that dequantizes each
+//! side of the cache with `nibble_precision`'s own functions and attends with the same arithmetic
+//! order, so outputs must be bit-identical; plus chunking, batching, block reuse and refusal.
 
-use nibble_model::{AttentionShape, BatchLayout, KvFormat, KvShape, SeqSpan};
+use nibble_model::{AttentionShape, BatchLayout, KvFormat, KvShape, KvSpec, SeqSpan};
 use nibble_precision::kv::{KeyLayout, TokenCodec};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -26,8 +26,21 @@ fn shape(heads: usize, kv_heads: usize, hd: usize) -> AttentionShape {
     }
 }
 
+/// Every uniform format, then mixes covering each way a side can be stored next to another:
+/// both sides as written (`k8v4`, `kfp8v16`), deferred values only (`k4v2c`), deferred keys
+/// only (`k4cv8`), both deferred with different codes (`k2cv4c`), and f32 keys next to
+/// deferred values (`k16v2c`).
+fn formats() -> Vec<KvSpec> {
+    let mixes = ["k8v4", "kfp8v16", "k4v2c", "k4cv8", "k2cv4c", "k16v2c"];
+    KvFormat::ALL
+        .into_iter()
+        .map(KvSpec::uniform)
+        .chain(mixes.iter().map(|m| m.parse().unwrap()))
+        .collect()
+}
+
 fn pool(
-    format: KvFormat,
+    format: impl Into<KvSpec>,
     s: AttentionShape,
     layers: usize,
     blocks: usize,
@@ -38,7 +51,7 @@ fn pool(
             num_layers: layers,
             num_kv_heads: s.num_kv_heads,
             head_dim: s.head_dim,
-            format,
+            format: format.into(),
         },
         blocks,
         bs,
@@ -118,14 +131,16 @@ fn run_chunks(
 }
 
 /// The key and value rows attention must read under `format`, as the cache defines them: the
-/// rows every query reads (`read[p]`), and for the channel-wise formats, `raw` rows inside the
-/// query's own block.
+/// rows of positions in full blocks and, for those in the query's own block of a buffered pool,
+/// the residual's: raw rows of a deferred side, the written records of the other.
 struct Expected {
     read_k: Vec<Vec<f32>>,
     read_v: Vec<Vec<f32>>,
+    own_k: Vec<Vec<f32>>,
+    own_v: Vec<Vec<f32>>,
 }
 
-fn expected_rows(format: KvFormat, seq: &Seq, s: AttentionShape, bs: usize) -> Expected {
+fn expected_rows(format: KvSpec, seq: &Seq, s: AttentionShape, bs: usize) -> Expected {
     let (kvh, hd) = (s.num_kv_heads, s.head_dim);
     let row = kvh * hd;
     let len = seq.k.rows;
@@ -144,41 +159,55 @@ fn expected_rows(format: KvFormat, seq: &Seq, s: AttentionShape, bs: usize) -> E
             .collect()
     };
     let raw = |t: &CpuTensor| (0..len).map(|p| t.row(p).to_vec()).collect::<Vec<_>>();
-    match format.keys() {
-        KeyLayout::Float => Expected {
-            read_k: raw(&seq.k),
-            read_v: raw(&seq.v),
-        },
-        KeyLayout::PerToken(codec) => Expected {
-            read_k: per_token(codec, &seq.k),
-            read_v: per_token(codec, &seq.v),
-        },
+    // Rows of full blocks come from the records; the partial tail is never packed.
+    let full = len / bs * bs;
+    let deferred = |quantized: Vec<Vec<f32>>, t: &CpuTensor| {
+        let mut rows = raw(t);
+        rows[..full].clone_from_slice(&quantized[..full]);
+        rows
+    };
+    let read_k = match format.keys() {
+        KeyLayout::Float => raw(&seq.k),
+        KeyLayout::PerToken(codec) => per_token(codec, &seq.k),
         KeyLayout::PerChannel(keys) => {
-            // Full blocks quantized as a whole; the partial tail never is.
-            let mut read_k = raw(&seq.k);
-            let mut read_v = raw(&seq.v);
-            let vq = per_token(format.values().unwrap(), &seq.v);
+            let mut deq = vec![0.0; len * row];
             for j in 0..len / bs {
                 let block = &seq.k.data[j * bs * row..(j + 1) * bs * row];
-                let mut deq = vec![0.0; bs * row];
                 for h in 0..kvh {
                     let mut rec = vec![0; keys.block_bytes(hd, bs)];
                     keys.quantize(&block[h * hd..], row, bs, hd, &mut rec)
                         .unwrap();
-                    keys.dequantize(&rec, bs, hd, &mut deq[h * hd..], row);
-                }
-                for t in 0..bs {
-                    read_k[j * bs + t] = deq[t * row..(t + 1) * row].to_vec();
-                    read_v[j * bs + t] = vq[j * bs + t].clone();
+                    keys.dequantize(&rec, bs, hd, &mut deq[j * bs * row + h * hd..], row);
                 }
             }
-            Expected { read_k, read_v }
+            deferred(deq.chunks(row).map(<[f32]>::to_vec).collect(), &seq.k)
         }
+    };
+    let read_v = match format.values() {
+        None => raw(&seq.v),
+        Some(codec) if format.values_deferred() => deferred(per_token(codec, &seq.v), &seq.v),
+        Some(codec) => per_token(codec, &seq.v),
+    };
+    let own_k = if format.keys_deferred() {
+        raw(&seq.k)
+    } else {
+        read_k.clone()
+    };
+    let own_v = if format.values_deferred() {
+        raw(&seq.v)
+    } else {
+        read_v.clone()
+    };
+    Expected {
+        read_k,
+        read_v,
+        own_k,
+        own_v,
     }
 }
 
 /// Plain causal attention over the expected rows, in the kernel's arithmetic order.
-fn reference(format: KvFormat, seq: &Seq, s: AttentionShape, bs: usize) -> Vec<f32> {
+fn reference(format: KvSpec, seq: &Seq, s: AttentionShape, bs: usize) -> Vec<f32> {
     let e = expected_rows(format, seq, s, bs);
     let (heads, hd) = (s.num_heads, s.head_dim);
     let group = heads / s.num_kv_heads;
@@ -189,25 +218,19 @@ fn reference(format: KvFormat, seq: &Seq, s: AttentionShape, bs: usize) -> Vec<f
         for h in 0..heads {
             let off = (h / group) * hd;
             let qv = &seq.q.row(pos)[h * hd..(h + 1) * hd];
-            // Channel-wise formats: the query's own block in full precision.
-            let own_start = if format.is_channelwise() {
+            // Buffered pools: the query's own block from its residual.
+            let own_start = if format.buffered() {
                 pos / bs * bs
             } else {
                 pos + 1
             };
             let row_k = |p: usize| {
-                if p < own_start {
-                    &e.read_k[p][off..off + hd]
-                } else {
-                    &seq.k.row(p)[off..off + hd]
-                }
+                let rows = if p < own_start { &e.read_k } else { &e.own_k };
+                &rows[p][off..off + hd]
             };
             let row_v = |p: usize| {
-                if p < own_start {
-                    &e.read_v[p][off..off + hd]
-                } else {
-                    &seq.v.row(p)[off..off + hd]
-                }
+                let rows = if p < own_start { &e.read_v } else { &e.own_v };
+                &rows[p][off..off + hd]
             };
             // A window keeps the keys with pos - p < window.
             let first = s.window.map_or(0, |w| (pos + 1).saturating_sub(w));
@@ -255,7 +278,7 @@ fn every_format_reads_exactly_the_dequantized_cache() {
         shape(5, 1, 7),  // odd head count and head dim, MQA
         shape(6, 3, 16), // GQA groups of two
     ];
-    for format in KvFormat::ALL {
+    for format in formats() {
         for s in cases {
             for bs in [16, 32] {
                 for len in [1, 15, 16, 17, 37, 64] {
@@ -279,7 +302,7 @@ fn sliding_windows_mask_the_old_keys() {
     let mut rng = ChaCha8Rng::seed_from_u64(21);
     let tp = thread_pool(2);
     let bs = 16;
-    for format in KvFormat::ALL {
+    for format in formats() {
         for (heads, kv_heads, hd) in [(4, 2, 8), (6, 3, 16)] {
             let len = 53;
             let full = shape(heads, kv_heads, hd);
@@ -354,7 +377,7 @@ fn chunked_prefill_and_decode_equal_one_shot() {
     let seq = Seq::new(&mut rng, s, len);
     let bs = 16;
     let blocks = scattered_blocks(len.div_ceil(bs));
-    for format in KvFormat::ALL {
+    for format in formats() {
         let one_shot = {
             let mut kv = pool(format, s, 1, blocks.len() + 4, bs);
             run_chunks(&tp, &mut kv, &seq, s, &blocks, &[len])
@@ -373,7 +396,7 @@ fn chunked_prefill_and_decode_equal_one_shot() {
             assert_bits_eq(&got, &one_shot, &format!("{format} chunks {chunks:?}"));
             assert_eq!(
                 kv.residual_bytes(),
-                if format.is_channelwise() {
+                if format.buffered() {
                     2 * bs * s.num_kv_heads * s.head_dim * 4
                 } else {
                     0
@@ -396,7 +419,7 @@ fn a_sequence_alone_equals_it_batched() {
     let tables: Vec<Vec<u32>> = (0..3u32)
         .map(|i| (0..11u32).map(|j| j * 3 + i).collect())
         .collect();
-    for format in KvFormat::ALL {
+    for format in formats() {
         for threads in [1, 3] {
             let tp = thread_pool(threads);
             let alone: Vec<Vec<f32>> = (0..3)
@@ -459,13 +482,13 @@ fn channel_formats_read_full_precision_until_a_block_fills() {
     let s = shape(4, 2, 16);
     let bs = 16;
     let seq = Seq::new(&mut rng, s, 20);
-    let run = |format, len| {
+    let run = |format: KvSpec, len| {
         let mut kv = pool(format, s, 1, 4, bs);
         run_chunks(&tp, &mut kv, &seq, s, &[2, 0], &[len])
     };
-    let f32_out = run(KvFormat::F16, 20);
+    let f32_out = run(KvSpec::default(), 20);
     for format in [KvFormat::Int4Channel, KvFormat::Int2Channel] {
-        let out = run(format, 20);
+        let out = run(format.into(), 20);
         let w = s.num_heads * s.head_dim;
         // Queries in block 0 read only their own block: exactly the f32 cache.
         assert_bits_eq(
@@ -480,7 +503,19 @@ fn channel_formats_read_full_precision_until_a_block_fills() {
         );
     }
     // The per-token formats quantize every token, the query's own included.
-    assert!(run(KvFormat::Int8, 5) != run(KvFormat::F16, 5));
+    assert!(run(KvFormat::Int8.into(), 5) != run(KvFormat::F16.into(), 5));
+    // In a mix only the deferred side waits: f32 keys and 2c values read block 0 exactly as the
+    // f32 cache does, INT8 keys next to them do not; 4c keys next to INT8 values do not either.
+    let w = s.num_heads * s.head_dim;
+    let mix = |m: &str| run(m.parse::<KvSpec>().unwrap(), 20);
+    assert_bits_eq(
+        &mix("k16v2c")[..16 * w],
+        &f32_out[..16 * w],
+        "k16v2c block 0",
+    );
+    assert!(mix("k16v2c")[16 * w..] != f32_out[16 * w..]);
+    assert!(mix("k8v2c")[..16 * w] != f32_out[..16 * w]);
+    assert!(mix("k4cv8")[..16 * w] != f32_out[..16 * w]);
 }
 
 #[test]
@@ -535,55 +570,72 @@ fn quantized_formats_stay_close_to_f32() {
 }
 
 #[test]
-fn non_finite_keys_are_refused_by_quantized_formats_and_propagate_in_kv16() {
+fn non_finite_keys_and_values_are_refused_by_a_quantized_side_and_propagate_in_f32() {
     let mut rng = ChaCha8Rng::seed_from_u64(16);
     let tp = thread_pool(2);
     let s = shape(2, 1, 8);
     let bs = 16;
     let seq = Seq::new(&mut rng, s, 24);
-    for format in KvFormat::ALL {
-        for bad in [f32::NAN, f32::INFINITY, 1e6] {
-            let mut kv = pool(format, s, 1, 2, bs);
-            let good = run_chunks(&tp, &mut kv, &seq, s, &[0, 1], &[10]);
-            let (q, mut k, v) = concat(&[(&seq, 10..14)]);
-            k.data[2 * 8 + 3] = bad;
-            let batch = BatchLayout::single(vec![0, 1], 10, 4);
-            let r = super::attention(&tp, &q, &k, &v, &mut kv, 0, &batch, s);
-            if format.is_quantized() {
-                let err = r.unwrap_err().to_string();
-                assert!(
-                    err.contains("batch row 2") && err.contains(&format.to_string()),
-                    "{err}"
-                );
-                // Nothing was written: the sequence carries on as if the call never happened.
-                let (q, k, v) = concat(&[(&seq, 10..24)]);
-                let o = super::attention(
-                    &tp,
-                    &q,
-                    &k,
-                    &v,
-                    &mut kv,
-                    0,
-                    &BatchLayout::single(vec![0, 1], 10, 14),
-                    s,
-                )
-                .unwrap();
-                let mut fresh = pool(format, s, 1, 2, bs);
-                let want = run_chunks(&tp, &mut fresh, &seq, s, &[0, 1], &[10, 14]);
-                assert_bits_eq(
-                    &[good, o.data].concat(),
-                    &want,
-                    &format!("{format} after refusal"),
-                );
-            } else if !bad.is_nan() {
-                // Stored as given; whether an infinite key wins or vanishes depends on q.
-                r.unwrap();
-            } else {
-                // Rows 0 and 1 do not see position 12; rows 2 and 3 do, and turn NaN.
-                let o = r.unwrap();
-                let w = 2 * 8;
-                assert!(o.data[..2 * w].iter().all(|x| x.is_finite()));
-                assert!(o.data[2 * w..].iter().all(|x| x.is_nan()), "{format} {bad}");
+    for format in formats() {
+        for (side, quantized) in [
+            ("key", format.k.is_quantized()),
+            ("value", format.v.is_quantized()),
+        ] {
+            for bad in [f32::NAN, f32::INFINITY, 1e6] {
+                let what = format!("{format} {side} {bad}");
+                let mut kv = pool(format, s, 1, 2, bs);
+                let good = run_chunks(&tp, &mut kv, &seq, s, &[0, 1], &[10]);
+                let (q, mut k, mut v) = concat(&[(&seq, 10..14)]);
+                if side == "key" {
+                    k.data[2 * 8 + 3] = bad;
+                } else {
+                    v.data[2 * 8 + 3] = bad;
+                }
+                let batch = BatchLayout::single(vec![0, 1], 10, 4);
+                let r = super::attention(&tp, &q, &k, &v, &mut kv, 0, &batch, s);
+                if quantized {
+                    let err = r.unwrap_err().to_string();
+                    assert!(
+                        err.contains("batch row 2")
+                            && err.contains(side)
+                            && err.contains(&format.to_string()),
+                        "{what}: {err}"
+                    );
+                    // Nothing was written: the sequence carries on as if the call never happened.
+                    let (q, k, v) = concat(&[(&seq, 10..24)]);
+                    let o = super::attention(
+                        &tp,
+                        &q,
+                        &k,
+                        &v,
+                        &mut kv,
+                        0,
+                        &BatchLayout::single(vec![0, 1], 10, 14),
+                        s,
+                    )
+                    .unwrap();
+                    let mut fresh = pool(format, s, 1, 2, bs);
+                    let want = run_chunks(&tp, &mut fresh, &seq, s, &[0, 1], &[10, 14]);
+                    assert_bits_eq(
+                        &[good, o.data].concat(),
+                        &want,
+                        &format!("{what} after refusal"),
+                    );
+                } else if !bad.is_nan() {
+                    // Stored as given; whether an infinite key wins or vanishes depends on q.
+                    r.unwrap();
+                } else {
+                    // Rows 0 and 1 do not see position 12; rows 2 and 3 do, and turn NaN.
+                    let o = r.unwrap();
+                    let w = 2 * 8;
+                    assert!(o.data[..2 * w].iter().all(|x| x.is_finite()), "{what}");
+                    // A NaN key poisons every score of the rows that see it; a NaN value
+                    // only its own channel of their outputs.
+                    for (i, x) in o.data[2 * w..].iter().enumerate() {
+                        let poisoned = side == "key" || i % 8 == 3;
+                        assert_eq!(x.is_nan(), poisoned, "{what}: element {i}");
+                    }
+                }
             }
         }
     }
@@ -598,14 +650,10 @@ fn a_reused_block_starts_afresh_and_releases_drop_residuals() {
     let a = Seq::new(&mut rng, s, 40);
     let b = Seq::new(&mut rng, s, 30);
     let row_bytes = 2 * s.num_kv_heads * s.head_dim * 4 * bs;
-    for format in KvFormat::ALL {
+    for format in formats() {
         let mut kv = pool(format, s, 2, 4, bs);
         run_chunks(&tp, &mut kv, &a, s, &[0, 1, 2], &[40]);
-        let residual = if format.is_channelwise() {
-            row_bytes
-        } else {
-            0
-        };
+        let residual = if format.buffered() { row_bytes } else { 0 };
         assert_eq!(
             kv.residual_bytes(),
             residual,
@@ -627,7 +675,7 @@ fn channel_formats_refuse_out_of_order_writes() {
     let tp = thread_pool(1);
     let s = shape(2, 1, 8);
     let seq = Seq::new(&mut rng, s, 20);
-    for format in KvFormat::ALL {
+    for format in formats() {
         let mut kv = pool(format, s, 1, 2, 16);
         run_chunks(&tp, &mut kv, &seq, s, &[0, 1], &[5]);
         // Skip positions 5 and 6.
@@ -653,7 +701,7 @@ fn channel_formats_refuse_out_of_order_writes() {
             &BatchLayout::single(vec![1, 0], 7, 2),
             s,
         );
-        if format.is_channelwise() {
+        if format.buffered() {
             let err = r.unwrap_err().to_string();
             assert!(err.contains("slot 7") && err.contains("holds 5"), "{err}");
             assert!(r2.unwrap_err().to_string().contains("holds 0"));
@@ -670,28 +718,28 @@ fn pools_take_the_bytes_their_format_says() {
     let (blocks, bs, layers) = (10, 16, 2);
     let f32_pool = pool(KvFormat::F16, s, layers, blocks, bs);
     assert_eq!(f32_pool.bytes_per_token(), (2 * 3 * 64 * 4 * layers) as f64);
-    for format in KvFormat::ALL {
+    for format in formats() {
         let kv = pool(format, s, layers, blocks, bs);
         let data = kv.bytes_per_token() * (blocks * bs) as f64;
-        let flags = if format.is_channelwise() {
+        let flags = if format.buffered() {
             blocks * layers
         } else {
             0
         };
         assert_eq!(kv.pool_bytes(), data as usize + flags, "{format}");
-        if format.is_quantized() {
+        if format.k.is_quantized() && format.v.is_quantized() {
             let ratio = f32_pool.pool_bytes() as f64 / kv.pool_bytes() as f64;
             // Scales and zeros cost up to half the code bytes (kv2c at the smallest block).
-            let min = 32.0 / format.bits() as f64 * 0.5;
+            let min = 32.0 / format.k.bits().max(format.v.bits()) as f64 * 0.5;
             assert!(ratio > min, "{format}: only {ratio:.2}x smaller than f32");
         }
     }
-    for format in [KvFormat::Int4Channel, KvFormat::Int2Channel] {
+    for format in ["kv4c", "kv2c", "k4cv8"] {
         let shape = KvShape {
             num_layers: 1,
             num_kv_heads: 1,
             head_dim: 8,
-            format,
+            format: format.parse().unwrap(),
         };
         let err = CpuKvCache::new(shape, 4, 8).err().unwrap().to_string();
         assert!(err.contains("at least 16"), "{err}");

@@ -1,18 +1,21 @@
-//! The paged KV pool, stored per layer as the pool's [`KvFormat`] says (byte layouts of the
-//! records: `nibble_precision::kv`):
+//! The paged KV pool, stored per layer as the pool's [`KvSpec`] says, keys and values each in
+//! their own side's format (byte layouts of the records: `nibble_precision::kv`):
 //!
-//! * `kv16`: keys and values as `[block][slot][kv_head][head_dim]` f32, the CPU's float.
-//! * `kv8`, `kv4`, `kvfp8`: keys and values as `[block][slot][kv_head]` records, quantized as
-//!   they are written.
-//! * `kv4c`, `kv2c`: keys as `[block][kv_head]` channel-wise block records, values as
-//!   `[block][slot][kv_head]` records. Both are written only when a block's last slot is; until
-//!   then the block's keys and values sit in an f32 residual owned by that block, allocated at
-//!   its slot-0 write and dropped once the block is packed (or released half-filled), so
-//!   full-precision memory is only spent on blocks being filled.
+//! * a `16` side: `[block][slot][kv_head][head_dim]` f32, the CPU's float.
+//! * an `8`, `4`, `fp8` side, and values of a `4c`/`2c` side: `[block][slot][kv_head]` records.
+//! * keys of a `4c`/`2c` side: `[block][kv_head]` channel-wise block records.
 //!
-//! Attention reads a quantized pool through [`SeqView`]: the rows of one sequence dequantized
-//! into a scratch buffer once per call (not once per query head), plus, for the channel-wise
-//! formats, the residual of the block each query sits in.
+//! A deferred side (channel-wise keys, `4c`/`2c` values) is written only when a block's last slot
+//! is; until then the block's keys and values sit in an f32 residual owned by that block,
+//! allocated at its slot-0 write and dropped once the block is packed (or released half-filled),
+//! so full-precision memory is only spent on blocks being filled. The residual holds what the
+//! block's own queries read: the raw rows of a deferred side, and the dequantized records of a
+//! side quantized as written (`k8` next to `v2c`), so a query reads the same values whether its
+//! block filled in this call or not.
+//!
+//! Attention reads a quantized side through [`SeqView`]: the rows of one sequence dequantized
+//! into a scratch buffer once per call (not once per query head), plus, for a buffered pool, the
+//! residual of the block each query sits in. An f32 side is read in place.
 //!
 //! The pool is allocated zeroed, which the OS maps lazily, so an unused pool costs address
 //! space only.
@@ -21,7 +24,7 @@ use std::collections::HashMap;
 
 use nibble_core::{Error, Result};
 use nibble_model::{BatchLayout, KvShape, SeqSpan};
-use nibble_precision::KvFormat;
+use nibble_precision::KvSpec;
 use nibble_precision::kv::{ChannelKeys, KeyLayout, TokenCodec, first_unstorable};
 use rayon::prelude::*;
 
@@ -36,29 +39,30 @@ pub struct CpuKvCache {
     scratch: Scratch,
 }
 
-enum Layer {
-    Float {
-        k: Vec<f32>,
-        v: Vec<f32>,
-    },
+/// How one side (keys or values) of a layer is stored.
+enum Store {
+    /// `[block][slot][kv_head][head_dim]` f32.
+    Float(Vec<f32>),
+    /// `[block][slot][kv_head]` records; `deferred`: written when the block fills.
     Tokens {
         codec: TokenCodec,
-        k: Vec<u8>,
-        v: Vec<u8>,
+        data: Vec<u8>,
+        deferred: bool,
     },
-    Channel {
-        keys: ChannelKeys,
-        values: TokenCodec,
-        k: Vec<u8>,
-        v: Vec<u8>,
-        /// Whether a block's records hold its current contents (it was filled since its last
-        /// slot-0 write).
-        packed: Vec<bool>,
-        residual: HashMap<u32, Residual>,
-    },
+    /// `[block][kv_head]` block records, written when the block fills.
+    Channel { codec: ChannelKeys, data: Vec<u8> },
 }
 
-/// Full-precision keys and values of a block being filled: `[slot][kv_head][head_dim]`.
+struct Layer {
+    k: Store,
+    v: Store,
+    /// Buffered pools: whether a block's deferred records hold its current contents (it was
+    /// filled since its last slot-0 write). Empty otherwise.
+    packed: Vec<bool>,
+    residual: HashMap<u32, Residual>,
+}
+
+/// What the queries inside a block being filled read, `[slot][kv_head][head_dim]`.
 struct Residual {
     k: Vec<f32>,
     v: Vec<f32>,
@@ -72,8 +76,118 @@ pub(crate) struct Scratch {
     v: Vec<f32>,
 }
 
-/// Dequantizes the key and value rows of one block index of a sequence into the given rows.
-type FillBlock<'f> = dyn Fn(usize, &mut [f32], &mut [f32]) + Sync + 'f;
+impl Store {
+    fn bytes(&self) -> usize {
+        match self {
+            Store::Float(d) => 4 * d.len(),
+            Store::Tokens { data, .. } | Store::Channel { data, .. } => data.len(),
+        }
+    }
+
+    /// Writes the row `x` (`[kv_head][head_dim]`) of pool slot `slot` (block * block_size +
+    /// slot in block) if this side is written as it comes; `seen`, when given, gets the values
+    /// attention will read back for it.
+    fn write_row(
+        &mut self,
+        slot: usize,
+        x: &[f32],
+        hd: usize,
+        seen: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let row = x.len();
+        match self {
+            Store::Float(d) => {
+                d[slot * row..(slot + 1) * row].copy_from_slice(x);
+                if let Some(seen) = seen {
+                    seen.copy_from_slice(x);
+                }
+            }
+            Store::Tokens {
+                codec,
+                data,
+                deferred: false,
+            } => {
+                let rb = codec.record_bytes(hd);
+                let heads = row / hd;
+                let recs = &mut data[slot * heads * rb..(slot + 1) * heads * rb];
+                for (rec, xh) in recs.chunks_exact_mut(rb).zip(x.chunks_exact(hd)) {
+                    codec.quantize(xh, rec)?;
+                }
+                if let Some(seen) = seen {
+                    for (rec, o) in recs.chunks_exact(rb).zip(seen.chunks_exact_mut(hd)) {
+                        codec.dequantize(rec, o);
+                    }
+                }
+            }
+            Store::Tokens { deferred: true, .. } | Store::Channel { .. } => {
+                if let Some(seen) = seen {
+                    seen.copy_from_slice(x);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Packs block `b` of a deferred side from its raw rows `r` (`[slot][kv_head][head_dim]`).
+    fn pack_block(
+        &mut self,
+        b: usize,
+        r: &[f32],
+        heads: usize,
+        hd: usize,
+        bs: usize,
+    ) -> Result<()> {
+        let row = heads * hd;
+        match self {
+            Store::Tokens {
+                codec,
+                data,
+                deferred: true,
+            } => {
+                let rb = codec.record_bytes(hd);
+                let recs = &mut data[b * bs * heads * rb..(b + 1) * bs * heads * rb];
+                for (rec, x) in recs.chunks_exact_mut(rb).zip(r.chunks_exact(hd)) {
+                    codec.quantize(x, rec)?;
+                }
+            }
+            Store::Channel { codec, data } => {
+                let kb = codec.block_bytes(hd, bs);
+                for h in 0..heads {
+                    let out = &mut data[(b * heads + h) * kb..(b * heads + h + 1) * kb];
+                    codec.quantize(&r[h * hd..], row, bs, hd, out)?;
+                }
+            }
+            Store::Float(_)
+            | Store::Tokens {
+                deferred: false, ..
+            } => {}
+        }
+        Ok(())
+    }
+
+    /// Dequantizes the rows of block `b` into `out` (`[slot][kv_head][head_dim]`, as many slots
+    /// as it holds; a channel-wise side is only read whole).
+    fn dequantize_block(&self, b: usize, out: &mut [f32], heads: usize, hd: usize, bs: usize) {
+        match self {
+            Store::Tokens { codec, data, .. } => {
+                let rb = codec.record_bytes(hd);
+                let first = b * bs * heads;
+                for (i, o) in out.chunks_exact_mut(hd).enumerate() {
+                    let at = (first + i) * rb;
+                    codec.dequantize(&data[at..at + rb], o);
+                }
+            }
+            Store::Channel { codec, data } => {
+                let kb = codec.block_bytes(hd, bs);
+                for h in 0..heads {
+                    let rec = &data[(b * heads + h) * kb..(b * heads + h + 1) * kb];
+                    codec.dequantize(rec, bs, hd, &mut out[h * hd..], heads * hd);
+                }
+            }
+            Store::Float(_) => unreachable!("an f32 side is read in place"),
+        }
+    }
+}
 
 /// Where the key or value row of a position is.
 #[derive(Clone, Copy)]
@@ -115,22 +229,22 @@ impl<'a> Rows<'a> {
 pub(crate) struct SeqView<'a> {
     keys: Rows<'a>,
     values: Rows<'a>,
-    /// Channel-wise formats: the residual (keys, values) of each block holding a query of this
-    /// call, from block index `own_first`.
+    /// Buffered pools: the residual (keys, values) of each block holding a query of this call,
+    /// from block index `own_first`.
     own: Vec<(&'a [f32], &'a [f32])>,
     own_first: usize,
     block_size: usize,
-    channelwise: bool,
+    buffered: bool,
 }
 
 impl<'a> SeqView<'a> {
     /// A query at `pos` reads positions `..split(pos)` through [`Self::key`]/[`Self::value`] and
-    /// the rest, up to `pos`, from [`Self::own`]: its own block in full precision for the
-    /// channel-wise formats (so a query sees the same values whether its block filled in this
-    /// call or not), nothing for the others.
+    /// the rest, up to `pos`, from [`Self::own`]: its own block's residual for a buffered pool
+    /// (so a query sees the same values whether its block filled in this call or not), nothing
+    /// for the others.
     #[inline]
     pub fn split(&self, pos: usize) -> usize {
-        if self.channelwise {
+        if self.buffered {
             pos / self.block_size * self.block_size
         } else {
             pos + 1
@@ -151,7 +265,7 @@ impl<'a> SeqView<'a> {
     /// slot 0; empty when `split(pos) == pos + 1`.
     #[inline]
     pub fn own(&self, pos: usize) -> (&'a [f32], &'a [f32]) {
-        if self.channelwise {
+        if self.buffered {
             self.own[pos / self.block_size - self.own_first]
         } else {
             (&[], &[])
@@ -187,32 +301,33 @@ impl CpuKvCache {
             let n = n.checked_mul(each).ok_or_else(failed)?;
             zeroed(n).ok_or_else(failed)
         };
+        let tokens = |codec: TokenCodec, deferred| -> Result<Store> {
+            Ok(Store::Tokens {
+                codec,
+                data: bytes(slots, codec.record_bytes(hd))?,
+                deferred,
+            })
+        };
+        let buffered = shape.format.buffered();
         let mut layers = Vec::with_capacity(shape.num_layers);
         for _ in 0..shape.num_layers {
-            layers.push(match (shape.format.keys(), shape.format.values()) {
-                (KeyLayout::Float, _) => Layer::Float {
-                    k: floats(slots)?,
-                    v: floats(slots)?,
-                },
-                (KeyLayout::PerToken(codec), _) => Layer::Tokens {
+            let k = match shape.format.keys() {
+                KeyLayout::Float => Store::Float(floats(slots)?),
+                KeyLayout::PerToken(codec) => tokens(codec, false)?,
+                KeyLayout::PerChannel(codec) => Store::Channel {
                     codec,
-                    k: bytes(slots, codec.record_bytes(hd))?,
-                    v: bytes(slots, codec.record_bytes(hd))?,
+                    data: bytes(num_blocks * heads, codec.block_bytes(hd, block_size))?,
                 },
-                (KeyLayout::PerChannel(keys), Some(values)) => Layer::Channel {
-                    keys,
-                    values,
-                    k: bytes(num_blocks * heads, keys.block_bytes(hd, block_size))?,
-                    v: bytes(slots, values.record_bytes(hd))?,
-                    packed: vec![false; num_blocks],
-                    residual: HashMap::new(),
-                },
-                (KeyLayout::PerChannel(_), None) => {
-                    return Err(Error::unsupported(
-                        format!("KV format {}", shape.format),
-                        "channel-wise keys without quantized values",
-                    ));
-                }
+            };
+            let v = match shape.format.values() {
+                None => Store::Float(floats(slots)?),
+                Some(codec) => tokens(codec, shape.format.values_deferred())?,
+            };
+            layers.push(Layer {
+                k,
+                v,
+                packed: vec![false; if buffered { num_blocks } else { 0 }],
+                residual: HashMap::new(),
             });
         }
         Ok(CpuKvCache {
@@ -242,11 +357,7 @@ impl CpuKvCache {
     pub fn pool_bytes(&self) -> usize {
         self.layers
             .iter()
-            .map(|l| match l {
-                Layer::Float { k, v } => 4 * (k.len() + v.len()),
-                Layer::Tokens { k, v, .. } => k.len() + v.len(),
-                Layer::Channel { k, v, packed, .. } => k.len() + v.len() + packed.len(),
-            })
+            .map(|l| l.k.bytes() + l.v.bytes() + l.packed.len())
             .sum()
     }
 
@@ -254,12 +365,8 @@ impl CpuKvCache {
     pub fn residual_bytes(&self) -> usize {
         self.layers
             .iter()
-            .map(|l| match l {
-                Layer::Channel { residual, .. } => {
-                    residual.values().map(|r| 4 * (r.k.len() + r.v.len())).sum()
-                }
-                _ => 0,
-            })
+            .flat_map(|l| l.residual.values())
+            .map(|r| 4 * (r.k.len() + r.v.len()))
             .sum()
     }
 
@@ -267,10 +374,8 @@ impl CpuKvCache {
     /// contents stay: a full block may live on in the prefix cache.
     pub fn release_blocks(&mut self, blocks: &[u32]) {
         for layer in &mut self.layers {
-            if let Layer::Channel { residual, .. } = layer {
-                for b in blocks {
-                    residual.remove(b);
-                }
+            for b in blocks {
+                layer.residual.remove(b);
             }
         }
     }
@@ -318,120 +423,89 @@ impl CpuKvCache {
             self.check_table(&s.blocks, s.start_pos + s.len)?;
         }
         let n = batch.num_tokens() * row;
-        if format.is_quantized() {
-            for (what, xs) in [("key", &k[..n]), ("value", &v[..n])] {
-                if let Some(i) = first_unstorable(xs) {
-                    return Err(Error::InvalidArgument(format!(
-                        "layer {layer}: {what} {} (batch row {}, element {}) cannot be stored \
-                         in a {format} KV cache, which takes finite values within ±65504",
-                        xs[i],
-                        i / row,
-                        i % row
-                    )));
-                }
+        for (what, xs, quantized) in [
+            ("key", &k[..n], format.k.is_quantized()),
+            ("value", &v[..n], format.v.is_quantized()),
+        ] {
+            // An f32 side stores whatever it is given, NaN included, as any float cache does.
+            if !quantized {
+                continue;
+            }
+            if let Some(i) = first_unstorable(xs) {
+                return Err(Error::InvalidArgument(format!(
+                    "layer {layer}: {what} {} (batch row {}, element {}) cannot be stored \
+                     in a {format} KV cache, which takes finite values within ±65504",
+                    xs[i],
+                    i / row,
+                    i % row
+                )));
             }
         }
-        let layer_store = self.layers.get_mut(layer).ok_or_else(|| {
+        let Layer {
+            k: pk,
+            v: pv,
+            packed,
+            residual,
+        } = self.layers.get_mut(layer).ok_or_else(|| {
             Error::InvalidArgument(format!("layer {layer} is outside the KV pool"))
         })?;
         let mut packed_now = Vec::new();
-        match layer_store {
-            Layer::Float { k: pk, v: pv } => {
-                let mut src = 0;
-                for s in &batch.seqs {
-                    for pos in s.start_pos..s.start_pos + s.len {
-                        let at = (s.blocks[pos / bs] as usize * bs + pos % bs) * row;
-                        pk[at..at + row].copy_from_slice(&k[src..src + row]);
-                        pv[at..at + row].copy_from_slice(&v[src..src + row]);
-                        src += row;
-                    }
+        if !format.buffered() {
+            let mut src = 0;
+            for s in &batch.seqs {
+                for pos in s.start_pos..s.start_pos + s.len {
+                    let slot = s.blocks[pos / bs] as usize * bs + pos % bs;
+                    pk.write_row(slot, &k[src..src + row], hd, None)?;
+                    pv.write_row(slot, &v[src..src + row], hd, None)?;
+                    src += row;
                 }
             }
-            Layer::Tokens {
-                codec,
-                k: pk,
-                v: pv,
-            } => {
-                let rb = codec.record_bytes(hd);
-                let mut src = 0;
-                for s in &batch.seqs {
-                    for pos in s.start_pos..s.start_pos + s.len {
-                        let at = (s.blocks[pos / bs] as usize * bs + pos % bs) * heads * rb;
-                        for h in 0..heads {
-                            let x = src + h * hd..src + (h + 1) * hd;
-                            let out = at + h * rb..at + (h + 1) * rb;
-                            codec.quantize(&k[x.clone()], &mut pk[out.clone()])?;
-                            codec.quantize(&v[x], &mut pv[out])?;
-                        }
-                        src += row;
-                    }
-                }
+            return Ok(packed_now);
+        }
+        // Slot order is what lets a block be quantized as a whole when its last slot is
+        // written; a sequence resuming mid-block must find that block's residual.
+        for s in &batch.seqs {
+            let slot = s.start_pos % bs;
+            let block = s.blocks[s.start_pos / bs];
+            let filled = residual.get(&block).map_or(0, |r| r.filled);
+            if slot != 0 && filled != slot {
+                return Err(out_of_order(format, block, slot, filled));
             }
-            Layer::Channel {
-                keys,
-                values,
-                k: pk,
-                v: pv,
-                packed,
-                residual,
-            } => {
-                // Slot order is what lets a block be quantized as a whole when its last slot is
-                // written; a sequence resuming mid-block must find that block's residual.
-                for s in &batch.seqs {
-                    let slot = s.start_pos % bs;
-                    let block = s.blocks[s.start_pos / bs];
-                    let filled = residual.get(&block).map_or(0, |r| r.filled);
-                    if slot != 0 && filled != slot {
-                        return Err(out_of_order(format, block, slot, filled));
-                    }
+        }
+        let mut src = 0;
+        for s in &batch.seqs {
+            for pos in s.start_pos..s.start_pos + s.len {
+                let (slot, block) = (pos % bs, s.blocks[pos / bs]);
+                if slot == 0 {
+                    residual.insert(
+                        block,
+                        Residual {
+                            k: vec![0.0; bs * row],
+                            v: vec![0.0; bs * row],
+                            filled: 0,
+                        },
+                    );
+                    packed[block as usize] = false;
                 }
-                let mut src = 0;
-                for s in &batch.seqs {
-                    for pos in s.start_pos..s.start_pos + s.len {
-                        let (slot, block) = (pos % bs, s.blocks[pos / bs]);
-                        if slot == 0 {
-                            residual.insert(
-                                block,
-                                Residual {
-                                    k: vec![0.0; bs * row],
-                                    v: vec![0.0; bs * row],
-                                    filled: 0,
-                                },
-                            );
-                            packed[block as usize] = false;
-                        }
-                        // A batch naming one block twice would get here out of order.
-                        let r = match residual.get_mut(&block) {
-                            Some(r) if r.filled == slot => r,
-                            r => {
-                                return Err(out_of_order(
-                                    format,
-                                    block,
-                                    slot,
-                                    r.map_or(0, |r| r.filled),
-                                ));
-                            }
-                        };
-                        r.k[slot * row..(slot + 1) * row].copy_from_slice(&k[src..src + row]);
-                        r.v[slot * row..(slot + 1) * row].copy_from_slice(&v[src..src + row]);
-                        r.filled += 1;
-                        src += row;
-                        if r.filled == bs {
-                            let b = block as usize;
-                            let kb = keys.block_bytes(hd, bs);
-                            let vb = values.record_bytes(hd);
-                            for h in 0..heads {
-                                let out = &mut pk[(b * heads + h) * kb..(b * heads + h + 1) * kb];
-                                keys.quantize(&r.k[h * hd..], row, bs, hd, out)?;
-                            }
-                            for (i, x) in r.v.chunks_exact(hd).enumerate() {
-                                let at = (b * bs * heads + i) * vb;
-                                values.quantize(x, &mut pv[at..at + vb])?;
-                            }
-                            packed[b] = true;
-                            packed_now.push(block);
-                        }
+                // A batch naming one block twice would get here out of order.
+                let r = match residual.get_mut(&block) {
+                    Some(r) if r.filled == slot => r,
+                    r => {
+                        return Err(out_of_order(format, block, slot, r.map_or(0, |r| r.filled)));
                     }
+                };
+                let at = block as usize * bs + slot;
+                let own = slot * row..(slot + 1) * row;
+                pk.write_row(at, &k[src..src + row], hd, Some(&mut r.k[own.clone()]))?;
+                pv.write_row(at, &v[src..src + row], hd, Some(&mut r.v[own]))?;
+                r.filled += 1;
+                src += row;
+                if r.filled == bs {
+                    let b = block as usize;
+                    pk.pack_block(b, &r.k, heads, hd, bs)?;
+                    pv.pack_block(b, &r.v, heads, hd, bs)?;
+                    packed[b] = true;
+                    packed_now.push(block);
                 }
             }
         }
@@ -441,9 +515,9 @@ impl CpuKvCache {
     /// Drops the residuals of blocks packed by the last [`Self::write`], after attention read
     /// them for the queries inside those blocks.
     pub(crate) fn finish_write(&mut self, layer: usize, packed_now: &[u32]) {
-        if let Some(Layer::Channel { residual, .. }) = self.layers.get_mut(layer) {
+        if let Some(l) = self.layers.get_mut(layer) {
             for b in packed_now {
-                residual.remove(b);
+                l.residual.remove(b);
             }
         }
     }
@@ -457,8 +531,8 @@ impl CpuKvCache {
     }
 
     /// What the queries of `s` (already written) read in `layer`, from position `first` on (a
-    /// sliding window's start for the call's first query; 0 without one): the f32 pool directly,
-    /// or its rows from `first`'s block on dequantized into `scratch`.
+    /// sliding window's start for the call's first query; 0 without one): an f32 side in
+    /// place, a quantized side's rows from `first`'s block on dequantized into `scratch`.
     pub(crate) fn view<'a>(
         &'a self,
         layer: usize,
@@ -467,161 +541,107 @@ impl CpuKvCache {
         scratch: &'a mut Scratch,
         pool: &rayon::ThreadPool,
     ) -> Result<SeqView<'a>> {
-        let row = self.row();
-        let (bs, heads, hd) = (
-            self.block_size,
-            self.shape.num_kv_heads,
-            self.shape.head_dim,
-        );
+        let bs = self.block_size;
         let ctx = s.start_pos + s.len;
         // Blocks before the window's first are never read: not dequantized either.
         let first_block = first.min(ctx.saturating_sub(1)) / bs;
-        let plain = |keys, values| SeqView {
-            keys,
-            values,
-            own: Vec::new(),
-            own_first: 0,
-            block_size: bs,
-            channelwise: false,
-        };
-        match &self.layers[layer] {
-            Layer::Float { k, v } => {
-                let paged = |data| Rows::Paged {
-                    data,
-                    blocks: &s.blocks,
-                    block_size: bs,
-                    row,
-                };
-                Ok(plain(paged(k), paged(v)))
-            }
-            Layer::Tokens { codec, k, v } => {
-                let rb = codec.record_bytes(hd);
-                let (keys, values) =
-                    self.dequantize_rows(first_block, ctx, scratch, pool, &|j, ck, cv| {
-                        let first = (s.blocks[j] as usize * bs) * heads;
-                        for (i, (ok, ov)) in ck
-                            .chunks_exact_mut(hd)
-                            .zip(cv.chunks_exact_mut(hd))
-                            .enumerate()
-                        {
-                            let at = (first + i) * rb;
-                            codec.dequantize(&k[at..at + rb], ok);
-                            codec.dequantize(&v[at..at + rb], ov);
-                        }
-                    });
-                Ok(plain(keys, values))
-            }
-            Layer::Channel {
-                keys: kc,
-                values: vc,
-                k,
-                v,
-                packed,
-                residual,
-            } => {
-                // Queries of this call sit in blocks own_first..=own_last; everything before
-                // their own block is read packed.
-                let (own_first, own_last) = (s.start_pos / bs, (ctx - 1) / bs);
-                let first_block = first_block.min(own_last);
-                if let Some(j) = (first_block..own_last).find(|&j| !packed[s.blocks[j] as usize]) {
-                    return Err(Error::InvalidArgument(format!(
-                        "KV block {} (positions {}..{}) is read before it was filled",
-                        s.blocks[j],
-                        j * bs,
-                        (j + 1) * bs
-                    )));
-                }
-                let own = (own_first..=own_last)
-                    .map(|j| {
-                        let need = bs.min(ctx - j * bs);
-                        match residual.get(&s.blocks[j]) {
-                            Some(r) if r.filled >= need => Ok((&r.k[..], &r.v[..])),
-                            _ => Err(Error::InvalidArgument(format!(
-                                "KV block {} lost the full-precision keys its queries read",
-                                s.blocks[j]
-                            ))),
-                        }
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let (kb, vb) = (kc.block_bytes(hd, bs), vc.record_bytes(hd));
-                let (keys, values) = self.dequantize_rows(
-                    first_block,
-                    own_last * bs,
-                    scratch,
-                    pool,
-                    &|j, ck, cv| {
-                        let b = s.blocks[j] as usize;
-                        for h in 0..heads {
-                            let rec = &k[(b * heads + h) * kb..(b * heads + h + 1) * kb];
-                            kc.dequantize(rec, bs, hd, &mut ck[h * hd..], row);
-                        }
-                        for (i, ov) in cv.chunks_exact_mut(hd).enumerate() {
-                            let at = (b * bs * heads + i) * vb;
-                            vc.dequantize(&v[at..at + vb], ov);
-                        }
-                    },
-                );
-                Ok(SeqView {
-                    keys,
-                    values,
-                    own,
-                    own_first,
-                    block_size: bs,
-                    channelwise: true,
-                })
-            }
+        let l = &self.layers[layer];
+        let Scratch { k: sk, v: sv } = scratch;
+        if !self.shape.format.buffered() {
+            return Ok(SeqView {
+                keys: self.side_rows(&l.k, &s.blocks, first_block, ctx, sk, pool),
+                values: self.side_rows(&l.v, &s.blocks, first_block, ctx, sv, pool),
+                own: Vec::new(),
+                own_first: 0,
+                block_size: bs,
+                buffered: false,
+            });
         }
+        // Queries of this call sit in blocks own_first..=own_last; everything before their own
+        // block is read packed.
+        let (own_first, own_last) = (s.start_pos / bs, (ctx - 1) / bs);
+        let first_block = first_block.min(own_last);
+        if let Some(j) = (first_block..own_last).find(|&j| !l.packed[s.blocks[j] as usize]) {
+            return Err(Error::InvalidArgument(format!(
+                "KV block {} (positions {}..{}) is read before it was filled",
+                s.blocks[j],
+                j * bs,
+                (j + 1) * bs
+            )));
+        }
+        let own = (own_first..=own_last)
+            .map(|j| {
+                let need = bs.min(ctx - j * bs);
+                match l.residual.get(&s.blocks[j]) {
+                    Some(r) if r.filled >= need => Ok((&r.k[..], &r.v[..])),
+                    _ => Err(Error::InvalidArgument(format!(
+                        "KV block {} lost the full-precision keys its queries read",
+                        s.blocks[j]
+                    ))),
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let end = own_last * bs;
+        Ok(SeqView {
+            keys: self.side_rows(&l.k, &s.blocks, first_block, end, sk, pool),
+            values: self.side_rows(&l.v, &s.blocks, first_block, end, sv, pool),
+            own,
+            own_first,
+            block_size: bs,
+            buffered: true,
+        })
     }
-}
 
-impl CpuKvCache {
-    /// Fills `scratch` with the rows of positions `..n`, calling `fill(j, keys, values)` for the
-    /// rows of block index `j` (one task per block), and returns them as dense rows.
-    fn dequantize_rows<'a>(
+    /// One side's rows of positions `first_block * block_size..end` of the sequence with block
+    /// table `blocks`: an f32 side in place, a quantized one dequantized into `buf` (one task
+    /// per block).
+    fn side_rows<'a>(
         &self,
+        side: &'a Store,
+        blocks: &'a [u32],
         first_block: usize,
         end: usize,
-        scratch: &'a mut Scratch,
+        buf: &'a mut Vec<f32>,
         pool: &rayon::ThreadPool,
-        fill: &FillBlock<'_>,
-    ) -> (Rows<'a>, Rows<'a>) {
+    ) -> Rows<'a> {
         let (row, bs) = (self.row(), self.block_size);
+        let (heads, hd) = (self.shape.num_kv_heads, self.shape.head_dim);
+        if let Store::Float(data) = side {
+            return Rows::Paged {
+                data,
+                blocks,
+                block_size: bs,
+                row,
+            };
+        }
         let first = (first_block * bs).min(end);
         let n = end - first;
-        scratch.k.resize(n * row, 0.0);
-        scratch.v.resize(n * row, 0.0);
-        let (sk, sv) = (&mut scratch.k[..n * row], &mut scratch.v[..n * row]);
-        let task = |(j, (ck, cv)): (usize, (&mut [f32], &mut [f32]))| fill(first_block + j, ck, cv);
+        buf.resize(n * row, 0.0);
+        let task = |(j, out): (usize, &mut [f32])| {
+            side.dequantize_block(blocks[first_block + j] as usize, out, heads, hd, bs)
+        };
         if n * row < SERIAL_DEQUANT {
-            sk.chunks_mut(bs * row)
-                .zip(sv.chunks_mut(bs * row))
+            buf[..n * row]
+                .chunks_mut(bs * row)
                 .enumerate()
                 .for_each(task);
         } else {
             pool.install(|| {
-                sk.par_chunks_mut(bs * row)
-                    .zip(sv.par_chunks_mut(bs * row))
+                buf[..n * row]
+                    .par_chunks_mut(bs * row)
                     .enumerate()
                     .for_each(task)
             });
         }
-        let scratch: &'a Scratch = scratch;
-        (
-            Rows::Dense {
-                data: &scratch.k[..n * row],
-                row,
-                first,
-            },
-            Rows::Dense {
-                data: &scratch.v[..n * row],
-                row,
-                first,
-            },
-        )
+        Rows::Dense {
+            data: &buf[..n * row],
+            row,
+            first,
+        }
     }
 }
 
-fn out_of_order(format: KvFormat, block: u32, slot: usize, filled: usize) -> Error {
+fn out_of_order(format: KvSpec, block: u32, slot: usize, filled: usize) -> Error {
     Error::InvalidArgument(format!(
         "KV block {block} is written at slot {slot} but holds {filled} tokens: a {format} cache \
          quantizes a block when it fills, so blocks are written in slot order from slot 0"

@@ -19,7 +19,7 @@ use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
 use nibble_model::{
     AttentionShape, Backend, BatchLayout, KvShape, LogitRows, SeqSpan, Transformer,
 };
-use nibble_precision::{KvFormat, LinearFormat, WeightCodec};
+use nibble_precision::{KvSpec, LinearFormat, WeightCodec};
 use serde_json::{Value, json};
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -115,7 +115,7 @@ fn attention(
         num_layers: 1,
         num_kv_heads: kv_heads,
         head_dim: hd,
-        format: KvFormat::F16,
+        format: KvSpec::default(),
     };
     let mut kv = be.new_kv_pool(kv_shape, batch * blocks_per_seq, block)?;
     be.fill_kv_random(&kv, 11)?;

@@ -16,7 +16,6 @@ use nibble_formats::gguf::GgmlType;
 use nibble_formats::{HostTensor, WeightFormat};
 use nibble_model::sampling::{PendingSample, SampleSpec, Sampled};
 use nibble_model::{AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, ScaledRows};
-use nibble_precision::KvFormat;
 
 use crate::blas::Blas;
 use crate::context::CudaContext;
@@ -256,10 +255,12 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        if shape.format != KvFormat::F16 {
+        // A mix with one 16-bit side still needs the other side's quantized records.
+        if !shape.format.is_f16() {
             return Err(Error::unsupported(
                 format!("KV cache format {} on the CUDA backend", shape.format),
-                "only kv16 (the model dtype) runs on the GPU so far; use --kv kv16 or --device cpu",
+                "only kv16 (the model dtype, keys and values) runs on the GPU so far; use --kv \
+                 kv16 or --device cpu",
             ));
         }
         CudaKv::new(&self.ctx.gpu, shape, num_blocks, block_size, self.ctx.dtype)

@@ -19,7 +19,7 @@ use nibble_model::{
     AttentionShape, Backend, BatchLayout, KvShape, LogitRows, RopeLayout, SeqSpan, Transformer,
     open_model,
 };
-use nibble_precision::KvFormat;
+use nibble_precision::KvSpec;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -320,7 +320,7 @@ fn attention_matches_cpu() {
                 num_layers: 2,
                 num_kv_heads,
                 head_dim,
-                format: KvFormat::F16,
+                format: KvSpec::default(),
             };
             let (block, pool) = (16, 400);
             let mut ckv = c.new_kv_pool(kv_shape, pool, block).unwrap();
@@ -377,19 +377,22 @@ fn attention_matches_cpu() {
                 );
             }
         }
-        // A format the GPU does not store yet is a clear error.
-        let bad = KvShape {
-            num_layers: 1,
-            num_kv_heads: 2,
-            head_dim: 64,
-            format: KvFormat::Int8,
-        };
-        let e = g
-            .new_kv_pool(bad, 4, 16)
-            .err()
-            .expect("kv8 is CPU-only")
-            .to_string();
-        assert!(e.contains("kv8") || e.contains("CUDA"), "{e}");
+        // A format the GPU does not store yet is a clear error naming it, a mix with one
+        // 16-bit side included.
+        for format in ["kv8", "k16v4", "k8v16"] {
+            let bad = KvShape {
+                num_layers: 1,
+                num_kv_heads: 2,
+                head_dim: 64,
+                format: format.parse().unwrap(),
+            };
+            let e = g
+                .new_kv_pool(bad, 4, 16)
+                .err()
+                .unwrap_or_else(|| panic!("{format} is CPU-only"))
+                .to_string();
+            assert!(e.contains(format) && e.contains("CUDA"), "{e}");
+        }
     }
 }
 
@@ -415,7 +418,7 @@ fn windowed_attention_matches_cpu() {
                     num_layers: 1,
                     num_kv_heads,
                     head_dim,
-                    format: KvFormat::F16,
+                    format: KvSpec::default(),
                 };
                 let (block, pool) = (16, 200);
                 let mut ckv = c.new_kv_pool(kv_shape, pool, block).unwrap();
@@ -488,7 +491,7 @@ fn prefill_attention_tiers_match_cpu() {
                     num_layers: 1,
                     num_kv_heads,
                     head_dim,
-                    format: KvFormat::F16,
+                    format: KvSpec::default(),
                 };
                 let (block, pool) = (16, 300);
                 let mut ckv = c.new_kv_pool(kv_shape, pool, block).unwrap();
@@ -547,7 +550,7 @@ fn out_of_memory_is_an_error() {
         num_layers: 80,
         num_kv_heads: 64,
         head_dim: 256,
-        format: KvFormat::F16,
+        format: KvSpec::default(),
     };
     let e = g
         .new_kv_pool(shape, 1 << 20, 16)

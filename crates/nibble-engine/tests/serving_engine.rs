@@ -7,18 +7,18 @@ use std::path::PathBuf;
 use nibble_cpu::CpuBackend;
 use nibble_engine::serving::{EngineConfig, Event, LlmEngine, Request, RequestId};
 use nibble_engine::{FinishReason, SamplingParams};
-use nibble_model::{KvFormat, Transformer, open_model};
+use nibble_model::{KvFormat, KvSpec, Transformer, open_model};
 
 fn engine(config: EngineConfig) -> LlmEngine<CpuBackend> {
-    engine_kv(config, KvFormat::F16)
+    engine_kv(config, KvSpec::default())
 }
 
-fn engine_kv(config: EngineConfig, kv: KvFormat) -> LlmEngine<CpuBackend> {
+fn engine_kv(config: EngineConfig, kv: KvSpec) -> LlmEngine<CpuBackend> {
     engine_of("tiny-qwen2", config, kv)
 }
 
 /// An engine over the fixture model `name`.
-fn engine_of(name: &str, config: EngineConfig, kv: KvFormat) -> LlmEngine<CpuBackend> {
+fn engine_of(name: &str, config: EngineConfig, kv: KvSpec) -> LlmEngine<CpuBackend> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../nibble-model/tests/fixtures")
         .join(name);
@@ -102,10 +102,10 @@ fn all_prompts(max_tokens: usize) -> Vec<(RequestId, Request)> {
 }
 
 fn alone() -> HashMap<RequestId, Vec<(u32, u32)>> {
-    alone_kv(KvFormat::F16)
+    alone_kv(KvSpec::default())
 }
 
-fn alone_kv(kv: KvFormat) -> HashMap<RequestId, Vec<(u32, u32)>> {
+fn alone_kv(kv: KvSpec) -> HashMap<RequestId, Vec<(u32, u32)>> {
     let mut want = HashMap::new();
     for (i, p) in prompts().into_iter().enumerate() {
         let mut e = engine_kv(EngineConfig::default(), kv);
@@ -130,16 +130,16 @@ fn moe_batched_and_chunked_equal_alone() {
     for name in ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"] {
         let mut want = HashMap::new();
         for (i, p) in prompts().into_iter().enumerate() {
-            let mut e = engine_of(name, EngineConfig::default(), KvFormat::F16);
+            let mut e = engine_of(name, EngineConfig::default(), KvSpec::default());
             want.extend(run(&mut e, vec![(i as u64, request(p, 12))]));
         }
-        let mut e = engine_of(name, EngineConfig::default(), KvFormat::F16);
+        let mut e = engine_of(name, EngineConfig::default(), KvSpec::default());
         assert_eq!(run(&mut e, all_prompts(12)), want, "{name}: batched");
         let chunked = EngineConfig {
             max_batched_tokens: 4,
             ..EngineConfig::default()
         };
-        let mut e = engine_of(name, chunked, KvFormat::F16);
+        let mut e = engine_of(name, chunked, KvSpec::default());
         assert_eq!(
             run(&mut e, all_prompts(12)),
             want,
@@ -155,7 +155,7 @@ fn gemma3_batched_chunked_and_preempted_equal_alone() {
     let name = "tiny-gemma3";
     let mut want = HashMap::new();
     for (i, p) in prompts().into_iter().enumerate() {
-        let mut e = engine_of(name, EngineConfig::default(), KvFormat::F16);
+        let mut e = engine_of(name, EngineConfig::default(), KvSpec::default());
         want.extend(run(&mut e, vec![(i as u64, request(p, 12))]));
     }
     for (what, config) in [
@@ -176,7 +176,7 @@ fn gemma3_batched_chunked_and_preempted_equal_alone() {
             },
         ),
     ] {
-        let mut e = engine_of(name, config, KvFormat::F16);
+        let mut e = engine_of(name, config, KvSpec::default());
         assert_eq!(run(&mut e, all_prompts(12)), want, "{name}: {what}");
         if what == "preempted" {
             assert!(
@@ -320,7 +320,7 @@ fn stops_eos_length_and_logprobs() {
 /// batching, chunking (which splits KV blocks across steps), preemption or prefix caching (which
 /// hands one sequence's packed blocks to another). Blocks are 16 tokens, the smallest the
 /// channel-wise formats take.
-fn quantized_cache_changes_nothing_but_precision(kv: KvFormat) {
+fn quantized_cache_changes_nothing_but_precision(kv: KvSpec) {
     let want = alone_kv(kv);
     let f32_bytes = engine(EngineConfig::default()).kv().bytes_per_token();
 
@@ -381,12 +381,31 @@ fn quantized_cache_changes_nothing_but_precision(kv: KvFormat) {
 
 #[test]
 fn kv8_changes_nothing_but_precision() {
-    quantized_cache_changes_nothing_but_precision(KvFormat::Int8);
+    quantized_cache_changes_nothing_but_precision(KvFormat::Int8.into());
 }
 
 #[test]
 fn kv4c_changes_nothing_but_precision() {
-    quantized_cache_changes_nothing_but_precision(KvFormat::Int4Channel);
+    quantized_cache_changes_nothing_but_precision(KvFormat::Int4Channel.into());
+}
+
+/// Keys and values in different formats, both quantized as written.
+#[test]
+fn k8v4_changes_nothing_but_precision() {
+    quantized_cache_changes_nothing_but_precision("k8v4".parse().unwrap());
+}
+
+/// Values wait for their block (2-bit, channel-wise family) while INT4 keys are quantized as
+/// written: the residual then holds the keys' written records next to the raw values.
+#[test]
+fn k4v2c_changes_nothing_but_precision() {
+    quantized_cache_changes_nothing_but_precision("k4v2c".parse().unwrap());
+}
+
+/// The other way round: channel-wise keys wait for their block, INT8 values do not.
+#[test]
+fn k4cv8_changes_nothing_but_precision() {
+    quantized_cache_changes_nothing_but_precision("k4cv8".parse().unwrap());
 }
 
 #[test]
@@ -397,7 +416,7 @@ fn channel_wise_caches_refuse_small_blocks() {
     let backend = CpuBackend::new(1).unwrap();
     let mut model =
         Transformer::load(&backend, files.config, &*files.source, &mut |_, _| {}).unwrap();
-    model.kv_format = KvFormat::Int2Channel;
+    model.kv_format = KvFormat::Int2Channel.into();
     let config = EngineConfig {
         block_size: 8,
         ..EngineConfig::default()

@@ -4,7 +4,7 @@
 
 use nibble_core::Result;
 use nibble_formats::HostTensor;
-use nibble_precision::KvFormat;
+use nibble_precision::KvSpec;
 
 use crate::config::RopeLayout;
 use crate::sampling::{PendingSample, SampleSpec, Sampled};
@@ -78,7 +78,7 @@ pub struct KvShape {
     pub num_layers: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
-    pub format: KvFormat,
+    pub format: KvSpec,
 }
 
 /// Attention geometry of one call.
@@ -238,9 +238,9 @@ pub trait Backend: Send + Sync {
     /// of `q` over positions `0..=` each token's own, or its window's (`shape.window`), with
     /// logits scaled by `1/sqrt(head_dim)` (GQA: head h reads kv head
     /// `h / (num_heads / num_kv_heads)`). A quantized pool quantizes on write and attention reads
-    /// the dequantized values; the channel-wise formats read the block holding the query in full
-    /// precision and earlier blocks quantized, which needs each block written in slot order
-    /// (slot 0 starts a block afresh).
+    /// the dequantized values; a `4c`/`2c` side (`KvSpec::buffered`) is read in full precision
+    /// in the block holding the query and quantized in earlier blocks, which needs each block
+    /// written in slot order (slot 0 starts a block afresh).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,

@@ -633,7 +633,7 @@ fn parse_manifest(text: &str, path: &Path) -> Result<QuantManifest> {
 pub(crate) mod tests {
     use super::*;
     use nibble_formats::safetensors_dir::SafetensorsDir;
-    use nibble_precision::{ActQuant, WeightCodec};
+    use nibble_precision::{ActQuant, KvFormat, KvSpec, WeightCodec};
 
     pub(crate) fn fixture(name: &str) -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -873,6 +873,28 @@ pub(crate) mod tests {
                 .source
                 .get("model.layers.0.self_attn.q_proj.qweight")
                 .is_none()
+        );
+    }
+
+    /// The spec field carries a KV mix as its own token, and an older checkpoint's uniform
+    /// token, the `kv2` alias included, still reads back as both sides in one format.
+    #[test]
+    fn the_spec_field_stores_a_kv_mix_and_old_uniform_tokens_still_load() {
+        let (_tmp, out, _) = write_fixture("tiny-qwen3", "w4a16-g32-k8v4");
+        let m: QuantManifest =
+            serde_json::from_str(&std::fs::read_to_string(out.join(QUANT_FILE)).unwrap()).unwrap();
+        assert_eq!(m.spec, "w4a16-g32-k8v4");
+        let files = crate::open_model(&out, None).unwrap();
+        let kv = files.precision.unwrap().kv;
+        assert_eq!((kv.k, kv.v), (KvFormat::Int8, KvFormat::Int4));
+
+        let path = out.join(QUANT_FILE);
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, text.replace("w4a16-g32-k8v4", "w4a16-g32-kv2")).unwrap();
+        let files = crate::open_model(&out, None).unwrap();
+        assert_eq!(
+            files.precision.unwrap().kv,
+            KvSpec::uniform(KvFormat::Int2Channel)
         );
     }
 

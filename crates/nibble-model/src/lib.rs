@@ -20,5 +20,5 @@ pub use config::{
     Arch, GemmaConfig, ModelConfig, MoeConfig, RopeLayout, RopeScaling, SlidingWindow, TensorLayout,
 };
 pub use loader::{ModelFiles, open_model, tokenizer_from_path};
-pub use nibble_precision::KvFormat;
+pub use nibble_precision::{KvFormat, KvSpec};
 pub use transformer::{LogitRows, SINGLE_SEQUENCE_BLOCK, TensorRole, Transformer, model_tensors};

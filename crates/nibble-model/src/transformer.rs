@@ -6,7 +6,7 @@
 //! feed-forward, GeGLU, `(1 + w)` norm scales and a scaled embedding.
 
 use nibble_core::{Error, Result};
-use nibble_precision::KvFormat;
+use nibble_precision::KvSpec;
 
 use crate::backend::ScaledRows;
 use crate::backend::{AttentionShape, Backend, BatchLayout, KvShape};
@@ -166,7 +166,7 @@ fn expert_names(arch: Arch, p: &str, e: usize) -> [String; 3] {
 pub struct Transformer<B: Backend> {
     pub config: ModelConfig,
     /// How the KV pools this model makes store keys and values (`kv16` after loading).
-    pub kv_format: KvFormat,
+    pub kv_format: KvSpec,
     embed: B::Weight,
     /// `None` when the output head is tied to the embedding table.
     lm_head: Option<B::Weight>,
@@ -557,7 +557,7 @@ impl<B: Backend> Transformer<B> {
             local_inv_freq,
             layers,
             config,
-            kv_format: KvFormat::F16,
+            kv_format: KvSpec::default(),
         })
     }
 

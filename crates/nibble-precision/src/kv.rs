@@ -2,6 +2,11 @@
 //! attention reads back. A backend stores these bytes; its attention kernel must read exactly
 //! the values [`TokenCodec::dequantize`] and [`ChannelKeys::dequantize`] produce.
 //!
+//! A cache stores its keys as [`KvSpec::k`]'s key layout says and its values as [`KvSpec::v`]'s
+//! value codec says; the records below are per side, so a mix (`k8v4`) is the `kv8` key records
+//! next to the `kv4` value records. A side whose format is channel-wise (`k4c`, `v2c`) waits for
+//! its block to fill ([`KvSpec::buffered`]); the other side is quantized as it is written.
+//!
 //! # Quantizers
 //!
 //! * Unsigned `b`-bit codes (`kv8`, `kv4`, and the values of `kv4c`/`kv2c`), per token per KV
@@ -50,7 +55,7 @@ use float8::F8E4M3;
 use half::f16;
 use nibble_core::{Error, Result};
 
-use crate::spec::KvFormat;
+use crate::spec::{KvFormat, KvSpec};
 use crate::weight::FP8_MAX;
 
 /// Largest magnitude a quantized cache stores: the f16 range of its zero point.
@@ -434,9 +439,64 @@ impl KvFormat {
         self != KvFormat::F16
     }
 
+    /// Bytes one token's keys take in one KV head, averaged over a full block (the channel-wise
+    /// formats share their parameters over the block). `float_bytes` is the size of the
+    /// backend's unquantized element, which `kv16` stores.
+    pub fn key_bytes_per_token(
+        self,
+        head_dim: usize,
+        block_size: usize,
+        float_bytes: usize,
+    ) -> f64 {
+        match self.keys() {
+            KeyLayout::Float => (head_dim * float_bytes) as f64,
+            KeyLayout::PerToken(c) => c.record_bytes(head_dim) as f64,
+            KeyLayout::PerChannel(c) => {
+                c.block_bytes(head_dim, block_size) as f64 / block_size.max(1) as f64
+            }
+        }
+    }
+
+    /// Bytes one token's values take in one KV head.
+    pub fn value_bytes_per_token(self, head_dim: usize, float_bytes: usize) -> usize {
+        match self.values() {
+            None => head_dim * float_bytes,
+            Some(c) => c.record_bytes(head_dim),
+        }
+    }
+}
+
+impl KvSpec {
+    pub fn keys(self) -> KeyLayout {
+        self.k.keys()
+    }
+
+    /// How values are stored; `None` when they are unquantized.
+    pub fn values(self) -> Option<TokenCodec> {
+        self.v.values()
+    }
+
+    /// Keys wait in the block's full-precision residual until the block fills (channel-wise
+    /// keys need the whole block for their statistics).
+    pub fn keys_deferred(self) -> bool {
+        self.k.is_channelwise()
+    }
+
+    /// Values wait in the block's residual until it fills: a `v4c`/`v2c` side, as `kv4c` and
+    /// `kv2c` treat their values.
+    pub fn values_deferred(self) -> bool {
+        self.v.is_channelwise()
+    }
+
+    /// Either side waits for its block to fill: a pool of this format keeps a full-precision
+    /// residual for each block being filled and writes blocks in slot order.
+    pub fn buffered(self) -> bool {
+        self.keys_deferred() || self.values_deferred()
+    }
+
     /// Refuses blocks too small to be a channel-wise quantization group.
     pub fn check_block_size(self, block_size: usize) -> Result<()> {
-        if block_size == 0 || (self.is_channelwise() && block_size < MIN_CHANNEL_BLOCK) {
+        if block_size == 0 || (self.keys_deferred() && block_size < MIN_CHANNEL_BLOCK) {
             return Err(Error::InvalidArgument(format!(
                 "a {self} KV cache cannot use blocks of {block_size} tokens: {}",
                 if block_size == 0 {
@@ -453,9 +513,8 @@ impl KvFormat {
     }
 
     /// Bytes one token's keys and values take in one layer, averaged over a full block (the
-    /// channel-wise formats share their key parameters over the block; the residual buffer of a
-    /// block being filled is extra). `float_bytes` is the size of the backend's unquantized
-    /// element, which `kv16` stores.
+    /// residual buffer of a block being filled is extra). `float_bytes` is the size of the
+    /// backend's unquantized element, which a `16` side stores.
     pub fn bytes_per_token(
         self,
         num_kv_heads: usize,
@@ -463,17 +522,10 @@ impl KvFormat {
         block_size: usize,
         float_bytes: usize,
     ) -> f64 {
-        let keys = match self.keys() {
-            KeyLayout::Float => (head_dim * float_bytes) as f64,
-            KeyLayout::PerToken(c) => c.record_bytes(head_dim) as f64,
-            KeyLayout::PerChannel(c) => {
-                c.block_bytes(head_dim, block_size) as f64 / block_size.max(1) as f64
-            }
-        };
-        let values = match self.values() {
-            None => head_dim * float_bytes,
-            Some(c) => c.record_bytes(head_dim),
-        };
+        let keys = self
+            .k
+            .key_bytes_per_token(head_dim, block_size, float_bytes);
+        let values = self.v.value_bytes_per_token(head_dim, float_bytes);
         num_kv_heads as f64 * (keys + values as f64)
     }
 }
@@ -741,55 +793,92 @@ mod tests {
     #[test]
     fn bytes_per_token_follow_the_layouts() {
         let (h, d) = (3, 64);
-        let f32_bytes = KvFormat::F16.bytes_per_token(h, d, 16, 4);
+        let u = KvSpec::uniform;
+        let f32_bytes = u(KvFormat::F16).bytes_per_token(h, d, 16, 4);
         assert_eq!(f32_bytes, (3 * 64 * 4 * 2) as f64);
         assert_eq!(
-            KvFormat::F16.bytes_per_token(h, d, 16, 2),
+            u(KvFormat::F16).bytes_per_token(h, d, 16, 2),
             (3 * 64 * 2 * 2) as f64
         );
         assert_eq!(
-            KvFormat::Int8.bytes_per_token(h, d, 16, 4),
+            u(KvFormat::Int8).bytes_per_token(h, d, 16, 4),
             (3 * 68 * 2) as f64
         );
         assert_eq!(
-            KvFormat::Int4.bytes_per_token(h, d, 16, 4),
+            u(KvFormat::Int4).bytes_per_token(h, d, 16, 4),
             (3 * 36 * 2) as f64
         );
         assert_eq!(
-            KvFormat::Fp8.bytes_per_token(h, d, 16, 4),
+            u(KvFormat::Fp8).bytes_per_token(h, d, 16, 4),
             (3 * 66 * 2) as f64
         );
         // Keys: 32 bytes of codes + 64 (scale, zero) pairs shared by 16 tokens; values like kv4.
         assert_eq!(
-            KvFormat::Int4Channel.bytes_per_token(h, d, 16, 4),
+            u(KvFormat::Int4Channel).bytes_per_token(h, d, 16, 4),
             3.0 * (32.0 + 256.0 / 16.0 + 36.0)
         );
         assert_eq!(
-            KvFormat::Int2Channel.bytes_per_token(h, d, 128, 4),
+            u(KvFormat::Int2Channel).bytes_per_token(h, d, 128, 4),
             3.0 * (16.0 + 256.0 / 128.0 + 20.0)
+        );
+        // A mix pays each side's own record: INT8 keys (64 + 4) and INT4 values (32 + 4);
+        // channel-wise INT4 keys and INT2 values; f32 keys and FP8 values.
+        let mix = |s: &str| s.parse::<KvSpec>().unwrap();
+        assert_eq!(
+            mix("k8v4").bytes_per_token(h, d, 16, 4),
+            (3 * (68 + 36)) as f64
+        );
+        assert_eq!(
+            mix("k4cv2c").bytes_per_token(h, d, 16, 4),
+            3.0 * (32.0 + 256.0 / 16.0 + 20.0)
+        );
+        assert_eq!(
+            mix("k16vfp8").bytes_per_token(h, d, 16, 4),
+            (3 * (256 + 66)) as f64
         );
         for kv in KvFormat::ALL {
             if kv.is_quantized() {
                 // Smaller than even a 16-bit cache, at the smallest block allowed.
                 assert!(
-                    kv.bytes_per_token(h, d, 16, 4)
-                        < KvFormat::F16.bytes_per_token(h, d, 16, 2) / 1.5
+                    u(kv).bytes_per_token(h, d, 16, 4)
+                        < u(KvFormat::F16).bytes_per_token(h, d, 16, 2) / 1.5
+                );
+            }
+            for v in KvFormat::ALL {
+                // Each side costs the same whatever the other side is.
+                let at = |k, v| KvSpec { k, v }.bytes_per_token(h, d, 16, 4);
+                assert_eq!(
+                    at(kv, v) + f32_bytes,
+                    at(kv, KvFormat::F16) + at(KvFormat::F16, v),
+                    "k {kv}, v {v}"
                 );
             }
         }
     }
 
     #[test]
-    fn channel_formats_need_blocks_of_sixteen() {
-        for kv in KvFormat::ALL {
-            assert!(kv.check_block_size(0).is_err());
-            assert!(kv.check_block_size(16).is_ok());
-            assert_eq!(kv.check_block_size(8).is_ok(), !kv.is_channelwise(), "{kv}");
+    fn channel_keys_need_blocks_of_sixteen() {
+        for k in KvFormat::ALL {
+            for v in KvFormat::ALL {
+                let kv = KvSpec { k, v };
+                assert!(kv.check_block_size(0).is_err());
+                assert!(kv.check_block_size(16).is_ok());
+                // Deferred values need no block statistics: only channel-wise keys refuse.
+                assert_eq!(kv.check_block_size(8).is_ok(), !k.is_channelwise(), "{kv}");
+                assert_eq!(kv.buffered(), k.is_channelwise() || v.is_channelwise());
+            }
         }
-        let err = KvFormat::Int2Channel
+        let err = KvSpec::uniform(KvFormat::Int2Channel)
             .check_block_size(4)
             .unwrap_err()
             .to_string();
         assert!(err.contains("kv2c") && err.contains("16"), "{err}");
+        let err = "k4cv8"
+            .parse::<KvSpec>()
+            .unwrap()
+            .check_block_size(4)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("k4cv8") && err.contains("16"), "{err}");
     }
 }

@@ -1,6 +1,6 @@
 //! nibble's one precision vocabulary. A `WxAyKVz` spec ([`spec`]) names a deployment; each
 //! quantized tensor carries a [`LinearFormat`] (weight codec plus activation quantization) and the
-//! KV cache a [`KvFormat`]. Every format has its packing and a CPU reference of the arithmetic the
+//! KV cache a [`KvSpec`] (a [`KvFormat`] for keys and one for values). Every format has its packing and a CPU reference of the arithmetic the
 //! GPU kernels do; adding a format means adding it here, to its kernels, and to the backends'
 //! dispatch on these enums.
 
@@ -13,7 +13,7 @@ pub mod weight;
 pub use act::QuantizedRow;
 pub use kv::{ChannelKeys, KeyLayout, TokenCodec, UintBits};
 pub use reference::reference_matmul;
-pub use spec::{KvFormat, LinearScheme, PrecisionSpec};
+pub use spec::{KvFormat, KvSpec, LinearScheme, PrecisionSpec};
 pub use weight::{ActQuant, ByteAffine, LinearFormat, WeightCodec, byte_affine_word};
 
 impl LinearScheme {

@@ -4,8 +4,15 @@
 //! Grammar: dash-separated tokens. The first names weights and activations (`w16a16`, `w8a16`,
 //! `w8a8`, `fp8`, `w4a16`, `w4a8`, `w4a4a8`) or is a KV token alone (`kv8` = unquantized
 //! weights with an 8-bit cache). Then, in any order, at most one each of: a group size `g32`,
-//! `g64`, `g128`; `lqq` (LiquidQuant, with `w4a8` only); a KV token `kv16`, `kv8`, `kv4`,
-//! `kvfp8`, `kv4c`, `kv2c` (`kv2` is accepted for `kv2c`).
+//! `g64`, `g128`; `lqq` (LiquidQuant, with `w4a8` only); a KV token (see [`KvSpec`]).
+//!
+//! KV tokens: `kv16`, `kv8`, `kv4`, `kvfp8`, `kv4c`, `kv2c` (`kv2` is accepted for `kv2c`) store
+//! keys and values alike. `k<K>v<V>` stores them apart, each side spelled as the uniform format's
+//! suffix: `16`, `8`, `4`, `fp8`, `4c`, `2c` (`2` for `2c`), e.g. `k8v4`, `kfp8v4`, `k4cv2c`.
+//! A side treats its data exactly as the uniform format of that suffix treats it: `k4c` keys are
+//! channel-wise over a block, `v2c` values INT2 per token held in full precision until their
+//! block fills (as in `kv2c`), `v4` values INT4 per token quantized as written. A mix of two
+//! equal sides is the uniform format and prints as one (`k4v4` reads back as `kv4`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -59,18 +66,26 @@ pub enum KvFormat {
     Int2Channel,
 }
 
+/// How the KV cache stores keys (`k`) and values (`v`), each side in its own format (see the
+/// module docs for the spelling). Byte layouts and sizes: [`crate::kv`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct KvSpec {
+    pub k: KvFormat,
+    pub v: KvFormat,
+}
+
 /// A whole deployment precision: linear layers plus KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PrecisionSpec {
     pub linear: LinearScheme,
-    pub kv: KvFormat,
+    pub kv: KvSpec,
 }
 
 impl Default for PrecisionSpec {
     fn default() -> Self {
         PrecisionSpec {
             linear: LinearScheme::W16A16,
-            kv: KvFormat::F16,
+            kv: KvSpec::default(),
         }
     }
 }
@@ -162,11 +177,16 @@ impl KvFormat {
         }
     }
 
-    fn from_token(t: &str) -> Option<KvFormat> {
-        if t == "kv2" {
+    /// The token without its `kv`: how one side of a [`KvSpec`] mix spells this format.
+    pub fn side_token(self) -> &'static str {
+        &self.token()[2..]
+    }
+
+    fn from_side_token(t: &str) -> Option<KvFormat> {
+        if t == "2" {
             return Some(KvFormat::Int2Channel);
         }
-        KvFormat::ALL.into_iter().find(|k| k.token() == t)
+        KvFormat::ALL.into_iter().find(|k| k.side_token() == t)
     }
 }
 
@@ -180,9 +200,97 @@ impl FromStr for KvFormat {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         let t = s.trim().to_ascii_lowercase();
-        KvFormat::from_token(&t).ok_or_else(|| {
+        t.strip_prefix("kv")
+            .and_then(KvFormat::from_side_token)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "unknown KV cache format '{s}'; expected one of kv16, kv8, kv4, kvfp8, kv4c, \
+                     kv2c"
+                ))
+            })
+    }
+}
+
+const SIDE_TOKENS: &str = "16, 8, 4, fp8, 4c, 2c";
+
+impl KvSpec {
+    /// Keys and values both in `format`.
+    pub const fn uniform(format: KvFormat) -> KvSpec {
+        KvSpec {
+            k: format,
+            v: format,
+        }
+    }
+
+    /// The one format of both sides, or `None` for a mix.
+    pub fn as_uniform(self) -> Option<KvFormat> {
+        (self.k == self.v).then_some(self.k)
+    }
+
+    /// Neither side quantized: the backend's own float.
+    pub fn is_f16(self) -> bool {
+        self.k == KvFormat::F16 && self.v == KvFormat::F16
+    }
+
+    pub fn is_quantized(self) -> bool {
+        !self.is_f16()
+    }
+
+    /// Parses one KV token (`kv4`, `k8v4`, ...); the error says what is wrong with it.
+    fn from_token(t: &str) -> std::result::Result<KvSpec, String> {
+        if let Some(side) = t.strip_prefix("kv") {
+            return KvFormat::from_side_token(side)
+                .map(KvSpec::uniform)
+                .ok_or_else(|| {
+                    format!(
+                        "unknown KV token '{t}': a uniform KV format is kv followed by one of \
+                         {SIDE_TOKENS}"
+                    )
+                });
+        }
+        let Some(rest) = t.strip_prefix('k') else {
+            return Err(format!("unknown KV token '{t}'"));
+        };
+        // No side suffix contains a 'v', so the first one ends the key side.
+        let Some((k, v)) = rest.split_once('v') else {
+            return Err(format!(
+                "KV token '{t}' names the keys' format but not the values': write k<K>v<V>, \
+                 each of {SIDE_TOKENS} (e.g. k8v4), or kv<F> for both"
+            ));
+        };
+        let side = |s: &str, what: &str| {
+            KvFormat::from_side_token(s).ok_or_else(|| {
+                format!("unknown KV token '{t}': {what} format '{s}' is not one of {SIDE_TOKENS}")
+            })
+        };
+        Ok(KvSpec {
+            k: side(k, "key")?,
+            v: side(v, "value")?,
+        })
+    }
+}
+
+impl From<KvFormat> for KvSpec {
+    fn from(format: KvFormat) -> KvSpec {
+        KvSpec::uniform(format)
+    }
+}
+
+impl fmt::Display for KvSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.as_uniform() {
+            Some(u) => f.write_str(u.token()),
+            None => write!(f, "k{}v{}", self.k.side_token(), self.v.side_token()),
+        }
+    }
+}
+
+impl FromStr for KvSpec {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        KvSpec::from_token(&s.trim().to_ascii_lowercase()).map_err(|why| {
             Error::InvalidArgument(format!(
-                "unknown KV cache format '{s}'; expected one of kv16, kv8, kv4, kvfp8, kv4c, kv2c"
+                "KV cache format '{s}': {why}. Examples: kv8, kv4c, k8v4, kfp8v4, k4cv2c"
             ))
         })
     }
@@ -191,7 +299,7 @@ impl FromStr for KvFormat {
 impl fmt::Display for PrecisionSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.linear)?;
-        if self.kv != KvFormat::F16 {
+        if self.kv.is_quantized() {
             write!(f, "-{}", self.kv)?;
         }
         Ok(())
@@ -204,7 +312,7 @@ impl FromStr for PrecisionSpec {
         parse(s).map_err(|why| {
             Error::InvalidArgument(format!(
                 "precision '{s}': {why}. Examples: w4a16-g128, w8a8, w4a8-g128-kv4, \
-                 w4a8-lqq-g64, w4a4a8, fp8-kvfp8, kv8"
+                 w4a8-lqq-g64, w4a4a8, fp8-kvfp8, kv8, w4a8-g128-k8v4"
             ))
         })
     }
@@ -221,8 +329,8 @@ fn parse(s: &str) -> std::result::Result<PrecisionSpec, String> {
     let base = match head {
         "w16a16" | "w16" | "bf16" | "f16" | "fp16" => "w16a16",
         "w8a16" | "w8a8" | "fp8" | "w4a16" | "w4a8" | "w4a4a8" => head,
-        t if t.starts_with("kv") => {
-            kv = Some(KvFormat::from_token(t).ok_or_else(|| format!("unknown KV token '{t}'"))?);
+        t if t.starts_with('k') => {
+            kv = Some(KvSpec::from_token(t)?);
             "w16a16"
         }
         t => return Err(format!("unknown weight/activation token '{t}'")),
@@ -244,9 +352,8 @@ fn parse(s: &str) -> std::result::Result<PrecisionSpec, String> {
             if std::mem::replace(&mut lqq, true) {
                 return Err("'lqq' given twice".into());
             }
-        } else if t.starts_with("kv") {
-            let k = KvFormat::from_token(t).ok_or_else(|| format!("unknown KV token '{t}'"))?;
-            if kv.replace(k).is_some() {
+        } else if t.starts_with('k') {
+            if kv.replace(KvSpec::from_token(t)?).is_some() {
                 return Err("more than one KV token".into());
             }
         } else {
@@ -309,16 +416,16 @@ mod tests {
         assert_eq!(p("fp8").linear, LinearScheme::Fp8);
         let s = p("W4A8-G64-KV4");
         assert_eq!(s.linear, LinearScheme::W4A8 { group: 64 });
-        assert_eq!(s.kv, KvFormat::Int4);
+        assert_eq!(s.kv, KvFormat::Int4.into());
         assert_eq!(
             p("kv8"),
             PrecisionSpec {
                 linear: LinearScheme::W16A16,
-                kv: KvFormat::Int8
+                kv: KvFormat::Int8.into()
             }
         );
-        assert_eq!(p("fp8-kvfp8").kv, KvFormat::Fp8);
-        assert_eq!(p("w4a16-kv2").kv, KvFormat::Int2Channel);
+        assert_eq!(p("fp8-kvfp8").kv, KvFormat::Fp8.into());
+        assert_eq!(p("w4a16-kv2").kv, KvFormat::Int2Channel.into());
         assert_eq!(
             p("w4a16-kv4c-g32").linear,
             LinearScheme::W4A16 { group: 32 }
@@ -341,11 +448,77 @@ mod tests {
             "w4a4a8-g128",
             "w4a4a8-g64",
         ] {
-            for kv in KvFormat::ALL {
-                let spec = p(&format!("{s}-{kv}"));
-                assert_eq!(p(&spec.to_string()), spec, "{spec}");
+            for k in KvFormat::ALL {
+                for v in KvFormat::ALL {
+                    let kv = KvSpec { k, v };
+                    let spec = p(&format!("{s}-{kv}"));
+                    assert_eq!(spec.kv, kv, "{s}-{kv}");
+                    assert_eq!(p(&spec.to_string()), spec, "{spec}");
+                }
             }
         }
+    }
+
+    #[test]
+    fn kv_mixes_spell_each_side_and_uniform_ones_keep_their_name() {
+        let kv = |s: &str| s.parse::<KvSpec>().unwrap_or_else(|e| panic!("{s}: {e}"));
+        use KvFormat::*;
+        for (text, k, v, shown) in [
+            ("k8v4", Int8, Int4, "k8v4"),
+            ("kfp8v4", Fp8, Int4, "kfp8v4"),
+            ("k4cv2c", Int4Channel, Int2Channel, "k4cv2c"),
+            ("k4v2", Int4, Int2Channel, "k4v2c"),
+            ("k8v2c", Int8, Int2Channel, "k8v2c"),
+            ("k16v4", F16, Int4, "k16v4"),
+            ("K4CV16", Int4Channel, F16, "k4cv16"),
+            ("k4v4", Int4, Int4, "kv4"),
+            ("k2v2c", Int2Channel, Int2Channel, "kv2c"),
+            ("kv4c", Int4Channel, Int4Channel, "kv4c"),
+            ("kv2", Int2Channel, Int2Channel, "kv2c"),
+            ("kv16", F16, F16, "kv16"),
+        ] {
+            let got = kv(text);
+            assert_eq!(got, KvSpec { k, v }, "{text}");
+            assert_eq!(got.to_string(), shown, "{text}");
+            assert_eq!(kv(shown), got, "{shown} reads back");
+        }
+        assert_eq!(KvSpec::uniform(Int8).as_uniform(), Some(Int8));
+        assert_eq!(kv("k8v4").as_uniform(), None);
+        assert!(KvSpec::default().is_f16() && !KvSpec::default().is_quantized());
+        assert!(kv("k16v4").is_quantized() && kv("k4v16").is_quantized());
+        // Inside a full spec, anywhere after the head, or as the head itself.
+        let s = p("w4a8-g128-k8v4");
+        assert_eq!(s.linear, LinearScheme::W4A8 { group: 128 });
+        assert_eq!(s.kv, kv("k8v4"));
+        assert_eq!(s.to_string(), "w4a8-g128-k8v4");
+        assert_eq!(p("w4a16-kfp8v4-g32").to_string(), "w4a16-g32-kfp8v4");
+        assert_eq!(p("k4cv2").to_string(), "w16a16-k4cv2c");
+        assert_eq!(p("w8a8-k4v4").to_string(), "w8a8-kv4");
+        assert_eq!(p("w8a8-k16v16").to_string(), "w8a8");
+    }
+
+    #[test]
+    fn bad_kv_tokens_are_named_in_the_error() {
+        for (s, why) in [
+            ("k8", "'k8' names the keys' format but not the values'"),
+            ("k8v", "value format '' is not one of"),
+            ("k3v4", "key format '3' is not one of"),
+            ("k8v4cc", "value format '4cc'"),
+            ("kv4v2", "unknown KV token 'kv4v2'"),
+            ("k8vfp", "value format 'fp'"),
+            ("kfp8v4c2", "'kfp8v4c2'"),
+        ] {
+            let err = s.parse::<KvSpec>().unwrap_err().to_string();
+            assert!(err.contains(why), "{s}: {err}");
+            let err = format!("w4a8-{s}").parse::<PrecisionSpec>().unwrap_err();
+            assert!(err.to_string().contains(why), "w4a8-{s}: {err}");
+        }
+        let err = "w4a8-k8v4-kv8".parse::<PrecisionSpec>().unwrap_err();
+        assert!(err.to_string().contains("more than one KV"), "{err}");
+        assert!(
+            "k8v4".parse::<KvFormat>().is_err(),
+            "a mix is not one format"
+        );
     }
 
     #[test]
@@ -357,7 +530,7 @@ mod tests {
             ("w4a16-g64-g32", "more than one group"),
             ("w8a8-g64", "only to 4-bit"),
             ("w4a16-lqq", "only to w4a8"),
-            ("w4a8-kv3", "unknown KV"),
+            ("w4a8-kv3", "unknown KV token 'kv3'"),
             ("w4a8-kv8-kv4", "more than one KV"),
             ("w4a8-fast", "unknown token"),
         ] {

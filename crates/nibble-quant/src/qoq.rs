@@ -76,7 +76,7 @@ use nibble_core::{Error, Result};
 use nibble_model::RopeLayout;
 use nibble_model::config::ModelConfig;
 use nibble_precision::kv::{KeyLayout, TokenCodec};
-use nibble_precision::{KvFormat, LinearFormat, LinearScheme, PrecisionSpec, WeightCodec};
+use nibble_precision::{KvFormat, KvSpec, LinearFormat, LinearScheme, PrecisionSpec, WeightCodec};
 use rayon::prelude::*;
 
 use crate::capture::AttentionInputs;
@@ -232,8 +232,9 @@ pub fn smooth_attention_layers(
     Ok(())
 }
 
-/// The SmoothAttention strength for a model whose KV cache is stored as `kv`: QServe's 0.5 for an
-/// unquantized cache (the fold then changes nothing that is rounded), otherwise the strength of
+/// The SmoothAttention strength for a model whose KV cache is stored as `kv`: QServe's 0.5 for
+/// unquantized keys (the fold scales queries and keys only, so it then changes nothing that is
+/// rounded), otherwise the strength of
 /// [`SMOOTH_ATTENTION_STRENGTHS`] whose float model, run with the quantized cache, has the lowest
 /// calibration perplexity. The float weights are a faithful stand-in: the fold scales q_proj and
 /// k_proj rows, and every weight codec QoQ uses scales per output row, so the weights' rounding
@@ -241,12 +242,12 @@ pub fn smooth_attention_layers(
 pub fn smooth_attention_strength(
     model: &DenseModel,
     key_absmax: &[Vec<f32>],
-    kv: KvFormat,
+    kv: KvSpec,
     calibration: &[Vec<u32>],
     threads: usize,
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> Result<f32> {
-    if kv == KvFormat::F16 {
+    if !kv.k.is_quantized() {
         return Ok(0.5);
     }
     let mut best = (f64::INFINITY, 0.5);
@@ -412,7 +413,7 @@ pub fn key_absmax_of(inputs: &[AttentionInputs]) -> Vec<f32> {
 
 /// Per layer, the strength of [`KEY_ERROR_STRENGTHS`] with the least [`key_error`] on the
 /// layer's recorded attention inputs (`attention[layer]`, from the model before the fold), for
-/// keys stored as `kv`'s per-token key codec, repeated for each KV head (the shape
+/// keys stored as the key format `kv` (a [`KvSpec`]'s `k`) says, repeated for each KV head (the shape
 /// [`smooth_attention_layers`] takes). An unquantized or channel-wise key cache gets QServe's 0.5
 /// everywhere (a channel-wise scale is undone by channel-wise quantization).
 ///
@@ -829,9 +830,9 @@ pub fn quantize_with(
         rotate_residual(&mut model, &rot, &mut |d, t| progress("qoq: rotate", d, t))?;
     }
 
-    // For a quantized KV cache only (when asked for): with a 16-bit cache it would only reshape
+    // For quantized values only (when asked for): with 16-bit values it would only reshape
     // o_proj's input.
-    if steps.rotate_values && spec.kv != KvFormat::F16 {
+    if steps.rotate_values && spec.kv.v.is_quantized() {
         // Its own seed: the value rotation has nothing to do with the residual one.
         let rot = Rotation::new(model.config.head_dim, opts.seed ^ VALUE_ROTATION_SEED)?;
         rotate_values(&mut model, &rot)?;
@@ -875,7 +876,7 @@ pub fn quantize_with(
     if smooth_attn {
         let (layers, kvh) = (model.layers.len(), model.config.num_kv_heads);
         let strengths = match steps.attention_strength {
-            _ if spec.kv == KvFormat::F16 => vec![vec![0.5; kvh]; layers],
+            _ if !spec.kv.k.is_quantized() => vec![vec![0.5; kvh]; layers],
             AttentionStrength::Fixed(s) => vec![vec![s; kvh]; layers],
             AttentionStrength::Perplexity => {
                 let s = smooth_attention_strength(
@@ -889,7 +890,7 @@ pub fn quantize_with(
                 vec![vec![s; kvh]; layers]
             }
             AttentionStrength::KeyError => {
-                key_error_strengths(&model.config, &cal.key_absmax, &cal.attention, spec.kv)?
+                key_error_strengths(&model.config, &cal.key_absmax, &cal.attention, spec.kv.k)?
             }
         };
         smooth_attention_layers(&mut model, &cal.key_absmax, &strengths)?;

@@ -15,7 +15,7 @@ use nibble_cpu::{CpuBackend, CpuTensor};
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
 use nibble_model::source::TensorSource;
 use nibble_model::{BatchLayout, LogitRows, Transformer};
-use nibble_precision::KvFormat;
+use nibble_precision::KvSpec;
 
 use crate::dense::{DenseModel, LinearId, Mat};
 use crate::hooked::{Hooked, Hooks};
@@ -30,7 +30,7 @@ pub struct Simulated {
     /// Each linear layer's activation rule.
     pub acts: HashMap<LinearId, ActSim>,
     /// The KV cache format.
-    pub kv: KvFormat,
+    pub kv: KvSpec,
 }
 
 impl Simulated {
@@ -56,7 +56,7 @@ impl Simulated {
         Simulated {
             dense: dense.clone(),
             acts: HashMap::new(),
-            kv: KvFormat::F16,
+            kv: KvSpec::default(),
         }
     }
 

@@ -218,7 +218,7 @@ fn smooth_attention_pairs_rotary_channels_and_keeps_the_function() {
         }
         let kv4_error = |m: &DenseModel| {
             let sim = Simulated {
-                kv: KvFormat::Int4,
+                kv: KvFormat::Int4.into(),
                 ..Simulated::float(m)
             };
             let got = sim.logits(&TOKENS, 1).unwrap();
@@ -267,7 +267,28 @@ fn smooth_attention_strength_is_measured_with_the_quantized_cache() {
     let want = logits(&m);
     let (cal, _) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
     let none = &mut |_: &str, _: usize, _: usize| {};
-    let got = smooth_attention_strength(&m, &cal.key_absmax, KvFormat::F16, &calib(), 1, none);
+    let got =
+        smooth_attention_strength(&m, &cal.key_absmax, KvFormat::F16.into(), &calib(), 1, none);
+    assert_eq!(got.unwrap(), 0.5);
+    // The fold scales queries and keys only: with 16-bit keys and INT4 values every strength
+    // rounds the same values, so there is nothing to search.
+    let k16v4: nibble_precision::KvSpec = "k16v4".parse().unwrap();
+    let nll16: Vec<f64> = SMOOTH_ATTENTION_STRENGTHS
+        .iter()
+        .map(|&s| {
+            let mut sm = m.clone();
+            smooth_attention_with(&mut sm, &cal.key_absmax, s).unwrap();
+            let sim = Simulated {
+                kv: k16v4,
+                ..Simulated::float(&sm)
+            };
+            sim.mean_nll(&calib(), 1, &mut |_, _| {}).unwrap().0
+        })
+        .collect();
+    for n in &nll16 {
+        assert!((n - nll16[0]).abs() < 1e-4, "{nll16:?}");
+    }
+    let got = smooth_attention_strength(&m, &cal.key_absmax, k16v4, &calib(), 1, none);
     assert_eq!(got.unwrap(), 0.5);
     let nll: Vec<f64> = SMOOTH_ATTENTION_STRENGTHS
         .iter()
@@ -276,14 +297,21 @@ fn smooth_attention_strength_is_measured_with_the_quantized_cache() {
             smooth_attention_with(&mut sm, &cal.key_absmax, s).unwrap();
             assert_close(&logits(&sm), &want, 1e-4, &format!("strength {s}"));
             let sim = Simulated {
-                kv: KvFormat::Int4,
+                kv: KvFormat::Int4.into(),
                 ..Simulated::float(&sm)
             };
             sim.mean_nll(&calib(), 1, &mut |_, _| {}).unwrap().0
         })
         .collect();
-    let got =
-        smooth_attention_strength(&m, &cal.key_absmax, KvFormat::Int4, &calib(), 1, none).unwrap();
+    let got = smooth_attention_strength(
+        &m,
+        &cal.key_absmax,
+        KvFormat::Int4.into(),
+        &calib(),
+        1,
+        none,
+    )
+    .unwrap();
     let best = nll.iter().copied().fold(f64::INFINITY, f64::min);
     let i = SMOOTH_ATTENTION_STRENGTHS
         .iter()
