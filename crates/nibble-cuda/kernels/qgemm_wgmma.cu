@@ -143,6 +143,8 @@ template <int TOK> struct WgqW8 {
     static constexpr int K_PER_STAGE = 128;  // TMA box width, in elements
     static constexpr int A_REGS = 16;
     using Acc = int;
+    using Regs = u32[A_REGS];  // a stage's A fragments
+    __device__ void retire(Acc (&)[TOK / 8][4], Regs&) const {}
     const TmaMap* codes;  // [tiles][chunks][1024 B], boxes of 8 tiles x 2 chunks
     int tiles, chunks;
 
@@ -186,6 +188,8 @@ template <class T, int TOK> struct WgqW4 {
     static constexpr int K_PER_STAGE = 64;
     static constexpr int A_REGS = 16;
     using Acc = float;
+    using Regs = u32[A_REGS];  // a stage's A fragments
+    __device__ void retire(Acc (&)[TOK / 8][4], Regs&) const {}
     const TmaMap* codes;   // [tiles][chunks][512 B], boxes of 8 tiles x 1 chunk
     const TmaMap* params;  // [tiles][groups][64 B], boxes of 8 tiles x span() groups
     int tiles, chunks, groups, group_len;
@@ -250,6 +254,8 @@ template <int TOK> struct WgqW4A8 {
     static constexpr int K_PER_STAGE = 128;
     static constexpr int A_REGS = 16;
     using Acc = int;
+    using Regs = u32[A_REGS];  // a stage's A fragments
+    __device__ void retire(Acc (&)[TOK / 8][4], Regs&) const {}
     const TmaMap* codes;   // [tiles][chunks][512 B], boxes of 8 tiles x 2 chunks
     const TmaMap* params;  // [tiles][groups][64 B], boxes of 8 tiles x span groups
     int tiles, chunks, groups, group_shift, span;
@@ -356,7 +362,7 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WGQ_CONSUMER_REGS));
     typename F::Acc acc[TOK / 8][4];
-    u32 a0[F::A_REGS], a1[F::A_REGS];
+    typename F::Regs a0, a1;
     int g = 0;  // this unit's first stage
     for (int u = blockIdx.x; u < total; u += gridDim.x) {
         int tile0, m0, c0, c1;
@@ -365,7 +371,9 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
 #pragma unroll
         for (int j = 0; j < TOK / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
         fence_acc(acc);
-        auto step = [&](int i, u32 (&cur)[F::A_REGS]) {
+        // `cur` holds this stage's registers (A fragments, or FP8's promotion fragment), `prev`
+        // the last stage's, whose wgmmas have retired once wait_group 1 returns.
+        auto step = [&](int i, typename F::Regs& cur, typename F::Regs& prev) {
             const int s = (g + i) % S;
             mbar_wait(full(s), ((g + i) / S) & 1);
             f.load_a(smem + s * F::STAGE + F::X_BYTES, c0 + i, cur);
@@ -373,14 +381,21 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
             f.mma(acc, cur, base + s * F::STAGE, c0 + i);
             wgmma_commit();
             wgmma_wait<1>();
-            if (i > 0 && lane == 0) mbar_arrive(empty((g + i - 1) % S));
+            if (i > 0) {
+                f.retire(acc, prev);
+                if (lane == 0) mbar_arrive(empty((g + i - 1) % S));
+            }
         };
         for (int i = 0; i + 1 < len; i += 2) {
-            step(i, a0);
-            step(i + 1, a1);
+            step(i, a0, a1);
+            step(i + 1, a1, a0);
         }
-        if (len & 1) step(len - 1, a0);
+        if (len & 1) step(len - 1, a0, a1);
         wgmma_wait<0>();
+        if (len & 1)  // (two calls: a selected reference would put the registers in memory)
+            f.retire(acc, a0);
+        else
+            f.retire(acc, a1);
         if (lane == 0) mbar_arrive(empty((g + len - 1) % S));
         g += len;
         fence_acc(acc);

@@ -350,6 +350,57 @@ pub fn pack_w8(n: usize, k: usize, codes: &[i8], scales: &[f32]) -> Result<Packe
     })
 }
 
+/// FP8 weights as the kernels read them (kernels/qgemm_fp8.cu): plain row-major e4m3 codes,
+/// `tiles * 16` rows of `chunks * 64` bytes (zero past `n` and `k`), because the wgmma tier takes
+/// its weights from shared memory through TMA (a 128-byte-swizzled K-major operand needs rows of K
+/// in memory) and the decode gemv's mma.sync fragments are 16-byte runs of two rows: lane
+/// (g, t) holds rows g and g + 8, channels 16t .. 16t + 15 of each 64-channel chunk, the
+/// channels it also reads of the activations ([`fp8_fragment_channel`]).
+pub struct PackedFp8 {
+    pub n: usize,
+    pub k: usize,
+    pub tiles: usize,
+    pub chunks: usize,
+    pub codes: Vec<u8>,
+    pub scales: Vec<f32>,
+}
+
+/// Packs `[n, k]` e4m3 codes with per-row f32 scales.
+pub fn pack_fp8(n: usize, k: usize, codes: &[u8], scales: &[f32]) -> Result<PackedFp8> {
+    check_k(k, None)?;
+    if codes.len() != n * k || scales.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "pack_fp8: {} codes and {} scales for a {n}x{k} weight",
+            codes.len(),
+            scales.len()
+        )));
+    }
+    let (tiles, chunks) = (n.div_ceil(TILE_ROWS), chunks_for(k));
+    let row = chunks * CHUNK_K;
+    let mut packed = vec![0u8; tiles * TILE_ROWS * row];
+    for (dst, src) in packed.chunks_exact_mut(row).zip(codes.chunks_exact(k)) {
+        dst[..k].copy_from_slice(src);
+    }
+    let mut s = scales.to_vec();
+    s.resize(tiles * TILE_ROWS, 0.0);
+    Ok(PackedFp8 {
+        n,
+        k,
+        tiles,
+        chunks,
+        codes: packed,
+        scales: s,
+    })
+}
+
+/// The decode gemv's m16n8k32 operand mapping over row-major FP8 weights: the input channel (within
+/// a 64-channel chunk) of byte `i` of register `reg` (a0..a3 of the A fragment, or b0, b1 of the B
+/// fragment as `reg` 0 and 2) of lane `t` (its index in the quad) in k32 step `j`. Register pairs
+/// (a0, a1) and (a2, a3) are rows g and g + 8 of the same channels.
+pub fn fp8_fragment_channel(t: usize, j: usize, reg: usize, i: usize) -> usize {
+    16 * t + 8 * j + 4 * (reg / 2) + i
+}
+
 impl PackedW8 {
     /// The `[n, k]` codes back: the inverse of [`pack_w8`], for tests.
     pub fn unpack(&self) -> Vec<i8> {
@@ -542,6 +593,51 @@ impl PackedW4A8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The decode gemv's fragment mapping (kernels/qgemm_fp8.cu, DecFp8) computes the dot
+    /// products: an m16n8k32 MMA multiplies A's logical k (4t + i for a0/a1, 16 + 4t + i for
+    /// a2/a3) with B's same logical k (b0, b1), so the mapping is right when each lane's A and
+    /// B registers name the same channels and the lanes cover each chunk once.
+    #[test]
+    fn fp8_fragments_cover_each_chunk_once_with_matching_channels() {
+        let (n, k) = (20, 192);
+        let w: Vec<u8> = (0..n * k).map(|v| (v * 7 % 13) as u8).collect();
+        let p = pack_fp8(n, k, &w, &vec![1.0; n]).unwrap();
+        assert_eq!((p.tiles, p.chunks, p.codes.len()), (2, 3, 32 * 192));
+        let x: Vec<i64> = (0..k).map(|v| (v as i64 * 5) % 11 - 5).collect();
+        let row_bytes = p.chunks * CHUNK_K;
+        for r in 0..p.tiles * TILE_ROWS {
+            let (g, h) = (r % 8, (r % 16) / 8);
+            let mut dot = 0i64;
+            for c in 0..p.chunks {
+                let mut seen = [false; CHUNK_K];
+                for t in 0..4 {
+                    // Lane (g, t) loads 16 bytes of rows g and g + 8 at channel 16t.
+                    let lane_row = &p.codes[(r - r % 16 + g + 8 * h) * row_bytes + c * CHUNK_K..];
+                    for j in 0..2 {
+                        for reg in [0, 2] {
+                            for i in 0..4 {
+                                let ch = fp8_fragment_channel(t, j, reg, i);
+                                assert!(!seen[ch], "channel {ch} twice");
+                                seen[ch] = true;
+                                // a{reg + h} is byte (j * 8 + reg * 2 + i) of the lane's 16.
+                                let a = lane_row[16 * t + 8 * j + 2 * reg + i] as i64;
+                                let b = x.get(c * CHUNK_K + ch).copied().unwrap_or(0);
+                                dot += a * b;
+                            }
+                        }
+                    }
+                }
+                assert!(seen.iter().all(|&s| s));
+            }
+            let want: i64 = if r < n {
+                (0..k).map(|kk| w[r * k + kk] as i64 * x[kk]).sum()
+            } else {
+                0
+            };
+            assert_eq!(dot, want, "row {r}");
+        }
+    }
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 

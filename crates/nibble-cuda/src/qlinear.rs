@@ -7,7 +7,7 @@
 //! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_stream{1,2,4}` (sm_90) or `w4a16_gemv{1,2,4,8}`, `w4a16_tiled` | model dtype |
 //! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4,8}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
 //! | `qoq-gN/a8`, `lqq-gN/a8`, `int4-pc/a8` (w4a8) | `w4a8_dec{1,2,4}` up to 32 tokens, `w4a8_wgmma{64,128,}` beyond (sm_90a only) | as W8A8 |
-//! | `fp8-pc/afp8` (fp8) | `fp8_dec{1,2,4}` up to 32 tokens, `fp8_wgmma{64,128}` beyond (sm_90a only; kernels/qgemm_fp8.cu) | FP8 e4m3 per token, by the producing kernel or `quantize_f8` |
+//! | `fp8-pc/afp8` (fp8; row-major codes, `pack::PackedFp8`) | `fp8_dec{1,2,4}` up to 32 tokens, `fp8_wgmma{64,128}` beyond (sm_90a only; kernels/qgemm_fp8.cu) | FP8 e4m3 per token, by the producing kernel or `quantize_f8` |
 //!
 //! Other quantized formats load dequantized to the model dtype and run on cuBLAS; so do W4A8
 //! and FP8 weights on GPUs without the Hopper kernels, and QoQ groups whose codes the word
@@ -19,7 +19,7 @@ use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
 
 use crate::context::{CudaContext, norm_block};
 pub use crate::context::{KernelTier, SPLIT_COUNTERS};
-use crate::pack::{self, PackedW4, PackedW4A8, PackedW8, W4A8Matrix, W4Matrix};
+use crate::pack::{self, PackedFp8, PackedW4, PackedW4A8, PackedW8, W4A8Matrix, W4Matrix};
 use crate::runtime::{Arg, DeviceBuffer, TmaLayout, tensor_map};
 pub use crate::tensor::{Act8, Act8Input, QuantWeight};
 use crate::tensor::{CudaTensor, Dtype, Elem};
@@ -70,7 +70,8 @@ pub fn wgmma_smem(family: QFamily, tokens: usize) -> u32 {
     };
     let weights = match family {
         QFamily::W4A16 => 8 * 512 + 8 * 128,
-        QFamily::W8A8 | QFamily::Fp8 => 8 * 2048,
+        QFamily::W8A8 => 8 * 2048,
+        QFamily::Fp8 => 128 * 128,
         QFamily::W4A8 => 8 * 1024 + 8 * 4 * 64,
     };
     (stages * (tokens * 128 + weights) + 1024 + stages * 16) as u32
@@ -126,7 +127,7 @@ pub enum QFamily {
     /// 4-bit codes widened to INT8 in registers, INT8 per token (`qoq-gN/a8`, `lqq-gN/a8`,
     /// `int4-pc/a8`).
     W4A8,
-    /// FP8 e4m3 per channel, FP8 e4m3 per token (`fp8-pc/afp8`), packed as W8A8.
+    /// FP8 e4m3 per channel, FP8 e4m3 per token (`fp8-pc/afp8`), row-major codes.
     Fp8,
 }
 
@@ -294,21 +295,28 @@ pub fn pack_rows(
             };
             Ok(Packed::W4(pack::pack_w4(&w, dtype)?))
         }
-        WeightCodec::Int8PerChannel | WeightCodec::Fp8PerChannel => {
-            // FP8 packs its e4m3 bit patterns where INT8 packs codes: the fragments are bytes.
-            let fp8 = format.codec == WeightCodec::Fp8PerChannel;
+        WeightCodec::Int8PerChannel => {
             let mut codes = Vec::with_capacity(n * k);
             let mut scales = Vec::with_capacity(n);
             for row in bytes.chunks_exact(rb) {
                 codes.extend(row[..k].iter().map(|&b| b as i8));
-                scales.push(if fp8 {
-                    f32::from_le_bytes([row[k], row[k + 1], row[k + 2], row[k + 3]])
-                } else {
-                    f16_at(row, k)
-                });
+                scales.push(f16_at(row, k));
             }
-            let act = if fp8 { Act8::Fp8 } else { Act8::Int8 };
-            Ok(Packed::W8(pack::pack_w8(n, k, &codes, &scales)?, act))
+            Ok(Packed::W8(pack::pack_w8(n, k, &codes, &scales)?))
+        }
+        WeightCodec::Fp8PerChannel => {
+            let mut codes = Vec::with_capacity(n * k);
+            let mut scales = Vec::with_capacity(n);
+            for row in bytes.chunks_exact(rb) {
+                codes.extend_from_slice(&row[..k]);
+                scales.push(f32::from_le_bytes([
+                    row[k],
+                    row[k + 1],
+                    row[k + 2],
+                    row[k + 3],
+                ]));
+            }
+            Ok(Packed::Fp8(pack::pack_fp8(n, k, &codes, &scales)?))
         }
         _ => Err(Error::unsupported(
             format!("linear format {format} on the GPU"),
@@ -361,7 +369,8 @@ fn pack_w4a8_rows(
 /// Host-side packed weight, before upload.
 pub enum Packed {
     W4(PackedW4),
-    W8(PackedW8, Act8),
+    W8(PackedW8),
+    Fp8(PackedFp8),
     W4A8(PackedW4A8),
 }
 
@@ -376,12 +385,17 @@ impl Packed {
                 chunks: p.chunks,
                 groups: p.groups,
             },
-            Packed::W8(p, act) => QuantWeight::W8 {
+            Packed::W8(p) => QuantWeight::W8 {
                 codes: DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
                 scales: DeviceBuffer::from_host(&ctx.gpu, &p.scales, what)?,
                 tiles: p.tiles,
                 chunks: p.chunks,
-                act: *act,
+            },
+            Packed::Fp8(p) => QuantWeight::Fp8 {
+                codes: DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
+                scales: DeviceBuffer::from_host(&ctx.gpu, &p.scales, what)?,
+                tiles: p.tiles,
+                chunks: p.chunks,
             },
             Packed::W4A8(p) => QuantWeight::W4A8 {
                 codes: DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
@@ -594,10 +608,12 @@ enum WgmmaWeights {
         groups: usize,
         group_len: usize,
     },
+    /// INT8 fragments (`pack::PackedW8`) or row-major FP8 rows (`row_major`).
     W8 {
         codes: u64,
         scales: u64,
         x_scales: u64,
+        row_major: bool,
     },
     W4A8 {
         codes: u64,
@@ -712,9 +728,16 @@ pub fn quant_gemm(
             scales,
             tiles,
             chunks,
-            act,
+        }
+        | QuantWeight::Fp8 {
+            codes,
+            scales,
+            tiles,
+            chunks,
         } => {
-            let q = act8_input(ctx, x, k, *act)?;
+            let fp8 = matches!(w, QuantWeight::Fp8 { .. });
+            let act = if fp8 { Act8::Fp8 } else { Act8::Int8 };
+            let q = act8_input(ctx, x, k, act)?;
             let head = vec![
                 Arg::Ptr(codes.ptr),
                 Arg::Ptr(scales.ptr),
@@ -726,10 +749,7 @@ pub fn quant_gemm(
             ];
             let geo = [m, n, k, *tiles, *chunks];
             let route = Route {
-                family: match act {
-                    Act8::Int8 => QFamily::W8A8,
-                    Act8::Fp8 => QFamily::Fp8,
-                },
+                family: if fp8 { QFamily::Fp8 } else { QFamily::W8A8 },
                 out_half,
                 decode: Some(QKernel::Decode),
             };
@@ -741,6 +761,7 @@ pub fn quant_gemm(
                     codes: codes.ptr,
                     scales: scales.ptr,
                     x_scales: q.scales,
+                    row_major: fp8,
                 },
                 out: out.ptr,
                 ldy: out.ld,
@@ -1018,9 +1039,24 @@ fn launch_wgmma(
             codes,
             scales,
             x_scales,
+            row_major,
         } => {
-            // Two 64-channel chunks of codes a stage.
-            args.push(weight_map(codes, tiles, chunks, 1024, 2)?);
+            // Two 64-channel chunks of codes a stage: of 8 packed tiles, or (FP8) a 128-row box
+            // of the rows, 128-byte swizzled as the tokens (kernels/qgemm_fp8.cu).
+            args.push(if row_major {
+                let row = chunks * 64;
+                let map = tensor_map(
+                    codes,
+                    1,
+                    &[row, tiles * 16],
+                    &[row],
+                    &[128, 128],
+                    TmaLayout::Swizzle128,
+                )?;
+                Arg::TensorMap(Box::new(map))
+            } else {
+                weight_map(codes, tiles, chunks, 1024, 2)?
+            });
             args.push(Arg::Ptr(scales));
             args.push(Arg::Ptr(x_scales));
         }

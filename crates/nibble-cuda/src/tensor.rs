@@ -219,14 +219,18 @@ pub enum QuantWeight {
         chunks: usize,
         groups: usize,
     },
-    /// INT8 (W8A8) or FP8 e4m3 (FP8 W8A8) codes per channel, f32 scales: one packing
-    /// (`pack::PackedW8`), the MMA's element type set by `act`.
     W8 {
         codes: DeviceBuffer,
         scales: DeviceBuffer,
         tiles: usize,
         chunks: usize,
-        act: Act8,
+    },
+    /// Row-major e4m3 codes, f32 scales (`pack::PackedFp8`).
+    Fp8 {
+        codes: DeviceBuffer,
+        scales: DeviceBuffer,
+        tiles: usize,
+        chunks: usize,
     },
     /// 4-bit codes widened to INT8 in the kernels (`pack::PackedW4A8`).
     W4A8 {
@@ -244,7 +248,9 @@ impl QuantWeight {
     pub fn bytes(&self) -> usize {
         match self {
             QuantWeight::W4 { codes, params, .. } => codes.bytes + params.bytes,
-            QuantWeight::W8 { codes, scales, .. } => codes.bytes + scales.bytes,
+            QuantWeight::W8 { codes, scales, .. } | QuantWeight::Fp8 { codes, scales, .. } => {
+                codes.bytes + scales.bytes
+            }
             QuantWeight::W4A8 {
                 codes,
                 params,
@@ -259,18 +265,16 @@ impl QuantWeight {
     pub fn reads_act8(&self) -> Option<Act8> {
         match self {
             QuantWeight::W4 { .. } => None,
-            QuantWeight::W8 { act, .. } => Some(*act),
-            QuantWeight::W4A8 { .. } => Some(Act8::Int8),
+            QuantWeight::W8 { .. } | QuantWeight::W4A8 { .. } => Some(Act8::Int8),
+            QuantWeight::Fp8 { .. } => Some(Act8::Fp8),
         }
     }
 
     pub fn format_name(&self) -> &'static str {
         match self {
             QuantWeight::W4 { .. } => "w4a16",
-            QuantWeight::W8 {
-                act: Act8::Int8, ..
-            } => "w8a8",
-            QuantWeight::W8 { act: Act8::Fp8, .. } => "fp8",
+            QuantWeight::W8 { .. } => "w8a8",
+            QuantWeight::Fp8 { .. } => "fp8",
             QuantWeight::W4A8 { .. } => "w4a8",
         }
     }
