@@ -54,11 +54,12 @@ pub fn permute_residual(model: &mut DenseModel, perm: &[usize]) -> Result<()> {
     for l in &mut model.layers {
         permute_vec(&mut l.attn_norm, perm);
         permute_vec(&mut l.mlp_norm, perm);
-        for m in [&mut l.q, &mut l.k, &mut l.v, &mut l.gate, &mut l.up] {
+        for m in l.residual_readers_mut() {
             m.permute_cols(perm);
         }
-        l.o.permute_rows(perm);
-        l.down.permute_rows(perm);
+        for m in l.residual_writers_mut() {
+            m.permute_rows(perm);
+        }
     }
     Ok(())
 }
@@ -70,7 +71,7 @@ pub fn permute_down_input(model: &mut DenseModel, layer: usize, perm: &[usize]) 
         model.config.intermediate_size,
         "down_proj input permutation",
     )?;
-    let l = &mut model.layers[layer];
+    let l = model.layers[layer].dense_mlp_mut()?;
     l.gate.permute_rows(perm);
     l.up.permute_rows(perm);
     l.down.permute_cols(perm);

@@ -494,7 +494,7 @@ pub fn search_smoothing(
     let readers: Vec<&Mat> = site
         .readers()
         .iter()
-        .map(|&kind| model.linear(LinearId { layer, kind }))
+        .map(|&kind| model.linear(LinearId::dense(layer, kind)))
         .collect();
     let x = &data.samples;
     let ys: Vec<Mat> = readers.iter().map(|w| matmul_nt(x, w)).collect();

@@ -85,7 +85,12 @@ fn plant_outliers(m: &mut DenseModel) {
                 match site {
                     SiteKind::AttnIn => l.attn_norm[ch] *= 5.0,
                     SiteKind::MlpIn => l.mlp_norm[ch] *= 5.0,
-                    SiteKind::DownIn => l.up.row_mut(ch).iter_mut().for_each(|w| *w *= 5.0),
+                    SiteKind::DownIn => l
+                        .linear_mut(LinearKind::Up, None)
+                        .unwrap()
+                        .row_mut(ch)
+                        .iter_mut()
+                        .for_each(|w| *w *= 5.0),
                     SiteKind::OIn => {
                         l.v.row_mut(ch).iter_mut().for_each(|w| *w *= 5.0);
                         if let Some(b) = &mut l.v_bias {
@@ -461,7 +466,7 @@ fn output_smoothing_and_reordering_keep_the_function_and_the_calibration_view() 
                 let w = if site == SiteKind::OIn {
                     &m.layers[layer].o
                 } else {
-                    &m.layers[layer].down
+                    m.linear(LinearId::dense(layer, LinearKind::Down))
                 };
                 let wmax = nibble_quant::sim::col_absmax(&[w]);
                 let (x, w) = if site == SiteKind::OIn {
@@ -706,10 +711,7 @@ fn simulated_model_multiplies_decoded_weights_by_quantized_inputs() {
     let m = dense("tiny-llama3");
     let q = nibble_quant::pipeline::rtn(m.clone(), spec("w4a8-g32"), &mut |_, _, _| {}).unwrap();
     let sim = Simulated::new(&q).unwrap();
-    let id = LinearId {
-        layer: 1,
-        kind: LinearKind::Down,
-    };
+    let id = LinearId::dense(1, LinearKind::Down);
     let (f, bytes) = &q.linears[&id];
     let w = m.linear(id);
     let mut decoded = vec![0f32; w.rows * w.cols];
