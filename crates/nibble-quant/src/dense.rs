@@ -5,6 +5,11 @@
 //! The rewrites here keep the network's function: a per-channel scale or permutation of a linear
 //! layer's input is folded into the op that produces that input, and a rotation of the residual
 //! stream into everything that reads or writes it.
+//!
+//! Mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE) hold their router, experts and
+//! shared expert ([`SparseMlp`]). The router reads the same normalized input as the experts, so
+//! every rewrite of that input treats it as one more reader (it stays f32, so the rewrite is
+//! exact for it), and a rewrite of a down_proj input is per expert.
 
 use std::sync::Arc;
 
