@@ -136,13 +136,6 @@ impl Calibration {
         }
     }
 
-    pub fn stats_mut(&mut self, site: Site) -> Option<&mut SiteStats> {
-        match site.expert {
-            None => self.sites.get_mut(&(site.layer, site.kind)),
-            Some(e) => self.experts.get_mut(&(site.layer, site.kind, e)),
-        }
-    }
-
     /// The statistics of the input a linear layer reads: for an expert, of the tokens it ran
     /// on only (`None` when it ran on none).
     pub fn input_of(&self, id: LinearId) -> Option<&SiteStats> {
@@ -202,8 +195,8 @@ impl Capture {
                 *m = m.max(v.abs());
                 *a += v.abs() as f64;
             }
-            // `capture` prefills each sequence whole, so row 0 is its first token (not so for a
-            // routed expert's rows, but the attention sink rarely routes like other tokens).
+            // `capture` prefills each sequence whole, so row 0 is its first token (for a routed
+            // expert, its first routed token; `sample_first` is QoQ's, which refuses MoE models).
             let strided = (s.tokens + r).is_multiple_of(opts.sample_stride.max(1));
             if (strided || (opts.sample_first && r == 0)) && s.samples.rows < opts.max_samples {
                 s.samples.data.extend_from_slice(row);

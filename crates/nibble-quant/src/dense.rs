@@ -230,13 +230,8 @@ impl LinearId {
         }
     }
 
-    /// The Hugging Face tensor name of its weight, with Llama/Qwen's expert names (see
-    /// [`LinearId::name_in`] for Mixtral's).
-    pub fn name(self) -> String {
-        self.name_in(Arch::Qwen2Moe)
-    }
-
-    /// The Hugging Face tensor name of its weight in a checkpoint of `arch`.
+    /// The Hugging Face tensor name of its weight in a checkpoint of `arch` (whose expert names
+    /// differ: Mixtral's `block_sparse_moe.experts.E.w1`, Qwen's `mlp.experts.E.gate_proj`).
     pub fn name_in(self, arch: Arch) -> String {
         let p = format!("model.layers.{}", self.layer);
         let proj = match self.kind {

@@ -121,7 +121,7 @@ pub fn clip_and_encode_with(
     for (i, &id) in ids.iter().enumerate() {
         let format = format_of(id);
         let data = sites.get(&(id.layer, id.kind.site())).ok_or_else(|| {
-            Error::InvalidArgument(format!("no calibration rows for {}", id.name()))
+            Error::InvalidArgument(format!("no calibration rows for {}", model.linear_name(id)))
         })?;
         let w = model.linear(id);
         // Readers of one site (q/k/v, gate/up) share their quantized input.
@@ -136,7 +136,7 @@ pub fn clip_and_encode_with(
             search_clips(w, &data.samples, xq, format, grid)?.0
         };
         let bytes = encode(w, xq, format, &clips)
-            .map_err(|e| Error::InvalidArgument(format!("{}: {e}", id.name())))?;
+            .map_err(|e| Error::InvalidArgument(format!("{}: {e}", model.linear_name(id))))?;
         out.insert(id, (format, bytes));
         progress(i + 1, ids.len());
     }
