@@ -232,6 +232,36 @@ fn every_expert_is_quantized_and_the_checkpoint_runs_close_to_float() {
     }
 }
 
+/// RTN in every other format: the experts run through each format's CPU kernels, which agree
+/// with the simulation as in [`every_expert_is_quantized_and_the_checkpoint_runs_close_to_float`]
+/// (INT8 and FP8 activations to f32 rounding, 16-bit ones to f16 rounding). The grouped formats
+/// skip Qwen2-MoE, whose 48-wide shared expert no group size divides.
+#[test]
+fn rtn_runs_experts_in_every_format() {
+    for name in FIXTURES {
+        let m = dense(name);
+        let grouped = name != "tiny-qwen2-moe";
+        for s in ["w8a16", "fp8", "w4a8-g32", "w4a8-lqq-g32", "w4a4a8-g32"] {
+            if s.contains("-g") && !grouped {
+                continue;
+            }
+            let what = format!("{name} {s}");
+            let q = run(&m, s, Method::Rtn);
+            assert_eq!(q.linears.len(), m.linear_ids().len(), "{what}");
+            let (_dir, backend, model) = write_and_load(name, &q);
+            let got = prompt_logits(&backend, &model, &TOKENS);
+            let sim = Simulated::new(&q).unwrap().logits(&TOKENS, 1).unwrap();
+            let kernels = rel_err(&sim, &got);
+            eprintln!("{what}: kernels against the simulation {kernels:.2e}");
+            let tol = if s.contains("a16") { 5e-3 } else { 1e-4 };
+            assert!(
+                kernels < tol,
+                "{what}: kernels against simulation {kernels}"
+            );
+        }
+    }
+}
+
 /// Held-out token sequences (another seed than the calibration's).
 fn held_out(m: &DenseModel) -> Vec<Vec<u32>> {
     let mut rng = ChaCha8Rng::seed_from_u64(2);
