@@ -175,7 +175,11 @@ fn four_bit(name: &str) -> &'static str {
 /// 1.8e-3 here). Against float: the fixtures' random weights fill their range evenly, the worst
 /// case for rounding. The dense tiny Llama 3 under RTN moves by 36% at W4A16-g32, 67% at
 /// per-channel W4A8 and 5.6% at W8A8; the MoE fixtures measure at most 40%, 49% and 4.9%, and
-/// the bounds are those of the dense model with some margin.
+/// the bounds are those of the dense model with some margin. W4A8-LQQ (INT4 weights and INT8
+/// activations both) moves the tiny Mixtral by 88% under RTN and 98% under LiquidQuant (whose
+/// mean error is the lower one; its per-expert quality is checked on layer outputs in
+/// [`calibrated_methods_beat_rtn_on_the_experts_held_out_inputs`]), so its bound, 1.2, only
+/// catches a broken encoding; the kernels-against-simulation check is the tight one.
 #[test]
 fn every_expert_is_quantized_and_the_checkpoint_runs_close_to_float() {
     for name in FIXTURES {
@@ -183,13 +187,17 @@ fn every_expert_is_quantized_and_the_checkpoint_runs_close_to_float() {
         let want = common::logits(&m);
         let w4 = four_bit(name);
         let w4_tol = if w4 == "w4a8" { 0.8 } else { 0.6 };
-        let cases = [
+        let mut cases = vec![
             (w4, Method::Rtn, w4_tol),
             (w4, Method::Awq, w4_tol),
             (w4, Method::Gptq, w4_tol),
             ("w8a8", Method::Rtn, 0.08),
             ("w8a8", Method::SmoothQuant, 0.08),
         ];
+        // LiquidQuant's groups do not divide Qwen2-MoE's 48-wide shared expert either.
+        if name != "tiny-qwen2-moe" {
+            cases.push(("w4a8-lqq-g32", Method::Lqq, 1.2));
+        }
         for (s, method, tol) in cases {
             let what = format!("{name} {s} {method}");
             let q = run(&m, s, method);
@@ -316,8 +324,8 @@ fn expert_layer_error(q: &QuantizedModel) -> f64 {
     total / n as f64
 }
 
-/// What per-expert statistics are for: on each expert's own held-out inputs, AWQ, GPTQ and
-/// SmoothQuant quantize the experts' layers with less output error than RTN does. 3072
+/// What per-expert statistics are for: on each expert's own held-out inputs, AWQ, GPTQ,
+/// SmoothQuant and LiquidQuant quantize the experts' layers with less output error than RTN does. 3072
 /// calibration tokens, so that every expert of the tiny Qwen3-MoE gets a few hundred (GPTQ's
 /// Hessian over 64 channels needs them; see [`MIN_EXPERT_TOKENS`]).
 #[test]
@@ -325,11 +333,15 @@ fn calibrated_methods_beat_rtn_on_the_experts_held_out_inputs() {
     for name in FIXTURES {
         let calib = calibration_of(&dense(name), 32);
         let w4 = four_bit(name);
-        for (m, s, method) in [
+        let mut cases = vec![
             (planted(name), w4, Method::Awq),
             (dense(name), w4, Method::Gptq),
             (planted(name), "w8a8", Method::SmoothQuant),
-        ] {
+        ];
+        if name != "tiny-qwen2-moe" {
+            cases.push((planted(name), "w4a8-lqq-g32", Method::Lqq));
+        }
+        for (m, s, method) in cases {
             let rtn = expert_layer_error(&run_with(&m, s, Method::Rtn, &calib));
             let got = expert_layer_error(&run_with(&m, s, method, &calib));
             eprintln!("{name} {s} {method}: expert layer error {got:.3e}, RTN {rtn:.3e}");
@@ -634,11 +646,7 @@ fn bad_moe_input_fails_with_a_reason() {
 
     let m = dense("tiny-mixtral");
     // Methods without a per-expert form yet are refused up front.
-    for (s, method) in [
-        ("w4a8", Method::Qoq),
-        ("w4a8-lqq-g32", Method::Lqq),
-        ("w4a4a8-g32", Method::Fmpq),
-    ] {
+    for (s, method) in [("w4a8", Method::Qoq), ("w4a4a8-g32", Method::Fmpq)] {
         let err = quantize(
             m.clone(),
             spec(s),
