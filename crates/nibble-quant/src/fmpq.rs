@@ -115,7 +115,7 @@ pub fn plan_and_permute(
     for layer in 0..layers {
         let data = site_mut(sites, layer, SiteKind::DownIn)?;
         let perm = sort_desc(&data.absmax);
-        permute_down_input(model, layer, &perm)?;
+        permute_down_input(model, layer, None, &perm)?;
         data.permute(&perm);
         let n = int8_blocks_needed(&outlier_score(&data.absmax), block, ratio);
         blocks.insert((layer, SiteKind::DownIn), n);

@@ -23,7 +23,7 @@ use nibble_precision::{LinearScheme, PrecisionSpec};
 use std::collections::BTreeMap;
 
 use crate::capture::Calibration;
-use crate::dense::{DenseModel, SiteKind};
+use crate::dense::{DenseModel, Site, SiteKind};
 use crate::pipeline::{Method, QuantOptions, QuantizedModel, encode_matrix};
 use crate::qoq::site_mut;
 use crate::search::{
@@ -60,9 +60,10 @@ pub fn smooth(
         let mut choices = Vec::with_capacity(4);
         for site in SiteKind::ALL {
             let data = site_mut(sites, layer, site)?;
-            let choice = search_smoothing(model, layer, site, data, &alphas, format, act)?;
+            let site = Site::dense(layer, site);
+            let choice = search_smoothing(model, site, data, &alphas, format, act)?;
             if choice.alpha.is_some() {
-                apply_smoothing(model, layer, site, data, &choice.scale)?;
+                apply_smoothing(model, site, data, &choice.scale)?;
             }
             choices.push(choice);
         }

@@ -194,9 +194,13 @@ fn every_expert_is_quantized_and_the_checkpoint_runs_close_to_float() {
             ("w8a8", Method::Rtn, 0.08),
             ("w8a8", Method::SmoothQuant, 0.08),
         ];
-        // LiquidQuant's groups do not divide Qwen2-MoE's 48-wide shared expert either.
+        cases.push(("w8a8", Method::Qoq, 0.08));
+        // LiquidQuant's and QoQ's groups do not divide Qwen2-MoE's 48-wide shared expert either.
         if name != "tiny-qwen2-moe" {
             cases.push(("w4a8-lqq-g32", Method::Lqq, 1.2));
+            cases.push(("w4a8-g32", Method::Qoq, 1.2));
+        } else {
+            cases.push(("w4a8", Method::Qoq, 0.8));
         }
         for (s, method, tol) in cases {
             let what = format!("{name} {s} {method}");
@@ -325,7 +329,7 @@ fn expert_layer_error(q: &QuantizedModel) -> f64 {
 }
 
 /// What per-expert statistics are for: on each expert's own held-out inputs, AWQ, GPTQ,
-/// SmoothQuant and LiquidQuant quantize the experts' layers with less output error than RTN does. 3072
+/// SmoothQuant, LiquidQuant and QoQ quantize the experts' layers with less output error than RTN does. 3072
 /// calibration tokens, so that every expert of the tiny Qwen3-MoE gets a few hundred (GPTQ's
 /// Hessian over 64 channels needs them; see [`MIN_EXPERT_TOKENS`]).
 #[test]
@@ -340,6 +344,9 @@ fn calibrated_methods_beat_rtn_on_the_experts_held_out_inputs() {
         ];
         if name != "tiny-qwen2-moe" {
             cases.push((planted(name), "w4a8-lqq-g32", Method::Lqq));
+            cases.push((planted(name), "w4a8-g32", Method::Qoq));
+        } else {
+            cases.push((planted(name), "w4a8", Method::Qoq));
         }
         for (m, s, method) in cases {
             let rtn = expert_layer_error(&run_with(&m, s, Method::Rtn, &calib));
@@ -645,8 +652,8 @@ fn bad_moe_input_fails_with_a_reason() {
     }
 
     let m = dense("tiny-mixtral");
-    // Methods without a per-expert form yet are refused up front.
-    for (s, method) in [("w4a8", Method::Qoq), ("w4a4a8-g32", Method::Fmpq)] {
+    // FMPQ has no per-expert form yet and is refused up front.
+    for (s, method) in [("w4a4a8-g32", Method::Fmpq)] {
         let err = quantize(
             m.clone(),
             spec(s),

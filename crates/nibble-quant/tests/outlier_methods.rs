@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use nibble_cpu::CpuBackend;
 use nibble_model::{BatchLayout, LogitRows, RopeLayout, Transformer};
 use nibble_precision::{ActQuant, KvFormat, LinearFormat, PrecisionSpec, WeightCodec};
-use nibble_quant::dense::{DenseModel, LinearId, LinearKind, SiteKind};
+use nibble_quant::dense::{DenseModel, LinearId, LinearKind, Site, SiteKind};
 use nibble_quant::fmpq::{OUTLIER_RATIO, int8_blocks_needed, outlier_score, plan_and_permute};
 use nibble_quant::permute::HeadPermutation;
 use nibble_quant::qoq::{
@@ -161,7 +161,7 @@ fn fast_rotation_keeps_the_function_and_equals_the_dense_rotation() {
         }
         // The planted outliers are gone from the rotated stream: no channel dominates.
         let (_, sites) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
-        let x = &sites[&(0, SiteKind::AttnIn)].absmax;
+        let x = &sites[&Site::dense(0, SiteKind::AttnIn)].absmax;
         let ratio = x.iter().fold(0f32, |a, &b| a.max(b)) / median(x);
         assert!(ratio < 4.0, "{name}: rotated max/median {ratio}");
     }
@@ -461,7 +461,7 @@ fn output_smoothing_and_reordering_keep_the_function_and_the_calibration_view() 
         let (_, mut sites) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
         for layer in 0..m.layers.len() {
             for site in [SiteKind::OIn, SiteKind::DownIn] {
-                let data = sites.get_mut(&(layer, site)).unwrap();
+                let data = sites.get_mut(&Site::dense(layer, site)).unwrap();
                 // A forced strength, so the fold is never the identity.
                 let w = if site == SiteKind::OIn {
                     &m.layers[layer].o
@@ -479,23 +479,25 @@ fn output_smoothing_and_reordering_keep_the_function_and_the_calibration_view() 
                 };
                 let s = smooth_scale(&x, &w, 0.15);
                 assert!(s.iter().any(|v| (v - 1.0).abs() > 0.1));
-                apply_smoothing(&mut m, layer, site, data, &s).unwrap();
+                apply_smoothing(&mut m, Site::dense(layer, site), data, &s).unwrap();
             }
             reorder_down_input(
                 &mut m,
-                layer,
-                sites.get_mut(&(layer, SiteKind::DownIn)).unwrap(),
+                Site::dense(layer, SiteKind::DownIn),
+                sites
+                    .get_mut(&Site::dense(layer, SiteKind::DownIn))
+                    .unwrap(),
             )
             .unwrap();
             let before = m.layers[layer].v.clone();
             reorder_o_input(
                 &mut m,
                 layer,
-                sites.get_mut(&(layer, SiteKind::OIn)).unwrap(),
+                sites.get_mut(&Site::dense(layer, SiteKind::OIn)).unwrap(),
             )
             .unwrap();
             assert_ne!(before, m.layers[layer].v, "value dims reordered");
-            let down = &sites[&(layer, SiteKind::DownIn)].absmax;
+            let down = &sites[&Site::dense(layer, SiteKind::DownIn)].absmax;
             assert!(down.windows(2).all(|p| p[0] >= p[1]), "down input sorted");
         }
         assert_close(&logits(&m), &want, 1e-4, name);
@@ -674,7 +676,7 @@ fn fmpq_gathers_outliers_into_leading_int8_blocks() {
                 1
             };
             assert_eq!(n, want, "{name} {key:?}: outliers fit the leading blocks");
-            let score = outlier_score(&sites[key].absmax);
+            let score = outlier_score(&sites[&Site::dense(key.0, key.1)].absmax);
             assert!(
                 score[32 * n..].iter().all(|&s| s <= OUTLIER_RATIO),
                 "{key:?}"
