@@ -179,16 +179,6 @@ pub fn quantize(
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> Result<QuantizedModel> {
     method.check(&spec)?;
-    // FMPQ plans INT8 activation blocks per block's down_proj input and permutes the residual
-    // stream around them; its per-expert form is not written yet.
-    if model.config.moe.is_some() && method == Method::Fmpq {
-        return Err(Error::unsupported(
-            format!("{method} on a mixture-of-experts model"),
-            "quantize mixture-of-experts models with rtn (every format, w4a4a8 included), awq \
-             or gptq (w4a16, w8a16, per-channel w4a8), smoothquant (w8a8, fp8, per-channel \
-             w4a8), qoq (w4a8, w8a8) or lqq (w4a8-lqq)",
-        ));
-    }
     for id in model.linear_ids() {
         spec.linear
             .check_k(&model.linear_name(id), model.linear(id).cols)?;

@@ -3,7 +3,7 @@
 
 use nibble_model::open_model;
 use nibble_quant::data::{Split, sharegpt_sequences};
-use nibble_quant::dense::{DenseModel, Site, SiteKind};
+use nibble_quant::dense::{DenseModel, SiteKind};
 use nibble_quant::fmpq::{OUTLIER_RATIO, int8_blocks_needed, outlier_score, plan_and_permute};
 use nibble_quant::sim::calibrate;
 
@@ -24,8 +24,8 @@ fn fmpq_keeps_a_minority_of_blocks_int8_on_the_default_model() {
         .sum();
     let blocks = plan_and_permute(&mut model, &mut sites, block, OUTLIER_RATIO).unwrap();
     let mut per_kind = std::collections::BTreeMap::<SiteKind, (usize, usize)>::new();
-    for (&(layer, site), &n) in &blocks {
-        let total = sites[&Site::dense(layer, site)].absmax.len() / block;
+    for (&key, &n) in &blocks {
+        let (site, total) = (key.kind, sites[&key].absmax.len() / block);
         let e = per_kind.entry(site).or_default();
         e.0 += n;
         e.1 += total;

@@ -670,13 +670,13 @@ fn fmpq_gathers_outliers_into_leading_int8_blocks() {
         // group carries them: they end in the group's last head.
         let o_reach = c.head_dim * (c.num_heads / c.num_kv_heads - 1) + 2;
         for (key, &n) in &blocks {
-            let want = if key.1 == SiteKind::OIn {
+            let want = if key.kind == SiteKind::OIn {
                 o_reach.div_ceil(32)
             } else {
                 1
             };
             assert_eq!(n, want, "{name} {key:?}: outliers fit the leading blocks");
-            let score = outlier_score(&sites[&Site::dense(key.0, key.1)].absmax);
+            let score = outlier_score(&sites[key].absmax);
             assert!(
                 score[32 * n..].iter().all(|&s| s <= OUTLIER_RATIO),
                 "{key:?}"
@@ -689,7 +689,7 @@ fn fmpq_gathers_outliers_into_leading_int8_blocks() {
                 f.act,
                 ActQuant::Mixed4x8 {
                     block: 32,
-                    int8_blocks: blocks[&(id.layer, id.kind.site())] as u16
+                    int8_blocks: blocks[&Site::dense(id.layer, id.kind.site())] as u16
                 }
             );
         }
