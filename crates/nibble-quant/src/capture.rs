@@ -196,7 +196,8 @@ impl Capture {
                 *a += v.abs() as f64;
             }
             // `capture` prefills each sequence whole, so row 0 is its first token (for a routed
-            // expert, its first routed token; `sample_first` is QoQ's, which refuses MoE models).
+            // expert, the first token of the sequence routed to it: QoQ's `sample_first` keeps
+            // one such row per sequence, the sink itself only where it routes there).
             let strided = (s.tokens + r).is_multiple_of(opts.sample_stride.max(1));
             if (strided || (opts.sample_first && r == 0)) && s.samples.rows < opts.max_samples {
                 s.samples.data.extend_from_slice(row);
