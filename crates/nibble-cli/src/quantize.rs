@@ -8,12 +8,12 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use nibble_model::checkpoint::{CheckpointData, CheckpointTensor, write_checkpoint};
+use nibble_model::checkpoint::write_checkpoint;
 use nibble_model::open_model;
 use nibble_precision::PrecisionSpec;
 use nibble_quant::data::{Split, sharegpt_sequences};
-use nibble_quant::dense::{DenseModel, LinearId};
-use nibble_quant::{Method, QuantOptions, QuantizedModel, quantize};
+use nibble_quant::dense::DenseModel;
+use nibble_quant::{Method, QuantOptions, quantize};
 use serde_json::json;
 
 use crate::resolve_model;
@@ -186,7 +186,7 @@ pub fn run(
     let quantize_s = t0.elapsed().as_secs_f64();
 
     let t0 = Instant::now();
-    let tensors = checkpoint_tensors(&q, dense_f16);
+    let tensors = q.checkpoint_tensors(dense_f16);
     let stage_times: serde_json::Map<String, serde_json::Value> = stages
         .times
         .iter()
@@ -268,29 +268,6 @@ fn check_out(out: &Path, overwrite: bool) -> Result<()> {
         .with_context(|| format!("cannot write into {} for --out", parent.display()))?;
     let _ = std::fs::remove_file(&probe);
     Ok(())
-}
-
-/// Every tensor of the model: quantized linears as codec rows, the rest dense.
-fn checkpoint_tensors(q: &QuantizedModel, f16: bool) -> Vec<CheckpointTensor> {
-    q.dense
-        .tensor_names()
-        .into_iter()
-        .map(|name| {
-            let quant = LinearId::parse(&name).and_then(|id| q.linears.get(&id));
-            let (shape, values) = q.dense.tensor(&name).expect("named by tensor_names");
-            let data = match quant {
-                Some((format, bytes)) => CheckpointData::Quant {
-                    format: *format,
-                    bytes: bytes.clone(),
-                },
-                None if f16 => {
-                    CheckpointData::F16(values.iter().map(|&v| half::f16::from_f32(v)).collect())
-                }
-                None => CheckpointData::F32(values.to_vec()),
-            };
-            CheckpointTensor { name, shape, data }
-        })
-        .collect()
 }
 
 fn dir_size(dir: &Path) -> Result<u64> {

@@ -405,6 +405,92 @@ fn quantize_writes_a_checkpoint_with_provenance() {
     }
 }
 
+/// `nibble quantize` on mixture-of-experts models: every expert projection is written in the
+/// format's codec, the router stays dense, and the checkpoint generates text. Qwen2-MoE's
+/// 48-wide shared expert takes per-channel INT4 (no group size divides 48).
+#[test]
+fn quantize_mixture_of_experts_models() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = long_sharegpt(tmp.path());
+    let fixtures = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../nibble-model/tests/fixtures/"
+    );
+    for (fixture, method, format, router, expert) in [
+        (
+            "tiny-mixtral",
+            "rtn",
+            "w4a16-g32",
+            "model.layers.1.block_sparse_moe.gate.weight",
+            "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+        ),
+        (
+            "tiny-qwen2-moe",
+            "gptq",
+            "w4a8",
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.mlp.experts.7.up_proj.weight",
+        ),
+        (
+            "tiny-qwen3-moe",
+            "smoothquant",
+            "w8a8",
+            "model.layers.1.mlp.gate.weight",
+            "model.layers.1.mlp.experts.0.gate_proj.weight",
+        ),
+    ] {
+        let model = format!("{fixtures}{fixture}");
+        let out = tmp.path().join(format!("ckpt-{fixture}"));
+        let (ok, stdout, err) = nibble(&[
+            "--model",
+            &model,
+            "quantize",
+            "--format",
+            format,
+            "--method",
+            method,
+            "--out",
+            out.to_str().unwrap(),
+            "--dataset",
+            data.to_str().unwrap(),
+            "--calib-samples",
+            "2",
+            "--calib-len",
+            "256",
+        ]);
+        assert!(ok, "{fixture} {method}: {err}");
+        assert!(stdout.contains("linear layers quantized"), "{stdout}");
+        let manifest: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("nibble_quant.json")).unwrap())
+                .unwrap();
+        let tensors = &manifest["tensors"];
+        assert!(
+            tensors[expert]["format"].is_string(),
+            "{fixture}: {}",
+            tensors[expert]
+        );
+        assert!(
+            tensors[router]["format"].is_null(),
+            "{fixture}: {}",
+            tensors[router]
+        );
+        assert_eq!(tensors[router]["dtype"], "F16", "{fixture}");
+        let (ok, text, err) = nibble(&[
+            "--model",
+            out.to_str().unwrap(),
+            "generate",
+            "--prompt",
+            "the sea",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+        ]);
+        assert!(ok, "{fixture}: {err}");
+        assert!(text.starts_with("the sea"), "{fixture}: {text}");
+    }
+}
+
 #[test]
 fn quantize_refuses_bad_requests_before_working() {
     let tmp = tempfile::tempdir().unwrap();

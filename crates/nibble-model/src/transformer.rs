@@ -147,14 +147,14 @@ struct Layer<B: Backend> {
 /// The Hugging Face names (without `.weight`) of a sparse layer's tensors, under the layer prefix
 /// `p`: the router, and expert `e`'s gate, up and down projections. Mixtral's checkpoints name
 /// them `block_sparse_moe.*` and `w1`/`w3`/`w2`; Qwen's `mlp.*`.
-fn router_name(arch: Arch, p: &str) -> String {
+pub fn router_name(arch: Arch, p: &str) -> String {
     match arch {
         Arch::Mixtral => format!("{p}.block_sparse_moe.gate"),
         _ => format!("{p}.mlp.gate"),
     }
 }
 
-fn expert_names(arch: Arch, p: &str, e: usize) -> [String; 3] {
+pub fn expert_names(arch: Arch, p: &str, e: usize) -> [String; 3] {
     match arch {
         Arch::Mixtral => {
             ["w1", "w3", "w2"].map(|w| format!("{p}.block_sparse_moe.experts.{e}.{w}"))

@@ -18,6 +18,14 @@
 //! AutoAWQ skips this site under GQA; the fold here makes it exact, so it is searched like the
 //! rest.
 //!
+//! In a mixture-of-experts block the MLP input is one activation read by the router and every
+//! expert, and its producer (the norm) is shared, so one scale is searched there for all of
+//! them (as AutoAWQ does for Mixtral; the f32 router takes the scale on its columns exactly).
+//! The scale's statistic is the mean over all the block's tokens, but each expert's error is
+//! replayed on the rows the router sent it only, and the candidates are scored by the sum. Each
+//! expert's down_proj input is its own site, searched on its own tokens. An expert with fewer
+//! than [`crate::search::MIN_EXPERT_TOKENS`] routed tokens gets no scale and no clip: RTN.
+//!
 //! After a fold the site's recorded inputs are divided by `s` analytically
 //! ([`crate::search::fold_site`]): the fold leaves the output of every layer reading the site
 //! unchanged, so no other site's input moves and no second capture is needed. Stats come from one
@@ -38,10 +46,11 @@ use nibble_precision::{LinearFormat, PrecisionSpec, WeightCodec};
 use rayon::prelude::*;
 
 use crate::capture::Calibration;
-use crate::dense::{DenseModel, LinearId, LinearKind, Mat, SiteKind};
+use crate::dense::{DenseModel, LinearId, LinearKind, Mat, Site};
 use crate::pipeline::{Method, QuantizedModel, encode_matrix};
 use crate::search::{
-    Reduce, fold_site, per_channel, per_factor, scaled_error, site_stats, site_weights,
+    Reduce, calibrated_input, fold_site, per_channel, per_factor, scaled_error, site_groups,
+    site_stats,
 };
 use crate::sim::matmul_nt;
 
@@ -96,7 +105,7 @@ pub fn awq(
             apply_clip(&mut w, format.codec, maxes);
         }
         let bytes = encode_matrix(&w, format, &vec![1.0; w.rows])
-            .map_err(|e| Error::InvalidArgument(format!("{}: {e}", id.name())))?;
+            .map_err(|e| Error::InvalidArgument(format!("{}: {e}", model.linear_name(id))))?;
         linears.insert(id, (format, bytes));
         progress("encode", i + 1, ids.len());
     }
@@ -110,41 +119,43 @@ pub fn awq(
 
 /// The scale search alone: folds the best scale of every site into `model` (its function is
 /// unchanged up to float rounding) and divides the recorded inputs accordingly. Returns the chosen
-/// `alpha` per (layer, site).
+/// `alpha` per site searched (not an expert's down_proj input too few tokens were routed to).
 pub fn search_scales(
     model: &mut DenseModel,
     calib: &mut Calibration,
     format: LinearFormat,
     opts: &AwqOptions,
     progress: &mut dyn FnMut(&str, usize, usize),
-) -> Result<BTreeMap<(usize, SiteKind), f32>> {
-    let layers = model.layers.len();
-    let total = layers * SiteKind::ALL.len();
+) -> Result<BTreeMap<Site, f32>> {
+    let sites = model.sites();
     let mut chosen = BTreeMap::new();
-    for layer in 0..layers {
-        for (si, site) in SiteKind::ALL.into_iter().enumerate() {
-            let stats = site_stats(calib, layer, site)?;
-            let x = &stats.samples;
-            let w = site_weights(model, layer, site);
-            let mean = per_factor(model, site, &stats.absmean(), Reduce::Mean);
-            let y_ref = matmul_nt(x, &w);
-            let mut best: Option<(f64, f32, Vec<f32>)> = None;
-            for i in 0..opts.scale_grid {
-                let alpha = i as f32 / opts.scale_grid as f32;
-                let s = awq_scale(&mean, alpha);
-                let err = scaled_error(x, &w, &y_ref, &per_channel(model, site, &s), format)
-                    .map_err(|e| {
-                        Error::InvalidArgument(format!("AWQ layer {layer} {site:?}: {e}"))
-                    })?;
-                if best.as_ref().is_none_or(|b| err < b.0) {
-                    best = Some((err, alpha, s));
-                }
-            }
-            let (_, alpha, s) = best.expect("the grid is not empty");
-            fold_site(model, calib, layer, site, &s)?;
-            chosen.insert((layer, site), alpha);
-            progress("awq scales", layer * SiteKind::ALL.len() + si + 1, total);
+    for (i, &site) in sites.iter().enumerate() {
+        let groups = site_groups(model, calib, site)?;
+        if groups.is_empty() {
+            progress("awq scales", i + 1, sites.len());
+            continue;
         }
+        let stats = site_stats(calib, site)?;
+        let mean = per_factor(model, site.kind, &stats.absmean(), Reduce::Mean);
+        let refs: Vec<Mat> = groups.iter().map(|(x, w)| matmul_nt(x, w)).collect();
+        let mut best: Option<(f64, f32, Vec<f32>)> = None;
+        for g in 0..opts.scale_grid {
+            let alpha = g as f32 / opts.scale_grid as f32;
+            let s = awq_scale(&mean, alpha);
+            let full = per_channel(model, site.kind, &s);
+            let mut err = 0f64;
+            for ((x, w), y_ref) in groups.iter().zip(&refs) {
+                err += scaled_error(x, w, y_ref, &full, format)
+                    .map_err(|e| Error::InvalidArgument(format!("AWQ {site:?}: {e}")))?;
+            }
+            if best.as_ref().is_none_or(|b| err < b.0) {
+                best = Some((err, alpha, s));
+            }
+        }
+        let (_, alpha, s) = best.expect("the grid is not empty");
+        fold_site(model, calib, site, &s)?;
+        chosen.insert(site, alpha);
+        progress("awq scales", i + 1, sites.len());
     }
     Ok(chosen)
 }
@@ -178,9 +189,15 @@ pub fn search_clips(
         .collect();
     let mut clamps = BTreeMap::new();
     for (i, &id) in ids.iter().enumerate() {
-        let stats = site_stats(calib, id.layer, id.kind.site())?;
-        let maxes = search_clip(model.linear(id), &stats.samples, format.codec, opts)
-            .map_err(|e| Error::InvalidArgument(format!("AWQ clip of {}: {e}", id.name())))?;
+        // An expert calibration (nearly) never routed to is left unclipped: RTN.
+        let Some(stats) = calibrated_input(calib, id)? else {
+            progress("awq clip", i + 1, ids.len());
+            continue;
+        };
+        let maxes =
+            search_clip(model.linear(id), &stats.samples, format.codec, opts).map_err(|e| {
+                Error::InvalidArgument(format!("AWQ clip of {}: {e}", model.linear_name(id)))
+            })?;
         clamps.insert(id, maxes);
         progress("awq clip", i + 1, ids.len());
     }

@@ -15,7 +15,7 @@ use nibble_core::Result;
 use nibble_cpu::{CpuBackend, CpuTensor};
 use nibble_model::{BatchLayout, LogitRows, Transformer};
 
-use crate::dense::{DenseModel, LinearId, LinearKind, Mat, SiteKind};
+use crate::dense::{DenseModel, Expert, LinearId, LinearKind, Mat, Site, SiteKind};
 use crate::hooked::{Hooked, Hooks};
 
 #[derive(Debug, Clone, Copy)]
@@ -98,7 +98,13 @@ impl SiteStats {
 /// Statistics of a whole calibration run.
 #[derive(Debug, Clone)]
 pub struct Calibration {
+    /// Every input of every block over all calibration tokens (a sparse block's MLP input as
+    /// its router reads it).
     pub sites: HashMap<(usize, SiteKind), SiteStats>,
+    /// The inputs of a sparse block's experts, each over the tokens it ran on: the ones the
+    /// router sent it (every token for a shared expert). An expert the router never chose has
+    /// no entry.
+    pub experts: HashMap<(usize, SiteKind, Expert), SiteStats>,
     /// Per layer, channel-wise max |K| after rotary embedding (`kv_dim` values).
     pub key_absmax: Vec<Vec<f32>>,
     /// Per layer, the attention inputs of the first [`CaptureOptions::attention_sequences`]
@@ -122,15 +128,41 @@ impl Calibration {
         &self.sites[&(layer, site)]
     }
 
-    /// The statistics of the input a linear layer reads.
-    pub fn input_of(&self, id: LinearId) -> &SiteStats {
-        self.site(id.layer, id.kind.site())
+    /// The statistics of a site, when the capture saw it.
+    pub fn stats(&self, site: Site) -> Option<&SiteStats> {
+        match site.expert {
+            None => self.sites.get(&(site.layer, site.kind)),
+            Some(e) => self.experts.get(&(site.layer, site.kind, e)),
+        }
+    }
+
+    /// The statistics of the input a linear layer reads: for an expert, of the tokens it ran
+    /// on only (`None` when it ran on none).
+    pub fn input_of(&self, id: LinearId) -> Option<&SiteStats> {
+        self.stats(id.input())
+    }
+
+    /// Every recorded share of site `site` (a sparse block's MLP input as each expert saw it,
+    /// besides the whole), mutably: a fold at the site divides them all.
+    pub fn shares_mut(&mut self, site: Site) -> Vec<&mut SiteStats> {
+        let mut out: Vec<&mut SiteStats> = Vec::new();
+        if site.expert.is_none() {
+            out.extend(self.sites.get_mut(&(site.layer, site.kind)));
+        }
+        for (&(layer, kind, e), s) in &mut self.experts {
+            let shared_input = site.expert.is_none() && kind == SiteKind::MlpIn;
+            if layer == site.layer && kind == site.kind && (shared_input || site.expert == Some(e))
+            {
+                out.push(s);
+            }
+        }
+        out
     }
 }
 
 #[derive(Default)]
 struct Recorder {
-    sites: HashMap<(usize, SiteKind), SiteStats>,
+    sites: HashMap<Site, SiteStats>,
     key_absmax: HashMap<usize, Vec<f32>>,
     attention: HashMap<usize, Vec<AttentionInputs>>,
 }
@@ -138,12 +170,19 @@ struct Recorder {
 /// Records the inputs of linear layers and the keys as the forward pass runs.
 struct Capture {
     opts: CaptureOptions,
+    /// The sample stride of a routed expert's inputs: it sees about `top_k / num_experts` of the
+    /// tokens, so the stride shrinks by that share to keep about as many rows per expert as per
+    /// dense site.
+    expert_stride: usize,
     rec: Mutex<Recorder>,
 }
 
 impl Capture {
-    fn record(&self, key: (usize, SiteKind), x: &CpuTensor) {
-        let opts = self.opts;
+    fn record(&self, key: Site, x: &CpuTensor) {
+        let mut opts = self.opts;
+        if matches!(key.expert, Some(Expert::Routed(_))) {
+            opts.sample_stride = self.expert_stride;
+        }
         let mut rec = self.rec.lock().expect("recorder lock");
         let s = rec
             .sites
@@ -156,7 +195,9 @@ impl Capture {
                 *m = m.max(v.abs());
                 *a += v.abs() as f64;
             }
-            // `capture` prefills each sequence whole, so row 0 is its first token.
+            // `capture` prefills each sequence whole, so row 0 is its first token (for a routed
+            // expert, the first token of the sequence routed to it: QoQ's `sample_first` keeps
+            // one such row per sequence, the sink itself only where it routes there).
             let strided = (s.tokens + r).is_multiple_of(opts.sample_stride.max(1));
             if (strided || (opts.sample_first && r == 0)) && s.samples.rows < opts.max_samples {
                 s.samples.data.extend_from_slice(row);
@@ -215,18 +256,24 @@ pub fn gram(x: &[f32], m: usize, k: usize) -> Vec<f32> {
 }
 
 impl Hooks for Capture {
-    /// The site a weight records, set on the first reader of each site (q, o, gate, down),
-    /// which records the input once.
-    type Tag = Option<(usize, SiteKind)>;
+    /// The site a weight records, set on the first reader of each site (q, o, gate or a
+    /// sparse block's router, down; each expert's gate and down), which records the input once.
+    type Tag = Option<Site>;
 
     fn tag(&self, name: &str) -> Self::Tag {
-        LinearId::parse(name).and_then(|id| {
-            matches!(
+        if let Some(id) = LinearId::parse(name) {
+            return matches!(
                 id.kind,
                 LinearKind::Q | LinearKind::O | LinearKind::Gate | LinearKind::Down
             )
-            .then(|| (id.layer, id.kind.site()))
-        })
+            .then(|| id.input());
+        }
+        // A router: its input is the whole MLP input of a sparse block.
+        let rest = name.strip_prefix("model.layers.")?;
+        let (layer, suffix) = rest.split_once('.')?;
+        matches!(suffix, "mlp.gate.weight" | "block_sparse_moe.gate.weight")
+            .then(|| Some(Site::dense(layer.parse().ok()?, SiteKind::MlpIn)))
+            .flatten()
     }
 
     fn linear_input(&self, tag: Self::Tag, x: &CpuTensor) -> Option<CpuTensor> {
@@ -273,6 +320,9 @@ pub fn capture(
         cpu: CpuBackend::new(threads)?,
         hooks: Capture {
             opts,
+            expert_stride: model.config.moe.as_ref().map_or(1, |m| {
+                (opts.sample_stride * m.top_k / m.num_experts.max(1)).max(1)
+            }),
             rec: Mutex::new(Recorder::default()),
         },
     };
@@ -295,8 +345,16 @@ pub fn capture(
     key_absmax.sort_by_key(|(l, _)| *l);
     let mut attention: Vec<(usize, Vec<AttentionInputs>)> = rec.attention.into_iter().collect();
     attention.sort_by_key(|(l, _)| *l);
+    let (mut sites, mut experts) = (HashMap::new(), HashMap::new());
+    for (site, stats) in rec.sites {
+        match site.expert {
+            None => sites.insert((site.layer, site.kind), stats),
+            Some(e) => experts.insert((site.layer, site.kind, e), stats),
+        };
+    }
     Ok(Calibration {
-        sites: rec.sites,
+        sites,
+        experts,
         key_absmax: key_absmax.into_iter().map(|(_, v)| v).collect(),
         attention: attention.into_iter().map(|(_, v)| v).collect(),
         tokens,

@@ -26,13 +26,20 @@
 //!
 //! **Weights**: `Int4Group { group }` per output row with the clip ratio minimizing the layer's
 //! output error under the layer's own mixed activation quantization.
+//!
+//! **Mixture-of-experts blocks**: the router reads the residual stream and takes its
+//! permutation like q/k/v; every expert's gate/up takes the INT8 block count of the block's MLP
+//! input over all its tokens (an outlier channel is one wherever it is routed); each expert's
+//! down_proj input is permuted and planned on its own routed rows. An expert routed fewer than
+//! [`crate::search::MIN_EXPERT_TOKENS`] calibration tokens keeps its down_proj input order with
+//! every block INT4 and clip 1, as RTN encodes it.
 
 use std::collections::BTreeMap;
 
 use nibble_core::{Error, Result};
 use nibble_precision::{LinearScheme, PrecisionSpec};
 
-use crate::dense::{DenseModel, SiteKind};
+use crate::dense::{DenseModel, LinearId, LinearKind, Site, SiteKind};
 use crate::permute::{HeadPermutation, permute_down_input, permute_residual, sort_desc};
 use crate::pipeline::{Method, QuantOptions, QuantizedModel};
 use crate::qoq::site_mut;
@@ -78,8 +85,19 @@ pub fn int8_blocks_needed(score: &[f32], block: usize, ratio: f32) -> usize {
         .map_or(0, |last| (last + 1).div_ceil(block))
 }
 
-/// The per-site number of INT8 blocks chosen by [`plan_and_permute`].
-pub type Int8Blocks = BTreeMap<(usize, SiteKind), usize>;
+/// The per-site number of INT8 blocks chosen by [`plan_and_permute`] (a sparse block's MLP
+/// input once, for every expert).
+pub type Int8Blocks = BTreeMap<Site, usize>;
+
+/// The INT8 blocks of the input `id` reads (none planned: an expert calibration (nearly)
+/// never routed to, all INT4 as RTN has it).
+pub fn int8_blocks_of(blocks: &Int8Blocks, id: LinearId) -> usize {
+    let site = match id.kind {
+        LinearKind::Down => id.input(),
+        _ => Site::dense(id.layer, id.kind.site()),
+    };
+    blocks.get(&site).copied().unwrap_or(0)
+}
 
 /// Permutes `model` (and the calibration view) so outliers lead, and returns every site's
 /// number of INT8 blocks of `block` channels.
@@ -108,24 +126,42 @@ pub fn plan_and_permute(
             let data = site_mut(sites, layer, site)?;
             data.permute(&perm);
             let n = int8_blocks_needed(&outlier_score(&data.absmax), block, ratio);
-            blocks.insert((layer, site), n);
+            blocks.insert(Site::dense(layer, site), n);
         }
+    }
+    // Each expert's share of a sparse block's MLP input is the same residual channels.
+    for (_, data) in sites
+        .iter_mut()
+        .filter(|(s, _)| s.kind == SiteKind::MlpIn && s.expert.is_some())
+    {
+        data.permute(&perm);
+    }
+
+    for site in model.sites() {
+        if site.kind != SiteKind::DownIn {
+            continue;
+        }
+        let data = match site.expert {
+            None => site_mut(sites, site.layer, SiteKind::DownIn)?,
+            Some(_) => match sites.get_mut(&site) {
+                Some(d) if d.tokens >= crate::search::MIN_EXPERT_TOKENS => d,
+                _ => continue,
+            },
+        };
+        let perm = sort_desc(&data.absmax);
+        permute_down_input(model, site.layer, site.expert, &perm)?;
+        data.permute(&perm);
+        let n = int8_blocks_needed(&outlier_score(&data.absmax), block, ratio);
+        blocks.insert(site, n);
     }
 
     for layer in 0..layers {
-        let data = site_mut(sites, layer, SiteKind::DownIn)?;
-        let perm = sort_desc(&data.absmax);
-        permute_down_input(model, layer, &perm)?;
-        data.permute(&perm);
-        let n = int8_blocks_needed(&outlier_score(&data.absmax), block, ratio);
-        blocks.insert((layer, SiteKind::DownIn), n);
-
         let data = site_mut(sites, layer, SiteKind::OIn)?;
         let hp = head_permutation(model, &outlier_score(&data.absmax), ratio);
         hp.apply(model, layer)?;
         data.permute(&hp.o_input(model));
         let n = int8_blocks_needed(&outlier_score(&data.absmax), block, ratio);
-        blocks.insert((layer, SiteKind::OIn), n);
+        blocks.insert(Site::dense(layer, SiteKind::OIn), n);
     }
     Ok(blocks)
 }
@@ -221,8 +257,8 @@ pub fn quantize_with(
     })?;
     let blocks = plan_and_permute(&mut model, &mut sites, group as usize, ratio)?;
     progress("fmpq: permute", 1, 1);
-    let format_of = |id: crate::dense::LinearId| {
-        let n = blocks[&(id.layer, id.kind.site())];
+    let format_of = |id: LinearId| {
+        let n = int8_blocks_of(&blocks, id);
         spec.linear
             .linear_format(n as u16)
             .expect("w4a4a8 is a quantized scheme")

@@ -40,6 +40,10 @@
 //! The Hessians come from one capture of the float model (non-sequential GPTQ): later layers see
 //! float inputs, not the outputs of already-quantized layers. This keeps calibration to one
 //! forward pass; the reference's sequential variant re-runs each block on quantized inputs.
+//!
+//! A mixture-of-experts expert's Hessian is `X_eᵀ X_e` over the rows the router sent it only
+//! (its gate/up and down inputs as it ran them), so its error compensation weighs the inputs it
+//! serves. An expert routed fewer than [`crate::search::MIN_EXPERT_TOKENS`] tokens is RTN.
 
 use std::collections::BTreeMap;
 
@@ -49,8 +53,9 @@ use nibble_precision::{PrecisionSpec, WeightCodec};
 use rayon::prelude::*;
 
 use crate::capture::Calibration;
-use crate::dense::{DenseModel, LinearId, Mat, SiteKind};
-use crate::pipeline::{Method, QuantizedModel};
+use crate::dense::{DenseModel, Mat, Site};
+use crate::pipeline::{Method, QuantizedModel, encode_matrix};
+use crate::search::calibrated_input;
 
 #[derive(Debug, Clone, Copy)]
 pub struct GptqOptions {
@@ -92,31 +97,36 @@ pub fn gptq(
     crate::search::check_finite(&model)?;
     let ids = model.linear_ids();
     let mut linears = BTreeMap::new();
-    let mut done = 0;
-    for layer in 0..model.layers.len() {
-        for site in SiteKind::ALL {
-            let stats = calib.sites.get(&(layer, site)).ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "the calibration has no statistics for layer {layer} {site:?}"
-                ))
-            })?;
+    // Layers reading one input (q/k/v, gate/up) are consecutive and share its factor.
+    let mut factor: Option<(Site, HessianFactor)> = None;
+    for (done, &id) in ids.iter().enumerate() {
+        let name = || model.linear_name(id);
+        let input = id.input();
+        // An expert calibration (nearly) never routed to has no Hessian worth the name: RTN.
+        let Some(stats) = calibrated_input(calib, id)? else {
+            let w = model.linear(id);
+            let bytes = encode_matrix(w, format, &vec![1.0; w.rows])
+                .map_err(|e| Error::InvalidArgument(format!("{}: {e}", name())))?;
+            linears.insert(id, (format, bytes));
+            progress("gptq", done + 1, ids.len());
+            continue;
+        };
+        if factor.as_ref().is_none_or(|(s, _)| *s != input) {
             let gram = stats.hessian.as_ref().ok_or_else(|| {
                 Error::InvalidArgument(
                     "GPTQ needs a calibration captured with Hessians (CaptureOptions::hessian)"
                         .into(),
                 )
             })?;
-            let factor = HessianFactor::new(gram, stats.absmax.len(), stats.tokens, opts)
-                .map_err(|e| Error::InvalidArgument(format!("GPTQ layer {layer} {site:?}: {e}")))?;
-            for &kind in site.readers() {
-                let id = LinearId { layer, kind };
-                let bytes = quantize_matrix(model.linear(id), format.codec, &factor)
-                    .map_err(|e| Error::InvalidArgument(format!("{}: {e}", id.name())))?;
-                linears.insert(id, (format, bytes));
-                done += 1;
-                progress("gptq", done, ids.len());
-            }
+            let f = HessianFactor::new(gram, stats.absmax.len(), stats.tokens, opts)
+                .map_err(|e| Error::InvalidArgument(format!("GPTQ {input:?}: {e}")))?;
+            factor = Some((input, f));
         }
+        let f = &factor.as_ref().expect("set above").1;
+        let bytes = quantize_matrix(model.linear(id), format.codec, f)
+            .map_err(|e| Error::InvalidArgument(format!("{}: {e}", name())))?;
+        linears.insert(id, (format, bytes));
+        progress("gptq", done + 1, ids.len());
     }
     Ok(QuantizedModel {
         spec,

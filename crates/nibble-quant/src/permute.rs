@@ -14,7 +14,7 @@
 
 use nibble_core::{Error, Result};
 
-use crate::dense::DenseModel;
+use crate::dense::{DenseModel, Expert, LinearKind};
 
 /// Checks that `perm` is a permutation of `0..n`.
 pub fn check_perm(perm: &[usize], n: usize, what: &str) -> Result<()> {
@@ -54,26 +54,41 @@ pub fn permute_residual(model: &mut DenseModel, perm: &[usize]) -> Result<()> {
     for l in &mut model.layers {
         permute_vec(&mut l.attn_norm, perm);
         permute_vec(&mut l.mlp_norm, perm);
-        for m in [&mut l.q, &mut l.k, &mut l.v, &mut l.gate, &mut l.up] {
+        for m in l.residual_readers_mut() {
             m.permute_cols(perm);
         }
-        l.o.permute_rows(perm);
-        l.down.permute_rows(perm);
+        for m in l.residual_writers_mut() {
+            m.permute_rows(perm);
+        }
     }
     Ok(())
 }
 
-/// Permutes down_proj's input channels in `layer` (gate and up rows, down columns).
-pub fn permute_down_input(model: &mut DenseModel, layer: usize, perm: &[usize]) -> Result<()> {
-    check_perm(
-        perm,
-        model.config.intermediate_size,
-        "down_proj input permutation",
-    )?;
-    let l = &mut model.layers[layer];
-    l.gate.permute_rows(perm);
-    l.up.permute_rows(perm);
-    l.down.permute_cols(perm);
+/// Permutes down_proj's input channels in `layer` (gate and up rows, down columns), of the
+/// dense MLP or of one expert.
+pub fn permute_down_input(
+    model: &mut DenseModel,
+    layer: usize,
+    expert: Option<Expert>,
+    perm: &[usize],
+) -> Result<()> {
+    let l = model
+        .layers
+        .get_mut(layer)
+        .ok_or_else(|| Error::InvalidArgument(format!("no layer {layer}")))?;
+    let width = l
+        .linear(LinearKind::Down, expert)
+        .ok_or_else(|| Error::InvalidArgument(format!("layer {layer} has no MLP {expert:?}")))?
+        .cols;
+    check_perm(perm, width, "down_proj input permutation")?;
+    for kind in [LinearKind::Gate, LinearKind::Up] {
+        l.linear_mut(kind, expert)
+            .expect("a down_proj has its gate and up")
+            .permute_rows(perm);
+    }
+    l.linear_mut(LinearKind::Down, expert)
+        .expect("checked above")
+        .permute_cols(perm);
     Ok(())
 }
 

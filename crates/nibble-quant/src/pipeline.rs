@@ -1,12 +1,16 @@
 //! The quantization entry point: a dense model, a precision spec and a method in; every linear
 //! layer encoded in its format out. Embeddings, norms and the output head stay unquantized (the
 //! head reads the full vocabulary's logits, where 4-bit error shows most and costs least to avoid).
+//! In a mixture-of-experts model every expert's gate/up/down (and a shared expert's) is a linear
+//! layer like a dense MLP's; the router and the shared expert's gate stay unquantized too: one
+//! row per expert, whose rounding would change which experts a token runs.
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
 use nibble_core::{Error, Result};
+use nibble_model::checkpoint::{CheckpointData, CheckpointTensor};
 use nibble_precision::{LinearFormat, LinearScheme, PrecisionSpec};
 
 use crate::dense::{DenseModel, LinearId};
@@ -138,6 +142,32 @@ pub struct QuantizedModel {
     pub linears: BTreeMap<LinearId, (LinearFormat, Vec<u8>)>,
 }
 
+impl QuantizedModel {
+    /// Every tensor of the model as a checkpoint holds it: quantized linears as codec rows, the
+    /// rest (embeddings, norms, biases, head, routers) dense, in f16 or f32.
+    pub fn checkpoint_tensors(&self, f16: bool) -> Vec<CheckpointTensor> {
+        self.dense
+            .tensor_names()
+            .into_iter()
+            .map(|name| {
+                let quant = LinearId::parse(&name).and_then(|id| self.linears.get(&id));
+                let (shape, values) = self.dense.tensor(&name).expect("named by tensor_names");
+                let data = match quant {
+                    Some((format, bytes)) => CheckpointData::Quant {
+                        format: *format,
+                        bytes: bytes.clone(),
+                    },
+                    None if f16 => CheckpointData::F16(
+                        values.iter().map(|&v| half::f16::from_f32(v)).collect(),
+                    ),
+                    None => CheckpointData::F32(values.to_vec()),
+                };
+                CheckpointTensor { name, shape, data }
+            })
+            .collect()
+    }
+}
+
 /// Quantizes `model` to `spec` with `method`, calibrating on `calibration` (token sequences;
 /// ignored by RTN). `progress(stage, done, total)` reports each stage.
 pub fn quantize(
@@ -150,7 +180,8 @@ pub fn quantize(
 ) -> Result<QuantizedModel> {
     method.check(&spec)?;
     for id in model.linear_ids() {
-        spec.linear.check_k(&id.name(), model.linear(id).cols)?;
+        spec.linear
+            .check_k(&model.linear_name(id), model.linear(id).cols)?;
     }
     if method.calibrated() {
         let tokens: usize = calibration.iter().map(Vec::len).sum();
@@ -223,7 +254,7 @@ pub fn encode(
     clips: &[f32],
 ) -> Result<Vec<u8>> {
     encode_matrix(model.linear(id), format, clips)
-        .map_err(|e| Error::InvalidArgument(format!("{}: {e}", id.name())))
+        .map_err(|e| Error::InvalidArgument(format!("{}: {e}", model.linear_name(id))))
 }
 
 /// Encodes a weight matrix row by row, row `r` with clip ratio `clips[r]`.

@@ -71,6 +71,13 @@
 //!    QoQ's integer grid.
 //! 6. **Encoding** with `Qoq { group }` (or `Int4Group { group: 0 }` for per-channel W4A8,
 //!    `Int8PerChannel` for W8A8).
+//!
+//! In a mixture-of-experts model the rotation and the norm fold take the router (and Qwen2-MoE's
+//! shared-expert gate) with the other readers of the residual stream; output smoothing and the
+//! reordering treat each expert's down_proj input as its own site, on the rows the router sent
+//! that expert, and the clip and level-1 searches fit each expert's layers to its own rows. An
+//! expert routed fewer than [`crate::search::MIN_EXPERT_TOKENS`] calibration tokens is not
+//! smoothed and is encoded at clip 1 (RTN).
 
 use nibble_core::{Error, Result};
 use nibble_model::RopeLayout;
@@ -81,7 +88,7 @@ use rayon::prelude::*;
 
 use crate::capture::AttentionInputs;
 
-use crate::dense::{DenseModel, Mat, SiteKind};
+use crate::dense::{DenseModel, Mat, Site, SiteKind};
 use crate::permute::{HeadPermutation, permute_down_input, sort_desc};
 use crate::pipeline::{Method, QuantOptions, QuantizedModel};
 use crate::rotation::{Rotation, rotate_residual, rotate_values};
@@ -553,9 +560,9 @@ fn causal_softmax(mut s: Mat, scale: f32) -> Mat {
 
 /// Sorts down_proj's input channels of `layer` by salience (descending), in the model and in
 /// the site's calibration view.
-pub fn reorder_down_input(model: &mut DenseModel, layer: usize, data: &mut SiteData) -> Result<()> {
+pub fn reorder_down_input(model: &mut DenseModel, site: Site, data: &mut SiteData) -> Result<()> {
     let perm = sort_desc(&data.absmax);
-    permute_down_input(model, layer, &perm)?;
+    permute_down_input(model, site.layer, site.expert, &perm)?;
     data.permute(&perm);
     Ok(())
 }
@@ -898,24 +905,51 @@ pub fn quantize_with(
     progress("qoq: smooth attention", 1, 1);
 
     let layers = model.layers.len();
-    for layer in (0..layers).filter(|_| steps.smooth_outputs) {
-        for site in [SiteKind::OIn, SiteKind::DownIn] {
-            let data = site_mut(&mut sites, layer, site)?;
-            let choice = search_smoothing(&model, layer, site, data, &OUTPUT_ALPHAS, format, act)?;
-            if choice.alpha.is_some() {
-                apply_smoothing(&mut model, layer, site, data, &choice.scale)?;
-            }
+    // In a sparse block each expert's down_proj input is its own site; an expert calibration
+    // (nearly) never routed to keeps its input as it is (and is RTN at encoding).
+    let calibrated = |site: &Site, sites: &Sites| {
+        site.expert.is_none()
+            || sites
+                .get(site)
+                .is_some_and(|d| d.tokens >= crate::search::MIN_EXPERT_TOKENS)
+    };
+    let output_sites: Vec<Site> = model
+        .sites()
+        .into_iter()
+        .filter(|s| matches!(s.kind, SiteKind::OIn | SiteKind::DownIn))
+        .collect();
+    for site in output_sites.iter().filter(|_| steps.smooth_outputs) {
+        if !calibrated(site, &sites) {
+            continue;
         }
-        progress("qoq: smooth outputs", layer + 1, layers);
+        let data = sites.get_mut(site).ok_or_else(|| {
+            Error::InvalidArgument(format!("calibration recorded no {site:?} input"))
+        })?;
+        let choice = search_smoothing(&model, *site, data, &OUTPUT_ALPHAS, format, act)?;
+        if choice.alpha.is_some() {
+            apply_smoothing(&mut model, *site, data, &choice.scale)?;
+        }
+        progress("qoq: smooth outputs", site.layer + 1, layers);
     }
 
     if group > 0 && steps.reorder {
         for layer in 0..layers {
-            reorder_down_input(
-                &mut model,
-                layer,
-                site_mut(&mut sites, layer, SiteKind::DownIn)?,
-            )?;
+            for site in output_sites
+                .iter()
+                .filter(|s| s.layer == layer && s.kind == SiteKind::DownIn)
+            {
+                // Even a starved expert's channels are reordered by its few rows' maxima: the
+                // permutation is exact whatever it is. One the router never chose has no rows.
+                match sites.get_mut(site) {
+                    Some(data) => reorder_down_input(&mut model, *site, data)?,
+                    None if site.expert.is_some() => {}
+                    None => {
+                        return Err(Error::InvalidArgument(format!(
+                            "calibration recorded no {site:?} input"
+                        )));
+                    }
+                }
+            }
             if (group as usize) < model.config.head_dim {
                 reorder_o_input(
                     &mut model,
@@ -953,7 +987,7 @@ pub fn quantize_with(
 
 /// The calibration view of one site, or an error naming it.
 pub(crate) fn site_mut(sites: &mut Sites, layer: usize, site: SiteKind) -> Result<&mut SiteData> {
-    sites.get_mut(&(layer, site)).ok_or_else(|| {
+    sites.get_mut(&Site::dense(layer, site)).ok_or_else(|| {
         Error::InvalidArgument(format!(
             "calibration recorded no {site:?} input for layer {layer}"
         ))

@@ -177,11 +177,12 @@ pub fn rotate_residual(
     progress(1, total);
     for i in 0..model.layers.len() {
         let l = &mut model.layers[i];
-        for m in [&mut l.q, &mut l.k, &mut l.v, &mut l.gate, &mut l.up] {
+        for m in l.residual_readers_mut() {
             rot.apply_rows(m);
         }
-        rot.apply_cols(&mut l.o);
-        rot.apply_cols(&mut l.down);
+        for m in l.residual_writers_mut() {
+            rot.apply_cols(m);
+        }
         progress(i + 2, total);
     }
     Ok(())

@@ -22,7 +22,7 @@ use nibble_precision::{ActQuant, LinearFormat};
 use rayon::prelude::*;
 
 use crate::capture::{Calibration, CaptureOptions, capture};
-use crate::dense::{DenseModel, LinearId, Mat, SiteKind};
+use crate::dense::{DenseModel, LinearId, Mat, Site, SiteKind};
 use crate::pipeline::encode_matrix;
 
 /// Calibration rows kept per input site for the searches: enough tokens that a clip ratio or
@@ -30,8 +30,9 @@ use crate::pipeline::encode_matrix;
 /// every search is one modest matmul.
 pub const SEARCH_SAMPLES: usize = 512;
 
-/// Every input site's calibration view, by `(layer, site)`.
-pub type Sites = HashMap<(usize, SiteKind), SiteData>;
+/// Every input's calibration view, by site (each expert's inputs of a sparse block as well: see
+/// [`crate::capture::Calibration::experts`]).
+pub type Sites = HashMap<Site, SiteData>;
 
 /// Runs `model` over `calibration` keeping about [`SEARCH_SAMPLES`] rows per site, strided over
 /// all tokens so every sequence contributes and every position is visited;
@@ -66,18 +67,23 @@ pub fn calibrate_with(
         attention_sequences,
     };
     let cal = capture(model, calibration, opts, threads, progress)?;
+    let data = |s: &crate::capture::SiteStats| SiteData {
+        absmax: s.absmax.clone(),
+        samples: s.samples.clone(),
+        tokens: s.tokens,
+    };
     let sites = cal
         .sites
         .iter()
-        .map(|(&key, s)| {
-            (
-                key,
-                SiteData {
-                    absmax: s.absmax.clone(),
-                    samples: s.samples.clone(),
-                },
-            )
-        })
+        .map(|(&(layer, kind), s)| (Site::dense(layer, kind), data(s)))
+        .chain(cal.experts.iter().map(|(&(layer, kind, e), s)| {
+            let site = Site {
+                layer,
+                kind,
+                expert: Some(e),
+            };
+            (site, data(s))
+        }))
         .collect();
     Ok((cal, sites))
 }
@@ -117,15 +123,29 @@ pub fn clip_and_encode_with(
 ) -> Result<BTreeMap<LinearId, (LinearFormat, Vec<u8>)>> {
     let ids = model.linear_ids();
     let mut out = BTreeMap::new();
-    let mut cached: Option<((usize, SiteKind, ActQuant), Mat)> = None;
+    let mut cached: Option<((Site, ActQuant), Mat)> = None;
     for (i, &id) in ids.iter().enumerate() {
         let format = format_of(id);
-        let data = sites.get(&(id.layer, id.kind.site())).ok_or_else(|| {
-            Error::InvalidArgument(format!("no calibration rows for {}", id.name()))
-        })?;
         let w = model.linear(id);
-        // Readers of one site (q/k/v, gate/up) share their quantized input.
-        let key = (id.layer, id.kind.site(), format.act);
+        let data = match sites.get(&id.input()) {
+            // An expert calibration (nearly) never routed to: RTN (see
+            // `crate::search::MIN_EXPERT_TOKENS`).
+            d if id.expert.is_some()
+                && d.is_none_or(|d| d.tokens < crate::search::MIN_EXPERT_TOKENS) =>
+            {
+                let bytes = encode_matrix(w, format, &vec![1.0; w.rows]).map_err(|e| {
+                    Error::InvalidArgument(format!("{}: {e}", model.linear_name(id)))
+                })?;
+                out.insert(id, (format, bytes));
+                progress(i + 1, ids.len());
+                continue;
+            }
+            d => d.ok_or_else(|| {
+                Error::InvalidArgument(format!("no calibration rows for {}", model.linear_name(id)))
+            })?,
+        };
+        // Readers of one input (q/k/v, gate/up) share their quantized input.
+        let key = (id.input(), format.act);
         if cached.as_ref().is_none_or(|(k, _)| *k != key) {
             cached = Some((key, ActSim::of(format.act).apply(&data.samples)));
         }
@@ -136,7 +156,7 @@ pub fn clip_and_encode_with(
             search_clips(w, &data.samples, xq, format, grid)?.0
         };
         let bytes = encode(w, xq, format, &clips)
-            .map_err(|e| Error::InvalidArgument(format!("{}: {e}", id.name())))?;
+            .map_err(|e| Error::InvalidArgument(format!("{}: {e}", model.linear_name(id))))?;
         out.insert(id, (format, bytes));
         progress(i + 1, ids.len());
     }
@@ -383,6 +403,8 @@ pub fn search_clips(
 pub struct SiteData {
     pub absmax: Vec<f32>,
     pub samples: Mat,
+    /// Tokens the capture saw at the site (an expert's: those routed to it).
+    pub tokens: usize,
 }
 
 impl SiteData {
@@ -484,22 +506,25 @@ pub struct SmoothChoice {
 /// calibration data.
 pub fn search_smoothing(
     model: &DenseModel,
-    layer: usize,
-    site: SiteKind,
+    site: Site,
     data: &SiteData,
     alphas: &[f32],
     format: LinearFormat,
     act: ActSim,
 ) -> Result<SmoothChoice> {
-    let readers: Vec<&Mat> = site
-        .readers()
-        .iter()
-        .map(|&kind| model.linear(LinearId { layer, kind }))
-        .collect();
+    let ids = model.readers(site);
+    // A sparse block's MLP input: each expert reads its own rows, not `data`'s.
+    if ids.is_empty() || ids.iter().any(|id| id.input() != ids[0].input()) {
+        return Err(Error::InvalidArgument(format!(
+            "{site:?} is not one input read by its layers alike"
+        )));
+    }
+    let site_kind = site.kind;
+    let readers: Vec<&Mat> = ids.iter().map(|&id| model.linear(id)).collect();
     let x = &data.samples;
     let ys: Vec<Mat> = readers.iter().map(|w| matmul_nt(x, w)).collect();
     let wmax = col_absmax(&readers);
-    let (xmax_site, wmax_site) = if site == SiteKind::OIn {
+    let (xmax_site, wmax_site) = if site_kind == SiteKind::OIn {
         (
             reduce_kv_max(model, &data.absmax),
             reduce_kv_max(model, &wmax),
@@ -509,7 +534,7 @@ pub fn search_smoothing(
     };
     let error_of = |scale: Option<&[f32]>| -> Result<f64> {
         let expanded = match scale {
-            Some(s) if site == SiteKind::OIn => Some(expand_kv(model, s)),
+            Some(s) if site_kind == SiteKind::OIn => Some(expand_kv(model, s)),
             Some(s) => Some(s.to_vec()),
             None => None,
         };
@@ -554,13 +579,12 @@ pub fn search_smoothing(
 /// Folds a chosen smoothing scale into the model and into the site's calibration view.
 pub fn apply_smoothing(
     model: &mut DenseModel,
-    layer: usize,
-    site: SiteKind,
+    site: Site,
     data: &mut SiteData,
     scale: &[f32],
 ) -> Result<()> {
-    model.fold_input_scale(layer, site, scale)?;
-    if site == SiteKind::OIn {
+    model.fold_scale(site, scale)?;
+    if site.kind == SiteKind::OIn {
         data.divide(&expand_kv(model, scale));
     } else {
         data.divide(scale);
@@ -590,12 +614,10 @@ pub fn layer_errors(
     let (_, sites) = calibrate(&q.dense, sequences, threads, &mut |_, _| {})?;
     q.linears
         .iter()
-        .map(|(&id, (format, bytes))| {
-            let x = &sites[&(id.layer, id.kind.site())].samples;
-            Ok((
-                id,
-                relative_layer_error(x, q.dense.linear(id), *format, bytes)?,
-            ))
+        // An expert the held-out text never routes to has no error to report.
+        .filter_map(|(&id, (format, bytes))| {
+            let x = &sites.get(&id.input())?.samples;
+            Some(relative_layer_error(x, q.dense.linear(id), *format, bytes).map(|e| (id, e)))
         })
         .collect()
 }

@@ -30,6 +30,13 @@
 //!
 //! o_proj's input: one factor per KV channel (the query heads of a group share v_proj's rows);
 //! both maxima are taken over the group's heads, so the factor tames the largest of them.
+//!
+//! A mixture-of-experts block's MLP input is smoothed once for the router and every expert (its
+//! producer, the norm, is shared; the f32 router takes the factor on its columns exactly):
+//! `max|X|` over all the block's tokens (every token reaches some expert), `max|W|` over every
+//! expert, and each expert's error replayed on the rows the router sent it. Each expert's
+//! down_proj input is its own site, on its own tokens. An expert routed fewer than
+//! [`crate::search::MIN_EXPERT_TOKENS`] tokens gets no smoothing of its own and no clip search.
 
 use std::collections::BTreeMap;
 
@@ -37,10 +44,11 @@ use nibble_core::{Error, Result};
 use nibble_precision::{LinearFormat, LinearScheme, PrecisionSpec};
 
 use crate::capture::Calibration;
-use crate::dense::{DenseModel, Mat, SiteKind};
+use crate::dense::{DenseModel, Mat, Site};
 use crate::pipeline::{Method, QuantizedModel, encode};
 use crate::search::{
-    Reduce, fold_site, per_channel, per_factor, scaled_error, site_stats, site_weights,
+    Reduce, calibrated_input, fold_site, per_channel, per_factor, scaled_error, site_groups,
+    site_stats, site_weights,
 };
 use crate::sim::{ActSim, matmul_nt, search_clips};
 use crate::simulate::Simulated;
@@ -145,22 +153,24 @@ pub fn smoothquant(
         smooth(&mut m, &mut c, format, opts, strength, progress)?;
         let ids = m.linear_ids();
         let mut linears = BTreeMap::new();
-        // Readers of one site (q/k/v, gate/up) share their quantized input rows.
-        let mut cached: Option<((usize, SiteKind), Mat)> = None;
+        // Readers of one input (q/k/v, gate/up) share their quantized input rows.
+        let mut cached: Option<(Site, Mat)> = None;
         for (i, &id) in ids.iter().enumerate() {
             let w = m.linear(id);
-            let clips = if opts.weight_ratios == [1.0] {
-                vec![1.0; w.rows]
-            } else {
-                let key = (id.layer, id.kind.site());
-                let x = &site_stats(&c, key.0, key.1)?.samples;
-                if cached.as_ref().is_none_or(|(k, _)| *k != key) {
-                    cached = Some((key, ActSim::of(format.act).apply(x)));
+            let stats = calibrated_input(&c, id)?;
+            let clips = match stats {
+                Some(stats) if opts.weight_ratios != [1.0] => {
+                    let key = id.input();
+                    let x = &stats.samples;
+                    if cached.as_ref().is_none_or(|(k, _)| *k != key) {
+                        cached = Some((key, ActSim::of(format.act).apply(x)));
+                    }
+                    let xq = &cached.as_ref().expect("set above").1;
+                    search_clips(w, x, xq, format, &opts.weight_ratios)
+                        .map_err(|e| Error::InvalidArgument(format!("{}: {e}", m.linear_name(id))))?
+                        .0
                 }
-                let xq = &cached.as_ref().expect("set above").1;
-                search_clips(w, x, xq, format, &opts.weight_ratios)
-                    .map_err(|e| Error::InvalidArgument(format!("{}: {e}", id.name())))?
-                    .0
+                _ => vec![1.0; w.rows],
             };
             linears.insert(id, (format, encode(&m, id, format, &clips)?));
             progress("encode", i + 1, ids.len());
@@ -196,7 +206,7 @@ pub enum Strength {
 
 /// The smoothing alone: folds each site's chosen factors into `model` (its function is unchanged
 /// up to float rounding) and divides the recorded inputs by them. Returns the chosen `alpha` per
-/// site, `None` where no smoothing won.
+/// site, `None` where no smoothing won (or an expert too few tokens were routed to).
 pub fn smooth(
     model: &mut DenseModel,
     calib: &mut Calibration,
@@ -204,88 +214,93 @@ pub fn smooth(
     opts: &SmoothQuantOptions,
     strength: Strength,
     progress: &mut dyn FnMut(&str, usize, usize),
-) -> Result<BTreeMap<(usize, SiteKind), Option<f32>>> {
-    let layers = model.layers.len();
-    let total = layers * SiteKind::ALL.len();
+) -> Result<BTreeMap<Site, Option<f32>>> {
+    let sites = model.sites();
     let mut chosen = BTreeMap::new();
-    for layer in 0..layers {
-        for (si, site) in SiteKind::ALL.into_iter().enumerate() {
-            let stats = site_stats(calib, layer, site)?;
-            let x = &stats.samples;
-            let w = site_weights(model, layer, site);
-            let xmax = per_factor(model, site, &stats.absmax, Reduce::Max);
-            let mut wcol = vec![0f32; w.cols];
-            for r in 0..w.rows {
-                for (m, v) in wcol.iter_mut().zip(w.row(r)) {
-                    *m = m.max(v.abs());
+    for (si, &site) in sites.iter().enumerate() {
+        let groups = site_groups(model, calib, site)?;
+        if groups.is_empty() {
+            chosen.insert(site, None);
+            progress("smoothing", si + 1, sites.len());
+            continue;
+        }
+        let stats = site_stats(calib, site)?;
+        // Every reader's columns take the factor, calibrated or not.
+        let w = site_weights(model, site);
+        let xmax = per_factor(model, site.kind, &stats.absmax, Reduce::Max);
+        let mut wcol = vec![0f32; w.cols];
+        for r in 0..w.rows {
+            for (m, v) in wcol.iter_mut().zip(w.row(r)) {
+                *m = m.max(v.abs());
+            }
+        }
+        let wmax = per_factor(model, site.kind, &wcol, Reduce::Max);
+        // An extreme factor can push a smoothed weight past what an f16 weight scale holds;
+        // that candidate is not available. No smoothing always is.
+        let fits = |s: &[f32]| {
+            wmax.iter()
+                .zip(s)
+                .all(|(w, s)| w * s <= MAX_SMOOTHED_WEIGHT)
+        };
+        let (alpha, s) = match strength {
+            // A global strength is applied wherever it fits, whatever the site's error says:
+            // it is judged on the whole model instead.
+            Strength::Global(a) => {
+                let s = smooth_scale(&xmax, &wmax, a);
+                if fits(&s) {
+                    (Some(a), s)
+                } else {
+                    (None, vec![1.0; xmax.len()])
                 }
             }
-            let wmax = per_factor(model, site, &wcol, Reduce::Max);
-            // An extreme factor can push a smoothed weight past what an f16 weight scale holds;
-            // that candidate is not available. No smoothing always is.
-            let fits = |s: &[f32]| {
-                wmax.iter()
-                    .zip(s)
-                    .all(|(w, s)| w * s <= MAX_SMOOTHED_WEIGHT)
-            };
-            let (alpha, s) = match strength {
-                // A global strength is applied wherever it fits, whatever the site's error says:
-                // it is judged on the whole model instead.
-                Strength::Global(a) => {
-                    let s = smooth_scale(&xmax, &wmax, a);
-                    if fits(&s) {
-                        (Some(a), s)
-                    } else {
-                        (None, vec![1.0; xmax.len()])
-                    }
-                }
-                Strength::PerSite => {
-                    // Two disjoint halves of the rows, each with its reference output.
-                    let halves: Vec<(Mat, Mat)> = [0, 1]
-                        .into_iter()
-                        .map(|h| {
+            Strength::PerSite => {
+                // Two disjoint halves of each group's rows, each with its reference output.
+                let halves: Vec<[(Mat, Mat, &Mat); 2]> = groups
+                    .iter()
+                    .map(|(x, w)| {
+                        [0, 1].map(|h| {
                             let rows: Vec<usize> = (h..x.rows).step_by(2).collect();
                             let xh = x.select_rows(&rows);
-                            let y = matmul_nt(&xh, &w);
-                            (xh, y)
+                            let y = matmul_nt(&xh, w);
+                            (xh, y, w)
                         })
-                        .collect();
-                    let errors = |s: &[f32]| -> Result<[f64; 2]> {
-                        let full = per_channel(model, site, s);
-                        let mut e = [0f64; 2];
-                        for (e, (xh, y)) in e.iter_mut().zip(&halves) {
-                            *e = scaled_error(xh, &w, y, &full, format).map_err(|e| {
-                                Error::InvalidArgument(format!(
-                                    "SmoothQuant layer {layer} {site:?}: {e}"
-                                ))
+                    })
+                    .collect();
+                let errors = |s: &[f32]| -> Result<[f64; 2]> {
+                    let full = per_channel(model, site.kind, s);
+                    let mut e = [0f64; 2];
+                    for group in &halves {
+                        for (e, (xh, y, w)) in e.iter_mut().zip(group) {
+                            *e += scaled_error(xh, w, y, &full, format).map_err(|e| {
+                                Error::InvalidArgument(format!("SmoothQuant {site:?}: {e}"))
                             })?;
                         }
-                        Ok(e)
-                    };
-                    let none = errors(&vec![1.0; xmax.len()])?;
-                    let keep = 1.0 - opts.min_gain;
-                    let mut best: (f64, Option<f32>, Vec<f32>) =
-                        (none[0] + none[1], None, vec![1.0; xmax.len()]);
-                    for &a in &opts.alphas {
-                        let s = smooth_scale(&xmax, &wmax, a);
-                        if !fits(&s) {
-                            continue;
-                        }
-                        let e = errors(&s)?;
-                        let confirmed = e[0] < keep * none[0] && e[1] < keep * none[1];
-                        if confirmed && e[0] + e[1] < best.0 {
-                            best = (e[0] + e[1], Some(a), s);
-                        }
                     }
-                    (best.1, best.2)
+                    Ok(e)
+                };
+                let none = errors(&vec![1.0; xmax.len()])?;
+                let keep = 1.0 - opts.min_gain;
+                let mut best: (f64, Option<f32>, Vec<f32>) =
+                    (none[0] + none[1], None, vec![1.0; xmax.len()]);
+                for &a in &opts.alphas {
+                    let s = smooth_scale(&xmax, &wmax, a);
+                    if !fits(&s) {
+                        continue;
+                    }
+                    let e = errors(&s)?;
+                    let confirmed = e[0] < keep * none[0] && e[1] < keep * none[1];
+                    if confirmed && e[0] + e[1] < best.0 {
+                        best = (e[0] + e[1], Some(a), s);
+                    }
                 }
-            };
-            if alpha.is_some() {
-                fold_site(model, calib, layer, site, &s)?;
+                (best.1, best.2)
             }
-            chosen.insert((layer, site), alpha);
-            progress("smoothing", layer * SiteKind::ALL.len() + si + 1, total);
+        };
+        if alpha.is_some() {
+            fold_site(model, calib, site, &s)?;
         }
+        chosen.insert(site, alpha);
+        progress("smoothing", si + 1, sites.len());
     }
     Ok(chosen)
 }

@@ -24,8 +24,8 @@ fn fmpq_keeps_a_minority_of_blocks_int8_on_the_default_model() {
         .sum();
     let blocks = plan_and_permute(&mut model, &mut sites, block, OUTLIER_RATIO).unwrap();
     let mut per_kind = std::collections::BTreeMap::<SiteKind, (usize, usize)>::new();
-    for (&(layer, site), &n) in &blocks {
-        let total = sites[&(layer, site)].absmax.len() / block;
+    for (&key, &n) in &blocks {
+        let (site, total) = (key.kind, sites[&key].absmax.len() / block);
         let e = per_kind.entry(site).or_default();
         e.0 += n;
         e.1 += total;

@@ -13,7 +13,7 @@ use nibble_cpu::CpuBackend;
 use nibble_model::{BatchLayout, LogitRows, Transformer, open_model};
 use nibble_precision::{ActQuant, PrecisionSpec};
 use nibble_quant::capture::{Calibration, CaptureOptions, capture};
-use nibble_quant::dense::{DenseModel, SiteKind};
+use nibble_quant::dense::{DenseModel, LinearId, LinearKind, SiteKind};
 use nibble_quant::search::{calibrate, factor_count};
 use nibble_quant::sim::{decoded_weights, relative_layer_error};
 use nibble_quant::{Method, QuantOptions, QuantizedModel, quantize};
@@ -105,7 +105,7 @@ fn layer_error(orig: &DenseModel, q: &QuantizedModel) -> f64 {
     let inputs = every_row(&q.dense, &seqs);
     let mut total = 0.0;
     for (id, (format, bytes)) in &q.linears {
-        let x = &inputs.input_of(*id).samples;
+        let x = &inputs.input_of(*id).unwrap().samples;
         total += relative_layer_error(x, q.dense.linear(*id), *format, bytes).unwrap();
     }
     total / q.linears.len() as f64
@@ -298,7 +298,7 @@ fn bad_inputs_fail_with_a_reason() {
         let e = err(&m, s, method, &calib[..1]);
         assert!(e.contains("calibration tokens"), "{method}: {e}");
         let mut nan = m.clone();
-        nan.layers[1].gate.data[7] = f32::NAN;
+        nan.linear_mut(LinearId::dense(1, LinearKind::Gate)).data[7] = f32::NAN;
         let e = err(&nan, s, method, &calib);
         assert!(
             e.contains("model.layers.1.mlp.gate_proj.weight") && e.contains("non-finite"),

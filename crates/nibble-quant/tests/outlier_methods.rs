@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use nibble_cpu::CpuBackend;
 use nibble_model::{BatchLayout, LogitRows, RopeLayout, Transformer};
 use nibble_precision::{ActQuant, KvFormat, LinearFormat, PrecisionSpec, WeightCodec};
-use nibble_quant::dense::{DenseModel, LinearId, LinearKind, SiteKind};
+use nibble_quant::dense::{DenseModel, LinearId, LinearKind, Site, SiteKind};
 use nibble_quant::fmpq::{OUTLIER_RATIO, int8_blocks_needed, outlier_score, plan_and_permute};
 use nibble_quant::permute::HeadPermutation;
 use nibble_quant::qoq::{
@@ -85,7 +85,12 @@ fn plant_outliers(m: &mut DenseModel) {
                 match site {
                     SiteKind::AttnIn => l.attn_norm[ch] *= 5.0,
                     SiteKind::MlpIn => l.mlp_norm[ch] *= 5.0,
-                    SiteKind::DownIn => l.up.row_mut(ch).iter_mut().for_each(|w| *w *= 5.0),
+                    SiteKind::DownIn => l
+                        .linear_mut(LinearKind::Up, None)
+                        .unwrap()
+                        .row_mut(ch)
+                        .iter_mut()
+                        .for_each(|w| *w *= 5.0),
                     SiteKind::OIn => {
                         l.v.row_mut(ch).iter_mut().for_each(|w| *w *= 5.0);
                         if let Some(b) = &mut l.v_bias {
@@ -156,7 +161,7 @@ fn fast_rotation_keeps_the_function_and_equals_the_dense_rotation() {
         }
         // The planted outliers are gone from the rotated stream: no channel dominates.
         let (_, sites) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
-        let x = &sites[&(0, SiteKind::AttnIn)].absmax;
+        let x = &sites[&Site::dense(0, SiteKind::AttnIn)].absmax;
         let ratio = x.iter().fold(0f32, |a, &b| a.max(b)) / median(x);
         assert!(ratio < 4.0, "{name}: rotated max/median {ratio}");
     }
@@ -484,12 +489,12 @@ fn output_smoothing_and_reordering_keep_the_function_and_the_calibration_view() 
         let (_, mut sites) = calibrate(&m, &calib(), 1, &mut |_, _| {}).unwrap();
         for layer in 0..m.layers.len() {
             for site in [SiteKind::OIn, SiteKind::DownIn] {
-                let data = sites.get_mut(&(layer, site)).unwrap();
+                let data = sites.get_mut(&Site::dense(layer, site)).unwrap();
                 // A forced strength, so the fold is never the identity.
                 let w = if site == SiteKind::OIn {
                     &m.layers[layer].o
                 } else {
-                    &m.layers[layer].down
+                    m.linear(LinearId::dense(layer, LinearKind::Down))
                 };
                 let wmax = nibble_quant::sim::col_absmax(&[w]);
                 let (x, w) = if site == SiteKind::OIn {
@@ -502,23 +507,25 @@ fn output_smoothing_and_reordering_keep_the_function_and_the_calibration_view() 
                 };
                 let s = smooth_scale(&x, &w, 0.15);
                 assert!(s.iter().any(|v| (v - 1.0).abs() > 0.1));
-                apply_smoothing(&mut m, layer, site, data, &s).unwrap();
+                apply_smoothing(&mut m, Site::dense(layer, site), data, &s).unwrap();
             }
             reorder_down_input(
                 &mut m,
-                layer,
-                sites.get_mut(&(layer, SiteKind::DownIn)).unwrap(),
+                Site::dense(layer, SiteKind::DownIn),
+                sites
+                    .get_mut(&Site::dense(layer, SiteKind::DownIn))
+                    .unwrap(),
             )
             .unwrap();
             let before = m.layers[layer].v.clone();
             reorder_o_input(
                 &mut m,
                 layer,
-                sites.get_mut(&(layer, SiteKind::OIn)).unwrap(),
+                sites.get_mut(&Site::dense(layer, SiteKind::OIn)).unwrap(),
             )
             .unwrap();
             assert_ne!(before, m.layers[layer].v, "value dims reordered");
-            let down = &sites[&(layer, SiteKind::DownIn)].absmax;
+            let down = &sites[&Site::dense(layer, SiteKind::DownIn)].absmax;
             assert!(down.windows(2).all(|p| p[0] >= p[1]), "down input sorted");
         }
         assert_close(&logits(&m), &want, 1e-4, name);
@@ -691,7 +698,7 @@ fn fmpq_gathers_outliers_into_leading_int8_blocks() {
         // group carries them: they end in the group's last head.
         let o_reach = c.head_dim * (c.num_heads / c.num_kv_heads - 1) + 2;
         for (key, &n) in &blocks {
-            let want = if key.1 == SiteKind::OIn {
+            let want = if key.kind == SiteKind::OIn {
                 o_reach.div_ceil(32)
             } else {
                 1
@@ -710,7 +717,7 @@ fn fmpq_gathers_outliers_into_leading_int8_blocks() {
                 f.act,
                 ActQuant::Mixed4x8 {
                     block: 32,
-                    int8_blocks: blocks[&(id.layer, id.kind.site())] as u16
+                    int8_blocks: blocks[&Site::dense(id.layer, id.kind.site())] as u16
                 }
             );
         }
@@ -734,10 +741,7 @@ fn simulated_model_multiplies_decoded_weights_by_quantized_inputs() {
     let m = dense("tiny-llama3");
     let q = nibble_quant::pipeline::rtn(m.clone(), spec("w4a8-g32"), &mut |_, _, _| {}).unwrap();
     let sim = Simulated::new(&q).unwrap();
-    let id = LinearId {
-        layer: 1,
-        kind: LinearKind::Down,
-    };
+    let id = LinearId::dense(1, LinearKind::Down);
     let (f, bytes) = &q.linears[&id];
     let w = m.linear(id);
     let mut decoded = vec![0f32; w.rows * w.cols];
