@@ -480,15 +480,22 @@ fn main() -> Result<()> {
             .map_err(|e| nibble_core::Error::io(&out, e))?;
         return Ok(());
     }
-    // --decode-steps B,B,..: only BF16 Llama-3-8B decode steps at those batch sizes (contexts
-    // 512 and 1024), the engine's own rate that offline throughput is held against.
+    // --decode-steps B,B,.. [--spec SPEC]: only Llama-3-8B decode steps at those batch sizes
+    // (contexts 512 and 1024; BF16 unless --spec), the engine's own rate that offline throughput
+    // is held against.
     if let Some(i) = args.iter().position(|a| a == "--decode-steps") {
         let batches: Vec<usize> = args
             .get(i + 1)
             .map(|l| l.split(',').filter_map(|b| b.parse().ok()).collect())
             .unwrap_or_default();
         let bw = ceilings(&be)?.0;
-        let files = nibble_model::dummy::open_dummy("llama-3-8b", 0)?;
+        // --spec SPEC: a quantized Llama-3-8B shape instead (`w4a8-g128`, `fp8`, ..).
+        let spec = args
+            .iter()
+            .position(|a| a == "--spec")
+            .and_then(|j| args.get(j + 1))
+            .map_or(String::new(), |s| format!(":{s}"));
+        let files = nibble_model::dummy::open_dummy(&format!("llama-3-8b{spec}"), 0)?;
         let model = Transformer::load(&be, files.config, &*files.source, &mut |_, _| {})?;
         let weight_bytes = be.weight_bytes() as f64;
         let mut steps = Vec::new();

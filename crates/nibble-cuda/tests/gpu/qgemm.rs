@@ -700,7 +700,10 @@ fn quantized_models_match_cpu() {
             };
             check(&format!("{name} step {step} logits"), gl, w, bound);
             let (cpu_tok, gap) = top2(w);
-            if gap > 0.05 {
+            // A near tie is a gap the logit error may close: FP8's larger per-code steps (above)
+            // moved a logit by 0.14 on the first H200 run, where the other formats stay under 0.05.
+            let tie = if spec == "fp8" { 0.3 } else { 0.05 };
+            if gap > tie {
                 assert_eq!(top2(gl).0, cpu_tok, "{name} step {step}: gap {gap}");
             }
         }
