@@ -309,7 +309,17 @@ fn quant_params(ws: &[CudaWeight]) -> Result<Vec<&QuantWeight>> {
 /// (a 4096x4096 W4A16 layer is 9 MB; an H200's L2 holds 60).
 fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>> {
     let shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)];
-    let ms: &[usize] = if quick {
+    // --ms M,M,..: only those token counts.
+    let args: Vec<String> = std::env::args().collect();
+    let only: Vec<usize> = args
+        .iter()
+        .position(|a| a == "--ms")
+        .and_then(|i| args.get(i + 1))
+        .map(|l| l.split(',').filter_map(|m| m.parse().ok()).collect())
+        .unwrap_or_default();
+    let ms: &[usize] = if !only.is_empty() {
+        &only
+    } else if quick {
         &[1, 16, 4096]
     } else {
         &[1, 4, 16, 32, 64, 256, 1024, 8192]

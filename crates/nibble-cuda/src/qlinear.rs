@@ -1106,8 +1106,16 @@ fn launch_wgmma(
         chunks.div_ceil(2)
     };
     // Only the 64-token entries compile the split path (kernels/qgemm_wgmma.cu).
+    // NIBBLE_WGMMA_SPLITS overrides the plan (a probe knob for bench/ runs, clamped to the
+    // stages there are).
     let splits = if tokens == WGMMA_SMALL_TOKENS {
-        wgmma_splits(out_tiles, stages, ctx.gpu.sm_count)
+        std::env::var("NIBBLE_WGMMA_SPLITS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map_or_else(
+                || wgmma_splits(out_tiles, stages, ctx.gpu.sm_count),
+                |s| s.clamp(1, stages.max(1)),
+            )
     } else {
         1
     };
