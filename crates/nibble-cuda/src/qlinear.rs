@@ -100,13 +100,15 @@ pub fn wgmma_tokens(m: usize, tiles: usize, sms: usize) -> usize {
 
 /// K splits per output tile of a 64-token wgmma kernel with `out_tiles` tiles of `stages` stages
 /// each on `sms` SMs: with fewer tiles than SMs, as many as fill the SMs, at most 8 and keeping
-/// at least 16 stages a split (on an H200 at 64 tokens, 4096x4096 W8A8 took 24.7 µs in 4 splits
-/// of 8 stages against 17.6 unsplit; W4A16 26.3 in 4 splits of 16 against 34.3); else 1.
-pub fn wgmma_splits(out_tiles: usize, stages: usize, sms: usize) -> usize {
+/// at least `min_stages` stages a split ([`QFamily::min_split_stages`]); else 1.
+pub fn wgmma_splits(out_tiles: usize, stages: usize, sms: usize, min_stages: usize) -> usize {
     if out_tiles == 0 || out_tiles >= sms {
         return 1;
     }
-    (sms / out_tiles).min(8).min(stages / 16).max(1)
+    (sms / out_tiles)
+        .min(8)
+        .min(stages / min_stages.max(1))
+        .max(1)
 }
 
 /// The quantized format a GPU kernel runs directly, if `f` is one.
@@ -173,6 +175,16 @@ impl QFamily {
         } else {
             WGMMA_TOKENS
         }
+    }
+
+    /// The fewest wgmma stages a K split of its 64-token tiles keeps. On an H200 at M = 64
+    /// (bench/probe/wgmma64_probe.sh, 8911ac6), in µs for 1 / 2 / 4 splits: W4A16 (64 channels a
+    /// stage) 4096x4096 36.0 / 34.6 / 26.3, 4096x14336 114 / 74 / 47; the 8-bit families (128
+    /// a stage) 4096x4096 W8A8 19.9 / 28.1 / 24.8, 6144x4096 20.0 / 29.0 / 45.4, 4096x14336
+    /// 51.7 / 44.7 / 36.5 (W4A8 and FP8 alike): 16 stages (1024 channels) for W4A16, 28 (3584)
+    /// for the others.
+    pub fn min_split_stages(self) -> usize {
+        if self == QFamily::W4A16 { 16 } else { 28 }
     }
 
     /// The 8-bit activation codes its kernels read, if any.
@@ -1113,7 +1125,14 @@ fn launch_wgmma(
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .map_or_else(
-                || wgmma_splits(out_tiles, stages, ctx.gpu.sm_count),
+                || {
+                    wgmma_splits(
+                        out_tiles,
+                        stages,
+                        ctx.gpu.sm_count,
+                        family.min_split_stages(),
+                    )
+                },
                 |s| s.clamp(1, stages.max(1)),
             )
     } else {
@@ -1299,16 +1318,23 @@ mod tests {
 
     #[test]
     fn wgmma_splits_fill_the_sms_only_for_few_tiles() {
-        // 4096 rows at 64 tokens: 32 tiles, 64 stages (W4A16) or 32 (W8A8).
-        assert_eq!(wgmma_splits(32, 64, 132), 4);
-        assert_eq!(wgmma_splits(32, 32, 132), 2);
-        assert_eq!(wgmma_splits(48, 64, 132), 2);
-        assert_eq!(wgmma_splits(224, 64, 132), 1);
-        assert_eq!(wgmma_splits(132, 64, 132), 1);
-        // Short K keeps 16 stages a split; a lone tile takes at most 8.
-        assert_eq!(wgmma_splits(8, 32, 132), 2);
-        assert_eq!(wgmma_splits(1, 224, 132), 8);
-        assert_eq!(wgmma_splits(1, 8, 132), 1);
+        let (w4, w8) = (
+            QFamily::W4A16.min_split_stages(),
+            QFamily::W8A8.min_split_stages(),
+        );
+        // 4096 rows at 64 tokens: 32 tiles, 64 stages (W4A16) or 32 (8-bit) for K = 4096.
+        assert_eq!(wgmma_splits(32, 64, 132, w4), 4);
+        assert_eq!(wgmma_splits(32, 32, 132, w8), 1);
+        assert_eq!(wgmma_splits(48, 64, 132, w4), 2);
+        assert_eq!(wgmma_splits(48, 32, 132, w8), 1);
+        // K = 14336: 112 8-bit stages, 4 splits.
+        assert_eq!(wgmma_splits(32, 112, 132, w8), 4);
+        assert_eq!(wgmma_splits(224, 64, 132, w4), 1);
+        assert_eq!(wgmma_splits(132, 64, 132, w4), 1);
+        // Short K keeps the minimum a split; a lone tile takes at most 8.
+        assert_eq!(wgmma_splits(8, 32, 132, w4), 2);
+        assert_eq!(wgmma_splits(1, 224, 132, w8), 8);
+        assert_eq!(wgmma_splits(1, 8, 132, w4), 1);
     }
 
     #[test]
