@@ -28,7 +28,7 @@ use nibble_core::Result;
 use nibble_formats::WeightFormat;
 
 use crate::qdot::{self, ActRow, Kernel, QBlock};
-use crate::{CpuTensor, CpuWeight};
+use crate::{CpuTensor, CpuWeight, Threads};
 
 /// Below this much work (weight bytes times groups of [`qdot::MAX_ROWS`] input rows) a matmul
 /// runs on the calling thread: waking workers costs more than it saves.
@@ -39,8 +39,8 @@ const PANEL_BYTES: usize = 32 * 1024;
 
 /// `x @ w^T`, called from outside `pool` (or from inside it); see [`fused`] for how the work is
 /// shared with the pool.
-pub fn matmul_transposed(
-    pool: &rayon::ThreadPool,
+pub(crate) fn matmul_transposed(
+    pool: &Threads,
     x: &CpuTensor,
     w: &CpuWeight,
 ) -> Result<CpuTensor> {
@@ -68,7 +68,7 @@ impl OutPtr {
 }
 
 /// Fused dots into `y` (`m x n`), each task writing its own block of columns.
-fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
+fn fused(pool: &Threads, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
     let (m, k, n) = (x.rows, x.cols, w.rows);
     let kernel = Kernel::for_format(w.format);
     let q8: Vec<QBlock> = if kernel.quantizes_activations() {
@@ -84,6 +84,7 @@ fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTens
         Kernel::Float => ActRow::F32(x.row(i)),
         _ => ActRow::Q8(&q8[i * k / qdot::QK..(i + 1) * k / qdot::QK]),
     };
+    let wr = w.rows_view();
     let panel = (PANEL_BYTES / w.row_bytes.max(1)).max(1);
     let out = OutPtr(y.data.as_mut_ptr());
     // Weight rows r0..r0 + nr: columns r0..r0 + nr of y.
@@ -105,7 +106,7 @@ fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTens
                     while r0 + W <= p1 {
                         let v = qdot::weight_rows_dot::<W>(
                             kernel,
-                            std::array::from_fn(|j| w.row(r0 + j)),
+                            std::array::from_fn(|j| wr.row(r0 + j)),
                             xq,
                         );
                         for (j, &v) in v.iter().enumerate() {
@@ -117,7 +118,7 @@ fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTens
                     }
                 }
                 for r in r0..p1 {
-                    qdot::rows_dot(kernel, w.format, w.row(r), &acts[..g], &mut res[..g])?;
+                    qdot::rows_dot(kernel, w.format, wr.row(r), &acts[..g], &mut res[..g])?;
                     for (j, &v) in res[..g].iter().enumerate() {
                         // SAFETY: (i0 + j, r) is inside y (i0 + j < m, r < n), and column r
                         // belongs to this task only.
@@ -136,7 +137,7 @@ fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTens
 /// (`align` divides `n`), on the calling thread alone when `serial` or the pool has one thread.
 /// Each call owns its columns, so tasks may write them in place.
 pub(crate) fn run_tiles(
-    pool: &rayon::ThreadPool,
+    pool: &Threads,
     n: usize,
     align: usize,
     serial: bool,
@@ -146,12 +147,12 @@ pub(crate) fn run_tiles(
     if threads == 1 || serial {
         return rows(0, n);
     }
-    // The calling thread works too, next to `threads - 1` helper jobs, and every participant
-    // takes the next tile from a shared counter until none is left. A decode step runs ~100
-    // such matmuls, and handing each one to the pool (`install` + `into_par_iter`) cost two
-    // sleeps and wake-ups per matmul; this costs at most one wake-up of a helper, and a late
-    // helper just finds fewer tiles (which tile runs where does not change any output's bits).
-    // A few tiles per thread balances load without much scheduling overhead.
+    // The calling thread works too, next to `threads - 1` helpers, and every participant takes
+    // the next tile from a shared counter until none is left, so a late helper just finds fewer
+    // tiles (which tile runs where does not change any output's bits). The helpers are the
+    // spinning workers of `crate::spin` (a decode step runs ~200 matmuls, and sleeping between
+    // them cost a wake-up and a condvar wait each), else rayon jobs. A few tiles per thread
+    // balances load without much scheduling overhead.
     let tile = n.div_ceil(4 * threads).max(16).next_multiple_of(align);
     let tiles = n.div_ceil(tile);
     let next = AtomicUsize::new(0);
@@ -165,6 +166,20 @@ pub(crate) fn run_tiles(
         }
     };
     let work = &work;
+    let failed = std::sync::Mutex::new(None);
+    let spun = pool.spin.try_run(&|| {
+        if let Err(e) = work() {
+            *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        }
+    });
+    if spun.is_some() {
+        return match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+    }
+    // The spinning workers are busy with another caller's matmul (or this one is nested in
+    // one): the rayon pool's workers share the tiles instead.
     let mut helpers: Vec<Result<()>> = (1..threads.min(tiles)).map(|_| Ok(())).collect();
     let mine = pool.in_place_scope(|s| {
         for h in helpers.iter_mut() {
