@@ -113,11 +113,61 @@ impl CpuWeight {
     }
 }
 
-/// The backend's threads: a rayon pool (attention, KV reads) and the spinning workers of the
-/// matmuls ([`spin`]), `threads` of each counting the caller.
+/// The backend's threads: the spinning workers of the matmuls and attention ([`spin`]), and a
+/// rayon pool for when another caller holds those; `threads` of each, counting the caller.
 pub(crate) struct Threads {
     rayon: rayon::ThreadPool,
     spin: spin::SpinPool,
+}
+
+impl Threads {
+    /// `threads` of each kind (0: every core).
+    pub(crate) fn new(threads: usize) -> Result<Threads> {
+        let start = |e: &dyn std::fmt::Display| {
+            Error::InvalidArgument(format!("cannot start {threads} threads: {e}"))
+        };
+        let rayon = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("nibble-cpu-{i}"))
+            .build()
+            .map_err(|e| start(&e))?;
+        let spin = spin::SpinPool::new(rayon.current_num_threads()).map_err(|e| start(&e))?;
+        Ok(Threads { rayon, spin })
+    }
+
+    /// `f((i, chunk))` for each `chunk`-long piece `i` of `data` (the last may be shorter),
+    /// shared among the threads: the spinning workers when free, else the rayon pool, so that a
+    /// decode step's attention does not wake a second set of threads while the spinning ones
+    /// hold the cores.
+    pub(crate) fn par_chunks_mut<F>(&self, data: &mut [f32], chunk: usize, f: F)
+    where
+        F: Fn((usize, &mut [f32])) + Sync + Send,
+    {
+        use rayon::prelude::*;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let (len, pieces) = (data.len(), data.len().div_ceil(chunk.max(1)));
+        let out = linear::OutPtr::new(data.as_mut_ptr());
+        let next = AtomicUsize::new(0);
+        let job = || {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= pieces {
+                    return;
+                }
+                let (start, end) = (i * chunk, ((i + 1) * chunk).min(len));
+                // SAFETY: pieces are disjoint ranges inside `data`, each taken by one thread
+                // (the counter hands out every index once), and `data` is borrowed mutably for
+                // the whole call.
+                f((i, unsafe {
+                    std::slice::from_raw_parts_mut(out.at(start), end - start)
+                }));
+            }
+        };
+        if self.spin.try_run(&job).is_none() {
+            self.rayon
+                .install(|| data.par_chunks_mut(chunk).enumerate().for_each(f));
+        }
+    }
 }
 
 impl std::ops::Deref for Threads {
@@ -148,7 +198,10 @@ pub(crate) struct RowsView<'a> {
 impl<'a> RowsView<'a> {
     #[inline(always)]
     pub(crate) fn row(&self, r: usize) -> &'a [u8] {
-        let p = self.parts[1..].iter().take_while(|(first, _)| r >= *first).count();
+        let p = self.parts[1..]
+            .iter()
+            .take_while(|(first, _)| r >= *first)
+            .count();
         let (first, b) = self.parts[p];
         &b[(r - first) * self.row_bytes..(r - first + 1) * self.row_bytes]
     }
@@ -162,15 +215,8 @@ pub struct CpuBackend {
 impl CpuBackend {
     /// `threads = 0` uses every core.
     pub fn new(threads: usize) -> Result<Self> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("nibble-cpu-{i}"))
-            .build()
-            .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
-        let spin = spin::SpinPool::new(pool.current_num_threads())
-            .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
         Ok(CpuBackend {
-            pool: std::sync::Arc::new(Threads { rayon: pool, spin }),
+            pool: std::sync::Arc::new(Threads::new(threads)?),
         })
     }
 

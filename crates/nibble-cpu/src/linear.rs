@@ -32,18 +32,14 @@ use crate::{CpuTensor, CpuWeight, Threads};
 
 /// Below this much work (weight bytes times groups of [`qdot::MAX_ROWS`] input rows) a matmul
 /// runs on the calling thread: waking workers costs more than it saves.
-const SERIAL_BYTES: usize = 256 * 1024;
+const SERIAL_BYTES: usize = 32 * 1024;
 
 /// Weight bytes of the panel that a task applies to every group of input rows (stays in L1/L2).
 const PANEL_BYTES: usize = 32 * 1024;
 
 /// `x @ w^T`, called from outside `pool` (or from inside it); see [`fused`] for how the work is
 /// shared with the pool.
-pub(crate) fn matmul_transposed(
-    pool: &Threads,
-    x: &CpuTensor,
-    w: &CpuWeight,
-) -> Result<CpuTensor> {
+pub(crate) fn matmul_transposed(pool: &Threads, x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
     let mut y = CpuTensor::zeros(x.rows, w.rows);
     if let WeightFormat::Quant(_) = w.format {
         crate::quant::matmul(pool, x, w.quant()?, &mut y.data, false)?;
