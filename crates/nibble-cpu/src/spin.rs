@@ -167,7 +167,7 @@ fn worker(s: &Shared) {
             }
             spins = spins.wrapping_add(1);
             // Reading the clock costs more than a spin, so look at it now and then.
-            if spins % 256 != 0 || start.elapsed() < SPIN {
+            if !spins.is_multiple_of(256) || start.elapsed() < SPIN {
                 std::hint::spin_loop();
                 continue;
             }
