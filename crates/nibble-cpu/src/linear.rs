@@ -15,9 +15,11 @@
 //! The kernels take up to [`qdot::MAX_ROWS`] activation rows at once and decode each weight block
 //! once for all of them, but accumulate every output exactly as for a lone row.
 //!
-//! Output columns (weight rows) are split into tiles, which the calling thread and helper jobs on
-//! the pool take in turn (small matmuls run on the calling thread alone; neither changes the
-//! arithmetic), and every tile writes its own block of output columns in place. Within a tile,
+//! Output columns (weight rows) are split into tiles, which the calling thread and the spinning
+//! workers of [`crate::spin`] take in turn (small matmuls run on the calling thread alone; neither
+//! changes the arithmetic), and every tile writes its own block of output columns in place. A
+//! fused weight (Q/K/V or gate/up rows stacked, see `load_fused_weight`) is one matmul like any
+//! other: its rows are independent, so each output has the bits of its own weight's matmul. Within a tile,
 //! weight rows are taken a cache-sized panel at a time, and each panel is applied to all
 //! activation rows, [`qdot::MAX_ROWS`] at a time (a lone row takes [`qdot::WEIGHT_ROWS`] weight
 //! rows per pass instead).
@@ -31,7 +33,9 @@ use crate::qdot::{self, ActRow, Kernel, QBlock};
 use crate::{CpuTensor, CpuWeight, Threads};
 
 /// Below this much work (weight bytes times groups of [`qdot::MAX_ROWS`] input rows) a matmul
-/// runs on the calling thread: waking workers costs more than it saves.
+/// runs on the calling thread: handing it out costs more than it saves. With spinning workers
+/// (a handoff of a microsecond or so, not a wake-up) that is far less than the 256 KiB it took
+/// with rayon's sleeping ones, so even a decode step's K/V-sized matmuls are split.
 const SERIAL_BYTES: usize = 32 * 1024;
 
 /// Weight bytes of the panel that a task applies to every group of input rows (stays in L1/L2).
