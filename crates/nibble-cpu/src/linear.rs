@@ -85,7 +85,9 @@ fn fused(pool: &Threads, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Res
         _ => ActRow::Q8(&q8[i * k / qdot::QK..(i + 1) * k / qdot::QK]),
     };
     let wr = w.rows_view();
-    let panel = (PANEL_BYTES / w.row_bytes.max(1)).max(1);
+    // A whole number of decode passes, so that no row of a panel falls to the one-row kernel
+    // (same bits either way, but that one has no prefetch and no shared activation loads).
+    let panel = (PANEL_BYTES / w.row_bytes.max(1)).next_multiple_of(qdot::WEIGHT_ROWS);
     let out = OutPtr(y.data.as_mut_ptr());
     // Weight rows r0..r0 + nr: columns r0..r0 + nr of y.
     let rows = |r0: usize, nr: usize| -> Result<()> {

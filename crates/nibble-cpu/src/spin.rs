@@ -240,7 +240,6 @@ mod tests {
     fn every_participant_runs_each_job_at_most_once() {
         let pool = SpinPool::new(3).unwrap();
         assert_eq!(pool.workers.len(), 2);
-        let mut helped = 0;
         for round in 0..2000 {
             let count = AtomicUsize::new(0);
             let (next, done) = (AtomicUsize::new(0), AtomicUsize::new(0));
@@ -255,13 +254,34 @@ mod tests {
             let c = count.load(Ordering::Relaxed);
             assert!((1..=3).contains(&c), "round {round}: {c} participants");
             assert_eq!(done.load(Ordering::Relaxed), 64, "round {round}");
-            helped += c - 1;
             if round % 500 == 0 {
                 // Let the workers park, so the next job has to wake them.
                 std::thread::sleep(SPIN * 3);
             }
         }
-        assert!(helped > 0, "the workers never joined a job");
+    }
+
+    /// Workers join a job that stays open (and so share the work of real matmuls), whether they
+    /// were spinning or parked when it was published.
+    #[test]
+    fn workers_join_an_open_job() {
+        let pool = SpinPool::new(3).unwrap();
+        for parked in [false, true] {
+            if parked {
+                std::thread::sleep(SPIN * 3);
+            }
+            let count = AtomicUsize::new(0);
+            pool.try_run(&|| {
+                count.fetch_add(1, Ordering::SeqCst);
+                let start = Instant::now();
+                while count.load(Ordering::SeqCst) < 3 && start.elapsed() < Duration::from_secs(20)
+                {
+                    std::hint::spin_loop();
+                }
+            })
+            .unwrap();
+            assert_eq!(count.load(Ordering::SeqCst), 3, "parked: {parked}");
+        }
     }
 
     #[test]
