@@ -17,12 +17,13 @@
 //!
 //! Output columns (weight rows) are split into tiles, which the calling thread and the spinning
 //! workers of [`crate::spin`] take in turn (small matmuls run on the calling thread alone; neither
-//! changes the arithmetic), and every tile writes its own block of output columns in place. A
-//! fused weight (Q/K/V or gate/up rows stacked, see `load_fused_weight`) is one matmul like any
-//! other: its rows are independent, so each output has the bits of its own weight's matmul. Within a tile,
-//! weight rows are taken a cache-sized panel at a time, and each panel is applied to all
-//! activation rows, [`qdot::MAX_ROWS`] at a time (a lone row takes [`qdot::WEIGHT_ROWS`] weight
-//! rows per pass instead).
+//! changes the arithmetic), and every tile writes its own block of output columns in place.
+//! Within a tile, weight rows are taken a cache-sized panel at a time, and each panel is applied
+//! to all activation rows, [`qdot::MAX_ROWS`] at a time (a lone row takes [`qdot::WEIGHT_ROWS`]
+//! weight rows per pass instead).
+//!
+//! A fused weight (Q/K/V or gate/up rows stacked, see `load_fused_weight`) is one matmul like any
+//! other: its rows are independent, so each output has the bits of its own weight's matmul.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -87,7 +88,9 @@ fn fused(pool: &Threads, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Res
     let wr = w.rows_view();
     // A whole number of decode passes, so that no row of a panel falls to the one-row kernel
     // (same bits either way, but that one has no prefetch and no shared activation loads).
-    let panel = (PANEL_BYTES / w.row_bytes.max(1)).next_multiple_of(qdot::WEIGHT_ROWS);
+    let panel = (PANEL_BYTES / w.row_bytes.max(1))
+        .max(1)
+        .next_multiple_of(qdot::WEIGHT_ROWS);
     let out = OutPtr(y.data.as_mut_ptr());
     // Weight rows r0..r0 + nr: columns r0..r0 + nr of y.
     let rows = |r0: usize, nr: usize| -> Result<()> {

@@ -477,3 +477,12 @@ fn results_are_the_same_on_any_threads() {
         }
     }
 }
+
+/// Rows longer than a panel (an F32 row of 9000 elements is 36 kB) take one panel pass each.
+#[test]
+fn rows_wider_than_a_panel() {
+    for (m, seed) in [(1, 901), (3, 902)] {
+        check(GgmlType::F32, m, 9, 9000, false, seed);
+        check(GgmlType::Q8_0, m, 9, 32 * 1100, true, seed + 10);
+    }
+}
