@@ -1,4 +1,4 @@
-//! Causal attention over the KV cache, one rayon task per (token, head) pair (or all on the
+//! Causal attention over the KV cache, one task per (token, head) pair (or all on the
 //! calling thread when the work is small).
 //!
 //! Keys and values are written (quantized, for a quantized pool) before anything is read, and
@@ -12,11 +12,10 @@
 
 use nibble_core::{Error, Result};
 use nibble_model::{AttentionShape, BatchLayout};
-use rayon::prelude::*;
 
-use crate::CpuTensor;
 use crate::kv::{CpuKvCache, SeqView};
 use crate::ops::dot;
+use crate::{CpuTensor, Threads};
 
 /// Below this many query-key multiply-adds, attention for a sequence runs on the calling thread.
 const SERIAL_WORK: usize = 64 * 1024;
@@ -28,7 +27,7 @@ thread_local! {
 
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
-    pool: &rayon::ThreadPool,
+    pool: &Threads,
     q: &CpuTensor,
     k: &CpuTensor,
     v: &CpuTensor,
@@ -90,7 +89,7 @@ pub fn attention(
         if work < SERIAL_WORK {
             out_rows.chunks_mut(head_dim).enumerate().for_each(head);
         } else {
-            pool.install(|| out_rows.par_chunks_mut(head_dim).enumerate().for_each(head));
+            pool.par_chunks_mut(out_rows, head_dim, head);
         }
         row0 += s.len;
     }

@@ -10,11 +10,8 @@ use rand_chacha::ChaCha8Rng;
 use crate::ops::dot;
 use crate::{CpuKvCache, CpuTensor};
 
-fn thread_pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap()
+fn thread_pool(threads: usize) -> crate::Threads {
+    crate::Threads::new(threads).unwrap()
 }
 
 fn shape(heads: usize, kv_heads: usize, hd: usize) -> AttentionShape {
@@ -111,7 +108,7 @@ fn concat(parts: &[(&Seq, std::ops::Range<usize>)]) -> (CpuTensor, CpuTensor, Cp
 
 /// Runs one sequence through `pool` in chunks of the given sizes; returns every position's output.
 fn run_chunks(
-    tp: &rayon::ThreadPool,
+    tp: &crate::Threads,
     kv: &mut CpuKvCache,
     seq: &Seq,
     s: AttentionShape,

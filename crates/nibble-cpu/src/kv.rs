@@ -26,7 +26,6 @@ use nibble_core::{Error, Result};
 use nibble_model::{BatchLayout, KvShape, SeqSpan};
 use nibble_precision::KvSpec;
 use nibble_precision::kv::{ChannelKeys, KeyLayout, TokenCodec, first_unstorable};
-use rayon::prelude::*;
 
 /// Below this many elements, a sequence's rows are dequantized on the calling thread.
 const SERIAL_DEQUANT: usize = 32 * 1024;
@@ -539,7 +538,7 @@ impl CpuKvCache {
         s: &'a SeqSpan,
         first: usize,
         scratch: &'a mut Scratch,
-        pool: &rayon::ThreadPool,
+        pool: &crate::Threads,
     ) -> Result<SeqView<'a>> {
         let bs = self.block_size;
         let ctx = s.start_pos + s.len;
@@ -602,7 +601,7 @@ impl CpuKvCache {
         first_block: usize,
         end: usize,
         buf: &'a mut Vec<f32>,
-        pool: &rayon::ThreadPool,
+        pool: &crate::Threads,
     ) -> Rows<'a> {
         let (row, bs) = (self.row(), self.block_size);
         let (heads, hd) = (self.shape.num_kv_heads, self.shape.head_dim);
@@ -626,12 +625,7 @@ impl CpuKvCache {
                 .enumerate()
                 .for_each(task);
         } else {
-            pool.install(|| {
-                buf[..n * row]
-                    .par_chunks_mut(bs * row)
-                    .enumerate()
-                    .for_each(task)
-            });
+            pool.par_chunks_mut(&mut buf[..n * row], bs * row, task);
         }
         Rows::Dense {
             data: &buf[..n * row],

@@ -14,6 +14,7 @@ mod ops;
 mod qdot;
 mod qkern;
 mod quant;
+mod spin;
 
 use std::sync::OnceLock;
 
@@ -52,6 +53,10 @@ pub struct CpuWeight {
     pub cols: usize,
     pub format: WeightFormat,
     bytes: TensorBytes,
+    /// A fused weight's further parts (see [`Backend::load_fused_weight`]), each with the first
+    /// row it holds, their rows stacked after those of `bytes`: they stay where they were
+    /// loaded (a mapped file) instead of being copied together.
+    more: Vec<(usize, TensorBytes)>,
     row_bytes: usize,
     /// The kernel form of a `WeightFormat::Quant` weight, built by its first matmul.
     quant: OnceLock<std::result::Result<quant::QuantWeight, String>>,
@@ -60,14 +65,34 @@ pub struct CpuWeight {
 impl CpuWeight {
     /// Decodes rows `start..start + n` into `out` (`n * cols` floats).
     pub fn dequantize_rows(&self, start: usize, n: usize, out: &mut [f32]) -> Result<()> {
-        let src = &self.bytes[start * self.row_bytes..(start + n) * self.row_bytes];
-        self.format
-            .dequantize(src, self.cols, &mut out[..n * self.cols])
+        if self.more.is_empty() {
+            let src = &self.bytes[start * self.row_bytes..(start + n) * self.row_bytes];
+            return self
+                .format
+                .dequantize(src, self.cols, &mut out[..n * self.cols]);
+        }
+        for (i, o) in out[..n * self.cols].chunks_exact_mut(self.cols).enumerate() {
+            self.format.dequantize(self.row(start + i), self.cols, o)?;
+        }
+        Ok(())
     }
 
     /// The storage bytes of row `r`.
     pub fn row(&self, r: usize) -> &[u8] {
-        &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes]
+        self.rows_view().row(r)
+    }
+
+    /// The rows' bytes, looked up once for a whole matmul.
+    pub(crate) fn rows_view(&self) -> RowsView<'_> {
+        let mut parts = [(usize::MAX, &[][..]); MAX_PARTS];
+        parts[0] = (0, &self.bytes[..]);
+        for (p, (first, b)) in parts[1..].iter_mut().zip(&self.more) {
+            *p = (*first, &b[..]);
+        }
+        RowsView {
+            parts,
+            row_bytes: self.row_bytes,
+        }
     }
 
     /// The expanded form of a quantized weight (built on first use).
@@ -88,21 +113,110 @@ impl CpuWeight {
     }
 }
 
+/// The backend's threads: the spinning workers of the matmuls and attention ([`spin`]), and a
+/// rayon pool for when another caller holds those; `threads` of each, counting the caller.
+pub(crate) struct Threads {
+    rayon: rayon::ThreadPool,
+    spin: spin::SpinPool,
+}
+
+impl Threads {
+    /// `threads` of each kind (0: every core).
+    pub(crate) fn new(threads: usize) -> Result<Threads> {
+        let start = |e: &dyn std::fmt::Display| {
+            Error::InvalidArgument(format!("cannot start {threads} threads: {e}"))
+        };
+        let rayon = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("nibble-cpu-{i}"))
+            .build()
+            .map_err(|e| start(&e))?;
+        let spin = spin::SpinPool::new(rayon.current_num_threads()).map_err(|e| start(&e))?;
+        Ok(Threads { rayon, spin })
+    }
+
+    /// `f((i, chunk))` for each `chunk`-long piece `i` of `data` (the last may be shorter),
+    /// shared among the threads: the spinning workers when free, else the rayon pool, so that a
+    /// decode step's attention does not wake a second set of threads while the spinning ones
+    /// hold the cores.
+    pub(crate) fn par_chunks_mut<F>(&self, data: &mut [f32], chunk: usize, f: F)
+    where
+        F: Fn((usize, &mut [f32])) + Sync + Send,
+    {
+        use rayon::prelude::*;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let (len, pieces) = (data.len(), data.len().div_ceil(chunk.max(1)));
+        let out = linear::OutPtr::new(data.as_mut_ptr());
+        let next = AtomicUsize::new(0);
+        let job = || {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= pieces {
+                    return;
+                }
+                let (start, end) = (i * chunk, ((i + 1) * chunk).min(len));
+                // SAFETY: pieces are disjoint ranges inside `data`, each taken by one thread
+                // (the counter hands out every index once), and `data` is borrowed mutably for
+                // the whole call.
+                f((i, unsafe {
+                    std::slice::from_raw_parts_mut(out.at(start), end - start)
+                }));
+            }
+        };
+        if self.spin.try_run(&job).is_none() {
+            self.rayon
+                .install(|| data.par_chunks_mut(chunk).enumerate().for_each(f));
+        }
+    }
+}
+
+impl std::ops::Deref for Threads {
+    type Target = rayon::ThreadPool;
+
+    fn deref(&self) -> &rayon::ThreadPool {
+        &self.rayon
+    }
+}
+
+impl std::fmt::Debug for Threads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Threads({})", self.rayon.current_num_threads())
+    }
+}
+
+/// The most weights [`Backend::load_fused_weight`] stacks (q, k, v).
+const MAX_PARTS: usize = 3;
+
+/// The bytes of a weight's rows, each part with its first row (unused parts start at
+/// `usize::MAX`).
+#[derive(Clone, Copy)]
+pub(crate) struct RowsView<'a> {
+    parts: [(usize, &'a [u8]); MAX_PARTS],
+    row_bytes: usize,
+}
+
+impl<'a> RowsView<'a> {
+    #[inline(always)]
+    pub(crate) fn row(&self, r: usize) -> &'a [u8] {
+        let p = self.parts[1..]
+            .iter()
+            .take_while(|(first, _)| r >= *first)
+            .count();
+        let (first, b) = self.parts[p];
+        &b[(r - first) * self.row_bytes..(r - first + 1) * self.row_bytes]
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct CpuBackend {
-    pool: std::sync::Arc<rayon::ThreadPool>,
+    pool: std::sync::Arc<Threads>,
 }
 
 impl CpuBackend {
     /// `threads = 0` uses every core.
     pub fn new(threads: usize) -> Result<Self> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("nibble-cpu-{i}"))
-            .build()
-            .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
         Ok(CpuBackend {
-            pool: std::sync::Arc::new(pool),
+            pool: std::sync::Arc::new(Threads::new(threads)?),
         })
     }
 
@@ -131,9 +245,62 @@ impl Backend for CpuBackend {
             cols,
             format: t.format,
             bytes: t.bytes.clone(),
+            more: Vec::new(),
             row_bytes,
             quant: OnceLock::new(),
         })
+    }
+
+    fn load_fused_weight(&self, parts: &[HostTensor]) -> Result<Option<CpuWeight>> {
+        // One matmul instead of two or three over the same input: the activations are quantized
+        // once, and the pool is woken once; every output row is computed exactly as in its own
+        // weight (rows are independent), so the results are the same bits. nibble's quantized
+        // formats are expanded per weight on first use and are left separate.
+        let Some(first) = parts.first() else {
+            return Ok(None);
+        };
+        if parts.len() > MAX_PARTS
+            || parts.iter().any(|t| {
+                matches!(t.format, WeightFormat::Quant(_))
+                    || t.format != first.format
+                    || t.shape.len() != 2
+                    || t.shape.get(1) != first.shape.get(1)
+            })
+        {
+            return Ok(None);
+        }
+        let mut w = self.load_weight(first)?;
+        for t in &parts[1..] {
+            let (rows, _, _) = t.matrix_geometry()?;
+            w.more.push((w.rows, t.bytes.clone()));
+            w.rows += rows;
+        }
+        Ok(Some(w))
+    }
+
+    fn split_cols(&self, x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTensor>> {
+        if widths.iter().sum::<usize>() != x.cols {
+            return Err(Error::InvalidArgument(format!(
+                "split_cols: widths {widths:?} of a {}-column tensor",
+                x.cols
+            )));
+        }
+        let mut out: Vec<Vec<f32>> = widths
+            .iter()
+            .map(|&w| Vec::with_capacity(x.rows * w))
+            .collect();
+        for r in 0..x.rows {
+            let mut c = 0;
+            for (o, &w) in out.iter_mut().zip(widths) {
+                o.extend_from_slice(&x.row(r)[c..c + w]);
+                c += w;
+            }
+        }
+        Ok(out
+            .into_iter()
+            .zip(widths)
+            .map(|(d, &w)| CpuTensor::new(d, x.rows, w))
+            .collect())
     }
 
     fn load_vector(&self, values: &[f32]) -> Result<CpuTensor> {

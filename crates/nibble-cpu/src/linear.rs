@@ -15,12 +15,15 @@
 //! The kernels take up to [`qdot::MAX_ROWS`] activation rows at once and decode each weight block
 //! once for all of them, but accumulate every output exactly as for a lone row.
 //!
-//! Output columns (weight rows) are split into tiles, which the calling thread and helper jobs on
-//! the pool take in turn (small matmuls run on the calling thread alone; neither changes the
-//! arithmetic), and every tile writes its own block of output columns in place. Within a tile,
-//! weight rows are taken a cache-sized panel at a time, and each panel is applied to all
-//! activation rows, [`qdot::MAX_ROWS`] at a time (a lone row takes [`qdot::WEIGHT_ROWS`] weight
-//! rows per pass instead).
+//! Output columns (weight rows) are split into tiles, which the calling thread and the spinning
+//! workers of [`crate::spin`] take in turn (small matmuls run on the calling thread alone; neither
+//! changes the arithmetic), and every tile writes its own block of output columns in place.
+//! Within a tile, weight rows are taken a cache-sized panel at a time, and each panel is applied
+//! to all activation rows, [`qdot::MAX_ROWS`] at a time (a lone row takes [`qdot::WEIGHT_ROWS`]
+//! weight rows per pass instead).
+//!
+//! A fused weight (Q/K/V or gate/up rows stacked, see `load_fused_weight`) is one matmul like any
+//! other: its rows are independent, so each output has the bits of its own weight's matmul.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -28,22 +31,20 @@ use nibble_core::Result;
 use nibble_formats::WeightFormat;
 
 use crate::qdot::{self, ActRow, Kernel, QBlock};
-use crate::{CpuTensor, CpuWeight};
+use crate::{CpuTensor, CpuWeight, Threads};
 
 /// Below this much work (weight bytes times groups of [`qdot::MAX_ROWS`] input rows) a matmul
-/// runs on the calling thread: waking workers costs more than it saves.
-const SERIAL_BYTES: usize = 256 * 1024;
+/// runs on the calling thread: handing it out costs more than it saves. With spinning workers
+/// (a handoff of a microsecond or so, not a wake-up) that is far less than the 256 KiB it took
+/// with rayon's sleeping ones, so even a decode step's K/V-sized matmuls are split.
+const SERIAL_BYTES: usize = 32 * 1024;
 
 /// Weight bytes of the panel that a task applies to every group of input rows (stays in L1/L2).
 const PANEL_BYTES: usize = 32 * 1024;
 
 /// `x @ w^T`, called from outside `pool` (or from inside it); see [`fused`] for how the work is
 /// shared with the pool.
-pub fn matmul_transposed(
-    pool: &rayon::ThreadPool,
-    x: &CpuTensor,
-    w: &CpuWeight,
-) -> Result<CpuTensor> {
+pub(crate) fn matmul_transposed(pool: &Threads, x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
     let mut y = CpuTensor::zeros(x.rows, w.rows);
     if let WeightFormat::Quant(_) = w.format {
         crate::quant::matmul(pool, x, w.quant()?, &mut y.data, false)?;
@@ -68,7 +69,7 @@ impl OutPtr {
 }
 
 /// Fused dots into `y` (`m x n`), each task writing its own block of columns.
-fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
+fn fused(pool: &Threads, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTensor) -> Result<()> {
     let (m, k, n) = (x.rows, x.cols, w.rows);
     let kernel = Kernel::for_format(w.format);
     let q8: Vec<QBlock> = if kernel.quantizes_activations() {
@@ -84,7 +85,12 @@ fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTens
         Kernel::Float => ActRow::F32(x.row(i)),
         _ => ActRow::Q8(&q8[i * k / qdot::QK..(i + 1) * k / qdot::QK]),
     };
-    let panel = (PANEL_BYTES / w.row_bytes.max(1)).max(1);
+    let wr = w.rows_view();
+    // A whole number of decode passes, so that no row of a panel falls to the one-row kernel
+    // (same bits either way, but that one has no prefetch and no shared activation loads).
+    let panel = (PANEL_BYTES / w.row_bytes.max(1))
+        .max(1)
+        .next_multiple_of(qdot::WEIGHT_ROWS);
     let out = OutPtr(y.data.as_mut_ptr());
     // Weight rows r0..r0 + nr: columns r0..r0 + nr of y.
     let rows = |r0: usize, nr: usize| -> Result<()> {
@@ -105,7 +111,7 @@ fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTens
                     while r0 + W <= p1 {
                         let v = qdot::weight_rows_dot::<W>(
                             kernel,
-                            std::array::from_fn(|j| w.row(r0 + j)),
+                            std::array::from_fn(|j| wr.row(r0 + j)),
                             xq,
                         );
                         for (j, &v) in v.iter().enumerate() {
@@ -117,7 +123,7 @@ fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTens
                     }
                 }
                 for r in r0..p1 {
-                    qdot::rows_dot(kernel, w.format, w.row(r), &acts[..g], &mut res[..g])?;
+                    qdot::rows_dot(kernel, w.format, wr.row(r), &acts[..g], &mut res[..g])?;
                     for (j, &v) in res[..g].iter().enumerate() {
                         // SAFETY: (i0 + j, r) is inside y (i0 + j < m, r < n), and column r
                         // belongs to this task only.
@@ -136,7 +142,7 @@ fn fused(pool: &rayon::ThreadPool, x: &CpuTensor, w: &CpuWeight, y: &mut CpuTens
 /// (`align` divides `n`), on the calling thread alone when `serial` or the pool has one thread.
 /// Each call owns its columns, so tasks may write them in place.
 pub(crate) fn run_tiles(
-    pool: &rayon::ThreadPool,
+    pool: &Threads,
     n: usize,
     align: usize,
     serial: bool,
@@ -146,12 +152,12 @@ pub(crate) fn run_tiles(
     if threads == 1 || serial {
         return rows(0, n);
     }
-    // The calling thread works too, next to `threads - 1` helper jobs, and every participant
-    // takes the next tile from a shared counter until none is left. A decode step runs ~100
-    // such matmuls, and handing each one to the pool (`install` + `into_par_iter`) cost two
-    // sleeps and wake-ups per matmul; this costs at most one wake-up of a helper, and a late
-    // helper just finds fewer tiles (which tile runs where does not change any output's bits).
-    // A few tiles per thread balances load without much scheduling overhead.
+    // The calling thread works too, next to `threads - 1` helpers, and every participant takes
+    // the next tile from a shared counter until none is left, so a late helper just finds fewer
+    // tiles (which tile runs where does not change any output's bits). The helpers are the
+    // spinning workers of `crate::spin` (a decode step runs ~200 matmuls, and sleeping between
+    // them cost a wake-up and a condvar wait each), else rayon jobs. A few tiles per thread
+    // balances load without much scheduling overhead.
     let tile = n.div_ceil(4 * threads).max(16).next_multiple_of(align);
     let tiles = n.div_ceil(tile);
     let next = AtomicUsize::new(0);
@@ -165,6 +171,20 @@ pub(crate) fn run_tiles(
         }
     };
     let work = &work;
+    let failed = std::sync::Mutex::new(None);
+    let spun = pool.spin.try_run(&|| {
+        if let Err(e) = work() {
+            *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        }
+    });
+    if spun.is_some() {
+        return match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+    }
+    // The spinning workers are busy with another caller's matmul (or this one is nested in
+    // one): the rayon pool's workers share the tiles instead.
     let mut helpers: Vec<Result<()>> = (1..threads.min(tiles)).map(|_| Ok(())).collect();
     let mine = pool.in_place_scope(|s| {
         for h in helpers.iter_mut() {

@@ -319,3 +319,170 @@ fn multi_weight_row_kernels_match_single_row_bitwise() {
         }
     }
 }
+
+fn host(ty: GgmlType, rows: usize, cols: usize, bytes: Vec<u8>) -> HostTensor {
+    HostTensor {
+        name: format!("w.{ty}"),
+        shape: vec![rows, cols],
+        format: WeightFormat::Ggml(ty),
+        bytes: TensorBytes::Owned(Arc::new(bytes)),
+    }
+}
+
+/// A fused weight (q, k, v stacked) gives, column block by column block, the bits of the
+/// separate weights: for the integer kernels (Q4_1, Q8_0) and the float kernel (Q6_K, F16), a
+/// lone row (decode, several weight rows per pass) and batches, row counts that split the
+/// 4-row passes across the parts' seams.
+#[test]
+fn fused_weights_match_separate_ones_bitwise() {
+    let backend = CpuBackend::new(2).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(77);
+    for ty in [
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q6K,
+        GgmlType::F16,
+    ] {
+        let k = 512;
+        for sizes in [vec![576, 193, 190], vec![1536, 1536], vec![5, 3]] {
+            let hosts: Vec<HostTensor> = sizes
+                .iter()
+                .map(|&n| host(ty, n, k, random_weight(ty, n, k, &mut rng)))
+                .collect();
+            let fused = backend.load_fused_weight(&hosts).unwrap().unwrap();
+            assert_eq!(fused.rows, sizes.iter().sum::<usize>());
+            let parts: Vec<CpuWeight> = hosts
+                .iter()
+                .map(|h| backend.load_weight(h).unwrap())
+                .collect();
+            for m in [1, 3, 6] {
+                let x = CpuTensor::new(
+                    (0..m * k).map(|_| rng.random_range(-2f32..2.0)).collect(),
+                    m,
+                    k,
+                );
+                let y = backend.linear(&x, &fused, None).unwrap();
+                let split = backend.split_cols(&y, &sizes).unwrap();
+                for (j, (p, s)) in parts.iter().zip(&split).enumerate() {
+                    let want = backend.linear(&x, p, None).unwrap();
+                    assert_eq!((s.rows, s.cols), (m, sizes[j]));
+                    let same = want
+                        .data
+                        .iter()
+                        .zip(&s.data)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{ty} parts {sizes:?} m={m}: part {j} differs");
+                }
+            }
+            // Rows read one at a time (the embedding path) cross the seams too.
+            let mut all = vec![0f32; fused.rows * k];
+            fused.dequantize_rows(0, fused.rows, &mut all).unwrap();
+            let mut at = 0;
+            for p in &parts {
+                let mut one = vec![0f32; p.rows * k];
+                p.dequantize_rows(0, p.rows, &mut one).unwrap();
+                assert_eq!(&all[at..at + one.len()], &one[..], "{ty} dequantized rows");
+                at += one.len();
+            }
+        }
+    }
+}
+
+/// Weights that cannot be stacked are left separate: different formats or widths, nibble's
+/// quantized formats.
+#[test]
+fn unfusable_weights_stay_separate() {
+    let backend = CpuBackend::new(1).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(78);
+    let a = host(
+        GgmlType::Q4_1,
+        8,
+        64,
+        random_weight(GgmlType::Q4_1, 8, 64, &mut rng),
+    );
+    let b = host(
+        GgmlType::Q8_0,
+        8,
+        64,
+        random_weight(GgmlType::Q8_0, 8, 64, &mut rng),
+    );
+    let c = host(
+        GgmlType::Q4_1,
+        8,
+        128,
+        random_weight(GgmlType::Q4_1, 8, 128, &mut rng),
+    );
+    assert!(
+        backend
+            .load_fused_weight(&[a.clone(), b])
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        backend
+            .load_fused_weight(&[a.clone(), c])
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        backend
+            .load_fused_weight(&[a.clone(), a.clone(), a.clone(), a])
+            .unwrap()
+            .is_none()
+    );
+}
+
+/// The matmul's bits do not depend on how many threads share it, nor on whether the helpers are
+/// the spinning workers or (when another matmul holds them) rayon jobs.
+#[test]
+fn results_are_the_same_on_any_threads() {
+    let one = CpuBackend::new(1).unwrap();
+    let many = CpuBackend::new(3).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(79);
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q6K] {
+        let (n, k) = (1536, 768);
+        let bytes = random_weight(ty, n, k, &mut rng);
+        let w1 = load(&one, ty, n, k, bytes.clone());
+        let wn = load(&many, ty, n, k, bytes);
+        for m in [1, 5] {
+            let x = CpuTensor::new(
+                (0..m * k).map(|_| rng.random_range(-2f32..2.0)).collect(),
+                m,
+                k,
+            );
+            let want = one.linear(&x, &w1, None).unwrap();
+            let spun = many.linear(&x, &wn, None).unwrap();
+            // A matmul nested in one that holds the spinning workers takes the rayon path.
+            let nested = std::sync::Mutex::new(None);
+            many.pool
+                .spin
+                .try_run(&|| {
+                    if let Ok(mut g) = nested.try_lock()
+                        && g.is_none()
+                    {
+                        *g = Some(many.linear(&x, &wn, None).unwrap());
+                    }
+                })
+                .unwrap();
+            let nested = nested.into_inner().unwrap().unwrap();
+            for (what, y) in [("spinning", &spun), ("rayon", &nested)] {
+                let same = want
+                    .data
+                    .iter()
+                    .zip(&y.data)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{ty} m={m}: 3 threads ({what}) differ from 1");
+            }
+        }
+    }
+}
+
+/// Rows longer than a panel (an F32 row of 9000 elements is 36 kB) take one panel pass each.
+#[test]
+fn rows_wider_than_a_panel() {
+    for (m, seed) in [(1, 901), (3, 902)] {
+        check(GgmlType::F32, m, 9, 9000, false, seed);
+        check(GgmlType::Q8_0, m, 9, 32 * 1100, true, seed + 10);
+    }
+}

@@ -224,8 +224,8 @@ fn quantize_acts(x: &CpuTensor, w: &QuantWeight) -> Acts {
 
 /// `y = x · Wᵀ` into `y` (`x.rows x w.n`, every element written). `portable` forces the
 /// portable kernels (for tests: they must give the same bits).
-pub fn matmul(
-    pool: &rayon::ThreadPool,
+pub(crate) fn matmul(
+    pool: &crate::Threads,
     x: &CpuTensor,
     w: &QuantWeight,
     y: &mut [f32],
