@@ -91,6 +91,20 @@ fn run(
     (out, want)
 }
 
+/// `m x k` normal inputs with an outlier channel, an all-zero row and (when there is room) a row
+/// with a NaN: the rows the quantizers treat specially.
+fn poisoned_input(r: &mut ChaCha8Rng, m: usize, k: usize) -> Vec<f32> {
+    let mut x = randn(r, m * k, 1.0);
+    x[k / 3] = 40.0;
+    if m > 2 {
+        x[k..2 * k].fill(0.0);
+    }
+    if m > 3 {
+        x[3 * k + 5] = f32::NAN;
+    }
+    x
+}
+
 /// Rows `rows` of the row-major `x` with `k` columns.
 fn pick_rows(x: &[f32], rows: &[usize], k: usize) -> Vec<f32> {
     rows.iter()
@@ -185,15 +199,7 @@ fn w8a8_is_bit_exact_with_the_integer_reference() {
             (300, 272, 320),
             (513, 1040, 1088),
         ] {
-            let mut x = randn(&mut r, m * k, 1.0);
-            // An outlier channel, an all-zero row and (when there is room) a row with a NaN.
-            x[k / 3] = 40.0;
-            if m > 2 {
-                x[k..2 * k].fill(0.0);
-            }
-            if m > 3 {
-                x[3 * k + 5] = f32::NAN;
-            }
+            let x = poisoned_input(&mut r, m, k);
             let w = random_rows(&mut r, format, n, k);
             let rows: Vec<usize> = (0..m).collect();
             let (tiers, want) = run(&g, format, &x, m, k, &w, n, &rows);
@@ -263,14 +269,7 @@ fn w4a8_is_bit_exact_with_the_integer_reference() {
                 continue;
             }
             for &(m, n, k) in &shapes {
-                let mut x = randn(&mut r, m * k, 1.0);
-                x[k / 3] = 40.0;
-                if m > 2 {
-                    x[k..2 * k].fill(0.0);
-                }
-                if m > 3 {
-                    x[3 * k + 5] = f32::NAN;
-                }
+                let x = poisoned_input(&mut r, m, k);
                 let w = quantized_rows(&mut r, format, n, k);
                 let rows = sample_rows(&mut r, m, 40);
                 let (tiers, want) = run(&g, format, &x, m, k, &w, n, &rows);
@@ -476,14 +475,7 @@ fn fp8_matches_the_reference_within_tensor_core_rounding() {
             if dtype == Dtype::F16 && m > 64 && m != 130 {
                 continue;
             }
-            let mut x = randn(&mut r, m * k, 1.0);
-            x[k / 3] = 40.0;
-            if m > 2 {
-                x[k..2 * k].fill(0.0);
-            }
-            if m > 3 {
-                x[3 * k + 5] = f32::NAN;
-            }
+            let x = poisoned_input(&mut r, m, k);
             let w = fp8_rows(&mut r, n, k);
             let rows = sample_rows(&mut r, m, 40);
             let (tiers, want) = run(&g, format, &x, m, k, &w, n, &rows);
