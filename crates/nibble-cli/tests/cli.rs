@@ -319,6 +319,38 @@ fn long_sharegpt(dir: &std::path::Path) -> std::path::PathBuf {
     path
 }
 
+/// `nibble quantize` of `model` to `out` with a small calibration (2 samples of 256 tokens
+/// of `data`).
+fn quantize_small(
+    model: &str,
+    format: &str,
+    method: &str,
+    out: &std::path::Path,
+    data: &std::path::Path,
+) -> (bool, String, String) {
+    nibble(&[
+        "--model",
+        model,
+        "quantize",
+        "--format",
+        format,
+        "--method",
+        method,
+        "--out",
+        out.to_str().unwrap(),
+        "--dataset",
+        data.to_str().unwrap(),
+        "--calib-samples",
+        "2",
+        "--calib-len",
+        "256",
+    ])
+}
+
+fn read_manifest(dir: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("nibble_quant.json")).unwrap()).unwrap()
+}
+
 #[test]
 fn quantize_writes_a_checkpoint_with_provenance() {
     let tmp = tempfile::tempdir().unwrap();
@@ -331,29 +363,11 @@ fn quantize_writes_a_checkpoint_with_provenance() {
         ("qoq", "w8a8"),
     ] {
         let out = tmp.path().join(format!("ckpt-{method}"));
-        let (ok, stdout, err) = nibble(&[
-            "--model",
-            TINY_LLAMA,
-            "quantize",
-            "--format",
-            format,
-            "--method",
-            method,
-            "--out",
-            out.to_str().unwrap(),
-            "--dataset",
-            data.to_str().unwrap(),
-            "--calib-samples",
-            "2",
-            "--calib-len",
-            "256",
-        ]);
+        let (ok, stdout, err) = quantize_small(TINY_LLAMA, format, method, &out, &data);
         assert!(ok, "{method}: {err}");
         assert!(stdout.contains("peak RSS"), "{stdout}");
         assert!(stdout.contains("14 linear layers quantized"), "{stdout}");
-        let manifest: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join("nibble_quant.json")).unwrap())
-                .unwrap();
+        let manifest = read_manifest(&out);
         assert_eq!(manifest["spec"], format, "{manifest}");
         let p = &manifest["provenance"];
         assert_eq!(p["method"], method, "{p}");
@@ -441,28 +455,10 @@ fn quantize_mixture_of_experts_models() {
     ] {
         let model = format!("{fixtures}{fixture}");
         let out = tmp.path().join(format!("ckpt-{fixture}"));
-        let (ok, stdout, err) = nibble(&[
-            "--model",
-            &model,
-            "quantize",
-            "--format",
-            format,
-            "--method",
-            method,
-            "--out",
-            out.to_str().unwrap(),
-            "--dataset",
-            data.to_str().unwrap(),
-            "--calib-samples",
-            "2",
-            "--calib-len",
-            "256",
-        ]);
+        let (ok, stdout, err) = quantize_small(&model, format, method, &out, &data);
         assert!(ok, "{fixture} {method}: {err}");
         assert!(stdout.contains("linear layers quantized"), "{stdout}");
-        let manifest: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join("nibble_quant.json")).unwrap())
-                .unwrap();
+        let manifest = read_manifest(&out);
         let tensors = &manifest["tensors"];
         assert!(
             tensors[expert]["format"].is_string(),

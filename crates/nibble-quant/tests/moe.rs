@@ -694,35 +694,29 @@ fn bad_moe_input_fails_with_a_reason() {
         assert!(err.contains(hidden), "{name}: {err}");
     }
 
-    let m = dense("tiny-mixtral");
     // A group wider than an expert's down_proj input names the expert's own tensor.
-    let err = quantize(
-        m.clone(),
-        spec("w4a16-g64"),
-        Method::Rtn,
-        &[],
-        &QuantOptions::default(),
-        &mut |_, _, _| {},
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(
-        err.contains("model.layers.0.block_sparse_moe.experts.0.w2.weight"),
-        "{err}"
-    );
-    let m = dense("tiny-qwen2-moe");
-    let err = quantize(
-        m,
-        spec("w4a16-g32"),
-        Method::Rtn,
-        &[],
-        &QuantOptions::default(),
-        &mut |_, _, _| {},
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(
-        err.contains("model.layers.0.mlp.shared_expert.down_proj.weight"),
-        "{err}"
-    );
+    for (fixture, format, tensor) in [
+        (
+            "tiny-mixtral",
+            "w4a16-g64",
+            "model.layers.0.block_sparse_moe.experts.0.w2.weight",
+        ),
+        (
+            "tiny-qwen2-moe",
+            "w4a16-g32",
+            "model.layers.0.mlp.shared_expert.down_proj.weight",
+        ),
+    ] {
+        let err = quantize(
+            dense(fixture),
+            spec(format),
+            Method::Rtn,
+            &[],
+            &QuantOptions::default(),
+            &mut |_, _, _| {},
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(tensor), "{fixture}: {err}");
+    }
 }
