@@ -307,18 +307,17 @@ fn quant_params(ws: &[CudaWeight]) -> Result<Vec<&QuantWeight>> {
 /// Outputs are bf16 for the quantized kernels, as the peer's. Every format cycles through
 /// [`cold_copies`] of its weight, so no kernel reads a weight the L2 kept from the call before
 /// (a 4096x4096 W4A16 layer is 9 MB; an H200's L2 holds 60).
-fn qgemm(be: &CudaBackend, bw: f64, peak: f64, quick: bool) -> Result<Vec<Value>> {
+/// `only_ms` (`--ms M,M,..`), when not empty, replaces the token counts.
+fn qgemm(
+    be: &CudaBackend,
+    bw: f64,
+    peak: f64,
+    quick: bool,
+    only_ms: &[usize],
+) -> Result<Vec<Value>> {
     let shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)];
-    // --ms M,M,..: only those token counts.
-    let args: Vec<String> = std::env::args().collect();
-    let only: Vec<usize> = args
-        .iter()
-        .position(|a| a == "--ms")
-        .and_then(|i| args.get(i + 1))
-        .map(|l| l.split(',').filter_map(|m| m.parse().ok()).collect())
-        .unwrap_or_default();
-    let ms: &[usize] = if !only.is_empty() {
-        &only
+    let ms: &[usize] = if !only_ms.is_empty() {
+        only_ms
     } else if quick {
         &[1, 16, 4096]
     } else {
@@ -531,7 +530,13 @@ fn main() -> Result<()> {
     let qgemm_rows = if args.iter().any(|a| a == "--engine-only") {
         Vec::new()
     } else {
-        qgemm(&be, bw, peak, quick)?
+        let only_ms: Vec<usize> = args
+            .iter()
+            .position(|a| a == "--ms")
+            .and_then(|i| args.get(i + 1))
+            .map(|l| l.split(',').filter_map(|m| m.parse().ok()).collect())
+            .unwrap_or_default();
+        qgemm(&be, bw, peak, quick, &only_ms)?
     };
     let engine_rows = if args.iter().any(|a| a == "--kernels-only") {
         Vec::new()

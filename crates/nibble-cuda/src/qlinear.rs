@@ -187,15 +187,6 @@ impl QFamily {
         if self == QFamily::W4A16 { 16 } else { 28 }
     }
 
-    /// The 8-bit activation codes its kernels read, if any.
-    pub fn act8(self) -> Option<Act8> {
-        match self {
-            QFamily::W4A16 => None,
-            QFamily::W8A8 | QFamily::W4A8 => Some(Act8::Int8),
-            QFamily::Fp8 => Some(Act8::Fp8),
-        }
-    }
-
     /// Bytes of one activation element.
     fn x_elem(self) -> usize {
         match self {
@@ -747,8 +738,10 @@ pub fn quant_gemm(
             tiles,
             chunks,
         } => {
-            let fp8 = matches!(w, QuantWeight::Fp8 { .. });
-            let act = if fp8 { Act8::Fp8 } else { Act8::Int8 };
+            let (family, act) = match w {
+                QuantWeight::Fp8 { .. } => (QFamily::Fp8, Act8::Fp8),
+                _ => (QFamily::W8A8, Act8::Int8),
+            };
             let q = act8_input(ctx, x, k, act)?;
             let head = vec![
                 Arg::Ptr(codes.ptr),
@@ -761,7 +754,7 @@ pub fn quant_gemm(
             ];
             let geo = [m, n, k, *tiles, *chunks];
             let route = Route {
-                family: if fp8 { QFamily::Fp8 } else { QFamily::W8A8 },
+                family,
                 out_half,
                 decode: Some(QKernel::Decode),
             };
@@ -773,7 +766,7 @@ pub fn quant_gemm(
                     codes: codes.ptr,
                     scales: scales.ptr,
                     x_scales: q.scales,
-                    row_major: fp8,
+                    row_major: family == QFamily::Fp8,
                 },
                 out: out.ptr,
                 ldy: out.ld,
@@ -1118,23 +1111,18 @@ fn launch_wgmma(
         chunks.div_ceil(2)
     };
     // Only the 64-token entries compile the split path (kernels/qgemm_wgmma.cu).
-    // NIBBLE_WGMMA_SPLITS overrides the plan (a probe knob for bench/ runs, clamped to the
-    // stages there are).
     let splits = if tokens == WGMMA_SMALL_TOKENS {
-        std::env::var("NIBBLE_WGMMA_SPLITS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .map_or_else(
-                || {
-                    wgmma_splits(
-                        out_tiles,
-                        stages,
-                        ctx.gpu.sm_count,
-                        family.min_split_stages(),
-                    )
-                },
-                |s| s.clamp(1, stages.max(1)),
-            )
+        forced_wgmma_splits().map_or_else(
+            || {
+                wgmma_splits(
+                    out_tiles,
+                    stages,
+                    ctx.gpu.sm_count,
+                    family.min_split_stages(),
+                )
+            },
+            |s| s.clamp(1, stages.max(1)),
+        )
     } else {
         1
     };
@@ -1152,6 +1140,17 @@ fn launch_wgmma(
     let ctas = (out_tiles * splits).min(ctx.gpu.sm_count);
     let smem = wgmma_smem(family, tokens);
     ctx.launch_block(name, (ctas as u32, 1, 1), WGMMA_THREADS, smem, args)
+}
+
+/// NIBBLE_WGMMA_SPLITS, read once: a K-split count that overrides the plan of the 64-token
+/// tiles (a probe knob for bench/probe/wgmma64_probe.sh; clamped to the stages there are).
+fn forced_wgmma_splits() -> Option<usize> {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| {
+        std::env::var("NIBBLE_WGMMA_SPLITS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    })
 }
 
 /// Groups of W4A8 parameters one 128-channel wgmma stage reads (`group_shift` 30: one per row).
