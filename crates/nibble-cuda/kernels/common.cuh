@@ -262,3 +262,13 @@ __device__ __forceinline__ void quantize_row(const IN* src, long ld, typename C:
         [&](int c, float v) { q[row * ldq + c] = finite && scale != 0.f ? C::code(v / scale) : (typename C::Code)0; });
     if (threadIdx.x == 0) sx[row] = scale;
 }
+
+// A uniform value in [-1, 1) from an element index and a seed (benchmarks fill KV caches and
+// activations with it: never time on zeros).
+__device__ __forceinline__ float hash_unit(long i, int seed) {
+    u64 x = (u64)i * 0x9E3779B97F4A7C15ull ^ ((u64)(unsigned)seed << 32 | 0x5bd1e995u);
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    return (float)(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}

@@ -5,23 +5,25 @@
 //
 // Grid: (query tokens, kv heads, context splits), as the CUDA-core kernel (attention.cu), whose
 // partial layout and reduction it shares. Block: 2 warps; each warp takes whole 16-token blocks
-// of the split's chunk in turn: it streams the block's K and V rows of its head (two contiguous
-// 16 * HD runs; [blocks][kv_heads][16][HD] layout) with 16-byte cp.async into its own shared
-// tiles (rows padded by 8 elements), two stages deep so the next block loads while this one is
-// computed, then S = Q K^T (Q's A fragments kept in registers), an online
+// of the split's chunk in turn: it streams the block's K and V pages of its head (kv_pages.cuh:
+// [blocks][kv_heads] pages, a 16-bit page being [16][HD]) with 16-byte cp.async into its own
+// shared stages, two deep so the next block loads while this one is computed; a 16-bit page lands
+// in its tile (rows padded by 8 elements) directly, a quantized one (KV8, KV4, KV FP8: BitDecoding
+// Sec. 4, TurboMind's quantized KV) is dequantized into the tile just before use. Then
+// S = Q K^T (Q's A fragments kept in registers), an online
 // softmax in base 2, and O += P V with P re-packed from the S accumulators and V's B fragments
 // from ldmatrix.trans. Warps merge through shared memory and write (m, l, acc) per head. The
 // CTA whose split holds the step's position first writes the step's key and value into the cache
-// (the KV append, fused). A sliding window (window > 0) starts the block walk at the window's
+// (the KV append, fused; quantized as it is written: warp 0 the key, warp 1 the value). A sliding window (window > 0) starts the block walk at the window's
 // first position and masks the keys before it in that block; a split wholly before the window
 // writes the empty state, as attention.cu's.
 
-#define DM_BS 16
+#define DM_BS KV_BS
 #define DM_WARPS 2
 
-template <class T, int HD, int G>
-__device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
-                                T* __restrict__ vc, const int* __restrict__ block_tables,
+template <class T, int HD, int G, class KS, class VS>
+__device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __restrict__ kc,
+                                unsigned char* __restrict__ vc, const int* __restrict__ block_tables,
                                 const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
                                 float* __restrict__ part, int num_kv_heads, int group,
                                 int max_blocks, int chunk, float scale_log2, long ldq,
@@ -30,51 +32,46 @@ __device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
     grid_dependency_enter();
     constexpr int LD = HD + 8;
     constexpr int WARPS = DM_WARPS;
-    static_assert(WARPS * G * (HD + 2) * 4 <= WARPS * 2 * DM_BS * (HD + 8) * 2, "merge fits in ks");
-    // Two stages per warp: the next block streams in (cp.async) while this one is computed.
-    __shared__ __align__(16) T ks[WARPS][2][DM_BS * LD];
-    __shared__ __align__(16) T vs[WARPS][2][DM_BS * LD];
+    // Per warp: two stages of K and of V, then (quantized sides) the tiles they dequantize into.
+    constexpr int KST = KS::STAGE, VST = VS::STAGE;
+    constexpr int WARP_BYTES = 2 * KST + 2 * VST + KS::TILE + VS::TILE;
+    constexpr int MERGE_BYTES = WARPS * G * (HD + 2) * 4;
+    constexpr int SMEM = WARPS * WARP_BYTES > MERGE_BYTES ? WARPS * WARP_BYTES : MERGE_BYTES;
+    static_assert(KS::FLOAT || KS::TILE >= DM_BS * LD * (int)sizeof(T), "Q staging fits the K tile");
+    __shared__ __align__(16) unsigned char smem[SMEM];
     const int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
+    unsigned char* mine = smem + warp * WARP_BYTES;
+    unsigned char* kst[2] = {mine, mine + KST};
+    unsigned char* vst[2] = {mine + 2 * KST, mine + 2 * KST + VST};
+    T* ktile = reinterpret_cast<T*>(mine + 2 * KST + 2 * VST);
+    T* vtile = reinterpret_cast<T*>(mine + 2 * KST + 2 * VST + KS::TILE);
     const int ctx = tok_pos[token] + 1;
     const int start = split * chunk;
     if (start >= ctx) return;
     const int end = min(ctx, start + chunk);
     const int lo = window > 0 ? max(0, ctx - window) : 0;  // the first position read
     const int* table = block_tables + (long)tok_seq[token] * max_blocks;
+    auto kpage = [&](int b) { return kc + ((long)table[b] * num_kv_heads + kvh) * KS::PAGE; };
+    auto vpage = [&](int b) { return vc + ((long)table[b] * num_kv_heads + kvh) * VS::PAGE; };
     // The step's own key and value go into the cache here, by the CTA whose split holds the
     // position (one launch fewer per layer than a separate append); it reads them back below.
     if (end == ctx) {
         const int p = ctx - 1;
-        const long dst = (((long)table[p / DM_BS] * num_kv_heads + kvh) * DM_BS + p % DM_BS) * HD;
-        for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-            kc[dst + d] = from_f32<T>(knew[(long)token * ldk + kvh * HD + d]);
-            vc[dst + d] = from_f32<T>(vnew[(long)token * ldv + kvh * HD + d]);
-        }
+        if (warp == 0) KS::append(kpage(p / DM_BS), knew + (long)token * ldk + kvh * HD, p % DM_BS, lane);
+        if (warp == 1) VS::append(vpage(p / DM_BS), vnew + (long)token * ldv + kvh * HD, p % DM_BS, lane);
         __threadfence_block();
         __syncthreads();
     }
-    T* kq = ks[warp][1];  // Q staging; the first K/V block goes to stage 0
+    // Q staging: the K tile, or stage 1 of a 16-bit K (the first block goes to stage 0).
+    T* kq = KS::FLOAT ? reinterpret_cast<T*>(kst[1]) : ktile;
 
-    // Block b's K and V rows into stage st: 16-byte cp.async pieces, rows past the context zeroed.
+    // Block b's K and V pages into stage st, its slots before `end` read.
     auto issue = [&](int b, int st) {
-        const long base = ((long)table[b] * num_kv_heads + kvh) * DM_BS * HD;
-        T* kd = ks[warp][st];
-        T* vd = vs[warp][st];
-#pragma unroll
-        for (int i = lane; i < DM_BS * HD / 8; i += 32) {
-            const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
-            if (b * DM_BS + r < end) {
-                const unsigned kdst = (unsigned)__cvta_generic_to_shared(&kd[r * LD + c]);
-                const unsigned vdst = (unsigned)__cvta_generic_to_shared(&vd[r * LD + c]);
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(kdst), "l"(kc + base + r * HD + c));
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(vdst), "l"(vc + base + r * HD + c));
-            } else {
-                *reinterpret_cast<uint4*>(&kd[r * LD + c]) = make_uint4(0, 0, 0, 0);
-                *reinterpret_cast<uint4*>(&vd[r * LD + c]) = make_uint4(0, 0, 0, 0);
-            }
-        }
+        const int rows = min(DM_BS, end - b * DM_BS);
+        KS::issue(kst[st], kpage(b), rows, lane);
+        VS::issue(vst[st], vpage(b), rows, lane);
         asm volatile("cp.async.commit_group;\n" ::);
     };
     // The first block streams in while Q is staged (through stage 1) into A fragments.
@@ -136,8 +133,9 @@ __device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
         }
         asm volatile("cp.async.wait_group 1;\n" ::);
         __syncwarp();
-        const T* kw = ks[warp][stage];
-        const T* vw = vs[warp][stage];
+        const int rows = min(DM_BS, end - b * DM_BS);
+        const T* kw = KS::ready(kst[stage], ktile, rows, lane);
+        const T* vw = VS::ready(vst[stage], vtile, rows, lane);
         float s[2][4];
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
@@ -164,9 +162,9 @@ __device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
     }
 
     // Rows g < group are heads; write each warp's state, then merge the warps per head. The
-    // merge area reuses the K tiles (WARPS * G * (HD + 2) floats fit in WARPS * 16 * LD halves).
+    // merge area reuses the stages.
     __syncthreads();
-    float* merge = reinterpret_cast<float*>(&ks[0][0][0]);
+    float* merge = reinterpret_cast<float*>(smem);
 #define MERGE(w, hg, d) merge[((w) * G + (hg)) * (HD + 2) + (d)]
     if (g < group) {
 #pragma unroll
@@ -199,16 +197,22 @@ __device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
 #undef MERGE
 }
 
-#define NIBBLE_DECODE_MMA(SUFFIX, T, HD, G)                                                     \
-    extern "C" __global__ void __launch_bounds__(64) decode_mma_##SUFFIX##_hd##HD##_g##G(       \
-        const float* q, T* kc, T* vc, const int* block_tables, const int* tok_seq,  \
-        const int* tok_pos, float* part, int num_kv_heads, int group, int max_blocks,           \
-        int chunk, float scale_log2, long ldq, const float* knew, const float* vnew, long ldk,  \
-        long ldv, int window) {                                                                 \
-        decode_mma_impl<T, HD, G>(q, kc, vc, block_tables, tok_seq, tok_pos, part,      \
-                                  num_kv_heads, group, max_blocks, chunk, scale_log2, ldq,      \
-                                  knew, vnew, ldk, ldv, window);                                \
+// Entry points: `decode_mma_*` over a 16-bit pool (this module); `kvq_decode_*` over the pool
+// format the kv_quant module is compiled for (kv_quant.cu).
+#define NIBBLE_DECODE_ENTRY(NAME, T, HD, G, KK, VK)                                              \
+    extern "C" __global__ void __launch_bounds__(64) NAME(                                       \
+        const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
+        const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
+        int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
+        const float* vnew, long ldk, long ldv, int window) {                                    \
+        decode_mma_impl<T, HD, G, PageSide<T, HD, KK>, PageSide<T, HD, VK>>(q, kc, vc, block_tables, tok_seq, tok_pos, part,      \
+                                          num_kv_heads, group, max_blocks, chunk, scale_log2,   \
+                                          ldq, knew, vnew, ldk, ldv, window);                   \
     }
+
+#ifndef NIBBLE_KVQ_MODULE
+#define NIBBLE_DECODE_MMA(SUFFIX, T, HD, G)                                                \
+    NIBBLE_DECODE_ENTRY(decode_mma_##SUFFIX##_hd##HD##_g##G, T, HD, G, PAGE_F16, PAGE_F16)
 #define NIBBLE_DECODE_MMA_G(SUFFIX, T, HD) \
     NIBBLE_DECODE_MMA(SUFFIX, T, HD, 2)    \
     NIBBLE_DECODE_MMA(SUFFIX, T, HD, 4)    \
@@ -217,3 +221,4 @@ __device__ void decode_mma_impl(const float* __restrict__ q, T* __restrict__ kc,
     NIBBLE_DECODE_MMA_G(SUFFIX, T, 64)   \
     NIBBLE_DECODE_MMA_G(SUFFIX, T, 128)
 NIBBLE_BOTH_DTYPES(NIBBLE_DECODE_MMA_ALL)
+#endif

@@ -112,16 +112,6 @@ __device__ AbsMax rms_norm_impl(float* __restrict__ x, const float* __restrict__
 
 NIBBLE_BOTH_DTYPES(NIBBLE_ROW_KERNELS)
 
-// A uniform value in [-1, 1) from an element index and a seed (benchmarks fill KV caches and
-// activations with it: never time on zeros).
-__device__ __forceinline__ float hash_unit(long i, int seed) {
-    u64 x = (u64)i * 0x9E3779B97F4A7C15ull ^ ((u64)(unsigned)seed << 32 | 0x5bd1e995u);
-    x ^= x >> 31;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 29;
-    return (float)(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
-}
-
 #define NIBBLE_FILL_RANDOM(SUFFIX, T)                                                           \
     extern "C" __global__ void fill_random_##SUFFIX(T* x, long n, int seed) {                   \
         for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;                       \

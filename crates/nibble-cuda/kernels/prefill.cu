@@ -3,7 +3,8 @@
 // Work: one CTA per (query tile of up to 64 rows of one sequence, query head); grid.x walks a
 // host-built tile list, grid.y the heads. 4 warps, each owning 16 query rows. The loop runs over
 // 64-key tiles of the sequence's context up to the tile's last query position; keys and values
-// of a tile are gathered from the paged cache ([blocks][kv_heads][block_size][HD], positions past
+// of a tile are gathered from the paged cache (kv_pages.cuh: a 16-bit pool's
+// [blocks][kv_heads][block_size][HD], or quantized pages dequantized on the way; positions past
 // the context zero-filled) into shared memory, rows padded by 8 elements so fragment loads hit 32
 // distinct banks.
 // Math: mma.sync m16n8k16 with bf16/f16 operands and f32 accumulators. S = Q K^T takes Q as A
@@ -24,9 +25,9 @@ struct PrefillTile {
     int row0, pos0, rows, seq;
 };
 
-template <class T, int HD>
-__device__ void prefill_impl(const float* __restrict__ q, const T* __restrict__ kc,
-                             const T* __restrict__ vc, const int* __restrict__ block_tables,
+template <class T, int HD, int KK, int VK>
+__device__ void prefill_impl(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+                             const unsigned char* __restrict__ vc, const int* __restrict__ block_tables,
                              const PrefillTile* __restrict__ tiles, T* __restrict__ out,
                              int num_kv_heads, int group, int max_blocks, int block_size,
                              float scale_log2, long ldq, int window) {
@@ -67,23 +68,8 @@ __device__ void prefill_impl(const float* __restrict__ q, const T* __restrict__ 
     const int kv_first = window > 0 ? max(0, tile.pos0 - window + 1) / PF_N * PF_N : 0;
     for (int kv0 = kv_first; kv0 <= last; kv0 += PF_N) {
         __syncthreads();  // the previous tile (or Q) is no longer read
-        // Gather 64 keys and values, 16 bytes at a time.
-        for (int i = threadIdx.x; i < PF_N * HD / 8; i += blockDim.x) {
-            const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
-            const int p = kv0 + r;
-            Vec8 kvec, vvec;
-            if (p <= last) {
-                const long blk = table[p / block_size];
-                const long off = ((blk * num_kv_heads + kvh) * block_size + p % block_size) * HD + c;
-                kvec = *reinterpret_cast<const Vec8*>(kc + off);
-                vvec = *reinterpret_cast<const Vec8*>(vc + off);
-            } else {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) kvec.h[j] = vvec.h[j] = 0;
-            }
-            *reinterpret_cast<Vec8*>(&ks[r * LD + c]) = kvec;
-            *reinterpret_cast<Vec8*>(&vs[r * LD + c]) = vvec;
-        }
+        PageSide<T, HD, KK>::template gather<PF_N>(ks, kc, table, kv0, last, kvh, num_kv_heads, block_size);
+        PageSide<T, HD, VK>::template gather<PF_N>(vs, vc, table, kv0, last, kvh, num_kv_heads, block_size);
         __syncthreads();
         // S = Q K^T for this warp's 16 rows and 64 keys.
         float s[PF_N / 8][4];
@@ -131,15 +117,22 @@ __device__ void prefill_impl(const float* __restrict__ q, const T* __restrict__ 
     }
 }
 
-#define NIBBLE_PREFILL(SUFFIX, T, HD)                                                            \
-    extern "C" __global__ void __launch_bounds__(128) prefill_attn_##SUFFIX##_hd##HD(            \
-        const float* q, const T* kc, const T* vc, const int* block_tables,                      \
-        const PrefillTile* tiles, T* out, int num_kv_heads, int group, int max_blocks,          \
-        int block_size, float scale_log2, long ldq, int window) {                                \
-        prefill_impl<T, HD>(q, kc, vc, block_tables, tiles, out, num_kv_heads, group,           \
-                            max_blocks, block_size, scale_log2, ldq, window);                    \
+// Entry points: `prefill_attn_*` over a 16-bit pool (this module); `kvq_prefill_*` over the
+// pool format the kv_quant module is compiled for (kv_quant.cu).
+#define NIBBLE_PREFILL_ENTRY(NAME, T, HD, KK, VK)                                                \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                      \
+        const float* q, const unsigned char* kc, const unsigned char* vc,                       \
+        const int* block_tables, const PrefillTile* tiles, T* out, int num_kv_heads, int group, \
+        int max_blocks, int block_size, float scale_log2, long ldq, int window) {                \
+        prefill_impl<T, HD, KK, VK>(q, kc, vc, block_tables, tiles, out, num_kv_heads, group,   \
+                                    max_blocks, block_size, scale_log2, ldq, window);            \
     }
+
+#ifndef NIBBLE_KVQ_MODULE
+#define NIBBLE_PREFILL(SUFFIX, T, HD) \
+    NIBBLE_PREFILL_ENTRY(prefill_attn_##SUFFIX##_hd##HD, T, HD, PAGE_F16, PAGE_F16)
 #define NIBBLE_PREFILL_ALL(SUFFIX, T) \
     NIBBLE_PREFILL(SUFFIX, T, 64)     \
     NIBBLE_PREFILL(SUFFIX, T, 128)
 NIBBLE_BOTH_DTYPES(NIBBLE_PREFILL_ALL)
+#endif

@@ -131,10 +131,43 @@ pub fn attention(
     let dt = ctx.dtype.suffix();
 
     let prefill = batch.seqs.iter().any(|s| s.len > 1);
+    // A quantized pool is read by the tensor-core kernels only, instantiated for its format.
+    let quantized = !kv.is_float();
+    if quantized && !PREFILL_HEAD_DIMS.contains(&head_dim) {
+        return Err(Error::unsupported(
+            format!(
+                "head_dim {head_dim} with a {} KV cache on the CUDA backend",
+                kv.shape.format
+            ),
+            format!("quantized KV caches have kernels for head_dim {PREFILL_HEAD_DIMS:?}"),
+        ));
+    }
     // A decode batch on tensor cores appends inside the attention kernel; the other paths write
     // the batch's keys and values first.
-    let fused_append = !prefill && group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim);
-    if !fused_append {
+    let tensor_core_decode = quantized || (group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim));
+    let fused_append = !prefill && tensor_core_decode;
+    if !fused_append && quantized {
+        ctx.kv_kernel(kv.formats, &format!("kvq_append_hd{head_dim}"))?
+            .launch(
+                &ctx.gpu,
+                (n as u32, num_kv_heads as u32, 1),
+                64,
+                0,
+                vec![
+                    Arg::Ptr(k.ptr),
+                    Arg::Ptr(v.ptr),
+                    Arg::Ptr(kc),
+                    Arg::Ptr(vc),
+                    Arg::Ptr(tables),
+                    Arg::Ptr(tok_seq),
+                    Arg::Ptr(positions),
+                    Arg::I32(max_blocks as i32),
+                    Arg::I32(num_kv_heads as i32),
+                    Arg::I64(k.ld as i64),
+                    Arg::I64(v.ld as i64),
+                ],
+            )?;
+    } else if !fused_append {
         ctx.kernel(&format!("kv_append_{dt}"))?.launch(
             &ctx.gpu,
             (n as u32, 1, 1),
@@ -164,7 +197,7 @@ pub fn attention(
         // A mixed step's leading one-token sequences (the engine schedules running decodes
         // first) take the decode kernel, which reads each KV head once for its whole GQA group;
         // the prefill kernel would read it once per query head.
-        let decodes = if group >= 2 {
+        let decodes = if tensor_core_decode {
             batch.seqs.iter().take_while(|s| s.len == 1).count()
         } else {
             0
@@ -173,6 +206,7 @@ pub fn attention(
             decode_rows(ctx, q, k, v, kv, layer, decodes, shape, g, &out)?;
         }
         let wgmma = ctx.gpu.cc == (9, 0)
+            && !quantized
             && ctx.tier() != KernelTier::MmaSync
             && kv.block_size == KV_BLOCK
             && q.ld.is_multiple_of(4);
@@ -224,14 +258,18 @@ pub fn attention(
                 args,
             )?;
         } else {
-            ctx.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?
-                .launch(
-                    &ctx.gpu,
-                    (num_tiles as u32, num_heads as u32, 1),
-                    128,
-                    0,
-                    args,
-                )?;
+            let kernel = if quantized {
+                ctx.kv_kernel(kv.formats, &format!("kvq_prefill_hd{head_dim}"))?
+            } else {
+                ctx.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?
+            };
+            kernel.launch(
+                &ctx.gpu,
+                (num_tiles as u32, num_heads as u32, 1),
+                128,
+                0,
+                args,
+            )?;
         }
         return Ok(out);
     }
@@ -241,8 +279,8 @@ pub fn attention(
 }
 
 /// Decode attention of the batch's first `rows` tokens (one per sequence) into `out`'s rows:
-/// the context split across CTAs, then the splits reduced. Grouped heads run on tensor cores
-/// where a kernel exists (appending the rows' keys and values themselves: after an append of a
+/// the context split across CTAs, then the splits reduced. Grouped heads and quantized pools run
+/// on tensor cores where a kernel exists (appending the rows' keys and values themselves: after an append of a
 /// whole mixed batch, that rewrites the same bytes); MHA and other head sizes on CUDA cores.
 /// Both write the same partials (the MMA kernel converts its base-2 maxima to base e).
 #[allow(clippy::too_many_arguments)]
@@ -271,7 +309,8 @@ fn decode_rows(
     let (kc, vc) = kv.layer(layer);
     let dt = ctx.dtype.suffix();
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let mma = group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim);
+    let quantized = !kv.is_float();
+    let mma = quantized || (group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim));
     // The split is planned for the padded table width, not the exact context, so a decode step
     // launches the same grid at every length within a power of two (what a graph replays).
     let split = plan_split(rows, num_kv_heads, max_ctx, ctx.gpu.sm_count);
@@ -311,8 +350,12 @@ fn decode_rows(
             Arg::I64(v.ld as i64),
             Arg::I32(window_arg(shape.window)),
         ]);
-        ctx.kernel(&format!("decode_mma_{dt}_hd{head_dim}_g{g}"))?
-            .launch(&ctx.gpu, grid, 64, 0, args)?;
+        let kernel = if quantized {
+            ctx.kv_kernel(kv.formats, &format!("kvq_decode_hd{head_dim}_g{g}"))?
+        } else {
+            ctx.kernel(&format!("decode_mma_{dt}_hd{head_dim}_g{g}"))?
+        };
+        kernel.launch(&ctx.gpu, grid, 64, 0, args)?;
     } else {
         let mut args = common(scale, true);
         args.push(Arg::I32(window_arg(shape.window)));

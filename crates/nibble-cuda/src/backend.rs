@@ -103,7 +103,14 @@ impl CudaBackend {
         ew::random_half_tensor(&self.ctx, rows, cols, seed)
     }
 
-    /// Benchmark support: fills a whole KV pool with uniform values in [-1, 1).
+    /// Test support: layer `layer`'s key and value pages as stored (`CudaKv::download_layer`).
+    pub fn kv_pages(&self, kv: &CudaKv, layer: usize) -> Result<[Vec<u8>; 2]> {
+        self.ctx.gpu.synchronize()?;
+        kv.download_layer(&self.ctx.gpu, layer)
+    }
+
+    /// Benchmark support: fills a whole KV pool with uniform values in [-1, 1) (quantized as
+    /// an append would, for a quantized pool).
     pub fn fill_kv_random(&self, kv: &CudaKv, seed: i32) -> Result<()> {
         ew::fill_kv_random(&self.ctx, kv, seed)
     }
@@ -255,19 +262,28 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        // A mix with one 16-bit side still needs the other side's quantized records.
-        if !shape.format.is_f16() {
-            return Err(Error::unsupported(
-                format!("KV cache format {} on the CUDA backend", shape.format),
-                "only kv16 (the model dtype, keys and values) runs on the GPU so far; use --kv \
-                 kv16 or --device cpu",
-            ));
+        let pool = CudaKv::new(&self.ctx.gpu, shape, num_blocks, block_size, self.ctx.dtype)?;
+        if !pool.is_float() {
+            if !attention::PREFILL_HEAD_DIMS.contains(&shape.head_dim) {
+                return Err(Error::unsupported(
+                    format!(
+                        "a {} KV cache with head_dim {} on the CUDA backend",
+                        shape.format, shape.head_dim
+                    ),
+                    format!(
+                        "quantized KV caches have kernels for head_dim {:?}; use --kv kv16",
+                        attention::PREFILL_HEAD_DIMS
+                    ),
+                ));
+            }
+            self.ctx.load_kv_kernels(pool.formats)?;
         }
-        CudaKv::new(&self.ctx.gpu, shape, num_blocks, block_size, self.ctx.dtype)
+        Ok(pool)
     }
 
     fn release_kv_blocks(&self, _kv: &mut CudaKv, _blocks: &[u32]) {
-        // kv16 keeps no per-block state beyond the cache itself.
+        // The GPU's formats quantize each token as it is written: no per-block state beyond the
+        // pages themselves (the channel-wise formats' residual is CPU-only).
     }
 
     fn begin_forward(&self, tokens: &[u32], batch: &BatchLayout) -> Result<()> {

@@ -19,6 +19,8 @@ pub const SOURCES: &[(&str, &str)] = &[
     (
         "prefill",
         concat!(
+            include_str!("../kernels/kv_pages.cuh"),
+            "\n",
             include_str!("../kernels/prefill.cu"),
             "\n",
             include_str!("../kernels/hopper.cuh"),
@@ -26,7 +28,14 @@ pub const SOURCES: &[(&str, &str)] = &[
             include_str!("../kernels/prefill_wgmma.cu")
         ),
     ),
-    ("decode_mma", include_str!("../kernels/decode_mma.cu")),
+    (
+        "decode_mma",
+        concat!(
+            include_str!("../kernels/kv_pages.cuh"),
+            "\n",
+            include_str!("../kernels/decode_mma.cu")
+        ),
+    ),
     ("sampling", include_str!("../kernels/sampling.cu")),
     // One module: the decode gemv and the wgmma tier (sm_90a) reuse the mma.sync tier's
     // helpers and epilogues; hopper.cuh holds what the wgmma kernels share.
@@ -46,6 +55,35 @@ pub const SOURCES: &[(&str, &str)] = &[
     ),
 ];
 
+/// The attention kernels over a quantized KV pool, compiled per pool format with
+/// [`kv_quant_options`]: the 16-bit pool's decode and prefill kernels instantiated with quantized
+/// pages, and the quantizing append.
+pub const KV_QUANT: &str = concat!(
+    "#define NIBBLE_KVQ_MODULE\n",
+    include_str!("../kernels/kv_pages.cuh"),
+    "\n",
+    include_str!("../kernels/decode_mma.cu"),
+    "\n",
+    include_str!("../kernels/prefill.cu"),
+    "\n",
+    include_str!("../kernels/kv_quant.cu")
+);
+
+/// [`options`] plus what picks the [`KV_QUANT`] module's instance: the model dtype (`bf16` or
+/// `f16`) and the keys' and values' page kinds (`PageFormat::kernel_code`).
+pub fn kv_quant_options(base: &[String], dtype: &str, kinds: [u32; 2]) -> Vec<String> {
+    let t = if dtype == "f16" {
+        "__half"
+    } else {
+        "__nv_bfloat16"
+    };
+    let mut o = base.to_vec();
+    o.push(format!("-DNIBBLE_KVQ_T={t}"));
+    o.push(format!("-DNIBBLE_KVQ_K={}", kinds[0]));
+    o.push(format!("-DNIBBLE_KVQ_V={}", kinds[1]));
+    o
+}
+
 /// Kernels, by name prefix, that call `grid_dependency_wait` (common.cuh) before they touch
 /// memory, so that [`crate::runtime::Kernel::launch`] may start them while the previous kernel
 /// still runs (programmatic dependent launch, sm_90 and later). These are the small kernels of a
@@ -64,6 +102,8 @@ pub const GRID_WAITING_KERNELS: &[&str] = &[
     "paged_attn_",
     "attn_reduce_",
     "decode_mma_",
+    "kvq_decode_",
+    "kvq_append_",
     "w4a16_dec",
     "w8a8_dec",
     "w4a8_dec",

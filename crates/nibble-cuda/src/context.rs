@@ -14,6 +14,7 @@ use nibble_model::BatchLayout;
 use crate::compile;
 use crate::graph::{self, GraphCache, GraphKey};
 use crate::host::{Event, StagingRing};
+use crate::kv::PageFormat;
 use crate::runtime::{Arena, Arg, DeviceBuffer, DevicePtr, Gpu, Kernel, StickyError, driver_err};
 use crate::tensor::{Act8, CudaTensor, CudaWeight, Dtype, Elem};
 
@@ -93,6 +94,10 @@ pub struct CudaContext {
     weight_bytes: AtomicUsize,
     pub dtype: Dtype,
     kernels: HashMap<&'static str, Kernel>,
+    /// NVRTC options of this GPU's kernels (the per-format KV modules are compiled later).
+    compile_options: Vec<String>,
+    /// The attention kernels of each quantized KV pool format in use, by its sides' page kinds.
+    kv_modules: Mutex<HashMap<[u32; 2], Arc<Kernels>>>,
     pub(crate) state: Mutex<State>,
     /// Per-step uploads go through page-locked memory, so queueing a step never waits for the
     /// one before it.
@@ -112,6 +117,9 @@ pub struct CudaContext {
     /// Which kernel tier quantized GEMMs run ([`KernelTier`] as u8).
     kernel_tier: AtomicU8,
 }
+
+/// A module's kernels by name.
+type Kernels = HashMap<&'static str, Kernel>;
 
 /// Threads per CTA of the element-wise kernels.
 pub(crate) const BLOCK: u32 = 256;
@@ -148,6 +156,8 @@ impl CudaContext {
             weight_bytes: Default::default(),
             dtype,
             kernels,
+            compile_options: opts,
+            kv_modules: Default::default(),
             state: Mutex::new(State {
                 arena: Arena::new(),
                 meta: None,
@@ -226,6 +236,39 @@ impl CudaContext {
             .get(name)
             .copied()
             .ok_or_else(|| Error::unsupported("CUDA kernel", format!("'{name}' was not compiled")))
+    }
+
+    /// Compiles (or loads cached) the attention kernels of a quantized KV pool whose keys and
+    /// values are stored as `formats` say, once per format: at the pool's creation, so no compile
+    /// happens inside a forward pass (or a graph capture).
+    pub(crate) fn load_kv_kernels(&self, formats: [PageFormat; 2]) -> Result<()> {
+        let kinds = formats.map(PageFormat::kernel_code);
+        let mut modules = self.kv_modules.lock().unwrap_or_else(|p| p.into_inner());
+        if modules.contains_key(&kinds) {
+            return Ok(());
+        }
+        let opts = compile::kv_quant_options(&self.compile_options, self.dtype.suffix(), kinds);
+        let name = format!("kv_quant_k{}v{}", kinds[0], kinds[1]);
+        let cubin = compile::cubin(&name, &compile::full_source(compile::KV_QUANT), &opts)?;
+        let mut kernels = HashMap::new();
+        crate::module::load(&self.gpu, &name, &cubin, &mut kernels)?;
+        modules.insert(kinds, Arc::new(kernels));
+        Ok(())
+    }
+
+    /// Kernel `name` of the quantized KV pool format `formats` ([`Self::load_kv_kernels`]).
+    pub(crate) fn kv_kernel(&self, formats: [PageFormat; 2], name: &str) -> Result<Kernel> {
+        let kinds = formats.map(PageFormat::kernel_code);
+        let modules = self.kv_modules.lock().unwrap_or_else(|p| p.into_inner());
+        modules
+            .get(&kinds)
+            .and_then(|m| m.get(name).copied())
+            .ok_or_else(|| {
+                Error::unsupported(
+                    "CUDA kernel",
+                    format!("'{name}' of the KV pool format {formats:?} was not compiled"),
+                )
+            })
     }
 
     pub(crate) fn half_kernel(&self, base: &str) -> Result<Kernel> {

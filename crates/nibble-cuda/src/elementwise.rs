@@ -379,8 +379,24 @@ pub fn random_half_tensor(
     Ok(t)
 }
 
-/// Fills a whole KV pool with uniform values in [-1, 1).
+/// Fills a whole KV pool with uniform values in [-1, 1), quantized as appends would for a
+/// quantized pool.
 pub fn fill_kv_random(ctx: &CudaContext, kv: &CudaKv, seed: i32) -> Result<()> {
+    if !kv.is_float() {
+        let name = format!("kvq_fill_random_hd{}", kv.shape.head_dim);
+        let slots = kv.num_blocks * kv.shape.num_kv_heads * kv.block_size;
+        for layer in 0..kv.shape.num_layers {
+            let (k, v) = kv.layer(layer);
+            ctx.kv_kernel(kv.formats, &name)?.launch(
+                &ctx.gpu,
+                (slots as u32, 1, 1),
+                64,
+                0,
+                vec![Arg::Ptr(k), Arg::Ptr(v), Arg::I32(seed + 2 * layer as i32)],
+            )?;
+        }
+        return Ok(());
+    }
     let n = kv.num_blocks * kv.block_size * kv.shape.num_kv_heads * kv.shape.head_dim;
     for layer in 0..kv.shape.num_layers {
         let (k, v) = kv.layer(layer);

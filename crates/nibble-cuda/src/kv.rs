@@ -1,6 +1,9 @@
-//! The paged KV pool on the GPU: per layer, keys and values as `[blocks, kv_heads, block_size,
-//! head_dim]` in the model dtype, so one head's rows of a block are contiguous for attention. Which blocks a sequence
-//! owns is the engine's business; the pool only stores what the batch's block tables name.
+//! The paged KV pool on the GPU. Per layer, keys and values each as `[blocks][kv_heads]` pages of
+//! one block of one head, in their side's [`PageFormat`]: the model dtype as `[block_size]
+//! [head_dim]` (so one head's rows of a block are contiguous for attention), or the self-
+//! describing pages of a per-token codec (codes, then each slot's scale and zero:
+//! `nibble_precision::kv`, "Pages"). Which blocks a sequence owns is the engine's business; the
+//! pool only stores what the batch's block tables name.
 //!
 //! It sits in the runtime layer beside the tensor types, not among the ops: it is storage that
 //! attention writes and reads and benchmark fills write, so both can name it without naming each
@@ -10,21 +13,92 @@ use std::sync::{Arc, OnceLock};
 
 use nibble_core::{Error, Result};
 use nibble_model::KvShape;
+use nibble_precision::kv::{KeyLayout, TokenCodec, UintBits};
+use nibble_precision::{KvFormat, KvSpec};
 
 use cudarc::driver::sys;
 
 use crate::runtime::{DeviceBuffer, DevicePtr, Gpu, TmaLayout, tensor_map};
 use crate::tensor::Dtype;
 
+/// How one side (keys or values) of the GPU pool stores a token of one head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PageFormat {
+    /// The model dtype, unquantized.
+    Float,
+    /// Per-token records, quantized as they are written.
+    Token(TokenCodec),
+}
+
+impl PageFormat {
+    /// Every side format the GPU pool stores.
+    pub const ALL: [PageFormat; 4] = [
+        PageFormat::Float,
+        PageFormat::Token(TokenCodec::Uint(UintBits::B8)),
+        PageFormat::Token(TokenCodec::Uint(UintBits::B4)),
+        PageFormat::Token(TokenCodec::Fp8),
+    ];
+
+    /// The GPU format of keys (`keys`) or values of a side stored as `format` says, or why the
+    /// GPU cannot store it yet.
+    fn of(format: KvFormat, keys: bool) -> Result<PageFormat> {
+        if format.is_channelwise() {
+            return Err(Error::unsupported(
+                format!(
+                    "KV cache format {format} ({}) on the CUDA backend",
+                    if keys { "keys" } else { "values" }
+                ),
+                "the GPU stores kv16, kv8, kvfp8 and kv4 sides (and mixes of them, e.g. k8v4); \
+                 the channel-wise formats (kv4c, kv2c) run with --device cpu",
+            ));
+        }
+        let codec = if keys {
+            match format.keys() {
+                KeyLayout::PerToken(codec) => Some(codec),
+                _ => None,
+            }
+        } else {
+            format.values()
+        };
+        Ok(codec.map_or(PageFormat::Float, PageFormat::Token))
+    }
+
+    /// The formats of keys and values of `spec` on the GPU.
+    pub fn of_spec(spec: KvSpec) -> Result<[PageFormat; 2]> {
+        Ok([Self::of(spec.k, true)?, Self::of(spec.v, false)?])
+    }
+
+    /// Bytes of one page (one block of one head) of `head_dim`-wide rows.
+    pub fn page_bytes(self, head_dim: usize, block: usize) -> usize {
+        match self {
+            PageFormat::Float => block * head_dim * 2,
+            PageFormat::Token(codec) => codec.page_bytes(head_dim, block),
+        }
+    }
+
+    /// The kernels' name of the format (kernels/kv_pages.cuh `PAGE_*`).
+    pub fn kernel_code(self) -> u32 {
+        match self {
+            PageFormat::Float => 0,
+            PageFormat::Token(TokenCodec::Uint(UintBits::B8)) => 1,
+            PageFormat::Token(TokenCodec::Uint(UintBits::B4)) => 2,
+            PageFormat::Token(TokenCodec::Fp8) => 3,
+            PageFormat::Token(TokenCodec::Uint(UintBits::B2)) => 4,
+        }
+    }
+}
+
 pub struct CudaKv {
     pub shape: KvShape,
     pub num_blocks: usize,
     pub block_size: usize,
     pub dtype: Dtype,
+    /// How keys and values are stored.
+    pub formats: [PageFormat; 2],
     k: DeviceBuffer,
     v: DeviceBuffer,
-    /// Elements per layer in each of `k` and `v`.
-    layer_elems: usize,
+    /// Bytes per layer of `k` and of `v`.
+    layer_bytes: [usize; 2],
     /// Distinguishes pools in the graph cache (a graph bakes in the pool's addresses).
     pub id: u64,
     /// Each layer's TMA descriptors of keys and values, made on first use (Hopper prefill).
@@ -44,37 +118,63 @@ impl CudaKv {
                 "a KV pool of {num_blocks} blocks of {block_size} tokens"
             )));
         }
-        let layer_elems = num_blocks * block_size * shape.num_kv_heads * shape.head_dim;
-        let bytes = layer_elems
-            .checked_mul(shape.num_layers * 2)
-            .ok_or_else(|| Error::InvalidArgument("KV pool size overflows".into()))?;
-        let k = DeviceBuffer::alloc(gpu, bytes, "the KV cache (keys)")?;
-        let v = DeviceBuffer::alloc(gpu, bytes, "the KV cache (values)")?;
-        // Attention kernels read whole blocks and mask the slots past a sequence's end; a masked
-        // value still multiplies a zero probability, so it must not be NaN: never-written slots
-        // start as zeros.
-        for buf in [&k, &v] {
+        let formats = PageFormat::of_spec(shape.format)?;
+        let pages = num_blocks * shape.num_kv_heads;
+        let layer_bytes = formats.map(|f| pages * f.page_bytes(shape.head_dim, block_size));
+        let alloc = |i: usize, what: &str| -> Result<DeviceBuffer> {
+            let bytes = layer_bytes[i]
+                .checked_mul(shape.num_layers)
+                .ok_or_else(|| Error::InvalidArgument("KV pool size overflows".into()))?;
+            let buf = DeviceBuffer::alloc(gpu, bytes, what)?;
+            // Attention kernels read whole blocks and mask the slots past a sequence's end; a
+            // masked value still multiplies a zero probability, so it must not be NaN: never-
+            // written slots start as zeros (a quantized page of zeros reads back as zeros).
             unsafe { cudarc::driver::result::memset_d8_sync(buf.ptr, 0, bytes) }
                 .map_err(|e| crate::runtime::driver_err("clearing the KV cache", e))?;
-        }
+            Ok(buf)
+        };
+        let k = alloc(0, "the KV cache (keys)")?;
+        let v = alloc(1, "the KV cache (values)")?;
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(CudaKv {
             shape,
             num_blocks,
             block_size,
             dtype,
+            formats,
             k,
             v,
-            layer_elems,
+            layer_bytes,
             id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             tma: OnceLock::new(),
         })
     }
 
+    /// Both sides in the model dtype (kv16): the layout every attention kernel reads.
+    pub fn is_float(&self) -> bool {
+        self.formats == [PageFormat::Float; 2]
+    }
+
     /// Device addresses of layer `layer`'s keys and values.
     pub fn layer(&self, layer: usize) -> (DevicePtr, DevicePtr) {
-        let off = (layer * self.layer_elems * 2) as u64;
-        (self.k.ptr + off, self.v.ptr + off)
+        (
+            self.k.ptr + (layer * self.layer_bytes[0]) as u64,
+            self.v.ptr + (layer * self.layer_bytes[1]) as u64,
+        )
+    }
+
+    /// Bytes of layer `layer`'s keys and values pages, copied to the host (tests read the
+    /// quantized records back).
+    pub fn download_layer(&self, gpu: &Gpu, layer: usize) -> Result<[Vec<u8>; 2]> {
+        let (k, v) = self.layer(layer);
+        let mut out = [
+            vec![0u8; self.layer_bytes[0]],
+            vec![0u8; self.layer_bytes[1]],
+        ];
+        for (ptr, buf) in [k, v].into_iter().zip(out.iter_mut()) {
+            gpu.download(buf, ptr)?;
+        }
+        Ok(out)
     }
 
     /// TMA descriptors of layer `layer`'s keys and values, `[blocks][kv_heads][block][head_dim]`
@@ -114,8 +214,16 @@ impl CudaKv {
         Self::bytes_per_token_of(self.shape)
     }
 
-    /// Bytes per token of a pool of `shape` (16-bit keys and values).
+    /// Bytes per token of a pool of `shape` (a 16-bit side takes 2 bytes an element, a quantized
+    /// side its record; 0 for a format the GPU does not store).
     pub fn bytes_per_token_of(shape: KvShape) -> usize {
-        shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * 2
+        let Ok(formats) = PageFormat::of_spec(shape.format) else {
+            return 0;
+        };
+        let per_head: usize = formats
+            .iter()
+            .map(|f| f.page_bytes(shape.head_dim, 1))
+            .sum();
+        shape.num_layers * shape.num_kv_heads * per_head
     }
 }

@@ -21,8 +21,8 @@
 //!               sampling     sampling on the device                    -> context runtime tensor
 //!               elementwise  embedding, norms, RoPE, SiLU gate, adds   -> context kv runtime tensor
 //! ---------------------------------------------------------------------------------------------
-//! runtime       context      CudaContext: kernels, arena, batch        -> compile graph module probe
-//!                            metadata, launches, sticky error, tier       runtime tensor
+//! runtime       context      CudaContext: kernels, arena, batch        -> compile graph kv module
+//!                            metadata, launches, sticky error, tier       probe runtime tensor
 //!               graph        the CUDA graph cache, capture primitives  -> runtime tensor
 //!               kv           CudaKv, the paged KV pool                 -> runtime tensor
 //!               tensor       Dtype, Elem, CudaTensor, CudaWeight       -> runtime
@@ -53,7 +53,7 @@ mod tensor;
 pub use attention::{HEAD_DIMS, Split, plan_split};
 pub use backend::CudaBackend;
 pub use context::CudaContext;
-pub use kv::CudaKv;
+pub use kv::{CudaKv, PageFormat};
 pub use probe::cuda_available;
 pub use runtime::{DeviceBuffer, Gpu};
 pub use sampling::TOP_LOGPROBS;

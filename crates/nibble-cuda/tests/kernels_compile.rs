@@ -98,6 +98,52 @@ fn kernels_compile_for_every_architecture() {
                         assert!(entries.iter().any(|e| e == w), "{w} missing: {entries:?}");
                     }
                 }
+                // The quantized-KV attention module, per pool format: every format on Hopper
+                // (both dtypes for one), one format elsewhere.
+                use nibble_cuda::PageFormat;
+                let mut kv_formats = Vec::new();
+                for k in PageFormat::ALL {
+                    for v in PageFormat::ALL {
+                        if [k, v] != [PageFormat::Float; 2] && (cc.0 >= 9 || kv_formats.is_empty())
+                        {
+                            kv_formats.push((k, v));
+                        }
+                    }
+                }
+                for (i, &(k, v)) in kv_formats.iter().enumerate() {
+                    for dtype in if i == 0 {
+                        &["bf16", "f16"][..]
+                    } else {
+                        &["bf16"]
+                    } {
+                        let kinds = [k.kernel_code(), v.kernel_code()];
+                        let o = compile::kv_quant_options(&opts, dtype, kinds);
+                        let src = compile::full_source(compile::KV_QUANT);
+                        let cubin = compile::compile("kv_quant", &src, &o).unwrap_or_else(|e| {
+                            panic!("kv_quant {k:?}/{v:?} {dtype} for {arch}: {e}")
+                        });
+                        let entries = module::entry_points(&cubin);
+                        for hd in [64, 128] {
+                            for g in [1, 2, 4, 8] {
+                                let e = format!("kvq_decode_hd{hd}_g{g}");
+                                assert!(entries.contains(&e), "{arch} {k:?}/{v:?}: {e} missing");
+                            }
+                            for e in ["kvq_prefill_hd", "kvq_append_hd", "kvq_fill_random_hd"] {
+                                let e = format!("{e}{hd}");
+                                assert!(entries.contains(&e), "{arch} {k:?}/{v:?}: {e} missing");
+                            }
+                        }
+                        // The 16-bit pool's kernels are not compiled again.
+                        assert!(
+                            !entries
+                                .iter()
+                                .any(|e| e.starts_with("decode_mma_")
+                                    || e.starts_with("prefill_attn_")),
+                            "{entries:?}"
+                        );
+                        all_entries.extend(entries);
+                    }
+                }
                 // Every name prefix of the kernels launched early on Hopper names kernels there
                 // (a stale entry would silently launch nothing early).
                 if cc.0 >= 9 {

@@ -41,6 +41,15 @@
 //! | one full block, one head, `kv4c` / `kv2c` (K) | `B` runs of `ceil(D*b/8)` codes (token-major), then `D` pairs (f16 scale, f16 zero), one per channel (BitDecoding's `half2`) |
 //! | `kv16` | the backend's unquantized float, `D` per token per head |
 //!
+//! # Pages (the GPU pool)
+//!
+//! A GPU pool keeps each block of each KV head as one self-describing page of a side's per-token
+//! records, split into their parts so that every part stays 16-byte aligned for vector loads:
+//! the `B` code runs (token-major, `ceil(D*b/8)` bytes each, as in the record), then the `B`
+//! parameter records (f16 scale and f16 zero; f16 scale for `fp8`), slot order
+//! ([`TokenCodec::page_bytes`], [`TokenCodec::put_page_record`]). The bytes of a record are the
+//! same; only where they sit differs.
+//!
 //! # Values a quantized cache refuses
 //!
 //! Quantization would silently turn a NaN into a finite number (min/max skip it) and an
@@ -256,6 +265,53 @@ impl TokenCodec {
             TokenCodec::Uint(bits) => bits.code_bytes(head_dim) + 4,
             TokenCodec::Fp8 => head_dim + 2,
         }
+    }
+
+    /// Bytes of the codes of one record (the record without its parameters).
+    pub fn code_bytes(self, head_dim: usize) -> usize {
+        self.record_bytes(head_dim) - self.param_bytes()
+    }
+
+    /// Bytes of the parameters of one record: f16 scale and zero, or the f16 scale of `fp8`.
+    pub fn param_bytes(self) -> usize {
+        match self {
+            TokenCodec::Uint(_) => 4,
+            TokenCodec::Fp8 => 2,
+        }
+    }
+
+    /// Bytes of one page: the records of `block` slots of one head, codes first, then the
+    /// parameters (module docs, "Pages").
+    pub fn page_bytes(self, head_dim: usize, block: usize) -> usize {
+        block * self.record_bytes(head_dim)
+    }
+
+    /// Where slot `slot`'s codes and parameters sit in a page of `block` slots.
+    fn page_parts(self, head_dim: usize, block: usize, slot: usize) -> (usize, usize) {
+        let cb = self.code_bytes(head_dim);
+        (slot * cb, block * cb + slot * self.param_bytes())
+    }
+
+    /// Writes record `rec` into slot `slot` of `page`.
+    pub fn put_page_record(
+        self,
+        rec: &[u8],
+        head_dim: usize,
+        block: usize,
+        slot: usize,
+        page: &mut [u8],
+    ) {
+        let (cb, pb) = (self.code_bytes(head_dim), self.param_bytes());
+        let (codes, params) = self.page_parts(head_dim, block, slot);
+        page[codes..codes + cb].copy_from_slice(&rec[..cb]);
+        page[params..params + pb].copy_from_slice(&rec[cb..]);
+    }
+
+    /// The record in slot `slot` of `page`.
+    pub fn page_record(self, page: &[u8], head_dim: usize, block: usize, slot: usize) -> Vec<u8> {
+        let (cb, pb) = (self.code_bytes(head_dim), self.param_bytes());
+        let (codes, params) = self.page_parts(head_dim, block, slot);
+        [&page[codes..codes + cb], &page[params..params + pb]].concat()
     }
 
     /// Quantizes one head vector into `out` (`record_bytes(x.len())` long).
@@ -561,6 +617,36 @@ mod tests {
     fn uint_tol(lo: f32, hi: f32, bits: UintBits) -> f32 {
         let s = (hi - lo) / bits.max_code();
         0.5 * s * (1.0 + 1e-3) + (hi - lo + lo.abs()) * 2f32.powi(-10) + 1e-6
+    }
+
+    #[test]
+    fn page_records_round_trip_and_pages_stay_aligned() {
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        for codec in [
+            TokenCodec::Uint(UintBits::B8),
+            TokenCodec::Uint(UintBits::B4),
+            TokenCodec::Fp8,
+        ] {
+            for (d, block) in [(64, 16), (128, 16), (128, 32)] {
+                let page_bytes = codec.page_bytes(d, block);
+                assert_eq!(page_bytes % 16, 0, "{codec:?} d={d}");
+                let recs: Vec<Vec<u8>> = (0..block)
+                    .map(|_| roundtrip(codec, &random_head(&mut rng, d)).0)
+                    .collect();
+                let mut page = vec![0u8; page_bytes];
+                for (slot, rec) in recs.iter().enumerate().rev() {
+                    codec.put_page_record(rec, d, block, slot, &mut page);
+                }
+                for (slot, rec) in recs.iter().enumerate() {
+                    assert_eq!(&codec.page_record(&page, d, block, slot), rec);
+                }
+                // Codes first, token-major; then the parameters in slot order.
+                let cb = codec.code_bytes(d);
+                assert_eq!(&page[cb..2 * cb], &recs[1][..cb]);
+                let pb = codec.param_bytes();
+                assert_eq!(&page[block * cb..block * cb + pb], &recs[0][cb..]);
+            }
+        }
     }
 
     #[test]

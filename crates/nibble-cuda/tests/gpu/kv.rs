@@ -1,0 +1,389 @@
+//! The quantized KV pool on the GPU (kernels/kv_pages.cuh, kv_quant.cu) against the CPU pool:
+//! the records its appends write are the reference quantizer's bit for bit, and attention over it
+//! (prefill, mixed steps, decode across splits, sliding windows) reads the reference's
+//! dequantized values, within the rounding of the 16-bit MMA operands. Then whole models serve
+//! the same greedy tokens in every GPU format alone, batched, chunked, preempted and from the
+//! prefix cache.
+
+use super::*;
+use nibble_cuda::PageFormat;
+use nibble_precision::kv::{TokenCodec, UintBits};
+
+/// Every per-token format on each side at least once, mixes with a 16-bit side among them.
+const FORMATS: [&str; 8] = [
+    "kv8", "kv4", "kvfp8", "k8v4", "k4v8", "kfp8v4", "k16v4", "k8v16",
+];
+
+fn kv_shape(num_kv_heads: usize, head_dim: usize, format: &str) -> KvShape {
+    KvShape {
+        num_layers: 2,
+        num_kv_heads,
+        head_dim,
+        format: format.parse().unwrap(),
+    }
+}
+
+/// Attention over a quantized pool, CPU and GPU side by side: a history of two prefilled
+/// sequences (one of 2900 tokens: many splits), a step mixing a decode row, a fresh prompt and a
+/// chunk, then decode steps; GQA groups 4, 3 and 8, MHA, head sizes 128 and 64; one window.
+#[test]
+fn quantized_kv_attention_matches_cpu() {
+    let mut r = rng("quantized_kv_attention_matches_cpu");
+    let shapes = [
+        (32, 8, 128, None),
+        (6, 2, 64, None),
+        (4, 4, 128, None),
+        (16, 2, 128, None),
+        (8, 2, 64, Some(130)),
+    ];
+    for (fi, format) in FORMATS.iter().enumerate() {
+        let dtypes: &[Dtype] = if fi == 0 {
+            &[Dtype::Bf16, Dtype::F16]
+        } else {
+            &[Dtype::Bf16]
+        };
+        for &dtype in dtypes {
+            let (g, c) = (gpu(dtype), cpu());
+            for &(num_heads, num_kv_heads, head_dim, window) in &shapes {
+                let shape = AttentionShape {
+                    num_heads,
+                    num_kv_heads,
+                    head_dim,
+                    window,
+                };
+                let ks = kv_shape(num_kv_heads, head_dim, format);
+                let (block, pool) = (16, 400);
+                let mut ckv = c.new_kv_pool(ks, pool, block).unwrap();
+                let mut gkv = g.new_kv_pool(ks, pool, block).unwrap();
+                let owned = layout(&mut r, &[(0, 38), (0, 19), (0, 2905)], block, pool);
+                let span = |i: usize, start_pos, len| SeqSpan {
+                    blocks: owned.seqs[i].blocks.clone(),
+                    start_pos,
+                    len,
+                };
+                let batches = [
+                    BatchLayout {
+                        seqs: vec![span(0, 0, 37), span(2, 0, 2900)],
+                    },
+                    BatchLayout {
+                        seqs: vec![span(0, 37, 1), span(1, 0, 19), span(2, 2900, 5)],
+                    },
+                    BatchLayout {
+                        seqs: vec![span(0, 38, 1), span(1, 19, 1), span(2, 2905, 1)],
+                    },
+                ];
+                for (layer, batch) in [(0, &batches[0]), (1, &batches[0]), (0, &batches[1])]
+                    .into_iter()
+                    .chain([(0, &batches[2]), (1, &batches[1])])
+                {
+                    let n = batch.num_tokens();
+                    g.poison_activations(256 << 20).unwrap();
+                    let [q, k, v] = [num_heads, num_kv_heads, num_kv_heads].map(|heads| {
+                        CpuTensor::new(
+                            randn(&mut r, n * heads * head_dim, 1.0),
+                            n,
+                            heads * head_dim,
+                        )
+                    });
+                    let want = c
+                        .attention(&q, &k, &v, &mut ckv, layer, batch, shape)
+                        .unwrap();
+                    let got = g
+                        .attention(
+                            &to_gpu(&g, &q),
+                            &to_gpu(&g, &k),
+                            &to_gpu(&g, &v),
+                            &mut gkv,
+                            layer,
+                            batch,
+                            shape,
+                        )
+                        .unwrap();
+                    check(
+                        &format!("{format} attention {shape:?} {dtype:?} {n} tokens layer {layer}"),
+                        &host(&g, &got),
+                        &want.data,
+                        1e-2,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The GPU's pages hold the CPU quantizer's records, bit for bit, whichever kernel appended them
+/// (the prompt's append kernel, the decode kernel's fused append): random rows with outliers, a
+/// constant row (scale 0), a row of zeros. A row past the f16 range gets NaN parameters.
+#[test]
+fn quantized_kv_pages_are_the_cpu_records() {
+    let mut r = rng("quantized_kv_pages_are_the_cpu_records");
+    let g = gpu(Dtype::Bf16);
+    for format in ["kv8", "kv4", "kvfp8", "k16v8"] {
+        for &(num_heads, num_kv_heads, head_dim) in &[(8, 2, 128), (4, 4, 64)] {
+            let ks = kv_shape(num_kv_heads, head_dim, format);
+            let shape = AttentionShape {
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                window: None,
+            };
+            let (block, pool) = (16, 64);
+            let mut gkv = g.new_kv_pool(ks, pool, block).unwrap();
+            let owned = layout(&mut r, &[(0, 40), (0, 70)], block, pool);
+            let kvw = num_kv_heads * head_dim;
+            let mut written: Vec<(usize, usize, Vec<f32>, Vec<f32>)> = Vec::new(); // (seq, pos, k, v)
+            let steps = [vec![(0, 0, 33), (1, 0, 64)], vec![(0, 33, 1), (1, 64, 1)]];
+            for (si, step) in steps.iter().enumerate() {
+                let batch = BatchLayout {
+                    seqs: step
+                        .iter()
+                        .map(|&(i, start_pos, len)| SeqSpan {
+                            blocks: owned.seqs[i].blocks.clone(),
+                            start_pos,
+                            len,
+                        })
+                        .collect(),
+                };
+                let n = batch.num_tokens();
+                let mut k = randn(&mut r, n * kvw, 1.0);
+                let mut v = randn(&mut r, n * kvw, 1.0);
+                // Outliers, a constant head and a zero head in the prompt; a large decode key.
+                if si == 0 {
+                    k[5] = 40.0;
+                    v[kvw + 3] = -25.0;
+                    k[2 * kvw..2 * kvw + head_dim].fill(0.75);
+                    v[3 * kvw..3 * kvw + head_dim].fill(0.0);
+                } else {
+                    k[head_dim / 2] = 3000.0;
+                }
+                let q = randn(&mut r, n * num_heads * head_dim, 1.0);
+                let t = |x: &[f32], w| g.tensor_from_f32(x, n, w).unwrap();
+                g.attention(
+                    &t(&q, num_heads * head_dim),
+                    &t(&k, kvw),
+                    &t(&v, kvw),
+                    &mut gkv,
+                    1,
+                    &batch,
+                    shape,
+                )
+                .unwrap();
+                let mut row = 0;
+                for &(i, start, len) in step {
+                    for p in start..start + len {
+                        written.push((
+                            i,
+                            p,
+                            k[row * kvw..(row + 1) * kvw].to_vec(),
+                            v[row * kvw..(row + 1) * kvw].to_vec(),
+                        ));
+                        row += 1;
+                    }
+                }
+            }
+            let pages = g.kv_pages(&gkv, 1).unwrap();
+            let formats = PageFormat::of_spec(ks.format).unwrap();
+            for (seq, pos, k, v) in &written {
+                let blk = owned.seqs[*seq].blocks[pos / block] as usize;
+                for (side, (pf, x)) in formats.iter().zip([k, v]).enumerate() {
+                    for h in 0..num_kv_heads {
+                        let page_bytes = pf.page_bytes(head_dim, block);
+                        let page =
+                            &pages[side][(blk * num_kv_heads + h) * page_bytes..][..page_bytes];
+                        let row = &x[h * head_dim..(h + 1) * head_dim];
+                        let what =
+                            format!("{format} ({pf:?}) seq {seq} pos {pos} head {h} side {side}");
+                        match *pf {
+                            PageFormat::Float => {
+                                let got = &page[(pos % block) * head_dim * 2..][..head_dim * 2];
+                                let want: Vec<u8> = row
+                                    .iter()
+                                    .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+                                    .collect();
+                                assert_eq!(got, &want[..], "{what}");
+                            }
+                            PageFormat::Token(codec) => {
+                                let got = codec.page_record(page, head_dim, block, pos % block);
+                                let mut want = vec![0u8; codec.record_bytes(head_dim)];
+                                if codec.quantize(row, &mut want).is_ok() {
+                                    assert_eq!(got, want, "{what}");
+                                } else {
+                                    // Past the f16 range: NaN scale (and zero), so attention
+                                    // over it shows NaN as a 16-bit cache would.
+                                    let s = f16::from_le_bytes([
+                                        got[codec.code_bytes(head_dim)],
+                                        got[codec.code_bytes(head_dim) + 1],
+                                    ]);
+                                    assert!(s.is_nan(), "{what}: scale {s}");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // The pool sizes itself by its formats: kv8 stores a head's token in 132 bytes, kv4 in 68,
+    // kvfp8 in 130, against 256 for bf16 at head_dim 128.
+    let bytes = |f: &str| nibble_cuda::CudaKv::bytes_per_token_of(kv_shape(8, 128, f));
+    assert_eq!(bytes("kv16"), 2 * 2 * 8 * 2 * 128);
+    assert_eq!(bytes("kv8"), 2 * 2 * 8 * 132);
+    assert_eq!(bytes("kv4"), 2 * 2 * 8 * 68);
+    assert_eq!(bytes("kvfp8"), 2 * 2 * 8 * 130);
+    assert_eq!(bytes("k8v4"), 2 * 8 * (132 + 68));
+    // The codecs of the page formats are the CPU's.
+    assert_eq!(
+        PageFormat::of_spec("k8v4".parse().unwrap()).unwrap(),
+        [
+            PageFormat::Token(TokenCodec::Uint(UintBits::B8)),
+            PageFormat::Token(TokenCodec::Uint(UintBits::B4))
+        ]
+    );
+}
+
+/// What the GPU does not store is a clear error naming it: the channel-wise formats (either
+/// side), and a quantized cache at a head size without kernels.
+#[test]
+fn unsupported_kv_formats_are_clear_errors() {
+    let g = gpu(Dtype::Bf16);
+    for (format, head_dim) in [("kv4c", 64), ("kv2c", 128), ("k8v2c", 128), ("k4cv8", 64)] {
+        let e = g
+            .new_kv_pool(kv_shape(2, head_dim, format), 4, 16)
+            .err()
+            .unwrap_or_else(|| panic!("{format} is CPU-only"))
+            .to_string();
+        assert!(e.contains(format) && e.contains("CUDA"), "{e}");
+    }
+    let e = g
+        .new_kv_pool(kv_shape(2, 256, "kv8"), 4, 16)
+        .err()
+        .expect("kv8 at head_dim 256 has no kernels")
+        .to_string();
+    assert!(e.contains("head_dim 256"), "{e}");
+}
+
+/// A whole model serves the same greedy tokens in each GPU format whether a request runs alone,
+/// batched with others, with its prompt in chunks, preempted and resumed, or with its prefix
+/// from the cache (the CPU pool's invariant, here with tokens: the GPU's rounding depends on the
+/// batch, so log-probabilities are not compared bit for bit).
+#[test]
+fn quantized_kv_serving_keeps_greedy_tokens() {
+    use nibble_engine::serving::{EngineConfig, Event, LlmEngine, Request};
+    let dir = fixture("tiny-llama3");
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|i| (0..9 + i * 7).map(|t| 1 + (t * 13 + i * 5) % 250).collect())
+        .collect();
+    let run = |format: &str, config: EngineConfig, which: &[usize]| {
+        let mut e = engine(gpu(Dtype::Bf16), &dir);
+        e.model.kv_format = format.parse().unwrap();
+        let mut llm = LlmEngine::new(e.backend, e.model, e.tokenizer, config).unwrap();
+        for &i in which {
+            let req = Request {
+                prompt: prompts[i].clone(),
+                params: SamplingParams {
+                    temperature: 0.0,
+                    ..SamplingParams::default()
+                },
+                max_tokens: 16,
+                stop: vec![],
+                ignore_eos: true,
+                stop_token_ids: vec![],
+                logprobs: None,
+                constraint: None,
+            };
+            llm.add_request(i as u64, req).unwrap();
+        }
+        let mut out = vec![Vec::new(); prompts.len()];
+        while llm.has_work() {
+            for ev in llm.step().unwrap() {
+                if let Event::Token { id, token, .. } = ev {
+                    out[id as usize].push(token);
+                }
+            }
+        }
+        (out, llm.stats())
+    };
+    let mut failures = Vec::new();
+    for format in ["kv16", "kv8", "kv4", "kvfp8", "k8v4"] {
+        let alone: Vec<Vec<u32>> = (0..prompts.len())
+            .map(|i| run(format, EngineConfig::default(), &[i]).0[i].clone())
+            .collect();
+        let all: Vec<usize> = (0..prompts.len()).collect();
+        let configs = [
+            ("batched", EngineConfig::default()),
+            (
+                "chunked",
+                EngineConfig {
+                    max_batched_tokens: 24,
+                    ..EngineConfig::default()
+                },
+            ),
+            (
+                "preempted",
+                EngineConfig {
+                    num_blocks: 10,
+                    ..EngineConfig::default()
+                },
+            ),
+        ];
+        for (what, config) in configs {
+            let (got, stats) = run(format, config, &all);
+            if what == "preempted" {
+                assert!(
+                    stats.preemptions > 0,
+                    "{format}: the pool was meant to force preemption"
+                );
+            }
+            if got != alone {
+                failures.push(format!("{format} {what}: {got:?} != alone {alone:?}"));
+            }
+        }
+        // The prefix cache: the longest prompt again after a request that shares its first blocks.
+        let mut e = engine(gpu(Dtype::Bf16), &dir);
+        e.model.kv_format = format.parse().unwrap();
+        let mut llm =
+            LlmEngine::new(e.backend, e.model, e.tokenizer, EngineConfig::default()).unwrap();
+        let long = prompts.len() - 1;
+        let mut shared = prompts[long][..32].to_vec();
+        shared.extend([7, 8, 9]);
+        for (id, prompt) in [(100u64, shared), (long as u64, prompts[long].clone())] {
+            let req = Request {
+                prompt,
+                params: SamplingParams {
+                    temperature: 0.0,
+                    ..SamplingParams::default()
+                },
+                max_tokens: 16,
+                stop: vec![],
+                ignore_eos: true,
+                stop_token_ids: vec![],
+                logprobs: None,
+                constraint: None,
+            };
+            llm.add_request(id, req).unwrap();
+            let mut toks = Vec::new();
+            while llm.has_work() {
+                for ev in llm.step().unwrap() {
+                    if let Event::Token { id: got, token, .. } = ev
+                        && got == id
+                    {
+                        toks.push(token);
+                    }
+                }
+            }
+            if id == long as u64 {
+                assert!(
+                    llm.stats().prefix_cache_hits >= 2,
+                    "{format}: no prefix hit"
+                );
+                if toks != alone[long] {
+                    failures.push(format!(
+                        "{format} prefix-cached: {toks:?} != {:?}",
+                        alone[long]
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
