@@ -8,7 +8,7 @@ INT4 weight-only (`_weight_int4pack_mm`, group 128), INT8 (`_int_mm`) and FP8 (`
 row-wise scales), each timed from a CUDA graph like nibble's, cycling through enough copies of
 its weight that every call reads it from HBM.
 
-    python3 bench/gpu_peer.py OUT.json [--qgemm]
+    python3 bench/gpu_peer.py OUT.json [--qgemm] [--kv-attention] [--prefill-attention]
 """
 import itertools
 import json
@@ -130,6 +130,32 @@ def main():
     if "--prefill-attention" in sys.argv:
         # Causal prefill attention of one Llama-3-8B layer, as gpu-bench --prefill-attention.
         res["prefill_attention"] = prefill_rows(dev, [1024, 2048, 4096, 8192, 16384])
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2)
+        return
+    if "--kv-attention" in sys.argv:
+        # Decode attention of one Llama-3-8B layer, as gpu-bench --kv-attention: flash SDPA over
+        # a contiguous bf16 cache, and over an FP8 (e4m3, per-tensor scale) cache that PyTorch
+        # must dequantize to bf16 first (SDPA has no FP8 KV input). FlashInfer's paged FP8
+        # decode would be the sharper peer; its wheel (62 MB) does not fit a device call.
+        rows = []
+        for batch, ctx in [(64, 4096), (8, 32768)]:
+            q = torch.randn(batch, HEADS, 1, HD, device=dev, dtype=torch.bfloat16)
+            k = torch.randn(batch, KV_HEADS, ctx, HD, device=dev, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                t16 = ms_graph(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+                t8 = ms_graph(lambda: F.scaled_dot_product_attention(
+                    q, k8.to(torch.bfloat16) * 0.5, v8.to(torch.bfloat16) * 0.5, enable_gqa=True))
+            for kv, t, elem in [("bf16", t16, 2), ("fp8-dequantized", t8, 1)]:
+                kv_bytes = 2 * k.numel() * elem
+                rows.append({"kind": "decode", "peer": "torch-sdpa-flash", "kv": kv, "batch": batch,
+                             "ctx": ctx, "ms": t,
+                             "bandwidth_fraction": kv_bytes / (t / 1e3) / res["hbm_bytes_per_s"]})
+                print(rows[-1], flush=True)
+            del q, k, v, k8, v8
+        res["kv_attention"] = rows
         with open(out, "w") as f:
             json.dump(res, f, indent=2)
         return

@@ -19,6 +19,10 @@
 #               then decode steps per precision; qgemm-kernels: the kernels alone
 #   w4a8        1000 ShareGPT prompts offline at 64 and 256 sequences: W4A8 (QoQ g128) and BF16
 #               in the same session (the W4A8 issue's end-to-end ratio)
+#   kv-attention  decode attention per GPU KV format (kv16, kv8, kvfp8, kv4, mixes) at batch 64 /
+#               ctx 4k and batch 8 / ctx 32k, and PyTorch's flash SDPA (bf16, FP8 dequantized)
+#   kv-long     4k-token prompts, 512-token outputs offline: W4A8-KV4 and BF16-KV16, and the pool
+#               sizes each fits in the same memory (the low-bit KV issue's end-to-end ratio)
 #   fp8         the same for FP8 W8A8 (run it with w4a8 for a BF16 figure from the same session)
 # Logs and JSON go to OUTDIR; exits non-zero if a step failed.
 set -uo pipefail
@@ -74,6 +78,15 @@ for part in "$@"; do
         $([ $part = qgemm-kernels ] && echo --kernels-only)
       step peer python3 bench/gpu_peer.py "$out/gpu-peer.json" --qgemm
       python3 bench/qgemm_report.py "$out" > /dev/null 2>"$out/qgemm-report.err" || status=1 ;;
+    kv-attention)
+      step kv-attention stage/gpu/gpu-bench "$out/kv-attention.json" --kv-attention
+      step kv-attention-peer python3 bench/gpu_peer.py "$out/kv-attention-peer.json" --kv-attention ;;
+    kv-long)
+      for run in "long-w4a8-kv4 llama-3-8b:w4a8-g128 kv4" "long-bf16-kv16 llama-3-8b kv16"; do
+        read -r name model kv <<< "$run"
+        throughput "$name" "$model" --kv "$kv" --num-prompts "${KV_LONG_PROMPTS:-256}" \
+          --input-len 4096 --output-len 512 --sweep-seqs 64,256 --profile
+      done ;;
     w4a8)
       throughput throughput-w4a8 llama-3-8b:w4a8-g128 --num-prompts 1000 --sweep-seqs 64,256 --profile
       throughput throughput-bf16 llama-3-8b --num-prompts 1000 --sweep-seqs 64,256 --profile ;;

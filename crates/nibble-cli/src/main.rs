@@ -330,6 +330,13 @@ struct ThroughputArgs {
     /// report them by batch size.
     #[arg(long)]
     profile: bool,
+    /// Synthetic requests instead of ShareGPT's: prompts of exactly this many random tokens
+    /// (no two alike, so no prefix is shared), with --output-len.
+    #[arg(long, requires = "output_len")]
+    input_len: Option<usize>,
+    /// Output tokens of each synthetic request (with --input-len).
+    #[arg(long, requires = "input_len")]
+    output_len: Option<usize>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -773,12 +780,26 @@ fn bench_throughput<B: Backend>(
 where
     B::Kv: KvReport,
 {
-    let samples = nibble_bench::sharegpt::load_sharegpt(
-        args.dataset.as_deref(),
-        &engine.tokenizer,
-        args.num_prompts,
-        args.seed,
-    )?;
+    let requests: Vec<(Vec<u32>, usize)> = match (args.input_len, args.output_len) {
+        (Some(input), Some(output)) => synthetic_prompts(
+            args.num_prompts,
+            input,
+            engine.model.config.vocab_size,
+            args.seed,
+        )
+        .into_iter()
+        .map(|p| (p, output))
+        .collect(),
+        _ => nibble_bench::sharegpt::load_sharegpt(
+            args.dataset.as_deref(),
+            &engine.tokenizer,
+            args.num_prompts,
+            args.seed,
+        )?
+        .iter()
+        .map(|s| Ok((engine.tokenizer.encode(&s.prompt, true)?, s.output_len)))
+        .collect::<Result<_>>()?,
+    };
     let sizes: Vec<Option<usize>> = if args.sweep_seqs.is_empty() {
         vec![args.engine.max_num_seqs]
     } else {
@@ -788,8 +809,8 @@ where
     for size in sizes {
         let mut engine_args = args.engine.clone();
         engine_args.max_num_seqs = size;
-        engine_args.max_waiting = engine_args.max_waiting.max(samples.len());
-        let (r, back) = throughput_run(engine, &engine_args, &samples, args.profile)?;
+        engine_args.max_waiting = engine_args.max_waiting.max(requests.len());
+        let (r, back) = throughput_run(engine, &engine_args, &requests, args.profile)?;
         engine = back;
         let r = ThroughputResult {
             model: model_label.clone(),
@@ -810,11 +831,31 @@ where
     Ok(())
 }
 
-/// One offline run of `samples` through a serving engine of `args`' sizes; gives the model back.
+/// `n` prompts of `len` tokens drawn uniformly from the vocabulary (its first and last 16 ids,
+/// where special tokens tend to sit, left out); the same `seed` gives the same prompts.
+fn synthetic_prompts(n: usize, len: usize, vocab: usize, seed: u64) -> Vec<Vec<u32>> {
+    let (lo, span) = (16u64, (vocab as u64).saturating_sub(32).max(1));
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5851_F42D_4C95_7F2D;
+    (0..n)
+        .map(|_| {
+            (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (lo + x % span) as u32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// One offline run of `requests` (prompt, output tokens) through a serving engine of `args`'
+/// sizes; gives the model back.
 fn throughput_run<B: Backend>(
     engine: Engine<B>,
     args: &EngineArgs,
-    samples: &[nibble_bench::sharegpt::Sample],
+    requests: &[(Vec<u32>, usize)],
     profile: bool,
 ) -> Result<(ThroughputResult, Engine<B>)>
 where
@@ -827,10 +868,9 @@ where
     eprintln!("nibble: {}", kv_pool_line(&llm));
     let limit = llm.max_sequence_len();
     let (mut prompt_tokens, mut planned) = (0, 0);
-    for (i, s) in samples.iter().enumerate() {
-        let prompt = llm.tokenizer.encode(&s.prompt, true)?;
-        let max_tokens = s
-            .output_len
+    for (i, (prompt, output_len)) in requests.iter().enumerate() {
+        let prompt = prompt.clone();
+        let max_tokens = (*output_len)
             .min(limit.saturating_sub(prompt.len() + 1))
             .max(1);
         prompt_tokens += prompt.len();

@@ -4,7 +4,8 @@
 //! decode steps of a Llama-3-8B-shaped model with random weights, then the quantized GEMMs on
 //! Llama-3-8B's layer shapes (`--qgemm`: the ceilings and those alone).
 //!
-//!     gpu-bench OUT.json [--quick] [--qgemm]
+//!     gpu-bench OUT.json [--quick] [--qgemm] [--kv-attention] [--prefill-attention]
+//!               [--decode-steps B,B,.. [--spec SPEC]]
 //!
 //! Timings are medians over repeats after warm-up, taken with the stream synchronized around
 //! the timed region. The peer numbers (PyTorch SDPA) come from bench/gpu_peer.py in the same run.
@@ -95,11 +96,14 @@ fn ceilings(be: &CudaBackend) -> Result<(f64, f64)> {
 
 /// Paged attention of one layer: `batch` sequences each with `ctx` tokens of context, either one
 /// new token each (decode) or all `ctx` tokens at once (prefill).
+/// Attention of one Llama-3-8B layer over a pool in `format`: decode (one query per sequence at
+/// context `ctx`, its key and value appended) or causal prefill of `ctx` tokens.
 fn attention(
     be: &CudaBackend,
     batch: usize,
     ctx: usize,
     prefill: bool,
+    format: KvSpec,
     bw: f64,
     peak: f64,
 ) -> Result<Value> {
@@ -115,7 +119,7 @@ fn attention(
         num_layers: 1,
         num_kv_heads: kv_heads,
         head_dim: hd,
-        format: KvSpec::default(),
+        format,
     };
     let mut kv = be.new_kv_pool(kv_shape, batch * blocks_per_seq, block)?;
     be.fill_kv_random(&kv, 11)?;
@@ -160,7 +164,7 @@ fn attention(
             Ok(())
         })? / CALLS as f64
     };
-    let kv_bytes = (batch * ctx * kv_heads * hd * 2 * 2) as f64;
+    let kv_bytes = (batch * ctx * nibble_cuda::CudaKv::bytes_per_token_of(kv_shape)) as f64;
     let flops = if prefill {
         4.0 * batch as f64 * (ctx as f64).powi(2) / 2.0 * (heads * hd) as f64
     } else {
@@ -169,6 +173,7 @@ fn attention(
     let floor = (kv_bytes / bw).max(flops / peak);
     Ok(json!({
         "kind": if prefill { "prefill" } else { "decode" },
+        "kv": format.to_string(),
         "batch": batch, "ctx": ctx, "ms": t * 1e3,
         "kv_bytes": kv_bytes, "bandwidth_fraction": kv_bytes / t / bw,
         "tflops": flops / t / 1e12, "floor_ms": floor * 1e3, "of_floor": floor / t,
@@ -474,7 +479,7 @@ fn main() -> Result<()> {
         for &ctx in &[1024, 2048, 4096, 8192, 16384] {
             for tier in [KernelTier::Auto, KernelTier::MmaSync] {
                 be.set_kernel_tier(tier);
-                let mut r = attention(&be, 1, ctx, true, bw, peak)?;
+                let mut r = attention(&be, 1, ctx, true, KvSpec::default(), bw, peak)?;
                 r["tier"] = json!(format!("{tier:?}"));
                 eprintln!("prefill attention ctx{ctx} {tier:?}: {r}");
                 rows.push(r);
@@ -484,6 +489,30 @@ fn main() -> Result<()> {
         let report = json!({
             "device": be.name(), "hbm_bytes_per_s": bw, "cublas_bf16_flops": peak,
             "prefill_attention": rows,
+        });
+        std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
+            .map_err(|e| nibble_core::Error::io(&out, e))?;
+        return Ok(());
+    }
+    // --kv-attention: decode attention of one Llama-3-8B layer in each GPU KV format at batch 64
+    // / context 4k and batch 8 / context 32k, each against kv16 in the same run.
+    if args.iter().any(|a| a == "--kv-attention") {
+        let (bw, peak) = ceilings(&be)?;
+        let mut rows = Vec::new();
+        for &(batch, ctx) in &[(64, 4096), (8, 32768)] {
+            let mut base = None;
+            for format in ["kv16", "kv8", "kvfp8", "kv4", "k8v4", "k4v8"] {
+                let mut r = attention(&be, batch, ctx, false, format.parse()?, bw, peak)?;
+                let ms = r["ms"].as_f64().unwrap_or(f64::NAN);
+                let base_ms = *base.get_or_insert(ms);
+                r["speedup_vs_kv16"] = json!(base_ms / ms);
+                eprintln!("kv attention b{batch} ctx{ctx} {format}: {r}");
+                rows.push(r);
+            }
+        }
+        let report = json!({
+            "device": be.name(), "hbm_bytes_per_s": bw, "cublas_bf16_flops": peak,
+            "kv_attention": rows,
         });
         std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
             .map_err(|e| nibble_core::Error::io(&out, e))?;
@@ -561,12 +590,12 @@ fn main() -> Result<()> {
         (64, 1024),
         (64, 4096),
     ] {
-        let r = attention(&be, b, ctx, false, bw, peak)?;
+        let r = attention(&be, b, ctx, false, KvSpec::default(), bw, peak)?;
         eprintln!("decode attention b{b} ctx{ctx}: {r}");
         attn.push(r);
     }
     for &ctx in &[1024, 4096] {
-        let r = attention(&be, 1, ctx, true, bw, peak)?;
+        let r = attention(&be, 1, ctx, true, KvSpec::default(), bw, peak)?;
         eprintln!("prefill attention ctx{ctx}: {r}");
         attn.push(r);
     }

@@ -41,16 +41,9 @@ impl PageFormat {
 
     /// The GPU format of keys (`keys`) or values of a side stored as `format` says, or why the
     /// GPU cannot store it yet.
-    fn of(format: KvFormat, keys: bool) -> Result<PageFormat> {
+    fn of(format: KvFormat, keys: bool) -> Option<PageFormat> {
         if format.is_channelwise() {
-            return Err(Error::unsupported(
-                format!(
-                    "KV cache format {format} ({}) on the CUDA backend",
-                    if keys { "keys" } else { "values" }
-                ),
-                "the GPU stores kv16, kv8, kvfp8 and kv4 sides (and mixes of them, e.g. k8v4); \
-                 the channel-wise formats (kv4c, kv2c) run with --device cpu",
-            ));
+            return None;
         }
         let codec = if keys {
             match format.keys() {
@@ -60,12 +53,20 @@ impl PageFormat {
         } else {
             format.values()
         };
-        Ok(codec.map_or(PageFormat::Float, PageFormat::Token))
+        Some(codec.map_or(PageFormat::Float, PageFormat::Token))
     }
 
-    /// The formats of keys and values of `spec` on the GPU.
+    /// The formats of keys and values of `spec` on the GPU, or why the GPU cannot store it.
     pub fn of_spec(spec: KvSpec) -> Result<[PageFormat; 2]> {
-        Ok([Self::of(spec.k, true)?, Self::of(spec.v, false)?])
+        match (Self::of(spec.k, true), Self::of(spec.v, false)) {
+            (Some(k), Some(v)) => Ok([k, v]),
+            _ => Err(Error::unsupported(
+                format!("KV cache format {spec} on the CUDA backend"),
+                "the GPU stores kv16, kv8, kvfp8 and kv4 sides (and mixes of them, e.g. k8v4); \
+                 the channel-wise formats (kv4c, kv2c, and mixes with a 4c or 2c side) run with \
+                 --device cpu",
+            )),
+        }
     }
 
     /// Bytes of one page (one block of one head) of `head_dim`-wide rows.
