@@ -21,6 +21,97 @@
 #define DM_BS KV_BS
 #define DM_WARPS 2
 
+// Q's values in range of T: an f16 operand saturates instead of overflowing to infinity.
+template <class T> __device__ __forceinline__ float in_range(float x) { return x; }
+template <> __device__ __forceinline__ float in_range<__half>(float x) { return fminf(fmaxf(x, -65504.f), 65504.f); }
+
+// The GQA group's Q rows (group * HD consecutive floats at `qg`, then zero rows up to 16)
+// converted to T into `kq` ([16][HD + 8]), natural dim d at column pos(d), then read as the A
+// fragments `qf` of 16 x HD. A kernel that permutes the head dimension of its K fragments (a
+// reduction is order-free) stages Q with the same permutation. Each lane's loads (4 floats
+// apiece) are all issued before any is stored: one round trip instead of one per element.
+template <class T, int HD, int G, class Pos>
+__device__ __forceinline__ void stage_q(const float* qg, int group, T* kq, int lane, u32 (&qf)[HD / 16][4],
+                                        Pos pos) {
+    constexpr int LD = HD + 8;
+    constexpr int QV = (G * HD / 4 + 31) / 32;
+    const bool aligned = ((reinterpret_cast<unsigned long long>(qg) & 15) == 0);
+    float4 qv[QV];
+#pragma unroll
+    for (int j = 0; j < QV; ++j) {
+        const int i = (lane + 32 * j) * 4;
+        qv[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (i < group * HD)
+            qv[j] = aligned ? *reinterpret_cast<const float4*>(qg + i)
+                            : make_float4(qg[i], qg[i + 1], qg[i + 2], qg[i + 3]);
+    }
+#pragma unroll
+    for (int j = 0; j < QV; ++j) {
+        const int i = (lane + 32 * j) * 4;
+        if (i < group * HD) {
+            T* row = &kq[(i / HD) * LD];
+            const int d = i % HD;
+            row[pos(d)] = from_f32<T>(in_range<T>(qv[j].x));
+            row[pos(d + 1)] = from_f32<T>(in_range<T>(qv[j].y));
+            row[pos(d + 2)] = from_f32<T>(in_range<T>(qv[j].z));
+            row[pos(d + 3)] = from_f32<T>(in_range<T>(qv[j].w));
+        }
+    }
+    // Rows past the group: zeros, 8 elements (16 bytes; LD * 2 is a multiple of 16) at a time.
+    for (int i = group * (HD / 8) + lane; i < 16 * (HD / 8); i += 32)
+        *reinterpret_cast<uint4*>(&kq[(i / (HD / 8)) * LD + (i % (HD / 8)) * 8]) = make_uint4(0, 0, 0, 0);
+    __syncwarp();
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        const int c = kk * 16 + 2 * t;
+        qf[kk][0] = *reinterpret_cast<const u32*>(&kq[g * LD + c]);
+        qf[kk][1] = *reinterpret_cast<const u32*>(&kq[(g + 8) * LD + c]);
+        qf[kk][2] = *reinterpret_cast<const u32*>(&kq[g * LD + c + 8]);
+        qf[kk][3] = *reinterpret_cast<const u32*>(&kq[(g + 8) * LD + c + 8]);
+    }
+}
+
+// Merges the warps' running states (o, m, l of rows g and g + 8; rows g < group are heads) per
+// head through `merge` (WARPS * G * (HD + 2) floats of shared memory) and writes the split's
+// partials (m converted from base 2 to base e for the reduction). Output column c of n-tile n
+// holds natural dim dim(n, c). All threads of the CTA.
+template <int HD, int G, int WARPS, class Dim>
+__device__ __forceinline__ void write_partials(float* merge, const float (&o)[HD / 8][4], const float (&m)[2],
+                                               const float (&l)[2], int group, float* out, Dim dim) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    __syncthreads();
+#define MERGE(w, hg, d) merge[((w) * G + (hg)) * (HD + 2) + (d)]
+    if (g < group) {
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            MERGE(warp, g, dim(n, 2 * t)) = o[n][0];
+            MERGE(warp, g, dim(n, 2 * t + 1)) = o[n][1];
+        }
+        if (t == 0) {
+            MERGE(warp, g, HD) = m[0];
+            MERGE(warp, g, HD + 1) = l[0];
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < group * (HD + 2); idx += blockDim.x) {
+        const int hg = idx / (HD + 2), d = idx % (HD + 2);
+        float mx = NEG_BIG;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, MERGE(w, hg, HD));
+        float v = 0.f;
+        if (d == HD) {
+            v = mx * 0.69314718056f;
+        } else {
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) v += MERGE(w, hg, d) * exp2f(MERGE(w, hg, HD) - mx);
+        }
+        out[hg * (HD + 2) + d] = v;
+    }
+#undef MERGE
+}
+
 template <class T, int HD, int G, class KS, class VS>
 __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __restrict__ kc,
                                 unsigned char* __restrict__ vc, const int* __restrict__ block_tables,
@@ -78,47 +169,9 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
     int stage = 0;
     const int first = max(start, lo) / DM_BS + warp;
     if (first * DM_BS < end) issue(first, 0);
-    // Q rows (the group's heads, then zeros), converted to 16 bits, then read as A fragments.
-    // The group's heads are group * HD consecutive floats: each lane's loads (4 floats apiece)
-    // are all issued before any is stored, one round trip instead of one per element.
-    {
-        constexpr int QV = (G * HD / 4 + 31) / 32;
-        const float* qg = q + (long)token * ldq + (long)kvh * group * HD;
-        const bool aligned = ((reinterpret_cast<unsigned long long>(qg) & 15) == 0);
-        float4 qv[QV];
-#pragma unroll
-        for (int j = 0; j < QV; ++j) {
-            const int i = (lane + 32 * j) * 4;
-            qv[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (i < group * HD)
-                qv[j] = aligned ? *reinterpret_cast<const float4*>(qg + i)
-                                : make_float4(qg[i], qg[i + 1], qg[i + 2], qg[i + 3]);
-        }
-#pragma unroll
-        for (int j = 0; j < QV; ++j) {
-            const int i = (lane + 32 * j) * 4;
-            if (i < group * HD) {
-                T* dst = &kq[(i / HD) * LD + i % HD];
-                dst[0] = from_f32<T>(qv[j].x);
-                dst[1] = from_f32<T>(qv[j].y);
-                dst[2] = from_f32<T>(qv[j].z);
-                dst[3] = from_f32<T>(qv[j].w);
-            }
-        }
-        // Rows past the group: zeros, 8 elements (16 bytes; LD * 2 is a multiple of 16) at a time.
-        for (int i = group * (HD / 8) + lane; i < DM_BS * (HD / 8); i += 32)
-            *reinterpret_cast<uint4*>(&kq[(i / (HD / 8)) * LD + (i % (HD / 8)) * 8]) = make_uint4(0, 0, 0, 0);
-    }
-    __syncwarp();
     u32 qf[HD / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-        const int c = kk * 16 + 2 * t;
-        qf[kk][0] = *reinterpret_cast<const u32*>(&kq[g * LD + c]);
-        qf[kk][1] = *reinterpret_cast<const u32*>(&kq[(g + 8) * LD + c]);
-        qf[kk][2] = *reinterpret_cast<const u32*>(&kq[g * LD + c + 8]);
-        qf[kk][3] = *reinterpret_cast<const u32*>(&kq[(g + 8) * LD + c + 8]);
-    }
+    stage_q<T, HD, G>(q + (long)token * ldq + (long)kvh * group * HD, group, kq, lane, qf,
+                      [](int d) { return d; });
     float o[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -161,40 +214,9 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
         stage ^= 1;
     }
 
-    // Rows g < group are heads; write each warp's state, then merge the warps per head. The
-    // merge area reuses the stages.
-    __syncthreads();
-    float* merge = reinterpret_cast<float*>(smem);
-#define MERGE(w, hg, d) merge[((w) * G + (hg)) * (HD + 2) + (d)]
-    if (g < group) {
-#pragma unroll
-        for (int n = 0; n < HD / 8; ++n) {
-            MERGE(warp, g, n * 8 + 2 * t) = o[n][0];
-            MERGE(warp, g, n * 8 + 2 * t + 1) = o[n][1];
-        }
-        if (t == 0) {
-            MERGE(warp, g, HD) = m[0];
-            MERGE(warp, g, HD + 1) = l[0];
-        }
-    }
-    __syncthreads();
-    // m is in base 2 here; the reduction works in base e: scale it back.
-    float* out = part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2);
-    for (int idx = threadIdx.x; idx < group * (HD + 2); idx += blockDim.x) {
-        const int hg = idx / (HD + 2), d = idx % (HD + 2);
-        float mx = NEG_BIG;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, MERGE(w, hg, HD));
-        float v = 0.f;
-        if (d == HD) {
-            v = mx * 0.69314718056f;
-        } else {
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) v += MERGE(w, hg, d) * exp2f(MERGE(w, hg, HD) - mx);
-        }
-        out[hg * (HD + 2) + d] = v;
-    }
-#undef MERGE
+    write_partials<HD, G, WARPS>(reinterpret_cast<float*>(smem), o, m, l, group,
+                                 part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2),
+                                 [](int n, int c) { return n * 8 + c; });
 }
 
 // Entry points: `decode_mma_*` over a 16-bit pool (this module); `kvq_decode_*` over the pool

@@ -18,8 +18,23 @@
 #endif
 typedef NIBBLE_KVQ_T KvqT;
 
+// Both sides quantized: the register-direct kernel below. A 16-bit side: decode_mma.cu's kernel
+// with a dequantizing page policy.
+#if NIBBLE_KVQ_K != PAGE_F16 && NIBBLE_KVQ_V != PAGE_F16
+#define KVQ_DECODE(HD, G)                                                                        \
+    extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
+        const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
+        const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
+        int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
+        const float* vnew, long ldk, long ldv, int window) {                                    \
+        decode_kvq_impl<HD, G, NIBBLE_KVQ_K, NIBBLE_KVQ_V>(                                     \
+            q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group, max_blocks,   \
+            chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window);                              \
+    }
+#else
 #define KVQ_DECODE(HD, G) \
     NIBBLE_DECODE_ENTRY(kvq_decode_hd##HD##_g##G, KvqT, HD, G, NIBBLE_KVQ_K, NIBBLE_KVQ_V)
+#endif
 #define KVQ_HEAD(HD)                                                                  \
     KVQ_DECODE(HD, 1)                                                                 \
     KVQ_DECODE(HD, 2)                                                                 \
@@ -37,6 +52,308 @@ typedef NIBBLE_KVQ_T KvqT;
         unsigned char* kc, unsigned char* vc, int seed) {                                   \
         kvq_fill_random_impl<HD>(kc, vc, seed);                                             \
     }
+
+
+// ---------------------------------------------------------------------------------------------
+// Decode over two quantized sides, codes straight from the staged pages into f16 MMA fragments
+// (BitDecoding Sec. 4.2-4.3: no dequantized tile, no shuffles). Grid, block, split-K partials,
+// fused append and the 2-stage cp.async page stream are decode_mma.cu's.
+//
+// Layout induction without touching the pages: a dot product is order-free, so each lane's K
+// fragments take the head dims whose codes sit together in a row (lane t: dims
+// [t * HD/4, (t + 1) * HD/4), a 16- or 32-byte run) and Q is staged with the same permutation of
+// its dims; for P V, lane g's B columns are dims [g * HD/8, (g + 1) * HD/8) (one vector load per
+// token), and the output columns are un-permuted when the warps merge.
+// Codes become f16 with one PRMT or LOP3 per pair: 0x6400 | q is the f16 1024 + q, exact. The
+// scales and zeros never touch the codes: S = s (Q.(1024 + c) - 1024 sum(Q)) + z sum(Q) per token
+// for KV8/KV4 keys, s (Q.e4m3) for FP8 keys; for values P' = P s per token multiplies the codes,
+// and sum(P (z - 1024 s)) per row is carried beside O (rescaled with it), added at the end.
+// Q and P are f16 operands here whichever the model dtype (Q is clamped to the f16 range).
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+__device__ __forceinline__ u32 lop_or_mask(u32 x, u32 mask, u32 bits) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(x), "r"(mask), "r"(bits));  // (x & mask) | bits
+    return d;
+}
+__device__ __forceinline__ u32 e4m3x2_f16x2(u32 x) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(x & 0xffffu), __NV_E4M3);
+    return (u32)h.x | ((u32)h.y << 16);
+}
+
+// N 32-bit words from 4-byte-aligned shared memory, in the widest loads the count allows.
+template <int N>
+__device__ __forceinline__ void load_words(const unsigned char* p, u32 (&w)[N]) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 4) {
+            const uint4 v = *reinterpret_cast<const uint4*>(p + 4 * i);
+            w[i] = v.x, w[i + 1] = v.y, w[i + 2] = v.z, w[i + 3] = v.w;
+        }
+    } else if constexpr (N % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 2) {
+            const uint2 v = *reinterpret_cast<const uint2*>(p + 4 * i);
+            w[i] = v.x, w[i + 1] = v.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) w[i] = reinterpret_cast<const u32*>(p)[i];
+    }
+}
+
+// Keys: lane t's codes of one row are KW words; k-tile kk's B fragment (dims at positions 2t,
+// 2t+1 | 2t+8, 2t+9) comes from them. pos(d): where natural dim d of Q goes in the staged row.
+template <int HD, int KIND>
+struct KeyFrags {
+    static constexpr int BITS = PageCodec<KIND>::BITS;
+    static constexpr int KW = HD / 4 * BITS / 32;  // words per lane per row
+    __device__ static __forceinline__ void frag(const u32 (&w)[KW], int kk, u32& b0, u32& b1) {
+        if constexpr (KIND == PAGE_U8) {
+            b0 = prmt(w[kk], 0x64646464u, 0x4140);  // [c0, 0x64, c1, 0x64]
+            b1 = prmt(w[kk], 0x64646464u, 0x4342);
+        } else if constexpr (KIND == PAGE_FP8) {
+            b0 = e4m3x2_f16x2(w[kk]);
+            b1 = e4m3x2_f16x2(w[kk] >> 16);
+        } else {  // PAGE_U4: word kk / 2 holds nibbles n0..n7; pairs (n0, n4), (n1, n5), ...
+            const u32 x = w[kk >> 1] >> (8 * (kk & 1));
+            b0 = lop_or_mask(x, 0x000F000Fu, 0x64006400u);
+            b1 = lop_or_mask(x >> 4, 0x000F000Fu, 0x64006400u);
+        }
+    }
+    // The staged column of natural dim d (the inverse of frag's choice of dims).
+    __device__ static __forceinline__ int pos(int d) {
+        const int t = d / (HD / 4), r = d % (HD / 4);
+        int kk, e;
+        if constexpr (KIND == PAGE_U4) {
+            const int n = r % 8;
+            kk = 2 * (r / 8) + ((n & 3) >> 1);
+            e = ((n & 1) << 1) | (n >> 2);
+        } else {
+            kk = r / 4;
+            e = r % 4;
+        }
+        return kk * 16 + 2 * t + (e & 1) + 8 * (e >> 1);
+    }
+};
+
+// Values: lane g's codes of one row (dims [g * HD/8, (g + 1) * HD/8)) are VW words; n-tile n's
+// B fragment pairs tokens (a, b) and (c, d) of the lane's four rows.
+template <int HD, int KIND>
+struct ValueFrags {
+    static constexpr int BITS = PageCodec<KIND>::BITS;
+    static constexpr int VW = HD / 8 * BITS / 32 > 0 ? HD / 8 * BITS / 32 : 1;
+    __device__ static __forceinline__ u32 pair(const u32 (&a)[VW], const u32 (&b)[VW], int n) {
+        if constexpr (KIND == PAGE_U4) {
+            const int byte = n >> 1, j = byte & 3;
+            const u32 x = prmt(a[byte >> 2], b[byte >> 2], j | j << 4 | (4 + j) << 8 | (4 + j) << 12);
+            return lop_or_mask(x >> (4 * (n & 1)), 0x000F000Fu, 0x64006400u);
+        } else {
+            const int j = n & 3;
+            if constexpr (KIND == PAGE_FP8) {
+                return e4m3x2_f16x2(prmt(a[n >> 2], b[n >> 2], j | (4 + j) << 4));
+            } else {
+                return lop_or_mask(prmt(a[n >> 2], b[n >> 2], j | j << 4 | (4 + j) << 8 | (4 + j) << 12),
+                                   0x00FF00FFu, 0x64006400u);
+            }
+        }
+    }
+};
+
+// (s, z) of slots `slot` and `slot + 1` of a staged page's parameters (z = 0 for fp8).
+template <int KIND>
+__device__ __forceinline__ void slot_params(const unsigned char* params, int slot, float (&s)[2], float (&z)[2]) {
+    if constexpr (KIND == PAGE_FP8) {
+        const __half2 h = *reinterpret_cast<const __half2*>(params + 2 * slot);
+        s[0] = __low2float(h), s[1] = __high2float(h);
+        z[0] = z[1] = 0.f;
+    } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(params + 4 * slot);
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+        s[0] = a.x, z[0] = a.y, s[1] = b.x, z[1] = b.y;
+    }
+}
+
+template <int HD, int G, int KK, int VK>
+__device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __restrict__ kc,
+                                unsigned char* __restrict__ vc, const int* __restrict__ block_tables,
+                                const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
+                                float* __restrict__ part, int num_kv_heads, int group, int max_blocks,
+                                int chunk, float scale_log2, long ldq, const float* __restrict__ knew,
+                                const float* __restrict__ vnew, long ldk, long ldv, int window) {
+    using KS = PageSide<__half, HD, KK>;
+    using VS = PageSide<__half, HD, VK>;
+    using KF = KeyFrags<HD, KK>;
+    using VF = ValueFrags<HD, VK>;
+    constexpr int LD = HD + 8;
+    constexpr int WARPS = DM_WARPS;
+    constexpr int STAGES_BYTES = WARPS * 2 * (KS::PAGE + VS::PAGE);
+    constexpr int Q_BYTES = WARPS * DM_BS * LD * 2;
+    constexpr int MERGE_BYTES = WARPS * G * (HD + 2) * 4;
+    constexpr int SMEM = STAGES_BYTES + Q_BYTES > MERGE_BYTES ? STAGES_BYTES + Q_BYTES : MERGE_BYTES;
+    constexpr bool K_ZERO = KK != PAGE_FP8, V_ZERO = VK != PAGE_FP8;
+    grid_dependency_enter();
+    __shared__ __align__(16) unsigned char smem[SMEM];
+    const int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    unsigned char* mine = smem + warp * 2 * (KS::PAGE + VS::PAGE);
+    unsigned char* kst[2] = {mine, mine + KS::PAGE};
+    unsigned char* vst[2] = {mine + 2 * KS::PAGE, mine + 2 * KS::PAGE + VS::PAGE};
+    __half* kq = reinterpret_cast<__half*>(smem + STAGES_BYTES + warp * DM_BS * LD * 2);
+    const int ctx = tok_pos[token] + 1;
+    const int start = split * chunk;
+    if (start >= ctx) return;
+    const int end = min(ctx, start + chunk);
+    const int lo = window > 0 ? max(0, ctx - window) : 0;
+    const int* table = block_tables + (long)tok_seq[token] * max_blocks;
+    auto kpage = [&](int b) { return kc + ((long)table[b] * num_kv_heads + kvh) * KS::PAGE; };
+    auto vpage = [&](int b) { return vc + ((long)table[b] * num_kv_heads + kvh) * VS::PAGE; };
+    if (end == ctx) {
+        const int p = ctx - 1;
+        if (warp == 0) KS::append(kpage(p / DM_BS), knew + (long)token * ldk + kvh * HD, p % DM_BS, lane);
+        if (warp == 1) VS::append(vpage(p / DM_BS), vnew + (long)token * ldv + kvh * HD, p % DM_BS, lane);
+        __threadfence_block();
+        __syncthreads();
+    }
+    auto issue = [&](int b, int st) {
+        KS::issue(kst[st], kpage(b), DM_BS, lane);
+        VS::issue(vst[st], vpage(b), DM_BS, lane);
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    int stage = 0;
+    const int first = max(start, lo) / DM_BS + warp;
+    if (first * DM_BS < end) issue(first, 0);
+
+    // Q in f16 (clamped: a bf16 model's Q may exceed the f16 range), dims permuted as the key
+    // fragments take them; then each lane's rows' sums of the staged values.
+    u32 qf[HD / 16][4];
+    stage_q<__half, HD, G>(q + (long)token * ldq + (long)kvh * group * HD, group, kq, lane, qf,
+                           [](int d) { return KF::pos(d); });
+    float qsum[2] = {0.f, 0.f};
+    if (K_ZERO) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const __half* row = kq + (g + 8 * r) * LD + t * (HD / 4);
+#pragma unroll
+            for (int i = 0; i < HD / 4; ++i) qsum[r] += __half2float(row[i]);
+            qsum[r] += __shfl_xor_sync(0xffffffffu, qsum[r], 1);
+            qsum[r] += __shfl_xor_sync(0xffffffffu, qsum[r], 2);
+        }
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f}, zacc[2] = {0.f, 0.f};
+    __syncwarp();
+
+    for (int b = first; b * DM_BS < end; b += WARPS) {
+        if ((b + WARPS) * DM_BS < end) {
+            issue(b + WARPS, stage ^ 1);
+        } else {
+            asm volatile("cp.async.commit_group;\n" ::);
+        }
+        asm volatile("cp.async.wait_group 1;\n" ::);
+        __syncwarp();
+        const unsigned char* kp = kst[stage];
+        const unsigned char* vp = vst[stage];
+        // S = Q K^T: n-tile n's column g is the block's token n * 8 + g.
+        float s[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            u32 w[KF::KW];
+            load_words(kp + (n * 8 + g) * KS::CB + t * (KS::CB / 4), w);
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                u32 b0, b1;
+                KF::frag(w, kk, b0, b1);
+                mma16816<__half>(s[n], qf[kk], b0, b1);
+            }
+        }
+        // This lane's columns are tokens n * 8 + 2t + c: scales and zeros of K and V, validity.
+        float ks[2][2], kz[2][2], vs[2][2], vz[2][2];
+        bool valid[2][2];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            slot_params<KK>(kp + DM_BS * KS::CB, n * 8 + 2 * t, ks[n], kz[n]);
+            slot_params<VK>(vp + DM_BS * VS::CB, n * 8 + 2 * t, vs[n], vz[n]);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int p = b * DM_BS + n * 8 + 2 * t + c;
+                valid[n][c] = p < end && p >= lo;
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = e & 1, r = e >> 1;
+                float x = s[n][e];
+                if (K_ZERO) x = ks[n][c] * (x - 1024.f * qsum[r]) + kz[n][c] * qsum[r];
+                else x = ks[n][c] * x;
+                s[n][e] = valid[n][c] ? x * scale_log2 : NEG_BIG;
+            }
+        }
+        const float m0 = m[0], m1 = m[1];
+        softmax_tile(s, m, l, o);
+        const float corr[2] = {exp2f(m0 - m[0]), exp2f(m1 - m[1])};
+        // P' = P s per token; the zero terms of V (and the 1024 bias of its codes) per row.
+        float zrow[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = e & 1, r = e >> 1;
+                const float p = s[n][e];
+                // P' as the f16 operand holds it, so that its 1024 bias cancels exactly.
+                const float pr = valid[n][c] ? __half2float(__float2half_rn(p * vs[n][c])) : 0.f;
+                s[n][e] = pr;
+                if (V_ZERO && valid[n][c]) zrow[r] += fmaf(p, vz[n][c], -1024.f * pr);
+            }
+        }
+        if (V_ZERO) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                zrow[r] += __shfl_xor_sync(0xffffffffu, zrow[r], 1);
+                zrow[r] += __shfl_xor_sync(0xffffffffu, zrow[r], 2);
+                zacc[r] = zacc[r] * corr[r] + zrow[r];
+            }
+        }
+        // O += P' V: rows of tokens 2t, 2t+1 (k 0-7) and 2t+8, 2t+9 (k 8-15); lane g's dims.
+        u32 pa[4];
+        pa[0] = pack2(s[0][0], s[0][1], (__half*)nullptr);
+        pa[1] = pack2(s[0][2], s[0][3], (__half*)nullptr);
+        pa[2] = pack2(s[1][0], s[1][1], (__half*)nullptr);
+        pa[3] = pack2(s[1][2], s[1][3], (__half*)nullptr);
+        u32 va[VF::VW], vb[VF::VW], vcw[VF::VW], vd[VF::VW];
+        const int voff = g * (VS::CB / 8);
+        load_words(vp + (2 * t) * VS::CB + voff, va);
+        load_words(vp + (2 * t + 1) * VS::CB + voff, vb);
+        load_words(vp + (2 * t + 8) * VS::CB + voff, vcw);
+        load_words(vp + (2 * t + 9) * VS::CB + voff, vd);
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n)
+            mma16816<__half>(o[n], pa, VF::pair(va, vb, n), VF::pair(vcw, vd, n));
+        __syncwarp();
+        stage ^= 1;
+    }
+    if (V_ZERO) {
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            o[n][0] += zacc[0], o[n][1] += zacc[0];
+            o[n][2] += zacc[1], o[n][3] += zacc[1];
+        }
+    }
+    write_partials<HD, G, WARPS>(reinterpret_cast<float*>(smem), o, m, l, group,
+                                 part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2),
+                                 [](int n, int c) { return (HD / 8) * c + n; });
+}
 
 template <int HD>
 __device__ void kvq_append_impl(const float* __restrict__ k, const float* __restrict__ v,
