@@ -72,6 +72,29 @@ __device__ __forceinline__ void stage_q(const float* qg, int group, T* kq, int l
     }
 }
 
+// The warps' stashed states (MERGE layout) merged per head
+// into the split's partials. Starts with a barrier; all threads of the CTA.
+template <int HD, int G, int WARPS>
+__device__ __forceinline__ void combine_partials(const float* merge, int group, float* out) {
+#define MERGE(w, hg, d) merge[((w) * G + (hg)) * (HD + 2) + (d)]
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < group * (HD + 2); idx += blockDim.x) {
+        const int hg = idx / (HD + 2), d = idx % (HD + 2);
+        float mx = NEG_BIG;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, MERGE(w, hg, HD));
+        float v = 0.f;
+        if (d == HD) {
+            v = mx * 0.69314718056f;
+        } else {
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) v += MERGE(w, hg, d) * exp2f(MERGE(w, hg, HD) - mx);
+        }
+        out[hg * (HD + 2) + d] = v;
+    }
+#undef MERGE
+}
+
 // Merges the warps' running states (o, m, l of rows g and g + 8; rows g < group are heads) per
 // head through `merge` (WARPS * G * (HD + 2) floats of shared memory) and writes the split's
 // partials (m converted from base 2 to base e for the reduction). Output column c of n-tile n
@@ -94,21 +117,7 @@ __device__ __forceinline__ void write_partials(float* merge, const float (&o)[HD
             MERGE(warp, g, HD + 1) = l[0];
         }
     }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < group * (HD + 2); idx += blockDim.x) {
-        const int hg = idx / (HD + 2), d = idx % (HD + 2);
-        float mx = NEG_BIG;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, MERGE(w, hg, HD));
-        float v = 0.f;
-        if (d == HD) {
-            v = mx * 0.69314718056f;
-        } else {
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) v += MERGE(w, hg, d) * exp2f(MERGE(w, hg, HD) - mx);
-        }
-        out[hg * (HD + 2) + d] = v;
-    }
+    combine_partials<HD, G, WARPS>(merge, group, out);
 #undef MERGE
 }
 

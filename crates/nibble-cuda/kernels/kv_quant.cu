@@ -56,14 +56,19 @@ typedef NIBBLE_KVQ_T KvqT;
 
 // ---------------------------------------------------------------------------------------------
 // Decode over two quantized sides, codes straight from the staged pages into f16 MMA fragments
-// (BitDecoding Sec. 4.2-4.3: no dequantized tile, no shuffles). Grid, block, split-K partials,
-// fused append and the 2-stage cp.async page stream are decode_mma.cu's.
+// (BitDecoding Sec. 4.2-4.3: no dequantized tile). Grid, block, split-K partials, fused append
+// and the 2-stage cp.async page stream are decode_mma.cu's.
+//
+// Tokens are the MMA rows (BitDecoding's query transformation, turned around): S^T = K Q^T is a
+// 16-token x 8-head tile, O^T += V^T P^T a 16-dim x 8-head tile, so a GQA group of up to 8 heads
+// costs HD/16 MMAs for each of S and O per 16-token block, half what 16 padded query rows
+// would. P^T's B fragments are the S^T accumulators transposed in registers (movmatrix).
 //
 // Layout induction without touching the pages: a dot product is order-free, so each lane's K
 // fragments take the head dims whose codes sit together in a row (lane t: dims
 // [t * HD/4, (t + 1) * HD/4), a 16- or 32-byte run) and Q is staged with the same permutation of
-// its dims; for P V, lane g's B columns are dims [g * HD/8, (g + 1) * HD/8) (one vector load per
-// token), and the output columns are un-permuted when the warps merge.
+// its dims; for V^T, lane g's rows are dims [g * HD/8, (g + 1) * HD/8) (one vector load per
+// token), and the output rows are un-permuted when the warps merge.
 // Codes become f16 with one PRMT or LOP3 per pair: 0x6400 | q is the f16 1024 + q, exact. The
 // scales and zeros never touch the codes: S = s (Q.(1024 + c) - 1024 sum(Q)) + z sum(Q) per token
 // for KV8/KV4 keys, s (Q.e4m3) for FP8 keys; for values P' = P s per token multiplies the codes,
@@ -164,19 +169,32 @@ struct ValueFrags {
     }
 };
 
-// (s, z) of slots `slot` and `slot + 1` of a staged page's parameters (z = 0 for fp8).
+// (s, z) of slot `slot` of a staged page's parameters (z = 0 for fp8).
 template <int KIND>
-__device__ __forceinline__ void slot_params(const unsigned char* params, int slot, float (&s)[2], float (&z)[2]) {
+__device__ __forceinline__ float2 slot_param(const unsigned char* params, int slot) {
     if constexpr (KIND == PAGE_FP8) {
-        const __half2 h = *reinterpret_cast<const __half2*>(params + 2 * slot);
-        s[0] = __low2float(h), s[1] = __high2float(h);
-        z[0] = z[1] = 0.f;
+        return make_float2(__half2float(*reinterpret_cast<const __half*>(params + 2 * slot)), 0.f);
     } else {
-        const uint2 v = *reinterpret_cast<const uint2*>(params + 4 * slot);
-        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
-        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
-        s[0] = a.x, z[0] = a.y, s[1] = b.x, z[1] = b.y;
+        return __half22float2(*reinterpret_cast<const __half2*>(params + 4 * slot));
     }
+}
+
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+    u32 d;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(x));
+    return d;
+}
+
+// A value over the 8 lanes that share this lane's t (lanes t, t + 4, ..., t + 28).
+__device__ __forceinline__ float column_max(float v) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float column_sum(float v) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
 }
 
 template <int HD, int G, int KK, int VK>
@@ -230,25 +248,26 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     const int first = max(start, lo) / DM_BS + warp;
     if (first * DM_BS < end) issue(first, 0);
 
-    // Q in f16 (clamped: a bf16 model's Q may exceed the f16 range), dims permuted as the key
-    // fragments take them; then each lane's rows' sums of the staged values.
+    // Q^T's B fragments (head g; dims permuted as the key fragments take them): qf[kk][0] and
+    // qf[kk][2]. This lane's two heads are 2t and 2t + 1; their sums of the staged Q.
     u32 qf[HD / 16][4];
     stage_q<__half, HD, G>(q + (long)token * ldq + (long)kvh * group * HD, group, kq, lane, qf,
                            [](int d) { return KF::pos(d); });
     float qsum[2] = {0.f, 0.f};
     if (K_ZERO) {
+        float mine_sum = 0.f;  // head g's row, a quarter per lane of the quad
+        const __half* row = kq + g * LD + t * (HD / 4);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const __half* row = kq + (g + 8 * r) * LD + t * (HD / 4);
-#pragma unroll
-            for (int i = 0; i < HD / 4; ++i) qsum[r] += __half2float(row[i]);
-            qsum[r] += __shfl_xor_sync(0xffffffffu, qsum[r], 1);
-            qsum[r] += __shfl_xor_sync(0xffffffffu, qsum[r], 2);
-        }
+        for (int i = 0; i < HD / 4; ++i) mine_sum += __half2float(row[i]);
+        mine_sum += __shfl_xor_sync(0xffffffffu, mine_sum, 1);
+        mine_sum += __shfl_xor_sync(0xffffffffu, mine_sum, 2);
+        qsum[0] = __shfl_sync(0xffffffffu, mine_sum, (2 * t) * 4);
+        qsum[1] = __shfl_sync(0xffffffffu, mine_sum, (2 * t + 1) * 4);
     }
-    float o[HD / 8][4];
+    // O^T: m-tile m's rows g and g + 8 are dims g * HD/8 + 2m and + 2m + 1; columns heads 2t, 2t+1.
+    float o[HD / 16][4];
 #pragma unroll
-    for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    for (int i = 0; i < HD / 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f}, zacc[2] = {0.f, 0.f};
     __syncwarp();
 
@@ -262,75 +281,73 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
         __syncwarp();
         const unsigned char* kp = kst[stage];
         const unsigned char* vp = vst[stage];
-        // S = Q K^T: n-tile n's column g is the block's token n * 8 + g.
-        float s[2][4];
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            u32 w[KF::KW];
-            load_words(kp + (n * 8 + g) * KS::CB + t * (KS::CB / 4), w);
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        // S^T = K Q^T: rows are the block's tokens g and g + 8; two accumulators halve the chain.
+        float s[4], s2[4] = {0.f, 0.f, 0.f, 0.f};
+        {
+            u32 w0[KF::KW], w1[KF::KW];
+            load_words(kp + g * KS::CB + t * (KS::CB / 4), w0);
+            load_words(kp + (g + 8) * KS::CB + t * (KS::CB / 4), w1);
+            s[0] = s[1] = s[2] = s[3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
-                u32 b0, b1;
-                KF::frag(w, kk, b0, b1);
-                mma16816<__half>(s[n], qf[kk], b0, b1);
+                u32 a[4];
+                KF::frag(w0, kk, a[0], a[2]);
+                KF::frag(w1, kk, a[1], a[3]);
+                mma16816<__half>((kk & 1) ? s2 : s, a, qf[kk][0], qf[kk][2]);
             }
         }
-        // This lane's columns are tokens n * 8 + 2t + c: scales and zeros of K and V, validity.
-        float ks[2][2], kz[2][2], vs[2][2], vz[2][2];
-        bool valid[2][2];
+        // s[r * 2 + c]: token g + 8r, head 2t + c.
+        float2 kp_[2], vp_[2];
+        bool valid[2];
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            slot_params<KK>(kp + DM_BS * KS::CB, n * 8 + 2 * t, ks[n], kz[n]);
-            slot_params<VK>(vp + DM_BS * VS::CB, n * 8 + 2 * t, vs[n], vz[n]);
+        for (int r = 0; r < 2; ++r) {
+            kp_[r] = slot_param<KK>(kp + DM_BS * KS::CB, g + 8 * r);
+            vp_[r] = slot_param<VK>(vp + DM_BS * VS::CB, g + 8 * r);
+            const int p = b * DM_BS + g + 8 * r;
+            valid[r] = p < end && p >= lo;
+        }
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1, c = e & 1;
+            float x = s[e] + s2[e];
+            x = K_ZERO ? kp_[r].x * (x - 1024.f * qsum[c]) + kp_[r].y * qsum[c] : kp_[r].x * x;
+            s[e] = valid[r] ? x * scale_log2 : NEG_BIG;
+            mx[c] = fmaxf(mx[c], s[e]);
+        }
+        float corr[2], rs[2] = {0.f, 0.f}, zrow[2] = {0.f, 0.f};
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            mx[c] = column_max(mx[c]);
+            corr[c] = exp2f(m[c] - mx[c]);
+            m[c] = mx[c];
+        }
+        // P' = P s per token (rounded to f16 as the operand holds it, so that the codes' 1024
+        // bias cancels exactly against zrow).
+        u32 pt[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float pr[2];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const int p = b * DM_BS + n * 8 + 2 * t + c;
-                valid[n][c] = p < end && p >= lo;
+                const float p = s[r * 2 + c] > -1e29f ? exp2f(s[r * 2 + c] - mx[c]) : 0.f;
+                rs[c] += p;
+                pr[c] = valid[r] ? __half2float(__float2half_rn(p * vp_[r].x)) : 0.f;
+                if (V_ZERO && valid[r]) zrow[c] += fmaf(p, vp_[r].y, -1024.f * pr[c]);
             }
+            pt[r] = transpose8x8(pack2(pr[0], pr[1], (__half*)nullptr));
         }
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = e & 1, r = e >> 1;
-                float x = s[n][e];
-                if (K_ZERO) x = ks[n][c] * (x - 1024.f * qsum[r]) + kz[n][c] * qsum[r];
-                else x = ks[n][c] * x;
-                s[n][e] = valid[n][c] ? x * scale_log2 : NEG_BIG;
-            }
+        for (int c = 0; c < 2; ++c) {
+            l[c] = l[c] * corr[c] + column_sum(rs[c]);
+            if (V_ZERO) zacc[c] = zacc[c] * corr[c] + column_sum(zrow[c]);
         }
-        const float m0 = m[0], m1 = m[1];
-        softmax_tile(s, m, l, o);
-        const float corr[2] = {exp2f(m0 - m[0]), exp2f(m1 - m[1])};
-        // P' = P s per token; the zero terms of V (and the 1024 bias of its codes) per row.
-        float zrow[2] = {0.f, 0.f};
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = e & 1, r = e >> 1;
-                const float p = s[n][e];
-                // P' as the f16 operand holds it, so that its 1024 bias cancels exactly.
-                const float pr = valid[n][c] ? __half2float(__float2half_rn(p * vs[n][c])) : 0.f;
-                s[n][e] = pr;
-                if (V_ZERO && valid[n][c]) zrow[r] += fmaf(p, vz[n][c], -1024.f * pr);
-            }
+        for (int i = 0; i < HD / 16; ++i) {
+            o[i][0] *= corr[0], o[i][1] *= corr[1];
+            o[i][2] *= corr[0], o[i][3] *= corr[1];
         }
-        if (V_ZERO) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                zrow[r] += __shfl_xor_sync(0xffffffffu, zrow[r], 1);
-                zrow[r] += __shfl_xor_sync(0xffffffffu, zrow[r], 2);
-                zacc[r] = zacc[r] * corr[r] + zrow[r];
-            }
-        }
-        // O += P' V: rows of tokens 2t, 2t+1 (k 0-7) and 2t+8, 2t+9 (k 8-15); lane g's dims.
-        u32 pa[4];
-        pa[0] = pack2(s[0][0], s[0][1], (__half*)nullptr);
-        pa[1] = pack2(s[0][2], s[0][3], (__half*)nullptr);
-        pa[2] = pack2(s[1][0], s[1][1], (__half*)nullptr);
-        pa[3] = pack2(s[1][2], s[1][3], (__half*)nullptr);
+        // O^T += V^T P^T: A from the value rows of tokens 2t, 2t+1 (k 0-7) and 2t+8, 2t+9.
         u32 va[VF::VW], vb[VF::VW], vcw[VF::VW], vd[VF::VW];
         const int voff = g * (VS::CB / 8);
         load_words(vp + (2 * t) * VS::CB + voff, va);
@@ -338,21 +355,37 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
         load_words(vp + (2 * t + 8) * VS::CB + voff, vcw);
         load_words(vp + (2 * t + 9) * VS::CB + voff, vd);
 #pragma unroll
-        for (int n = 0; n < HD / 8; ++n)
-            mma16816<__half>(o[n], pa, VF::pair(va, vb, n), VF::pair(vcw, vd, n));
+        for (int i = 0; i < HD / 16; ++i) {
+            const u32 a[4] = {VF::pair(va, vb, 2 * i), VF::pair(va, vb, 2 * i + 1), VF::pair(vcw, vd, 2 * i),
+                              VF::pair(vcw, vd, 2 * i + 1)};
+            mma16816<__half>(o[i], a, pt[0], pt[1]);
+        }
         __syncwarp();
         stage ^= 1;
     }
-    if (V_ZERO) {
+    // Stash this warp's heads 2t, 2t+1 (rows of O^T are dims), then merge the warps.
+    float* merge = reinterpret_cast<float*>(smem);
+    __syncthreads();
+#define MERGE(w, hg, d) merge[((w) * G + (hg)) * (HD + 2) + (d)]
 #pragma unroll
-        for (int n = 0; n < HD / 8; ++n) {
-            o[n][0] += zacc[0], o[n][1] += zacc[0];
-            o[n][2] += zacc[1], o[n][3] += zacc[1];
+    for (int c = 0; c < 2; ++c) {
+        const int h = 2 * t + c;
+        if (h < group) {
+#pragma unroll
+            for (int i = 0; i < HD / 16; ++i) {
+                const int d = g * (HD / 8) + 2 * i;
+                MERGE(warp, h, d) = o[i][c] + zacc[c];
+                MERGE(warp, h, d + 1) = o[i][2 + c] + zacc[c];
+            }
+            if (g == 0) {
+                MERGE(warp, h, HD) = m[c];
+                MERGE(warp, h, HD + 1) = l[c];
+            }
         }
     }
-    write_partials<HD, G, WARPS>(reinterpret_cast<float*>(smem), o, m, l, group,
-                                 part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2),
-                                 [](int n, int c) { return (HD / 8) * c + n; });
+#undef MERGE
+    combine_partials<HD, G, WARPS>(merge, group,
+                                   part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2));
 }
 
 template <int HD>
