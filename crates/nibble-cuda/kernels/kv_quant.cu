@@ -57,7 +57,7 @@ typedef NIBBLE_KVQ_T KvqT;
 // ---------------------------------------------------------------------------------------------
 // Decode over two quantized sides, codes straight from the staged pages into f16 MMA fragments
 // (BitDecoding Sec. 4.2-4.3: no dequantized tile). Grid, block, split-K partials, fused append
-// and the 2-stage cp.async page stream are decode_mma.cu's.
+// and the cp.async page stream are decode_mma.cu's (2 to 4 stages deep here, by page size).
 //
 // Tokens are the MMA rows (BitDecoding's query transformation, turned around): S^T = K Q^T is a
 // 16-token x 8-head tile, O^T += V^T P^T a 16-dim x 8-head tile, so a GQA group of up to 8 heads
@@ -210,7 +210,10 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     using VF = ValueFrags<HD, VK>;
     constexpr int LD = HD + 8;
     constexpr int WARPS = DM_WARPS;
-    constexpr int STAGES_BYTES = WARPS * 2 * (KS::PAGE + VS::PAGE);
+    // Stages per warp: enough bytes in flight for HBM's latency with pages as small as KV4's.
+    constexpr int PAIR = KS::PAGE + VS::PAGE;
+    constexpr int STAGES = PAIR <= 2304 ? 4 : PAIR <= 3328 ? 3 : 2;
+    constexpr int STAGES_BYTES = WARPS * STAGES * PAIR;
     constexpr int Q_BYTES = WARPS * DM_BS * LD * 2;
     constexpr int MERGE_BYTES = WARPS * G * (HD + 2) * 4;
     constexpr int SMEM = STAGES_BYTES + Q_BYTES > MERGE_BYTES ? STAGES_BYTES + Q_BYTES : MERGE_BYTES;
@@ -220,9 +223,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     const int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    unsigned char* mine = smem + warp * 2 * (KS::PAGE + VS::PAGE);
-    unsigned char* kst[2] = {mine, mine + KS::PAGE};
-    unsigned char* vst[2] = {mine + 2 * KS::PAGE, mine + 2 * KS::PAGE + VS::PAGE};
+    unsigned char* mine = smem + warp * STAGES * PAIR;  // stage i: K page, then V page
     __half* kq = reinterpret_cast<__half*>(smem + STAGES_BYTES + warp * DM_BS * LD * 2);
     const int ctx = tok_pos[token] + 1;
     const int start = split * chunk;
@@ -239,14 +240,17 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
         __threadfence_block();
         __syncthreads();
     }
+    // Block b's pages into stage st, or an empty group past the chunk: one group per call.
     auto issue = [&](int b, int st) {
-        KS::issue(kst[st], kpage(b), DM_BS, lane);
-        VS::issue(vst[st], vpage(b), DM_BS, lane);
+        if (b * DM_BS < end) {
+            KS::issue(mine + st * PAIR, kpage(b), DM_BS, lane);
+            VS::issue(mine + st * PAIR + KS::PAGE, vpage(b), DM_BS, lane);
+        }
         asm volatile("cp.async.commit_group;\n" ::);
     };
-    int stage = 0;
     const int first = max(start, lo) / DM_BS + warp;
-    if (first * DM_BS < end) issue(first, 0);
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) issue(first + i * WARPS, i);
 
     // Q^T's B fragments (head g; dims permuted as the key fragments take them): qf[kk][0] and
     // qf[kk][2]. This lane's two heads are 2t and 2t + 1; their sums of the staged Q.
@@ -271,16 +275,14 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f}, zacc[2] = {0.f, 0.f};
     __syncwarp();
 
+    int stage = 0;
     for (int b = first; b * DM_BS < end; b += WARPS) {
-        if ((b + WARPS) * DM_BS < end) {
-            issue(b + WARPS, stage ^ 1);
-        } else {
-            asm volatile("cp.async.commit_group;\n" ::);
-        }
-        asm volatile("cp.async.wait_group 1;\n" ::);
+        // The block STAGES - 1 ahead streams in while this one is computed.
+        issue(b + (STAGES - 1) * WARPS, stage == 0 ? STAGES - 1 : stage - 1);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
         __syncwarp();
-        const unsigned char* kp = kst[stage];
-        const unsigned char* vp = vst[stage];
+        const unsigned char* kp = mine + stage * PAIR;
+        const unsigned char* vp = kp + KS::PAGE;
         // S^T = K Q^T: rows are the block's tokens g and g + 8; two accumulators halve the chain.
         float s[4], s2[4] = {0.f, 0.f, 0.f, 0.f};
         {
@@ -360,9 +362,10 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                               VF::pair(vcw, vd, 2 * i + 1)};
             mma16816<__half>(o[i], a, pt[0], pt[1]);
         }
-        __syncwarp();
-        stage ^= 1;
+        __syncwarp();  // this stage is read before it is refilled
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
+    asm volatile("cp.async.wait_group 0;\n" ::);
     // Stash this warp's heads 2t, 2t+1 (rows of O^T are dims), then merge the warps.
     float* merge = reinterpret_cast<float*>(smem);
     __syncthreads();
