@@ -80,7 +80,8 @@ for part in "$@"; do
       python3 bench/qgemm_report.py "$out" > /dev/null 2>"$out/qgemm-report.err" || status=1 ;;
     kv-attention)
       step kv-attention stage/gpu/gpu-bench "$out/kv-attention.json" --kv-attention
-      step kv-attention-peer python3 bench/gpu_peer.py "$out/kv-attention-peer.json" --kv-attention ;;
+      step kv-attention-peer python3 bench/gpu_peer.py "$out/kv-attention-peer.json" --kv-attention
+      python3 bench/kv_report.py "$out" > "$out/report-kv.md" 2>"$out/report-kv.err" || status=1 ;;
     kv-long)
       for run in "long-w4a8-kv4 llama-3-8b:w4a8-g128 kv4" "long-bf16-kv16 llama-3-8b kv16"; do
         read -r name model kv <<< "$run"
