@@ -121,6 +121,39 @@ __device__ __forceinline__ void write_partials(float* merge, const float (&o)[HD
 #undef MERGE
 }
 
+// The positions a decode CTA reads (grid: token, kv head, split): [start, end) of the split's
+// chunk, none before `lo` (a sliding window's first position), through its sequence's block
+// table; false for a split wholly past the context. The CTA whose split holds the step's position
+// first appends the step's key (warp 0) and value (warp 1) to their pages, quantizing them if
+// the pages are (one launch fewer per layer than a separate append); it reads them back later.
+struct DecodeSplit {
+    int start, end, lo;
+    const int* table;
+};
+template <int HD, class KS, class VS>
+__device__ __forceinline__ bool decode_split(DecodeSplit& d, const int* tok_pos, const int* block_tables,
+                                             const int* tok_seq, int max_blocks, int chunk, int window,
+                                             unsigned char* kc, unsigned char* vc, int num_kv_heads,
+                                             const float* knew, const float* vnew, long ldk, long ldv) {
+    const int token = blockIdx.x, kvh = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int ctx = tok_pos[token] + 1;
+    d.start = blockIdx.z * chunk;
+    if (d.start >= ctx) return false;
+    d.end = min(ctx, d.start + chunk);
+    d.lo = window > 0 ? max(0, ctx - window) : 0;
+    d.table = block_tables + (long)tok_seq[token] * max_blocks;
+    if (d.end == ctx) {
+        const int p = ctx - 1;
+        const long page = (long)d.table[p / KV_BS] * num_kv_heads + kvh;
+        if (warp == 0) KS::append(kc + page * KS::PAGE, knew + (long)token * ldk + kvh * HD, p % KV_BS, lane);
+        if (warp == 1) VS::append(vc + page * VS::PAGE, vnew + (long)token * ldv + kvh * HD, p % KV_BS, lane);
+        __threadfence_block();
+        __syncthreads();
+    }
+    return true;
+}
+
 template <class T, int HD, int G, class KS, class VS>
 __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __restrict__ kc,
                                 unsigned char* __restrict__ vc, const int* __restrict__ block_tables,
@@ -147,23 +180,14 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
     unsigned char* vst[2] = {mine + 2 * KST, mine + 2 * KST + VST};
     T* ktile = reinterpret_cast<T*>(mine + 2 * KST + 2 * VST);
     T* vtile = reinterpret_cast<T*>(mine + 2 * KST + 2 * VST + KS::TILE);
-    const int ctx = tok_pos[token] + 1;
-    const int start = split * chunk;
-    if (start >= ctx) return;
-    const int end = min(ctx, start + chunk);
-    const int lo = window > 0 ? max(0, ctx - window) : 0;  // the first position read
-    const int* table = block_tables + (long)tok_seq[token] * max_blocks;
+    DecodeSplit ds;
+    if (!decode_split<HD, KS, VS>(ds, tok_pos, block_tables, tok_seq, max_blocks, chunk, window, kc, vc,
+                                  num_kv_heads, knew, vnew, ldk, ldv))
+        return;  // attn_reduce reads only the splits that hold context
+    const int start = ds.start, end = ds.end, lo = ds.lo;
+    const int* table = ds.table;
     auto kpage = [&](int b) { return kc + ((long)table[b] * num_kv_heads + kvh) * KS::PAGE; };
     auto vpage = [&](int b) { return vc + ((long)table[b] * num_kv_heads + kvh) * VS::PAGE; };
-    // The step's own key and value go into the cache here, by the CTA whose split holds the
-    // position (one launch fewer per layer than a separate append); it reads them back below.
-    if (end == ctx) {
-        const int p = ctx - 1;
-        if (warp == 0) KS::append(kpage(p / DM_BS), knew + (long)token * ldk + kvh * HD, p % DM_BS, lane);
-        if (warp == 1) VS::append(vpage(p / DM_BS), vnew + (long)token * ldv + kvh * HD, p % DM_BS, lane);
-        __threadfence_block();
-        __syncthreads();
-    }
     // Q staging: the K tile, or stage 1 of a 16-bit K (the first block goes to stage 0).
     T* kq = KS::FLOAT ? reinterpret_cast<T*>(kst[1]) : ktile;
 

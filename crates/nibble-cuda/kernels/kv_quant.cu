@@ -225,21 +225,14 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     const int g = lane >> 2, t = lane & 3;
     unsigned char* mine = smem + warp * STAGES * PAIR;  // stage i: K page, then V page
     __half* kq = reinterpret_cast<__half*>(smem + STAGES_BYTES + warp * DM_BS * LD * 2);
-    const int ctx = tok_pos[token] + 1;
-    const int start = split * chunk;
-    if (start >= ctx) return;
-    const int end = min(ctx, start + chunk);
-    const int lo = window > 0 ? max(0, ctx - window) : 0;
-    const int* table = block_tables + (long)tok_seq[token] * max_blocks;
+    DecodeSplit ds;
+    if (!decode_split<HD, KS, VS>(ds, tok_pos, block_tables, tok_seq, max_blocks, chunk, window, kc, vc,
+                                  num_kv_heads, knew, vnew, ldk, ldv))
+        return;
+    const int start = ds.start, end = ds.end, lo = ds.lo;
+    const int* table = ds.table;
     auto kpage = [&](int b) { return kc + ((long)table[b] * num_kv_heads + kvh) * KS::PAGE; };
     auto vpage = [&](int b) { return vc + ((long)table[b] * num_kv_heads + kvh) * VS::PAGE; };
-    if (end == ctx) {
-        const int p = ctx - 1;
-        if (warp == 0) KS::append(kpage(p / DM_BS), knew + (long)token * ldk + kvh * HD, p % DM_BS, lane);
-        if (warp == 1) VS::append(vpage(p / DM_BS), vnew + (long)token * ldv + kvh * HD, p % DM_BS, lane);
-        __threadfence_block();
-        __syncthreads();
-    }
     // Block b's pages into stage st, or an empty group past the chunk: one group per call.
     auto issue = [&](int b, int st) {
         if (b * DM_BS < end) {

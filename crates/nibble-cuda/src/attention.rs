@@ -146,49 +146,36 @@ pub fn attention(
     // the batch's keys and values first.
     let tensor_core_decode = quantized || (group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim));
     let fused_append = !prefill && tensor_core_decode;
-    if !fused_append && quantized {
-        ctx.kv_kernel(kv.formats, &format!("kvq_append_hd{head_dim}"))?
-            .launch(
-                &ctx.gpu,
-                (n as u32, num_kv_heads as u32, 1),
-                64,
-                0,
-                vec![
-                    Arg::Ptr(k.ptr),
-                    Arg::Ptr(v.ptr),
-                    Arg::Ptr(kc),
-                    Arg::Ptr(vc),
-                    Arg::Ptr(tables),
-                    Arg::Ptr(tok_seq),
-                    Arg::Ptr(positions),
-                    Arg::I32(max_blocks as i32),
-                    Arg::I32(num_kv_heads as i32),
-                    Arg::I64(k.ld as i64),
-                    Arg::I64(v.ld as i64),
-                ],
-            )?;
-    } else if !fused_append {
-        ctx.kernel(&format!("kv_append_{dt}"))?.launch(
-            &ctx.gpu,
-            (n as u32, 1, 1),
-            128,
-            0,
-            vec![
-                Arg::Ptr(k.ptr),
-                Arg::Ptr(v.ptr),
-                Arg::Ptr(kc),
-                Arg::Ptr(vc),
-                Arg::Ptr(tables),
-                Arg::Ptr(tok_seq),
-                Arg::Ptr(positions),
-                Arg::I32(max_blocks as i32),
+    if !fused_append {
+        // Both append kernels: a token's rows, where they go, then how the pool is cut.
+        let mut args = vec![
+            Arg::Ptr(k.ptr),
+            Arg::Ptr(v.ptr),
+            Arg::Ptr(kc),
+            Arg::Ptr(vc),
+            Arg::Ptr(tables),
+            Arg::Ptr(tok_seq),
+            Arg::Ptr(positions),
+            Arg::I32(max_blocks as i32),
+        ];
+        let (kernel, grid, block) = if quantized {
+            args.push(Arg::I32(num_kv_heads as i32));
+            let kernel = ctx.kv_kernel(kv.formats, &format!("kvq_append_hd{head_dim}"))?;
+            (kernel, (n as u32, num_kv_heads as u32, 1), 64)
+        } else {
+            args.extend([
                 Arg::I32(kv.block_size as i32),
                 Arg::I32(kv_row as i32),
                 Arg::I32(head_dim as i32),
-                Arg::I64(k.ld as i64),
-                Arg::I64(v.ld as i64),
-            ],
-        )?;
+            ]);
+            (
+                ctx.kernel(&format!("kv_append_{dt}"))?,
+                (n as u32, 1, 1),
+                128,
+            )
+        };
+        args.extend([Arg::I64(k.ld as i64), Arg::I64(v.ld as i64)]);
+        kernel.launch(&ctx.gpu, grid, block, 0, args)?;
     }
 
     let out = ctx.alloc(n, num_heads * head_dim, Elem::Half(ctx.dtype))?;
