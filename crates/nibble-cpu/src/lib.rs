@@ -15,6 +15,7 @@ mod qdot;
 mod qkern;
 mod quant;
 mod spin;
+pub mod tensor_parallel;
 
 use std::sync::OnceLock;
 

@@ -150,6 +150,72 @@ impl HostTensor {
         Ok(out)
     }
 
+    /// Rows `r0..r1` of a matrix, in any row-wise format, or elements `r0..r1` of a vector (a
+    /// tensor-parallel shard of a column-parallel layer and its bias).
+    pub fn slice_rows(&self, r0: usize, r1: usize) -> Result<HostTensor> {
+        let (rows, cols) = match self.shape.as_slice() {
+            [n] => (*n, 1),
+            _ => self.rows_cols(),
+        };
+        if r0 > r1 || r1 > rows {
+            return Err(Error::InvalidArgument(format!(
+                "rows {r0}..{r1} of '{}' ({rows} rows)",
+                self.name
+            )));
+        }
+        let rb = self.format.row_bytes(cols)?;
+        let mut shape = self.shape.clone();
+        shape[0] = r1 - r0;
+        Ok(HostTensor {
+            shape,
+            bytes: TensorBytes::Owned(Arc::new(self.bytes[r0 * rb..r1 * rb].to_vec())),
+            ..self.clone()
+        })
+    }
+
+    /// Columns `c0..c1` of a `[rows, cols]` matrix (a tensor-parallel shard of a row-parallel
+    /// layer): plain floats anywhere, ggml blocks on block boundaries. A cut through a block, or
+    /// through a nibble quantized row (whose groups' scales sit apart from its codes), is refused.
+    pub fn slice_cols(&self, c0: usize, c1: usize) -> Result<HostTensor> {
+        let (rows, cols) = self.matrix_geometry().map(|(r, c, _)| (r, c))?;
+        if c0 > c1 || c1 > cols {
+            return Err(Error::InvalidArgument(format!(
+                "columns {c0}..{c1} of '{}' ({cols} columns)",
+                self.name
+            )));
+        }
+        let WeightFormat::Ggml(t) = self.format else {
+            return Err(Error::unsupported(
+                format!("splitting '{}' ({:?}) by columns", self.name, self.format),
+                "tensor parallelism splits row-parallel layers of plain float and ggml block \
+                 formats; re-quantize nibble formats per shard",
+            ));
+        };
+        let b = t.block_elems();
+        if !c0.is_multiple_of(b) || !c1.is_multiple_of(b) {
+            return Err(Error::unsupported(
+                format!(
+                    "splitting '{}' at columns {c0}..{c1}: it would cut a {}-element {} block",
+                    self.name,
+                    b,
+                    t.name()
+                ),
+                "pick a tensor-parallel size that divides the layer into whole blocks",
+            ));
+        }
+        let rb = t.bytes_for(cols)?;
+        let (o0, o1) = (t.bytes_for(c0)?, t.bytes_for(c1)?);
+        let mut out = Vec::with_capacity(rows * (o1 - o0));
+        for r in 0..rows {
+            out.extend_from_slice(&self.bytes[r * rb + o0..r * rb + o1]);
+        }
+        Ok(HostTensor {
+            shape: vec![rows, c1 - c0],
+            bytes: TensorBytes::Owned(Arc::new(out)),
+            ..self.clone()
+        })
+    }
+
     /// Reorders rows: row `i` of the result is row `order[i]` of `self`. Works on any row-wise
     /// format because quantization blocks never straddle rows.
     pub fn permute_rows(&self, order: &[usize]) -> Result<HostTensor> {

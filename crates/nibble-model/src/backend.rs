@@ -188,6 +188,13 @@ pub trait Backend: Send + Sync {
         )))
     }
 
+    /// Tensor parallelism: sums `x` over the ranks that each hold a shard of the model
+    /// (`tensor_parallel`), after a row-parallel layer (o_proj, down_proj) left each rank a
+    /// partial sum; every rank gets the same sum. A backend running the whole model does nothing.
+    fn all_reduce(&self, _x: &mut Self::Tensor) -> Result<()> {
+        Ok(())
+    }
+
     /// Rows `ids` of an embedding table.
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Self::Tensor;

@@ -10,6 +10,7 @@ pub mod loader;
 pub mod moe;
 pub mod sampling;
 pub mod source;
+pub mod tensor_parallel;
 pub mod transformer;
 
 pub use backend::{

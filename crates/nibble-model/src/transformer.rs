@@ -682,6 +682,7 @@ impl<B: Backend> Transformer<B> {
             };
             let attn = backend.attention(&q, &k, &v, kv, i, batch, shape)?;
             let mut o = backend.linear(&attn, &l.o, None)?;
+            backend.all_reduce(&mut o)?;
             if let Some(n) = &l.post_attn_norm {
                 o = backend.residual_rms_norm(&o, n, eps);
             }
@@ -690,6 +691,7 @@ impl<B: Backend> Transformer<B> {
                 Ffn::Dense(mlp) => mlp.apply(backend, &h)?,
                 Ffn::Sparse(s) => s.apply(backend, &h, tokens.len(), c.hidden_size)?,
             };
+            backend.all_reduce(&mut d)?;
             if let Some(n) = &l.post_ffn_norm {
                 d = backend.residual_rms_norm(&d, n, eps);
             }
