@@ -27,6 +27,12 @@ struct Cli {
     /// CPU threads (0 = all cores).
     #[arg(long, global = true, default_value_t = 0)]
     threads: usize,
+    /// Split the model over N ranks (tensor parallelism: each holds 1/N of the heads and of the
+    /// feed-forward, summing partial outputs after attention and the MLP). On the CPU for
+    /// generate and chat so far: the ranks are threads, a check of the sharded arithmetic;
+    /// GPUs need NCCL, not built yet (docs/tensor-parallel.md).
+    #[arg(long, global = true, default_value_t = 1, value_name = "N")]
+    tensor_parallel_size: usize,
     /// KV cache format: kv16 (unquantized; f32 on the CPU), kv8 / kv4 (INT8 / INT4 per token per
     /// head), kvfp8 (FP8 e4m3 per token per head), kv4c / kv2c (BitDecoding 4 / 2-bit: keys per
     /// channel over each KV block, values per token; the block being filled stays full
@@ -543,6 +549,9 @@ fn run(cli: Cli) -> Result<()> {
         (None, None) => label.clone(),
     };
     let labels = (label.clone(), tokenizer);
+    if cli.tensor_parallel_size > 1 {
+        return run_tensor_parallel(cli, files, kv);
+    }
     match cli.device.resolve() {
         Device::Cpu => {
             let engine = load_engine(CpuBackend::new(cli.threads)?, &label, files)?;
@@ -1043,6 +1052,72 @@ fn template<B: Backend>(engine: &Engine<B>) -> Result<ChatTemplate> {
         t.bos_token.as_deref(),
         t.eos_token.as_deref(),
     )?)
+}
+
+/// `generate` or `chat` with the model split over `--tensor-parallel-size` CPU ranks: every rank
+/// runs the same loop on its shard (the same logits after each all-reduce, so the same tokens);
+/// rank 0 talks to the terminal.
+fn run_tensor_parallel(cli: Cli, files: nibble_model::ModelFiles, kv: KvSpec) -> Result<()> {
+    let size = cli.tensor_parallel_size;
+    if !matches!(cli.device.resolve(), Device::Cpu) {
+        bail!(
+            "--tensor-parallel-size {size} on GPUs needs NCCL across several GPUs, which nibble \
+             does not drive yet; --device cpu runs the split on CPU threads"
+        );
+    }
+    let (prompt, chat, opts) = match &cli.command {
+        Command::Generate { prompt, chat, opts } => (Some(prompt.clone()), *chat, opts),
+        Command::Chat { opts, .. } => (None, true, opts),
+        _ => bail!("--tensor-parallel-size works with generate and chat so far"),
+    };
+    let Some(prompt) = prompt else {
+        bail!("--tensor-parallel-size works with generate (a prompt on the command line) so far");
+    };
+    nibble_model::tensor_parallel::check_split(&files.config, size)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = if cli.threads == 0 { cores } else { cli.threads };
+    let kv = cli
+        .kv
+        .map_or(files.precision.map(|p| p.kv).unwrap_or_default(), |_| kv);
+    eprintln!(
+        "nibble: {size} tensor-parallel ranks on the CPU, {} threads each",
+        (threads / size).max(1)
+    );
+    let tokenizer = files.tokenizer.clone();
+    nibble_cpu::tensor_parallel::run_sharded(
+        size,
+        (threads / size).max(1),
+        &*files.source,
+        &files.config,
+        |backend, mut model| {
+            let rank = backend.rank();
+            model.kv_format = kv;
+            let engine = Engine {
+                backend,
+                model,
+                tokenizer: tokenizer.clone(),
+            };
+            if rank == 0 {
+                generate(&engine, &prompt, chat, opts)
+                    .map_err(|e| nibble_core::Error::InvalidArgument(format!("{e:#}")))
+            } else {
+                let ids = if chat {
+                    let text = template(&engine)
+                        .and_then(|t| Ok(t.render(&[ChatMessage::new("user", &prompt)], true)?))
+                        .map_err(|e| nibble_core::Error::InvalidArgument(format!("{e:#}")))?;
+                    engine.tokenizer.encode(&text, false)?
+                } else {
+                    engine.tokenizer.encode(&prompt, true)?
+                };
+                let constraint = opts
+                    .constraint(&engine)
+                    .map_err(|e| nibble_core::Error::InvalidArgument(format!("{e:#}")))?;
+                engine.generate(&opts.request(ids, constraint), &mut |_| {})?;
+                Ok(())
+            }
+        },
+    )?;
+    Ok(())
 }
 
 fn generate<B: Backend>(

@@ -625,3 +625,58 @@ fn quantized_dummy_weights_run_and_bad_precisions_are_refused() {
         "unknown weight/activation token",
     );
 }
+
+/// `--tensor-parallel-size` splits the model over CPU ranks and writes what one rank writes;
+/// a size the heads do not divide, and a GPU, are refused with the reason.
+#[test]
+fn tensor_parallel_generate_writes_what_one_rank_writes() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../nibble-model/tests/fixtures/tiny-llama3"
+    );
+    let run = |tp: &str| {
+        let (ok, out, err) = nibble(&[
+            "--device",
+            "cpu",
+            "--model",
+            dir,
+            "--tensor-parallel-size",
+            tp,
+            "generate",
+            "--prompt",
+            "Hello",
+            "--max-tokens",
+            "12",
+        ]);
+        assert!(ok, "tp {tp}: {err}");
+        out
+    };
+    assert_eq!(run("2"), run("1"));
+    assert_clean_failure(
+        &[
+            "--device",
+            "cpu",
+            "--model",
+            dir,
+            "--tensor-parallel-size",
+            "3",
+            "generate",
+            "--prompt",
+            "Hello",
+        ],
+        "num_attention_heads = 4 does not divide into 3",
+    );
+    assert_clean_failure(
+        &[
+            "--device",
+            "cpu",
+            "--model",
+            dir,
+            "--tensor-parallel-size",
+            "2",
+            "bench",
+            "cpu",
+        ],
+        "generate and chat",
+    );
+}

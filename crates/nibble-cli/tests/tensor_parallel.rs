@@ -83,7 +83,7 @@ fn sharded_fixtures_give_one_ranks_logits() {
         let tokens: Vec<u32> = (0..24).map(|i| 3 + (i * 37) % 200).collect();
         let want = step_logits(&cpu, &whole, &tokens, 9);
         let got = run_sharded(2, 1, &*files.source, &files.config, |b, m| {
-            Ok(step_logits(b, m, &tokens, 9))
+            Ok(step_logits(&b, &m, &tokens, 9))
         })
         .unwrap();
         assert_eq!(got[0], got[1], "{name}: ranks disagree");
@@ -113,7 +113,7 @@ fn sharded_default_model_writes_the_same_greedy_text() {
         Transformer::load(&cpu, files.config.clone(), &*files.source, &mut |_, _| {}).unwrap();
     let want = greedy(&cpu, &whole, &prompt, 24);
     let got = run_sharded(3, 1, &*files.source, &files.config, |b, m| {
-        Ok(greedy(b, m, &prompt, 24))
+        Ok(greedy(&b, &m, &prompt, 24))
     })
     .unwrap();
     for (rank, g) in got.iter().enumerate() {

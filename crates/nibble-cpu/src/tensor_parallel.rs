@@ -208,14 +208,15 @@ impl Backend for TpCpuBackend {
 }
 
 /// Runs `body` on every rank of a `size`-way split of the model in `source`, each on its own
-/// thread with its own CPU backend (`threads` matmul threads) and shard, and returns each rank's
-/// result in rank order. A rank that fails aborts the others' all-reduces, so none hangs.
+/// thread with its own CPU backend (`threads` matmul threads) and shard (handed over, so a rank
+/// can build an engine of it), and returns each rank's result in rank order. A rank that fails
+/// aborts the others' all-reduces, so none hangs.
 pub fn run_sharded<R: Send>(
     size: usize,
     threads: usize,
     source: &dyn nibble_model::source::TensorSource,
     config: &nibble_model::ModelConfig,
-    body: impl Fn(&TpCpuBackend, &nibble_model::Transformer<TpCpuBackend>) -> Result<R> + Sync,
+    body: impl Fn(TpCpuBackend, nibble_model::Transformer<TpCpuBackend>) -> Result<R> + Sync,
 ) -> Result<Vec<R>> {
     use nibble_model::tensor_parallel::{ShardedSource, shard_config};
     let shard = shard_config(config, size)?;
@@ -233,7 +234,7 @@ pub fn run_sharded<R: Send>(
                         let be = TpCpuBackend::new(CpuBackend::new(threads)?, comm.clone(), rank)?;
                         let model =
                             nibble_model::Transformer::load(&be, shard, &src, &mut |_, _| {})?;
-                        body(&be, &model)
+                        body(be, model)
                     };
                     run().inspect_err(|e| comm.abort(&format!("rank {rank} failed: {e}")))
                 })
