@@ -100,3 +100,33 @@ macro_rules! delegate_to_cpu {
         }
     };
 }
+
+/// Expands, beside [`delegate_to_cpu!`], to attention and the linear layer passed through to the
+/// `CpuBackend` in field `$cpu`, for wrappers that change neither (they still write `name`,
+/// `load_weight` and `embed`).
+#[macro_export]
+macro_rules! delegate_attention_and_linear_to_cpu {
+    ($cpu:ident) => {
+        fn linear(
+            &self,
+            x: &$crate::CpuTensor,
+            w: &$crate::CpuWeight,
+            bias: Option<&$crate::CpuTensor>,
+        ) -> ::nibble_core::Result<$crate::CpuTensor> {
+            self.$cpu.linear(x, w, bias)
+        }
+        #[allow(clippy::too_many_arguments)]
+        fn attention(
+            &self,
+            q: &$crate::CpuTensor,
+            k: &$crate::CpuTensor,
+            v: &$crate::CpuTensor,
+            kv: &mut $crate::CpuKvCache,
+            layer: usize,
+            batch: &::nibble_model::BatchLayout,
+            shape: ::nibble_model::AttentionShape,
+        ) -> ::nibble_core::Result<$crate::CpuTensor> {
+            self.$cpu.attention(q, k, v, kv, layer, batch, shape)
+        }
+    };
+}

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use nibble_core::{Error, Result};
 use nibble_formats::HostTensor;
-use nibble_model::{AttentionShape, Backend, BatchLayout};
+use nibble_model::Backend;
 
 use crate::{CpuBackend, CpuKvCache, CpuTensor, CpuWeight};
 
@@ -167,6 +167,7 @@ impl Backend for TpCpuBackend {
     type Kv = CpuKvCache;
 
     crate::delegate_to_cpu!(cpu);
+    crate::delegate_attention_and_linear_to_cpu!(cpu);
 
     fn name(&self) -> String {
         format!(
@@ -181,22 +182,6 @@ impl Backend for TpCpuBackend {
     }
     fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {
         self.cpu.embed(table, ids)
-    }
-    fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
-        self.cpu.linear(x, w, bias)
-    }
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        kv: &mut CpuKvCache,
-        layer: usize,
-        batch: &BatchLayout,
-        shape: AttentionShape,
-    ) -> Result<CpuTensor> {
-        self.cpu.attention(q, k, v, kv, layer, batch, shape)
     }
     fn all_reduce(&self, x: &mut CpuTensor) -> Result<()> {
         self.comm

@@ -232,7 +232,7 @@ fn a_backend_without_moe_refuses_before_any_weight_loads() {
     use nibble_core::{Error, Result};
     use nibble_cpu::{CpuBackend, CpuKvCache, CpuTensor, CpuWeight};
     use nibble_formats::HostTensor;
-    use nibble_model::{AttentionShape, Transformer, open_model};
+    use nibble_model::{Transformer, open_model};
 
     struct NoMoe {
         cpu: CpuBackend,
@@ -244,6 +244,7 @@ fn a_backend_without_moe_refuses_before_any_weight_loads() {
         type Kv = CpuKvCache;
 
         nibble_cpu::delegate_to_cpu!(cpu);
+        nibble_cpu::delegate_attention_and_linear_to_cpu!(cpu);
 
         fn name(&self) -> String {
             "cpu without moe".into()
@@ -254,21 +255,6 @@ fn a_backend_without_moe_refuses_before_any_weight_loads() {
         }
         fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {
             self.cpu.embed(table, ids)
-        }
-        fn linear(&self, x: &CpuTensor, w: &CpuWeight, b: Option<&CpuTensor>) -> Result<CpuTensor> {
-            self.cpu.linear(x, w, b)
-        }
-        fn attention(
-            &self,
-            q: &CpuTensor,
-            k: &CpuTensor,
-            v: &CpuTensor,
-            kv: &mut CpuKvCache,
-            layer: usize,
-            batch: &BatchLayout,
-            shape: AttentionShape,
-        ) -> Result<CpuTensor> {
-            self.cpu.attention(q, k, v, kv, layer, batch, shape)
         }
         fn check_moe(&self) -> Result<()> {
             Err(Error::unsupported(

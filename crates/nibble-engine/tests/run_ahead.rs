@@ -19,7 +19,7 @@ use nibble_engine::structured::{GrammarSpec, Grammars};
 use nibble_engine::{FinishReason, SamplingParams};
 use nibble_formats::HostTensor;
 use nibble_model::sampling::{PendingSample, SampleSpec, Sampled};
-use nibble_model::{AttentionShape, Backend, BatchLayout, Transformer, open_model};
+use nibble_model::{Backend, BatchLayout, Transformer, open_model};
 
 #[derive(Default)]
 struct DeferredState {
@@ -52,6 +52,7 @@ impl Backend for Deferred {
     type Kv = CpuKvCache;
 
     nibble_cpu::delegate_to_cpu!(cpu);
+    nibble_cpu::delegate_attention_and_linear_to_cpu!(cpu);
 
     fn name(&self) -> String {
         "deferred cpu".into()
@@ -80,21 +81,6 @@ impl Backend for Deferred {
             Some(f) if f.len() == ids.len() => self.cpu.embed(table, &f),
             _ => self.cpu.embed(table, ids),
         }
-    }
-    fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
-        self.cpu.linear(x, w, bias)
-    }
-    fn attention(
-        &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        kv: &mut CpuKvCache,
-        layer: usize,
-        batch: &BatchLayout,
-        shape: AttentionShape,
-    ) -> Result<CpuTensor> {
-        self.cpu.attention(q, k, v, kv, layer, batch, shape)
     }
     fn runs_ahead(&self) -> bool {
         true
