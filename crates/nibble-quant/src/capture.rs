@@ -31,6 +31,9 @@ pub struct CaptureOptions {
     /// Keep every layer's whole attention inputs (rotary-embedded queries and keys, values) of
     /// this many of the first sequences ([`Calibration::attention`]).
     pub attention_sequences: usize,
+    /// With `hessian`: only the sites of layers `start..end` get one (GPTQ over a big model
+    /// captures its Hessians a window of layers at a time; `None`: every layer).
+    pub hessian_layers: Option<(usize, usize)>,
 }
 
 impl Default for CaptureOptions {
@@ -41,6 +44,7 @@ impl Default for CaptureOptions {
             sample_stride: 4,
             sample_first: false,
             attention_sequences: 0,
+            hessian_layers: None,
         }
     }
 }
@@ -184,10 +188,12 @@ impl Capture {
             opts.sample_stride = self.expert_stride;
         }
         let mut rec = self.rec.lock().expect("recorder lock");
-        let s = rec
-            .sites
-            .entry(key)
-            .or_insert_with(|| SiteStats::new(x.cols, opts.hessian));
+        let s = rec.sites.entry(key).or_insert_with(|| {
+            let in_window = opts
+                .hessian_layers
+                .is_none_or(|(a, b)| (a..b).contains(&key.layer));
+            SiteStats::new(x.cols, opts.hessian && in_window)
+        });
         let k = x.cols;
         for r in 0..x.rows {
             let row = x.row(r);

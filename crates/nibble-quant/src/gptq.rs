@@ -49,11 +49,11 @@ use std::collections::BTreeMap;
 
 use nibble_core::{Error, Result};
 use nibble_precision::weight::GroupGrid;
-use nibble_precision::{PrecisionSpec, WeightCodec};
+use nibble_precision::{LinearFormat, PrecisionSpec, WeightCodec};
 use rayon::prelude::*;
 
 use crate::capture::Calibration;
-use crate::dense::{DenseModel, Mat, Site};
+use crate::dense::{DenseModel, LinearId, Mat, Site};
 use crate::pipeline::{Method, QuantizedModel, encode_matrix};
 use crate::search::calibrated_input;
 
@@ -83,7 +83,109 @@ pub fn gptq(
     opts: &GptqOptions,
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> Result<QuantizedModel> {
-    Method::Gptq.check(&spec)?;
+    let format = check(&model, &spec, opts)?;
+    let ids = model.linear_ids();
+    let mut linears = BTreeMap::new();
+    quantize_linears(&model, format, calib, opts, &ids, &mut linears, &mut |d| {
+        progress("gptq", d, ids.len())
+    })?;
+    Ok(QuantizedModel {
+        spec,
+        method: Method::Gptq,
+        dense: model,
+        linears,
+    })
+}
+
+/// Bytes of the Hessians (`k x k` f64 per input site) of each layer of `model`.
+pub fn hessian_bytes_per_layer(model: &DenseModel) -> Vec<usize> {
+    let mut out = vec![0usize; model.config.num_layers];
+    let mut seen = std::collections::BTreeSet::new();
+    for id in model.linear_ids() {
+        if seen.insert(id.input()) {
+            let k = model.linear(id).cols;
+            out[id.layer] += k * k * 8;
+        }
+    }
+    out
+}
+
+/// Consecutive windows of layers whose Hessians fit `budget` bytes together (a layer alone
+/// larger than the budget gets a window of its own).
+pub fn hessian_windows(per_layer: &[usize], budget: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0usize);
+    for (i, &b) in per_layer.iter().enumerate() {
+        if i > start && bytes + b > budget {
+            out.push((start, i));
+            (start, bytes) = (i, 0);
+        }
+        bytes += b;
+    }
+    if start < per_layer.len() {
+        out.push((start, per_layer.len()));
+    }
+    out
+}
+
+/// [`gptq`] holding at most about `budget` bytes of Hessians at once: the calibration runs once
+/// per window of layers ([`hessian_windows`]), each time keeping only that window's Hessians,
+/// and the window's layers are quantized before the next. The result is [`gptq`]'s bit for bit
+/// (the Hessians come from the float model either way); a Mixtral-sized model, whose Hessians
+/// all together would take hundreds of GB, costs a calibration pass per window instead.
+#[allow(clippy::too_many_arguments)]
+pub fn gptq_windowed(
+    model: DenseModel,
+    spec: PrecisionSpec,
+    calibration: &[Vec<u32>],
+    threads: usize,
+    budget: usize,
+    opts: &GptqOptions,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<QuantizedModel> {
+    let format = check(&model, &spec, opts)?;
+    let windows = hessian_windows(&hessian_bytes_per_layer(&model), budget);
+    let ids = model.linear_ids();
+    let mut linears = BTreeMap::new();
+    for &(a, b) in &windows {
+        let capture = crate::capture::CaptureOptions {
+            hessian: true,
+            max_samples: 1,
+            sample_stride: crate::search::sample_stride(calibration, 1),
+            sample_first: false,
+            attention_sequences: 0,
+            hessian_layers: Some((a, b)),
+        };
+        let calib = crate::capture::capture(&model, calibration, capture, threads, &mut |d, t| {
+            progress(&format!("calibration (layers {a}..{b})"), d, t)
+        })?;
+        let window: Vec<LinearId> = ids
+            .iter()
+            .copied()
+            .filter(|id| (a..b).contains(&id.layer))
+            .collect();
+        let done = linears.len();
+        quantize_linears(
+            &model,
+            format,
+            &calib,
+            opts,
+            &window,
+            &mut linears,
+            &mut |d| progress("gptq", done + d, ids.len()),
+        )?;
+    }
+    Ok(QuantizedModel {
+        spec,
+        method: Method::Gptq,
+        dense: model,
+        linears,
+    })
+}
+
+/// What every GPTQ run checks first; gives the linear format.
+fn check(model: &DenseModel, spec: &PrecisionSpec, opts: &GptqOptions) -> Result<LinearFormat> {
+    Method::Gptq.check(spec)?;
     let format = spec
         .linear
         .linear_format(0)
@@ -94,9 +196,21 @@ pub fn gptq(
             opts.damp
         )));
     }
-    crate::search::check_finite(&model)?;
-    let ids = model.linear_ids();
-    let mut linears = BTreeMap::new();
+    crate::search::check_finite(model)?;
+    Ok(format)
+}
+
+/// GPTQ of the linear layers `ids` from the Hessians in `calib`, into `linears`; `progress(n)`
+/// after each of them.
+fn quantize_linears(
+    model: &DenseModel,
+    format: LinearFormat,
+    calib: &Calibration,
+    opts: &GptqOptions,
+    ids: &[LinearId],
+    linears: &mut BTreeMap<LinearId, (LinearFormat, Vec<u8>)>,
+    progress: &mut dyn FnMut(usize),
+) -> Result<()> {
     // Layers reading one input (q/k/v, gate/up) are consecutive and share its factor.
     let mut factor: Option<(Site, HessianFactor)> = None;
     for (done, &id) in ids.iter().enumerate() {
@@ -108,7 +222,7 @@ pub fn gptq(
             let bytes = encode_matrix(w, format, &vec![1.0; w.rows])
                 .map_err(|e| Error::InvalidArgument(format!("{}: {e}", name())))?;
             linears.insert(id, (format, bytes));
-            progress("gptq", done + 1, ids.len());
+            progress(done + 1);
             continue;
         };
         if factor.as_ref().is_none_or(|(s, _)| *s != input) {
@@ -126,14 +240,9 @@ pub fn gptq(
         let bytes = quantize_matrix(model.linear(id), format.codec, f)
             .map_err(|e| Error::InvalidArgument(format!("{}: {e}", name())))?;
         linears.insert(id, (format, bytes));
-        progress("gptq", done + 1, ids.len());
+        progress(done + 1);
     }
-    Ok(QuantizedModel {
-        spec,
-        method: Method::Gptq,
-        dense: model,
-        linears,
-    })
+    Ok(())
 }
 
 /// What GPTQ needs from one input site's Hessian, shared by every layer reading it.

@@ -200,9 +200,27 @@ pub fn quantize(
             crate::awq::awq(model, spec, calib, &Default::default(), progress)
         }
         Method::Gptq => {
-            // Samples are unused: GPTQ needs only the Gram matrices.
-            let calib = calibrate(&model, calibration, 1, true, threads, progress)?;
-            crate::gptq::gptq(model, spec, &calib, &Default::default(), progress)
+            // Samples are unused: GPTQ needs only the Gram matrices, a window of layers at a
+            // time when all of them would not fit the budget.
+            let budget = std::env::var("NIBBLE_GPTQ_HESSIAN_BYTES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(GPTQ_HESSIAN_BUDGET);
+            let all: usize = crate::gptq::hessian_bytes_per_layer(&model).iter().sum();
+            if all <= budget {
+                let calib = calibrate(&model, calibration, 1, true, threads, progress)?;
+                crate::gptq::gptq(model, spec, &calib, &Default::default(), progress)
+            } else {
+                crate::gptq::gptq_windowed(
+                    model,
+                    spec,
+                    calibration,
+                    threads,
+                    budget,
+                    &Default::default(),
+                    progress,
+                )
+            }
         }
         Method::SmoothQuant => {
             let calib = calibrate(&model, calibration, SEARCH_ROWS, false, threads, progress)?;
@@ -221,6 +239,10 @@ pub fn quantize(
         Method::Fmpq => crate::fmpq::quantize(model, spec, calibration, opts, progress),
     }
 }
+
+/// Bytes of GPTQ Hessians held at once (`NIBBLE_GPTQ_HESSIAN_BYTES` overrides): past it, the
+/// calibration runs once per window of layers (`gptq::gptq_windowed`).
+pub const GPTQ_HESSIAN_BUDGET: usize = 8 << 30;
 
 /// Round-to-nearest: every row encoded on its own range, no calibration. For COMET's mixed
 /// activations RTN keeps every block INT4 (no outlier handling is what RTN means).

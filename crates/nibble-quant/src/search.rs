@@ -49,6 +49,7 @@ pub fn calibrate_with_first(
         sample_stride: sample_stride(sequences, rows),
         sample_first,
         attention_sequences: 0,
+        hessian_layers: None,
     };
     capture(model, sequences, opts, threads, &mut |d, t| {
         progress("calibration", d, t)

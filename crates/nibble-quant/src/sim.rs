@@ -65,6 +65,7 @@ pub fn calibrate_with(
         sample_stride: crate::search::sample_stride(calibration, SEARCH_SAMPLES),
         sample_first,
         attention_sequences,
+        hessian_layers: None,
     };
     let cal = capture(model, calibration, opts, threads, progress)?;
     let data = |s: &crate::capture::SiteStats| SiteData {

@@ -92,6 +92,7 @@ fn every_row(m: &DenseModel, seqs: &[Vec<u32>]) -> Calibration {
         sample_stride: 1,
         sample_first: false,
         attention_sequences: 0,
+        hessian_layers: None,
     };
     capture(m, seqs, opts, 1, &mut |_, _| {}).unwrap()
 }

@@ -316,6 +316,7 @@ fn expert_layer_error(q: &QuantizedModel) -> f64 {
         sample_stride: 1,
         sample_first: false,
         attention_sequences: 0,
+        hessian_layers: None,
     };
     let inputs = capture(&q.dense, &held_out(&q.dense), opts, 1, &mut |_, _| {}).unwrap();
     let mut total = 0.0;
@@ -718,5 +719,52 @@ fn bad_moe_input_fails_with_a_reason() {
         .unwrap_err()
         .to_string();
         assert!(err.contains(tensor), "{fixture}: {err}");
+    }
+}
+
+/// GPTQ under a Hessian budget (a Mixtral-sized model's Hessians together would take hundreds of
+/// GB): the calibration runs once per window of layers, keeping only that window's Hessians,
+/// and the checkpoint is the whole-model GPTQ's bit for bit. Windows hold whole layers, a layer
+/// larger than the budget one alone.
+#[test]
+fn gptq_in_windows_of_layers_is_gptq() {
+    use nibble_quant::gptq::{gptq, gptq_windowed, hessian_bytes_per_layer, hessian_windows};
+    assert_eq!(hessian_windows(&[4, 4, 4, 4], 8), vec![(0, 2), (2, 4)]);
+    assert_eq!(hessian_windows(&[9, 1, 1], 8), vec![(0, 1), (1, 3)]);
+    assert_eq!(hessian_windows(&[1, 1], 100), vec![(0, 2)]);
+    for name in ["tiny-mixtral", "tiny-qwen2-moe"] {
+        let m = dense(name);
+        let per_layer = hessian_bytes_per_layer(&m);
+        assert!(per_layer.iter().all(|&b| b > 0), "{name}: {per_layer:?}");
+        let calib = calibration(&m);
+        let whole_calib = calibrate(&m, &calib, 1, true, 1, &mut |_, _, _| {}).unwrap();
+        // Qwen2-MoE's shared expert is 48 wide, which no group size divides: per channel.
+        let s = spec(four_bit(name));
+        let whole = gptq(
+            m.clone(),
+            s,
+            &whole_calib,
+            &Default::default(),
+            &mut |_, _, _| {},
+        )
+        .unwrap();
+        // One layer per window.
+        let budget = per_layer.iter().copied().min().unwrap();
+        assert!(hessian_windows(&per_layer, budget).len() == m.config.num_layers);
+        let windowed = gptq_windowed(
+            m.clone(),
+            s,
+            &calib,
+            1,
+            budget,
+            &Default::default(),
+            &mut |_, _, _| {},
+        )
+        .unwrap();
+        assert_eq!(windowed.linears.len(), whole.linears.len(), "{name}");
+        for (id, (f, bytes)) in &whole.linears {
+            let (wf, wb) = &windowed.linears[id];
+            assert!(f == wf && bytes == wb, "{name}: {id:?} differs");
+        }
     }
 }

@@ -355,6 +355,7 @@ fn smooth_attention_key_error_replays_the_folded_cache() {
     let opts = CaptureOptions {
         max_samples: 16,
         attention_sequences: 2,
+        hessian_layers: None,
         ..CaptureOptions::default()
     };
     let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
@@ -430,6 +431,7 @@ fn key_pair_rotation_keeps_the_function_and_aligns_the_key_offsets() {
         let opts = CaptureOptions {
             max_samples: 4,
             attention_sequences: 3,
+            hessian_layers: None,
             ..CaptureOptions::default()
         };
         let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();

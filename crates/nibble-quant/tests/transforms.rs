@@ -137,6 +137,7 @@ fn calibration_can_keep_every_first_token() {
             sample_stride: 5,
             sample_first,
             attention_sequences: 0,
+            hessian_layers: None,
         };
         let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
         cal.site(0, SiteKind::AttnIn).samples.clone()
@@ -158,6 +159,7 @@ fn calibration_records_every_site() {
         sample_stride: 2,
         sample_first: false,
         attention_sequences: 0,
+        hessian_layers: None,
     };
     let cal = capture(&m, &seqs, opts, 1, &mut |_, _| {}).unwrap();
     assert_eq!(cal.tokens, 19);
