@@ -29,7 +29,7 @@ struct Cli {
     threads: usize,
     /// Split the model over N ranks (tensor parallelism: each holds 1/N of the heads and of the
     /// feed-forward, summing partial outputs after attention and the MLP). On the CPU for
-    /// generate and chat so far: the ranks are threads, a check of the sharded arithmetic;
+    /// generate so far: the ranks are threads, a check of the sharded arithmetic;
     /// GPUs need NCCL, not built yet (docs/tensor-parallel.md).
     #[arg(long, global = true, default_value_t = 1, value_name = "N")]
     tensor_parallel_size: usize,
@@ -1054,7 +1054,7 @@ fn template<B: Backend>(engine: &Engine<B>) -> Result<ChatTemplate> {
     )?)
 }
 
-/// `generate` or `chat` with the model split over `--tensor-parallel-size` CPU ranks: every rank
+/// `generate` with the model split over `--tensor-parallel-size` CPU ranks: every rank
 /// runs the same loop on its shard (the same logits after each all-reduce, so the same tokens);
 /// rank 0 talks to the terminal.
 fn run_tensor_parallel(cli: Cli, files: nibble_model::ModelFiles, kv: KvSpec) -> Result<()> {
@@ -1065,14 +1065,10 @@ fn run_tensor_parallel(cli: Cli, files: nibble_model::ModelFiles, kv: KvSpec) ->
              does not drive yet; --device cpu runs the split on CPU threads"
         );
     }
-    let (prompt, chat, opts) = match &cli.command {
-        Command::Generate { prompt, chat, opts } => (Some(prompt.clone()), *chat, opts),
-        Command::Chat { opts, .. } => (None, true, opts),
-        _ => bail!("--tensor-parallel-size works with generate and chat so far"),
+    let Command::Generate { prompt, chat, opts } = &cli.command else {
+        bail!("--tensor-parallel-size works with generate (one prompt, --chat or not) so far");
     };
-    let Some(prompt) = prompt else {
-        bail!("--tensor-parallel-size works with generate (a prompt on the command line) so far");
-    };
+    let (prompt, chat) = (prompt.clone(), *chat);
     nibble_model::tensor_parallel::check_split(&files.config, size)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = if cli.threads == 0 { cores } else { cli.threads };

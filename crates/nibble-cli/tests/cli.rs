@@ -677,6 +677,6 @@ fn tensor_parallel_generate_writes_what_one_rank_writes() {
             "bench",
             "cpu",
         ],
-        "generate and chat",
+        "works with generate",
     );
 }
