@@ -173,11 +173,12 @@ impl HostTensor {
         })
     }
 
-    /// Columns `c0..c1` of a `[rows, cols]` matrix (a tensor-parallel shard of a row-parallel
-    /// layer): plain floats anywhere, ggml blocks on block boundaries. A cut through a block, or
+    /// Why columns `c0..c1` of this `[rows, cols]` matrix cannot be cut out, if they cannot:
+    /// plain floats cut anywhere, ggml blocks on block boundaries; a cut through a block, or
     /// through a nibble quantized row (whose groups' scales sit apart from its codes), is refused.
-    pub fn slice_cols(&self, c0: usize, c1: usize) -> Result<HostTensor> {
-        let (rows, cols) = self.matrix_geometry().map(|(r, c, _)| (r, c))?;
+    /// Reads no data.
+    pub fn check_col_cut(&self, c0: usize, c1: usize) -> Result<()> {
+        let (_, cols, _) = self.matrix_geometry()?;
         if c0 > c1 || c1 > cols {
             return Err(Error::InvalidArgument(format!(
                 "columns {c0}..{c1} of '{}' ({cols} columns)",
@@ -203,6 +204,17 @@ impl HostTensor {
                 "pick a tensor-parallel size that divides the layer into whole blocks",
             ));
         }
+        Ok(())
+    }
+
+    /// Columns `c0..c1` of a `[rows, cols]` matrix (a tensor-parallel shard of a row-parallel
+    /// layer), where [`Self::check_col_cut`] allows the cut.
+    pub fn slice_cols(&self, c0: usize, c1: usize) -> Result<HostTensor> {
+        self.check_col_cut(c0, c1)?;
+        let (rows, cols, _) = self.matrix_geometry()?;
+        let WeightFormat::Ggml(t) = self.format else {
+            unreachable!("check_col_cut refuses other formats")
+        };
         let rb = t.bytes_for(cols)?;
         let (o0, o1) = (t.bytes_for(c0)?, t.bytes_for(c1)?);
         let mut out = Vec::with_capacity(rows * (o1 - o0));

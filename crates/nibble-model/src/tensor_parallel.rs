@@ -142,24 +142,18 @@ impl TensorSource for ShardedSource<'_> {
 }
 
 impl ShardedSource<'_> {
-    /// Cuts every split weight as this rank's shard, or gives the first refusal (a cut through a
-    /// quantization block, a format that cannot be cut by columns), naming the tensor: called
-    /// before loading, where a failed cut would otherwise read as a missing tensor.
+    /// The first column cut this split cannot make (through a quantization block, or in a
+    /// format that cannot be cut by columns), naming the tensor; checked before loading, where a
+    /// failed cut would otherwise read as a missing tensor. Row cuts never fail, and every rank's
+    /// column cut starts on a multiple of its width, so one rank's check holds for all. Reads
+    /// no weight data.
     pub fn check_cuts(&self) -> Result<()> {
         for i in 0..self.config.num_layers {
-            for part in [
-                "self_attn.q_proj.weight",
-                "self_attn.k_proj.weight",
-                "self_attn.v_proj.weight",
-                "self_attn.o_proj.weight",
-                "mlp.gate_proj.weight",
-                "mlp.up_proj.weight",
-                "mlp.down_proj.weight",
-            ] {
+            for part in ["self_attn.o_proj.weight", "mlp.down_proj.weight"] {
                 let name = format!("model.layers.{i}.{part}");
-                if let (Some((by_rows, len)), Some(t)) = (self.split(&name), self.inner.get(&name))
-                {
-                    self.shard(t, by_rows, len)?;
+                if let (Some((_, len)), Some(t)) = (self.split(&name), self.inner.get(&name)) {
+                    let each = len / self.size;
+                    t.check_col_cut(self.rank * each, (self.rank + 1) * each)?;
                 }
             }
         }

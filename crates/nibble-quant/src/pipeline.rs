@@ -200,27 +200,20 @@ pub fn quantize(
             crate::awq::awq(model, spec, calib, &Default::default(), progress)
         }
         Method::Gptq => {
-            // Samples are unused: GPTQ needs only the Gram matrices, a window of layers at a
-            // time when all of them would not fit the budget.
+            // Only the Gram matrices, as many windows of layers as the budget needs.
             let budget = std::env::var("NIBBLE_GPTQ_HESSIAN_BYTES")
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(GPTQ_HESSIAN_BUDGET);
-            let all: usize = crate::gptq::hessian_bytes_per_layer(&model).iter().sum();
-            if all <= budget {
-                let calib = calibrate(&model, calibration, 1, true, threads, progress)?;
-                crate::gptq::gptq(model, spec, &calib, &Default::default(), progress)
-            } else {
-                crate::gptq::gptq_windowed(
-                    model,
-                    spec,
-                    calibration,
-                    threads,
-                    budget,
-                    &Default::default(),
-                    progress,
-                )
-            }
+            crate::gptq::gptq_windowed(
+                model,
+                spec,
+                calibration,
+                threads,
+                budget,
+                &Default::default(),
+                progress,
+            )
         }
         Method::SmoothQuant => {
             let calib = calibrate(&model, calibration, SEARCH_ROWS, false, threads, progress)?;
