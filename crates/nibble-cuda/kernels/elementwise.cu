@@ -207,6 +207,22 @@ extern "C" __global__ void ROW_KERNEL gather_rows(const float* x, const int* row
 }
 
 
+// A mixture-of-experts layer's weighted sum: out[r] = sum over r's entries offsets[r]..offsets[r+1]
+// of scales[i] * srcs[i][:], one fma each from 0 in entry order. The host lists a row's entries in
+// the order of the parts (experts by index, then the shared expert), as the CPU backend adds them,
+// so the sums are the CPU's bit for bit given the same expert outputs.
+extern "C" __global__ void ROW_KERNEL moe_combine(const long long* srcs, const float* scales, const int* offsets,
+                                                  float* out, int cols) {
+    grid_dependency_enter();
+    const long r = blockIdx.x;
+    const int first = offsets[r], end = offsets[r + 1];
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float acc = 0.f;
+        for (int i = first; i < end; ++i) acc = fmaf(scales[i], reinterpret_cast<const float*>(srcs[i])[c], acc);
+        out[r * cols + c] = acc;
+    }
+}
+
 // A step queued before the previous one's tokens reached the host: row pairs[2i] of the batch
 // takes the token the previous step sampled for spec pairs[2i + 1] (`sampled` holds one record
 // of `stride` ints per spec, the token first). Runs after the metadata upload, before the

@@ -173,13 +173,6 @@ impl CudaBackend {
     }
 }
 
-fn moe_unsupported() -> Error {
-    Error::unsupported(
-        "mixture-of-experts layers on the CUDA backend",
-        "their grouped expert GEMMs have no GPU kernel yet; run the model with --device cpu",
-    )
-}
-
 /// Why quantized `parts` are about to load dequantized, for the user (`None` for 16/32-bit
 /// weights, which are not quantized to begin with).
 fn dequantized_reason(ctx: &CudaContext, parts: &[HostTensor]) -> Option<String> {
@@ -450,15 +443,18 @@ impl Backend for CudaBackend {
 
     fn scatter_add_scaled(
         &self,
-        _rows: usize,
-        _cols: usize,
-        _parts: &[ScaledRows<'_, CudaTensor>],
+        rows: usize,
+        cols: usize,
+        parts: &[ScaledRows<'_, CudaTensor>],
     ) -> Result<CudaTensor> {
-        Err(moe_unsupported())
+        ew::moe_combine(&self.ctx, rows, cols, parts)
     }
 
+    /// Routing reads the router's logits on the host (`nibble_model::moe`), so a MoE model's steps
+    /// run eagerly.
     fn check_moe(&self) -> Result<()> {
-        Err(moe_unsupported())
+        self.ctx.forward_reads_host();
+        Ok(())
     }
 
     fn to_host(&self, x: &CudaTensor) -> Result<Vec<f32>> {
@@ -466,7 +462,7 @@ impl Backend for CudaBackend {
     }
 
     fn decode_bucket(&self, n: usize) -> usize {
-        if self.ctx.graphs_enabled {
+        if self.ctx.graphs_on() {
             graph::decode_bucket(n)
         } else {
             n

@@ -97,6 +97,7 @@ pub const GRID_WAITING_KERNELS: &[&str] = &[
     "rope",
     "add_f32",
     "gather_rows",
+    "moe_combine",
     "quantize_i8_",
     "quantize_f8_",
     "paged_attn_",

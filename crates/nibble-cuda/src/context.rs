@@ -5,7 +5,7 @@
 //! modules take it by reference.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use nibble_core::{Error, Result};
@@ -107,6 +107,9 @@ pub struct CudaContext {
     err: StickyError,
     /// Capture decode steps as CUDA graphs (on unless NIBBLE_CUDA_GRAPHS=0).
     pub graphs_enabled: bool,
+    /// Set when a model whose forward reads device results on the host loads (mixture-of-experts
+    /// routing): its steps cannot be captured, so they run eagerly ([`Self::graphs_on`]).
+    host_reads_in_forward: AtomicBool,
     /// Zeroed arrival counters of the split-K gemv kernels (each launch leaves them zeroed).
     split_counters: DeviceBuffer,
     /// Kernels whose dynamic shared-memory limit has been raised, and to what.
@@ -170,6 +173,7 @@ impl CudaContext {
             timeline: Mutex::new(None),
             err: StickyError::default(),
             graphs_enabled: std::env::var("NIBBLE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            host_reads_in_forward: AtomicBool::new(false),
             split_counters,
             smem_raised: Default::default(),
             act8_inputs: Default::default(),
@@ -725,6 +729,18 @@ impl CudaContext {
         Ok(t.ptr)
     }
 
+    /// Whether decode steps are captured and replayed as CUDA graphs: asked for, and no loaded
+    /// model reads device results on the host in its forward pass.
+    pub fn graphs_on(&self) -> bool {
+        self.graphs_enabled && !self.host_reads_in_forward.load(Ordering::Relaxed)
+    }
+
+    /// A model whose forward pass copies device results to the host (mixture-of-experts routing)
+    /// is loading: from now on steps run eagerly, since a graph capture cannot wait on the host.
+    pub(crate) fn forward_reads_host(&self) {
+        self.host_reads_in_forward.store(true, Ordering::Relaxed);
+    }
+
     /// Runs one forward pass, through a graph when it is a decode step ([`graph`] says why that
     /// is valid). Driven from here because the replay restores the arena and the cache must see
     /// the same lock as everything that moves what graphs bake in.
@@ -735,7 +751,7 @@ impl CudaContext {
         batch: &BatchLayout,
         body: &mut dyn FnMut() -> Result<CudaTensor>,
     ) -> Result<CudaTensor> {
-        if !self.graphs_enabled || !graph::is_graph_step(batch) {
+        if !self.graphs_on() || !graph::is_graph_step(batch) {
             return body();
         }
         let key = GraphKey {

@@ -5,7 +5,7 @@
 //! infallible ops into its sticky error.
 
 use nibble_core::{Error, Result};
-use nibble_model::{BatchLayout, RopeLayout};
+use nibble_model::{BatchLayout, RopeLayout, ScaledRows};
 
 use crate::context::{BLOCK, CudaContext, grid_for, norm_block};
 use crate::kv::CudaKv;
@@ -343,6 +343,78 @@ pub fn gather_rows(ctx: &CudaContext, x: &CudaTensor, rows: &[usize]) -> Result<
             Arg::I32(x.cols as i32),
         ],
     )?;
+    Ok(out)
+}
+
+/// A mixture-of-experts layer's weighted sum of its experts' outputs (`Backend::scatter_add_scaled`):
+/// a `[rows, cols]` f32 result whose row `r` adds `scale * x[i]` for every part row `i` aimed at
+/// `r`, in the order of the parts, one fma each from zero, as the CPU backend does. One launch: a
+/// row's entries (source row address and scale) are listed on the host in part order.
+pub fn moe_combine(
+    ctx: &CudaContext,
+    rows: usize,
+    cols: usize,
+    parts: &[ScaledRows<'_, CudaTensor>],
+) -> Result<CudaTensor> {
+    ctx.check_err()?;
+    let mut per_row = vec![0i32; rows + 1];
+    for (n, p) in parts.iter().enumerate() {
+        expect_whole_f32(p.x, "expert output")?;
+        if p.x.cols != cols || p.x.rows != p.rows.len() || p.rows.len() != p.scales.len() {
+            return Err(Error::InvalidArgument(format!(
+                "scatter_add_scaled part {n}: a [{}, {}] tensor with {} target rows and {} scales \
+                 for a [{rows}, {cols}] result",
+                p.x.rows,
+                p.x.cols,
+                p.rows.len(),
+                p.scales.len()
+            )));
+        }
+        if let Some(&r) = p.rows.iter().find(|&&r| r >= rows) {
+            return Err(Error::InvalidArgument(format!(
+                "scatter_add_scaled part {n}: target row {r} of {rows}"
+            )));
+        }
+        for &r in p.rows {
+            per_row[r + 1] += 1;
+        }
+    }
+    for r in 0..rows {
+        per_row[r + 1] += per_row[r];
+    }
+    let entries = per_row[rows] as usize;
+    let mut next: Vec<usize> = per_row[..rows].iter().map(|&o| o as usize).collect();
+    let mut srcs = vec![0u64; entries];
+    let mut scales = vec![0f32; entries];
+    let row_bytes = (cols * 4) as u64;
+    for p in parts {
+        for (i, (&r, &s)) in p.rows.iter().zip(p.scales).enumerate() {
+            srcs[next[r]] = p.x.ptr + i as u64 * row_bytes;
+            scales[next[r]] = s;
+            next[r] += 1;
+        }
+    }
+    let srcs_ptr = ctx.alloc_bytes(entries.max(1) * 8)?;
+    ctx.stage_upload(srcs_ptr, &srcs)?;
+    let scales_ptr = ctx.alloc_bytes(entries.max(1) * 4)?;
+    ctx.stage_upload(scales_ptr, &scales)?;
+    let offsets_ptr = ctx.alloc_bytes((rows + 1) * 4)?;
+    ctx.stage_upload(offsets_ptr, &per_row)?;
+    let out = ctx.alloc(rows, cols, Elem::F32)?;
+    if rows > 0 {
+        ctx.launch(
+            "moe_combine",
+            (rows as u32, 1, 1),
+            norm_block(cols),
+            vec![
+                Arg::Ptr(srcs_ptr),
+                Arg::Ptr(scales_ptr),
+                Arg::Ptr(offsets_ptr),
+                Arg::Ptr(out.ptr),
+                Arg::I32(cols as i32),
+            ],
+        )?;
+    }
     Ok(out)
 }
 

@@ -246,6 +246,88 @@ fn row_ops_match_cpu() {
     }
 }
 
+/// The weighted sum of a mixture-of-experts layer (`scatter_add_scaled`) is the CPU's bit for
+/// bit: parts of different lengths, rows that several parts hit, rows no part hits (zero, not
+/// the poison), odd widths; malformed parts are errors.
+#[test]
+fn moe_combine_matches_cpu_exactly() {
+    let mut r = rng("moe_combine_matches_cpu_exactly");
+    let (g, c) = (gpu(Dtype::Bf16), cpu());
+    for &(rows, cols, nparts) in &[
+        (1usize, 64usize, 2usize),
+        (9, 37, 5),
+        (64, 4096, 9),
+        (3, 1, 1),
+    ] {
+        g.poison_activations(64 << 20).unwrap();
+        let mut xs = Vec::new();
+        let mut targets = Vec::new();
+        let mut weights = Vec::new();
+        for _ in 0..nparts {
+            let mut t: Vec<usize> = (0..rows).filter(|_| r.random_bool(0.6)).collect();
+            if rows > 1 {
+                // Row `rows - 1` is left to no part.
+                t.retain(|&i| i != rows - 1);
+            }
+            xs.push(CpuTensor::new(
+                randn(&mut r, t.len() * cols, 1.0),
+                t.len(),
+                cols,
+            ));
+            weights.push(randn(&mut r, t.len(), 0.5));
+            targets.push(t);
+        }
+        let gxs: Vec<CudaTensor> = xs.iter().map(|x| to_gpu(&g, x)).collect();
+        let want = c
+            .scatter_add_scaled(rows, cols, &scaled_rows(&xs, &targets, &weights))
+            .unwrap();
+        let got = g
+            .scatter_add_scaled(rows, cols, &scaled_rows(&gxs, &targets, &weights))
+            .unwrap();
+        let got = host(&g, &got);
+        let same = got
+            .iter()
+            .zip(&want.data)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "moe combine {rows}x{cols} with {nparts} parts differs from the CPU"
+        );
+        if rows > 1 {
+            assert!(got[(rows - 1) * cols..].iter().all(|&v| v == 0.0));
+        }
+    }
+    let x = to_gpu(&g, &CpuTensor::new(vec![1.0; 8], 2, 4));
+    let bad_row = [nibble_model::ScaledRows {
+        x: &x,
+        rows: &[0, 5],
+        scales: &[1.0, 1.0],
+    }];
+    assert!(g.scatter_add_scaled(2, 4, &bad_row).is_err());
+    let bad_len = [nibble_model::ScaledRows {
+        x: &x,
+        rows: &[0],
+        scales: &[1.0],
+    }];
+    assert!(g.scatter_add_scaled(2, 4, &bad_len).is_err());
+}
+
+fn scaled_rows<'a, T>(
+    xs: &'a [T],
+    rows: &'a [Vec<usize>],
+    scales: &'a [Vec<f32>],
+) -> Vec<nibble_model::ScaledRows<'a, T>> {
+    xs.iter()
+        .zip(rows)
+        .zip(scales)
+        .map(|((x, r), s)| nibble_model::ScaledRows {
+            x,
+            rows: r,
+            scales: s,
+        })
+        .collect()
+}
+
 #[test]
 fn linear_matches_cpu() {
     let mut r = rng("linear_matches_cpu");
@@ -618,17 +700,12 @@ fn top2(l: &[f32]) -> (usize, f32) {
 }
 
 /// Whole models, for every architecture fixture (GQA, QKV bias, QK norm, tied embeddings, llama3
-/// rope scaling), with decode steps replayed from CUDA graphs:
-/// - along the CPU's greedy path, the GPU's logits stay within 2e-2 and it picks the CPU's token
-///   at every step where the CPU's choice is not a near-tie (top-2 gap over 0.05: bf16 cannot
-///   order closer logits, and these random fixtures have flat logits);
-/// - free-running greedy generation on the GPU follows the CPU's tokens up to the first near-tie.
+/// rope scaling), with decode steps replayed from CUDA graphs, follow the CPU's greedy path
+/// ([`follows_cpu_greedy`]).
 ///
 /// (scripts/gpu-run.sh also compares 32 greedy tokens of the real default model end to end.)
 #[test]
 fn greedy_generation_matches_cpu() {
-    const STEPS: usize = 40;
-    const TIE: f32 = 0.05;
     for name in [
         "tiny-llama3",
         "tiny-mistral",
@@ -638,49 +715,79 @@ fn greedy_generation_matches_cpu() {
         // Sliding windows of 6 tokens, GeGLU, post-block norms, embedding scale.
         "tiny-gemma3",
     ] {
-        let dir = fixture(name);
-        let c = engine(cpu(), &dir);
-        let g = engine(gpu(Dtype::Bf16), &dir);
-        let prompt: Vec<u32> = "The quick brown fox".bytes().map(u32::from).collect();
-        let path = [prompt.clone(), greedy(&c, &prompt, STEPS)].concat();
-        let want = decode_logits(&c, &path, prompt.len());
-        let got = decode_logits(&g, &path, prompt.len());
-        let mut first_tie = STEPS;
-        for (step, (w, gl)) in want.iter().zip(&got).enumerate() {
-            check(&format!("{name} step {step} logits"), gl, w, 2e-2);
-            let (cpu_tok, gap) = top2(w);
-            let (gpu_tok, _) = top2(gl);
-            if gap <= TIE {
-                first_tie = first_tie.min(step);
-            }
-            if gap > TIE {
-                assert_eq!(gpu_tok, cpu_tok, "{name} step {step}: gap {gap}");
-            } else {
-                assert!(
-                    w[cpu_tok] - w[gpu_tok] <= TIE,
-                    "{name} step {step}: GPU chose {gpu_tok}"
-                );
-            }
-        }
-        let free = greedy(&g, &prompt, STEPS);
-        let same = free
-            .iter()
-            .zip(&path[prompt.len()..])
-            .take_while(|(a, b)| a == b)
-            .count();
-        assert!(
-            same >= first_tie,
-            "{name}: free-running GPU left the CPU's path at {same}, first near-tie at {first_tie}"
-        );
-        eprintln!(
-            "{name}: free-running GPU = CPU for {same} tokens (first near-tie at step {first_tie})"
-        );
+        let g = follows_cpu_greedy(name, &fixture(name));
         let (replays, captures) = g.backend.graph_counts();
         assert!(
             captures >= 1 && replays >= 30,
             "{name}: {captures} captures, {replays} replays"
         );
     }
+}
+
+/// Mixture-of-experts models on the GPU (Mixtral; Qwen2-MoE with its gated shared expert;
+/// Qwen3-MoE; from HF directories and from GGUF files, whose quantized blocks run dequantized):
+/// the CPU's greedy path as in [`greedy_generation_matches_cpu`]. Routing reads the router's
+/// logits on the host, so these steps run eagerly, never from a graph.
+#[test]
+fn moe_models_match_cpu() {
+    for name in [
+        "tiny-mixtral",
+        "tiny-qwen2-moe",
+        "tiny-qwen3-moe",
+        "gguf-moe/tiny-mixtral.gguf",
+        "gguf-moe/tiny-qwen2-moe.gguf",
+        "gguf-moe/tiny-qwen3-moe.gguf",
+    ] {
+        let g = follows_cpu_greedy(name, &fixture(name));
+        assert_eq!(g.backend.graph_counts(), (0, 0), "{name} replayed a graph");
+    }
+}
+
+/// The GPU engine of model `dir`, after checking it along the CPU's greedy path:
+/// - the GPU's logits stay within 2e-2 and it picks the CPU's token at every step where the
+///   CPU's choice is not a near-tie (top-2 gap over 0.05: bf16 cannot order closer logits, and
+///   these random fixtures have flat logits);
+/// - free-running greedy generation on the GPU follows the CPU's tokens up to the first near-tie.
+fn follows_cpu_greedy(name: &str, dir: &std::path::Path) -> Engine<CudaBackend> {
+    const STEPS: usize = 40;
+    const TIE: f32 = 0.05;
+    let c = engine(cpu(), dir);
+    let g = engine(gpu(Dtype::Bf16), dir);
+    let prompt: Vec<u32> = "The quick brown fox".bytes().map(u32::from).collect();
+    let path = [prompt.clone(), greedy(&c, &prompt, STEPS)].concat();
+    let want = decode_logits(&c, &path, prompt.len());
+    let got = decode_logits(&g, &path, prompt.len());
+    let mut first_tie = STEPS;
+    for (step, (w, gl)) in want.iter().zip(&got).enumerate() {
+        check(&format!("{name} step {step} logits"), gl, w, 2e-2);
+        let (cpu_tok, gap) = top2(w);
+        let (gpu_tok, _) = top2(gl);
+        if gap <= TIE {
+            first_tie = first_tie.min(step);
+        }
+        if gap > TIE {
+            assert_eq!(gpu_tok, cpu_tok, "{name} step {step}: gap {gap}");
+        } else {
+            assert!(
+                w[cpu_tok] - w[gpu_tok] <= TIE,
+                "{name} step {step}: GPU chose {gpu_tok}"
+            );
+        }
+    }
+    let free = greedy(&g, &prompt, STEPS);
+    let same = free
+        .iter()
+        .zip(&path[prompt.len()..])
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(
+        same >= first_tie,
+        "{name}: free-running GPU left the CPU's path at {same}, first near-tie at {first_tie}"
+    );
+    eprintln!(
+        "{name}: free-running GPU = CPU for {same} tokens (first near-tie at step {first_tie})"
+    );
+    g
 }
 
 /// A decode step replayed from a graph computes exactly what the same step run eagerly does.
