@@ -24,8 +24,9 @@
 #   kv-long     4k-token prompts, 512-token outputs offline: W4A8-KV4 and BF16-KV16, and the pool
 #               sizes each fits in the same memory (the low-bit KV issue's end-to-end ratio)
 #   fp8         the same for FP8 W8A8 (run it with w4a8 for a BF16 figure from the same session)
-#   moe         Mixtral-8x7B shape in W4A16-g128: ShareGPT prompts one sequence at a time (batch-1
-#               decode) and offline at 64 and 256 sequences (MOE_PROMPTS, default 400)
+#   moe         Mixtral-8x7B shape in W4A16-g128 (its vocabulary widened to the tokenizer's 49,152,
+#               bench/configs): ShareGPT prompts one sequence at a time (batch-1 decode) and
+#               offline at 64 and 256 sequences (MOE_PROMPTS, default 400)
 # Logs and JSON go to OUTDIR; exits non-zero if a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,8 +97,9 @@ for part in "$@"; do
     fp8)
       throughput throughput-fp8 llama-3-8b:fp8 --num-prompts 1000 --sweep-seqs 64,256 --profile ;;
     moe)
-      throughput moe-mixtral-w4a16-b1 mixtral-8x7b:w4a16-g128 --num-prompts 16 --max-num-seqs 1 --profile
-      throughput moe-mixtral-w4a16 mixtral-8x7b:w4a16-g128 --num-prompts "${MOE_PROMPTS:-400}" \
+      mixtral=bench/configs/mixtral-8x7b-vocab-49152.json:w4a16-g128
+      throughput moe-mixtral-w4a16-b1 "$mixtral" --num-prompts 16 --max-num-seqs 1 --profile
+      throughput moe-mixtral-w4a16 "$mixtral" --num-prompts "${MOE_PROMPTS:-400}" \
         --sweep-seqs 64,256 --profile ;;
     serve)
       step serve-bf16 bash scripts/gpu-serve-bench.sh "$bin" llama-3-8b "$tok" "$ds" "$out" ;;

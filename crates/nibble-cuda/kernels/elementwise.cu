@@ -199,11 +199,20 @@ extern "C" __global__ void scale_f32(float* x, long n, int cols, long ld, float 
         x[(i / cols) * ld + i % cols] *= factor;
 }
 
-extern "C" __global__ void ROW_KERNEL gather_rows(const float* x, const int* rows, float* out, int cols) {
+template <class E>
+__device__ void gather_rows_impl(const E* x, const int* rows, E* out, int cols) {
     grid_dependency_enter();
     const long r = blockIdx.x;
-    const float* src = x + (long)rows[r] * cols;
+    const E* src = x + (long)rows[r] * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) out[r * cols + c] = src[c];
+}
+extern "C" __global__ void ROW_KERNEL gather_rows(const float* x, const int* rows, float* out, int cols) {
+    gather_rows_impl(x, rows, out, cols);
+}
+// 16-bit rows (a mixture-of-experts layer gathers its normed input, in the model dtype).
+extern "C" __global__ void ROW_KERNEL gather_rows_b16(const unsigned short* x, const int* rows, unsigned short* out,
+                                                      int cols) {
+    gather_rows_impl(x, rows, out, cols);
 }
 
 

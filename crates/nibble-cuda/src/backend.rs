@@ -438,7 +438,7 @@ impl Backend for CudaBackend {
 
     fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
         let r = ew::gather_rows(&self.ctx, x, rows);
-        self.or_dead(r, rows.len(), x.cols, Elem::F32)
+        self.or_dead(r, rows.len(), x.cols, x.elem)
     }
 
     fn scatter_add_scaled(

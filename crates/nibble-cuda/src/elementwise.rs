@@ -324,16 +324,28 @@ pub fn gelu_tanh_mul(ctx: &CudaContext, gate: &CudaTensor, up: &CudaTensor) -> R
     gated(ctx, "gelu_tanh_mul", gate, up)
 }
 
-/// Rows `rows` of `x` (the last token of each sequence, for the head).
+/// Rows `rows` of `x`, f32 or 16-bit (the last token of each sequence, for the head; the tokens
+/// routed to an expert).
 pub fn gather_rows(ctx: &CudaContext, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
-    expect_whole_f32(x, "gather input")?;
+    let kernel = match x.elem {
+        Elem::F32 => "gather_rows",
+        Elem::Half(_) => "gather_rows_b16",
+    };
+    if !x.is_contiguous() {
+        return Err(Error::InvalidArgument(
+            "gather input must be a whole tensor, not a column slice".into(),
+        ));
+    }
     let rows_ptr = ctx.staged_indices(
         |m| (m.host_last_rows == rows).then_some(m.last_rows),
         &rows.iter().map(|&r| r as i32).collect::<Vec<_>>(),
     )?;
-    let out = ctx.alloc(rows.len(), x.cols, Elem::F32)?;
+    let out = ctx.alloc(rows.len(), x.cols, x.elem)?;
+    if rows.is_empty() {
+        return Ok(out);
+    }
     ctx.launch(
-        "gather_rows",
+        kernel,
         (rows.len() as u32, 1, 1),
         norm_block(x.cols),
         vec![

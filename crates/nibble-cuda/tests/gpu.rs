@@ -248,7 +248,8 @@ fn row_ops_match_cpu() {
 
 /// The weighted sum of a mixture-of-experts layer (`scatter_add_scaled`) is the CPU's bit for
 /// bit: parts of different lengths, rows that several parts hit, rows no part hits (zero, not
-/// the poison), odd widths; malformed parts are errors.
+/// the poison), odd widths; malformed parts are errors. Gathering an expert's 16-bit input rows
+/// copies them.
 #[test]
 fn moe_combine_matches_cpu_exactly() {
     let mut r = rng("moe_combine_matches_cpu_exactly");
@@ -297,6 +298,22 @@ fn moe_combine_matches_cpu_exactly() {
             assert!(got[(rows - 1) * cols..].iter().all(|&v| v == 0.0));
         }
     }
+    // An expert's input: rows of the normed (model dtype) activations.
+    let (rows, cols) = (11, 520);
+    let x = to_gpu(
+        &g,
+        &CpuTensor::new(randn(&mut r, rows * cols, 1.0), rows, cols),
+    );
+    let w = g.load_vector(&randn(&mut r, cols, 1.0)).unwrap();
+    let normed = g.rms_norm(&x, &w, 1e-5);
+    let all = host(&g, &normed);
+    let pick = [10usize, 0, 3, 3];
+    let got = host(&g, &g.gather_rows(&normed, &pick));
+    let want: Vec<f32> = pick
+        .iter()
+        .flat_map(|&i| all[i * cols..(i + 1) * cols].iter().copied())
+        .collect();
+    assert_eq!(got, want, "16-bit row gather");
     let x = to_gpu(&g, &CpuTensor::new(vec![1.0; 8], 2, 4));
     let bad_row = [nibble_model::ScaledRows {
         x: &x,
