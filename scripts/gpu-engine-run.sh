@@ -24,6 +24,8 @@
 #   kv-long     4k-token prompts, 512-token outputs offline: W4A8-KV4 and BF16-KV16, and the pool
 #               sizes each fits in the same memory (the low-bit KV issue's end-to-end ratio)
 #   fp8         the same for FP8 W8A8 (run it with w4a8 for a BF16 figure from the same session)
+#   moe-experts one Mixtral-8x7B expert layer in W4A16 at 1 to 64 tokens: grouped launches, the
+#               experts one by one, and cuBLAS BF16 over the same bytes (gpu-bench --moe-experts)
 #   moe         Mixtral-8x7B shape in W4A16-g128 (its vocabulary widened to the tokenizer's 49,152,
 #               bench/configs): ShareGPT prompts one sequence at a time (batch-1 decode) and
 #               offline at 64 and 256 sequences (MOE_PROMPTS, default 400)
@@ -96,6 +98,8 @@ for part in "$@"; do
       throughput throughput-bf16 llama-3-8b --num-prompts 1000 --sweep-seqs 64,256 --profile ;;
     fp8)
       throughput throughput-fp8 llama-3-8b:fp8 --num-prompts 1000 --sweep-seqs 64,256 --profile ;;
+    moe-experts)
+      step moe-experts stage/gpu/gpu-bench "$out/moe-experts.json" --moe-experts ;;
     moe)
       mixtral=bench/configs/mixtral-8x7b-vocab-49152.json:w4a16-g128
       throughput moe-mixtral-w4a16-b1 "$mixtral" --num-prompts 16 --max-num-seqs 1 --profile

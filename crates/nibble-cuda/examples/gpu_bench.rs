@@ -5,7 +5,7 @@
 //! Llama-3-8B's layer shapes (`--qgemm`: the ceilings and those alone).
 //!
 //!     gpu-bench OUT.json [--quick] [--qgemm] [--kv-attention] [--prefill-attention]
-//!               [--decode-steps B,B,.. [--spec SPEC]]
+//!               [--decode-steps B,B,.. [--spec SPEC]] [--moe-experts]
 //!
 //! Timings are medians over repeats after warm-up, taken with the stream synchronized around
 //! the timed region. The peer numbers (PyTorch SDPA) come from bench/gpu_peer.py in the same run.
@@ -461,6 +461,91 @@ fn engine_precisions(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
     Ok(rows)
 }
 
+/// Mixtral-8x7B's experts of one layer (hidden 4096, ffn 14336, 8 experts, top 2) in
+/// W4A16-g128 at 1 to 64 tokens routed by a fixed pseudo-random top 2: microseconds of
+/// `grouped_swiglu` (gather, two grouped gemv launches, SiLU-gate), of the experts run one by
+/// one, and of a cuBLAS BF16 GEMM over the same number of weight bytes; the grouped launches'
+/// share of HBM bandwidth over the routed experts' bytes. Host-timed with the stream synchronized,
+/// as the eager MoE steps run.
+fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
+    use nibble_model::RoutedExpert;
+    let (hidden, ffn, experts) = (4096usize, 14336usize, 8usize);
+    let format: LinearFormat = "int4-g128/a16".parse()?;
+    let mut weights = Vec::new();
+    for e in 0..experts {
+        let gate_up = be.load_weight(&quant_weight(format, 2 * ffn, hidden, 900 + e as u64)?)?;
+        let down = be.load_weight(&quant_weight(format, hidden, ffn, 950 + e as u64)?)?;
+        weights.push((gate_up, down));
+    }
+    let expert_bytes: usize = match (&weights[0].0.data, &weights[0].1.data) {
+        (WeightData::Quant(a), WeightData::Quant(b)) => a.bytes() + b.bytes(),
+        _ => {
+            return Err(nibble_core::Error::InvalidArgument(
+                "expert weights did not pack".into(),
+            ));
+        }
+    };
+    let mut out = Vec::new();
+    for &tokens in &[1usize, 4, 16, 32, 64] {
+        // Token t takes experts (3t + 1) mod 8 and (5t + 2) mod 8 (distinct for every t).
+        let mut routed = vec![Vec::new(); experts];
+        for t in 0..tokens {
+            let a = (3 * t + 1) % experts;
+            let mut b = (5 * t + 2) % experts;
+            if b == a {
+                b = (b + 1) % experts;
+            }
+            routed[a].push(t);
+            routed[b].push(t);
+        }
+        let active: Vec<usize> = (0..experts).filter(|&e| !routed[e].is_empty()).collect();
+        let x = be.random_half_tensor(tokens, hidden, 31)?;
+        let runs: Vec<RoutedExpert<'_, CudaWeight>> = active
+            .iter()
+            .map(|&e| RoutedExpert {
+                gate_up: &weights[e].0,
+                down: &weights[e].1,
+                rows: &routed[e],
+            })
+            .collect();
+        let reset = || be.begin_forward(&[], &BatchLayout::default());
+        let grouped = time(be, 3, 20, || {
+            reset()?;
+            be.grouped_swiglu(&x, &runs)?
+                .ok_or_else(|| nibble_core::Error::InvalidArgument("not grouped".into()))?;
+            Ok(())
+        })?;
+        let one_by_one = time(be, 3, 20, || {
+            reset()?;
+            for r in &runs {
+                let xe = be.gather_rows(&x, r.rows);
+                let gu = be.linear(&xe, r.gate_up, None)?;
+                let halves = be.split_cols(&gu, &[ffn, ffn])?;
+                be.linear(&be.silu_mul(&halves[0], &halves[1]), r.down, None)?;
+            }
+            Ok(())
+        })?;
+        let bytes = expert_bytes * active.len();
+        let dense = be.load_weight(&bf16_weight(bytes / (2 * hidden), hidden, 77))?;
+        let bf16 = time(be, 3, 20, || {
+            reset()?;
+            be.linear(&x, &dense, None)?;
+            Ok(())
+        })?;
+        drop(dense);
+        let row = json!({
+            "tokens": tokens, "experts_routed": active.len(), "weight_bytes": bytes,
+            "grouped_us": grouped * 1e6, "one_by_one_us": one_by_one * 1e6,
+            "bf16_same_bytes_us": bf16 * 1e6,
+            "grouped_hbm_share": bytes as f64 / grouped / bw,
+            "bf16_hbm_share": bytes as f64 / bf16 / bw,
+        });
+        eprintln!("moe experts {tokens} tokens: {row}");
+        out.push(row);
+    }
+    Ok(out)
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let out = args
@@ -514,6 +599,17 @@ fn main() -> Result<()> {
             "device": be.name(), "hbm_bytes_per_s": bw, "cublas_bf16_flops": peak,
             "kv_attention": rows,
         });
+        std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
+            .map_err(|e| nibble_core::Error::io(&out, e))?;
+        return Ok(());
+    }
+    // --moe-experts: one Mixtral-8x7B expert layer (8 experts, top 2, W4A16-g128) at decode
+    // sizes: the grouped launches, the same experts one by one (the fallback path), and a cuBLAS
+    // BF16 GEMM that reads as many bytes as the routed experts' weights.
+    if args.iter().any(|a| a == "--moe-experts") {
+        let bw = ceilings(&be)?.0;
+        let rows = moe_experts(&be, bw)?;
+        let report = json!({ "device": be.name(), "hbm_bytes_per_s": bw, "moe_experts": rows });
         std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
             .map_err(|e| nibble_core::Error::io(&out, e))?;
         return Ok(());

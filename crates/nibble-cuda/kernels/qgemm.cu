@@ -426,6 +426,38 @@ __device__ void w4a16_tiled_impl(const uint4* __restrict__ codes, const uint2* _
     W4A16_TILED_ENTRY(w4a16_tiled_h_##SUFFIX, T, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W4A16)
 
+// Grouped W4A16 gemv, for the experts of a mixture-of-experts layer (one launch for all of them):
+// grid.z walks a table of items, each one expert's packed weights (same geometry for every
+// expert of a layer) over a run of at most 8 * TT consecutive rows of the input, which the host
+// gathered in expert order; the output rows are the same rows of y. An item is the gemv above
+// with its own weights, rows, split-K partial slots (`gridDim.y * max_m * tiles * 16` floats)
+// and arrival counters (`gridDim.x`), so its results are exactly that gemv's. Only the experts
+// that are routed to have items: the others' weights are never read.
+struct GroupedW4Item {
+    const uint4* codes;
+    const uint2* params;
+    long long row;
+    int m;
+    int pad;
+};
+#define W4A16_GROUPED_ENTRY(NAME, T, TT, U)                                                            \
+    extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) NAME(                                   \
+        const GroupedW4Item* items, const T* x, long ldx, float* y, long ldy, float* partial,           \
+        int* counters, int max_m, int N, int K, int tiles, int chunks, int groups, int group_len,       \
+        int group_shift, int cps) {                                                                     \
+        const GroupedW4Item it = items[blockIdx.z];                                                     \
+        w4a16_gemv_impl<T, TT, U>(it.codes, it.params, x + it.row * ldx, ldx, y + it.row * ldy, ldy,    \
+                                  partial + (long)blockIdx.z * gridDim.y * max_m * tiles * 16,          \
+                                  counters + (long)blockIdx.z * gridDim.x, it.m, N, K, tiles, chunks,    \
+                                  groups, group_len, group_shift, cps);                                 \
+    }
+#define NIBBLE_W4A16_GROUPED(SUFFIX, T)                     \
+    W4A16_GROUPED_ENTRY(w4a16_grouped1_##SUFFIX, T, 1, 8)   \
+    W4A16_GROUPED_ENTRY(w4a16_grouped2_##SUFFIX, T, 2, 4)   \
+    W4A16_GROUPED_ENTRY(w4a16_grouped4_##SUFFIX, T, 4, 2)   \
+    W4A16_GROUPED_ENTRY(w4a16_grouped8_##SUFFIX, T, 8, 1)
+NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_GROUPED)
+
 // ---------------------------------------------------------------------------------------------
 // W8A8
 

@@ -15,7 +15,9 @@ use nibble_core::{Error, Result};
 use nibble_formats::gguf::GgmlType;
 use nibble_formats::{HostTensor, WeightFormat};
 use nibble_model::sampling::{PendingSample, SampleSpec, Sampled};
-use nibble_model::{AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, ScaledRows};
+use nibble_model::{
+    AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, RoutedExpert, ScaledRows,
+};
 
 use crate::blas::Blas;
 use crate::context::CudaContext;
@@ -171,6 +173,27 @@ impl CudaBackend {
             .sticky(r)
             .unwrap_or_else(|| CudaTensor::dead(rows, cols, elem))
     }
+}
+
+/// Each expert's weight over its run of the rows gathered in expert order.
+fn grouped_runs<'a>(
+    experts: &[RoutedExpert<'_, CudaWeight>],
+    weights: &[&'a QuantWeight],
+) -> Vec<qlinear::GroupedRun<'a>> {
+    let mut first = 0;
+    experts
+        .iter()
+        .zip(weights)
+        .map(|(e, &weight)| {
+            let run = qlinear::GroupedRun {
+                weight,
+                first,
+                rows: e.rows.len(),
+            };
+            first += e.rows.len();
+            run
+        })
+        .collect()
 }
 
 /// Why quantized `parts` are about to load dequantized, for the user (`None` for 16/32-bit
@@ -448,6 +471,75 @@ impl Backend for CudaBackend {
         parts: &[ScaledRows<'_, CudaTensor>],
     ) -> Result<CudaTensor> {
         ew::moe_combine(&self.ctx, rows, cols, parts)
+    }
+
+    /// W4A16 experts (every gate/up and every down weight of one geometry) run as two grouped
+    /// gemv launches over their rows gathered in expert order (`qlinear::grouped_w4a16`), with one
+    /// SiLU-gate between; other formats run expert by expert.
+    fn grouped_swiglu(
+        &self,
+        x: &CudaTensor,
+        experts: &[RoutedExpert<'_, CudaWeight>],
+    ) -> Result<Option<Vec<CudaTensor>>> {
+        let ctx = &self.ctx;
+        let Some(first) = experts.first() else {
+            return Ok(None);
+        };
+        fn quant(w: &CudaWeight) -> Option<&QuantWeight> {
+            match &w.data {
+                WeightData::Quant(q) => Some(q),
+                WeightData::Dense(_) => None,
+            }
+        }
+        let gate_ups: Option<Vec<&QuantWeight>> =
+            experts.iter().map(|e| quant(e.gate_up)).collect();
+        let downs: Option<Vec<&QuantWeight>> = experts.iter().map(|e| quant(e.down)).collect();
+        let (Some(gate_ups), Some(downs)) = (gate_ups, downs) else {
+            return Ok(None);
+        };
+        let (ffn2, hidden) = (first.gate_up.rows, first.gate_up.cols);
+        let ffn = ffn2 / 2;
+        let same_shapes = experts.iter().all(|e| {
+            (e.gate_up.rows, e.gate_up.cols, e.down.rows, e.down.cols)
+                == (ffn2, hidden, hidden, ffn)
+        });
+        if !same_shapes
+            || x.cols != hidden
+            || !qlinear::groups_w4a16(&gate_ups)
+            || !qlinear::groups_w4a16(&downs)
+        {
+            return Ok(None);
+        }
+        ctx.check_live(x)?;
+        let order: Vec<usize> = experts
+            .iter()
+            .flat_map(|e| e.rows.iter().copied())
+            .collect();
+        let gathered = ew::gather_rows(ctx, x, &order)?;
+        let gate_up = ctx.alloc(order.len(), ffn2, Elem::F32)?;
+        qlinear::grouped_w4a16(
+            ctx,
+            &gathered,
+            &grouped_runs(experts, &gate_ups),
+            ffn2,
+            hidden,
+            &gate_up,
+        )?;
+        let halves = gate_up.split_cols(&[ffn, ffn])?;
+        let act = ew::silu_mul(ctx, &halves[0], &halves[1])?;
+        let y = ctx.alloc(order.len(), hidden, Elem::F32)?;
+        qlinear::grouped_w4a16(ctx, &act, &grouped_runs(experts, &downs), hidden, ffn, &y)?;
+        let mut at = 0;
+        Ok(Some(
+            experts
+                .iter()
+                .map(|e| {
+                    let ptr = y.ptr + (at * hidden * 4) as u64;
+                    at += e.rows.len();
+                    CudaTensor::view(ptr, e.rows.len(), hidden, Elem::F32, y.epoch)
+                })
+                .collect(),
+        ))
     }
 
     /// Routing reads the router's logits on the host (`nibble_model::moe`), so a MoE model's steps

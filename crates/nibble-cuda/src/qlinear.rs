@@ -898,6 +898,149 @@ fn run_quant(
     }
 }
 
+/// Most rows a grouped-gemv item takes: the 64-token variant (8 tiles of 8 tokens). An expert
+/// routed more rows runs as several items.
+pub const GROUPED_MAX_M: usize = 64;
+
+/// One expert's W4A16 GEMM in a grouped launch: its weight, and the run of rows of the gathered
+/// input (`first..first + rows`) it multiplies; its outputs go to the same rows of the output.
+#[derive(Clone, Copy)]
+pub struct GroupedRun<'a> {
+    pub weight: &'a QuantWeight,
+    pub first: usize,
+    pub rows: usize,
+}
+
+/// Whether [`grouped_w4a16`] takes these weights: all W4A16, all of one geometry.
+pub fn groups_w4a16(weights: &[&QuantWeight]) -> bool {
+    let geometry = |w: &QuantWeight| match *w {
+        QuantWeight::W4 {
+            group_len,
+            tiles,
+            chunks,
+            groups,
+            ..
+        } => Some((group_len, tiles, chunks, groups)),
+        _ => None,
+    };
+    match weights.first().map(|w| geometry(w)) {
+        Some(Some(g)) => weights.iter().all(|w| geometry(w) == Some(g)),
+        _ => false,
+    }
+}
+
+/// The W4A16 GEMMs of several experts in one launch (kernels/qgemm.cu, `w4a16_grouped*`): `x`
+/// holds every expert's input rows, gathered in the order of `runs`; `out` (f32, `[x.rows, n]`)
+/// gets each run's products in the same rows. Each run is the mma.sync gemv of its expert
+/// (split into items of at most [`GROUPED_MAX_M`] rows), so only the experts in `runs` are read.
+pub fn grouped_w4a16(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    runs: &[GroupedRun<'_>],
+    n: usize,
+    k: usize,
+    out: &CudaTensor,
+) -> Result<()> {
+    ctx.check_err()?;
+    let weights: Vec<&QuantWeight> = runs.iter().map(|r| r.weight).collect();
+    let Some(&QuantWeight::W4 {
+        group_len,
+        tiles,
+        chunks,
+        groups,
+        ..
+    }) = weights.first().copied()
+    else {
+        return Ok(());
+    };
+    if !groups_w4a16(&weights) {
+        return Err(Error::InvalidArgument(
+            "a grouped W4A16 GEMM needs W4A16 weights of one geometry".into(),
+        ));
+    }
+    if out.elem != Elem::F32 || out.rows != x.rows || out.cols != n || !out.is_contiguous() {
+        return Err(Error::InvalidArgument(format!(
+            "grouped W4A16 GEMM: a [{}, {}] {:?} output for {} rows of {n}",
+            out.rows, out.cols, out.elem, x.rows
+        )));
+    }
+    let xh = ctx.as_half(x)?;
+    if xh.ld % 8 != 0 || xh.ptr % 16 != 0 || xh.cols != k {
+        return Err(Error::InvalidArgument(format!(
+            "grouped W4A16 GEMM input: {} columns for K = {k}, rows must be 16-byte aligned",
+            xh.cols
+        )));
+    }
+    // Items: (codes, params, first row, rows) as four 8-byte words (`GroupedW4Item`).
+    let mut items: Vec<[u64; 4]> = Vec::new();
+    for r in runs {
+        if r.first + r.rows > x.rows {
+            return Err(Error::InvalidArgument(format!(
+                "grouped W4A16 GEMM: rows {}..{} of {}",
+                r.first,
+                r.first + r.rows,
+                x.rows
+            )));
+        }
+        let QuantWeight::W4 { codes, params, .. } = r.weight else {
+            unreachable!("checked by groups_w4a16");
+        };
+        let mut first = r.first;
+        while first < r.first + r.rows {
+            let m = (r.first + r.rows - first).min(GROUPED_MAX_M);
+            items.push([codes.ptr, params.ptr, first as u64, m as u64]);
+            first += m;
+        }
+    }
+    if items.is_empty() {
+        return Ok(());
+    }
+    let max_m = items.iter().map(|i| i[3] as usize).max().unwrap_or(1);
+    let tt = token_tiles(max_m);
+    let (_, splits, cps) = plan_gemv(tiles * items.len(), chunks, ctx.gpu.sm_count, max_m, 128);
+    let blocks = tiles.div_ceil(8);
+    if blocks * items.len() > SPLIT_COUNTERS {
+        return Err(Error::InvalidArgument(format!(
+            "grouped W4A16 GEMM: {} items of {blocks} row blocks exceed the split counters",
+            items.len()
+        )));
+    }
+    let table = ctx.alloc_bytes(items.len() * 32)?;
+    ctx.stage_upload(table, &items)?;
+    let partial = if splits > 1 {
+        ctx.alloc(items.len() * splits * max_m, tiles * 16, Elem::F32)?
+            .ptr
+    } else {
+        0
+    };
+    let shift = if group_len.is_power_of_two() {
+        group_len.trailing_zeros() as i32
+    } else {
+        -1
+    };
+    let name = format!("w4a16_grouped{tt}_{}", ctx.dtype.suffix());
+    let ints = [max_m, n, k, tiles, chunks, groups, group_len].map(|v| Arg::I32(v as i32));
+    let mut args = vec![
+        Arg::Ptr(table),
+        Arg::Ptr(xh.ptr),
+        Arg::I64(xh.ld as i64),
+        Arg::Ptr(out.ptr),
+        Arg::I64(out.ld as i64),
+        Arg::Ptr(partial),
+        Arg::Ptr(ctx.split_counters()),
+    ];
+    args.extend(ints);
+    args.push(Arg::I32(shift));
+    args.push(Arg::I32(cps as i32));
+    ctx.kernel(&name)?.launch(
+        &ctx.gpu,
+        (blocks as u32, splits as u32, items.len() as u32),
+        256,
+        gemv_smem(max_m, cps, 128) as u32,
+        args,
+    )
+}
+
 /// The kernel a quantized GEMM runs ([`QGemm::pick`]).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Pick {

@@ -771,14 +771,25 @@ fn moe_models_match_cpu() {
 /// paths part from there. Such steps stay under a relative error of 1, are at most half of them,
 /// and count as near-ties.
 fn follows_cpu_greedy(name: &str, dir: &std::path::Path, routed: bool) -> Engine<CudaBackend> {
-    const STEPS: usize = 40;
-    const TIE: f32 = 0.05;
     let c = engine(cpu(), dir);
     let g = engine(gpu(Dtype::Bf16), dir);
+    follows_engine_greedy(name, &c, &g, routed);
+    g
+}
+
+/// [`follows_cpu_greedy`] for engines already loaded.
+fn follows_engine_greedy(
+    name: &str,
+    c: &Engine<CpuBackend>,
+    g: &Engine<CudaBackend>,
+    routed: bool,
+) {
+    const STEPS: usize = 40;
+    const TIE: f32 = 0.05;
     let prompt: Vec<u32> = "The quick brown fox".bytes().map(u32::from).collect();
-    let path = [prompt.clone(), greedy(&c, &prompt, STEPS)].concat();
-    let want = decode_logits(&c, &path, prompt.len());
-    let got = decode_logits(&g, &path, prompt.len());
+    let path = [prompt.clone(), greedy(c, &prompt, STEPS)].concat();
+    let want = decode_logits(c, &path, prompt.len());
+    let got = decode_logits(g, &path, prompt.len());
     let mut first_tie = STEPS;
     let mut rerouted = Vec::new();
     for (step, (w, gl)) in want.iter().zip(&got).enumerate() {
@@ -815,7 +826,7 @@ fn follows_cpu_greedy(name: &str, dir: &std::path::Path, routed: bool) -> Engine
     if !rerouted.is_empty() {
         eprintln!("{name}: logits off the CPU's (a routing near-tie) at {rerouted:?}");
     }
-    let free = greedy(&g, &prompt, STEPS);
+    let free = greedy(g, &prompt, STEPS);
     let same = free
         .iter()
         .zip(&path[prompt.len()..])
@@ -828,7 +839,6 @@ fn follows_cpu_greedy(name: &str, dir: &std::path::Path, routed: bool) -> Engine
     eprintln!(
         "{name}: free-running GPU = CPU for {same} tokens (first near-tie at step {first_tie})"
     );
-    g
 }
 
 /// A decode step replayed from a graph computes exactly what the same step run eagerly does.

@@ -112,6 +112,16 @@ pub struct ScaledRows<'a, T> {
     pub scales: &'a [f32],
 }
 
+/// One routed expert of a mixture-of-experts layer for [`Backend::grouped_swiglu`]: its fused
+/// gate/up weight (`[2 * ffn, hidden]`, gate rows first), its down weight, and the rows of the
+/// layer's input routed to it (in batch order, never empty).
+#[derive(Debug, Clone, Copy)]
+pub struct RoutedExpert<'a, W> {
+    pub gate_up: &'a W,
+    pub down: &'a W,
+    pub rows: &'a [usize],
+}
+
 pub trait Backend: Send + Sync {
     /// Activations: a row-major matrix `[tokens, features]`.
     type Tensor: Send + Sync;
@@ -279,6 +289,18 @@ pub trait Backend: Send + Sync {
         cols: usize,
         parts: &[ScaledRows<'_, Self::Tensor>],
     ) -> Result<Self::Tensor>;
+    /// The SwiGLU feed-forwards `down(silu(gate x) * up x)` of several experts, each over its own
+    /// rows of `x`, as grouped launches (one for all gate/up products, one for all down
+    /// products): each expert's `[rows, hidden]` output, in the order given. `None` where the
+    /// backend has no grouped kernels for these weights; the model then runs the experts one
+    /// by one with the ops above, which is what this must compute.
+    fn grouped_swiglu(
+        &self,
+        _x: &Self::Tensor,
+        _experts: &[RoutedExpert<'_, Self::Weight>],
+    ) -> Result<Option<Vec<Self::Tensor>>> {
+        Ok(None)
+    }
     /// Copies to host memory, row-major.
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
 

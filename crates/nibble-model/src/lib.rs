@@ -14,7 +14,8 @@ pub mod tensor_parallel;
 pub mod transformer;
 
 pub use backend::{
-    AttentionShape, Backend, BatchLayout, DeviceTimeline, KvShape, ScaledRows, SeqSpan,
+    AttentionShape, Backend, BatchLayout, DeviceTimeline, KvShape, RoutedExpert, ScaledRows,
+    SeqSpan,
 };
 pub use checkpoint::{CheckpointData, CheckpointSource, CheckpointTensor, write_checkpoint};
 pub use config::{

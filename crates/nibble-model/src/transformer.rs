@@ -8,8 +8,8 @@
 use nibble_core::{Error, Result};
 use nibble_precision::KvSpec;
 
-use crate::backend::ScaledRows;
 use crate::backend::{AttentionShape, Backend, BatchLayout, KvShape};
+use crate::backend::{RoutedExpert, ScaledRows};
 use crate::config::{Arch, ModelConfig, TensorLayout};
 use crate::source::TensorSource;
 
@@ -53,6 +53,22 @@ struct Mlp<B: Backend> {
 }
 
 impl<B: Backend> Mlp<B> {
+    /// This MLP over `rows`, for [`Backend::grouped_swiglu`]: SwiGLU with a fused gate/up only.
+    fn routed<'a>(&'a self, rows: &'a [usize]) -> Option<RoutedExpert<'a, B::Weight>> {
+        match (&self.gate_up, self.act) {
+            (Projections::Fused(gate_up, None, widths), Activation::Silu)
+                if widths.len() == 2 && widths[0] == widths[1] =>
+            {
+                Some(RoutedExpert {
+                    gate_up,
+                    down: &self.down,
+                    rows,
+                })
+            }
+            _ => None,
+        }
+    }
+
     fn apply(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor> {
         let gate_up = self.gate_up.apply(backend, x)?;
         let act = match self.act {
@@ -81,14 +97,27 @@ impl<B: Backend> Sparse<B> {
     fn apply(&self, backend: &B, x: &B::Tensor, tokens: usize, hidden: usize) -> Result<B::Tensor> {
         let logits = backend.to_host(&backend.linear(x, &self.router, None)?)?;
         let routes = crate::moe::route(&logits, self.experts.len(), self.top_k, self.renormalize)?;
-        let mut outputs = Vec::new();
-        for (expert, r) in self.experts.iter().zip(&routes) {
-            if r.rows.is_empty() {
-                continue;
-            }
-            let y = expert.apply(backend, &backend.gather_rows(x, &r.rows))?;
-            outputs.push((y, r));
-        }
+        let routed: Vec<(&Mlp<B>, &crate::moe::ExpertRows)> = self
+            .experts
+            .iter()
+            .zip(&routes)
+            .filter(|(_, r)| !r.rows.is_empty())
+            .collect();
+        let grouped = match routed
+            .iter()
+            .map(|(e, r)| e.routed(&r.rows))
+            .collect::<Option<Vec<_>>>()
+        {
+            Some(runs) => backend.grouped_swiglu(x, &runs)?,
+            None => None,
+        };
+        let outputs: Vec<(B::Tensor, &crate::moe::ExpertRows)> = match grouped {
+            Some(ys) => ys.into_iter().zip(routed.iter().map(|(_, r)| *r)).collect(),
+            None => routed
+                .iter()
+                .map(|(e, r)| Ok((e.apply(backend, &backend.gather_rows(x, &r.rows))?, *r)))
+                .collect::<Result<_>>()?,
+        };
         let all_rows: Vec<usize> = (0..tokens).collect();
         let shared = match &self.shared {
             None => None,
