@@ -475,14 +475,17 @@ impl Backend for CudaBackend {
 
     /// W4A16 experts (every gate/up and every down weight of one geometry) run as two grouped
     /// gemv launches over their rows gathered in expert order (`qlinear::grouped_w4a16`), with one
-    /// SiLU-gate between; other formats run expert by expert.
+    /// SiLU-gate between; other formats run expert by expert, and so do one or two routed experts:
+    /// there each expert's decode gemv beats the grouped mma.sync gemv (Mixtral's experts on an
+    /// H200 at 1 token: 91 against 99 µs for both; at 4 tokens over 4 experts the grouped
+    /// launches take 153 against 181, BENCHMARKS.md).
     fn grouped_swiglu(
         &self,
         x: &CudaTensor,
         experts: &[RoutedExpert<'_, CudaWeight>],
     ) -> Result<Option<Vec<CudaTensor>>> {
         let ctx = &self.ctx;
-        let Some(first) = experts.first() else {
+        let Some(first) = experts.first().filter(|_| experts.len() > 2) else {
             return Ok(None);
         };
         fn quant(w: &CudaWeight) -> Option<&QuantWeight> {

@@ -750,8 +750,8 @@ fn awq_and_gptq_layers_match_cpu() {
 /// Mixture-of-experts experts in W4A16 run as grouped launches (`grouped_swiglu`: one gemv launch
 /// for every routed expert's gate/up, one for every down): each expert's output equals its SwiGLU
 /// MLP on the CPU over the rows routed to it. Experts routed 1 to 70 rows (past 64 an expert
-/// takes several items), every group size, both dtypes, NaN-poisoned outputs; 16-bit experts
-/// are left to the expert-by-expert path.
+/// takes several items), every group size, both dtypes, NaN-poisoned outputs; 16-bit experts,
+/// and one or two routed experts, are left to the expert-by-expert path.
 #[test]
 fn grouped_w4a16_experts_match_cpu() {
     use nibble_model::RoutedExpert;
@@ -816,6 +816,8 @@ fn grouped_w4a16_experts_match_cpu() {
                 .grouped_swiglu(&gx, &experts)
                 .unwrap()
                 .expect("W4A16 experts run grouped");
+            // Two routed experts run one by one (each one's decode gemv is faster there).
+            assert!(g.grouped_swiglu(&gx, &experts[..2]).unwrap().is_none());
             for (e, ((gate_up, down), rows)) in cpu_w.iter().zip(&rows).enumerate() {
                 let xe = c.gather_rows(&x, rows);
                 let gu = c.linear(&xe, gate_up, None).unwrap();
