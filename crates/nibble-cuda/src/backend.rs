@@ -475,7 +475,8 @@ impl Backend for CudaBackend {
 
     /// W4A16 experts (every gate/up and every down weight of one geometry) run as two grouped
     /// gemv launches over their rows gathered in expert order (`qlinear::grouped_w4a16`), with one
-    /// SiLU-gate between; other formats run expert by expert, and so do one or two routed experts:
+    /// SiLU-gate between, at decode sizes (at most `GROUPED_MAX_M` rows an expert); other formats
+    /// and larger batches run expert by expert, and so do one or two routed experts:
     /// there each expert's decode gemv beats the grouped mma.sync gemv (Mixtral's experts on an
     /// H200 at 1 token: 91 against 99 µs for both; at 4 tokens over 4 experts the grouped
     /// launches take 153 against 181, BENCHMARKS.md).
@@ -485,7 +486,15 @@ impl Backend for CudaBackend {
         experts: &[RoutedExpert<'_, CudaWeight>],
     ) -> Result<Option<Vec<CudaTensor>>> {
         let ctx = &self.ctx;
-        let Some(first) = experts.first().filter(|_| experts.len() > 2) else {
+        // Decode sizes only: an expert routed more rows than one item takes would re-read its
+        // weights per item, where the expert-by-expert path picks the tiled or wgmma kernels.
+        let decode_sized = experts
+            .iter()
+            .all(|e| e.rows.len() <= qlinear::GROUPED_MAX_M);
+        let Some(first) = experts
+            .first()
+            .filter(|_| experts.len() > 2 && decode_sized)
+        else {
             return Ok(None);
         };
         fn quant(w: &CudaWeight) -> Option<&QuantWeight> {

@@ -115,12 +115,20 @@ pub struct ScaledRows<'a, T> {
 /// One routed expert of a mixture-of-experts layer for [`Backend::grouped_swiglu`]: its fused
 /// gate/up weight (`[2 * ffn, hidden]`, gate rows first), its down weight, and the rows of the
 /// layer's input routed to it (in batch order, never empty).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct RoutedExpert<'a, W> {
     pub gate_up: &'a W,
     pub down: &'a W,
     pub rows: &'a [usize],
 }
+
+// By hand: the derives would ask `W: Copy`, and a reference is `Copy` whatever it points to.
+impl<W> Clone for RoutedExpert<'_, W> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<W> Copy for RoutedExpert<'_, W> {}
 
 pub trait Backend: Send + Sync {
     /// Activations: a row-major matrix `[tokens, features]`.

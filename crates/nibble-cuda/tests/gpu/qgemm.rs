@@ -812,12 +812,19 @@ fn grouped_w4a16_experts_match_cpu() {
                     rows,
                 })
                 .collect();
-            let got = g
-                .grouped_swiglu(&gx, &experts)
-                .unwrap()
-                .expect("W4A16 experts run grouped");
+            // The engine groups decode sizes only (an expert of 70 rows is left to the
+            // expert-by-expert path); the launches themselves take any run, in items of 64.
+            assert!(g.grouped_swiglu(&gx, &experts).unwrap().is_none());
+            let got = grouped_directly(&g, &gx, &experts, ffn);
             // Two routed experts run one by one (each one's decode gemv is faster there).
             assert!(g.grouped_swiglu(&gx, &experts[..2]).unwrap().is_none());
+            // Decode-sized experts (at most 64 rows) through the backend's op.
+            let small: Vec<usize> = (0..counts.len()).filter(|&e| counts[e] <= 64).collect();
+            let picked: Vec<_> = small.iter().map(|&e| experts[e]).collect();
+            let via_op = g
+                .grouped_swiglu(&gx, &picked)
+                .unwrap()
+                .expect("decode-sized W4A16 experts run grouped");
             for (e, ((gate_up, down), rows)) in cpu_w.iter().zip(&rows).enumerate() {
                 let xe = c.gather_rows(&x, rows);
                 let gu = c.linear(&xe, gate_up, None).unwrap();
@@ -829,7 +836,16 @@ fn grouped_w4a16_experts_match_cpu() {
                     "grouped {format} {dtype:?} expert {e} ({} rows)",
                     rows.len()
                 );
-                check(&what, &host(&g, &got[e]), &want.data, 2e-2);
+                check(&what, &got[e], &want.data, 2e-2);
+                if let Some(i) = small.iter().position(|&s| s == e) {
+                    let via = host(&g, &via_op[i]);
+                    check(
+                        &format!("{what} via grouped_swiglu"),
+                        &via,
+                        &want.data,
+                        2e-2,
+                    );
+                }
             }
         }
         // 16-bit experts: no grouped kernel, the model runs them one by one.
@@ -885,4 +901,62 @@ fn w4a16_moe_model_matches_cpu() {
     let g = dummy_engine(gpu(Dtype::Bf16), &name);
     follows_engine_greedy("mixtral-shaped w4a16", &c, &g, true);
     assert_eq!(g.backend.graph_counts(), (0, 0));
+}
+
+/// `grouped_swiglu`'s launches without its size rule, as the backend makes them.
+fn grouped_directly(
+    g: &CudaBackend,
+    x: &CudaTensor,
+    experts: &[nibble_model::RoutedExpert<'_, nibble_cuda::CudaWeight>],
+    ffn: usize,
+) -> Vec<Vec<f32>> {
+    use nibble_cuda::qlinear::{GroupedRun, grouped_w4a16};
+    fn quant(w: &nibble_cuda::CudaWeight) -> &nibble_cuda::qlinear::QuantWeight {
+        match &w.data {
+            nibble_cuda::WeightData::Quant(q) => q,
+            _ => panic!("packed"),
+        }
+    }
+    let runs = |down: bool| -> Vec<GroupedRun<'_>> {
+        let mut first = 0;
+        experts
+            .iter()
+            .map(|e| {
+                let weight = quant(if down { e.down } else { e.gate_up });
+                let run = GroupedRun {
+                    weight,
+                    first,
+                    rows: e.rows.len(),
+                };
+                first += e.rows.len();
+                run
+            })
+            .collect()
+    };
+    let order: Vec<usize> = experts
+        .iter()
+        .flat_map(|e| e.rows.iter().copied())
+        .collect();
+    let hidden = x.cols;
+    let gathered = g.gather_rows(x, &order);
+    let gate_up = g
+        .tensor_from_f32(&vec![f32::NAN; order.len() * 2 * ffn], order.len(), 2 * ffn)
+        .unwrap();
+    grouped_w4a16(g, &gathered, &runs(false), 2 * ffn, hidden, &gate_up).unwrap();
+    let halves = g.split_cols(&gate_up, &[ffn, ffn]).unwrap();
+    let act = g.silu_mul(&halves[0], &halves[1]);
+    let y = g
+        .tensor_from_f32(&vec![f32::NAN; order.len() * hidden], order.len(), hidden)
+        .unwrap();
+    grouped_w4a16(g, &act, &runs(true), hidden, ffn, &y).unwrap();
+    let all = host(g, &y);
+    let mut at = 0;
+    experts
+        .iter()
+        .map(|e| {
+            let part = all[at * hidden..(at + e.rows.len()) * hidden].to_vec();
+            at += e.rows.len();
+            part
+        })
+        .collect()
 }
