@@ -432,7 +432,8 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16)
 // gathered in expert order; the output rows are the same rows of y. An item is the gemv above
 // with its own weights, rows, split-K partial slots (`gridDim.y * max_m * tiles * 16` floats)
 // and arrival counters (`gridDim.x`), so its results are exactly that gemv's. Only the experts
-// that are routed to have items: the others' weights are never read.
+// that are routed to have items: the others' weights are never read. Twice the gemv's chunks in
+// flight (U) for 2 and 4 token tiles: the grouped launch is many CTAs, each bound by its loads.
 struct GroupedW4Item {
     const uint4* codes;
     const uint2* params;
@@ -453,8 +454,8 @@ struct GroupedW4Item {
     }
 #define NIBBLE_W4A16_GROUPED(SUFFIX, T)                     \
     W4A16_GROUPED_ENTRY(w4a16_grouped1_##SUFFIX, T, 1, 8)   \
-    W4A16_GROUPED_ENTRY(w4a16_grouped2_##SUFFIX, T, 2, 4)   \
-    W4A16_GROUPED_ENTRY(w4a16_grouped4_##SUFFIX, T, 4, 2)   \
+    W4A16_GROUPED_ENTRY(w4a16_grouped2_##SUFFIX, T, 2, 8)   \
+    W4A16_GROUPED_ENTRY(w4a16_grouped4_##SUFFIX, T, 4, 4)   \
     W4A16_GROUPED_ENTRY(w4a16_grouped8_##SUFFIX, T, 8, 1)
 NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_GROUPED)
 
