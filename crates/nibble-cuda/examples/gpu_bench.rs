@@ -486,7 +486,8 @@ fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
         }
     };
     let mut out = Vec::new();
-    for &tokens in &[1usize, 4, 16, 32, 64] {
+    // (One token routes two experts, which the engine runs one by one: no grouped row.)
+    for &tokens in &[2usize, 4, 16, 32, 64] {
         // Token t takes experts (3t + 1) mod 8 and (5t + 2) mod 8 (distinct for every t).
         let mut routed = vec![Vec::new(); experts];
         for t in 0..tokens {
