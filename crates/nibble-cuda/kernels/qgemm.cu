@@ -32,6 +32,9 @@
 //     and multiplied), weights read from shared memory with one 16-byte load per lane per chunk.
 //     Activation rows are padded (f16: 144 B) or not (INT8: 64 B) so B-fragment loads are free
 //     of bank conflicts.
+//   w4a16_grouped{1,2,4,8} (mixture-of-experts layers at decode sizes): the W4A16 gemv over a
+//     table of items on grid.z, each item one expert's weights over up to 64 consecutive rows of
+//     the input gathered in expert order; the routed experts of a layer in one launch.
 // The Hopper tier is compiled into the same module: the persistent decode gemv (qgemv.cu) for up
 // to 16 tokens and the wgmma kernels (qgemm_wgmma.cu) for large M; BENCHMARKS.md has where these
 // kernels stand against cuBLAS.

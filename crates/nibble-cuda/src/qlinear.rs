@@ -7,6 +7,7 @@
 //! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_stream{1,2,4}` (sm_90) or `w4a16_gemv{1,2,4,8}`, `w4a16_tiled` | model dtype |
 //! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4,8}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
 //! | `qoq-gN/a8`, `lqq-gN/a8`, `int4-pc/a8` (w4a8) | `w4a8_dec{1,2,4}` up to 32 tokens, `w4a8_wgmma{64,128,}` beyond (sm_90a only) | as W8A8 |
+//! | `int4-gN/a16` experts of a MoE layer ([`grouped_w4a16`]) | `w4a16_grouped{1,2,4,8}`: the mma.sync gemv over an item table, every routed expert in one launch | model dtype |
 //! | `fp8-pc/afp8` (fp8; row-major codes, `pack::PackedFp8`) | `fp8_dec{1,2,4}` up to 32 tokens, `fp8_wgmma{64,128}` beyond (sm_90a only; kernels/qgemm_fp8.cu) | FP8 e4m3 per token, by the producing kernel or `quantize_f8` |
 //!
 //! Other quantized formats load dequantized to the model dtype and run on cuBLAS; so do W4A8
