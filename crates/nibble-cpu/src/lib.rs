@@ -459,21 +459,7 @@ impl Backend for CpuBackend {
     ) -> Result<CpuTensor> {
         let mut out = CpuTensor::zeros(rows, cols);
         for (n, p) in parts.iter().enumerate() {
-            if p.x.cols != cols || p.x.rows != p.rows.len() || p.rows.len() != p.scales.len() {
-                return Err(Error::InvalidArgument(format!(
-                    "scatter_add_scaled part {n}: a [{}, {}] tensor with {} target rows and {} \
-                     scales for a [{rows}, {cols}] result",
-                    p.x.rows,
-                    p.x.cols,
-                    p.rows.len(),
-                    p.scales.len()
-                )));
-            }
-            if let Some(&r) = p.rows.iter().find(|&&r| r >= rows) {
-                return Err(Error::InvalidArgument(format!(
-                    "scatter_add_scaled part {n}: target row {r} of {rows}"
-                )));
-            }
+            p.check(n, (p.x.rows, p.x.cols), rows, cols)?;
             for ((i, &r), &s) in p.rows.iter().enumerate().zip(p.scales) {
                 let dst = &mut out.data[r * cols..(r + 1) * cols];
                 for (o, &v) in dst.iter_mut().zip(p.x.row(i)) {

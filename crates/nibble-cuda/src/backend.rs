@@ -175,27 +175,6 @@ impl CudaBackend {
     }
 }
 
-/// Each expert's weight over its run of the rows gathered in expert order.
-fn grouped_runs<'a>(
-    experts: &[RoutedExpert<'_, CudaWeight>],
-    weights: &[&'a QuantWeight],
-) -> Vec<qlinear::GroupedRun<'a>> {
-    let mut first = 0;
-    experts
-        .iter()
-        .zip(weights)
-        .map(|(e, &weight)| {
-            let run = qlinear::GroupedRun {
-                weight,
-                first,
-                rows: e.rows.len(),
-            };
-            first += e.rows.len();
-            run
-        })
-        .collect()
-}
-
 /// Why quantized `parts` are about to load dequantized, for the user (`None` for 16/32-bit
 /// weights, which are not quantized to begin with).
 fn dequantized_reason(ctx: &CudaContext, parts: &[HostTensor]) -> Option<String> {
@@ -527,20 +506,16 @@ impl Backend for CudaBackend {
             .iter()
             .flat_map(|e| e.rows.iter().copied())
             .collect();
+        let counts = || experts.iter().map(|e| e.rows.len());
         let gathered = ew::gather_rows(ctx, x, &order)?;
         let gate_up = ctx.alloc(order.len(), ffn2, Elem::F32)?;
-        qlinear::grouped_w4a16(
-            ctx,
-            &gathered,
-            &grouped_runs(experts, &gate_ups),
-            ffn2,
-            hidden,
-            &gate_up,
-        )?;
+        let runs = qlinear::runs_in_order(gate_ups.iter().copied().zip(counts()));
+        qlinear::grouped_w4a16(ctx, &gathered, &runs, ffn2, hidden, &gate_up)?;
         let halves = gate_up.split_cols(&[ffn, ffn])?;
         let act = ew::silu_mul(ctx, &halves[0], &halves[1])?;
         let y = ctx.alloc(order.len(), hidden, Elem::F32)?;
-        qlinear::grouped_w4a16(ctx, &act, &grouped_runs(experts, &downs), hidden, ffn, &y)?;
+        let runs = qlinear::runs_in_order(downs.iter().copied().zip(counts()));
+        qlinear::grouped_w4a16(ctx, &act, &runs, hidden, ffn, &y)?;
         let mut at = 0;
         Ok(Some(
             experts

@@ -372,21 +372,7 @@ pub fn moe_combine(
     let mut per_row = vec![0i32; rows + 1];
     for (n, p) in parts.iter().enumerate() {
         expect_whole_f32(p.x, "expert output")?;
-        if p.x.cols != cols || p.x.rows != p.rows.len() || p.rows.len() != p.scales.len() {
-            return Err(Error::InvalidArgument(format!(
-                "scatter_add_scaled part {n}: a [{}, {}] tensor with {} target rows and {} scales \
-                 for a [{rows}, {cols}] result",
-                p.x.rows,
-                p.x.cols,
-                p.rows.len(),
-                p.scales.len()
-            )));
-        }
-        if let Some(&r) = p.rows.iter().find(|&&r| r >= rows) {
-            return Err(Error::InvalidArgument(format!(
-                "scatter_add_scaled part {n}: target row {r} of {rows}"
-            )));
-        }
+        p.check(n, (p.x.rows, p.x.cols), rows, cols)?;
         for &r in p.rows {
             per_row[r + 1] += 1;
         }

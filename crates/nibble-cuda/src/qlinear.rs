@@ -912,6 +912,26 @@ pub struct GroupedRun<'a> {
     pub rows: usize,
 }
 
+/// Consecutive runs of rows, one per `(weight, rows)` in order, from row 0: the experts' rows as
+/// gathered in expert order.
+pub fn runs_in_order<'a>(
+    parts: impl IntoIterator<Item = (&'a QuantWeight, usize)>,
+) -> Vec<GroupedRun<'a>> {
+    let mut first = 0;
+    parts
+        .into_iter()
+        .map(|(weight, rows)| {
+            let run = GroupedRun {
+                weight,
+                first,
+                rows,
+            };
+            first += rows;
+            run
+        })
+        .collect()
+}
+
 /// Whether [`grouped_w4a16`] takes these weights: all W4A16, all of one geometry.
 pub fn groups_w4a16(weights: &[&QuantWeight]) -> bool {
     let geometry = |w: &QuantWeight| match *w {

@@ -112,6 +112,33 @@ pub struct ScaledRows<'a, T> {
     pub scales: &'a [f32],
 }
 
+impl<T> ScaledRows<'_, T> {
+    /// Checks part `n` of a `[rows, cols]` result, its tensor being `[x_rows, x_cols]`: one
+    /// target row and one scale per row of the tensor, every target row in range.
+    pub fn check(
+        &self,
+        n: usize,
+        (x_rows, x_cols): (usize, usize),
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        if x_cols != cols || x_rows != self.rows.len() || self.rows.len() != self.scales.len() {
+            return Err(nibble_core::Error::InvalidArgument(format!(
+                "scatter_add_scaled part {n}: a [{x_rows}, {x_cols}] tensor with {} target rows \
+                 and {} scales for a [{rows}, {cols}] result",
+                self.rows.len(),
+                self.scales.len()
+            )));
+        }
+        if let Some(&r) = self.rows.iter().find(|&&r| r >= rows) {
+            return Err(nibble_core::Error::InvalidArgument(format!(
+                "scatter_add_scaled part {n}: target row {r} of {rows}"
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// One routed expert of a mixture-of-experts layer for [`Backend::grouped_swiglu`]: its fused
 /// gate/up weight (`[2 * ffn, hidden]`, gate rows first), its down weight, and the rows of the
 /// layer's input routed to it (in batch order, never empty).

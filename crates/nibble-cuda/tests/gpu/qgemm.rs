@@ -910,28 +910,19 @@ fn grouped_directly(
     experts: &[nibble_model::RoutedExpert<'_, nibble_cuda::CudaWeight>],
     ffn: usize,
 ) -> Vec<Vec<f32>> {
-    use nibble_cuda::qlinear::{GroupedRun, grouped_w4a16};
+    use nibble_cuda::qlinear::{grouped_w4a16, runs_in_order};
     fn quant(w: &nibble_cuda::CudaWeight) -> &nibble_cuda::qlinear::QuantWeight {
         match &w.data {
             nibble_cuda::WeightData::Quant(q) => q,
             _ => panic!("packed"),
         }
     }
-    let runs = |down: bool| -> Vec<GroupedRun<'_>> {
-        let mut first = 0;
-        experts
-            .iter()
-            .map(|e| {
-                let weight = quant(if down { e.down } else { e.gate_up });
-                let run = GroupedRun {
-                    weight,
-                    first,
-                    rows: e.rows.len(),
-                };
-                first += e.rows.len();
-                run
-            })
-            .collect()
+    let runs = |down: bool| {
+        runs_in_order(
+            experts
+                .iter()
+                .map(|e| (quant(if down { e.down } else { e.gate_up }), e.rows.len())),
+        )
     };
     let order: Vec<usize> = experts
         .iter()
