@@ -31,6 +31,7 @@
 use half::{bf16, f16};
 use nibble_core::{Error, Result};
 use nibble_precision::{ByteAffine, byte_affine_word};
+use rayon::prelude::*;
 
 use crate::tensor::Dtype;
 
@@ -212,47 +213,55 @@ pub fn pack_w4(w: &W4Matrix, dtype: Dtype) -> Result<PackedW4> {
     let groups = (chunks * CHUNK_K).div_ceil(w.group_len);
     let order = lane_order(MMA_F16);
     let mut codes = vec![0u32; tiles * chunks * 32 * 4];
-    for tile in 0..tiles {
-        for chunk in 0..chunks {
-            for (lane, vals) in order.iter().enumerate() {
-                let base = ((tile * chunks + chunk) * 32 + lane) * 4;
-                for (idx, &(row, ch)) in vals.iter().enumerate() {
-                    let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
-                    // Padding takes the group's zero point, so it dequantizes to exactly 0.
-                    let q = if n < w.n && kk < w.k {
-                        w.codes[n * w.k + kk]
-                    } else if n < w.n && kk / w.group_len < groups_in {
-                        w.zeros[n * groups_in + kk / w.group_len]
-                    } else {
-                        0
-                    };
-                    let (step, i) = (idx / 8, idx % 8);
-                    let slot = nibble_slot(i / 2, i % 2);
-                    codes[base + step] |= ((q & 15) as u32) << (4 * slot);
+    // Tiles in parallel: a large checkpoint's packing is a large share of its load time.
+    codes
+        .par_chunks_mut(chunks * 32 * 4)
+        .enumerate()
+        .for_each(|(tile, codes)| {
+            for chunk in 0..chunks {
+                for (lane, vals) in order.iter().enumerate() {
+                    let base = (chunk * 32 + lane) * 4;
+                    for (idx, &(row, ch)) in vals.iter().enumerate() {
+                        let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+                        // Padding takes the group's zero point, so it dequantizes to exactly 0.
+                        let q = if n < w.n && kk < w.k {
+                            w.codes[n * w.k + kk]
+                        } else if n < w.n && kk / w.group_len < groups_in {
+                            w.zeros[n * groups_in + kk / w.group_len]
+                        } else {
+                            0
+                        };
+                        let (step, i) = (idx / 8, idx % 8);
+                        let slot = nibble_slot(i / 2, i % 2);
+                        codes[base + step] |= ((q & 15) as u32) << (4 * slot);
+                    }
                 }
             }
-        }
-    }
+        });
     let magic = w4_magic(dtype);
     let mut params = vec![0u16; tiles * groups * 16 * 2];
-    for tile in 0..tiles {
-        for grp in 0..groups {
-            for row in 0..TILE_ROWS {
-                let n = tile * TILE_ROWS + row;
-                let (s, z) = if n < w.n && grp < groups_in {
-                    (
-                        w.scales[n * groups_in + grp],
-                        w.zeros[n * groups_in + grp] as f32,
-                    )
-                } else {
-                    (0.0, 0.0)
-                };
-                let at = param_slot(tile, groups, grp, row) * 2;
-                params[at] = dtype.encode(&[s])[0];
-                params[at + 1] = dtype.encode(&[magic + z])[0];
+    let per_tile = groups * 16 * 2;
+    params
+        .par_chunks_mut(per_tile)
+        .enumerate()
+        .for_each(|(tile, params)| {
+            for grp in 0..groups {
+                for row in 0..TILE_ROWS {
+                    let n = tile * TILE_ROWS + row;
+                    let (s, z) = if n < w.n && grp < groups_in {
+                        (
+                            w.scales[n * groups_in + grp],
+                            w.zeros[n * groups_in + grp] as f32,
+                        )
+                    } else {
+                        (0.0, 0.0)
+                    };
+                    let at = param_slot(tile, groups, grp, row) * 2 - tile * per_tile;
+                    params[at] = dtype.encode(&[s])[0];
+                    params[at + 1] = dtype.encode(&[magic + z])[0];
+                }
             }
-        }
-    }
+        });
     Ok(PackedW4 {
         n: w.n,
         k: w.k,
@@ -325,19 +334,23 @@ pub fn pack_w8(n: usize, k: usize, codes: &[i8], scales: &[f32]) -> Result<Packe
     let order = lane_order(MMA_S8);
     let per_lane = MMA_S8.steps() * MMA_S8.a_elems();
     let mut packed = vec![0i8; tiles * chunks * 32 * per_lane];
-    for tile in 0..tiles {
-        for chunk in 0..chunks {
-            for (lane, vals) in order.iter().enumerate() {
-                let base = ((tile * chunks + chunk) * 32 + lane) * per_lane;
-                for (idx, &(row, ch)) in vals.iter().enumerate() {
-                    let (r, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
-                    if r < n && kk < k {
-                        packed[base + idx] = codes[r * k + kk];
+    let per_tile = chunks * 32 * per_lane;
+    packed
+        .par_chunks_mut(per_tile)
+        .enumerate()
+        .for_each(|(tile, packed)| {
+            for chunk in 0..chunks {
+                for (lane, vals) in order.iter().enumerate() {
+                    let base = (chunk * 32 + lane) * per_lane;
+                    for (idx, &(row, ch)) in vals.iter().enumerate() {
+                        let (r, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+                        if r < n && kk < k {
+                            packed[base + idx] = codes[r * k + kk];
+                        }
                     }
                 }
             }
-        }
-    }
+        });
     let mut s = scales.to_vec();
     s.resize(tiles * TILE_ROWS, 0.0);
     Ok(PackedW8 {
@@ -511,35 +524,42 @@ pub fn pack_w4a8(w: &W4A8Matrix) -> Result<PackedW4A8> {
     let order = lane_order(MMA_S8);
     let per_reg = MMA_S8.per_reg();
     let mut codes = vec![0u32; tiles * chunks * 32 * 4];
-    for tile in 0..tiles {
-        for chunk in 0..chunks {
-            for (lane, vals) in order.iter().enumerate() {
-                let base = ((tile * chunks + chunk) * 32 + lane) * 4;
-                for (idx, &(row, ch)) in vals.iter().enumerate() {
-                    let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
-                    if n >= w.n || kk >= w.k {
-                        continue; // padding: its activations are zero
+    codes
+        .par_chunks_mut(chunks * 32 * 4)
+        .enumerate()
+        .for_each(|(tile, codes)| {
+            for chunk in 0..chunks {
+                for (lane, vals) in order.iter().enumerate() {
+                    let base = (chunk * 32 + lane) * 4;
+                    for (idx, &(row, ch)) in vals.iter().enumerate() {
+                        let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+                        if n >= w.n || kk >= w.k {
+                            continue; // padding: its activations are zero
+                        }
+                        let (step, reg, byte) = (idx / 16, idx % 16 / per_reg, idx % per_reg);
+                        let word = 2 * step + reg % 2;
+                        let shift = 8 * byte + 4 * (reg / 2);
+                        codes[base + word] |= ((w.codes[n * w.k + kk] & 15) as u32) << shift;
                     }
-                    let (step, reg, byte) = (idx / 16, idx % 16 / per_reg, idx % per_reg);
-                    let word = 2 * step + reg % 2;
-                    let shift = 8 * byte + 4 * (reg / 2);
-                    codes[base + word] |= ((w.codes[n * w.k + kk] & 15) as u32) << shift;
                 }
             }
-        }
-    }
+        });
     let mut params = vec![0u32; tiles * groups * 16];
-    for tile in 0..tiles {
-        for grp in 0..groups.min(groups_in) {
-            for row in 0..TILE_ROWS {
-                let n = tile * TILE_ROWS + row;
-                if n < w.n {
-                    let at = param_slot(tile, groups, grp, row);
-                    params[at] = w4a8_param(w.affine[n * groups_in + grp]);
+    let per_tile = groups * 16;
+    params
+        .par_chunks_mut(per_tile)
+        .enumerate()
+        .for_each(|(tile, params)| {
+            for grp in 0..groups.min(groups_in) {
+                for row in 0..TILE_ROWS {
+                    let n = tile * TILE_ROWS + row;
+                    if n < w.n {
+                        let at = param_slot(tile, groups, grp, row) - tile * per_tile;
+                        params[at] = w4a8_param(w.affine[n * groups_in + grp]);
+                    }
                 }
             }
-        }
-    }
+        });
     let mut scales = w.scales.to_vec();
     scales.resize(tiles * TILE_ROWS, 0.0);
     Ok(PackedW4A8 {

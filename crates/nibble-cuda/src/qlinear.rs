@@ -17,6 +17,7 @@
 use nibble_core::{Error, Result};
 use nibble_formats::{HostTensor, WeightFormat};
 use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
+use rayon::prelude::*;
 
 use crate::context::{CudaContext, norm_block};
 pub use crate::context::{KernelTier, SPLIT_COUNTERS};
@@ -249,6 +250,14 @@ pub fn stacked_rows(parts: &[HostTensor]) -> Result<Option<StackedRows>> {
     Ok(Some((format, rows, cols, bytes)))
 }
 
+/// Two 4-bit codes a byte, low nibble first, into one code a byte.
+fn unpack_nibbles(packed: &[u8], codes: &mut [u8]) {
+    for (pair, &b) in codes.chunks_exact_mut(2).zip(packed) {
+        pair[0] = b & 15;
+        pair[1] = b >> 4;
+    }
+}
+
 fn f16_at(b: &[u8], at: usize) -> f32 {
     half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
@@ -277,18 +286,24 @@ pub fn pack_rows(
             let groups = format.codec.groups(k);
             let group_len = k / groups;
             pack::check_k(k, Some(group_len))?;
-            let mut codes = Vec::with_capacity(n * k);
-            let mut scales = Vec::with_capacity(n * groups);
-            let mut zeros = Vec::with_capacity(n * groups);
-            for row in bytes.chunks_exact(rb) {
-                for &b in &row[..k / 2] {
-                    codes.push(b & 15);
-                    codes.push(b >> 4);
-                }
-                let s = &row[k / 2..k / 2 + 2 * groups];
-                scales.extend((0..groups).map(|g| f16_at(s, 2 * g)));
-                zeros.extend_from_slice(&row[k / 2 + 2 * groups..]);
-            }
+            let (mut codes, mut scales, mut zeros) = (
+                vec![0u8; n * k],
+                vec![0f32; n * groups],
+                vec![0u8; n * groups],
+            );
+            codes
+                .par_chunks_mut(k)
+                .zip(scales.par_chunks_mut(groups))
+                .zip(zeros.par_chunks_mut(groups))
+                .zip(bytes.par_chunks(rb))
+                .for_each(|(((codes, scales), zeros), row)| {
+                    unpack_nibbles(&row[..k / 2], codes);
+                    let s = &row[k / 2..k / 2 + 2 * groups];
+                    for (g, scale) in scales.iter_mut().enumerate() {
+                        *scale = f16_at(s, 2 * g);
+                    }
+                    zeros.copy_from_slice(&row[k / 2 + 2 * groups..]);
+                });
             let w = W4Matrix {
                 n,
                 k,
@@ -339,14 +354,14 @@ fn pack_w4a8_rows(
     bytes: &[u8],
 ) -> Result<PackedW4A8> {
     let groups = format.codec.groups(k);
-    let mut codes = Vec::with_capacity(n * k);
+    let mut codes = vec![0u8; n * k];
+    codes
+        .par_chunks_mut(k)
+        .zip(bytes.par_chunks(rb))
+        .for_each(|(codes, row)| unpack_nibbles(&row[..k / 2], codes));
     let mut affine = Vec::with_capacity(n * groups);
     let mut scales = Vec::with_capacity(n);
     for (r, row) in bytes.chunks_exact(rb).enumerate() {
-        for &b in &row[..k / 2] {
-            codes.push(b & 15);
-            codes.push(b >> 4);
-        }
         affine.extend(format.codec.byte_affine(row, k).ok_or_else(|| {
             Error::unsupported(
                 format!("{format} row {r} on the W4A8 kernels"),
