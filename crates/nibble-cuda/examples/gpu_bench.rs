@@ -463,7 +463,7 @@ fn engine_precisions(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
 
 /// Mixtral-8x7B's experts of one layer (hidden 4096, ffn 14336, 8 experts, top 2) in
 /// W4A16-g128 at 1 to 64 tokens routed by a fixed pseudo-random top 2: microseconds of
-/// `grouped_swiglu` (gather, two grouped gemv launches, SiLU-gate), of the experts run one by
+/// `run_grouped_swiglu` (gather, two grouped gemv launches, SiLU-gate), of the experts run one by
 /// one, and of a cuBLAS BF16 GEMM over the same number of weight bytes; the grouped launches'
 /// share of HBM bandwidth over the routed experts' bytes. Host-timed with the stream synchronized,
 /// as the eager MoE steps run.
@@ -486,8 +486,8 @@ fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
         }
     };
     let mut out = Vec::new();
-    // (One token routes two experts, which the engine runs one by one: no grouped row.)
-    for &tokens in &[2usize, 4, 16, 32, 64] {
+    // (The engine runs one token's two experts one by one; the grouped row shows why.)
+    for &tokens in &[1usize, 2, 4, 16, 32, 64] {
         // Token t takes experts (3t + 1) mod 8 and (5t + 2) mod 8 (distinct for every t).
         let mut routed = vec![Vec::new(); experts];
         for t in 0..tokens {
@@ -512,7 +512,7 @@ fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
         let reset = || be.begin_forward(&[], &BatchLayout::default());
         let grouped = time(be, 3, 20, || {
             reset()?;
-            be.grouped_swiglu(&x, &runs)?
+            be.run_grouped_swiglu(&x, &runs)?
                 .ok_or_else(|| nibble_core::Error::InvalidArgument("not grouped".into()))?;
             Ok(())
         })?;

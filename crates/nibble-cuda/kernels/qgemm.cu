@@ -434,7 +434,8 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16)
 // expert of a layer) over a run of at most 8 * TT consecutive rows of the input, which the host
 // gathered in expert order; the output rows are the same rows of y. An item is the gemv above
 // with its own weights, rows, split-K partial slots (`gridDim.y * max_m * tiles * 16` floats)
-// and arrival counters (`gridDim.x`), so its results are exactly that gemv's. Only the experts
+// and arrival counters (`gridDim.x`): its arithmetic, though the K splits are planned for the
+// whole launch, not for one expert alone. Only the experts
 // that are routed to have items: the others' weights are never read. Twice the gemv's chunks in
 // flight (U) for 2 and 4 token tiles: the grouped launch is many CTAs, each bound by its loads.
 struct GroupedW4Item {
@@ -444,6 +445,7 @@ struct GroupedW4Item {
     int m;
     int pad;
 };
+static_assert(sizeof(GroupedW4Item) == 32, "qlinear::GroupedItem");
 #define W4A16_GROUPED_ENTRY(NAME, T, TT, U)                                                            \
     extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) NAME(                                   \
         const GroupedW4Item* items, const T* x, long ldx, float* y, long ldy, float* partial,           \

@@ -27,6 +27,12 @@ use crate::sampling::SampleScratch;
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem, QuantWeight, WeightData};
 use crate::{attention, elementwise as ew, graph, qlinear, sampling};
 
+/// Most rows an expert may be routed for the engine to group the layer's experts
+/// ([`Backend::grouped_swiglu`]): past it the grouped gemv's activation window shrinks its K
+/// splits until the partial sums outweigh the saving (at 64 rows, 13 splits of Mixtral's gate/up
+/// write more than its 62 MB of weights).
+pub const GROUPED_ENGINE_ROWS: usize = 32;
+
 /// The context, plus what only the ops behind one trait method use (cuBLAS, sampling scratch).
 /// It dereferences to the context, whose methods and fields tests and benchmarks reach through it.
 pub struct CudaBackend {
@@ -115,6 +121,74 @@ impl CudaBackend {
     /// an append would, for a quantized pool).
     pub fn fill_kv_random(&self, kv: &CudaKv, seed: i32) -> Result<()> {
         ew::fill_kv_random(&self.ctx, kv, seed)
+    }
+
+    /// The W4A16 SwiGLU MLPs of several experts, each over its own rows of `x`, as grouped launches:
+    /// the rows gathered once in expert order, one `qlinear::grouped_w4a16` launch for every fused
+    /// gate/up, one SiLU-gate, one launch for every down; each expert's `[rows, hidden]` output
+    /// (views into one arena tensor). `None` unless every weight is W4A16 of one geometry.
+    /// [`Backend::grouped_swiglu`] adds the sizes the engine groups; tests and benchmarks call
+    /// this directly at any size.
+    pub fn run_grouped_swiglu(
+        &self,
+        x: &CudaTensor,
+        experts: &[RoutedExpert<'_, CudaWeight>],
+    ) -> Result<Option<Vec<CudaTensor>>> {
+        let ctx = &self.ctx;
+        let Some(first) = experts.first() else {
+            return Ok(None);
+        };
+        fn quant(w: &CudaWeight) -> Option<&QuantWeight> {
+            match &w.data {
+                WeightData::Quant(q) => Some(q),
+                WeightData::Dense(_) => None,
+            }
+        }
+        let gate_ups: Option<Vec<&QuantWeight>> =
+            experts.iter().map(|e| quant(e.gate_up)).collect();
+        let downs: Option<Vec<&QuantWeight>> = experts.iter().map(|e| quant(e.down)).collect();
+        let (Some(gate_ups), Some(downs)) = (gate_ups, downs) else {
+            return Ok(None);
+        };
+        let (ffn2, hidden) = (first.gate_up.rows, first.gate_up.cols);
+        let ffn = ffn2 / 2;
+        let same_shapes = experts.iter().all(|e| {
+            (e.gate_up.rows, e.gate_up.cols, e.down.rows, e.down.cols)
+                == (ffn2, hidden, hidden, ffn)
+        });
+        if !same_shapes
+            || x.cols != hidden
+            || !qlinear::groupable_w4a16(&gate_ups)
+            || !qlinear::groupable_w4a16(&downs)
+        {
+            return Ok(None);
+        }
+        ctx.check_live(x)?;
+        let order: Vec<usize> = experts
+            .iter()
+            .flat_map(|e| e.rows.iter().copied())
+            .collect();
+        let counts = || experts.iter().map(|e| e.rows.len());
+        let gathered = ew::gather_rows(ctx, x, &order)?;
+        let gate_up = ctx.alloc(order.len(), ffn2, Elem::F32)?;
+        let runs = qlinear::runs_in_order(gate_ups.iter().copied().zip(counts()));
+        qlinear::grouped_w4a16(ctx, &gathered, &runs, ffn2, hidden, &gate_up)?;
+        let halves = gate_up.split_cols(&[ffn, ffn])?;
+        let act = ew::silu_mul(ctx, &halves[0], &halves[1])?;
+        let y = ctx.alloc(order.len(), hidden, Elem::F32)?;
+        let runs = qlinear::runs_in_order(downs.iter().copied().zip(counts()));
+        qlinear::grouped_w4a16(ctx, &act, &runs, hidden, ffn, &y)?;
+        let mut at = 0;
+        Ok(Some(
+            experts
+                .iter()
+                .map(|e| {
+                    let ptr = y.ptr + (at * hidden * 4) as u64;
+                    at += e.rows.len();
+                    CudaTensor::view(ptr, e.rows.len(), hidden, Elem::F32, y.epoch)
+                })
+                .collect(),
+        ))
     }
 
     /// Checked 2-D weights with equal widths, converted to the model dtype and uploaded as one
@@ -452,81 +526,23 @@ impl Backend for CudaBackend {
         ew::moe_combine(&self.ctx, rows, cols, parts)
     }
 
-    /// W4A16 experts (every gate/up and every down weight of one geometry) run as two grouped
-    /// gemv launches over their rows gathered in expert order (`qlinear::grouped_w4a16`), with one
-    /// SiLU-gate between, at decode sizes (at most `GROUPED_MAX_M` rows an expert); other formats
-    /// and larger batches run expert by expert, and so do one or two routed experts:
-    /// there each expert's decode gemv beats the grouped mma.sync gemv (Mixtral's experts on an
-    /// H200 at 1 token: 91 against 99 µs for both; at 4 tokens over 4 experts the grouped
-    /// launches take 153 against 181, BENCHMARKS.md).
+    /// W4A16 experts run grouped ([`CudaBackend::run_grouped_swiglu`]) at decode sizes: at least
+    /// three routed experts and at most [`GROUPED_ENGINE_ROWS`] rows each. With one or two
+    /// experts each one's decode gemv is faster (Mixtral's experts on an H200 at 1 token: 91
+    /// against 99 µs for both; 4 tokens over 4 experts: grouped 153 against 181, BENCHMARKS.md);
+    /// with more rows the grouped gemv's K splits write more partial sums than they save, and the
+    /// expert-by-expert path takes the tiled and wgmma kernels. Other formats run expert by
+    /// expert.
     fn grouped_swiglu(
         &self,
         x: &CudaTensor,
         experts: &[RoutedExpert<'_, CudaWeight>],
     ) -> Result<Option<Vec<CudaTensor>>> {
-        let ctx = &self.ctx;
-        // Decode sizes only: an expert routed more rows than one item takes would re-read its
-        // weights per item, where the expert-by-expert path picks the tiled or wgmma kernels.
-        let decode_sized = experts
-            .iter()
-            .all(|e| e.rows.len() <= qlinear::GROUPED_MAX_M);
-        let Some(first) = experts
-            .first()
-            .filter(|_| experts.len() > 2 && decode_sized)
-        else {
-            return Ok(None);
-        };
-        fn quant(w: &CudaWeight) -> Option<&QuantWeight> {
-            match &w.data {
-                WeightData::Quant(q) => Some(q),
-                WeightData::Dense(_) => None,
-            }
-        }
-        let gate_ups: Option<Vec<&QuantWeight>> =
-            experts.iter().map(|e| quant(e.gate_up)).collect();
-        let downs: Option<Vec<&QuantWeight>> = experts.iter().map(|e| quant(e.down)).collect();
-        let (Some(gate_ups), Some(downs)) = (gate_ups, downs) else {
-            return Ok(None);
-        };
-        let (ffn2, hidden) = (first.gate_up.rows, first.gate_up.cols);
-        let ffn = ffn2 / 2;
-        let same_shapes = experts.iter().all(|e| {
-            (e.gate_up.rows, e.gate_up.cols, e.down.rows, e.down.cols)
-                == (ffn2, hidden, hidden, ffn)
-        });
-        if !same_shapes
-            || x.cols != hidden
-            || !qlinear::groups_w4a16(&gate_ups)
-            || !qlinear::groups_w4a16(&downs)
-        {
+        let decode_sized = experts.iter().all(|e| e.rows.len() <= GROUPED_ENGINE_ROWS);
+        if experts.len() <= 2 || !decode_sized {
             return Ok(None);
         }
-        ctx.check_live(x)?;
-        let order: Vec<usize> = experts
-            .iter()
-            .flat_map(|e| e.rows.iter().copied())
-            .collect();
-        let counts = || experts.iter().map(|e| e.rows.len());
-        let gathered = ew::gather_rows(ctx, x, &order)?;
-        let gate_up = ctx.alloc(order.len(), ffn2, Elem::F32)?;
-        let runs = qlinear::runs_in_order(gate_ups.iter().copied().zip(counts()));
-        qlinear::grouped_w4a16(ctx, &gathered, &runs, ffn2, hidden, &gate_up)?;
-        let halves = gate_up.split_cols(&[ffn, ffn])?;
-        let act = ew::silu_mul(ctx, &halves[0], &halves[1])?;
-        let y = ctx.alloc(order.len(), hidden, Elem::F32)?;
-        let runs = qlinear::runs_in_order(downs.iter().copied().zip(counts()));
-        qlinear::grouped_w4a16(ctx, &act, &runs, hidden, ffn, &y)?;
-        let mut at = 0;
-        Ok(Some(
-            experts
-                .iter()
-                .map(|e| {
-                    let ptr = y.ptr + (at * hidden * 4) as u64;
-                    at += e.rows.len();
-                    CudaTensor::view(ptr, e.rows.len(), hidden, Elem::F32, y.epoch)
-                })
-                .collect(),
-        ))
+        self.run_grouped_swiglu(x, experts)
     }
 
     /// Routing reads the router's logits on the host (`nibble_model::moe`), so a MoE model's steps

@@ -5,7 +5,7 @@
 //! modules take it by reference.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use nibble_core::{Error, Result};
@@ -110,6 +110,8 @@ pub struct CudaContext {
     /// Set when a model whose forward reads device results on the host loads (mixture-of-experts
     /// routing): its steps cannot be captured, so they run eagerly ([`Self::graphs_on`]).
     host_reads_in_forward: AtomicBool,
+    /// Grouped expert launches so far (tests check that a MoE model took them).
+    grouped_launches: AtomicU64,
     /// Zeroed arrival counters of the split-K gemv kernels (each launch leaves them zeroed).
     split_counters: DeviceBuffer,
     /// Kernels whose dynamic shared-memory limit has been raised, and to what.
@@ -174,6 +176,7 @@ impl CudaContext {
             err: StickyError::default(),
             graphs_enabled: std::env::var("NIBBLE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             host_reads_in_forward: AtomicBool::new(false),
+            grouped_launches: AtomicU64::new(0),
             split_counters,
             smem_raised: Default::default(),
             act8_inputs: Default::default(),
@@ -733,6 +736,15 @@ impl CudaContext {
     /// model reads device results on the host in its forward pass.
     pub fn graphs_on(&self) -> bool {
         self.graphs_enabled && !self.host_reads_in_forward.load(Ordering::Relaxed)
+    }
+
+    /// Grouped expert GEMM launches so far (`qlinear::grouped_w4a16`).
+    pub fn grouped_expert_launches(&self) -> u64 {
+        self.grouped_launches.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn count_grouped_launch(&self) {
+        self.grouped_launches.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A model whose forward pass copies device results to the host (mixture-of-experts routing)

@@ -372,6 +372,7 @@ pub fn moe_combine(
     let mut per_row = vec![0i32; rows + 1];
     for (n, p) in parts.iter().enumerate() {
         expect_whole_f32(p.x, "expert output")?;
+        ctx.check_live(p.x)?;
         p.check(n, (p.x.rows, p.x.cols), rows, cols)?;
         for &r in p.rows {
             per_row[r + 1] += 1;

@@ -918,6 +918,18 @@ fn run_quant(
 /// routed more rows runs as several items.
 pub const GROUPED_MAX_M: usize = 64;
 
+/// One item of a grouped launch as the kernel reads it (`GroupedW4Item` in kernels/qgemm.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GroupedItem {
+    codes: u64,
+    params: u64,
+    row: i64,
+    m: i32,
+    pad: i32,
+}
+const _: () = assert!(std::mem::size_of::<GroupedItem>() == 32);
+
 /// One expert's W4A16 GEMM in a grouped launch: its weight, and the run of rows of the gathered
 /// input (`first..first + rows`) it multiplies; its outputs go to the same rows of the output.
 #[derive(Clone, Copy)]
@@ -948,7 +960,7 @@ pub fn runs_in_order<'a>(
 }
 
 /// Whether [`grouped_w4a16`] takes these weights: all W4A16, all of one geometry.
-pub fn groups_w4a16(weights: &[&QuantWeight]) -> bool {
+pub fn groupable_w4a16(weights: &[&QuantWeight]) -> bool {
     let geometry = |w: &QuantWeight| match *w {
         QuantWeight::W4 {
             group_len,
@@ -979,20 +991,29 @@ pub fn grouped_w4a16(
 ) -> Result<()> {
     ctx.check_err()?;
     let weights: Vec<&QuantWeight> = runs.iter().map(|r| r.weight).collect();
+    if weights.is_empty() {
+        return Ok(());
+    }
     let Some(&QuantWeight::W4 {
         group_len,
         tiles,
         chunks,
         groups,
         ..
-    }) = weights.first().copied()
+    }) = weights
+        .first()
+        .copied()
+        .filter(|_| groupable_w4a16(&weights))
     else {
-        return Ok(());
-    };
-    if !groups_w4a16(&weights) {
         return Err(Error::InvalidArgument(
             "a grouped W4A16 GEMM needs W4A16 weights of one geometry".into(),
         ));
+    };
+    if tiles != n.div_ceil(16) || chunks != k.div_ceil(64) {
+        return Err(Error::InvalidArgument(format!(
+            "grouped W4A16 GEMM: weights of {tiles} 16-row tiles and {chunks} 64-channel chunks \
+             for a {n}x{k} product"
+        )));
     }
     if out.elem != Elem::F32 || out.rows != x.rows || out.cols != n || !out.is_contiguous() {
         return Err(Error::InvalidArgument(format!(
@@ -1007,8 +1028,7 @@ pub fn grouped_w4a16(
             xh.cols
         )));
     }
-    // Items: (codes, params, first row, rows) as four 8-byte words (`GroupedW4Item`).
-    let mut items: Vec<[u64; 4]> = Vec::new();
+    let mut items: Vec<GroupedItem> = Vec::new();
     for r in runs {
         if r.first + r.rows > x.rows {
             return Err(Error::InvalidArgument(format!(
@@ -1019,25 +1039,32 @@ pub fn grouped_w4a16(
             )));
         }
         let QuantWeight::W4 { codes, params, .. } = r.weight else {
-            unreachable!("checked by groups_w4a16");
+            unreachable!("checked by groupable_w4a16");
         };
         let mut first = r.first;
         while first < r.first + r.rows {
             let m = (r.first + r.rows - first).min(GROUPED_MAX_M);
-            items.push([codes.ptr, params.ptr, first as u64, m as u64]);
+            items.push(GroupedItem {
+                codes: codes.ptr,
+                params: params.ptr,
+                row: first as i64,
+                m: m as i32,
+                pad: 0,
+            });
             first += m;
         }
     }
     if items.is_empty() {
         return Ok(());
     }
-    let max_m = items.iter().map(|i| i[3] as usize).max().unwrap_or(1);
+    let max_m = items.iter().map(|i| i.m as usize).max().unwrap_or(1);
     let tt = token_tiles(max_m);
     let (_, splits, cps) = plan_gemv(tiles * items.len(), chunks, ctx.gpu.sm_count, max_m, 128);
     let blocks = tiles.div_ceil(8);
-    if blocks * items.len() > SPLIT_COUNTERS {
+    if blocks * items.len() > SPLIT_COUNTERS || items.len() > 65535 {
         return Err(Error::InvalidArgument(format!(
-            "grouped W4A16 GEMM: {} items of {blocks} row blocks exceed the split counters",
+            "grouped W4A16 GEMM: {} items of {blocks} row blocks exceed the split counters or \
+             the grid",
             items.len()
         )));
     }
@@ -1068,6 +1095,7 @@ pub fn grouped_w4a16(
     args.extend(ints);
     args.push(Arg::I32(shift));
     args.push(Arg::I32(cps as i32));
+    ctx.count_grouped_launch();
     ctx.kernel(&name)?.launch(
         &ctx.gpu,
         (blocks as u32, splits as u32, items.len() as u32),

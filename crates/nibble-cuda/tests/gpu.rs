@@ -768,8 +768,9 @@ fn moe_models_match_cpu() {
 ///
 /// With `routed` (mixture-of-experts models), a step may miss the bound by a routing choice: a
 /// token whose top experts are a near-tie on the CPU can take another one on the GPU, and the
-/// paths part from there. Such steps stay under a relative error of 1, are at most half of them,
-/// and count as near-ties.
+/// paths part from there. Such steps stay under a relative error of 1, are at most a fifth of
+/// them, and count as near-ties (the test cannot see the router's margins, so it cannot tell a
+/// routing flip from an error of that size; the bound on their number is what it checks).
 fn follows_cpu_greedy(name: &str, dir: &std::path::Path, routed: bool) -> Engine<CudaBackend> {
     let c = engine(cpu(), dir);
     let g = engine(gpu(Dtype::Bf16), dir);
@@ -820,7 +821,7 @@ fn follows_engine_greedy(
         }
     }
     assert!(
-        rerouted.len() * 2 <= STEPS,
+        rerouted.len() * 5 <= STEPS,
         "{name}: logits off the CPU's at {rerouted:?}"
     );
     if !rerouted.is_empty() {

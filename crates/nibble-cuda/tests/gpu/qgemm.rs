@@ -747,16 +747,18 @@ fn awq_and_gptq_layers_match_cpu() {
     assert_eq!(quantized, 6, "int4 layers among the fixtures");
 }
 
-/// Mixture-of-experts experts in W4A16 run as grouped launches (`grouped_swiglu`: one gemv launch
-/// for every routed expert's gate/up, one for every down): each expert's output equals its SwiGLU
-/// MLP on the CPU over the rows routed to it. Experts routed 1 to 70 rows (past 64 an expert
-/// takes several items), every group size, both dtypes, NaN-poisoned outputs; 16-bit experts,
-/// and one or two routed experts, are left to the expert-by-expert path.
+/// Mixture-of-experts experts in W4A16 run as grouped launches (`run_grouped_swiglu`: one gemv
+/// launch for every routed expert's gate/up, one for every down): each expert's output equals its
+/// SwiGLU MLP on the CPU over the rows routed to it. Sets of experts whose largest takes each
+/// token-tile variant (up to 8, 16, 32 rows, and 70, which runs as items of 64 and 6), every
+/// group size, both dtypes, NaN-poisoned outputs. The engine's rule (`grouped_swiglu`) groups
+/// three or more experts of at most 32 rows; 16-bit experts are never grouped.
 #[test]
 fn grouped_w4a16_experts_match_cpu() {
     use nibble_model::RoutedExpert;
     let mut r = rng("grouped_w4a16_experts_match_cpu");
     let c = cpu();
+    let (tokens, hidden, ffn) = (80, 256, 384);
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let g = gpu(dtype);
         for group in [32u32, 64, 128, 0] {
@@ -765,86 +767,81 @@ fn grouped_w4a16_experts_match_cpu() {
             } else {
                 format!("int4-g{group}/a16").parse().unwrap()
             };
-            let (tokens, hidden, ffn) = (80, 256, 384);
-            let counts = [1usize, 7, 70, 16, 33];
-            let mut gpu_w = Vec::new();
-            let mut cpu_w = Vec::new();
-            let mut rows = Vec::new();
-            for &count in &counts {
-                let gate_up = quant_tensor(
-                    format,
-                    2 * ffn,
-                    hidden,
-                    random_rows(&mut r, format, 2 * ffn, hidden),
-                );
-                let down = quant_tensor(
-                    format,
-                    hidden,
-                    ffn,
-                    random_rows(&mut r, format, hidden, ffn),
-                );
-                gpu_w.push((
-                    g.load_weight(&gate_up).unwrap(),
-                    g.load_weight(&down).unwrap(),
-                ));
-                cpu_w.push((
-                    c.load_weight(&gate_up).unwrap(),
-                    c.load_weight(&down).unwrap(),
-                ));
-                let mut picked: Vec<usize> = (0..tokens).collect();
-                picked.retain(|_| r.random_bool(count as f64 / tokens as f64));
-                picked.truncate(count);
-                while picked.len() < count {
-                    picked.push(r.random_range(0..tokens));
-                }
-                picked.sort_unstable();
-                rows.push(picked);
-            }
-            g.poison_activations(64 << 20).unwrap();
-            let x = CpuTensor::new(randn(&mut r, tokens * hidden, 1.0), tokens, hidden);
-            let gx = to_gpu(&g, &x);
-            let experts: Vec<RoutedExpert<'_, _>> = gpu_w
-                .iter()
-                .zip(&rows)
-                .map(|((gate_up, down), rows)| RoutedExpert {
-                    gate_up,
-                    down,
-                    rows,
-                })
-                .collect();
-            // The engine groups decode sizes only (an expert of 70 rows is left to the
-            // expert-by-expert path); the launches themselves take any run, in items of 64.
-            assert!(g.grouped_swiglu(&gx, &experts).unwrap().is_none());
-            let got = grouped_directly(&g, &gx, &experts, ffn);
-            // Two routed experts run one by one (each one's decode gemv is faster there).
-            assert!(g.grouped_swiglu(&gx, &experts[..2]).unwrap().is_none());
-            // Decode-sized experts (at most 64 rows) through the backend's op.
-            let small: Vec<usize> = (0..counts.len()).filter(|&e| counts[e] <= 64).collect();
-            let picked: Vec<_> = small.iter().map(|&e| experts[e]).collect();
-            let via_op = g
-                .grouped_swiglu(&gx, &picked)
-                .unwrap()
-                .expect("decode-sized W4A16 experts run grouped");
-            for (e, ((gate_up, down), rows)) in cpu_w.iter().zip(&rows).enumerate() {
-                let xe = c.gather_rows(&x, rows);
-                let gu = c.linear(&xe, gate_up, None).unwrap();
-                let halves = c.split_cols(&gu, &[ffn, ffn]).unwrap();
-                let want = c
-                    .linear(&c.silu_mul(&halves[0], &halves[1]), down, None)
-                    .unwrap();
-                let what = format!(
-                    "grouped {format} {dtype:?} expert {e} ({} rows)",
-                    rows.len()
-                );
-                check(&what, &got[e], &want.data, 2e-2);
-                if let Some(i) = small.iter().position(|&s| s == e) {
-                    let via = host(&g, &via_op[i]);
-                    check(
-                        &format!("{what} via grouped_swiglu"),
-                        &via,
-                        &want.data,
-                        2e-2,
+            for counts in [
+                &[1usize, 3, 8, 5][..],
+                &[9, 16, 2],
+                &[17, 32, 4, 11],
+                &[1, 7, 70, 16, 33],
+            ] {
+                let mut gpu_w = Vec::new();
+                let mut cpu_w = Vec::new();
+                let mut rows = Vec::new();
+                for &count in counts {
+                    let gate_up = quant_tensor(
+                        format,
+                        2 * ffn,
+                        hidden,
+                        random_rows(&mut r, format, 2 * ffn, hidden),
                     );
+                    let down = quant_tensor(
+                        format,
+                        hidden,
+                        ffn,
+                        random_rows(&mut r, format, hidden, ffn),
+                    );
+                    gpu_w.push((
+                        g.load_weight(&gate_up).unwrap(),
+                        g.load_weight(&down).unwrap(),
+                    ));
+                    cpu_w.push((
+                        c.load_weight(&gate_up).unwrap(),
+                        c.load_weight(&down).unwrap(),
+                    ));
+                    let mut picked: Vec<usize> = (0..tokens).collect();
+                    for i in (1..tokens).rev() {
+                        picked.swap(i, r.random_range(0..=i));
+                    }
+                    picked.truncate(count);
+                    picked.sort_unstable();
+                    rows.push(picked);
+                }
+                g.poison_activations(64 << 20).unwrap();
+                let x = CpuTensor::new(randn(&mut r, tokens * hidden, 1.0), tokens, hidden);
+                let gx = to_gpu(&g, &x);
+                let experts: Vec<RoutedExpert<'_, _>> = gpu_w
+                    .iter()
+                    .zip(&rows)
+                    .map(|((gate_up, down), rows)| RoutedExpert {
+                        gate_up,
+                        down,
+                        rows,
+                    })
+                    .collect();
+                let engine_groups = counts.len() > 2 && counts.iter().all(|&n| n <= 32);
+                assert_eq!(
+                    g.grouped_swiglu(&gx, &experts).unwrap().is_some(),
+                    engine_groups,
+                    "{counts:?}"
+                );
+                assert!(g.grouped_swiglu(&gx, &experts[..2]).unwrap().is_none());
+                let launches = g.grouped_expert_launches();
+                let got = g
+                    .run_grouped_swiglu(&gx, &experts)
+                    .unwrap()
+                    .expect("W4A16 experts run grouped");
+                assert_eq!(g.grouped_expert_launches(), launches + 2);
+                for (e, ((gate_up, down), rows)) in cpu_w.iter().zip(&rows).enumerate() {
+                    let xe = c.gather_rows(&x, rows);
+                    let gu = c.linear(&xe, gate_up, None).unwrap();
+                    let halves = c.split_cols(&gu, &[ffn, ffn]).unwrap();
+                    let want = c
+                        .linear(&c.silu_mul(&halves[0], &halves[1]), down, None)
+                        .unwrap();
+                    let what = format!(
+                        "grouped {format} {dtype:?} {counts:?} expert {e} ({} rows)",
+                        rows.len()
+                    );
+                    check(&what, &host(&g, &got[e]), &want.data, 2e-2);
                 }
             }
         }
@@ -862,17 +859,18 @@ fn grouped_w4a16_experts_match_cpu() {
             g.load_weight(&down).unwrap(),
         );
         let x = to_gpu(&g, &CpuTensor::new(randn(&mut r, 4 * 32, 1.0), 4, 32));
-        let one = [RoutedExpert {
+        let three = [0, 1, 2].map(|_| RoutedExpert {
             gate_up: &dg,
             down: &dd,
             rows: &[0, 2],
-        }];
-        assert!(g.grouped_swiglu(&x, &one).unwrap().is_none());
+        });
+        assert!(g.run_grouped_swiglu(&x, &three).unwrap().is_none());
     }
 }
 
-/// A small Mixtral-shaped model (8 experts, top 2) in W4A16 on the GPU, its experts grouped,
-/// follows the CPU's greedy path as the MoE fixtures do.
+/// A small Mixtral-shaped model (8 experts, top 2) in W4A16 on the GPU follows the CPU's greedy
+/// path as the MoE fixtures do; its prompt steps group the experts (a decode step of one
+/// sequence routes two, which run one by one).
 #[test]
 fn w4a16_moe_model_matches_cpu() {
     let dir = tempfile::tempdir().unwrap();
@@ -901,53 +899,6 @@ fn w4a16_moe_model_matches_cpu() {
     let g = dummy_engine(gpu(Dtype::Bf16), &name);
     follows_engine_greedy("mixtral-shaped w4a16", &c, &g, true);
     assert_eq!(g.backend.graph_counts(), (0, 0));
-}
-
-/// `grouped_swiglu`'s launches without its size rule, as the backend makes them.
-fn grouped_directly(
-    g: &CudaBackend,
-    x: &CudaTensor,
-    experts: &[nibble_model::RoutedExpert<'_, nibble_cuda::CudaWeight>],
-    ffn: usize,
-) -> Vec<Vec<f32>> {
-    use nibble_cuda::qlinear::{grouped_w4a16, runs_in_order};
-    fn quant(w: &nibble_cuda::CudaWeight) -> &nibble_cuda::qlinear::QuantWeight {
-        match &w.data {
-            nibble_cuda::WeightData::Quant(q) => q,
-            _ => panic!("packed"),
-        }
-    }
-    let runs = |down: bool| {
-        runs_in_order(
-            experts
-                .iter()
-                .map(|e| (quant(if down { e.down } else { e.gate_up }), e.rows.len())),
-        )
-    };
-    let order: Vec<usize> = experts
-        .iter()
-        .flat_map(|e| e.rows.iter().copied())
-        .collect();
-    let hidden = x.cols;
-    let gathered = g.gather_rows(x, &order);
-    let gate_up = g
-        .tensor_from_f32(&vec![f32::NAN; order.len() * 2 * ffn], order.len(), 2 * ffn)
-        .unwrap();
-    grouped_w4a16(g, &gathered, &runs(false), 2 * ffn, hidden, &gate_up).unwrap();
-    let halves = g.split_cols(&gate_up, &[ffn, ffn]).unwrap();
-    let act = g.silu_mul(&halves[0], &halves[1]);
-    let y = g
-        .tensor_from_f32(&vec![f32::NAN; order.len() * hidden], order.len(), hidden)
-        .unwrap();
-    grouped_w4a16(g, &act, &runs(true), hidden, ffn, &y).unwrap();
-    let all = host(g, &y);
-    let mut at = 0;
-    experts
-        .iter()
-        .map(|e| {
-            let part = all[at * hidden..(at + e.rows.len()) * hidden].to_vec();
-            at += e.rows.len();
-            part
-        })
-        .collect()
+    // Its prompts route a few rows to most experts: those layers ran grouped.
+    assert!(g.backend.grouped_expert_launches() > 0);
 }
