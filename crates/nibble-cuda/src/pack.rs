@@ -134,6 +134,30 @@ fn param_slot(tile: usize, groups: usize, grp: usize, row: usize) -> usize {
     ((tile * groups + grp) * 8 + row % 8) * 2 + row / 8
 }
 
+/// Fills packed fragments `[tiles][chunks][32 lanes][per_lane]`, a tile per task (a large
+/// checkpoint's packing is a large share of its load time): `fill(words, tile, chunk, vals)`
+/// writes one lane's `per_lane` words of a chunk, `vals` being the lane's `(row, channel)` pairs
+/// in `mma`'s fragment order.
+fn fill_fragments<T: Send>(
+    out: &mut [T],
+    chunks: usize,
+    per_lane: usize,
+    mma: Mma,
+    fill: impl Fn(&mut [T], usize, usize, &[(usize, usize)]) + Sync,
+) {
+    let order = lane_order(mma);
+    out.par_chunks_mut(chunks * 32 * per_lane)
+        .enumerate()
+        .for_each(|(tile, out)| {
+            for chunk in 0..chunks {
+                for (lane, vals) in order.iter().enumerate() {
+                    let at = (chunk * 32 + lane) * per_lane;
+                    fill(&mut out[at..at + per_lane], tile, chunk, vals);
+                }
+            }
+        });
+}
+
 /// A dense `[n, k]` INT4 weight with per-group asymmetric parameters, the input of [`pack_w4`].
 pub struct W4Matrix<'a> {
     pub n: usize,
@@ -211,33 +235,29 @@ pub fn pack_w4(w: &W4Matrix, dtype: Dtype) -> Result<PackedW4> {
     }
     let (tiles, chunks) = (w.n.div_ceil(TILE_ROWS), chunks_for(w.k));
     let groups = (chunks * CHUNK_K).div_ceil(w.group_len);
-    let order = lane_order(MMA_F16);
     let mut codes = vec![0u32; tiles * chunks * 32 * 4];
-    // Tiles in parallel: a large checkpoint's packing is a large share of its load time.
-    codes
-        .par_chunks_mut(chunks * 32 * 4)
-        .enumerate()
-        .for_each(|(tile, codes)| {
-            for chunk in 0..chunks {
-                for (lane, vals) in order.iter().enumerate() {
-                    let base = (chunk * 32 + lane) * 4;
-                    for (idx, &(row, ch)) in vals.iter().enumerate() {
-                        let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
-                        // Padding takes the group's zero point, so it dequantizes to exactly 0.
-                        let q = if n < w.n && kk < w.k {
-                            w.codes[n * w.k + kk]
-                        } else if n < w.n && kk / w.group_len < groups_in {
-                            w.zeros[n * groups_in + kk / w.group_len]
-                        } else {
-                            0
-                        };
-                        let (step, i) = (idx / 8, idx % 8);
-                        let slot = nibble_slot(i / 2, i % 2);
-                        codes[base + step] |= ((q & 15) as u32) << (4 * slot);
-                    }
-                }
+    fill_fragments(
+        &mut codes,
+        chunks,
+        4,
+        MMA_F16,
+        |words, tile, chunk, vals| {
+            for (idx, &(row, ch)) in vals.iter().enumerate() {
+                let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+                // Padding takes the group's zero point, so it dequantizes to exactly 0.
+                let q = if n < w.n && kk < w.k {
+                    w.codes[n * w.k + kk]
+                } else if n < w.n && kk / w.group_len < groups_in {
+                    w.zeros[n * groups_in + kk / w.group_len]
+                } else {
+                    0
+                };
+                let (step, i) = (idx / 8, idx % 8);
+                let slot = nibble_slot(i / 2, i % 2);
+                words[step] |= ((q & 15) as u32) << (4 * slot);
             }
-        });
+        },
+    );
     let magic = w4_magic(dtype);
     let mut params = vec![0u16; tiles * groups * 16 * 2];
     let per_tile = groups * 16 * 2;
@@ -331,26 +351,22 @@ pub fn pack_w8(n: usize, k: usize, codes: &[i8], scales: &[f32]) -> Result<Packe
         )));
     }
     let (tiles, chunks) = (n.div_ceil(TILE_ROWS), chunks_for(k));
-    let order = lane_order(MMA_S8);
     let per_lane = MMA_S8.steps() * MMA_S8.a_elems();
     let mut packed = vec![0i8; tiles * chunks * 32 * per_lane];
-    let per_tile = chunks * 32 * per_lane;
-    packed
-        .par_chunks_mut(per_tile)
-        .enumerate()
-        .for_each(|(tile, packed)| {
-            for chunk in 0..chunks {
-                for (lane, vals) in order.iter().enumerate() {
-                    let base = (chunk * 32 + lane) * per_lane;
-                    for (idx, &(row, ch)) in vals.iter().enumerate() {
-                        let (r, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
-                        if r < n && kk < k {
-                            packed[base + idx] = codes[r * k + kk];
-                        }
-                    }
+    fill_fragments(
+        &mut packed,
+        chunks,
+        per_lane,
+        MMA_S8,
+        |out, tile, chunk, vals| {
+            for (idx, &(row, ch)) in vals.iter().enumerate() {
+                let (r, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+                if r < n && kk < k {
+                    out[idx] = codes[r * k + kk];
                 }
             }
-        });
+        },
+    );
     let mut s = scales.to_vec();
     s.resize(tiles * TILE_ROWS, 0.0);
     Ok(PackedW8 {
@@ -521,29 +537,20 @@ pub fn pack_w4a8(w: &W4A8Matrix) -> Result<PackedW4A8> {
     } else {
         (chunks * CHUNK_K).div_ceil(w.group_len)
     };
-    let order = lane_order(MMA_S8);
     let per_reg = MMA_S8.per_reg();
     let mut codes = vec![0u32; tiles * chunks * 32 * 4];
-    codes
-        .par_chunks_mut(chunks * 32 * 4)
-        .enumerate()
-        .for_each(|(tile, codes)| {
-            for chunk in 0..chunks {
-                for (lane, vals) in order.iter().enumerate() {
-                    let base = (chunk * 32 + lane) * 4;
-                    for (idx, &(row, ch)) in vals.iter().enumerate() {
-                        let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
-                        if n >= w.n || kk >= w.k {
-                            continue; // padding: its activations are zero
-                        }
-                        let (step, reg, byte) = (idx / 16, idx % 16 / per_reg, idx % per_reg);
-                        let word = 2 * step + reg % 2;
-                        let shift = 8 * byte + 4 * (reg / 2);
-                        codes[base + word] |= ((w.codes[n * w.k + kk] & 15) as u32) << shift;
-                    }
-                }
+    fill_fragments(&mut codes, chunks, 4, MMA_S8, |words, tile, chunk, vals| {
+        for (idx, &(row, ch)) in vals.iter().enumerate() {
+            let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+            if n >= w.n || kk >= w.k {
+                continue; // padding: its activations are zero
             }
-        });
+            let (step, reg, byte) = (idx / 16, idx % 16 / per_reg, idx % per_reg);
+            let word = 2 * step + reg % 2;
+            let shift = 8 * byte + 4 * (reg / 2);
+            words[word] |= ((w.codes[n * w.k + kk] & 15) as u32) << shift;
+        }
+    });
     let mut params = vec![0u32; tiles * groups * 16];
     let per_tile = groups * 16;
     params

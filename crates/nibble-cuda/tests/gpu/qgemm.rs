@@ -36,6 +36,15 @@ fn random_rows(r: &mut ChaCha8Rng, format: LinearFormat, n: usize, k: usize) -> 
     out
 }
 
+/// `int4-gN/a16` for group `N`, `int4-pc/a16` for 0 (one group per row).
+fn w4a16_format(group: u32) -> LinearFormat {
+    if group == 0 {
+        "int4-pc/a16".parse().unwrap()
+    } else {
+        format!("int4-g{group}/a16").parse().unwrap()
+    }
+}
+
 fn quant_tensor(format: LinearFormat, n: usize, k: usize, bytes: Vec<u8>) -> HostTensor {
     HostTensor {
         name: format!("w {format}"),
@@ -495,11 +504,7 @@ fn w4a16_matches_the_dequantized_reference() {
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let g = gpu(dtype);
         for group in [32u32, 64, 128, 0] {
-            let format: LinearFormat = if group == 0 {
-                "int4-pc/a16".parse().unwrap()
-            } else {
-                format!("int4-g{group}/a16").parse().unwrap()
-            };
+            let format = w4a16_format(group);
             for &(m, n, k) in &[
                 (1, 576, 576),
                 (3, 37, 128),
@@ -762,11 +767,7 @@ fn grouped_w4a16_experts_match_cpu() {
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let g = gpu(dtype);
         for group in [32u32, 64, 128, 0] {
-            let format: LinearFormat = if group == 0 {
-                "int4-pc/a16".parse().unwrap()
-            } else {
-                format!("int4-g{group}/a16").parse().unwrap()
-            };
+            let format = w4a16_format(group);
             for counts in [
                 &[1usize, 3, 8, 5][..],
                 &[9, 16, 2],
