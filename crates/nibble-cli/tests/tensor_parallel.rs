@@ -21,33 +21,6 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Logits of every step along `tokens`: the prompt, then one token a step.
-fn step_logits<B: Backend>(
-    b: &B,
-    m: &Transformer<B>,
-    tokens: &[u32],
-    prompt: usize,
-) -> Vec<Vec<f32>> {
-    let (mut kv, table) = m.single_sequence_kv(b, tokens.len()).unwrap();
-    let mut out = Vec::new();
-    let mut pos = 0;
-    for len in std::iter::once(prompt).chain(std::iter::repeat_n(1, tokens.len() - prompt)) {
-        let batch = BatchLayout::single(table.clone(), pos, len);
-        let l = m
-            .forward(
-                b,
-                &tokens[pos..pos + len],
-                &batch,
-                &mut kv,
-                LogitRows::LastPerSeq,
-            )
-            .unwrap();
-        out.push(b.to_host(&l).unwrap());
-        pos += len;
-    }
-    out
-}
-
 /// Greedy generation of `n` tokens after `prompt`.
 fn greedy<B: Backend>(b: &B, m: &Transformer<B>, prompt: &[u32], n: usize) -> Vec<u32> {
     let (mut kv, table) = m.single_sequence_kv(b, prompt.len() + n).unwrap();
@@ -81,9 +54,9 @@ fn sharded_fixtures_give_one_ranks_logits() {
         let whole =
             Transformer::load(&cpu, files.config.clone(), &*files.source, &mut |_, _| {}).unwrap();
         let tokens: Vec<u32> = (0..24).map(|i| 3 + (i * 37) % 200).collect();
-        let want = step_logits(&cpu, &whole, &tokens, 9);
+        let want = whole.step_logits(&cpu, &tokens, 9).unwrap();
         let got = run_sharded(2, 1, &*files.source, &files.config, |b, m| {
-            Ok(step_logits(&b, &m, &tokens, 9))
+            m.step_logits(&b, &tokens, 9)
         })
         .unwrap();
         assert_eq!(got[0], got[1], "{name}: ranks disagree");

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use nibble_core::Result;
 use nibble_cuda::qlinear::{Act8, KernelTier, QuantWeight, WGMMA_SMALL_TOKENS};
-use nibble_cuda::{CudaBackend, CudaWeight, DeviceBuffer, Dtype, Elem, WeightData};
+use nibble_cuda::{CudaBackend, CudaWeight, DeviceBuffer, Dtype, Elem};
 use nibble_formats::gguf::GgmlType;
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
 use nibble_model::{
@@ -298,11 +298,9 @@ fn cold_copies(be: &CudaBackend, bytes: usize) -> usize {
 /// The packed weights of quantized `ws`.
 fn quant_params(ws: &[CudaWeight]) -> Result<Vec<&QuantWeight>> {
     ws.iter()
-        .map(|w| match &w.data {
-            WeightData::Quant(p) => Ok(p),
-            _ => Err(nibble_core::Error::InvalidArgument(
-                "weights did not pack".into(),
-            )),
+        .map(|w| {
+            w.quant()
+                .ok_or_else(|| nibble_core::Error::InvalidArgument("weights did not pack".into()))
         })
         .collect()
 }
@@ -477,14 +475,14 @@ fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
         let down = be.load_weight(&quant_weight(format, hidden, ffn, 950 + e as u64)?)?;
         weights.push((gate_up, down));
     }
-    let expert_bytes: usize = match (&weights[0].0.data, &weights[0].1.data) {
-        (WeightData::Quant(a), WeightData::Quant(b)) => a.bytes() + b.bytes(),
-        _ => {
-            return Err(nibble_core::Error::InvalidArgument(
-                "expert weights did not pack".into(),
-            ));
-        }
-    };
+    let expert_bytes: usize = [&weights[0].0, &weights[0].1]
+        .iter()
+        .map(|w| {
+            w.quant().map(|q| q.bytes()).ok_or_else(|| {
+                nibble_core::Error::InvalidArgument("expert weights did not pack".into())
+            })
+        })
+        .sum::<Result<usize>>()?;
     let mut out = Vec::new();
     // (The engine runs one token's two experts one by one; the grouped row shows why.)
     for &tokens in &[1usize, 2, 4, 16, 32, 64] {

@@ -138,15 +138,9 @@ impl CudaBackend {
         let Some(first) = experts.first() else {
             return Ok(None);
         };
-        fn quant(w: &CudaWeight) -> Option<&QuantWeight> {
-            match &w.data {
-                WeightData::Quant(q) => Some(q),
-                WeightData::Dense(_) => None,
-            }
-        }
         let gate_ups: Option<Vec<&QuantWeight>> =
-            experts.iter().map(|e| quant(e.gate_up)).collect();
-        let downs: Option<Vec<&QuantWeight>> = experts.iter().map(|e| quant(e.down)).collect();
+            experts.iter().map(|e| e.gate_up.quant()).collect();
+        let downs: Option<Vec<&QuantWeight>> = experts.iter().map(|e| e.down.quant()).collect();
         let (Some(gate_ups), Some(downs)) = (gate_ups, downs) else {
             return Ok(None);
         };

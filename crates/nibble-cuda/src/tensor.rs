@@ -197,6 +197,14 @@ pub enum WeightData {
 }
 
 impl CudaWeight {
+    /// The packed weight of a quantized layer, `None` for a dense one.
+    pub fn quant(&self) -> Option<&QuantWeight> {
+        match &self.data {
+            WeightData::Quant(q) => Some(q),
+            WeightData::Dense(_) => None,
+        }
+    }
+
     /// The model-dtype matrix, for ops that read weights as plain matrices (cuBLAS, embedding).
     pub fn dense(&self) -> Result<&DeviceBuffer> {
         match &self.data {

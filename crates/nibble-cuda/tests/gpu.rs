@@ -16,8 +16,7 @@ use nibble_engine::{Engine, GenerateRequest, SamplingParams};
 use nibble_formats::gguf::GgmlType;
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
 use nibble_model::{
-    AttentionShape, Backend, BatchLayout, KvShape, LogitRows, RopeLayout, SeqSpan, Transformer,
-    open_model,
+    AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, SeqSpan, Transformer, open_model,
 };
 use nibble_precision::KvSpec;
 use rand::{Rng, SeedableRng};
@@ -679,30 +678,6 @@ fn greedy<B: Backend>(e: &Engine<B>, prompt: &[u32], n: usize) -> Vec<u32> {
     e.generate(&req, &mut |_| {}).unwrap().token_ids
 }
 
-/// Logits of every decode step along `tokens` (prompt first, then one token a step).
-fn decode_logits<B: Backend>(e: &Engine<B>, tokens: &[u32], prompt: usize) -> Vec<Vec<f32>> {
-    let b = &e.backend;
-    let (mut kv, table) = e.model.single_sequence_kv(b, tokens.len()).unwrap();
-    let mut out = Vec::new();
-    let mut pos = 0;
-    for len in std::iter::once(prompt).chain(std::iter::repeat_n(1, tokens.len() - prompt)) {
-        let batch = BatchLayout::single(table.clone(), pos, len);
-        let l = e
-            .model
-            .forward(
-                b,
-                &tokens[pos..pos + len],
-                &batch,
-                &mut kv,
-                LogitRows::LastPerSeq,
-            )
-            .unwrap();
-        out.push(b.to_host(&l).unwrap());
-        pos += len;
-    }
-    out
-}
-
 fn top2(l: &[f32]) -> (usize, f32) {
     let (mut best, mut second) = (0, f32::NEG_INFINITY);
     for (i, &v) in l.iter().enumerate() {
@@ -789,8 +764,14 @@ fn follows_engine_greedy(
     const TIE: f32 = 0.05;
     let prompt: Vec<u32> = "The quick brown fox".bytes().map(u32::from).collect();
     let path = [prompt.clone(), greedy(c, &prompt, STEPS)].concat();
-    let want = decode_logits(c, &path, prompt.len());
-    let got = decode_logits(g, &path, prompt.len());
+    let want = c
+        .model
+        .step_logits(&c.backend, &path, prompt.len())
+        .unwrap();
+    let got = g
+        .model
+        .step_logits(&g.backend, &path, prompt.len())
+        .unwrap();
     let mut first_tie = STEPS;
     let mut rerouted = Vec::new();
     for (step, (w, gl)) in want.iter().zip(&got).enumerate() {

@@ -611,6 +611,23 @@ impl<B: Backend> Transformer<B> {
         Ok((kv, (0..blocks as u32).collect()))
     }
 
+    /// Logits of each step of a teacher-forced decode along `tokens` in a fresh pool: the first
+    /// `prompt` tokens as one step, then one token a step (what tests compare backends on).
+    pub fn step_logits(&self, backend: &B, tokens: &[u32], prompt: usize) -> Result<Vec<Vec<f32>>> {
+        let (mut kv, table) = self.single_sequence_kv(backend, tokens.len())?;
+        let mut out = Vec::new();
+        let mut pos = 0;
+        let steps = std::iter::once(prompt).chain(std::iter::repeat_n(1, tokens.len() - prompt));
+        for len in steps {
+            let batch = BatchLayout::single(table.clone(), pos, len);
+            let tokens = &tokens[pos..pos + len];
+            let logits = self.forward(backend, tokens, &batch, &mut kv, LogitRows::LastPerSeq)?;
+            out.push(backend.to_host(&logits)?);
+            pos += len;
+        }
+        Ok(out)
+    }
+
     /// Runs `tokens` (laid out as `batch` says) through the model, appending their keys and
     /// values to `kv`, and returns logits `[rows, vocab]` for the rows `which` selects.
     pub fn forward(

@@ -684,8 +684,14 @@ fn quantized_models_match_cpu() {
         assert!(g.backend.weight_bytes() > 0);
         let prompt: Vec<u32> = "Quantized kernels".bytes().map(u32::from).collect();
         let path = [prompt.clone(), greedy(&c, &prompt, STEPS)].concat();
-        let want = decode_logits(&c, &path, prompt.len());
-        let got = decode_logits(&g, &path, prompt.len());
+        let want = c
+            .model
+            .step_logits(&c.backend, &path, prompt.len())
+            .unwrap();
+        let got = g
+            .model
+            .step_logits(&g.backend, &path, prompt.len())
+            .unwrap();
         for (step, (w, gl)) in want.iter().zip(&got).enumerate() {
             // INT8 activations: the GPU quantizes the bf16 output of RMSNorm / SiLU-gate, the
             // CPU its f32 value; with 4-bit weights a code off by one moves a logit further.
