@@ -40,9 +40,13 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
+/// ../shared/reference/sample.txt, kept in the repo so a clone anywhere runs this test.
 fn sample_text() -> String {
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/reference");
-    std::fs::read_to_string(format!("{dir}/sample.txt")).unwrap()
+    std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/sample.txt"
+    ))
+    .unwrap()
 }
 
 /// Scores `text` against the reference's entry `name`: same token ids, perplexity within
