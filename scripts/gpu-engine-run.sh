@@ -24,8 +24,9 @@
 #   kv-long     4k-token prompts, 512-token outputs offline: W4A8-KV4 and BF16-KV16, and the pool
 #               sizes each fits in the same memory (the low-bit KV issue's end-to-end ratio)
 #   fp8         the same for FP8 W8A8 (run it with w4a8 for a BF16 figure from the same session)
-#   moe-experts one Mixtral-8x7B expert layer in W4A16 at 1 to 64 tokens: grouped launches, the
-#               experts one by one, and cuBLAS BF16 over the same bytes (gpu-bench --moe-experts)
+#   moe-experts one Mixtral-8x7B expert layer in W4A16, W8A8 and BF16 at 1 to 64 tokens: the
+#               grouped GEMMs, the grouped layer, the experts one by one, and cuBLAS BF16 over
+#               the same bytes (gpu-bench --moe-experts)
 #   moe         Mixtral-8x7B shape in W4A16-g128 (its vocabulary widened to the tokenizer's 49,152,
 #               bench/configs): ShareGPT prompts one sequence at a time (batch-1 decode) and
 #               offline at 64 and 256 sequences (MOE_PROMPTS, default 400)

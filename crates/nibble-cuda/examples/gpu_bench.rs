@@ -459,88 +459,135 @@ fn engine_precisions(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
     Ok(rows)
 }
 
-/// Mixtral-8x7B's experts of one layer (hidden 4096, ffn 14336, 8 experts, top 2) in
-/// W4A16-g128 at 1 to 64 tokens routed by a fixed pseudo-random top 2: microseconds of
-/// `run_grouped_swiglu` (gather, two grouped gemv launches, SiLU-gate), of the experts run one by
-/// one, and of a cuBLAS BF16 GEMM over the same number of weight bytes; the grouped launches'
-/// share of HBM bandwidth over the routed experts' bytes. Host-timed with the stream synchronized,
-/// as the eager MoE steps run.
+/// Bytes of a loaded weight as the GPU holds it.
+fn loaded_bytes(w: &CudaWeight) -> Result<usize> {
+    match w.quant() {
+        Some(q) => Ok(q.bytes()),
+        None => Ok(w.dense()?.bytes),
+    }
+}
+
+/// Mixtral-8x7B's experts of one layer (hidden 4096, ffn 14336, 8 experts, top 2) in W4A16-g128,
+/// W8A8 and BF16 at 1 to 64 tokens routed by a fixed pseudo-random top 2. Per format and size:
+/// the two grouped GEMMs alone (gate/up over the gathered rows, down over the SiLU-gate's output)
+/// replayed as a CUDA graph, their share of HBM bandwidth over the routed experts' bytes against
+/// a cuBLAS BF16 GEMM of as many weight bytes, timed the same way; and the whole grouped layer
+/// (`run_grouped_swiglu`: gather, table uploads, two launches, SiLU-gate) against the experts one
+/// by one, host-timed with the stream synchronized, as the eager MoE steps run.
 fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
+    use nibble_cuda::grouped::{self, GroupedRun};
     use nibble_model::RoutedExpert;
     let (hidden, ffn, experts) = (4096usize, 14336usize, 8usize);
-    let format: LinearFormat = "int4-g128/a16".parse()?;
-    let mut weights = Vec::new();
-    for e in 0..experts {
-        let gate_up = be.load_weight(&quant_weight(format, 2 * ffn, hidden, 900 + e as u64)?)?;
-        let down = be.load_weight(&quant_weight(format, hidden, ffn, 950 + e as u64)?)?;
-        weights.push((gate_up, down));
-    }
-    let expert_bytes: usize = [&weights[0].0, &weights[0].1]
-        .iter()
-        .map(|w| {
-            w.quant().map(|q| q.bytes()).ok_or_else(|| {
-                nibble_core::Error::InvalidArgument("expert weights did not pack".into())
-            })
-        })
-        .sum::<Result<usize>>()?;
     let mut out = Vec::new();
-    // (The engine runs one token's two experts one by one; the grouped row shows why.)
-    for &tokens in &[1usize, 2, 4, 16, 32, 64] {
-        // Token t takes experts (3t + 1) mod 8 and (5t + 2) mod 8 (distinct for every t).
-        let mut routed = vec![Vec::new(); experts];
-        for t in 0..tokens {
-            let a = (3 * t + 1) % experts;
-            let mut b = (5 * t + 2) % experts;
-            if b == a {
-                b = (b + 1) % experts;
+    for spec in ["int4-g128/a16", "int8-pc/a8", "bf16"] {
+        let load = |rows: usize, cols: usize, seed: u64| -> Result<CudaWeight> {
+            if spec == "bf16" {
+                be.load_weight(&bf16_weight(rows, cols, seed))
+            } else {
+                be.load_weight(&quant_weight(spec.parse()?, rows, cols, seed)?)
             }
-            routed[a].push(t);
-            routed[b].push(t);
+        };
+        let mut weights = Vec::new();
+        for e in 0..experts {
+            let gate_up = load(2 * ffn, hidden, 900 + e as u64)?;
+            let down = load(hidden, ffn, 950 + e as u64)?;
+            weights.push((gate_up, down));
         }
-        let active: Vec<usize> = (0..experts).filter(|&e| !routed[e].is_empty()).collect();
-        let x = be.random_half_tensor(tokens, hidden, 31)?;
-        let runs: Vec<RoutedExpert<'_, CudaWeight>> = active
-            .iter()
-            .map(|&e| RoutedExpert {
-                gate_up: &weights[e].0,
-                down: &weights[e].1,
-                rows: &routed[e],
-            })
-            .collect();
-        let reset = || be.begin_forward(&[], &BatchLayout::default());
-        let grouped = time(be, 3, 20, || {
-            reset()?;
-            be.run_grouped_swiglu(&x, &runs)?
-                .ok_or_else(|| nibble_core::Error::InvalidArgument("not grouped".into()))?;
-            Ok(())
-        })?;
-        let one_by_one = time(be, 3, 20, || {
-            reset()?;
-            for r in &runs {
-                let xe = be.gather_rows(&x, r.rows);
-                let gu = be.linear(&xe, r.gate_up, None)?;
-                let halves = be.split_cols(&gu, &[ffn, ffn])?;
-                be.linear(&be.silu_mul(&halves[0], &halves[1]), r.down, None)?;
+        let expert_bytes = loaded_bytes(&weights[0].0)? + loaded_bytes(&weights[0].1)?;
+        let act8 = (spec == "int8-pc/a8").then_some(Act8::Int8);
+        for &tokens in &[1usize, 2, 4, 8, 16, 32, 64] {
+            // Token t takes experts (3t + 1) mod 8 and (5t + 2) mod 8 (distinct for every t).
+            let mut routed = vec![Vec::new(); experts];
+            for t in 0..tokens {
+                let a = (3 * t + 1) % experts;
+                let mut b = (5 * t + 2) % experts;
+                if b == a {
+                    b = (b + 1) % experts;
+                }
+                routed[a].push(t);
+                routed[b].push(t);
             }
-            Ok(())
-        })?;
-        let bytes = expert_bytes * active.len();
-        let dense = be.load_weight(&bf16_weight(bytes / (2 * hidden), hidden, 77))?;
-        let bf16 = time(be, 3, 20, || {
-            reset()?;
-            be.linear(&x, &dense, None)?;
-            Ok(())
-        })?;
-        drop(dense);
-        let row = json!({
-            "tokens": tokens, "experts_routed": active.len(), "weight_bytes": bytes,
-            "grouped_us": grouped * 1e6, "one_by_one_us": one_by_one * 1e6,
-            "bf16_same_bytes_us": bf16 * 1e6,
-            "grouped_hbm_share": bytes as f64 / grouped / bw,
-            "bf16_hbm_share": bytes as f64 / bf16 / bw,
-        });
-        eprintln!("moe experts {tokens} tokens: {row}");
-        out.push(row);
+            let active: Vec<usize> = (0..experts).filter(|&e| !routed[e].is_empty()).collect();
+            let rows: usize = active.iter().map(|&e| routed[e].len()).sum();
+            let max_rows = active.iter().map(|&e| routed[e].len()).max().unwrap_or(0);
+            let x = be.random_half_tensor(tokens, hidden, 31)?;
+            let runs: Vec<RoutedExpert<'_, CudaWeight>> = active
+                .iter()
+                .map(|&e| RoutedExpert {
+                    gate_up: &weights[e].0,
+                    down: &weights[e].1,
+                    rows: &routed[e],
+                })
+                .collect();
+            let gate_ups: Vec<&CudaWeight> = active.iter().map(|&e| &weights[e].0).collect();
+            let kernel = grouped::pick(be, &gate_ups, max_rows);
+            let bytes = expert_bytes * active.len();
+            // The grouped GEMMs alone, on inputs made once (with their 8-bit codes attached for
+            // W8A8, as the producing kernels write them in the engine).
+            let gathered_half = be.random_half_tensor(rows, hidden, 32)?;
+            let act_half = be.random_half_tensor(rows, ffn, 33)?;
+            let with_codes = |t: &nibble_cuda::CudaTensor| match act8 {
+                Some(kind) => nibble_cuda::qlinear::with_owned_act8(be, t, kind).map(Some),
+                None => Ok(None),
+            };
+            let (gathered_q, act_q) = (with_codes(&gathered_half)?, with_codes(&act_half)?);
+            let gathered = gathered_q.as_ref().unwrap_or(&gathered_half);
+            let act = act_q.as_ref().unwrap_or(&act_half);
+            let counts = || active.iter().map(|&e| routed[e].len());
+            let gemms = if kernel.is_some() {
+                let gu_out = be.owned_tensor(rows, 2 * ffn, Elem::F32)?;
+                let down_out = be.owned_tensor(rows, hidden, Elem::F32)?;
+                let t = time_calls(be, 4, &mut || {
+                    let runs = grouped::runs_in_order(gate_ups.iter().copied().zip(counts()));
+                    grouped::grouped_gemm(be, gathered, &runs, &gu_out)?;
+                    let downs: Vec<GroupedRun<'_>> =
+                        grouped::runs_in_order(active.iter().map(|&e| &weights[e].1).zip(counts()));
+                    grouped::grouped_gemm(be, act, &downs, &down_out)
+                })?;
+                Some(t)
+            } else {
+                None
+            };
+            let reset = || be.begin_forward(&[], &BatchLayout::default());
+            let layer = if kernel.is_some() {
+                Some(time(be, 3, 20, || {
+                    reset()?;
+                    be.run_grouped_swiglu(&x, &runs)?
+                        .ok_or_else(|| nibble_core::Error::InvalidArgument("not grouped".into()))?;
+                    Ok(())
+                })?)
+            } else {
+                None
+            };
+            let one_by_one = time(be, 3, 20, || {
+                reset()?;
+                for r in &runs {
+                    let xe = be.gather_rows(&x, r.rows);
+                    let gu = be.linear(&xe, r.gate_up, None)?;
+                    let halves = be.split_cols(&gu, &[ffn, ffn])?;
+                    be.linear(&be.silu_mul(&halves[0], &halves[1]), r.down, None)?;
+                }
+                Ok(())
+            })?;
+            // cuBLAS BF16 over as many bytes (one weight, `tokens` rows), graph-timed as the
+            // grouped GEMMs are.
+            let dense = be.load_weight(&bf16_weight(bytes / (2 * hidden), hidden, 77))?;
+            let bf16 = time_calls(be, 4, &mut || be.linear(&x, &dense, None).map(|_| ()))?;
+            drop(dense);
+            let row = json!({
+                "format": spec, "tokens": tokens, "experts_routed": active.len(),
+                "max_rows": max_rows, "weight_bytes": bytes,
+                "kernel": kernel.map(|k| format!("{k:?}")),
+                "grouped_gemms_us": gemms.map(|t| t * 1e6),
+                "grouped_hbm_share": gemms.map(|t| bytes as f64 / t / bw),
+                "bf16_same_bytes_us": bf16 * 1e6,
+                "bf16_hbm_share": bytes as f64 / bf16 / bw,
+                "grouped_layer_us": layer.map(|t| t * 1e6),
+                "one_by_one_layer_us": one_by_one * 1e6,
+            });
+            eprintln!("moe experts {spec} {tokens} tokens: {row}");
+            out.push(row);
+        }
     }
     Ok(out)
 }
@@ -602,9 +649,9 @@ fn main() -> Result<()> {
             .map_err(|e| nibble_core::Error::io(&out, e))?;
         return Ok(());
     }
-    // --moe-experts: one Mixtral-8x7B expert layer (8 experts, top 2, W4A16-g128) at decode
-    // sizes: the grouped launches, the same experts one by one (the fallback path), and a cuBLAS
-    // BF16 GEMM that reads as many bytes as the routed experts' weights.
+    // --moe-experts: one Mixtral-8x7B expert layer (8 experts, top 2; W4A16-g128, W8A8, BF16)
+    // at decode sizes: the grouped GEMMs, the grouped layer, the same experts one by one (the
+    // fallback path), and a cuBLAS BF16 GEMM that reads as many bytes as the routed experts.
     if args.iter().any(|a| a == "--moe-experts") {
         let bw = ceilings(&be)?.0;
         let rows = moe_experts(&be, bw)?;

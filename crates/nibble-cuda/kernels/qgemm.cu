@@ -438,21 +438,24 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16)
 // whole launch, not for one expert alone. Only the experts
 // that are routed to have items: the others' weights are never read. Twice the gemv's chunks in
 // flight (U) for 2 and 4 token tiles: the grouped launch is many CTAs, each bound by its loads.
-struct GroupedW4Item {
-    const uint4* codes;
-    const uint2* params;
-    long long row;
-    int m;
+// One item of a grouped launch (qlinear::grouped::GroupedItem): the grouped decode gemv
+// (qgemv_grouped.cu) reads the same table.
+struct GroupedItem {
+    const void* codes;    // packed codes, or the 16-bit weight rows
+    const void* params;   // W4A16 / W4A8 group parameters
+    const float* scales;  // W8A8 / W4A8 / FP8 per-row weight scales
+    long long row;        // first row of the gathered input and of the output
+    int m;                // rows
     int pad;
 };
-static_assert(sizeof(GroupedW4Item) == 32, "qlinear::GroupedItem");
+static_assert(sizeof(GroupedItem) == 40, "qlinear::grouped::GroupedItem");
 #define W4A16_GROUPED_ENTRY(NAME, T, TT, U)                                                            \
     extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) NAME(                                   \
-        const GroupedW4Item* items, const T* x, long ldx, float* y, long ldy, float* partial,           \
+        const GroupedItem* items, const T* x, long ldx, float* y, long ldy, float* partial,           \
         int* counters, int max_m, int N, int K, int tiles, int chunks, int groups, int group_len,       \
         int group_shift, int cps) {                                                                     \
-        const GroupedW4Item it = items[blockIdx.z];                                                     \
-        w4a16_gemv_impl<T, TT, U>(it.codes, it.params, x + it.row * ldx, ldx, y + it.row * ldy, ldy,    \
+        const GroupedItem it = items[blockIdx.z];                                                     \
+        w4a16_gemv_impl<T, TT, U>((const uint4*)it.codes, (const uint2*)it.params, x + it.row * ldx, ldx, y + it.row * ldy, ldy,    \
                                   partial + (long)blockIdx.z * gridDim.y * max_m * tiles * 16,          \
                                   counters + (long)blockIdx.z * gridDim.x, it.m, N, K, tiles, chunks,    \
                                   groups, group_len, group_shift, cps);                                 \

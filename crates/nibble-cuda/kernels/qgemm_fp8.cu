@@ -114,7 +114,7 @@ struct DecFp8 {
         long ldy, float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int per_cta, \
         int max_pieces) {                                                                              \
         dec_gemv<TT, DEC_WARPS>(DecFp8{codes, chunks}, x, ldx, y, ldy, partial, counters, M, N, K,     \
-                                tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw});               \
+                                tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw}, blockIdx.x);   \
     }
 #define NIBBLE_FP8_DEC(SUFFIX, OUT)              \
     FP8_DEC_ENTRY(fp8_dec1_##SUFFIX, 1, OUT)   \

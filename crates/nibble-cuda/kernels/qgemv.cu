@@ -298,14 +298,14 @@ __device__ __forceinline__ void release_fence() { asm volatile("fence.acq_rel.gp
 template <int TT, class A, class OUT, class EPI>
 __device__ __forceinline__ void dec_finish(A (&acc)[TT][4], int tile, int b, int chunks, int per_cta,
                                            int max_pieces, int M, int N, A* partial, int* counters,
-                                           OUT* y, long ldy, const EPI& epi) {
+                                           OUT* y, long ldy, const EPI& epi, int cta) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const long first = (long)b * chunks / per_cta, last = ((long)(b + 1) * chunks - 1) / per_cta;
     const int pieces = (int)(last - first + 1);
     if (pieces == 1) {
         store_tile<TT>(acc, tile * 16, 0, M, N, y, ldy, epi);
     } else {
-        A* mine = partial + ((long)tile * max_pieces + (blockIdx.x - first)) * M * 16;
+        A* mine = partial + ((long)tile * max_pieces + (cta - first)) * M * 16;
 #pragma unroll
         for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
@@ -385,11 +385,11 @@ template <int TT, int DW, class F, class OUT, class EPI>
 __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __restrict__ x, long ldx,
                                          OUT* __restrict__ y, long ldy, typename F::Acc* __restrict__ partial,
                                          int* __restrict__ counters, int M, int N, int K, int tiles, int chunks,
-                                         int per_cta, int max_pieces, const EPI& epi) {
+                                         int per_cta, int max_pieces, const EPI& epi, int cta) {
     constexpr int U = F::U, GC = F::GC;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int units = (tiles + DW - 1) / DW * chunks;
-    const int u0 = blockIdx.x * per_cta, u1 = min(units, u0 + per_cta);
+    const int u0 = cta * per_cta, u1 = min(units, u0 + per_cta);
     // A position in the CTA's units: unit u is chunk c of row block b, activation window slot
     // `slot`. `chunks` and `per_cta` are multiples of U (the host's plan), so every batch is U
     // whole chunks of one tile, spans and groups line up with batches, and the steady state has no
@@ -472,7 +472,7 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
         }
         if (tile_ends || nq.u == u1)
             dec_finish<TT>(acc, q.b * DW + warp, q.b, chunks, per_cta, max_pieces, M, N, partial, counters, y,
-                           ldy, epi);
+                           ldy, epi, cta);
         q = nq;
         return nmore;
     };
@@ -491,7 +491,7 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
         const int chunk_shift = groups == 1 ? 30 : group_shift - 6;                                    \
         dec_gemv<TT, DEC_WARPS>(DecW4<T, GC>{codes, params, chunks, groups, chunk_shift}, x, ldx, y, ldy, \
                                 partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces,          \
-                                W4Epilogue{});                                                         \
+                                W4Epilogue{}, blockIdx.x);                                                         \
     }
 // Groups of 128 channels or a larger power of two, or one group per row; `_g64` groups of 64.
 #define NIBBLE_W4A16_DEC(SUFFIX, T)                            \
@@ -511,7 +511,7 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
         long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, int per_cta, \
         int max_pieces) {                                                                              \
         dec_gemv<TT, DEC_WARPS>(DecW8{codes, chunks}, x, ldx, y, ldy, partial, counters, M, N, K,      \
-                                tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw});               \
+                                tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw}, blockIdx.x);               \
     }
 // dec4: 32 tokens, the INT8 families only (8-token-tile batches measured slower than the 64-token
 // wgmma tiles on an H200: 46 against 28 µs on 6144x4096 W4A8 at M = 64).
@@ -530,7 +530,7 @@ NIBBLE_W8A8_DEC(f16, __half)
         int chunks, int groups, int group_shift, int per_cta, int max_pieces) {                       \
         dec_gemv<TT, DEC_WARPS>(DecW4A8{codes, params, chunks, groups, group_shift}, x, ldx, y, ldy,  \
                                 partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces,          \
-                                W8Epilogue{sx, sw});                                                   \
+                                W8Epilogue{sx, sw}, blockIdx.x);                                                   \
     }
 #define NIBBLE_W4A8_DEC(SUFFIX, OUT)                \
     W4A8_DEC_ENTRY(w4a8_dec1_##SUFFIX, 1, OUT)   \

@@ -25,7 +25,7 @@ use crate::kv::CudaKv;
 use crate::runtime::DeviceBuffer;
 use crate::sampling::SampleScratch;
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem, QuantWeight, WeightData};
-use crate::{attention, elementwise as ew, graph, qlinear, sampling};
+use crate::{attention, elementwise as ew, graph, grouped, qlinear, sampling};
 
 /// Most rows an expert may be routed for the engine to group the layer's experts
 /// ([`Backend::grouped_swiglu`]): past it the grouped gemv's activation window shrinks its K
@@ -123,41 +123,24 @@ impl CudaBackend {
         ew::fill_kv_random(&self.ctx, kv, seed)
     }
 
-    /// The W4A16 SwiGLU MLPs of several experts, each over its own rows of `x`, as grouped launches:
-    /// the rows gathered once in expert order, one `qlinear::grouped_w4a16` launch for every fused
-    /// gate/up, one SiLU-gate, one launch for every down; each expert's `[rows, hidden]` output
-    /// (views into one arena tensor). `None` unless every weight is W4A16 of one geometry.
-    /// [`Backend::grouped_swiglu`] adds the sizes the engine groups; tests and benchmarks call
-    /// this directly at any size.
+    /// The SwiGLU MLPs of several experts, each over its own rows of `x`, as grouped launches
+    /// (`grouped`): the rows gathered once in expert order, one launch for every fused gate/up,
+    /// one SiLU-gate, one launch for every down; each expert's `[rows, hidden]` output (views
+    /// into one arena tensor). `None` unless the experts share one shape and a format with a
+    /// grouped kernel here (`grouped::pick`). [`Backend::grouped_swiglu`] adds the sizes the
+    /// engine groups; tests and benchmarks call this directly at any size.
     pub fn run_grouped_swiglu(
         &self,
         x: &CudaTensor,
         experts: &[RoutedExpert<'_, CudaWeight>],
     ) -> Result<Option<Vec<CudaTensor>>> {
-        let ctx = &self.ctx;
-        let Some(first) = experts.first() else {
-            return Ok(None);
-        };
-        let gate_ups: Option<Vec<&QuantWeight>> =
-            experts.iter().map(|e| e.gate_up.quant()).collect();
-        let downs: Option<Vec<&QuantWeight>> = experts.iter().map(|e| e.down.quant()).collect();
-        let (Some(gate_ups), Some(downs)) = (gate_ups, downs) else {
-            return Ok(None);
-        };
-        let (ffn2, hidden) = (first.gate_up.rows, first.gate_up.cols);
-        let ffn = ffn2 / 2;
-        let same_shapes = experts.iter().all(|e| {
-            (e.gate_up.rows, e.gate_up.cols, e.down.rows, e.down.cols)
-                == (ffn2, hidden, hidden, ffn)
-        });
-        if !same_shapes
-            || x.cols != hidden
-            || !qlinear::groupable_w4a16(&gate_ups)
-            || !qlinear::groupable_w4a16(&downs)
-        {
+        if self.grouped_kernels(x, experts).is_none() {
             return Ok(None);
         }
+        let ctx = &self.ctx;
         ctx.check_live(x)?;
+        let (ffn2, hidden) = (experts[0].gate_up.rows, experts[0].gate_up.cols);
+        let ffn = ffn2 / 2;
         let order: Vec<usize> = experts
             .iter()
             .flat_map(|e| e.rows.iter().copied())
@@ -165,13 +148,13 @@ impl CudaBackend {
         let counts = || experts.iter().map(|e| e.rows.len());
         let gathered = ew::gather_rows(ctx, x, &order)?;
         let gate_up = ctx.alloc(order.len(), ffn2, Elem::F32)?;
-        let runs = qlinear::runs_in_order(gate_ups.iter().copied().zip(counts()));
-        qlinear::grouped_w4a16(ctx, &gathered, &runs, ffn2, hidden, &gate_up)?;
+        let runs = grouped::runs_in_order(experts.iter().map(|e| e.gate_up).zip(counts()));
+        grouped::grouped_gemm(ctx, &gathered, &runs, &gate_up)?;
         let halves = gate_up.split_cols(&[ffn, ffn])?;
         let act = ew::silu_mul(ctx, &halves[0], &halves[1])?;
         let y = ctx.alloc(order.len(), hidden, Elem::F32)?;
-        let runs = qlinear::runs_in_order(downs.iter().copied().zip(counts()));
-        qlinear::grouped_w4a16(ctx, &act, &runs, hidden, ffn, &y)?;
+        let runs = grouped::runs_in_order(experts.iter().map(|e| e.down).zip(counts()));
+        grouped::grouped_gemm(ctx, &act, &runs, &y)?;
         let mut at = 0;
         Ok(Some(
             experts
@@ -182,6 +165,33 @@ impl CudaBackend {
                     CudaTensor::view(ptr, e.rows.len(), hidden, Elem::F32, y.epoch)
                 })
                 .collect(),
+        ))
+    }
+
+    /// The grouped kernels of the experts' gate/up and down GEMMs, if both have one: every
+    /// expert of one shape (`gate_up` `[2 ffn, hidden]`, `down` `[hidden, ffn]`) over `x`.
+    fn grouped_kernels(
+        &self,
+        x: &CudaTensor,
+        experts: &[RoutedExpert<'_, CudaWeight>],
+    ) -> Option<(grouped::GroupedKernel, grouped::GroupedKernel)> {
+        let first = experts.first()?;
+        let (ffn2, hidden) = (first.gate_up.rows, first.gate_up.cols);
+        let shaped = ffn2.is_multiple_of(2)
+            && x.cols == hidden
+            && experts.iter().all(|e| {
+                (e.gate_up.rows, e.gate_up.cols, e.down.rows, e.down.cols)
+                    == (ffn2, hidden, hidden, ffn2 / 2)
+            });
+        if !shaped {
+            return None;
+        }
+        let rows = experts.iter().map(|e| e.rows.len()).max().unwrap_or(0);
+        let gate_ups: Vec<&CudaWeight> = experts.iter().map(|e| e.gate_up).collect();
+        let downs: Vec<&CudaWeight> = experts.iter().map(|e| e.down).collect();
+        Some((
+            grouped::pick(&self.ctx, &gate_ups, rows)?,
+            grouped::pick(&self.ctx, &downs, rows)?,
         ))
     }
 
@@ -520,20 +530,27 @@ impl Backend for CudaBackend {
         ew::moe_combine(&self.ctx, rows, cols, parts)
     }
 
-    /// W4A16 experts run grouped ([`CudaBackend::run_grouped_swiglu`]) at decode sizes: at least
-    /// three routed experts and at most [`GROUPED_ENGINE_ROWS`] rows each. With one or two
-    /// experts each one's decode gemv is faster (Mixtral's experts on an H200 at 1 token: 91
-    /// against 99 µs for both; 4 tokens over 4 experts: grouped 153 against 181, BENCHMARKS.md);
-    /// with more rows the grouped gemv's K splits write more partial sums than they save, and the
-    /// expert-by-expert path takes the tiled and wgmma kernels. Other formats run expert by
-    /// expert.
+    /// Experts run grouped ([`CudaBackend::run_grouped_swiglu`]) at decode sizes, at most
+    /// [`GROUPED_ENGINE_ROWS`] rows each: two or more routed experts on the grouped decode gemv
+    /// (one launch instead of one each, at the same bandwidth), three or more on the mma.sync
+    /// grouped gemv (W4A16 past 16 rows an expert, or other group sizes; with two experts each
+    /// one's own kernel was faster: Mixtral's experts on an H200 at 1 token, 91 against 99 µs).
+    /// With more rows the expert-by-expert path takes the wgmma and tiled kernels.
     fn grouped_swiglu(
         &self,
         x: &CudaTensor,
         experts: &[RoutedExpert<'_, CudaWeight>],
     ) -> Result<Option<Vec<CudaTensor>>> {
         let decode_sized = experts.iter().all(|e| e.rows.len() <= GROUPED_ENGINE_ROWS);
-        if experts.len() <= 2 || !decode_sized {
+        let least = match self.grouped_kernels(x, experts) {
+            Some((
+                grouped::GroupedKernel::Decode { .. },
+                grouped::GroupedKernel::Decode { .. },
+            )) => 2,
+            Some(_) => 3,
+            None => return Ok(None),
+        };
+        if experts.len() < least || !decode_sized {
             return Ok(None);
         }
         self.run_grouped_swiglu(x, experts)

@@ -50,7 +50,9 @@ pub const SOURCES: &[(&str, &str)] = &[
             "\n",
             include_str!("../kernels/qgemm_wgmma.cu"),
             "\n",
-            include_str!("../kernels/qgemm_fp8.cu")
+            include_str!("../kernels/qgemm_fp8.cu"),
+            "\n",
+            include_str!("../kernels/qgemv_grouped.cu")
         ),
     ),
 ];

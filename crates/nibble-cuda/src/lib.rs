@@ -9,12 +9,14 @@
 //! The modules form three layers, each importing only from the layers below it, so that an op
 //! can be read, changed or tested knowing the context and the data types alone, and a new op
 //! touches its own module and the `Backend` impl, nothing else. Within a layer the arrows point
-//! down the list; the ops do not import one another, but for `qlinear` and its packer `pack`.
+//! down the list; the ops do not import one another, but for `qlinear` and its packer `pack`, and
+//! `grouped`, which runs `qlinear`'s formats over item tables.
 //!
 //! ```text
 //! backend       impl Backend for CudaBackend: picks and calls the ops  -> every module below
 //! ---------------------------------------------------------------------------------------------
 //! ops           attention    paged attention, prefill and decode       -> context kv runtime tensor
+//!               grouped      MoE experts' GEMMs in one launch          -> context qlinear runtime tensor
 //!               qlinear      quantized GEMMs, weight packing           -> context pack runtime tensor
 //!               pack         the quantized kernels' weight layouts     -> tensor
 //!               blas         cuBLAS GEMMs                              -> runtime tensor
@@ -40,6 +42,7 @@ pub mod compile;
 mod context;
 mod elementwise;
 mod graph;
+pub mod grouped;
 mod host;
 mod kv;
 pub mod module;

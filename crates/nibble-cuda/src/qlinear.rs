@@ -7,7 +7,6 @@
 //! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_stream{1,2,4}` (sm_90) or `w4a16_gemv{1,2,4,8}`, `w4a16_tiled` | model dtype |
 //! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4,8}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
 //! | `qoq-gN/a8`, `lqq-gN/a8`, `int4-pc/a8` (w4a8) | `w4a8_dec{1,2,4}` up to 32 tokens, `w4a8_wgmma{64,128,}` beyond (sm_90a only) | as W8A8 |
-//! | `int4-gN/a16` experts of a MoE layer ([`grouped_w4a16`]) | `w4a16_grouped{1,2,4,8}`: the mma.sync gemv over an item table, every routed expert in one launch | model dtype |
 //! | `fp8-pc/afp8` (fp8; row-major codes, `pack::PackedFp8`) | `fp8_dec{1,2,4}` up to 32 tokens, `fp8_wgmma{64,128}` beyond (sm_90a only; kernels/qgemm_fp8.cu) | FP8 e4m3 per token, by the producing kernel or `quantize_f8` |
 //!
 //! Other quantized formats load dequantized to the model dtype and run on cuBLAS; so do W4A8
@@ -47,7 +46,7 @@ const DECODE_BATCH: usize = 4;
 /// Weight rows per decode-gemv row block: one 16-row tile per warp of its 16-warp CTAs.
 const DECODE_BLOCK_TILES: usize = 16;
 /// Shared memory the decode gemv may take for its staged activations and their sums.
-const DECODE_SMEM: usize = 200 * 1024;
+pub(crate) const DECODE_SMEM: usize = 200 * 1024;
 /// Tokens per CTA of the wgmma kernels (kernels/qgemm_wgmma.cu): [`KernelTier::Auto`] takes them
 /// from one full CTA of tokens on.
 pub const WGMMA_TOKENS: usize = 256;
@@ -599,7 +598,7 @@ fn token_tiles(m: usize) -> usize {
 const GEMV_SMEM: usize = 48 * 1024;
 
 /// Bytes of a gemv CTA's activation slice, matching `gemv_x_stride` in kernels/qgemm.cu.
-fn gemv_smem(m: usize, cps: usize, x_bytes: usize) -> usize {
+pub(crate) fn gemv_smem(m: usize, cps: usize, x_bytes: usize) -> usize {
     let stride = if x_bytes == 128 {
         cps * 128 + 16
     } else {
@@ -912,197 +911,6 @@ fn run_quant(
             "its kernels are Hopper's (sm_90a) and read 16-byte aligned 8-bit input rows",
         )),
     }
-}
-
-/// Most rows a grouped-gemv item takes: the 64-token variant (8 tiles of 8 tokens). An expert
-/// routed more rows runs as several items.
-pub const GROUPED_MAX_M: usize = 64;
-
-/// One item of a grouped launch as the kernel reads it (`GroupedW4Item` in kernels/qgemm.cu).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct GroupedItem {
-    codes: u64,
-    params: u64,
-    row: i64,
-    m: i32,
-    pad: i32,
-}
-const _: () = assert!(std::mem::size_of::<GroupedItem>() == 32);
-
-/// One expert's W4A16 GEMM in a grouped launch: its weight, and the run of rows of the gathered
-/// input (`first..first + rows`) it multiplies; its outputs go to the same rows of the output.
-#[derive(Clone, Copy)]
-pub struct GroupedRun<'a> {
-    pub weight: &'a QuantWeight,
-    pub first: usize,
-    pub rows: usize,
-}
-
-/// Consecutive runs of rows, one per `(weight, rows)` in order, from row 0: the experts' rows as
-/// gathered in expert order.
-pub fn runs_in_order<'a>(
-    parts: impl IntoIterator<Item = (&'a QuantWeight, usize)>,
-) -> Vec<GroupedRun<'a>> {
-    let mut first = 0;
-    parts
-        .into_iter()
-        .map(|(weight, rows)| {
-            let run = GroupedRun {
-                weight,
-                first,
-                rows,
-            };
-            first += rows;
-            run
-        })
-        .collect()
-}
-
-/// Whether [`grouped_w4a16`] takes these weights: all W4A16, all of one geometry.
-pub fn groupable_w4a16(weights: &[&QuantWeight]) -> bool {
-    let geometry = |w: &QuantWeight| match *w {
-        QuantWeight::W4 {
-            group_len,
-            tiles,
-            chunks,
-            groups,
-            ..
-        } => Some((group_len, tiles, chunks, groups)),
-        _ => None,
-    };
-    match weights.first().map(|w| geometry(w)) {
-        Some(Some(g)) => weights.iter().all(|w| geometry(w) == Some(g)),
-        _ => false,
-    }
-}
-
-/// The W4A16 GEMMs of several experts in one launch (kernels/qgemm.cu, `w4a16_grouped*`): `x`
-/// holds every expert's input rows, gathered in the order of `runs`; `out` (f32, `[x.rows, n]`)
-/// gets each run's products in the same rows. Each run is the mma.sync gemv of its expert
-/// (split into items of at most [`GROUPED_MAX_M`] rows), so only the experts in `runs` are read.
-pub fn grouped_w4a16(
-    ctx: &CudaContext,
-    x: &CudaTensor,
-    runs: &[GroupedRun<'_>],
-    n: usize,
-    k: usize,
-    out: &CudaTensor,
-) -> Result<()> {
-    ctx.check_err()?;
-    let weights: Vec<&QuantWeight> = runs.iter().map(|r| r.weight).collect();
-    if weights.is_empty() {
-        return Ok(());
-    }
-    let Some(&QuantWeight::W4 {
-        group_len,
-        tiles,
-        chunks,
-        groups,
-        ..
-    }) = weights
-        .first()
-        .copied()
-        .filter(|_| groupable_w4a16(&weights))
-    else {
-        return Err(Error::InvalidArgument(
-            "a grouped W4A16 GEMM needs W4A16 weights of one geometry".into(),
-        ));
-    };
-    if tiles != n.div_ceil(16) || chunks != k.div_ceil(64) {
-        return Err(Error::InvalidArgument(format!(
-            "grouped W4A16 GEMM: weights of {tiles} 16-row tiles and {chunks} 64-channel chunks \
-             for a {n}x{k} product"
-        )));
-    }
-    if out.elem != Elem::F32 || out.rows != x.rows || out.cols != n || !out.is_contiguous() {
-        return Err(Error::InvalidArgument(format!(
-            "grouped W4A16 GEMM: a [{}, {}] {:?} output for {} rows of {n}",
-            out.rows, out.cols, out.elem, x.rows
-        )));
-    }
-    let xh = ctx.as_half(x)?;
-    if xh.ld % 8 != 0 || xh.ptr % 16 != 0 || xh.cols != k {
-        return Err(Error::InvalidArgument(format!(
-            "grouped W4A16 GEMM input: {} columns for K = {k}, rows must be 16-byte aligned",
-            xh.cols
-        )));
-    }
-    let mut items: Vec<GroupedItem> = Vec::new();
-    for r in runs {
-        if r.first + r.rows > x.rows {
-            return Err(Error::InvalidArgument(format!(
-                "grouped W4A16 GEMM: rows {}..{} of {}",
-                r.first,
-                r.first + r.rows,
-                x.rows
-            )));
-        }
-        let QuantWeight::W4 { codes, params, .. } = r.weight else {
-            unreachable!("checked by groupable_w4a16");
-        };
-        let mut first = r.first;
-        while first < r.first + r.rows {
-            let m = (r.first + r.rows - first).min(GROUPED_MAX_M);
-            items.push(GroupedItem {
-                codes: codes.ptr,
-                params: params.ptr,
-                row: first as i64,
-                m: m as i32,
-                pad: 0,
-            });
-            first += m;
-        }
-    }
-    if items.is_empty() {
-        return Ok(());
-    }
-    let max_m = items.iter().map(|i| i.m as usize).max().unwrap_or(1);
-    let tt = token_tiles(max_m);
-    let (_, splits, cps) = plan_gemv(tiles * items.len(), chunks, ctx.gpu.sm_count, max_m, 128);
-    let blocks = tiles.div_ceil(8);
-    if blocks * items.len() > SPLIT_COUNTERS || items.len() > 65535 {
-        return Err(Error::InvalidArgument(format!(
-            "grouped W4A16 GEMM: {} items of {blocks} row blocks exceed the split counters or \
-             the grid",
-            items.len()
-        )));
-    }
-    let table = ctx.alloc_bytes(items.len() * 32)?;
-    ctx.stage_upload(table, &items)?;
-    let partial = if splits > 1 {
-        ctx.alloc(items.len() * splits * max_m, tiles * 16, Elem::F32)?
-            .ptr
-    } else {
-        0
-    };
-    let shift = if group_len.is_power_of_two() {
-        group_len.trailing_zeros() as i32
-    } else {
-        -1
-    };
-    let name = format!("w4a16_grouped{tt}_{}", ctx.dtype.suffix());
-    let ints = [max_m, n, k, tiles, chunks, groups, group_len].map(|v| Arg::I32(v as i32));
-    let mut args = vec![
-        Arg::Ptr(table),
-        Arg::Ptr(xh.ptr),
-        Arg::I64(xh.ld as i64),
-        Arg::Ptr(out.ptr),
-        Arg::I64(out.ld as i64),
-        Arg::Ptr(partial),
-        Arg::Ptr(ctx.split_counters()),
-    ];
-    args.extend(ints);
-    args.push(Arg::I32(shift));
-    args.push(Arg::I32(cps as i32));
-    ctx.count_grouped_launch();
-    ctx.kernel(&name)?.launch(
-        &ctx.gpu,
-        (blocks as u32, splits as u32, items.len() as u32),
-        256,
-        gemv_smem(max_m, cps, 128) as u32,
-        args,
-    )
 }
 
 /// The kernel a quantized GEMM runs ([`QGemm::pick`]).

@@ -85,6 +85,14 @@ fn kernels_compile_for_every_architecture() {
                             }
                         }
                     }
+                    if *name == "qgemm" {
+                        // Every grouped expert kernel `grouped::grouped_gemm` may launch: the
+                        // mma.sync grouped gemv everywhere, the grouped decode gemv from sm_90.
+                        for e in nibble_cuda::grouped::kernel_names() {
+                            let hopper = e.contains("_gdec");
+                            assert_eq!(entries.contains(&e), !hopper || cc.0 >= 9, "{arch}: {e}");
+                        }
+                    }
                     all_entries.extend(entries.iter().cloned());
                     if *name == "qgemm" && cc.0 < 9 {
                         assert!(

@@ -758,22 +758,42 @@ fn awq_and_gptq_layers_match_cpu() {
     assert_eq!(quantized, 6, "int4 layers among the fixtures");
 }
 
-/// Mixture-of-experts experts in W4A16 run as grouped launches (`run_grouped_swiglu`: one gemv
-/// launch for every routed expert's gate/up, one for every down): each expert's output equals its
-/// SwiGLU MLP on the CPU over the rows routed to it. Sets of experts whose largest takes each
-/// token-tile variant (up to 8, 16, 32 rows, and 70, which runs as items of 64 and 6), every
-/// group size, both dtypes, NaN-poisoned outputs. The engine's rule (`grouped_swiglu`) groups
-/// three or more experts of at most 32 rows; 16-bit experts are never grouped.
+/// Grouped experts (`run_grouped_swiglu`: gather, grouped gate/up, SiLU-gate, grouped down)
+/// against each expert's SwiGLU MLP on the CPU over the rows routed to it: W4A16 at every group
+/// size, W8A8 and 16-bit experts, sets of experts whose largest takes each token-tile variant (up
+/// to 8, 16, 32 rows, and 70: items of 64 and 6, or 16s and 32s), both dtypes, NaN-poisoned
+/// activations. The engine's rule (`grouped_swiglu`): at most 32 rows an expert, two or more
+/// experts on the grouped decode gemv, three or more on the mma.sync one.
 #[test]
-fn grouped_w4a16_experts_match_cpu() {
+fn grouped_experts_match_cpu() {
     use nibble_model::RoutedExpert;
-    let mut r = rng("grouped_w4a16_experts_match_cpu");
+    let mut r = rng("grouped_experts_match_cpu");
     let c = cpu();
-    let (tokens, hidden, ffn) = (80, 256, 384);
+    let (tokens, hidden, ffn) = (80, 256, 512);
+    let hopper = gpu(Dtype::Bf16).gpu.cc >= (9, 0);
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let g = gpu(dtype);
-        for group in [32u32, 64, 128, 0] {
-            let format = w4a16_format(group);
+        let dense_ty = if dtype == Dtype::Bf16 {
+            GgmlType::BF16
+        } else {
+            GgmlType::F16
+        };
+        for spec in [
+            "int4-g32/a16",
+            "int4-g64/a16",
+            "int4-g128/a16",
+            "int4-pc/a16",
+            "int8-pc/a8",
+            "dense",
+        ] {
+            let weight = |r: &mut ChaCha8Rng, n: usize, k: usize| {
+                if spec == "dense" {
+                    host_weight("w", &randn(r, n * k, 0.05), n, k, dense_ty)
+                } else {
+                    let format: LinearFormat = spec.parse().unwrap();
+                    quant_tensor(format, n, k, random_rows(r, format, n, k))
+                }
+            };
             for counts in [
                 &[1usize, 3, 8, 5][..],
                 &[9, 16, 2],
@@ -784,18 +804,8 @@ fn grouped_w4a16_experts_match_cpu() {
                 let mut cpu_w = Vec::new();
                 let mut rows = Vec::new();
                 for &count in counts {
-                    let gate_up = quant_tensor(
-                        format,
-                        2 * ffn,
-                        hidden,
-                        random_rows(&mut r, format, 2 * ffn, hidden),
-                    );
-                    let down = quant_tensor(
-                        format,
-                        hidden,
-                        ffn,
-                        random_rows(&mut r, format, hidden, ffn),
-                    );
+                    let gate_up = weight(&mut r, 2 * ffn, hidden);
+                    let down = weight(&mut r, hidden, ffn);
                     gpu_w.push((
                         g.load_weight(&gate_up).unwrap(),
                         g.load_weight(&down).unwrap(),
@@ -824,18 +834,38 @@ fn grouped_w4a16_experts_match_cpu() {
                         rows,
                     })
                     .collect();
-                let engine_groups = counts.len() > 2 && counts.iter().all(|&n| n <= 32);
+                let most = *counts.iter().max().unwrap();
+                // Which kernel the experts take: the grouped decode gemv (Hopper; W4A16 with
+                // groups of 64 or more and at most 16 rows), the mma.sync one (other W4A16), or
+                // none (one by one).
+                let decode = hopper
+                    && (spec == "dense"
+                        || spec == "int8-pc/a8"
+                        || (spec != "int4-g32/a16" && most <= 16));
+                let grouped = decode || spec.starts_with("int4");
+                let least = if decode { 2 } else { 3 };
+                let engine_groups = grouped && counts.len() >= least && most <= 32;
                 assert_eq!(
                     g.grouped_swiglu(&gx, &experts).unwrap().is_some(),
                     engine_groups,
-                    "{counts:?}"
+                    "{spec} {counts:?}"
                 );
-                assert!(g.grouped_swiglu(&gx, &experts[..2]).unwrap().is_none());
+                let two_most = counts[..2].iter().max().copied().unwrap();
+                let two_decode = hopper
+                    && (spec == "dense"
+                        || spec == "int8-pc/a8"
+                        || (spec != "int4-g32/a16" && two_most <= 16));
+                assert_eq!(
+                    g.grouped_swiglu(&gx, &experts[..2]).unwrap().is_some(),
+                    two_decode,
+                    "{spec} {counts:?}"
+                );
                 let launches = g.grouped_expert_launches();
-                let got = g
-                    .run_grouped_swiglu(&gx, &experts)
-                    .unwrap()
-                    .expect("W4A16 experts run grouped");
+                let Some(got) = g.run_grouped_swiglu(&gx, &experts).unwrap() else {
+                    assert!(!grouped, "{spec} {counts:?} did not group");
+                    continue;
+                };
+                assert!(grouped, "{spec} {counts:?} grouped");
                 assert_eq!(g.grouped_expert_launches(), launches + 2);
                 for (e, ((gate_up, down), rows)) in cpu_w.iter().zip(&rows).enumerate() {
                     let xe = c.gather_rows(&x, rows);
@@ -845,33 +875,198 @@ fn grouped_w4a16_experts_match_cpu() {
                         .linear(&c.silu_mul(&halves[0], &halves[1]), down, None)
                         .unwrap();
                     let what = format!(
-                        "grouped {format} {dtype:?} {counts:?} expert {e} ({} rows)",
+                        "grouped {spec} {dtype:?} {counts:?} expert {e} ({} rows)",
                         rows.len()
                     );
                     check(&what, &host(&g, &got[e]), &want.data, 2e-2);
                 }
             }
         }
-        // 16-bit experts: no grouped kernel, the model runs them one by one.
-        let dense = host_weight(
-            "gate_up",
-            &randn(&mut r, 64 * 32, 0.1),
-            64,
-            32,
-            GgmlType::BF16,
-        );
-        let down = host_weight("down", &randn(&mut r, 32 * 32, 0.1), 32, 32, GgmlType::BF16);
-        let (dg, dd) = (
-            g.load_weight(&dense).unwrap(),
-            g.load_weight(&down).unwrap(),
-        );
-        let x = to_gpu(&g, &CpuTensor::new(randn(&mut r, 4 * 32, 1.0), 4, 32));
-        let three = [0, 1, 2].map(|_| RoutedExpert {
-            gate_up: &dg,
-            down: &dd,
-            rows: &[0, 2],
-        });
-        assert!(g.run_grouped_swiglu(&x, &three).unwrap().is_none());
+    }
+}
+
+/// The grouped GEMMs themselves (`grouped::grouped_gemm`), expert by expert against the
+/// references on the rows routed to it: W8A8 and W4A8 bit for bit, FP8 and W4A16 within their
+/// bounds, 16-bit experts within f32 summation; every format on the grouped decode gemv, W4A16
+/// also on the mma.sync grouped gemv (its tier, group sizes the decode gemv cannot take, experts
+/// past 16 rows). Experts with odd tile counts, runs longer than an item (cut into items),
+/// NaN-poisoned outputs, and the kernel each case must take.
+#[test]
+fn grouped_gemms_match_the_references() {
+    use nibble_cuda::grouped::{self, GroupedKernel};
+    let mut r = rng("grouped_gemms_match_the_references");
+    let hopper = gpu(Dtype::Bf16).gpu.cc >= (9, 0);
+    let count_sets: [&[usize]; 5] = [
+        &[1, 2],
+        &[1, 3, 8, 5],
+        &[9, 16, 2],
+        &[17, 32, 4, 11],
+        &[1, 7, 40],
+    ];
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let g = gpu(dtype);
+        let dense_ty = if dtype == Dtype::Bf16 {
+            GgmlType::BF16
+        } else {
+            GgmlType::F16
+        };
+        for (spec, n, k) in [
+            ("int8-pc/a8", 300, 512),
+            ("qoq-g128/a8", 130, 768),
+            ("fp8-pc/afp8", 300, 512),
+            ("int4-g128/a16", 300, 512),
+            ("int4-g64/a16", 64, 1024),
+            ("int4-pc/a16", 130, 256),
+            ("int4-g32/a16", 96, 512),
+            ("dense", 300, 512),
+        ] {
+            for tier in [KernelTier::Auto, KernelTier::MmaSync] {
+                for counts in count_sets {
+                    let total: usize = counts.iter().sum();
+                    let x = poisoned_input(&mut r, total, k);
+                    let mut weights = Vec::new();
+                    let mut host_rows = Vec::new();
+                    for _ in counts.iter() {
+                        if spec == "dense" {
+                            let vals = rounded(&randn(&mut r, n * k, 0.05), dense_ty);
+                            weights.push(
+                                g.load_weight(&host_weight("w", &vals, n, k, dense_ty))
+                                    .unwrap(),
+                            );
+                            host_rows.push(
+                                vals.iter()
+                                    .flat_map(|v| v.to_le_bytes())
+                                    .collect::<Vec<u8>>(),
+                            );
+                        } else {
+                            let format: LinearFormat = spec.parse().unwrap();
+                            let bytes = match spec {
+                                "fp8-pc/afp8" => fp8_rows(&mut r, n, k),
+                                "qoq-g128/a8" => quantized_rows(&mut r, format, n, k),
+                                _ => random_rows(&mut r, format, n, k),
+                            };
+                            weights.push(
+                                g.load_weight(&quant_tensor(format, n, k, bytes.clone()))
+                                    .unwrap(),
+                            );
+                            host_rows.push(bytes);
+                        }
+                    }
+                    let refs: Vec<&nibble_cuda::CudaWeight> = weights.iter().collect();
+                    let max_rows = *counts.iter().max().unwrap();
+                    g.set_kernel_tier(tier);
+                    let kernel = grouped::pick(&g, &refs, max_rows);
+                    let w4 = spec.starts_with("int4");
+                    let decode_group = w4 && spec != "int4-g32/a16";
+                    let want_kernel = match (tier, hopper) {
+                        (KernelTier::MmaSync, _) | (_, false) => {
+                            w4.then_some(GroupedKernel::MmaSync)
+                        }
+                        _ if decode_group && max_rows <= 16 => {
+                            Some(GroupedKernel::Decode { item_rows: 16 })
+                        }
+                        _ if w4 => Some(GroupedKernel::MmaSync),
+                        _ if spec == "dense" => Some(GroupedKernel::Decode { item_rows: 16 }),
+                        _ => Some(GroupedKernel::Decode { item_rows: 32 }),
+                    };
+                    let what = format!("grouped {spec} {n}x{k} {dtype:?} {tier:?} {counts:?}");
+                    assert_eq!(kernel, want_kernel, "{what}");
+                    let runs =
+                        grouped::runs_in_order(refs.iter().copied().zip(counts.iter().copied()));
+                    let xt = g.tensor_from_f32(&x, total, k).unwrap();
+                    let out = g
+                        .tensor_from_f32(&vec![f32::NAN; total * n], total, n)
+                        .unwrap();
+                    let launches = g.grouped_expert_launches();
+                    let ran = grouped::grouped_gemm(&g, &xt, &runs, &out);
+                    g.set_kernel_tier(KernelTier::Auto);
+                    if kernel.is_none() {
+                        assert!(ran.is_err(), "{what}: ran without a grouped kernel");
+                        continue;
+                    }
+                    ran.unwrap();
+                    assert_eq!(g.grouped_expert_launches(), launches + 1, "{what}");
+                    let y = host(&g, &out);
+                    for (e, run) in runs.iter().enumerate() {
+                        let what = format!("{what} expert {e}");
+                        let xs = x[run.first * k..(run.first + run.rows) * k].to_vec();
+                        let got = &y[run.first * n..(run.first + run.rows) * n];
+                        let wbytes = &host_rows[e];
+                        match spec {
+                            "dense" => {
+                                let w: Vec<f32> = wbytes
+                                    .chunks_exact(4)
+                                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                                    .collect();
+                                let xr = rounded(&xs, dense_ty);
+                                for (i, xrow) in xr.chunks_exact(k).enumerate() {
+                                    for (o, wrow) in w.chunks_exact(k).enumerate() {
+                                        let exact: f64 = wrow
+                                            .iter()
+                                            .zip(xrow)
+                                            .map(|(a, b)| *a as f64 * *b as f64)
+                                            .sum();
+                                        let mag: f64 = wrow
+                                            .iter()
+                                            .zip(xrow)
+                                            .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                                            .sum();
+                                        let a = got[i * n + o];
+                                        if xrow.iter().any(|v| v.is_nan()) {
+                                            assert!(
+                                                a.is_nan(),
+                                                "{what}: row {i} col {o}: {a} for a NaN row"
+                                            );
+                                            continue;
+                                        }
+                                        assert!(
+                                            (a as f64 - exact).abs() <= 1e-5 * mag + 1e-6,
+                                            "{what}: row {i} col {o}: {a} vs {exact}"
+                                        );
+                                    }
+                                }
+                            }
+                            _ => {
+                                let format: LinearFormat = spec.parse().unwrap();
+                                let want =
+                                    reference_matmul(format, &xs, run.rows, k, wbytes, n).unwrap();
+                                match spec {
+                                    "int8-pc/a8" | "qoq-g128/a8" => {
+                                        assert_bit_exact(&what, got, &want)
+                                    }
+                                    "fp8-pc/afp8" => {
+                                        assert_fp8_close(&what, got, &want, &xs, k, wbytes);
+                                    }
+                                    _ => {
+                                        for i in 0..run.rows {
+                                            let (xi, gi) =
+                                                (&xs[i * k..(i + 1) * k], &got[i * n..(i + 1) * n]);
+                                            if xi.iter().any(|v| v.is_nan()) {
+                                                assert!(
+                                                    gi.iter().all(|v| v.is_nan()),
+                                                    "{what}: row {i} of a NaN input"
+                                                );
+                                                continue;
+                                            }
+                                            assert_w4_close(
+                                                &format!("{what} row {i}"),
+                                                gi,
+                                                &want[i * n..(i + 1) * n],
+                                                xi,
+                                                k,
+                                                format,
+                                                wbytes,
+                                                dtype,
+                                            );
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 

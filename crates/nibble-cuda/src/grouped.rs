@@ -1,0 +1,648 @@
+//! Grouped expert GEMMs: the routed experts of a mixture-of-experts layer in one launch, each
+//! over its own run of rows of an input gathered in expert order, f32 products in the same rows.
+//!
+//! | experts' weights | kernel | rows an item |
+//! |---|---|---|
+//! | W4A16, groups of 64, a power of two past it or a whole row | `w4a16_gdec{1,2}[_g64]` (sm_90, kernels/qgemv_grouped.cu) | 16 |
+//! | the same past 16 rows, other groups, or the mma.sync tier | `w4a16_grouped{1,2,4,8}` (kernels/qgemm.cu) | 64 |
+//! | W8A8, W4A8, FP8 | `{w8a8,w4a8,fp8}_gdec{1,2,4}` (sm_90) | 32 |
+//! | 16-bit (the model dtype) | `b16_gdec{1,2}` (sm_90) | 16 |
+//!
+//! The `gdec` kernels are the persistent decode gemv (kernels/qgemv.cu) over an item table: the
+//! grid is `items x ctas_per_item` CTAs, each one item's stream-K slice, and [`plan`] sizes the
+//! slices so the launch fills whole waves of SMs. An expert routed more rows than an item takes
+//! runs as several items (its weights read once each). Input widths must be multiples of 256.
+
+use nibble_core::{Error, Result};
+
+use crate::context::{CudaContext, KernelTier, SPLIT_COUNTERS};
+use crate::qlinear::{
+    self, Act8, DECODE_MAX_M, DECODE_MAX_M_INT8, DECODE_SMEM, QFamily, QuantWeight,
+};
+use crate::runtime::Arg;
+use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem, WeightData};
+
+/// Most rows an item of the mma.sync grouped gemv takes: its 64-token variant.
+pub const GROUPED_MMA_MAX_M: usize = 64;
+/// Units (`row block x chunk`) per register batch and rows per row block of the decode gemv.
+const BATCH: usize = 4;
+const BLOCK_TILES: usize = 16;
+
+/// One item of a grouped launch as the kernels read it (`GroupedItem` in kernels/qgemm.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GroupedItem {
+    codes: u64,
+    params: u64,
+    scales: u64,
+    row: i64,
+    m: i32,
+    pad: i32,
+}
+const _: () = assert!(std::mem::size_of::<GroupedItem>() == 40);
+
+/// One expert's GEMM in a grouped launch: its weight, and the run of rows of the gathered input
+/// (`first..first + rows`) it multiplies; its products go to the same rows of the output.
+#[derive(Clone, Copy)]
+pub struct GroupedRun<'a> {
+    pub weight: &'a CudaWeight,
+    pub first: usize,
+    pub rows: usize,
+}
+
+/// Consecutive runs of rows, one per `(weight, rows)` in order, from row 0: the experts' rows as
+/// gathered in expert order.
+pub fn runs_in_order<'a>(
+    parts: impl IntoIterator<Item = (&'a CudaWeight, usize)>,
+) -> Vec<GroupedRun<'a>> {
+    let mut first = 0;
+    parts
+        .into_iter()
+        .map(|(weight, rows)| {
+            let run = GroupedRun {
+                weight,
+                first,
+                rows,
+            };
+            first += rows;
+            run
+        })
+        .collect()
+}
+
+/// What every expert of a grouped launch shares: the family and the packed geometry.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Geometry {
+    W4A16 {
+        group_len: usize,
+        groups: usize,
+        tiles: usize,
+        chunks: usize,
+    },
+    /// W8A8, W4A8 or FP8: 8-bit activations.
+    Act8 {
+        family: QFamily,
+        groups: usize,
+        group_shift: u32,
+        tiles: usize,
+        chunks: usize,
+    },
+    Dense {
+        dtype: Dtype,
+    },
+}
+
+fn geometry(w: &CudaWeight) -> Geometry {
+    match &w.data {
+        WeightData::Dense(_) => Geometry::Dense { dtype: w.dtype },
+        WeightData::Quant(q) => match *q {
+            QuantWeight::W4 {
+                group_len,
+                tiles,
+                chunks,
+                groups,
+                ..
+            } => Geometry::W4A16 {
+                group_len,
+                groups,
+                tiles,
+                chunks,
+            },
+            QuantWeight::W8 { tiles, chunks, .. } => Geometry::Act8 {
+                family: QFamily::W8A8,
+                groups: 0,
+                group_shift: 0,
+                tiles,
+                chunks,
+            },
+            QuantWeight::Fp8 { tiles, chunks, .. } => Geometry::Act8 {
+                family: QFamily::Fp8,
+                groups: 0,
+                group_shift: 0,
+                tiles,
+                chunks,
+            },
+            QuantWeight::W4A8 {
+                tiles,
+                chunks,
+                groups,
+                group_shift,
+                ..
+            } => Geometry::Act8 {
+                family: QFamily::W4A8,
+                groups,
+                group_shift,
+                tiles,
+                chunks,
+            },
+        },
+    }
+}
+
+/// The kernel a grouped GEMM runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum GroupedKernel {
+    /// The grouped persistent decode gemv, items of at most `item_rows` rows.
+    Decode { item_rows: usize },
+    /// The mma.sync grouped gemv (W4A16 only).
+    MmaSync,
+}
+
+/// The kernel that runs these experts' GEMMs of at most `max_rows` rows each in one launch, if
+/// any: all of one shape and geometry, a geometry with a grouped kernel compiled for this GPU,
+/// and the [`KernelTier`] allowing it. Auto takes the decode gemv for W4A16 up to 16 rows an
+/// expert and the mma.sync gemv past that (where splitting would read the weights twice).
+pub fn pick(ctx: &CudaContext, weights: &[&CudaWeight], max_rows: usize) -> Option<GroupedKernel> {
+    let first = weights.first()?;
+    let geo = geometry(first);
+    let same = weights
+        .iter()
+        .all(|w| (w.rows, w.cols) == (first.rows, first.cols) && geometry(w) == geo);
+    if !same {
+        return None;
+    }
+    let (n, k) = (first.rows, first.cols);
+    let tier = ctx.tier();
+    let whole_batches = k.is_multiple_of(64 * BATCH);
+    let decode = |item_rows: usize| {
+        let name = kernel_name(geo, 1, ctx.dtype);
+        (tier != KernelTier::MmaSync && whole_batches && ctx.has_kernel(&name))
+            .then_some(GroupedKernel::Decode { item_rows })
+    };
+    match geo {
+        Geometry::W4A16 {
+            group_len, groups, ..
+        } => {
+            let decode = qlinear::w4_decode_kernel(group_len, groups)
+                .and_then(|_| decode(DECODE_MAX_M))
+                .filter(|_| max_rows <= DECODE_MAX_M || tier == KernelTier::Hopper);
+            decode.or(Some(GroupedKernel::MmaSync))
+        }
+        Geometry::Act8 { .. } => decode(DECODE_MAX_M_INT8),
+        Geometry::Dense { dtype } => {
+            // The kernel reads whole 16-byte rows of the model dtype.
+            (dtype == ctx.dtype && n > 0)
+                .then(|| decode(DECODE_MAX_M))
+                .flatten()
+        }
+    }
+}
+
+/// The `gdec` entry point of `geo` for `tt` tiles of 8 rows.
+fn kernel_name(geo: Geometry, tt: usize, dtype: Dtype) -> String {
+    let sfx = dtype.suffix();
+    match geo {
+        Geometry::W4A16 { group_len, .. } => {
+            let g64 = if group_len == 64 { "_g64" } else { "" };
+            format!("w4a16_gdec{tt}{g64}_{sfx}")
+        }
+        Geometry::Act8 { family, .. } => {
+            let p = match family {
+                QFamily::W8A8 => "w8a8",
+                QFamily::Fp8 => "fp8",
+                _ => "w4a8",
+            };
+            format!("{p}_gdec{tt}")
+        }
+        Geometry::Dense { .. } => format!("b16_gdec{tt}_{sfx}"),
+    }
+}
+
+/// Launch plan of a grouped decode gemv.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct GroupedPlan {
+    /// CTAs per item: the grid is `items x ctas_per_item`.
+    pub ctas_per_item: usize,
+    /// `row block x chunk` units per CTA, a multiple of the register batch.
+    pub per_cta: usize,
+    /// The most CTAs a row block's units are cut between: partial-sum slots per tile.
+    pub max_pieces: usize,
+    /// Dynamic shared memory: a CTA's window of activation chunks (and W4A16's sums).
+    pub smem: usize,
+}
+
+/// The plan of `items` items of at most `max_m` rows of `elem`-byte activations (W4A16 staging
+/// activation sums too: `sums`) over `tiles` 16-row tiles of `chunks` 64-channel chunks: the
+/// fewest waves of `sms` CTAs whose activation windows fit in [`DECODE_SMEM`], each item's units
+/// cut into equal slices, slices as even as the waves allow. `None` where no window fits.
+pub fn plan(
+    items: usize,
+    tiles: usize,
+    chunks: usize,
+    sms: usize,
+    max_m: usize,
+    elem: usize,
+    sums: bool,
+) -> Option<GroupedPlan> {
+    if items == 0 || max_m == 0 || chunks == 0 || !chunks.is_multiple_of(BATCH) {
+        return None;
+    }
+    let sms = sms.max(1);
+    let smem = |window: usize| {
+        let stride = if elem == 2 {
+            window * 128 + 16
+        } else {
+            (window * 64).div_ceil(128) * 128 + 64
+        };
+        max_m * stride
+            + if sums {
+                window * max_m.div_ceil(8) * 32
+            } else {
+                0
+            }
+    };
+    // The largest window (a multiple of the batch) that fits; a CTA whose slice is shorter than a
+    // row stages only its slice.
+    let cap = if smem(chunks) <= DECODE_SMEM {
+        usize::MAX
+    } else {
+        let fits = (BATCH..chunks)
+            .step_by(BATCH)
+            .take_while(|&w| smem(w) <= DECODE_SMEM)
+            .last()?;
+        fits
+    };
+    let units = tiles.div_ceil(BLOCK_TILES) * chunks;
+    let total = items * units;
+    let mut waves = if cap == usize::MAX {
+        1
+    } else {
+        total.div_ceil(sms * cap).max(1)
+    };
+    loop {
+        let mut per_cta = total
+            .div_ceil(waves * sms)
+            .next_multiple_of(BATCH)
+            .max(BATCH);
+        while per_cta <= cap && items * units.div_ceil(per_cta) > waves * sms {
+            per_cta += BATCH;
+        }
+        if per_cta <= cap {
+            let per_cta = per_cta.min(units.next_multiple_of(BATCH));
+            return Some(GroupedPlan {
+                ctas_per_item: units.div_ceil(per_cta),
+                per_cta,
+                max_pieces: chunks.div_ceil(per_cta) + 1,
+                smem: smem(per_cta.min(chunks)),
+            });
+        }
+        waves += 1;
+    }
+}
+
+/// The GEMMs of `runs` (one per routed expert, as [`pick`] accepts them) in one launch: `x` holds
+/// every run's input rows, `out` (f32, `[x.rows, n]`) gets each run's products in the same rows.
+pub fn grouped_gemm(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    runs: &[GroupedRun<'_>],
+    out: &CudaTensor,
+) -> Result<()> {
+    ctx.check_err()?;
+    let Some(first) = runs.first() else {
+        return Ok(());
+    };
+    let (n, k) = (first.weight.rows, first.weight.cols);
+    let weights: Vec<&CudaWeight> = runs.iter().map(|r| r.weight).collect();
+    let max_rows = runs.iter().map(|r| r.rows).max().unwrap_or(0);
+    let Some(kernel) = pick(ctx, &weights, max_rows) else {
+        return Err(Error::InvalidArgument(format!(
+            "a grouped GEMM of {} experts: weights of one shape and a format with a grouped \
+             kernel on this GPU, input width a multiple of 256",
+            runs.len()
+        )));
+    };
+    if x.cols != k {
+        return Err(Error::InvalidArgument(format!(
+            "grouped GEMM: {} input columns for {k}-wide weights",
+            x.cols
+        )));
+    }
+    if out.elem != Elem::F32 || out.rows != x.rows || out.cols != n || !out.is_contiguous() {
+        return Err(Error::InvalidArgument(format!(
+            "grouped GEMM: a [{}, {}] {:?} output for {} rows of {n}",
+            out.rows, out.cols, out.elem, x.rows
+        )));
+    }
+    if let Some(r) = runs.iter().find(|r| r.first + r.rows > x.rows) {
+        return Err(Error::InvalidArgument(format!(
+            "grouped GEMM: rows {}..{} of {}",
+            r.first,
+            r.first + r.rows,
+            x.rows
+        )));
+    }
+    let item_rows = match kernel {
+        GroupedKernel::Decode { item_rows } => item_rows,
+        GroupedKernel::MmaSync => GROUPED_MMA_MAX_M,
+    };
+    let items = items(runs, item_rows);
+    if items.is_empty() {
+        return Ok(());
+    }
+    match kernel {
+        GroupedKernel::Decode { .. } => launch_decode(ctx, x, &weights, &items, n, k, out),
+        GroupedKernel::MmaSync => launch_mma_sync(ctx, x, first.weight, &items, n, k, out),
+    }
+}
+
+/// The item table: each run cut into items of at most `item_rows` rows.
+fn items(runs: &[GroupedRun<'_>], item_rows: usize) -> Vec<GroupedItem> {
+    let mut items = Vec::new();
+    for r in runs {
+        let (codes, params, scales) = match &r.weight.data {
+            WeightData::Dense(b) => (b.ptr, 0, 0),
+            WeightData::Quant(QuantWeight::W4 { codes, params, .. }) => (codes.ptr, params.ptr, 0),
+            WeightData::Quant(
+                QuantWeight::W8 { codes, scales, .. } | QuantWeight::Fp8 { codes, scales, .. },
+            ) => (codes.ptr, 0, scales.ptr),
+            WeightData::Quant(QuantWeight::W4A8 {
+                codes,
+                params,
+                scales,
+                ..
+            }) => (codes.ptr, params.ptr, scales.ptr),
+        };
+        items.extend(
+            cuts(r.first, r.rows, item_rows).map(|(row, m)| GroupedItem {
+                codes,
+                params,
+                scales,
+                row: row as i64,
+                m: m as i32,
+                pad: 0,
+            }),
+        );
+    }
+    items
+}
+
+/// Rows `first..first + rows` as `(first row, rows)` pieces of at most `item_rows`.
+fn cuts(first: usize, rows: usize, item_rows: usize) -> impl Iterator<Item = (usize, usize)> {
+    (first..first + rows)
+        .step_by(item_rows.max(1))
+        .map(move |row| (row, (first + rows - row).min(item_rows)))
+}
+
+fn upload_items(ctx: &CudaContext, items: &[GroupedItem]) -> Result<u64> {
+    let table = ctx.alloc_bytes(std::mem::size_of_val(items))?;
+    ctx.stage_upload(table, items)?;
+    Ok(table)
+}
+
+fn launch_decode(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    weights: &[&CudaWeight],
+    items: &[GroupedItem],
+    n: usize,
+    k: usize,
+    out: &CudaTensor,
+) -> Result<()> {
+    let geo = geometry(weights[0]);
+    let (tiles, chunks) = (n.div_ceil(16), k / 64);
+    let max_m = items.iter().map(|i| i.m as usize).max().unwrap_or(1);
+    let (elem, sums) = match geo {
+        Geometry::W4A16 { .. } => (2, true),
+        Geometry::Dense { .. } => (2, false),
+        Geometry::Act8 { .. } => (1, false),
+    };
+    let plan = plan(
+        items.len(),
+        tiles,
+        chunks,
+        ctx.gpu.sm_count,
+        max_m,
+        elem,
+        sums,
+    )
+    .ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "grouped GEMM: no activation window of {max_m} rows of {k} fits"
+        ))
+    })?;
+    if items.len() * tiles > SPLIT_COUNTERS || items.len() * plan.ctas_per_item > i32::MAX as usize
+    {
+        return Err(Error::InvalidArgument(format!(
+            "grouped GEMM: {} items of {tiles} tiles exceed the split counters",
+            items.len()
+        )));
+    }
+    // The input: 16-bit rows, or their 8-bit codes and per-row scales.
+    let (xp, ldx, sx) = match geo {
+        Geometry::Act8 { family, .. } => {
+            let kind = if family == QFamily::Fp8 {
+                Act8::Fp8
+            } else {
+                Act8::Int8
+            };
+            let q = qlinear::act8_input(ctx, x, k, kind)?;
+            (q.codes, k, q.scales)
+        }
+        _ => {
+            let xh = ctx.as_half(x)?;
+            if xh.ld % 8 != 0 || xh.ptr % 16 != 0 {
+                return Err(Error::InvalidArgument(
+                    "grouped GEMM input rows must be 16-byte aligned".into(),
+                ));
+            }
+            (xh.ptr, xh.ld, 0)
+        }
+    };
+    let (groups, shift) = match geo {
+        Geometry::W4A16 {
+            group_len, groups, ..
+        } => (groups, group_len.trailing_zeros()),
+        Geometry::Act8 {
+            groups,
+            group_shift,
+            ..
+        } => (groups, group_shift),
+        Geometry::Dense { .. } => (0, 0),
+    };
+    let table = upload_items(ctx, items)?;
+    let partial = ctx
+        .alloc(items.len() * tiles * plan.max_pieces * max_m, 16, Elem::F32)?
+        .ptr;
+    let tt = max_m.div_ceil(8).next_power_of_two();
+    let mut args = vec![
+        Arg::Ptr(table),
+        Arg::I32(plan.ctas_per_item as i32),
+        Arg::Ptr(xp),
+        Arg::I64(ldx as i64),
+        Arg::Ptr(sx),
+        Arg::Ptr(out.ptr),
+        Arg::I64(out.ld as i64),
+        Arg::Ptr(partial),
+        Arg::Ptr(ctx.split_counters()),
+    ];
+    args.extend([max_m, n, k, tiles, chunks, groups, shift as usize].map(|v| Arg::I32(v as i32)));
+    args.push(Arg::I32(plan.per_cta as i32));
+    args.push(Arg::I32(plan.max_pieces as i32));
+    ctx.count_grouped_launch();
+    ctx.launch_block(
+        &kernel_name(geo, tt, ctx.dtype),
+        ((items.len() * plan.ctas_per_item) as u32, 1, 1),
+        32 * BLOCK_TILES as u32,
+        plan.smem as u32,
+        args,
+    )
+}
+
+fn launch_mma_sync(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    weight: &CudaWeight,
+    items: &[GroupedItem],
+    n: usize,
+    k: usize,
+    out: &CudaTensor,
+) -> Result<()> {
+    let Some(&QuantWeight::W4 {
+        group_len,
+        tiles,
+        chunks,
+        groups,
+        ..
+    }) = weight.quant()
+    else {
+        return Err(Error::InvalidArgument(
+            "the mma.sync grouped gemv takes W4A16 weights".into(),
+        ));
+    };
+    let xh = ctx.as_half(x)?;
+    if xh.ld % 8 != 0 || xh.ptr % 16 != 0 {
+        return Err(Error::InvalidArgument(
+            "grouped GEMM input rows must be 16-byte aligned".into(),
+        ));
+    }
+    let max_m = items.iter().map(|i| i.m as usize).max().unwrap_or(1);
+    let tt = max_m.div_ceil(8).next_power_of_two();
+    let (_, splits, cps) =
+        qlinear::plan_gemv(tiles * items.len(), chunks, ctx.gpu.sm_count, max_m, 128);
+    let blocks = tiles.div_ceil(8);
+    if blocks * items.len() > SPLIT_COUNTERS || items.len() > 65535 {
+        return Err(Error::InvalidArgument(format!(
+            "grouped W4A16 GEMM: {} items of {blocks} row blocks exceed the split counters or \
+             the grid",
+            items.len()
+        )));
+    }
+    let table = upload_items(ctx, items)?;
+    let partial = if splits > 1 {
+        ctx.alloc(items.len() * splits * max_m, tiles * 16, Elem::F32)?
+            .ptr
+    } else {
+        0
+    };
+    let shift = if group_len.is_power_of_two() {
+        group_len.trailing_zeros() as i32
+    } else {
+        -1
+    };
+    let mut args = vec![
+        Arg::Ptr(table),
+        Arg::Ptr(xh.ptr),
+        Arg::I64(xh.ld as i64),
+        Arg::Ptr(out.ptr),
+        Arg::I64(out.ld as i64),
+        Arg::Ptr(partial),
+        Arg::Ptr(ctx.split_counters()),
+    ];
+    args.extend([max_m, n, k, tiles, chunks, groups, group_len].map(|v| Arg::I32(v as i32)));
+    args.push(Arg::I32(shift));
+    args.push(Arg::I32(cps as i32));
+    ctx.count_grouped_launch();
+    ctx.kernel(&format!("w4a16_grouped{tt}_{}", ctx.dtype.suffix()))?
+        .launch(
+            &ctx.gpu,
+            (blocks as u32, splits as u32, items.len() as u32),
+            256,
+            qlinear::gemv_smem(max_m, cps, 128) as u32,
+            args,
+        )
+}
+
+/// The kernels [`grouped_gemm`] may launch (for `kernels_compile`).
+pub fn kernel_names() -> Vec<String> {
+    let mut names = Vec::new();
+    for sfx in ["bf16", "f16"] {
+        for tt in [1, 2] {
+            names.push(format!("w4a16_gdec{tt}_{sfx}"));
+            names.push(format!("w4a16_gdec{tt}_g64_{sfx}"));
+            names.push(format!("b16_gdec{tt}_{sfx}"));
+        }
+        for tt in [1, 2, 4, 8] {
+            names.push(format!("w4a16_grouped{tt}_{sfx}"));
+        }
+    }
+    for p in ["w8a8", "w4a8", "fp8"] {
+        for tt in [1, 2, 4] {
+            names.push(format!("{p}_gdec{tt}"));
+        }
+    }
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_fill_whole_waves_and_fit_the_window() {
+        let sms = 132;
+        // Mixtral's experts: gate/up 28672x4096 and down 4096x14336, 1 to 16 rows an item.
+        for (tiles, chunks) in [(1792, 64), (256, 224), (24, 4), (1, 8)] {
+            for items in [1, 2, 3, 5, 8, 16] {
+                for (max_m, elem, sums) in
+                    [(1, 2, true), (16, 2, true), (16, 2, false), (32, 1, false)]
+                {
+                    let p = plan(items, tiles, chunks, sms, max_m, elem, sums).unwrap();
+                    let units = tiles.div_ceil(16) * chunks;
+                    assert_eq!(p.per_cta % BATCH, 0);
+                    assert!(p.ctas_per_item * p.per_cta >= units, "{p:?}");
+                    assert!((p.ctas_per_item - 1) * p.per_cta < units, "{p:?}");
+                    assert!(p.smem <= DECODE_SMEM, "{p:?}");
+                    // The row blocks a slice touches bound its pieces.
+                    assert!(p.max_pieces >= chunks.div_ceil(p.per_cta) + 1);
+                    let ctas = items * p.ctas_per_item;
+                    let waves = ctas.div_ceil(sms);
+                    if units * items >= 4 * sms * BATCH {
+                        // Large launches: at most one wave more than the window forces, and the
+                        // last wave at least half full where more than one is needed.
+                        assert!(ctas <= waves * sms, "{p:?}");
+                        if waves > 1 {
+                            assert!(
+                                ctas * 2 > waves * sms,
+                                "{items} items {tiles}x{chunks}: {p:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // Two experts of one row: one wave, nearly every SM.
+        let p = plan(2, 1792, 64, sms, 1, 2, true).unwrap();
+        assert!(
+            2 * p.ctas_per_item <= sms && 2 * p.ctas_per_item >= sms - 8,
+            "{p:?}"
+        );
+        // Eight experts of 16 rows over K = 14336: the window caps the slice, three waves.
+        let p = plan(8, 256, 224, sms, 16, 2, true).unwrap();
+        assert!(
+            p.per_cta < 224 && (8 * p.ctas_per_item).div_ceil(sms) == 3,
+            "{p:?}"
+        );
+        assert!(plan(1, 16, 6, sms, 1, 2, true).is_none());
+        assert!(plan(0, 16, 8, sms, 1, 2, true).is_none());
+    }
+
+    #[test]
+    fn runs_cut_into_items_of_at_most_the_item_rows() {
+        let pieces = |first, rows, item| cuts(first, rows, item).collect::<Vec<_>>();
+        assert_eq!(pieces(3, 40, 16), [(3, 16), (19, 16), (35, 8)]);
+        assert_eq!(pieces(0, 16, 16), [(0, 16)]);
+        assert_eq!(pieces(5, 1, 32), [(5, 1)]);
+        assert!(pieces(7, 0, 16).is_empty());
+    }
+}
