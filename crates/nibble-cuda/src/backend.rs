@@ -146,15 +146,18 @@ impl CudaBackend {
             .flat_map(|e| e.rows.iter().copied())
             .collect();
         let counts = || experts.iter().map(|e| e.rows.len());
+        let runs = grouped::runs_in_order(experts.iter().map(|e| e.gate_up).zip(counts()));
+        let mut gate_up_gemm = grouped::GroupedGemm::new(ctx, order.len(), &runs)?;
+        let runs = grouped::runs_in_order(experts.iter().map(|e| e.down).zip(counts()));
+        let mut down_gemm = grouped::GroupedGemm::new(ctx, order.len(), &runs)?;
+        grouped::upload_tables(ctx, &mut [&mut gate_up_gemm, &mut down_gemm])?;
         let gathered = ew::gather_rows(ctx, x, &order)?;
         let gate_up = ctx.alloc(order.len(), ffn2, Elem::F32)?;
-        let runs = grouped::runs_in_order(experts.iter().map(|e| e.gate_up).zip(counts()));
-        grouped::grouped_gemm(ctx, &gathered, &runs, &gate_up)?;
+        gate_up_gemm.launch(ctx, &gathered, &gate_up)?;
         let halves = gate_up.split_cols(&[ffn, ffn])?;
         let act = ew::silu_mul(ctx, &halves[0], &halves[1])?;
         let y = ctx.alloc(order.len(), hidden, Elem::F32)?;
-        let runs = grouped::runs_in_order(experts.iter().map(|e| e.down).zip(counts()));
-        grouped::grouped_gemm(ctx, &act, &runs, &y)?;
+        down_gemm.launch(ctx, &act, &y)?;
         let mut at = 0;
         Ok(Some(
             experts

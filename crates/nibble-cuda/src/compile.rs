@@ -111,6 +111,13 @@ pub const GRID_WAITING_KERNELS: &[&str] = &[
     "w8a8_dec",
     "w4a8_dec",
     "fp8_dec",
+    // The grouped decode gemv also reads its item table before the wait: grouped.rs uploads
+    // tables ahead of a layer's kernels, never between two of them.
+    "w4a16_gdec",
+    "w8a8_gdec",
+    "w4a8_gdec",
+    "fp8_gdec",
+    "b16_gdec",
 ];
 
 /// Whether kernel `name` is one of [`GRID_WAITING_KERNELS`].

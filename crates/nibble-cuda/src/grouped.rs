@@ -298,52 +298,102 @@ pub fn grouped_gemm(
     runs: &[GroupedRun<'_>],
     out: &CudaTensor,
 ) -> Result<()> {
-    ctx.check_err()?;
-    let Some(first) = runs.first() else {
+    let mut gemm = GroupedGemm::new(ctx, x.rows, runs)?;
+    upload_tables(ctx, &mut [&mut gemm])?;
+    gemm.launch(ctx, x, out)
+}
+
+/// A grouped GEMM whose item table is made: [`upload_tables`] puts the tables of a layer's
+/// grouped GEMMs on the device in one copy ahead of its kernels, so that those kernels follow one
+/// another with nothing between them and each may start its weight loads while the previous one
+/// finishes (they read their table before the grid dependency: programmatic dependent launch).
+pub struct GroupedGemm {
+    kernel: GroupedKernel,
+    geo: Geometry,
+    items: Vec<GroupedItem>,
+    rows: usize,
+    n: usize,
+    k: usize,
+    table: Option<u64>,
+}
+
+impl GroupedGemm {
+    /// The item table of `runs` over an input of `rows` rows.
+    pub fn new(ctx: &CudaContext, rows: usize, runs: &[GroupedRun<'_>]) -> Result<GroupedGemm> {
+        ctx.check_err()?;
+        let weights: Vec<&CudaWeight> = runs.iter().map(|r| r.weight).collect();
+        let max_rows = runs.iter().map(|r| r.rows).max().unwrap_or(0);
+        let (Some(first), Some(kernel)) = (runs.first(), pick(ctx, &weights, max_rows)) else {
+            return Err(Error::InvalidArgument(format!(
+                "a grouped GEMM of {} experts: weights of one shape and a format with a grouped \
+                 kernel on this GPU, input width a multiple of 256",
+                runs.len()
+            )));
+        };
+        if let Some(r) = runs.iter().find(|r| r.first + r.rows > rows) {
+            return Err(Error::InvalidArgument(format!(
+                "grouped GEMM: rows {}..{} of {rows}",
+                r.first,
+                r.first + r.rows,
+            )));
+        }
+        let item_rows = match kernel {
+            GroupedKernel::Decode { item_rows } => item_rows,
+            GroupedKernel::MmaSync => GROUPED_MMA_MAX_M,
+        };
+        Ok(GroupedGemm {
+            kernel,
+            geo: geometry(first.weight),
+            items: items(runs, item_rows),
+            rows,
+            n: first.weight.rows,
+            k: first.weight.cols,
+            table: None,
+        })
+    }
+
+    /// Runs it: `x` `[rows, k]`, `out` f32 `[rows, n]`; its table must be uploaded.
+    pub fn launch(&self, ctx: &CudaContext, x: &CudaTensor, out: &CudaTensor) -> Result<()> {
+        let (n, k) = (self.n, self.k);
+        if x.cols != k || x.rows != self.rows {
+            return Err(Error::InvalidArgument(format!(
+                "grouped GEMM: a [{}, {}] input for {} rows of {k}",
+                x.rows, x.cols, self.rows
+            )));
+        }
+        if out.elem != Elem::F32 || out.rows != x.rows || out.cols != n || !out.is_contiguous() {
+            return Err(Error::InvalidArgument(format!(
+                "grouped GEMM: a [{}, {}] {:?} output for {} rows of {n}",
+                out.rows, out.cols, out.elem, x.rows
+            )));
+        }
+        if self.items.is_empty() {
+            return Ok(());
+        }
+        let table = self.table.ok_or_else(|| {
+            Error::InvalidArgument("grouped GEMM launched before its table was uploaded".into())
+        })?;
+        match self.kernel {
+            GroupedKernel::Decode { .. } => launch_decode(ctx, self, table, x, out),
+            GroupedKernel::MmaSync => launch_mma_sync(ctx, self, table, x, out),
+        }
+    }
+}
+
+/// The item tables of `gemms` on the device, in one allocation and one staged copy.
+pub fn upload_tables(ctx: &CudaContext, gemms: &mut [&mut GroupedGemm]) -> Result<()> {
+    let all: Vec<GroupedItem> = gemms.iter().flat_map(|g| g.items.iter().copied()).collect();
+    if all.is_empty() {
         return Ok(());
-    };
-    let (n, k) = (first.weight.rows, first.weight.cols);
-    let weights: Vec<&CudaWeight> = runs.iter().map(|r| r.weight).collect();
-    let max_rows = runs.iter().map(|r| r.rows).max().unwrap_or(0);
-    let Some(kernel) = pick(ctx, &weights, max_rows) else {
-        return Err(Error::InvalidArgument(format!(
-            "a grouped GEMM of {} experts: weights of one shape and a format with a grouped \
-             kernel on this GPU, input width a multiple of 256",
-            runs.len()
-        )));
-    };
-    if x.cols != k {
-        return Err(Error::InvalidArgument(format!(
-            "grouped GEMM: {} input columns for {k}-wide weights",
-            x.cols
-        )));
     }
-    if out.elem != Elem::F32 || out.rows != x.rows || out.cols != n || !out.is_contiguous() {
-        return Err(Error::InvalidArgument(format!(
-            "grouped GEMM: a [{}, {}] {:?} output for {} rows of {n}",
-            out.rows, out.cols, out.elem, x.rows
-        )));
+    let base = ctx.alloc_bytes(std::mem::size_of_val(all.as_slice()))?;
+    ctx.stage_upload(base, &all)?;
+    let mut at = base;
+    for g in gemms.iter_mut() {
+        g.table = Some(at);
+        at += std::mem::size_of_val(g.items.as_slice()) as u64;
     }
-    if let Some(r) = runs.iter().find(|r| r.first + r.rows > x.rows) {
-        return Err(Error::InvalidArgument(format!(
-            "grouped GEMM: rows {}..{} of {}",
-            r.first,
-            r.first + r.rows,
-            x.rows
-        )));
-    }
-    let item_rows = match kernel {
-        GroupedKernel::Decode { item_rows } => item_rows,
-        GroupedKernel::MmaSync => GROUPED_MMA_MAX_M,
-    };
-    let items = items(runs, item_rows);
-    if items.is_empty() {
-        return Ok(());
-    }
-    match kernel {
-        GroupedKernel::Decode { .. } => launch_decode(ctx, x, &weights, &items, n, k, out),
-        GroupedKernel::MmaSync => launch_mma_sync(ctx, x, first.weight, &items, n, k, out),
-    }
+    Ok(())
 }
 
 /// The item table: each run cut into items of at most `item_rows` rows.
@@ -384,22 +434,17 @@ fn cuts(first: usize, rows: usize, item_rows: usize) -> impl Iterator<Item = (us
         .map(move |row| (row, (first + rows - row).min(item_rows)))
 }
 
-fn upload_items(ctx: &CudaContext, items: &[GroupedItem]) -> Result<u64> {
-    let table = ctx.alloc_bytes(std::mem::size_of_val(items))?;
-    ctx.stage_upload(table, items)?;
-    Ok(table)
-}
-
 fn launch_decode(
     ctx: &CudaContext,
+    gemm: &GroupedGemm,
+    table: u64,
     x: &CudaTensor,
-    weights: &[&CudaWeight],
-    items: &[GroupedItem],
-    n: usize,
-    k: usize,
     out: &CudaTensor,
 ) -> Result<()> {
-    let geo = geometry(weights[0]);
+    let GroupedGemm {
+        geo, items, n, k, ..
+    } = gemm;
+    let (geo, items, n, k) = (*geo, items.as_slice(), *n, *k);
     let (tiles, chunks) = (n.div_ceil(16), k / 64);
     let max_m = items.iter().map(|i| i.m as usize).max().unwrap_or(1);
     let (elem, sums) = match geo {
@@ -460,7 +505,6 @@ fn launch_decode(
         } => (groups, group_shift),
         Geometry::Dense { .. } => (0, 0),
     };
-    let table = upload_items(ctx, items)?;
     let partial = ctx
         .alloc(items.len() * tiles * plan.max_pieces * max_m, 16, Elem::F32)?
         .ptr;
@@ -491,20 +535,18 @@ fn launch_decode(
 
 fn launch_mma_sync(
     ctx: &CudaContext,
+    gemm: &GroupedGemm,
+    table: u64,
     x: &CudaTensor,
-    weight: &CudaWeight,
-    items: &[GroupedItem],
-    n: usize,
-    k: usize,
     out: &CudaTensor,
 ) -> Result<()> {
-    let Some(&QuantWeight::W4 {
+    let (items, n, k) = (gemm.items.as_slice(), gemm.n, gemm.k);
+    let Geometry::W4A16 {
         group_len,
         tiles,
         chunks,
         groups,
-        ..
-    }) = weight.quant()
+    } = gemm.geo
     else {
         return Err(Error::InvalidArgument(
             "the mma.sync grouped gemv takes W4A16 weights".into(),
@@ -528,7 +570,6 @@ fn launch_mma_sync(
             items.len()
         )));
     }
-    let table = upload_items(ctx, items)?;
     let partial = if splits > 1 {
         ctx.alloc(items.len() * splits * max_m, tiles * 16, Elem::F32)?
             .ptr
