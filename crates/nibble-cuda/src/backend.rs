@@ -533,27 +533,25 @@ impl Backend for CudaBackend {
         ew::moe_combine(&self.ctx, rows, cols, parts)
     }
 
-    /// Experts run grouped ([`CudaBackend::run_grouped_swiglu`]) at decode sizes, at most
-    /// [`GROUPED_ENGINE_ROWS`] rows each: two or more routed experts on the grouped decode gemv
-    /// (one launch instead of one each, at the same bandwidth), three or more on the mma.sync
-    /// grouped gemv (W4A16 past 16 rows an expert, or other group sizes; with two experts each
-    /// one's own kernel was faster: Mixtral's experts on an H200 at 1 token, 91 against 99 µs).
-    /// With more rows the expert-by-expert path takes the wgmma and tiled kernels.
+    /// Experts run grouped ([`CudaBackend::run_grouped_swiglu`]) at decode sizes: at most
+    /// [`GROUPED_ENGINE_ROWS`] rows each, three or more routed experts, eight or more for 16-bit
+    /// experts. Two experts (one sequence's decode step) run one by one: the grouped launches
+    /// need their item table and gather indices copied to the device, and those copies serialize
+    /// the eager MoE step (Mixtral-8x7B W4A16 on an H200: 6.55 ms a batch-1 step grouped against
+    /// 5.83 one by one, though the grouped GEMMs alone take 62 against 91 µs). 16-bit experts
+    /// on the grouped decode gemv only break even with cuBLAS expert by expert from eight experts
+    /// on (Mixtral-shaped BF16 experts: 0.89x at 2, 1.02x to 1.09x at 8; BENCHMARKS.md). With
+    /// more rows the expert-by-expert path takes the wgmma and tiled kernels.
     fn grouped_swiglu(
         &self,
         x: &CudaTensor,
         experts: &[RoutedExpert<'_, CudaWeight>],
     ) -> Result<Option<Vec<CudaTensor>>> {
         let decode_sized = experts.iter().all(|e| e.rows.len() <= GROUPED_ENGINE_ROWS);
-        let least = match self.grouped_kernels(x, experts) {
-            Some((
-                grouped::GroupedKernel::Decode { .. },
-                grouped::GroupedKernel::Decode { .. },
-            )) => 2,
-            Some(_) => 3,
-            None => return Ok(None),
-        };
-        if experts.len() < least || !decode_sized {
+        if experts.len() < 3 || !decode_sized || self.grouped_kernels(x, experts).is_none() {
+            return Ok(None);
+        }
+        if experts[0].gate_up.quant().is_none() && experts.len() < 8 {
             return Ok(None);
         }
         self.run_grouped_swiglu(x, experts)
