@@ -32,7 +32,8 @@
 //     and multiplied), weights read from shared memory with one 16-byte load per lane per chunk.
 //     Activation rows are padded (f16: 144 B) or not (INT8: 64 B) so B-fragment loads are free
 //     of bank conflicts.
-//   w4a16_grouped{1,2,4,8} (mixture-of-experts layers at decode sizes): the W4A16 gemv over a
+//   w4a16_grouped{1,2,4,8} (mixture-of-experts layers, W4A16 past the grouped decode gemv of
+//     qgemv_grouped.cu): the W4A16 gemv over a
 //     table of items on grid.z, each item one expert's weights over up to 64 consecutive rows of
 //     the input gathered in expert order; the routed experts of a layer in one launch.
 // The Hopper tier is compiled into the same module: the persistent decode gemv (qgemv.cu) for up
@@ -438,7 +439,7 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16)
 // whole launch, not for one expert alone. Only the experts
 // that are routed to have items: the others' weights are never read. Twice the gemv's chunks in
 // flight (U) for 2 and 4 token tiles: the grouped launch is many CTAs, each bound by its loads.
-// One item of a grouped launch (qlinear::grouped::GroupedItem): the grouped decode gemv
+// One item of a grouped launch (grouped::GroupedItem): the grouped decode gemv
 // (qgemv_grouped.cu) reads the same table.
 struct GroupedItem {
     const void* codes;    // packed codes, or the 16-bit weight rows
@@ -448,7 +449,7 @@ struct GroupedItem {
     int m;                // rows
     int pad;
 };
-static_assert(sizeof(GroupedItem) == 40, "qlinear::grouped::GroupedItem");
+static_assert(sizeof(GroupedItem) == 40, "grouped::GroupedItem");
 #define W4A16_GROUPED_ENTRY(NAME, T, TT, U)                                                            \
     extern "C" __global__ void __launch_bounds__(QG_THREADS, 2) NAME(                                   \
         const GroupedItem* items, const T* x, long ldx, float* y, long ldy, float* partial,           \

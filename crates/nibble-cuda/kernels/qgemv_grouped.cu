@@ -7,7 +7,7 @@
 // same geometry (one layer), so the grid is `items x ctas_per_item` CTAs and CTA c of item i runs
 // the stream-K slice c of that item's `row block x chunk` units: each CTA stages one item's
 // activations only, and the host picks `per_cta` so the launch fills whole waves of SMs
-// (qlinear::grouped::plan). Only routed experts have items; no other expert's bytes are read.
+// (grouped::plan). Only routed experts have items; no other expert's bytes are read.
 // Split-K partial slots and arrival counters are the item's own (`max_pieces x max_m x 16` floats
 // a tile, one counter a tile), so items never meet.
 //

@@ -738,7 +738,7 @@ impl CudaContext {
         self.graphs_enabled && !self.host_reads_in_forward.load(Ordering::Relaxed)
     }
 
-    /// Grouped expert GEMM launches so far (`qlinear::grouped_w4a16`).
+    /// Grouped expert GEMM launches so far (`grouped::grouped_gemm`, `GroupedGemm::launch`).
     pub fn grouped_expert_launches(&self) -> u64 {
         self.grouped_launches.load(Ordering::Relaxed)
     }
