@@ -540,13 +540,14 @@ fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
                 let t = time_calls(be, 4, &mut || {
                     // As the engine runs them: both tables uploaded first, then the two kernels.
                     let runs = grouped::runs_in_order(gate_ups.iter().copied().zip(counts()));
-                    let mut gu = grouped::GroupedGemm::new(be, rows, &runs)?;
+                    let mut up = nibble_cuda::StepUpload::default();
+                    let gu = grouped::GroupedGemm::new(be, rows, &runs, &mut up)?;
                     let downs: Vec<GroupedRun<'_>> =
                         grouped::runs_in_order(active.iter().map(|&e| &weights[e].1).zip(counts()));
-                    let mut down = grouped::GroupedGemm::new(be, rows, &downs)?;
-                    grouped::upload_tables(be, &mut [&mut gu, &mut down])?;
-                    gu.launch(be, gathered, &gu_out)?;
-                    down.launch(be, act, &down_out)
+                    let down = grouped::GroupedGemm::new(be, rows, &downs, &mut up)?;
+                    let tables = be.stage_upload_all(&up)?;
+                    gu.launch(be, tables, gathered, &gu_out)?;
+                    down.launch(be, tables, act, &down_out)
                 })?;
                 Some(t)
             } else {

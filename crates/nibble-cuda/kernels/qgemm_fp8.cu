@@ -83,10 +83,7 @@ struct DecFp8 {
     template <int TT>
     __device__ __forceinline__ void flush(const Regs&, int, const float (&G)[2][TT][4], const float (&)[TT][2],
                                           float (&acc)[TT][4]) const {
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[tt][e] += G[0][tt][e] + G[1][tt][e];
+        add_chains<TT>(G, acc);
     }
     template <int TT>
     __device__ __forceinline__ void mma_direct(const Regs& r, int u, const unsigned char* const (&xrow)[TT], int off,

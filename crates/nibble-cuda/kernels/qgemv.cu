@@ -146,6 +146,15 @@ template <class T, int GC_> struct DecW4 {
     }
 };
 
+// acc += the sum of the two MMA chains: the flush of the units whose scales apply in the epilogue.
+template <int TT, class A>
+__device__ __forceinline__ void add_chains(const A (&G)[2][TT][4], A (&acc)[TT][4]) {
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[tt][e] += G[0][tt][e] + G[1][tt][e];
+}
+
 // W8A8 units: a tile's chunk is 1024 B of INT8 codes (32 B per lane); scales are per row and
 // token, applied in the epilogue, so a batch is one span.
 struct DecW8 {
@@ -189,10 +198,7 @@ struct DecW8 {
     template <int TT>
     __device__ __forceinline__ void flush(const Regs&, int, const int (&G)[2][TT][4], const float (&)[TT][2],
                                           int (&acc)[TT][4]) const {
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[tt][e] += G[0][tt][e] + G[1][tt][e];
+        add_chains<TT>(G, acc);
     }
     // Wide batches (TT >= 4): TT independent accumulator chains already, so no second chain, and
     // each token tile's activations are read just before their MMAs (registers, not ILP, bound
@@ -282,10 +288,7 @@ struct DecW4A8 {
     template <int TT>
     __device__ __forceinline__ void flush(const Regs&, int, const int (&G)[2][TT][4], const float (&)[TT][2],
                                           int (&acc)[TT][4]) const {
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[tt][e] += G[0][tt][e] + G[1][tt][e];
+        add_chains<TT>(G, acc);
     }
 };
 

@@ -20,7 +20,7 @@ use nibble_model::{
 };
 
 use crate::blas::Blas;
-use crate::context::CudaContext;
+use crate::context::{CudaContext, StepUpload};
 use crate::kv::CudaKv;
 use crate::runtime::DeviceBuffer;
 use crate::sampling::SampleScratch;
@@ -134,7 +134,7 @@ impl CudaBackend {
         x: &CudaTensor,
         experts: &[RoutedExpert<'_, CudaWeight>],
     ) -> Result<Option<Vec<CudaTensor>>> {
-        if self.grouped_kernels(x, experts).is_none() {
+        if !self.groupable(x, experts) {
             return Ok(None);
         }
         let ctx = &self.ctx;
@@ -146,18 +146,21 @@ impl CudaBackend {
             .flat_map(|e| e.rows.iter().copied())
             .collect();
         let counts = || experts.iter().map(|e| e.rows.len());
+        // The item tables and the gather indices in one copy, ahead of the layer's kernels.
+        let mut up = StepUpload::default();
         let runs = grouped::runs_in_order(experts.iter().map(|e| e.gate_up).zip(counts()));
-        let mut gate_up_gemm = grouped::GroupedGemm::new(ctx, order.len(), &runs)?;
+        let gate_up_gemm = grouped::GroupedGemm::new(ctx, order.len(), &runs, &mut up)?;
         let runs = grouped::runs_in_order(experts.iter().map(|e| e.down).zip(counts()));
-        let mut down_gemm = grouped::GroupedGemm::new(ctx, order.len(), &runs)?;
-        grouped::upload_tables(ctx, &mut [&mut gate_up_gemm, &mut down_gemm])?;
-        let gathered = ew::gather_rows(ctx, x, &order)?;
+        let down_gemm = grouped::GroupedGemm::new(ctx, order.len(), &runs, &mut up)?;
+        let order_at = up.push(&order.iter().map(|&r| r as i32).collect::<Vec<_>>());
+        let base = ctx.stage_upload_all(&up)?;
+        let gathered = ew::gather_rows_at(ctx, x, base + order_at as u64, order.len())?;
         let gate_up = ctx.alloc(order.len(), ffn2, Elem::F32)?;
-        gate_up_gemm.launch(ctx, &gathered, &gate_up)?;
+        gate_up_gemm.launch(ctx, base, &gathered, &gate_up)?;
         let halves = gate_up.split_cols(&[ffn, ffn])?;
         let act = ew::silu_mul(ctx, &halves[0], &halves[1])?;
         let y = ctx.alloc(order.len(), hidden, Elem::F32)?;
-        down_gemm.launch(ctx, &act, &y)?;
+        down_gemm.launch(ctx, base, &act, &y)?;
         let mut at = 0;
         Ok(Some(
             experts
@@ -171,14 +174,12 @@ impl CudaBackend {
         ))
     }
 
-    /// The grouped kernels of the experts' gate/up and down GEMMs, if both have one: every
-    /// expert of one shape (`gate_up` `[2 ffn, hidden]`, `down` `[hidden, ffn]`) over `x`.
-    fn grouped_kernels(
-        &self,
-        x: &CudaTensor,
-        experts: &[RoutedExpert<'_, CudaWeight>],
-    ) -> Option<(grouped::GroupedKernel, grouped::GroupedKernel)> {
-        let first = experts.first()?;
+    /// Whether the experts' gate/up and down GEMMs both have a grouped kernel: every expert of
+    /// one shape (`gate_up` `[2 ffn, hidden]`, `down` `[hidden, ffn]`) over `x`.
+    fn groupable(&self, x: &CudaTensor, experts: &[RoutedExpert<'_, CudaWeight>]) -> bool {
+        let Some(first) = experts.first() else {
+            return false;
+        };
         let (ffn2, hidden) = (first.gate_up.rows, first.gate_up.cols);
         let shaped = ffn2.is_multiple_of(2)
             && x.cols == hidden
@@ -187,15 +188,13 @@ impl CudaBackend {
                     == (ffn2, hidden, hidden, ffn2 / 2)
             });
         if !shaped {
-            return None;
+            return false;
         }
         let rows = experts.iter().map(|e| e.rows.len()).max().unwrap_or(0);
         let gate_ups: Vec<&CudaWeight> = experts.iter().map(|e| e.gate_up).collect();
         let downs: Vec<&CudaWeight> = experts.iter().map(|e| e.down).collect();
-        Some((
-            grouped::pick(&self.ctx, &gate_ups, rows)?,
-            grouped::pick(&self.ctx, &downs, rows)?,
-        ))
+        grouped::pick(&self.ctx, &gate_ups, rows).is_some()
+            && grouped::pick(&self.ctx, &downs, rows).is_some()
     }
 
     /// Checked 2-D weights with equal widths, converted to the model dtype and uploaded as one
@@ -548,10 +547,12 @@ impl Backend for CudaBackend {
         experts: &[RoutedExpert<'_, CudaWeight>],
     ) -> Result<Option<Vec<CudaTensor>>> {
         let decode_sized = experts.iter().all(|e| e.rows.len() <= GROUPED_ENGINE_ROWS);
-        if experts.len() < 3 || !decode_sized || self.grouped_kernels(x, experts).is_none() {
-            return Ok(None);
-        }
-        if experts[0].gate_up.quant().is_none() && experts.len() < 8 {
+        let least = if experts[0].gate_up.quant().is_some() {
+            3
+        } else {
+            8
+        };
+        if experts.len() < least || !decode_sized {
             return Ok(None);
         }
         self.run_grouped_swiglu(x, experts)

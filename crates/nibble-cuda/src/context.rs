@@ -40,6 +40,27 @@ pub enum KernelTier {
     Hopper = 2,
 }
 
+/// Small per-step arrays bound for the device together ([`CudaContext::stage_upload_all`]): each
+/// copy queued between two kernels of an eager step holds the stream up on its own, so an op that
+/// needs several arrays sends them as one.
+#[derive(Default)]
+pub struct StepUpload {
+    bytes: Vec<u8>,
+}
+
+impl StepUpload {
+    /// Appends `v`, 16-byte aligned; its byte offset in the upload. `T` has no padding bytes
+    /// (integers, floats, and `#[repr(C)]` records of them laid out without gaps).
+    pub fn push<T: Copy>(&mut self, v: &[T]) -> usize {
+        let at = self.bytes.len().next_multiple_of(16);
+        self.bytes.resize(at, 0);
+        // SAFETY: `v` is `size_of_val(v)` initialized bytes (T has no padding, as documented).
+        let raw = unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, size_of_val(v)) };
+        self.bytes.extend_from_slice(raw);
+        at
+    }
+}
+
 /// The device copy of one forward pass's integer metadata, packed in one buffer.
 pub(crate) struct Meta {
     /// Identifies the `BatchLayout` it was built from (its address and shape): ops compare
@@ -585,6 +606,14 @@ impl CudaContext {
     pub(crate) fn stage_upload<T: Copy>(&self, dst: DevicePtr, src: &[T]) -> Result<()> {
         let recording = self.lock().graphs.recording;
         self.upload_step_data(recording, dst, src)
+    }
+
+    /// Sends the arrays of `up` in one arena allocation and one staged copy: the device address
+    /// of its offset 0 (each array lies at the offset [`StepUpload::push`] returned).
+    pub fn stage_upload_all(&self, up: &StepUpload) -> Result<DevicePtr> {
+        let base = self.alloc_bytes(up.bytes.len().max(16))?;
+        self.stage_upload(base, &up.bytes)?;
+        Ok(base)
     }
 
     /// [`Self::stage_upload`] for callers that hold the state lock and read `recording` there.

@@ -7,7 +7,7 @@
 use nibble_core::{Error, Result};
 use nibble_model::{BatchLayout, RopeLayout, ScaledRows};
 
-use crate::context::{BLOCK, CudaContext, grid_for, norm_block};
+use crate::context::{BLOCK, CudaContext, StepUpload, grid_for, norm_block};
 use crate::kv::CudaKv;
 use crate::runtime::{Arg, DeviceBuffer};
 use crate::tensor::{Act8, Act8Input, CudaTensor, CudaWeight, Elem};
@@ -327,6 +327,20 @@ pub fn gelu_tanh_mul(ctx: &CudaContext, gate: &CudaTensor, up: &CudaTensor) -> R
 /// Rows `rows` of `x`, f32 or 16-bit (the last token of each sequence, for the head; the tokens
 /// routed to an expert).
 pub fn gather_rows(ctx: &CudaContext, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
+    let rows_ptr = ctx.staged_indices(
+        |m| (m.host_last_rows == rows).then_some(m.last_rows),
+        &rows.iter().map(|&r| r as i32).collect::<Vec<_>>(),
+    )?;
+    gather_rows_at(ctx, x, rows_ptr, rows.len())
+}
+
+/// [`gather_rows`] with the `n` row indices (i32) already on the device at `rows_ptr`.
+pub fn gather_rows_at(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    rows_ptr: u64,
+    n: usize,
+) -> Result<CudaTensor> {
     let kernel = match x.elem {
         Elem::F32 => "gather_rows",
         Elem::Half(_) => "gather_rows_b16",
@@ -336,17 +350,13 @@ pub fn gather_rows(ctx: &CudaContext, x: &CudaTensor, rows: &[usize]) -> Result<
             "gather input must be a whole tensor, not a column slice".into(),
         ));
     }
-    let rows_ptr = ctx.staged_indices(
-        |m| (m.host_last_rows == rows).then_some(m.last_rows),
-        &rows.iter().map(|&r| r as i32).collect::<Vec<_>>(),
-    )?;
-    let out = ctx.alloc(rows.len(), x.cols, x.elem)?;
-    if rows.is_empty() {
+    let out = ctx.alloc(n, x.cols, x.elem)?;
+    if n == 0 {
         return Ok(out);
     }
     ctx.launch(
         kernel,
-        (rows.len() as u32, 1, 1),
+        (n as u32, 1, 1),
         norm_block(x.cols),
         vec![
             Arg::Ptr(x.ptr),
@@ -393,12 +403,14 @@ pub fn moe_combine(
             next[r] += 1;
         }
     }
-    let srcs_ptr = ctx.alloc_bytes(entries.max(1) * 8)?;
-    ctx.stage_upload(srcs_ptr, &srcs)?;
-    let scales_ptr = ctx.alloc_bytes(entries.max(1) * 4)?;
-    ctx.stage_upload(scales_ptr, &scales)?;
-    let offsets_ptr = ctx.alloc_bytes((rows + 1) * 4)?;
-    ctx.stage_upload(offsets_ptr, &per_row)?;
+    let mut up = StepUpload::default();
+    let (srcs_at, scales_at, offsets_at) = (up.push(&srcs), up.push(&scales), up.push(&per_row));
+    let base = ctx.stage_upload_all(&up)?;
+    let (srcs_ptr, scales_ptr, offsets_ptr) = (
+        base + srcs_at as u64,
+        base + scales_at as u64,
+        base + offsets_at as u64,
+    );
     let out = ctx.alloc(rows, cols, Elem::F32)?;
     if rows > 0 {
         ctx.launch(

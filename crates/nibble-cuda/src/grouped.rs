@@ -15,18 +15,16 @@
 
 use nibble_core::{Error, Result};
 
-use crate::context::{CudaContext, KernelTier, SPLIT_COUNTERS};
+use crate::context::{CudaContext, KernelTier, SPLIT_COUNTERS, StepUpload};
 use crate::qlinear::{
-    self, Act8, DECODE_MAX_M, DECODE_MAX_M_INT8, DECODE_SMEM, QFamily, QuantWeight,
+    self, Act8, DECODE_BATCH as BATCH, DECODE_BLOCK_TILES as BLOCK_TILES, DECODE_MAX_M,
+    DECODE_MAX_M_INT8, DECODE_SMEM, QFamily, QuantWeight, gemv_smem, token_tiles,
 };
 use crate::runtime::Arg;
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem, WeightData};
 
 /// Most rows an item of the mma.sync grouped gemv takes: its 64-token variant.
 pub const GROUPED_MMA_MAX_M: usize = 64;
-/// Units (`row block x chunk`) per register batch and rows per row block of the decode gemv.
-const BATCH: usize = 4;
-const BLOCK_TILES: usize = 16;
 
 /// One item of a grouped launch as the kernels read it (`GroupedItem` in kernels/qgemm.cu).
 #[repr(C)]
@@ -238,18 +236,14 @@ pub fn plan(
         return None;
     }
     let sms = sms.max(1);
+    // The window's rows as the gemv pads them, and W4A16's f32 sums per span and token row.
     let smem = |window: usize| {
-        let stride = if elem == 2 {
-            window * 128 + 16
+        let sums = if sums {
+            window * token_tiles(max_m) * 32
         } else {
-            (window * 64).div_ceil(128) * 128 + 64
+            0
         };
-        max_m * stride
-            + if sums {
-                window * max_m.div_ceil(8) * 32
-            } else {
-                0
-            }
+        gemv_smem(max_m, window, 64 * elem) + sums
     };
     // The largest window (a multiple of the batch) that fits; a CTA whose slice is shorter than a
     // row stages only its slice.
@@ -297,15 +291,17 @@ pub fn grouped_gemm(
     runs: &[GroupedRun<'_>],
     out: &CudaTensor,
 ) -> Result<()> {
-    let mut gemm = GroupedGemm::new(ctx, x.rows, runs)?;
-    upload_tables(ctx, &mut [&mut gemm])?;
-    gemm.launch(ctx, x, out)
+    let mut up = StepUpload::default();
+    let gemm = GroupedGemm::new(ctx, x.rows, runs, &mut up)?;
+    let tables = ctx.stage_upload_all(&up)?;
+    gemm.launch(ctx, tables, x, out)
 }
 
-/// A grouped GEMM whose item table is made: [`upload_tables`] puts the tables of a layer's
-/// grouped GEMMs on the device in one copy ahead of its kernels, so that those kernels follow one
-/// another with nothing between them and each may start its weight loads while the previous one
-/// finishes (they read their table before the grid dependency: programmatic dependent launch).
+/// A grouped GEMM whose item table is made and queued in a [`StepUpload`]: a layer puts its
+/// grouped GEMMs' tables (and its gather indices) on the device in one copy ahead of its kernels,
+/// so that those kernels follow one another with nothing between them and each may start its
+/// weight loads while the previous one finishes (they read their table before the grid
+/// dependency: programmatic dependent launch).
 pub struct GroupedGemm {
     kernel: GroupedKernel,
     geo: Geometry,
@@ -313,12 +309,18 @@ pub struct GroupedGemm {
     rows: usize,
     n: usize,
     k: usize,
-    table: Option<u64>,
+    /// Byte offset of the item table in the upload.
+    table_at: usize,
 }
 
 impl GroupedGemm {
-    /// The item table of `runs` over an input of `rows` rows.
-    pub fn new(ctx: &CudaContext, rows: usize, runs: &[GroupedRun<'_>]) -> Result<GroupedGemm> {
+    /// The item table of `runs` over an input of `rows` rows, pushed onto `up`.
+    pub fn new(
+        ctx: &CudaContext,
+        rows: usize,
+        runs: &[GroupedRun<'_>],
+        up: &mut StepUpload,
+    ) -> Result<GroupedGemm> {
         ctx.check_err()?;
         let weights: Vec<&CudaWeight> = runs.iter().map(|r| r.weight).collect();
         let max_rows = runs.iter().map(|r| r.rows).max().unwrap_or(0);
@@ -340,19 +342,27 @@ impl GroupedGemm {
             GroupedKernel::Decode { item_rows } => item_rows,
             GroupedKernel::MmaSync => GROUPED_MMA_MAX_M,
         };
+        let items = items(runs, item_rows);
         Ok(GroupedGemm {
             kernel,
             geo: geometry(first.weight),
-            items: items(runs, item_rows),
+            table_at: up.push(&items),
+            items,
             rows,
             n: first.weight.rows,
             k: first.weight.cols,
-            table: None,
         })
     }
 
-    /// Runs it: `x` `[rows, k]`, `out` f32 `[rows, n]`; its table must be uploaded.
-    pub fn launch(&self, ctx: &CudaContext, x: &CudaTensor, out: &CudaTensor) -> Result<()> {
+    /// Runs it: `x` `[rows, k]`, `out` f32 `[rows, n]`; `tables` is where its upload went
+    /// ([`CudaContext::stage_upload_all`]).
+    pub fn launch(
+        &self,
+        ctx: &CudaContext,
+        tables: u64,
+        x: &CudaTensor,
+        out: &CudaTensor,
+    ) -> Result<()> {
         let (n, k) = (self.n, self.k);
         if x.cols != k || x.rows != self.rows {
             return Err(Error::InvalidArgument(format!(
@@ -369,30 +379,12 @@ impl GroupedGemm {
         if self.items.is_empty() {
             return Ok(());
         }
-        let table = self.table.ok_or_else(|| {
-            Error::InvalidArgument("grouped GEMM launched before its table was uploaded".into())
-        })?;
+        let table = tables + self.table_at as u64;
         match self.kernel {
             GroupedKernel::Decode { .. } => launch_decode(ctx, self, table, x, out),
             GroupedKernel::MmaSync => launch_mma_sync(ctx, self, table, x, out),
         }
     }
-}
-
-/// The item tables of `gemms` on the device, in one allocation and one staged copy.
-pub fn upload_tables(ctx: &CudaContext, gemms: &mut [&mut GroupedGemm]) -> Result<()> {
-    let all: Vec<GroupedItem> = gemms.iter().flat_map(|g| g.items.iter().copied()).collect();
-    if all.is_empty() {
-        return Ok(());
-    }
-    let base = ctx.alloc_bytes(std::mem::size_of_val(all.as_slice()))?;
-    ctx.stage_upload(base, &all)?;
-    let mut at = base;
-    for g in gemms.iter_mut() {
-        g.table = Some(at);
-        at += std::mem::size_of_val(g.items.as_slice()) as u64;
-    }
-    Ok(())
 }
 
 /// The item table: each run cut into items of at most `item_rows` rows.
@@ -484,12 +476,7 @@ fn launch_decode(
             (q.codes, k, q.scales)
         }
         _ => {
-            let xh = ctx.as_half(x)?;
-            if xh.ld % 8 != 0 || xh.ptr % 16 != 0 {
-                return Err(Error::InvalidArgument(
-                    "grouped GEMM input rows must be 16-byte aligned".into(),
-                ));
-            }
+            let xh = half_input(ctx, x)?;
             (xh.ptr, xh.ld, 0)
         }
     };
@@ -507,7 +494,7 @@ fn launch_decode(
     let partial = ctx
         .alloc(items.len() * tiles * plan.max_pieces * max_m, 16, Elem::F32)?
         .ptr;
-    let tt = max_m.div_ceil(8).next_power_of_two();
+    let tt = token_tiles(max_m);
     let mut args = vec![
         Arg::Ptr(table),
         Arg::I32(plan.ctas_per_item as i32),
@@ -551,14 +538,9 @@ fn launch_mma_sync(
             "the mma.sync grouped gemv takes W4A16 weights".into(),
         ));
     };
-    let xh = ctx.as_half(x)?;
-    if xh.ld % 8 != 0 || xh.ptr % 16 != 0 {
-        return Err(Error::InvalidArgument(
-            "grouped GEMM input rows must be 16-byte aligned".into(),
-        ));
-    }
+    let xh = half_input(ctx, x)?;
     let max_m = items.iter().map(|i| i.m as usize).max().unwrap_or(1);
-    let tt = max_m.div_ceil(8).next_power_of_two();
+    let tt = token_tiles(max_m);
     let (_, splits, cps) =
         qlinear::plan_gemv(tiles * items.len(), chunks, ctx.gpu.sm_count, max_m, 128);
     let blocks = tiles.div_ceil(8);
@@ -593,34 +575,60 @@ fn launch_mma_sync(
     args.push(Arg::I32(shift));
     args.push(Arg::I32(cps as i32));
     ctx.count_grouped_launch();
-    ctx.kernel(&format!("w4a16_grouped{tt}_{}", ctx.dtype.suffix()))?
-        .launch(
-            &ctx.gpu,
-            (blocks as u32, splits as u32, items.len() as u32),
-            256,
-            qlinear::gemv_smem(max_m, cps, 128) as u32,
-            args,
-        )
+    ctx.kernel(&mma_sync_name(tt, ctx.dtype))?.launch(
+        &ctx.gpu,
+        (blocks as u32, splits as u32, items.len() as u32),
+        256,
+        gemv_smem(max_m, cps, 128) as u32,
+        args,
+    )
+}
+
+/// `x` in the model dtype, rows 16-byte aligned as the kernels read them.
+fn half_input(ctx: &CudaContext, x: &CudaTensor) -> Result<CudaTensor> {
+    let xh = ctx.as_half(x)?;
+    if xh.ld % 8 != 0 || xh.ptr % 16 != 0 {
+        return Err(Error::InvalidArgument(
+            "grouped GEMM input rows must be 16-byte aligned".into(),
+        ));
+    }
+    Ok(xh)
+}
+
+/// The mma.sync grouped gemv's entry point for `tt` tiles of 8 rows.
+fn mma_sync_name(tt: usize, dtype: Dtype) -> String {
+    format!("w4a16_grouped{tt}_{}", dtype.suffix())
 }
 
 /// The kernels [`grouped_gemm`] may launch (for `kernels_compile`).
 pub fn kernel_names() -> Vec<String> {
+    let w4 = |group_len| Geometry::W4A16 {
+        group_len,
+        groups: 0,
+        tiles: 0,
+        chunks: 0,
+    };
+    let act8 = |family| Geometry::Act8 {
+        family,
+        groups: 0,
+        group_shift: 0,
+        tiles: 0,
+        chunks: 0,
+    };
     let mut names = Vec::new();
-    for sfx in ["bf16", "f16"] {
+    for dtype in [Dtype::Bf16, Dtype::F16] {
         for tt in [1, 2] {
-            names.push(format!("w4a16_gdec{tt}_{sfx}"));
-            names.push(format!("w4a16_gdec{tt}_g64_{sfx}"));
-            names.push(format!("b16_gdec{tt}_{sfx}"));
+            for geo in [w4(128), w4(64), Geometry::Dense { dtype }] {
+                names.push(kernel_name(geo, tt, dtype));
+            }
         }
-        for tt in [1, 2, 4, 8] {
-            names.push(format!("w4a16_grouped{tt}_{sfx}"));
-        }
-    }
-    for p in ["w8a8", "w4a8", "fp8"] {
-        for tt in [1, 2, 4] {
-            names.push(format!("{p}_gdec{tt}"));
+        names.extend([1, 2, 4, 8].map(|tt| mma_sync_name(tt, dtype)));
+        for family in [QFamily::W8A8, QFamily::W4A8, QFamily::Fp8] {
+            names.extend([1, 2, 4].map(|tt| kernel_name(act8(family), tt, dtype)));
         }
     }
+    names.sort();
+    names.dedup();
     names
 }
 

@@ -55,7 +55,7 @@ mod tensor;
 
 pub use attention::{HEAD_DIMS, Split, plan_split};
 pub use backend::CudaBackend;
-pub use context::CudaContext;
+pub use context::{CudaContext, StepUpload};
 pub use kv::{CudaKv, PageFormat};
 pub use probe::cuda_available;
 pub use runtime::{DeviceBuffer, Gpu};

@@ -42,9 +42,9 @@ pub const DECODE_MAX_M: usize = 16;
 pub const DECODE_MAX_M_INT8: usize = 32;
 /// Chunks of 64 channels per register batch of the decode gemv (`U` of its entry points): the
 /// input width must be a multiple of `64 * DECODE_BATCH`.
-const DECODE_BATCH: usize = 4;
+pub(crate) const DECODE_BATCH: usize = 4;
 /// Weight rows per decode-gemv row block: one 16-row tile per warp of its 16-warp CTAs.
-const DECODE_BLOCK_TILES: usize = 16;
+pub(crate) const DECODE_BLOCK_TILES: usize = 16;
 /// Shared memory the decode gemv may take for its staged activations and their sums.
 pub(crate) const DECODE_SMEM: usize = 200 * 1024;
 /// Tokens per CTA of the wgmma kernels (kernels/qgemm_wgmma.cu): [`KernelTier::Auto`] takes them
@@ -590,7 +590,7 @@ pub fn w4_decode_kernel(group_len: usize, groups: usize) -> Option<QKernel> {
 }
 
 /// The gemv variant for `m` tokens: 1, 2, 4 or 8 tiles of 8 tokens.
-fn token_tiles(m: usize) -> usize {
+pub(crate) fn token_tiles(m: usize) -> usize {
     m.div_ceil(8).next_power_of_two()
 }
 

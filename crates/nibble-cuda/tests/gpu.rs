@@ -753,6 +753,48 @@ fn follows_cpu_greedy(name: &str, dir: &std::path::Path, routed: bool) -> Engine
     g
 }
 
+/// A teacher-forced decode on both backends: the CPU engine's greedy path of `steps` tokens
+/// after `prompt`, and each backend's logits at every step along it (the prompt as one step,
+/// then a token a step).
+struct TeacherForced {
+    prompt: Vec<u32>,
+    path: Vec<u32>,
+    cpu: Vec<Vec<f32>>,
+    gpu: Vec<Vec<f32>>,
+}
+
+fn teacher_forced(
+    c: &Engine<CpuBackend>,
+    g: &Engine<CudaBackend>,
+    prompt: &str,
+    steps: usize,
+) -> TeacherForced {
+    let prompt: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    let path = [prompt.clone(), greedy(c, &prompt, steps)].concat();
+    let cpu = c
+        .model
+        .step_logits(&c.backend, &path, prompt.len())
+        .unwrap();
+    let gpu = g
+        .model
+        .step_logits(&g.backend, &path, prompt.len())
+        .unwrap();
+    TeacherForced {
+        prompt,
+        path,
+        cpu,
+        gpu,
+    }
+}
+
+/// The GGUF type of 16-bit weights in `dtype`.
+fn ggml_type(dtype: Dtype) -> GgmlType {
+    match dtype {
+        Dtype::Bf16 => GgmlType::BF16,
+        Dtype::F16 => GgmlType::F16,
+    }
+}
+
 /// [`follows_cpu_greedy`] for engines already loaded.
 fn follows_engine_greedy(
     name: &str,
@@ -762,16 +804,12 @@ fn follows_engine_greedy(
 ) {
     const STEPS: usize = 40;
     const TIE: f32 = 0.05;
-    let prompt: Vec<u32> = "The quick brown fox".bytes().map(u32::from).collect();
-    let path = [prompt.clone(), greedy(c, &prompt, STEPS)].concat();
-    let want = c
-        .model
-        .step_logits(&c.backend, &path, prompt.len())
-        .unwrap();
-    let got = g
-        .model
-        .step_logits(&g.backend, &path, prompt.len())
-        .unwrap();
+    let TeacherForced {
+        prompt,
+        path,
+        cpu: want,
+        gpu: got,
+    } = teacher_forced(c, g, "The quick brown fox", STEPS);
     let mut first_tie = STEPS;
     let mut rerouted = Vec::new();
     for (step, (w, gl)) in want.iter().zip(&got).enumerate() {

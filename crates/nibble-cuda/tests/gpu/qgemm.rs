@@ -682,16 +682,12 @@ fn quantized_models_match_cpu() {
         let c = dummy_engine(cpu(), &name);
         let g = dummy_engine(gpu(Dtype::Bf16), &name);
         assert!(g.backend.weight_bytes() > 0);
-        let prompt: Vec<u32> = "Quantized kernels".bytes().map(u32::from).collect();
-        let path = [prompt.clone(), greedy(&c, &prompt, STEPS)].concat();
-        let want = c
-            .model
-            .step_logits(&c.backend, &path, prompt.len())
-            .unwrap();
-        let got = g
-            .model
-            .step_logits(&g.backend, &path, prompt.len())
-            .unwrap();
+        let TeacherForced {
+            prompt,
+            cpu: want,
+            gpu: got,
+            ..
+        } = teacher_forced(&c, &g, "Quantized kernels", STEPS);
         for (step, (w, gl)) in want.iter().zip(&got).enumerate() {
             // INT8 activations: the GPU quantizes the bf16 output of RMSNorm / SiLU-gate, the
             // CPU its f32 value; with 4-bit weights a code off by one moves a logit further.
@@ -773,11 +769,7 @@ fn grouped_experts_match_cpu() {
     let hopper = gpu(Dtype::Bf16).gpu.cc >= (9, 0);
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let g = gpu(dtype);
-        let dense_ty = if dtype == Dtype::Bf16 {
-            GgmlType::BF16
-        } else {
-            GgmlType::F16
-        };
+        let dense_ty = ggml_type(dtype);
         for spec in [
             "int4-g32/a16",
             "int4-g64/a16",
@@ -899,11 +891,7 @@ fn grouped_gemms_match_the_references() {
     ];
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let g = gpu(dtype);
-        let dense_ty = if dtype == Dtype::Bf16 {
-            GgmlType::BF16
-        } else {
-            GgmlType::F16
-        };
+        let dense_ty = ggml_type(dtype);
         for (spec, n, k) in [
             ("int8-pc/a8", 300, 512),
             ("qoq-g128/a8", 130, 768),
