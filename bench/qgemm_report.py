@@ -91,6 +91,20 @@ def main():
                 f8_big.append(vt)
             lines.append(f"| {r['n']} x {r['k']} | {r['m']} | {us(r['nibble_fp8_ms'])} | {us(r['nibble_fp8_with_quant_ms'])} "
                          f"| {us(tf)} | {us(r['w8a8_ms'])} | {ratio(vt)} | {ratio(v8)} | {100 * r['nibble_fp8_floor_ms'] / r['nibble_fp8_ms']:.0f}% |")
+    w816 = [r for r in ours["qgemm"] if "w8a16_ms" in r]
+    if w816:
+        lines += ["", "W8A16 (INT8 weights per channel made exact 16-bit values in registers, bf16 activations: the "
+                  "W4A16 machinery with 8-bit codes; the decode gemv up to 16 tokens, wgmma tiles beyond) against "
+                  "cuBLAS BF16 and nibble's W4A16. Times in µs; ratios are the other kernel's time over W8A16's "
+                  "(higher: W8A16 faster); % HBM counts its weight and activation bytes.", "",
+                  "| N x K | M | nibble W8A16 | cuBLAS BF16 | nibble W4A16 | vs BF16 | vs W4A16 | W8A16 % HBM | of floor |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in w816:
+            p = pk.get((r["n"], r["k"], r["m"]), {})
+            bf = p.get("bf16_ms", float("nan"))
+            lines.append(f"| {r['n']} x {r['k']} | {r['m']} | {us(r['w8a16_ms'])} | {us(bf)} | {us(r['w4a16_ms'])} "
+                         f"| {ratio(bf / r['w8a16_ms'])} | {ratio(r['w4a16_ms'] / r['w8a16_ms'])} "
+                         f"| {100 * r['w8a16_hbm_fraction']:.0f}% | {100 * r['w8a16_floor_ms'] / r['w8a16_ms']:.0f}% |")
     tiers = [r for r in ours["qgemm"] if r.get("w4a16_mma_sync_ms")]
     if tiers:
         lines += ["", "Up to 64 tokens on both tiers: the Hopper tier (up to 16 tokens the persistent decode gemv: "
@@ -141,7 +155,7 @@ def main():
         ax.plot(xs, [min(peak, x * bw) / 1e12 for x in xs], "k-", lw=1, label="roofline (BF16 peak, HBM)")
         series = {"cuBLAS BF16": ("bf16_ms", "o", 2.0), "nibble W4A16": ("w4a16_ms", "s", None),
                   "nibble W8A8": ("w8a8_ms", "^", 1.0), "nibble W4A8": ("w4a8_ms", "v", 0.5 + 4 / 128),
-                  "nibble FP8": ("nibble_fp8_ms", "P", 1.0),
+                  "nibble FP8": ("nibble_fp8_ms", "P", 1.0), "nibble W8A16": ("w8a16_ms", "*", 1.0),
                   "torch int4": ("int4_ms", "x", 0.5 + 3 / 128),
                   "torch fp8": ("fp8_ms", "d", 1.0)}
         for name, (field, marker, bpe) in series.items():

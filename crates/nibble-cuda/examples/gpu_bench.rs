@@ -330,6 +330,7 @@ fn qgemm(
     let w8: LinearFormat = "int8-pc/a8".parse()?;
     let w4a8: LinearFormat = "qoq-g128/a8".parse()?;
     let fp8: LinearFormat = "fp8-pc/afp8".parse()?;
+    let w8a16: LinearFormat = "int8-pc/a16".parse()?;
     let mut rows = Vec::new();
     for (si, &(n, k)) in shapes.iter().enumerate() {
         let copies = |host: &HostTensor| -> Result<Vec<_>> {
@@ -341,6 +342,8 @@ fn qgemm(
         let q8 = copies(&quant_weight(w8, n, k, 300 + si as u64)?)?;
         let q48 = copies(&quant_weight(w4a8, n, k, 400 + si as u64)?)?;
         let qf8 = copies(&quant_weight(fp8, n, k, 500 + si as u64)?)?;
+        let q816 = copies(&quant_weight(w8a16, n, k, 600 + si as u64)?)?;
+        let p816s = quant_params(&q816)?;
         let (p4s, p8s, p48s) = (quant_params(&q4)?, quant_params(&q8)?, quant_params(&q48)?);
         let pf8s = quant_params(&qf8)?;
         let (p4, p8, p48, pf8) = (p4s[0], p8s[0], p48s[0], pf8s[0]);
@@ -367,6 +370,7 @@ fn qgemm(
             };
             let (mut cd, mut c4, mut c8) = (cycle(dense.len()), cycle(p4s.len()), cycle(p8s.len()));
             let (mut c48, mut cf8) = (cycle(p48s.len()), cycle(pf8s.len()));
+            let mut c816 = cycle(p816s.len());
             let t_cublas = time_calls(be, calls, &mut || {
                 be.linear(&x, &dense[cd()], None).map(|_| ())
             })?;
@@ -384,6 +388,9 @@ fn qgemm(
             })?;
             let t_f8q = time_calls(be, calls, &mut || {
                 be.quant_gemm(&x, pf8s[cf8()], n, k, &out)
+            })?;
+            let t_w816 = time_calls(be, calls, &mut || {
+                be.quant_gemm(&x, p816s[c816()], n, k, &out)
             })?;
             // Decode and batch sizes on each tier (the default picks one per shape).
             let mut tier_ms = |tier: KernelTier| -> Result<(Option<f64>, Option<f64>)> {
@@ -404,6 +411,7 @@ fn qgemm(
             let w8_bytes = p8.bytes() as f64;
             let w48_bytes = p48.bytes() as f64;
             let f8_bytes = pf8.bytes() as f64;
+            let w816_bytes = p816s[0].bytes() as f64;
             let floor = |wb: f64| ((wb + io) / bw).max(flops / peak);
             let r = json!({
                 "n": n, "k": k, "m": m,
@@ -419,7 +427,11 @@ fn qgemm(
                 "nibble_fp8_ms": t_f8 * 1e3, "nibble_fp8_with_quant_ms": t_f8q * 1e3,
                 "nibble_fp8_weight_bytes": f8_bytes, "nibble_fp8_floor_ms": floor(f8_bytes) * 1e3,
                 "nibble_fp8_tflops": flops / t_f8 / 1e12,
-                "weight_copies": [dense.len(), p4s.len(), p8s.len(), p48s.len(), pf8s.len()],
+                "w8a16_ms": t_w816 * 1e3, "w8a16_weight_bytes": w816_bytes,
+                "w8a16_floor_ms": floor(w816_bytes) * 1e3,
+                "w8a16_hbm_fraction": (w816_bytes + io) / t_w816 / bw,
+                "w8a16_tflops": flops / t_w816 / 1e12,
+                "weight_copies": [dense.len(), p4s.len(), p8s.len(), p48s.len(), pf8s.len(), p816s.len()],
                 "w4a16_hbm_fraction": (w4_bytes + io) / t_w4 / bw,
                 "w4a16_floor_ms": floor(w4_bytes) * 1e3, "w8a8_floor_ms": floor(w8_bytes) * 1e3,
                 "bf16_floor_ms": floor((n * k * 2) as f64) * 1e3,

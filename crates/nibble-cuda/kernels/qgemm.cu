@@ -4,6 +4,10 @@
 //   W8A8  (QServe §4, S1): INT8 per-token activations x INT8 per-channel weights on INT8 tensor
 //         cores, i32 accumulation, y = f32(acc) * (sx[m] * sw[n]) in the epilogue (bit-exact with
 //         nibble_precision::reference).
+//   W8A16 (the Hopper tier only: qgemv.cu, qgemm_wgmma.cu): INT8 per-channel weights made exact
+//         16-bit values in registers (w8_pair: two lop3 and a subtraction per pair), 16-bit
+//         activations, f32 accumulation, y = acc * sw[n] in the epilogue; the W4A16 machinery
+//         with 8-bit codes (pack::w8a16_slot).
 //
 // Operand roles (swap-AB): weight rows are the MMA's M side (16-row tiles), tokens its N side
 // (8-token tiles): a decode step of 1 token leaves 7/8 of an m16n8 MMA idle instead of 15/16,
@@ -80,6 +84,10 @@ template <> struct W4Math<__half> {
     // Ten mantissa bits: a nibble at bits 4-7 under the magic reads as magic + 16 q.
     static constexpr bool NIBBLE_AT_4 = true;
     static constexpr float MAGIC_F = 1024.f;
+    static __device__ __forceinline__ u32 sub(u32 x, u32 y) {
+        __half2 r = __hsub2(*reinterpret_cast<__half2*>(&x), *reinterpret_cast<__half2*>(&y));
+        return *reinterpret_cast<u32*>(&r);
+    }
     static __device__ __forceinline__ u32 sub_mul(u32 x, u32 z, u32 s) {
         __half2 r = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&x), *reinterpret_cast<__half2*>(&z)),
                             *reinterpret_cast<__half2*>(&s));
@@ -90,6 +98,10 @@ template <> struct W4Math<__nv_bfloat16> {
     static constexpr u32 MAGIC = 0x43004300u;  // 128.0 in both halves
     static constexpr bool NIBBLE_AT_4 = false;  // seven mantissa bits: bit 7 is the exponent's
     static constexpr float MAGIC_F = 128.f;
+    static __device__ __forceinline__ u32 sub(u32 x, u32 y) {
+        __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&x), *reinterpret_cast<__nv_bfloat162*>(&y));
+        return *reinterpret_cast<u32*>(&r);
+    }
     static __device__ __forceinline__ u32 sub_mul(u32 x, u32 z, u32 s) {
         __nv_bfloat162 r = __hmul2(__hsub2(*reinterpret_cast<__nv_bfloat162*>(&x),
                                            *reinterpret_cast<__nv_bfloat162*>(&z)),
@@ -108,6 +120,25 @@ template <class T> __device__ __forceinline__ void dequant_step(u32 word, uint2 
         const u32 x = lop3_and_or(word >> (4 * r), 0x000f000fu, W4Math<T>::MAGIC);
         a[r] = W4Math<T>::sub_mul(x, (r & 1) ? z1 : z0, (r & 1) ? s1 : s0);
     }
+}
+
+// W8A16: one A register (two 16-bit values, exactly q) from INT8 codes at bytes 0 and 2 of
+// `word` (pack::w8a16_slot puts a register's pair there): the low seven bits under the magic
+// read as magic + (q & 127), the sign bit under it as magic + 128 * sign, and their difference,
+// exact in either dtype, is the two's-complement value q = (q & 127) - 128 * sign.
+template <class T> __device__ __forceinline__ u32 w8_pair(u32 word) {
+    const u32 low = lop3_and_or(word, 0x007f007fu, W4Math<T>::MAGIC);
+    const u32 sign = lop3_and_or(word, 0x00800080u, W4Math<T>::MAGIC);
+    return W4Math<T>::sub(low, sign);
+}
+
+// The four A registers of one k16 step from its two W8A16 words (rows g and g + 8): register
+// 2q + h holds channels 2q, 2q + 1 of the step's four for row g + 8h.
+template <class T> __device__ __forceinline__ void w8_step(u32 row0, u32 row8, u32 (&a)[4]) {
+    a[0] = w8_pair<T>(row0);
+    a[1] = w8_pair<T>(row8);
+    a[2] = w8_pair<T>(row0 >> 8);
+    a[3] = w8_pair<T>(row8 >> 8);
 }
 
 __device__ __forceinline__ void mma_s8(int* c, const u32* a, u32 b0, u32 b1) {
@@ -137,6 +168,12 @@ struct W4A8Affine {
         lo = ((w & 0x0f0f0f0fu) * s + off) ^ 0x80808080u;
         hi = (((w >> 4) & 0x0f0f0f0fu) * s + off) ^ 0x80808080u;
     }
+};
+
+// W8A16: f32 sums of the exact INT8 codes times 16-bit activations, times the row's scale.
+struct RowScaleEpilogue {
+    const float* sw;
+    __device__ __forceinline__ float operator()(float v, int, int n) const { return v * sw[n]; }
 };
 
 struct W8Epilogue {
@@ -444,7 +481,7 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16)
 struct GroupedItem {
     const void* codes;    // packed codes, or the 16-bit weight rows
     const void* params;   // W4A16 / W4A8 group parameters
-    const float* scales;  // W8A8 / W4A8 / FP8 per-row weight scales
+    const float* scales;  // W8A8 / W8A16 / W4A8 / FP8 per-row weight scales
     long long row;        // first row of the gathered input and of the output
     int m;                // rows
     int pad;

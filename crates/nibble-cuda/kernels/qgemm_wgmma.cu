@@ -1,4 +1,4 @@
-// Quantized GEMMs, wgmma tier (sm_90a: Hopper): the large-M kernels of W4A16, W8A8 and W4A8, for
+// Quantized GEMMs, wgmma tier (sm_90a: Hopper): the large-M kernels of W4A16, W8A16, W8A8 and W4A8, for
 // the same packed weights as the mma.sync tier and the decode gemv (qgemm.cu, src/pack.rs). TurboMind §4 (packed
 // fragments, dequantization in registers) and QServe §4-5 (INT8 GEMM, fused scales) taken from
 // mma.sync to wgmma with TMA and warp specialization.
@@ -65,6 +65,24 @@ __device__ __forceinline__ void w8_regs_to_k_order(u32 (&a)[16]) {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
             quad_transpose(a[8 * ch + h], a[8 * ch + 2 + h], a[8 * ch + 4 + h], a[8 * ch + 6 + h]);
+}
+
+// A chunk's 16-bit A registers in the packer's mma.sync order (src[j] = k16 step j's registers:
+// lane t's channels 16t + 4j + 2q of rows g + 8h in register 2q + h) transposed per quad into
+// the natural K order wgmma reads: a[4J + 2Q + h] must hold channels 16J + 8Q + 2t, which lane J
+// held in step 2Q + t / 2, register 2 (t % 2) + h.
+__device__ __forceinline__ void k16_regs_to_k_order(u32 (&src)[4][4], u32 (&a)[16]) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 x0 = src[2 * q][h], x1 = src[2 * q][2 + h], x2 = src[2 * q + 1][h], x3 = src[2 * q + 1][2 + h];
+            quad_transpose(x0, x1, x2, x3);
+            a[2 * q + h] = x0;
+            a[4 + 2 * q + h] = x1;
+            a[8 + 2 * q + h] = x2;
+            a[12 + 2 * q + h] = x3;
+        }
 }
 
 // wgmma with A from registers, one overload per token count (N = 256, 128, 64) and A/B type; the
@@ -205,10 +223,7 @@ template <class T, int TOK> struct WgqW4 {
         tma_load_3d(w, codes, 0, c, tile0, bar);
         tma_load_3d(w + CODES, params, 0, first_group(c), tile0, bar);
     }
-    // Dequantized as the mma.sync tier does (src[j] = step j's A registers, lane t's channels
-    // 16t + 4j + 2q of rows g + 8h in register 2q + h), then transposed per quad into natural K
-    // order: a[4J + 2Q + h] must hold channels 16J + 8Q + 2t, which lane J held in step
-    // 2Q + t / 2, register 2 (t % 2) + h.
+    // Dequantized as the mma.sync tier does, then transposed per quad into natural K order.
     __device__ void load_a(const unsigned char* w, int c, u32 (&a)[A_REGS]) const {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
         const uint4 v = *reinterpret_cast<const uint4*>(w + warp * 512 + lane * 16);
@@ -219,17 +234,46 @@ template <class T, int TOK> struct WgqW4 {
         dequant_step<T>(v.y, p, src[1]);
         dequant_step<T>(v.z, p, src[2]);
         dequant_step<T>(v.w, p, src[3]);
+        k16_regs_to_k_order(src, a);
+    }
+    __device__ void mma(float (&acc)[TOK / 8][4], const u32 (&a)[A_REGS], u32 xs, int) const {
 #pragma unroll
-        for (int q = 0; q < 2; ++q)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                u32 x0 = src[2 * q][h], x1 = src[2 * q][2 + h], x2 = src[2 * q + 1][h], x3 = src[2 * q + 1][2 + h];
-                quad_transpose(x0, x1, x2, x3);
-                a[2 * q + h] = x0;
-                a[4 + 2 * q + h] = x1;
-                a[8 + 2 * q + h] = x2;
-                a[12 + 2 * q + h] = x3;
-            }
+        for (int j = 0; j < 4; ++j) wgmma_16(acc, a + 4 * j, sw128_desc(xs + 32 * j), (T*)nullptr);
+    }
+};
+
+// W8A16: a stage is one 64-channel chunk (1 KB of INT8 codes per weight tile, in the decode gemv's
+// k16 order), four k16 wgmmas. Consumers make the codes exact 16-bit values in registers
+// (w8_step) straight into the A operand and transpose quads into natural K order as W4A16 does;
+// the row scale applies in the epilogue. Twice W4A16's weight bytes a stage and no group
+// parameters.
+template <class T, int TOK> struct WgqW8A16 {
+    static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 8 : 12;
+    static constexpr int CODES = 8 * 1024;
+    static constexpr int X_BYTES = TOK * 128;
+    static constexpr int STAGE = X_BYTES + CODES;
+    static constexpr int K_PER_STAGE = 64;
+    static constexpr int A_REGS = 16;
+    using Acc = float;
+    using Regs = u32[A_REGS];
+    __device__ void retire(Acc (&)[TOK / 8][4], Regs&) const {}
+    const TmaMap* codes;  // [tiles][chunks][1024 B], boxes of 8 tiles x 1 chunk
+    int tiles, chunks;
+
+    __device__ int stages() const { return chunks; }
+    __device__ u32 weight_bytes() const { return CODES; }
+    __device__ void issue(u32 w, u32 bar, int tile0, int c) const { tma_load_3d(w, codes, 0, c, tile0, bar); }
+    // Lane words (2j + h) hold step j's four channels of row g + 8h (pack::w8a16_slot).
+    __device__ void load_a(const unsigned char* w, int, u32 (&a)[A_REGS]) const {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const uint4* src = reinterpret_cast<const uint4*>(w + warp * 1024 + lane * 32);
+        const uint4 v0 = src[0], v1 = src[1];
+        u32 steps[4][4];
+        w8_step<T>(v0.x, v0.y, steps[0]);
+        w8_step<T>(v0.z, v0.w, steps[1]);
+        w8_step<T>(v1.x, v1.y, steps[2]);
+        w8_step<T>(v1.z, v1.w, steps[3]);
+        k16_regs_to_k_order(steps, a);
     }
     __device__ void mma(float (&acc)[TOK / 8][4], const u32 (&a)[A_REGS], u32 xs, int) const {
 #pragma unroll
@@ -476,6 +520,24 @@ W8A8_WGMMA(bf16, __nv_bfloat16)
     W4A16_WGMMA_ENTRY(w4a16_wgmma64_h_##SFX, 64, T, T)
 W4A16_WGMMA(f16, __half)
 W4A16_WGMMA(bf16, __nv_bfloat16)
+
+#define W8A16_WGMMA_ENTRY(NAME, TOK, T, OUT)                                                          \
+    extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
+        const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
+        const float* __restrict__ sw, OUT* __restrict__ y, long ldy, int M, int N, int tiles, int chunks, \
+        int splits, float* __restrict__ partial, int* __restrict__ counters) {                        \
+        wgmma_gemm<TOK, TOK == 64>(&xmap, WgqW8A16<T, TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, \
+                                   partial, counters, RowScaleEpilogue{sw});                          \
+    }
+#define W8A16_WGMMA(SFX, T)                                            \
+    W8A16_WGMMA_ENTRY(w8a16_wgmma_##SFX, 256, T, float)                \
+    W8A16_WGMMA_ENTRY(w8a16_wgmma_h_##SFX, 256, T, T)                  \
+    W8A16_WGMMA_ENTRY(w8a16_wgmma128_##SFX, 128, T, float)             \
+    W8A16_WGMMA_ENTRY(w8a16_wgmma128_h_##SFX, 128, T, T)               \
+    W8A16_WGMMA_ENTRY(w8a16_wgmma64_##SFX, 64, T, float)               \
+    W8A16_WGMMA_ENTRY(w8a16_wgmma64_h_##SFX, 64, T, T)
+W8A16_WGMMA(f16, __half)
+W8A16_WGMMA(bf16, __nv_bfloat16)
 
 #define W4A8_WGMMA_ENTRY(NAME, TOK, OUT)                                                              \
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \

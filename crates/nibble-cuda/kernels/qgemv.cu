@@ -1,7 +1,8 @@
 // Decode gemv, persistent, Hopper tier (sm_90 and later, programmatic dependent launch):
-// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens (W4A16) or 32 (W8A8, W4A8), on the packed
-// weights of qgemm.cu (same fragments, same operand roles: weight rows on the MMA's M side); W4A8
-// widens its 4-bit codes to W8A8's INT8 fragments in registers (QServe §5, LiquidGEMM §4).
+// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens (W4A16, W8A16) or 32 (W8A8, W4A8), on the
+// packed weights of qgemm.cu (same fragments, same operand roles: weight rows on the MMA's M
+// side); W4A8 widens its 4-bit codes to W8A8's INT8 fragments in registers (QServe §5,
+// LiquidGEMM §4), W8A16 its INT8 codes to exact 16-bit values (w8_pair).
 //
 // Work (stream-K): the units (row block b of DW 16-row tiles, 64-channel chunk c), b-major, are cut
 // into equal contiguous ranges, one per CTA, with a fixed number of CTAs per SM: every SM streams
@@ -155,11 +156,9 @@ __device__ __forceinline__ void add_chains(const A (&G)[2][TT][4], A (&acc)[TT][
         for (int e = 0; e < 4; ++e) acc[tt][e] += G[0][tt][e] + G[1][tt][e];
 }
 
-// W8A8 units: a tile's chunk is 1024 B of INT8 codes (32 B per lane); scales are per row and
-// token, applied in the epilogue, so a batch is one span.
-struct DecW8 {
-    using X = signed char;
-    using Acc = int;
+// The stream of 8-bit weight fragments: a tile's chunk is 1024 B of codes (32 B per lane); scales
+// are per row (and token), applied in the epilogue, so a batch is one span.
+struct W8Stream {
     static constexpr int U = DEC_U, GC = DEC_U, SPANS = 1;
     static constexpr bool ZERO_POINTS = false;
     struct Regs {
@@ -182,6 +181,12 @@ struct DecW8 {
             r.w[u][1] = ld_stream(wp + u * 64 + 1);
         }
     }
+};
+
+// W8A8 units: INT8 fragments of two k32 steps per chunk, INT8 activations.
+struct DecW8 : W8Stream {
+    using X = signed char;
+    using Acc = int;
     __device__ __forceinline__ void load_x(const unsigned char* row, uint4 (&v)[1]) const {
         v[0] = *reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 16);
     }
@@ -216,6 +221,39 @@ struct DecW8 {
                 mma_s8(acc[tt], a, j ? v[0].z : v[0].x, j ? v[0].w : v[0].y);
             }
         }
+    }
+};
+
+// W8A16 units: INT8 codes in W4A16's k16 register order (a lane's 32 B are, per k16 step, a word
+// of row g and one of row g + 8: pack::w8a16_slot), made exact 16-bit values in registers
+// (w8_step) and multiplied with the staged 16-bit activations as W4A16's are. The row scale
+// applies in the epilogue, so the flush only adds the chains.
+template <class T> struct DecW8A16 : W8Stream {
+    using X = T;
+    using Acc = float;
+    __device__ __forceinline__ void load_x(const unsigned char* row, uint4 (&v)[2]) const {
+        const uint4* src = reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 32);
+        v[0] = src[0];
+        v[1] = src[1];
+    }
+    template <int TT>
+    __device__ __forceinline__ void mma(const Regs& r, int u, const uint4 (&xv)[TT][2], float (&G)[2][TT][4]) const {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint4& w = r.w[u][j >> 1];
+            u32 a[4];
+            w8_step<T>((j & 1) ? w.z : w.x, (j & 1) ? w.w : w.y, a);
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt) {
+                const uint4& v = xv[tt][j >> 1];
+                mma16816<T>(G[j & 1][tt], a, (j & 1) ? v.z : v.x, (j & 1) ? v.w : v.y);
+            }
+        }
+    }
+    template <int TT>
+    __device__ __forceinline__ void flush(const Regs&, int, const float (&G)[2][TT][4], const float (&)[TT][2],
+                                          float (&acc)[TT][4]) const {
+        add_chains<TT>(G, acc);
     }
 };
 
@@ -513,7 +551,7 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
         const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx, OUT* y,  \
         long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, int per_cta, \
         int max_pieces) {                                                                              \
-        dec_gemv<TT, DEC_WARPS>(DecW8{codes, chunks}, x, ldx, y, ldy, partial, counters, M, N, K,      \
+        dec_gemv<TT, DEC_WARPS>(DecW8{{codes, chunks}}, x, ldx, y, ldy, partial, counters, M, N, K,      \
                                 tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw}, blockIdx.x);               \
     }
 // dec4: 32 tokens, the INT8 families only (8-token-tile batches measured slower than the 64-token
@@ -525,6 +563,20 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
 NIBBLE_W8A8_DEC(f32, float)
 NIBBLE_W8A8_DEC(bf16, __nv_bfloat16)
 NIBBLE_W8A8_DEC(f16, __half)
+
+#define W8A16_DEC_ENTRY(NAME, T, TT, OUT)                                                           \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
+        const uint4* codes, const float* sw, const T* x, long ldx, OUT* y, long ldy, float* partial,   \
+        int* counters, int M, int N, int K, int tiles, int chunks, int per_cta, int max_pieces) {      \
+        dec_gemv<TT, DEC_WARPS>(DecW8A16<T>{{codes, chunks}}, x, ldx, y, ldy, partial, counters, M, N, K, \
+                                tiles, chunks, per_cta, max_pieces, RowScaleEpilogue{sw}, blockIdx.x);  \
+    }
+#define NIBBLE_W8A16_DEC(SUFFIX, T)                      \
+    W8A16_DEC_ENTRY(w8a16_dec1_##SUFFIX, T, 1, float)    \
+    W8A16_DEC_ENTRY(w8a16_dec2_##SUFFIX, T, 2, float)    \
+    W8A16_DEC_ENTRY(w8a16_dec1_h_##SUFFIX, T, 1, T)      \
+    W8A16_DEC_ENTRY(w8a16_dec2_h_##SUFFIX, T, 2, T)
+NIBBLE_BOTH_DTYPES(NIBBLE_W8A16_DEC)
 
 #define W4A8_DEC_ENTRY(NAME, TT, OUT)                                                               \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \

@@ -117,7 +117,15 @@ template <class F, class E> struct UnitsAnd {
             return UnitsAnd<DecB16<T>, W4Epilogue>{{(const T*)it.codes, N, K}, {}};                       \
         });                                                                                               \
     }
+#define W8A16_GDEC_ENTRY(NAME, T, TT)                                                                     \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(GDEC_PARAMS(T, float)) {         \
+        dec_grouped<TT>(GDEC_ARGS, [&](const GroupedItem& it) {                                           \
+            return UnitsAnd<DecW8A16<T>, RowScaleEpilogue>{{{(const uint4*)it.codes, chunks}}, {it.scales}}; \
+        });                                                                                               \
+    }
 #define NIBBLE_16BIT_GDEC(SUFFIX, T)                          \
+    W8A16_GDEC_ENTRY(w8a16_gdec1_##SUFFIX, T, 1)              \
+    W8A16_GDEC_ENTRY(w8a16_gdec2_##SUFFIX, T, 2)              \
     W4A16_GDEC_ENTRY(w4a16_gdec1_##SUFFIX, T, 1, 2)           \
     W4A16_GDEC_ENTRY(w4a16_gdec2_##SUFFIX, T, 2, 2)           \
     W4A16_GDEC_ENTRY(w4a16_gdec1_g64_##SUFFIX, T, 1, 1)       \

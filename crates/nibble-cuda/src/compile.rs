@@ -109,12 +109,14 @@ pub const GRID_WAITING_KERNELS: &[&str] = &[
     "kvq_append_",
     "w4a16_dec",
     "w8a8_dec",
+    "w8a16_dec",
     "w4a8_dec",
     "fp8_dec",
     // The grouped decode gemv also reads its item table before the wait: grouped.rs uploads
     // tables ahead of a layer's kernels, never between two of them.
     "w4a16_gdec",
     "w8a8_gdec",
+    "w8a16_gdec",
     "w4a8_gdec",
     "fp8_gdec",
     "b16_gdec",

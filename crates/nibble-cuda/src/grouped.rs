@@ -77,6 +77,11 @@ enum Geometry {
         tiles: usize,
         chunks: usize,
     },
+    /// INT8 codes made 16-bit in registers, 16-bit activations.
+    W8A16 {
+        tiles: usize,
+        chunks: usize,
+    },
     /// W8A8, W4A8 or FP8: 8-bit activations.
     Act8 {
         family: QFamily,
@@ -106,6 +111,7 @@ fn geometry(w: &CudaWeight) -> Geometry {
                 tiles,
                 chunks,
             },
+            QuantWeight::W8A16 { tiles, chunks, .. } => Geometry::W8A16 { tiles, chunks },
             QuantWeight::W8 { tiles, chunks, .. } => Geometry::Act8 {
                 family: QFamily::W8A8,
                 groups: 0,
@@ -176,6 +182,7 @@ pub fn pick(ctx: &CudaContext, weights: &[&CudaWeight], max_rows: usize) -> Opti
                 .filter(|_| max_rows <= DECODE_MAX_M || tier == KernelTier::Hopper);
             decode.or(Some(GroupedKernel::MmaSync))
         }
+        Geometry::W8A16 { .. } => decode(DECODE_MAX_M),
         Geometry::Act8 { .. } => decode(DECODE_MAX_M_INT8),
         Geometry::Dense { dtype } => {
             // The kernel reads whole 16-byte rows of the model dtype.
@@ -202,6 +209,7 @@ fn kernel_name(geo: Geometry, tt: usize, dtype: Dtype) -> String {
             };
             format!("{p}_gdec{tt}")
         }
+        Geometry::W8A16 { .. } => format!("w8a16_gdec{tt}_{sfx}"),
         Geometry::Dense { .. } => format!("b16_gdec{tt}_{sfx}"),
     }
 }
@@ -395,7 +403,9 @@ fn items(runs: &[GroupedRun<'_>], item_rows: usize) -> Vec<GroupedItem> {
             WeightData::Dense(b) => (b.ptr, 0, 0),
             WeightData::Quant(QuantWeight::W4 { codes, params, .. }) => (codes.ptr, params.ptr, 0),
             WeightData::Quant(
-                QuantWeight::W8 { codes, scales, .. } | QuantWeight::Fp8 { codes, scales, .. },
+                QuantWeight::W8 { codes, scales, .. }
+                | QuantWeight::W8A16 { codes, scales, .. }
+                | QuantWeight::Fp8 { codes, scales, .. },
             ) => (codes.ptr, 0, scales.ptr),
             WeightData::Quant(QuantWeight::W4A8 {
                 codes,
@@ -440,7 +450,7 @@ fn launch_decode(
     let max_m = items.iter().map(|i| i.m as usize).max().unwrap_or(1);
     let (elem, sums) = match geo {
         Geometry::W4A16 { .. } => (2, true),
-        Geometry::Dense { .. } => (2, false),
+        Geometry::W8A16 { .. } | Geometry::Dense { .. } => (2, false),
         Geometry::Act8 { .. } => (1, false),
     };
     let plan = plan(
@@ -476,7 +486,7 @@ fn launch_decode(
             (q.codes, k, q.scales)
         }
         _ => {
-            let xh = half_input(ctx, x)?;
+            let xh = qlinear::half_input(ctx, x, "grouped")?;
             (xh.ptr, xh.ld, 0)
         }
     };
@@ -489,7 +499,7 @@ fn launch_decode(
             group_shift,
             ..
         } => (groups, group_shift),
-        Geometry::Dense { .. } => (0, 0),
+        Geometry::W8A16 { .. } | Geometry::Dense { .. } => (0, 0),
     };
     let partial = ctx
         .alloc(items.len() * tiles * plan.max_pieces * max_m, 16, Elem::F32)?
@@ -538,7 +548,7 @@ fn launch_mma_sync(
             "the mma.sync grouped gemv takes W4A16 weights".into(),
         ));
     };
-    let xh = half_input(ctx, x)?;
+    let xh = qlinear::half_input(ctx, x, "grouped W4A16")?;
     let max_m = items.iter().map(|i| i.m as usize).max().unwrap_or(1);
     let tt = token_tiles(max_m);
     let (_, splits, cps) =
@@ -585,16 +595,6 @@ fn launch_mma_sync(
 }
 
 /// `x` in the model dtype, rows 16-byte aligned as the kernels read them.
-fn half_input(ctx: &CudaContext, x: &CudaTensor) -> Result<CudaTensor> {
-    let xh = ctx.as_half(x)?;
-    if xh.ld % 8 != 0 || xh.ptr % 16 != 0 {
-        return Err(Error::InvalidArgument(
-            "grouped GEMM input rows must be 16-byte aligned".into(),
-        ));
-    }
-    Ok(xh)
-}
-
 /// The mma.sync grouped gemv's entry point for `tt` tiles of 8 rows.
 fn mma_sync_name(tt: usize, dtype: Dtype) -> String {
     format!("w4a16_grouped{tt}_{}", dtype.suffix())
@@ -618,7 +618,11 @@ pub fn kernel_names() -> Vec<String> {
     let mut names = Vec::new();
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for tt in [1, 2] {
-            for geo in [w4(128), w4(64), Geometry::Dense { dtype }] {
+            let w8a16 = Geometry::W8A16 {
+                tiles: 0,
+                chunks: 0,
+            };
+            for geo in [w4(128), w4(64), w8a16, Geometry::Dense { dtype }] {
                 names.push(kernel_name(geo, tt, dtype));
             }
         }

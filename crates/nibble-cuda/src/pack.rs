@@ -27,6 +27,8 @@
 //!   dtype, `[.., g, 0]` for row `g` and `[.., g, 1]` for row `g + 8` of the tile; `groups =
 //!   ceil(64 * chunks / group_len)`, so a lane reads both of its rows' pairs as one 8-byte load.
 //! - INT8 codes: `[tiles][chunks][32 lanes][2 steps][4 registers][4]` bytes.
+//! - W8A16 INT8 codes: `[tiles][chunks][32 lanes][4 steps][2 rows][4]` bytes, the m16n8k16
+//!   fragments' codes placed for the 16-bit converter ([`w8a16_slot`]).
 
 use half::{bf16, f16};
 use nibble_core::{Error, Result};
@@ -331,17 +333,65 @@ impl PackedW4 {
 }
 
 /// Packed INT8 weight: codes in fragment order, one f32 scale per row (padded to whole tiles).
+/// 32 bytes a lane a chunk in either layout ([`Int8Layout`]).
 pub struct PackedW8 {
     pub n: usize,
     pub k: usize,
     pub tiles: usize,
     pub chunks: usize,
+    pub layout: Int8Layout,
     pub codes: Vec<i8>,
     pub scales: Vec<f32>,
 }
 
-/// Packs `[n, k]` INT8 codes with per-row scales.
-pub fn pack_w8(n: usize, k: usize, codes: &[i8], scales: &[f32]) -> Result<PackedW8> {
+/// Which MMA an INT8 weight's fragments feed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Int8Layout {
+    /// W8A8: the m16n8k32 s8 A fragments of two k32 steps, bytes in register order.
+    S8,
+    /// W8A16: the m16n8k16 A fragments of four k16 steps as INT8 codes, which the kernels make
+    /// 16-bit in registers (`w8_pair` in kernels/qgemm.cu), bytes at [`w8a16_slot`].
+    F16,
+}
+
+impl Int8Layout {
+    fn mma(self) -> Mma {
+        match self {
+            Int8Layout::S8 => MMA_S8,
+            Int8Layout::F16 => MMA_F16,
+        }
+    }
+
+    /// The byte, among a lane's 32 of a chunk, of the value at `idx` in the MMA's fragment
+    /// order (step, register, element).
+    fn byte(self, idx: usize) -> usize {
+        match self {
+            Int8Layout::S8 => idx,
+            Int8Layout::F16 => {
+                let (step, i) = (idx / 8, idx % 8);
+                step * 8 + w8a16_slot(i / 2, i % 2)
+            }
+        }
+    }
+}
+
+/// Where element `e` (0 or 1) of A register `r` sits among a k16 step's 8 W8A16 bytes: the
+/// converter takes a register's pair from bytes 0 and 2 of a word (one mask, `0x00ff00ff`, then
+/// the word shifted by 8 for the second register of that row), and word `h` holds row `g + 8h`
+/// (registers `h` and `2 + h`).
+pub fn w8a16_slot(r: usize, e: usize) -> usize {
+    4 * (r % 2) + 2 * e + r / 2
+}
+
+/// Packs `[n, k]` INT8 codes with per-row scales, for the W8A8 kernels or ([`Int8Layout::F16`])
+/// the W8A16 ones.
+pub fn pack_w8(
+    n: usize,
+    k: usize,
+    codes: &[i8],
+    scales: &[f32],
+    layout: Int8Layout,
+) -> Result<PackedW8> {
     check_k(k, None)?;
     if codes.len() != n * k || scales.len() != n {
         return Err(Error::InvalidArgument(format!(
@@ -351,18 +401,19 @@ pub fn pack_w8(n: usize, k: usize, codes: &[i8], scales: &[f32]) -> Result<Packe
         )));
     }
     let (tiles, chunks) = (n.div_ceil(TILE_ROWS), chunks_for(k));
-    let per_lane = MMA_S8.steps() * MMA_S8.a_elems();
+    let mma = layout.mma();
+    let per_lane = mma.steps() * mma.a_elems();
     let mut packed = vec![0i8; tiles * chunks * 32 * per_lane];
     fill_fragments(
         &mut packed,
         chunks,
         per_lane,
-        MMA_S8,
+        mma,
         |out, tile, chunk, vals| {
             for (idx, &(row, ch)) in vals.iter().enumerate() {
                 let (r, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
                 if r < n && kk < k {
-                    out[idx] = codes[r * k + kk];
+                    out[layout.byte(idx)] = codes[r * k + kk];
                 }
             }
         },
@@ -374,6 +425,7 @@ pub fn pack_w8(n: usize, k: usize, codes: &[i8], scales: &[f32]) -> Result<Packe
         k,
         tiles,
         chunks,
+        layout,
         codes: packed,
         scales: s,
     })
@@ -433,8 +485,9 @@ pub fn fp8_fragment_channel(t: usize, j: usize, reg: usize, i: usize) -> usize {
 impl PackedW8 {
     /// The `[n, k]` codes back: the inverse of [`pack_w8`], for tests.
     pub fn unpack(&self) -> Vec<i8> {
-        let order = lane_order(MMA_S8);
-        let per_lane = MMA_S8.steps() * MMA_S8.a_elems();
+        let mma = self.layout.mma();
+        let order = lane_order(mma);
+        let per_lane = mma.steps() * mma.a_elems();
         let mut out = vec![0i8; self.n * self.k];
         for tile in 0..self.tiles {
             for chunk in 0..self.chunks {
@@ -443,7 +496,7 @@ impl PackedW8 {
                     for (idx, &(row, ch)) in vals.iter().enumerate() {
                         let (r, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
                         if r < self.n && kk < self.k {
-                            out[r * self.k + kk] = self.codes[base + idx];
+                            out[r * self.k + kk] = self.codes[base + self.layout.byte(idx)];
                         }
                     }
                 }
@@ -820,9 +873,59 @@ mod tests {
         for (n, k) in [(16, 64), (35, 112), (64, 4096), (1, 16)] {
             let codes: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127i8)).collect();
             let scales: Vec<f32> = (0..n).map(|i| i as f32).collect();
-            let p = pack_w8(n, k, &codes, &scales).unwrap();
-            assert_eq!(p.unpack(), codes);
-            assert_eq!(p.scales.len(), p.tiles * 16);
+            for layout in [Int8Layout::S8, Int8Layout::F16] {
+                let p = pack_w8(n, k, &codes, &scales, layout).unwrap();
+                assert_eq!(p.unpack(), codes, "{layout:?}");
+                assert_eq!(p.scales.len(), p.tiles * 16);
+            }
+        }
+    }
+
+    /// The W8A16 converter (`w8_pair` / `w8_step` in kernels/qgemm.cu) run on packed words: every
+    /// A register of every k16 step holds exactly the codes the PTX fragment map puts there,
+    /// -128 and 127 included, in both dtypes' magic.
+    #[test]
+    fn w8a16_words_convert_to_the_k16_fragments() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let (n, k) = (35, 192);
+        let mut codes: Vec<i8> = (0..n * k).map(|_| rng.random::<i8>()).collect();
+        codes[0] = -128;
+        codes[1] = 127;
+        let p = pack_w8(n, k, &codes, &vec![1.0; n], Int8Layout::F16).unwrap();
+        let order = lane_order(MMA_F16);
+        for (magic, half) in [
+            (
+                0x6400_6400u32,
+                (|b: u16| f16::from_bits(b).to_f32()) as fn(u16) -> f32,
+            ),
+            (0x4300_4300, |b: u16| bf16::from_bits(b).to_f32()),
+        ] {
+            let pair = |w: u32| -> [f32; 2] {
+                let (low, sign) = ((w & 0x007f_007f) | magic, (w & 0x0080_0080) | magic);
+                [0, 16].map(|sh| half((low >> sh) as u16) - half((sign >> sh) as u16))
+            };
+            for tile in 0..p.tiles {
+                for chunk in 0..p.chunks {
+                    for (lane, vals) in order.iter().enumerate() {
+                        let base = ((tile * p.chunks + chunk) * 32 + lane) * 32;
+                        let bytes = &p.codes[base..base + 32];
+                        let word = |i: usize| {
+                            u32::from_le_bytes(std::array::from_fn(|b| bytes[4 * i + b] as u8))
+                        };
+                        for (idx, &(row, ch)) in vals.iter().enumerate() {
+                            let (step, r, e) = (idx / 8, idx % 8 / 2, idx % 2);
+                            let w = word(2 * step + r % 2) >> (8 * (r / 2));
+                            let (nr, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
+                            let want = if nr < n && kk < k {
+                                codes[nr * k + kk] as f32
+                            } else {
+                                0.0
+                            };
+                            assert_eq!(pair(w)[e], want, "tile {tile} chunk {chunk} lane {lane}");
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -835,7 +938,7 @@ mod tests {
         assert!(check_k(80, Some(80)).is_ok());
         assert!(check_k(40, None).is_err());
         assert!(check_k(48, None).is_ok());
-        assert!(pack_w8(2, 40, &[0; 80], &[1.0; 2]).is_err());
+        assert!(pack_w8(2, 40, &[0; 80], &[1.0; 2], Int8Layout::S8).is_err());
         let e = pack_w4(
             &W4Matrix {
                 n: 1,

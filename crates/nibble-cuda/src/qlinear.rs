@@ -20,7 +20,9 @@ use rayon::prelude::*;
 
 use crate::context::{CudaContext, norm_block};
 pub use crate::context::{KernelTier, SPLIT_COUNTERS};
-use crate::pack::{self, PackedFp8, PackedW4, PackedW4A8, PackedW8, W4A8Matrix, W4Matrix};
+use crate::pack::{
+    self, Int8Layout, PackedFp8, PackedW4, PackedW4A8, PackedW8, W4A8Matrix, W4Matrix,
+};
 use crate::runtime::{Arg, DeviceBuffer, TmaLayout, tensor_map};
 pub use crate::tensor::{Act8, Act8Input, QuantWeight};
 use crate::tensor::{CudaTensor, Dtype, Elem};
@@ -72,6 +74,7 @@ pub fn wgmma_smem(family: QFamily, tokens: usize) -> u32 {
     let weights = match family {
         QFamily::W4A16 => 8 * 512 + 8 * 128,
         QFamily::W8A8 => 8 * 2048,
+        QFamily::W8A16 => 8 * 1024,
         QFamily::Fp8 => 128 * 128,
         QFamily::W4A8 => 8 * 1024 + 8 * 4 * 64,
     };
@@ -127,6 +130,8 @@ pub enum QFamily {
     W4A16,
     /// INT8 per channel, INT8 per token (`int8-pc/a8`).
     W8A8,
+    /// INT8 per channel made 16-bit in registers, 16-bit activations (`int8-pc/a16`).
+    W8A16,
     /// 4-bit codes widened to INT8 in registers, INT8 per token (`qoq-gN/a8`, `lqq-gN/a8`,
     /// `int4-pc/a8`).
     W4A8,
@@ -135,12 +140,19 @@ pub enum QFamily {
 }
 
 impl QFamily {
-    pub const ALL: [QFamily; 4] = [QFamily::W4A16, QFamily::W8A8, QFamily::W4A8, QFamily::Fp8];
+    pub const ALL: [QFamily; 5] = [
+        QFamily::W4A16,
+        QFamily::W8A8,
+        QFamily::W8A16,
+        QFamily::W4A8,
+        QFamily::Fp8,
+    ];
 
     pub fn of(f: LinearFormat) -> Option<QFamily> {
         match (f.codec, f.act) {
             (WeightCodec::Int4Group { .. }, ActQuant::F16) => Some(QFamily::W4A16),
             (WeightCodec::Int8PerChannel, ActQuant::Int8PerToken) => Some(QFamily::W8A8),
+            (WeightCodec::Int8PerChannel, ActQuant::F16) => Some(QFamily::W8A16),
             (
                 WeightCodec::Qoq { .. }
                 | WeightCodec::Lqq { .. }
@@ -155,7 +167,7 @@ impl QFamily {
     /// Families with the Hopper kernels only (the decode gemv and wgmma, sm_90a): no mma.sync
     /// gemv or tiled kernel to fall back on.
     pub fn hopper_only(self) -> bool {
-        matches!(self, QFamily::W4A8 | QFamily::Fp8)
+        matches!(self, QFamily::W4A8 | QFamily::Fp8 | QFamily::W8A16)
     }
 
     /// A kernel that exists only where the family's Hopper kernels were compiled.
@@ -163,6 +175,7 @@ impl QFamily {
         match self {
             QFamily::W4A16 => "w4a16_wgmma64_bf16",
             QFamily::W8A8 => "w8a8_wgmma64_f32",
+            QFamily::W8A16 => "w8a16_wgmma64_bf16",
             QFamily::W4A8 => "w4a8_wgmma64_f32",
             QFamily::Fp8 => "fp8_wgmma64_f32",
         }
@@ -185,13 +198,13 @@ impl QFamily {
     /// 51.7 / 44.7 / 36.5 (W4A8 and FP8 alike): 16 stages (1024 channels) for W4A16, 28 (3584)
     /// for the others.
     pub fn min_split_stages(self) -> usize {
-        if self == QFamily::W4A16 { 16 } else { 28 }
+        if self.x_elem() == 2 { 16 } else { 28 }
     }
 
     /// Bytes of one activation element.
     fn x_elem(self) -> usize {
         match self {
-            QFamily::W4A16 => 2,
+            QFamily::W4A16 | QFamily::W8A16 => 2,
             QFamily::W8A8 | QFamily::W4A8 | QFamily::Fp8 => 1,
         }
     }
@@ -203,9 +216,10 @@ impl QFamily {
         if !self.hopper_only() {
             kinds.extend([QKernel::Gemv, QKernel::Tiled]);
         }
-        let decode_max = match self {
-            QFamily::W4A16 => DECODE_MAX_M,
-            _ => DECODE_MAX_M_INT8,
+        let decode_max = if self.x_elem() == 2 {
+            DECODE_MAX_M
+        } else {
+            DECODE_MAX_M_INT8
         };
         if hopper && m <= decode_max {
             kinds.push(QKernel::Decode);
@@ -320,7 +334,12 @@ pub fn pack_rows(
                 codes.extend(row[..k].iter().map(|&b| b as i8));
                 scales.push(f16_at(row, k));
             }
-            Ok(Packed::W8(pack::pack_w8(n, k, &codes, &scales)?))
+            let layout = if format.act == ActQuant::F16 {
+                Int8Layout::F16
+            } else {
+                Int8Layout::S8
+            };
+            Ok(Packed::W8(pack::pack_w8(n, k, &codes, &scales, layout)?))
         }
         WeightCodec::Fp8PerChannel => {
             let mut codes = Vec::with_capacity(n * k);
@@ -403,12 +422,27 @@ impl Packed {
                 chunks: p.chunks,
                 groups: p.groups,
             },
-            Packed::W8(p) => QuantWeight::W8 {
-                codes: DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
-                scales: DeviceBuffer::from_host(&ctx.gpu, &p.scales, what)?,
-                tiles: p.tiles,
-                chunks: p.chunks,
-            },
+            Packed::W8(p) => {
+                let (codes, scales) = (
+                    DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
+                    DeviceBuffer::from_host(&ctx.gpu, &p.scales, what)?,
+                );
+                let (tiles, chunks) = (p.tiles, p.chunks);
+                match p.layout {
+                    Int8Layout::S8 => QuantWeight::W8 {
+                        codes,
+                        scales,
+                        tiles,
+                        chunks,
+                    },
+                    Int8Layout::F16 => QuantWeight::W8A16 {
+                        codes,
+                        scales,
+                        tiles,
+                        chunks,
+                    },
+                }
+            }
             Packed::Fp8(p) => QuantWeight::Fp8 {
                 codes: DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
                 scales: DeviceBuffer::from_host(&ctx.gpu, &p.scales, what)?,
@@ -550,16 +584,21 @@ pub fn qgemm_kernel_name(
     sfx: &str,
 ) -> String {
     let tt = token_tiles(m);
-    if family == QFamily::W4A16 {
+    if family.x_elem() == 2 {
+        let p = if family == QFamily::W4A16 {
+            "w4a16"
+        } else {
+            "w8a16"
+        };
         let h = if out_half { "_h" } else { "" };
         return match kind {
-            QKernel::Decode => format!("w4a16_dec{tt}{h}_{sfx}"),
-            QKernel::DecodeG64 => format!("w4a16_dec{tt}{h}_g64_{sfx}"),
-            QKernel::Gemv => format!("w4a16_gemv{tt}{h}_{sfx}"),
-            QKernel::Tiled => format!("w4a16_tiled{h}_{sfx}"),
-            QKernel::Wgmma => format!("w4a16_wgmma{h}_{sfx}"),
-            QKernel::Wgmma128 => format!("w4a16_wgmma128{h}_{sfx}"),
-            QKernel::Wgmma64 => format!("w4a16_wgmma64{h}_{sfx}"),
+            QKernel::Decode => format!("{p}_dec{tt}{h}_{sfx}"),
+            QKernel::DecodeG64 => format!("{p}_dec{tt}{h}_g64_{sfx}"),
+            QKernel::Gemv => format!("{p}_gemv{tt}{h}_{sfx}"),
+            QKernel::Tiled => format!("{p}_tiled{h}_{sfx}"),
+            QKernel::Wgmma => format!("{p}_wgmma{h}_{sfx}"),
+            QKernel::Wgmma128 => format!("{p}_wgmma128{h}_{sfx}"),
+            QKernel::Wgmma64 => format!("{p}_wgmma64{h}_{sfx}"),
         };
     }
     let o = if out_half { sfx } else { "f32" };
@@ -626,6 +665,8 @@ enum WgmmaWeights {
         groups: usize,
         group_len: usize,
     },
+    /// W8A16's INT8 fragments in the k16 order (`pack::Int8Layout::F16`).
+    W8A16 { codes: u64, scales: u64 },
     /// INT8 fragments (`pack::PackedW8`) or row-major FP8 rows (`row_major`).
     W8 {
         codes: u64,
@@ -701,12 +742,7 @@ pub fn quant_gemm(
             chunks,
             groups,
         } => {
-            let xh = ctx.as_half(x)?;
-            if xh.ld % 8 != 0 || xh.ptr % 16 != 0 {
-                return Err(Error::InvalidArgument(
-                    "w4a16 GEMM input rows must be 16-byte aligned".into(),
-                ));
-            }
+            let xh = half_input(ctx, x, "w4a16")?;
             let head = vec![
                 Arg::Ptr(codes.ptr),
                 Arg::Ptr(params.ptr),
@@ -740,6 +776,40 @@ pub fn quant_gemm(
                 ldy: out.ld,
             };
             run_quant(ctx, route, head, wg, &geo, &[shift], *tiles, *chunks)
+        }
+        QuantWeight::W8A16 {
+            codes,
+            scales,
+            tiles,
+            chunks,
+        } => {
+            let xh = half_input(ctx, x, "w8a16")?;
+            let head = vec![
+                Arg::Ptr(codes.ptr),
+                Arg::Ptr(scales.ptr),
+                Arg::Ptr(xh.ptr),
+                Arg::I64(xh.ld as i64),
+                Arg::Ptr(out.ptr),
+                Arg::I64(out.ld as i64),
+            ];
+            let route = Route {
+                family: QFamily::W8A16,
+                out_half,
+                decode: Some(QKernel::Decode),
+            };
+            let wg = WgmmaOperands {
+                x: xh.ptr,
+                x_ld: xh.ld,
+                x_elem: 2,
+                weights: WgmmaWeights::W8A16 {
+                    codes: codes.ptr,
+                    scales: scales.ptr,
+                },
+                out: out.ptr,
+                ldy: out.ld,
+            };
+            let geo = [m, n, k, *tiles, *chunks];
+            run_quant(ctx, route, head, wg, &geo, &[], *tiles, *chunks)
         }
         QuantWeight::W8 {
             codes,
@@ -833,6 +903,17 @@ pub fn quant_gemm(
             run_quant(ctx, route, head, wg, &geo, &decode_geo, *tiles, *chunks)
         }
     }
+}
+
+/// The 16-bit input of a `what` GEMM, whose kernels read 16-byte vectors of its rows.
+pub(crate) fn half_input(ctx: &CudaContext, x: &CudaTensor, what: &str) -> Result<CudaTensor> {
+    let xh = ctx.as_half(x)?;
+    if xh.ld % 8 != 0 || xh.ptr % 16 != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{what} GEMM input rows must be 16-byte aligned"
+        )));
+    }
+    Ok(xh)
 }
 
 /// Runs the kernel family a quantized GEMM takes: the decode gemv where it applies and the
@@ -1093,6 +1174,11 @@ fn launch_wgmma(
             args.push(weight_map(params, tiles, groups, 64, span)?);
             tail = vec![Arg::I32(groups as i32), Arg::I32(group_len as i32)];
         }
+        WgmmaWeights::W8A16 { codes, scales } => {
+            // One 1 KB chunk of codes a stage (kernels/qgemm_wgmma.cu, WgqW8A16).
+            args.push(weight_map(codes, tiles, chunks, 1024, 1)?);
+            args.push(Arg::Ptr(scales));
+        }
         WgmmaWeights::W4A8 {
             codes,
             params,
@@ -1120,7 +1206,7 @@ fn launch_wgmma(
     args.extend([m, n, tiles, chunks].map(|v| Arg::I32(v as i32)));
     args.extend(tail);
     let out_tiles = tiles.div_ceil(8) * m.div_ceil(tokens);
-    let stages = if family == QFamily::W4A16 {
+    let stages = if family.x_elem() == 2 {
         chunks
     } else {
         chunks.div_ceil(2)
@@ -1506,7 +1592,7 @@ mod tests {
             other => format!("{other:?}"),
         };
         use KernelTier::{Auto, MmaSync};
-        use QFamily::{Fp8, W4A8, W4A16, W8A8};
+        use QFamily::{Fp8, W4A8, W4A16, W8A8, W8A16};
         for (family, m, n, k, tier, has_hopper, want) in [
             // Decode sizes: the decode gemv, up to 16 tokens for W4A16 and 32 for INT8.
             (W4A16, 1, 4096, 4096, Auto, true, "decode Decode"),
@@ -1530,6 +1616,12 @@ mod tests {
             (Fp8, 48, 4096, 4096, MmaSync, true, "Wgmma(Wgmma64, 64)"),
             (Fp8, 8192, 28672, 4096, Auto, true, "Wgmma(Wgmma128, 128)"),
             (Fp8, 8, 4096, 4096, Auto, false, "None"),
+            // W8A16: Hopper only, the decode gemv up to 16 tokens (16-bit activations), then
+            // the 64-token tiles and 256-token ones.
+            (W8A16, 16, 4096, 4096, MmaSync, true, "decode Decode"),
+            (W8A16, 17, 4096, 4096, Auto, true, "Wgmma(Wgmma64, 64)"),
+            (W8A16, 8192, 4096, 4096, Auto, true, "Wgmma(Wgmma, 256)"),
+            (W8A16, 1, 4096, 4096, Auto, false, "None"),
         ] {
             let has: &dyn Fn(QKernel) -> bool = if has_hopper { &hopper } else { &ampere };
             let got = kind(gemm(family, m, n, k, tier).pick(has));
@@ -1559,7 +1651,9 @@ mod tests {
         }
         let fp8: LinearFormat = "fp8-pc/afp8".parse().unwrap();
         assert_eq!(QFamily::of(fp8), Some(QFamily::Fp8));
-        for f in ["int4-g128/a8", "int8-pc/a16", "int4-g128/a4a8-b128-n1"] {
+        let w8a16: LinearFormat = "int8-pc/a16".parse().unwrap();
+        assert_eq!(QFamily::of(w8a16), Some(QFamily::W8A16));
+        for f in ["int4-g128/a8", "fp8-pc/a16", "int4-g128/a4a8-b128-n1"] {
             let f: LinearFormat = f.parse().unwrap();
             assert!(kernel_format(WeightFormat::Quant(f)).is_none(), "{f}");
         }

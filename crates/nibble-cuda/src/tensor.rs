@@ -233,6 +233,14 @@ pub enum QuantWeight {
         tiles: usize,
         chunks: usize,
     },
+    /// INT8 codes in the k16 fragment order the W8A16 kernels make 16-bit
+    /// (`pack::Int8Layout::F16`), f32 scales.
+    W8A16 {
+        codes: DeviceBuffer,
+        scales: DeviceBuffer,
+        tiles: usize,
+        chunks: usize,
+    },
     /// Row-major e4m3 codes, f32 scales (`pack::PackedFp8`).
     Fp8 {
         codes: DeviceBuffer,
@@ -256,9 +264,9 @@ impl QuantWeight {
     pub fn bytes(&self) -> usize {
         match self {
             QuantWeight::W4 { codes, params, .. } => codes.bytes + params.bytes,
-            QuantWeight::W8 { codes, scales, .. } | QuantWeight::Fp8 { codes, scales, .. } => {
-                codes.bytes + scales.bytes
-            }
+            QuantWeight::W8 { codes, scales, .. }
+            | QuantWeight::W8A16 { codes, scales, .. }
+            | QuantWeight::Fp8 { codes, scales, .. } => codes.bytes + scales.bytes,
             QuantWeight::W4A8 {
                 codes,
                 params,
@@ -272,7 +280,7 @@ impl QuantWeight {
     /// then write alongside).
     pub fn reads_act8(&self) -> Option<Act8> {
         match self {
-            QuantWeight::W4 { .. } => None,
+            QuantWeight::W4 { .. } | QuantWeight::W8A16 { .. } => None,
             QuantWeight::W8 { .. } | QuantWeight::W4A8 { .. } => Some(Act8::Int8),
             QuantWeight::Fp8 { .. } => Some(Act8::Fp8),
         }
@@ -282,6 +290,7 @@ impl QuantWeight {
         match self {
             QuantWeight::W4 { .. } => "w4a16",
             QuantWeight::W8 { .. } => "w8a8",
+            QuantWeight::W8A16 { .. } => "w8a16",
             QuantWeight::Fp8 { .. } => "fp8",
             QuantWeight::W4A8 { .. } => "w4a8",
         }

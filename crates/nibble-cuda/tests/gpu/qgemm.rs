@@ -498,6 +498,65 @@ fn fp8_matches_the_reference_within_tensor_core_rounding() {
     eprintln!("fp8: largest |got - want| / sum |w x| = {worst:.3e} (bound 2^-9 = 1.95e-3)");
 }
 
+/// `(m, n, k)` for the 16-bit-activation GEMMs: every token-tile variant of the decode gemv and
+/// the wgmma tiles, row counts the 16-row tiles do not divide, K the 256-channel batches do not.
+const SIXTEEN_BIT_SHAPES: &[(usize, usize, usize)] = &[
+    (1, 576, 576),
+    (3, 37, 128),
+    (1, 130, 1024),
+    (5, 37, 256),
+    (12, 1040, 512),
+    (16, 300, 1536),
+    (2, 4096, 4096),
+    (8, 100, 384),
+    (9, 192, 640),
+    (16, 1536, 576),
+    (17, 130, 1536),
+    (32, 64, 384),
+    (33, 100, 640),
+    (64, 1536, 576),
+    (65, 37, 384),
+    (129, 576, 1536),
+    (300, 4096, 4096),
+    (513, 1040, 1088),
+];
+
+/// W8A16 (`int8-pc/a16`, the Hopper kernels: decode gemv to 16 tokens, wgmma tiles beyond) on
+/// both dtypes against the reference, within the bound of its 16-bit operands (the weights are
+/// exact in either dtype on the GPU; the reference rounds `q * s` to f16), NaN-poisoned outputs,
+/// a NaN input row that must come out NaN.
+#[test]
+fn w8a16_matches_the_dequantized_reference() {
+    let mut r = rng("w8a16_matches_the_dequantized_reference");
+    let format: LinearFormat = "int8-pc/a16".parse().unwrap();
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let g = gpu(dtype);
+        for &(m, n, k) in SIXTEEN_BIT_SHAPES {
+            let mut x = randn(&mut r, m * k, 1.0);
+            x[k / 3] = 40.0;
+            let nan_row = (m > 3).then_some(3);
+            if let Some(i) = nan_row {
+                x[i * k + 5] = f32::NAN;
+            }
+            let w = random_rows(&mut r, format, n, k);
+            let rows = sample_rows(&mut r, m, 24);
+            let (tiers, want) = run(&g, format, &x, m, k, &w, n, &rows);
+            for (tier, got) in tiers {
+                let what = format!("w8a16 {m}x{n}x{k} {dtype:?} {tier}");
+                for (j, &i) in rows.iter().enumerate() {
+                    let (gi, wi) = (&got[j * n..(j + 1) * n], &want[j * n..(j + 1) * n]);
+                    if Some(i) == nan_row {
+                        assert!(gi.iter().all(|v| v.is_nan()), "{what}: NaN row {i}");
+                        continue;
+                    }
+                    let xi = &x[i * k..(i + 1) * k];
+                    assert_w4_close(&format!("{what} row {i}"), gi, wi, xi, k, format, &w, dtype);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn w4a16_matches_the_dequantized_reference() {
     let mut r = rng("w4a16_matches_the_dequantized_reference");
@@ -505,26 +564,7 @@ fn w4a16_matches_the_dequantized_reference() {
         let g = gpu(dtype);
         for group in [32u32, 64, 128, 0] {
             let format = w4a16_format(group);
-            for &(m, n, k) in &[
-                (1, 576, 576),
-                (3, 37, 128),
-                (1, 130, 1024),
-                (5, 37, 256),
-                (12, 1040, 512),
-                (16, 300, 1536),
-                (2, 4096, 4096),
-                (8, 100, 384),
-                (9, 192, 640),
-                (16, 1536, 576),
-                (17, 130, 1536),
-                (32, 64, 384),
-                (33, 100, 640),
-                (64, 1536, 576),
-                (65, 37, 384),
-                (129, 576, 1536),
-                (300, 4096, 4096),
-                (513, 1040, 1088),
-            ] {
+            for &(m, n, k) in SIXTEEN_BIT_SHAPES {
                 if format.row_bytes(k).is_err() {
                     continue;
                 }
@@ -559,6 +599,7 @@ fn quantized_gemms_on_real_layer_shapes() {
     let w4: LinearFormat = "int4-g128/a16".parse().unwrap();
     let w8: LinearFormat = "int8-pc/a8".parse().unwrap();
     let w4a8: LinearFormat = "qoq-g128/a8".parse().unwrap();
+    let w8a16: LinearFormat = "int8-pc/a16".parse().unwrap();
     let cases: &[(usize, usize, &[usize])] = &[
         (6144, 4096, &[1, 16, 64, 1024]),
         (4096, 4096, &[7, 8192]),
@@ -570,7 +611,7 @@ fn quantized_gemms_on_real_layer_shapes() {
         (8192, 28672, &[1, 2048]),
     ];
     for &(n, k, ms) in cases {
-        for format in [w4, w8, w4a8] {
+        for format in [w4, w8, w4a8, w8a16] {
             let w = if format == w4a8 {
                 quantized_rows(&mut r, format, n, k)
             } else {
@@ -583,7 +624,7 @@ fn quantized_gemms_on_real_layer_shapes() {
                 let xs = pick_rows(&x, &rows, k);
                 for (tier, got) in tiers {
                     let what = format!("{format} {m}x{n}x{k} {tier}");
-                    if format != w4 {
+                    if format != w4 && format != w8a16 {
                         assert_bit_exact(&what, &got, &want);
                     } else {
                         assert_w4_close(&what, &got, &want, &xs, k, format, &w, Dtype::Bf16);
@@ -627,10 +668,10 @@ fn split_k_is_deterministic_and_layers_that_cannot_pack_run_dequantized() {
         .load_weight(&quant_tensor(f8, 24, 40, wb.clone()))
         .unwrap();
     assert!(matches!(w.data, nibble_cuda::WeightData::Dense(_)));
-    // ... and the user is told, as for a format without a kernel (W8A16).
-    let w8a16: LinearFormat = "int8-pc/a16".parse().unwrap();
-    let wb16 = random_rows(&mut r, w8a16, 16, 64);
-    g.load_weight(&quant_tensor(w8a16, 16, 64, wb16)).unwrap();
+    // ... and the user is told, as for a format without a kernel (COMET's W4A4A8).
+    let comet: LinearFormat = "int4-g64/a4a8-b64-n1".parse().unwrap();
+    let wb4 = random_rows(&mut r, comet, 16, 128);
+    g.load_weight(&quant_tensor(comet, 16, 128, wb4)).unwrap();
     let notes = g.load_notes();
     assert!(
         notes
@@ -638,7 +679,7 @@ fn split_k_is_deterministic_and_layers_that_cannot_pack_run_dequantized() {
             .any(|n| n.starts_with("int8-pc/a8") && n.contains("shape"))
             && notes
                 .iter()
-                .any(|n| n.starts_with("int8-pc/a16") && n.contains("no GPU kernel")),
+                .any(|n| n.starts_with("int4-g64/a4a8") && n.contains("no GPU kernel")),
         "{notes:?}"
     );
     let xv = randn(&mut r, 3 * 40, 1.0);
@@ -657,7 +698,7 @@ fn dummy_engine<B: Backend>(backend: B, name: &str) -> Engine<B> {
     }
 }
 
-/// A whole model with W4A16, W8A8, W4A8 and FP8 linear layers (random weights quantized
+/// A whole model with W4A16, W8A16, W8A8, W4A8 and FP8 linear layers (random weights quantized
 /// round-to-nearest) decodes on the GPU's quantized kernels (fused 8-bit quantization and CUDA
 /// graphs included) what the CPU's reference kernels decode: logits along the CPU's greedy path
 /// within 3e-2 (5e-2 for W8A8, 8e-2 for W4A8, 0.15 for FP8: the GPU quantizes the bf16 output of
@@ -671,6 +712,7 @@ fn quantized_models_match_cpu() {
     for spec in [
         "w4a16-g64",
         "w4a16-g32",
+        "w8a16",
         "w8a8",
         "w4a8-g64",
         "w4a8-lqq-g32",
@@ -900,6 +942,7 @@ fn grouped_gemms_match_the_references() {
             ("int4-g64/a16", 64, 1024),
             ("int4-pc/a16", 130, 256),
             ("int4-g32/a16", 96, 512),
+            ("int8-pc/a16", 300, 512),
             ("dense", 300, 512),
         ] {
             for tier in [KernelTier::Auto, KernelTier::MmaSync] {
@@ -948,7 +991,9 @@ fn grouped_gemms_match_the_references() {
                             Some(GroupedKernel::Decode { item_rows: 16 })
                         }
                         _ if w4 => Some(GroupedKernel::MmaSync),
-                        _ if spec == "dense" => Some(GroupedKernel::Decode { item_rows: 16 }),
+                        _ if spec == "dense" || spec == "int8-pc/a16" => {
+                            Some(GroupedKernel::Decode { item_rows: 16 })
+                        }
                         _ => Some(GroupedKernel::Decode { item_rows: 32 }),
                     };
                     let what = format!("grouped {spec} {n}x{k} {dtype:?} {tier:?} {counts:?}");
