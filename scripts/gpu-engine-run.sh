@@ -23,6 +23,7 @@
 #               ctx 4k and batch 8 / ctx 32k, and PyTorch's flash SDPA (bf16, FP8 dequantized)
 #   kv-long     4k-token prompts, 512-token outputs offline: W4A8-KV4 and BF16-KV16, and the pool
 #               sizes each fits in the same memory (the low-bit KV issue's end-to-end ratio)
+#   w8a16       the same for W8A16 and W4A16-g128, with BF16 in the same session
 #   fp8         the same for FP8 W8A8 (run it with w4a8 for a BF16 figure from the same session)
 #   moe-experts one Mixtral-8x7B expert layer in W4A16, W8A8 and BF16 at 1 to 64 tokens: the
 #               grouped GEMMs, the grouped layer, the experts one by one, and cuBLAS BF16 over
@@ -96,6 +97,11 @@ for part in "$@"; do
       done ;;
     w4a8)
       throughput throughput-w4a8 llama-3-8b:w4a8-g128 --num-prompts 1000 --sweep-seqs 64,256 --profile
+      throughput throughput-bf16 llama-3-8b --num-prompts 1000 --sweep-seqs 64,256 --profile ;;
+    w8a16)
+      for spec in w8a16 w4a16-g128; do
+        throughput "throughput-$spec" "llama-3-8b:$spec" --num-prompts 1000 --sweep-seqs 64,256 --profile
+      done
       throughput throughput-bf16 llama-3-8b --num-prompts 1000 --sweep-seqs 64,256 --profile ;;
     fp8)
       throughput throughput-fp8 llama-3-8b:fp8 --num-prompts 1000 --sweep-seqs 64,256 --profile ;;

@@ -7,10 +7,11 @@
 //! | `int4-gN/a16` (w4a16, AWQ, GPTQ) | `w4a16_stream{1,2,4}` (sm_90) or `w4a16_gemv{1,2,4,8}`, `w4a16_tiled` | model dtype |
 //! | `int8-pc/a8` (w8a8) | `w8a8_stream{1,2,4}` (sm_90) or `w8a8_gemv{1,2,4,8}`, `w8a8_tiled` | INT8 per token, quantized by the producing RMSNorm / SiLU-gate kernel or `quantize_i8` |
 //! | `qoq-gN/a8`, `lqq-gN/a8`, `int4-pc/a8` (w4a8) | `w4a8_dec{1,2,4}` up to 32 tokens, `w4a8_wgmma{64,128,}` beyond (sm_90a only) | as W8A8 |
+//! | `int8-pc/a16` (w8a16; INT8 codes in k16 fragments, `pack::Int8Layout::F16`) | `w8a16_dec{1,2}` up to 16 tokens, `w8a16_wgmma{64,128,}` beyond (sm_90a only) | model dtype |
 //! | `fp8-pc/afp8` (fp8; row-major codes, `pack::PackedFp8`) | `fp8_dec{1,2,4}` up to 32 tokens, `fp8_wgmma{64,128}` beyond (sm_90a only; kernels/qgemm_fp8.cu) | FP8 e4m3 per token, by the producing kernel or `quantize_f8` |
 //!
-//! Other quantized formats load dequantized to the model dtype and run on cuBLAS; so do W4A8
-//! and FP8 weights on GPUs without the Hopper kernels, and QoQ groups whose codes the word
+//! Other quantized formats load dequantized to the model dtype and run on cuBLAS; so do W4A8,
+//! FP8 and W8A16 weights on GPUs without the Hopper kernels, and QoQ groups whose codes the word
 //! arithmetic cannot widen exactly ([`WeightCodec::byte_affine`]).
 
 use nibble_core::{Error, Result};
@@ -45,6 +46,9 @@ pub const DECODE_MAX_M_INT8: usize = 32;
 /// Chunks of 64 channels per register batch of the decode gemv (`U` of its entry points): the
 /// input width must be a multiple of `64 * DECODE_BATCH`.
 pub(crate) const DECODE_BATCH: usize = 4;
+/// The same for the dense W4A16 decode gemv (`DEC_U_W4`): 8 chunks of 16 bytes a lane, as many
+/// bytes in flight as the 8-bit families' 4 of 32.
+pub(crate) const DECODE_BATCH_W4: usize = 8;
 /// Weight rows per decode-gemv row block: one 16-row tile per warp of its 16-warp CTAs.
 pub(crate) const DECODE_BLOCK_TILES: usize = 16;
 /// Shared memory the decode gemv may take for its staged activations and their sums.
@@ -199,6 +203,15 @@ impl QFamily {
     /// for the others.
     pub fn min_split_stages(self) -> usize {
         if self.x_elem() == 2 { 16 } else { 28 }
+    }
+
+    /// Chunks per register batch of its decode gemv.
+    pub fn decode_batch(self) -> usize {
+        if self == QFamily::W4A16 {
+            DECODE_BATCH_W4
+        } else {
+            DECODE_BATCH
+        }
     }
 
     /// Bytes of one activation element.
@@ -504,20 +517,21 @@ pub fn plan_decode(
     sms: usize,
     m: usize,
     elem: usize,
+    batch: usize,
 ) -> Option<DecodePlan> {
     let most = if elem == 1 {
         DECODE_MAX_M_INT8
     } else {
         DECODE_MAX_M
     };
-    if m == 0 || m > most || !chunks.is_multiple_of(DECODE_BATCH) {
+    if m == 0 || m > most || !chunks.is_multiple_of(batch) {
         return None;
     }
     let units = tiles.div_ceil(DECODE_BLOCK_TILES) * chunks;
     let per_cta = units
         .div_ceil(sms.max(1))
-        .next_multiple_of(DECODE_BATCH)
-        .max(DECODE_BATCH);
+        .next_multiple_of(batch)
+        .max(batch);
     let window = per_cta.min(chunks);
     // The window's rows padded as the gemv pads its slice; W4A16 adds f32 sums per chunk and
     // token tile row.
@@ -1040,7 +1054,15 @@ impl QGemm {
         // The decode gemv: up to 16 tokens (32 with INT8 activations, in 4-token tiles:
         // [`DECODE_MAX_M_INT8`]) where its activation window fits. On an H200 1.05x to 1.85x
         // the mma.sync gemv, 4096x4096 at M = 1 included: 6.6 against 7.9 µs.
-        let plan = plan_decode(self.tiles, self.chunks, self.sms, m, route.family.x_elem());
+        let family = route.family;
+        let plan = plan_decode(
+            self.tiles,
+            self.chunks,
+            self.sms,
+            m,
+            family.x_elem(),
+            family.decode_batch(),
+        );
         if let (Some(plan), Some(kind)) = (plan, route.decode)
             && wanted(kind, true)
         {
@@ -1447,7 +1469,7 @@ mod tests {
             (384, 64, 1),
             (1, 4, 1),
         ] {
-            let p = plan_decode(tiles, chunks, 132, m, 2).unwrap();
+            let p = plan_decode(tiles, chunks, 132, m, 2, DECODE_BATCH).unwrap();
             let units = tiles.div_ceil(DECODE_BLOCK_TILES) * chunks;
             assert!(
                 p.ctas <= 132 && p.ctas * p.per_cta >= units && (p.ctas - 1) * p.per_cta < units
@@ -1460,18 +1482,21 @@ mod tests {
             }
         }
         // Llama-3-8B's 28672x4096 on an H200: 56 units per CTA, 128 CTAs, one wave.
-        let p = plan_decode(1792, 64, 132, 1, 2).unwrap();
+        let p = plan_decode(1792, 64, 132, 1, 2, DECODE_BATCH).unwrap();
         assert_eq!((p.ctas, p.per_cta, p.max_pieces), (128, 56, 3));
         // Not for 17 tokens of 16-bit activations (INT8 codes: up to 32 where the window fits),
         // inputs that are not a multiple of 256 wide, or windows too large.
-        assert!(plan_decode(1792, 64, 132, 17, 2).is_none());
-        assert!(plan_decode(256, 64, 132, 32, 1).is_some());
-        assert!(plan_decode(256, 64, 132, 33, 1).is_none());
-        assert!(plan_decode(1792, 66, 132, 1, 2).is_none());
+        assert!(plan_decode(1792, 64, 132, 17, 2, DECODE_BATCH).is_none());
+        assert!(plan_decode(256, 64, 132, 32, 1, DECODE_BATCH).is_some());
+        assert!(plan_decode(256, 64, 132, 33, 1, DECODE_BATCH).is_none());
+        assert!(plan_decode(1792, 66, 132, 1, 2, DECODE_BATCH).is_none());
+        assert!(plan_decode(1792, 68, 132, 1, 2, DECODE_BATCH_W4).is_none());
+        let p = plan_decode(1792, 64, 132, 1, 2, DECODE_BATCH_W4).unwrap();
+        assert!(p.per_cta.is_multiple_of(DECODE_BATCH_W4));
         // 16 bf16 tokens of an 8192-wide input (Llama-2-70B's 57344x8192) take the mma.sync
         // gemv; as INT8 codes they fit.
-        assert!(plan_decode(3584, 128, 132, 16, 2).is_none());
-        assert!(plan_decode(3584, 128, 132, 16, 1).is_some());
+        assert!(plan_decode(3584, 128, 132, 16, 2, DECODE_BATCH).is_none());
+        assert!(plan_decode(3584, 128, 132, 16, 1, DECODE_BATCH).is_some());
     }
 
     #[test]
