@@ -54,21 +54,17 @@ template <> __device__ __forceinline__ float sum8<__half>(uint4 v) {
 }
 
 // Chunks of 64 channels per register batch: the next batch's loads are in flight while this one
-// is multiplied (qlinear::DECODE_BATCH). The dense W4A16 gemv takes twice as many chunks
-// (qlinear::DECODE_BATCH_W4), so a lane has as many weight bytes in flight (128) as the 8-bit
-// units: with 64 the large layers read 60% to 69% of HBM bandwidth at one token, the 8-bit
-// units 78% to 83%.
+// is multiplied (qlinear::DECODE_BATCH).
 #define DEC_U 4
-#define DEC_U_W4 8
 
 // W4A16 units: a tile's chunk is 512 B of codes (16 B per lane) and the (scale, magic + zero)
 // pairs of its group, rows g and g + 8 (8 B per lane). Scales apply once per span of GC chunks
 // (GC = 1 for groups of 64, 2 for groups of 128 or a larger power of two), so a span's group is
 // known without a test and a batch has no per-chunk conditions.
-template <class T, int GC_, int U_ = DEC_U> struct DecW4 {
+template <class T, int GC_> struct DecW4 {
     using X = T;
     using Acc = float;
-    static constexpr int U = U_, GC = GC_, SPANS = U / GC;
+    static constexpr int U = DEC_U, GC = GC_, SPANS = U / GC;
     static constexpr bool ZERO_POINTS = true;  // flush needs the activation sums
     struct Regs {
         uint4 w[U];
@@ -534,7 +530,7 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
         int* counters, int M, int N, int K, int tiles, int chunks, int groups, int group_len,          \
         int group_shift, int per_cta, int max_pieces) {                                                \
         const int chunk_shift = groups == 1 ? 30 : group_shift - 6;                                    \
-        dec_gemv<TT, DEC_WARPS>(DecW4<T, GC, DEC_U_W4>{codes, params, chunks, groups, chunk_shift}, x, ldx, y, ldy, \
+        dec_gemv<TT, DEC_WARPS>(DecW4<T, GC>{codes, params, chunks, groups, chunk_shift}, x, ldx, y, ldy, \
                                 partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces,          \
                                 W4Epilogue{}, blockIdx.x);                                                         \
     }

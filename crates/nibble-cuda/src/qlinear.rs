@@ -46,9 +46,6 @@ pub const DECODE_MAX_M_INT8: usize = 32;
 /// Chunks of 64 channels per register batch of the decode gemv (`U` of its entry points): the
 /// input width must be a multiple of `64 * DECODE_BATCH`.
 pub(crate) const DECODE_BATCH: usize = 4;
-/// The same for the dense W4A16 decode gemv (`DEC_U_W4`): 8 chunks of 16 bytes a lane, as many
-/// bytes in flight as the 8-bit families' 4 of 32.
-pub(crate) const DECODE_BATCH_W4: usize = 8;
 /// Weight rows per decode-gemv row block: one 16-row tile per warp of its 16-warp CTAs.
 pub(crate) const DECODE_BLOCK_TILES: usize = 16;
 /// Shared memory the decode gemv may take for its staged activations and their sums.
@@ -203,15 +200,6 @@ impl QFamily {
     /// for the others.
     pub fn min_split_stages(self) -> usize {
         if self.x_elem() == 2 { 16 } else { 28 }
-    }
-
-    /// Chunks per register batch of its decode gemv.
-    pub fn decode_batch(self) -> usize {
-        if self == QFamily::W4A16 {
-            DECODE_BATCH_W4
-        } else {
-            DECODE_BATCH
-        }
     }
 
     /// Bytes of one activation element.
@@ -517,21 +505,20 @@ pub fn plan_decode(
     sms: usize,
     m: usize,
     elem: usize,
-    batch: usize,
 ) -> Option<DecodePlan> {
     let most = if elem == 1 {
         DECODE_MAX_M_INT8
     } else {
         DECODE_MAX_M
     };
-    if m == 0 || m > most || !chunks.is_multiple_of(batch) {
+    if m == 0 || m > most || !chunks.is_multiple_of(DECODE_BATCH) {
         return None;
     }
     let units = tiles.div_ceil(DECODE_BLOCK_TILES) * chunks;
     let per_cta = units
         .div_ceil(sms.max(1))
-        .next_multiple_of(batch)
-        .max(batch);
+        .next_multiple_of(DECODE_BATCH)
+        .max(DECODE_BATCH);
     let window = per_cta.min(chunks);
     // The window's rows padded as the gemv pads its slice; W4A16 adds f32 sums per chunk and
     // token tile row.
@@ -1054,15 +1041,7 @@ impl QGemm {
         // The decode gemv: up to 16 tokens (32 with INT8 activations, in 4-token tiles:
         // [`DECODE_MAX_M_INT8`]) where its activation window fits. On an H200 1.05x to 1.85x
         // the mma.sync gemv, 4096x4096 at M = 1 included: 6.6 against 7.9 µs.
-        let family = route.family;
-        let plan = plan_decode(
-            self.tiles,
-            self.chunks,
-            self.sms,
-            m,
-            family.x_elem(),
-            family.decode_batch(),
-        );
+        let plan = plan_decode(self.tiles, self.chunks, self.sms, m, route.family.x_elem());
         if let (Some(plan), Some(kind)) = (plan, route.decode)
             && wanted(kind, true)
         {
@@ -1469,7 +1448,7 @@ mod tests {
             (384, 64, 1),
             (1, 4, 1),
         ] {
-            let p = plan_decode(tiles, chunks, 132, m, 2, DECODE_BATCH).unwrap();
+            let p = plan_decode(tiles, chunks, 132, m, 2).unwrap();
             let units = tiles.div_ceil(DECODE_BLOCK_TILES) * chunks;
             assert!(
                 p.ctas <= 132 && p.ctas * p.per_cta >= units && (p.ctas - 1) * p.per_cta < units
@@ -1482,21 +1461,18 @@ mod tests {
             }
         }
         // Llama-3-8B's 28672x4096 on an H200: 56 units per CTA, 128 CTAs, one wave.
-        let p = plan_decode(1792, 64, 132, 1, 2, DECODE_BATCH).unwrap();
+        let p = plan_decode(1792, 64, 132, 1, 2).unwrap();
         assert_eq!((p.ctas, p.per_cta, p.max_pieces), (128, 56, 3));
         // Not for 17 tokens of 16-bit activations (INT8 codes: up to 32 where the window fits),
         // inputs that are not a multiple of 256 wide, or windows too large.
-        assert!(plan_decode(1792, 64, 132, 17, 2, DECODE_BATCH).is_none());
-        assert!(plan_decode(256, 64, 132, 32, 1, DECODE_BATCH).is_some());
-        assert!(plan_decode(256, 64, 132, 33, 1, DECODE_BATCH).is_none());
-        assert!(plan_decode(1792, 66, 132, 1, 2, DECODE_BATCH).is_none());
-        assert!(plan_decode(1792, 68, 132, 1, 2, DECODE_BATCH_W4).is_none());
-        let p = plan_decode(1792, 64, 132, 1, 2, DECODE_BATCH_W4).unwrap();
-        assert!(p.per_cta.is_multiple_of(DECODE_BATCH_W4));
+        assert!(plan_decode(1792, 64, 132, 17, 2).is_none());
+        assert!(plan_decode(256, 64, 132, 32, 1).is_some());
+        assert!(plan_decode(256, 64, 132, 33, 1).is_none());
+        assert!(plan_decode(1792, 66, 132, 1, 2).is_none());
         // 16 bf16 tokens of an 8192-wide input (Llama-2-70B's 57344x8192) take the mma.sync
         // gemv; as INT8 codes they fit.
-        assert!(plan_decode(3584, 128, 132, 16, 2, DECODE_BATCH).is_none());
-        assert!(plan_decode(3584, 128, 132, 16, 1, DECODE_BATCH).is_some());
+        assert!(plan_decode(3584, 128, 132, 16, 2).is_none());
+        assert!(plan_decode(3584, 128, 132, 16, 1).is_some());
     }
 
     #[test]
