@@ -13,6 +13,8 @@
 #               each step waits for its tokens) and running ahead (step n+1 queued first)
 #   throughput  1000 ShareGPT prompts offline: BF16 at 64 and 256 sequences (running ahead and
 #               in lockstep), W4A16-g128 and W8A8 at 256
+#   moe-group   the moe part's batch-1 run with the two routed experts of a step grouped
+#               (NIBBLE_MOE_GROUP_MIN=2) and one by one (3, the default)
 #   serve       `nibble serve` (BF16) under `nibble bench serve` at several request rates
 #   qgemm       the quantized GEMMs (W4A16, W8A8, W4A8) on Llama-3-8B's layer shapes against
 #               cuBLAS BF16 and PyTorch's int4 / int8 / fp8 matmuls (report-qgemm.md, qgemm.png),
@@ -112,6 +114,14 @@ for part in "$@"; do
       throughput moe-mixtral-w4a16-b1 "$mixtral" --num-prompts 16 --max-num-seqs 1 --profile
       throughput moe-mixtral-w4a16 "$mixtral" --num-prompts "${MOE_PROMPTS:-400}" \
         --sweep-seqs 64,256 --profile ;;
+    moe-group)
+      mixtral=bench/configs/mixtral-8x7b-vocab-49152.json:w4a16-g128
+      for least in 2 3; do
+        export NIBBLE_MOE_GROUP_MIN=$least
+        throughput "moe-mixtral-w4a16-b1-group$least" "$mixtral" --num-prompts 16 \
+          --max-num-seqs 1 --profile
+      done
+      unset NIBBLE_MOE_GROUP_MIN ;;
     serve)
       step serve-bf16 bash scripts/gpu-serve-bench.sh "$bin" llama-3-8b "$tok" "$ds" "$out" ;;
     *) echo "unknown part $part" >&2; status=1 ;;

@@ -255,6 +255,20 @@ impl CudaBackend {
     }
 }
 
+/// The fewest routed experts a step runs grouped: 3 quantized ones (at two, grouping measured
+/// slower in eager steps: BENCHMARKS.md, issue 23), 8 of 16 bits (the grouped gemv only breaks
+/// even with cuBLAS there). `NIBBLE_MOE_GROUP_MIN` overrides both, read once (a probe knob for
+/// `scripts/gpu-engine-run.sh moe-group`).
+fn grouped_experts_least(quantized: bool) -> usize {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| {
+        std::env::var("NIBBLE_MOE_GROUP_MIN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    });
+    forced.unwrap_or(if quantized { 3 } else { 8 })
+}
+
 /// Why quantized `parts` are about to load dequantized, for the user (`None` for 16/32-bit
 /// weights, which are not quantized to begin with).
 fn dequantized_reason(ctx: &CudaContext, parts: &[HostTensor]) -> Option<String> {
@@ -547,11 +561,7 @@ impl Backend for CudaBackend {
         experts: &[RoutedExpert<'_, CudaWeight>],
     ) -> Result<Option<Vec<CudaTensor>>> {
         let decode_sized = experts.iter().all(|e| e.rows.len() <= GROUPED_ENGINE_ROWS);
-        let least = if experts[0].gate_up.quant().is_some() {
-            3
-        } else {
-            8
-        };
+        let least = grouped_experts_least(experts[0].gate_up.quant().is_some());
         if experts.len() < least || !decode_sized {
             return Ok(None);
         }
