@@ -743,15 +743,7 @@ pub fn quant_gemm(
             chunks,
             groups,
         } => {
-            let xh = half_input(ctx, x, "w4a16")?;
-            let head = vec![
-                Arg::Ptr(codes.ptr),
-                Arg::Ptr(params.ptr),
-                Arg::Ptr(xh.ptr),
-                Arg::I64(xh.ld as i64),
-                Arg::Ptr(out.ptr),
-                Arg::I64(out.ld as i64),
-            ];
+            let (xh, head) = half_operands(ctx, x, "w4a16", [codes.ptr, params.ptr], out)?;
             let geo = [m, n, k, *tiles, *chunks, *groups, *group_len];
             let shift = if group_len.is_power_of_two() {
                 group_len.trailing_zeros() as i32
@@ -784,15 +776,7 @@ pub fn quant_gemm(
             tiles,
             chunks,
         } => {
-            let xh = half_input(ctx, x, "w8a16")?;
-            let head = vec![
-                Arg::Ptr(codes.ptr),
-                Arg::Ptr(scales.ptr),
-                Arg::Ptr(xh.ptr),
-                Arg::I64(xh.ld as i64),
-                Arg::Ptr(out.ptr),
-                Arg::I64(out.ld as i64),
-            ];
+            let (xh, head) = half_operands(ctx, x, "w8a16", [codes.ptr, scales.ptr], out)?;
             let route = Route {
                 family: QFamily::W8A16,
                 out_half,
@@ -915,6 +899,27 @@ pub(crate) fn half_input(ctx: &CudaContext, x: &CudaTensor, what: &str) -> Resul
         )));
     }
     Ok(xh)
+}
+
+/// The 16-bit input of a `what` GEMM and its gemv and tiled kernels' leading arguments: the
+/// weight's two arrays (codes, then group parameters or row scales), the input, the output.
+fn half_operands(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    what: &str,
+    weight: [u64; 2],
+    out: &CudaTensor,
+) -> Result<(CudaTensor, Vec<Arg>)> {
+    let xh = half_input(ctx, x, what)?;
+    let head = vec![
+        Arg::Ptr(weight[0]),
+        Arg::Ptr(weight[1]),
+        Arg::Ptr(xh.ptr),
+        Arg::I64(xh.ld as i64),
+        Arg::Ptr(out.ptr),
+        Arg::I64(out.ld as i64),
+    ];
+    Ok((xh, head))
 }
 
 /// Runs the kernel family a quantized GEMM takes: the decode gemv where it applies and the
