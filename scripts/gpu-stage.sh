@@ -3,6 +3,7 @@
 # (git-ignored, well under the 64 MiB a device call carries):
 #   stage/gpu/nibble            the release binary
 #   stage/gpu/gpu-tests         the GPU test binary (crates/nibble-cuda/tests/gpu.rs)
+#   stage/gpu/gpu-tp-tests      the two-GPU tensor-parallel tests (crates/nibble-cuda/tests/gpu_tp.rs)
 #   stage/gpu/kernels-compile   the NVRTC compile test for every architecture
 #   stage/gpu/gpu-bench         the kernel and decode-step benchmark (crates/nibble-cuda/examples)
 # The model fixtures, bench scripts and configs travel with the working tree.
@@ -23,6 +24,7 @@ for line in sys.stdin:
         print(m["executable"])' "$1"; }
 msgs=$(cargo test --release --locked -q -p nibble-cuda --features gpu-tests --no-run --message-format=json 2>/dev/null)
 cp "$(echo "$msgs" | pick gpu)" "$out/gpu-tests"
+cp "$(echo "$msgs" | pick gpu_tp)" "$out/gpu-tp-tests"
 cp "$(echo "$msgs" | pick kernels_compile)" "$out/kernels-compile"
 msgs=$(cargo build --release --locked -q -p nibble-cuda --example gpu_bench --message-format=json 2>/dev/null)
 cp "$(echo "$msgs" | pick gpu_bench)" "$out/gpu-bench"

@@ -28,9 +28,9 @@ struct Cli {
     #[arg(long, global = true, default_value_t = 0)]
     threads: usize,
     /// Split the model over N ranks (tensor parallelism: each holds 1/N of the heads and of the
-    /// feed-forward, summing partial outputs after attention and the MLP). On the CPU for
-    /// generate so far: the ranks are threads, a check of the sharded arithmetic;
-    /// GPUs need NCCL, not built yet (docs/tensor-parallel.md).
+    /// feed-forward, summing partial outputs after attention and the MLP), for generate and
+    /// bench throughput: on GPUs, one rank per GPU from --device's on, over NCCL; on the CPU, the
+    /// ranks are threads, a check of the sharded arithmetic (docs/tensor-parallel.md).
     #[arg(long, global = true, default_value_t = 1, value_name = "N")]
     tensor_parallel_size: usize,
     /// KV cache format: kv16 (unquantized; f32 on the CPU), kv8 / kv4 (INT8 / INT4 per token per
@@ -47,7 +47,8 @@ struct Cli {
     /// The 16-bit type of weights, GEMM inputs and the KV cache on a GPU: bf16 or f16.
     #[arg(long, global = true, default_value = "bf16", value_parser = parse_dtype)]
     dtype: Dtype,
-    /// Random weights in a shipped shape (llama-3-8b, qwen3-8b, llama-2-7b, tiny-dummy) or a
+    /// Random weights in a shipped shape (llama-3-8b, qwen3-8b, llama-2-7b, llama-2-70b,
+    /// mixtral-8x7b, qwen3-30b-a3b, tiny-dummy) or a
     /// config.json, to measure speed without a checkpoint. Output text is meaningless. A
     /// `:PRECISION` suffix (llama-3-8b:w4a16-g128, llama-3-8b:w8a8) quantizes the blocks' linear
     /// layers round-to-nearest at load.
@@ -262,6 +263,7 @@ impl EngineArgs {
 fn build_engine<B: Backend>(
     engine: Engine<B>,
     args: &EngineArgs,
+    rank: Rank<'_>,
 ) -> Result<nibble_engine::serving::LlmEngine<B>>
 where
     B::Kv: KvReport,
@@ -304,15 +306,46 @@ where
             // One block is kept aside for padding.
             config.num_blocks -= 1;
         }
-        eprintln!(
-            "nibble: warmed up with a step of {} tokens in {:.1}s; {} MiB of {} MiB free",
-            config.max_batched_tokens,
-            t0.elapsed().as_secs_f64(),
-            free >> 20,
-            total >> 20
-        );
+        // Tensor-parallel ranks' GPUs have a little more or less free memory each; their
+        // schedulers must see the same pool to make the same choices.
+        config.num_blocks = rank.agree_min(config.num_blocks)?;
+        if rank.leads() {
+            eprintln!(
+                "nibble: warmed up with a step of {} tokens in {:.1}s; {} MiB of {} MiB free",
+                config.max_batched_tokens,
+                t0.elapsed().as_secs_f64(),
+                free >> 20,
+                total >> 20
+            );
+        }
     }
     Ok(LlmEngine::new(backend, model, tokenizer, config)?)
+}
+
+/// One rank's part in a run: rank 0 (or the only one) talks to the user; every rank of a
+/// tensor-parallel run agrees through `host` on what it decides from local facts.
+#[derive(Clone, Copy)]
+struct Rank<'a> {
+    rank: usize,
+    host: Option<&'a nibble_model::tensor_parallel::HostComm>,
+}
+
+impl Rank<'_> {
+    const ALONE: Rank<'static> = Rank {
+        rank: 0,
+        host: None,
+    };
+
+    fn leads(&self) -> bool {
+        self.rank == 0
+    }
+
+    fn agree_min(&self, value: usize) -> Result<usize> {
+        match self.host {
+            Some(host) => Ok(host.agree_min(self.rank, value)?),
+            None => Ok(value),
+        }
+    }
 }
 
 #[derive(Args)]
@@ -550,7 +583,7 @@ fn run(cli: Cli) -> Result<()> {
     };
     let labels = (label.clone(), tokenizer);
     if cli.tensor_parallel_size > 1 {
-        return run_tensor_parallel(cli, files, kv);
+        return run_tensor_parallel(cli, files, kv, labels);
     }
     match cli.device.resolve() {
         Device::Cpu => {
@@ -621,7 +654,7 @@ where
             let a = match what {
                 Some(BenchCommand::Cpu(a)) => a,
                 Some(BenchCommand::Throughput(t)) => {
-                    return bench_throughput(engine, t, labels.0, labels.1);
+                    return bench_throughput(engine, &t, labels.0, labels.1, Rank::ALONE);
                 }
                 Some(BenchCommand::Serve(_)) => unreachable!("handled above"),
                 None => cpu,
@@ -656,7 +689,7 @@ where
             .unwrap_or_else(|| "SmolLM2-135M-Instruct".into())
     });
     let limits = args.limits.limits()?;
-    let llm = build_engine(engine, &args.engine)?;
+    let llm = build_engine(engine, &args.engine, Rank::ALONE)?;
     eprintln!("nibble serve: {}", kv_pool_line(&llm));
     let opts = nibble_server::ServeOptions {
         addr: std::net::SocketAddr::new(args.host, args.port),
@@ -782,9 +815,10 @@ fn summarize_steps(profile: &[nibble_engine::serving::StepProfile]) -> StepSumma
 
 fn bench_throughput<B: Backend>(
     mut engine: Engine<B>,
-    args: ThroughputArgs,
+    args: &ThroughputArgs,
     model_label: String,
     tokenizer_label: String,
+    rank: Rank<'_>,
 ) -> Result<()>
 where
     B::Kv: KvReport,
@@ -819,8 +853,11 @@ where
         let mut engine_args = args.engine.clone();
         engine_args.max_num_seqs = size;
         engine_args.max_waiting = engine_args.max_waiting.max(requests.len());
-        let (r, back) = throughput_run(engine, &engine_args, &requests, args.profile)?;
+        let (r, back) = throughput_run(engine, &engine_args, &requests, args.profile, rank)?;
         engine = back;
+        if !rank.leads() {
+            continue;
+        }
         let r = ThroughputResult {
             model: model_label.clone(),
             tokenizer: tokenizer_label.clone(),
@@ -829,13 +866,13 @@ where
         print_throughput(&r);
         results.push(r);
     }
-    if let Some(path) = args.json {
+    if let Some(path) = args.json.as_ref().filter(|_| rank.leads()) {
         let text = if results.len() == 1 {
             serde_json::to_string_pretty(&results[0])?
         } else {
             serde_json::to_string_pretty(&results)?
         };
-        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+        std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
 }
@@ -866,15 +903,18 @@ fn throughput_run<B: Backend>(
     args: &EngineArgs,
     requests: &[(Vec<u32>, usize)],
     profile: bool,
+    rank: Rank<'_>,
 ) -> Result<(ThroughputResult, Engine<B>)>
 where
     B::Kv: KvReport,
 {
     use nibble_engine::serving::{Event, Request};
     let backend_name = nibble_model::Backend::name(&engine.backend);
-    let mut llm = build_engine(engine, args)?;
+    let mut llm = build_engine(engine, args, rank)?;
     let config = llm.config.clone();
-    eprintln!("nibble: {}", kv_pool_line(&llm));
+    if rank.leads() {
+        eprintln!("nibble: {}", kv_pool_line(&llm));
+    }
     let limit = llm.max_sequence_len();
     let (mut prompt_tokens, mut planned) = (0, 0);
     for (i, (prompt, output_len)) in requests.iter().enumerate() {
@@ -899,7 +939,11 @@ where
         )?;
     }
     llm.set_profiling(profile);
-    let bar = indicatif::ProgressBar::new(planned as u64);
+    let bar = if rank.leads() {
+        indicatif::ProgressBar::new(planned as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
     bar.set_style(
         indicatif::ProgressStyle::with_template(
             "throughput [{bar:40}] {pos}/{len} output tokens {per_sec} {eta}",
@@ -1054,66 +1098,141 @@ fn template<B: Backend>(engine: &Engine<B>) -> Result<ChatTemplate> {
     )?)
 }
 
-/// `generate` with the model split over `--tensor-parallel-size` CPU ranks: every rank
-/// runs the same loop on its shard (the same logits after each all-reduce, so the same tokens);
-/// rank 0 talks to the terminal.
-fn run_tensor_parallel(cli: Cli, files: nibble_model::ModelFiles, kv: KvSpec) -> Result<()> {
+/// `generate` and `bench throughput` with the model split over `--tensor-parallel-size` ranks:
+/// CPU threads (a check of the sharded arithmetic) or one GPU each (NCCL). Every rank runs the
+/// same loop on its shard (the same logits after each all-reduce, so the same tokens and the
+/// same schedule); rank 0 talks to the terminal.
+fn run_tensor_parallel(
+    cli: Cli,
+    files: nibble_model::ModelFiles,
+    kv: KvSpec,
+    labels: (String, String),
+) -> Result<()> {
     let size = cli.tensor_parallel_size;
-    if !matches!(cli.device.resolve(), Device::Cpu) {
-        bail!(
-            "--tensor-parallel-size {size} on GPUs needs NCCL across several GPUs, which nibble \
-             does not drive yet; --device cpu runs the split on CPU threads"
-        );
+    match &cli.command {
+        Command::Generate { .. }
+        | Command::Bench {
+            what: Some(BenchCommand::Throughput(_)),
+            ..
+        } => {}
+        _ => bail!(
+            "--tensor-parallel-size works with generate (one prompt, --chat or not) and bench \
+             throughput so far"
+        ),
     }
-    let Command::Generate { prompt, chat, opts } = &cli.command else {
-        bail!("--tensor-parallel-size works with generate (one prompt, --chat or not) so far");
-    };
-    let (prompt, chat) = (prompt.clone(), *chat);
     nibble_model::tensor_parallel::check_split(&files.config, size)?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = if cli.threads == 0 { cores } else { cli.threads };
     let kv = cli
         .kv
         .map_or(files.precision.map(|p| p.kv).unwrap_or_default(), |_| kv);
-    eprintln!(
-        "nibble: {size} tensor-parallel ranks on the CPU, {} threads each",
-        (threads / size).max(1)
-    );
     let tokenizer = files.tokenizer.clone();
-    nibble_cpu::tensor_parallel::run_sharded(
-        size,
-        (threads / size).max(1),
-        &*files.source,
-        &files.config,
-        |backend, mut model| {
-            let rank = backend.rank();
-            model.kv_format = kv;
-            let engine = Engine {
-                backend,
-                model,
-                tokenizer: tokenizer.clone(),
-            };
-            if rank == 0 {
-                generate(&engine, &prompt, chat, opts)
-                    .map_err(|e| nibble_core::Error::InvalidArgument(format!("{e:#}")))
-            } else {
-                let ids = if chat {
-                    let text = template(&engine)
-                        .and_then(|t| Ok(t.render(&[ChatMessage::new("user", &prompt)], true)?))
-                        .map_err(|e| nibble_core::Error::InvalidArgument(format!("{e:#}")))?;
-                    engine.tokenizer.encode(&text, false)?
-                } else {
-                    engine.tokenizer.encode(&prompt, true)?
-                };
-                let constraint = opts
-                    .constraint(&engine)
-                    .map_err(|e| nibble_core::Error::InvalidArgument(format!("{e:#}")))?;
-                engine.generate(&opts.request(ids, constraint), &mut |_| {})?;
-                Ok(())
-            }
-        },
-    )?;
+    let host = nibble_model::tensor_parallel::HostComm::new(size);
+    match cli.device.resolve() {
+        Device::Cpu => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let threads = if cli.threads == 0 { cores } else { cli.threads };
+            eprintln!(
+                "nibble: {size} tensor-parallel ranks on the CPU, {} threads each",
+                (threads / size).max(1)
+            );
+            nibble_cpu::tensor_parallel::run_sharded(
+                size,
+                (threads / size).max(1),
+                &*files.source,
+                &files.config,
+                |backend, mut model| {
+                    let rank = backend.rank();
+                    model.kv_format = kv;
+                    let engine = Engine {
+                        backend,
+                        model,
+                        tokenizer: tokenizer.clone(),
+                    };
+                    let r = Rank {
+                        rank,
+                        host: Some(&host),
+                    };
+                    run_rank(engine, &cli, &labels, r)
+                },
+            )?;
+        }
+        Device::Cuda(first) => {
+            let gpus: Vec<usize> = (first..first + size).collect();
+            let group = nibble_cuda::tensor_parallel::GpuGroup::new(&gpus, cli.dtype)?;
+            eprintln!(
+                "nibble: {size} tensor-parallel ranks on cuda:{first}..cuda:{}, {}",
+                first + size - 1,
+                nibble_cuda::nccl::describe()?
+            );
+            let t0 = std::time::Instant::now();
+            nibble_cuda::tensor_parallel::run_sharded(
+                &group,
+                &*files.source,
+                &files.config,
+                |rank, backend, mut model| {
+                    model.kv_format = kv;
+                    if rank == 0 {
+                        eprintln!(
+                            "nibble: rank 0 loaded its shard in {:.1}s",
+                            t0.elapsed().as_secs_f64()
+                        );
+                        for note in backend.load_notes() {
+                            eprintln!("nibble: {note}");
+                        }
+                    }
+                    let engine = Engine {
+                        backend,
+                        model,
+                        tokenizer: tokenizer.clone(),
+                    };
+                    let r = Rank {
+                        rank,
+                        host: Some(&group.host),
+                    };
+                    run_rank(engine, &cli, &labels, r)
+                },
+            )?;
+        }
+        Device::Auto => unreachable!("resolved above"),
+    }
     Ok(())
+}
+
+/// One rank's share of a tensor-parallel command (see [`run_tensor_parallel`]).
+fn run_rank<B: Backend>(
+    engine: Engine<B>,
+    cli: &Cli,
+    labels: &(String, String),
+    rank: Rank<'_>,
+) -> nibble_core::Result<()>
+where
+    B::Kv: KvReport,
+{
+    let as_core = |e: anyhow::Error| nibble_core::Error::InvalidArgument(format!("{e:#}"));
+    match &cli.command {
+        Command::Generate { prompt, chat, opts } if rank.leads() => {
+            generate(&engine, prompt, *chat, opts).map_err(as_core)
+        }
+        Command::Generate { prompt, chat, opts } => {
+            let ids = if *chat {
+                let text = template(&engine)
+                    .and_then(|t| Ok(t.render(&[ChatMessage::new("user", prompt)], true)?))
+                    .map_err(as_core)?;
+                engine.tokenizer.encode(&text, false)?
+            } else {
+                engine.tokenizer.encode(prompt, true)?
+            };
+            let constraint = opts.constraint(&engine).map_err(as_core)?;
+            engine.generate(&opts.request(ids, constraint), &mut |_| {})?;
+            Ok(())
+        }
+        Command::Bench {
+            what: Some(BenchCommand::Throughput(t)),
+            ..
+        } => bench_throughput(engine, t, labels.0.clone(), labels.1.clone(), rank).map_err(as_core),
+        _ => Err(nibble_core::Error::InvalidArgument(
+            "this command does not run tensor-parallel".into(),
+        )),
+    }
 }
 
 fn generate<B: Backend>(

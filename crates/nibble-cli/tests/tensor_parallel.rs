@@ -117,7 +117,8 @@ fn splits_that_cannot_work_are_refused_with_the_reason() {
     let moe = open_model(&fixture("tiny-mixtral"), None).unwrap();
     let e = check_split(&moe.config, 2).unwrap_err().to_string();
     assert!(e.contains("mixture-of-experts"), "{e}");
-    // A row-parallel cut through a quantization block, and through a nibble quantized row.
+    // A row-parallel cut through a quantization block, through a nibble group, and through a
+    // format whose rows cannot be cut.
     let q4 = HostTensor {
         name: "w".into(),
         shape: vec![2, 64],
@@ -135,7 +136,34 @@ fn splits_that_cannot_work_are_refused_with_the_reason() {
         format: WeightFormat::Quant(fmt),
         bytes: TensorBytes::Owned(std::sync::Arc::new(vec![0u8; 2 * rb])),
     };
-    let e = w8.slice_cols(0, 32).unwrap_err().to_string();
+    // Per-channel INT8 rows keep their scale in every part.
+    let part = w8.slice_cols(32, 64).unwrap();
+    assert_eq!(part.shape, vec![2, 32]);
+    assert_eq!(part.bytes.len(), 2 * fmt.row_bytes(32).unwrap());
+    let g64: nibble_precision::LinearFormat = "int4-g64/a16".parse().unwrap();
+    let w4 = HostTensor {
+        name: "w4".into(),
+        shape: vec![2, 256],
+        format: WeightFormat::Quant(g64),
+        bytes: TensorBytes::Owned(std::sync::Arc::new(vec![
+            0u8;
+            2 * g64.row_bytes(256).unwrap()
+        ])),
+    };
+    let e = w4.slice_cols(0, 96).unwrap_err().to_string();
+    assert!(e.contains("'w4'") && e.contains("cut a group of 64"), "{e}");
+    assert_eq!(w4.slice_cols(128, 256).unwrap().shape, vec![2, 128]);
+    let qoq: nibble_precision::LinearFormat = "qoq-g64/a8".parse().unwrap();
+    let wq = HostTensor {
+        name: "wq".into(),
+        shape: vec![2, 256],
+        format: WeightFormat::Quant(qoq),
+        bytes: TensorBytes::Owned(std::sync::Arc::new(vec![
+            0u8;
+            2 * qoq.row_bytes(256).unwrap()
+        ])),
+    };
+    let e = wq.slice_cols(0, 128).unwrap_err().to_string();
     assert!(e.contains("by columns"), "{e}");
     // Rows of any format split (column-parallel layers).
     assert_eq!(w8.slice_rows(1, 2).unwrap().shape, vec![1, 64]);

@@ -22,6 +22,7 @@ use nibble_model::{
 use crate::blas::Blas;
 use crate::context::{CudaContext, StepUpload};
 use crate::kv::CudaKv;
+use crate::nccl::{Communicator, ReduceType};
 use crate::runtime::DeviceBuffer;
 use crate::sampling::SampleScratch;
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem, QuantWeight, WeightData};
@@ -43,6 +44,9 @@ pub struct CudaBackend {
     pub host_sampling: bool,
     /// Quantized formats loaded dequantized, and why (`Backend::load_notes`).
     dequantized: Mutex<std::collections::BTreeSet<String>>,
+    /// This GPU's rank in a tensor-parallel group (`Backend::all_reduce` over NCCL); `None`
+    /// runs the whole model.
+    collective: Option<Arc<Communicator>>,
     ctx: CudaContext,
 }
 
@@ -69,8 +73,16 @@ impl CudaBackend {
             sampling: SampleScratch::default(),
             host_sampling: std::env::var("NIBBLE_HOST_SAMPLING").is_ok_and(|v| v != "0"),
             dequantized: Mutex::default(),
+            collective: None,
             ctx,
         })
+    }
+
+    /// Makes this backend one rank of a tensor-parallel group: it holds that rank's shard, and
+    /// [`Backend::all_reduce`] sums row-parallel outputs over the group on this GPU's stream.
+    pub fn with_collective(mut self, comm: Arc<Communicator>) -> CudaBackend {
+        self.collective = Some(comm);
+        self
     }
 
     /// [`qlinear::quant_gemm`] (benchmarks and tests time and check the kernels alone).
@@ -322,14 +334,36 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> String {
         let gpu = &self.ctx.gpu;
+        let rank = self.collective.as_ref().map_or(String::new(), |c| {
+            format!(", tensor-parallel rank {} of {}", c.rank(), c.size())
+        });
         format!(
-            "cuda:{} ({}, sm_{}{}, {})",
+            "cuda:{} ({}, sm_{}{}, {}{rank})",
             gpu.ordinal,
             gpu.name,
             gpu.cc.0,
             gpu.cc.1,
             self.ctx.dtype.suffix()
         )
+    }
+
+    fn all_reduce(&self, x: &mut CudaTensor) -> Result<()> {
+        let Some(comm) = &self.collective else {
+            return Ok(());
+        };
+        if x.ld != x.cols {
+            return Err(Error::InvalidArgument(format!(
+                "all-reduce of a column slice ({} of {} columns): row-parallel outputs are whole",
+                x.cols, x.ld
+            )));
+        }
+        let ty = match x.elem {
+            Elem::F32 => ReduceType::F32,
+            Elem::Half(Dtype::Bf16) => ReduceType::Bf16,
+            Elem::Half(Dtype::F16) => ReduceType::F16,
+        };
+        self.ctx.gpu.bind()?;
+        comm.all_reduce_sum(x.ptr, x.rows * x.cols, ty, self.ctx.gpu.cu_stream())
     }
 
     fn load_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
@@ -376,6 +410,15 @@ impl Backend for CudaBackend {
     }
 
     fn begin_forward(&self, tokens: &[u32], batch: &BatchLayout) -> Result<()> {
+        // A replayed graph issues its all-reduces without asking the communicator: once the
+        // group is aborted (a rank failed), no forward pass may start.
+        if let Some(comm) = &self.collective
+            && comm.is_aborted()
+        {
+            return Err(Error::InvalidArgument(
+                "tensor-parallel group abandoned: another rank failed".into(),
+            ));
+        }
         self.ctx.begin_forward(tokens, batch)
     }
 

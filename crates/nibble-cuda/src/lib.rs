@@ -13,6 +13,7 @@
 //! `grouped`, which runs `qlinear`'s formats over item tables.
 //!
 //! ```text
+//! tensor_parallel  ranks on several GPUs, their NCCL group             -> backend nccl
 //! backend       impl Backend for CudaBackend: picks and calls the ops  -> every module below
 //! ---------------------------------------------------------------------------------------------
 //! ops           attention    paged attention, prefill and decode       -> context kv runtime tensor
@@ -29,6 +30,7 @@
 //!               kv           CudaKv, the paged KV pool                 -> runtime tensor
 //!               tensor       Dtype, Elem, CudaTensor, CudaWeight       -> runtime
 //!               module       loading cubins                            -> runtime
+//!               nccl         NCCL loaded at run time: all-reduce       -> runtime
 //!               host         page-locked memory, events, staging ring  -> runtime
 //!               runtime      Gpu, DeviceBuffer, Arena, Kernel, Arg     -> compile probe
 //!               compile      NVRTC and the cubin cache                 -> (none)
@@ -46,12 +48,14 @@ pub mod grouped;
 mod host;
 mod kv;
 pub mod module;
+pub mod nccl;
 pub mod pack;
 pub mod probe;
 pub mod qlinear;
 mod runtime;
 mod sampling;
 mod tensor;
+pub mod tensor_parallel;
 
 pub use attention::{HEAD_DIMS, Split, plan_split};
 pub use backend::CudaBackend;

@@ -174,8 +174,8 @@ impl HostTensor {
     }
 
     /// Why columns `c0..c1` of this `[rows, cols]` matrix cannot be cut out, if they cannot:
-    /// plain floats cut anywhere, ggml blocks on block boundaries; a cut through a block, or
-    /// through a nibble quantized row (whose groups' scales sit apart from its codes), is refused.
+    /// plain floats cut anywhere, ggml blocks on block boundaries, nibble quantized rows on whole
+    /// groups where their format allows it (`LinearFormat::check_col_cut`); other cuts are refused.
     /// Reads no data.
     pub fn check_col_cut(&self, c0: usize, c1: usize) -> Result<()> {
         let (_, cols, _) = self.matrix_geometry()?;
@@ -185,12 +185,13 @@ impl HostTensor {
                 self.name
             )));
         }
-        let WeightFormat::Ggml(t) = self.format else {
-            return Err(Error::unsupported(
-                format!("splitting '{}' ({:?}) by columns", self.name, self.format),
-                "tensor parallelism splits row-parallel layers of plain float and ggml block \
-                 formats; re-quantize nibble formats per shard",
-            ));
+        let t = match self.format {
+            WeightFormat::Ggml(t) => t,
+            WeightFormat::Quant(f) => {
+                return f
+                    .check_col_cut(cols, c0, c1)
+                    .map_err(|e| Error::InvalidArgument(format!("'{}': {e}", self.name)));
+            }
         };
         let b = t.block_elems();
         if !c0.is_multiple_of(b) || !c1.is_multiple_of(b) {
@@ -212,14 +213,23 @@ impl HostTensor {
     pub fn slice_cols(&self, c0: usize, c1: usize) -> Result<HostTensor> {
         self.check_col_cut(c0, c1)?;
         let (rows, cols, _) = self.matrix_geometry()?;
-        let WeightFormat::Ggml(t) = self.format else {
-            unreachable!("check_col_cut refuses other formats")
-        };
-        let rb = t.bytes_for(cols)?;
-        let (o0, o1) = (t.bytes_for(c0)?, t.bytes_for(c1)?);
-        let mut out = Vec::with_capacity(rows * (o1 - o0));
-        for r in 0..rows {
-            out.extend_from_slice(&self.bytes[r * rb + o0..r * rb + o1]);
+        let mut out = Vec::new();
+        match self.format {
+            WeightFormat::Ggml(t) => {
+                let rb = t.bytes_for(cols)?;
+                let (o0, o1) = (t.bytes_for(c0)?, t.bytes_for(c1)?);
+                out.reserve(rows * (o1 - o0));
+                for r in 0..rows {
+                    out.extend_from_slice(&self.bytes[r * rb + o0..r * rb + o1]);
+                }
+            }
+            WeightFormat::Quant(f) => {
+                let rb = f.row_bytes(cols)?;
+                out.reserve(rows * f.row_bytes(c1 - c0)?);
+                for row in self.bytes.chunks_exact(rb) {
+                    f.cut_cols(row, cols, c0, c1, &mut out)?;
+                }
+            }
         }
         Ok(HostTensor {
             shape: vec![rows, c1 - c0],

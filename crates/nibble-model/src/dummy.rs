@@ -30,10 +30,11 @@ use crate::transformer::{TensorRole, model_tensors};
 
 /// The configs the binary carries, by name: published Hugging Face shapes (`torch_dtype`
 /// bfloat16; two mixture-of-experts ones), and `tiny-dummy` for tests.
-pub const SHIPPED_CONFIGS: [(&str, &str); 6] = [
+pub const SHIPPED_CONFIGS: [(&str, &str); 7] = [
     ("llama-3-8b", include_str!("../configs/llama-3-8b.json")),
     ("qwen3-8b", include_str!("../configs/qwen3-8b.json")),
     ("llama-2-7b", include_str!("../configs/llama-2-7b.json")),
+    ("llama-2-70b", include_str!("../configs/llama-2-70b.json")),
     ("mixtral-8x7b", include_str!("../configs/mixtral-8x7b.json")),
     (
         "qwen3-30b-a3b",
@@ -425,6 +426,19 @@ mod tests {
                     4096,
                     false,
                 ),
+                "llama-2-70b" => (
+                    Arch::Llama,
+                    8192,
+                    80,
+                    64,
+                    8,
+                    128,
+                    28672,
+                    32000,
+                    10000.0,
+                    4096,
+                    false,
+                ),
                 "mixtral-8x7b" => (
                     Arch::Mixtral,
                     4096,
@@ -494,6 +508,7 @@ mod tests {
             ("llama-3-8b", 8.03e9),
             ("qwen3-8b", 8.19e9),
             ("llama-2-7b", 6.74e9),
+            ("llama-2-70b", 68.98e9),
             ("mixtral-8x7b", 46.7e9),
             ("qwen3-30b-a3b", 30.5e9),
         ] {

@@ -10,11 +10,15 @@
 //! The same shards run on one machine's CPUs (nibble-cpu's `tensor_parallel`: the arithmetic
 //! checked against one rank) and are what a multi-GPU backend loads on each GPU.
 
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
 use nibble_core::{Error, Result};
 use nibble_formats::HostTensor;
 
 use crate::config::ModelConfig;
 use crate::source::TensorSource;
+use crate::{Backend, Transformer};
 
 /// Refuses a split that would not give each rank whole heads, whole KV heads and an equal
 /// feed-forward slice; what it cannot cut in a weight (a quantization block) is refused when the
@@ -158,5 +162,232 @@ impl ShardedSource<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// How long a rank waits for the others at an all-reduce before it gives up with an error (a
+/// rank that died would otherwise hang the rest).
+const ALL_REDUCE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The all-reduce of `size` ranks in one process, on the host: each contributes its tensor, the last to
+/// arrive sums them in rank order (so every rank gets the same bits), and all copy the sum out.
+pub struct HostComm {
+    size: usize,
+    state: Mutex<Round>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct Round {
+    parts: Vec<Option<Vec<f32>>>,
+    arrived: usize,
+    /// Ranks yet to copy the last round's sum out; a new round waits for them.
+    departing: usize,
+    sum: Vec<f32>,
+    generation: u64,
+    /// Set when a rank failed: everyone waiting, or arriving later, gets this error.
+    aborted: Option<String>,
+}
+
+impl HostComm {
+    pub fn new(size: usize) -> Arc<HostComm> {
+        Arc::new(HostComm {
+            size,
+            state: Mutex::new(Round {
+                parts: vec![None; size],
+                ..Round::default()
+            }),
+            cv: Condvar::new(),
+        })
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Ends every pending and later all-reduce with an error naming `why` (a rank failed).
+    pub fn abort(&self, why: &str) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.aborted.get_or_insert_with(|| why.to_string());
+        self.cv.notify_all();
+    }
+
+    fn wait<'a>(
+        &self,
+        st: std::sync::MutexGuard<'a, Round>,
+        until: impl Fn(&Round) -> bool,
+    ) -> Result<std::sync::MutexGuard<'a, Round>> {
+        let (st, timeout) = self
+            .cv
+            .wait_timeout_while(st, ALL_REDUCE_TIMEOUT, |r| r.aborted.is_none() && !until(r))
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(why) = &st.aborted {
+            return Err(Error::InvalidArgument(format!(
+                "tensor-parallel all-reduce abandoned: {why}"
+            )));
+        }
+        if timeout.timed_out() {
+            return Err(Error::InvalidArgument(format!(
+                "tensor-parallel all-reduce: the other ranks did not arrive within {}s",
+                ALL_REDUCE_TIMEOUT.as_secs()
+            )));
+        }
+        Ok(st)
+    }
+
+    /// Replaces `x` (rank `rank`'s part) by the sum over all ranks.
+    pub fn all_reduce(&self, rank: usize, x: &mut [f32]) -> Result<()> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.wait(st, |r| r.departing == 0)?;
+        if st.parts[rank].is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} entered an all-reduce twice"
+            )));
+        }
+        st.parts[rank] = Some(x.to_vec());
+        st.arrived += 1;
+        if st.arrived == self.size {
+            let mut parts = std::mem::take(&mut st.parts);
+            let mut sum = parts[0].take().unwrap_or_default();
+            for p in parts.iter_mut().skip(1) {
+                let p = p.take().unwrap_or_default();
+                if p.len() != sum.len() {
+                    drop(st);
+                    self.abort("ranks contributed tensors of different sizes");
+                    return Err(Error::InvalidArgument(
+                        "tensor-parallel all-reduce: ranks contributed tensors of different sizes"
+                            .into(),
+                    ));
+                }
+                for (s, v) in sum.iter_mut().zip(&p) {
+                    *s += v;
+                }
+            }
+            st.parts = vec![None; self.size];
+            st.sum = sum;
+            st.arrived = 0;
+            st.departing = self.size;
+            st.generation += 1;
+            self.cv.notify_all();
+        } else {
+            let round = st.generation;
+            st = self.wait(st, |r| r.generation != round)?;
+        }
+        if st.sum.len() != x.len() {
+            return Err(Error::InvalidArgument(
+                "tensor-parallel all-reduce: ranks contributed tensors of different sizes".into(),
+            ));
+        }
+        x.copy_from_slice(&st.sum);
+        st.departing -= 1;
+        if st.departing == 0 {
+            self.cv.notify_all();
+        }
+        Ok(())
+    }
+}
+
+impl HostComm {
+    /// Waits until every rank has arrived (or one failed: an error).
+    pub fn barrier(&self, rank: usize) -> Result<()> {
+        self.all_reduce(rank, &mut [0.0])
+    }
+
+    /// The smallest of the ranks' `value`s, on every rank: what the ranks must agree on before
+    /// they act alike, e.g. how many KV blocks each GPU's pool holds (their free memory differs
+    /// by a little, and ranks whose schedulers saw different pools would part ways).
+    pub fn agree_min(&self, rank: usize, value: usize) -> Result<usize> {
+        // Each rank's value in its own slot, exact in f32 below 2^24; the sum gathers them all.
+        let (hi, lo) = ((value >> 24) as f32, (value & 0xFF_FFFF) as f32);
+        let mut slots = vec![0f32; 2 * self.size()];
+        slots[2 * rank] = hi;
+        slots[2 * rank + 1] = lo;
+        self.all_reduce(rank, &mut slots)?;
+        Ok(slots
+            .chunks_exact(2)
+            .map(|p| ((p[0] as usize) << 24) | p[1] as usize)
+            .min()
+            .unwrap_or(value))
+    }
+}
+
+/// Runs `body` on every rank of a `size`-way split of the model in `source`, each on its own
+/// thread with the backend `make_backend(rank)` makes there and its shard loaded on it (handed
+/// over, so a rank can build an engine of it), and returns each rank's result in rank order.
+/// A rank that fails or panics calls `abort` with the reason before its backend is gone, so the
+/// others' collectives end with an error instead of waiting for it; the first failure is the
+/// error returned.
+pub fn run_ranks<B: Backend, R: Send>(
+    size: usize,
+    source: &dyn TensorSource,
+    config: &ModelConfig,
+    make_backend: impl Fn(usize) -> Result<B> + Sync,
+    abort: impl Fn(&str) + Sync,
+    body: impl Fn(usize, B, Transformer<B>) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
+    let shard = shard_config(config, size)?;
+    ShardedSource::new(source, config, 0, size)?.check_cuts()?;
+    let results: Vec<Result<R>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..size)
+            .map(|rank| {
+                let (shard, make_backend, abort, body) =
+                    (shard.clone(), &make_backend, &abort, &body);
+                scope.spawn(move || {
+                    let run = || -> Result<R> {
+                        let src = ShardedSource::new(source, config, rank, size)?;
+                        let be = make_backend(rank)?;
+                        let model = Transformer::load(&be, shard, &src, &mut |_, _| {})?;
+                        body(rank, be, model)
+                    };
+                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+                        Ok(Ok(r)) => Ok(r),
+                        Ok(Err(e)) => {
+                            abort(&format!("rank {rank} failed: {e}"));
+                            Err(e)
+                        }
+                        Err(_) => {
+                            abort(&format!("rank {rank} panicked"));
+                            Err(Error::InvalidArgument(format!(
+                                "tensor-parallel rank {rank} panicked"
+                            )))
+                        }
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::InvalidArgument(
+                        "a tensor-parallel rank panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    // The first rank's own failure, not a peer's "abandoned" echo of it, where there is one.
+    let mut first_err = None;
+    let mut out = Vec::with_capacity(size);
+    for r in results {
+        match r {
+            Ok(v) => out.push(v),
+            Err(e) => {
+                let echo = e.to_string().contains("abandoned");
+                if first_err
+                    .as_ref()
+                    .is_none_or(|(was_echo, _)| *was_echo && !echo)
+                {
+                    first_err = Some((echo, e));
+                }
+            }
+        }
+    }
+    match first_err {
+        Some((_, e)) => Err(e),
+        None => Ok(out),
     }
 }

@@ -717,6 +717,100 @@ impl FromStr for LinearFormat {
 }
 
 impl LinearFormat {
+    /// Whether columns `c0..c1` of rows of `cols` can stand as rows of this format on their own,
+    /// computing exactly the columns' share of the dot product (tensor parallelism's row-parallel
+    /// shards): per-channel scales stay with every part, and a group-wise row is cut on whole
+    /// groups. A refusal says why.
+    pub fn check_col_cut(self, cols: usize, c0: usize, c1: usize) -> Result<()> {
+        self.row_bytes(cols)?;
+        let refuse = |why: String| {
+            Err(Error::unsupported(
+                format!("cutting {self} rows by columns"),
+                why,
+            ))
+        };
+        if c0 >= c1 || c1 > cols {
+            return refuse(format!("columns {c0}..{c1} of {cols}"));
+        }
+        if let ActQuant::Mixed4x8 { .. } = self.act {
+            return refuse(
+                "COMET's INT8 blocks lead each row (its outlier channels); a cut would move them"
+                    .into(),
+            );
+        }
+        match self.codec {
+            WeightCodec::Int8PerChannel
+            | WeightCodec::Fp8PerChannel
+            | WeightCodec::Int4Group { group: 0 } => {
+                if matches!(self.codec, WeightCodec::Int4Group { .. })
+                    && (!c0.is_multiple_of(2) || !c1.is_multiple_of(2))
+                {
+                    return refuse(format!(
+                        "columns {c0}..{c1} would split a byte of two codes"
+                    ));
+                }
+                Ok(())
+            }
+            WeightCodec::Int4Group { group } => {
+                let g = group as usize;
+                if !c0.is_multiple_of(g) || !c1.is_multiple_of(g) {
+                    return refuse(format!(
+                        "columns {c0}..{c1} would cut a group of {g}; pick a tensor-parallel size \
+                         that divides the layer into whole groups"
+                    ));
+                }
+                Ok(())
+            }
+            WeightCodec::Qoq { .. } | WeightCodec::Lqq { .. } => refuse(
+                "QoQ and LiquidQuant rows fold a per-channel level into every group; not cut yet"
+                    .into(),
+            ),
+        }
+    }
+
+    /// Appends columns `c0..c1` of `row` (a row of `cols` columns) to `out` as a row of
+    /// `c1 - c0` columns, where [`LinearFormat::check_col_cut`] allows it.
+    pub fn cut_cols(
+        self,
+        row: &[u8],
+        cols: usize,
+        c0: usize,
+        c1: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        self.check_col_cut(cols, c0, c1)?;
+        if row.len() != self.row_bytes(cols)? {
+            return Err(Error::InvalidArgument(format!(
+                "{self}: a row of {} bytes for {cols} columns",
+                row.len()
+            )));
+        }
+        match self.codec {
+            WeightCodec::Int8PerChannel | WeightCodec::Fp8PerChannel => {
+                out.extend_from_slice(&row[c0..c1]);
+                out.extend_from_slice(&row[cols..]);
+            }
+            WeightCodec::Int4Group { group: 0 } => {
+                out.extend_from_slice(&row[c0 / 2..c1 / 2]);
+                out.extend_from_slice(&row[cols / 2..]);
+            }
+            WeightCodec::Int4Group { group } => {
+                let (g, gl) = (self.codec.groups(cols), group as usize);
+                let (g0, g1) = (c0 / gl, c1 / gl);
+                let (scales, zeros) = (cols / 2, cols / 2 + 2 * g);
+                out.extend_from_slice(&row[c0 / 2..c1 / 2]);
+                out.extend_from_slice(&row[scales + 2 * g0..scales + 2 * g1]);
+                out.extend_from_slice(&row[zeros + g0..zeros + g1]);
+            }
+            WeightCodec::Qoq { .. } | WeightCodec::Lqq { .. } => {
+                unreachable!("check_col_cut refuses them")
+            }
+        }
+        Ok(())
+    }
+}
+
+impl LinearFormat {
     /// Checks that the pair is one nibble has kernels for.
     pub fn new(codec: WeightCodec, act: ActQuant) -> Result<Self> {
         use ActQuant as A;
@@ -766,6 +860,51 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
+
+    #[test]
+    fn column_cuts_compute_their_share_exactly() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let cols = 256;
+        let row: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        for (codec, act) in [
+            (WeightCodec::Int4Group { group: 64 }, ActQuant::F16),
+            (
+                WeightCodec::Int4Group { group: 128 },
+                ActQuant::Int8PerToken,
+            ),
+            (WeightCodec::Int4Group { group: 0 }, ActQuant::F16),
+            (WeightCodec::Int8PerChannel, ActQuant::Int8PerToken),
+            (WeightCodec::Fp8PerChannel, ActQuant::Fp8PerToken),
+        ] {
+            let f = LinearFormat::new(codec, act).unwrap();
+            let mut q = vec![0u8; f.row_bytes(cols).unwrap()];
+            codec.quantize_row(&row, 1.0, &mut q).unwrap();
+            let mut whole = vec![0f32; cols];
+            codec.dequantize(&q, cols, &mut whole).unwrap();
+            for (c0, c1) in [(0, 128), (128, 256), (64, 192)] {
+                if f.check_col_cut(cols, c0, c1).is_err() {
+                    assert_eq!(
+                        codec,
+                        WeightCodec::Int4Group { group: 128 },
+                        "{f} {c0}..{c1}"
+                    );
+                    continue;
+                }
+                let mut part = Vec::new();
+                f.cut_cols(&q, cols, c0, c1, &mut part).unwrap();
+                assert_eq!(part.len(), f.row_bytes(c1 - c0).unwrap());
+                let mut got = vec![0f32; c1 - c0];
+                codec.dequantize(&part, c1 - c0, &mut got).unwrap();
+                assert_eq!(got, whole[c0..c1], "{f} columns {c0}..{c1}");
+            }
+        }
+        let group = LinearFormat::new(WeightCodec::Int4Group { group: 64 }, ActQuant::F16).unwrap();
+        let err = group.check_col_cut(256, 0, 96).unwrap_err().to_string();
+        assert!(err.contains("cut a group of 64"), "{err}");
+        let qoq =
+            LinearFormat::new(WeightCodec::Qoq { group: 64 }, ActQuant::Int8PerToken).unwrap();
+        assert!(qoq.check_col_cut(256, 0, 128).is_err());
+    }
 
     const CODECS: [WeightCodec; 9] = [
         WeightCodec::Int8PerChannel,

@@ -1,0 +1,290 @@
+//! NCCL, the collective library tensor parallelism sums its partial outputs with, loaded at run
+//! time as cuBLAS is: nibble builds and runs without it, and a missing library is an error that
+//! says where it was looked for, never a panic.
+//!
+//! Only what tensor parallelism calls is bound: the unique id, one communicator per rank, the
+//! in-place sum all-reduce on a rank's stream (so a CUDA graph captures it with the rest of a
+//! decode step), abort and destroy. cudarc has NCCL bindings, but its loader looks for
+//! `libnccl.so` and `libnccl.so.<CUDA major>` only, while NCCL's library is `libnccl.so.2`
+//! (the `nvidia-nccl-cu13` wheel ships nothing else), so the few entry points are loaded here.
+//!
+//! Where the library is looked for, in order: `$NIBBLE_NCCL_LIB` (a file), the dynamic loader's
+//! own search (`libnccl.so.2`, `libnccl.so`: `LD_LIBRARY_PATH`, the system), then the
+//! `nvidia/nccl/lib` folder of the Python environments pip installs `nvidia-nccl-cu13` into.
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+
+use cudarc::driver::sys;
+use nibble_core::{Error, Result};
+
+use crate::runtime::{DevicePtr, Gpu};
+
+type RawComm = *mut c_void;
+type NcclResult = c_int;
+const NCCL_SUCCESS: NcclResult = 0;
+const NCCL_SUM: c_int = 0;
+
+/// `ncclUniqueId`: 128 opaque bytes rank 0 makes and every rank joins with (passed by value).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct UniqueId {
+    internal: [c_char; 128],
+}
+
+/// The element types nibble reduces, as NCCL numbers them (`ncclDataType_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceType {
+    F16 = 6,
+    F32 = 7,
+    Bf16 = 9,
+}
+
+struct Api {
+    _lib: libloading::Library,
+    path: String,
+    get_version: unsafe extern "C" fn(*mut c_int) -> NcclResult,
+    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> NcclResult,
+    comm_init_rank: unsafe extern "C" fn(*mut RawComm, c_int, UniqueId, c_int) -> NcclResult,
+    all_reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        RawComm,
+        sys::CUstream,
+    ) -> NcclResult,
+    comm_abort: unsafe extern "C" fn(RawComm) -> NcclResult,
+    comm_destroy: unsafe extern "C" fn(RawComm) -> NcclResult,
+    get_error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
+}
+
+/// Where a pip-installed NCCL may sit: `<prefix>/lib/python3.*/{site,dist}-packages/nvidia/nccl/lib`.
+fn python_candidates() -> Vec<PathBuf> {
+    let mut prefixes: Vec<PathBuf> = ["VIRTUAL_ENV", "CONDA_PREFIX"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .map(PathBuf::from)
+        .collect();
+    prefixes.extend(["/usr/local", "/usr", "/opt/conda"].map(PathBuf::from));
+    if let Some(home) = std::env::var_os("HOME") {
+        prefixes.push(PathBuf::from(home).join(".local"));
+    }
+    let mut out = Vec::new();
+    for prefix in prefixes {
+        let Ok(entries) = std::fs::read_dir(prefix.join("lib")) else {
+            continue;
+        };
+        let mut pythons: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("python3"))
+            })
+            .collect();
+        pythons.sort();
+        for py in pythons.into_iter().rev() {
+            for packages in ["site-packages", "dist-packages"] {
+                let lib = py.join(packages).join("nvidia/nccl/lib/libnccl.so.2");
+                if lib.is_file() {
+                    out.push(lib);
+                }
+            }
+        }
+    }
+    out
+}
+
+fn load() -> std::result::Result<Api, String> {
+    let mut tried = Vec::new();
+    let mut candidates: Vec<String> = Vec::new();
+    if let Some(p) = std::env::var_os("NIBBLE_NCCL_LIB") {
+        candidates.push(p.to_string_lossy().into_owned());
+    }
+    candidates.extend(["libnccl.so.2".to_string(), "libnccl.so".to_string()]);
+    candidates.extend(
+        python_candidates()
+            .into_iter()
+            .map(|p| p.display().to_string()),
+    );
+    for name in candidates {
+        let lib = match unsafe { libloading::Library::new(&name) } {
+            Ok(lib) => lib,
+            Err(_) => {
+                tried.push(name);
+                continue;
+            }
+        };
+        // The symbols are NCCL's documented C API (nccl.h), with these signatures.
+        let api = unsafe {
+            macro_rules! sym {
+                ($n:literal) => {
+                    *lib.get($n)
+                        .map_err(|e| format!("{name} has no {}: {e}", stringify!($n)))?
+                };
+            }
+            Api {
+                get_version: sym!(b"ncclGetVersion\0"),
+                get_unique_id: sym!(b"ncclGetUniqueId\0"),
+                comm_init_rank: sym!(b"ncclCommInitRank\0"),
+                all_reduce: sym!(b"ncclAllReduce\0"),
+                comm_abort: sym!(b"ncclCommAbort\0"),
+                comm_destroy: sym!(b"ncclCommDestroy\0"),
+                get_error_string: sym!(b"ncclGetErrorString\0"),
+                path: name.clone(),
+                _lib: lib,
+            }
+        };
+        return Ok(api);
+    }
+    Err(format!(
+        "NCCL (libnccl.so.2) could not be loaded (tried {}): `pip install nvidia-nccl-cu13`, put \
+         its folder on LD_LIBRARY_PATH, or name the file in NIBBLE_NCCL_LIB",
+        tried.join(", ")
+    ))
+}
+
+fn api() -> Result<&'static Api> {
+    static API: OnceLock<std::result::Result<Api, String>> = OnceLock::new();
+    API.get_or_init(load)
+        .as_ref()
+        .map_err(|msg| Error::unsupported("tensor parallelism on GPUs", msg.clone()))
+}
+
+fn check(api: &Api, what: &str, r: NcclResult) -> Result<()> {
+    if r == NCCL_SUCCESS {
+        return Ok(());
+    }
+    let msg = unsafe { (api.get_error_string)(r) };
+    let msg = if msg.is_null() {
+        format!("error {r}")
+    } else {
+        unsafe { CStr::from_ptr(msg) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    Err(Error::unsupported(format!("NCCL {what}"), msg))
+}
+
+/// Whether NCCL loads here, and which file and version it is (`2.27.7 from ...`).
+pub fn describe() -> Result<String> {
+    let api = api()?;
+    let mut v: c_int = 0;
+    check(api, "version", unsafe { (api.get_version)(&mut v) })?;
+    Ok(format!(
+        "NCCL {}.{}.{} ({})",
+        v / 10000,
+        v / 100 % 100,
+        v % 100,
+        api.path
+    ))
+}
+
+/// A new group's id: made once (rank 0's job across hosts), handed to every rank.
+pub fn unique_id() -> Result<UniqueId> {
+    let api = api()?;
+    let mut id = UniqueId { internal: [0; 128] };
+    check(api, "unique id", unsafe { (api.get_unique_id)(&mut id) })?;
+    Ok(id)
+}
+
+/// One rank's communicator, bound to its GPU. After [`Communicator::abort`] every call is an
+/// error: the handle is gone, and an aborted group stays aborted.
+pub struct Communicator {
+    raw: Mutex<Option<RawCommHandle>>,
+    rank: usize,
+    size: usize,
+}
+
+struct RawCommHandle(RawComm);
+// The handle is NCCL's; NCCL allows a communicator to be used from any thread, one at a time,
+// which the mutex around it gives.
+unsafe impl Send for RawCommHandle {}
+
+impl Communicator {
+    /// Joins rank `rank` of `size` to the group `id` on `gpu`. Blocks until every rank has
+    /// joined, so the ranks call this concurrently (one thread or process each).
+    pub fn join(gpu: &Gpu, id: &UniqueId, rank: usize, size: usize) -> Result<Communicator> {
+        let api = api()?;
+        if rank >= size {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} of a group of {size}"
+            )));
+        }
+        // NCCL takes its device from the calling thread's current context.
+        gpu.bind()?;
+        let mut raw: RawComm = std::ptr::null_mut();
+        check(api, "communicator init", unsafe {
+            (api.comm_init_rank)(&mut raw, size as c_int, *id, rank as c_int)
+        })?;
+        Ok(Communicator {
+            raw: Mutex::new(Some(RawCommHandle(raw))),
+            rank,
+            size,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Replaces the `count` elements at `ptr` by their sum over the group, queued on `stream`
+    /// (a capturing stream records it into the graph).
+    pub fn all_reduce_sum(
+        &self,
+        ptr: DevicePtr,
+        count: usize,
+        ty: ReduceType,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let api = api()?;
+        let guard = self.raw.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(raw) = guard.as_ref() else {
+            return Err(Error::InvalidArgument(
+                "tensor-parallel all-reduce abandoned: the group was aborted (another rank failed)"
+                    .into(),
+            ));
+        };
+        check(api, "all-reduce", unsafe {
+            (api.all_reduce)(
+                ptr as *const c_void,
+                ptr as *mut c_void,
+                count,
+                ty as c_int,
+                NCCL_SUM,
+                raw.0,
+                stream,
+            )
+        })
+    }
+
+    /// Ends the communicator now: collectives in flight on the device stop (so a rank blocked on
+    /// its stream waiting for a peer that failed gets its stream back), and later calls are
+    /// errors. Safe to call from any thread, and more than once.
+    pub fn abort(&self) {
+        let taken = self.raw.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let (Some(raw), Ok(api)) = (taken, api()) {
+            unsafe { (api.comm_abort)(raw.0) };
+        }
+    }
+
+    pub fn is_aborted(&self) -> bool {
+        self.raw.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        let taken = self.raw.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        if let (Some(raw), Ok(api)) = (taken, api()) {
+            unsafe { (api.comm_destroy)(raw.0) };
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! Tensor parallelism on several GPUs: one rank per GPU, each a thread driving its own
+//! [`CudaBackend`] over its shard of the model (`nibble_model::tensor_parallel`), the row-parallel
+//! outputs summed by NCCL on each GPU's stream (so a decode step's graph holds its all-reduces).
+//!
+//! Every rank runs the same engine loop on the same inputs (SPMD, as SGLang's ranks do): the
+//! logits after the last all-reduce are the same bits on every rank, so every rank samples the
+//! same tokens, schedules the same next step and issues the same collectives. What the host
+//! decides from local facts (the KV pool's size from free memory) is agreed first
+//! ([`GpuGroup::host`]). Rank 0 talks to the user.
+//!
+//! Faults: a rank that fails or panics aborts every rank's communicator (NCCL's
+//! `ncclCommAbort`), which stops collectives in flight, so a rank blocked on its stream waiting
+//! for the failed one gets its stream back, sees the group aborted and ends with an error; the
+//! first failure is what the run returns. Nothing here assumes one host: across hosts the
+//! unique id would travel over TCP and each host would run its local ranks (docs/tensor-parallel.md).
+
+use std::sync::{Arc, Mutex};
+
+use nibble_core::{Error, Result};
+use nibble_model::source::TensorSource;
+use nibble_model::tensor_parallel::{HostComm, run_ranks};
+use nibble_model::{ModelConfig, Transformer};
+
+use crate::backend::CudaBackend;
+use crate::nccl::{self, Communicator, ReduceType, UniqueId};
+use crate::runtime::DeviceBuffer;
+use crate::tensor::Dtype;
+
+/// The ranks of one tensor-parallel run in this process: their GPUs, their NCCL communicators
+/// (held here too, so a failure can abort them all), and a host-side channel for agreeing.
+pub struct GpuGroup {
+    gpus: Vec<usize>,
+    dtype: Dtype,
+    id: UniqueId,
+    comms: Vec<Mutex<Option<Arc<Communicator>>>>,
+    /// Host-side agreement between the ranks (a barrier before NCCL's blocking init, the KV pool
+    /// size), with the same abort.
+    pub host: Arc<HostComm>,
+}
+
+impl GpuGroup {
+    /// A group over the GPUs `gpus` (rank r on `gpus[r]`), in `dtype`.
+    pub fn new(gpus: &[usize], dtype: Dtype) -> Result<GpuGroup> {
+        if gpus.len() < 2 {
+            return Err(Error::InvalidArgument(
+                "a tensor-parallel group of GPUs needs at least two".into(),
+            ));
+        }
+        let mut seen = gpus.to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != gpus.len() {
+            return Err(Error::InvalidArgument(format!(
+                "tensor-parallel ranks need a GPU each; {gpus:?} names one twice"
+            )));
+        }
+        crate::probe::ensure_driver()?;
+        let count = cudarc::driver::result::device::get_count()
+            .map_err(|e| Error::unsupported("counting GPUs", format!("{e:?}")))?
+            as usize;
+        if let Some(&bad) = gpus.iter().find(|&&g| g >= count) {
+            return Err(Error::unsupported(
+                format!("tensor parallelism over {} GPUs", gpus.len()),
+                format!("it needs cuda:{bad}, but the driver sees {count} GPU(s)"),
+            ));
+        }
+        Ok(GpuGroup {
+            gpus: gpus.to_vec(),
+            dtype,
+            id: nccl::unique_id()?,
+            comms: gpus.iter().map(|_| Mutex::new(None)).collect(),
+            host: HostComm::new(gpus.len()),
+        })
+    }
+
+    pub fn size(&self) -> usize {
+        self.gpus.len()
+    }
+
+    /// Rank `rank`'s backend, on its thread: the GPU opened, then (once every rank has one, so
+    /// a rank that could not open its GPU fails the others instead of leaving them in NCCL's
+    /// blocking init) its communicator joined and connected by a first all-reduce.
+    pub fn rank_backend(&self, rank: usize) -> Result<CudaBackend> {
+        let be = CudaBackend::new(self.gpus[rank], self.dtype)?;
+        self.host.barrier(rank)?;
+        let comm = Arc::new(Communicator::join(&be.gpu, &self.id, rank, self.size())?);
+        // NCCL connects its peers on the first collective; do it now, outside any graph capture.
+        let probe = DeviceBuffer::from_host(&be.gpu, &[rank as f32 + 1.0], "all-reduce probe")?;
+        comm.all_reduce_sum(probe.ptr, 1, ReduceType::F32, be.gpu.cu_stream())?;
+        let mut sum = [0f32];
+        be.gpu.download(&mut sum, probe.ptr)?;
+        let want = (self.size() * (self.size() + 1) / 2) as f32;
+        if sum[0] != want {
+            return Err(Error::InvalidArgument(format!(
+                "NCCL's first all-reduce on rank {rank} gave {} instead of {want}",
+                sum[0]
+            )));
+        }
+        *self.comms[rank].lock().unwrap_or_else(|p| p.into_inner()) = Some(comm.clone());
+        Ok(be.with_collective(comm))
+    }
+
+    /// Ends the group after a failure: every communicator aborted (collectives in flight stop,
+    /// later ones are errors) and every host-side wait ended with `why`.
+    pub fn abort(&self, why: &str) {
+        self.host.abort(why);
+        for c in &self.comms {
+            if let Some(c) = c.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                c.abort();
+            }
+        }
+    }
+
+    /// Lets go of rank `rank`'s communicator, on that rank's thread once it is done (NCCL's
+    /// destroy may wait for its peers, so the ranks do it side by side, never one after another).
+    fn release(&self, rank: usize) {
+        self.comms[rank]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+    }
+}
+
+/// Runs `body` on every rank of `group`, each on its own thread with its GPU's backend and its
+/// shard of the model in `source` loaded there, and returns each rank's result in rank order;
+/// the first failure of any rank is the error (the others' collectives aborted, not hung).
+pub fn run_sharded<R: Send>(
+    group: &GpuGroup,
+    source: &dyn TensorSource,
+    config: &ModelConfig,
+    body: impl Fn(usize, CudaBackend, Transformer<CudaBackend>) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
+    run_ranks(
+        group.size(),
+        source,
+        config,
+        |rank| group.rank_backend(rank),
+        |why| group.abort(why),
+        |rank, be, model| {
+            let r = body(rank, be, model);
+            if r.is_ok() {
+                group.release(rank);
+            }
+            r
+        },
+    )
+}

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Tensor parallelism on a two-GPU machine (issue 24), from the repo root, with what
+# scripts/gpu-stage.sh staged in stage/gpu and scripts/gpu-engine-data.sh wrote in .gpu-data:
+#   scripts/gpu-tp-run.sh OUTDIR [PART...]
+# Parts (default: all, in this order):
+#   tests     the two-GPU tests (stage/gpu/gpu-tp-tests): exact NCCL sums, fixtures and quantized
+#             shards against one GPU, graphs replaying the all-reduces, a failed rank
+#   b1        Llama-3-8B shape, one sequence (256 output tokens): decode step at TP=1 and TP=2
+#   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences)
+#   70b       Llama-2-70B shape at TP=2 in BF16 and W4A16 (one sequence, then 16)
+# Results: OUTDIR/*.json and *.log, device.txt (GPUs and how they are linked).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu-tp-run.sh OUTDIR [PART...]}
+shift
+parts=${*:-tests b1 offline 70b}
+mkdir -p "$out"
+bin=stage/gpu/nibble
+ds=.gpu-data/sharegpt.json
+tok=.gpu-data/tokenizer/tokenizer.json
+export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
+# NVLink multicast stays off on shared machines (the device README says why).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# NCCL from the nvidia-nccl-cu13 wheel PyTorch brought, if the loader's search misses it.
+if [ -z "${NIBBLE_NCCL_LIB:-}" ]; then
+  lib=$(python3 -c 'import nvidia.nccl, os; d = os.path.dirname(nvidia.nccl.__file__ or nvidia.nccl.__path__[0]); print(os.path.join(d, "lib", "libnccl.so.2"))' 2>/dev/null || true)
+  [ -f "$lib" ] && export NIBBLE_NCCL_LIB=$lib
+fi
+status=0
+{
+  date -u +"date %Y-%m-%dT%H:%M:%SZ"
+  echo "commit $(cat stage/gpu/COMMIT 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+  nvidia-smi topo -m 2>/dev/null
+  echo "NIBBLE_NCCL_LIB=${NIBBLE_NCCL_LIB:-}"
+} | tee -a "$out/device.txt"
+
+source scripts/gpu-lib.sh
+STEP_SUMMARY="^throughput|^steps|seqs:|with prefill|^test |test result|FAILED|panicked|loaded its shard|NCCL|error"
+
+throughput() {  # throughput NAME MODEL TP ARGS...
+  local name=$1 model=$2 tp=$3; shift 3
+  step "$name" timeout 300 "$bin" --device cuda --dummy-weights "$model" --tokenizer "$tok" \
+    --tensor-parallel-size "$tp" bench throughput --json "$out/$name.json" "$@"
+}
+
+for part in $parts; do
+  case $part in
+    tests)
+      step gpu-tp-tests timeout 240 stage/gpu/gpu-tp-tests --test-threads 1 --nocapture ;;
+    b1)
+      for tp in 1 2; do
+        throughput "b1-tp$tp" llama-3-8b "$tp" --input-len 128 --output-len 256 \
+          --num-prompts 2 --max-num-seqs 1 --profile
+      done ;;
+    offline)
+      for tp in 1 2; do
+        throughput "offline-tp$tp" llama-3-8b "$tp" --dataset "$ds" \
+          --num-prompts "${TP_PROMPTS:-500}" --max-num-seqs 256 --profile
+      done ;;
+    70b)
+      for p in "" :w4a16-g128; do
+        throughput "llama-2-70b${p#:}-tp2" "llama-2-70b$p" 2 --input-len 128 --output-len 64 \
+          --num-prompts 16 --sweep-seqs 1,16 --max-batched-tokens 4096
+      done ;;
+    *) echo "unknown part $part" >&2; status=1 ;;
+  esac
+done
+exit $status
