@@ -66,4 +66,6 @@ for part in $parts; do
     *) echo "unknown part $part" >&2; status=1 ;;
   esac
 done
+# A device call brings back 8 files: the logs travel as one archive.
+tar czf "$out/logs-$(echo $parts | tr ' ' '-').tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
 exit $status
