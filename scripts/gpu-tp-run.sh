@@ -5,6 +5,9 @@
 # Parts (default: all, in this order):
 #   tests     the two-GPU tests (stage/gpu/gpu-tp-tests): exact NCCL sums, fixtures and quantized
 #             shards against one GPU, graphs replaying the all-reduces, a failed rank
+#   arlat     NCCL's all-reduce latency for a decode step's row, under its protocol choices
+#   serve     the server at TP=2 on the tiny Llama 3 fixture: 8 greedy completions at once give
+#             what they give one by one (scripts/gpu-tp-serve-check.sh)
 #   b1        Llama-3-8B shape, one sequence (256 output tokens): decode step at TP=1 and TP=2
 #   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences)
 #   70b       Llama-2-70B shape at TP=2 in BF16 and W4A16 (one sequence, then 16)
@@ -13,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-tp-run.sh OUTDIR [PART...]}
 shift
-parts=${*:-tests b1 offline 70b}
+parts=${*:-tests serve b1 offline 70b}
 mkdir -p "$out"
 bin=stage/gpu/nibble
 ds=.gpu-data/sharegpt.json
@@ -40,7 +43,7 @@ STEP_SUMMARY="^throughput|^steps|seqs:|with prefill|^test |test result|FAILED|pa
 
 throughput() {  # throughput NAME MODEL TP ARGS...
   local name=$1 model=$2 tp=$3; shift 3
-  step "$name" timeout 300 "$bin" --device cuda --dummy-weights "$model" --tokenizer "$tok" \
+  step "$name" timeout "${TIMEOUT:-300}" "$bin" --device cuda --dummy-weights "$model" --tokenizer "$tok" \
     --tensor-parallel-size "$tp" bench throughput --json "$out/$name.json" "$@"
 }
 
@@ -48,6 +51,14 @@ for part in $parts; do
   case $part in
     tests)
       step gpu-tp-tests timeout 240 stage/gpu/gpu-tp-tests --test-threads 1 --nocapture ;;
+    arlat)
+      # NCCL's decode-sized all-reduce latency under its protocol choices (the test prints it).
+      for env in "" NCCL_PROTO=LL NCCL_PROTO=LL128 NCCL_ALGO=Tree; do
+        echo "== all-reduce latency ${env:-default}"
+        env $env timeout 60 stage/gpu/gpu-tp-tests nccl_all_reduce --nocapture 2>&1 | grep -E 'us each|test result'
+      done ;;
+    serve)
+      step tp-serve timeout 300 scripts/gpu-tp-serve-check.sh "$bin"; tail -12 "$out/tp-serve.log" ;;
     b1)
       for tp in 1 2; do
         throughput "b1-tp$tp" llama-3-8b "$tp" --input-len 128 --output-len 256 \
@@ -60,7 +71,7 @@ for part in $parts; do
       done ;;
     70b)
       for p in "" :w4a16-g128; do
-        throughput "llama-2-70b${p#:}-tp2" "llama-2-70b$p" 2 --input-len 128 --output-len 64 \
+        TIMEOUT=240 throughput "llama-2-70b${p#:}-tp2" "llama-2-70b$p" 2 --input-len 128 --output-len 64 \
           --num-prompts 16 --sweep-seqs 1,16 --max-batched-tokens 4096
       done ;;
     *) echo "unknown part $part" >&2; status=1 ;;

@@ -28,8 +28,8 @@ struct Cli {
     #[arg(long, global = true, default_value_t = 0)]
     threads: usize,
     /// Split the model over N ranks (tensor parallelism: each holds 1/N of the heads and of the
-    /// feed-forward, summing partial outputs after attention and the MLP), for generate and
-    /// bench throughput: on GPUs, one rank per GPU from --device's on, over NCCL; on the CPU, the
+    /// feed-forward, summing partial outputs after attention and the MLP), for generate, serve
+    /// and bench throughput: on GPUs, one rank per GPU from --device's on, over NCCL; on the CPU, the
     /// ranks are threads, a check of the sharded arithmetic (docs/tensor-parallel.md).
     #[arg(long, global = true, default_value_t = 1, value_name = "N")]
     tensor_parallel_size: usize,
@@ -328,12 +328,15 @@ where
 struct Rank<'a> {
     rank: usize,
     host: Option<&'a nibble_model::tensor_parallel::HostComm>,
+    /// A tensor-parallel server's channels from rank 0's engine to the others'.
+    mirror: Option<&'a Mirror>,
 }
 
 impl Rank<'_> {
     const ALONE: Rank<'static> = Rank {
         rank: 0,
         host: None,
+        mirror: None,
     };
 
     fn leads(&self) -> bool {
@@ -615,8 +618,8 @@ where
         engine.model.kv_format = kv;
     }
     let kv = engine.model.kv_format;
-    if let Command::Serve(args) = cli.command {
-        return serve(engine, args, cli.model.as_deref());
+    if let Command::Serve(args) = &cli.command {
+        return serve(engine, args, cli.model.as_deref(), Rank::ALONE);
     }
     if !matches!(
         cli.command,
@@ -676,8 +679,9 @@ where
 
 fn serve<B: Backend + 'static>(
     engine: Engine<B>,
-    args: ServeArgs,
+    args: &ServeArgs,
     model: Option<&std::path::Path>,
+    rank: Rank<'_>,
 ) -> Result<()>
 where
     B::Kv: KvReport,
@@ -689,12 +693,20 @@ where
             .unwrap_or_else(|| "SmolLM2-135M-Instruct".into())
     });
     let limits = args.limits.limits()?;
-    let llm = build_engine(engine, &args.engine, Rank::ALONE)?;
+    let mut llm = build_engine(engine, &args.engine, rank)?;
+    if let Some(mirror) = rank.mirror {
+        if !rank.leads() {
+            // Another rank of a tensor-parallel server: repeat rank 0's engine calls.
+            let ops = mirror.take_receiver(rank.rank)?;
+            return Ok(llm.follow(ops)?);
+        }
+        llm.mirror_to(mirror.take_senders()?);
+    }
     eprintln!("nibble serve: {}", kv_pool_line(&llm));
     let opts = nibble_server::ServeOptions {
         addr: std::net::SocketAddr::new(args.host, args.port),
         model_name: name,
-        api_key: args.api_key,
+        api_key: args.api_key.clone(),
         limits,
     };
     tokio::runtime::Builder::new_multi_thread()
@@ -703,6 +715,57 @@ where
         .build()?
         .block_on(nibble_server::serve(llm, opts))
         .with_context(|| format!("serving on {}:{}", args.host, args.port))
+}
+
+/// How rank 0 of a tensor-parallel server hands its engine's calls to the other ranks: a channel
+/// each ([`nibble_engine::serving::EngineOp`]).
+struct Mirror {
+    senders:
+        std::sync::Mutex<Option<Vec<std::sync::mpsc::Sender<nibble_engine::serving::EngineOp>>>>,
+    receivers:
+        Vec<std::sync::Mutex<Option<std::sync::mpsc::Receiver<nibble_engine::serving::EngineOp>>>>,
+}
+
+impl Mirror {
+    fn new(size: usize) -> Mirror {
+        let (senders, receivers): (Vec<_>, Vec<_>) = (0..size)
+            .map(|_| {
+                let (tx, rx) = std::sync::mpsc::channel();
+                (tx, std::sync::Mutex::new(Some(rx)))
+            })
+            .unzip();
+        Mirror {
+            senders: std::sync::Mutex::new(Some(senders.into_iter().skip(1).collect())),
+            receivers,
+        }
+    }
+
+    /// Rank 0's side: every call sent to every other rank, in order.
+    fn take_senders(&self) -> Result<Box<dyn FnMut(nibble_engine::serving::EngineOp) + Send>> {
+        let senders = self
+            .senders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .context("rank 0's mirror was taken twice")?;
+        Ok(Box::new(move |op| {
+            for tx in &senders {
+                // A rank that ended has failed the group; the abort reaches rank 0 by NCCL.
+                let _ = tx.send(op.clone());
+            }
+        }))
+    }
+
+    fn take_receiver(
+        &self,
+        rank: usize,
+    ) -> Result<std::sync::mpsc::Receiver<nibble_engine::serving::EngineOp>> {
+        self.receivers[rank]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .with_context(|| format!("rank {rank}'s mirror was taken twice"))
+    }
 }
 
 #[derive(serde::Serialize)]
@@ -1098,7 +1161,7 @@ fn template<B: Backend>(engine: &Engine<B>) -> Result<ChatTemplate> {
     )?)
 }
 
-/// `generate` and `bench throughput` with the model split over `--tensor-parallel-size` ranks:
+/// `generate`, `serve` and `bench throughput` with the model split over `--tensor-parallel-size` ranks:
 /// CPU threads (a check of the sharded arithmetic) or one GPU each (NCCL). Every rank runs the
 /// same loop on its shard (the same logits after each all-reduce, so the same tokens and the
 /// same schedule); rank 0 talks to the terminal.
@@ -1111,13 +1174,14 @@ fn run_tensor_parallel(
     let size = cli.tensor_parallel_size;
     match &cli.command {
         Command::Generate { .. }
+        | Command::Serve(_)
         | Command::Bench {
             what: Some(BenchCommand::Throughput(_)),
             ..
         } => {}
         _ => bail!(
-            "--tensor-parallel-size works with generate (one prompt, --chat or not) and bench \
-             throughput so far"
+            "--tensor-parallel-size works with generate (one prompt, --chat or not), serve and \
+             bench throughput so far"
         ),
     }
     nibble_model::tensor_parallel::check_split(&files.config, size)?;
@@ -1126,6 +1190,7 @@ fn run_tensor_parallel(
         .map_or(files.precision.map(|p| p.kv).unwrap_or_default(), |_| kv);
     let tokenizer = files.tokenizer.clone();
     let host = nibble_model::tensor_parallel::HostComm::new(size);
+    let mirror = Mirror::new(size);
     match cli.device.resolve() {
         Device::Cpu => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -1150,6 +1215,7 @@ fn run_tensor_parallel(
                     let r = Rank {
                         rank,
                         host: Some(&host),
+                        mirror: Some(&mirror),
                     };
                     run_rank(engine, &cli, &labels, r)
                 },
@@ -1187,6 +1253,7 @@ fn run_tensor_parallel(
                     let r = Rank {
                         rank,
                         host: Some(&group.host),
+                        mirror: Some(&mirror),
                     };
                     run_rank(engine, &cli, &labels, r)
                 },
@@ -1205,6 +1272,7 @@ fn run_rank<B: Backend>(
     rank: Rank<'_>,
 ) -> nibble_core::Result<()>
 where
+    B: 'static,
     B::Kv: KvReport,
 {
     let as_core = |e: anyhow::Error| nibble_core::Error::InvalidArgument(format!("{e:#}"));
@@ -1229,6 +1297,7 @@ where
             what: Some(BenchCommand::Throughput(t)),
             ..
         } => bench_throughput(engine, t, labels.0.clone(), labels.1.clone(), rank).map_err(as_core),
+        Command::Serve(args) => serve(engine, args, cli.model.as_deref(), rank).map_err(as_core),
         _ => Err(nibble_core::Error::InvalidArgument(
             "this command does not run tensor-parallel".into(),
         )),

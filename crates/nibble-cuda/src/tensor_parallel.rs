@@ -103,12 +103,21 @@ impl GpuGroup {
     /// Ends the group after a failure: every communicator aborted (collectives in flight stop,
     /// later ones are errors) and every host-side wait ended with `why`.
     pub fn abort(&self, why: &str) {
+        let t0 = std::time::Instant::now();
+        eprintln!("nibble: tensor-parallel group aborted: {why}");
         self.host.abort(why);
-        for c in &self.comms {
-            if let Some(c) = c.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-                c.abort();
-            }
+        let comms: Vec<Arc<Communicator>> = self
+            .comms
+            .iter()
+            .filter_map(|c| c.lock().unwrap_or_else(|p| p.into_inner()).clone())
+            .collect();
+        for c in comms {
+            c.abort();
         }
+        eprintln!(
+            "nibble: every rank's NCCL communicator aborted in {:.3}s",
+            t0.elapsed().as_secs_f64()
+        );
     }
 
     /// Lets go of rank `rank`'s communicator, on that rank's thread once it is done (NCCL's

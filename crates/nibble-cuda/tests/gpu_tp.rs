@@ -125,7 +125,7 @@ fn one_and_two(
 
 /// Two ranks agree bit for bit, stay within `bound` of one GPU's logits, pick its token wherever
 /// that is no near-tie, and follow its free-running path up to the first near-tie.
-fn check_two_follow_one(name: &str, one: &Run, two: &[Run], bound: f64) {
+fn check_two_follow_one(name: &str, one: &Run, two: &[Run], bound: f64, tie: f32) {
     assert_eq!(two[0], two[1], "{name}: the ranks disagree");
     let mut first_tie = one.free.len();
     for (step, (w, g)) in one.logits.iter().zip(&two[0].logits).enumerate() {
@@ -135,7 +135,7 @@ fn check_two_follow_one(name: &str, one: &Run, two: &[Run], bound: f64) {
             "{name} step {step}: relative error {e:.2e} over {bound:.0e}"
         );
         let (tok, gap) = top2(w);
-        if gap > TIE {
+        if gap > tie {
             assert_eq!(top2(g).0, tok, "{name} step {step}: gap {gap}");
         } else {
             first_tie = first_tie.min(step);
@@ -186,6 +186,23 @@ fn nccl_all_reduce_is_the_exact_sum() {
                 let (g, parts) = (&g, &parts);
                 s.spawn(move || {
                     let be = g.rank_backend(rank).unwrap();
+                    // The latency of one decode-sized all-reduce (a Llama-3-8B row of f32),
+                    // for the benchmark notes; not a pass or fail.
+                    let mut row = be.load_vector(&vec![1.0f32; 4096]).unwrap();
+                    for round in 0..2 {
+                        be.synchronize().unwrap();
+                        let t = Instant::now();
+                        for _ in 0..1000 {
+                            be.all_reduce(&mut row).unwrap();
+                        }
+                        be.synchronize().unwrap();
+                        if round == 1 && rank == 0 {
+                            eprintln!(
+                                "all-reduce of 4096 f32, eager: {:.1} us each",
+                                t.elapsed().as_secs_f64() * 1e3
+                            );
+                        }
+                    }
                     parts[rank]
                         .iter()
                         .map(|p| {
@@ -237,16 +254,20 @@ fn two_gpus_follow_one_on_the_fixtures() {
             prompt.len(),
             40,
         );
-        check_two_follow_one(name, &one, &two, 2e-2);
+        check_two_follow_one(name, &one, &two, 2e-2, TIE);
     }
 }
 
 /// Quantized weights split on whole groups (W4A16 g32: o_proj's 128 and down_proj's 352 input
 /// columns a rank) and per-channel INT8 with per-token INT8 activations (each rank quantizes its
-/// own slice of the activations, so W8A8 is close to one GPU, not equal).
+/// own slice of the activations with its own scale, so W8A8 is close to one GPU, not equal: its
+/// near-ties are wider, 0.3 here, and the first one ends the shared greedy path).
 #[test]
 fn quantized_weights_split_on_their_groups() {
-    for (spec, bound) in [("tiny-dummy:w4a16-g32", 2e-2), ("tiny-dummy:w8a8", 5e-2)] {
+    for (spec, bound, tie) in [
+        ("tiny-dummy:w4a16-g32", 2e-2, TIE),
+        ("tiny-dummy:w8a8", 5e-2, 0.3),
+    ] {
         let files = nibble_model::dummy::open_dummy(spec, 3).unwrap();
         let path: Vec<u32> = (0..48).map(|i| 1 + (i * 53) % 500).collect();
         let (one, two) = one_and_two(
@@ -258,7 +279,7 @@ fn quantized_weights_split_on_their_groups() {
             8,
             40,
         );
-        check_two_follow_one(spec, &one, &two, bound);
+        check_two_follow_one(spec, &one, &two, bound, tie);
     }
     // A group size that would cut a group is refused by name, before anything loads.
     let files = nibble_model::dummy::open_dummy("tiny-dummy:w4a16-g64", 3).unwrap();
@@ -267,6 +288,14 @@ fn quantized_weights_split_on_their_groups() {
         .expect("352 columns are not whole groups of 64")
         .to_string();
     assert!(e.contains("down_proj") && e.contains("group of 64"), "{e}");
+}
+
+/// Says when a rank's body ended (returned or unwound).
+struct Report(usize, Instant);
+impl Drop for Report {
+    fn drop(&mut self) {
+        eprintln!("rank {} ends at {:?}", self.0, self.1.elapsed());
+    }
 }
 
 /// A rank that fails mid-generation (here rank 1, after a few tokens, while rank 0 goes on into

@@ -70,6 +70,16 @@ pub struct Request {
     pub constraint: Option<Constraint>,
 }
 
+/// A call that changes an engine's state, in the order rank 0's engine took it: what the other
+/// ranks of a tensor-parallel server repeat on their own engines ([`LlmEngine::mirror_to`],
+/// [`LlmEngine::follow`]) so that every rank issues the same steps and collectives.
+#[derive(Debug, Clone)]
+pub enum EngineOp {
+    Add(Vec<(RequestId, Request)>),
+    Abort(RequestId),
+    Step,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {
     pub token: u32,
@@ -180,6 +190,8 @@ pub struct LlmEngine<B: Backend> {
     run_ahead: bool,
     in_flight: Option<InFlight>,
     next_serial: u64,
+    /// Where every state-changing call goes first (tensor parallelism's other ranks).
+    mirror: Option<Box<dyn FnMut(EngineOp) + Send>>,
 }
 
 /// Where one step's time went: `host_s` scheduling and preparing the batch, queueing the forward
@@ -285,7 +297,40 @@ impl<B: Backend> LlmEngine<B> {
             prompt_tokens: 0,
             generated_tokens: 0,
             profile: None,
+            mirror: None,
         })
+    }
+
+    /// Sends every call that changes this engine's state ([`EngineOp`]) to `mirror` before it
+    /// runs here: rank 0 of a tensor-parallel server, whose other ranks [`LlmEngine::follow`].
+    pub fn mirror_to(&mut self, mirror: Box<dyn FnMut(EngineOp) + Send>) {
+        self.mirror = Some(mirror);
+    }
+
+    /// Repeats rank 0's calls on this engine until `ops` closes (rank 0's engine is gone). A
+    /// request rank 0 refused is refused here alike and skipped; a failed step ends the rank
+    /// (its collectives could no longer match rank 0's).
+    pub fn follow(&mut self, ops: std::sync::mpsc::Receiver<EngineOp>) -> Result<()> {
+        for op in ops {
+            match op {
+                EngineOp::Add(reqs) => {
+                    let _ = self.add_requests(reqs);
+                }
+                EngineOp::Abort(id) => {
+                    self.abort(id);
+                }
+                EngineOp::Step => {
+                    self.step()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn mirror(&mut self, op: impl FnOnce() -> EngineOp) {
+        if let Some(m) = self.mirror.as_mut() {
+            m(op());
+        }
     }
 
     /// Gives the model back (its KV pool freed), e.g. to build another engine of other sizes.
@@ -337,6 +382,7 @@ impl<B: Backend> LlmEngine<B> {
     /// prompt share its KV blocks: the first computes it, the others are admitted after it and
     /// find the prompt's full blocks in the prefix cache.
     pub fn add_requests(&mut self, reqs: Vec<(RequestId, Request)>) -> Result<()> {
+        self.mirror(|| EngineOp::Add(reqs.clone()));
         for (_, req) in &reqs {
             self.check(req)?;
         }
@@ -425,6 +471,7 @@ impl<B: Backend> LlmEngine<B> {
 
     /// Drops a request wherever it is and frees its blocks. Returns whether it was known.
     pub fn abort(&mut self, id: RequestId) -> bool {
+        self.mirror(|| EngineOp::Abort(id));
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             let s = self.waiting.remove(i).expect("index from position");
             self.release(&s.blocks);
@@ -499,6 +546,7 @@ impl<B: Backend> LlmEngine<B> {
     /// is seen one step late: the row step n+1 computed for it is discarded, which costs one row
     /// and changes no output.
     pub fn step(&mut self) -> Result<Vec<Event>> {
+        self.mirror(|| EngineOp::Step);
         let r = self.step_inner();
         if r.is_err() {
             self.recover();
