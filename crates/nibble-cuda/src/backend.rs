@@ -240,16 +240,15 @@ impl CudaBackend {
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(why);
         }
-        let mut bits = Vec::new();
         let (mut rows, mut cols) = (0, 0);
         for t in parts {
             let (r, c, _) = t.matrix_geometry()?;
-            bits.extend(weight_bits(t, dtype)?);
             rows += r;
             cols = c;
         }
-        let buf = DeviceBuffer::from_host(&self.ctx.gpu, &bits, &what)?;
-        self.ctx.note_weight(bits.len() * 2, None);
+        let bytes = weight_bytes(parts, dtype)?;
+        let buf = DeviceBuffer::from_host(&self.ctx.gpu, &bytes, &what)?;
+        self.ctx.note_weight(bytes.len(), None);
         Ok(CudaWeight {
             rows,
             cols,
@@ -307,19 +306,38 @@ fn dequantized_reason(ctx: &CudaContext, parts: &[HostTensor]) -> Option<String>
     ))
 }
 
-/// Host bits of a weight in `dtype`: 16-bit files of the same dtype as they are, anything else
-/// (f32, the other 16-bit type, ggml blocks, nibble's quantized formats) decoded to f32 first.
-/// Quantized formats run dequantized here until their GPU kernels exist.
-fn weight_bits(t: &HostTensor, dtype: Dtype) -> Result<Vec<u16>> {
-    match (t.format, dtype) {
-        (WeightFormat::Ggml(GgmlType::BF16), Dtype::Bf16)
-        | (WeightFormat::Ggml(GgmlType::F16), Dtype::F16) => Ok(t
-            .bytes
-            .chunks_exact(2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]))
-            .collect()),
-        _ => Ok(dtype.encode(&t.to_f32()?)),
+/// Host bytes (little-endian) of weights stacked by rows in `dtype`: 16-bit files of the same
+/// dtype as they are, anything else (f32, the other 16-bit type, ggml blocks, quantized formats
+/// with no kernel here) decoded to f32 first.
+fn weight_bytes(parts: &[HostTensor], dtype: Dtype) -> Result<std::borrow::Cow<'_, [u8]>> {
+    let native = |t: &HostTensor| {
+        matches!(
+            (t.format, dtype),
+            (WeightFormat::Ggml(GgmlType::BF16), Dtype::Bf16)
+                | (WeightFormat::Ggml(GgmlType::F16), Dtype::F16)
+        )
+    };
+    // A weight already in the dtype uploads from its own bytes: copying a 70B model's shard
+    // once more on the host was a large part of its load.
+    if let [t] = parts
+        && native(t)
+    {
+        return Ok(std::borrow::Cow::Borrowed(&t.bytes[..]));
     }
+    let mut out = Vec::new();
+    for t in parts {
+        if native(t) {
+            out.extend_from_slice(&t.bytes);
+        } else {
+            out.extend(
+                dtype
+                    .encode(&t.to_f32()?)
+                    .iter()
+                    .flat_map(|b| b.to_le_bytes()),
+            );
+        }
+    }
+    Ok(std::borrow::Cow::Owned(out))
 }
 
 impl Backend for CudaBackend {
@@ -704,5 +722,38 @@ impl Backend for CudaBackend {
         self.ctx
             .feed_next_forward(sampled, sampling::OUT_STRIDE, rows);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nibble_formats::TensorBytes;
+
+    fn tensor(ty: GgmlType, bytes: Vec<u8>, rows: usize) -> HostTensor {
+        let cols = bytes.len() / rows / ty.bytes_for(1).unwrap_or(2);
+        HostTensor {
+            name: "w".into(),
+            shape: vec![rows, cols],
+            format: WeightFormat::Ggml(ty),
+            bytes: TensorBytes::Owned(Arc::new(bytes)),
+        }
+    }
+
+    #[test]
+    fn weight_bytes_keep_native_bits_and_encode_the_rest() {
+        let vals = [1.5f32, -2.25, 3.0, 0.1];
+        let bf: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
+            .collect();
+        let f32s: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let native = tensor(GgmlType::BF16, bf.clone(), 2);
+        let wide = tensor(GgmlType::F32, f32s, 2);
+        let one = weight_bytes(std::slice::from_ref(&native), Dtype::Bf16).unwrap();
+        assert!(matches!(one, std::borrow::Cow::Borrowed(_)));
+        assert_eq!(&one[..], &bf[..]);
+        let stacked = weight_bytes(&[native, wide], Dtype::Bf16).unwrap();
+        assert_eq!(&stacked[..], &[bf.clone(), bf].concat()[..]);
     }
 }

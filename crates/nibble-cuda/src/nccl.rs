@@ -14,7 +14,7 @@
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::PathBuf;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
 use nibble_core::{Error, Result};
@@ -197,6 +197,10 @@ pub struct Communicator {
     raw: Mutex<Option<RawCommHandle>>,
     rank: usize,
     size: usize,
+    /// The GPU's context lives as long as the communicator: NCCL's resources sit in it, and a
+    /// context torn down under a live communicator (a failed rank's backend dropped before the
+    /// group's abort) stalled the run for 100 s in its first two-GPU test.
+    gpu: Arc<Gpu>,
 }
 
 struct RawCommHandle(RawComm);
@@ -207,7 +211,7 @@ unsafe impl Send for RawCommHandle {}
 impl Communicator {
     /// Joins rank `rank` of `size` to the group `id` on `gpu`. Blocks until every rank has
     /// joined, so the ranks call this concurrently (one thread or process each).
-    pub fn join(gpu: &Gpu, id: &UniqueId, rank: usize, size: usize) -> Result<Communicator> {
+    pub fn join(gpu: &Arc<Gpu>, id: &UniqueId, rank: usize, size: usize) -> Result<Communicator> {
         let api = api()?;
         if rank >= size {
             return Err(Error::InvalidArgument(format!(
@@ -224,6 +228,7 @@ impl Communicator {
             raw: Mutex::new(Some(RawCommHandle(raw))),
             rank,
             size,
+            gpu: gpu.clone(),
         })
     }
 
@@ -271,6 +276,7 @@ impl Communicator {
     pub fn abort(&self) {
         let taken = self.raw.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let (Some(raw), Ok(api)) = (taken, api()) {
+            let _ = self.gpu.bind();
             unsafe { (api.comm_abort)(raw.0) };
         }
     }
@@ -284,6 +290,8 @@ impl Drop for Communicator {
     fn drop(&mut self) {
         let taken = self.raw.get_mut().unwrap_or_else(|p| p.into_inner()).take();
         if let (Some(raw), Ok(api)) = (taken, api()) {
+            // NCCL's calls take their device from the calling thread's context.
+            let _ = self.gpu.bind();
             unsafe { (api.comm_destroy)(raw.0) };
         }
     }

@@ -178,27 +178,43 @@ impl HostTensor {
     /// groups where their format allows it (`LinearFormat::check_col_cut`); other cuts are refused.
     /// Reads no data.
     pub fn check_col_cut(&self, c0: usize, c1: usize) -> Result<()> {
-        let (_, cols, _) = self.matrix_geometry()?;
+        self.matrix_geometry()?;
+        Self::check_col_cut_of(&self.name, &self.shape, self.format, c0, c1)
+    }
+
+    /// [`Self::check_col_cut`] from a tensor's name, shape and format alone (no data read).
+    pub fn check_col_cut_of(
+        name: &str,
+        shape: &[usize],
+        format: WeightFormat,
+        c0: usize,
+        c1: usize,
+    ) -> Result<()> {
+        let [_, cols] = shape[..] else {
+            return Err(Error::ShapeMismatch {
+                name: name.to_string(),
+                expected: vec![0, 0],
+                found: shape.to_vec(),
+            });
+        };
         if c0 > c1 || c1 > cols {
             return Err(Error::InvalidArgument(format!(
-                "columns {c0}..{c1} of '{}' ({cols} columns)",
-                self.name
+                "columns {c0}..{c1} of '{name}' ({cols} columns)"
             )));
         }
-        let t = match self.format {
+        let t = match format {
             WeightFormat::Ggml(t) => t,
             WeightFormat::Quant(f) => {
                 return f
                     .check_col_cut(cols, c0, c1)
-                    .map_err(|e| Error::InvalidArgument(format!("'{}': {e}", self.name)));
+                    .map_err(|e| Error::InvalidArgument(format!("'{name}': {e}")));
             }
         };
         let b = t.block_elems();
         if !c0.is_multiple_of(b) || !c1.is_multiple_of(b) {
             return Err(Error::unsupported(
                 format!(
-                    "splitting '{}' at columns {c0}..{c1}: it would cut a {}-element {} block",
-                    self.name,
+                    "splitting '{name}' at columns {c0}..{c1}: it would cut a {}-element {} block",
                     b,
                     t.name()
                 ),

@@ -263,26 +263,34 @@ impl DummySource {
     }
 }
 
-impl TensorSource for DummySource {
-    fn get(&self, name: &str) -> Option<HostTensor> {
+impl DummySource {
+    /// Rows `r0..r1`, columns `c0..c1` of tensor `name`, quantized as `get` would where the
+    /// quantization is row-wise: the same bytes as cutting `get`'s tensor (each element is a
+    /// function of its row and column, and every quantization here works row by row).
+    fn build(&self, name: &str, rows: (usize, usize), cols: (usize, usize)) -> Option<HostTensor> {
         let (shape, init) = self.tensors.get(name)?;
-        let cols = shape.last().copied().unwrap_or(1).max(1);
-        let elems: usize = shape.iter().product();
-        let mut bytes = vec![0u8; elems * 2];
+        let full_cols = shape.last().copied().unwrap_or(1).max(1);
+        let (n_rows, n_cols) = (rows.1 - rows.0, cols.1 - cols.0);
+        let mut bytes = vec![0u8; n_rows * n_cols * 2];
         let key = tensor_key(self.seed, name);
         bytes
-            .par_chunks_mut(cols * 2)
+            .par_chunks_mut(n_cols * 2)
             .enumerate()
-            .for_each(|(row, out)| fill_row(key, row, out, *init));
+            .for_each(|(row, out)| fill_row(key, rows.0 + row, cols.0, out, *init));
+        let mut out_shape = shape.clone();
+        if shape.len() == 2 {
+            out_shape = vec![n_rows, n_cols];
+        }
         if let Some(format) = self.quantize
             && shape.len() == 2
             && name.starts_with("model.layers.")
-            && let Ok(rb) = format.row_bytes(cols)
+            && let Ok(rb) = format.row_bytes(n_cols)
+            && format.row_bytes(full_cols).is_ok()
         {
-            let mut q = vec![0u8; shape[0] * rb];
+            let mut q = vec![0u8; n_rows * rb];
             let ok = q
                 .par_chunks_mut(rb)
-                .zip(bytes.par_chunks(cols * 2))
+                .zip(bytes.par_chunks(n_cols * 2))
                 .all(|(out, row)| {
                     let vals: Vec<f32> = row
                         .chunks_exact(2)
@@ -293,7 +301,7 @@ impl TensorSource for DummySource {
             if ok {
                 return Some(HostTensor {
                     name: name.to_string(),
-                    shape: shape.clone(),
+                    shape: out_shape,
                     format: WeightFormat::Quant(format),
                     bytes: TensorBytes::Owned(std::sync::Arc::new(q)),
                 });
@@ -301,14 +309,85 @@ impl TensorSource for DummySource {
         }
         Some(HostTensor {
             name: name.to_string(),
-            shape: shape.clone(),
+            shape: out_shape,
             format: WeightFormat::Ggml(GgmlType::BF16),
             bytes: TensorBytes::Owned(std::sync::Arc::new(bytes)),
         })
     }
 
+    /// Whether quantizing columns `c0..c1` of `name`'s rows on their own gives the bytes of
+    /// cutting the quantized whole rows: BF16, or groups that the cut keeps whole (per-channel
+    /// scales depend on the whole row).
+    fn part_quantizes_alike(&self, name: &str, cols: usize, c0: usize, c1: usize) -> bool {
+        match self.quantize {
+            Some(f) if name.starts_with("model.layers.") && f.row_bytes(cols).is_ok() => {
+                matches!(
+                    f.codec,
+                    nibble_precision::WeightCodec::Int4Group { group } if group > 0
+                ) && f.check_col_cut(cols, c0, c1).is_ok()
+            }
+            _ => true,
+        }
+    }
+}
+
+impl TensorSource for DummySource {
+    fn get(&self, name: &str) -> Option<HostTensor> {
+        let (shape, _) = self.tensors.get(name)?;
+        let rows = if shape.len() == 2 { shape[0] } else { 1 };
+        let cols = shape.last().copied().unwrap_or(1).max(1);
+        self.build(name, (0, rows), (0, cols))
+    }
+
+    fn get_part(
+        &self,
+        name: &str,
+        by_rows: bool,
+        a: usize,
+        b: usize,
+    ) -> Option<Result<HostTensor>> {
+        let (shape, _) = self.tensors.get(name)?;
+        let cut = |t: HostTensor| {
+            if by_rows {
+                t.slice_rows(a, b)
+            } else {
+                t.slice_cols(a, b)
+            }
+        };
+        let [rows, cols] = shape[..] else {
+            return self.get(name).map(cut);
+        };
+        if a >= b || b > if by_rows { rows } else { cols } {
+            return self.get(name).map(cut);
+        }
+        if by_rows {
+            return self.build(name, (a, b), (0, cols)).map(Ok);
+        }
+        // Elements come four to a hash: a column cut on a multiple of four builds only its part.
+        if a.is_multiple_of(4) && self.part_quantizes_alike(name, cols, a, b) {
+            return self.build(name, (0, rows), (a, b)).map(Ok);
+        }
+        self.get(name).map(cut)
+    }
+
     fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
+    }
+
+    fn layout_of(&self, name: &str) -> Option<(Vec<usize>, WeightFormat)> {
+        let (shape, _) = self.tensors.get(name)?;
+        let cols = shape.last().copied().unwrap_or(1).max(1);
+        let format = match self.quantize {
+            Some(f)
+                if shape.len() == 2
+                    && name.starts_with("model.layers.")
+                    && f.row_bytes(cols).is_ok() =>
+            {
+                WeightFormat::Quant(f)
+            }
+            _ => WeightFormat::Ggml(GgmlType::BF16),
+        };
+        Some((shape.clone(), format))
     }
 
     fn origin(&self) -> String {
@@ -335,11 +414,14 @@ fn tensor_key(seed: u64, name: &str) -> u64 {
 
 /// Row `row` of a tensor as BF16 bytes: one splitmix64 draw per four elements, each taking 16
 /// bits, mapped to the odd multiples of `half / 65535` about `center` (never zero about 0).
-fn fill_row(key: u64, row: usize, out: &mut [u8], init: Init) {
+/// Row `row` of a tensor from column `col0` (a multiple of 4) on: four elements a hash of
+/// (key, row, column / 4), so any part of a row is the same bytes as that part of the whole row.
+fn fill_row(key: u64, row: usize, col0: usize, out: &mut [u8], init: Init) {
+    debug_assert!(col0.is_multiple_of(4));
     let scale = init.half / 32767.5;
     let row_base = (row as u64) << 32;
     for (g, chunk) in out.chunks_mut(8).enumerate() {
-        let counter = row_base | g as u64;
+        let counter = row_base | (col0 / 4 + g) as u64;
         let mut h = mix64(key.wrapping_add(counter.wrapping_mul(GOLDEN)));
         for pair in chunk.chunks_exact_mut(2) {
             let u = (h & 0xFFFF) as f32;
@@ -359,6 +441,38 @@ mod tests {
         let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
         let var = v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
         (mean, var.sqrt())
+    }
+
+    #[test]
+    fn parts_are_the_whole_tensors_cut() {
+        for spec in ["tiny-dummy", "tiny-dummy:w4a16-g32", "tiny-dummy:w8a8"] {
+            let files = open_dummy(spec, 5).unwrap();
+            let src = &*files.source;
+            for (name, by_rows, a, b) in [
+                ("model.layers.1.self_attn.q_proj.weight", true, 128, 256),
+                ("model.layers.1.self_attn.o_proj.weight", false, 128, 256),
+                ("model.layers.2.mlp.down_proj.weight", false, 352, 704),
+                ("model.layers.2.mlp.down_proj.weight", false, 0, 352),
+                ("model.norm.weight", true, 0, 1),
+            ] {
+                let whole = src.get(name).unwrap();
+                let want = if by_rows {
+                    whole.slice_rows(a, b)
+                } else {
+                    whole.slice_cols(a, b)
+                };
+                let got = src.get_part(name, by_rows, a, b).unwrap();
+                match (got, want) {
+                    (Ok(g), Ok(w)) => {
+                        assert_eq!(g.shape, w.shape, "{spec} {name}");
+                        assert_eq!(g.format, w.format, "{spec} {name}");
+                        assert_eq!(&g.bytes[..], &w.bytes[..], "{spec} {name} {a}..{b}");
+                    }
+                    (Err(_), Err(_)) => {}
+                    (g, w) => panic!("{spec} {name}: part {:?} vs cut {:?}", g.err(), w.err()),
+                }
+            }
+        }
     }
 
     fn tiny() -> ModelFiles {

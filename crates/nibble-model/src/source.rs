@@ -21,6 +21,28 @@ pub trait TensorSource: Send + Sync {
     }
     /// The file or directory, for error messages.
     fn origin(&self) -> String;
+    /// A tensor's shape and storage format, without its data where the source can tell them
+    /// apart (a source that builds tensors on demand).
+    fn layout_of(&self, name: &str) -> Option<(Vec<usize>, WeightFormat)> {
+        self.get(name).map(|t| (t.shape, t.format))
+    }
+    /// Rows `a..b` (`by_rows`) or columns `a..b` of a matrix: one tensor-parallel rank's shard.
+    /// The default reads the whole tensor and cuts it; a source that builds tensors on demand
+    /// may build only the part (the same bytes).
+    fn get_part(
+        &self,
+        name: &str,
+        by_rows: bool,
+        a: usize,
+        b: usize,
+    ) -> Option<Result<HostTensor>> {
+        let t = self.get(name)?;
+        Some(if by_rows {
+            t.slice_rows(a, b)
+        } else {
+            t.slice_cols(a, b)
+        })
+    }
 }
 
 impl TensorSource for SafetensorsDir {

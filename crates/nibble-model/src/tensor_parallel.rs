@@ -112,24 +112,21 @@ impl<'a> ShardedSource<'a> {
         }
     }
 
-    fn shard(&self, t: HostTensor, by_rows: bool, len: usize) -> nibble_core::Result<HostTensor> {
+    fn range(&self, len: usize) -> (usize, usize) {
         let each = len / self.size;
-        let (a, b) = (self.rank * each, (self.rank + 1) * each);
-        if by_rows {
-            t.slice_rows(a, b)
-        } else {
-            t.slice_cols(a, b)
-        }
+        (self.rank * each, (self.rank + 1) * each)
     }
 }
 
 impl TensorSource for ShardedSource<'_> {
     fn get(&self, name: &str) -> Option<HostTensor> {
-        let t = self.inner.get(name)?;
         match self.split(name) {
-            None => Some(t),
-            // A tensor that cannot be cut reads as missing here; `get_checked` says why.
-            Some((by_rows, len)) => self.shard(t, by_rows, len).ok(),
+            None => self.inner.get(name),
+            // A tensor that cannot be cut reads as missing here; `check_cuts` says why first.
+            Some((by_rows, len)) => {
+                let (a, b) = self.range(len);
+                self.inner.get_part(name, by_rows, a, b)?.ok()
+            }
         }
     }
     fn contains(&self, name: &str) -> bool {
@@ -155,9 +152,11 @@ impl ShardedSource<'_> {
         for i in 0..self.config.num_layers {
             for part in ["self_attn.o_proj.weight", "mlp.down_proj.weight"] {
                 let name = format!("model.layers.{i}.{part}");
-                if let (Some((_, len)), Some(t)) = (self.split(&name), self.inner.get(&name)) {
-                    let each = len / self.size;
-                    t.check_col_cut(self.rank * each, (self.rank + 1) * each)?;
+                if let (Some((_, len)), Some((shape, format))) =
+                    (self.split(&name), self.inner.layout_of(&name))
+                {
+                    let (a, b) = self.range(len);
+                    HostTensor::check_col_cut_of(&name, &shape, format, a, b)?;
                 }
             }
         }
