@@ -627,7 +627,8 @@ fn quantized_dummy_weights_run_and_bad_precisions_are_refused() {
 }
 
 /// `--tensor-parallel-size` splits the model over CPU ranks and writes what one rank writes;
-/// a size the heads do not divide, and a GPU, are refused with the reason.
+/// a size the heads do not divide, a command it does not run, GPUs where there are none and the
+/// server on GPUs are refused with the reason.
 #[test]
 fn tensor_parallel_generate_writes_what_one_rank_writes() {
     let dir = concat!(
@@ -679,4 +680,16 @@ fn tensor_parallel_generate_writes_what_one_rank_writes() {
         ],
         "works with generate",
     );
+    let on_gpus = |command: &str, needle: &str| {
+        let mut args = vec!["--device", "cuda", "--model", dir, "--tensor-parallel-size", "2"];
+        args.push(command);
+        if command == "generate" {
+            args.extend(["--prompt", "Hello"]);
+        }
+        assert_clean_failure(&args, needle);
+    };
+    on_gpus("serve", "serve runs its ranks on the CPU");
+    if !nibble_cuda::cuda_available() {
+        on_gpus("generate", "NVIDIA driver");
+    }
 }
