@@ -63,16 +63,24 @@ for part in $parts; do
       for tp in 1 2; do
         throughput "b1-tp$tp" llama-3-8b "$tp" --input-len 128 --output-len 256 \
           --num-prompts 2 --max-num-seqs 1 --profile
-      done ;;
+      done
+      # The output head split by vocabulary, and NCCL's low-latency protocol.
+      NIBBLE_TP_SPLIT_HEAD=1 throughput b1-tp2-split-head llama-3-8b 2 --input-len 128 \
+        --output-len 256 --num-prompts 2 --max-num-seqs 1 --profile
+      NCCL_PROTO=LL throughput b1-tp2-ll llama-3-8b 2 --input-len 128 --output-len 256 \
+        --num-prompts 2 --max-num-seqs 1 --profile ;;
     offline)
       for tp in 1 2; do
         throughput "offline-tp$tp" llama-3-8b "$tp" --dataset "$ds" \
           --num-prompts "${TP_PROMPTS:-500}" --max-num-seqs 256 --profile
       done ;;
     70b)
+      # Llama-2-70B's vocabulary (32,000) is below the SmolLM2 tokenizer's: byte-level tokens.
       for p in "" :w4a16-g128; do
-        TIMEOUT=240 throughput "llama-2-70b${p#:}-tp2" "llama-2-70b$p" 2 --input-len 128 --output-len 64 \
-          --num-prompts 16 --sweep-seqs 1,16 --max-batched-tokens 4096
+        step "llama-2-70b${p#:}-tp2" timeout 240 "$bin" --device cuda \
+          --dummy-weights "llama-2-70b$p" --tensor-parallel-size 2 bench throughput \
+          --json "$out/llama-2-70b${p#:}-tp2.json" --input-len 128 --output-len 64 \
+          --num-prompts 16 --sweep-seqs 1,16 --max-batched-tokens 4096 --profile
       done ;;
     *) echo "unknown part $part" >&2; status=1 ;;
   esac

@@ -1188,9 +1188,14 @@ fn run_tensor_parallel(
     let kv = cli
         .kv
         .map_or(files.precision.map(|p| p.kv).unwrap_or_default(), |_| kv);
-    let tokenizer = files.tokenizer.clone();
     let host = nibble_model::tensor_parallel::HostComm::new(size);
-    let mirror = Mirror::new(size);
+    let job = TpJob {
+        cli: &cli,
+        labels: &labels,
+        tokenizer: &files.tokenizer,
+        kv,
+        mirror: Mirror::new(size),
+    };
     match cli.device.resolve() {
         Device::Cpu => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -1204,20 +1209,9 @@ fn run_tensor_parallel(
                 (threads / size).max(1),
                 &*files.source,
                 &files.config,
-                |backend, mut model| {
+                |backend, model| {
                     let rank = backend.rank();
-                    model.kv_format = kv;
-                    let engine = Engine {
-                        backend,
-                        model,
-                        tokenizer: tokenizer.clone(),
-                    };
-                    let r = Rank {
-                        rank,
-                        host: Some(&host),
-                        mirror: Some(&mirror),
-                    };
-                    run_rank(engine, &cli, &labels, r)
+                    job.run(backend, model, rank, &host)
                 },
             )?;
         }
@@ -1239,8 +1233,7 @@ fn run_tensor_parallel(
                 &group,
                 &*files.source,
                 &files.config,
-                |rank, backend, mut model| {
-                    model.kv_format = kv;
+                |rank, backend, model| {
                     if rank == 0 {
                         eprintln!(
                             "nibble: rank 0 loaded its shard in {:.1}s",
@@ -1250,17 +1243,7 @@ fn run_tensor_parallel(
                             eprintln!("nibble: {note}");
                         }
                     }
-                    let engine = Engine {
-                        backend,
-                        model,
-                        tokenizer: tokenizer.clone(),
-                    };
-                    let r = Rank {
-                        rank,
-                        host: Some(&group.host),
-                        mirror: Some(&mirror),
-                    };
-                    run_rank(engine, &cli, &labels, r)
+                    job.run(backend, model, rank, &group.host)
                 },
             )?;
         }
@@ -1269,23 +1252,73 @@ fn run_tensor_parallel(
     Ok(())
 }
 
+/// What every rank of a tensor-parallel run shares: the command, the tokenizer, the KV format,
+/// and a server's mirror channels.
+struct TpJob<'a> {
+    cli: &'a Cli,
+    labels: &'a (String, String),
+    tokenizer: &'a nibble_formats::tokenizer::Tokenizer,
+    kv: KvSpec,
+    mirror: Mirror,
+}
+
+impl TpJob<'_> {
+    /// Rank `rank`'s engine over its shard, running the command.
+    fn run<B: Backend + 'static>(
+        &self,
+        backend: B,
+        mut model: nibble_model::Transformer<B>,
+        rank: usize,
+        host: &nibble_model::tensor_parallel::HostComm,
+    ) -> nibble_core::Result<()>
+    where
+        B::Kv: KvReport,
+    {
+        model.kv_format = self.kv;
+        let engine = Engine {
+            backend,
+            model,
+            tokenizer: self.tokenizer.clone(),
+        };
+        let rank = Rank {
+            rank,
+            host: Some(host),
+            mirror: Some(&self.mirror),
+        };
+        run_rank(engine, self.cli, self.labels, rank)
+    }
+}
+
 /// One rank's share of a tensor-parallel command (see [`run_tensor_parallel`]).
-fn run_rank<B: Backend>(
+fn run_rank<B: Backend + 'static>(
     engine: Engine<B>,
     cli: &Cli,
     labels: &(String, String),
     rank: Rank<'_>,
 ) -> nibble_core::Result<()>
 where
-    B: 'static,
     B::Kv: KvReport,
 {
     let as_core = |e: anyhow::Error| nibble_core::Error::InvalidArgument(format!("{e:#}"));
+    // Every rank samples with one seed (the smallest of their draws), or they would part ways.
+    let agreed = |opts: &GenArgs| -> nibble_core::Result<GenArgs> {
+        let mut opts = opts.clone();
+        if opts.seed.is_none() {
+            use std::hash::{BuildHasher, Hasher};
+            let draw = std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish()
+                >> 17;
+            opts.seed = Some(rank.agree_min(draw as usize).map_err(as_core)? as u64);
+        }
+        Ok(opts)
+    };
     match &cli.command {
         Command::Generate { prompt, chat, opts } if rank.leads() => {
-            generate(&engine, prompt, *chat, opts).map_err(as_core)
+            generate(&engine, prompt, *chat, &agreed(opts)?).map_err(as_core)
         }
         Command::Generate { prompt, chat, opts } => {
+            let opts = &agreed(opts)?;
             let ids = if *chat {
                 let text = template(&engine)
                     .and_then(|t| Ok(t.render(&[ChatMessage::new("user", prompt)], true)?))

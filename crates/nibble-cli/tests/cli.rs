@@ -681,7 +681,14 @@ fn tensor_parallel_generate_writes_what_one_rank_writes() {
         "works with generate",
     );
     let on_gpus = |command: &str, needle: &str| {
-        let mut args = vec!["--device", "cuda", "--model", dir, "--tensor-parallel-size", "2"];
+        let mut args = vec![
+            "--device",
+            "cuda",
+            "--model",
+            dir,
+            "--tensor-parallel-size",
+            "2",
+        ];
         args.push(command);
         if command == "generate" {
             args.extend(["--prompt", "Hello"]);

@@ -58,6 +58,28 @@ impl Backend for TpCpuBackend {
     fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {
         self.cpu.embed(table, ids)
     }
+    fn gathers_columns(&self) -> bool {
+        true
+    }
+    fn all_gather_cols(&self, x: &CpuTensor) -> Result<CpuTensor> {
+        let (rows, cols) = (x.rows, x.cols);
+        let all = self
+            .comm
+            .all_gather(self.rank, &x.data)
+            .inspect_err(|e| self.comm.abort(&e.to_string()))?;
+        let size = self.comm.size();
+        let mut data = Vec::with_capacity(all.len());
+        for r in 0..rows {
+            for part in all.chunks_exact(rows * cols) {
+                data.extend_from_slice(&part[r * cols..(r + 1) * cols]);
+            }
+        }
+        Ok(CpuTensor {
+            data,
+            rows,
+            cols: cols * size,
+        })
+    }
     fn all_reduce(&self, x: &mut CpuTensor) -> Result<()> {
         self.comm
             .all_reduce(self.rank, &mut x.data)

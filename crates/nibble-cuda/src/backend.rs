@@ -47,6 +47,10 @@ pub struct CudaBackend {
     /// This GPU's rank in a tensor-parallel group (`Backend::all_reduce` over NCCL); `None`
     /// runs the whole model.
     collective: Option<Arc<Communicator>>,
+    /// As a rank, take a share of the output head's vocabulary and gather the logits
+    /// (`Backend::all_gather_cols`). Off unless asked for (`NIBBLE_TP_SPLIT_HEAD=1`): it has not
+    /// run on two GPUs yet.
+    pub tp_split_head: bool,
     ctx: CudaContext,
 }
 
@@ -74,6 +78,7 @@ impl CudaBackend {
             host_sampling: std::env::var("NIBBLE_HOST_SAMPLING").is_ok_and(|v| v != "0"),
             dequantized: Mutex::default(),
             collective: None,
+            tp_split_head: std::env::var("NIBBLE_TP_SPLIT_HEAD").is_ok_and(|v| v == "1"),
             ctx,
         })
     }
@@ -365,6 +370,43 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn gathers_columns(&self) -> bool {
+        self.collective.is_some() && self.tp_split_head
+    }
+
+    fn all_gather_cols(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        let Some(comm) = &self.collective else {
+            return Err(Error::InvalidArgument(
+                "gathering columns outside a tensor-parallel group".into(),
+            ));
+        };
+        if x.ld != x.cols || x.elem != Elem::F32 {
+            return Err(Error::InvalidArgument(
+                "all-gather of columns takes whole f32 tensors (logits)".into(),
+            ));
+        }
+        let (rows, cols, n) = (x.rows, x.cols, comm.size());
+        // NCCL gathers whole buffers rank after rank: [rank][rows][cols]; the rows of the result
+        // take each rank's block side by side, one strided copy a rank.
+        let staged = self.ctx.alloc(n * rows, cols, Elem::F32)?;
+        let out = self.ctx.alloc(rows, n * cols, Elem::F32)?;
+        self.ctx.gpu.bind()?;
+        let stream = self.ctx.gpu.cu_stream();
+        comm.all_gather(x.ptr, staged.ptr, rows * cols, ReduceType::F32)?;
+        for r in 0..n {
+            crate::runtime::copy_2d(
+                out.ptr + (r * cols * 4) as u64,
+                n * cols * 4,
+                staged.ptr + (r * rows * cols * 4) as u64,
+                cols * 4,
+                cols * 4,
+                rows,
+                stream,
+            )?;
+        }
+        Ok(out)
+    }
+
     fn all_reduce(&self, x: &mut CudaTensor) -> Result<()> {
         let Some(comm) = &self.collective else {
             return Ok(());
@@ -380,8 +422,7 @@ impl Backend for CudaBackend {
             Elem::Half(Dtype::Bf16) => ReduceType::Bf16,
             Elem::Half(Dtype::F16) => ReduceType::F16,
         };
-        self.ctx.gpu.bind()?;
-        comm.all_reduce_sum(x.ptr, x.rows * x.cols, ty, self.ctx.gpu.cu_stream())
+        comm.all_reduce_sum(x.ptr, x.rows * x.cols, ty)
     }
 
     fn load_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
@@ -753,7 +794,8 @@ mod tests {
         let one = weight_bytes(std::slice::from_ref(&native), Dtype::Bf16).unwrap();
         assert!(matches!(one, std::borrow::Cow::Borrowed(_)));
         assert_eq!(&one[..], &bf[..]);
-        let stacked = weight_bytes(&[native, wide], Dtype::Bf16).unwrap();
+        let parts = [native, wide];
+        let stacked = weight_bytes(&parts, Dtype::Bf16).unwrap();
         assert_eq!(&stacked[..], &[bf.clone(), bf].concat()[..]);
     }
 }

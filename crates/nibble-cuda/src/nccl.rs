@@ -3,8 +3,8 @@
 //! says where it was looked for, never a panic.
 //!
 //! Only what tensor parallelism calls is bound: the unique id, one communicator per rank, the
-//! in-place sum all-reduce on a rank's stream (so a CUDA graph captures it with the rest of a
-//! decode step), abort and destroy. cudarc has NCCL bindings, but its loader looks for
+//! in-place sum all-reduce and the all-gather on a rank's stream (so a CUDA graph captures them
+//! with the rest of a decode step), abort and destroy. cudarc has NCCL bindings, but its loader looks for
 //! `libnccl.so` and `libnccl.so.<CUDA major>` only, while NCCL's library is `libnccl.so.2`
 //! (the `nvidia-nccl-cu13` wheel ships nothing else), so the few entry points are loaded here.
 //!
@@ -52,6 +52,14 @@ struct Api {
         *mut c_void,
         usize,
         c_int,
+        c_int,
+        RawComm,
+        sys::CUstream,
+    ) -> NcclResult,
+    all_gather: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
         c_int,
         RawComm,
         sys::CUstream,
@@ -131,6 +139,7 @@ fn load() -> std::result::Result<Api, String> {
                 get_unique_id: sym!(b"ncclGetUniqueId\0"),
                 comm_init_rank: sym!(b"ncclCommInitRank\0"),
                 all_reduce: sym!(b"ncclAllReduce\0"),
+                all_gather: sym!(b"ncclAllGather\0"),
                 comm_abort: sym!(b"ncclCommAbort\0"),
                 comm_destroy: sym!(b"ncclCommDestroy\0"),
                 get_error_string: sym!(b"ncclGetErrorString\0"),
@@ -240,16 +249,11 @@ impl Communicator {
         self.size
     }
 
-    /// Replaces the `count` elements at `ptr` by their sum over the group, queued on `stream`
-    /// (a capturing stream records it into the graph).
-    pub fn all_reduce_sum(
-        &self,
-        ptr: DevicePtr,
-        count: usize,
-        ty: ReduceType,
-        stream: sys::CUstream,
-    ) -> Result<()> {
+    /// Replaces the `count` elements at `ptr` by their sum over the group, queued on the GPU's
+    /// stream (a capturing stream records it into the graph).
+    pub fn all_reduce_sum(&self, ptr: DevicePtr, count: usize, ty: ReduceType) -> Result<()> {
         let api = api()?;
+        self.gpu.bind()?;
         let guard = self.raw.lock().unwrap_or_else(|p| p.into_inner());
         let Some(raw) = guard.as_ref() else {
             return Err(Error::InvalidArgument(
@@ -265,7 +269,37 @@ impl Communicator {
                 ty as c_int,
                 NCCL_SUM,
                 raw.0,
-                stream,
+                self.gpu.cu_stream(),
+            )
+        })
+    }
+
+    /// Writes every rank's `count` elements at `send`, in rank order, to `recv` (`count` times
+    /// the group's size), queued on the GPU's stream.
+    pub fn all_gather(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        ty: ReduceType,
+    ) -> Result<()> {
+        let api = api()?;
+        self.gpu.bind()?;
+        let guard = self.raw.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(raw) = guard.as_ref() else {
+            return Err(Error::InvalidArgument(
+                "tensor-parallel all-gather abandoned: the group was aborted (another rank failed)"
+                    .into(),
+            ));
+        };
+        check(api, "all-gather", unsafe {
+            (api.all_gather)(
+                send as *const c_void,
+                recv as *mut c_void,
+                count,
+                ty as c_int,
+                raw.0,
+                self.gpu.cu_stream(),
             )
         })
     }

@@ -117,6 +117,45 @@ impl Gpu {
     }
 }
 
+/// A strided device-to-device copy queued on `stream`: `height` rows of `width` bytes, rows
+/// `src_pitch` bytes apart in the source and `dst_pitch` in the destination.
+pub(crate) fn copy_2d(
+    dst: DevicePtr,
+    dst_pitch: usize,
+    src: DevicePtr,
+    src_pitch: usize,
+    width: usize,
+    height: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    if width == 0 || height == 0 {
+        return Ok(());
+    }
+    let copy = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: std::ptr::null(),
+        srcDevice: src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src_pitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst_pitch,
+        WidthInBytes: width,
+        Height: height,
+    };
+    let r = unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(driver_err("strided device copy", r));
+    }
+    Ok(())
+}
+
 /// Device memory owned by Rust: weights, vectors, KV pools, the activation arena.
 pub struct DeviceBuffer {
     pub ptr: DevicePtr,

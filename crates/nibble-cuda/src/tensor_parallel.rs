@@ -33,6 +33,9 @@ pub struct GpuGroup {
     dtype: Dtype,
     id: UniqueId,
     comms: Vec<Mutex<Option<Arc<Communicator>>>>,
+    /// Whether the ranks split the output head by vocabulary, where set (else the backend's
+    /// default, `NIBBLE_TP_SPLIT_HEAD`).
+    split_head: Option<bool>,
     /// Host-side agreement between the ranks (a barrier before NCCL's blocking init, the KV pool
     /// size), with the same abort.
     pub host: Arc<HostComm>,
@@ -69,8 +72,16 @@ impl GpuGroup {
             dtype,
             id: nccl::unique_id()?,
             comms: gpus.iter().map(|_| Mutex::new(None)).collect(),
+            split_head: None,
             host: HostComm::new(gpus.len()),
         })
+    }
+
+    /// Whether every rank takes a share of the output head's vocabulary (and gathers the
+    /// logits) instead of the whole head.
+    pub fn split_head(mut self, on: bool) -> GpuGroup {
+        self.split_head = Some(on);
+        self
     }
 
     pub fn size(&self) -> usize {
@@ -81,12 +92,17 @@ impl GpuGroup {
     /// a rank that could not open its GPU fails the others instead of leaving them in NCCL's
     /// blocking init) its communicator joined and connected by a first all-reduce.
     pub fn rank_backend(&self, rank: usize) -> Result<CudaBackend> {
-        let be = CudaBackend::new(self.gpus[rank], self.dtype)?;
+        let mut be = CudaBackend::new(self.gpus[rank], self.dtype)?;
+        if let Some(on) = self.split_head {
+            be.tp_split_head = on;
+        }
         self.host.barrier(rank)?;
         let comm = Arc::new(Communicator::join(&be.gpu, &self.id, rank, self.size())?);
+        // Held by the group from now on, so a failure anywhere after can abort it.
+        *self.comms[rank].lock().unwrap_or_else(|p| p.into_inner()) = Some(comm.clone());
         // NCCL connects its peers on the first collective; do it now, outside any graph capture.
         let probe = DeviceBuffer::from_host(&be.gpu, &[rank as f32 + 1.0], "all-reduce probe")?;
-        comm.all_reduce_sum(probe.ptr, 1, ReduceType::F32, be.gpu.cu_stream())?;
+        comm.all_reduce_sum(probe.ptr, 1, ReduceType::F32)?;
         let mut sum = [0f32];
         be.gpu.download(&mut sum, probe.ptr)?;
         let want = (self.size() * (self.size() + 1) / 2) as f32;
@@ -96,7 +112,6 @@ impl GpuGroup {
                 sum[0]
             )));
         }
-        *self.comms[rank].lock().unwrap_or_else(|p| p.into_inner()) = Some(comm.clone());
         Ok(be.with_collective(comm))
     }
 

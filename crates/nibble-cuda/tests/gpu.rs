@@ -6,22 +6,24 @@
 //! runs the prebuilt binary). Error bounds: f32 math well under 1e-3 relative; anything that
 //! passes through bf16 (GEMM operands, the KV cache, 16-bit outputs) under 1e-2.
 
-use std::path::PathBuf;
-
 use half::{bf16, f16};
 use nibble_cpu::{CpuBackend, CpuTensor};
 use nibble_cuda::qlinear::KernelTier;
 use nibble_cuda::{CudaBackend, CudaTensor, Dtype};
-use nibble_engine::{Engine, GenerateRequest, SamplingParams};
+use nibble_engine::{Engine, SamplingParams};
 use nibble_formats::gguf::GgmlType;
 use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
 use nibble_model::{
     AttentionShape, Backend, BatchLayout, KvShape, RopeLayout, SeqSpan, Transformer, open_model,
 };
 use nibble_precision::KvSpec;
+
+use common::{fixture, greedy, top2};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+#[path = "gpu/common.rs"]
+mod common;
 #[path = "gpu/kv.rs"]
 mod kv;
 #[path = "gpu/qgemm.rs"]
@@ -647,12 +649,6 @@ fn out_of_memory_is_an_error() {
     assert_eq!(g.to_host(&v).unwrap(), vec![1.0, 2.0]);
 }
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../nibble-model/tests/fixtures")
-        .join(name)
-}
-
 fn engine<B: Backend>(backend: B, dir: &std::path::Path) -> Engine<B> {
     let files = open_model(dir, None).unwrap();
     let model = Transformer::load(&backend, files.config, &*files.source, &mut |_, _| {}).unwrap();
@@ -661,34 +657,6 @@ fn engine<B: Backend>(backend: B, dir: &std::path::Path) -> Engine<B> {
         model,
         tokenizer: files.tokenizer,
     }
-}
-
-fn greedy<B: Backend>(e: &Engine<B>, prompt: &[u32], n: usize) -> Vec<u32> {
-    let req = GenerateRequest {
-        prompt_ids: prompt.to_vec(),
-        params: SamplingParams {
-            temperature: 0.0,
-            ..SamplingParams::default()
-        },
-        max_tokens: n,
-        stop: vec![],
-        ignore_eos: true,
-        constraint: None,
-    };
-    e.generate(&req, &mut |_| {}).unwrap().token_ids
-}
-
-fn top2(l: &[f32]) -> (usize, f32) {
-    let (mut best, mut second) = (0, f32::NEG_INFINITY);
-    for (i, &v) in l.iter().enumerate() {
-        if v > l[best] {
-            second = l[best];
-            best = i;
-        } else if i != best && v > second {
-            second = v;
-        }
-    }
-    (best, l[best] - second)
 }
 
 /// Whole models, for every architecture fixture (GQA, QKV bias, QK norm, tied embeddings, llama3

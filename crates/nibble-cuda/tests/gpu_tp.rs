@@ -7,7 +7,6 @@
 //! Needs two GPUs: `cargo test -p nibble-cuda --features gpu-tests --test gpu_tp`
 //! (scripts/gpu-tp-run.sh runs the prebuilt binary on a two-GPU machine).
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use nibble_cuda::tensor_parallel::{GpuGroup, run_sharded};
@@ -18,31 +17,15 @@ use nibble_model::{Backend, ModelConfig, Transformer, open_model};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-const TIE: f32 = 0.05;
+#[path = "gpu/common.rs"]
+mod common;
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../nibble-model/tests/fixtures")
-        .join(name)
-}
+use common::{fixture, greedy, top2};
+
+const TIE: f32 = 0.05;
 
 fn group() -> GpuGroup {
     GpuGroup::new(&[0, 1], Dtype::Bf16).expect("two CUDA GPUs")
-}
-
-fn greedy<B: Backend>(e: &Engine<B>, prompt: &[u32], n: usize) -> Vec<u32> {
-    let req = GenerateRequest {
-        prompt_ids: prompt.to_vec(),
-        params: SamplingParams {
-            temperature: 0.0,
-            ..SamplingParams::default()
-        },
-        max_tokens: n,
-        stop: vec![],
-        ignore_eos: true,
-        constraint: None,
-    };
-    e.generate(&req, &mut |_| {}).unwrap().token_ids
 }
 
 fn rel_err(a: &[f32], b: &[f32]) -> f64 {
@@ -50,19 +33,6 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (num / den.max(1e-30)).sqrt()
-}
-
-fn top2(l: &[f32]) -> (usize, f32) {
-    let (mut best, mut second) = (0, f32::NEG_INFINITY);
-    for (i, &v) in l.iter().enumerate() {
-        if v > l[best] {
-            second = l[best];
-            best = i;
-        } else if i != best && v > second {
-            second = v;
-        }
-    }
-    (best, l[best] - second)
 }
 
 /// What one run (one GPU, or each rank of two) gives along a fixed token path: the logits of
@@ -258,6 +228,50 @@ fn two_gpus_follow_one_on_the_fixtures() {
     }
 }
 
+/// The output head split by vocabulary (each rank computes its half of the logits, NCCL gathers
+/// them, strided copies lay them side by side) on the untied fixtures, against one GPU.
+#[test]
+fn a_vocabulary_split_head_follows_one_gpu() {
+    for name in ["tiny-llama3", "tiny-qwen2", "tiny-mistral"] {
+        let files = open_model(&fixture(name), None).unwrap();
+        let prompt: Vec<u32> = "The quick brown fox".bytes().map(u32::from).collect();
+        let path: Vec<u32> = prompt
+            .iter()
+            .copied()
+            .chain((0..40).map(|i| 3 + (i * 37) % 200))
+            .collect();
+        let be = CudaBackend::new(0, Dtype::Bf16).unwrap();
+        let model =
+            Transformer::load(&be, files.config.clone(), &*files.source, &mut |_, _| {}).unwrap();
+        let one = run_on(
+            Engine {
+                backend: be,
+                model,
+                tokenizer: files.tokenizer.clone(),
+            },
+            &path,
+            prompt.len(),
+            40,
+        );
+        let g = group().split_head(true);
+        let two = run_sharded(&g, &*files.source, &files.config, |_, backend, model| {
+            assert!(backend.gathers_columns());
+            Ok(run_on(
+                Engine {
+                    backend,
+                    model,
+                    tokenizer: files.tokenizer.clone(),
+                },
+                &path,
+                prompt.len(),
+                40,
+            ))
+        })
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        check_two_follow_one(&format!("{name} (split head)"), &one, &two, 2e-2, TIE);
+    }
+}
+
 /// Quantized weights split on whole groups (W4A16 g32: o_proj's 128 and down_proj's 352 input
 /// columns a rank) and per-channel INT8 with per-token INT8 activations (each rank quantizes its
 /// own slice of the activations with its own scale, so W8A8 is close to one GPU, not equal:
@@ -285,8 +299,7 @@ fn quantized_weights_split_on_their_groups() {
     // A group size that would cut a group is refused by name, before anything loads.
     let files = nibble_model::dummy::open_dummy("tiny-dummy:w4a16-g64", 3).unwrap();
     let e = run_sharded(&group(), &*files.source, &files.config, |_, _, _| Ok(()))
-        .err()
-        .expect("352 columns are not whole groups of 64")
+        .expect_err("352 columns are not whole groups of 64")
         .to_string();
     assert!(e.contains("down_proj") && e.contains("group of 64"), "{e}");
 }
@@ -341,8 +354,7 @@ fn a_failed_rank_ends_the_run_with_its_error() {
             Ok(())
         },
     )
-    .err()
-    .expect("the run fails")
+    .expect_err("the run fails")
     .to_string();
     let took = t0.elapsed();
     eprintln!("run_sharded returned at {took:?}");

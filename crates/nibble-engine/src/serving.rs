@@ -381,7 +381,14 @@ impl<B: Backend> LlmEngine<B> {
     /// when one can never fit or the waiting queue cannot take them all. Requests with the same
     /// prompt share its KV blocks: the first computes it, the others are admitted after it and
     /// find the prompt's full blocks in the prefix cache.
-    pub fn add_requests(&mut self, reqs: Vec<(RequestId, Request)>) -> Result<()> {
+    pub fn add_requests(&mut self, mut reqs: Vec<(RequestId, Request)>) -> Result<()> {
+        if self.mirror.is_some() {
+            // Every rank must draw the same tokens: a request without a seed gets one here,
+            // before the other ranks see it, instead of one from each rank's own entropy.
+            for (_, r) in &mut reqs {
+                r.params.seed.get_or_insert_with(rand::random);
+            }
+        }
         self.mirror(|| EngineOp::Add(reqs.clone()));
         for (_, req) in &reqs {
             self.check(req)?;

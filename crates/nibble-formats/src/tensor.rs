@@ -254,6 +254,15 @@ impl HostTensor {
         })
     }
 
+    /// Rows `a..b` (`by_rows`) or columns `a..b`: a tensor-parallel shard of a matrix.
+    pub fn slice_part(&self, by_rows: bool, a: usize, b: usize) -> Result<HostTensor> {
+        if by_rows {
+            self.slice_rows(a, b)
+        } else {
+            self.slice_cols(a, b)
+        }
+    }
+
     /// Reorders rows: row `i` of the result is row `order[i]` of `self`. Works on any row-wise
     /// format because quantization blocks never straddle rows.
     pub fn permute_rows(&self, order: &[usize]) -> Result<HostTensor> {

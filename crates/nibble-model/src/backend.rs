@@ -240,6 +240,22 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// Whether this backend, as a tensor-parallel rank, gathers column parts
+    /// ([`Backend::all_gather_cols`]), so that the output head can be split by vocabulary.
+    fn gathers_columns(&self) -> bool {
+        false
+    }
+
+    /// Tensor parallelism: every rank's `x` (the same rows on each, `c` columns a rank) side by
+    /// side in rank order, `[rows, c * ranks]`, on every rank: the logits of an output head split
+    /// by vocabulary. Only backends that [`Backend::gathers_columns`] are asked.
+    fn all_gather_cols(&self, _x: &Self::Tensor) -> Result<Self::Tensor> {
+        Err(nibble_core::Error::unsupported(
+            format!("gathering columns on {}", self.name()),
+            "it is not a tensor-parallel rank",
+        ))
+    }
+
     /// Rows `ids` of an embedding table.
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Self::Tensor;

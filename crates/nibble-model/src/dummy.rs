@@ -347,13 +347,7 @@ impl TensorSource for DummySource {
         b: usize,
     ) -> Option<Result<HostTensor>> {
         let (shape, _) = self.tensors.get(name)?;
-        let cut = |t: HostTensor| {
-            if by_rows {
-                t.slice_rows(a, b)
-            } else {
-                t.slice_cols(a, b)
-            }
-        };
+        let cut = |t: HostTensor| t.slice_part(by_rows, a, b);
         let [rows, cols] = shape[..] else {
             return self.get(name).map(cut);
         };
@@ -412,10 +406,10 @@ fn tensor_key(seed: u64, name: &str) -> u64 {
     mix64(mix64(seed.wrapping_add(GOLDEN)) ^ fnv)
 }
 
-/// Row `row` of a tensor as BF16 bytes: one splitmix64 draw per four elements, each taking 16
-/// bits, mapped to the odd multiples of `half / 65535` about `center` (never zero about 0).
-/// Row `row` of a tensor from column `col0` (a multiple of 4) on: four elements a hash of
-/// (key, row, column / 4), so any part of a row is the same bytes as that part of the whole row.
+/// Row `row` of a tensor as BF16 bytes, from column `col0` (a multiple of 4) on: one splitmix64
+/// draw of (key, row, column / 4) per four elements, each taking 16 bits, mapped to the odd
+/// multiples of `half / 65535` about `center` (never zero about 0); so any part of a row is the
+/// same bytes as that part of the whole row.
 fn fill_row(key: u64, row: usize, col0: usize, out: &mut [u8], init: Init) {
     debug_assert!(col0.is_multiple_of(4));
     let scale = init.half / 32767.5;
@@ -455,12 +449,7 @@ mod tests {
                 ("model.layers.2.mlp.down_proj.weight", false, 0, 352),
                 ("model.norm.weight", true, 0, 1),
             ] {
-                let whole = src.get(name).unwrap();
-                let want = if by_rows {
-                    whole.slice_rows(a, b)
-                } else {
-                    whole.slice_cols(a, b)
-                };
+                let want = src.get(name).unwrap().slice_part(by_rows, a, b);
                 let got = src.get_part(name, by_rows, a, b).unwrap();
                 match (got, want) {
                     (Ok(g), Ok(w)) => {

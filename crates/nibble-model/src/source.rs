@@ -36,12 +36,7 @@ pub trait TensorSource: Send + Sync {
         a: usize,
         b: usize,
     ) -> Option<Result<HostTensor>> {
-        let t = self.get(name)?;
-        Some(if by_rows {
-            t.slice_rows(a, b)
-        } else {
-            t.slice_cols(a, b)
-        })
+        Some(self.get(name)?.slice_part(by_rows, a, b))
     }
 }
 

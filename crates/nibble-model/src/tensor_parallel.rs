@@ -70,6 +70,8 @@ pub struct ShardedSource<'a> {
     config: ModelConfig,
     rank: usize,
     size: usize,
+    /// Whether an untied output head is split by vocabulary ([`ShardedSource::split_head`]).
+    split_head: bool,
 }
 
 impl<'a> ShardedSource<'a> {
@@ -90,7 +92,16 @@ impl<'a> ShardedSource<'a> {
             config: config.clone(),
             rank,
             size,
+            split_head: false,
         })
+    }
+
+    /// Splits an untied output head by vocabulary (each rank computes its share of the logits
+    /// and the ranks gather them) when `on` and the vocabulary divides: for backends that
+    /// gather columns. A tied head stays whole (it is the embedding table every rank reads).
+    pub fn split_head(mut self, on: bool) -> Self {
+        self.split_head = on && self.config.vocab_size.is_multiple_of(self.size);
+        self
     }
 
     /// How tensor `name` is split: by output rows or input columns of `len` in all, or not.
@@ -99,6 +110,9 @@ impl<'a> ShardedSource<'a> {
         let (qd, kvd, ff) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
         let rows = |len| Some((true, len));
         let cols = |len| Some((false, len));
+        if name == "lm_head.weight" && self.split_head {
+            return rows(c.vocab_size);
+        }
         let tail = name.split_once(".layers.").map(|(_, t)| t)?;
         let part = tail.split_once('.').map(|(_, p)| p)?;
         match part {
@@ -131,6 +145,14 @@ impl TensorSource for ShardedSource<'_> {
     }
     fn contains(&self, name: &str) -> bool {
         self.inner.contains(name)
+    }
+    fn layout_of(&self, name: &str) -> Option<(Vec<usize>, nibble_formats::WeightFormat)> {
+        let (mut shape, format) = self.inner.layout_of(name)?;
+        if let (Some((by_rows, len)), 2) = (self.split(name), shape.len()) {
+            let (a, b) = self.range(len);
+            shape[usize::from(!by_rows)] = b - a;
+        }
+        Some((shape, format))
     }
     fn origin(&self) -> String {
         format!(
@@ -165,8 +187,9 @@ impl ShardedSource<'_> {
 }
 
 /// How long a rank waits for the others at an all-reduce before it gives up with an error (a
-/// rank that died would otherwise hang the rest).
-const ALL_REDUCE_TIMEOUT: Duration = Duration::from_secs(120);
+/// rank that died would otherwise hang the rest). Long enough for ranks that finish loading a
+/// 70B shard minutes apart to meet at their first agreement.
+const ALL_REDUCE_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The all-reduce of `size` ranks in one process, on the host: each contributes its tensor, the last to
 /// arrive sums them in rank order (so every rank gets the same bits), and all copy the sum out.
@@ -295,6 +318,16 @@ impl HostComm {
         self.all_reduce(rank, &mut [0.0])
     }
 
+    /// Every rank's `part` (all of one length), concatenated in rank order, on every rank.
+    pub fn all_gather(&self, rank: usize, part: &[f32]) -> Result<Vec<f32>> {
+        // Each part in its own slot, zeros elsewhere: the rank-order sum is the parts exactly
+        // (up to the sign of a zero).
+        let mut slots = vec![0f32; part.len() * self.size()];
+        slots[rank * part.len()..(rank + 1) * part.len()].copy_from_slice(part);
+        self.all_reduce(rank, &mut slots)?;
+        Ok(slots)
+    }
+
     /// The smallest of the ranks' `value`s, on every rank: what the ranks must agree on before
     /// they act alike, e.g. how many KV blocks each GPU's pool holds (their free memory differs
     /// by a little, and ranks whose schedulers saw different pools would part ways).
@@ -336,8 +369,9 @@ pub fn run_ranks<B: Backend, R: Send>(
                     (shard.clone(), &make_backend, &abort, &body);
                 scope.spawn(move || {
                     let run = || -> Result<R> {
-                        let src = ShardedSource::new(source, config, rank, size)?;
                         let be = make_backend(rank)?;
+                        let src = ShardedSource::new(source, config, rank, size)?
+                            .split_head(be.gathers_columns());
                         let model = Transformer::load(&be, shard, &src, &mut |_, _| {})?;
                         body(rank, be, model)
                     };

@@ -199,6 +199,9 @@ pub struct Transformer<B: Backend> {
     embed: B::Weight,
     /// `None` when the output head is tied to the embedding table.
     lm_head: Option<B::Weight>,
+    /// Parts the output head is split into by vocabulary (a tensor-parallel rank holds one):
+    /// 1 for the whole head; otherwise the logits are gathered across the ranks.
+    head_parts: usize,
     final_norm: B::Tensor,
     inv_freq: B::Tensor,
     /// Gemma 3's rotary frequencies of its sliding-window layers.
@@ -523,10 +526,21 @@ impl<B: Backend> Transformer<B> {
             },
         };
         let embed = ld.weight("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        // A tensor-parallel rank's source may give a 1/N slice of the head's rows (vocabulary).
+        let head_rows = match source.layout_of("lm_head.weight") {
+            Some((shape, _)) if !tied && shape.len() == 2 => shape[0],
+            _ => c.vocab_size,
+        };
+        if head_rows == 0 || !c.vocab_size.is_multiple_of(head_rows) {
+            return Err(Error::InvalidArgument(format!(
+                "lm_head.weight has {head_rows} rows, not the vocabulary's {} or a part of it",
+                c.vocab_size
+            )));
+        }
         let lm_head = if tied {
             None
         } else {
-            Some(ld.weight("lm_head.weight", &[c.vocab_size, h])?)
+            Some(ld.weight("lm_head.weight", &[head_rows, h])?)
         };
         let final_norm = ld.norm("model.norm.weight", h)?;
         let mut layers = Vec::with_capacity(c.num_layers);
@@ -581,6 +595,7 @@ impl<B: Backend> Transformer<B> {
         Ok(Transformer {
             embed,
             lm_head,
+            head_parts: c.vocab_size / head_rows,
             final_norm,
             inv_freq,
             local_inv_freq,
@@ -752,6 +767,10 @@ impl<B: Backend> Transformer<B> {
             LogitRows::LastPerSeq => backend.gather_rows(&x, &batch.last_rows()),
         };
         let x = backend.rms_norm(&x, &self.final_norm, eps);
-        backend.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed), None)
+        let logits = backend.linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed), None)?;
+        if self.head_parts > 1 {
+            return backend.all_gather_cols(&logits);
+        }
+        Ok(logits)
     }
 }

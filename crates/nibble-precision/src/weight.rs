@@ -753,7 +753,7 @@ impl LinearFormat {
             }
             WeightCodec::Int4Group { group } => {
                 let g = group as usize;
-                if !c0.is_multiple_of(g) || !c1.is_multiple_of(g) {
+                if !c0.is_multiple_of(g) || !c1.is_multiple_of(g) || !c0.is_multiple_of(2) {
                     return refuse(format!(
                         "columns {c0}..{c1} would cut a group of {g}; pick a tensor-parallel size \
                          that divides the layer into whole groups"
