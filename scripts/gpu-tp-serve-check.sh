@@ -19,13 +19,15 @@ ask() {
 prompts=("The quick brown fox" "Once upon a time" "Hello" "In 1999" "The capital of" "Water is"
   "My name is" "Tensor parallelism")
 tmp=$(mktemp -d)
-for i in "${!prompts[@]}"; do ask "${prompts[$i]}" > "$tmp/together-$i" & done
-wait
+pids=()
+for i in "${!prompts[@]}"; do ask "${prompts[$i]}" > "$tmp/together-$i" & pids+=($!); done
+# Wait for the requests only: a bare `wait` would wait for the server too (it hung the first run).
+for p in "${pids[@]}"; do wait "$p"; done
 for i in "${!prompts[@]}"; do ask "${prompts[$i]}" > "$tmp/alone-$i"; done
 for i in "${!prompts[@]}"; do
   echo "$i together: $(cat "$tmp/together-$i")"
   cmp -s "$tmp/together-$i" "$tmp/alone-$i" || { echo "prompt $i differs alone: $(cat "$tmp/alone-$i")"; exit 1; }
 done
 curl -sfN "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
-  -d '{"model":"tp","prompt":"Hello","max_tokens":8,"stream":true}' | tail -2
+  -d '{"model":"tp","prompt":"Hello","max_tokens":8,"stream":true,"temperature":0.8}' | tail -2
 echo "tensor-parallel serve check: ok"

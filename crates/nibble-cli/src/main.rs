@@ -1215,11 +1215,6 @@ fn run_tensor_parallel(
                 },
             )?;
         }
-        Device::Cuda(_) if matches!(cli.command, Command::Serve(_)) => bail!(
-            "--tensor-parallel-size with serve runs its ranks on the CPU (--device cpu) so far: on \
-             GPUs the mirrored server hung on its first request in its only two-GPU run \
-             (docs/tensor-parallel.md); generate and bench throughput run on GPUs"
-        ),
         Device::Cuda(first) => {
             let gpus: Vec<usize> = (first..first + size).collect();
             let group = nibble_cuda::tensor_parallel::GpuGroup::new(&gpus, cli.dtype)?;
