@@ -54,9 +54,12 @@ fn run_on(e: Engine<CudaBackend>, path: &[u32], prompt_len: usize, steps: usize)
     }
 }
 
-/// One GPU, then two ranks, over the model in `source`: each rank's [`Run`].
+/// One GPU, then two ranks (with the output head split by vocabulary, or whole), over the model
+/// in `source`: each rank's [`Run`].
+#[allow(clippy::too_many_arguments)]
 fn one_and_two(
     name: &str,
+    split_head: bool,
     config: &ModelConfig,
     source: &dyn TensorSource,
     tokenizer: &nibble_formats::tokenizer::Tokenizer,
@@ -76,8 +79,9 @@ fn one_and_two(
         prompt_len,
         steps,
     );
-    let g = group();
+    let g = group().split_head(split_head);
     let two = run_sharded(&g, source, config, |_, backend, model| {
+        assert_eq!(backend.gathers_columns(), split_head);
         Ok(run_on(
             Engine {
                 backend,
@@ -198,7 +202,7 @@ fn nccl_all_reduce_is_the_exact_sum() {
 }
 
 /// The architecture fixtures (GQA, QKV biases, QK norms, Gemma 3's windows and post-norms) over
-/// two GPUs against one.
+/// two GPUs against one, the untied ones also with the output head split by vocabulary.
 #[test]
 fn two_gpus_follow_one_on_the_fixtures() {
     for name in [
@@ -217,6 +221,7 @@ fn two_gpus_follow_one_on_the_fixtures() {
             .collect();
         let (one, two) = one_and_two(
             name,
+            false,
             &files.config,
             &*files.source,
             &files.tokenizer,
@@ -225,49 +230,21 @@ fn two_gpus_follow_one_on_the_fixtures() {
             40,
         );
         check_two_follow_one(name, &one, &two, 2e-2, TIE);
-    }
-}
-
-/// The output head split by vocabulary (each rank computes its half of the logits, NCCL gathers
-/// them, strided copies lay them side by side) on the untied fixtures, against one GPU.
-#[test]
-fn a_vocabulary_split_head_follows_one_gpu() {
-    for name in ["tiny-llama3", "tiny-qwen2", "tiny-mistral"] {
-        let files = open_model(&fixture(name), None).unwrap();
-        let prompt: Vec<u32> = "The quick brown fox".bytes().map(u32::from).collect();
-        let path: Vec<u32> = prompt
-            .iter()
-            .copied()
-            .chain((0..40).map(|i| 3 + (i * 37) % 200))
-            .collect();
-        let be = CudaBackend::new(0, Dtype::Bf16).unwrap();
-        let model =
-            Transformer::load(&be, files.config.clone(), &*files.source, &mut |_, _| {}).unwrap();
-        let one = run_on(
-            Engine {
-                backend: be,
-                model,
-                tokenizer: files.tokenizer.clone(),
-            },
+        // The untied heads split by vocabulary: each rank computes half of the logits, NCCL
+        // gathers them, strided copies lay them side by side.
+        if !files.source.contains("lm_head.weight") {
+            continue;
+        }
+        let (one, two) = one_and_two(
+            name,
+            true,
+            &files.config,
+            &*files.source,
+            &files.tokenizer,
             &path,
             prompt.len(),
             40,
         );
-        let g = group().split_head(true);
-        let two = run_sharded(&g, &*files.source, &files.config, |_, backend, model| {
-            assert!(backend.gathers_columns());
-            Ok(run_on(
-                Engine {
-                    backend,
-                    model,
-                    tokenizer: files.tokenizer.clone(),
-                },
-                &path,
-                prompt.len(),
-                40,
-            ))
-        })
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
         check_two_follow_one(&format!("{name} (split head)"), &one, &two, 2e-2, TIE);
     }
 }
@@ -287,6 +264,7 @@ fn quantized_weights_split_on_their_groups() {
         let path: Vec<u32> = (0..48).map(|i| 1 + (i * 53) % 500).collect();
         let (one, two) = one_and_two(
             spec,
+            false,
             &files.config,
             &*files.source,
             &files.tokenizer,
