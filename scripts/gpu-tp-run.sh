@@ -11,6 +11,7 @@
 #   b1        Llama-3-8B shape, one sequence (256 output tokens): decode step at TP=1 and TP=2
 #   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences)
 #   70b       Llama-2-70B shape at TP=2 in BF16 and W4A16 (one sequence, then 16)
+#   mixtral   Mixtral-8x7B shape at TP=2 in BF16 (every expert split; one sequence, then 16)
 # Results: OUTDIR/*.json and *.log, device.txt (GPUs and how they are linked).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,6 +83,11 @@ for part in $parts; do
           --json "$out/llama-2-70b${p#:}-tp2.json" --input-len 128 --output-len 64 \
           --num-prompts 16 --sweep-seqs 1,16 --max-batched-tokens 4096 --profile
       done ;;
+    mixtral)
+      # Mixtral-8x7B in BF16 (93 GB) does not fit one H100: every expert split over two GPUs.
+      step mixtral-tp2 timeout 300 "$bin" --device cuda --dummy-weights mixtral-8x7b \
+        --tokenizer "$tok" --tensor-parallel-size 2 bench throughput --json "$out/mixtral-tp2.json" \
+        --input-len 128 --output-len 64 --num-prompts 16 --sweep-seqs 1,16 --profile ;;
     *) echo "unknown part $part" >&2; status=1 ;;
   esac
 done

@@ -48,6 +48,12 @@ fn sharded_fixtures_give_one_ranks_logits() {
         "tiny-qwen3",
         "tiny-gemma3",
         "tiny-mistral",
+        // Every expert (and Qwen2-MoE's shared expert) split by its width, the router whole;
+        // the Mixtral GGUF file's stacked experts sliced per expert, then per rank.
+        "tiny-mixtral",
+        "tiny-qwen2-moe",
+        "tiny-qwen3-moe",
+        "gguf-moe/tiny-mixtral.gguf",
     ] {
         let files = open_model(&fixture(name), None).unwrap();
         let cpu = CpuBackend::new(1).unwrap();
@@ -113,10 +119,15 @@ fn splits_that_cannot_work_are_refused_with_the_reason() {
     assert!(e.contains("num_key_value_heads = 2"), "{e}");
     assert!(check_split(&files.config, 0).is_err());
     assert!(ShardedSource::new(&*files.source, &files.config, 2, 2).is_err());
-    // Mixture-of-experts layers are not split yet.
-    let moe = open_model(&fixture("tiny-mixtral"), None).unwrap();
-    let e = check_split(&moe.config, 2).unwrap_err().to_string();
-    assert!(e.contains("mixture-of-experts"), "{e}");
+    // Mixture-of-experts layers split every expert's width: it must divide too.
+    let mut moe = open_model(&fixture("tiny-qwen2-moe"), None).unwrap().config;
+    check_split(&moe, 2).unwrap();
+    moe.moe.as_mut().unwrap().shared_expert_intermediate_size = Some(47);
+    let e = check_split(&moe, 2).unwrap_err().to_string();
+    assert!(e.contains("shared_expert_intermediate_size = 47"), "{e}");
+    moe.moe.as_mut().unwrap().expert_intermediate_size = 31;
+    let e = check_split(&moe, 2).unwrap_err().to_string();
+    assert!(e.contains("moe_intermediate_size = 31"), "{e}");
     // A row-parallel cut through a quantization block, through a nibble group, and through a
     // format whose rows cannot be cut.
     let q4 = HostTensor {

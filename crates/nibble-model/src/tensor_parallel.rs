@@ -33,17 +33,24 @@ pub fn check_split(config: &ModelConfig, size: usize) -> Result<()> {
     if size == 0 {
         return refuse("a tensor-parallel size must be at least 1".into());
     }
-    if config.moe.is_some() {
-        return refuse(
-            "mixture-of-experts layers are not split yet (experts would be spread over ranks)"
-                .into(),
-        );
-    }
+    // Mixture-of-experts layers split every expert (and the shared expert) the way a dense MLP
+    // is split: each rank holds a slice of every expert's width, the router stays whole, so
+    // every rank routes alike and the layer's output is a partial sum like a dense one's.
+    let moe = config.moe.as_ref();
     for (field, n) in [
-        ("num_attention_heads", config.num_heads),
-        ("num_key_value_heads", config.num_kv_heads),
-        ("intermediate_size", config.intermediate_size),
+        ("num_attention_heads", Some(config.num_heads)),
+        ("num_key_value_heads", Some(config.num_kv_heads)),
+        ("intermediate_size", Some(config.intermediate_size)),
+        (
+            "moe_intermediate_size",
+            moe.map(|m| m.expert_intermediate_size),
+        ),
+        (
+            "shared_expert_intermediate_size",
+            moe.and_then(|m| m.shared_expert_intermediate_size),
+        ),
     ] {
+        let Some(n) = n else { continue };
         if !n.is_multiple_of(size) {
             return refuse(format!(
                 "{field} = {n} does not divide into {size} equal shards; pick a size that \
@@ -61,6 +68,10 @@ pub fn shard_config(config: &ModelConfig, size: usize) -> Result<ModelConfig> {
     c.num_heads /= size;
     c.num_kv_heads /= size;
     c.intermediate_size /= size;
+    if let Some(m) = c.moe.as_mut() {
+        m.expert_intermediate_size /= size;
+        m.shared_expert_intermediate_size = m.shared_expert_intermediate_size.map(|n| n / size);
+    }
     Ok(c)
 }
 
@@ -115,6 +126,28 @@ impl<'a> ShardedSource<'a> {
         }
         let tail = name.split_once(".layers.").map(|(_, t)| t)?;
         let part = tail.split_once('.').map(|(_, p)| p)?;
+        let moe = c.moe.as_ref();
+        let expert_ff = moe.map_or(0, |m| m.expert_intermediate_size);
+        let shared_ff = moe
+            .and_then(|m| m.shared_expert_intermediate_size)
+            .unwrap_or(0);
+        // A routed expert's projection: `mlp.experts.E.*` (Qwen) or
+        // `block_sparse_moe.experts.E.w1|w3|w2` (Mixtral).
+        let expert = ["mlp.experts.", "block_sparse_moe.experts."]
+            .iter()
+            .find_map(|pre| part.strip_prefix(pre))
+            .and_then(|rest| rest.split_once('.'))
+            .filter(|(e, _)| e.parse::<usize>().is_ok())
+            .map(|(_, proj)| proj);
+        if let Some(proj) = expert {
+            return match proj {
+                "gate_proj.weight" | "up_proj.weight" | "w1.weight" | "w3.weight" => {
+                    rows(expert_ff)
+                }
+                "down_proj.weight" | "w2.weight" => cols(expert_ff),
+                _ => None,
+            };
+        }
         match part {
             "self_attn.q_proj.weight" | "self_attn.q_proj.bias" => rows(qd),
             "self_attn.k_proj.weight" | "self_attn.k_proj.bias" => rows(kvd),
@@ -122,6 +155,10 @@ impl<'a> ShardedSource<'a> {
             "mlp.gate_proj.weight" | "mlp.up_proj.weight" => rows(ff),
             "self_attn.o_proj.weight" => cols(qd),
             "mlp.down_proj.weight" => cols(ff),
+            "mlp.shared_expert.gate_proj.weight" | "mlp.shared_expert.up_proj.weight" => {
+                rows(shared_ff)
+            }
+            "mlp.shared_expert.down_proj.weight" => cols(shared_ff),
             _ => None,
         }
     }
@@ -171,9 +208,19 @@ impl ShardedSource<'_> {
     /// column cut starts on a multiple of its width, so one rank's check holds for all. Reads
     /// no weight data.
     pub fn check_cuts(&self) -> Result<()> {
+        let experts = self.config.moe.as_ref().map_or(0, |m| m.num_experts);
         for i in 0..self.config.num_layers {
-            for part in ["self_attn.o_proj.weight", "mlp.down_proj.weight"] {
-                let name = format!("model.layers.{i}.{part}");
+            let p = format!("model.layers.{i}");
+            let mut parts = vec![
+                format!("{p}.self_attn.o_proj.weight"),
+                format!("{p}.mlp.down_proj.weight"),
+                format!("{p}.mlp.shared_expert.down_proj.weight"),
+            ];
+            parts.extend((0..experts).map(|e| {
+                let [_, _, down] = crate::transformer::expert_names(self.config.arch, &p, e);
+                format!("{down}.weight")
+            }));
+            for name in parts {
                 if let (Some((_, len)), Some((shape, format))) =
                     (self.split(&name), self.inner.layout_of(&name))
                 {
