@@ -98,7 +98,9 @@ fn one_and_two(
 }
 
 /// Two ranks agree bit for bit, stay within `bound` of one GPU's logits, pick its token wherever
-/// that is no near-tie, and follow its free-running path up to the first near-tie.
+/// that is no near-tie, and follow its free-running path up to the first near-tie. Decode steps
+/// replay from CUDA graphs (holding the all-reduces), but for mixture-of-experts models, whose
+/// routing reads logits on the host (no graphs at all).
 fn check_two_follow_one(name: &str, one: &Run, two: &[Run], bound: f64, tie: f32) {
     assert_eq!(two[0], two[1], "{name}: the ranks disagree");
     let mut first_tie = one.free.len();
@@ -126,8 +128,13 @@ fn check_two_follow_one(name: &str, one: &Run, two: &[Run], bound: f64, tie: f32
         "{name}: two GPUs left one GPU's greedy path at {same}, first near-tie at {first_tie}"
     );
     let (replays, captures) = two[0].graphs;
+    let moe = name.contains("mixtral") || name.contains("moe");
     assert!(
-        captures >= 1 && replays as usize >= one.free.len() - 8,
+        if moe {
+            (replays, captures) == (0, 0)
+        } else {
+            captures >= 1 && replays as usize >= one.free.len() - 8
+        },
         "{name}: {replays} replays of {captures} graphs on the ranks"
     );
     eprintln!(
@@ -246,6 +253,29 @@ fn two_gpus_follow_one_on_the_fixtures() {
             40,
         );
         check_two_follow_one(&format!("{name} (split head)"), &one, &two, 2e-2, TIE);
+    }
+}
+
+/// Mixture-of-experts fixtures over two GPUs: every expert's width split, the router whole (so
+/// both ranks route alike), the grouped expert launches on half-width experts. A token whose
+/// top experts are a near-tie may route apart from one GPU's choice; these fixtures' logits stay
+/// within the bound on the CPU's TP check, and the same is asked here.
+#[test]
+fn moe_fixtures_split_over_two_gpus() {
+    for name in ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"] {
+        let files = open_model(&fixture(name), None).unwrap();
+        let path: Vec<u32> = (0..48).map(|i| 3 + (i * 37) % 200).collect();
+        let (one, two) = one_and_two(
+            name,
+            false,
+            &files.config,
+            &*files.source,
+            &files.tokenizer,
+            &path,
+            8,
+            40,
+        );
+        check_two_follow_one(name, &one, &two, 2e-2, TIE);
     }
 }
 
