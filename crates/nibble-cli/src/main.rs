@@ -634,7 +634,7 @@ where
         eprintln!("nibble: KV cache {kv}, {bytes:.0} bytes per token");
     }
     match cli.command {
-        Command::Generate { prompt, chat, opts } => generate(&engine, &prompt, chat, &opts),
+        Command::Generate { prompt, chat, opts } => generate(&engine, &prompt, chat, &opts, true),
         Command::Chat { system, opts } => chat(&engine, system, &opts),
         Command::Eval {
             what:
@@ -1309,22 +1309,8 @@ where
         Ok(opts)
     };
     match &cli.command {
-        Command::Generate { prompt, chat, opts } if rank.leads() => {
-            generate(&engine, prompt, *chat, &agreed(opts)?).map_err(as_core)
-        }
         Command::Generate { prompt, chat, opts } => {
-            let opts = &agreed(opts)?;
-            let ids = if *chat {
-                let text = template(&engine)
-                    .and_then(|t| Ok(t.render(&[ChatMessage::new("user", prompt)], true)?))
-                    .map_err(as_core)?;
-                engine.tokenizer.encode(&text, false)?
-            } else {
-                engine.tokenizer.encode(prompt, true)?
-            };
-            let constraint = opts.constraint(&engine).map_err(as_core)?;
-            engine.generate(&opts.request(ids, constraint), &mut |_| {})?;
-            Ok(())
+            generate(&engine, prompt, *chat, &agreed(opts)?, rank.leads()).map_err(as_core)
         }
         Command::Bench {
             what: Some(BenchCommand::Throughput(t)),
@@ -1337,11 +1323,14 @@ where
     }
 }
 
+/// Continues `prompt` (wrapped in the chat template with `chat`), streaming the text to stdout;
+/// with `echo` off (a tensor-parallel rank other than 0) it runs the same steps silently.
 fn generate<B: Backend>(
     engine: &Engine<B>,
     prompt: &str,
     chat: bool,
     opts: &GenArgs,
+    echo: bool,
 ) -> Result<()> {
     let ids = if chat {
         let text = template(engine)?.render(&[ChatMessage::new("user", prompt)], true)?;
@@ -1350,6 +1339,10 @@ fn generate<B: Backend>(
         engine.tokenizer.encode(prompt, true)?
     };
     let constraint = opts.constraint(engine)?;
+    if !echo {
+        engine.generate(&opts.request(ids, constraint), &mut |_| {})?;
+        return Ok(());
+    }
     let mut stdout = std::io::stdout();
     if !chat {
         print!("{prompt}");

@@ -48,9 +48,8 @@ pub struct CudaBackend {
     /// runs the whole model.
     collective: Option<Arc<Communicator>>,
     /// As a rank, take a share of the output head's vocabulary and gather the logits
-    /// (`Backend::all_gather_cols`). Off unless asked for (`NIBBLE_TP_SPLIT_HEAD=1`): it has not
-    /// run on two GPUs yet.
-    pub tp_split_head: bool,
+    /// (`Backend::all_gather_cols`); the group sets it (`GpuGroup::split_head`).
+    split_head: bool,
     ctx: CudaContext,
 }
 
@@ -78,15 +77,17 @@ impl CudaBackend {
             host_sampling: std::env::var("NIBBLE_HOST_SAMPLING").is_ok_and(|v| v != "0"),
             dequantized: Mutex::default(),
             collective: None,
-            tp_split_head: std::env::var("NIBBLE_TP_SPLIT_HEAD").is_ok_and(|v| v == "1"),
+            split_head: false,
             ctx,
         })
     }
 
     /// Makes this backend one rank of a tensor-parallel group: it holds that rank's shard, and
-    /// [`Backend::all_reduce`] sums row-parallel outputs over the group on this GPU's stream.
-    pub fn with_collective(mut self, comm: Arc<Communicator>) -> CudaBackend {
+    /// [`Backend::all_reduce`] sums row-parallel outputs over the group on this GPU's stream;
+    /// with `split_head`, it holds a share of the output head's vocabulary and gathers logits.
+    pub fn with_collective(mut self, comm: Arc<Communicator>, split_head: bool) -> CudaBackend {
         self.collective = Some(comm);
+        self.split_head = split_head;
         self
     }
 
@@ -371,7 +372,7 @@ impl Backend for CudaBackend {
     }
 
     fn gathers_columns(&self) -> bool {
-        self.collective.is_some() && self.tp_split_head
+        self.collective.is_some() && self.split_head
     }
 
     fn all_gather_cols(&self, x: &CudaTensor) -> Result<CudaTensor> {

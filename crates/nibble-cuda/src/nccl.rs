@@ -4,9 +4,10 @@
 //!
 //! Only what tensor parallelism calls is bound: the unique id, one communicator per rank, the
 //! in-place sum all-reduce and the all-gather on a rank's stream (so a CUDA graph captures them
-//! with the rest of a decode step), abort and destroy. cudarc has NCCL bindings, but its loader looks for
-//! `libnccl.so` and `libnccl.so.<CUDA major>` only, while NCCL's library is `libnccl.so.2`
-//! (the `nvidia-nccl-cu13` wheel ships nothing else), so the few entry points are loaded here.
+//! with the rest of a decode step), abort and destroy. cudarc has NCCL bindings, but its loader
+//! looks for `libnccl.so` and `libnccl.so.<CUDA major>` only, while NCCL's library is
+//! `libnccl.so.2` (the `nvidia-nccl-cu13` wheel ships nothing else), so the few entry points are
+//! loaded here.
 //!
 //! Where the library is looked for, in order: `$NIBBLE_NCCL_LIB` (a file), the dynamic loader's
 //! own search (`libnccl.so.2`, `libnccl.so`: `LD_LIBRARY_PATH`, the system), then the
@@ -14,6 +15,7 @@
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
@@ -178,7 +180,7 @@ fn check(api: &Api, what: &str, r: NcclResult) -> Result<()> {
     Err(Error::unsupported(format!("NCCL {what}"), msg))
 }
 
-/// Whether NCCL loads here, and which file and version it is (`2.27.7 from ...`).
+/// Whether NCCL loads here, and which version and file it is (`NCCL 2.28.3 (libnccl.so.2)`).
 pub fn describe() -> Result<String> {
     let api = api()?;
     let mut v: c_int = 0;
@@ -204,6 +206,8 @@ pub fn unique_id() -> Result<UniqueId> {
 /// error: the handle is gone, and an aborted group stays aborted.
 pub struct Communicator {
     raw: Mutex<Option<RawCommHandle>>,
+    /// Set by [`Communicator::abort`]; read without the lock on every forward pass.
+    aborted: AtomicBool,
     rank: usize,
     size: usize,
     /// The GPU's context lives as long as the communicator: NCCL's resources sit in it, and a
@@ -235,6 +239,7 @@ impl Communicator {
         })?;
         Ok(Communicator {
             raw: Mutex::new(Some(RawCommHandle(raw))),
+            aborted: AtomicBool::new(false),
             rank,
             size,
             gpu: gpu.clone(),
@@ -249,33 +254,41 @@ impl Communicator {
         self.size
     }
 
-    /// Replaces the `count` elements at `ptr` by their sum over the group, queued on the GPU's
-    /// stream (a capturing stream records it into the graph).
-    pub fn all_reduce_sum(&self, ptr: DevicePtr, count: usize, ty: ReduceType) -> Result<()> {
+    /// Queues one collective, `call(communicator, stream)`, on the GPU's stream (a capturing
+    /// stream records it into the graph); an error once the group is aborted.
+    fn collective(
+        &self,
+        what: &str,
+        call: impl FnOnce(&Api, RawComm, sys::CUstream) -> NcclResult,
+    ) -> Result<()> {
         let api = api()?;
         self.gpu.bind()?;
         let guard = self.raw.lock().unwrap_or_else(|p| p.into_inner());
         let Some(raw) = guard.as_ref() else {
-            return Err(Error::InvalidArgument(
-                "tensor-parallel all-reduce abandoned: the group was aborted (another rank failed)"
-                    .into(),
-            ));
+            return Err(Error::InvalidArgument(format!(
+                "tensor-parallel {what} abandoned: the group was aborted (another rank failed)"
+            )));
         };
-        check(api, "all-reduce", unsafe {
+        check(api, what, call(api, raw.0, self.gpu.cu_stream()))
+    }
+
+    /// Replaces the `count` elements at `ptr` by their sum over the group.
+    pub fn all_reduce_sum(&self, ptr: DevicePtr, count: usize, ty: ReduceType) -> Result<()> {
+        self.collective("all-reduce", |api, comm, stream| unsafe {
             (api.all_reduce)(
                 ptr as *const c_void,
                 ptr as *mut c_void,
                 count,
                 ty as c_int,
                 NCCL_SUM,
-                raw.0,
-                self.gpu.cu_stream(),
+                comm,
+                stream,
             )
         })
     }
 
     /// Writes every rank's `count` elements at `send`, in rank order, to `recv` (`count` times
-    /// the group's size), queued on the GPU's stream.
+    /// the group's size).
     pub fn all_gather(
         &self,
         send: DevicePtr,
@@ -283,23 +296,14 @@ impl Communicator {
         count: usize,
         ty: ReduceType,
     ) -> Result<()> {
-        let api = api()?;
-        self.gpu.bind()?;
-        let guard = self.raw.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(raw) = guard.as_ref() else {
-            return Err(Error::InvalidArgument(
-                "tensor-parallel all-gather abandoned: the group was aborted (another rank failed)"
-                    .into(),
-            ));
-        };
-        check(api, "all-gather", unsafe {
+        self.collective("all-gather", |api, comm, stream| unsafe {
             (api.all_gather)(
                 send as *const c_void,
                 recv as *mut c_void,
                 count,
                 ty as c_int,
-                raw.0,
-                self.gpu.cu_stream(),
+                comm,
+                stream,
             )
         })
     }
@@ -308,6 +312,7 @@ impl Communicator {
     /// its stream waiting for a peer that failed gets its stream back), and later calls are
     /// errors. Safe to call from any thread, and more than once.
     pub fn abort(&self) {
+        self.aborted.store(true, Ordering::Release);
         let taken = self.raw.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let (Some(raw), Ok(api)) = (taken, api()) {
             let _ = self.gpu.bind();
@@ -316,7 +321,7 @@ impl Communicator {
     }
 
     pub fn is_aborted(&self) -> bool {
-        self.raw.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+        self.aborted.load(Ordering::Acquire)
     }
 }
 

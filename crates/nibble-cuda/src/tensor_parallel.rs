@@ -33,9 +33,9 @@ pub struct GpuGroup {
     dtype: Dtype,
     id: UniqueId,
     comms: Vec<Mutex<Option<Arc<Communicator>>>>,
-    /// Whether the ranks split the output head by vocabulary, where set (else the backend's
-    /// default, `NIBBLE_TP_SPLIT_HEAD`).
-    split_head: Option<bool>,
+    /// Whether the ranks split the output head by vocabulary: off unless asked for
+    /// (`NIBBLE_TP_SPLIT_HEAD=1`, or [`GpuGroup::split_head`]) until it has run on two GPUs.
+    split_head: bool,
     /// Host-side agreement between the ranks (a barrier before NCCL's blocking init, the KV pool
     /// size), with the same abort.
     pub host: Arc<HostComm>,
@@ -72,7 +72,7 @@ impl GpuGroup {
             dtype,
             id: nccl::unique_id()?,
             comms: gpus.iter().map(|_| Mutex::new(None)).collect(),
-            split_head: None,
+            split_head: std::env::var("NIBBLE_TP_SPLIT_HEAD").is_ok_and(|v| v == "1"),
             host: HostComm::new(gpus.len()),
         })
     }
@@ -80,7 +80,7 @@ impl GpuGroup {
     /// Whether every rank takes a share of the output head's vocabulary (and gathers the
     /// logits) instead of the whole head.
     pub fn split_head(mut self, on: bool) -> GpuGroup {
-        self.split_head = Some(on);
+        self.split_head = on;
         self
     }
 
@@ -92,10 +92,7 @@ impl GpuGroup {
     /// a rank that could not open its GPU fails the others instead of leaving them in NCCL's
     /// blocking init) its communicator joined and connected by a first all-reduce.
     pub fn rank_backend(&self, rank: usize) -> Result<CudaBackend> {
-        let mut be = CudaBackend::new(self.gpus[rank], self.dtype)?;
-        if let Some(on) = self.split_head {
-            be.tp_split_head = on;
-        }
+        let be = CudaBackend::new(self.gpus[rank], self.dtype)?;
         self.host.barrier(rank)?;
         let comm = Arc::new(Communicator::join(&be.gpu, &self.id, rank, self.size())?);
         // Held by the group from now on, so a failure anywhere after can abort it.
@@ -112,15 +109,15 @@ impl GpuGroup {
                 sum[0]
             )));
         }
-        Ok(be.with_collective(comm))
+        Ok(be.with_collective(comm, self.split_head))
     }
 
     /// Ends the group after a failure: every communicator aborted (collectives in flight stop,
     /// later ones are errors) and every host-side wait ended with `why`.
     pub fn abort(&self, why: &str) {
-        let t0 = std::time::Instant::now();
         eprintln!("nibble: tensor-parallel group aborted: {why}");
         self.host.abort(why);
+        // Outside the slots' locks: an abort may wait for NCCL.
         let comms: Vec<Arc<Communicator>> = self
             .comms
             .iter()
@@ -129,10 +126,6 @@ impl GpuGroup {
         for c in comms {
             c.abort();
         }
-        eprintln!(
-            "nibble: every rank's NCCL communicator aborted in {:.3}s",
-            t0.elapsed().as_secs_f64()
-        );
     }
 
     /// Lets go of rank `rank`'s communicator, on that rank's thread once it is done (NCCL's

@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 use nibble_cuda::tensor_parallel::{GpuGroup, run_sharded};
 use nibble_cuda::{CudaBackend, Dtype};
 use nibble_engine::{Engine, GenerateRequest, SamplingParams};
-use nibble_model::source::TensorSource;
-use nibble_model::{Backend, ModelConfig, Transformer, open_model};
+use nibble_model::{Backend, ModelFiles, Transformer, open_model};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -44,9 +43,12 @@ struct Run {
     graphs: (u64, u64),
 }
 
-fn run_on(e: Engine<CudaBackend>, path: &[u32], prompt_len: usize, steps: usize) -> Run {
+/// Greedy tokens each run generates freely after the prompt.
+const STEPS: usize = 40;
+
+fn run_on(e: Engine<CudaBackend>, path: &[u32], prompt_len: usize) -> Run {
     let logits = e.model.step_logits(&e.backend, path, prompt_len).unwrap();
-    let free = greedy(&e, &path[..prompt_len], steps);
+    let free = greedy(&e, &path[..prompt_len], STEPS);
     Run {
         logits,
         free,
@@ -55,43 +57,26 @@ fn run_on(e: Engine<CudaBackend>, path: &[u32], prompt_len: usize, steps: usize)
 }
 
 /// One GPU, then two ranks (with the output head split by vocabulary, or whole), over the model
-/// in `source`: each rank's [`Run`].
-#[allow(clippy::too_many_arguments)]
+/// `files`, along `path` (its first `prompt_len` tokens the prompt): each rank's [`Run`].
 fn one_and_two(
     name: &str,
     split_head: bool,
-    config: &ModelConfig,
-    source: &dyn TensorSource,
-    tokenizer: &nibble_formats::tokenizer::Tokenizer,
+    files: &ModelFiles,
     path: &[u32],
     prompt_len: usize,
-    steps: usize,
 ) -> (Run, Vec<Run>) {
+    let engine = |backend, model| Engine {
+        backend,
+        model,
+        tokenizer: files.tokenizer.clone(),
+    };
     let be = CudaBackend::new(0, Dtype::Bf16).unwrap();
-    let model = Transformer::load(&be, config.clone(), source, &mut |_, _| {}).unwrap();
-    let one = run_on(
-        Engine {
-            backend: be,
-            model,
-            tokenizer: tokenizer.clone(),
-        },
-        path,
-        prompt_len,
-        steps,
-    );
+    let model = Transformer::load(&be, files.config.clone(), &*files.source, &mut |_, _| {});
+    let one = run_on(engine(be, model.unwrap()), path, prompt_len);
     let g = group().split_head(split_head);
-    let two = run_sharded(&g, source, config, |_, backend, model| {
+    let two = run_sharded(&g, &*files.source, &files.config, |_, backend, model| {
         assert_eq!(backend.gathers_columns(), split_head);
-        Ok(run_on(
-            Engine {
-                backend,
-                model,
-                tokenizer: tokenizer.clone(),
-            },
-            path,
-            prompt_len,
-            steps,
-        ))
+        Ok(run_on(engine(backend, model), path, prompt_len))
     })
     .unwrap_or_else(|e| panic!("{name}: {e}"));
     (one, two)
@@ -224,34 +209,16 @@ fn two_gpus_follow_one_on_the_fixtures() {
         let path: Vec<u32> = prompt
             .iter()
             .copied()
-            .chain((0..40).map(|i| 3 + (i * 37) % 200))
+            .chain((0..STEPS as u32).map(|i| 3 + (i * 37) % 200))
             .collect();
-        let (one, two) = one_and_two(
-            name,
-            false,
-            &files.config,
-            &*files.source,
-            &files.tokenizer,
-            &path,
-            prompt.len(),
-            40,
-        );
+        let (one, two) = one_and_two(name, false, &files, &path, prompt.len());
         check_two_follow_one(name, &one, &two, 2e-2, TIE);
         // The untied heads split by vocabulary: each rank computes half of the logits, NCCL
         // gathers them, strided copies lay them side by side.
         if !files.source.contains("lm_head.weight") {
             continue;
         }
-        let (one, two) = one_and_two(
-            name,
-            true,
-            &files.config,
-            &*files.source,
-            &files.tokenizer,
-            &path,
-            prompt.len(),
-            40,
-        );
+        let (one, two) = one_and_two(name, true, &files, &path, prompt.len());
         check_two_follow_one(&format!("{name} (split head)"), &one, &two, 2e-2, TIE);
     }
 }
@@ -265,16 +232,7 @@ fn moe_fixtures_split_over_two_gpus() {
     for name in ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"] {
         let files = open_model(&fixture(name), None).unwrap();
         let path: Vec<u32> = (0..48).map(|i| 3 + (i * 37) % 200).collect();
-        let (one, two) = one_and_two(
-            name,
-            false,
-            &files.config,
-            &*files.source,
-            &files.tokenizer,
-            &path,
-            8,
-            40,
-        );
+        let (one, two) = one_and_two(name, false, &files, &path, 8);
         check_two_follow_one(name, &one, &two, 2e-2, TIE);
     }
 }
@@ -292,16 +250,7 @@ fn quantized_weights_split_on_their_groups() {
     ] {
         let files = nibble_model::dummy::open_dummy(spec, 3).unwrap();
         let path: Vec<u32> = (0..48).map(|i| 1 + (i * 53) % 500).collect();
-        let (one, two) = one_and_two(
-            spec,
-            false,
-            &files.config,
-            &*files.source,
-            &files.tokenizer,
-            &path,
-            8,
-            40,
-        );
+        let (one, two) = one_and_two(spec, false, &files, &path, 8);
         check_two_follow_one(spec, &one, &two, bound, tie);
     }
     // A group size that would cut a group is refused by name, before anything loads.

@@ -269,7 +269,6 @@ impl DummySource {
     /// function of its row and column, and every quantization here works row by row).
     fn build(&self, name: &str, rows: (usize, usize), cols: (usize, usize)) -> Option<HostTensor> {
         let (shape, init) = self.tensors.get(name)?;
-        let full_cols = shape.last().copied().unwrap_or(1).max(1);
         let (n_rows, n_cols) = (rows.1 - rows.0, cols.1 - cols.0);
         let mut bytes = vec![0u8; n_rows * n_cols * 2];
         let key = tensor_key(self.seed, name);
@@ -281,11 +280,8 @@ impl DummySource {
         if shape.len() == 2 {
             out_shape = vec![n_rows, n_cols];
         }
-        if let Some(format) = self.quantize
-            && shape.len() == 2
-            && name.starts_with("model.layers.")
+        if let Some(format) = self.quantized_as(name, shape)
             && let Ok(rb) = format.row_bytes(n_cols)
-            && format.row_bytes(full_cols).is_ok()
         {
             let mut q = vec![0u8; n_rows * rb];
             let ok = q
@@ -318,16 +314,20 @@ impl DummySource {
     /// Whether quantizing columns `c0..c1` of `name`'s rows on their own gives the bytes of
     /// cutting the quantized whole rows: BF16, or groups that the cut keeps whole (per-channel
     /// scales depend on the whole row).
-    fn part_quantizes_alike(&self, name: &str, cols: usize, c0: usize, c1: usize) -> bool {
-        match self.quantize {
-            Some(f) if name.starts_with("model.layers.") && f.row_bytes(cols).is_ok() => {
-                matches!(
-                    f.codec,
-                    nibble_precision::WeightCodec::Int4Group { group } if group > 0
-                ) && f.check_col_cut(cols, c0, c1).is_ok()
-            }
-            _ => true,
-        }
+    fn part_quantizes_alike(&self, name: &str, shape: &[usize], c0: usize, c1: usize) -> bool {
+        self.quantized_as(name, shape).is_none_or(|f| {
+            matches!(f.codec, nibble_precision::WeightCodec::Int4Group { group } if group > 0)
+                && f.check_col_cut(shape[1], c0, c1).is_ok()
+        })
+    }
+
+    /// The format `get` stores tensor `name` of `shape` in, when it quantizes it: the blocks'
+    /// linear layers whose rows the format can encode.
+    fn quantized_as(&self, name: &str, shape: &[usize]) -> Option<LinearFormat> {
+        let f = self.quantize?;
+        let cols = *shape.last()?;
+        (shape.len() == 2 && name.starts_with("model.layers.") && f.row_bytes(cols).is_ok())
+            .then_some(f)
     }
 }
 
@@ -358,7 +358,7 @@ impl TensorSource for DummySource {
             return self.build(name, (a, b), (0, cols)).map(Ok);
         }
         // Elements come four to a hash: a column cut on a multiple of four builds only its part.
-        if a.is_multiple_of(4) && self.part_quantizes_alike(name, cols, a, b) {
+        if a.is_multiple_of(4) && self.part_quantizes_alike(name, shape, a, b) {
             return self.build(name, (0, rows), (a, b)).map(Ok);
         }
         self.get(name).map(cut)
@@ -370,17 +370,9 @@ impl TensorSource for DummySource {
 
     fn layout_of(&self, name: &str) -> Option<(Vec<usize>, WeightFormat)> {
         let (shape, _) = self.tensors.get(name)?;
-        let cols = shape.last().copied().unwrap_or(1).max(1);
-        let format = match self.quantize {
-            Some(f)
-                if shape.len() == 2
-                    && name.starts_with("model.layers.")
-                    && f.row_bytes(cols).is_ok() =>
-            {
-                WeightFormat::Quant(f)
-            }
-            _ => WeightFormat::Ggml(GgmlType::BF16),
-        };
+        let format = self
+            .quantized_as(name, shape)
+            .map_or(WeightFormat::Ggml(GgmlType::BF16), WeightFormat::Quant);
         Some((shape.clone(), format))
     }
 

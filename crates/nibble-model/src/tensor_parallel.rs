@@ -238,8 +238,9 @@ impl ShardedSource<'_> {
 /// 70B shard minutes apart to meet at their first agreement.
 const ALL_REDUCE_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// The all-reduce of `size` ranks in one process, on the host: each contributes its tensor, the last to
-/// arrive sums them in rank order (so every rank gets the same bits), and all copy the sum out.
+/// The all-reduce of `size` ranks in one process, on the host: each contributes its tensor, the
+/// last to arrive sums them in rank order (so every rank gets the same bits), and all copy the
+/// sum out.
 pub struct HostComm {
     size: usize,
     state: Mutex<Round>,
@@ -357,9 +358,7 @@ impl HostComm {
         }
         Ok(())
     }
-}
 
-impl HostComm {
     /// Waits until every rank has arrived (or one failed: an error).
     pub fn barrier(&self, rank: usize) -> Result<()> {
         self.all_reduce(rank, &mut [0.0])
@@ -396,9 +395,9 @@ impl HostComm {
 /// Runs `body` on every rank of a `size`-way split of the model in `source`, each on its own
 /// thread with the backend `make_backend(rank)` makes there and its shard loaded on it (handed
 /// over, so a rank can build an engine of it), and returns each rank's result in rank order.
-/// A rank that fails or panics calls `abort` with the reason before its backend is gone, so the
-/// others' collectives end with an error instead of waiting for it; the first failure is the
-/// error returned.
+/// A rank that fails or panics calls `abort` with the reason (once its body has returned, its
+/// backend dropped), so the others' collectives end with an error instead of waiting for it; the
+/// first failure is the error returned.
 pub fn run_ranks<B: Backend, R: Send>(
     size: usize,
     source: &dyn TensorSource,

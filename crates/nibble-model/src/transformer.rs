@@ -256,6 +256,26 @@ impl<B: Backend> Loader<'_, B> {
         Ok(w)
     }
 
+    /// The untied output head, `[vocab, hidden]`, or the `[vocab / N, hidden]` slice of it a
+    /// tensor-parallel rank's source gives: the weight and the parts the vocabulary is in.
+    fn head(&mut self, vocab: usize, hidden: usize) -> Result<(B::Weight, usize)> {
+        let name = "lm_head.weight";
+        let t = self.source.get(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            source_name: self.source.origin(),
+        })?;
+        let rows = t.shape.first().copied().unwrap_or(0);
+        if rows == 0 || !vocab.is_multiple_of(rows) {
+            return Err(Error::InvalidArgument(format!(
+                "{name} has {rows} rows, not the vocabulary's {vocab} or a part of it"
+            )));
+        }
+        t.expect_shape(&[rows, hidden])?;
+        let w = self.backend.load_weight(&t)?;
+        self.tick();
+        Ok((w, vocab / rows))
+    }
+
     /// A norm's scale, with the architecture's offset folded in (in f32, as Gemma's
     /// `x * (1.0 + w.float())` computes it).
     fn norm(&mut self, name: &str, len: usize) -> Result<B::Tensor> {
@@ -526,21 +546,11 @@ impl<B: Backend> Transformer<B> {
             },
         };
         let embed = ld.weight("model.embed_tokens.weight", &[c.vocab_size, h])?;
-        // A tensor-parallel rank's source may give a 1/N slice of the head's rows (vocabulary).
-        let head_rows = match source.layout_of("lm_head.weight") {
-            Some((shape, _)) if !tied && shape.len() == 2 => shape[0],
-            _ => c.vocab_size,
-        };
-        if head_rows == 0 || !c.vocab_size.is_multiple_of(head_rows) {
-            return Err(Error::InvalidArgument(format!(
-                "lm_head.weight has {head_rows} rows, not the vocabulary's {} or a part of it",
-                c.vocab_size
-            )));
-        }
-        let lm_head = if tied {
-            None
+        let (lm_head, head_parts) = if tied {
+            (None, 1)
         } else {
-            Some(ld.weight("lm_head.weight", &[head_rows, h])?)
+            let (w, parts) = ld.head(c.vocab_size, h)?;
+            (Some(w), parts)
         };
         let final_norm = ld.norm("model.norm.weight", h)?;
         let mut layers = Vec::with_capacity(c.num_layers);
@@ -595,7 +605,7 @@ impl<B: Backend> Transformer<B> {
         Ok(Transformer {
             embed,
             lm_head,
-            head_parts: c.vocab_size / head_rows,
+            head_parts,
             final_norm,
             inv_freq,
             local_inv_freq,
