@@ -31,6 +31,29 @@ def main():
         r = two["output_tok_s"] / one["output_tok_s"]
         print(f"| {name} ({one['requests']} requests, {one['max_num_seqs']} seqs) | "
               f"{one['output_tok_s']:,.0f} | {two['output_tok_s']:,.0f} | {r:.2f}x | {goal}x |")
+    # TP=2's levers one by one: the decode step at batch 1 and offline tokens/s of each variant.
+    variants = [("", "split head + symmetric window (default)"), ("-nowindow", "split head only"),
+                ("-base", "neither (the 2026-11-25 configuration)"), ("-ll", "default + NCCL_PROTO=LL")]
+    one = load(d, "b1-tp1")
+    if one and any(load(d, f"b1-tp2{v}") for v, _ in variants):
+        step1 = one["steps"]["decode"][0]["device_ms"]
+        print(f"\nTP=2 variants, decode step at batch 1 (TP=1: {step1:.2f} ms) and offline tok/s:\n")
+        print("| TP=2 variant | batch-1 step ms | vs TP=1 | offline output tok/s | vs TP=1 |")
+        print("|---|---|---|---|---|")
+        off1 = load(d, "offline-tp1")
+        for v, what in variants:
+            b, o = load(d, f"b1-tp2{v}"), load(d, f"offline-tp2{v}")
+            if not (b or o):
+                continue
+            cells = ["-", "-", "-", "-"]
+            if b:
+                ms = b["steps"]["decode"][0]["device_ms"]
+                cells[0:2] = [f"{ms:.2f}", f"{step1 / ms:.2f}x"]
+            if o:
+                cells[2] = f"{o['output_tok_s']:,.0f}"
+                if off1:
+                    cells[3] = f"{o['output_tok_s'] / off1['output_tok_s']:.2f}x"
+            print(f"| {what} | " + " | ".join(cells) + " |")
     one, two = load(d, "offline-tp1"), load(d, "offline-tp2")
     if one and two:
         print("\nDecode-only steps of the offline run, device time per step (ms):\n")

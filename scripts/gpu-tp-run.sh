@@ -8,8 +8,10 @@
 #   arlat     NCCL's all-reduce latency for a decode step's row, under its protocol choices
 #   serve     the server at TP=2 on the tiny Llama 3 fixture: 8 greedy completions at once give
 #             what they give one by one (scripts/gpu-tp-serve-check.sh)
-#   b1        Llama-3-8B shape, one sequence (256 output tokens): decode step at TP=1 and TP=2
-#   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences)
+#   b1        Llama-3-8B shape, one sequence (256 output tokens): decode step at TP=1 and TP=2,
+#             TP=2 also without the symmetric window, without the split head, with NCCL_PROTO=LL
+#   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences),
+#             TP=2 also without the symmetric window and the split head
 #   70b       Llama-2-70B shape at TP=2 in BF16 and W4A16 (one sequence, then 16)
 #   mixtral   Mixtral-8x7B shape at TP=2 in BF16 (every expert split; one sequence, then 16)
 # Results: OUTDIR/*.json and *.log, device.txt (GPUs and how they are linked).
@@ -54,27 +56,28 @@ for part in $parts; do
       step gpu-tp-tests timeout 240 stage/gpu/gpu-tp-tests --test-threads 1 --nocapture ;;
     arlat)
       # NCCL's decode-sized all-reduce latency under its protocol choices (the test prints it).
-      for env in "" NCCL_PROTO=LL NCCL_PROTO=LL128 NCCL_ALGO=Tree; do
+      for env in "" NCCL_PROTO=LL; do
         echo "== all-reduce latency ${env:-default}"
-        env $env timeout 60 stage/gpu/gpu-tp-tests nccl_all_reduce --nocapture 2>&1 | grep -E 'us each|test result'
+        env $env timeout 60 stage/gpu/gpu-tp-tests nccl_all_reduce --nocapture 2>&1 | grep -E 'us each|symmetric window|test result'
       done ;;
     serve)
       step tp-serve timeout 300 scripts/gpu-tp-serve-check.sh "$bin"; tail -12 "$out/tp-serve.log" ;;
     b1)
-      for tp in 1 2; do
-        throughput "b1-tp$tp" llama-3-8b "$tp" --input-len 128 --output-len 256 \
-          --num-prompts 2 --max-num-seqs 1 --profile
-      done
-      # The output head split by vocabulary, and NCCL's low-latency protocol.
-      NIBBLE_TP_SPLIT_HEAD=1 throughput b1-tp2-split-head llama-3-8b 2 --input-len 128 \
-        --output-len 256 --num-prompts 2 --max-num-seqs 1 --profile
-      NCCL_PROTO=LL throughput b1-tp2-ll llama-3-8b 2 --input-len 128 --output-len 256 \
-        --num-prompts 2 --max-num-seqs 1 --profile ;;
+      b1() { throughput "$1" llama-3-8b "$2" --input-len 128 --output-len 256 --num-prompts 2 \
+        --max-num-seqs 1 --profile; }
+      b1 b1-tp1 1
+      # TP=2 by default: the output head split by vocabulary, row-parallel outputs summed in
+      # NCCL symmetric memory. Then without each, and with NCCL's low-latency protocol.
+      b1 b1-tp2 2
+      NIBBLE_TP_WINDOW=0 b1 b1-tp2-nowindow 2
+      NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 b1 b1-tp2-base 2
+      NCCL_PROTO=LL b1 b1-tp2-ll 2 ;;
     offline)
-      for tp in 1 2; do
-        throughput "offline-tp$tp" llama-3-8b "$tp" --dataset "$ds" \
-          --num-prompts "${TP_PROMPTS:-500}" --max-num-seqs 256 --profile
-      done ;;
+      offline() { throughput "$1" llama-3-8b "$2" --dataset "$ds" \
+        --num-prompts "${TP_PROMPTS:-500}" --max-num-seqs 256 --profile; }
+      offline offline-tp1 1
+      offline offline-tp2 2
+      NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 offline offline-tp2-base 2 ;;
     70b)
       # Llama-2-70B's vocabulary (32,000) is below the SmolLM2 tokenizer's: byte-level tokens.
       for p in "" :w4a16-g128; do

@@ -9,6 +9,7 @@
 //! bf16 roundings of the f32 CPU reference, which is what the greedy-equality test needs.
 
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use nibble_core::{Error, Result};
@@ -23,7 +24,7 @@ use crate::blas::Blas;
 use crate::context::{CudaContext, StepUpload};
 use crate::kv::CudaKv;
 use crate::nccl::{Communicator, ReduceType};
-use crate::runtime::DeviceBuffer;
+use crate::runtime::{DeviceBuffer, DevicePtr};
 use crate::sampling::SampleScratch;
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem, QuantWeight, WeightData};
 use crate::{attention, elementwise as ew, graph, grouped, qlinear, sampling};
@@ -50,6 +51,12 @@ pub struct CudaBackend {
     /// As a rank, take a share of the output head's vocabulary and gather the logits
     /// (`Backend::all_gather_cols`); the group sets it (`GpuGroup::split_head`).
     split_head: bool,
+    /// The rank's NCCL symmetric memory (address, bytes), two slots that row-parallel outputs
+    /// are computed and summed in ([`Backend::linear_summed`]); `None` sums them in place.
+    window: Option<(DevicePtr, usize)>,
+    /// The slot the next [`Backend::linear_summed`] writes (rewound at every forward, so a
+    /// captured graph's slots are the ones a replay's consumers read).
+    window_turn: AtomicUsize,
     ctx: CudaContext,
 }
 
@@ -78,17 +85,65 @@ impl CudaBackend {
             dequantized: Mutex::default(),
             collective: None,
             split_head: false,
+            window: None,
+            window_turn: AtomicUsize::new(0),
             ctx,
         })
     }
 
     /// Makes this backend one rank of a tensor-parallel group: it holds that rank's shard, and
     /// [`Backend::all_reduce`] sums row-parallel outputs over the group on this GPU's stream;
-    /// with `split_head`, it holds a share of the output head's vocabulary and gathers logits.
-    pub fn with_collective(mut self, comm: Arc<Communicator>, split_head: bool) -> CudaBackend {
+    /// with `split_head`, it holds a share of the output head's vocabulary and gathers logits;
+    /// `window` is the NCCL symmetric memory (address, bytes) the group registered for it.
+    pub fn with_collective(
+        mut self,
+        comm: Arc<Communicator>,
+        split_head: bool,
+        window: Option<(DevicePtr, usize)>,
+    ) -> CudaBackend {
         self.collective = Some(comm);
         self.split_head = split_head;
+        self.window = window;
         self
+    }
+
+    /// Test and benchmark support: a `rows` x `cols` f32 tensor in the first slot of the
+    /// rank's symmetric window, if it has one and the tensor fits a slot.
+    pub fn window_tensor(&self, rows: usize, cols: usize) -> Option<CudaTensor> {
+        let (ptr, bytes) = self.window?;
+        (rows * cols * 4 <= bytes / 2).then(|| CudaTensor::view(ptr, rows, cols, Elem::F32, 0))
+    }
+
+    /// `out = x @ weight^T (+ bias)`, into `out` (`[x.rows, weight.rows]` f32).
+    fn linear_into(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        bias: Option<&CudaTensor>,
+        out: &CudaTensor,
+    ) -> Result<()> {
+        let ctx = &self.ctx;
+        ctx.check_live(x)?;
+        if x.cols != weight.cols {
+            return Err(Error::InvalidArgument(format!(
+                "linear: input has {} features, weight expects {}",
+                x.cols, weight.cols
+            )));
+        }
+        match &weight.data {
+            WeightData::Dense(_) => {
+                let xh = ctx.as_half(x)?;
+                self.blas
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .gemm(&ctx.gpu, &xh, weight, out)?;
+            }
+            WeightData::Quant(q) => qlinear::quant_gemm(ctx, x, q, weight.rows, weight.cols, out)?,
+        }
+        if let Some(b) = bias {
+            ew::add_bias(ctx, out, b)?;
+        }
+        Ok(())
     }
 
     /// [`qlinear::quant_gemm`] (benchmarks and tests time and check the kernels alone).
@@ -479,6 +534,7 @@ impl Backend for CudaBackend {
                 "tensor-parallel group abandoned: another rank failed".into(),
             ));
         }
+        self.window_turn.store(0, Ordering::Relaxed);
         self.ctx.begin_forward(tokens, batch)
     }
 
@@ -551,29 +607,40 @@ impl Backend for CudaBackend {
         weight: &CudaWeight,
         bias: Option<&CudaTensor>,
     ) -> Result<CudaTensor> {
-        let ctx = &self.ctx;
-        ctx.check_live(x)?;
-        if x.cols != weight.cols {
-            return Err(Error::InvalidArgument(format!(
-                "linear: input has {} features, weight expects {}",
-                x.cols, weight.cols
-            )));
-        }
-        let out = ctx.alloc(x.rows, weight.rows, Elem::F32)?;
-        match &weight.data {
-            WeightData::Dense(_) => {
-                let xh = ctx.as_half(x)?;
-                self.blas
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .gemm(&ctx.gpu, &xh, weight, &out)?;
-            }
-            WeightData::Quant(q) => qlinear::quant_gemm(ctx, x, q, weight.rows, weight.cols, &out)?,
-        }
-        if let Some(b) = bias {
-            ew::add_bias(ctx, &out, b)?;
-        }
+        let out = self.ctx.alloc(x.rows, weight.rows, Elem::F32)?;
+        self.linear_into(x, weight, bias, &out)?;
         Ok(out)
+    }
+
+    fn linear_summed(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor> {
+        let Some(comm) = &self.collective else {
+            return self.linear(x, weight, None);
+        };
+        let n = x.rows * weight.rows;
+        match self.window {
+            // Computed straight into a slot of the symmetric window and summed there: NCCL's
+            // symmetric kernels, no copy in or out. The two slots alternate, and each result is
+            // read by the next residual add before the slot comes round again.
+            Some((ptr, bytes)) if n * 4 <= bytes / 2 => {
+                let slot = self.window_turn.fetch_xor(1, Ordering::Relaxed);
+                let epoch = self.ctx.lock().arena.epoch;
+                let out = CudaTensor::view(
+                    ptr + (slot * bytes / 2) as u64,
+                    x.rows,
+                    weight.rows,
+                    Elem::F32,
+                    epoch,
+                );
+                self.linear_into(x, weight, None, &out)?;
+                comm.all_reduce_sum(out.ptr, n, ReduceType::F32)?;
+                Ok(out)
+            }
+            _ => {
+                let mut out = self.linear(x, weight, None)?;
+                self.all_reduce(&mut out)?;
+                Ok(out)
+            }
+        }
     }
 
     fn rope(

@@ -66,10 +66,26 @@ struct Api {
         RawComm,
         sys::CUstream,
     ) -> NcclResult,
+    /// NCCL 2.27's symmetric memory (absent before it): buffers every rank allocates alike and
+    /// registers together, which NCCL's low-latency symmetric kernels reduce over NVLink loads
+    /// and stores instead of its ring's staged copies.
+    symmetric: Option<SymmetricApi>,
     comm_abort: unsafe extern "C" fn(RawComm) -> NcclResult,
     comm_destroy: unsafe extern "C" fn(RawComm) -> NcclResult,
     get_error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
 }
+
+struct SymmetricApi {
+    mem_alloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> NcclResult,
+    mem_free: unsafe extern "C" fn(*mut c_void) -> NcclResult,
+    window_register:
+        unsafe extern "C" fn(RawComm, *mut c_void, usize, *mut RawWindow, c_int) -> NcclResult,
+    window_deregister: unsafe extern "C" fn(RawComm, RawWindow) -> NcclResult,
+}
+
+type RawWindow = *mut c_void;
+/// `NCCL_WIN_COLL_SYMMETRIC`: the window takes part in symmetric collectives.
+const NCCL_WIN_COLL_SYMMETRIC: c_int = 1;
 
 /// Where a pip-installed NCCL may sit: `<prefix>/lib/python3.*/{site,dist}-packages/nvidia/nccl/lib`.
 fn python_candidates() -> Vec<PathBuf> {
@@ -142,6 +158,14 @@ fn load() -> std::result::Result<Api, String> {
                 comm_init_rank: sym!(b"ncclCommInitRank\0"),
                 all_reduce: sym!(b"ncclAllReduce\0"),
                 all_gather: sym!(b"ncclAllGather\0"),
+                symmetric: (|| {
+                    Some(SymmetricApi {
+                        mem_alloc: *lib.get(b"ncclMemAlloc\0").ok()?,
+                        mem_free: *lib.get(b"ncclMemFree\0").ok()?,
+                        window_register: *lib.get(b"ncclCommWindowRegister\0").ok()?,
+                        window_deregister: *lib.get(b"ncclCommWindowDeregister\0").ok()?,
+                    })
+                })(),
                 comm_abort: sym!(b"ncclCommAbort\0"),
                 comm_destroy: sym!(b"ncclCommDestroy\0"),
                 get_error_string: sym!(b"ncclGetErrorString\0"),
@@ -206,6 +230,9 @@ pub fn unique_id() -> Result<UniqueId> {
 /// error: the handle is gone, and an aborted group stays aborted.
 pub struct Communicator {
     raw: Mutex<Option<RawCommHandle>>,
+    /// Symmetric windows this rank registered ([`Communicator::symmetric_window`]): deregistered
+    /// and freed before the communicator is destroyed.
+    windows: Mutex<Vec<Window>>,
     /// Set by [`Communicator::abort`]; read without the lock on every forward pass.
     aborted: AtomicBool,
     rank: usize,
@@ -217,6 +244,14 @@ pub struct Communicator {
 }
 
 struct RawCommHandle(RawComm);
+
+/// One registered symmetric buffer: its memory (from `ncclMemAlloc`) and NCCL's window handle.
+struct Window {
+    ptr: DevicePtr,
+    raw: RawWindow,
+}
+// NCCL's handle, used under the communicator's locks only.
+unsafe impl Send for Window {}
 // The handle is NCCL's; NCCL allows a communicator to be used from any thread, one at a time,
 // which the mutex around it gives.
 unsafe impl Send for RawCommHandle {}
@@ -239,6 +274,7 @@ impl Communicator {
         })?;
         Ok(Communicator {
             raw: Mutex::new(Some(RawCommHandle(raw))),
+            windows: Mutex::default(),
             aborted: AtomicBool::new(false),
             rank,
             size,
@@ -308,6 +344,80 @@ impl Communicator {
         })
     }
 
+    /// `bytes` of device memory every rank of the group holds at the same offset of a window
+    /// registered with NCCL for symmetric collectives, so that an all-reduce in place there runs
+    /// NCCL's low-latency symmetric kernels. Collective: every rank calls it with the same
+    /// `bytes`, side by side; `all_ok` tells a rank whether every rank allocated its memory (the
+    /// registration that follows waits for all of them). `Ok(None)` where this NCCL predates
+    /// symmetric memory (2.27) or some rank could not allocate it; the memory lives as long as
+    /// the communicator.
+    pub fn symmetric_window(
+        &self,
+        bytes: usize,
+        all_ok: impl FnOnce(bool) -> Result<bool>,
+    ) -> Result<Option<DevicePtr>> {
+        let api = api()?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        if let Some(sym) = &api.symmetric {
+            self.gpu.bind()?;
+            if unsafe { (sym.mem_alloc)(&mut ptr, bytes) } != NCCL_SUCCESS {
+                ptr = std::ptr::null_mut();
+            }
+        }
+        let free = |ptr: *mut c_void| {
+            if let (Some(sym), false) = (&api.symmetric, ptr.is_null()) {
+                unsafe { (sym.mem_free)(ptr) };
+            }
+        };
+        match all_ok(!ptr.is_null()) {
+            Ok(true) => {}
+            other => {
+                free(ptr);
+                return other.map(|_| None);
+            }
+        }
+        let sym = api.symmetric.as_ref().expect("allocated above");
+        let guard = self.raw.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(raw) = guard.as_ref() else {
+            free(ptr);
+            return Err(Error::InvalidArgument(
+                "tensor-parallel window abandoned: the group was aborted (another rank failed)"
+                    .into(),
+            ));
+        };
+        let mut win: RawWindow = std::ptr::null_mut();
+        let r = unsafe {
+            (sym.window_register)(raw.0, ptr, bytes, &mut win, NCCL_WIN_COLL_SYMMETRIC)
+        };
+        if let Err(e) = check(api, "symmetric window registration", r) {
+            free(ptr);
+            return Err(e);
+        }
+        self.windows
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Window {
+                ptr: ptr as DevicePtr,
+                raw: win,
+            });
+        Ok(Some(ptr as DevicePtr))
+    }
+
+    /// Deregisters (with a live communicator) and frees this rank's symmetric windows.
+    fn free_windows(&self, api: &Api, comm: Option<RawComm>) {
+        let Some(sym) = &api.symmetric else {
+            return;
+        };
+        for w in self.windows.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            unsafe {
+                if let Some(comm) = comm {
+                    (sym.window_deregister)(comm, w.raw);
+                }
+                (sym.mem_free)(w.ptr as *mut c_void);
+            }
+        }
+    }
+
     /// Ends the communicator now: collectives in flight on the device stop (so a rank blocked on
     /// its stream waiting for a peer that failed gets its stream back), and later calls are
     /// errors. Safe to call from any thread, and more than once.
@@ -317,6 +427,7 @@ impl Communicator {
         if let (Some(raw), Ok(api)) = (taken, api()) {
             let _ = self.gpu.bind();
             unsafe { (api.comm_abort)(raw.0) };
+            self.free_windows(api, None);
         }
     }
 
@@ -331,6 +442,7 @@ impl Drop for Communicator {
         if let (Some(raw), Ok(api)) = (taken, api()) {
             // NCCL's calls take their device from the calling thread's context.
             let _ = self.gpu.bind();
+            self.free_windows(api, Some(raw.0));
             unsafe { (api.comm_destroy)(raw.0) };
         }
     }

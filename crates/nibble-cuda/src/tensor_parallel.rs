@@ -33,9 +33,12 @@ pub struct GpuGroup {
     dtype: Dtype,
     id: UniqueId,
     comms: Vec<Mutex<Option<Arc<Communicator>>>>,
-    /// Whether the ranks split the output head by vocabulary: off unless asked for
-    /// (`NIBBLE_TP_SPLIT_HEAD=1`, or [`GpuGroup::split_head`]) until it has run on two GPUs.
+    /// Whether the ranks split the output head by vocabulary (on unless `NIBBLE_TP_SPLIT_HEAD=0`,
+    /// or [`GpuGroup::split_head`]).
     split_head: bool,
+    /// Bytes of NCCL symmetric memory each rank reduces its row-parallel outputs in
+    /// ([`CudaBackend::linear_summed`]); 0 for none (`NIBBLE_TP_WINDOW=0`).
+    window_bytes: usize,
     /// Host-side agreement between the ranks (a barrier before NCCL's blocking init, the KV pool
     /// size), with the same abort.
     pub host: Arc<HostComm>,
@@ -72,7 +75,11 @@ impl GpuGroup {
             dtype,
             id: nccl::unique_id()?,
             comms: gpus.iter().map(|_| Mutex::new(None)).collect(),
-            split_head: std::env::var("NIBBLE_TP_SPLIT_HEAD").is_ok_and(|v| v == "1"),
+            split_head: std::env::var("NIBBLE_TP_SPLIT_HEAD").map_or(true, |v| v != "0"),
+            window_bytes: match std::env::var("NIBBLE_TP_WINDOW") {
+                Ok(v) if v == "0" => 0,
+                _ => WINDOW_BYTES,
+            },
             host: HostComm::new(gpus.len()),
         })
     }
@@ -81,6 +88,13 @@ impl GpuGroup {
     /// logits) instead of the whole head.
     pub fn split_head(mut self, on: bool) -> GpuGroup {
         self.split_head = on;
+        self
+    }
+
+    /// Whether the ranks sum their row-parallel outputs in NCCL symmetric memory where NCCL
+    /// has it (NCCL 2.27 on), or in activations with NCCL's default kernels.
+    pub fn symmetric_window(mut self, on: bool) -> GpuGroup {
+        self.window_bytes = if on { WINDOW_BYTES } else { 0 };
         self
     }
 
@@ -109,7 +123,23 @@ impl GpuGroup {
                 sum[0]
             )));
         }
-        Ok(be.with_collective(comm, self.split_head))
+        // Two slots of the symmetric window, each for a step's whole row-parallel output
+        // (`CudaBackend::linear_summed`); larger ones (long prefill chunks) reduce in place.
+        let window = match self.window_bytes {
+            0 => None,
+            bytes => comm
+                .symmetric_window(bytes, |ok| {
+                    Ok(self.host.agree_min(rank, ok as usize)? == 1)
+                })?
+                .map(|ptr| (ptr, bytes)),
+        };
+        if rank == 0 && self.window_bytes > 0 && window.is_none() {
+            eprintln!(
+                "nibble: NCCL has no symmetric memory here (NCCL 2.27 or later with cuMem); \
+                 all-reduces run NCCL's default kernels"
+            );
+        }
+        Ok(be.with_collective(comm, self.split_head, window))
     }
 
     /// Ends the group after a failure: every communicator aborted (collectives in flight stop,
@@ -137,6 +167,11 @@ impl GpuGroup {
             .take();
     }
 }
+
+/// The symmetric window each rank registers: two slots of 16 MiB, a step's row-parallel output
+/// of up to 1,024 rows of 4,096 f32 (512 of Llama-2-70B's 8,192). Decode steps and short chunks
+/// fit; longer prefill chunks, whose all-reduces are bandwidth-bound anyway, reduce in place.
+const WINDOW_BYTES: usize = 32 << 20;
 
 /// Runs `body` on every rank of `group`, each on its own thread with its GPU's backend and its
 /// shard of the model in `source` loaded there, and returns each rank's result in rank order;

@@ -61,6 +61,7 @@ fn run_on(e: Engine<CudaBackend>, path: &[u32], prompt_len: usize) -> Run {
 fn one_and_two(
     name: &str,
     split_head: bool,
+    window: bool,
     files: &ModelFiles,
     path: &[u32],
     prompt_len: usize,
@@ -73,7 +74,7 @@ fn one_and_two(
     let be = CudaBackend::new(0, Dtype::Bf16).unwrap();
     let model = Transformer::load(&be, files.config.clone(), &*files.source, &mut |_, _| {});
     let one = run_on(engine(be, model.unwrap()), path, prompt_len);
-    let g = group().split_head(split_head);
+    let g = group().split_head(split_head).symmetric_window(window);
     let two = run_sharded(&g, &*files.source, &files.config, |_, backend, model| {
         assert_eq!(backend.gathers_columns(), split_head);
         Ok(run_on(engine(backend, model), path, prompt_len))
@@ -152,22 +153,42 @@ fn nccl_all_reduce_is_the_exact_sum() {
                 let (g, parts) = (&g, &parts);
                 s.spawn(move || {
                     let be = g.rank_backend(rank).unwrap();
-                    // The latency of one decode-sized all-reduce (a Llama-3-8B row of f32),
-                    // for the benchmark notes; not a pass or fail.
-                    let mut row = be.load_vector(&vec![1.0f32; 4096]).unwrap();
-                    for round in 0..2 {
-                        be.synchronize().unwrap();
-                        let t = Instant::now();
-                        for _ in 0..1000 {
-                            be.all_reduce(&mut row).unwrap();
+                    // The latency of decode-sized all-reduces (a Llama-3-8B row of f32, and 256
+                    // rows), in activations (NCCL's default kernels) and in the symmetric window
+                    // (its symmetric kernels), for the benchmark notes; not a pass or fail.
+                    if rank == 0 {
+                        eprintln!("symmetric window: {}", be.window_tensor(1, 1).is_some());
+                    }
+                    for rows in [1usize, 256] {
+                        let plain = be.load_vector(&vec![1.0f32; rows * 4096]).unwrap();
+                        let window = be.window_tensor(rows, 4096);
+                        for (name, t) in [("activations", Some(plain)), ("window", window)] {
+                            let Some(mut t) = t else { continue };
+                            for round in 0..2 {
+                                be.synchronize().unwrap();
+                                let start = Instant::now();
+                                for _ in 0..1000 {
+                                    be.all_reduce(&mut t).unwrap();
+                                }
+                                be.synchronize().unwrap();
+                                if round == 1 && rank == 0 {
+                                    eprintln!(
+                                        "all-reduce of {rows}x4096 f32 in {name}, eager: \
+                                         {:.1} us each",
+                                        start.elapsed().as_secs_f64() * 1e3
+                                    );
+                                }
+                            }
                         }
-                        be.synchronize().unwrap();
-                        if round == 1 && rank == 0 {
-                            eprintln!(
-                                "all-reduce of 4096 f32, eager: {:.1} us each",
-                                t.elapsed().as_secs_f64() * 1e3
-                            );
-                        }
+                    }
+                    // The window's sums are exact too.
+                    if let Some(mut t) = be.window_tensor(1, 4099) {
+                        be.gpu.upload(t.ptr, &parts[rank][2]).unwrap();
+                        be.all_reduce(&mut t).unwrap();
+                        let got = be.to_host(&t).unwrap();
+                        let want: Vec<f32> =
+                            parts[0][2].iter().zip(&parts[1][2]).map(|(a, b)| a + b).collect();
+                        assert_eq!(got, want, "rank {rank}: the window's sum of 4099 elements");
                     }
                     parts[rank]
                         .iter()
@@ -211,14 +232,20 @@ fn two_gpus_follow_one_on_the_fixtures() {
             .copied()
             .chain((0..STEPS as u32).map(|i| 3 + (i * 37) % 200))
             .collect();
-        let (one, two) = one_and_two(name, false, &files, &path, prompt.len());
+        let (one, two) = one_and_two(name, false, true, &files, &path, prompt.len());
         check_two_follow_one(name, &one, &two, 2e-2, TIE);
+        // Row-parallel outputs summed in place by NCCL's default kernels, as where NCCL has no
+        // symmetric memory and for prefill chunks longer than the window.
+        if name == "tiny-llama3" {
+            let (one, two) = one_and_two(name, false, false, &files, &path, prompt.len());
+            check_two_follow_one(&format!("{name} (no window)"), &one, &two, 2e-2, TIE);
+        }
         // The untied heads split by vocabulary: each rank computes half of the logits, NCCL
         // gathers them, strided copies lay them side by side.
         if !files.source.contains("lm_head.weight") {
             continue;
         }
-        let (one, two) = one_and_two(name, true, &files, &path, prompt.len());
+        let (one, two) = one_and_two(name, true, true, &files, &path, prompt.len());
         check_two_follow_one(&format!("{name} (split head)"), &one, &two, 2e-2, TIE);
     }
 }
@@ -232,7 +259,7 @@ fn moe_fixtures_split_over_two_gpus() {
     for name in ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"] {
         let files = open_model(&fixture(name), None).unwrap();
         let path: Vec<u32> = (0..48).map(|i| 3 + (i * 37) % 200).collect();
-        let (one, two) = one_and_two(name, false, &files, &path, 8);
+        let (one, two) = one_and_two(name, false, true, &files, &path, 8);
         check_two_follow_one(name, &one, &two, 2e-2, TIE);
     }
 }
@@ -250,7 +277,7 @@ fn quantized_weights_split_on_their_groups() {
     ] {
         let files = nibble_model::dummy::open_dummy(spec, 3).unwrap();
         let path: Vec<u32> = (0..48).map(|i| 1 + (i * 53) % 500).collect();
-        let (one, two) = one_and_two(spec, false, &files, &path, 8);
+        let (one, two) = one_and_two(spec, false, true, &files, &path, 8);
         check_two_follow_one(spec, &one, &two, bound, tie);
     }
     // A group size that would cut a group is refused by name, before anything loads.

@@ -240,6 +240,16 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// A row-parallel layer (o_proj, down_proj) summed over the ranks: `x @ weight^T`, then
+    /// [`Backend::all_reduce`]. A backend may compute it in memory of its own that it reuses
+    /// at its next call but one (a GPU rank's NCCL symmetric memory), so the caller reads the
+    /// result before calling this twice more.
+    fn linear_summed(&self, x: &Self::Tensor, weight: &Self::Weight) -> Result<Self::Tensor> {
+        let mut out = self.linear(x, weight, None)?;
+        self.all_reduce(&mut out)?;
+        Ok(out)
+    }
+
     /// Whether this backend, as a tensor-parallel rank, gathers column parts
     /// ([`Backend::all_gather_cols`]), so that the output head can be split by vocabulary.
     fn gathers_columns(&self) -> bool {

@@ -70,12 +70,21 @@ impl<B: Backend> Mlp<B> {
     }
 
     fn apply(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        backend.linear(&self.activated(backend, x)?, &self.down, None)
+    }
+
+    /// [`Mlp::apply`] of a dense layer's MLP, its down projection summed over the ranks.
+    fn apply_summed(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        backend.linear_summed(&self.activated(backend, x)?, &self.down)
+    }
+
+    /// `act(gate x) * up x`.
+    fn activated(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor> {
         let gate_up = self.gate_up.apply(backend, x)?;
-        let act = match self.act {
+        Ok(match self.act {
             Activation::Silu => backend.silu_mul(&gate_up[0], &gate_up[1]),
             Activation::GeluTanh => backend.gelu_tanh_mul(&gate_up[0], &gate_up[1]),
-        };
-        backend.linear(&act, &self.down, None)
+        })
     }
 }
 
@@ -752,17 +761,19 @@ impl<B: Backend> Transformer<B> {
                 window: l.window,
             };
             let attn = backend.attention(&q, &k, &v, kv, i, batch, shape)?;
-            let mut o = backend.linear(&attn, &l.o, None)?;
-            backend.all_reduce(&mut o)?;
+            let mut o = backend.linear_summed(&attn, &l.o)?;
             if let Some(n) = &l.post_attn_norm {
                 o = backend.residual_rms_norm(&o, n, eps);
             }
             let h = backend.add_rms_norm(&mut x, &o, &l.mlp_norm, eps);
             let mut d = match &l.ffn {
-                Ffn::Dense(mlp) => mlp.apply(backend, &h)?,
-                Ffn::Sparse(s) => s.apply(backend, &h, tokens.len(), c.hidden_size)?,
+                Ffn::Dense(mlp) => mlp.apply_summed(backend, &h)?,
+                Ffn::Sparse(s) => {
+                    let mut d = s.apply(backend, &h, tokens.len(), c.hidden_size)?;
+                    backend.all_reduce(&mut d)?;
+                    d
+                }
             };
-            backend.all_reduce(&mut d)?;
             if let Some(n) = &l.post_ffn_norm {
                 d = backend.residual_rms_norm(&d, n, eps);
             }
