@@ -34,3 +34,21 @@ start_server() {
   echo "server did not come up on port $port" >&2
   return 1
 }
+
+# seed_kernel_cache: unpacks .gpu-cache/kernels.tgz (NVRTC's compiled kernels, brought back from
+# an earlier run as $out/kernels.tgz with SAVE_KERNELS=1) into $NIBBLE_KERNEL_CACHE, so a fresh
+# machine does not spend its first minutes compiling; kernels whose source changed since are
+# compiled as usual (the cache is keyed by source hash).
+seed_kernel_cache() {
+  if [ -f .gpu-cache/kernels.tgz ] && [ ! -d "$NIBBLE_KERNEL_CACHE" ]; then
+    mkdir -p "$NIBBLE_KERNEL_CACHE"
+    tar xzf .gpu-cache/kernels.tgz -C "$NIBBLE_KERNEL_CACHE" --strip-components=1
+  fi
+}
+
+# save_kernel_cache: with SAVE_KERNELS=1, packs $NIBBLE_KERNEL_CACHE into $out/kernels.tgz.
+save_kernel_cache() {
+  if [ "${SAVE_KERNELS:-0}" = 1 ] && [ -d "$NIBBLE_KERNEL_CACHE" ]; then
+    tar czf "$out/kernels.tgz" -C "$(dirname "$NIBBLE_KERNEL_CACHE")" "$(basename "$NIBBLE_KERNEL_CACHE")"
+  fi
+}

@@ -3,6 +3,8 @@
 # scripts/gpu-stage.sh staged in stage/gpu and scripts/gpu-engine-data.sh wrote in .gpu-data:
 #   scripts/gpu-tp-run.sh OUTDIR [PART...]
 # Parts (default: all, in this order):
+# Carry .gpu-cache (kernels.tgz from an earlier run's SAVE_KERNELS=1) to skip NVRTC's first
+# compile of every kernel (about 100 s on a fresh machine).
 #   tests     the two-GPU tests (stage/gpu/gpu-tp-tests): exact NCCL sums, fixtures and quantized
 #             shards against one GPU, graphs replaying the all-reduces, a failed rank
 #   arlat     NCCL's all-reduce latency for a decode step's row, under its protocol choices
@@ -42,6 +44,7 @@ status=0
 } | tee -a "$out/device.txt"
 
 source scripts/gpu-lib.sh
+seed_kernel_cache
 STEP_SUMMARY="^throughput|^steps|seqs:|with prefill|^test |test result|FAILED|panicked|loaded its shard|NCCL|error"
 
 throughput() {  # throughput NAME MODEL TP ARGS...
@@ -88,12 +91,14 @@ for part in $parts; do
       done ;;
     mixtral)
       # Mixtral-8x7B in BF16 (93 GB) does not fit one H100: every expert split over two GPUs.
+      # Its vocabulary (32,000) is below the SmolLM2 tokenizer's too: byte-level tokens.
       step mixtral-tp2 timeout 300 "$bin" --device cuda --dummy-weights mixtral-8x7b \
-        --tokenizer "$tok" --tensor-parallel-size 2 bench throughput --json "$out/mixtral-tp2.json" \
+        --tensor-parallel-size 2 bench throughput --json "$out/mixtral-tp2.json" \
         --input-len 128 --output-len 64 --num-prompts 16 --sweep-seqs 1,16 --profile ;;
     *) echo "unknown part $part" >&2; status=1 ;;
   esac
 done
 # A device call brings back 8 files: the logs travel as one archive.
 tar czf "$out/logs-$(echo $parts | tr ' ' '-').tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
+save_kernel_cache
 exit $status

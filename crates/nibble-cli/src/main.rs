@@ -1217,7 +1217,11 @@ fn run_tensor_parallel(
         }
         Device::Cuda(first) => {
             let gpus: Vec<usize> = (first..first + size).collect();
-            let group = nibble_cuda::tensor_parallel::GpuGroup::new(&gpus, cli.dtype)?;
+            // NCCL's symmetric memory (a faster all-reduce) by default here, where a rank left
+            // blocked by a failed peer ends the process with the error after 20 s.
+            let group = nibble_cuda::tensor_parallel::GpuGroup::new(&gpus, cli.dtype)?
+                .symmetric_window(std::env::var("NIBBLE_TP_WINDOW").map_or(true, |v| v != "0"))
+                .exit_if_stuck(std::time::Duration::from_secs(20));
             eprintln!(
                 "nibble: {size} tensor-parallel ranks on cuda:{first}..cuda:{}, {}",
                 first + size - 1,

@@ -386,9 +386,8 @@ impl Communicator {
             ));
         };
         let mut win: RawWindow = std::ptr::null_mut();
-        let r = unsafe {
-            (sym.window_register)(raw.0, ptr, bytes, &mut win, NCCL_WIN_COLL_SYMMETRIC)
-        };
+        let r =
+            unsafe { (sym.window_register)(raw.0, ptr, bytes, &mut win, NCCL_WIN_COLL_SYMMETRIC) };
         if let Err(e) = check(api, "symmetric window registration", r) {
             free(ptr);
             return Err(e);
@@ -408,7 +407,12 @@ impl Communicator {
         let Some(sym) = &api.symmetric else {
             return;
         };
-        for w in self.windows.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        for w in self
+            .windows
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
             unsafe {
                 if let Some(comm) = comm {
                     (sym.window_deregister)(comm, w.raw);

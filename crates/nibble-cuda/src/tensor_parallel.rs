@@ -14,7 +14,9 @@
 //! first failure is what the run returns. Nothing here assumes one host: across hosts the
 //! unique id would travel over TCP and each host would run its local ranks (docs/tensor-parallel.md).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use nibble_core::{Error, Result};
 use nibble_model::source::TensorSource;
@@ -36,9 +38,19 @@ pub struct GpuGroup {
     /// Whether the ranks split the output head by vocabulary (on unless `NIBBLE_TP_SPLIT_HEAD=0`,
     /// or [`GpuGroup::split_head`]).
     split_head: bool,
-    /// Bytes of NCCL symmetric memory each rank reduces its row-parallel outputs in
-    /// ([`CudaBackend::linear_summed`]); 0 for none (`NIBBLE_TP_WINDOW=0`).
+    /// Bytes of NCCL symmetric memory each rank sums its row-parallel outputs in
+    /// (`Backend::linear_summed`); 0 for none. Off unless asked for (`NIBBLE_TP_WINDOW=1`, or
+    /// [`GpuGroup::symmetric_window`]): NCCL's symmetric kernels do not stop at an abort, so a
+    /// rank waiting in one for a peer that failed stays blocked (seen on two H200s); pair it
+    /// with [`GpuGroup::exit_if_stuck`].
     window_bytes: usize,
+    /// After an abort, how long the ranks get to unwind before the process exits with the
+    /// failure ([`GpuGroup::exit_if_stuck`]); `None` waits for them.
+    stuck_grace: Option<Duration>,
+    /// Set once [`run_sharded`] has every rank back; read by the abort's watchdog.
+    finished: Arc<AtomicBool>,
+    /// Whether an abort has started the watchdog already.
+    watchdog: AtomicBool,
     /// Host-side agreement between the ranks (a barrier before NCCL's blocking init, the KV pool
     /// size), with the same abort.
     pub host: Arc<HostComm>,
@@ -77,9 +89,12 @@ impl GpuGroup {
             comms: gpus.iter().map(|_| Mutex::new(None)).collect(),
             split_head: std::env::var("NIBBLE_TP_SPLIT_HEAD").map_or(true, |v| v != "0"),
             window_bytes: match std::env::var("NIBBLE_TP_WINDOW") {
-                Ok(v) if v == "0" => 0,
-                _ => WINDOW_BYTES,
+                Ok(v) if v == "1" => WINDOW_BYTES,
+                _ => 0,
             },
+            stuck_grace: None,
+            finished: Arc::default(),
+            watchdog: AtomicBool::new(false),
             host: HostComm::new(gpus.len()),
         })
     }
@@ -92,9 +107,19 @@ impl GpuGroup {
     }
 
     /// Whether the ranks sum their row-parallel outputs in NCCL symmetric memory where NCCL
-    /// has it (NCCL 2.27 on), or in activations with NCCL's default kernels.
+    /// has it (NCCL 2.27 on), or in activations with NCCL's default kernels (see
+    /// `window_bytes` for the catch).
     pub fn symmetric_window(mut self, on: bool) -> GpuGroup {
         self.window_bytes = if on { WINDOW_BYTES } else { 0 };
+        self
+    }
+
+    /// After an abort, gives the ranks `grace` to unwind, then ends the process with the
+    /// failure (exit status 1) if one is still blocked: a rank whose stream waits in NCCL's
+    /// symmetric kernels for a failed peer never returns. For a program the group is all of
+    /// (nibble's CLI and server), where an exit with the error beats a hang.
+    pub fn exit_if_stuck(mut self, grace: Duration) -> GpuGroup {
+        self.stuck_grace = Some(grace);
         self
     }
 
@@ -128,9 +153,7 @@ impl GpuGroup {
         let window = match self.window_bytes {
             0 => None,
             bytes => comm
-                .symmetric_window(bytes, |ok| {
-                    Ok(self.host.agree_min(rank, ok as usize)? == 1)
-                })?
+                .symmetric_window(bytes, |ok| Ok(self.host.agree_min(rank, ok as usize)? == 1))?
                 .map(|ptr| (ptr, bytes)),
         };
         if rank == 0 && self.window_bytes > 0 && window.is_none() {
@@ -155,6 +178,22 @@ impl GpuGroup {
             .collect();
         for c in comms {
             c.abort();
+        }
+        if let Some(grace) = self.stuck_grace
+            && !self.watchdog.swap(true, Ordering::AcqRel)
+        {
+            let (finished, why) = (self.finished.clone(), why.to_string());
+            std::thread::spawn(move || {
+                std::thread::sleep(grace);
+                if !finished.load(Ordering::Acquire) {
+                    eprintln!(
+                        "nibble: a tensor-parallel rank is still blocked {}s after the group's \
+                         abort (a collective waits for the failed rank); exiting. Error: {why}",
+                        grace.as_secs()
+                    );
+                    std::process::exit(1);
+                }
+            });
         }
     }
 
@@ -182,7 +221,7 @@ pub fn run_sharded<R: Send>(
     config: &ModelConfig,
     body: impl Fn(usize, CudaBackend, Transformer<CudaBackend>) -> Result<R> + Sync,
 ) -> Result<Vec<R>> {
-    run_ranks(
+    let out = run_ranks(
         group.size(),
         source,
         config,
@@ -195,5 +234,7 @@ pub fn run_sharded<R: Send>(
             }
             r
         },
-    )
+    );
+    group.finished.store(true, Ordering::Release);
+    out
 }

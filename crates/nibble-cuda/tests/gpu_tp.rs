@@ -186,8 +186,11 @@ fn nccl_all_reduce_is_the_exact_sum() {
                         be.gpu.upload(t.ptr, &parts[rank][2]).unwrap();
                         be.all_reduce(&mut t).unwrap();
                         let got = be.to_host(&t).unwrap();
-                        let want: Vec<f32> =
-                            parts[0][2].iter().zip(&parts[1][2]).map(|(a, b)| a + b).collect();
+                        let want: Vec<f32> = parts[0][2]
+                            .iter()
+                            .zip(&parts[1][2])
+                            .map(|(a, b)| a + b)
+                            .collect();
                         assert_eq!(got, want, "rank {rank}: the window's sum of 4099 elements");
                     }
                     parts[rank]
@@ -296,53 +299,111 @@ impl Drop for Report {
     }
 }
 
-/// A rank that fails mid-generation (here rank 1, after a few tokens, while rank 0 goes on into
-/// the next all-reduce) ends the run with rank 1's error within seconds: rank 0's collective is
-/// aborted, not left waiting.
-#[test]
-fn a_failed_rank_ends_the_run_with_its_error() {
+/// Runs the tiny Llama 3 fixture on `g`, rank 1 failing after a few tokens while rank 0 goes on
+/// into the next all-reduce; returns the run's error and how long after rank 1's failure the
+/// run ended.
+fn fail_rank_one(g: &GpuGroup) -> (String, Duration) {
     let files = open_model(&fixture("tiny-llama3"), None).unwrap();
     let t0 = Instant::now();
-    let e = run_sharded(
-        &group(),
-        &*files.source,
-        &files.config,
-        |rank, backend, model| {
-            // When each rank's body ends (returned or unwound, its engine dropped), for the log:
-            // where a slow end spends its time.
-            let _report = Report(rank, t0);
-            let e = Engine {
-                backend,
-                model,
-                tokenizer: files.tokenizer.clone(),
+    let failed_at = std::sync::Mutex::new(None);
+    let e = run_sharded(g, &*files.source, &files.config, |rank, backend, model| {
+        // When each rank's body ends (returned or unwound, its engine dropped), for the log:
+        // where a slow end spends its time.
+        let _report = Report(rank, t0);
+        let e = Engine {
+            backend,
+            model,
+            tokenizer: files.tokenizer.clone(),
+        };
+        let prompt: Vec<u32> = (1..20).collect();
+        if rank == 1 {
+            greedy(&e, &prompt, 5);
+            eprintln!("rank 1 fails at {:.3}s", t0.elapsed().as_secs_f64());
+            *failed_at.lock().unwrap() = Some(Instant::now());
+            return Err(nibble_core::Error::InvalidArgument(
+                "injected failure on rank 1".into(),
+            ));
+        }
+        for _ in 0..1000 {
+            let req = GenerateRequest {
+                prompt_ids: prompt.clone(),
+                params: SamplingParams::default(),
+                max_tokens: 200,
+                stop: vec![],
+                ignore_eos: true,
+                constraint: None,
             };
-            let prompt: Vec<u32> = (1..20).collect();
-            if rank == 1 {
-                greedy(&e, &prompt, 5);
-                eprintln!("rank 1 fails at {:?}", t0.elapsed());
-                return Err(nibble_core::Error::InvalidArgument(
-                    "injected failure on rank 1".into(),
-                ));
-            }
-            for _ in 0..1000 {
-                let req = GenerateRequest {
-                    prompt_ids: prompt.clone(),
-                    params: SamplingParams::default(),
-                    max_tokens: 200,
-                    stop: vec![],
-                    ignore_eos: true,
-                    constraint: None,
-                };
-                e.generate(&req, &mut |_| {})?;
-            }
-            Ok(())
-        },
-    )
+            e.generate(&req, &mut |_| {})?;
+        }
+        Ok(())
+    })
     .expect_err("the run fails")
     .to_string();
-    let took = t0.elapsed();
-    eprintln!("run_sharded returned at {took:?}");
+    let after = failed_at.lock().unwrap().expect("rank 1 failed").elapsed();
+    eprintln!(
+        "run_sharded returned at {:?}, {after:?} after the failure",
+        t0.elapsed()
+    );
+    (e, after)
+}
+
+/// A rank that fails mid-generation ends the run with its own error within seconds: rank 0's
+/// collective (NCCL's default kernels) is aborted, not left waiting.
+#[test]
+fn a_failed_rank_ends_the_run_with_its_error() {
+    let (e, after) = fail_rank_one(&group().symmetric_window(false));
     assert!(e.contains("injected failure on rank 1"), "{e}");
-    assert!(took < Duration::from_secs(60), "took {took:?}");
-    eprintln!("failed rank: the run ended in {took:?} with: {e}");
+    assert!(after < Duration::from_secs(60), "took {after:?}");
+    eprintln!("failed rank: the run ended {after:?} after the failure, with: {e}");
+}
+
+/// The child of [`a_failed_rank_with_the_window_ends_the_process`]: run only by it.
+#[test]
+#[ignore = "run by a_failed_rank_with_the_window_ends_the_process in a child process"]
+fn failed_rank_child_with_the_window() {
+    fail_rank_one(
+        &group()
+            .symmetric_window(true)
+            .exit_if_stuck(Duration::from_secs(10)),
+    );
+}
+
+/// With NCCL's symmetric memory, whose kernels do not stop at an abort, a rank left waiting for
+/// its failed peer cannot return; the group's watchdog (`GpuGroup::exit_if_stuck`, as the CLI
+/// sets it) ends the process with the failure instead of a hang. Run in a child process.
+#[test]
+fn a_failed_rank_with_the_window_ends_the_process() {
+    let t0 = Instant::now();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "failed_rank_child_with_the_window",
+            "--ignored",
+            "--nocapture",
+        ])
+        .output()
+        .unwrap();
+    let took = t0.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!(
+        "child ended in {took:?} with {:?}; its stderr:\n{err}",
+        out.status
+    );
+    assert!(!out.status.success(), "the child succeeded");
+    assert!(
+        err.contains("injected failure on rank 1"),
+        "the failure is not in the child's stderr"
+    );
+    // From rank 1's failure: the run returned (NCCL aborted everything), or the watchdog
+    // exited 10 s later.
+    let failed: f64 = err
+        .lines()
+        .find_map(|l| l.strip_prefix("rank 1 fails at "))
+        .and_then(|t| t.trim().trim_end_matches('s').parse().ok())
+        .expect("rank 1's failure time in the child's stderr");
+    assert!(
+        took.as_secs_f64() - failed < 60.0,
+        "the child ended {:.0}s after the failure",
+        took.as_secs_f64() - failed
+    );
 }
