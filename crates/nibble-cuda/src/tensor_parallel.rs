@@ -169,16 +169,8 @@ impl GpuGroup {
     /// later ones are errors) and every host-side wait ended with `why`.
     pub fn abort(&self, why: &str) {
         eprintln!("nibble: tensor-parallel group aborted: {why}");
-        self.host.abort(why);
-        // Outside the slots' locks: an abort may wait for NCCL.
-        let comms: Vec<Arc<Communicator>> = self
-            .comms
-            .iter()
-            .filter_map(|c| c.lock().unwrap_or_else(|p| p.into_inner()).clone())
-            .collect();
-        for c in comms {
-            c.abort();
-        }
+        // The watchdog starts first: aborting a communicator whose kernel waits for the failed
+        // peer may itself block.
         if let Some(grace) = self.stuck_grace
             && !self.watchdog.swap(true, Ordering::AcqRel)
         {
@@ -191,9 +183,24 @@ impl GpuGroup {
                          abort (a collective waits for the failed rank); exiting. Error: {why}",
                         grace.as_secs()
                     );
-                    std::process::exit(1);
+                    // `_exit`, not `exit`: the CUDA and NCCL teardown that `exit` runs would
+                    // wait for the same blocked kernel.
+                    unsafe extern "C" {
+                        fn _exit(status: std::ffi::c_int) -> !;
+                    }
+                    unsafe { _exit(1) }
                 }
             });
+        }
+        self.host.abort(why);
+        // Outside the slots' locks: an abort may wait for NCCL.
+        let comms: Vec<Arc<Communicator>> = self
+            .comms
+            .iter()
+            .filter_map(|c| c.lock().unwrap_or_else(|p| p.into_inner()).clone())
+            .collect();
+        for c in comms {
+            c.abort();
         }
     }
 
