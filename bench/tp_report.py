@@ -18,6 +18,16 @@ def load(d, name):
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def gpu_name(d):
+    """The GPU model from the run's device.txt (`0, NVIDIA H200, ...`), e.g. `H200`."""
+    p = d / "device.txt"
+    for line in (p.read_text().splitlines() if p.exists() else []):
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) >= 2 and parts[0] == "0":
+            return parts[1].replace("NVIDIA ", "").split()[0]
+    return "GPU"
+
+
 def main():
     d = Path(sys.argv[1])
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else d / "tp.png"
@@ -82,8 +92,9 @@ def main():
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(rows))
-    a.bar([i - 0.2 for i in x], [r[1] for r in rows], 0.4, label="TP=1 (one H100)")
-    a.bar([i + 0.2 for i in x], [r[2] for r in rows], 0.4, label="TP=2 (two H100, NVLink)")
+    gpu = gpu_name(d)
+    a.bar([i - 0.2 for i in x], [r[1] for r in rows], 0.4, label=f"TP=1 (one {gpu})")
+    a.bar([i + 0.2 for i in x], [r[2] for r in rows], 0.4, label=f"TP=2 (two {gpu}, NVLink)")
     a.set_xticks(list(x), [r[0] for r in rows], rotation=45)
     a.set_xlabel("sequences in the decode step")
     a.set_ylabel("device ms per step")

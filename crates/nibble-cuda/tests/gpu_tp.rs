@@ -135,7 +135,7 @@ fn check_two_follow_one(name: &str, one: &Run, two: &[Run], bound: f64, tie: f32
 fn nccl_all_reduce_is_the_exact_sum() {
     let seed = Instant::now().elapsed().as_nanos() as u64 ^ 0x5eed;
     eprintln!("nccl_all_reduce_is_the_exact_sum: seed {seed}");
-    let g = group();
+    let g = group().symmetric_window(true);
     eprintln!("{}", nibble_cuda::nccl::describe().unwrap());
     let sizes = [1usize, 7, 4099, 1 << 20 | 3];
     let parts: Vec<Vec<Vec<f32>>> = (0..2)
