@@ -76,7 +76,7 @@ impl Drop for PinnedBuffer {
 }
 
 /// A CUDA event without timing: marks a point in the stream the host can wait for.
-pub struct Event(sys::CUevent);
+pub struct Event(sys::CUevent, Arc<crate::runtime::WaitGauge>);
 
 unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
@@ -101,7 +101,7 @@ impl Event {
     fn create(gpu: &Gpu, flags: sys::CUevent_flags) -> Result<Event> {
         gpu.bind()?;
         cu::event::create(flags)
-            .map(Event)
+            .map(|raw| Event(raw, gpu.waits.clone()))
             .map_err(|e| driver_err("event create", e))
     }
 
@@ -113,7 +113,8 @@ impl Event {
 
     /// Waits until the marked work has finished.
     pub fn wait(&self) -> Result<()> {
-        unsafe { cu::event::synchronize(self.0) }
+        self.1
+            .during(|| unsafe { cu::event::synchronize(self.0) })
             .map_err(|e| driver_err("event wait (an earlier kernel failed)", e))
     }
 }

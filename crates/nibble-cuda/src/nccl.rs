@@ -435,6 +435,11 @@ impl Communicator {
         }
     }
 
+    /// How long the host has been blocked waiting for this rank's GPU, if it is now.
+    pub fn gpu_waiting_for(&self) -> Option<std::time::Duration> {
+        self.gpu.waiting_for()
+    }
+
     pub fn is_aborted(&self) -> bool {
         self.aborted.load(Ordering::Acquire)
     }

@@ -39,6 +39,44 @@ pub struct Gpu {
     /// L2 cache bytes: benchmarks rotate weights through more than this so they read HBM.
     pub l2_bytes: usize,
     pub total_mem: usize,
+    /// Since when the host has been blocked waiting for this GPU's work ([`WaitGauge`]).
+    pub(crate) waits: Arc<WaitGauge>,
+}
+
+/// Whether, and since when, a host thread is blocked waiting for a GPU's stream (a synchronize,
+/// a download, an event): what a tensor-parallel group's step deadline watches, since a rank
+/// whose peer stopped taking part in the collectives waits here for ever.
+#[derive(Default)]
+pub struct WaitGauge {
+    /// Milliseconds since the Unix epoch when the current wait began; 0 when none is under way.
+    since_ms: std::sync::atomic::AtomicU64,
+}
+
+impl WaitGauge {
+    /// Runs the blocking `wait`, marked as one.
+    pub(crate) fn during<R>(&self, wait: impl FnOnce() -> R) -> R {
+        use std::sync::atomic::Ordering;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_millis().max(1) as u64);
+        self.since_ms.store(now, Ordering::Release);
+        let r = wait();
+        self.since_ms.store(0, Ordering::Release);
+        r
+    }
+
+    /// How long the current wait has lasted, if one is under way.
+    pub fn waiting_for(&self) -> Option<std::time::Duration> {
+        let since = self.since_ms.load(std::sync::atomic::Ordering::Acquire);
+        if since == 0 {
+            return None;
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()?
+            .as_millis() as u64;
+        Some(std::time::Duration::from_millis(now.saturating_sub(since)))
+    }
 }
 
 impl Gpu {
@@ -72,6 +110,7 @@ impl Gpu {
             cc,
             sm_count,
             l2_bytes,
+            waits: Arc::default(),
         }))
     }
 
@@ -86,9 +125,14 @@ impl Gpu {
     }
 
     pub fn synchronize(&self) -> Result<()> {
-        self.stream
-            .synchronize()
+        self.waits
+            .during(|| self.stream.synchronize())
             .map_err(|e| driver_err("stream synchronize (an earlier kernel failed)", e))
+    }
+
+    /// How long the host has been blocked waiting for this GPU, if it is now.
+    pub fn waiting_for(&self) -> Option<std::time::Duration> {
+        self.waits.waiting_for()
     }
 
     pub fn upload<T: Copy>(&self, dst: DevicePtr, src: &[T]) -> Result<()> {

@@ -47,8 +47,13 @@ pub struct GpuGroup {
     /// After an abort, how long the ranks get to unwind before the process exits with the
     /// failure ([`GpuGroup::exit_if_stuck`]); `None` waits for them.
     stuck_grace: Option<Duration>,
+    /// How long a rank may wait for its GPU before the group counts a peer as gone and aborts
+    /// ([`GpuGroup::step_deadline`]); `None` waits for ever.
+    step_deadline: Option<Duration>,
     /// Set once [`run_sharded`] has every rank back; read by the abort's watchdog.
     finished: Arc<AtomicBool>,
+    /// Whether the group was aborted (the step-deadline monitor stops then).
+    aborted: AtomicBool,
     /// Whether an abort has started the watchdog already.
     watchdog: AtomicBool,
     /// Host-side agreement between the ranks (a barrier before NCCL's blocking init, the KV pool
@@ -93,7 +98,14 @@ impl GpuGroup {
                 _ => 0,
             },
             stuck_grace: None,
+            step_deadline: Some(
+                std::env::var("NIBBLE_TP_STEP_DEADLINE")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .map_or(STEP_DEADLINE, Duration::from_secs),
+            ),
             finished: Arc::default(),
+            aborted: AtomicBool::new(false),
             watchdog: AtomicBool::new(false),
             host: HostComm::new(gpus.len()),
         })
@@ -123,8 +135,35 @@ impl GpuGroup {
         self
     }
 
+    /// How long a rank may be blocked waiting for its GPU before the group aborts: a rank
+    /// whose peer hangs (stops taking part in the collectives without failing) waits in its
+    /// next collective for ever. `None` waits for ever.
+    pub fn step_deadline(mut self, deadline: Option<Duration>) -> GpuGroup {
+        self.step_deadline = deadline;
+        self
+    }
+
     pub fn size(&self) -> usize {
         self.gpus.len()
+    }
+
+    /// Aborts the group if a rank has been waiting for its GPU past the step deadline.
+    fn check_deadline(&self, deadline: Duration) {
+        for (rank, slot) in self.comms.iter().enumerate() {
+            let comm = slot.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let Some(waited) = comm.and_then(|c| c.gpu_waiting_for()) else {
+                continue;
+            };
+            if waited > deadline {
+                self.abort(&format!(
+                    "rank {rank} has waited {}s for its GPU, past the {}s step deadline \
+                     (NIBBLE_TP_STEP_DEADLINE): a peer stopped taking part in the collectives",
+                    waited.as_secs(),
+                    deadline.as_secs()
+                ));
+                return;
+            }
+        }
     }
 
     /// Rank `rank`'s backend, on its thread: the GPU opened, then (once every rank has one, so
@@ -169,6 +208,7 @@ impl GpuGroup {
     /// later ones are errors) and every host-side wait ended with `why`.
     pub fn abort(&self, why: &str) {
         eprintln!("nibble: tensor-parallel group aborted: {why}");
+        self.aborted.store(true, Ordering::Release);
         // The watchdog starts first: aborting a communicator whose kernel waits for the failed
         // peer may itself block.
         if let Some(grace) = self.stuck_grace
@@ -219,6 +259,10 @@ impl GpuGroup {
 /// fit; longer prefill chunks, whose all-reduces are bandwidth-bound anyway, reduce in place.
 const WINDOW_BYTES: usize = 32 << 20;
 
+/// How long a rank may wait for its GPU by default (`NIBBLE_TP_STEP_DEADLINE` seconds): far
+/// beyond any step (a prefill chunk takes well under a second), short of a user giving up.
+const STEP_DEADLINE: Duration = Duration::from_secs(300);
+
 /// Runs `body` on every rank of `group`, each on its own thread with its GPU's backend and its
 /// shard of the model in `source` loaded there, and returns each rank's result in rank order;
 /// the first failure of any rank is the error (the others' collectives aborted, not hung).
@@ -228,20 +272,34 @@ pub fn run_sharded<R: Send>(
     config: &ModelConfig,
     body: impl Fn(usize, CudaBackend, Transformer<CudaBackend>) -> Result<R> + Sync,
 ) -> Result<Vec<R>> {
-    let out = run_ranks(
-        group.size(),
-        source,
-        config,
-        |rank| group.rank_backend(rank),
-        |why| group.abort(why),
-        |rank, be, model| {
-            let r = body(rank, be, model);
-            if r.is_ok() {
-                group.release(rank);
-            }
-            r
-        },
-    );
+    let running = AtomicBool::new(true);
+    let out = std::thread::scope(|scope| {
+        if let Some(deadline) = group.step_deadline {
+            let running = &running;
+            scope.spawn(move || {
+                while running.load(Ordering::Acquire) && !group.aborted.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(500));
+                    group.check_deadline(deadline);
+                }
+            });
+        }
+        let out = run_ranks(
+            group.size(),
+            source,
+            config,
+            |rank| group.rank_backend(rank),
+            |why| group.abort(why),
+            |rank, be, model| {
+                let r = body(rank, be, model);
+                if r.is_ok() {
+                    group.release(rank);
+                }
+                r
+            },
+        );
+        running.store(false, Ordering::Release);
+        out
+    });
     group.finished.store(true, Ordering::Release);
     out
 }

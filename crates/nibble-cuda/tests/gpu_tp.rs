@@ -301,8 +301,8 @@ impl Drop for Report {
 
 /// Runs the tiny Llama 3 fixture on `g`, rank 1 failing after a few tokens while rank 0 goes on
 /// into the next all-reduce; returns the run's error and how long after rank 1's failure the
-/// run ended.
-fn fail_rank_one(g: &GpuGroup) -> (String, Duration) {
+/// run ended. With `hang`, rank 1 stops taking part instead (sleeps) without failing.
+fn fail_rank_one(g: &GpuGroup, hang: bool) -> (String, Duration) {
     let files = open_model(&fixture("tiny-llama3"), None).unwrap();
     let t0 = Instant::now();
     let failed_at = std::sync::Mutex::new(None);
@@ -320,6 +320,9 @@ fn fail_rank_one(g: &GpuGroup) -> (String, Duration) {
             greedy(&e, &prompt, 5);
             eprintln!("rank 1 fails at {:.3}s", t0.elapsed().as_secs_f64());
             *failed_at.lock().unwrap() = Some(Instant::now());
+            if hang {
+                std::thread::sleep(Duration::from_secs(600));
+            }
             return Err(nibble_core::Error::InvalidArgument(
                 "injected failure on rank 1".into(),
             ));
@@ -351,7 +354,7 @@ fn fail_rank_one(g: &GpuGroup) -> (String, Duration) {
 /// collective (NCCL's default kernels) is aborted, not left waiting.
 #[test]
 fn a_failed_rank_ends_the_run_with_its_error() {
-    let (e, after) = fail_rank_one(&group().symmetric_window(false));
+    let (e, after) = fail_rank_one(&group().symmetric_window(false), false);
     assert!(e.contains("injected failure on rank 1"), "{e}");
     assert!(after < Duration::from_secs(60), "took {after:?}");
     eprintln!("failed rank: the run ended {after:?} after the failure, with: {e}");
@@ -365,7 +368,60 @@ fn failed_rank_child_with_the_window() {
         &group()
             .symmetric_window(true)
             .exit_if_stuck(Duration::from_secs(10)),
+        false,
     );
+}
+
+/// The child of [`a_hung_rank_ends_the_process_at_the_step_deadline`]: run only by it.
+#[test]
+#[ignore = "run by a_hung_rank_ends_the_process_at_the_step_deadline in a child process"]
+fn hung_rank_child() {
+    fail_rank_one(
+        &group()
+            .step_deadline(Some(Duration::from_secs(3)))
+            .exit_if_stuck(Duration::from_secs(5)),
+        true,
+    );
+}
+
+/// Runs the ignored test `name` of this binary in a child process; returns its exit status, its
+/// stderr, and how long after its rank 1 failed (or hung) it ended.
+fn run_child(name: &str) -> (std::process::ExitStatus, String, f64) {
+    let t0 = Instant::now();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--ignored", "--nocapture"])
+        .output()
+        .unwrap();
+    let took = t0.elapsed().as_secs_f64();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    eprintln!(
+        "{name} ended in {took:.1}s with {:?}; its stderr:\n{err}",
+        out.status
+    );
+    let failed: f64 = err
+        .lines()
+        .find_map(|l| l.strip_prefix("rank 1 fails at "))
+        .and_then(|t| t.trim().trim_end_matches('s').parse().ok())
+        .expect("rank 1's failure time in the child's stderr");
+    (out.status, err, took - failed)
+}
+
+/// A rank that hangs (stops taking part without failing): its peer waits for its GPU in the
+/// next collective; past the step deadline (3 s here, 300 s by default) the group aborts, and
+/// with the hung rank never returning, the watchdog ends the process with the reason.
+#[test]
+fn a_hung_rank_ends_the_process_at_the_step_deadline() {
+    let (status, err, after) = run_child("hung_rank_child");
+    assert!(!status.success(), "the child succeeded");
+    assert!(
+        err.contains("past the 3s step deadline"),
+        "no deadline in the child's stderr"
+    );
+    assert!(
+        err.contains("exiting"),
+        "the watchdog did not end the child"
+    );
+    assert!(after < 60.0, "the child ended {after:.0}s after the hang");
 }
 
 /// With NCCL's symmetric memory, whose kernels do not stop at an abort, a rank left waiting for
@@ -373,37 +429,15 @@ fn failed_rank_child_with_the_window() {
 /// sets it) ends the process with the failure instead of a hang. Run in a child process.
 #[test]
 fn a_failed_rank_with_the_window_ends_the_process() {
-    let t0 = Instant::now();
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "failed_rank_child_with_the_window",
-            "--ignored",
-            "--nocapture",
-        ])
-        .output()
-        .unwrap();
-    let took = t0.elapsed();
-    let err = String::from_utf8_lossy(&out.stderr);
-    eprintln!(
-        "child ended in {took:?} with {:?}; its stderr:\n{err}",
-        out.status
-    );
-    assert!(!out.status.success(), "the child succeeded");
+    let (status, err, after) = run_child("failed_rank_child_with_the_window");
+    assert!(!status.success(), "the child succeeded");
     assert!(
         err.contains("injected failure on rank 1"),
         "the failure is not in the child's stderr"
     );
-    // From rank 1's failure: the run returned (NCCL aborted everything), or the watchdog
-    // exited 10 s later.
-    let failed: f64 = err
-        .lines()
-        .find_map(|l| l.strip_prefix("rank 1 fails at "))
-        .and_then(|t| t.trim().trim_end_matches('s').parse().ok())
-        .expect("rank 1's failure time in the child's stderr");
+    // The run returned (NCCL aborted everything), or the watchdog exited 10 s later.
     assert!(
-        took.as_secs_f64() - failed < 60.0,
-        "the child ended {:.0}s after the failure",
-        took.as_secs_f64() - failed
+        after < 60.0,
+        "the child ended {after:.0}s after the failure"
     );
 }
