@@ -220,7 +220,7 @@ impl GpuGroup {
                 if !finished.load(Ordering::Acquire) {
                     eprintln!(
                         "nibble: a tensor-parallel rank is still blocked {}s after the group's \
-                         abort (a collective waits for the failed rank); exiting. Error: {why}",
+                         abort (a collective waits for a rank that failed or hung); exiting. Error: {why}",
                         grace.as_secs()
                     );
                     // `_exit`, not `exit`: the CUDA and NCCL teardown that `exit` runs would
