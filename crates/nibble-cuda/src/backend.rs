@@ -57,7 +57,51 @@ pub struct CudaBackend {
     /// The slot the next [`Backend::linear_summed`] writes (rewound at every forward, so a
     /// captured graph's slots are the ones a replay's consumers read).
     window_turn: AtomicUsize,
+    /// Host time of eager forward passes by kind of op (`NIBBLE_HOST_TRACE=1`).
+    trace: Option<HostTrace>,
     ctx: CudaContext,
+}
+
+/// Where an eager forward pass spends its host time (`NIBBLE_HOST_TRACE=1`): what queueing its
+/// GEMMs, its attention and everything else took, printed per pass of 64 tokens or more.
+#[derive(Default)]
+struct HostTrace {
+    start: Mutex<Option<(std::time::Instant, usize, usize)>>,
+    first_layer: Mutex<Option<std::time::Duration>>,
+    gemm_ns: std::sync::atomic::AtomicU64,
+    attention_ns: std::sync::atomic::AtomicU64,
+}
+
+impl HostTrace {
+    fn time<R>(&self, counter: &std::sync::atomic::AtomicU64, f: impl FnOnce() -> R) -> R {
+        let t = std::time::Instant::now();
+        let r = f();
+        counter.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    fn end(&self) {
+        let Some((t0, tokens, seqs)) = self.start.lock().unwrap_or_else(|p| p.into_inner()).take()
+        else {
+            return;
+        };
+        let total = t0.elapsed().as_secs_f64() * 1e3;
+        let gemm = self.gemm_ns.swap(0, Ordering::Relaxed) as f64 / 1e6;
+        let attention = self.attention_ns.swap(0, Ordering::Relaxed) as f64 / 1e6;
+        let prologue = self
+            .first_layer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3);
+        if tokens >= 64 {
+            eprintln!(
+                "host trace: {tokens} tokens, {seqs} seqs: forward {total:.2} ms = before the \
+                 first layer {prologue:.2} + GEMMs {gemm:.2} + attention {attention:.2} + rest {:.2}",
+                total - prologue - gemm - attention
+            );
+        }
+    }
 }
 
 impl Deref for CudaBackend {
@@ -87,6 +131,9 @@ impl CudaBackend {
             split_head: false,
             window: None,
             window_turn: AtomicUsize::new(0),
+            trace: std::env::var("NIBBLE_HOST_TRACE")
+                .is_ok_and(|v| v == "1")
+                .then(HostTrace::default),
             ctx,
         })
     }
@@ -130,15 +177,23 @@ impl CudaBackend {
                 x.cols, weight.cols
             )));
         }
-        match &weight.data {
-            WeightData::Dense(_) => {
-                let xh = ctx.as_half(x)?;
-                self.blas
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .gemm(&ctx.gpu, &xh, weight, out)?;
+        let gemm = || -> Result<()> {
+            match &weight.data {
+                WeightData::Dense(_) => {
+                    let xh = ctx.as_half(x)?;
+                    self.blas
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .gemm(&ctx.gpu, &xh, weight, out)
+                }
+                WeightData::Quant(q) => {
+                    qlinear::quant_gemm(ctx, x, q, weight.rows, weight.cols, out)
+                }
             }
-            WeightData::Quant(q) => qlinear::quant_gemm(ctx, x, q, weight.rows, weight.cols, out)?,
+        };
+        match &self.trace {
+            Some(t) => t.time(&t.gemm_ns, gemm)?,
+            None => gemm()?,
         }
         if let Some(b) = bias {
             ew::add_bias(ctx, out, b)?;
@@ -535,10 +590,20 @@ impl Backend for CudaBackend {
             ));
         }
         self.window_turn.store(0, Ordering::Relaxed);
+        if let Some(t) = &self.trace {
+            *t.start.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some((std::time::Instant::now(), tokens.len(), batch.seqs.len()));
+        }
         self.ctx.begin_forward(tokens, batch)
     }
 
     fn begin_layer(&self, layer: usize) {
+        if let Some(t) = &self.trace
+            && layer == 0
+            && let Some((t0, ..)) = *t.start.lock().unwrap_or_else(|p| p.into_inner())
+        {
+            *t.first_layer.lock().unwrap_or_else(|p| p.into_inner()) = Some(t0.elapsed());
+        }
         let r = self.ctx.begin_layer(layer);
         self.ctx.sticky(r);
     }
@@ -551,7 +616,11 @@ impl Backend for CudaBackend {
         body: &mut dyn FnMut(&mut CudaKv) -> Result<CudaTensor>,
     ) -> Result<CudaTensor> {
         let id = kv.id;
-        self.ctx.run_forward(model, id, batch, &mut || body(kv))
+        let out = self.ctx.run_forward(model, id, batch, &mut || body(kv));
+        if let Some(t) = &self.trace {
+            t.end();
+        }
+        out
     }
 
     fn load_fused_weight(&self, parts: &[HostTensor]) -> Result<Option<CudaWeight>> {
@@ -679,7 +748,12 @@ impl Backend for CudaBackend {
         shape: AttentionShape,
     ) -> Result<CudaTensor> {
         self.ctx.check_live(q)?;
-        attention::attention(&self.ctx, q, k, v, kv, layer, batch, shape)
+        match &self.trace {
+            Some(t) => t.time(&t.attention_ns, || {
+                attention::attention(&self.ctx, q, k, v, kv, layer, batch, shape)
+            }),
+            None => attention::attention(&self.ctx, q, k, v, kv, layer, batch, shape),
+        }
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
