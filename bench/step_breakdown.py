@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Sums an Nsight Compute CSV (gpu__time_duration per kernel, scripts/gpu-profile-step.sh) by
 kernel name and grid: calls, total and per-call time, and share of the window. The window is a
-run of consecutive kernels inside the decode steps, so shares are those of a decode step."""
+run of consecutive kernels inside the decode steps, so shares are those of a decode step; where
+it holds whole steps (each launches the embedding once), the time a step too.
+
+    python3 bench/step_breakdown.py NCU.csv"""
 import csv
 import sys
 from collections import defaultdict
@@ -30,6 +33,9 @@ def main(path):
         by[k][0] += 1
         by[k][1] += t
     print(f"{len(rows)} kernels, {total:.1f} us in all")
+    steps = sum(1 for name, _, _ in rows if name.startswith("embed"))
+    if steps:
+        print(f"{steps} decode steps (embedding launches): {total / steps:.1f} us of kernels a step")
     print(f"{'kernel (grid)':60} {'calls':>6} {'us':>10} {'us/call':>8} {'share':>6}")
     for k, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1]):
         print(f"{k[:60]:60} {n:6d} {t:10.1f} {t / n:8.2f} {100 * t / total:5.1f}%")

@@ -3,6 +3,8 @@
 # each kernel in isolation, graphs off), one CSV per precision, summarized by
 # bench/step_breakdown.py.  Run from the repo root with what scripts/gpu-stage.sh staged:
 #   scripts/gpu-profile-step.sh OUTDIR [PRECISION...]     (default: bf16 w4a16-g128 w8a8)
+# SKIP and COUNT set the window of launches (default 3000 and 700: about one and a half steps;
+# COUNT=8000 takes 19 or so whole steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-profile-step.sh OUTDIR [PRECISION...]}
@@ -10,13 +12,15 @@ shift
 mkdir -p "$out"
 export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels} NIBBLE_CUDA_GRAPHS=0
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+source scripts/gpu-lib.sh
+seed_kernel_cache
 precisions=("$@")
 [ ${#precisions[@]} -gt 0 ] || precisions=(bf16 w4a16-g128 w8a8)
 for p in "${precisions[@]}"; do
   model=llama-3-8b; [ "$p" = bf16 ] || model=llama-3-8b:$p
   # Skip the load and the prompt; time a window of kernels well inside the decode steps.
   "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
-    --launch-skip 3000 --launch-count 700 \
+    --launch-skip "${SKIP:-3000}" --launch-count "${COUNT:-700}" \
     stage/gpu/nibble --device cuda --dummy-weights "$model" generate \
     --prompt "The capital of France is" --max-tokens 48 >"$out/ncu-$p.csv" 2>"$out/ncu-$p.err"
   echo "$p: exit $?, $(grep -c gpu__time_duration "$out/ncu-$p.csv") kernels"
