@@ -5,7 +5,7 @@
 //! Llama-3-8B's layer shapes (`--qgemm`: the ceilings and those alone).
 //!
 //!     gpu-bench OUT.json [--quick] [--qgemm] [--kv-attention] [--prefill-attention]
-//!               [--decode-steps B,B,.. [--spec SPEC]] [--moe-experts]
+//!               [--decode-steps B,B,.. [--spec SPEC]] [--moe-experts] [--dense-gemv]
 //!
 //! Timings are medians over repeats after warm-up, taken with the stream synchronized around
 //! the timed region. The peer numbers (PyTorch SDPA) come from bench/gpu_peer.py in the same run.
@@ -486,6 +486,67 @@ fn loaded_bytes(w: &CudaWeight) -> Result<usize> {
 /// a cuBLAS BF16 GEMM of as many weight bytes, timed the same way; and the whole grouped layer
 /// (`run_grouped_swiglu`: gather, table uploads, two launches, SiLU-gate) against the experts one
 /// by one, host-timed with the stream synchronized, as the eager MoE steps run.
+/// 16-bit weights at decode sizes on Llama-3-8B's layer shapes whole (TP=1) and as one of two
+/// tensor-parallel ranks holds them (TP=2): cuBLAS against the persistent stream-K decode gemv
+/// (`b16_gdec`, the grouped kernel over a one-item table, uploaded each call as the engine
+/// would), each graph-timed over enough weight copies that every call reads HBM.
+fn dense_gemv(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
+    use nibble_cuda::grouped::{self, GroupedRun};
+    let shapes = [
+        ("qkv", 6144, 4096),
+        ("o", 4096, 4096),
+        ("gate_up", 28672, 4096),
+        ("down", 4096, 14336),
+        ("qkv/2", 3072, 4096),
+        ("o/2", 4096, 2048),
+        ("gate_up/2", 14336, 4096),
+        ("down/2", 4096, 7168),
+    ];
+    let mut out = Vec::new();
+    for (name, n, k) in shapes {
+        let bytes = n * k * 2;
+        let copies = cold_copies(be, bytes);
+        let ws: Vec<CudaWeight> = (0..copies)
+            .map(|c| be.load_weight(&bf16_weight(n, k, 300 + c as u64)))
+            .collect::<Result<_>>()?;
+        for &m in &[1usize, 4, 16] {
+            let x = be.random_half_tensor(m, k, 41)?;
+            let y = be.owned_tensor(m, n, Elem::F32)?;
+            let mut i = 0;
+            let cublas = time_calls(be, copies, &mut || {
+                i = (i + 1) % copies;
+                be.linear(&x, &ws[i], None).map(|_| ())
+            })?;
+            let kernel = grouped::pick(be, &[&ws[0]], m);
+            let gemv = match kernel {
+                Some(_) => {
+                    let mut i = 0;
+                    Some(time_calls(be, copies, &mut || {
+                        i = (i + 1) % copies;
+                        let runs = [GroupedRun {
+                            weight: &ws[i],
+                            first: 0,
+                            rows: m,
+                        }];
+                        grouped::grouped_gemm(be, &x, &runs, &y)
+                    })?)
+                }
+                None => None,
+            };
+            let row = json!({
+                "layer": name, "n": n, "k": k, "tokens": m, "weight_bytes": bytes,
+                "cublas_us": cublas * 1e6, "cublas_hbm_share": bytes as f64 / cublas / bw,
+                "gemv_kernel": kernel.map(|k| format!("{k:?}")),
+                "gemv_us": gemv.map(|t| t * 1e6),
+                "gemv_hbm_share": gemv.map(|t| bytes as f64 / t / bw),
+            });
+            eprintln!("dense gemv {name} M={m}: {row}");
+            out.push(row);
+        }
+    }
+    Ok(out)
+}
+
 fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
     use nibble_cuda::grouped::{self, GroupedRun};
     use nibble_model::RoutedExpert;
@@ -673,6 +734,16 @@ fn main() -> Result<()> {
         let bw = ceilings(&be)?.0;
         let rows = moe_experts(&be, bw)?;
         let report = json!({ "device": be.name(), "hbm_bytes_per_s": bw, "moe_experts": rows });
+        std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
+            .map_err(|e| nibble_core::Error::io(&out, e))?;
+        return Ok(());
+    }
+    // --dense-gemv: 16-bit decode GEMVs on the TP=1 and TP=2 layer shapes, cuBLAS against the
+    // stream-K decode gemv.
+    if args.iter().any(|a| a == "--dense-gemv") {
+        let bw = ceilings(&be)?.0;
+        let rows = dense_gemv(&be, bw)?;
+        let report = json!({ "device": be.name(), "hbm_bytes_per_s": bw, "dense_gemv": rows });
         std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
             .map_err(|e| nibble_core::Error::io(&out, e))?;
         return Ok(());
