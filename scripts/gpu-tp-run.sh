@@ -14,6 +14,8 @@
 #             TP=2 also without the symmetric window, without the split head, with NCCL_PROTO=LL
 #   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences),
 #             TP=2 also without the symmetric window and the split head
+#   kv        quantized KV pools at TP=2 (each rank its heads' shard, kv8, kvfp8, kv4, k8v4): greedy
+#             text of the tiny Llama 3 fixture at TP=1 and TP=2, and how much of it agrees
 #   70b       Llama-2-70B shape at TP=2 in BF16 and W4A16 (one sequence, then 16)
 #   mixtral   Mixtral-8x7B shape at TP=2 in BF16 (every expert split; one sequence, then 16)
 # Results: OUTDIR/*.json and *.log, device.txt (GPUs and how they are linked).
@@ -81,6 +83,22 @@ for part in $parts; do
       offline offline-tp1 1
       offline offline-tp2 2
       NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 offline offline-tp2-base 2 ;;
+    kv)
+      fixture=crates/nibble-model/tests/fixtures/tiny-llama3
+      for kv in kv16 kv8 kvfp8 kv4 k8v4; do
+        for tp in 1 2; do
+          timeout 120 "$bin" --device cuda --model "$fixture" --kv "$kv" \
+            --tensor-parallel-size "$tp" generate --prompt "The quick brown fox" --max-tokens 48 \
+            > "$out/kv-$kv-tp$tp.txt" 2> "$out/kv-$kv-tp$tp.log" || { status=1; tail -5 "$out/kv-$kv-tp$tp.log"; }
+        done
+        python3 - "$out/kv-$kv-tp1.txt" "$out/kv-$kv-tp2.txt" "$kv" <<'PY'
+import sys
+a, b = (open(p, "rb").read() for p in sys.argv[1:3])
+same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+print(f"{sys.argv[3]}: TP=2 writes {len(b)} bytes, the first {same} as TP=1's ({len(a)})")
+PY
+      done
+      rm -f "$out"/kv-*.txt ;;
     70b)
       # Llama-2-70B's vocabulary (32,000) is below the SmolLM2 tokenizer's: byte-level tokens.
       for p in "" :w4a16-g128; do
