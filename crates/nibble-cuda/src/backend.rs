@@ -22,6 +22,7 @@ use nibble_model::{
 
 use crate::blas::Blas;
 use crate::context::{CudaContext, StepUpload};
+use crate::host_trace::HostTrace;
 use crate::kv::CudaKv;
 use crate::nccl::{Communicator, ReduceType};
 use crate::runtime::{DeviceBuffer, DevicePtr};
@@ -60,48 +61,6 @@ pub struct CudaBackend {
     /// Host time of eager forward passes by kind of op (`NIBBLE_HOST_TRACE=1`).
     trace: Option<HostTrace>,
     ctx: CudaContext,
-}
-
-/// Where an eager forward pass spends its host time (`NIBBLE_HOST_TRACE=1`): what queueing its
-/// GEMMs, its attention and everything else took, printed per pass of 64 tokens or more.
-#[derive(Default)]
-struct HostTrace {
-    start: Mutex<Option<(std::time::Instant, usize, usize)>>,
-    first_layer: Mutex<Option<std::time::Duration>>,
-    gemm_ns: std::sync::atomic::AtomicU64,
-    attention_ns: std::sync::atomic::AtomicU64,
-}
-
-impl HostTrace {
-    fn time<R>(&self, counter: &std::sync::atomic::AtomicU64, f: impl FnOnce() -> R) -> R {
-        let t = std::time::Instant::now();
-        let r = f();
-        counter.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        r
-    }
-
-    fn end(&self) {
-        let Some((t0, tokens, seqs)) = self.start.lock().unwrap_or_else(|p| p.into_inner()).take()
-        else {
-            return;
-        };
-        let total = t0.elapsed().as_secs_f64() * 1e3;
-        let gemm = self.gemm_ns.swap(0, Ordering::Relaxed) as f64 / 1e6;
-        let attention = self.attention_ns.swap(0, Ordering::Relaxed) as f64 / 1e6;
-        let prologue = self
-            .first_layer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .map_or(0.0, |d| d.as_secs_f64() * 1e3);
-        if tokens >= 64 {
-            eprintln!(
-                "host trace: {tokens} tokens, {seqs} seqs: forward {total:.2} ms = before the \
-                 first layer {prologue:.2} + GEMMs {gemm:.2} + attention {attention:.2} + rest {:.2}",
-                total - prologue - gemm - attention
-            );
-        }
-    }
 }
 
 impl Deref for CudaBackend {
@@ -591,18 +550,14 @@ impl Backend for CudaBackend {
         }
         self.window_turn.store(0, Ordering::Relaxed);
         if let Some(t) = &self.trace {
-            *t.start.lock().unwrap_or_else(|p| p.into_inner()) =
-                Some((std::time::Instant::now(), tokens.len(), batch.seqs.len()));
+            t.begin(tokens.len(), batch.seqs.len());
         }
         self.ctx.begin_forward(tokens, batch)
     }
 
     fn begin_layer(&self, layer: usize) {
-        if let Some(t) = &self.trace
-            && layer == 0
-            && let Some((t0, ..)) = *t.start.lock().unwrap_or_else(|p| p.into_inner())
-        {
-            *t.first_layer.lock().unwrap_or_else(|p| p.into_inner()) = Some(t0.elapsed());
+        if let (Some(t), 0) = (&self.trace, layer) {
+            t.first_layer_begins();
         }
         let r = self.ctx.begin_layer(layer);
         self.ctx.sticky(r);

@@ -32,6 +32,7 @@
 //!               module       loading cubins                            -> runtime
 //!               nccl         NCCL loaded at run time: all-reduce       -> runtime
 //!               host         page-locked memory, events, staging ring  -> runtime
+//!               host_trace   host time of eager forward passes by op   -> (none)
 //!               runtime      Gpu, DeviceBuffer, Arena, Kernel, Arg     -> compile probe
 //!               compile      NVRTC and the cubin cache                 -> (none)
 //!               probe        finding the CUDA libraries                -> (none)
@@ -46,6 +47,7 @@ mod elementwise;
 mod graph;
 pub mod grouped;
 mod host;
+mod host_trace;
 mod kv;
 pub mod module;
 pub mod nccl;
