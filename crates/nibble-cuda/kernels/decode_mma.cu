@@ -16,9 +16,7 @@
 // CTA whose split holds the step's position first writes the step's key and value into the cache
 // (the KV append, fused; quantized as it is written: warp 0 the key, warp 1 the value). A sliding window (window > 0) starts the block walk at the window's
 // first position and masks the keys before it in that block; a split wholly before the window
-// writes the empty state, as attention.cu's. Given `out` (and split counters), the last split of
-// a (token, kv head) to finish reduces the splits itself (attn_reduce.cuh's reduce_if_last);
-// otherwise attention.cu's attn_reduce does, in a launch of its own.
+// writes the empty state, as attention.cu's.
 
 #define DM_BS KV_BS
 #define DM_WARPS 2
@@ -163,8 +161,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
                                 float* __restrict__ part, int num_kv_heads, int group,
                                 int max_blocks, int chunk, float scale_log2, long ldq,
                                 const float* __restrict__ knew, const float* __restrict__ vnew,
-                                long ldk, long ldv, int window, T* __restrict__ out,
-                                int* __restrict__ counters) {
+                                long ldk, long ldv, int window) {
     grid_dependency_enter();
     constexpr int LD = HD + 8;
     constexpr int WARPS = DM_WARPS;
@@ -253,7 +250,6 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
     write_partials<HD, G, WARPS>(reinterpret_cast<float*>(smem), o, m, l, group,
                                  part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2),
                                  [](int n, int c) { return n * 8 + c; });
-    if (out) reduce_if_last<T, HD, G>(part, tok_pos, out, counters, num_kv_heads, group, chunk);
 }
 
 // Entry points: `decode_mma_*` over a 16-bit pool (this module); `kvq_decode_*` over the pool
@@ -263,10 +259,10 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
         const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
-        const float* vnew, long ldk, long ldv, int window, T* out, int* counters) {            \
+        const float* vnew, long ldk, long ldv, int window) {                                    \
         decode_mma_impl<T, HD, G, PageSide<T, HD, KK>, PageSide<T, HD, VK>>(q, kc, vc, block_tables, tok_seq, tok_pos, part,      \
                                           num_kv_heads, group, max_blocks, chunk, scale_log2,   \
-                                          ldq, knew, vnew, ldk, ldv, window, out, counters);    \
+                                          ldq, knew, vnew, ldk, ldv, window);                   \
     }
 
 #ifndef NIBBLE_KVQ_MODULE

@@ -26,10 +26,10 @@ typedef NIBBLE_KVQ_T KvqT;
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
         const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
-        const float* vnew, long ldk, long ldv, int window, KvqT* out, int* counters) {         \
+        const float* vnew, long ldk, long ldv, int window) {                                    \
         decode_kvq_impl<HD, G, NIBBLE_KVQ_K, NIBBLE_KVQ_V>(                                     \
             q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group, max_blocks,   \
-            chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window, out, counters);               \
+            chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window);                              \
     }
 #else
 #define KVQ_DECODE(HD, G) \
@@ -203,8 +203,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                                 const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
                                 float* __restrict__ part, int num_kv_heads, int group, int max_blocks,
                                 int chunk, float scale_log2, long ldq, const float* __restrict__ knew,
-                                const float* __restrict__ vnew, long ldk, long ldv, int window,
-                                KvqT* __restrict__ out, int* __restrict__ counters) {
+                                const float* __restrict__ vnew, long ldk, long ldv, int window) {
     using KS = PageSide<__half, HD, KK>;
     using VS = PageSide<__half, HD, VK>;
     using KF = KeyFrags<HD, KK>;
@@ -383,7 +382,6 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
 #undef MERGE
     combine_partials<HD, G, WARPS>(merge, group,
                                    part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2));
-    if (out) reduce_if_last<KvqT, HD, G>(part, tok_pos, out, counters, num_kv_heads, group, chunk);
 }
 
 template <int HD>

@@ -4,7 +4,7 @@
 use nibble_core::{Error, Result};
 use nibble_model::{AttentionShape, BatchLayout};
 
-use crate::context::{CudaContext, KernelTier, SPLIT_COUNTERS};
+use crate::context::{CudaContext, KernelTier};
 use crate::kv::CudaKv;
 use crate::runtime::Arg;
 use crate::tensor::{CudaTensor, Elem};
@@ -328,9 +328,6 @@ fn decode_rows(
         args.push(Arg::I64(q.ld as i64));
         args
     };
-    // The tensor-core kernels reduce their splits themselves (the last split of a token's KV
-    // head to finish, counted in the split counters); the CUDA-core one leaves it to attn_reduce.
-    let fused = mma && rows * num_kv_heads <= SPLIT_COUNTERS;
     if mma {
         let mut args = common(scale * std::f32::consts::LOG2_E, false);
         args.extend([
@@ -340,11 +337,6 @@ fn decode_rows(
             Arg::I64(v.ld as i64),
             Arg::I32(window_arg(shape.window)),
         ]);
-        if fused {
-            args.extend([Arg::Ptr(out.ptr), Arg::Ptr(ctx.split_counters())]);
-        } else {
-            args.extend([Arg::Ptr(0), Arg::Ptr(0)]);
-        }
         let kernel = if quantized {
             ctx.kv_kernel(kv.formats, &format!("kvq_decode_hd{head_dim}_g{g}"))?
         } else {
@@ -356,9 +348,6 @@ fn decode_rows(
         args.push(Arg::I32(window_arg(shape.window)));
         ctx.kernel(&format!("paged_attn_{dt}_hd{head_dim}_g{g}"))?
             .launch(&ctx.gpu, grid, 128, 0, args)?;
-    }
-    if fused {
-        return Ok(());
     }
     ctx.kernel(&format!("attn_reduce_{dt}_hd{head_dim}_g{g}"))?
         .launch(

@@ -14,14 +14,7 @@ use sha2::{Digest, Sha256};
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
 pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise", include_str!("../kernels/elementwise.cu")),
-    (
-        "attention",
-        concat!(
-            include_str!("../kernels/attn_reduce.cuh"),
-            "\n",
-            include_str!("../kernels/attention.cu")
-        ),
-    ),
+    ("attention", include_str!("../kernels/attention.cu")),
     // The mma.sync prefill kernel and its wgmma tier (sm_90a) share the tile list.
     (
         "prefill",
@@ -39,8 +32,6 @@ pub const SOURCES: &[(&str, &str)] = &[
         "decode_mma",
         concat!(
             include_str!("../kernels/kv_pages.cuh"),
-            "\n",
-            include_str!("../kernels/attn_reduce.cuh"),
             "\n",
             include_str!("../kernels/decode_mma.cu")
         ),
@@ -72,8 +63,6 @@ pub const SOURCES: &[(&str, &str)] = &[
 pub const KV_QUANT: &str = concat!(
     "#define NIBBLE_KVQ_MODULE\n",
     include_str!("../kernels/kv_pages.cuh"),
-    "\n",
-    include_str!("../kernels/attn_reduce.cuh"),
     "\n",
     include_str!("../kernels/decode_mma.cu"),
     "\n",
