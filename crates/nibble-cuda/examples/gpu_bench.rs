@@ -49,6 +49,12 @@ fn time(
     Ok(median(t))
 }
 
+/// Writes a run's JSON report to `path`.
+fn write_report(path: &str, report: &Value) -> Result<()> {
+    std::fs::write(path, serde_json::to_string_pretty(report).expect("json"))
+        .map_err(|e| nibble_core::Error::io(path, e))
+}
+
 fn random_bits(n: usize, scale: f32, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut out = Vec::with_capacity(n * 2);
@@ -699,8 +705,7 @@ fn main() -> Result<()> {
             "device": be.name(), "hbm_bytes_per_s": bw, "cublas_bf16_flops": peak,
             "prefill_attention": rows,
         });
-        std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
-            .map_err(|e| nibble_core::Error::io(&out, e))?;
+        write_report(&out, &report)?;
         return Ok(());
     }
     // --kv-attention: decode attention of one Llama-3-8B layer in each GPU KV format at batch 64
@@ -723,29 +728,28 @@ fn main() -> Result<()> {
             "device": be.name(), "hbm_bytes_per_s": bw, "cublas_bf16_flops": peak,
             "kv_attention": rows,
         });
-        std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
-            .map_err(|e| nibble_core::Error::io(&out, e))?;
+        write_report(&out, &report)?;
         return Ok(());
     }
+    // Modes that time one set of kernels against the copy bandwidth and report only that:
     // --moe-experts: one Mixtral-8x7B expert layer (8 experts, top 2; W4A16-g128, W8A8, BF16)
     // at decode sizes: the grouped GEMMs, the grouped layer, the same experts one by one (the
     // fallback path), and a cuBLAS BF16 GEMM that reads as many bytes as the routed experts.
-    if args.iter().any(|a| a == "--moe-experts") {
-        let bw = ceilings(&be)?.0;
-        let rows = moe_experts(&be, bw)?;
-        let report = json!({ "device": be.name(), "hbm_bytes_per_s": bw, "moe_experts": rows });
-        std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
-            .map_err(|e| nibble_core::Error::io(&out, e))?;
-        return Ok(());
-    }
     // --dense-gemv: 16-bit decode GEMVs on the TP=1 and TP=2 layer shapes, cuBLAS against the
     // stream-K decode gemv.
-    if args.iter().any(|a| a == "--dense-gemv") {
+    type Mode = fn(&CudaBackend, f64) -> Result<Vec<Value>>;
+    let modes: [(&str, &str, Mode); 2] = [
+        ("--moe-experts", "moe_experts", moe_experts),
+        ("--dense-gemv", "dense_gemv", dense_gemv),
+    ];
+    if let Some((_, key, run)) = modes
+        .iter()
+        .find(|(flag, ..)| args.iter().any(|a| a == flag))
+    {
         let bw = ceilings(&be)?.0;
-        let rows = dense_gemv(&be, bw)?;
-        let report = json!({ "device": be.name(), "hbm_bytes_per_s": bw, "dense_gemv": rows });
-        std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
-            .map_err(|e| nibble_core::Error::io(&out, e))?;
+        let mut report = json!({ "device": be.name(), "hbm_bytes_per_s": bw });
+        report[*key] = Value::Array(run(&be, bw)?);
+        write_report(&out, &report)?;
         return Ok(());
     }
     // --decode-steps B,B,.. [--spec SPEC]: only Llama-3-8B decode steps at those batch sizes
@@ -775,8 +779,7 @@ fn main() -> Result<()> {
             }
         }
         let report = json!({"device": be.name(), "hbm_bytes_per_s": bw, "decode_steps": steps});
-        std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
-            .map_err(|e| nibble_core::Error::io(&out, e))?;
+        write_report(&out, &report)?;
         return Ok(());
     }
     let (bw, peak) = ceilings(&be)?;
@@ -807,8 +810,7 @@ fn main() -> Result<()> {
             "device": be.name(), "hbm_bytes_per_s": bw, "cublas_bf16_flops": peak,
             "qgemm": qgemm_rows, "engine_precisions": engine_rows,
         });
-        std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
-            .map_err(|e| nibble_core::Error::io(&out, e))?;
+        write_report(&out, &report)?;
         return Ok(());
     }
     let mut attn = Vec::new();
@@ -857,7 +859,6 @@ fn main() -> Result<()> {
         "qgemm": qgemm_rows,
         "engine_precisions": engine_rows,
     });
-    std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json"))
-        .map_err(|e| nibble_core::Error::io(&out, e))?;
+    write_report(&out, &report)?;
     Ok(())
 }

@@ -151,7 +151,7 @@ impl CudaBackend {
             }
         };
         match &self.trace {
-            Some(t) => t.time(&t.gemm_ns, gemm)?,
+            Some(t) => t.gemm(gemm)?,
             None => gemm()?,
         }
         if let Some(b) = bias {
@@ -704,9 +704,9 @@ impl Backend for CudaBackend {
     ) -> Result<CudaTensor> {
         self.ctx.check_live(q)?;
         match &self.trace {
-            Some(t) => t.time(&t.attention_ns, || {
-                attention::attention(&self.ctx, q, k, v, kv, layer, batch, shape)
-            }),
+            Some(t) => {
+                t.attention(|| attention::attention(&self.ctx, q, k, v, kv, layer, batch, shape))
+            }
             None => attention::attention(&self.ctx, q, k, v, kv, layer, batch, shape),
         }
     }

@@ -11,8 +11,8 @@ use std::sync::atomic::Ordering;
 pub(crate) struct HostTrace {
     start: Mutex<Option<(std::time::Instant, usize, usize)>>,
     first_layer: Mutex<Option<std::time::Duration>>,
-    pub(crate) gemm_ns: std::sync::atomic::AtomicU64,
-    pub(crate) attention_ns: std::sync::atomic::AtomicU64,
+    gemm_ns: std::sync::atomic::AtomicU64,
+    attention_ns: std::sync::atomic::AtomicU64,
 }
 
 impl HostTrace {
@@ -30,17 +30,17 @@ impl HostTrace {
         }
     }
 
-    pub(crate) fn time<R>(
-        &self,
-        counter: &std::sync::atomic::AtomicU64,
-        f: impl FnOnce() -> R,
-    ) -> R {
-        let t = std::time::Instant::now();
-        let r = f();
-        counter.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        r
+    /// Runs `f`, queueing a GEMM, counted as GEMM time.
+    pub(crate) fn gemm<R>(&self, f: impl FnOnce() -> R) -> R {
+        time(&self.gemm_ns, f)
     }
 
+    /// Runs `f`, queueing attention, counted as attention time.
+    pub(crate) fn attention<R>(&self, f: impl FnOnce() -> R) -> R {
+        time(&self.attention_ns, f)
+    }
+
+    /// The pass ends: prints its host time by kind of op if it had 64 tokens or more.
     pub(crate) fn end(&self) {
         let Some((t0, tokens, seqs)) = self.start.lock().unwrap_or_else(|p| p.into_inner()).take()
         else {
@@ -63,4 +63,11 @@ impl HostTrace {
             );
         }
     }
+}
+
+fn time<R>(counter: &std::sync::atomic::AtomicU64, f: impl FnOnce() -> R) -> R {
+    let t = std::time::Instant::now();
+    let r = f();
+    counter.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    r
 }

@@ -39,8 +39,8 @@ pub struct GpuGroup {
     /// or [`GpuGroup::split_head`]).
     split_head: bool,
     /// Bytes of NCCL symmetric memory each rank sums its row-parallel outputs in
-    /// (`Backend::linear_summed`); 0 for none. Off unless asked for (`NIBBLE_TP_WINDOW=1`, or
-    /// [`GpuGroup::symmetric_window`]): NCCL's symmetric kernels do not stop at an abort, so a
+    /// (`Backend::linear_summed`); 0 for none. Off unless asked for
+    /// ([`GpuGroup::symmetric_window`]): NCCL's symmetric kernels do not stop at an abort, so a
     /// rank waiting in one for a peer that failed stays blocked (seen on two H200s); pair it
     /// with [`GpuGroup::exit_if_stuck`].
     window_bytes: usize,
@@ -50,12 +50,12 @@ pub struct GpuGroup {
     /// How long a rank may wait for its GPU before the group counts a peer as gone and aborts
     /// ([`GpuGroup::step_deadline`]); `None` waits for ever.
     step_deadline: Option<Duration>,
-    /// Set once [`run_sharded`] has every rank back; read by the abort's watchdog.
+    /// Whether [`run_sharded`] has every rank back: what the step-deadline monitor and the
+    /// abort's watchdog wait for.
     finished: Arc<AtomicBool>,
-    /// Whether the group was aborted (the step-deadline monitor stops then).
+    /// Whether the group was aborted: the monitor stops, and only the first abort starts the
+    /// watchdog.
     aborted: AtomicBool,
-    /// Whether an abort has started the watchdog already.
-    watchdog: AtomicBool,
     /// Host-side agreement between the ranks (a barrier before NCCL's blocking init, the KV pool
     /// size), with the same abort.
     pub host: Arc<HostComm>,
@@ -93,10 +93,7 @@ impl GpuGroup {
             id: nccl::unique_id()?,
             comms: gpus.iter().map(|_| Mutex::new(None)).collect(),
             split_head: std::env::var("NIBBLE_TP_SPLIT_HEAD").map_or(true, |v| v != "0"),
-            window_bytes: match std::env::var("NIBBLE_TP_WINDOW") {
-                Ok(v) if v == "1" => WINDOW_BYTES,
-                _ => 0,
-            },
+            window_bytes: 0,
             stuck_grace: None,
             step_deadline: Some(
                 std::env::var("NIBBLE_TP_STEP_DEADLINE")
@@ -106,7 +103,6 @@ impl GpuGroup {
             ),
             finished: Arc::default(),
             aborted: AtomicBool::new(false),
-            watchdog: AtomicBool::new(false),
             host: HostComm::new(gpus.len()),
         })
     }
@@ -208,11 +204,11 @@ impl GpuGroup {
     /// later ones are errors) and every host-side wait ended with `why`.
     pub fn abort(&self, why: &str) {
         eprintln!("nibble: tensor-parallel group aborted: {why}");
-        self.aborted.store(true, Ordering::Release);
+        let first = !self.aborted.swap(true, Ordering::AcqRel);
         // The watchdog starts first: aborting a communicator whose kernel waits for the failed
         // peer may itself block.
         if let Some(grace) = self.stuck_grace
-            && !self.watchdog.swap(true, Ordering::AcqRel)
+            && first
         {
             let (finished, why) = (self.finished.clone(), why.to_string());
             std::thread::spawn(move || {
@@ -272,12 +268,13 @@ pub fn run_sharded<R: Send>(
     config: &ModelConfig,
     body: impl Fn(usize, CudaBackend, Transformer<CudaBackend>) -> Result<R> + Sync,
 ) -> Result<Vec<R>> {
-    let running = AtomicBool::new(true);
-    let out = std::thread::scope(|scope| {
+    group.finished.store(false, Ordering::Release);
+    std::thread::scope(|scope| {
         if let Some(deadline) = group.step_deadline {
-            let running = &running;
             scope.spawn(move || {
-                while running.load(Ordering::Acquire) && !group.aborted.load(Ordering::Acquire) {
+                while !group.finished.load(Ordering::Acquire)
+                    && !group.aborted.load(Ordering::Acquire)
+                {
                     std::thread::sleep(Duration::from_millis(500));
                     group.check_deadline(deadline);
                 }
@@ -297,9 +294,7 @@ pub fn run_sharded<R: Send>(
                 r
             },
         );
-        running.store(false, Ordering::Release);
+        group.finished.store(true, Ordering::Release);
         out
-    });
-    group.finished.store(true, Ordering::Release);
-    out
+    })
 }
