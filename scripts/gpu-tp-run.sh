@@ -13,11 +13,17 @@
 #   b1        Llama-3-8B shape, one sequence (256 output tokens): decode step at TP=1 and TP=2,
 #             TP=2 also without the symmetric window, without the split head, with NCCL_PROTO=LL
 #   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences),
-#             TP=2 also without the symmetric window and the split head
+#             TP=2 also without the symmetric window and the split head (unless TP_BASE=0)
 #   kv        quantized KV pools at TP=2 (each rank its heads' shard, kv8, kvfp8, kv4, k8v4): greedy
 #             text of the tiny dummy shape at TP=1 and TP=2, and how much of it agrees
 #   70b       Llama-2-70B shape at TP=2 in BF16 and W4A16 (one sequence, then 16)
 #   mixtral   Mixtral-8x7B shape at TP=2 in BF16 (every expert split; one sequence, then 16)
+# Parts for nibble's dense decode gemv (one GPU is enough; TP=2 runs when there are two):
+#   gemv-tests   its GPU tests and the linear, graph and greedy tests (stage/gpu/gpu-tests)
+#   gemv-bench   gpu-bench --dense-gemv: cuBLAS, dense_gemv and b16_gdec on the TP=1 and TP=2
+#                layer shapes at 1, 2, 4 and 16 tokens
+#   gemv-b1      decode steps of 1 and 4 sequences (GEMV_SEQS), Llama-3-8B shape, with cuBLAS
+#                (NIBBLE_DENSE_GEMV=0) and with dense_gemv, at TP=1 (and TP=2)
 # Results: OUTDIR/*.json and *.log, device.txt (GPUs and how they are linked).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,7 +88,7 @@ for part in $parts; do
         --num-prompts "${TP_PROMPTS:-500}" --max-num-seqs 256 --profile; }
       offline offline-tp1 1
       offline offline-tp2 2
-      NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 offline offline-tp2-base 2 ;;
+      [ "${TP_BASE:-1}" = 0 ] || NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 offline offline-tp2-base 2 ;;
     kv)
       # The tiny dummy shape (head_dim 64): quantized pools have kernels for head_dim 64 and 128
       # (the Llama 3 fixture's 16 is refused, on both ranks, with that reason).
@@ -114,6 +120,33 @@ PY
       step mixtral-tp2 timeout 300 "$bin" --device cuda --dummy-weights mixtral-8x7b \
         --tensor-parallel-size 2 bench throughput --json "$out/mixtral-tp2.json" \
         --input-len 128 --output-len 64 --num-prompts 16 --sweep-seqs 1,16 --profile ;;
+    gemv-tests)
+      step gemv-tests timeout 400 stage/gpu/gpu-tests --test-threads 1 \
+        ${GEMV_TESTS:-dense_decode_gemv linear_matches graph_replay greedy_generation} ;;
+    gemv-bench)
+      step gemv-bench timeout 300 stage/gpu/gpu-bench "$out/dense-gemv.json" --dense-gemv
+      python3 - "$out/dense-gemv.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["dense_gemv"]
+print(f"{'layer':10} {'M':>3} {'cuBLAS us':>10} {'dense us':>9} {'gdec us':>8} {'dense/HBM':>9} {'speedup':>8}")
+for r in rows:
+    d = r.get("dense_us")
+    print(f"{r['layer']:10} {r['tokens']:>3} {r['cublas_us']:>10.1f} {d or 0:>9.1f} {r.get('gemv_us') or 0:>8.1f}"
+          f" {r.get('dense_hbm_share') or 0:>9.2f} {(r['cublas_us'] / d) if d else 0:>8.2f}"
+          f"  16k stages {r.get('dense_16k_us') or 0:.1f}")
+PY
+      ;;
+    gemv-b1)
+      gpus=$(nvidia-smi -L | wc -l)
+      for tp in 1 2; do
+        [ "$tp" -le "$gpus" ] || continue
+        for seqs in ${GEMV_SEQS:-1 4}; do
+          for on in 0 1; do
+            NIBBLE_DENSE_GEMV=$on throughput "gemv-b$seqs-tp$tp-dense$on" llama-3-8b "$tp" \
+              --input-len 128 --output-len 256 --num-prompts "$seqs" --max-num-seqs "$seqs" --profile
+          done
+        done
+      done ;;
     *) echo "unknown part $part" >&2; status=1 ;;
   esac
 done

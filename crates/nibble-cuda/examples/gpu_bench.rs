@@ -485,18 +485,13 @@ fn loaded_bytes(w: &CudaWeight) -> Result<usize> {
     }
 }
 
-/// Mixtral-8x7B's experts of one layer (hidden 4096, ffn 14336, 8 experts, top 2) in W4A16-g128,
-/// W8A8 and BF16 at 1 to 64 tokens routed by a fixed pseudo-random top 2. Per format and size:
-/// the two grouped GEMMs alone (gate/up over the gathered rows, down over the SiLU-gate's output)
-/// replayed as a CUDA graph, their share of HBM bandwidth over the routed experts' bytes against
-/// a cuBLAS BF16 GEMM of as many weight bytes, timed the same way; and the whole grouped layer
-/// (`run_grouped_swiglu`: gather, table uploads, two launches, SiLU-gate) against the experts one
-/// by one, host-timed with the stream synchronized, as the eager MoE steps run.
 /// 16-bit weights at decode sizes on Llama-3-8B's layer shapes whole (TP=1) and as one of two
-/// tensor-parallel ranks holds them (TP=2): cuBLAS against the persistent stream-K decode gemv
+/// tensor-parallel ranks holds them (TP=2): cuBLAS against nibble's dense decode gemv
+/// (`dense_gemv`, TMA bulk copies, up to 4 tokens) and the persistent stream-K decode gemv
 /// (`b16_gdec`, the grouped kernel over a one-item table, uploaded each call as the engine
 /// would), each graph-timed over enough weight copies that every call reads HBM.
 fn dense_gemv(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
+    use nibble_cuda::dense_gemv;
     use nibble_cuda::grouped::{self, GroupedRun};
     let shapes = [
         ("qkv", 6144, 4096),
@@ -515,14 +510,32 @@ fn dense_gemv(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
         let ws: Vec<CudaWeight> = (0..copies)
             .map(|c| be.load_weight(&bf16_weight(n, k, 300 + c as u64)))
             .collect::<Result<_>>()?;
-        for &m in &[1usize, 4, 16] {
+        for &m in &[1usize, 2, 4, 16] {
             let x = be.random_half_tensor(m, k, 41)?;
             let y = be.owned_tensor(m, n, Elem::F32)?;
             let mut i = 0;
             let cublas = time_calls(be, copies, &mut || {
                 i = (i + 1) % copies;
-                be.linear(&x, &ws[i], None).map(|_| ())
+                be.blas_gemm(&x, &ws[i], &y)
             })?;
+            let dense = if dense_gemv::applies(be, m, n, k) {
+                let mut i = 0;
+                Some(time_calls(be, copies, &mut || {
+                    i = (i + 1) % copies;
+                    dense_gemv::run_staged(be, &x, &ws[i], &y, 32)
+                })?)
+            } else {
+                None
+            };
+            let dense16 = if dense_gemv::applies(be, m, n, k) {
+                let mut i = 0;
+                Some(time_calls(be, copies, &mut || {
+                    i = (i + 1) % copies;
+                    dense_gemv::run_staged(be, &x, &ws[i], &y, 16)
+                })?)
+            } else {
+                None
+            };
             let kernel = grouped::pick(be, &[&ws[0]], m);
             let gemv = match kernel {
                 Some(_) => {
@@ -542,6 +555,9 @@ fn dense_gemv(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
             let row = json!({
                 "layer": name, "n": n, "k": k, "tokens": m, "weight_bytes": bytes,
                 "cublas_us": cublas * 1e6, "cublas_hbm_share": bytes as f64 / cublas / bw,
+                "dense_us": dense.map(|t| t * 1e6),
+                "dense_hbm_share": dense.map(|t| bytes as f64 / t / bw),
+                "dense_16k_us": dense16.map(|t| t * 1e6),
                 "gemv_kernel": kernel.map(|k| format!("{k:?}")),
                 "gemv_us": gemv.map(|t| t * 1e6),
                 "gemv_hbm_share": gemv.map(|t| bytes as f64 / t / bw),
@@ -553,6 +569,13 @@ fn dense_gemv(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
     Ok(out)
 }
 
+/// Mixtral-8x7B's experts of one layer (hidden 4096, ffn 14336, 8 experts, top 2) in W4A16-g128,
+/// W8A8 and BF16 at 1 to 64 tokens routed by a fixed pseudo-random top 2. Per format and size:
+/// the two grouped GEMMs alone (gate/up over the gathered rows, down over the SiLU-gate's output)
+/// replayed as a CUDA graph, their share of HBM bandwidth over the routed experts' bytes against
+/// a cuBLAS BF16 GEMM of as many weight bytes, timed the same way; and the whole grouped layer
+/// (`run_grouped_swiglu`: gather, table uploads, two launches, SiLU-gate) against the experts one
+/// by one, host-timed with the stream synchronized, as the eager MoE steps run.
 fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
     use nibble_cuda::grouped::{self, GroupedRun};
     use nibble_model::RoutedExpert;
@@ -735,8 +758,8 @@ fn main() -> Result<()> {
     // --moe-experts: one Mixtral-8x7B expert layer (8 experts, top 2; W4A16-g128, W8A8, BF16)
     // at decode sizes: the grouped GEMMs, the grouped layer, the same experts one by one (the
     // fallback path), and a cuBLAS BF16 GEMM that reads as many bytes as the routed experts.
-    // --dense-gemv: 16-bit decode GEMVs on the TP=1 and TP=2 layer shapes, cuBLAS against the
-    // stream-K decode gemv.
+    // --dense-gemv: 16-bit decode GEMVs on the TP=1 and TP=2 layer shapes, cuBLAS against
+    // nibble's dense decode gemv and the stream-K decode gemv.
     type Mode = fn(&CudaBackend, f64) -> Result<Vec<Value>>;
     let modes: [(&str, &str, Mode); 2] = [
         ("--moe-experts", "moe_experts", moe_experts),

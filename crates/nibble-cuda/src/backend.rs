@@ -5,7 +5,8 @@
 //!
 //! Precision plan: the residual stream, GEMM outputs, q/k/v and the MLP's gate/up products are
 //! f32; whatever a GEMM or the KV cache reads is the model dtype (bf16 or f16). GEMMs run on
-//! cuBLAS with 16-bit operands and f32 accumulation and output. This keeps the GPU within a few
+//! cuBLAS with 16-bit operands and f32 accumulation and output (one-token products of large
+//! layers on Hopper on `dense_gemv`, with the same operands and accumulation). This keeps the GPU within a few
 //! bf16 roundings of the f32 CPU reference, which is what the greedy-equality test needs.
 
 use std::ops::{Deref, DerefMut};
@@ -28,7 +29,7 @@ use crate::nccl::{Communicator, ReduceType};
 use crate::runtime::{DeviceBuffer, DevicePtr};
 use crate::sampling::SampleScratch;
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem, QuantWeight, WeightData};
-use crate::{attention, elementwise as ew, graph, grouped, qlinear, sampling};
+use crate::{attention, dense_gemv, elementwise as ew, graph, grouped, qlinear, sampling};
 
 /// Most rows an expert may be routed for the engine to group the layer's experts
 /// ([`Backend::grouped_swiglu`]): past it the grouped gemv's activation window shrinks its K
@@ -58,6 +59,10 @@ pub struct CudaBackend {
     /// The slot the next [`Backend::linear_summed`] writes (rewound at every forward, so a
     /// captured graph's slots are the ones a replay's consumers read).
     window_turn: AtomicUsize,
+    /// 16-bit one-token GEMMs of large layers on nibble's streamed gemv instead of cuBLAS
+    /// (Hopper, [`dense_gemv::engine_picks`]; `NIBBLE_DENSE_GEMV=0` keeps cuBLAS, to measure
+    /// one against the other).
+    pub dense_gemv: bool,
     /// Host time of eager forward passes by kind of op (`NIBBLE_HOST_TRACE=1`).
     trace: Option<HostTrace>,
     ctx: CudaContext,
@@ -90,6 +95,7 @@ impl CudaBackend {
             split_head: false,
             window: None,
             window_turn: AtomicUsize::new(0),
+            dense_gemv: std::env::var("NIBBLE_DENSE_GEMV").map_or(true, |v| v != "0"),
             trace: std::env::var("NIBBLE_HOST_TRACE")
                 .is_ok_and(|v| v == "1")
                 .then(HostTrace::default),
@@ -140,10 +146,13 @@ impl CudaBackend {
             match &weight.data {
                 WeightData::Dense(_) => {
                     let xh = ctx.as_half(x)?;
-                    self.blas
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .gemm(&ctx.gpu, &xh, weight, out)
+                    if self.dense_gemv
+                        && weight.dtype == ctx.dtype
+                        && dense_gemv::engine_picks(ctx, x.rows, weight.rows, weight.cols)
+                    {
+                        return dense_gemv::run(ctx, &xh, weight, out);
+                    }
+                    self.blas_gemm(&xh, weight, out)
                 }
                 WeightData::Quant(q) => {
                     qlinear::quant_gemm(ctx, x, q, weight.rows, weight.cols, out)
@@ -158,6 +167,14 @@ impl CudaBackend {
             ew::add_bias(ctx, out, b)?;
         }
         Ok(())
+    }
+
+    /// cuBLAS's `out = x @ w^T` whatever the shape (benchmarks time it against `dense_gemv`).
+    pub fn blas_gemm(&self, x: &CudaTensor, w: &CudaWeight, out: &CudaTensor) -> Result<()> {
+        self.blas
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .gemm(&self.ctx.gpu, x, w, out)
     }
 
     /// [`qlinear::quant_gemm`] (benchmarks and tests time and check the kernels alone).

@@ -38,7 +38,8 @@ pub const SOURCES: &[(&str, &str)] = &[
     ),
     ("sampling", include_str!("../kernels/sampling.cu")),
     // One module: the decode gemv and the wgmma tier (sm_90a) reuse the mma.sync tier's
-    // helpers and epilogues; hopper.cuh holds what the wgmma kernels share.
+    // helpers and epilogues; hopper.cuh holds what the wgmma kernels and the dense decode gemv
+    // (TMA bulk copies) share.
     (
         "qgemm",
         concat!(
@@ -52,7 +53,9 @@ pub const SOURCES: &[(&str, &str)] = &[
             "\n",
             include_str!("../kernels/qgemm_fp8.cu"),
             "\n",
-            include_str!("../kernels/qgemv_grouped.cu")
+            include_str!("../kernels/qgemv_grouped.cu"),
+            "\n",
+            include_str!("../kernels/gemv_dense.cu")
         ),
     ),
 ];
@@ -112,6 +115,7 @@ pub const GRID_WAITING_KERNELS: &[&str] = &[
     "w8a16_dec",
     "w4a8_dec",
     "fp8_dec",
+    "dense_gemv",
     // The grouped decode gemv also reads its item table before the wait: grouped.rs uploads
     // tables ahead of a layer's kernels, never between two of them.
     "w4a16_gdec",

@@ -429,7 +429,7 @@ impl CudaContext {
     }
 
     /// `x` as the model dtype (a cast when it is f32): what every GEMM reads.
-    pub(crate) fn as_half(&self, x: &CudaTensor) -> Result<CudaTensor> {
+    pub fn as_half(&self, x: &CudaTensor) -> Result<CudaTensor> {
         match x.elem {
             _ if !x.is_contiguous() => Err(Error::InvalidArgument(
                 "a GEMM input must be a whole tensor, not a column slice".into(),

@@ -396,6 +396,81 @@ fn linear_matches_cpu() {
     }
 }
 
+/// The dense decode gemv (1 to 4 tokens, Hopper) against an f64 sum of the 16-bit values and
+/// against cuBLAS: row counts that leave CTAs unequal ranges and row groups cut short, every
+/// K (multiples of 256 only), both stage sizes, NaN-poisoned outputs. Its sums are the same
+/// whatever the stages, and a token's output does not depend on the call's other tokens.
+#[test]
+fn dense_decode_gemv_matches_the_reference() {
+    let mut r = rng("dense_decode_gemv_matches_the_reference");
+    for (dtype, ty) in [(Dtype::Bf16, GgmlType::BF16), (Dtype::F16, GgmlType::F16)] {
+        let mut g = gpu(dtype);
+        if g.gpu.cc.0 < 9 {
+            eprintln!("the dense decode gemv needs sm_90; this GPU has none");
+            return;
+        }
+        for &(n, k) in &[
+            (1, 256),
+            (7, 768),
+            (131, 1536),
+            (1000, 4096),
+            (3077, 4096),
+            (517, 14336),
+            (4096, 2048),
+        ] {
+            let w = rounded(&randn(&mut r, n * k, 1.0 / (k as f32).sqrt()), ty);
+            let gw = g.load_weight(&host_weight("w", &w, n, k, ty)).unwrap();
+            let x = rounded(&randn(&mut r, 4 * k, 1.0), ty);
+            let mut first_row = Vec::new();
+            for m in 1..=4 {
+                assert!(nibble_cuda::dense_gemv::applies(&g, m, n, k));
+                g.poison_activations(64 << 20).unwrap();
+                let gx = g.tensor_from_f32(&x[..m * k], m, k).unwrap();
+                let want: Vec<f32> = (0..m * n)
+                    .map(|i| {
+                        let (t, row) = (i / n, i % n);
+                        (0..k)
+                            .map(|c| x[t * k + c] as f64 * w[row * k + c] as f64)
+                            .sum::<f64>() as f32
+                    })
+                    .collect();
+                let gh = g.as_half(&gx).unwrap();
+                let run = |stage_kb| {
+                    let out = g.tensor_from_f32(&vec![f32::NAN; m * n], m, n).unwrap();
+                    nibble_cuda::dense_gemv::run_staged(&g, &gh, &gw, &out, stage_kb).unwrap();
+                    host(&g, &out)
+                };
+                let got = run(32);
+                let what = format!("dense gemv {m}x{n}x{k} {ty:?}");
+                check(&what, &got, &want, 1e-5);
+                let again = run(16);
+                assert!(
+                    got.iter()
+                        .zip(&again)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: 16 and 32 KB stages differ"
+                );
+                if m == 1 {
+                    first_row = got.clone();
+                }
+                assert!(
+                    got[..n]
+                        .iter()
+                        .zip(&first_row)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: token 0 differs from its one-token product"
+                );
+                g.dense_gemv = false;
+                let cublas = host(&g, &g.linear(&gx, &gw, None).unwrap());
+                g.dense_gemv = true;
+                check(&format!("{what} against cuBLAS"), &got, &cublas, 1e-5);
+            }
+        }
+        assert!(!nibble_cuda::dense_gemv::applies(&g, 5, 64, 256));
+        assert!(!nibble_cuda::dense_gemv::applies(&g, 1, 64, 576));
+    }
+}
+
 /// Attention over a paged pool: prefill chunks, decode steps and long contexts (split-K), GQA
 /// groups 1 to 8, head sizes 16 to 256, blocks handed out in random order.
 #[test]

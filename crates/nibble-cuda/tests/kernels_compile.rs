@@ -93,6 +93,17 @@ fn kernels_compile_for_every_architecture() {
                             assert_eq!(entries.contains(&e), !hopper || cc.0 >= 9, "{arch}: {e}");
                         }
                     }
+                    if *name == "qgemm" {
+                        // The dense decode gemv, every token count and dtype, from sm_90.
+                        for m in 1..=nibble_cuda::dense_gemv::MAX_TOKENS {
+                            for kb in nibble_cuda::dense_gemv::STAGES_KB {
+                                for sfx in ["bf16", "f16"] {
+                                    let e = nibble_cuda::dense_gemv::kernel_name(m, kb, sfx);
+                                    assert_eq!(entries.contains(&e), cc.0 >= 9, "{arch}: {e}");
+                                }
+                            }
+                        }
+                    }
                     all_entries.extend(entries.iter().cloned());
                     if *name == "qgemm" && cc.0 < 9 {
                         assert!(

@@ -1,0 +1,197 @@
+// Dense 16-bit decode gemv, Hopper (sm_90a): y[m][n] = sum_k x[m][k] * w[n][k] in f32 for 1 to
+// 4 tokens, on the weights as they are loaded (row-major [N, K] bf16 or f16; no packing).
+//
+// Why: at decode sizes a layer is a weight stream, and cuBLAS's kernels spend 4 to 7 µs a call
+// over the copy time of the bytes (split-K reduction kernels, ramp-up): on one tensor-parallel
+// rank's half layers that is a third of the step (BENCHMARKS.md, issue 24).
+//
+// Tiling: one CTA per SM owns a contiguous range of weight rows (the ranges differ by at most a
+// row), which is one contiguous run of memory, cut into stages of STAGE bytes (16 or 32 KB).
+// Within a stage, consumer warp w takes the w-th sixteenth: 1 or 2 KB of 512-byte segments (256
+// channels of one row; K is a multiple of 256).
+// Pipeline: TMA (LiquidGEMM §5's producer warp; TurboMind §4's stream). Warp 16's first lane
+// copies each stage into a ring of shared memory with one 1-D bulk copy (cp.async.bulk,
+// L2 evict-first: nothing reads the weights again in this step), completing on the slot's `full`
+// mbarrier; the consumers free the slot on its `empty` barrier. One large copy a stage keeps the
+// TMA unit's issue cost off the rate, and the ring (up to 160 KB an SM) keeps enough bytes in
+// flight for HBM's latency under a full stream without spending registers. The producer starts
+// before griddepcontrol.wait: nothing writes the weights, so under programmatic dependent launch
+// the ring fills while the previous kernel finishes; the consumers wait, then stage the
+// activations in shared memory.
+// Layout: shared memory holds the ring, the activations (M x K) and the partial sums (rows x 16
+// warps x M). Lane l takes channels 8l .. 8l + 7 of a segment: 16-byte shared-memory reads.
+// Arithmetic: a lane sums its products of a row in f32 (two chains within a segment); where it
+// leaves a row, the warp sums its lanes with a fixed butterfly into the (row, warp) partial; after
+// all stages, a row is the sum of its 16 partials in warp order. No atomics: results are
+// deterministic, and a token's output does not depend on the other tokens of the call.
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+#define DG_WARPS 16
+#define DG_MAX_SLOTS 10
+
+__device__ __forceinline__ void dg_bulk_load(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+        : "memory");
+}
+
+template <class T> __device__ __forceinline__ void dg_unpack(uint4 v, float (&f)[8]);
+template <> __device__ __forceinline__ void dg_unpack<__nv_bfloat16>(uint4 v, float (&f)[8]) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+template <> __device__ __forceinline__ void dg_unpack<__half>(uint4 v, float (&f)[8]) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+        f[2 * i] = p.x;
+        f[2 * i + 1] = p.y;
+    }
+}
+
+// SEGS: segments a warp takes of a stage (stage bytes = 16 * SEGS * 512).
+template <class T, int M, int SEGS>
+__device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y,
+                                           int n, int k, int ring_bytes) {
+    constexpr int STAGE = DG_WARPS * SEGS * 512;
+    extern __shared__ __align__(128) unsigned char dg_smem[];
+    __shared__ __align__(8) u64 full[DG_MAX_SLOTS], empty[DG_MAX_SLOTS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r0 = (int)((long)blockIdx.x * n / gridDim.x), r1 = (int)((long)(blockIdx.x + 1) * n / gridDim.x);
+    const int spr = k >> 8;  // segments a row
+    const long bytes = (long)(r1 - r0) * k * 2;
+    const int stages = (int)((bytes + STAGE - 1) / STAGE);
+    const int slots = min(ring_bytes / STAGE, DG_MAX_SLOTS);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < slots; ++s) {
+            mbar_init_count(smem_addr(&full[s]), 1);
+            mbar_init_count(smem_addr(&empty[s]), DG_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == DG_WARPS) {
+        if (lane == 0) {
+            u64 policy;
+            asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(w + (long)r0 * k);
+            const u32 ring = smem_addr(dg_smem);
+            for (int s = 0; s < stages; ++s) {
+                const int slot = s % slots, round = s / slots;
+                if (round > 0) mbar_wait(smem_addr(&empty[slot]), (round - 1) & 1);
+                const u32 size = (u32)min((long)STAGE, bytes - (long)s * STAGE);
+                const u32 bar = smem_addr(&full[slot]);
+                mbar_expect_tx(bar, size);
+                dg_bulk_load(ring + slot * STAGE, src + (long)s * STAGE, size, bar, policy);
+            }
+        }
+        return;
+    }
+
+    grid_dependency_wait();
+    T* xs = reinterpret_cast<T*>(dg_smem + ring_bytes);
+    float* partial = reinterpret_cast<float*>(dg_smem + ring_bytes + M * k * 2);
+    {
+        const uint4* src = reinterpret_cast<const uint4*>(x);
+        uint4* dst = reinterpret_cast<uint4*>(xs);
+        for (int i = threadIdx.x; i < M * k / 8; i += DG_WARPS * 32) dst[i] = src[i];
+        for (int i = threadIdx.x; i < (r1 - r0) * DG_WARPS * M; i += DG_WARPS * 32) partial[i] = 0.f;
+        asm volatile("bar.sync 1, %0;\n" ::"n"(DG_WARPS * 32) : "memory");
+    }
+
+    const int segs = (r1 - r0) * spr;
+    float acc[M][2];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = 0.f;
+    int cur = -1;  // the row acc holds
+    for (int s = 0; s < stages; ++s) {
+        const int slot = s % slots, round = s / slots;
+        const int q0 = s * (STAGE / 512) + warp * SEGS;
+        mbar_wait(smem_addr(&full[slot]), round & 1);
+        if (q0 < segs) {
+            int row = q0 / spr, col = q0 - row * spr;
+            const unsigned char* at = dg_smem + slot * STAGE + warp * SEGS * 512 + lane * 16;
+#pragma unroll
+            for (int j = 0; j < SEGS; ++j) {
+                if (q0 + j < segs) {
+                    if (row != cur) {
+                        if (cur >= 0) {
+#pragma unroll
+                            for (int m = 0; m < M; ++m) {
+                                const float v = warp_sum(acc[m][0] + acc[m][1]);
+                                if (lane == 0) partial[(cur * DG_WARPS + warp) * M + m] = v;
+                                acc[m][0] = acc[m][1] = 0.f;
+                            }
+                        }
+                        cur = row;
+                    }
+                    float wf[8];
+                    dg_unpack<T>(*reinterpret_cast<const uint4*>(at + j * 512), wf);
+                    const T* xc = xs + col * 256 + lane * 8;
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        float xf[8];
+                        dg_unpack<T>(*reinterpret_cast<const uint4*>(xc + m * k), xf);
+                        float p0 = wf[0] * xf[0], p1 = wf[1] * xf[1];
+#pragma unroll
+                        for (int i = 2; i < 8; i += 2) {
+                            p0 = fmaf(wf[i], xf[i], p0);
+                            p1 = fmaf(wf[i + 1], xf[i + 1], p1);
+                        }
+                        acc[m][j & 1] += p0 + p1;
+                    }
+                    if (++col == spr) {
+                        col = 0;
+                        ++row;
+                    }
+                }
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_addr(&empty[slot]));
+    }
+    if (cur >= 0) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const float v = warp_sum(acc[m][0] + acc[m][1]);
+            if (lane == 0) partial[(cur * DG_WARPS + warp) * M + m] = v;
+        }
+    }
+    grid_dependents_launch();
+    asm volatile("bar.sync 1, %0;\n" ::"n"(DG_WARPS * 32) : "memory");
+    for (int i = threadIdx.x; i < (r1 - r0) * M; i += DG_WARPS * 32) {
+        const int r = i / M, m = i - r * M;
+        float v = 0.f;
+#pragma unroll
+        for (int ww = 0; ww < DG_WARPS; ++ww) v += partial[(r * DG_WARPS + ww) * M + m];
+        y[(long)m * n + r0 + r] = v;
+    }
+}
+
+#define DG_ENTRY(T, SFX, M, SEGS, KB)                                                                            \
+    extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
+        dense_gemv##M##_s##KB##_##SFX(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int n, \
+                                      int k, int ring_bytes) {                                                 \
+        dense_gemv<T, M, SEGS>(w, x, y, n, k, ring_bytes);                                                     \
+    }
+#define DG_ENTRIES(T, SFX)        \
+    DG_ENTRY(T, SFX, 1, 2, 16)    \
+    DG_ENTRY(T, SFX, 2, 2, 16)    \
+    DG_ENTRY(T, SFX, 3, 2, 16)    \
+    DG_ENTRY(T, SFX, 4, 2, 16)    \
+    DG_ENTRY(T, SFX, 1, 4, 32)    \
+    DG_ENTRY(T, SFX, 2, 4, 32)    \
+    DG_ENTRY(T, SFX, 3, 4, 32)    \
+    DG_ENTRY(T, SFX, 4, 4, 32)
+DG_ENTRIES(__nv_bfloat16, bf16)
+DG_ENTRIES(__half, f16)
+
+#endif  // sm_90a
