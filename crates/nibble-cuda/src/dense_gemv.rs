@@ -55,7 +55,7 @@ pub fn applies(ctx: &CudaContext, m: usize, n: usize, k: usize) -> bool {
         && (1..=MAX_TOKENS).contains(&m)
         && n > 0
         && k > 0
-        && k % SEGMENT == 0
+        && k.is_multiple_of(SEGMENT)
         && STAGES_KB.iter().all(|&kb| {
             let stage = kb << 10;
             layout(m, n, k, ctas(ctx, n), stage).0 >= 2 * stage
