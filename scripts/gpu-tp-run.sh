@@ -13,8 +13,7 @@
 #   b1        Llama-3-8B shape, one sequence (256 output tokens): decode step at TP=1 and TP=2,
 #             TP=2 also without the symmetric window, without the split head, with NCCL_PROTO=LL
 #   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences),
-#             TP=2 also without the symmetric window and the split head (unless TP_BASE=0);
-#             with OFFLINE_BASE=1 both again without the dense gemv and the L2 prefetch
+#             TP=2 also without the symmetric window and the split head (unless TP_BASE=0)
 #   kv        quantized KV pools at TP=2 (each rank its heads' shard, kv8, kvfp8, kv4, k8v4): greedy
 #             text of the tiny dummy shape at TP=1 and TP=2, and how much of it agrees
 #   70b       Llama-2-70B shape at TP=2 in BF16 and W4A16 (one sequence, then 16)
@@ -23,9 +22,8 @@
 #   gemv-tests   its GPU tests and the linear, graph and greedy tests (stage/gpu/gpu-tests)
 #   gemv-bench   gpu-bench --dense-gemv: cuBLAS, dense_gemv and b16_gdec on the TP=1 and TP=2
 #                layer shapes at 1, 2, 4 and 16 tokens
-#   gemv-b1      decode steps of 1 and 4 sequences (GEMV_SEQS), Llama-3-8B shape: cuBLAS without
-#                L2 prefetch (NIBBLE_DENSE_GEMV=0 NIBBLE_PREFETCH=0), dense_gemv without it, both;
-#                at TP=1 (and TP=2)
+#   gemv-b1      decode steps of 1 and 4 sequences (GEMV_SEQS), Llama-3-8B shape, with cuBLAS
+#                (NIBBLE_DENSE_GEMV=0) and with dense_gemv, at TP=1 (and TP=2)
 # Results: OUTDIR/*.json and *.log, device.txt (GPUs and how they are linked).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,11 +88,6 @@ for part in $parts; do
         --num-prompts "${TP_PROMPTS:-500}" --max-num-seqs 256 --profile; }
       offline offline-tp1 1
       offline offline-tp2 2
-      if [ "${OFFLINE_BASE:-0}" = 1 ]; then
-        # The engine without this session's dense gemv and L2 prefetch, for the same ratio.
-        NIBBLE_DENSE_GEMV=0 NIBBLE_PREFETCH=0 offline offline-tp1-noprefetch 1
-        NIBBLE_DENSE_GEMV=0 NIBBLE_PREFETCH=0 offline offline-tp2-noprefetch 2
-      fi
       [ "${TP_BASE:-1}" = 0 ] || NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 offline offline-tp2-base 2 ;;
     kv)
       # The tiny dummy shape (head_dim 64): quantized pools have kernels for head_dim 64 and 128
@@ -148,12 +141,9 @@ PY
       for tp in 1 2; do
         [ "$tp" -le "$gpus" ] || continue
         for seqs in ${GEMV_SEQS:-1 4}; do
-          # cuBLAS and no prefetch (the engine before both), the dense gemv alone, both.
-          for v in "0 0" "1 0" "1 1"; do
-            set -- $v
-            NIBBLE_DENSE_GEMV=$1 NIBBLE_PREFETCH=$2 throughput "gemv-b$seqs-tp$tp-dense$1-prefetch$2" \
-              llama-3-8b "$tp" --input-len 128 --output-len 256 --num-prompts "$seqs" \
-              --max-num-seqs "$seqs" --profile
+          for on in 0 1; do
+            NIBBLE_DENSE_GEMV=$on throughput "gemv-b$seqs-tp$tp-dense$on" llama-3-8b "$tp" \
+              --input-len 128 --output-len 256 --num-prompts "$seqs" --max-num-seqs "$seqs" --profile
           done
         done
       done ;;

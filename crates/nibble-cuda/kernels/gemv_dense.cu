@@ -195,28 +195,3 @@ DG_ENTRIES(__nv_bfloat16, bf16)
 DG_ENTRIES(__half, f16)
 
 #endif  // sm_90a
-
-// L2 prefetch of a weight the forward pass reads next (Backend::prefetch): the first `per_part`
-// bytes of each of `parts` equal contiguous parts of the buffer, so that every CTA of a stream-K
-// or row-range gemv finds the start of its own range in L2 (not the first CTAs all of theirs).
-// Each thread hands the TMA unit one piece of up to 64 KB (cp.async.bulk.prefetch.L2: no
-// registers, no completion to wait for); the bytes arrive while the ops that leave memory idle
-// run (attention, a rank's all-reduce, norms). Launched early (programmatic dependent launch): it
-// touches nothing the previous kernel writes, and waits on the grid dependency last, so that its
-// completion still implies the previous kernel's, which the next kernel's wait relies on.
-#if __CUDA_ARCH__ >= 900
-extern "C" __global__ void l2_prefetch(const unsigned char* p, long bytes, int parts, long per_part) {
-    const long piece = 64 << 10;
-    const long pieces = (per_part + piece - 1) / piece;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < parts * pieces; i += (long)gridDim.x * blockDim.x) {
-        const long part = i / pieces, off = (bytes * part / parts & ~15L) + (i - part * pieces) * piece;
-        const long end = min((bytes * part / parts & ~15L) + per_part, bytes);
-        if (off < end) {
-            const u32 size = (u32)(min(piece, end - off) & ~15L);
-            if (size) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p + off), "r"(size) : "memory");
-        }
-    }
-    grid_dependents_launch();
-    grid_dependency_wait();
-}
-#endif

@@ -29,9 +29,7 @@ use crate::nccl::{Communicator, ReduceType};
 use crate::runtime::{DeviceBuffer, DevicePtr};
 use crate::sampling::SampleScratch;
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem, QuantWeight, WeightData};
-use crate::{
-    attention, dense_gemv, elementwise as ew, graph, grouped, prefetch, qlinear, sampling,
-};
+use crate::{attention, dense_gemv, elementwise as ew, graph, grouped, qlinear, sampling};
 
 /// Most rows an expert may be routed for the engine to group the layer's experts
 /// ([`Backend::grouped_swiglu`]): past it the grouped gemv's activation window shrinks its K
@@ -65,9 +63,6 @@ pub struct CudaBackend {
     /// (Hopper, [`dense_gemv::engine_picks`]; `NIBBLE_DENSE_GEMV=0` keeps cuBLAS, to measure
     /// one against the other).
     pub dense_gemv: bool,
-    /// Stream the model's next weight into L2 ahead of its GEMM (`Backend::prefetch`, Hopper;
-    /// `NIBBLE_PREFETCH=0` turns it off, to measure it).
-    pub prefetch: bool,
     /// Host time of eager forward passes by kind of op (`NIBBLE_HOST_TRACE=1`).
     trace: Option<HostTrace>,
     ctx: CudaContext,
@@ -101,7 +96,6 @@ impl CudaBackend {
             window: None,
             window_turn: AtomicUsize::new(0),
             dense_gemv: std::env::var("NIBBLE_DENSE_GEMV").map_or(true, |v| v != "0"),
-            prefetch: std::env::var("NIBBLE_PREFETCH").map_or(true, |v| v != "0"),
             trace: std::env::var("NIBBLE_HOST_TRACE")
                 .is_ok_and(|v| v == "1")
                 .then(HostTrace::default),
@@ -659,25 +653,9 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn prefetch(&self, weight: &CudaWeight) {
-        if self.prefetch {
-            let r = prefetch::prefetch(&self.ctx, weight);
-            self.ctx.sticky(r);
-        }
-    }
-
-    fn linear_summed(
-        &self,
-        x: &CudaTensor,
-        weight: &CudaWeight,
-        next: Option<&CudaWeight>,
-    ) -> Result<CudaTensor> {
+    fn linear_summed(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor> {
         let Some(comm) = &self.collective else {
-            let out = self.linear(x, weight, None)?;
-            if let Some(w) = next {
-                self.prefetch(w);
-            }
-            return Ok(out);
+            return self.linear(x, weight, None);
         };
         let n = x.rows * weight.rows;
         match self.window {
@@ -695,17 +673,11 @@ impl Backend for CudaBackend {
                     epoch,
                 );
                 self.linear_into(x, weight, None, &out)?;
-                if let Some(w) = next {
-                    self.prefetch(w);
-                }
                 comm.all_reduce_sum(out.ptr, n, ReduceType::F32)?;
                 Ok(out)
             }
             _ => {
                 let mut out = self.linear(x, weight, None)?;
-                if let Some(w) = next {
-                    self.prefetch(w);
-                }
                 self.all_reduce(&mut out)?;
                 Ok(out)
             }

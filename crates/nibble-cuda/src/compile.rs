@@ -116,8 +116,6 @@ pub const GRID_WAITING_KERNELS: &[&str] = &[
     "w4a8_dec",
     "fp8_dec",
     "dense_gemv",
-    // Waits last: it reads only weights, and its completion must still imply its predecessor's.
-    "l2_prefetch",
     // The grouped decode gemv also reads its item table before the wait: grouped.rs uploads
     // tables ahead of a layer's kernels, never between two of them.
     "w4a16_gdec",

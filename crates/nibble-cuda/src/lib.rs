@@ -22,7 +22,6 @@
 //!               pack         the quantized kernels' weight layouts     -> tensor
 //!               blas         cuBLAS GEMMs                              -> runtime tensor
 //!               dense_gemv   16-bit decode gemv on TMA bulk copies     -> context runtime tensor
-//!               prefetch     a weight into L2 ahead of its GEMM        -> context runtime tensor
 //!               sampling     sampling on the device                    -> context runtime tensor
 //!               elementwise  embedding, norms, RoPE, SiLU gate, adds   -> context kv runtime tensor
 //! ---------------------------------------------------------------------------------------------
@@ -55,7 +54,6 @@ mod kv;
 pub mod module;
 pub mod nccl;
 pub mod pack;
-pub mod prefetch;
 pub mod probe;
 pub mod qlinear;
 mod runtime;

@@ -261,17 +261,6 @@ pub enum QuantWeight {
 }
 
 impl QuantWeight {
-    /// The codes, the bulk of what its GEMMs stream.
-    pub fn codes(&self) -> &DeviceBuffer {
-        match self {
-            QuantWeight::W4 { codes, .. }
-            | QuantWeight::W8 { codes, .. }
-            | QuantWeight::W8A16 { codes, .. }
-            | QuantWeight::Fp8 { codes, .. }
-            | QuantWeight::W4A8 { codes, .. } => codes,
-        }
-    }
-
     pub fn bytes(&self) -> usize {
         match self {
             QuantWeight::W4 { codes, params, .. } => codes.bytes + params.bytes,

@@ -240,27 +240,12 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
-    /// A hint that the forward pass reads `weight` next but one op or so: a backend whose
-    /// weights stream from memory (a GPU) may start moving it into a cache now, so that the
-    /// stream overlaps ops that leave memory idle (attention at small batches, a rank's
-    /// all-reduce, norms). Results do not change. The default does nothing.
-    fn prefetch(&self, _weight: &Self::Weight) {}
-
     /// A row-parallel layer (o_proj, down_proj) summed over the ranks: `x @ weight^T`, then
-    /// [`Backend::all_reduce`]; `next`, the weight the pass reads after the sum, is
-    /// [`Backend::prefetch`]ed between the two, so its stream overlaps the sum. A backend may
-    /// compute it in memory of its own that it reuses at its next call but one (a GPU rank's
-    /// NCCL symmetric memory), so the caller reads the result before calling this twice more.
-    fn linear_summed(
-        &self,
-        x: &Self::Tensor,
-        weight: &Self::Weight,
-        next: Option<&Self::Weight>,
-    ) -> Result<Self::Tensor> {
+    /// [`Backend::all_reduce`]. A backend may compute it in memory of its own that it reuses
+    /// at its next call but one (a GPU rank's NCCL symmetric memory), so the caller reads the
+    /// result before calling this twice more.
+    fn linear_summed(&self, x: &Self::Tensor, weight: &Self::Weight) -> Result<Self::Tensor> {
         let mut out = self.linear(x, weight, None)?;
-        if let Some(w) = next {
-            self.prefetch(w);
-        }
         self.all_reduce(&mut out)?;
         Ok(out)
     }

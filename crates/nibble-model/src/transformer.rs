@@ -21,14 +21,6 @@ enum Projections<B: Backend> {
 }
 
 impl<B: Backend> Projections<B> {
-    /// The weight read first ([`Backend::prefetch`]'s hint).
-    fn first(&self) -> Option<&B::Weight> {
-        match self {
-            Projections::Separate(parts) => parts.first().map(|(w, _)| w),
-            Projections::Fused(w, ..) => Some(w),
-        }
-    }
-
     /// Each projection of `x`, in order.
     fn apply(&self, backend: &B, x: &B::Tensor) -> Result<Vec<B::Tensor>> {
         match self {
@@ -81,15 +73,9 @@ impl<B: Backend> Mlp<B> {
         backend.linear(&self.activated(backend, x)?, &self.down, None)
     }
 
-    /// [`Mlp::apply`] of a dense layer's MLP, its down projection summed over the ranks while
-    /// `next` (the next layer's first weight) streams in.
-    fn apply_summed(
-        &self,
-        backend: &B,
-        x: &B::Tensor,
-        next: Option<&B::Weight>,
-    ) -> Result<B::Tensor> {
-        backend.linear_summed(&self.activated(backend, x)?, &self.down, next)
+    /// [`Mlp::apply`] of a dense layer's MLP, its down projection summed over the ranks.
+    fn apply_summed(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        backend.linear_summed(&self.activated(backend, x)?, &self.down)
     }
 
     /// `act(gate x) * up x`.
@@ -752,8 +738,6 @@ impl<B: Backend> Transformer<B> {
                 Some(d) => backend.add_rms_norm(&mut x, &d, &l.attn_norm, eps),
             };
             let mut qkv = l.qkv.apply(backend, &h)?;
-            // o_proj streams in while attention runs.
-            backend.prefetch(&l.o);
             let (v, mut k, mut q) = match (qkv.pop(), qkv.pop(), qkv.pop()) {
                 (Some(v), Some(k), Some(q)) => (v, k, q),
                 _ => unreachable!("three projections"),
@@ -777,18 +761,13 @@ impl<B: Backend> Transformer<B> {
                 window: l.window,
             };
             let attn = backend.attention(&q, &k, &v, kv, i, batch, shape)?;
-            let mlp_first = match &l.ffn {
-                Ffn::Dense(mlp) => mlp.gate_up.first(),
-                Ffn::Sparse(_) => None,
-            };
-            let mut o = backend.linear_summed(&attn, &l.o, mlp_first)?;
+            let mut o = backend.linear_summed(&attn, &l.o)?;
             if let Some(n) = &l.post_attn_norm {
                 o = backend.residual_rms_norm(&o, n, eps);
             }
             let h = backend.add_rms_norm(&mut x, &o, &l.mlp_norm, eps);
-            let next_first = self.layers.get(i + 1).and_then(|n| n.qkv.first());
             let mut d = match &l.ffn {
-                Ffn::Dense(mlp) => mlp.apply_summed(backend, &h, next_first)?,
+                Ffn::Dense(mlp) => mlp.apply_summed(backend, &h)?,
                 Ffn::Sparse(s) => {
                     let mut d = s.apply(backend, &h, tokens.len(), c.hidden_size)?;
                     backend.all_reduce(&mut d)?;
