@@ -327,6 +327,13 @@ impl<B: Backend> LlmEngine<B> {
         Ok(())
     }
 
+    /// Whether this engine leads a tensor-parallel group ([`LlmEngine::mirror_to`]). A step that
+    /// fails here cannot be recovered from as a lone engine does: the other ranks may have run
+    /// it, so their sequences and KV no longer match this rank's, and the group must end.
+    pub fn leads_group(&self) -> bool {
+        self.mirror.is_some()
+    }
+
     fn mirror(&mut self, op: impl FnOnce() -> EngineOp) {
         if let Some(m) = self.mirror.as_mut() {
             m(op());

@@ -322,5 +322,99 @@ async fn too_many_sequences_and_unknown_roles_are_400() {
     .await;
 }
 
+/// The CPU backend, except that its forward passes fail while `fail` is set.
+struct Faulty {
+    cpu: CpuBackend,
+    fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl nibble_model::Backend for Faulty {
+    type Tensor = nibble_cpu::CpuTensor;
+    type Weight = nibble_cpu::CpuWeight;
+    type Kv = nibble_cpu::CpuKvCache;
+
+    nibble_cpu::delegate_to_cpu!(cpu);
+    nibble_cpu::delegate_attention_and_linear_to_cpu!(cpu);
+
+    fn name(&self) -> String {
+        "faulty cpu".into()
+    }
+    fn load_weight(
+        &self,
+        t: &nibble_formats::HostTensor,
+    ) -> nibble_core::Result<nibble_cpu::CpuWeight> {
+        self.cpu.load_weight(t)
+    }
+    fn embed(
+        &self,
+        table: &nibble_cpu::CpuWeight,
+        ids: &[u32],
+    ) -> nibble_core::Result<nibble_cpu::CpuTensor> {
+        self.cpu.embed(table, ids)
+    }
+    fn begin_forward(
+        &self,
+        tokens: &[u32],
+        batch: &nibble_model::BatchLayout,
+    ) -> nibble_core::Result<()> {
+        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(nibble_core::Error::InvalidArgument(
+                "injected step failure".into(),
+            ));
+        }
+        self.cpu.begin_forward(tokens, batch)
+    }
+}
+
+/// A step that fails fails its requests. A lone engine then serves the next ones; rank 0 of a
+/// tensor-parallel group stops for good (its ranks' sequences no longer match), which ends
+/// `serve` with the reason, and later requests get a clear error rather than a hang.
+#[tokio::test]
+async fn a_failed_step_stops_a_group_leader_and_not_a_lone_engine() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    for leads in [false, true] {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../nibble-model/tests/fixtures/tiny-qwen2");
+        let files = open_model(&dir, None).unwrap();
+        let fail = Arc::new(AtomicBool::new(true));
+        let backend = Faulty {
+            cpu: CpuBackend::new(1).unwrap(),
+            fail: fail.clone(),
+        };
+        let model =
+            Transformer::load(&backend, files.config, &*files.source, &mut |_, _| {}).unwrap();
+        let mut engine =
+            LlmEngine::new(backend, model, files.tokenizer, EngineConfig::default()).unwrap();
+        if leads {
+            // Rank 0 of a group whose other ranks are not listening.
+            engine.mirror_to(Box::new(|_| {}));
+        }
+        let state = crate::start(engine, "tiny".into(), None, Limits::default()).unwrap();
+        let handle = state.engine.clone();
+        let app = router(state);
+        let body = json!({"prompt": "Hello", "max_tokens": 4});
+        let (status, text) = post(&app, "/v1/completions", body.clone()).await;
+        assert_ne!(status, StatusCode::OK, "leads {leads}: {text}");
+        fail.store(false, Ordering::SeqCst);
+        if leads {
+            tokio::time::timeout(std::time::Duration::from_secs(10), handle.stopped())
+                .await
+                .expect("the engine stops");
+            let reason = handle.failure().unwrap();
+            assert!(
+                reason.contains("tensor-parallel") && reason.contains("injected step failure"),
+                "{reason}"
+            );
+            let (status, text) = post(&app, "/v1/completions", body).await;
+            assert_ne!(status, StatusCode::OK, "{text}");
+            assert!(text.contains("stopped"), "{text}");
+        } else {
+            ok(&app, "/v1/completions", body).await;
+            assert_eq!(handle.failure(), None);
+        }
+    }
+}
+
 #[path = "structured_tests.rs"]
 mod structured;

@@ -44,6 +44,14 @@ pub struct EngineHandle {
     commands: std_mpsc::Sender<Command>,
     pub stats: Arc<Mutex<EngineStats>>,
     pub metrics: Arc<Metrics>,
+    failure: Arc<Failure>,
+}
+
+/// Why the engine thread stopped for good, set once, and a wake-up for whoever waits on it.
+#[derive(Default)]
+struct Failure {
+    reason: Mutex<Option<String>>,
+    stopped: tokio::sync::Notify,
 }
 
 impl EngineHandle {
@@ -54,15 +62,41 @@ impl EngineHandle {
         let (tx, rx) = std_mpsc::channel::<Command>();
         let stats = Arc::new(Mutex::new(engine.stats()));
         let metrics = Arc::new(Metrics::default());
-        let (stats2, metrics2) = (stats.clone(), metrics.clone());
+        let failure = Arc::new(Failure::default());
+        let (stats2, metrics2, failure2) = (stats.clone(), metrics.clone(), failure.clone());
         std::thread::Builder::new()
             .name("nibble-engine".into())
-            .spawn(move || run(&mut engine, rx, &stats2, &metrics2))
+            .spawn(move || {
+                if let Err(reason) = run(&mut engine, rx, &stats2, &metrics2) {
+                    eprintln!("nibble serve: {reason}");
+                    *failure2.reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+                    // A stored permit: the waiter may not be waiting yet.
+                    failure2.stopped.notify_one();
+                }
+            })
             .expect("spawning the engine thread");
         EngineHandle {
             commands: tx,
             stats,
             metrics,
+            failure,
+        }
+    }
+
+    /// Why the engine stopped for good, if it did: a failed step of a tensor-parallel group.
+    pub fn failure(&self) -> Option<String> {
+        self.failure
+            .reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Resolves when the engine has stopped for good ([`EngineHandle::failure`] says why): the
+    /// server then shuts down rather than answer every request with an error.
+    pub async fn stopped(&self) {
+        if self.failure().is_none() {
+            self.failure.stopped.notified().await;
         }
     }
 
@@ -88,12 +122,14 @@ impl EngineHandle {
     }
 }
 
+/// The engine thread's loop, until the server drops its command channel; an error when a failed
+/// step leaves the engine unable to go on (it leads a tensor-parallel group).
 fn run<B: Backend>(
     engine: &mut LlmEngine<B>,
     rx: std_mpsc::Receiver<Command>,
     stats: &Mutex<EngineStats>,
     metrics: &Metrics,
-) {
+) -> Result<(), String> {
     let mut groups: HashMap<RequestId, Group> = HashMap::new();
     let mut live: HashMap<RequestId, Live> = HashMap::new();
     // Aborts what is left of a group.
@@ -110,12 +146,12 @@ fn run<B: Backend>(
             match rx.try_recv() {
                 Ok(c) => Some(c),
                 Err(std_mpsc::TryRecvError::Empty) => None,
-                Err(std_mpsc::TryRecvError::Disconnected) => return,
+                Err(std_mpsc::TryRecvError::Disconnected) => return Ok(()),
             }
         } else {
             match rx.recv() {
                 Ok(c) => Some(c),
-                Err(_) => return,
+                Err(_) => return Ok(()),
             }
         };
         for cmd in first
@@ -214,11 +250,20 @@ fn run<B: Backend>(
                     }
                 }
                 Err(e) => {
-                    // A failed step (e.g. out of memory) fails the requests in it, not the server.
+                    // A failed step (e.g. out of memory) fails the requests in it, not the server;
+                    // but as rank 0 of a tensor-parallel group the engine cannot go on (its
+                    // ranks no longer hold the same sequences): the server ends with the error,
+                    // and the group's abort frees the other ranks.
                     eprintln!("nibble serve: engine step failed: {e}");
                     for (_, g) in groups.drain() {
                         drop_group(engine, &mut live, g);
                         metrics.failed.inc();
+                    }
+                    if engine.leads_group() {
+                        return Err(format!(
+                            "a step failed on rank 0 of the tensor-parallel group, which cannot \
+                             continue: {e}"
+                        ));
                     }
                 }
             }

@@ -149,8 +149,17 @@ where
         "nibble serve: listening on http://{}",
         listener.local_addr()?
     );
-    listener::serve(listener, router(state), &limits, async {
-        let _ = tokio::signal::ctrl_c().await;
+    let engine = state.engine.clone();
+    let stopped = engine.clone();
+    listener::serve(listener, router(state), &limits, async move {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = stopped.stopped() => {}
+        }
     })
-    .await
+    .await?;
+    match engine.failure() {
+        Some(reason) => Err(std::io::Error::other(reason)),
+        None => Ok(()),
+    }
 }
