@@ -56,10 +56,21 @@ template <> __device__ __forceinline__ void dg_unpack<__half>(uint4 v, float (&f
     }
 }
 
+// The RMSNorm the gemv can take over (NORM): its input is then the model's f32 residual row `res`
+// (plus `delta`, when not null), normed by weight `nw` as elementwise.cu's rms_norm does, and CTA
+// 0 writes the updated residual to `res_out` (another buffer: every CTA reads `res`).
+struct DgNorm {
+    const float* res;
+    const float* delta;
+    const float* nw;
+    float* res_out;
+    float eps;
+};
+
 // SEGS: segments a warp takes of a stage (stage bytes = 16 * SEGS * 512).
-template <class T, int M, int SEGS>
+template <class T, int M, int SEGS, bool NORM = false>
 __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y,
-                                           int n, int k, int ring_bytes) {
+                                           int n, int k, int ring_bytes, DgNorm norm = {}) {
     constexpr int STAGE = DG_WARPS * SEGS * 512;
     extern __shared__ __align__(128) unsigned char dg_smem[];
     __shared__ __align__(8) u64 full[DG_MAX_SLOTS], empty[DG_MAX_SLOTS];
@@ -99,7 +110,30 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
     grid_dependency_wait();
     T* xs = reinterpret_cast<T*>(dg_smem + ring_bytes);
     float* partial = reinterpret_cast<float*>(dg_smem + ring_bytes + M * k * 2);
-    {
+    if constexpr (NORM) {
+        // One row (M = 1): x = T((res + delta) * (1 / sqrt(mean((res + delta)^2) + eps)) * nw),
+        // rms_norm_impl's arithmetic; the sum of squares in another order (16 warps).
+        __shared__ float red[DG_WARPS];
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < k; i += DG_WARPS * 32) {
+            const float v = norm.delta ? norm.res[i] + norm.delta[i] : norm.res[i];
+            ss = fmaf(v, v, ss);
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) red[warp] = ss;
+        for (int i = threadIdx.x; i < (r1 - r0) * DG_WARPS * M; i += DG_WARPS * 32) partial[i] = 0.f;
+        asm volatile("bar.sync 1, %0;\n" ::"n"(DG_WARPS * 32) : "memory");
+        float total = 0.f;
+#pragma unroll
+        for (int i = 0; i < DG_WARPS; ++i) total += red[i];
+        const float scale = 1.0f / sqrtf(total / (float)k + norm.eps);
+        for (int i = threadIdx.x; i < k; i += DG_WARPS * 32) {
+            const float v = norm.delta ? norm.res[i] + norm.delta[i] : norm.res[i];
+            xs[i] = from_f32<T>(v * scale * norm.nw[i]);
+            if (blockIdx.x == 0 && norm.delta) norm.res_out[i] = v;
+        }
+        asm volatile("bar.sync 1, %0;\n" ::"n"(DG_WARPS * 32) : "memory");
+    } else {
         const uint4* src = reinterpret_cast<const uint4*>(x);
         uint4* dst = reinterpret_cast<uint4*>(xs);
         for (int i = threadIdx.x; i < M * k / 8; i += DG_WARPS * 32) dst[i] = src[i];
@@ -193,5 +227,15 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
     DG_ENTRY(T, SFX, 4, 4, 32)
 DG_ENTRIES(__nv_bfloat16, bf16)
 DG_ENTRIES(__half, f16)
+
+// One token with the RMSNorm before the layer taken over (Backend::norm_linear).
+#define DG_NORM_ENTRY(T, SFX)                                                                                   \
+    extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
+        dense_gemv_norm1_s32_##SFX(const T* __restrict__ w, const float* res, const float* delta, const float* nw, \
+                                   float* res_out, float* __restrict__ y, int n, int k, int ring_bytes, float eps) { \
+        dense_gemv<T, 1, 4, true>(w, nullptr, y, n, k, ring_bytes, DgNorm{res, delta, nw, res_out, eps});      \
+    }
+DG_NORM_ENTRY(__nv_bfloat16, bf16)
+DG_NORM_ENTRY(__half, f16)
 
 #endif  // sm_90a

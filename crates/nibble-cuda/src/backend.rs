@@ -37,6 +37,9 @@ use crate::{attention, dense_gemv, elementwise as ew, graph, grouped, qlinear, s
 /// write more than its 62 MB of weights).
 pub const GROUPED_ENGINE_ROWS: usize = 32;
 
+/// Widest residual row the one-token normed gemv takes (f32s; wider models norm separately).
+const RESIDUAL_ROW_MAX: usize = 1 << 16;
+
 /// The context, plus what only the ops behind one trait method use (cuBLAS, sampling scratch).
 /// It dereferences to the context, whose methods and fields tests and benchmarks reach through it.
 pub struct CudaBackend {
@@ -63,6 +66,11 @@ pub struct CudaBackend {
     /// (Hopper, [`dense_gemv::engine_picks`]; `NIBBLE_DENSE_GEMV=0` keeps cuBLAS, to measure
     /// one against the other).
     pub dense_gemv: bool,
+    /// Two residual rows the one-token normed gemv writes the updated residual to in turn
+    /// ([`Backend::norm_linear`]; it cannot update it in place, every CTA reads it), and the one
+    /// next (rewound at every forward, so a captured graph's turns are a replay's).
+    residual_rows: [DeviceBuffer; 2],
+    residual_turn: AtomicUsize,
     /// Host time of eager forward passes by kind of op (`NIBBLE_HOST_TRACE=1`).
     trace: Option<HostTrace>,
     ctx: CudaContext,
@@ -95,6 +103,11 @@ impl CudaBackend {
             split_head: false,
             window: None,
             window_turn: AtomicUsize::new(0),
+            residual_rows: [
+                DeviceBuffer::alloc(&ctx.gpu, RESIDUAL_ROW_MAX * 4, "residual row")?,
+                DeviceBuffer::alloc(&ctx.gpu, RESIDUAL_ROW_MAX * 4, "residual row")?,
+            ],
+            residual_turn: AtomicUsize::new(0),
             dense_gemv: std::env::var("NIBBLE_DENSE_GEMV").map_or(true, |v| v != "0"),
             trace: std::env::var("NIBBLE_HOST_TRACE")
                 .is_ok_and(|v| v == "1")
@@ -566,6 +579,7 @@ impl Backend for CudaBackend {
             ));
         }
         self.window_turn.store(0, Ordering::Relaxed);
+        self.residual_turn.store(0, Ordering::Relaxed);
         if let Some(t) = &self.trace {
             t.begin(tokens.len(), batch.seqs.len());
         }
@@ -635,6 +649,57 @@ impl Backend for CudaBackend {
     ) -> CudaTensor {
         let r = ew::add_rms_norm(&self.ctx, x, delta, weight, eps);
         self.or_dead(r, x.rows, x.cols, Elem::Half(self.ctx.dtype))
+    }
+
+    fn norm_linear(
+        &self,
+        x: &mut CudaTensor,
+        delta: Option<&CudaTensor>,
+        norm: &CudaTensor,
+        eps: f32,
+        weight: &CudaWeight,
+        bias: Option<&CudaTensor>,
+    ) -> Result<CudaTensor> {
+        let ctx = &self.ctx;
+        let fused = self.dense_gemv
+            && x.rows == 1
+            && x.elem == Elem::F32
+            && x.is_contiguous()
+            && x.cols <= RESIDUAL_ROW_MAX
+            && matches!(weight.data, WeightData::Dense(_))
+            && weight.dtype == ctx.dtype
+            && ctx.wants_act8().is_none()
+            && dense_gemv::engine_picks(ctx, 1, weight.rows, weight.cols);
+        if !fused {
+            let h = match delta {
+                Some(d) => self.add_rms_norm(x, d, norm, eps),
+                None => self.rms_norm(x, norm, eps),
+            };
+            return self.linear(&h, weight, bias);
+        }
+        ctx.check_live(x)?;
+        let out = ctx.alloc(1, weight.rows, Elem::F32)?;
+        let next = delta.map(|_| {
+            let turn = self.residual_turn.fetch_xor(1, Ordering::Relaxed);
+            CudaTensor::view(self.residual_rows[turn].ptr, 1, x.cols, Elem::F32, 0)
+        });
+        dense_gemv::run_norm(
+            ctx,
+            x,
+            delta,
+            norm,
+            eps,
+            weight,
+            &out,
+            next.as_ref().map_or(0, |t| t.ptr),
+        )?;
+        if let Some(r) = next {
+            *x = r;
+        }
+        if let Some(b) = bias {
+            ew::add_bias(ctx, &out, b)?;
+        }
+        Ok(out)
     }
 
     fn head_rms_norm(&self, x: &mut CudaTensor, weight: &CudaTensor, head_dim: usize, eps: f32) {

@@ -130,6 +130,68 @@ pub fn run_staged(
     )
 }
 
+/// The entry point that norms its one row first ([`run_norm`]).
+pub fn norm_kernel_name(dtype_suffix: &str) -> String {
+    format!("dense_gemv_norm1_s{DEFAULT_STAGE_KB}_{dtype_suffix}")
+}
+
+/// `out = rms_norm(res + delta) @ w^T` for one row, the norm (elementwise.cu's arithmetic) done
+/// by every CTA for itself instead of in a kernel of its own: `res` `[1, k]` f32, `delta` the
+/// same or none, `norm` `[k]` f32. With `delta`, the updated residual `res + delta` goes to
+/// `res_out` (`k` f32, not `res`: every CTA reads `res`). The caller checks
+/// [`engine_picks`] for one token.
+#[allow(clippy::too_many_arguments)]
+pub fn run_norm(
+    ctx: &CudaContext,
+    res: &CudaTensor,
+    delta: Option<&CudaTensor>,
+    norm: &CudaTensor,
+    eps: f32,
+    w: &CudaWeight,
+    out: &CudaTensor,
+    res_out: crate::runtime::DevicePtr,
+) -> Result<()> {
+    let (n, k) = (w.rows, w.cols);
+    let shapes_agree = res.rows == 1
+        && res.cols == k
+        && norm.rows * norm.cols == k
+        && delta.is_none_or(|d| d.rows == 1 && d.cols == k && d.elem == Elem::F32)
+        && out.rows == 1
+        && out.cols == n;
+    if !engine_picks(ctx, 1, n, k) || !shapes_agree {
+        return Err(Error::InvalidArgument(format!(
+            "normed dense gemv of {}x{} by {n}x{k}",
+            res.rows, res.cols
+        )));
+    }
+    if res.elem != Elem::F32 || w.dtype != ctx.dtype || out.elem != Elem::F32 {
+        return Err(Error::InvalidArgument(format!(
+            "normed dense gemv of a {:?} residual and a {:?} weight into {:?}",
+            res.elem, w.dtype, out.elem
+        )));
+    }
+    let ctas = ctas(ctx, n);
+    let (ring, smem) = layout(1, n, k, ctas, DEFAULT_STAGE_KB << 10);
+    ctx.launch_block(
+        &norm_kernel_name(ctx.dtype.suffix()),
+        (ctas as u32, 1, 1),
+        ((WARPS + 1) * 32) as u32,
+        smem as u32,
+        vec![
+            Arg::Ptr(w.dense()?.ptr),
+            Arg::Ptr(res.ptr),
+            Arg::Ptr(delta.map_or(0, |d| d.ptr)),
+            Arg::Ptr(norm.ptr),
+            Arg::Ptr(res_out),
+            Arg::Ptr(out.ptr),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::I32(ring as i32),
+            Arg::F32(eps),
+        ],
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -473,6 +473,60 @@ fn dense_decode_gemv_matches_the_reference() {
     }
 }
 
+/// `norm_linear` of one row on a layer the dense gemv takes: the gemv that norms its row itself
+/// against the norm kernel and then the gemv (cuBLAS), with and without a residual delta, a bias,
+/// NaN-poisoned activations. The residual it leaves is the same bits; the outputs agree to the
+/// f32 order of the norm's sum of squares.
+#[test]
+fn normed_decode_gemv_matches_the_norm_then_the_gemv() {
+    let mut r = rng("normed_decode_gemv_matches_the_norm_then_the_gemv");
+    for (dtype, ty) in [(Dtype::Bf16, GgmlType::BF16), (Dtype::F16, GgmlType::F16)] {
+        let mut g = gpu(dtype);
+        if g.gpu.cc.0 < 9 {
+            eprintln!("the dense decode gemv needs sm_90; this GPU has none");
+            return;
+        }
+        for &(n, k) in &[(2600, 4096), (1283, 8192)] {
+            assert!(nibble_cuda::dense_gemv::engine_picks(&g, 1, n, k));
+            let w = randn(&mut r, n * k, 1.0 / (k as f32).sqrt());
+            let gw = g.load_weight(&host_weight("w", &w, n, k, ty)).unwrap();
+            let res = randn(&mut r, k, 1.0);
+            let delta = randn(&mut r, k, 0.5);
+            let nw: Vec<f32> = (0..k).map(|_| 0.5 + r.random::<f32>()).collect();
+            let bias = randn(&mut r, n, 0.1);
+            for with_delta in [false, true] {
+                let mut got = Vec::new();
+                for fused in [true, false] {
+                    g.dense_gemv = fused;
+                    g.poison_activations(64 << 20).unwrap();
+                    let mut x = g.tensor_from_f32(&res, 1, k).unwrap();
+                    let d = g.tensor_from_f32(&delta, 1, k).unwrap();
+                    let gn = g.load_vector(&nw).unwrap();
+                    let gb = g.load_vector(&bias).unwrap();
+                    let before = x.ptr;
+                    let y = g
+                        .norm_linear(&mut x, with_delta.then_some(&d), &gn, 1e-5, &gw, Some(&gb))
+                        .unwrap();
+                    // The fused path leaves the updated residual in a row of its own.
+                    assert_eq!(x.ptr != before, fused && with_delta);
+                    got.push((host(&g, &y), host(&g, &x)));
+                }
+                let what = format!("normed gemv {n}x{k} {ty:?} delta {with_delta}");
+                check(&what, &got[0].0, &got[1].0, 2e-3);
+                assert!(
+                    got[0]
+                        .1
+                        .iter()
+                        .zip(&got[1].1)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: residuals differ"
+                );
+            }
+        }
+        g.dense_gemv = true;
+    }
+}
+
 /// Attention over a paged pool: prefill chunks, decode steps and long contexts (split-K), GQA
 /// groups 1 to 8, head sizes 16 to 256, blocks handed out in random order.
 #[test]

@@ -102,6 +102,10 @@ fn kernels_compile_for_every_architecture() {
                                     assert_eq!(entries.contains(&e), cc.0 >= 9, "{arch}: {e}");
                                 }
                             }
+                            for sfx in ["bf16", "f16"] {
+                                let e = nibble_cuda::dense_gemv::norm_kernel_name(sfx);
+                                assert_eq!(entries.contains(&e), cc.0 >= 9, "{arch}: {e}");
+                            }
                         }
                     }
                     all_entries.extend(entries.iter().cloned());

@@ -240,6 +240,26 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// [`Backend::add_rms_norm`] (or [`Backend::rms_norm`] without `delta`), then
+    /// [`Backend::linear`] of the normed rows: a block's first projection. A backend may do both
+    /// in one pass (a GPU's one-token gemv norms its row itself); `x` ends updated either way.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_linear(
+        &self,
+        x: &mut Self::Tensor,
+        delta: Option<&Self::Tensor>,
+        norm: &Self::Tensor,
+        eps: f32,
+        weight: &Self::Weight,
+        bias: Option<&Self::Tensor>,
+    ) -> Result<Self::Tensor> {
+        let h = match delta {
+            Some(d) => self.add_rms_norm(x, d, norm, eps),
+            None => self.rms_norm(x, norm, eps),
+        };
+        self.linear(&h, weight, bias)
+    }
+
     /// A row-parallel layer (o_proj, down_proj) summed over the ranks: `x @ weight^T`, then
     /// [`Backend::all_reduce`]. A backend may compute it in memory of its own that it reuses
     /// at its next call but one (a GPU rank's NCCL symmetric memory), so the caller reads the

@@ -21,6 +21,31 @@ enum Projections<B: Backend> {
 }
 
 impl<B: Backend> Projections<B> {
+    /// Each projection of the RMSNorm of `x` (plus `delta`, which is added into `x`), in
+    /// order: fused projections through [`Backend::norm_linear`], which may do it in one pass.
+    fn apply_normed(
+        &self,
+        backend: &B,
+        x: &mut B::Tensor,
+        delta: Option<&B::Tensor>,
+        norm: &B::Tensor,
+        eps: f32,
+    ) -> Result<Vec<B::Tensor>> {
+        match self {
+            Projections::Fused(w, b, widths) => backend.split_cols(
+                &backend.norm_linear(x, delta, norm, eps, w, b.as_ref())?,
+                widths,
+            ),
+            Projections::Separate(_) => {
+                let h = match delta {
+                    Some(d) => backend.add_rms_norm(x, d, norm, eps),
+                    None => backend.rms_norm(x, norm, eps),
+                };
+                self.apply(backend, &h)
+            }
+        }
+    }
+
     /// Each projection of `x`, in order.
     fn apply(&self, backend: &B, x: &B::Tensor) -> Result<Vec<B::Tensor>> {
         match self {
@@ -73,18 +98,35 @@ impl<B: Backend> Mlp<B> {
         backend.linear(&self.activated(backend, x)?, &self.down, None)
     }
 
-    /// [`Mlp::apply`] of a dense layer's MLP, its down projection summed over the ranks.
-    fn apply_summed(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        backend.linear_summed(&self.activated(backend, x)?, &self.down)
+    /// A dense layer's MLP of the RMSNorm of `x + delta` (added into `x`; the norm left to
+    /// [`Backend::norm_linear`] with the gate/up projection), its down projection summed over
+    /// the ranks.
+    fn apply_summed_normed(
+        &self,
+        backend: &B,
+        x: &mut B::Tensor,
+        delta: &B::Tensor,
+        norm: &B::Tensor,
+        eps: f32,
+    ) -> Result<B::Tensor> {
+        let gate_up = self
+            .gate_up
+            .apply_normed(backend, x, Some(delta), norm, eps)?;
+        backend.linear_summed(&self.act(backend, &gate_up), &self.down)
     }
 
     /// `act(gate x) * up x`.
     fn activated(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor> {
         let gate_up = self.gate_up.apply(backend, x)?;
-        Ok(match self.act {
+        Ok(self.act(backend, &gate_up))
+    }
+
+    /// `act(gate) * up` of the gate/up projections.
+    fn act(&self, backend: &B, gate_up: &[B::Tensor]) -> B::Tensor {
+        match self.act {
             Activation::Silu => backend.silu_mul(&gate_up[0], &gate_up[1]),
             Activation::GeluTanh => backend.gelu_tanh_mul(&gate_up[0], &gate_up[1]),
-        })
+        }
     }
 }
 
@@ -733,11 +775,10 @@ impl<B: Backend> Transformer<B> {
         let mut pending: Option<B::Tensor> = None;
         for (i, l) in self.layers.iter().enumerate() {
             backend.begin_layer(i);
-            let h = match pending.take() {
-                None => backend.rms_norm(&x, &l.attn_norm, eps),
-                Some(d) => backend.add_rms_norm(&mut x, &d, &l.attn_norm, eps),
-            };
-            let mut qkv = l.qkv.apply(backend, &h)?;
+            let delta = pending.take();
+            let mut qkv = l
+                .qkv
+                .apply_normed(backend, &mut x, delta.as_ref(), &l.attn_norm, eps)?;
             let (v, mut k, mut q) = match (qkv.pop(), qkv.pop(), qkv.pop()) {
                 (Some(v), Some(k), Some(q)) => (v, k, q),
                 _ => unreachable!("three projections"),
@@ -765,10 +806,12 @@ impl<B: Backend> Transformer<B> {
             if let Some(n) = &l.post_attn_norm {
                 o = backend.residual_rms_norm(&o, n, eps);
             }
-            let h = backend.add_rms_norm(&mut x, &o, &l.mlp_norm, eps);
             let mut d = match &l.ffn {
-                Ffn::Dense(mlp) => mlp.apply_summed(backend, &h)?,
+                Ffn::Dense(mlp) => {
+                    mlp.apply_summed_normed(backend, &mut x, &o, &l.mlp_norm, eps)?
+                }
                 Ffn::Sparse(s) => {
+                    let h = backend.add_rms_norm(&mut x, &o, &l.mlp_norm, eps);
                     let mut d = s.apply(backend, &h, tokens.len(), c.hidden_size)?;
                     backend.all_reduce(&mut d)?;
                     d
