@@ -20,9 +20,6 @@
 // activations in shared memory.
 // Layout: shared memory holds the ring, the activations (M x K) and the partial sums (rows x 16
 // warps x M). Lane l takes channels 8l .. 8l + 7 of a segment: 16-byte shared-memory reads.
-// Inputs: the one-token entries may take over the kernel before them, staging their row from
-// what that kernel would have read: the RMSNorm of the residual (`_norm1`, Backend::norm_linear)
-// or SwiGLU's silu(gate) * up (`_silu1`, Backend::silu_mul_linear_summed).
 // Arithmetic: a lane sums its products of a row in f32 (two chains within a segment); where it
 // leaves a row, the warp sums its lanes with a fixed butterfly into the (row, warp) partial; after
 // all stages, a row is the sum of its 16 partials in warp order. No atomics: results are
@@ -59,7 +56,7 @@ template <> __device__ __forceinline__ void dg_unpack<__half>(uint4 v, float (&f
     }
 }
 
-// The RMSNorm the gemv can take over (DG_NORM): its input is then the model's f32 residual row `res`
+// The RMSNorm the gemv can take over (NORM): its input is then the model's f32 residual row `res`
 // (plus `delta`, when not null), normed by weight `nw` as elementwise.cu's rms_norm does, and CTA
 // 0 writes the updated residual to `res_out` (another buffer: every CTA reads `res`).
 struct DgNorm {
@@ -70,19 +67,10 @@ struct DgNorm {
     float eps;
 };
 
-// What the gemv stages as its one-row input: the input itself, the RMSNorm of the residual
-// (DgNorm), or SwiGLU's gate, silu(gate) * up from the f32 gate and up rows (elementwise.cu's
-// silu_mul arithmetic, so the same bits): the kernel before the gemv is then not launched.
-enum DgInput { DG_STAGED, DG_NORM, DG_SILU };
-struct DgSilu {
-    const float* gate;
-    const float* up;
-};
-
 // SEGS: segments a warp takes of a stage (stage bytes = 16 * SEGS * 512).
-template <class T, int M, int SEGS, int INPUT = DG_STAGED>
+template <class T, int M, int SEGS, bool NORM = false>
 __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y,
-                                           int n, int k, int ring_bytes, DgNorm norm = {}, DgSilu silu = {}) {
+                                           int n, int k, int ring_bytes, DgNorm norm = {}) {
     constexpr int STAGE = DG_WARPS * SEGS * 512;
     extern __shared__ __align__(128) unsigned char dg_smem[];
     __shared__ __align__(8) u64 full[DG_MAX_SLOTS], empty[DG_MAX_SLOTS];
@@ -122,14 +110,7 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
     grid_dependency_wait();
     T* xs = reinterpret_cast<T*>(dg_smem + ring_bytes);
     float* partial = reinterpret_cast<float*>(dg_smem + ring_bytes + M * k * 2);
-    if constexpr (INPUT == DG_SILU) {
-        for (int i = threadIdx.x; i < k; i += DG_WARPS * 32) {
-            const float g = silu.gate[i];
-            xs[i] = from_f32<T>(g / (1.0f + expf(-g)) * silu.up[i]);
-        }
-        for (int i = threadIdx.x; i < (r1 - r0) * DG_WARPS * M; i += DG_WARPS * 32) partial[i] = 0.f;
-        asm volatile("bar.sync 1, %0;\n" ::"n"(DG_WARPS * 32) : "memory");
-    } else if constexpr (INPUT == DG_NORM) {
+    if constexpr (NORM) {
         // One row (M = 1): x = T((res + delta) * (1 / sqrt(mean((res + delta)^2) + eps)) * nw),
         // rms_norm_impl's arithmetic; the sum of squares in another order (16 warps).
         __shared__ float red[DG_WARPS];
@@ -153,7 +134,6 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
         }
         asm volatile("bar.sync 1, %0;\n" ::"n"(DG_WARPS * 32) : "memory");
     } else {
-        static_assert(INPUT == DG_STAGED, "an input the gemv stages");
         const uint4* src = reinterpret_cast<const uint4*>(x);
         uint4* dst = reinterpret_cast<uint4*>(xs);
         for (int i = threadIdx.x; i < M * k / 8; i += DG_WARPS * 32) dst[i] = src[i];
@@ -253,19 +233,9 @@ DG_ENTRIES(__half, f16)
     extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
         dense_gemv_norm1_s32_##SFX(const T* __restrict__ w, const float* res, const float* delta, const float* nw, \
                                    float* res_out, float* __restrict__ y, int n, int k, int ring_bytes, float eps) { \
-        dense_gemv<T, 1, 4, DG_NORM>(w, nullptr, y, n, k, ring_bytes, DgNorm{res, delta, nw, res_out, eps});   \
+        dense_gemv<T, 1, 4, true>(w, nullptr, y, n, k, ring_bytes, DgNorm{res, delta, nw, res_out, eps});      \
     }
 DG_NORM_ENTRY(__nv_bfloat16, bf16)
 DG_NORM_ENTRY(__half, f16)
-
-// One token with SwiGLU's gate before the layer taken over (Backend::silu_mul_linear_summed).
-#define DG_SILU_ENTRY(T, SFX)                                                                                   \
-    extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
-        dense_gemv_silu1_s32_##SFX(const T* __restrict__ w, const float* gate, const float* up,                \
-                                   float* __restrict__ y, int n, int k, int ring_bytes) {                      \
-        dense_gemv<T, 1, 4, DG_SILU>(w, nullptr, y, n, k, ring_bytes, DgNorm{}, DgSilu{gate, up});             \
-    }
-DG_SILU_ENTRY(__nv_bfloat16, bf16)
-DG_SILU_ENTRY(__half, f16)
 
 #endif  // sm_90a

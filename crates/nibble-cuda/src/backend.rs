@@ -190,44 +190,6 @@ impl CudaBackend {
             .gemm(&self.ctx.gpu, x, w, out)
     }
 
-    /// A row-parallel product of `rows` x `cols` that `compute` writes, summed over the ranks
-    /// (alone, just computed).
-    fn summed(
-        &self,
-        rows: usize,
-        cols: usize,
-        compute: impl FnOnce(&CudaTensor) -> Result<()>,
-    ) -> Result<CudaTensor> {
-        let n = rows * cols;
-        match (&self.collective, self.window) {
-            // Computed straight into a slot of the symmetric window and summed there: NCCL's
-            // symmetric kernels, no copy in or out. The two slots alternate, and each result is
-            // read by the next residual add before the slot comes round again.
-            (Some(comm), Some((ptr, bytes))) if n * 4 <= bytes / 2 => {
-                let slot = self.window_turn.fetch_xor(1, Ordering::Relaxed);
-                let epoch = self.ctx.lock().arena.epoch;
-                let out = CudaTensor::view(
-                    ptr + (slot * bytes / 2) as u64,
-                    rows,
-                    cols,
-                    Elem::F32,
-                    epoch,
-                );
-                compute(&out)?;
-                comm.all_reduce_sum(out.ptr, n, ReduceType::F32)?;
-                Ok(out)
-            }
-            _ => {
-                let mut out = self.ctx.alloc(rows, cols, Elem::F32)?;
-                compute(&out)?;
-                if self.collective.is_some() {
-                    self.all_reduce(&mut out)?;
-                }
-                Ok(out)
-            }
-        }
-    }
-
     /// [`qlinear::quant_gemm`] (benchmarks and tests time and check the kernels alone).
     pub fn quant_gemm(
         &self,
@@ -757,37 +719,34 @@ impl Backend for CudaBackend {
     }
 
     fn linear_summed(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor> {
-        self.summed(x.rows, weight.rows, |out| {
-            self.linear_into(x, weight, None, out)
-        })
-    }
-
-    fn silu_mul_linear_summed(
-        &self,
-        gate: &CudaTensor,
-        up: &CudaTensor,
-        weight: &CudaWeight,
-    ) -> Result<CudaTensor> {
-        let ctx = &self.ctx;
-        let fused = self.dense_gemv
-            && gate.rows == 1
-            && up.rows == 1
-            && gate.elem == Elem::F32
-            && up.elem == Elem::F32
-            && gate.cols == weight.cols
-            && up.cols == weight.cols
-            && matches!(weight.data, WeightData::Dense(_))
-            && weight.dtype == ctx.dtype
-            && ctx.wants_act8().is_none()
-            && dense_gemv::engine_picks(ctx, 1, weight.rows, weight.cols);
-        if !fused {
-            return self.linear_summed(&self.silu_mul(gate, up), weight);
+        let Some(comm) = &self.collective else {
+            return self.linear(x, weight, None);
+        };
+        let n = x.rows * weight.rows;
+        match self.window {
+            // Computed straight into a slot of the symmetric window and summed there: NCCL's
+            // symmetric kernels, no copy in or out. The two slots alternate, and each result is
+            // read by the next residual add before the slot comes round again.
+            Some((ptr, bytes)) if n * 4 <= bytes / 2 => {
+                let slot = self.window_turn.fetch_xor(1, Ordering::Relaxed);
+                let epoch = self.ctx.lock().arena.epoch;
+                let out = CudaTensor::view(
+                    ptr + (slot * bytes / 2) as u64,
+                    x.rows,
+                    weight.rows,
+                    Elem::F32,
+                    epoch,
+                );
+                self.linear_into(x, weight, None, &out)?;
+                comm.all_reduce_sum(out.ptr, n, ReduceType::F32)?;
+                Ok(out)
+            }
+            _ => {
+                let mut out = self.linear(x, weight, None)?;
+                self.all_reduce(&mut out)?;
+                Ok(out)
+            }
         }
-        ctx.check_live(gate)?;
-        ctx.check_live(up)?;
-        self.summed(1, weight.rows, |out| {
-            dense_gemv::run_silu(ctx, gate, up, weight, out)
-        })
     }
 
     fn rope(

@@ -192,55 +192,6 @@ pub fn run_norm(
     )
 }
 
-/// The entry point that makes its one row SwiGLU's gate first ([`run_silu`]).
-pub fn silu_kernel_name(dtype_suffix: &str) -> String {
-    format!("dense_gemv_silu1_s{DEFAULT_STAGE_KB}_{dtype_suffix}")
-}
-
-/// `out = (silu(gate) * up) @ w^T` for one row, the gate (elementwise.cu's `silu_mul`, the same
-/// bits) made by every CTA for itself instead of in a kernel of its own: `gate` and `up` `[1, k]`
-/// f32 (column slices of one projection are fine: one row). The caller checks [`engine_picks`]
-/// for one token.
-pub fn run_silu(
-    ctx: &CudaContext,
-    gate: &CudaTensor,
-    up: &CudaTensor,
-    w: &CudaWeight,
-    out: &CudaTensor,
-) -> Result<()> {
-    let (n, k) = (w.rows, w.cols);
-    let row = |t: &CudaTensor| t.rows == 1 && t.cols == k && t.elem == Elem::F32;
-    if !engine_picks(ctx, 1, n, k) || !row(gate) || !row(up) || out.rows != 1 || out.cols != n {
-        return Err(Error::InvalidArgument(format!(
-            "SwiGLU dense gemv of {}x{} by {n}x{k}",
-            gate.rows, gate.cols
-        )));
-    }
-    if w.dtype != ctx.dtype || out.elem != Elem::F32 {
-        return Err(Error::InvalidArgument(format!(
-            "SwiGLU dense gemv of a {:?} weight into {:?}",
-            w.dtype, out.elem
-        )));
-    }
-    let ctas = ctas(ctx, n);
-    let (ring, smem) = layout(1, n, k, ctas, DEFAULT_STAGE_KB << 10);
-    ctx.launch_block(
-        &silu_kernel_name(ctx.dtype.suffix()),
-        (ctas as u32, 1, 1),
-        ((WARPS + 1) * 32) as u32,
-        smem as u32,
-        vec![
-            Arg::Ptr(w.dense()?.ptr),
-            Arg::Ptr(gate.ptr),
-            Arg::Ptr(up.ptr),
-            Arg::Ptr(out.ptr),
-            Arg::I32(n as i32),
-            Arg::I32(k as i32),
-            Arg::I32(ring as i32),
-        ],
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -527,54 +527,6 @@ fn normed_decode_gemv_matches_the_norm_then_the_gemv() {
     }
 }
 
-/// `silu_mul_linear_summed` of one row on a layer the dense gemv takes: the gemv that makes
-/// SwiGLU's gate itself gives the bits of the gate kernel then the same gemv, and agrees with
-/// the gate kernel then cuBLAS; gate and up are the column halves of one projection's output.
-#[test]
-fn swiglu_decode_gemv_matches_the_gate_then_the_gemv() {
-    let mut r = rng("swiglu_decode_gemv_matches_the_gate_then_the_gemv");
-    for (dtype, ty) in [(Dtype::Bf16, GgmlType::BF16), (Dtype::F16, GgmlType::F16)] {
-        let mut g = gpu(dtype);
-        if g.gpu.cc.0 < 9 {
-            eprintln!("the dense decode gemv needs sm_90; this GPU has none");
-            return;
-        }
-        for &(n, k) in &[(4096, 7168), (1031, 14336)] {
-            assert!(nibble_cuda::dense_gemv::engine_picks(&g, 1, n, k));
-            let w = randn(&mut r, n * k, 1.0 / (k as f32).sqrt());
-            let gw = g.load_weight(&host_weight("w", &w, n, k, ty)).unwrap();
-            let gate_up = randn(&mut r, 2 * k, 2.0);
-            g.dense_gemv = true;
-            g.poison_activations(64 << 20).unwrap();
-            let both = g.tensor_from_f32(&gate_up, 1, 2 * k).unwrap();
-            let parts = g.split_cols(&both, &[k, k]).unwrap();
-            let fused = host(
-                &g,
-                &g.silu_mul_linear_summed(&parts[0], &parts[1], &gw).unwrap(),
-            );
-            let h = g.silu_mul(&parts[0], &parts[1]);
-            let out = g.tensor_from_f32(&vec![f32::NAN; n], 1, n).unwrap();
-            nibble_cuda::dense_gemv::run(&g, &h, &gw, &out).unwrap();
-            let apart = host(&g, &out);
-            let what = format!("SwiGLU gemv {n}x{k} {ty:?}");
-            assert!(
-                fused
-                    .iter()
-                    .zip(&apart)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{what}: not the gate kernel's bits"
-            );
-            g.dense_gemv = false;
-            let cublas = host(
-                &g,
-                &g.silu_mul_linear_summed(&parts[0], &parts[1], &gw).unwrap(),
-            );
-            check(&format!("{what} against cuBLAS"), &fused, &cublas, 1e-5);
-        }
-        g.dense_gemv = true;
-    }
-}
-
 /// Attention over a paged pool: prefill chunks, decode steps and long contexts (split-K), GQA
 /// groups 1 to 8, head sizes 16 to 256, blocks handed out in random order.
 #[test]

@@ -270,18 +270,6 @@ pub trait Backend: Send + Sync {
         Ok(out)
     }
 
-    /// [`Backend::linear_summed`] of SwiGLU's gate `silu(gate) * up` ([`Backend::silu_mul`]): a
-    /// dense MLP's down projection. A backend may make the gate as it reads it (a GPU's
-    /// one-token gemv).
-    fn silu_mul_linear_summed(
-        &self,
-        gate: &Self::Tensor,
-        up: &Self::Tensor,
-        weight: &Self::Weight,
-    ) -> Result<Self::Tensor> {
-        self.linear_summed(&self.silu_mul(gate, up), weight)
-    }
-
     /// Whether this backend, as a tensor-parallel rank, gathers column parts
     /// ([`Backend::all_gather_cols`]), so that the output head can be split by vocabulary.
     fn gathers_columns(&self) -> bool {

@@ -112,12 +112,7 @@ impl<B: Backend> Mlp<B> {
         let gate_up = self
             .gate_up
             .apply_normed(backend, x, Some(delta), norm, eps)?;
-        match self.act {
-            Activation::Silu => {
-                backend.silu_mul_linear_summed(&gate_up[0], &gate_up[1], &self.down)
-            }
-            Activation::GeluTanh => backend.linear_summed(&self.act(backend, &gate_up), &self.down),
-        }
+        backend.linear_summed(&self.act(backend, &gate_up), &self.down)
     }
 
     /// `act(gate x) * up x`.
