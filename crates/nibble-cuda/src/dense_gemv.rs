@@ -112,21 +112,38 @@ pub fn run_staged(
             x.elem, w.dtype, out.elem
         )));
     }
-    let ctas = ctas(ctx, n);
-    let (ring, smem) = layout(m, n, k, ctas, stage_kb << 10);
-    ctx.launch_block(
-        &kernel_name(m, stage_kb, ctx.dtype.suffix()),
-        (ctas as u32, 1, 1),
-        ((WARPS + 1) * 32) as u32,
-        smem as u32,
+    let name = kernel_name(m, stage_kb, ctx.dtype.suffix());
+    let wp = w.dense()?.ptr;
+    launch(ctx, &name, (m, n, k), stage_kb, |ring| {
         vec![
-            Arg::Ptr(w.dense()?.ptr),
+            Arg::Ptr(wp),
             Arg::Ptr(x.ptr),
             Arg::Ptr(out.ptr),
             Arg::I32(n as i32),
             Arg::I32(k as i32),
             Arg::I32(ring as i32),
-        ],
+        ]
+    })
+}
+
+/// Launches entry `name` for `m` tokens of a `[n, k]` weight in stages of `stage_kb` KB: one
+/// CTA per SM (at most one per row), the layout's shared memory, `args(ring bytes)` its
+/// arguments.
+fn launch(
+    ctx: &CudaContext,
+    name: &str,
+    (m, n, k): (usize, usize, usize),
+    stage_kb: usize,
+    args: impl FnOnce(usize) -> Vec<Arg>,
+) -> Result<()> {
+    let ctas = ctas(ctx, n);
+    let (ring, smem) = layout(m, n, k, ctas, stage_kb << 10);
+    ctx.launch_block(
+        name,
+        (ctas as u32, 1, 1),
+        ((WARPS + 1) * 32) as u32,
+        smem as u32,
+        args(ring),
     )
 }
 
@@ -170,15 +187,11 @@ pub fn run_norm(
             res.elem, w.dtype, out.elem
         )));
     }
-    let ctas = ctas(ctx, n);
-    let (ring, smem) = layout(1, n, k, ctas, DEFAULT_STAGE_KB << 10);
-    ctx.launch_block(
-        &norm_kernel_name(ctx.dtype.suffix()),
-        (ctas as u32, 1, 1),
-        ((WARPS + 1) * 32) as u32,
-        smem as u32,
+    let name = norm_kernel_name(ctx.dtype.suffix());
+    let wp = w.dense()?.ptr;
+    launch(ctx, &name, (1, n, k), DEFAULT_STAGE_KB, |ring| {
         vec![
-            Arg::Ptr(w.dense()?.ptr),
+            Arg::Ptr(wp),
             Arg::Ptr(res.ptr),
             Arg::Ptr(delta.map_or(0, |d| d.ptr)),
             Arg::Ptr(norm.ptr),
@@ -188,8 +201,8 @@ pub fn run_norm(
             Arg::I32(k as i32),
             Arg::I32(ring as i32),
             Arg::F32(eps),
-        ],
-    )
+        ]
+    })
 }
 
 #[cfg(test)]

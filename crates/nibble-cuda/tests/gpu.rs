@@ -396,6 +396,16 @@ fn linear_matches_cpu() {
     }
 }
 
+/// A Hopper GPU (the dense decode gemv's), or none, saying so.
+fn hopper_gpu(dtype: Dtype) -> Option<CudaBackend> {
+    let g = gpu(dtype);
+    if g.gpu.cc.0 < 9 {
+        eprintln!("the dense decode gemv needs sm_90; this GPU has none");
+        return None;
+    }
+    Some(g)
+}
+
 /// The dense decode gemv (1 to 4 tokens, Hopper) against an f64 sum of the 16-bit values and
 /// against cuBLAS: row counts that leave CTAs unequal ranges and row groups cut short, every
 /// K (multiples of 256 only), both stage sizes, NaN-poisoned outputs. Its sums are
@@ -404,11 +414,9 @@ fn linear_matches_cpu() {
 fn dense_decode_gemv_matches_the_reference() {
     let mut r = rng("dense_decode_gemv_matches_the_reference");
     for (dtype, ty) in [(Dtype::Bf16, GgmlType::BF16), (Dtype::F16, GgmlType::F16)] {
-        let mut g = gpu(dtype);
-        if g.gpu.cc.0 < 9 {
-            eprintln!("the dense decode gemv needs sm_90; this GPU has none");
+        let Some(mut g) = hopper_gpu(dtype) else {
             return;
-        }
+        };
         for &(n, k) in &[
             (1, 256),
             (7, 768),
@@ -481,11 +489,9 @@ fn dense_decode_gemv_matches_the_reference() {
 fn normed_decode_gemv_matches_the_norm_then_the_gemv() {
     let mut r = rng("normed_decode_gemv_matches_the_norm_then_the_gemv");
     for (dtype, ty) in [(Dtype::Bf16, GgmlType::BF16), (Dtype::F16, GgmlType::F16)] {
-        let mut g = gpu(dtype);
-        if g.gpu.cc.0 < 9 {
-            eprintln!("the dense decode gemv needs sm_90; this GPU has none");
+        let Some(mut g) = hopper_gpu(dtype) else {
             return;
-        }
+        };
         for &(n, k) in &[(2600, 4096), (1283, 8192)] {
             assert!(nibble_cuda::dense_gemv::engine_picks(&g, 1, n, k));
             let w = randn(&mut r, n * k, 1.0 / (k as f32).sqrt());
