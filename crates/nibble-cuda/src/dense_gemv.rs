@@ -49,9 +49,10 @@ fn layout(m: usize, n: usize, k: usize, ctas: usize, stage: usize) -> (usize, us
     (ring, ring + rest)
 }
 
-/// Whether the kernel computes an `m`-token product with a `[n, k]` weight on this GPU.
+/// Whether the kernel computes an `m`-token product with a `[n, k]` weight on this GPU: Hopper
+/// only (its entries are built for `sm_90a`; later GPUs keep cuBLAS, as the wgmma kernels do).
 pub fn applies(ctx: &CudaContext, m: usize, n: usize, k: usize) -> bool {
-    ctx.gpu.cc.0 >= 9
+    ctx.gpu.cc == (9, 0)
         && (1..=MAX_TOKENS).contains(&m)
         && n > 0
         && k > 0
@@ -99,6 +100,7 @@ pub fn run_staged(
         || x.cols != k
         || out.rows != m
         || out.cols != n
+        || !out.is_contiguous()
         || !STAGES_KB.contains(&stage_kb)
     {
         return Err(Error::InvalidArgument(format!(

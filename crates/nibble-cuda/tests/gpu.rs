@@ -396,11 +396,12 @@ fn linear_matches_cpu() {
     }
 }
 
-/// A Hopper GPU (the dense decode gemv's), or none, saying so.
+/// A Hopper GPU (the dense decode gemv's), or none, saying so; elsewhere the gemv is not taken.
 fn hopper_gpu(dtype: Dtype) -> Option<CudaBackend> {
     let g = gpu(dtype);
-    if g.gpu.cc.0 < 9 {
-        eprintln!("the dense decode gemv needs sm_90; this GPU has none");
+    if g.gpu.cc != (9, 0) {
+        assert!(!nibble_cuda::dense_gemv::applies(&g, 1, 4096, 4096));
+        eprintln!("the dense decode gemv is Hopper's (sm_90a); this GPU is not one");
         return None;
     }
     Some(g)
