@@ -159,10 +159,7 @@ impl CudaBackend {
             match &weight.data {
                 WeightData::Dense(_) => {
                     let xh = ctx.as_half(x)?;
-                    if self.dense_gemv
-                        && weight.dtype == ctx.dtype
-                        && dense_gemv::engine_picks(ctx, x.rows, weight.rows, weight.cols)
-                    {
+                    if self.takes_dense_gemv(x.rows, weight) {
                         return dense_gemv::run(ctx, &xh, weight, out);
                     }
                     self.blas_gemm(&xh, weight, out)
@@ -180,6 +177,14 @@ impl CudaBackend {
             ew::add_bias(ctx, out, b)?;
         }
         Ok(())
+    }
+
+    /// Whether an `m`-row product with the 16-bit `weight` runs on the dense decode gemv.
+    fn takes_dense_gemv(&self, m: usize, weight: &CudaWeight) -> bool {
+        self.dense_gemv
+            && matches!(weight.data, WeightData::Dense(_))
+            && weight.dtype == self.ctx.dtype
+            && dense_gemv::engine_picks(&self.ctx, m, weight.rows, weight.cols)
     }
 
     /// cuBLAS's `out = x @ w^T` whatever the shape (benchmarks time it against `dense_gemv`).
@@ -661,20 +666,14 @@ impl Backend for CudaBackend {
         bias: Option<&CudaTensor>,
     ) -> Result<CudaTensor> {
         let ctx = &self.ctx;
-        let fused = self.dense_gemv
-            && x.rows == 1
+        let fused = x.rows == 1
             && x.elem == Elem::F32
             && x.is_contiguous()
             && x.cols <= RESIDUAL_ROW_MAX
-            && matches!(weight.data, WeightData::Dense(_))
-            && weight.dtype == ctx.dtype
             && ctx.wants_act8().is_none()
-            && dense_gemv::engine_picks(ctx, 1, weight.rows, weight.cols);
+            && self.takes_dense_gemv(1, weight);
         if !fused {
-            let h = match delta {
-                Some(d) => self.add_rms_norm(x, d, norm, eps),
-                None => self.rms_norm(x, norm, eps),
-            };
+            let h = self.pre_norm(x, delta, norm, eps);
             return self.linear(&h, weight, bias);
         }
         ctx.check_live(x)?;

@@ -240,9 +240,24 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
-    /// [`Backend::add_rms_norm`] (or [`Backend::rms_norm`] without `delta`), then
-    /// [`Backend::linear`] of the normed rows: a block's first projection. A backend may do both
-    /// in one pass (a GPU's one-token gemv norms its row itself); `x` ends updated either way.
+    /// A block's pre-norm: [`Backend::add_rms_norm`] of `x + delta` (added into `x`), or
+    /// [`Backend::rms_norm`] of `x` without a delta.
+    fn pre_norm(
+        &self,
+        x: &mut Self::Tensor,
+        delta: Option<&Self::Tensor>,
+        norm: &Self::Tensor,
+        eps: f32,
+    ) -> Self::Tensor {
+        match delta {
+            Some(d) => self.add_rms_norm(x, d, norm, eps),
+            None => self.rms_norm(x, norm, eps),
+        }
+    }
+
+    /// [`Backend::pre_norm`], then [`Backend::linear`] of the normed rows: a block's first
+    /// projection. A backend may do both in one pass (a GPU's one-token gemv norms its row
+    /// itself); `x` ends updated either way.
     #[allow(clippy::too_many_arguments)]
     fn norm_linear(
         &self,
@@ -253,10 +268,7 @@ pub trait Backend: Send + Sync {
         weight: &Self::Weight,
         bias: Option<&Self::Tensor>,
     ) -> Result<Self::Tensor> {
-        let h = match delta {
-            Some(d) => self.add_rms_norm(x, d, norm, eps),
-            None => self.rms_norm(x, norm, eps),
-        };
+        let h = self.pre_norm(x, delta, norm, eps);
         self.linear(&h, weight, bias)
     }
 

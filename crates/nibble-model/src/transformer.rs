@@ -36,13 +36,7 @@ impl<B: Backend> Projections<B> {
                 &backend.norm_linear(x, delta, norm, eps, w, b.as_ref())?,
                 widths,
             ),
-            Projections::Separate(_) => {
-                let h = match delta {
-                    Some(d) => backend.add_rms_norm(x, d, norm, eps),
-                    None => backend.rms_norm(x, norm, eps),
-                };
-                self.apply(backend, &h)
-            }
+            Projections::Separate(_) => self.apply(backend, &backend.pre_norm(x, delta, norm, eps)),
         }
     }
 

@@ -50,7 +50,7 @@ pub struct EngineHandle {
 /// Why the engine thread stopped for good, set once, and a wake-up for whoever waits on it.
 #[derive(Default)]
 struct Failure {
-    reason: Mutex<Option<String>>,
+    reason: std::sync::OnceLock<String>,
     stopped: tokio::sync::Notify,
 }
 
@@ -69,7 +69,7 @@ impl EngineHandle {
             .spawn(move || {
                 if let Err(reason) = run(&mut engine, rx, &stats2, &metrics2) {
                     eprintln!("nibble serve: {reason}");
-                    *failure2.reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+                    let _ = failure2.reason.set(reason);
                     // A stored permit: the waiter may not be waiting yet.
                     failure2.stopped.notify_one();
                 }
@@ -85,11 +85,7 @@ impl EngineHandle {
 
     /// Why the engine stopped for good, if it did: a failed step of a tensor-parallel group.
     pub fn failure(&self) -> Option<String> {
-        self.failure
-            .reason
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.failure.reason.get().cloned()
     }
 
     /// Resolves when the engine has stopped for good ([`EngineHandle::failure`] says why): the
