@@ -55,7 +55,9 @@ pub const SOURCES: &[(&str, &str)] = &[
             "\n",
             include_str!("../kernels/qgemv_grouped.cu"),
             "\n",
-            include_str!("../kernels/gemv_dense.cu")
+            include_str!("../kernels/gemv_dense.cu"),
+            "\n",
+            include_str!("../kernels/qgemv_stream.cu")
         ),
     ),
 ];
@@ -111,6 +113,7 @@ pub const GRID_WAITING_KERNELS: &[&str] = &[
     "kvq_decode_",
     "kvq_append_",
     "w4a16_dec",
+    "w4a16_tdec",
     "w8a8_dec",
     "w8a16_dec",
     "w4a8_dec",
