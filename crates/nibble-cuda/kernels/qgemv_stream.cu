@@ -31,8 +31,8 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-#define TS_WARPS 30  // consumers; with the producer and the reducer, 1024 threads
-#define TS_UNITS 60                    // units a stage: 2 a consumer warp
+#define TS_WARPS 32
+#define TS_UNITS 64                    // units a stage
 #define TS_STAGE (TS_UNITS * 512)      // code bytes a stage
 #define TS_PSLOT (TS_UNITS * 64)       // parameter bytes a stage, at most (one group a unit)
 #define TS_MAX_SLOTS 5

