@@ -48,9 +48,7 @@ __device__ __forceinline__ void w4_stream_gemv(const uint4* __restrict__ codes, 
     constexpr int U = TS_UNITS / TS_WARPS, SPANS = U / GC;
     static_assert(U <= F::U && SPANS >= 1, "a warp's units fit DecW4's registers");
     extern __shared__ __align__(128) unsigned char ts_smem[];
-    // full / empty: a ring slot's bytes arrived / were taken into registers; pfull / pempty: a
-    // stage's per-warp partial sums were written / were added up by the reducer warp.
-    __shared__ __align__(8) u64 full[TS_MAX_SLOTS], empty[TS_MAX_SLOTS], pfull[TS_MAX_SLOTS], pempty[TS_MAX_SLOTS];
+    __shared__ __align__(8) u64 full[TS_MAX_SLOTS], empty[TS_MAX_SLOTS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
     const int cta = blockIdx.x;
     const long units = (long)tiles * chunks;
@@ -62,8 +60,6 @@ __device__ __forceinline__ void w4_stream_gemv(const uint4* __restrict__ codes, 
         for (int s = 0; s < slots; ++s) {
             mbar_init_count(smem_addr(&full[s]), 1);
             mbar_init_count(smem_addr(&empty[s]), TS_WARPS);
-            mbar_init_count(smem_addr(&pfull[s]), TS_WARPS);
-            mbar_init_count(smem_addr(&pempty[s]), 1);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -110,86 +106,7 @@ __device__ __forceinline__ void w4_stream_gemv(const uint4* __restrict__ codes, 
     unsigned char* xs = ts_smem + slots * (TS_STAGE + TS_PSLOT);
     float* xsum = reinterpret_cast<float*>(xs + M * xstride);
     const int spans = chunks / GC;
-    float* stage_part = xsum + spans * 8;                       // [slot][warp][row * M + m]
-    float* tile_sum = stage_part + slots * TS_WARPS * 16 * M;   // [local tile][row * M + m]
-    const int part_len = 16 * M;
-
-    if (warp == TS_WARPS + 1) {
-        // The reducer: each stage's warp partials added in warp order into their tiles' sums, so
-        // the consumers never wait on each other and shared memory holds one row of partials per
-        // warp and ring slot, whatever the CTA's tile count.
-        for (int i = lane; i < local_tiles * part_len; i += 32) tile_sum[i] = 0.f;
-        int a_tile = 0, a_chunk = (int)(u0 - t_first * chunks);
-        for (int s = 0; s < stages; ++s) {
-            const int slot = s % slots, round = s / slots;
-            const int active = min((int)(u1 - u0) - s * TS_UNITS, TS_UNITS) / U;  // warps with units
-            mbar_wait(smem_addr(&pfull[slot]), round & 1);
-            const float* sp = stage_part + slot * TS_WARPS * part_len;
-            for (int i = lane; i < part_len; i += 32) {
-                int lt = a_tile, c = a_chunk;
-                float run = 0.f;
-                for (int w = 0; w < active; ++w) {
-                    if (c >= chunks) {  // warp w starts the next tile
-                        tile_sum[lt * part_len + i] += run;
-                        run = 0.f;
-                        c -= chunks;
-                        ++lt;
-                    }
-                    run += sp[w * part_len + i];
-                    c += U;
-                }
-                tile_sum[lt * part_len + i] += run;
-            }
-            __syncwarp();
-            if (lane == 0) mbar_arrive(smem_addr(&pempty[slot]));
-            a_chunk += TS_UNITS;
-            while (a_chunk >= chunks) {
-                a_chunk -= chunks;
-                ++a_tile;
-            }
-        }
-        grid_dependents_launch();
-        // Whole tiles go out; a tile cut between CTAs goes to its slot and the last CTA to arrive
-        // adds the slots in CTA order.
-        for (int lt = 0; lt < local_tiles; ++lt) {
-            const long tile = t_first + lt;
-            const long first = tile * chunks / per_cta, last = ((tile + 1) * chunks - 1) / per_cta;
-            const int pieces = (int)(last - first + 1);
-            float* base = partial + tile * max_pieces * M * 16;
-            for (int i = lane; i < part_len; i += 32) {
-                const int row = i / M, m = i - row * M;
-                const float v = tile_sum[lt * part_len + i];
-                const long n = tile * 16 + row;
-                if (pieces == 1) {
-                    if (n < N) y[(long)m * ldy + n] = to_out(v, (OUT*)nullptr);
-                } else {
-                    base[(cta - first) * M * 16 + m * 16 + row] = v;
-                }
-            }
-            if (pieces > 1) {
-                release_fence();
-                __syncwarp();
-                int done = 0;
-                if (lane == 0) {
-                    done = atomicAdd(&counters[tile], 1) == pieces - 1;
-                    if (done) counters[tile] = 0;
-                }
-                if (__shfl_sync(0xffffffffu, done, 0)) {
-                    release_fence();
-                    for (int i = lane; i < M * 16; i += 32) {
-                        const int m = i >> 4;
-                        const long n = tile * 16 + (i & 15);
-                        float v = 0.f;
-                        for (int p = 0; p < pieces; ++p) v += __ldcg(base + (long)p * M * 16 + i);
-                        if (n < N) y[(long)m * ldy + n] = to_out(v, (OUT*)nullptr);
-                    }
-                }
-            }
-        }
-        return;
-    }
-
-    // The consumers: the activations and their span sums, then the stream.
+    float* part = xsum + spans * 8;
     {
         const int vecs = K / 8;
         for (int i = threadIdx.x; i < M * vecs; i += TS_WARPS * 32) {
@@ -198,6 +115,7 @@ __device__ __forceinline__ void w4_stream_gemv(const uint4* __restrict__ codes, 
                 reinterpret_cast<const uint4*>(x + row * ldx)[col];
         }
         for (int i = threadIdx.x; i < spans * 8; i += TS_WARPS * 32) xsum[i] = 0.f;
+        for (int i = threadIdx.x; i < local_tiles * TS_WARPS * 16 * M; i += TS_WARPS * 32) part[i] = 0.f;
         asm volatile("bar.sync 1, %0;\n" ::"n"(TS_WARPS * 32) : "memory");
         // The activation sums of each token over each span of GC chunks (for the zero points).
         for (int i = warp; i < spans * M; i += TS_WARPS) {
@@ -213,19 +131,32 @@ __device__ __forceinline__ void w4_stream_gemv(const uint4* __restrict__ codes, 
     const F f{codes, params, chunks, groups, chunk_shift};
     // Token rows past M read row M - 1: their outputs are never stored.
     const unsigned char* xrow = xs + min(lane >> 2, M - 1) * xstride;
-    // The stage's first unit, as (local tile, chunk), stepped without divisions: the loop is
-    // bound by instruction issue, and one 64-bit division costs more than a unit's math.
+    float acc[1][4] = {};
+    int cur = -1;  // the local tile acc holds
+    auto keep = [&](int lt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = (lane >> 2) + 8 * (e >> 1), m = 2 * t + (e & 1);
+            if (m < M) part[((lt * TS_WARPS + warp) * 16 + row) * M + m] = acc[0][e];
+            acc[0][e] = 0.f;
+        }
+    };
+    // The stage's first unit and this warp's, as (local tile, chunk), stepped without divisions:
+    // the loop is bound by instruction issue, and one 64-bit division costs more than a batch.
     int a_tile = 0, a_chunk = (int)(u0 - t_first * chunks);
     for (int s = 0; s < stages; ++s) {
         const int slot = s % slots, round = s / slots;
         const int left = (int)(u1 - u0) - s * TS_UNITS;  // units from this stage's first
-        float acc[1][4] = {};
         mbar_wait(smem_addr(&full[slot]), round & 1);
         if (U * warp < min(left, TS_UNITS)) {
             int lt = a_tile, c = a_chunk + U * warp;
             while (c >= chunks) {
                 c -= chunks;
                 ++lt;
+            }
+            if (lt != cur) {
+                if (cur >= 0) keep(cur);
+                cur = lt;
             }
             typename F::Regs r;
             const unsigned char* cw = ts_smem + slot * TS_STAGE + U * warp * 512 + lane * 16;
@@ -254,31 +185,63 @@ __device__ __forceinline__ void w4_stream_gemv(const uint4* __restrict__ codes, 
                 const float S[1][2] = {{sv.x, sv.y}};
                 f.flush(r, sp, G, S, acc);
             }
-            // This stage's partial sums of the warp's tile, for the reducer.
-            if (round > 0) mbar_wait(smem_addr(&pempty[slot]), (round - 1) & 1);
-            float* mine = stage_part + (slot * TS_WARPS + warp) * part_len;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = (lane >> 2) + 8 * (e >> 1), m = 2 * t + (e & 1);
-                if (m < M) mine[row * M + m] = acc[0][e];
-            }
         } else {
             __syncwarp();
             if (lane == 0) mbar_arrive(smem_addr(&empty[slot]));
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(smem_addr(&pfull[slot]));
         a_chunk += TS_UNITS;
         while (a_chunk >= chunks) {
             a_chunk -= chunks;
             ++a_tile;
         }
     }
+    if (cur >= 0) keep(cur);
     grid_dependents_launch();
+    asm volatile("bar.sync 1, %0;\n" ::"n"(TS_WARPS * 32) : "memory");
+
+    // Each local tile: its warps' partials in warp order; whole tiles go out, a tile cut between
+    // CTAs goes to its slot and the last CTA to arrive adds the slots in CTA order.
+    for (int lt = warp; lt < local_tiles; lt += TS_WARPS) {
+        const long tile = t_first + lt;
+        const long first = tile * chunks / per_cta, last = ((tile + 1) * chunks - 1) / per_cta;
+        const int pieces = (int)(last - first + 1);
+        float* base = partial + tile * max_pieces * M * 16;
+        for (int i = lane; i < 16 * M; i += 32) {
+            const int row = i / M, m = i - row * M;
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < TS_WARPS; ++w) v += part[((lt * TS_WARPS + w) * 16 + row) * M + m];
+            const long n = tile * 16 + row;
+            if (pieces == 1) {
+                if (n < N) y[(long)m * ldy + n] = to_out(v, (OUT*)nullptr);
+            } else {
+                base[(cta - first) * M * 16 + m * 16 + row] = v;
+            }
+        }
+        if (pieces > 1) {
+            release_fence();
+            __syncwarp();
+            int done = 0;
+            if (lane == 0) {
+                done = atomicAdd(&counters[tile], 1) == pieces - 1;
+                if (done) counters[tile] = 0;
+            }
+            if (__shfl_sync(0xffffffffu, done, 0)) {
+                release_fence();
+                for (int i = lane; i < M * 16; i += 32) {
+                    const int m = i >> 4;
+                    const long n = tile * 16 + (i & 15);
+                    float v = 0.f;
+                    for (int p = 0; p < pieces; ++p) v += __ldcg(base + (long)p * M * 16 + i);
+                    if (n < N) y[(long)m * ldy + n] = to_out(v, (OUT*)nullptr);
+                }
+            }
+        }
+    }
 }
 
 #define W4A16_TDEC_ENTRY(NAME, T, GC, OUT)                                                                      \
-    extern "C" __global__ void __launch_bounds__((TS_WARPS + 2) * 32, 1) NAME(                                   \
+    extern "C" __global__ void __launch_bounds__((TS_WARPS + 1) * 32, 1) NAME(                                   \
         const uint4* codes, const uint2* params, const T* x, long ldx, OUT* y, long ldy, float* partial,           \
         int* counters, int M, int N, int K, int tiles, int chunks, int groups, int group_len, int group_shift,    \
         int per_cta, int max_pieces, int ring_bytes) {                                                           \
