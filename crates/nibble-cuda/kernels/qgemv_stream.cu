@@ -31,7 +31,7 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-#define TS_WARPS 32
+#define TS_WARPS 16
 #define TS_UNITS 64                    // units a stage
 #define TS_STAGE (TS_UNITS * 512)      // code bytes a stage
 #define TS_PSLOT (TS_UNITS * 64)       // parameter bytes a stage, at most (one group a unit)
@@ -44,9 +44,7 @@ __device__ __forceinline__ void w4_stream_gemv(const uint4* __restrict__ codes, 
                                                int K, int tiles, int chunks, int groups, int chunk_shift,
                                                int per_cta, int max_pieces, int ring_bytes) {
     using F = DecW4<T, GC>;
-    // Units a warp takes of a stage (2: one scale span of groups of 128 or more).
-    constexpr int U = TS_UNITS / TS_WARPS, SPANS = U / GC;
-    static_assert(U <= F::U && SPANS >= 1, "a warp's units fit DecW4's registers");
+    constexpr int U = F::U, SPANS = F::SPANS;
     extern __shared__ __align__(128) unsigned char ts_smem[];
     __shared__ __align__(8) u64 full[TS_MAX_SLOTS], empty[TS_MAX_SLOTS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;

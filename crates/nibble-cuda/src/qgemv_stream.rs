@@ -19,9 +19,8 @@ const MIN_SLOTS: usize = 2;
 const SMEM_LIMIT: usize = 227 * 1024 - 256;
 /// Units a CTA's range is a multiple of: a consumer warp's batch, which never straddles a tile.
 const BATCH: usize = 4;
-/// Consumer warps a CTA (the kernel's `TS_WARPS`), and its threads with the producer warp.
-const WARPS: usize = 32;
-const THREADS: u32 = (WARPS as u32 + 1) * 32;
+/// Threads a CTA: 16 consumer warps and the producer warp.
+const THREADS: u32 = 17 * 32;
 /// Tokens the kernel takes (one 8-token MMA tile).
 pub const MAX_TOKENS: usize = 8;
 
@@ -54,7 +53,7 @@ pub fn plan(tiles: usize, chunks: usize, span: usize, sms: usize, m: usize) -> O
     // The most tiles a CTA's range touches: whole ones plus a piece at each end.
     let local_tiles = per_cta.div_ceil(chunks) + 1;
     let k = chunks * 64;
-    let fixed = m * (2 * k + 16) + chunks / span * 8 * 4 + local_tiles * WARPS * 16 * m * 4;
+    let fixed = m * (2 * k + 16) + chunks / span * 8 * 4 + local_tiles * 16 * 16 * m * 4;
     let slots = (SMEM_LIMIT.checked_sub(fixed)? / STAGE_BYTES).min(MAX_SLOTS);
     (slots >= MIN_SLOTS).then_some(StreamPlan {
         ctas: units.div_ceil(per_cta),
