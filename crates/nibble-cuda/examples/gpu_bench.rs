@@ -580,13 +580,8 @@ fn w4_stream(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
         ("down/2", 4096, 7168),
     ];
     let w4: LinearFormat = "int4-g128/a16".parse()?;
-    // NIBBLE_BENCH_LAYERS=gate_up,down keeps those (a profiler run's few launches).
-    let only = std::env::var("NIBBLE_BENCH_LAYERS").unwrap_or_default();
     let mut out = Vec::new();
     for (si, (name, n, k)) in shapes.into_iter().enumerate() {
-        if !only.is_empty() && !only.split(',').any(|l| l == name) {
-            continue;
-        }
         let host = quant_weight(w4, n, k, 700 + si as u64)?;
         let copies = cold_copies(be, host.bytes.len());
         let ws: Vec<CudaWeight> = (0..copies)
