@@ -17,8 +17,7 @@
 // (same fragments in shared memory instead of registers, same MMAs and span flushes).
 // Pipeline: TMA (LiquidGEMM §5's producer warp). Warp 16's first lane issues two 1-D bulk copies a
 // stage (codes, parameters; L2 evict-first) into a ring of up to 5 slots, completing on the
-// slot's `full` mbarrier; consumers free a slot on its `empty` barrier as soon as their codes
-// and parameters are in registers. The producer starts
+// slot's `full` mbarrier; consumers free a slot on its `empty` barrier. The producer starts
 // before griddepcontrol.wait (nothing writes the weights), so under programmatic dependent launch
 // the ring fills while the previous kernel finishes.
 // Layout in shared memory: the ring (codes, then parameters), the activations (M rows of K,
@@ -53,6 +52,8 @@ __device__ __forceinline__ void w4_stream_gemv(const uint4* __restrict__ codes, 
     const long u0 = (long)cta * per_cta, u1 = min(units, u0 + per_cta);
     const int stages = (int)((u1 - u0 + TS_UNITS - 1) / TS_UNITS);
     const int slots = min(ring_bytes / (TS_STAGE + TS_PSLOT), TS_MAX_SLOTS);
+    // The group a unit's parameters are in, counted over the whole weight (tile-major).
+    auto group_of = [&](long u) -> long { return u / chunks * groups + ((u % chunks) >> chunk_shift); };
     unsigned char* pring = ts_smem + slots * TS_STAGE;
     if (threadIdx.x == 0) {
         for (int s = 0; s < slots; ++s) {
@@ -68,30 +69,16 @@ __device__ __forceinline__ void w4_stream_gemv(const uint4* __restrict__ codes, 
             const u64 policy = evict_first_policy();
             const unsigned char* cbytes = reinterpret_cast<const unsigned char*>(codes);
             const unsigned char* pbytes = reinterpret_cast<const unsigned char*>(params);
-            // The stage's first unit as (tile, chunk), stepped as the consumers step theirs.
-            int tile = (int)(u0 / chunks), chunk = (int)(u0 - (long)tile * chunks);
             for (int s = 0; s < stages; ++s) {
                 const int slot = s % slots, round = s / slots;
                 if (round > 0) mbar_wait(smem_addr(&empty[slot]), (round - 1) & 1);
-                const long ua = u0 + (long)s * TS_UNITS;
-                const int n_units = (int)min((long)TS_UNITS, u1 - ua);
-                int last_tile = tile, last_chunk = chunk + n_units - 1;
-                while (last_chunk >= chunks) {
-                    last_chunk -= chunks;
-                    ++last_tile;
-                }
-                const long ga = (long)tile * groups + (chunk >> chunk_shift);
-                const long gb = (long)last_tile * groups + (last_chunk >> chunk_shift);
-                const u32 code_size = (u32)n_units * 512, param_size = (u32)(gb - ga + 1) * 64;
+                const long ua = u0 + (long)s * TS_UNITS, ub = min(u1, ua + TS_UNITS);
+                const long ga = group_of(ua), gb = group_of(ub - 1);
+                const u32 code_size = (u32)(ub - ua) * 512, param_size = (u32)(gb - ga + 1) * 64;
                 const u32 bar = smem_addr(&full[slot]);
                 mbar_expect_tx(bar, code_size + param_size);
                 bulk_load_evict(smem_addr(ts_smem + slot * TS_STAGE), cbytes + ua * 512, code_size, bar, policy);
                 bulk_load_evict(smem_addr(pring + slot * TS_PSLOT), pbytes + ga * 64, param_size, bar, policy);
-                chunk += TS_UNITS;
-                while (chunk >= chunks) {
-                    chunk -= chunks;
-                    ++tile;
-                }
             }
         }
         return;
@@ -139,19 +126,13 @@ __device__ __forceinline__ void w4_stream_gemv(const uint4* __restrict__ codes, 
             acc[0][e] = 0.f;
         }
     };
-    // The stage's first unit and this warp's, as (local tile, chunk), stepped without divisions:
-    // the loop is bound by instruction issue, and one 64-bit division costs more than a batch.
-    int a_tile = 0, a_chunk = (int)(u0 - t_first * chunks);
     for (int s = 0; s < stages; ++s) {
         const int slot = s % slots, round = s / slots;
-        const int left = (int)(u1 - u0) - s * TS_UNITS;  // units from this stage's first
+        const long ua = u0 + (long)s * TS_UNITS, u = ua + U * warp;
         mbar_wait(smem_addr(&full[slot]), round & 1);
-        if (U * warp < min(left, TS_UNITS)) {
-            int lt = a_tile, c = a_chunk + U * warp;
-            while (c >= chunks) {
-                c -= chunks;
-                ++lt;
-            }
+        if (u < min(u1, ua + TS_UNITS)) {
+            const long tile = u / chunks;
+            const int c = (int)(u - tile * chunks), lt = (int)(tile - t_first);
             if (lt != cur) {
                 if (cur >= 0) keep(cur);
                 cur = lt;
@@ -160,16 +141,11 @@ __device__ __forceinline__ void w4_stream_gemv(const uint4* __restrict__ codes, 
             const unsigned char* cw = ts_smem + slot * TS_STAGE + U * warp * 512 + lane * 16;
 #pragma unroll
             for (int uu = 0; uu < U; ++uu) r.w[uu] = *reinterpret_cast<const uint4*>(cw + uu * 512);
-            // Group rows in the stage's parameter slot: the stage's first group is row 0.
-            const int g_first = a_tile * groups + (a_chunk >> chunk_shift);
+            const long ga = group_of(ua);
             const unsigned char* pw = pring + slot * TS_PSLOT + (lane >> 2) * 8;
 #pragma unroll
             for (int sp = 0; sp < SPANS; ++sp)
-                r.p[sp] = *reinterpret_cast<const uint2*>(
-                    pw + (lt * groups + ((c + sp * GC) >> chunk_shift) - g_first) * 64);
-            // The slot is in registers: free it for the producer before the math.
-            __syncwarp();
-            if (lane == 0) mbar_arrive(smem_addr(&empty[slot]));
+                r.p[sp] = *reinterpret_cast<const uint2*>(pw + (group_of(u + sp * GC) - ga) * 64);
 #pragma unroll
             for (int sp = 0; sp < SPANS; ++sp) {
                 float G[2][1][4] = {};
@@ -183,15 +159,9 @@ __device__ __forceinline__ void w4_stream_gemv(const uint4* __restrict__ codes, 
                 const float S[1][2] = {{sv.x, sv.y}};
                 f.flush(r, sp, G, S, acc);
             }
-        } else {
-            __syncwarp();
-            if (lane == 0) mbar_arrive(smem_addr(&empty[slot]));
         }
-        a_chunk += TS_UNITS;
-        while (a_chunk >= chunks) {
-            a_chunk -= chunks;
-            ++a_tile;
-        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_addr(&empty[slot]));
     }
     if (cur >= 0) keep(cur);
     grid_dependents_launch();
