@@ -564,72 +564,6 @@ fn dense_gemv(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
     Ok(out)
 }
 
-/// W4A16 (g128) decode GEMVs on Llama-3-8B's layer shapes, whole and as a TP=2 rank's halves, at 1
-/// to 4 tokens: the TMA-fed stream (kernels/qgemv_stream.cu) against the register-streamed decode
-/// gemv it replaces and cuBLAS BF16 on the same layer, each from HBM ([`cold_copies`]), with the
-/// share of the copy bandwidth the W4A16 bytes (codes and group parameters) move at.
-fn w4_stream(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
-    let shapes = [
-        ("qkv", 6144, 4096),
-        ("o", 4096, 4096),
-        ("gate_up", 28672, 4096),
-        ("down", 4096, 14336),
-        ("qkv/2", 3072, 4096),
-        ("o/2", 4096, 2048),
-        ("gate_up/2", 14336, 4096),
-        ("down/2", 4096, 7168),
-    ];
-    let w4: LinearFormat = "int4-g128/a16".parse()?;
-    let mut out = Vec::new();
-    for (si, (name, n, k)) in shapes.into_iter().enumerate() {
-        let host = quant_weight(w4, n, k, 700 + si as u64)?;
-        let copies = cold_copies(be, host.bytes.len());
-        let ws: Vec<CudaWeight> = (0..copies)
-            .map(|_| be.load_weight(&host))
-            .collect::<Result<_>>()?;
-        let ps = quant_params(&ws)?;
-        let bytes = ps[0].bytes() as f64;
-        let dense_copies = cold_copies(be, n * k * 2);
-        let dense: Vec<CudaWeight> = (0..dense_copies)
-            .map(|c| be.load_weight(&bf16_weight(n, k, 800 + c as u64)))
-            .collect::<Result<_>>()?;
-        for &m in &[1usize, 2, 4] {
-            let x = be.random_half_tensor(m, k, 43)?;
-            let y = be.owned_tensor(m, n, Elem::Half(Dtype::Bf16))?;
-            let yf = be.owned_tensor(m, n, Elem::F32)?;
-            let timed = |stream: bool| -> Result<f64> {
-                be.set_w4_stream(stream);
-                let mut i = 0;
-                let t = time_calls(be, copies, &mut || {
-                    i = (i + 1) % copies;
-                    be.quant_gemm(&x, ps[i], n, k, &y)
-                });
-                be.set_w4_stream(true);
-                t
-            };
-            let (stream, registers) = (timed(true)?, timed(false)?);
-            let mut i = 0;
-            let cublas = time_calls(be, dense_copies, &mut || {
-                i = (i + 1) % dense_copies;
-                be.blas_gemm(&x, &dense[i], &yf)
-            })?;
-            let io = (m * k * 2 + m * n * 2) as f64;
-            let row = json!({
-                "layer": name, "n": n, "k": k, "tokens": m, "w4a16_weight_bytes": bytes,
-                "stream_us": stream * 1e6, "stream_hbm_share": (bytes + io) / stream / bw,
-                "register_decode_us": registers * 1e6,
-                "register_decode_hbm_share": (bytes + io) / registers / bw,
-                "cublas_bf16_us": cublas * 1e6,
-                "stream_vs_register_decode": registers / stream,
-                "stream_vs_cublas_bf16": cublas / stream,
-            });
-            eprintln!("w4 stream {name} M={m}: {row}");
-            out.push(row);
-        }
-    }
-    Ok(out)
-}
-
 /// Mixtral-8x7B's experts of one layer (hidden 4096, ffn 14336, 8 experts, top 2) in W4A16-g128,
 /// W8A8 and BF16 at 1 to 64 tokens routed by a fixed pseudo-random top 2. Per format and size:
 /// the two grouped GEMMs alone (gate/up over the gathered rows, down over the SiLU-gate's output)
@@ -822,12 +756,9 @@ fn main() -> Result<()> {
     // --dense-gemv: 16-bit decode GEMVs on the TP=1 and TP=2 layer shapes, cuBLAS against
     // nibble's dense decode gemv and the stream-K decode gemv.
     type Mode = fn(&CudaBackend, f64) -> Result<Vec<Value>>;
-    // --w4-stream: W4A16 decode GEMVs on the same shapes, the TMA-fed stream against the
-    // register-streamed decode gemv and cuBLAS BF16.
-    let modes: [(&str, &str, Mode); 3] = [
+    let modes: [(&str, &str, Mode); 2] = [
         ("--moe-experts", "moe_experts", moe_experts),
         ("--dense-gemv", "dense_gemv", dense_gemv),
-        ("--w4-stream", "w4_stream", w4_stream),
     ];
     if let Some((_, key, run)) = modes
         .iter()

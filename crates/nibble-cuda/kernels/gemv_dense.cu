@@ -30,6 +30,13 @@
 #define DG_WARPS 16
 #define DG_MAX_SLOTS 10
 
+__device__ __forceinline__ void dg_bulk_load(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+        : "memory");
+}
+
 template <class T> __device__ __forceinline__ void dg_unpack(uint4 v, float (&f)[8]);
 template <> __device__ __forceinline__ void dg_unpack<__nv_bfloat16>(uint4 v, float (&f)[8]) {
     const u32 w[4] = {v.x, v.y, v.z, v.w};
@@ -84,7 +91,8 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
 
     if (warp == DG_WARPS) {
         if (lane == 0) {
-            const u64 policy = evict_first_policy();
+            u64 policy;
+            asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
             const unsigned char* src = reinterpret_cast<const unsigned char*>(w + (long)r0 * k);
             const u32 ring = smem_addr(dg_smem);
             for (int s = 0; s < stages; ++s) {
@@ -93,7 +101,7 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
                 const u32 size = (u32)min((long)STAGE, bytes - (long)s * STAGE);
                 const u32 bar = smem_addr(&full[slot]);
                 mbar_expect_tx(bar, size);
-                bulk_load_evict(ring + slot * STAGE, src + (long)s * STAGE, size, bar, policy);
+                dg_bulk_load(ring + slot * STAGE, src + (long)s * STAGE, size, bar, policy);
             }
         }
         return;

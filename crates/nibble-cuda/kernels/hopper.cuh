@@ -37,21 +37,6 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo = 16) {
     return (u64)((addr & 0x3ffff) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
 
-// `bytes` (a multiple of 16) from global `src` into shared `dst` with one 1-D bulk copy, completing
-// on `bar`, under L2 cache policy `policy` (the decode gemvs' weight streams: evict-first).
-__device__ __forceinline__ void bulk_load_evict(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
-        "l"(src), "r"(bytes), "r"(bar), "l"(policy)
-        : "memory");
-}
-// An L2 policy that evicts what it loads first: a weight stream read once per step.
-__device__ __forceinline__ u64 evict_first_policy() {
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-    return policy;
-}
-
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                  : "memory");

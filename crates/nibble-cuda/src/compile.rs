@@ -55,9 +55,7 @@ pub const SOURCES: &[(&str, &str)] = &[
             "\n",
             include_str!("../kernels/qgemv_grouped.cu"),
             "\n",
-            include_str!("../kernels/gemv_dense.cu"),
-            "\n",
-            include_str!("../kernels/qgemv_stream.cu")
+            include_str!("../kernels/gemv_dense.cu")
         ),
     ),
 ];
@@ -113,7 +111,6 @@ pub const GRID_WAITING_KERNELS: &[&str] = &[
     "kvq_decode_",
     "kvq_append_",
     "w4a16_dec",
-    "w4a16_tdec",
     "w8a8_dec",
     "w8a16_dec",
     "w4a8_dec",

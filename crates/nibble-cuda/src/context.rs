@@ -142,9 +142,6 @@ pub struct CudaContext {
     act8_inputs: AtomicU8,
     /// Which kernel tier quantized GEMMs run ([`KernelTier`] as u8).
     kernel_tier: AtomicU8,
-    /// Whether W4A16 decode sizes may take the TMA-fed stream (`qgemv_stream`); on unless
-    /// `NIBBLE_W4A16_STREAM=0` (benchmarks compare both).
-    w4_stream: AtomicBool,
 }
 
 /// A module's kernels by name.
@@ -205,9 +202,6 @@ impl CudaContext {
             smem_raised: Default::default(),
             act8_inputs: Default::default(),
             kernel_tier: Default::default(),
-            w4_stream: AtomicBool::new(
-                std::env::var("NIBBLE_W4A16_STREAM").map_or(true, |v| v != "0"),
-            ),
         })
     }
 
@@ -215,17 +209,6 @@ impl CudaContext {
     /// default, [`KernelTier::Auto`], picks the faster per shape.
     pub fn set_kernel_tier(&self, tier: KernelTier) {
         self.kernel_tier.store(tier as u8, Ordering::Relaxed);
-    }
-
-    /// Lets W4A16 decode sizes take the TMA-fed stream (`qgemv_stream`), or keeps them on the
-    /// register-streamed decode gemv (benchmarks compare the two).
-    pub fn set_w4_stream(&self, on: bool) {
-        self.w4_stream.store(on, Ordering::Relaxed);
-    }
-
-    /// Whether [`Self::set_w4_stream`] (or `NIBBLE_W4A16_STREAM`) allows the stream.
-    pub(crate) fn w4_stream(&self) -> bool {
-        self.w4_stream.load(Ordering::Relaxed)
     }
 
     /// The [`KernelTier`] set by [`Self::set_kernel_tier`].

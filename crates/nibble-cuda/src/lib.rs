@@ -55,7 +55,6 @@ pub mod module;
 pub mod nccl;
 pub mod pack;
 pub mod probe;
-pub mod qgemv_stream;
 pub mod qlinear;
 mod runtime;
 mod sampling;

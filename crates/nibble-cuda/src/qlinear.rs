@@ -24,7 +24,6 @@ pub use crate::context::{KernelTier, SPLIT_COUNTERS};
 use crate::pack::{
     self, Int8Layout, PackedFp8, PackedW4, PackedW4A8, PackedW8, W4A8Matrix, W4Matrix,
 };
-use crate::qgemv_stream;
 use crate::runtime::{Arg, DeviceBuffer, TmaLayout, tensor_map};
 pub use crate::tensor::{Act8, Act8Input, QuantWeight};
 use crate::tensor::{CudaTensor, Dtype, Elem};
@@ -39,9 +38,6 @@ pub const W8_TILED_SMEM: u32 = 4 * (8192 + 128 * 64);
 /// Most tokens the persistent decode gemv (kernels/qgemv.cu) takes for W4A16: two 8-token MMA
 /// tiles.
 pub const DECODE_MAX_M: usize = 16;
-/// Most tokens the engine gives W4A16's TMA-fed decode gemv (kernels/qgemv_stream.cu) before the
-/// register-streamed one: measured in `gpu-bench --w4-stream` (BENCHMARKS.md, issue 18).
-pub const STREAM_MAX_M: usize = 4;
 /// Most tokens it takes for the INT8-activation families (W8A8, W4A8): four tiles, where its
 /// activation window fits ([`plan_decode`]). On an H200 at 32 tokens against the 64-token wgmma
 /// tiles: 4096x4096 W4A8 16.7 against 27.1 µs, 4096x14336 23.0 against 32.9, the larger layers
@@ -231,9 +227,6 @@ impl QFamily {
             if self == QFamily::W4A16 {
                 kinds.push(QKernel::DecodeG64);
             }
-        }
-        if hopper && self == QFamily::W4A16 && m <= qgemv_stream::MAX_TOKENS {
-            kinds.extend([QKernel::Stream, QKernel::StreamG64]);
         }
         if hopper {
             if self.max_wgmma_tokens() == WGMMA_TOKENS {
@@ -560,11 +553,6 @@ pub enum QKernel {
     /// The same for W4A16 groups of 64 channels (scales apply every chunk); W8A8 has no groups
     /// and names [`QKernel::Decode`]'s entry.
     DecodeG64,
-    /// W4A16's decode gemv fed by TMA bulk copies (kernels/qgemv_stream.cu; up to
-    /// [`STREAM_MAX_M`] tokens), groups of 128 channels or a larger power of two.
-    Stream,
-    /// The same for groups of 64 channels.
-    StreamG64,
     /// The mma.sync gemv (up to [`GEMV_MAX_M`] tokens).
     Gemv,
     /// The mma.sync tiled kernel.
@@ -607,8 +595,6 @@ pub fn qgemm_kernel_name(
         return match kind {
             QKernel::Decode => format!("{p}_dec{tt}{h}_{sfx}"),
             QKernel::DecodeG64 => format!("{p}_dec{tt}{h}_g64_{sfx}"),
-            QKernel::Stream => format!("{p}_tdec{h}_{sfx}"),
-            QKernel::StreamG64 => format!("{p}_tdec{h}_g64_{sfx}"),
             QKernel::Gemv => format!("{p}_gemv{tt}{h}_{sfx}"),
             QKernel::Tiled => format!("{p}_tiled{h}_{sfx}"),
             QKernel::Wgmma => format!("{p}_wgmma{h}_{sfx}"),
@@ -624,7 +610,6 @@ pub fn qgemm_kernel_name(
     };
     match kind {
         QKernel::Decode | QKernel::DecodeG64 => format!("{p}_dec{tt}_{o}"),
-        QKernel::Stream | QKernel::StreamG64 => format!("{p}_tdec_{o}"),
         QKernel::Gemv => format!("{p}_gemv{tt}_{o}"),
         QKernel::Tiled => format!("{p}_tiled_{o}"),
         QKernel::Wgmma => format!("{p}_wgmma_{o}"),
@@ -974,14 +959,10 @@ fn run_quant(
         sms: ctx.gpu.sm_count,
         tier: ctx.tier(),
         tma_ok,
-        stream: ctx.w4_stream(),
     };
     match gemm.pick(&|kind| ctx.has_kernel(&name(kind))) {
         Pick::Decode(kind, plan) => {
             launch_decode(ctx, &name(kind), head, ints(true), tiles, m, plan)
-        }
-        Pick::Stream(kind, plan) => {
-            qgemv_stream::launch(ctx, &name(kind), head, ints(true), tiles, m, plan)
         }
         Pick::Gemv => launch_gemv(
             ctx,
@@ -1023,7 +1004,6 @@ fn run_quant(
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Pick {
     Decode(QKernel, DecodePlan),
-    Stream(QKernel, qgemv_stream::StreamPlan),
     Gemv,
     Wgmma(QKernel, usize),
     Tiled,
@@ -1044,8 +1024,6 @@ struct QGemm {
     tier: KernelTier,
     /// The activations suit a TMA descriptor (16-byte aligned rows).
     tma_ok: bool,
-    /// W4A16 decode sizes may take the TMA-fed stream ([`CudaContext::set_w4_stream`]).
-    stream: bool,
 }
 
 impl QGemm {
@@ -1068,23 +1046,6 @@ impl QGemm {
         // The decode gemv: up to 16 tokens (32 with INT8 activations, in 4-token tiles:
         // [`DECODE_MAX_M_INT8`]) where its activation window fits. On an H200 1.05x to 1.85x
         // the mma.sync gemv, 4096x4096 at M = 1 included: 6.6 against 7.9 µs.
-        // W4A16 at up to STREAM_MAX_M tokens: the decode gemv fed by TMA bulk copies.
-        if self.stream
-            && route.family == QFamily::W4A16
-            && m <= STREAM_MAX_M
-            && let Some(decode) = route.decode
-        {
-            let (kind, span) = if decode == QKernel::DecodeG64 {
-                (QKernel::StreamG64, 1)
-            } else {
-                (QKernel::Stream, 2)
-            };
-            if let Some(plan) = qgemv_stream::plan(self.tiles, self.chunks, span, self.sms, m)
-                && wanted(kind, true)
-            {
-                return Pick::Stream(kind, plan);
-            }
-        }
         let plan = plan_decode(self.tiles, self.chunks, self.sms, m, route.family.x_elem());
         if let (Some(plan), Some(kind)) = (plan, route.decode)
             && wanted(kind, true)
@@ -1629,24 +1590,18 @@ mod tests {
             sms: 132,
             tier,
             tma_ok: true,
-            stream: true,
         };
         let hopper = |_: QKernel| true;
         let ampere = |_: QKernel| false;
         let kind = |p: Pick| match p {
             Pick::Decode(k, _) => format!("decode {k:?}"),
-            Pick::Stream(k, _) => format!("stream {k:?}"),
             other => format!("{other:?}"),
         };
         use KernelTier::{Auto, MmaSync};
         use QFamily::{Fp8, W4A8, W4A16, W8A8, W8A16};
         for (family, m, n, k, tier, has_hopper, want) in [
-            // Decode sizes: W4A16's TMA-fed stream up to STREAM_MAX_M tokens, then the decode
-            // gemv, up to 16 tokens for W4A16 and 32 for INT8.
-            (W4A16, 1, 4096, 4096, Auto, true, "stream Stream"),
-            (W4A16, 4, 28672, 4096, Auto, true, "stream Stream"),
-            (W4A16, 5, 4096, 4096, Auto, true, "decode Decode"),
-            (W4A16, 1, 4096, 4096, MmaSync, true, "Gemv"),
+            // Decode sizes: the decode gemv, up to 16 tokens for W4A16 and 32 for INT8.
+            (W4A16, 1, 4096, 4096, Auto, true, "decode Decode"),
             (W8A8, 24, 4096, 4096, Auto, true, "decode Decode"),
             (W4A8, 32, 4096, 4096, Auto, true, "decode Decode"),
             (W4A16, 24, 4096, 4096, Auto, true, "Gemv"),
@@ -1688,12 +1643,6 @@ mod tests {
             ..gemm(W4A8, 4, 576, 576, Auto)
         };
         assert_eq!(kind(odd.pick(&hopper)), "Wgmma(Wgmma64, 64)");
-        // The stream switched off (NIBBLE_W4A16_STREAM=0): the register-streamed decode gemv.
-        let off = QGemm {
-            stream: false,
-            ..gemm(W4A16, 1, 4096, 4096, Auto)
-        };
-        assert_eq!(kind(off.pick(&hopper)), "decode Decode");
     }
 
     #[test]
