@@ -607,7 +607,15 @@ impl Backend for CudaBackend {
         body: &mut dyn FnMut(&mut CudaKv) -> Result<CudaTensor>,
     ) -> Result<CudaTensor> {
         let id = kv.id;
-        let out = self.ctx.run_forward(model, id, batch, &mut || body(kv));
+        // A rank's replay holds its communicator, so an abort cannot slip in after
+        // begin_forward's check and leave the graph's collectives on a freed communicator.
+        let gate = |launch: &mut dyn FnMut() -> Result<()>| match &self.collective {
+            Some(comm) => comm.while_live(launch),
+            None => launch(),
+        };
+        let out = self
+            .ctx
+            .run_forward(model, id, batch, &mut || body(kv), &gate);
         if let Some(t) = &self.trace {
             t.end();
         }

@@ -147,6 +147,9 @@ pub struct CudaContext {
 /// A module's kernels by name.
 type Kernels = HashMap<&'static str, Kernel>;
 
+/// Queues a graph launch, or refuses it ([`CudaContext::run_forward`]).
+pub(crate) type LaunchGate<'a> = &'a dyn Fn(&mut dyn FnMut() -> Result<()>) -> Result<()>;
+
 /// Threads per CTA of the element-wise kernels.
 pub(crate) const BLOCK: u32 = 256;
 
@@ -785,12 +788,15 @@ impl CudaContext {
     /// Runs one forward pass, through a graph when it is a decode step ([`graph`] says why that
     /// is valid). Driven from here because the replay restores the arena and the cache must see
     /// the same lock as everything that moves what graphs bake in.
+    /// `gate` queues a graph launch: a tensor-parallel rank's runs it only while its group is
+    /// live (`Communicator::while_live`), since a graph's collectives bypass the communicator.
     pub(crate) fn run_forward(
         &self,
         model: usize,
         kv_id: u64,
         batch: &BatchLayout,
         body: &mut dyn FnMut() -> Result<CudaTensor>,
+        gate: LaunchGate,
     ) -> Result<CudaTensor> {
         if !self.graphs_on() || !graph::is_graph_step(batch) {
             return body();
@@ -803,7 +809,13 @@ impl CudaContext {
         };
         {
             let mut st = self.lock();
-            if let Some((out, mark)) = st.graphs.replay(&self.gpu, &key)? {
+            st.graphs.serve_pool(&self.gpu, &key)?;
+            let mut replayed = None;
+            gate(&mut || {
+                replayed = st.graphs.replay(&self.gpu, &key)?;
+                Ok(())
+            })?;
+            if let Some((out, mark)) = replayed {
                 st.arena.restore(mark);
                 let epoch = st.arena.epoch;
                 return Ok(CudaTensor::view(out.0, out.1, out.2, out.3, epoch));
@@ -832,7 +844,10 @@ impl CudaContext {
             }
         };
         // Capture records without running: run it now.
-        graph::launch(exec, stream)?;
+        if let Err(e) = gate(&mut || graph::launch(exec, stream)) {
+            graph::destroy(Some(exec), captured);
+            return Err(e);
+        }
         let mut st = self.lock();
         if st.arena.settled() {
             let arena = st.arena.mark();

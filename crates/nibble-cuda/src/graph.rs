@@ -88,18 +88,26 @@ impl GraphCache {
         self.refused.clear();
     }
 
-    /// Launches the graph recorded for `key`, if there is one: its output and the arena as the
-    /// step left it. Graphs of another KV pool are dropped first.
-    pub(crate) fn replay(
-        &mut self,
-        gpu: &Gpu,
-        key: &GraphKey,
-    ) -> Result<Option<(GraphOut, ArenaMark)>> {
+    /// Drops the graphs of another KV pool than `key`'s once the GPU has finished with them;
+    /// before [`Self::replay`].
+    pub(crate) fn serve_pool(&mut self, gpu: &Gpu, key: &GraphKey) -> Result<()> {
         if self.pool != key.kv {
             gpu.synchronize()?;
             self.clear();
             self.pool = key.kv;
         }
+        Ok(())
+    }
+
+    /// Launches the graph recorded for `key`, if there is one ([`Self::serve_pool`] first): its
+    /// output and the arena as the step left it. Nothing here waits on the GPU, so a caller may
+    /// hold a lock that an abort needs around it.
+    pub(crate) fn replay(
+        &mut self,
+        gpu: &Gpu,
+        key: &GraphKey,
+    ) -> Result<Option<(GraphOut, ArenaMark)>> {
+        debug_assert_eq!(self.pool, key.kv, "serve_pool before replay");
         let Some(c) = self.graphs.get(key) else {
             return Ok(None);
         };

@@ -204,6 +204,13 @@ fn check(api: &Api, what: &str, r: NcclResult) -> Result<()> {
     Err(Error::unsupported(format!("NCCL {what}"), msg))
 }
 
+/// The error of a collective (or a replay holding collectives) asked for after the group's abort.
+fn abandoned(what: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "tensor-parallel {what} abandoned: the group was aborted (another rank failed)"
+    ))
+}
+
 /// Whether NCCL loads here, and which version and file it is (`NCCL 2.28.3 (libnccl.so.2)`).
 pub fn describe() -> Result<String> {
     let api = api()?;
@@ -301,11 +308,22 @@ impl Communicator {
         self.gpu.bind()?;
         let guard = self.raw.lock().unwrap_or_else(|p| p.into_inner());
         let Some(raw) = guard.as_ref() else {
-            return Err(Error::InvalidArgument(format!(
-                "tensor-parallel {what} abandoned: the group was aborted (another rank failed)"
-            )));
+            return Err(abandoned(what));
         };
         check(api, what, call(api, raw.0, self.gpu.cu_stream()))
+    }
+
+    /// Runs `launch` (a graph replay, whose collectives do not come through here) while the
+    /// communicator is live, holding it so that an abort on another thread waits until the launch
+    /// is queued, and aborts it with the rest; an error, without running `launch`, once the group
+    /// is aborted. Without this a replay could start between a check of [`Self::is_aborted`] and an
+    /// abort, and run collectives on a communicator NCCL has freed.
+    pub fn while_live(&self, launch: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let guard = self.raw.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() || self.is_aborted() {
+            return Err(abandoned("graph replay"));
+        }
+        launch()
     }
 
     /// Replaces the `count` elements at `ptr` by their sum over the group.
@@ -380,10 +398,7 @@ impl Communicator {
         let guard = self.raw.lock().unwrap_or_else(|p| p.into_inner());
         let Some(raw) = guard.as_ref() else {
             free(ptr);
-            return Err(Error::InvalidArgument(
-                "tensor-parallel window abandoned: the group was aborted (another rank failed)"
-                    .into(),
-            ));
+            return Err(abandoned("window"));
         };
         let mut win: RawWindow = std::ptr::null_mut();
         let r =
