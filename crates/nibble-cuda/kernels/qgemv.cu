@@ -102,26 +102,51 @@ template <class T, int GC_> struct DecW4 {
     // f16, rows g + 8 (the odd registers) take their nibbles where they lie, as magic + 16 q: one
     // shift per word instead of three, and flush rescales those rows.
     static constexpr bool X16 = W4Math<T>::NIBBLE_AT_4;
+    // One k16 step's A fragment from its code word, as magic + q (rows g + 8 with f16: magic + 16 q).
+    __device__ __forceinline__ void widen(u32 word, u32 (&a)[4]) const {
+        if constexpr (X16) {
+            const u32 hi = word >> 8;
+            a[0] = lop3_and_or(word, 0x000f000fu, W4Math<T>::MAGIC);
+            a[1] = lop3_and_or(word, 0x00f000f0u, W4Math<T>::MAGIC);
+            a[2] = lop3_and_or(hi, 0x000f000fu, W4Math<T>::MAGIC);
+            a[3] = lop3_and_or(hi, 0x00f000f0u, W4Math<T>::MAGIC);
+        } else {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) a[q] = lop3_and_or(word >> (4 * q), 0x000f000fu, W4Math<T>::MAGIC);
+        }
+    }
     template <int TT>
     __device__ __forceinline__ void mma(const Regs& r, int u, const uint4 (&xv)[TT][2], float (&G)[2][TT][4]) const {
         const u32 words[4] = {r.w[u].x, r.w[u].y, r.w[u].z, r.w[u].w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             u32 a[4];
-            if constexpr (X16) {
-                const u32 hi = words[j] >> 8;
-                a[0] = lop3_and_or(words[j], 0x000f000fu, W4Math<T>::MAGIC);
-                a[1] = lop3_and_or(words[j], 0x00f000f0u, W4Math<T>::MAGIC);
-                a[2] = lop3_and_or(hi, 0x000f000fu, W4Math<T>::MAGIC);
-                a[3] = lop3_and_or(hi, 0x00f000f0u, W4Math<T>::MAGIC);
-            } else {
-#pragma unroll
-                for (int q = 0; q < 4; ++q) a[q] = lop3_and_or(words[j] >> (4 * q), 0x000f000fu, W4Math<T>::MAGIC);
-            }
+            widen(words[j], a);
 #pragma unroll
             for (int tt = 0; tt < TT; ++tt) {
                 const uint4& v = xv[tt][j >> 1];
                 mma16816<T>(G[j & 1][tt], a, (j & 1) ? v.z : v.x, (j & 1) ? v.w : v.y);
+            }
+        }
+    }
+    // The same for wide batches (TT >= 4, the grouped experts' 17 to 32 rows): each token tile's
+    // activations are read from the staged rows just before their MMAs, half a chunk at a time,
+    // so only one 16-byte vector of them is live (registers, not ILP, bound these variants).
+    template <int TT>
+    __device__ __forceinline__ void mma_rows(const Regs& r, int u, const unsigned char* const (&xrow)[TT], int off,
+                                             float (&G)[2][TT][4]) const {
+        const u32 words[4] = {r.w[u].x, r.w[u].y, r.w[u].z, r.w[u].w};
+        const int lane_off = off + (threadIdx.x & 3) * 32;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 a0[4], a1[4];
+            widen(words[2 * h], a0);
+            widen(words[2 * h + 1], a1);
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt) {
+                const uint4 v = *reinterpret_cast<const uint4*>(xrow[tt] + lane_off + h * 16);
+                mma16816<T>(G[0][tt], a0, v.x, v.y);
+                mma16816<T>(G[1][tt], a1, v.z, v.w);
             }
         }
     }
@@ -483,7 +508,7 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
             if (tile_ends) nq.tile = f.tile_at(nq.b * DW + warp);
             f.fetch(nq.tile, nq.c, nxt);
         }
-        if constexpr (TT >= 4) {  // INT8 families only (W4A16 stops at 16 tokens)
+        if constexpr (TT >= 4 && !F::ZERO_POINTS) {  // INT8 families: no spans to flush
 #pragma unroll
             for (int uu = 0; uu < U; ++uu) f.template mma_direct<TT>(cur, uu, xrow, (q.slot + uu) * 64 * XB, acc);
         } else {
@@ -493,10 +518,14 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
 #pragma unroll
             for (int uu = 0; uu < GC; ++uu) {
                 const int off = (q.slot + s * GC + uu) * 64 * XB;
-                uint4 xv[TT][XV];
+                if constexpr (TT >= 4) {  // W4A16's grouped experts of 17 to 32 rows
+                    f.template mma_rows<TT>(cur, s * GC + uu, xrow, off, G);
+                } else {
+                    uint4 xv[TT][XV];
 #pragma unroll
-                for (int tt = 0; tt < TT; ++tt) f.load_x(xrow[tt] + off, xv[tt]);
-                f.template mma<TT>(cur, s * GC + uu, xv, G);
+                    for (int tt = 0; tt < TT; ++tt) f.load_x(xrow[tt] + off, xv[tt]);
+                    f.template mma<TT>(cur, s * GC + uu, xv, G);
+                }
             }
             float S[TT][2] = {};
             if constexpr (F::ZERO_POINTS) {

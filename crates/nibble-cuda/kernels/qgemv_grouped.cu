@@ -130,6 +130,8 @@ template <class F, class E> struct UnitsAnd {
     W4A16_GDEC_ENTRY(w4a16_gdec2_##SUFFIX, T, 2, 2)           \
     W4A16_GDEC_ENTRY(w4a16_gdec1_g64_##SUFFIX, T, 1, 1)       \
     W4A16_GDEC_ENTRY(w4a16_gdec2_g64_##SUFFIX, T, 2, 1)       \
+    W4A16_GDEC_ENTRY(w4a16_gdec4_##SUFFIX, T, 4, 2)           \
+    W4A16_GDEC_ENTRY(w4a16_gdec4_g64_##SUFFIX, T, 4, 1)       \
     B16_GDEC_ENTRY(b16_gdec1_##SUFFIX, T, 1)                  \
     B16_GDEC_ENTRY(b16_gdec2_##SUFFIX, T, 2)
 NIBBLE_BOTH_DTYPES(NIBBLE_16BIT_GDEC)

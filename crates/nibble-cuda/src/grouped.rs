@@ -152,10 +152,15 @@ pub enum GroupedKernel {
     MmaSync,
 }
 
+/// Most rows a W4A16 expert takes in one item of the grouped decode gemv: its four-token-tile
+/// entries (`w4a16_gdec4`), for 17 to 32 rows an expert (64 tokens of a top-2-of-8 layer).
+pub const W4A16_WIDE_ROWS: usize = 32;
+
 /// The kernel that runs these experts' GEMMs of at most `max_rows` rows each in one launch, if
 /// any: all of one shape and geometry, a geometry with a grouped kernel compiled for this GPU,
-/// and the [`KernelTier`] allowing it. Auto takes the decode gemv for W4A16 up to 16 rows an
-/// expert and the mma.sync gemv past that (where splitting would read the weights twice).
+/// and the [`KernelTier`] allowing it. Auto takes the decode gemv for W4A16 up to
+/// [`W4A16_WIDE_ROWS`] rows an expert and the mma.sync gemv past that (where splitting would read
+/// the weights twice).
 pub fn pick(ctx: &CudaContext, weights: &[&CudaWeight], max_rows: usize) -> Option<GroupedKernel> {
     let first = weights.first()?;
     let geo = geometry(first);
@@ -177,9 +182,15 @@ pub fn pick(ctx: &CudaContext, weights: &[&CudaWeight], max_rows: usize) -> Opti
         Geometry::W4A16 {
             group_len, groups, ..
         } => {
+            // Items of 16 rows, or of 32 (four token tiles) where an expert has more.
+            let item_rows = if max_rows <= DECODE_MAX_M {
+                DECODE_MAX_M
+            } else {
+                W4A16_WIDE_ROWS
+            };
             let decode = qlinear::w4_decode_kernel(group_len, groups)
-                .and_then(|_| decode(DECODE_MAX_M))
-                .filter(|_| max_rows <= DECODE_MAX_M || tier == KernelTier::Hopper);
+                .and_then(|_| decode(item_rows))
+                .filter(|_| max_rows <= W4A16_WIDE_ROWS || tier == KernelTier::Hopper);
             decode.or(Some(GroupedKernel::MmaSync))
         }
         Geometry::W8A16 { .. } => decode(DECODE_MAX_M),
@@ -626,6 +637,7 @@ pub fn kernel_names() -> Vec<String> {
                 names.push(kernel_name(geo, tt, dtype));
             }
         }
+        names.extend([w4(128), w4(64)].map(|geo| kernel_name(geo, 4, dtype)));
         names.extend([1, 2, 4, 8].map(|tt| mma_sync_name(tt, dtype)));
         for family in [QFamily::W8A8, QFamily::W4A8, QFamily::Fp8] {
             names.extend([1, 2, 4].map(|tt| kernel_name(act8(family), tt, dtype)));

@@ -990,6 +990,10 @@ fn grouped_gemms_match_the_references() {
                         _ if decode_group && max_rows <= 16 => {
                             Some(GroupedKernel::Decode { item_rows: 16 })
                         }
+                        // Four token tiles (w4a16_gdec4) for 17 to 32 rows an expert.
+                        _ if decode_group && max_rows <= grouped::W4A16_WIDE_ROWS => {
+                            Some(GroupedKernel::Decode { item_rows: 32 })
+                        }
                         _ if w4 => Some(GroupedKernel::MmaSync),
                         _ if spec == "dense" || spec == "int8-pc/a16" => {
                             Some(GroupedKernel::Decode { item_rows: 16 })
