@@ -576,7 +576,22 @@ fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
     use nibble_model::RoutedExpert;
     let (hidden, ffn, experts) = (4096usize, 14336usize, 8usize);
     let mut out = Vec::new();
-    for spec in ["int4-g128/a16", "int8-pc/a8", "bf16"] {
+    // NIBBLE_BENCH_FORMATS / NIBBLE_BENCH_TOKENS narrow the run (comma lists), and
+    // NIBBLE_BENCH_TIER=mma-sync times the mma.sync tier (what W4A16 past 16 rows an expert took
+    // before its four-token-tile decode gemv).
+    let list = |var: &str| std::env::var(var).ok().filter(|v| !v.is_empty());
+    let formats: Vec<String> = list("NIBBLE_BENCH_FORMATS").map_or_else(
+        || vec!["int4-g128/a16".into(), "int8-pc/a8".into(), "bf16".into()],
+        |v| v.split(',').map(String::from).collect(),
+    );
+    let token_counts: Vec<usize> = list("NIBBLE_BENCH_TOKENS").map_or_else(
+        || vec![1, 2, 4, 8, 16, 32, 64, 128],
+        |v| v.split(',').filter_map(|t| t.parse().ok()).collect(),
+    );
+    if list("NIBBLE_BENCH_TIER").as_deref() == Some("mma-sync") {
+        be.set_kernel_tier(KernelTier::MmaSync);
+    }
+    for spec in formats.iter().map(String::as_str) {
         let load = |rows: usize, cols: usize, seed: u64| -> Result<CudaWeight> {
             if spec == "bf16" {
                 be.load_weight(&bf16_weight(rows, cols, seed))
@@ -592,7 +607,7 @@ fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
         }
         let expert_bytes = loaded_bytes(&weights[0].0)? + loaded_bytes(&weights[0].1)?;
         let act8 = (spec == "int8-pc/a8").then_some(Act8::Int8);
-        for &tokens in &[1usize, 2, 4, 8, 16, 32, 64] {
+        for &tokens in &token_counts {
             // Token t takes experts (3t + 1) mod 8 and (5t + 2) mod 8 (distinct for every t).
             let mut routed = vec![Vec::new(); experts];
             for t in 0..tokens {
