@@ -582,14 +582,26 @@ fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
     let list = |var: &str| std::env::var(var).ok().filter(|v| !v.is_empty());
     let formats: Vec<String> = list("NIBBLE_BENCH_FORMATS").map_or_else(
         || vec!["int4-g128/a16".into(), "int8-pc/a8".into(), "bf16".into()],
-        |v| v.split(',').map(String::from).collect(),
+        |v| v.split(',').map(|f| f.trim().to_string()).collect(),
     );
-    let token_counts: Vec<usize> = list("NIBBLE_BENCH_TOKENS").map_or_else(
-        || vec![1, 2, 4, 8, 16, 32, 64, 128],
-        |v| v.split(',').filter_map(|t| t.parse().ok()).collect(),
-    );
-    if list("NIBBLE_BENCH_TIER").as_deref() == Some("mma-sync") {
-        be.set_kernel_tier(KernelTier::MmaSync);
+    let token_counts: Vec<usize> = match list("NIBBLE_BENCH_TOKENS") {
+        None => vec![1, 2, 4, 8, 16, 32, 64, 128],
+        Some(v) => v
+            .split(',')
+            .map(|t| t.trim().parse())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| {
+                nibble_core::Error::InvalidArgument(format!("NIBBLE_BENCH_TOKENS={v}: {e}"))
+            })?,
+    };
+    match list("NIBBLE_BENCH_TIER").as_deref() {
+        None => {}
+        Some("mma-sync") => be.set_kernel_tier(KernelTier::MmaSync),
+        Some(other) => {
+            return Err(nibble_core::Error::InvalidArgument(format!(
+                "NIBBLE_BENCH_TIER={other}: the choices are mma-sync or unset"
+            )));
+        }
     }
     for spec in formats.iter().map(String::as_str) {
         let load = |rows: usize, cols: usize, seed: u64| -> Result<CudaWeight> {

@@ -833,7 +833,17 @@ impl CudaContext {
         let out = body();
         self.lock().graphs.recording = false;
         let captured = graph::end_capture(stream);
-        let out = out?;
+        let out = match out {
+            Ok(out) => out,
+            Err(e) => {
+                // A step that failed while recording (a collective refused after an abort): its
+                // partial graph is never run.
+                if let Ok(g) = captured {
+                    graph::destroy(None, g);
+                }
+                return Err(e);
+            }
+        };
         let captured = captured.map_err(|e| driver_err("graph capture end", e))?;
         let exec = match graph::instantiate(captured) {
             Ok(e) => e,
@@ -861,8 +871,9 @@ impl CudaContext {
             // The step outgrew the arena while capturing: its extra buffers go at the next reset,
             // so this graph must not be replayed. It has run; destroy it once it finished.
             drop(st);
-            self.gpu.synchronize()?;
+            let finished = self.gpu.synchronize();
             graph::destroy(Some(exec), captured);
+            finished?;
         }
         Ok(out)
     }

@@ -4,7 +4,8 @@
 //! | experts' weights | kernel | rows an item |
 //! |---|---|---|
 //! | W4A16, groups of 64, a power of two past it or a whole row | `w4a16_gdec{1,2}[_g64]` (sm_90, kernels/qgemv_grouped.cu) | 16 |
-//! | the same past 16 rows, other groups, or the mma.sync tier | `w4a16_grouped{1,2,4,8}` (kernels/qgemm.cu) | 64 |
+//! | the same, 17 to 32 rows an expert | `w4a16_gdec4[_g64]` (sm_90) | 32 |
+//! | the same past 32 rows, other groups, or the mma.sync tier | `w4a16_grouped{1,2,4,8}` (kernels/qgemm.cu) | 64 |
 //! | W8A8, W4A8, FP8 | `{w8a8,w4a8,fp8}_gdec{1,2,4}` (sm_90) | 32 |
 //! | 16-bit (the model dtype) | `b16_gdec{1,2}` (sm_90) | 16 |
 //!
@@ -153,7 +154,8 @@ pub enum GroupedKernel {
 }
 
 /// Most rows a W4A16 expert takes in one item of the grouped decode gemv: its four-token-tile
-/// entries (`w4a16_gdec4`), for 17 to 32 rows an expert (64 tokens of a top-2-of-8 layer).
+/// entries (`w4a16_gdec4`), for 17 to 32 rows an expert (up to 128 tokens of an evenly routed
+/// top-2-of-8 layer).
 pub const W4A16_WIDE_ROWS: usize = 32;
 
 /// The kernel that runs these experts' GEMMs of at most `max_rows` rows each in one launch, if
@@ -174,7 +176,7 @@ pub fn pick(ctx: &CudaContext, weights: &[&CudaWeight], max_rows: usize) -> Opti
     let tier = ctx.tier();
     let whole_batches = k.is_multiple_of(64 * BATCH);
     let decode = |item_rows: usize| {
-        let name = kernel_name(geo, 1, ctx.dtype);
+        let name = kernel_name(geo, token_tiles(item_rows), ctx.dtype);
         (tier != KernelTier::MmaSync && whole_batches && ctx.has_kernel(&name))
             .then_some(GroupedKernel::Decode { item_rows })
     };
@@ -658,9 +660,13 @@ mod tests {
         // Mixtral's experts: gate/up 28672x4096 and down 4096x14336, 1 to 16 rows an item.
         for (tiles, chunks) in [(1792, 64), (256, 224), (24, 4), (1, 8)] {
             for items in [1, 2, 3, 5, 8, 16] {
-                for (max_m, elem, sums) in
-                    [(1, 2, true), (16, 2, true), (16, 2, false), (32, 1, false)]
-                {
+                for (max_m, elem, sums) in [
+                    (1, 2, true),
+                    (16, 2, true),
+                    (32, 2, true),
+                    (16, 2, false),
+                    (32, 1, false),
+                ] {
                     let p = plan(items, tiles, chunks, sms, max_m, elem, sums).unwrap();
                     let units = tiles.div_ceil(16) * chunks;
                     assert_eq!(p.per_cta % BATCH, 0);

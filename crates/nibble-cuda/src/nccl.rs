@@ -317,7 +317,9 @@ impl Communicator {
     /// communicator is live, holding it so that an abort on another thread waits until the launch
     /// is queued, and aborts it with the rest; an error, without running `launch`, once the group
     /// is aborted. Without this a replay could start between a check of [`Self::is_aborted`] and an
-    /// abort, and run collectives on a communicator NCCL has freed.
+    /// abort, and run collectives on a communicator NCCL has freed. Queueing a launch waits on the
+    /// GPU only when the stream's launch queue is full, which a decode loop that reads each
+    /// step's tokens never fills; the CLI's watchdog bounds that case too.
     pub fn while_live(&self, launch: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         let guard = self.raw.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() || self.is_aborted() {
