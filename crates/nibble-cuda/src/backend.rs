@@ -132,6 +132,11 @@ impl CudaBackend {
         self
     }
 
+    /// This rank's communicator, if the backend is a tensor-parallel rank.
+    pub fn communicator(&self) -> Option<&Arc<Communicator>> {
+        self.collective.as_ref()
+    }
+
     /// Test and benchmark support: a `rows` x `cols` f32 tensor in the first slot of the
     /// rank's symmetric window, if it has one and the tensor fits a slot.
     pub fn window_tensor(&self, rows: usize, cols: usize) -> Option<CudaTensor> {

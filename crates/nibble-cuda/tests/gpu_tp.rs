@@ -217,6 +217,51 @@ fn nccl_all_reduce_is_the_exact_sum() {
     }
 }
 
+/// The gate every graph launch of a rank goes through (`Communicator::while_live`, from
+/// `CudaContext::run_forward`): it runs the launch while the group is live, and once the group is
+/// aborted refuses it without running it, as it refuses a forward pass; so a replay that passed
+/// `begin_forward`'s check just before an abort cannot queue collectives on a freed communicator.
+#[test]
+fn an_aborted_group_refuses_graph_launches() {
+    let g = group();
+    let aborted = std::sync::Barrier::new(2);
+    std::thread::scope(|s| {
+        for rank in 0..2 {
+            let (g, aborted) = (&g, &aborted);
+            s.spawn(move || {
+                let be = g.rank_backend(rank).unwrap();
+                let comm = be
+                    .communicator()
+                    .expect("a rank has a communicator")
+                    .clone();
+                let mut ran = false;
+                comm.while_live(&mut || {
+                    ran = true;
+                    Ok(())
+                })
+                .unwrap();
+                assert!(ran, "rank {rank}: a live group runs the launch");
+                aborted.wait();
+                if rank == 0 {
+                    g.abort("test: the group is aborted between a check and a replay");
+                }
+                aborted.wait();
+                let mut ran = false;
+                let refused = comm
+                    .while_live(&mut || {
+                        ran = true;
+                        Ok(())
+                    })
+                    .expect_err("an aborted group refuses the launch");
+                assert!(!ran, "rank {rank}: the refused launch ran");
+                assert!(refused.to_string().contains("abandoned"), "{refused}");
+                let step = be.begin_forward(&[1], &nibble_model::BatchLayout::default());
+                assert!(step.is_err(), "rank {rank}: a forward pass after the abort");
+            });
+        }
+    });
+}
+
 /// The architecture fixtures (GQA, QKV biases, QK norms, Gemma 3's windows and post-norms) over
 /// two GPUs against one, the untied ones also with the output head split by vocabulary.
 #[test]
