@@ -917,8 +917,9 @@ fn grouped_experts_match_cpu() {
 /// references on the rows routed to it: W8A8 and W4A8 bit for bit, FP8 and W4A16 within their
 /// bounds, 16-bit experts within f32 summation; every format on the grouped decode gemv, W4A16
 /// also on the mma.sync grouped gemv (its tier, group sizes the decode gemv cannot take, experts
-/// past 32 rows; 17 to 32 take the decode gemv's four-token-tile entries). Experts with odd tile counts, runs longer than an item (cut into items),
-/// NaN-poisoned outputs, and the kernel each case must take.
+/// past 32 rows; 17 to 32 take the decode gemv's four-token-tile entries). Experts with odd tile
+/// counts, runs longer than an item (cut into items), NaN-poisoned outputs, and the kernel each
+/// case must take.
 #[test]
 fn grouped_gemms_match_the_references() {
     use nibble_cuda::grouped::{self, GroupedKernel};
