@@ -550,7 +550,8 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     while (more && step(ra, rb)) more = step(rb, ra);
 }
 
-// Entry points: dec1 / dec2 = 8 / 16 tokens, `_h` writes the model dtype instead of f32. The
+// Entry points: dec1 / dec2 / dec4 = 8 / 16 / 32 tokens (dec4: W4A16 and the INT8 families),
+// `_h` writes the model dtype instead of f32. The
 // Hopper tier only (measured there; the mma.sync gemv serves earlier GPUs).
 #if !defined(DEC_NO_ENTRIES) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
 #define DEC_WARPS 16
@@ -573,7 +574,11 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     W4A16_DEC_ENTRY(w4a16_dec1_g64_##SUFFIX, T, 1, 1, float)   \
     W4A16_DEC_ENTRY(w4a16_dec2_g64_##SUFFIX, T, 2, 1, float)   \
     W4A16_DEC_ENTRY(w4a16_dec1_h_g64_##SUFFIX, T, 1, 1, T)     \
-    W4A16_DEC_ENTRY(w4a16_dec2_h_g64_##SUFFIX, T, 2, 1, T)
+    W4A16_DEC_ENTRY(w4a16_dec2_h_g64_##SUFFIX, T, 2, 1, T)     \
+    W4A16_DEC_ENTRY(w4a16_dec4_##SUFFIX, T, 4, 2, float)       \
+    W4A16_DEC_ENTRY(w4a16_dec4_h_##SUFFIX, T, 4, 2, T)         \
+    W4A16_DEC_ENTRY(w4a16_dec4_g64_##SUFFIX, T, 4, 1, float)   \
+    W4A16_DEC_ENTRY(w4a16_dec4_h_g64_##SUFFIX, T, 4, 1, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
 
 #define W8A8_DEC_ENTRY(NAME, TT, OUT)                                                               \
