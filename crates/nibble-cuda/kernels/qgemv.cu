@@ -1,6 +1,6 @@
 // Decode gemv, persistent, Hopper tier (sm_90 and later, programmatic dependent launch):
-// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens (W4A16, W8A16; W4A16's grouped experts
-// up to 32, qgemv_grouped.cu) or 32 (W8A8, W4A8, FP8), on the
+// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens (W8A16) or 32 (W4A16, in four token
+// tiles past 16, and W8A8, W4A8, FP8), on the
 // packed weights of qgemm.cu (same fragments, same operand roles: weight rows on the MMA's M
 // side); W4A8 widens its 4-bit codes to W8A8's INT8 fragments in registers (QServe §5,
 // LiquidGEMM §4), W8A16 its INT8 codes to exact 16-bit values (w8_pair).
