@@ -1,6 +1,6 @@
 // Decode gemv, persistent, Hopper tier (sm_90 and later, programmatic dependent launch):
-// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens (W4A16, W8A16; W4A16's grouped experts
-// up to 32, qgemv_grouped.cu) or 32 (W8A8, W4A8, FP8), on the
+// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens (W8A16) or 32 (W4A16, in four token
+// tiles past 16, and W8A8, W4A8, FP8), on the
 // packed weights of qgemm.cu (same fragments, same operand roles: weight rows on the MMA's M
 // side); W4A8 widens its 4-bit codes to W8A8's INT8 fragments in registers (QServe §5,
 // LiquidGEMM §4), W8A16 its INT8 codes to exact 16-bit values (w8_pair).
@@ -767,7 +767,8 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     while (more && step(ra, rb)) more = step(rb, ra);
 }
 
-// Entry points: dec1 / dec2 = 8 / 16 tokens, `_h` writes the model dtype instead of f32. The
+// Entry points: dec1 / dec2 / dec4 = 8 / 16 / 32 tokens (dec4: W4A16 and the INT8 families),
+// `_h` writes the model dtype instead of f32. The
 // Hopper tier only (measured there; the mma.sync gemv serves earlier GPUs).
 #if !defined(DEC_NO_ENTRIES) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
 #define DEC_WARPS 16
@@ -793,7 +794,11 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     W4A16_DEC_ENTRY(w4a16_dec1_g64_##SUFFIX, T, 1, 1, float)   \
     W4A16_DEC_ENTRY(w4a16_dec2_g64_##SUFFIX, T, 2, 1, float)   \
     W4A16_DEC_ENTRY(w4a16_dec1_h_g64_##SUFFIX, T, 1, 1, T)     \
-    W4A16_DEC_ENTRY(w4a16_dec2_h_g64_##SUFFIX, T, 2, 1, T)
+    W4A16_DEC_ENTRY(w4a16_dec2_h_g64_##SUFFIX, T, 2, 1, T)     \
+    W4A16_DEC_ENTRY(w4a16_dec4_##SUFFIX, T, 4, 2, float)       \
+    W4A16_DEC_ENTRY(w4a16_dec4_h_##SUFFIX, T, 4, 2, T)         \
+    W4A16_DEC_ENTRY(w4a16_dec4_g64_##SUFFIX, T, 4, 1, float)   \
+    W4A16_DEC_ENTRY(w4a16_dec4_h_g64_##SUFFIX, T, 4, 1, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
 
 #define W8A8_DEC_ENTRY(NAME, TT, OUT)                                                               \
