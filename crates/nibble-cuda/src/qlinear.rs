@@ -525,9 +525,9 @@ pub fn plan_decode(
         .max(DECODE_BATCH);
     let window = per_cta.min(chunks);
     // The window's rows padded as the gemv pads its slice; W4A16 adds f32 sums per chunk and
-    // token tile row.
+    // row of the kernel's token tiles (dec_stage_x writes all 8 * TT rows: 32 at 17 to 24 tokens).
     let sums = if elem == 2 {
-        window * m.div_ceil(8) * 8 * 4
+        window * decode_sum_rows(m) * 4
     } else {
         0
     };
@@ -636,6 +636,12 @@ pub fn w4_decode_kernel(group_len: usize, groups: usize) -> Option<QKernel> {
 /// The gemv variant for `m` tokens: 1, 2, 4 or 8 tiles of 8 tokens.
 pub(crate) fn token_tiles(m: usize) -> usize {
     m.div_ceil(8).next_power_of_two()
+}
+
+/// Rows of span sums a decode gemv CTA stages per chunk for `m` tokens: every row of its token
+/// tiles, `8 * token_tiles(m)` (kernels/qgemv.cu, `dec_stage_x`'s `MP`), not just `m` rounded to 8.
+fn decode_sum_rows(m: usize) -> usize {
+    8 * token_tiles(m)
 }
 
 /// Shared memory a gemv CTA may use for its activation slice.
@@ -1468,6 +1474,14 @@ mod tests {
                 let (first, last) = (b * chunks / p.per_cta, ((b + 1) * chunks - 1) / p.per_cta);
                 assert!(last - first < p.max_pieces, "{tiles} {chunks} block {b}");
             }
+        }
+        // The span sums cover every row of the token tiles the kernel runs: at 17 to 24 tokens
+        // w4a16_dec4 writes 32 rows a chunk (a plan sized for 24 overran shared memory).
+        for m in 1..=32 {
+            let p = plan_decode(256, 64, 132, m, QFamily::W4A16).unwrap();
+            let window = p.per_cta.min(64);
+            let written = gemv_smem(m, window, 128) + window * 8 * token_tiles(m) * 4;
+            assert!(p.smem >= written, "{m} tokens: {} < {written}", p.smem);
         }
         // Llama-3-8B's 28672x4096 on an H200: 56 units per CTA, 128 CTAs, one wave.
         let p = plan_decode(1792, 64, 132, 1, QFamily::W4A16).unwrap();
