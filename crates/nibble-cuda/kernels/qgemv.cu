@@ -1,6 +1,6 @@
 // Decode gemv, persistent, Hopper tier (sm_90 and later, programmatic dependent launch):
-// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens (W4A16, W8A16; W4A16's grouped experts
-// up to 32, qgemv_grouped.cu) or 32 (W8A8, W4A8, FP8), on the
+// y[m][n] = sum_k x[m][k] * w[n][k] for up to 16 tokens (W8A16) or 32 (W4A16, in four token
+// tiles past 16, and W8A8, W4A8, FP8), on the
 // packed weights of qgemm.cu (same fragments, same operand roles: weight rows on the MMA's M
 // side); W4A8 widens its 4-bit codes to W8A8's INT8 fragments in registers (QServe §5,
 // LiquidGEMM §4), W8A16 its INT8 codes to exact 16-bit values (w8_pair).
@@ -54,6 +54,28 @@ template <> __device__ __forceinline__ float sum8<__half>(uint4 v) {
     return s;
 }
 
+// 16 and 8 bytes of shared memory at a shared-window address: the lean loop (dec_gemv_lean)
+// reads its activation window through 32-bit shared addresses it only offsets; through a
+// generic pointer into `xs` the compiler rebuilds the window's base and the lane's row address
+// in every batch.
+__device__ __forceinline__ uint4 lds128(u32 a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ float2 lds64f(u32 a) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(a));
+    return v;
+}
+
+// v, kept in a register: the compiler would otherwise re-derive a loop-invariant value from the
+// kernel parameters in every batch of the lean loop.
+__device__ __forceinline__ int dec_pin(int v) {
+    asm("" : "+r"(v));
+    return v;
+}
+
 // Chunks of 64 channels per register batch: the next batch's loads are in flight while this one
 // is multiplied (qlinear::DECODE_BATCH).
 #define DEC_U 4
@@ -98,6 +120,45 @@ template <class T, int GC_> struct DecW4 {
         const uint4* src = reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 32);
         v[0] = src[0];
         v[1] = src[1];
+    }
+    // The lean loop's (dec_gemv_lean) units. With groups of 64 a tile's addresses are linear in
+    // the chunk, so the loop may count chunks from any origin (org). With spans of two chunks, c
+    // is a multiple of U, so span s of chunks c .. c + U - 1 lies in group
+    // (c >> chunk_shift) + (s * GC >> chunk_shift): the second term is the tile's (a pointer per
+    // span), and c counts from 0.
+    static constexpr bool RELATIVE = GC == 1;
+    struct TileL {
+        const uint4* w;
+        const uint2* p[GC == 1 ? 1 : SPANS];
+    };
+    __device__ __forceinline__ TileL tile_lean(int tile, int org) const {
+        const int lane = threadIdx.x & 31;
+        TileL t;
+        t.w = codes + ((long)tile * chunks + org) * 32 + lane;
+        const uint2* p = params + (long)tile * groups * 8 + (lane >> 2);
+        if constexpr (GC == 1) {
+            t.p[0] = p + org * 8;
+        } else {
+#pragma unroll
+            for (int s = 0; s < SPANS; ++s) t.p[s] = p + ((s * GC) >> chunk_shift) * 8;
+        }
+        return t;
+    }
+    // (long) indices: one wide multiply-add an address, not a shift and one.
+    __device__ __forceinline__ void fetch(const TileL& t, int c, Regs& r) const {
+        const uint4* wp = t.w + (long)c * 32;
+#pragma unroll
+        for (int u = 0; u < U; ++u) r.w[u] = ld_stream(wp + u * 32);
+#pragma unroll
+        for (int s = 0; s < SPANS; ++s)
+            r.p[s] = GC == 1 ? __ldg(t.p[0] + (long)(c + s) * 8) : __ldg(t.p[s] + (long)(c >> chunk_shift) * 8);
+    }
+    __device__ __forceinline__ void pin() { chunk_shift = dec_pin(chunk_shift); }
+    // `a`: the shared address of the lane's bytes of a staged chunk (its row's plus XL * t).
+    static constexpr int XL = 32;
+    __device__ __forceinline__ void load_x(u32 a, uint4 (&v)[2]) const {
+        v[0] = lds128(a);
+        v[1] = lds128(a + 16);
     }
     // Chunk u's codes times the activations into G (alternate k16 steps into two chains). With
     // f16, rows g + 8 (the odd registers) take their nibbles where they lie, as magic + 16 q: one
@@ -207,6 +268,13 @@ struct W8Stream {
             r.w[u][1] = ld_stream(wp + u * 64 + 1);
         }
     }
+    // The lean loop's (dec_gemv_lean): addresses linear in the chunk, from any origin org.
+    static constexpr bool RELATIVE = true;
+    using TileL = Tile;
+    __device__ __forceinline__ TileL tile_lean(int tile, int org) const {
+        return {codes + ((long)tile * chunks + org) * 64 + (threadIdx.x & 31) * 2};
+    }
+    __device__ __forceinline__ void pin() {}
 };
 
 // W8A8 units: INT8 fragments of two k32 steps per chunk, INT8 activations.
@@ -216,6 +284,8 @@ struct DecW8 : W8Stream {
     __device__ __forceinline__ void load_x(const unsigned char* row, uint4 (&v)[1]) const {
         v[0] = *reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 16);
     }
+    static constexpr int XL = 16;  // the lean loop's: a = the lane's bytes, its row's plus XL * t
+    __device__ __forceinline__ void load_x(u32 a, uint4 (&v)[1]) const { v[0] = lds128(a); }
     template <int TT>
     __device__ __forceinline__ void mma(const Regs& r, int u, const uint4 (&xv)[TT][1], int (&G)[2][TT][4]) const {
 #pragma unroll
@@ -261,6 +331,11 @@ template <class T> struct DecW8A16 : W8Stream {
         const uint4* src = reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 32);
         v[0] = src[0];
         v[1] = src[1];
+    }
+    static constexpr int XL = 32;  // the lean loop's: a = the lane's bytes, its row's plus XL * t
+    __device__ __forceinline__ void load_x(u32 a, uint4 (&v)[2]) const {
+        v[0] = lds128(a);
+        v[1] = lds128(a + 16);
     }
     template <int TT>
     __device__ __forceinline__ void mma(const Regs& r, int u, const uint4 (&xv)[TT][2], float (&G)[2][TT][4]) const {
@@ -315,9 +390,16 @@ struct DecW4A8 {
 #pragma unroll
         for (int u = 0; u < U; ++u) r.p[u] = __ldg(t.p + (((c + u) * 64 + lane_k) >> group_shift) * 8);
     }
+    // The lean loop's (dec_gemv_lean): a chunk's group is a shift of c, so c counts from 0.
+    static constexpr bool RELATIVE = false;
+    using TileL = Tile;
+    __device__ __forceinline__ TileL tile_lean(int tile, int) const { return tile_at(tile); }
+    __device__ __forceinline__ void pin() {}
     __device__ __forceinline__ void load_x(const unsigned char* row, uint4 (&v)[1]) const {
         v[0] = *reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 16);
     }
+    static constexpr int XL = 16;  // the lean loop's: a = the lane's bytes, its row's plus XL * t
+    __device__ __forceinline__ void load_x(u32 a, uint4 (&v)[1]) const { v[0] = lds128(a); }
     // Chunk u's INT8 A registers of its two k32 steps, as DecW8's packing holds them.
     __device__ __forceinline__ void widen(const Regs& r, int u, u32 (&a)[2][4]) const {
         const W4A8Affine row0(r.p[u].x), row8(r.p[u].y);
@@ -448,11 +530,146 @@ __device__ __forceinline__ int dec_stage_x(unsigned char* xs, const X* x, long l
     return stride;
 }
 
+// The decode gemv's lean loop, for the variants with registers to spare (the entries pick it):
+// the same units, batches, MMAs, flushes and finishes as dec_gemv's loop below, in the same
+// order (so the same results), with the per-batch bookkeeping cut to what a batch needs. On
+// Hopper the kernel is bound by instruction issue, and dec_gemv's batch spends a fifth of its
+// instructions on the cursor, the tile-end test and addresses the compiler re-derives from the
+// thread index and the kernel parameters every batch. Here a tile's addresses (weights, staged
+// activations, span sums) stay in registers and a batch adds its chunk times a constant, and
+// all but a piece's last batch take a path that only fetches, multiplies and advances. W4A16 at
+// 8 tokens (ptxas 13.0, sm_90a): 189 instructions a batch of four chunks instead of 237 (bf16),
+// 162 instead of 210 (f16). It holds a few more registers, which the variants at the
+// 128-register cap (wide token tiles, the grouped experts) cannot spare: ptxas spills there.
 template <int TT, int DW, class F, class OUT, class EPI>
+__device__ __forceinline__ void dec_gemv_lean(const F& fin, const typename F::X* __restrict__ x, long ldx,
+                                              OUT* __restrict__ y, long ldy, typename F::Acc* __restrict__ partial,
+                                              int* __restrict__ counters, int M, int N, int K, int tiles, int chunks,
+                                              int per_cta, int max_pieces, const EPI& epi, int cta) {
+    static_assert(TT < 4, "wide token tiles multiply as dec_gemv's mma_direct / mma_rows do");
+    constexpr int U = F::U, GC = F::GC;
+    F f = fin;
+    f.pin();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int units = (tiles + DW - 1) / DW * chunks;
+    const int u0 = cta * per_cta, u1 = min(units, u0 + per_cta);
+    // A warp's piece of tile b * DW + warp ends at chunk min(chunks, u1 - b * chunks) (the tile's
+    // end or the CTA's). A batch is at `pos`, its chunk less `org`, and its piece ends at `end`;
+    // where a tile's addresses are linear in the chunk (F::RELATIVE), org is the piece's end, so
+    // end is 0, not a register; else org is 0.
+    constexpr bool REL = F::RELATIVE;
+    int b = u0 / chunks;
+    const int c_first = u0 % chunks, e_first = min(chunks, u1 - b * chunks);
+    int org = REL ? e_first : 0, pos = c_first - org, end = e_first - org;
+    bool more = u0 < u1 && b * DW + warp < tiles;
+    typename F::TileL tile;
+    typename F::Regs ra, rb;
+    if (more) {
+        tile = f.tile_lean(b * DW + warp, org);
+        f.fetch(tile, pos, ra);
+    }
+    grid_dependents_launch();
+    grid_dependency_wait();
+
+    // The CTA's activation window. A window of a whole row (per_cta >= chunks) starts at chunk 0,
+    // so chunk c's slot is c in every tile; a shorter one starts at the CTA's first chunk and
+    // spans at most two tiles, so the slot is c - c0 in the first and c + chunks - c0 in the
+    // second. Either way a tile's slots are c plus a constant: no wrap inside a tile.
+    extern __shared__ __align__(16) unsigned char xs[];
+    constexpr int XB = (int)sizeof(typename F::X);
+    constexpr int MP = TT * 8;
+    const int win = min(chunks, per_cta), c0 = win < chunks ? c_first : 0;
+    const int stride = dec_stage_x<TT, DW, GC, F::ZERO_POINTS>(xs, x, ldx, M, K, chunks, c0, win);
+
+    constexpr int XV = XB == 2 ? 2 : 1;
+    typename F::Acc acc[TT][4] = {};
+    // The shared addresses of the lane's activations and span sums at pos 0 of this tile (rows
+    // past M read row M - 1, as in dec_gemv).
+    u32 xa[TT];
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt)
+        xa[tt] = smem_addr(xs + min(tt * 8 + g, M - 1) * stride + t * F::XL + (org - c0) * 64 * XB);
+    u32 sa = smem_addr(xs + M * stride + (2 * t + (org - c0) / GC * MP) * 4);
+    // Multiplies the batch at pos (register set `cur`) into acc.
+    auto mult = [&](const typename F::Regs& cur) {
+#pragma unroll
+        for (int s = 0; s < F::SPANS; ++s) {
+            typename F::Acc G[2][TT][4] = {};
+#pragma unroll
+            for (int uu = 0; uu < GC; ++uu) {
+                const int off = (pos + s * GC + uu) * 64 * XB;
+                uint4 xv[TT][XV];
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) f.load_x(xa[tt] + off, xv[tt]);
+                f.template mma<TT>(cur, s * GC + uu, xv, G);
+            }
+            float S[TT][2] = {};
+            if constexpr (F::ZERO_POINTS) {
+                // pos is a multiple of U, so of GC: the span's sums are at pos / GC + s.
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) {
+                    const float2 v = lds64f(sa + (pos * (MP / GC) + s * MP + tt * 8) * 4);
+                    S[tt][0] = v.x;
+                    S[tt][1] = v.y;
+                }
+            }
+            f.flush(cur, s, G, S, acc);
+        }
+    };
+    // Two batches a loop trip with the register sets swapped, as in dec_gemv. All but the last
+    // batch of a piece take `step`; the last one (`last`, a separate copy, so the common path has
+    // no condition but the one that picks it) fetches the next tile's first batch, if any, and
+    // finishes the piece.
+    auto step = [&](const typename F::Regs& cur, typename F::Regs& nxt) {
+        f.fetch(tile, pos + U, nxt);
+        mult(cur);
+        pos += U;
+    };
+    auto last = [&](const typename F::Regs& cur, typename F::Regs& nxt) -> bool {
+        const bool nmore = (b + 1) * chunks < u1 && (b + 1) * DW + warp < tiles;
+        const int e = min(chunks, u1 - (b + 1) * chunks), norg = REL ? e : 0;
+        if (nmore) {
+            tile = f.tile_lean((b + 1) * DW + warp, norg);
+            f.fetch(tile, -norg, nxt);
+        }
+        mult(cur);
+        dec_finish<TT>(acc, b * DW + warp, b, chunks, per_cta, max_pieces, M, N, partial, counters, y, ldy, epi, cta);
+        // The next tile's slots: c plus chunks - c0 (the second tile of a window shorter than a
+        // row) or c (a whole row's).
+        const int shift = norg - org + (win < chunks ? chunks : 0);
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) xa[tt] += shift * 64 * XB;
+        sa += shift / GC * MP * 4;
+        ++b;
+        org = norg;
+        pos = -norg;
+        end = e - norg;
+        return nmore;
+    };
+    if (more)
+        for (;;) {
+            if (pos + U != end)
+                step(ra, rb);
+            else if (!last(ra, rb))
+                break;
+            if (pos + U != end)
+                step(rb, ra);
+            else if (!last(rb, ra))
+                break;
+        }
+}
+
+// LEAN: run dec_gemv_lean instead (the same results; the entries choose).
+template <int TT, int DW, bool LEAN = false, class F, class OUT, class EPI>
 __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __restrict__ x, long ldx,
                                          OUT* __restrict__ y, long ldy, typename F::Acc* __restrict__ partial,
                                          int* __restrict__ counters, int M, int N, int K, int tiles, int chunks,
                                          int per_cta, int max_pieces, const EPI& epi, int cta) {
+    if constexpr (LEAN) {
+        dec_gemv_lean<TT, DW>(f, x, ldx, y, ldy, partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces,
+                              epi, cta);
+        return;
+    }
     constexpr int U = F::U, GC = F::GC;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int units = (tiles + DW - 1) / DW * chunks;
@@ -550,19 +767,24 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     while (more && step(ra, rb)) more = step(rb, ra);
 }
 
-// Entry points: dec1 / dec2 = 8 / 16 tokens, `_h` writes the model dtype instead of f32. The
+// Entry points: dec1 / dec2 / dec4 = 8 / 16 / 32 tokens (dec4: W4A16 and the INT8 families),
+// `_h` writes the model dtype instead of f32. The
 // Hopper tier only (measured there; the mma.sync gemv serves earlier GPUs).
 #if !defined(DEC_NO_ENTRIES) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
 #define DEC_WARPS 16
+// dec_gemv_lean for up to 16 tokens (TT <= 2), but W4A16 f16 with groups of 64 at 16 tokens:
+// there ptxas (CUDA 13.0) spills 24 bytes with the lean loop against 8 with dec_gemv's. Four token
+// tiles (32 tokens) keep dec_gemv's loop, whose mma_rows reads one tile's activations at a time.
 #define W4A16_DEC_ENTRY(NAME, T, TT, GC, OUT)                                                          \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
         const uint4* codes, const uint2* params, const T* x, long ldx, OUT* y, long ldy, float* partial, \
         int* counters, int M, int N, int K, int tiles, int chunks, int groups, int group_len,          \
         int group_shift, int per_cta, int max_pieces) {                                                \
         const int chunk_shift = groups == 1 ? 30 : group_shift - 6;                                    \
-        dec_gemv<TT, DEC_WARPS>(DecW4<T, GC>{codes, params, chunks, groups, chunk_shift}, x, ldx, y, ldy, \
-                                partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces,          \
-                                W4Epilogue{}, blockIdx.x);                                                         \
+        constexpr bool lean = TT < 4 && (TT == 1 || GC == 2 || !W4Math<T>::NIBBLE_AT_4);              \
+        dec_gemv<TT, DEC_WARPS, lean>(DecW4<T, GC>{codes, params, chunks, groups, chunk_shift}, x, ldx, y, \
+                                      ldy, partial, counters, M, N, K, tiles, chunks, per_cta,          \
+                                      max_pieces, W4Epilogue{}, blockIdx.x);                            \
     }
 // Groups of 128 channels or a larger power of two, or one group per row; `_g64` groups of 64.
 #define NIBBLE_W4A16_DEC(SUFFIX, T)                            \
@@ -573,7 +795,11 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     W4A16_DEC_ENTRY(w4a16_dec1_g64_##SUFFIX, T, 1, 1, float)   \
     W4A16_DEC_ENTRY(w4a16_dec2_g64_##SUFFIX, T, 2, 1, float)   \
     W4A16_DEC_ENTRY(w4a16_dec1_h_g64_##SUFFIX, T, 1, 1, T)     \
-    W4A16_DEC_ENTRY(w4a16_dec2_h_g64_##SUFFIX, T, 2, 1, T)
+    W4A16_DEC_ENTRY(w4a16_dec2_h_g64_##SUFFIX, T, 2, 1, T)     \
+    W4A16_DEC_ENTRY(w4a16_dec4_##SUFFIX, T, 4, 2, float)       \
+    W4A16_DEC_ENTRY(w4a16_dec4_h_##SUFFIX, T, 4, 2, T)         \
+    W4A16_DEC_ENTRY(w4a16_dec4_g64_##SUFFIX, T, 4, 1, float)   \
+    W4A16_DEC_ENTRY(w4a16_dec4_h_g64_##SUFFIX, T, 4, 1, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
 
 #define W8A8_DEC_ENTRY(NAME, TT, OUT)                                                               \
@@ -581,8 +807,9 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
         const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx, OUT* y,  \
         long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, int per_cta, \
         int max_pieces) {                                                                              \
-        dec_gemv<TT, DEC_WARPS>(DecW8{{codes, chunks}}, x, ldx, y, ldy, partial, counters, M, N, K,      \
-                                tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw}, blockIdx.x);               \
+        dec_gemv<TT, DEC_WARPS, (TT <= 2)>(DecW8{{codes, chunks}}, x, ldx, y, ldy, partial, counters, M, N, \
+                                         K, tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw},     \
+                                         blockIdx.x);                                                   \
     }
 // dec4: 32 tokens, the INT8 families only (8-token-tile batches measured slower than the 64-token
 // wgmma tiles on an H200: 46 against 28 µs on 6144x4096 W4A8 at M = 64).
@@ -598,8 +825,9 @@ NIBBLE_W8A8_DEC(f16, __half)
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
         const uint4* codes, const float* sw, const T* x, long ldx, OUT* y, long ldy, float* partial,   \
         int* counters, int M, int N, int K, int tiles, int chunks, int per_cta, int max_pieces) {      \
-        dec_gemv<TT, DEC_WARPS>(DecW8A16<T>{{codes, chunks}}, x, ldx, y, ldy, partial, counters, M, N, K, \
-                                tiles, chunks, per_cta, max_pieces, RowScaleEpilogue{sw}, blockIdx.x);  \
+        dec_gemv<TT, DEC_WARPS, true>(DecW8A16<T>{{codes, chunks}}, x, ldx, y, ldy, partial, counters, M, \
+                                      N, K, tiles, chunks, per_cta, max_pieces, RowScaleEpilogue{sw},   \
+                                      blockIdx.x);                                                      \
     }
 #define NIBBLE_W8A16_DEC(SUFFIX, T)                      \
     W8A16_DEC_ENTRY(w8a16_dec1_##SUFFIX, T, 1, float)    \
@@ -613,9 +841,9 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W8A16_DEC)
         const uint4* codes, const uint2* params, const float* sw, const signed char* x, long ldx,     \
         const float* sx, OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, \
         int chunks, int groups, int group_shift, int per_cta, int max_pieces) {                       \
-        dec_gemv<TT, DEC_WARPS>(DecW4A8{codes, params, chunks, groups, group_shift}, x, ldx, y, ldy,  \
-                                partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces,          \
-                                W8Epilogue{sx, sw}, blockIdx.x);                                                   \
+        dec_gemv<TT, DEC_WARPS, (TT <= 2)>(DecW4A8{codes, params, chunks, groups, group_shift}, x, ldx, y, \
+                                         ldy, partial, counters, M, N, K, tiles, chunks, per_cta,       \
+                                         max_pieces, W8Epilogue{sx, sw}, blockIdx.x);                   \
     }
 #define NIBBLE_W4A8_DEC(SUFFIX, OUT)                \
     W4A8_DEC_ENTRY(w4a8_dec1_##SUFFIX, 1, OUT)   \

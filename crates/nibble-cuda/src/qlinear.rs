@@ -38,6 +38,10 @@ pub const W8_TILED_SMEM: u32 = 4 * (8192 + 128 * 64);
 /// Most tokens the persistent decode gemv (kernels/qgemv.cu) takes for W4A16: two 8-token MMA
 /// tiles.
 pub const DECODE_MAX_M: usize = 16;
+/// Most tokens it takes for W4A16, in four 8-token tiles past [`DECODE_MAX_M`] (`w4a16_dec4`:
+/// each tile's activations read just before its MMAs, `DecW4::mma_rows`), where the activation
+/// window fits ([`plan_decode`]).
+pub const DECODE_MAX_M_W4A16: usize = 32;
 /// Most tokens it takes for the INT8-activation families (W8A8, W4A8): four tiles, where its
 /// activation window fits ([`plan_decode`]). On an H200 at 32 tokens against the 64-token wgmma
 /// tiles: 4096x4096 W4A8 16.7 against 27.1 µs, 4096x14336 23.0 against 32.9, the larger layers
@@ -202,6 +206,15 @@ impl QFamily {
         if self.x_elem() == 2 { 16 } else { 28 }
     }
 
+    /// Most tokens the decode gemv takes for this family ([`plan_decode`]).
+    pub fn decode_max_m(self) -> usize {
+        match self {
+            QFamily::W4A16 => DECODE_MAX_M_W4A16,
+            QFamily::W8A16 => DECODE_MAX_M,
+            QFamily::W8A8 | QFamily::W4A8 | QFamily::Fp8 => DECODE_MAX_M_INT8,
+        }
+    }
+
     /// Bytes of one activation element.
     fn x_elem(self) -> usize {
         match self {
@@ -217,12 +230,7 @@ impl QFamily {
         if !self.hopper_only() {
             kinds.extend([QKernel::Gemv, QKernel::Tiled]);
         }
-        let decode_max = if self.x_elem() == 2 {
-            DECODE_MAX_M
-        } else {
-            DECODE_MAX_M_INT8
-        };
-        if hopper && m <= decode_max {
+        if hopper && m <= self.decode_max_m() {
             kinds.push(QKernel::Decode);
             if self == QFamily::W4A16 {
                 kinds.push(QKernel::DecodeG64);
@@ -504,14 +512,10 @@ pub fn plan_decode(
     chunks: usize,
     sms: usize,
     m: usize,
-    elem: usize,
+    family: QFamily,
 ) -> Option<DecodePlan> {
-    let most = if elem == 1 {
-        DECODE_MAX_M_INT8
-    } else {
-        DECODE_MAX_M
-    };
-    if m == 0 || m > most || !chunks.is_multiple_of(DECODE_BATCH) {
+    let elem = family.x_elem();
+    if m == 0 || m > family.decode_max_m() || !chunks.is_multiple_of(DECODE_BATCH) {
         return None;
     }
     let units = tiles.div_ceil(DECODE_BLOCK_TILES) * chunks;
@@ -521,9 +525,9 @@ pub fn plan_decode(
         .max(DECODE_BATCH);
     let window = per_cta.min(chunks);
     // The window's rows padded as the gemv pads its slice; W4A16 adds f32 sums per chunk and
-    // token tile row.
+    // row of the kernel's token tiles (dec_stage_x writes all 8 * TT rows: 32 at 17 to 24 tokens).
     let sums = if elem == 2 {
-        window * m.div_ceil(8) * 8 * 4
+        window * decode_sum_rows(m) * 4
     } else {
         0
     };
@@ -632,6 +636,12 @@ pub fn w4_decode_kernel(group_len: usize, groups: usize) -> Option<QKernel> {
 /// The gemv variant for `m` tokens: 1, 2, 4 or 8 tiles of 8 tokens.
 pub(crate) fn token_tiles(m: usize) -> usize {
     m.div_ceil(8).next_power_of_two()
+}
+
+/// Rows of span sums a decode gemv CTA stages per chunk for `m` tokens: every row of its token
+/// tiles, `8 * token_tiles(m)` (kernels/qgemv.cu, `dec_stage_x`'s `MP`), not just `m` rounded to 8.
+fn decode_sum_rows(m: usize) -> usize {
+    8 * token_tiles(m)
 }
 
 /// Shared memory a gemv CTA may use for its activation slice.
@@ -1046,7 +1056,7 @@ impl QGemm {
         // The decode gemv: up to 16 tokens (32 with INT8 activations, in 4-token tiles:
         // [`DECODE_MAX_M_INT8`]) where its activation window fits. On an H200 1.05x to 1.85x
         // the mma.sync gemv, 4096x4096 at M = 1 included: 6.6 against 7.9 µs.
-        let plan = plan_decode(self.tiles, self.chunks, self.sms, m, route.family.x_elem());
+        let plan = plan_decode(self.tiles, self.chunks, self.sms, m, route.family);
         if let (Some(plan), Some(kind)) = (plan, route.decode)
             && wanted(kind, true)
         {
@@ -1453,7 +1463,7 @@ mod tests {
             (384, 64, 1),
             (1, 4, 1),
         ] {
-            let p = plan_decode(tiles, chunks, 132, m, 2).unwrap();
+            let p = plan_decode(tiles, chunks, 132, m, QFamily::W4A16).unwrap();
             let units = tiles.div_ceil(DECODE_BLOCK_TILES) * chunks;
             assert!(
                 p.ctas <= 132 && p.ctas * p.per_cta >= units && (p.ctas - 1) * p.per_cta < units
@@ -1465,19 +1475,30 @@ mod tests {
                 assert!(last - first < p.max_pieces, "{tiles} {chunks} block {b}");
             }
         }
+        // The span sums cover every row of the token tiles the kernel runs: at 17 to 24 tokens
+        // w4a16_dec4 writes 32 rows a chunk (a plan sized for 24 overran shared memory).
+        for m in 1..=32 {
+            let p = plan_decode(256, 64, 132, m, QFamily::W4A16).unwrap();
+            let window = p.per_cta.min(64);
+            let written = gemv_smem(m, window, 128) + window * 8 * token_tiles(m) * 4;
+            assert!(p.smem >= written, "{m} tokens: {} < {written}", p.smem);
+        }
         // Llama-3-8B's 28672x4096 on an H200: 56 units per CTA, 128 CTAs, one wave.
-        let p = plan_decode(1792, 64, 132, 1, 2).unwrap();
+        let p = plan_decode(1792, 64, 132, 1, QFamily::W4A16).unwrap();
         assert_eq!((p.ctas, p.per_cta, p.max_pieces), (128, 56, 3));
-        // Not for 17 tokens of 16-bit activations (INT8 codes: up to 32 where the window fits),
+        // Up to 16 tokens of W8A16, 32 of W4A16 and the INT8 codes, where the window fits; not
         // inputs that are not a multiple of 256 wide, or windows too large.
-        assert!(plan_decode(1792, 64, 132, 17, 2).is_none());
-        assert!(plan_decode(256, 64, 132, 32, 1).is_some());
-        assert!(plan_decode(256, 64, 132, 33, 1).is_none());
-        assert!(plan_decode(1792, 66, 132, 1, 2).is_none());
-        // 16 bf16 tokens of an 8192-wide input (Llama-2-70B's 57344x8192) take the mma.sync
-        // gemv; as INT8 codes they fit.
-        assert!(plan_decode(3584, 128, 132, 16, 2).is_none());
-        assert!(plan_decode(3584, 128, 132, 16, 1).is_some());
+        assert!(plan_decode(1792, 64, 132, 17, QFamily::W8A16).is_none());
+        assert!(plan_decode(256, 224, 132, 32, QFamily::W4A16).is_some());
+        assert!(plan_decode(256, 64, 132, 32, QFamily::W8A8).is_some());
+        assert!(plan_decode(256, 64, 132, 33, QFamily::W8A8).is_none());
+        assert!(plan_decode(256, 64, 132, 33, QFamily::W4A16).is_none());
+        assert!(plan_decode(1792, 66, 132, 1, QFamily::W4A16).is_none());
+        // 32 bf16 tokens of 28672x4096 (56 chunks a CTA) and 16 of an 8192-wide input
+        // (Llama-2-70B's 57344x8192) take the other kernels; as INT8 codes they fit.
+        assert!(plan_decode(1792, 64, 132, 32, QFamily::W4A16).is_none());
+        assert!(plan_decode(3584, 128, 132, 16, QFamily::W4A16).is_none());
+        assert!(plan_decode(3584, 128, 132, 16, QFamily::W8A8).is_some());
     }
 
     #[test]
@@ -1604,7 +1625,9 @@ mod tests {
             (W4A16, 1, 4096, 4096, Auto, true, "decode Decode"),
             (W8A8, 24, 4096, 4096, Auto, true, "decode Decode"),
             (W4A8, 32, 4096, 4096, Auto, true, "decode Decode"),
-            (W4A16, 24, 4096, 4096, Auto, true, "Gemv"),
+            (W4A16, 24, 4096, 4096, Auto, true, "decode Decode"),
+            (W8A16, 24, 4096, 4096, Auto, true, "Wgmma(Wgmma64, 64)"),
+            (W4A16, 32, 28672, 4096, Auto, true, "Wgmma(Wgmma64, 64)"),
             // The mma.sync tier and GPUs without the Hopper kernels: the gemv and tiled
             // kernels, except for W4A8, which has none and is refused.
             (W8A8, 8, 4096, 4096, MmaSync, true, "Gemv"),
