@@ -105,7 +105,7 @@ template <class F, class E> struct UnitsAnd {
 // W4A16: `groups` groups of 2^group_shift channels a row (GC 2), `_g64` groups of 64 (GC 1). The
 // lean loop for two token tiles where the dense entries (qgemv.cu) take it: on an H200 it took a
 // Mixtral layer's 64-token experts (16 rows each) from 283 to 250 µs, but one tile's 8 to 32
-// tokens from 204-224 to 208-232 µs (`bench/results/moe-lean-20261126-h200/`).
+// tokens from 204-224 to 208-232 µs (`bench/results/moe-lean-20261126/`).
 #define W4A16_GDEC_ENTRY(NAME, T, TT, GC)                                                                 \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(GDEC_PARAMS(T, float)) {         \
         const int chunk_shift = groups == 1 ? 30 : group_shift - 6;                                       \
