@@ -6,7 +6,9 @@
 # A stage is a folder holding gpu-bench (and, for the candidate, gpu-tests), e.g. stage/gpu from
 # scripts/gpu-stage.sh on main and another from the branch. MS: the token counts (default
 # 1,4,16,17,24,32). AB_ENGINE=1 adds the engine's decode steps per precision (the Llama-3-8B
-# shape) to each bench run. Logs and JSON go to OUTDIR (a tarball of the logs: a call returns few
+# shape) to each bench run. AB_BENCH replaces the bench's arguments (e.g. "--moe-experts", with
+# NIBBLE_BENCH_FORMATS / NIBBLE_BENCH_TOKENS to narrow it) and AB_TESTS the test filter (default
+# qgemm). Logs and JSON go to OUTDIR (a tarball of the logs: a call returns few
 # files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,14 +27,14 @@ seed_kernel_cache
 # The base's kernels compile (NVRTC, about a minute) while the candidate's tests run.
 "$base/gpu-bench" "$out/warm-base.json" --qgemm --kernels-only --ms 1 >"$out/warm-base.log" 2>&1 &
 warm=$!
-STEP_SUMMARY="test result|FAILED|panicked" step cand-tests "$cand/gpu-tests" qgemm --test-threads 1
+STEP_SUMMARY="test result|FAILED|panicked" step cand-tests "$cand/gpu-tests" ${AB_TESTS:-qgemm} --test-threads 1
 wait $warm
 kernels_only=--kernels-only; [ "${AB_ENGINE:-0}" = 1 ] && kernels_only=
+args=${AB_BENCH:---qgemm $kernels_only --ms $ms}
 for round in 1 2; do
   for side in base cand; do
     dir=$base; [ $side = cand ] && dir=$cand
-    STEP_SUMMARY="^qgemm" step "bench-$side-$round" "$dir/gpu-bench" "$out/bench-$side-$round.json" \
-      --qgemm $kernels_only --ms "$ms"
+    STEP_SUMMARY="^qgemm|^moe" step "bench-$side-$round" "$dir/gpu-bench" "$out/bench-$side-$round.json" $args
   done
 done
 tar czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log

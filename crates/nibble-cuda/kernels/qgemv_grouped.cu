@@ -76,8 +76,8 @@ template <class T> struct DecB16 {
 #if !defined(DEC_NO_ENTRIES) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
 // Item `blockIdx.x / ctas_per_item`'s slice `blockIdx.x % ctas_per_item` of the decode gemv, its
 // input and output `row` rows in, its partial slots and counters its own. `make(item)` builds
-// the item's unit reader and epilogue.
-template <int TT, class X, class Acc, class Make>
+// the item's unit reader and epilogue. LEAN: dec_gemv's lean loop (qgemv.cu, `dec_gemv_lean`).
+template <int TT, bool LEAN = false, class X, class Acc, class Make>
 __device__ __forceinline__ void dec_grouped(const GroupedItem* items, int ctas_per_item, const X* x, long ldx,
                                             float* y, long ldy, Acc* partial, int* counters, int max_m, int N,
                                             int K, int tiles, int chunks, int per_cta, int max_pieces,
@@ -86,7 +86,7 @@ __device__ __forceinline__ void dec_grouped(const GroupedItem* items, int ctas_p
     if (cta * per_cta >= (tiles + DEC_WARPS - 1) / DEC_WARPS * chunks) return;
     const GroupedItem it = items[item];
     const auto fe = make(it);
-    dec_gemv<TT, DEC_WARPS>(fe.first, x + it.row * ldx, ldx, y + it.row * ldy, ldy,
+    dec_gemv<TT, DEC_WARPS, LEAN>(fe.first, x + it.row * ldx, ldx, y + it.row * ldy, ldy,
                             partial + (long)item * tiles * max_pieces * max_m * 16, counters + (long)item * tiles,
                             it.m, N, K, tiles, chunks, per_cta, max_pieces, fe.second, cta);
 }
@@ -102,11 +102,15 @@ template <class F, class E> struct UnitsAnd {
         int group_shift, int per_cta, int max_pieces
 #define GDEC_ARGS items, ctas_per_item, x, ldx, y, ldy, partial, counters, max_m, N, K, tiles, chunks, per_cta, max_pieces
 
-// W4A16: `groups` groups of 2^group_shift channels a row (GC 2), `_g64` groups of 64 (GC 1).
+// W4A16: `groups` groups of 2^group_shift channels a row (GC 2), `_g64` groups of 64 (GC 1). The
+// lean loop for two token tiles where the dense entries (qgemv.cu) take it: on an H200 it took a
+// Mixtral layer's 64-token experts (16 rows each) from 283 to 250 µs, but one tile's 8 to 32
+// tokens from 204-224 to 208-232 µs (`bench/results/moe-lean-20261126/`).
 #define W4A16_GDEC_ENTRY(NAME, T, TT, GC)                                                                 \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(GDEC_PARAMS(T, float)) {         \
         const int chunk_shift = groups == 1 ? 30 : group_shift - 6;                                       \
-        dec_grouped<TT>(GDEC_ARGS, [&](const GroupedItem& it) {                                           \
+        constexpr bool lean = TT == 2 && (GC == 2 || !W4Math<T>::NIBBLE_AT_4);                           \
+        dec_grouped<TT, lean>(GDEC_ARGS, [&](const GroupedItem& it) {                                     \
             return UnitsAnd<DecW4<T, GC>, W4Epilogue>{                                                    \
                 {(const uint4*)it.codes, (const uint2*)it.params, chunks, groups, chunk_shift}, {}};       \
         });                                                                                               \
