@@ -284,8 +284,6 @@ struct DecW8 : W8Stream {
     __device__ __forceinline__ void load_x(const unsigned char* row, uint4 (&v)[1]) const {
         v[0] = *reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 16);
     }
-    static constexpr int XL = 16;  // the lean loop's: a = the lane's bytes, its row's plus XL * t
-    __device__ __forceinline__ void load_x(u32 a, uint4 (&v)[1]) const { v[0] = lds128(a); }
     template <int TT>
     __device__ __forceinline__ void mma(const Regs& r, int u, const uint4 (&xv)[TT][1], int (&G)[2][TT][4]) const {
 #pragma unroll
@@ -390,16 +388,9 @@ struct DecW4A8 {
 #pragma unroll
         for (int u = 0; u < U; ++u) r.p[u] = __ldg(t.p + (((c + u) * 64 + lane_k) >> group_shift) * 8);
     }
-    // The lean loop's (dec_gemv_lean): a chunk's group is a shift of c, so c counts from 0.
-    static constexpr bool RELATIVE = false;
-    using TileL = Tile;
-    __device__ __forceinline__ TileL tile_lean(int tile, int) const { return tile_at(tile); }
-    __device__ __forceinline__ void pin() {}
     __device__ __forceinline__ void load_x(const unsigned char* row, uint4 (&v)[1]) const {
         v[0] = *reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 16);
     }
-    static constexpr int XL = 16;  // the lean loop's: a = the lane's bytes, its row's plus XL * t
-    __device__ __forceinline__ void load_x(u32 a, uint4 (&v)[1]) const { v[0] = lds128(a); }
     // Chunk u's INT8 A registers of its two k32 steps, as DecW8's packing holds them.
     __device__ __forceinline__ void widen(const Regs& r, int u, u32 (&a)[2][4]) const {
         const W4A8Affine row0(r.p[u].x), row8(r.p[u].y);
@@ -802,12 +793,15 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     W4A16_DEC_ENTRY(w4a16_dec4_h_g64_##SUFFIX, T, 4, 1, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
 
+// W8A8 and W4A8 keep dec_gemv's loop: with the lean one (A/B on an H200 and an H100, 2026-11-26,
+// BENCHMARKS' W8A16 section) W4A8 took 3% to 7% longer on the two large layers at 1 to 16 tokens
+// and W8A8 ran level (to 6% slower on 6144x4096 at 16 tokens); W8A16 gained up to 1.11x.
 #define W8A8_DEC_ENTRY(NAME, TT, OUT)                                                               \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
         const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx, OUT* y,  \
         long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, int per_cta, \
         int max_pieces) {                                                                              \
-        dec_gemv<TT, DEC_WARPS, (TT <= 2)>(DecW8{{codes, chunks}}, x, ldx, y, ldy, partial, counters, M, N, \
+        dec_gemv<TT, DEC_WARPS, false>(DecW8{{codes, chunks}}, x, ldx, y, ldy, partial, counters, M, N,    \
                                          K, tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw},     \
                                          blockIdx.x);                                                   \
     }
@@ -841,7 +835,7 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W8A16_DEC)
         const uint4* codes, const uint2* params, const float* sw, const signed char* x, long ldx,     \
         const float* sx, OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, \
         int chunks, int groups, int group_shift, int per_cta, int max_pieces) {                       \
-        dec_gemv<TT, DEC_WARPS, (TT <= 2)>(DecW4A8{codes, params, chunks, groups, group_shift}, x, ldx, y, \
+        dec_gemv<TT, DEC_WARPS, false>(DecW4A8{codes, params, chunks, groups, group_shift}, x, ldx, y,     \
                                          ldy, partial, counters, M, N, K, tiles, chunks, per_cta,       \
                                          max_pieces, W8Epilogue{sx, sw}, blockIdx.x);                   \
     }
