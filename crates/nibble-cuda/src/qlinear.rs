@@ -551,7 +551,7 @@ pub fn use_gemv(m: usize, tiles: usize, sms: usize) -> bool {
 /// The kernel families of a quantized GEMM.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum QKernel {
-    /// The persistent decode gemv (up to [`DECODE_MAX_M`] tokens); for W4A16, groups of 128
+    /// The persistent decode gemv (up to [`QFamily::decode_max_m`] tokens); for W4A16, groups of 128
     /// channels or a larger power of two.
     Decode,
     /// The same for W4A16 groups of 64 channels (scales apply every chunk); W8A8 has no groups
