@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Report of an A/B run (scripts/gpu-ab-qgemm.sh): main's build ("base") against a candidate's,
+each benchmarked twice alternately in one device call. Takes the faster of each pair and prints
+a markdown table of times, speedups and shares of the measured copy bandwidth; draws the shares
+of both builds side by side (OUTDIR/ab.png, or OUT.png).
+
+    python3 bench/ab_report.py OUTDIR [--field w4a16] [OUT.png]
+
+qgemm runs (`gpu-bench --qgemm`): FIELD picks the format (`w4a16`, `w8a8`, `w4a8`, `w8a16`,
+`nibble_fp8`); moe runs (`gpu-bench --moe-experts`): the grouped GEMMs of each format and size.
+"""
+import json
+import sys
+from pathlib import Path
+
+
+def best(runs, key):
+    """The fastest of the runs' rows with this key: (time µs, share of the copy rate)."""
+    return min(runs[key], key=lambda r: r[0])
+
+
+def load(out, field):
+    """{side: {key: [(µs, share), ...]}}, the device name, and the kind of run."""
+    sides, device, kind = {"base": {}, "cand": {}}, "", ""
+    for side in sides:
+        for path in sorted(out.glob(f"bench-{side}-*.json")):
+            d = json.loads(path.read_text())
+            device = d["device"]
+            if "moe_experts" in d and d["moe_experts"]:
+                kind = "moe"
+                for r in d["moe_experts"]:
+                    key = (r["format"], r["tokens"])
+                    sides[side].setdefault(key, []).append((r["grouped_gemms_us"], r["grouped_hbm_share"]))
+            else:
+                kind = "qgemm"
+                for r in d["qgemm"]:
+                    key = (f"{r['n']}x{r['k']}", r["m"])
+                    share = r.get(f"{field}_hbm_fraction")
+                    sides[side].setdefault(key, []).append((r[f"{field}_ms"] * 1e3, share))
+    return sides, device, kind
+
+
+def main():
+    args = [a for a in sys.argv[1:]]
+    field = "w4a16"
+    if "--field" in args:
+        i = args.index("--field")
+        field = args[i + 1]
+        del args[i : i + 2]
+    out = Path(args[0])
+    png = Path(args[1]) if len(args) > 1 else out / "ab.png"
+    sides, device, kind = load(out, field)
+    keys = [k for k in sides["base"] if k in sides["cand"]]
+    if not keys:
+        sys.exit(f"no rows both builds ran in {out}")
+    what = "grouped expert GEMMs" if kind == "moe" else field
+    print(f"{device}: {what}, the faster of each build's runs\n")
+    print("| shape | tokens | base µs | candidate µs | speedup | of copy rate, base / candidate |")
+    print("|---|---|---|---|---|---|")
+    for k in keys:
+        b, c = best(sides["base"], k), best(sides["cand"], k)
+        share = "-" if b[1] is None else f"{b[1] * 100:.0f} / {c[1] * 100:.0f}%"
+        print(f"| {k[0]} | {k[1]} | {b[0]:.1f} | {c[0]:.1f} | {b[0] / c[0]:.2f}x | {share} |")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("\n(matplotlib missing: no plot)", file=sys.stderr)
+        return
+    labels = [f"{k[0]} {k[1]}" for k in keys]
+    xs = range(len(keys))
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(keys)), 4.5))
+    for off, side, name in [(-0.2, "base", "main"), (0.2, "cand", "candidate")]:
+        vals = [(best(sides[side], k)[1] or 0) * 100 for k in keys]
+        ax.bar([x + off for x in xs], vals, width=0.4, label=name)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, fontsize=7, rotation=60, ha="right")
+    ax.set_xlabel("shape (N x K or format), tokens", fontsize=8)
+    ax.set_ylabel("% of the measured copy bandwidth")
+    ax.set_title(f"{what} on {device}: main against the candidate", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"\n![{what}: main against the candidate]({png})")
+
+
+if __name__ == "__main__":
+    main()
