@@ -7,7 +7,8 @@ of both builds side by side (OUTDIR/ab.png, or OUT.png).
     python3 bench/ab_report.py OUTDIR [--field w4a16] [OUT.png]
 
 qgemm runs (`gpu-bench --qgemm`): FIELD picks the format (`w4a16`, `w8a8`, `w4a8`, `w8a16`,
-`nibble_fp8`); moe runs (`gpu-bench --moe-experts`): the grouped GEMMs of each format and size.
+`nibble_fp8`); moe runs (`gpu-bench --moe-experts`): the grouped GEMMs of each format and size;
+kv runs (`gpu-bench --kv-attention`): decode attention of each KV format at batch x context.
 """
 import json
 import sys
@@ -26,7 +27,12 @@ def load(out, field):
         for path in sorted(out.glob(f"bench-{side}-*.json")):
             d = json.loads(path.read_text())
             device = d["device"]
-            if "moe_experts" in d and d["moe_experts"]:
+            if d.get("kv_attention"):
+                kind = "kv"
+                for r in d["kv_attention"]:
+                    key = (r["kv"], f"{r['batch']}x{r['ctx']}")
+                    sides[side].setdefault(key, []).append((r["ms"] * 1e3, r["bandwidth_fraction"]))
+            elif "moe_experts" in d and d["moe_experts"]:
                 kind = "moe"
                 for r in d["moe_experts"]:
                     key = (r["format"], r["tokens"])
@@ -53,9 +59,10 @@ def main():
     keys = [k for k in sides["base"] if k in sides["cand"]]
     if not keys:
         sys.exit(f"no rows both builds ran in {out}")
-    what = "grouped expert GEMMs" if kind == "moe" else field
+    what = {"moe": "grouped expert GEMMs", "kv": "decode attention"}.get(kind, field)
     print(f"{device}: {what}, the faster of each build's runs\n")
-    print("| shape | tokens | base µs | candidate µs | speedup | of copy rate, base / candidate |")
+    head = {"kv": "| KV | batch x ctx", "moe": "| format | tokens"}.get(kind, "| shape | tokens")
+    print(f"{head} | base µs | candidate µs | speedup | of copy rate, base / candidate |")
     print("|---|---|---|---|---|---|")
     for k in keys:
         b, c = best(sides["base"], k), best(sides["cand"], k)

@@ -7,8 +7,8 @@
 # scripts/gpu-stage.sh on main and another from the branch. MS: the token counts (default
 # 1,4,16,17,24,32). AB_ENGINE=1 adds the engine's decode steps per precision (the Llama-3-8B
 # shape) to each bench run. AB_BENCH replaces the bench's arguments (e.g. "--moe-experts", with
-# NIBBLE_BENCH_FORMATS / NIBBLE_BENCH_TOKENS to narrow it) and AB_TESTS the test filter (default
-# qgemm). Logs and JSON go to OUTDIR (a tarball of the logs: a call returns few
+# NIBBLE_BENCH_FORMATS / NIBBLE_BENCH_TOKENS to narrow it, or "--kv-attention") and AB_TESTS the
+# test filters (default qgemm). `python3 bench/ab_report.py OUTDIR` makes the table and plot. Logs and JSON go to OUTDIR (a tarball of the logs: a call returns few
 # files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,8 +24,9 @@ seed_kernel_cache
   echo "base $(cat "$base/COMMIT" 2>/dev/null) candidate $(cat "$cand/COMMIT" 2>/dev/null)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 } | tee "$out/device.txt"
-# The base's kernels compile (NVRTC, about a minute) while the candidate's tests run.
-"$base/gpu-bench" "$out/warm-base.json" --qgemm --kernels-only --ms 1 >"$out/warm-base.log" 2>&1 &
+# The base's kernels compile (NVRTC, about a minute) while the candidate's tests run: one run of
+# the bench (the qgemm one at a single size by default).
+"$base/gpu-bench" "$out/warm-base.json" ${AB_BENCH:---qgemm --kernels-only --ms 1} >"$out/warm-base.log" 2>&1 &
 warm=$!
 STEP_SUMMARY="test result|FAILED|panicked" step cand-tests "$cand/gpu-tests" ${AB_TESTS:-qgemm} --test-threads 1
 wait $warm
