@@ -8,8 +8,8 @@
 # 1,4,16,17,24,32). AB_ENGINE=1 adds the engine's decode steps per precision (the Llama-3-8B
 # shape) to each bench run. AB_BENCH replaces the bench's arguments (e.g. "--moe-experts", with
 # NIBBLE_BENCH_FORMATS / NIBBLE_BENCH_TOKENS to narrow it, or "--kv-attention") and AB_TESTS the
-# test filters (default qgemm). `python3 bench/ab_report.py OUTDIR` makes the table and plot. Logs and JSON go to OUTDIR (a tarball of the logs: a call returns few
-# files).
+# test filters (default qgemm). `python3 bench/ab_report.py OUTDIR` makes the table and plot.
+# Logs and JSON go to OUTDIR (a tarball of the logs: a call returns few files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-ab-qgemm.sh OUTDIR BASE_STAGE CAND_STAGE [MS]}
