@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Report of an A/B run (scripts/gpu-ab-qgemm.sh): main's build ("base") against a candidate's,
+"""Report of an A/B run (scripts/gpu-ab.sh): main's build ("base") against a candidate's,
 each benchmarked twice alternately in one device call. Takes the faster of each pair and prints
 a markdown table of times, speedups and shares of the measured copy bandwidth; draws the shares
 of both builds side by side (OUTDIR/ab.png, or OUT.png).

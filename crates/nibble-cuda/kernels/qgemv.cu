@@ -722,32 +722,32 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
             for (int uu = 0; uu < U; ++uu) f.template mma_direct<TT>(cur, uu, xrow, (q.slot + uu) * 64 * XB, acc);
         } else {
 #pragma unroll
-        for (int s = 0; s < F::SPANS; ++s) {
-            typename F::Acc G[2][TT][4] = {};
+            for (int s = 0; s < F::SPANS; ++s) {
+                typename F::Acc G[2][TT][4] = {};
 #pragma unroll
-            for (int uu = 0; uu < GC; ++uu) {
-                const int off = (q.slot + s * GC + uu) * 64 * XB;
-                if constexpr (TT >= 4) {  // W4A16's grouped experts of 17 to 32 rows
-                    f.template mma_rows<TT>(cur, s * GC + uu, xrow, off, G);
-                } else {
-                    uint4 xv[TT][XV];
+                for (int uu = 0; uu < GC; ++uu) {
+                    const int off = (q.slot + s * GC + uu) * 64 * XB;
+                    if constexpr (TT >= 4) {  // W4A16 at 17 to 32 tokens (or rows an expert)
+                        f.template mma_rows<TT>(cur, s * GC + uu, xrow, off, G);
+                    } else {
+                        uint4 xv[TT][XV];
 #pragma unroll
-                    for (int tt = 0; tt < TT; ++tt) f.load_x(xrow[tt] + off, xv[tt]);
-                    f.template mma<TT>(cur, s * GC + uu, xv, G);
+                        for (int tt = 0; tt < TT; ++tt) f.load_x(xrow[tt] + off, xv[tt]);
+                        f.template mma<TT>(cur, s * GC + uu, xv, G);
+                    }
                 }
-            }
-            float S[TT][2] = {};
-            if constexpr (F::ZERO_POINTS) {
+                float S[TT][2] = {};
+                if constexpr (F::ZERO_POINTS) {
 #pragma unroll
-                for (int tt = 0; tt < TT; ++tt) {
-                    const float2 v =
-                        *reinterpret_cast<const float2*>(xsum + (q.slot / GC + s) * MP + tt * 8 + 2 * t);
-                    S[tt][0] = v.x;
-                    S[tt][1] = v.y;
+                    for (int tt = 0; tt < TT; ++tt) {
+                        const float2 v =
+                            *reinterpret_cast<const float2*>(xsum + (q.slot / GC + s) * MP + tt * 8 + 2 * t);
+                        S[tt][0] = v.x;
+                        S[tt][1] = v.y;
+                    }
                 }
+                f.flush(cur, s, G, S, acc);
             }
-            f.flush(cur, s, G, S, acc);
-        }
         }
         if (tile_ends || nq.u == u1)
             dec_finish<TT>(acc, q.b * DW + warp, q.b, chunks, per_cta, max_pieces, M, N, partial, counters, y,

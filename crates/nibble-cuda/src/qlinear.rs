@@ -514,7 +514,6 @@ pub fn plan_decode(
     m: usize,
     family: QFamily,
 ) -> Option<DecodePlan> {
-    let elem = family.x_elem();
     if m == 0 || m > family.decode_max_m() || !chunks.is_multiple_of(DECODE_BATCH) {
         return None;
     }
@@ -524,14 +523,17 @@ pub fn plan_decode(
         .next_multiple_of(DECODE_BATCH)
         .max(DECODE_BATCH);
     let window = per_cta.min(chunks);
-    // The window's rows padded as the gemv pads its slice; W4A16 adds f32 sums per chunk and
-    // row of the kernel's token tiles (dec_stage_x writes all 8 * TT rows: 32 at 17 to 24 tokens).
-    let sums = if elem == 2 {
+    // The window's rows padded as the gemv pads its slice; W4A16 adds f32 sums per chunk and row
+    // of the kernel's token tiles (dec_stage_x writes all 8 * TT rows: 32 at 17 to 24 tokens).
+    // W8A16 reserves them too, though it stages none: sizing it without them would move its
+    // picks on Llama-2-70B's layers at 12 to 16 tokens to the decode gemv, which no run has
+    // measured there.
+    let sums = if family.x_elem() == 2 {
         window * decode_sum_rows(m) * 4
     } else {
         0
     };
-    let smem = gemv_smem(m, window, 64 * elem) + sums;
+    let smem = gemv_smem(m, window, 64 * family.x_elem()) + sums;
     (smem <= DECODE_SMEM).then_some(DecodePlan {
         ctas: units.div_ceil(per_cta),
         per_cta,
@@ -1053,9 +1055,9 @@ impl QGemm {
             };
             tier && has(kind)
         };
-        // The decode gemv: up to 16 tokens (32 with INT8 activations, in 4-token tiles:
-        // [`DECODE_MAX_M_INT8`]) where its activation window fits. On an H200 1.05x to 1.85x
-        // the mma.sync gemv, 4096x4096 at M = 1 included: 6.6 against 7.9 µs.
+        // The decode gemv: up to `QFamily::decode_max_m` tokens (16 for W8A16, 32 in four
+        // 8-token tiles for the others) where its activation window fits. On an H200 1.05x to
+        // 1.85x the mma.sync gemv, 4096x4096 at M = 1 included: 6.6 against 7.9 µs.
         let plan = plan_decode(self.tiles, self.chunks, self.sms, m, route.family);
         if let (Some(plan), Some(kind)) = (plan, route.decode)
             && wanted(kind, true)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# A/B of two staged builds' quantized GEMM kernels on one GPU, in one device call: the candidate's
-# qgemm GPU tests, then `gpu-bench --qgemm --kernels-only` from the base build and from the
-# candidate, alternated twice so that clock drift shows as run-to-run spread, not as a difference.
-#   scripts/gpu-ab-qgemm.sh OUTDIR BASE_STAGE CAND_STAGE [MS]
+# A/B of two staged builds' kernels on one GPU, in one device call: the candidate's GPU tests
+# (qgemm by default), then a benchmark (`gpu-bench --qgemm --kernels-only` by default) from the
+# base build and from the candidate, alternated twice so that clock drift shows as run-to-run
+# spread, not as a difference.
+#   scripts/gpu-ab.sh OUTDIR BASE_STAGE CAND_STAGE [MS]
 # A stage is a folder holding gpu-bench (and, for the candidate, gpu-tests), e.g. stage/gpu from
 # scripts/gpu-stage.sh on main and another from the branch. MS: the token counts (default
 # 1,4,16,17,24,32). AB_ENGINE=1 adds the engine's decode steps per precision (the Llama-3-8B
@@ -12,7 +13,7 @@
 # Logs and JSON go to OUTDIR (a tarball of the logs: a call returns few files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: scripts/gpu-ab-qgemm.sh OUTDIR BASE_STAGE CAND_STAGE [MS]}
+out=${1:?usage: scripts/gpu-ab.sh OUTDIR BASE_STAGE CAND_STAGE [MS]}
 base=${2:?base stage}; cand=${3:?candidate stage}; ms=${4:-1,4,16,17,24,32}
 mkdir -p "$out"
 export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
