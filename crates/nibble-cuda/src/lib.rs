@@ -29,6 +29,7 @@
 //!                            metadata, launches, sticky error, tier       probe runtime tensor
 //!               graph        the CUDA graph cache, capture primitives  -> runtime tensor
 //!               kv           CudaKv, the paged KV pool                 -> runtime tensor
+//!               kv_residual  which residual slot holds a filling block -> (none)
 //!               tensor       Dtype, Elem, CudaTensor, CudaWeight       -> runtime
 //!               module       loading cubins                            -> runtime
 //!               nccl         NCCL loaded at run time: all-reduce       -> runtime
@@ -51,6 +52,9 @@ pub mod grouped;
 mod host;
 mod host_trace;
 mod kv;
+// Not used yet: the channel-wise formats' GPU pool (docs/design/kv-channel-gpu.md) builds on it.
+#[allow(dead_code)]
+mod kv_residual;
 pub mod module;
 pub mod nccl;
 pub mod pack;
