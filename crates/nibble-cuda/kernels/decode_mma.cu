@@ -126,6 +126,7 @@ __device__ __forceinline__ void write_partials(float* merge, const float (&o)[HD
 // table; false for a split wholly past the context. The CTA whose split holds the step's position
 // first appends the step's key (warp 0) and value (warp 1) to their pages, quantizing them if
 // the pages are (one launch fewer per layer than a separate append); it reads them back later.
+// (Unless knew is null: a pool with a deferred side appends in kernels of its own.)
 struct DecodeSplit {
     int start, end, lo;
     const int* table;
@@ -143,10 +144,14 @@ __device__ __forceinline__ bool decode_split(DecodeSplit& d, const int* tok_pos,
     d.end = min(ctx, d.start + chunk);
     d.lo = window > 0 ? max(0, ctx - window) : 0;
     d.table = block_tables + (long)tok_seq[token] * max_blocks;
-    if (d.end == ctx) {
+    // A pool with a deferred side (kv4c, kv2c) has appended the step's rows already
+    // (kvq_append_residual, kvq_pack) and passes none.
+    if (d.end == ctx && knew != nullptr) {
         const int p = ctx - 1;
         const long page = (long)d.table[p / KV_BS] * num_kv_heads + kvh;
-        if (warp == 0) KS::append(kc + page * KS::PAGE, knew + (long)token * ldk + kvh * HD, p % KV_BS, lane);
+        if constexpr (!KS::CHANNEL) {
+            if (warp == 0) KS::append(kc + page * KS::PAGE, knew + (long)token * ldk + kvh * HD, p % KV_BS, lane);
+        }
         if (warp == 1) VS::append(vc + page * VS::PAGE, vnew + (long)token * ldv + kvh * HD, p % KV_BS, lane);
         __threadfence_block();
         __syncthreads();

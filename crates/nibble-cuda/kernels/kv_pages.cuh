@@ -22,13 +22,21 @@
 #define PAGE_U8 1
 #define PAGE_U4 2
 #define PAGE_FP8 3
+#define PAGE_U2 4  // the values of kv2c: per token, as U8 / U4
+#define PAGE_C4 5  // channel-wise keys (kv4c): the block's 16 code runs, then HD (scale, zero) pairs
+#define PAGE_C2 6  // the same with 2-bit codes (kv2c)
 #define KV_BS 16  // tokens per KV block
 
+// BITS: code bits; PB: parameter bytes per slot; CHANNEL: one (scale, zero) per channel of the
+// block (nibble_precision::kv `ChannelKeys`) instead of one per slot, written by pack_block.
 template <int KIND> struct PageCodec;
-template <> struct PageCodec<PAGE_F16> { static constexpr int BITS = 16, PB = 0; };
-template <> struct PageCodec<PAGE_U8> { static constexpr int BITS = 8, PB = 4; };
-template <> struct PageCodec<PAGE_U4> { static constexpr int BITS = 4, PB = 4; };
-template <> struct PageCodec<PAGE_FP8> { static constexpr int BITS = 8, PB = 2; };
+template <> struct PageCodec<PAGE_F16> { static constexpr int BITS = 16, PB = 0; static constexpr bool CHANNEL = false; };
+template <> struct PageCodec<PAGE_U8> { static constexpr int BITS = 8, PB = 4; static constexpr bool CHANNEL = false; };
+template <> struct PageCodec<PAGE_U4> { static constexpr int BITS = 4, PB = 4; static constexpr bool CHANNEL = false; };
+template <> struct PageCodec<PAGE_FP8> { static constexpr int BITS = 8, PB = 2; static constexpr bool CHANNEL = false; };
+template <> struct PageCodec<PAGE_U2> { static constexpr int BITS = 2, PB = 4; static constexpr bool CHANNEL = false; };
+template <> struct PageCodec<PAGE_C4> { static constexpr int BITS = 4, PB = 0; static constexpr bool CHANNEL = true; };
+template <> struct PageCodec<PAGE_C2> { static constexpr int BITS = 2, PB = 0; static constexpr bool CHANNEL = true; };
 
 __device__ __forceinline__ float warp_min(float v) {
 #pragma unroll
@@ -46,7 +54,8 @@ struct PageSide {
     static constexpr int LD = HD + 8;                   // tile row stride, elements
     static constexpr int CB = HD * BITS / 8;            // bytes of one slot's codes (or elements)
     static constexpr int PB = PageCodec<KIND>::PB;      // bytes of one slot's parameters
-    static constexpr int PAGE = KV_BS * (CB + PB);      // bytes of one page
+    static constexpr bool CHANNEL = PageCodec<KIND>::CHANNEL;
+    static constexpr int PAGE = KV_BS * (CB + PB) + (CHANNEL ? 4 * HD : 0);  // bytes of one page
     static constexpr int EPC = 128 / BITS;              // elements in 16 bytes of codes
     static constexpr int CPR = CB / 16;                 // 16-byte chunks per slot
     static constexpr float MAXC = (float)((1 << (BITS == 16 ? 1 : BITS)) - 1);
@@ -78,6 +87,20 @@ struct PageSide {
                     make_uint4(pack2(v[0], v[1], (T*)nullptr), pack2(v[2], v[3], (T*)nullptr),
                                pack2(v[4], v[5], (T*)nullptr), pack2(v[6], v[7], (T*)nullptr));
             }
+        } else if constexpr (BITS == 2) {
+            // Element 16i + n is bits 2n..2n+1 of word i (element 4j + k: byte j's bits 2k).
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float v[8];
+#pragma unroll
+                    for (int n = 0; n < 8; ++n) v[n] = fmaf(code_f32((w[i] >> (2 * (8 * h + n))) & 3u), s, z);
+                    *reinterpret_cast<uint4*>(dst + 16 * i + 8 * h) =
+                        make_uint4(pack2(v[0], v[1], (T*)nullptr), pack2(v[2], v[3], (T*)nullptr),
+                                   pack2(v[4], v[5], (T*)nullptr), pack2(v[6], v[7], (T*)nullptr));
+                }
+            }
         } else if constexpr (KIND == PAGE_FP8) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -92,6 +115,29 @@ struct PageSide {
                 }
                 *reinterpret_cast<uint2*>(dst + 4 * i) =
                     make_uint2(pack2(v[0], v[1], (T*)nullptr), pack2(v[2], v[3], (T*)nullptr));
+            }
+        }
+    }
+
+    // CHANNEL pages: 16 code bytes of one slot, channels d0 .. d0 + EPC - 1, each with its own
+    // (s, z) from the page's channel parameters `cp`, into EPC values at dst.
+    __device__ static __forceinline__ void dequant16_channels(uint4 c, const unsigned char* cp, int d0, T* dst) {
+        const u32 w[4] = {c.x, c.y, c.z, c.w};
+        constexpr int PER_WORD = 32 / BITS;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int n0 = 0; n0 < PER_WORD; n0 += 8) {
+                float v[8];
+#pragma unroll
+                for (int n = 0; n < 8; ++n) {
+                    const int d = d0 + i * PER_WORD + n0 + n;
+                    const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(cp + 4 * d));
+                    v[n] = fmaf(code_f32((w[i] >> (BITS * (n0 + n))) & ((1u << BITS) - 1)), sz.x, sz.y);
+                }
+                *reinterpret_cast<uint4*>(dst + i * PER_WORD + n0) =
+                    make_uint4(pack2(v[0], v[1], (T*)nullptr), pack2(v[2], v[3], (T*)nullptr),
+                               pack2(v[4], v[5], (T*)nullptr), pack2(v[6], v[7], (T*)nullptr));
             }
         }
     }
@@ -122,6 +168,7 @@ struct PageSide {
     __device__ static __forceinline__ void append_row(unsigned char* page, const float (&v)[E], int slot,
                                                       int lane) {
         static_assert(E == 2 || E == 4, "a lane holds 2 or 4 elements");
+        static_assert(!CHANNEL, "channel-wise keys are written a whole block at a time (pack_block)");
         if constexpr (FLOAT) {
             T* dst = reinterpret_cast<T*>(page) + slot * HD + lane * E;
 #pragma unroll
@@ -170,12 +217,21 @@ struct PageSide {
                     *reinterpret_cast<u32*>(codes + lane * 4) = q[0] | q[1] << 8 | q[2] << 16 | q[3] << 24;
                 else
                     *reinterpret_cast<unsigned short*>(codes + lane * 2) = (unsigned short)(q[0] | q[1] << 8);
-            } else {
+            } else if constexpr (BITS == 4) {
                 if constexpr (E == 4)
                     *reinterpret_cast<unsigned short*>(codes + lane * 2) =
                         (unsigned short)(q[0] | q[1] << 4 | q[2] << 8 | q[3] << 12);
                 else
                     codes[lane] = (unsigned char)(q[0] | q[1] << 4);
+            } else {
+                if constexpr (E == 4) {
+                    codes[lane] = (unsigned char)(q[0] | q[1] << 2 | q[2] << 4 | q[3] << 6);
+                } else {
+                    // Two lanes a byte: the even lane's elements in the low nibble.
+                    const u32 mine = q[0] | q[1] << 2;
+                    const u32 odd = __shfl_down_sync(0xffffffffu, mine, 1);
+                    if ((lane & 1) == 0) codes[lane >> 1] = (unsigned char)(mine | odd << 4);
+                }
             }
             if (lane == 0) {
                 unsigned char* p = page + KV_BS * CB + slot * PB;
@@ -183,6 +239,64 @@ struct PageSide {
                     *reinterpret_cast<__half*>(p) = sh;
                 else
                     *reinterpret_cast<__half2*>(p) = __halves2half2(sh, zh);
+            }
+        }
+    }
+
+    // CHANNEL pages: quantizes a whole block, x(r, d) for its 16 slots r (f32: the residual's
+    // rows), into `page`: per channel d, min-max over the 16 rows with the CPU reference's
+    // arithmetic (`ChannelKeys::quantize`), then the codes token-major. One warp; lane l takes
+    // channels l * E .. l * E + E - 1. A channel with a non-finite value or one past the f16
+    // range gets NaN parameters (the CPU refuses such a block).
+    // `x(r, d)`: slot r's channel d.
+    template <class X>
+    __device__ static __forceinline__ void pack_block(unsigned char* page, const X& x_at, int lane) {
+        static_assert(CHANNEL, "per-token pages are written a row at a time (append)");
+        static_assert(E == 2 || E == 4, "a lane holds 2 or 4 channels");
+        const __half nan = __ushort_as_half((unsigned short)0x7e00);
+        float s[E], z[E];
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const int d = lane * E + j;
+            float lo = x_at(0, d), hi = lo;
+            bool ok = fabsf(lo) <= 65504.f;
+#pragma unroll
+            for (int r = 1; r < KV_BS; ++r) {
+                const float x = x_at(r, d);
+                lo = fminf(lo, x);
+                hi = fmaxf(hi, x);
+                ok &= fabsf(x) <= 65504.f;  // false for NaN too
+            }
+            const __half sh = ok ? __float2half_rn(__fdiv_rn(hi - lo, MAXC)) : nan;
+            const __half zh = ok ? __float2half_rn(lo) : nan;
+            *reinterpret_cast<__half2*>(page + KV_BS * CB + 4 * d) = __halves2half2(sh, zh);
+            s[j] = __half2float(sh);
+            z[j] = __half2float(zh);
+        }
+#pragma unroll
+        for (int r = 0; r < KV_BS; ++r) {
+            u32 q[E];
+#pragma unroll
+            for (int j = 0; j < E; ++j) {
+                const float x = x_at(r, lane * E + j);
+                q[j] = s[j] == s[j] && s[j] != 0.f ? (u32)fminf(fmaxf(roundf(__fdiv_rn(x - z[j], s[j])), 0.f), MAXC)
+                                                   : 0u;
+            }
+            unsigned char* codes = page + r * CB;
+            if constexpr (BITS == 4) {
+                if constexpr (E == 4)
+                    *reinterpret_cast<unsigned short*>(codes + lane * 2) =
+                        (unsigned short)(q[0] | q[1] << 4 | q[2] << 8 | q[3] << 12);
+                else
+                    codes[lane] = (unsigned char)(q[0] | q[1] << 4);
+            } else {
+                if constexpr (E == 4) {
+                    codes[lane] = (unsigned char)(q[0] | q[1] << 2 | q[2] << 4 | q[3] << 6);
+                } else {
+                    const u32 mine = q[0] | q[1] << 2;
+                    const u32 odd = __shfl_down_sync(0xffffffffu, mine, 1);
+                    if ((lane & 1) == 0) codes[lane >> 1] = (unsigned char)(mine | odd << 4);
+                }
             }
         }
     }
@@ -224,8 +338,13 @@ struct PageSide {
                 const int r = i / CPR, cc = i % CPR;
                 T* dst = tile + r * LD + cc * EPC;
                 if (r < rows) {
-                    const float2 sz = params(stage, r);
-                    dequant16(*reinterpret_cast<const uint4*>(stage + 16 * i), sz.x, sz.y, dst);
+                    if constexpr (CHANNEL) {
+                        dequant16_channels(*reinterpret_cast<const uint4*>(stage + 16 * i), stage + KV_BS * CB,
+                                           cc * EPC, dst);
+                    } else {
+                        const float2 sz = params(stage, r);
+                        dequant16(*reinterpret_cast<const uint4*>(stage + 16 * i), sz.x, sz.y, dst);
+                    }
                 } else {
 #pragma unroll
                     for (int e = 0; e < EPC; e += 8) *reinterpret_cast<uint4*>(dst + e) = make_uint4(0, 0, 0, 0);
@@ -265,8 +384,13 @@ struct PageSide {
                 T* dst = tile + r * LD + cc * EPC;
                 if (p <= last) {
                     const unsigned char* page = side + ((long)table[p / KV_BS] * heads + kvh) * PAGE;
-                    const float2 sz = params(page, p % KV_BS);
-                    dequant16(*reinterpret_cast<const uint4*>(page + (p % KV_BS) * CB + 16 * cc), sz.x, sz.y, dst);
+                    const uint4 c = *reinterpret_cast<const uint4*>(page + (p % KV_BS) * CB + 16 * cc);
+                    if constexpr (CHANNEL) {
+                        dequant16_channels(c, page + KV_BS * CB, cc * EPC, dst);
+                    } else {
+                        const float2 sz = params(page, p % KV_BS);
+                        dequant16(c, sz.x, sz.y, dst);
+                    }
                 } else {
 #pragma unroll
                     for (int e = 0; e < EPC; e += 8) *reinterpret_cast<uint4*>(dst + e) = make_uint4(0, 0, 0, 0);

@@ -18,9 +18,10 @@
 #endif
 typedef NIBBLE_KVQ_T KvqT;
 
-// Both sides quantized: the register-direct kernel below. A 16-bit side: decode_mma.cu's kernel
-// with a dequantizing page policy.
-#if NIBBLE_KVQ_K != PAGE_F16 && NIBBLE_KVQ_V != PAGE_F16
+// Both sides quantized per token in 8 or 4 bits: the register-direct kernel below. A 16-bit side,
+// channel-wise keys or 2-bit values: decode_mma.cu's kernel with a dequantizing page policy.
+#if NIBBLE_KVQ_K != PAGE_F16 && NIBBLE_KVQ_V != PAGE_F16 && NIBBLE_KVQ_K != PAGE_C4 && \
+    NIBBLE_KVQ_K != PAGE_C2 && NIBBLE_KVQ_V != PAGE_U2
 #define KVQ_DECODE(HD, G)                                                                        \
     extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
@@ -35,22 +36,51 @@ typedef NIBBLE_KVQ_T KvqT;
 #define KVQ_DECODE(HD, G) \
     NIBBLE_DECODE_ENTRY(kvq_decode_hd##HD##_g##G, KvqT, HD, G, NIBBLE_KVQ_K, NIBBLE_KVQ_V)
 #endif
-#define KVQ_HEAD(HD)                                                                  \
-    KVQ_DECODE(HD, 1)                                                                 \
-    KVQ_DECODE(HD, 2)                                                                 \
-    KVQ_DECODE(HD, 4)                                                                 \
-    KVQ_DECODE(HD, 8)                                                                 \
-    NIBBLE_PREFILL_ENTRY(kvq_prefill_hd##HD, KvqT, HD, NIBBLE_KVQ_K, NIBBLE_KVQ_V)   \
+// A side that waits for its block to fill (docs/design/kv-channel-gpu.md): channel-wise keys,
+// and values when NIBBLE_KVQ_VDEFER is 1 (kv4c, kv2c). Such a pool appends into the residual and
+// packs full blocks (kvq_append_residual, kvq_pack) instead of kvq_append.
+#ifndef NIBBLE_KVQ_VDEFER
+#define NIBBLE_KVQ_VDEFER 0
+#endif
+#define KVQ_KDEFER (NIBBLE_KVQ_K == PAGE_C4 || NIBBLE_KVQ_K == PAGE_C2)
+#define KVQ_DEFERRED (KVQ_KDEFER || NIBBLE_KVQ_VDEFER)
+
+#if KVQ_DEFERRED
+#define KVQ_WRITERS(HD)                                                                      \
+    extern "C" __global__ void __launch_bounds__(64) kvq_append_residual_hd##HD(             \
+        const float* k, const float* v, unsigned char* kc, unsigned char* vc, float* rk,     \
+        float* rv, const int* block_tables, const int* res_tables, const int* tok_seq,       \
+        const int* tok_pos, int max_blocks, int num_kv_heads, long ldk, long ldv) {          \
+        kvq_append_residual_impl<HD>(k, v, kc, vc, rk, rv, block_tables, res_tables, tok_seq, \
+                                     tok_pos, max_blocks, num_kv_heads, ldk, ldv);           \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(64) kvq_pack_hd##HD(                        \
+        unsigned char* kc, unsigned char* vc, const float* rk, const float* rv,              \
+        const int* block_tables, const int* res_tables, const int* tok_seq,                  \
+        const int* tok_pos, int max_blocks, int num_kv_heads) {                              \
+        kvq_pack_impl<HD>(kc, vc, rk, rv, block_tables, res_tables, tok_seq, tok_pos,        \
+                          max_blocks, num_kv_heads);                                         \
+    }
+#else
+#define KVQ_WRITERS(HD)                                                                      \
     extern "C" __global__ void __launch_bounds__(64) kvq_append_hd##HD(                     \
         const float* k, const float* v, unsigned char* kc, unsigned char* vc,               \
         const int* block_tables, const int* tok_seq, const int* tok_pos, int max_blocks,    \
         int num_kv_heads, long ldk, long ldv) {                                             \
         kvq_append_impl<HD>(k, v, kc, vc, block_tables, tok_seq, tok_pos, max_blocks,       \
                             num_kv_heads, ldk, ldv);                                        \
-    }                                                                                       \
-    extern "C" __global__ void __launch_bounds__(64) kvq_fill_random_hd##HD(                \
-        unsigned char* kc, unsigned char* vc, int seed) {                                   \
-        kvq_fill_random_impl<HD>(kc, vc, seed);                                             \
+    }
+#endif
+#define KVQ_HEAD(HD)                                                                  \
+    KVQ_DECODE(HD, 1)                                                                 \
+    KVQ_DECODE(HD, 2)                                                                 \
+    KVQ_DECODE(HD, 4)                                                                 \
+    KVQ_DECODE(HD, 8)                                                                 \
+    NIBBLE_PREFILL_ENTRY(kvq_prefill_hd##HD, KvqT, HD, NIBBLE_KVQ_K, NIBBLE_KVQ_V)   \
+    KVQ_WRITERS(HD)                                                                   \
+    extern "C" __global__ void __launch_bounds__(64) kvq_fill_random_hd##HD(          \
+        unsigned char* kc, unsigned char* vc, int seed) {                             \
+        kvq_fill_random_impl<HD>(kc, vc, seed);                                       \
     }
 
 
@@ -403,8 +433,78 @@ __device__ void kvq_append_impl(const float* __restrict__ k, const float* __rest
         VS::append(vc + page * VS::PAGE, v + t * ldv + h * HD, p % KV_BS, lane);
 }
 
+#if KVQ_DEFERRED
+// The residual of a layer: [slots][kv_heads][16][HD] f32, one side; slot from the call's residual
+// tables (src/kv_residual.rs), which name a slot for every block the call touches.
+template <int HD>
+__device__ __forceinline__ long residual_row(const int* res_tables, int seq, int pos, int max_blocks, int h,
+                                             int num_kv_heads) {
+    const long slot = res_tables[(long)seq * max_blocks + pos / KV_BS];
+    return ((slot * num_kv_heads + h) * KV_BS + pos % KV_BS) * HD;
+}
+
+// Grid (tokens, kv heads), 2 warps: warp 0 the key, warp 1 the value. A deferred side's raw row
+// goes to the residual; a side quantized as written is appended to its page as kvq_append does.
+template <int HD>
+__device__ void kvq_append_residual_impl(const float* __restrict__ k, const float* __restrict__ v,
+                                         unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
+                                         float* __restrict__ rk, float* __restrict__ rv,
+                                         const int* __restrict__ block_tables, const int* __restrict__ res_tables,
+                                         const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
+                                         int max_blocks, int num_kv_heads, long ldk, long ldv) {
+    using KS = PageSide<KvqT, HD, NIBBLE_KVQ_K>;
+    using VS = PageSide<KvqT, HD, NIBBLE_KVQ_V>;
+    grid_dependency_enter();
+    const long t = blockIdx.x;
+    const int h = blockIdx.y, lane = threadIdx.x & 31, side = threadIdx.x >> 5;
+    const int p = tok_pos[t], seq = tok_seq[t];
+    const long page = (long)block_tables[(long)seq * max_blocks + p / KV_BS] * num_kv_heads + h;
+    const float* x = side == 0 ? k + t * ldk + h * HD : v + t * ldv + h * HD;
+    const bool deferred = side == 0 ? KVQ_KDEFER : NIBBLE_KVQ_VDEFER;
+    if (deferred) {
+        float* dst = (side == 0 ? rk : rv) + residual_row<HD>(res_tables, seq, p, max_blocks, h, num_kv_heads);
+        for (int d = lane; d < HD; d += 32) dst[d] = x[d];
+    } else if (side == 0) {
+        if constexpr (!KVQ_KDEFER) KS::append(kc + page * KS::PAGE, x, p % KV_BS, lane);
+    } else {
+        if constexpr (!NIBBLE_KVQ_VDEFER) VS::append(vc + page * VS::PAGE, x, p % KV_BS, lane);
+    }
+}
+
+// Grid (tokens, kv heads), 2 warps, after kvq_append_residual: the CTA of a block's last slot
+// packs the block's deferred sides from the residual (warp 0 the keys, channel-wise; warp 1 the
+// values, row by row); every other CTA returns. Uniform over decode steps, so graphs hold it.
+template <int HD>
+__device__ void kvq_pack_impl(unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
+                              const float* __restrict__ rk, const float* __restrict__ rv,
+                              const int* __restrict__ block_tables, const int* __restrict__ res_tables,
+                              const int* __restrict__ tok_seq, const int* __restrict__ tok_pos, int max_blocks,
+                              int num_kv_heads) {
+    using KS = PageSide<KvqT, HD, NIBBLE_KVQ_K>;
+    using VS = PageSide<KvqT, HD, NIBBLE_KVQ_V>;
+    grid_dependency_enter();
+    const long t = blockIdx.x;
+    const int h = blockIdx.y, lane = threadIdx.x & 31, side = threadIdx.x >> 5;
+    const int p = tok_pos[t], seq = tok_seq[t];
+    if (p % KV_BS != KV_BS - 1) return;
+    const long page = (long)block_tables[(long)seq * max_blocks + p / KV_BS] * num_kv_heads + h;
+    const long first = residual_row<HD>(res_tables, seq, p - (KV_BS - 1), max_blocks, h, num_kv_heads);
+    if (side == 0) {
+        if constexpr (KVQ_KDEFER) {
+            const float* rows = rk + first;
+            KS::pack_block(kc + page * KS::PAGE, [&](int r, int d) { return rows[r * HD + d]; }, lane);
+        }
+    } else {
+        if constexpr (NIBBLE_KVQ_VDEFER) {
+#pragma unroll 1
+            for (int r = 0; r < KV_BS; ++r) VS::append(vc + page * VS::PAGE, rv + first + r * HD, r, lane);
+        }
+    }
+}
+#endif
+
 // Slot `blockIdx.x % 16` of page `blockIdx.x / 16` of a layer: uniform values in [-1, 1),
-// quantized as an append would.
+// quantized as an append would (channel-wise keys: the slot-15 CTA packs the page's block).
 template <int HD>
 __device__ void kvq_fill_random_impl(unsigned char* kc, unsigned char* vc, int seed) {
     using KS = PageSide<KvqT, HD, NIBBLE_KVQ_K>;
@@ -414,10 +514,18 @@ __device__ void kvq_fill_random_impl(unsigned char* kc, unsigned char* vc, int s
     float x[KS::E];
 #pragma unroll
     for (int j = 0; j < KS::E; ++j) x[j] = hash_unit((long)blockIdx.x * HD + lane * KS::E + j, seed + side);
-    if (side == 0)
-        KS::append_row(kc + page * KS::PAGE, x, slot, lane);
-    else
+    if (side == 0) {
+        if constexpr (KS::CHANNEL) {
+            if (slot == KV_BS - 1)
+                KS::pack_block(
+                    kc + page * KS::PAGE,
+                    [&](int r, int d) { return hash_unit((page * KV_BS + r) * HD + d, seed); }, lane);
+        } else {
+            KS::append_row(kc + page * KS::PAGE, x, slot, lane);
+        }
+    } else {
         VS::append_row(vc + page * VS::PAGE, x, slot, lane);
+    }
 }
 
 KVQ_HEAD(64)
