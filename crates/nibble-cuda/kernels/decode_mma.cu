@@ -159,14 +159,21 @@ __device__ __forceinline__ bool decode_split(DecodeSplit& d, const int* tok_pos,
     return true;
 }
 
-template <class T, int HD, int G, class KS, class VS>
+// KDEF / VDEF: the keys / values wait in the residual until their block fills (kv4c, kv2c; the
+// pages of the query's own block are not written yet): that block's deferred sides are read from
+// the residual rows `rk` / `rv` (f32, kv_pages.cuh `residual_row`) instead of their pages, as the
+// CPU reads a query's own block raw.
+template <class T, int HD, int G, class KS, class VS, bool KDEF = false, bool VDEF = false>
 __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __restrict__ kc,
                                 unsigned char* __restrict__ vc, const int* __restrict__ block_tables,
                                 const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
                                 float* __restrict__ part, int num_kv_heads, int group,
                                 int max_blocks, int chunk, float scale_log2, long ldq,
                                 const float* __restrict__ knew, const float* __restrict__ vnew,
-                                long ldk, long ldv, int window) {
+                                long ldk, long ldv, int window, const float* __restrict__ rk = nullptr,
+                                const float* __restrict__ rv = nullptr,
+                                const int* __restrict__ res_tables = nullptr) {
+    static_assert(!(KDEF && KS::FLOAT) && !(VDEF && VS::FLOAT), "a deferred side is a quantized one");
     grid_dependency_enter();
     constexpr int LD = HD + 8;
     constexpr int WARPS = DM_WARPS;
@@ -225,8 +232,21 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
         asm volatile("cp.async.wait_group 1;\n" ::);
         __syncwarp();
         const int rows = min(DM_BS, end - b * DM_BS);
-        const T* kw = KS::ready(kst[stage], ktile, rows, lane);
-        const T* vw = VS::ready(vst[stage], vtile, rows, lane);
+        const T* kw;
+        const T* vw;
+        if constexpr (KDEF || VDEF) {
+            // The query's own block: the last of a split that ends at the context.
+            const int ctx = tok_pos[token] + 1;
+            const bool own = end == ctx && b == (ctx - 1) / DM_BS;
+            const long at = own ? residual_row<HD>(res_tables, tok_seq[token], b * DM_BS, max_blocks, kvh,
+                                                   num_kv_heads)
+                                : 0;
+            kw = own && KDEF ? residual_tile<T, HD>(ktile, rk + at, rows, lane) : KS::ready(kst[stage], ktile, rows, lane);
+            vw = own && VDEF ? residual_tile<T, HD>(vtile, rv + at, rows, lane) : VS::ready(vst[stage], vtile, rows, lane);
+        } else {
+            kw = KS::ready(kst[stage], ktile, rows, lane);
+            vw = VS::ready(vst[stage], vtile, rows, lane);
+        }
         float s[2][4];
 #pragma unroll
         for (int n = 0; n < 2; ++n) {

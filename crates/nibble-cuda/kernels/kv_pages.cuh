@@ -47,6 +47,30 @@ __device__ __forceinline__ float warp_min(float v) {
 // An unsigned code as f32 without a conversion instruction: 2^23 + q, minus 2^23.
 __device__ __forceinline__ float code_f32(u32 q) { return __uint_as_float(0x4B000000u | q) - 8388608.f; }
 
+// The residual of a layer's deferred side (docs/design/kv-channel-gpu.md): [slots][kv_heads][16]
+// [HD] f32; the slot of a block from the call's residual tables (src/kv_residual.rs), which name
+// one for every block the call touches. Returns the offset of position `pos`'s row.
+template <int HD>
+__device__ __forceinline__ long residual_row(const int* res_tables, int seq, int pos, int max_blocks, int h,
+                                             int num_kv_heads) {
+    const long slot = res_tables[(long)seq * max_blocks + pos / KV_BS];
+    return ((slot * num_kv_heads + h) * KV_BS + pos % KV_BS) * HD;
+}
+
+// A block's first `rows` residual rows (f32, `src`) rounded to T into `tile` ([16][HD + 8]), the
+// rest zeros: the tile a page's `ready` would give. One warp; the tile is readable on return.
+template <class T, int HD>
+__device__ __forceinline__ const T* residual_tile(T* tile, const float* src, int rows, int lane) {
+    constexpr int LD = HD + 8;
+    for (int i = lane; i < KV_BS * HD / 4; i += 32) {
+        const int r = i / (HD / 4), c = (i % (HD / 4)) * 4;
+        const float4 v = r < rows ? *reinterpret_cast<const float4*>(src + r * HD + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        *reinterpret_cast<uint2*>(tile + r * LD + c) = make_uint2(pack2(v.x, v.y, (T*)nullptr), pack2(v.z, v.w, (T*)nullptr));
+    }
+    __syncwarp();
+    return tile;
+}
+
 template <class T, int HD, int KIND>
 struct PageSide {
     static constexpr bool FLOAT = KIND == PAGE_F16;

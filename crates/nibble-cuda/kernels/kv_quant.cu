@@ -18,10 +18,19 @@
 #endif
 typedef NIBBLE_KVQ_T KvqT;
 
-// Both sides quantized per token in 8 or 4 bits: the register-direct kernel below. A 16-bit side,
-// channel-wise keys or 2-bit values: decode_mma.cu's kernel with a dequantizing page policy.
-#if NIBBLE_KVQ_K != PAGE_F16 && NIBBLE_KVQ_V != PAGE_F16 && NIBBLE_KVQ_K != PAGE_C4 && \
-    NIBBLE_KVQ_K != PAGE_C2 && NIBBLE_KVQ_V != PAGE_U2
+// A side that waits for its block to fill (docs/design/kv-channel-gpu.md): channel-wise keys,
+// and values when NIBBLE_KVQ_VDEFER is 1 (kv4c, kv2c). Such a pool appends into the residual and
+// packs full blocks (kvq_append_residual, kvq_pack) instead of kvq_append.
+#ifndef NIBBLE_KVQ_VDEFER
+#define NIBBLE_KVQ_VDEFER 0
+#endif
+#define KVQ_KDEFER (NIBBLE_KVQ_K == PAGE_C4 || NIBBLE_KVQ_K == PAGE_C2)
+#define KVQ_DEFERRED (KVQ_KDEFER || NIBBLE_KVQ_VDEFER)
+
+// Both sides quantized per token in 8 or 4 bits as they are written: the register-direct kernel
+// below. A 16-bit side or 2-bit values: decode_mma.cu's kernel with a dequantizing page policy; a
+// deferred side: the same with the query's own block from the residual.
+#if NIBBLE_KVQ_K != PAGE_F16 && NIBBLE_KVQ_V != PAGE_F16 && !KVQ_DEFERRED && NIBBLE_KVQ_V != PAGE_U2
 #define KVQ_DECODE(HD, G)                                                                        \
     extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
@@ -32,19 +41,26 @@ typedef NIBBLE_KVQ_T KvqT;
             q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group, max_blocks,   \
             chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window);                              \
     }
+#elif KVQ_DEFERRED
+// A deferred side: the generic decode with the query's own block read from the residual. The
+// step's rows were appended before (kvq_append_residual, kvq_pack): knew and vnew are null.
+#define KVQ_DECODE(HD, G)                                                                        \
+    extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
+        const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
+        const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
+        int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
+        const float* vnew, long ldk, long ldv, int window, const float* rk, const float* rv,    \
+        const int* res_tables) {                                                                \
+        decode_mma_impl<KvqT, HD, G, PageSide<KvqT, HD, NIBBLE_KVQ_K>, PageSide<KvqT, HD, NIBBLE_KVQ_V>, \
+                        KVQ_KDEFER, NIBBLE_KVQ_VDEFER>(q, kc, vc, block_tables, tok_seq, tok_pos, part, \
+                                                       num_kv_heads, group, max_blocks, chunk,  \
+                                                       scale_log2, ldq, knew, vnew, ldk, ldv,   \
+                                                       window, rk, rv, res_tables);             \
+    }
 #else
 #define KVQ_DECODE(HD, G) \
     NIBBLE_DECODE_ENTRY(kvq_decode_hd##HD##_g##G, KvqT, HD, G, NIBBLE_KVQ_K, NIBBLE_KVQ_V)
 #endif
-// A side that waits for its block to fill (docs/design/kv-channel-gpu.md): channel-wise keys,
-// and values when NIBBLE_KVQ_VDEFER is 1 (kv4c, kv2c). Such a pool appends into the residual and
-// packs full blocks (kvq_append_residual, kvq_pack) instead of kvq_append.
-#ifndef NIBBLE_KVQ_VDEFER
-#define NIBBLE_KVQ_VDEFER 0
-#endif
-#define KVQ_KDEFER (NIBBLE_KVQ_K == PAGE_C4 || NIBBLE_KVQ_K == PAGE_C2)
-#define KVQ_DEFERRED (KVQ_KDEFER || NIBBLE_KVQ_VDEFER)
-
 #if KVQ_DEFERRED
 #define KVQ_WRITERS(HD)                                                                      \
     extern "C" __global__ void __launch_bounds__(64) kvq_append_residual_hd##HD(             \
@@ -434,15 +450,6 @@ __device__ void kvq_append_impl(const float* __restrict__ k, const float* __rest
 }
 
 #if KVQ_DEFERRED
-// The residual of a layer: [slots][kv_heads][16][HD] f32, one side; slot from the call's residual
-// tables (src/kv_residual.rs), which name a slot for every block the call touches.
-template <int HD>
-__device__ __forceinline__ long residual_row(const int* res_tables, int seq, int pos, int max_blocks, int h,
-                                             int num_kv_heads) {
-    const long slot = res_tables[(long)seq * max_blocks + pos / KV_BS];
-    return ((slot * num_kv_heads + h) * KV_BS + pos % KV_BS) * HD;
-}
-
 // Grid (tokens, kv heads), 2 warps: warp 0 the key, warp 1 the value. A deferred side's raw row
 // goes to the residual; a side quantized as written is appended to its page as kvq_append does.
 template <int HD>
