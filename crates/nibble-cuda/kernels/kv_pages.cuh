@@ -71,6 +71,25 @@ __device__ __forceinline__ const T* residual_tile(T* tile, const float* src, int
     return tile;
 }
 
+// Prefill: positions kv0 .. kv0 + N - 1 of a sequence from the residual (f32) into `tile`
+// ([N][HD + 8]), as PageSide::gather does from pages: positions past `last`, or in a block the
+// call does not touch (no residual slot), as zeros. `rtable`: the sequence's residual table. All
+// threads of the CTA.
+template <class T, int HD, int N>
+__device__ __forceinline__ void gather_residual(T* tile, const float* res, const int* rtable, int kv0, int last,
+                                                int kvh, int heads) {
+    constexpr int LD = HD + 8;
+    for (int i = threadIdx.x; i < N * HD / 4; i += blockDim.x) {
+        const int r = i / (HD / 4), c = (i % (HD / 4)) * 4;
+        const int p = kv0 + r;
+        const int slot = p <= last ? rtable[p / KV_BS] : -1;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (slot >= 0)
+            v = *reinterpret_cast<const float4*>(res + (((long)slot * heads + kvh) * KV_BS + p % KV_BS) * HD + c);
+        *reinterpret_cast<uint2*>(tile + r * LD + c) = make_uint2(pack2(v.x, v.y, (T*)nullptr), pack2(v.z, v.w, (T*)nullptr));
+    }
+}
+
 template <class T, int HD, int KIND>
 struct PageSide {
     static constexpr bool FLOAT = KIND == PAGE_F16;

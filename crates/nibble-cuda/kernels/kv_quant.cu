@@ -62,6 +62,9 @@ typedef NIBBLE_KVQ_T KvqT;
     NIBBLE_DECODE_ENTRY(kvq_decode_hd##HD##_g##G, KvqT, HD, G, NIBBLE_KVQ_K, NIBBLE_KVQ_V)
 #endif
 #if KVQ_DEFERRED
+#define KVQ_PREFILL(HD)                                                                      \
+    NIBBLE_PREFILL_DEFERRED_ENTRY(kvq_prefill_hd##HD, KvqT, HD, NIBBLE_KVQ_K, NIBBLE_KVQ_V,  \
+                                  KVQ_KDEFER, NIBBLE_KVQ_VDEFER)
 #define KVQ_WRITERS(HD)                                                                      \
     extern "C" __global__ void __launch_bounds__(64) kvq_append_residual_hd##HD(             \
         const float* k, const float* v, unsigned char* kc, unsigned char* vc, float* rk,     \
@@ -78,6 +81,7 @@ typedef NIBBLE_KVQ_T KvqT;
                           max_blocks, num_kv_heads);                                         \
     }
 #else
+#define KVQ_PREFILL(HD) NIBBLE_PREFILL_ENTRY(kvq_prefill_hd##HD, KvqT, HD, NIBBLE_KVQ_K, NIBBLE_KVQ_V)
 #define KVQ_WRITERS(HD)                                                                      \
     extern "C" __global__ void __launch_bounds__(64) kvq_append_hd##HD(                     \
         const float* k, const float* v, unsigned char* kc, unsigned char* vc,               \
@@ -92,7 +96,7 @@ typedef NIBBLE_KVQ_T KvqT;
     KVQ_DECODE(HD, 2)                                                                 \
     KVQ_DECODE(HD, 4)                                                                 \
     KVQ_DECODE(HD, 8)                                                                 \
-    NIBBLE_PREFILL_ENTRY(kvq_prefill_hd##HD, KvqT, HD, NIBBLE_KVQ_K, NIBBLE_KVQ_V)   \
+    KVQ_PREFILL(HD)                                                                   \
     KVQ_WRITERS(HD)                                                                   \
     extern "C" __global__ void __launch_bounds__(64) kvq_fill_random_hd##HD(          \
         unsigned char* kc, unsigned char* vc, int seed) {                             \

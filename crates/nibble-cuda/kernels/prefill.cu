@@ -25,12 +25,21 @@ struct PrefillTile {
     int row0, pos0, rows, seq;
 };
 
-template <class T, int HD, int KK, int VK>
+// KDEF / VDEF (kv4c, kv2c; docs/design/kv-channel-gpu.md): the keys / values of a block being
+// filled wait in the residual (`rk`, `rv`, f32, `res_tables`), and, as on the CPU, a query reads
+// its own block raw and every earlier block quantized. A key tile that meets the query tile's
+// blocks then runs twice: once from the pages with the query's own block masked out, once with
+// only that block, its deferred sides gathered from the residual. The online softmax takes the
+// two passes as it takes two tiles.
+template <class T, int HD, int KK, int VK, bool KDEF = false, bool VDEF = false>
 __device__ void prefill_impl(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                              const unsigned char* __restrict__ vc, const int* __restrict__ block_tables,
                              const PrefillTile* __restrict__ tiles, T* __restrict__ out,
                              int num_kv_heads, int group, int max_blocks, int block_size,
-                             float scale_log2, long ldq, int window) {
+                             float scale_log2, long ldq, int window, const float* __restrict__ rk = nullptr,
+                             const float* __restrict__ rv = nullptr,
+                             const int* __restrict__ res_tables = nullptr) {
+    constexpr bool DEFERRED = KDEF || VDEF;
     constexpr int LD = HD + 8;  // padded row, in elements
     __shared__ __align__(16) T ks[PF_N * LD];
     __shared__ __align__(16) T vs[PF_N * LD];
@@ -66,10 +75,21 @@ __device__ void prefill_impl(const float* __restrict__ q, const unsigned char* _
     const int last = tile.pos0 + tile.rows - 1;     // the tile's last query position
 
     const int kv_first = window > 0 ? max(0, tile.pos0 - window + 1) / PF_N * PF_N : 0;
-    for (int kv0 = kv_first; kv0 <= last; kv0 += PF_N) {
+    // Deferred pools: where the query tile's first block starts (tiles past it meet its blocks).
+    const int own_first = tile.pos0 / KV_BS * KV_BS;
+    const int* rtable = DEFERRED ? res_tables + (long)tile.seq * max_blocks : nullptr;
+    // own: 0 for every key tile (with a deferred pool, the query's own block masked out), 1 for
+    // the second pass over a tile that meets the query tile's blocks (only the own block).
+    auto pass = [&](int kv0, int own) {
         __syncthreads();  // the previous tile (or Q) is no longer read
-        PageSide<T, HD, KK>::template gather<PF_N>(ks, kc, table, kv0, last, kvh, num_kv_heads, block_size);
-        PageSide<T, HD, VK>::template gather<PF_N>(vs, vc, table, kv0, last, kvh, num_kv_heads, block_size);
+        if (KDEF && own)
+            gather_residual<T, HD, PF_N>(ks, rk, rtable, kv0, last, kvh, num_kv_heads);
+        else
+            PageSide<T, HD, KK>::template gather<PF_N>(ks, kc, table, kv0, last, kvh, num_kv_heads, block_size);
+        if (VDEF && own)
+            gather_residual<T, HD, PF_N>(vs, rv, rtable, kv0, last, kvh, num_kv_heads);
+        else
+            PageSide<T, HD, VK>::template gather<PF_N>(vs, vc, table, kv0, last, kvh, num_kv_heads, block_size);
         __syncthreads();
         // S = Q K^T for this warp's 16 rows and 64 keys.
         float s[PF_N / 8][4];
@@ -90,13 +110,20 @@ __device__ void prefill_impl(const float* __restrict__ q, const unsigned char* _
             for (int e = 0; e < 4; ++e) {
                 const int kp = kv0 + n * 8 + 2 * t + (e & 1);
                 const int qp = e < 2 ? qp0 : qp1;
-                const bool in = kp <= qp && (window <= 0 || qp - kp < window);
+                bool in = kp <= qp && (window <= 0 || qp - kp < window);
+                if constexpr (DEFERRED) in &= (kp / KV_BS == qp / KV_BS) == (own != 0);
                 s[n][e] = in ? s[n][e] * scale_log2 : NEG_BIG;
             }
         }
         softmax_tile(s, m, l, o);
 #pragma unroll
         for (int kk = 0; kk < PF_N / 16; ++kk) pv_tile<T, HD, LD>(o, s[2 * kk], s[2 * kk + 1], &vs[kk * 16 * LD], lane);
+    };
+    for (int kv0 = kv_first; kv0 <= last; kv0 += PF_N) {
+        pass(kv0, 0);
+        if constexpr (DEFERRED) {
+            if (kv0 + PF_N > own_first) pass(kv0, 1);
+        }
     }
     // Normalize and store this warp's rows that belong to the tile.
     const float inv0 = 1.0f / l[0], inv1 = 1.0f / l[1];
@@ -126,6 +153,18 @@ __device__ void prefill_impl(const float* __restrict__ q, const unsigned char* _
         int max_blocks, int block_size, float scale_log2, long ldq, int window) {                \
         prefill_impl<T, HD, KK, VK>(q, kc, vc, block_tables, tiles, out, num_kv_heads, group,   \
                                     max_blocks, block_size, scale_log2, ldq, window);            \
+    }
+
+// A deferred pool's (kv_quant.cu): the residual's rows and tables after `window`.
+#define NIBBLE_PREFILL_DEFERRED_ENTRY(NAME, T, HD, KK, VK, KDEF, VDEF)                           \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                      \
+        const float* q, const unsigned char* kc, const unsigned char* vc,                       \
+        const int* block_tables, const PrefillTile* tiles, T* out, int num_kv_heads, int group, \
+        int max_blocks, int block_size, float scale_log2, long ldq, int window, const float* rk, \
+        const float* rv, const int* res_tables) {                                               \
+        prefill_impl<T, HD, KK, VK, KDEF, VDEF>(q, kc, vc, block_tables, tiles, out, num_kv_heads, \
+                                                group, max_blocks, block_size, scale_log2, ldq,  \
+                                                window, rk, rv, res_tables);                     \
     }
 
 #ifndef NIBBLE_KVQ_MODULE
