@@ -475,6 +475,15 @@ __device__ void kvq_append_residual_impl(const float* __restrict__ k, const floa
     if (deferred) {
         float* dst = (side == 0 ? rk : rv) + residual_row<HD>(res_tables, seq, p, max_blocks, h, num_kv_heads);
         for (int d = lane; d < HD; d += 32) dst[d] = x[d];
+        // A block restarted at slot 0 clears its deferred page: until kvq_pack writes it,
+        // attention may read it under a zero probability (prefill's first pass over a query's
+        // own block), and a previous owner's bytes could be NaN (0 * NaN is NaN); zeros read
+        // back as zeros.
+        if (p % KV_BS == 0) {
+            const int bytes = side == 0 ? KS::PAGE : VS::PAGE;
+            uint4* pg = reinterpret_cast<uint4*>((side == 0 ? kc + page * KS::PAGE : vc + page * VS::PAGE));
+            for (int i = lane; i < bytes / 16; i += 32) pg[i] = make_uint4(0, 0, 0, 0);
+        }
     } else if (side == 0) {
         if constexpr (!KVQ_KDEFER) KS::append(kc + page * KS::PAGE, x, p % KV_BS, lane);
     } else {

@@ -77,6 +77,19 @@ pub const KV_QUANT: &str = concat!(
 /// [`options`] plus what picks the [`KV_QUANT`] module's instance: the model dtype (`bf16` or
 /// `f16`) and the keys' and values' page kinds (`PageFormat::kernel_code`).
 pub fn kv_quant_options(base: &[String], dtype: &str, kinds: [u32; 2]) -> Vec<String> {
+    kv_quant_options_deferred(base, dtype, kinds, false)
+}
+
+/// [`kv_quant_options`] for a pool whose values wait for their block to fill (`kv4c`, `kv2c`,
+/// `k8v4c`: `v_deferred`); channel-wise keys (kinds 5 and 6) always do. Such a module has
+/// `kvq_append_residual` and `kvq_pack` instead of `kvq_append`, and its decode and prefill read a
+/// query's own block from the residual (docs/design/kv-channel-gpu.md).
+pub fn kv_quant_options_deferred(
+    base: &[String],
+    dtype: &str,
+    kinds: [u32; 2],
+    v_deferred: bool,
+) -> Vec<String> {
     let t = if dtype == "f16" {
         "__half"
     } else {
@@ -86,6 +99,7 @@ pub fn kv_quant_options(base: &[String], dtype: &str, kinds: [u32; 2]) -> Vec<St
     o.push(format!("-DNIBBLE_KVQ_T={t}"));
     o.push(format!("-DNIBBLE_KVQ_K={}", kinds[0]));
     o.push(format!("-DNIBBLE_KVQ_V={}", kinds[1]));
+    o.push(format!("-DNIBBLE_KVQ_VDEFER={}", v_deferred as u32));
     o
 }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 
 use nibble_core::{Error, Result};
 use nibble_model::KvShape;
-use nibble_precision::kv::{KeyLayout, TokenCodec, UintBits};
+use nibble_precision::kv::{ChannelKeys, KeyLayout, TokenCodec, UintBits};
 use nibble_precision::{KvFormat, KvSpec};
 
 use cudarc::driver::sys;
@@ -26,11 +26,23 @@ use crate::tensor::Dtype;
 pub enum PageFormat {
     /// The model dtype, unquantized.
     Float,
-    /// Per-token records, quantized as they are written.
+    /// Per-token records, quantized as they are written (or, for a deferred side, when their
+    /// block fills).
     Token(TokenCodec),
+    /// Channel-wise keys (`4c`, `2c`): one record a block, written when the block fills
+    /// (`nibble_precision::kv`, "Byte layouts"; kernels/kv_pages.cuh `pack_block`).
+    Channel(ChannelKeys),
 }
 
 impl PageFormat {
+    /// The channel-wise formats' sides, whose kernels exist but whose pools are not wired yet
+    /// (docs/design/kv-channel-gpu.md): channel keys, and 2-bit values.
+    pub const DEFERRED: [PageFormat; 3] = [
+        PageFormat::Channel(ChannelKeys(UintBits::B4)),
+        PageFormat::Channel(ChannelKeys(UintBits::B2)),
+        PageFormat::Token(TokenCodec::Uint(UintBits::B2)),
+    ];
+
     /// Every side format the GPU pool stores.
     pub const ALL: [PageFormat; 4] = [
         PageFormat::Float,
@@ -74,6 +86,7 @@ impl PageFormat {
         match self {
             PageFormat::Float => block * head_dim * 2,
             PageFormat::Token(codec) => codec.page_bytes(head_dim, block),
+            PageFormat::Channel(keys) => keys.block_bytes(head_dim, block),
         }
     }
 
@@ -85,6 +98,11 @@ impl PageFormat {
             PageFormat::Token(TokenCodec::Uint(UintBits::B4)) => 2,
             PageFormat::Token(TokenCodec::Fp8) => 3,
             PageFormat::Token(TokenCodec::Uint(UintBits::B2)) => 4,
+            PageFormat::Channel(ChannelKeys(UintBits::B4)) => 5,
+            PageFormat::Channel(ChannelKeys(UintBits::B2)) => 6,
+            PageFormat::Channel(ChannelKeys(UintBits::B8)) => {
+                unreachable!("no KV format keeps 8-bit keys per channel")
+            }
         }
     }
 }

@@ -106,10 +106,18 @@ impl ResidualSlots {
 
     /// Assigns the slots of a forward call over `batch`, without changing anything: a block
     /// written from slot 0 gets a free slot, a block continued mid-way must hold one already and
-    /// be continued at its next slot. Errors name the block and leave the holdings as they were.
-    pub fn plan(&self, batch: &BatchLayout) -> Result<ResidualPlan> {
+    /// be continued at its next slot. The tables are `width` columns wide: the width of the block
+    /// tables the kernels read with them (`max_blocks` there), at least every sequence's block
+    /// count. Errors name the block and leave the holdings as they were.
+    pub fn plan(&self, batch: &BatchLayout, width: usize) -> Result<ResidualPlan> {
         let bs = self.block_size;
-        let max_blocks = batch.seqs.iter().map(|s| s.blocks.len()).max().unwrap_or(0);
+        let max_blocks = width;
+        if let Some(s) = batch.seqs.iter().find(|s| s.blocks.len() > width) {
+            return Err(Error::InvalidArgument(format!(
+                "a block table of {} blocks in residual tables {width} wide",
+                s.blocks.len()
+            )));
+        }
         let mut tables = vec![NO_SLOT; batch.seqs.len() * max_blocks];
         let mut after = self.filling.clone();
         let mut free = self.free.clone();
@@ -232,10 +240,10 @@ mod tests {
         // 40 tokens: blocks 7 and 3 fill, block 9 keeps 8 rows.
         let b = batch(vec![seq(&[7, 3, 9], 0, 40)]);
         assert_eq!(r.needed(&b), 3);
-        let p = r.plan(&b).unwrap();
-        assert_eq!(p.max_blocks, 3);
-        assert!(p.tables.iter().all(|&s| s >= 0));
-        let mut slots = p.tables.clone();
+        let p = r.plan(&b, 4).unwrap();
+        assert_eq!(p.max_blocks, 4);
+        assert!(p.tables[..3].iter().all(|&s| s >= 0) && p.tables[3] == NO_SLOT);
+        let mut slots = p.tables[..3].to_vec();
         slots.sort();
         slots.dedup();
         assert_eq!(slots.len(), 3, "three distinct slots: {:?}", p.tables);
@@ -247,8 +255,8 @@ mod tests {
         for pos in 40..48 {
             let b = batch(vec![seq(&[7, 3, 9], pos, 1)]);
             assert_eq!(r.needed(&b), 0);
-            let p = r.plan(&b).unwrap();
-            assert_eq!(p.tables, vec![NO_SLOT, NO_SLOT, kept]);
+            let p = r.plan(&b, 4).unwrap();
+            assert_eq!(p.tables, vec![NO_SLOT, NO_SLOT, kept, NO_SLOT]);
             assert_eq!(p.filled, if pos == 47 { vec![9] } else { vec![] });
             r.finish(p);
         }
@@ -260,7 +268,7 @@ mod tests {
     fn a_batch_of_sequences_gets_distinct_slots() {
         let mut r = ResidualSlots::new(4, 16);
         let b = batch(vec![seq(&[0], 0, 5), seq(&[1], 0, 16), seq(&[2, 4], 0, 20)]);
-        let p = r.plan(&b).unwrap();
+        let p = r.plan(&b, 4).unwrap();
         let live: Vec<i32> = p.tables.iter().copied().filter(|&s| s >= 0).collect();
         let mut d = live.clone();
         d.sort();
@@ -273,40 +281,52 @@ mod tests {
     }
 
     #[test]
+    fn tables_are_as_wide_as_the_kernels_block_tables() {
+        let r = ResidualSlots::new(8, 16);
+        let b = batch(vec![seq(&[0, 1, 2], 0, 40), seq(&[3, 4, 5], 0, 33)]);
+        let p = r.plan(&b, 4).unwrap();
+        assert_eq!(p.tables.len(), 8);
+        assert!(p.tables[..3].iter().all(|&s| s >= 0) && p.tables[3] == NO_SLOT);
+        assert!(p.tables[4..7].iter().all(|&s| s >= 0) && p.tables[7] == NO_SLOT);
+        let err = r.plan(&b, 2).unwrap_err().to_string();
+        assert!(err.contains("3 blocks") && err.contains("2 wide"), "{err}");
+    }
+
+    #[test]
     fn refusals_change_nothing() {
         let mut r = ResidualSlots::new(2, 16);
-        r.finish(r.plan(&batch(vec![seq(&[5], 0, 3)])).unwrap());
+        r.finish(r.plan(&batch(vec![seq(&[5], 0, 3)]), 4).unwrap());
         let before = (r.free.clone(), r.filling.clone());
         // Out of order: block 5 holds 3 rows.
         let err = r
-            .plan(&batch(vec![seq(&[5], 4, 1)]))
+            .plan(&batch(vec![seq(&[5], 4, 1)]), 4)
             .unwrap_err()
             .to_string();
         assert!(err.contains("block 5") && err.contains("slot 4"), "{err}");
         // Continuing a block that holds nothing.
         let err = r
-            .plan(&batch(vec![seq(&[6], 2, 1)]))
+            .plan(&batch(vec![seq(&[6], 2, 1)]), 4)
             .unwrap_err()
             .to_string();
         assert!(err.contains("block 6"), "{err}");
         // A block named by two sequences.
         let err = r
-            .plan(&batch(vec![seq(&[8], 0, 1), seq(&[8], 0, 1)]))
+            .plan(&batch(vec![seq(&[8], 0, 1), seq(&[8], 0, 1)]), 4)
             .unwrap_err()
             .to_string();
         assert!(err.contains("block 8"), "{err}");
         // More blocks than slots: one is held, two more asked for.
         let b = batch(vec![seq(&[1, 2], 0, 20)]);
         assert_eq!(r.needed(&b), 2);
-        let err = r.plan(&b).unwrap_err().to_string();
+        let err = r.plan(&b, 4).unwrap_err().to_string();
         assert!(err.contains("residual"), "{err}");
         // A table too short for the positions.
-        let err = r.plan(&batch(vec![seq(&[1], 10, 10)])).unwrap_err();
+        let err = r.plan(&batch(vec![seq(&[1], 10, 10)]), 4).unwrap_err();
         assert!(err.to_string().contains("KV blocks"), "{err}");
         assert_eq!((r.free.clone(), r.filling.clone()), before);
         // Growing makes room; held slots keep their numbers.
         r.grow(4);
-        let p = r.plan(&b).unwrap();
+        let p = r.plan(&b, 4).unwrap();
         assert!(p.tables.iter().all(|&s| s != r.filling[&5].slot as i32));
         r.finish(p);
         assert_eq!(r.held(), 2);
@@ -315,11 +335,11 @@ mod tests {
     #[test]
     fn a_released_or_restarted_block_gives_its_slot_back() {
         let mut r = ResidualSlots::new(2, 16);
-        r.finish(r.plan(&batch(vec![seq(&[5], 0, 3)])).unwrap());
+        r.finish(r.plan(&batch(vec![seq(&[5], 0, 3)]), 4).unwrap());
         let slot = r.filling[&5].slot;
         // Written again from slot 0 (the engine reused it): the same slot, fill restarted.
-        let p = r.plan(&batch(vec![seq(&[5], 0, 2)])).unwrap();
-        assert_eq!(p.tables, vec![slot as i32]);
+        let p = r.plan(&batch(vec![seq(&[5], 0, 2)]), 4).unwrap();
+        assert_eq!(p.tables, vec![slot as i32, NO_SLOT, NO_SLOT, NO_SLOT]);
         r.finish(p);
         assert_eq!(r.filling[&5].filled, 2);
         r.release(&[5, 11]);

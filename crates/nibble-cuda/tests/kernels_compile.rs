@@ -133,14 +133,29 @@ fn kernels_compile_for_every_architecture() {
                         }
                     }
                 }
-                for (i, &(k, v)) in kv_formats.iter().enumerate() {
+                let kv_formats: Vec<(PageFormat, PageFormat, bool)> =
+                    kv_formats.into_iter().map(|(k, v)| (k, v, false)).collect();
+                // The channel-wise formats' modules (not wired to pools yet): kv4c, kv2c, k8v4c,
+                // k4cv8, on Hopper.
+                let mut kv_formats = kv_formats;
+                if cc.0 >= 9 {
+                    let [c4, c2, u2] = PageFormat::DEFERRED;
+                    let [_, u8_, u4, _] = PageFormat::ALL;
+                    kv_formats.extend([
+                        (c4, u4, true),
+                        (c2, u2, true),
+                        (u8_, u4, true),
+                        (c4, u8_, false),
+                    ]);
+                }
+                for (i, &(k, v, v_deferred)) in kv_formats.iter().enumerate() {
                     for dtype in if i == 0 {
                         &["bf16", "f16"][..]
                     } else {
                         &["bf16"]
                     } {
                         let kinds = [k.kernel_code(), v.kernel_code()];
-                        let o = compile::kv_quant_options(&opts, dtype, kinds);
+                        let o = compile::kv_quant_options_deferred(&opts, dtype, kinds, v_deferred);
                         let src = compile::full_source(compile::KV_QUANT);
                         let cubin = compile::compile("kv_quant", &src, &o).unwrap_or_else(|e| {
                             panic!("kv_quant {k:?}/{v:?} {dtype} for {arch}: {e}")
@@ -151,7 +166,16 @@ fn kernels_compile_for_every_architecture() {
                                 let e = format!("kvq_decode_hd{hd}_g{g}");
                                 assert!(entries.contains(&e), "{arch} {k:?}/{v:?}: {e} missing");
                             }
-                            for e in ["kvq_prefill_hd", "kvq_append_hd", "kvq_fill_random_hd"] {
+                            let deferred = v_deferred || matches!(k, PageFormat::Channel(_));
+                            let writers: &[&str] = if deferred {
+                                &["kvq_append_residual_hd", "kvq_pack_hd"]
+                            } else {
+                                &["kvq_append_hd"]
+                            };
+                            for e in ["kvq_prefill_hd", "kvq_fill_random_hd"]
+                                .iter()
+                                .chain(writers)
+                            {
                                 let e = format!("{e}{hd}");
                                 assert!(entries.contains(&e), "{arch} {k:?}/{v:?}: {e} missing");
                             }
