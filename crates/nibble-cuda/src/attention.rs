@@ -145,8 +145,49 @@ pub fn attention(
     // A decode batch on tensor cores appends inside the attention kernel; the other paths write
     // the batch's keys and values first.
     let tensor_core_decode = quantized || (group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim));
-    let fused_append = !prefill && tensor_core_decode;
-    if !fused_append {
+    let deferred = kv.deferred.contains(&true);
+    let fused_append = !prefill && tensor_core_decode && !deferred;
+    if deferred {
+        // Raw rows of the deferred sides into the residual (the other side appended as usual),
+        // then the blocks whose last slot this call wrote packed from it.
+        let grid = (n as u32, num_kv_heads as u32, 1);
+        let (rk, rv) = kv.residual_layer(layer);
+        let rt = kv.residual_tables(layer);
+        let args = vec![
+            Arg::Ptr(k.ptr),
+            Arg::Ptr(v.ptr),
+            Arg::Ptr(kc),
+            Arg::Ptr(vc),
+            Arg::Ptr(rk),
+            Arg::Ptr(rv),
+            Arg::Ptr(tables),
+            Arg::Ptr(rt),
+            Arg::Ptr(tok_seq),
+            Arg::Ptr(positions),
+            Arg::I32(max_blocks as i32),
+            Arg::I32(num_kv_heads as i32),
+            Arg::I64(k.ld as i64),
+            Arg::I64(v.ld as i64),
+        ];
+        let append = format!("kvq_append_residual_hd{head_dim}");
+        ctx.kv_kernel(kv.formats, kv.deferred[1], &append)?
+            .launch(&ctx.gpu, grid, 64, 0, args)?;
+        let args = vec![
+            Arg::Ptr(kc),
+            Arg::Ptr(vc),
+            Arg::Ptr(rk),
+            Arg::Ptr(rv),
+            Arg::Ptr(tables),
+            Arg::Ptr(rt),
+            Arg::Ptr(tok_seq),
+            Arg::Ptr(positions),
+            Arg::I32(max_blocks as i32),
+            Arg::I32(num_kv_heads as i32),
+        ];
+        let pack = format!("kvq_pack_hd{head_dim}");
+        ctx.kv_kernel(kv.formats, kv.deferred[1], &pack)?
+            .launch(&ctx.gpu, grid, 64, 0, args)?;
+    } else if !fused_append {
         // Both append kernels: a token's rows, where they go, then how the pool is cut.
         let mut args = vec![
             Arg::Ptr(k.ptr),
@@ -160,7 +201,11 @@ pub fn attention(
         ];
         let (kernel, grid, block) = if quantized {
             args.push(Arg::I32(num_kv_heads as i32));
-            let kernel = ctx.kv_kernel(kv.formats, &format!("kvq_append_hd{head_dim}"))?;
+            let kernel = ctx.kv_kernel(
+                kv.formats,
+                kv.deferred[1],
+                &format!("kvq_append_hd{head_dim}"),
+            )?;
             (kernel, (n as u32, num_kv_heads as u32, 1), 64)
         } else {
             args.extend([
@@ -246,10 +291,18 @@ pub fn attention(
             )?;
         } else {
             let kernel = if quantized {
-                ctx.kv_kernel(kv.formats, &format!("kvq_prefill_hd{head_dim}"))?
+                ctx.kv_kernel(
+                    kv.formats,
+                    kv.deferred[1],
+                    &format!("kvq_prefill_hd{head_dim}"),
+                )?
             } else {
                 ctx.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?
             };
+            let mut args = args;
+            if kv.deferred.contains(&true) {
+                args.extend(residual_args(kv, layer));
+            }
             kernel.launch(
                 &ctx.gpu,
                 (num_tiles as u32, num_heads as u32, 1),
@@ -263,6 +316,17 @@ pub fn attention(
 
     decode_rows(ctx, q, k, v, kv, layer, n, shape, g, &out)?;
     Ok(out)
+}
+
+/// The residual arguments of a deferred pool's kernels (docs/design/kv-channel-gpu.md): layer
+/// `layer`'s residual rows of keys and values, and the call's residual tables.
+fn residual_args(kv: &CudaKv, layer: usize) -> [Arg; 3] {
+    let (rk, rv) = kv.residual_layer(layer);
+    [
+        Arg::Ptr(rk),
+        Arg::Ptr(rv),
+        Arg::Ptr(kv.residual_tables(layer)),
+    ]
 }
 
 /// Decode attention of the batch's first `rows` tokens (one per sequence) into `out`'s rows:
@@ -330,15 +394,25 @@ fn decode_rows(
     };
     if mma {
         let mut args = common(scale * std::f32::consts::LOG2_E, false);
+        // A deferred pool appended the rows already (append_residual_and_pack): no fused append.
+        let deferred = kv.deferred.contains(&true);
+        let (knew, vnew) = if deferred { (0, 0) } else { (k.ptr, v.ptr) };
         args.extend([
-            Arg::Ptr(k.ptr),
-            Arg::Ptr(v.ptr),
+            Arg::Ptr(knew),
+            Arg::Ptr(vnew),
             Arg::I64(k.ld as i64),
             Arg::I64(v.ld as i64),
             Arg::I32(window_arg(shape.window)),
         ]);
+        if deferred {
+            args.extend(residual_args(kv, layer));
+        }
         let kernel = if quantized {
-            ctx.kv_kernel(kv.formats, &format!("kvq_decode_hd{head_dim}_g{g}"))?
+            ctx.kv_kernel(
+                kv.formats,
+                kv.deferred[1],
+                &format!("kvq_decode_hd{head_dim}_g{g}"),
+            )?
         } else {
             ctx.kernel(&format!("decode_mma_{dt}_hd{head_dim}_g{g}"))?
         };

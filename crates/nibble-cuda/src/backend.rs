@@ -568,14 +568,15 @@ impl Backend for CudaBackend {
                     ),
                 ));
             }
-            self.ctx.load_kv_kernels(pool.formats)?;
+            self.ctx.load_kv_kernels(pool.formats, pool.deferred[1])?;
         }
         Ok(pool)
     }
 
-    fn release_kv_blocks(&self, _kv: &mut CudaKv, _blocks: &[u32]) {
-        // The GPU's formats quantize each token as it is written: no per-block state beyond the
-        // pages themselves (the channel-wise formats' residual is CPU-only).
+    fn release_kv_blocks(&self, kv: &mut CudaKv, blocks: &[u32]) {
+        // Only the channel-wise formats keep per-block state: the residual slot of a block being
+        // filled.
+        kv.release_residual(blocks);
     }
 
     fn begin_forward(&self, tokens: &[u32], batch: &BatchLayout) -> Result<()> {
@@ -611,6 +612,16 @@ impl Backend for CudaBackend {
         batch: &BatchLayout,
         body: &mut dyn FnMut(&mut CudaKv) -> Result<CudaTensor>,
     ) -> Result<CudaTensor> {
+        // A pool with a deferred side (kv4c, kv2c): which residual slot each block this call
+        // touches writes, uploaded before the step runs (or replays), applied once it is queued.
+        // The tables are as wide as the block tables begin_forward staged.
+        if kv.deferred.contains(&true) {
+            self.ctx.ensure_meta(None, batch)?;
+            let width = self.ctx.with_meta(|m| m.max_blocks);
+            kv.plan_residual(&self.ctx.gpu, batch, width, &mut |dst, src| {
+                self.ctx.upload_step(dst, src)
+            })?;
+        }
         let id = kv.id;
         // A rank's replay holds its communicator, so an abort cannot slip in after
         // begin_forward's check and leave the graph's collectives on a freed communicator.
@@ -624,6 +635,7 @@ impl Backend for CudaBackend {
         if let Some(t) = &self.trace {
             t.end();
         }
+        kv.finish_residual(out.is_ok());
         out
     }
 
@@ -797,12 +809,26 @@ impl Backend for CudaBackend {
         shape: AttentionShape,
     ) -> Result<CudaTensor> {
         self.ctx.check_live(q)?;
-        match &self.trace {
+        // A deferred pool outside a forward pass (a direct call): this layer's residual plan.
+        let plan = if kv.residual_planned() {
+            None
+        } else {
+            self.ctx.ensure_meta(None, batch)?;
+            let width = self.ctx.with_meta(|m| m.max_blocks);
+            kv.plan_residual_layer(&self.ctx.gpu, layer, batch, width, &mut |dst, src| {
+                self.ctx.upload_step(dst, src)
+            })?
+        };
+        let out = match &self.trace {
             Some(t) => {
                 t.attention(|| attention::attention(&self.ctx, q, k, v, kv, layer, batch, shape))
             }
             None => attention::attention(&self.ctx, q, k, v, kv, layer, batch, shape),
+        };
+        if let (Some(plan), Ok(_)) = (plan, &out) {
+            kv.finish_residual_layer(layer, plan);
         }
+        out
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {

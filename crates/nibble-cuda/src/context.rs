@@ -118,7 +118,7 @@ pub struct CudaContext {
     /// NVRTC options of this GPU's kernels (the per-format KV modules are compiled later).
     compile_options: Vec<String>,
     /// The attention kernels of each quantized KV pool format in use, by its sides' page kinds.
-    kv_modules: Mutex<HashMap<[u32; 2], Arc<Kernels>>>,
+    kv_modules: Mutex<HashMap<[u32; 3], Arc<Kernels>>>,
     pub(crate) state: Mutex<State>,
     /// Per-step uploads go through page-locked memory, so queueing a step never waits for the
     /// one before it.
@@ -272,27 +272,39 @@ impl CudaContext {
     /// Compiles (or loads cached) the attention kernels of a quantized KV pool whose keys and
     /// values are stored as `formats` say, once per format: at the pool's creation, so no compile
     /// happens inside a forward pass (or a graph capture).
-    pub(crate) fn load_kv_kernels(&self, formats: [PageFormat; 2]) -> Result<()> {
-        let kinds = formats.map(PageFormat::kernel_code);
+    /// `v_deferred`: the values wait for their block to fill (kv4c, kv2c, k8v4c).
+    pub(crate) fn load_kv_kernels(&self, formats: [PageFormat; 2], v_deferred: bool) -> Result<()> {
+        let [k, v] = formats.map(PageFormat::kernel_code);
+        let key = [k, v, v_deferred as u32];
         let mut modules = self.kv_modules.lock().unwrap_or_else(|p| p.into_inner());
-        if modules.contains_key(&kinds) {
+        if modules.contains_key(&key) {
             return Ok(());
         }
-        let opts = compile::kv_quant_options(&self.compile_options, self.dtype.suffix(), kinds);
-        let name = format!("kv_quant_k{}v{}", kinds[0], kinds[1]);
+        let opts = compile::kv_quant_options_deferred(
+            &self.compile_options,
+            self.dtype.suffix(),
+            [k, v],
+            v_deferred,
+        );
+        let name = format!("kv_quant_k{k}v{v}{}", if v_deferred { "d" } else { "" });
         let cubin = compile::cubin(&name, &compile::full_source(compile::KV_QUANT), &opts)?;
         let mut kernels = HashMap::new();
         crate::module::load(&self.gpu, &name, &cubin, &mut kernels)?;
-        modules.insert(kinds, Arc::new(kernels));
+        modules.insert(key, Arc::new(kernels));
         Ok(())
     }
 
     /// Kernel `name` of the quantized KV pool format `formats` ([`Self::load_kv_kernels`]).
-    pub(crate) fn kv_kernel(&self, formats: [PageFormat; 2], name: &str) -> Result<Kernel> {
-        let kinds = formats.map(PageFormat::kernel_code);
+    pub(crate) fn kv_kernel(
+        &self,
+        formats: [PageFormat; 2],
+        v_deferred: bool,
+        name: &str,
+    ) -> Result<Kernel> {
+        let [k, v] = formats.map(PageFormat::kernel_code);
         let modules = self.kv_modules.lock().unwrap_or_else(|p| p.into_inner());
         modules
-            .get(&kinds)
+            .get(&[k, v, v_deferred as u32])
             .and_then(|m| m.get(name).copied())
             .ok_or_else(|| {
                 Error::unsupported(
@@ -620,6 +632,11 @@ impl CudaContext {
     }
 
     /// [`Self::stage_upload`] for callers that hold the state lock and read `recording` there.
+    /// Queues a per-step upload outside graph capture (through the staging ring).
+    pub(crate) fn upload_step<T: Copy>(&self, dst: DevicePtr, src: &[T]) -> Result<()> {
+        self.upload_step_data(false, dst, src)
+    }
+
     fn upload_step_data<T: Copy>(&self, recording: bool, dst: DevicePtr, src: &[T]) -> Result<()> {
         if recording {
             return self.gpu.upload(dst, src);

@@ -470,7 +470,7 @@ pub fn fill_kv_random(ctx: &CudaContext, kv: &CudaKv, seed: i32) -> Result<()> {
         let slots = kv.num_blocks * kv.shape.num_kv_heads * kv.block_size;
         for layer in 0..kv.shape.num_layers {
             let (k, v) = kv.layer(layer);
-            ctx.kv_kernel(kv.formats, &name)?.launch(
+            ctx.kv_kernel(kv.formats, kv.deferred[1], &name)?.launch(
                 &ctx.gpu,
                 (slots as u32, 1, 1),
                 64,

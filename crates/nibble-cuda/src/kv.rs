@@ -18,8 +18,10 @@ use nibble_precision::{KvFormat, KvSpec};
 
 use cudarc::driver::sys;
 
+use crate::kv_residual::{ResidualPlan, ResidualSlots};
 use crate::runtime::{DeviceBuffer, DevicePtr, Gpu, TmaLayout, tensor_map};
 use crate::tensor::Dtype;
+use nibble_model::BatchLayout;
 
 /// How one side (keys or values) of the GPU pool stores a token of one head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -53,26 +55,29 @@ impl PageFormat {
 
     /// The GPU format of keys (`keys`) or values of a side stored as `format` says, or why the
     /// GPU cannot store it yet.
-    fn of(format: KvFormat, keys: bool) -> Option<PageFormat> {
-        if format.is_channelwise() {
-            return None;
-        }
-        let codec = if keys {
+    fn of(format: KvFormat, keys: bool) -> PageFormat {
+        if keys {
             match format.keys() {
-                KeyLayout::PerToken(codec) => Some(codec),
-                _ => None,
+                KeyLayout::Float => PageFormat::Float,
+                KeyLayout::PerToken(codec) => PageFormat::Token(codec),
+                KeyLayout::PerChannel(c) => PageFormat::Channel(c),
             }
         } else {
-            format.values()
-        };
-        Some(codec.map_or(PageFormat::Float, PageFormat::Token))
+            format.values().map_or(PageFormat::Float, PageFormat::Token)
+        }
+    }
+
+    /// The formats of keys and values of `spec` on the GPU, the channel-wise ones included
+    /// (whose pools are not validated on a GPU yet: `of_spec` refuses them).
+    pub fn of_spec_any(spec: KvSpec) -> [PageFormat; 2] {
+        [Self::of(spec.k, true), Self::of(spec.v, false)]
     }
 
     /// The formats of keys and values of `spec` on the GPU, or why the GPU cannot store it.
     pub fn of_spec(spec: KvSpec) -> Result<[PageFormat; 2]> {
-        match (Self::of(spec.k, true), Self::of(spec.v, false)) {
-            (Some(k), Some(v)) => Ok([k, v]),
-            _ => Err(Error::unsupported(
+        match spec.buffered() && !channel_pools_enabled() {
+            false => Ok(Self::of_spec_any(spec)),
+            true => Err(Error::unsupported(
                 format!("KV cache format {spec} on the CUDA backend"),
                 "the GPU stores kv16, kv8, kvfp8 and kv4 sides (and mixes of them, e.g. k8v4); \
                  the channel-wise formats (kv4c, kv2c, and mixes with a 4c or 2c side) run with \
@@ -107,6 +112,29 @@ impl PageFormat {
     }
 }
 
+/// Whether pools of the channel-wise formats may be made: `NIBBLE_KV_CHANNEL_GPU=1`, until their
+/// GPU tests pass (docs/design/kv-channel-gpu.md); refused with a clear error otherwise.
+fn channel_pools_enabled() -> bool {
+    std::env::var("NIBBLE_KV_CHANNEL_GPU").is_ok_and(|v| v == "1")
+}
+
+/// The f32 residual of a pool with a deferred side: per layer `[slots][kv_heads][16]
+/// [head_dim]` f32 rows for each deferred side (kernels/kv_pages.cuh `residual_row`), the slots'
+/// bookkeeping, and the device copy of the current call's residual tables.
+struct Residual {
+    /// Each layer's slots. A forward pass gives every layer the same batches, so their plans
+    /// agree; a direct `attention` call (tests) moves one layer alone, as the CPU's per-layer
+    /// residual does.
+    slots: Vec<ResidualSlots>,
+    /// Keys', values' rows (`None` for a side quantized as it is written).
+    sides: [Option<DeviceBuffer>; 2],
+    /// Each layer's residual table of the current call, `entries` i32 apart.
+    tables: DeviceBuffer,
+    entries: usize,
+    /// The plans of the forward pass in flight (`plan_residual`), applied by `finish_residual`.
+    pending: Option<Vec<ResidualPlan>>,
+}
+
 pub struct CudaKv {
     pub shape: KvShape,
     pub num_blocks: usize,
@@ -122,7 +150,22 @@ pub struct CudaKv {
     pub id: u64,
     /// Each layer's TMA descriptors of keys and values, made on first use (Hopper prefill).
     tma: OnceLock<Vec<[sys::CUtensorMap; 2]>>,
+    /// Which sides wait for their block to fill (`KvSpec::keys_deferred`, `values_deferred`).
+    pub deferred: [bool; 2],
+    /// Their residual (`Some` iff a side is deferred).
+    residual: Option<Residual>,
 }
+
+/// Residual slots a deferred pool starts with; it grows when a call needs more.
+const RESIDUAL_SLOTS: usize = 64;
+
+fn next_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Tokens a residual slot holds: the quantized pools' block (kernels/kv_pages.cuh `KV_BS`).
+const KV_RESIDUAL_BLOCK: usize = 16;
 
 impl CudaKv {
     pub fn new(
@@ -138,6 +181,12 @@ impl CudaKv {
             )));
         }
         let formats = PageFormat::of_spec(shape.format)?;
+        if shape.format.buffered() && block_size != KV_RESIDUAL_BLOCK {
+            return Err(Error::InvalidArgument(format!(
+                "a {} KV cache on the GPU takes blocks of {KV_RESIDUAL_BLOCK} tokens, not {block_size}",
+                shape.format
+            )));
+        }
         let pages = num_blocks * shape.num_kv_heads;
         let layer_bytes = formats.map(|f| pages * f.page_bytes(shape.head_dim, block_size));
         let alloc = |i: usize, what: &str| -> Result<DeviceBuffer> {
@@ -154,7 +203,21 @@ impl CudaKv {
         };
         let k = alloc(0, "the KV cache (keys)")?;
         let v = alloc(1, "the KV cache (values)")?;
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let deferred = [shape.format.keys_deferred(), shape.format.values_deferred()];
+        let residual = if deferred.contains(&true) {
+            let slots = RESIDUAL_SLOTS.min(num_blocks);
+            Some(Residual {
+                sides: Self::residual_sides(gpu, shape, deferred, slots)?,
+                slots: (0..shape.num_layers)
+                    .map(|_| ResidualSlots::new(slots, block_size))
+                    .collect(),
+                tables: DeviceBuffer::alloc(gpu, 4 * 1024, "the KV residual tables")?,
+                entries: 0,
+                pending: None,
+            })
+        } else {
+            None
+        };
         Ok(CudaKv {
             shape,
             num_blocks,
@@ -164,9 +227,185 @@ impl CudaKv {
             k,
             v,
             layer_bytes,
-            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            id: next_id(),
             tma: OnceLock::new(),
+            deferred,
+            residual,
         })
+    }
+
+    /// Bytes of one residual slot of one layer and side.
+    fn residual_slot_bytes(shape: KvShape, block: usize) -> usize {
+        shape.num_kv_heads * block * shape.head_dim * 4
+    }
+
+    fn residual_sides(
+        gpu: &Arc<Gpu>,
+        shape: KvShape,
+        deferred: [bool; 2],
+        slots: usize,
+    ) -> Result<[Option<DeviceBuffer>; 2]> {
+        let bytes = shape.num_layers * slots * Self::residual_slot_bytes(shape, KV_RESIDUAL_BLOCK);
+        let side = |on: bool, what| {
+            on.then(|| DeviceBuffer::alloc(gpu, bytes, what))
+                .transpose()
+        };
+        Ok([
+            side(deferred[0], "the KV residual (keys)")?,
+            side(deferred[1], "the KV residual (values)")?,
+        ])
+    }
+
+    /// Layer `layer`'s residual rows of keys and values (null for a side quantized as it is
+    /// written, and for pools without a deferred side).
+    pub fn residual_layer(&self, layer: usize) -> (DevicePtr, DevicePtr) {
+        let Some(r) = &self.residual else {
+            return (0, 0);
+        };
+        let per_layer =
+            r.slots[0].capacity() * Self::residual_slot_bytes(self.shape, self.block_size);
+        let at =
+            |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, |b| b.ptr + (layer * per_layer) as u64);
+        (at(&r.sides[0]), at(&r.sides[1]))
+    }
+
+    /// Layer `layer`'s residual table of the current call ([`Self::plan_residual`]).
+    pub fn residual_tables(&self, layer: usize) -> DevicePtr {
+        self.residual
+            .as_ref()
+            .map_or(0, |r| r.tables.ptr + (layer * r.entries * 4) as u64)
+    }
+
+    /// Whether a forward pass planned the residual ([`Self::plan_residual`]); a direct
+    /// `attention` call plans its own layer otherwise ([`Self::plan_residual_layer`]).
+    pub fn residual_planned(&self) -> bool {
+        self.residual.as_ref().is_none_or(|r| r.pending.is_some())
+    }
+
+    /// Plans the residual of a forward pass over `batch` for every layer (block tables `width`
+    /// wide) and queues its tables' upload; nothing for a pool without a deferred side.
+    /// [`Self::finish_residual`] applies it once the pass is queued. A refusal changes nothing.
+    pub fn plan_residual(
+        &mut self,
+        gpu: &Arc<Gpu>,
+        batch: &BatchLayout,
+        width: usize,
+        upload: &mut dyn FnMut(DevicePtr, &[i32]) -> Result<()>,
+    ) -> Result<()> {
+        let layers: Vec<usize> = (0..self.shape.num_layers).collect();
+        if let Some(plans) = self.plan_layers(gpu, batch, width, &layers, upload)? {
+            self.residual.as_mut().expect("planned").pending = Some(plans);
+        }
+        Ok(())
+    }
+
+    /// A direct `attention` call's plan of layer `layer` alone; apply it with
+    /// [`Self::finish_residual_layer`] once the call's kernels are queued.
+    pub fn plan_residual_layer(
+        &mut self,
+        gpu: &Arc<Gpu>,
+        layer: usize,
+        batch: &BatchLayout,
+        width: usize,
+        upload: &mut dyn FnMut(DevicePtr, &[i32]) -> Result<()>,
+    ) -> Result<Option<ResidualPlan>> {
+        Ok(self
+            .plan_layers(gpu, batch, width, &[layer], upload)?
+            .and_then(|mut p| p.pop()))
+    }
+
+    /// Plans `layers` and uploads their tables, growing the residual (and the tables' buffer)
+    /// when the call needs more than it holds, the held slots copied: the pool then takes a new
+    /// id, so graphs made with the old addresses are dropped.
+    fn plan_layers(
+        &mut self,
+        gpu: &Arc<Gpu>,
+        batch: &BatchLayout,
+        width: usize,
+        layers: &[usize],
+        upload: &mut dyn FnMut(DevicePtr, &[i32]) -> Result<()>,
+    ) -> Result<Option<Vec<ResidualPlan>>> {
+        let (shape, block, blocks, deferred) =
+            (self.shape, self.block_size, self.num_blocks, self.deferred);
+        let Some(r) = &mut self.residual else {
+            return Ok(None);
+        };
+        let capacity = r.slots[0].capacity();
+        let want = layers
+            .iter()
+            .map(|&l| r.slots[l].held() + r.slots[l].needed(batch))
+            .max()
+            .unwrap_or(0);
+        let mut grown = false;
+        if want > capacity {
+            let new_capacity = want.max(2 * capacity).min(blocks.max(want));
+            let sides = Self::residual_sides(gpu, shape, deferred, new_capacity)?;
+            let slot = Self::residual_slot_bytes(shape, block);
+            for (new, old) in sides.iter().zip(&r.sides) {
+                if let (Some(new), Some(old)) = (new, old) {
+                    crate::runtime::copy_2d(
+                        new.ptr,
+                        new_capacity * slot,
+                        old.ptr,
+                        capacity * slot,
+                        capacity * slot,
+                        shape.num_layers,
+                        gpu.cu_stream(),
+                    )?;
+                }
+            }
+            // The old buffers go once the copies are done.
+            gpu.synchronize()?;
+            r.sides = sides;
+            r.slots.iter_mut().for_each(|s| s.grow(new_capacity));
+            grown = true;
+        }
+        let plans = layers
+            .iter()
+            .map(|&l| r.slots[l].plan(batch, width))
+            .collect::<Result<Vec<_>>>()?;
+        let entries = batch.seqs.len() * width;
+        let bytes = shape.num_layers * entries * 4;
+        if r.tables.bytes < bytes {
+            gpu.synchronize()?;
+            r.tables = DeviceBuffer::alloc(gpu, 2 * bytes, "the KV residual tables")?;
+            grown = true;
+        }
+        r.entries = entries;
+        for (&l, p) in layers.iter().zip(&plans) {
+            upload(r.tables.ptr + (l * entries * 4) as u64, &p.tables)?;
+        }
+        if grown {
+            self.id = next_id();
+        }
+        Ok(Some(plans))
+    }
+
+    /// Applies the forward pass's plans once its kernels are queued (or drops them, `ok` false,
+    /// when it failed).
+    pub fn finish_residual(&mut self, ok: bool) {
+        if let Some(r) = &mut self.residual
+            && let Some(plans) = r.pending.take()
+            && ok
+        {
+            for (slots, plan) in r.slots.iter_mut().zip(plans) {
+                slots.finish(plan);
+            }
+        }
+    }
+
+    /// Applies a direct call's plan of layer `layer`.
+    pub fn finish_residual_layer(&mut self, layer: usize, plan: ResidualPlan) {
+        if let Some(r) = &mut self.residual {
+            r.slots[layer].finish(plan);
+        }
+    }
+
+    /// The engine let go of these blocks: partly filled ones drop their residual slots.
+    pub fn release_residual(&mut self, blocks: &[u32]) {
+        if let Some(r) = &mut self.residual {
+            r.slots.iter_mut().for_each(|s| s.release(blocks));
+        }
     }
 
     /// Both sides in the model dtype (kv16): the layout every attention kernel reads.
@@ -239,9 +478,10 @@ impl CudaKv {
         let Ok(formats) = PageFormat::of_spec(shape.format) else {
             return 0;
         };
+        // Over a whole block: channel-wise keys keep their parameters once a block.
         let per_head: usize = formats
             .iter()
-            .map(|f| f.page_bytes(shape.head_dim, 1))
+            .map(|f| f.page_bytes(shape.head_dim, KV_RESIDUAL_BLOCK) / KV_RESIDUAL_BLOCK)
             .sum();
         shape.num_layers * shape.num_kv_heads * per_head
     }

@@ -28,7 +28,7 @@
 //! runtime       context      CudaContext: kernels, arena, batch        -> compile graph kv module
 //!                            metadata, launches, sticky error, tier       probe runtime tensor
 //!               graph        the CUDA graph cache, capture primitives  -> runtime tensor
-//!               kv           CudaKv, the paged KV pool                 -> runtime tensor
+//!               kv           CudaKv, the paged KV pool                 -> kv_residual runtime tensor
 //!               kv_residual  which residual slot holds a filling block -> (none)
 //!               tensor       Dtype, Elem, CudaTensor, CudaWeight       -> runtime
 //!               module       loading cubins                            -> runtime
@@ -52,8 +52,6 @@ pub mod grouped;
 mod host;
 mod host_trace;
 mod kv;
-// Not used yet: the channel-wise formats' GPU pool (docs/design/kv-channel-gpu.md) builds on it.
-#[allow(dead_code)]
 mod kv_residual;
 pub mod module;
 pub mod nccl;

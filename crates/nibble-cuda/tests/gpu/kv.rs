@@ -29,6 +29,28 @@ fn kv_shape(num_kv_heads: usize, head_dim: usize, format: &str) -> KvShape {
 #[test]
 fn quantized_kv_attention_matches_cpu() {
     let mut r = rng("quantized_kv_attention_matches_cpu");
+    attention_matches_cpu_in(&mut r, &FORMATS);
+}
+
+/// The channel-wise formats (docs/design/kv-channel-gpu.md): the same steps. A query reads its
+/// own block raw (from the residual) and earlier blocks packed, blocks fill inside a prompt and
+/// across decode steps, and the two layers keep their residuals apart.
+#[test]
+fn channel_kv_attention_matches_cpu() {
+    enable_channel_pools();
+    let mut r = rng("channel_kv_attention_matches_cpu");
+    attention_matches_cpu_in(&mut r, &["kv4c", "kv2c", "k8v4c", "k4cv8"]);
+}
+
+/// Pools of the channel-wise formats are made only with NIBBLE_KV_CHANNEL_GPU=1 until these tests
+/// have passed on a GPU.
+fn enable_channel_pools() {
+    // SAFETY: set before any pool is made, to the same value by every test that sets it; run the
+    // GPU tests with --test-threads 1 (scripts/gpu-run.sh) while the switch exists.
+    unsafe { std::env::set_var("NIBBLE_KV_CHANNEL_GPU", "1") };
+}
+
+fn attention_matches_cpu_in(r: &mut ChaCha8Rng, formats: &[&str]) {
     let shapes = [
         (32, 8, 128, None),
         (6, 2, 64, None),
@@ -36,7 +58,7 @@ fn quantized_kv_attention_matches_cpu() {
         (16, 2, 128, None),
         (8, 2, 64, Some(130)),
     ];
-    for (fi, format) in FORMATS.iter().enumerate() {
+    for (fi, format) in formats.iter().enumerate() {
         let dtypes: &[Dtype] = if fi == 0 {
             &[Dtype::Bf16, Dtype::F16]
         } else {
@@ -55,7 +77,7 @@ fn quantized_kv_attention_matches_cpu() {
                 let (block, pool) = (16, 400);
                 let mut ckv = c.new_kv_pool(ks, pool, block).unwrap();
                 let mut gkv = g.new_kv_pool(ks, pool, block).unwrap();
-                let owned = layout(&mut r, &[(0, 38), (0, 19), (0, 2905)], block, pool);
+                let owned = layout(r, &[(0, 38), (0, 19), (0, 2905)], block, pool);
                 let span = |i: usize, start_pos, len| SeqSpan {
                     blocks: owned.seqs[i].blocks.clone(),
                     start_pos,
@@ -79,11 +101,7 @@ fn quantized_kv_attention_matches_cpu() {
                     let n = batch.num_tokens();
                     g.poison_activations(256 << 20).unwrap();
                     let [q, k, v] = [num_heads, num_kv_heads, num_kv_heads].map(|heads| {
-                        CpuTensor::new(
-                            randn(&mut r, n * heads * head_dim, 1.0),
-                            n,
-                            heads * head_dim,
-                        )
+                        CpuTensor::new(randn(r, n * heads * head_dim, 1.0), n, heads * head_dim)
                     });
                     let want = c
                         .attention(&q, &k, &v, &mut ckv, layer, batch, shape)
@@ -117,8 +135,22 @@ fn quantized_kv_attention_matches_cpu() {
 #[test]
 fn quantized_kv_pages_are_the_cpu_records() {
     let mut r = rng("quantized_kv_pages_are_the_cpu_records");
+    pages_are_the_cpu_records_in(&mut r, &["kv8", "kv4", "kvfp8", "k16v8"]);
+}
+
+/// The channel-wise formats' pages once their blocks fill: channel-wise keys and deferred values
+/// packed from the residual by `kvq_pack`, the CPU quantizer's records bit for bit. A partly
+/// filled block's deferred pages are not written yet.
+#[test]
+fn channel_kv_pages_are_the_cpu_records() {
+    enable_channel_pools();
+    let mut r = rng("channel_kv_pages_are_the_cpu_records");
+    pages_are_the_cpu_records_in(&mut r, &["kv4c", "kv2c", "k8v4c", "k4cv8"]);
+}
+
+fn pages_are_the_cpu_records_in(r: &mut ChaCha8Rng, formats: &[&str]) {
     let g = gpu(Dtype::Bf16);
-    for format in ["kv8", "kv4", "kvfp8", "k16v8"] {
+    for &format in formats {
         for &(num_heads, num_kv_heads, head_dim) in &[(8, 2, 128), (4, 4, 64)] {
             let ks = kv_shape(num_kv_heads, head_dim, format);
             let shape = AttentionShape {
@@ -129,7 +161,7 @@ fn quantized_kv_pages_are_the_cpu_records() {
             };
             let (block, pool) = (16, 64);
             let mut gkv = g.new_kv_pool(ks, pool, block).unwrap();
-            let owned = layout(&mut r, &[(0, 40), (0, 70)], block, pool);
+            let owned = layout(r, &[(0, 40), (0, 70)], block, pool);
             let kvw = num_kv_heads * head_dim;
             let mut written: Vec<(usize, usize, Vec<f32>, Vec<f32>)> = Vec::new(); // (seq, pos, k, v)
             let steps = [vec![(0, 0, 33), (1, 0, 64)], vec![(0, 33, 1), (1, 64, 1)]];
@@ -145,8 +177,8 @@ fn quantized_kv_pages_are_the_cpu_records() {
                         .collect(),
                 };
                 let n = batch.num_tokens();
-                let mut k = randn(&mut r, n * kvw, 1.0);
-                let mut v = randn(&mut r, n * kvw, 1.0);
+                let mut k = randn(r, n * kvw, 1.0);
+                let mut v = randn(r, n * kvw, 1.0);
                 // Outliers, a constant head and a zero head in the prompt; a large decode key.
                 if si == 0 {
                     k[5] = 40.0;
@@ -156,7 +188,7 @@ fn quantized_kv_pages_are_the_cpu_records() {
                 } else {
                     k[head_dim / 2] = 3000.0;
                 }
-                let q = randn(&mut r, n * num_heads * head_dim, 1.0);
+                let q = randn(r, n * num_heads * head_dim, 1.0);
                 let t = |x: &[f32], w| g.tensor_from_f32(x, n, w).unwrap();
                 g.attention(
                     &t(&q, num_heads * head_dim),
@@ -183,9 +215,26 @@ fn quantized_kv_pages_are_the_cpu_records() {
             }
             let pages = g.kv_pages(&gkv, 1).unwrap();
             let formats = PageFormat::of_spec(ks.format).unwrap();
+            let spec = ks.format;
+            let deferred = [spec.keys_deferred(), spec.values_deferred()];
+            // Positions whose block filled: written through its last slot.
+            let ends: Vec<usize> = (0..2)
+                .map(|i| {
+                    written
+                        .iter()
+                        .filter(|w| w.0 == i)
+                        .map(|w| w.1 + 1)
+                        .max()
+                        .unwrap_or(0)
+                })
+                .collect();
+            let full = |seq: usize, pos: usize| (pos / block + 1) * block <= ends[seq];
             for (seq, pos, k, v) in &written {
                 let blk = owned.seqs[*seq].blocks[pos / block] as usize;
                 for (side, (pf, x)) in formats.iter().zip([k, v]).enumerate() {
+                    if deferred[side] && !full(*seq, *pos) {
+                        continue;
+                    }
                     for h in 0..num_kv_heads {
                         let page_bytes = pf.page_bytes(head_dim, block);
                         let page =
@@ -217,10 +266,26 @@ fn quantized_kv_pages_are_the_cpu_records() {
                                     assert!(s.is_nan(), "{what}: scale {s}");
                                 }
                             }
-                            // The pools this test makes quantize every token as it is written
-                            // (`of_spec` refuses the channel-wise formats until their pools are
-                            // wired: docs/design/kv-channel-gpu.md).
-                            PageFormat::Channel(_) => unreachable!("{what}: a channel-wise pool"),
+                            // A full block's keys, per channel over its 16 rows: checked once,
+                            // at the block's first slot.
+                            PageFormat::Channel(keys) => {
+                                if pos % block != 0 {
+                                    continue;
+                                }
+                                let rows: Vec<f32> = (0..block)
+                                    .flat_map(|i| {
+                                        let w = written
+                                            .iter()
+                                            .find(|w| w.0 == *seq && w.1 == pos + i)
+                                            .expect("a full block's rows were written");
+                                        w.2[h * head_dim..(h + 1) * head_dim].to_vec()
+                                    })
+                                    .collect();
+                                let mut want = vec![0u8; keys.block_bytes(head_dim, block)];
+                                keys.quantize(&rows, head_dim, block, head_dim, &mut want)
+                                    .unwrap();
+                                assert_eq!(page, &want[..], "{what}");
+                            }
                         }
                     }
                 }
@@ -250,7 +315,12 @@ fn quantized_kv_pages_are_the_cpu_records() {
 #[test]
 fn unsupported_kv_formats_are_clear_errors() {
     let g = gpu(Dtype::Bf16);
+    // Refused unless the switch that the channel tests set is on (it goes once they pass).
+    let channel_off = std::env::var("NIBBLE_KV_CHANNEL_GPU").is_err();
     for (format, head_dim) in [("kv4c", 64), ("kv2c", 128), ("k8v2c", 128), ("k4cv8", 64)] {
+        if !channel_off {
+            break;
+        }
         let e = g
             .new_kv_pool(kv_shape(2, head_dim, format), 4, 16)
             .err()
@@ -275,6 +345,18 @@ fn unsupported_kv_formats_are_clear_errors() {
 /// control.
 #[test]
 fn quantized_kv_serving_keeps_greedy_tokens() {
+    serving_keeps_greedy_tokens_in(&["kv16", "kv8", "kv4", "kvfp8", "k8v4"]);
+}
+
+/// The same for the channel-wise formats: prefix-cache hits are full blocks, so packed; a
+/// preempted request's partly filled block is released with its residual and rewritten.
+#[test]
+fn channel_kv_serving_keeps_greedy_tokens() {
+    enable_channel_pools();
+    serving_keeps_greedy_tokens_in(&["kv4c", "kv2c", "k8v4c"]);
+}
+
+fn serving_keeps_greedy_tokens_in(formats: &[&str]) {
     use nibble_engine::serving::{EngineConfig, Event, LlmEngine, Request};
     const TIE: f32 = 0.02;
     let prompts: Vec<Vec<u32>> = (0..6u32)
@@ -338,7 +420,7 @@ fn quantized_kv_serving_keeps_greedy_tokens() {
                 .all(|(a, b)| a.0 == b.0)
     };
     let mut failures = Vec::new();
-    for format in ["kv16", "kv8", "kv4", "kvfp8", "k8v4"] {
+    for &format in formats {
         let alone: Vec<Out> = prompts
             .iter()
             .map(|p| {
