@@ -128,7 +128,8 @@ struct Residual {
     slots: Vec<ResidualSlots>,
     /// Keys', values' rows (`None` for a side quantized as it is written).
     sides: [Option<DeviceBuffer>; 2],
-    /// Each layer's residual table of the current call, `entries` i32 apart.
+    /// Each layer's residual table of the current call, `entries` i32 apart (0: one table that
+    /// every layer reads, when their slots agree).
     tables: DeviceBuffer,
     entries: usize,
     /// The plans of the forward pass in flight (`plan_residual`), applied by `finish_residual`.
@@ -336,6 +337,10 @@ impl CudaKv {
             .map(|&l| r.slots[l].held() + r.slots[l].needed(batch))
             .max()
             .unwrap_or(0);
+        let entries = batch.seqs.len() * width;
+        let table_bytes = shape.num_layers * entries * 4;
+        // Growth first, and the new id with it: a plan refused after it must not leave graphs
+        // that hold the freed buffers' addresses.
         let mut grown = false;
         if want > capacity {
             let new_capacity = want.max(2 * capacity).min(blocks.max(want));
@@ -360,24 +365,33 @@ impl CudaKv {
             r.slots.iter_mut().for_each(|s| s.grow(new_capacity));
             grown = true;
         }
-        let plans = layers
-            .iter()
-            .map(|&l| r.slots[l].plan(batch, width))
-            .collect::<Result<Vec<_>>>()?;
-        let entries = batch.seqs.len() * width;
-        let bytes = shape.num_layers * entries * 4;
-        if r.tables.bytes < bytes {
+        if r.tables.bytes < table_bytes {
             gpu.synchronize()?;
-            r.tables = DeviceBuffer::alloc(gpu, 2 * bytes, "the KV residual tables")?;
+            r.tables = DeviceBuffer::alloc(gpu, 2 * table_bytes, "the KV residual tables")?;
             grown = true;
-        }
-        r.entries = entries;
-        for (&l, p) in layers.iter().zip(&plans) {
-            upload(r.tables.ptr + (l * entries * 4) as u64, &p.tables)?;
         }
         if grown {
             self.id = next_id();
         }
+        let r = self.residual.as_mut().expect("checked above");
+        // A forward pass gives every layer the same batches, so their slots agree and one plan
+        // and one table serve them all; a direct call (tests) may have moved a layer alone.
+        let shared = layers.len() > 1 && layers.iter().all(|&l| r.slots[l] == r.slots[layers[0]]);
+        let plans = if shared {
+            let plan = r.slots[layers[0]].plan(batch, width)?;
+            upload(r.tables.ptr, &plan.tables)?;
+            vec![plan; layers.len()]
+        } else {
+            let plans = layers
+                .iter()
+                .map(|&l| r.slots[l].plan(batch, width))
+                .collect::<Result<Vec<_>>>()?;
+            for (&l, p) in layers.iter().zip(&plans) {
+                upload(r.tables.ptr + (l * entries * 4) as u64, &p.tables)?;
+            }
+            plans
+        };
+        r.entries = if shared { 0 } else { entries };
         Ok(Some(plans))
     }
 

@@ -31,8 +31,8 @@ struct Filling {
     filled: usize,
 }
 
-/// The residual slots of one pool (every layer uses the same slot for a block).
-#[derive(Debug)]
+/// The residual slots of one layer of a pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResidualSlots {
     block_size: usize,
     capacity: usize,
@@ -125,7 +125,8 @@ impl ResidualSlots {
         // Slots of blocks this call fills: free only after it, since its append writes every
         // touched block's rows before its pack and attention read them.
         let mut released = Vec::new();
-        let mut touched: HashMap<u32, usize> = HashMap::new();
+        // Blocks this call writes: the sequence that wrote each, and its slot.
+        let mut touched: HashMap<u32, (usize, u32)> = HashMap::new();
         for (i, s) in batch.seqs.iter().enumerate() {
             if s.len == 0 {
                 continue;
@@ -140,18 +141,24 @@ impl ResidualSlots {
             }
             for bi in s.start_pos / bs..end.div_ceil(bs) {
                 let block = s.blocks[bi];
-                if let Some(other) = touched.insert(block, i) {
+                let from = s.start_pos.max(bi * bs) - bi * bs;
+                let to = end.min((bi + 1) * bs) - bi * bs;
+                let again = touched.get(&block).copied();
+                if let Some((other, _)) = again
+                    && (from != 0 || to == bs)
+                {
                     return Err(Error::InvalidArgument(format!(
                         "KV block {block} is written by sequences {other} and {i} of one batch"
                     )));
                 }
-                let from = s.start_pos.max(bi * bs) - bi * bs;
-                let to = end.min((bi + 1) * bs) - bi * bs;
                 let entry = if from == 0 {
-                    // A block started afresh (a reused block drops what it held).
-                    let slot = match after.get(&block) {
-                        Some(f) => f.slot,
-                        None => free.pop().ok_or_else(|| {
+                    // A block started afresh (a reused block drops what it held). The serving
+                    // engine's padding sequences restart one spare block, slot 0 each, in one
+                    // step: they share its slot, as the CPU lets each restart it.
+                    let slot = match (again, after.get(&block)) {
+                        (Some((_, slot)), _) => slot,
+                        (None, Some(f)) => f.slot,
+                        (None, None) => free.pop().ok_or_else(|| {
                             Error::InvalidArgument(format!(
                                 "the KV pool's residual area holds {} blocks being filled, all \
                                  taken",
@@ -173,6 +180,7 @@ impl ResidualSlots {
                         }
                     }
                 };
+                touched.insert(block, (i, entry.slot));
                 tables[i * max_blocks + bi] = entry.slot as i32;
                 if to == bs {
                     filled.push(block);
@@ -293,6 +301,34 @@ mod tests {
     }
 
     #[test]
+    fn padding_sequences_share_the_spare_block() {
+        let mut r = ResidualSlots::new(4, 16);
+        // Two decodes, then three padding sequences at slot 0 of spare block 9.
+        r.finish(
+            r.plan(&batch(vec![seq(&[1], 0, 5), seq(&[2], 0, 7)]), 2)
+                .unwrap(),
+        );
+        let b = batch(vec![
+            seq(&[1], 5, 1),
+            seq(&[2], 7, 1),
+            seq(&[9], 0, 1),
+            seq(&[9], 0, 1),
+            seq(&[9], 0, 1),
+        ]);
+        let p = r.plan(&b, 2).unwrap();
+        let pad: Vec<i32> = (2..5).map(|i| p.tables[i * 2]).collect();
+        assert!(pad.iter().all(|&s| s >= 0 && s == pad[0]), "{:?}", p.tables);
+        r.finish(p);
+        assert_eq!(r.held(), 3);
+        // Writing past slot 0 of a block another sequence writes is still refused.
+        let err = r
+            .plan(&batch(vec![seq(&[9], 0, 1), seq(&[9], 1, 1)]), 2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("block 9"), "{err}");
+    }
+
+    #[test]
     fn refusals_change_nothing() {
         let mut r = ResidualSlots::new(2, 16);
         r.finish(r.plan(&batch(vec![seq(&[5], 0, 3)]), 4).unwrap());
@@ -309,9 +345,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("block 6"), "{err}");
-        // A block named by two sequences.
+        // A block two sequences write, the second past slot 0.
         let err = r
-            .plan(&batch(vec![seq(&[8], 0, 1), seq(&[8], 0, 1)]), 4)
+            .plan(&batch(vec![seq(&[8], 0, 1), seq(&[8], 1, 1)]), 4)
             .unwrap_err()
             .to_string();
         assert!(err.contains("block 8"), "{err}");

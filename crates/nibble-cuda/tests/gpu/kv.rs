@@ -189,6 +189,7 @@ fn pages_are_the_cpu_records_in(r: &mut ChaCha8Rng, formats: &[&str]) {
                     k[head_dim / 2] = 3000.0;
                 }
                 let q = randn(r, n * num_heads * head_dim, 1.0);
+                g.poison_activations(256 << 20).unwrap();
                 let t = |x: &[f32], w| g.tensor_from_f32(x, n, w).unwrap();
                 g.attention(
                     &t(&q, num_heads * head_dim),
