@@ -118,6 +118,11 @@ pub trait KvReport {
     fn bytes_per_token(&self) -> f64;
     fn pool_bytes(&self) -> usize;
     fn bytes_per_token_of(shape: KvShape, block_size: usize) -> f64;
+    /// Memory a pool of `shape` takes beyond its blocks for an engine of these limits (the CUDA
+    /// pool's residual for the channel-wise formats): reserved before the blocks are sized.
+    fn fixed_bytes_of(_shape: KvShape, _max_num_seqs: usize, _max_batched_tokens: usize) -> usize {
+        0
+    }
 }
 
 impl KvReport for CpuKvCache {
@@ -147,5 +152,8 @@ impl KvReport for CudaKv {
     }
     fn bytes_per_token_of(shape: KvShape, _block_size: usize) -> f64 {
         CudaKv::bytes_per_token_of(shape) as f64
+    }
+    fn fixed_bytes_of(shape: KvShape, max_num_seqs: usize, max_batched_tokens: usize) -> usize {
+        CudaKv::residual_bytes_for(shape, max_num_seqs, max_batched_tokens)
     }
 }

@@ -290,7 +290,12 @@ where
         if args.kv_cache_tokens.is_none() {
             let per_token = B::Kv::bytes_per_token_of(model.kv_shape(), config.block_size);
             let keep = (total as f64 * (1.0 - args.gpu_memory_utilization)) as usize;
-            let budget = free.saturating_sub(keep);
+            let fixed = B::Kv::fixed_bytes_of(
+                model.kv_shape(),
+                config.max_num_seqs,
+                config.max_batched_tokens,
+            );
+            let budget = free.saturating_sub(keep).saturating_sub(fixed);
             let tokens = (budget as f64 / per_token) as usize;
             config.num_blocks = tokens / config.block_size;
             if config.num_blocks < 2 {

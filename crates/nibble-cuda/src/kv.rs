@@ -235,6 +235,23 @@ impl CudaKv {
         })
     }
 
+    /// Bytes the residual of a pool of `shape` reaches under an engine of these limits (0 for
+    /// a pool without a deferred side): a slot for every block a step can touch
+    /// (`max_batched_tokens / 16` plus one more a sequence) and every partly filled block of a
+    /// running sequence, and the padding block's.
+    pub fn residual_bytes_for(
+        shape: KvShape,
+        max_num_seqs: usize,
+        max_batched_tokens: usize,
+    ) -> usize {
+        let sides = [shape.format.keys_deferred(), shape.format.values_deferred()]
+            .iter()
+            .filter(|&&d| d)
+            .count();
+        let slots = max_batched_tokens.div_ceil(KV_RESIDUAL_BLOCK) + 2 * max_num_seqs + 1;
+        sides * shape.num_layers * slots * Self::residual_slot_bytes(shape, KV_RESIDUAL_BLOCK)
+    }
+
     /// Bytes of one residual slot of one layer and side.
     fn residual_slot_bytes(shape: KvShape, block: usize) -> usize {
         shape.num_kv_heads * block * shape.head_dim * 4
@@ -498,5 +515,54 @@ impl CudaKv {
             .map(|f| f.page_bytes(shape.head_dim, KV_RESIDUAL_BLOCK) / KV_RESIDUAL_BLOCK)
             .sum();
         shape.num_layers * shape.num_kv_heads * per_head
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(format: &str) -> KvShape {
+        KvShape {
+            num_layers: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            format: format.parse().unwrap(),
+        }
+    }
+
+    #[test]
+    fn the_residual_reservation_counts_deferred_sides_only() {
+        assert_eq!(CudaKv::residual_bytes_for(shape("kv4"), 256, 512), 0);
+        assert_eq!(CudaKv::residual_bytes_for(shape("kv16"), 256, 512), 0);
+        // 512 / 16 + 2 * 256 + 1 = 545 slots of 8 heads x 16 rows x 128 f32, 32 layers.
+        let side = 32 * 545 * 8 * 16 * 128 * 4;
+        assert_eq!(
+            CudaKv::residual_bytes_for(shape("kv4c"), 256, 512),
+            2 * side
+        );
+        assert_eq!(CudaKv::residual_bytes_for(shape("k4cv8"), 256, 512), side);
+        assert_eq!(CudaKv::residual_bytes_for(shape("k8v4c"), 256, 512), side);
+    }
+
+    #[test]
+    fn channel_pages_average_their_parameters_over_the_block() {
+        // kv4c: keys 64 code bytes a token plus 512 parameter bytes a block (32 a token), values
+        // 64 + 4 a token.
+        let kv4c = shape("kv4c");
+        assert_eq!(
+            CudaKv::bytes_per_token_of(kv4c),
+            if PageFormat::of_spec(kv4c.format).is_ok() {
+                32 * 8 * (96 + 68)
+            } else {
+                0
+            }
+        );
+        let [k, v] = PageFormat::of_spec_any(kv4c.format);
+        assert_eq!(k.page_bytes(128, 16), 16 * 64 + 512);
+        assert_eq!(v.page_bytes(128, 16), 16 * (64 + 4));
+        assert_eq!((k.kernel_code(), v.kernel_code()), (5, 2));
+        let [k, v] = PageFormat::of_spec_any(shape("kv2c").format);
+        assert_eq!((k.kernel_code(), v.kernel_code()), (6, 4));
     }
 }
