@@ -53,8 +53,7 @@ impl PageFormat {
         PageFormat::Token(TokenCodec::Fp8),
     ];
 
-    /// The GPU format of keys (`keys`) or values of a side stored as `format` says, or why the
-    /// GPU cannot store it yet.
+    /// The GPU format of keys (`keys`) or values of a side stored as `format` says.
     fn of(format: KvFormat, keys: bool) -> PageFormat {
         if keys {
             match format.keys() {
@@ -67,23 +66,9 @@ impl PageFormat {
         }
     }
 
-    /// The formats of keys and values of `spec` on the GPU, the channel-wise ones included
-    /// (whose pools are not validated on a GPU yet: `of_spec` refuses them).
-    pub fn of_spec_any(spec: KvSpec) -> [PageFormat; 2] {
+    /// The formats of keys and values of `spec` on the GPU.
+    pub fn of_spec(spec: KvSpec) -> [PageFormat; 2] {
         [Self::of(spec.k, true), Self::of(spec.v, false)]
-    }
-
-    /// The formats of keys and values of `spec` on the GPU, or why the GPU cannot store it.
-    pub fn of_spec(spec: KvSpec) -> Result<[PageFormat; 2]> {
-        match spec.buffered() && !channel_pools_enabled() {
-            false => Ok(Self::of_spec_any(spec)),
-            true => Err(Error::unsupported(
-                format!("KV cache format {spec} on the CUDA backend"),
-                "the GPU stores kv16, kv8, kvfp8 and kv4 sides (and mixes of them, e.g. k8v4); \
-                 the channel-wise formats (kv4c, kv2c, and mixes with a 4c or 2c side) run with \
-                 --device cpu",
-            )),
-        }
     }
 
     /// Bytes of one page (one block of one head) of `head_dim`-wide rows.
@@ -110,12 +95,6 @@ impl PageFormat {
             }
         }
     }
-}
-
-/// Whether pools of the channel-wise formats may be made: `NIBBLE_KV_CHANNEL_GPU=1`, until their
-/// GPU tests pass (docs/design/kv-channel-gpu.md); refused with a clear error otherwise.
-fn channel_pools_enabled() -> bool {
-    std::env::var("NIBBLE_KV_CHANNEL_GPU").is_ok_and(|v| v == "1")
 }
 
 /// The f32 residual of a pool with a deferred side: per layer `[slots][kv_heads][16]
@@ -181,7 +160,7 @@ impl CudaKv {
                 "a KV pool of {num_blocks} blocks of {block_size} tokens"
             )));
         }
-        let formats = PageFormat::of_spec(shape.format)?;
+        let formats = PageFormat::of_spec(shape.format);
         if shape.format.buffered() && block_size != KV_RESIDUAL_BLOCK {
             return Err(Error::InvalidArgument(format!(
                 "a {} KV cache on the GPU takes blocks of {KV_RESIDUAL_BLOCK} tokens, not {block_size}",
@@ -504,11 +483,9 @@ impl CudaKv {
     }
 
     /// Bytes per token of a pool of `shape` (a 16-bit side takes 2 bytes an element, a quantized
-    /// side its record; 0 for a format the GPU does not store).
+    /// side its record, a channel-wise side its page averaged over the block).
     pub fn bytes_per_token_of(shape: KvShape) -> usize {
-        let Ok(formats) = PageFormat::of_spec(shape.format) else {
-            return 0;
-        };
+        let formats = PageFormat::of_spec(shape.format);
         // Over a whole block: channel-wise keys keep their parameters once a block.
         let per_head: usize = formats
             .iter()
@@ -550,19 +527,12 @@ mod tests {
         // kv4c: keys 64 code bytes a token plus 512 parameter bytes a block (32 a token), values
         // 64 + 4 a token.
         let kv4c = shape("kv4c");
-        assert_eq!(
-            CudaKv::bytes_per_token_of(kv4c),
-            if PageFormat::of_spec(kv4c.format).is_ok() {
-                32 * 8 * (96 + 68)
-            } else {
-                0
-            }
-        );
-        let [k, v] = PageFormat::of_spec_any(kv4c.format);
+        assert_eq!(CudaKv::bytes_per_token_of(kv4c), 32 * 8 * (96 + 68));
+        let [k, v] = PageFormat::of_spec(kv4c.format);
         assert_eq!(k.page_bytes(128, 16), 16 * 64 + 512);
         assert_eq!(v.page_bytes(128, 16), 16 * (64 + 4));
         assert_eq!((k.kernel_code(), v.kernel_code()), (5, 2));
-        let [k, v] = PageFormat::of_spec_any(shape("kv2c").format);
+        let [k, v] = PageFormat::of_spec(shape("kv2c").format);
         assert_eq!((k.kernel_code(), v.kernel_code()), (6, 4));
     }
 }
