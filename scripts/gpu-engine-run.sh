@@ -25,6 +25,7 @@
 #               ctx 4k and batch 8 / ctx 32k, and PyTorch's flash SDPA (bf16, FP8 dequantized)
 #   kv-long     4k-token prompts, 512-token outputs offline: W4A8-KV4 and BF16-KV16, and the pool
 #               sizes each fits in the same memory (the low-bit KV issue's end-to-end ratio)
+#               (KV_LONG_RUNS: other "name model kv" runs, comma-separated)
 #   w8a16       the same for W8A16 and W4A16-g128, with BF16 in the same session
 #   fp8         the same for FP8 W8A8 (run it with w4a8 for a BF16 figure from the same session)
 #   moe-experts one Mixtral-8x7B expert layer in W4A16, W8A8 and BF16 at 1 to 64 tokens: the
@@ -92,7 +93,8 @@ for part in "$@"; do
       step kv-attention-peer python3 bench/gpu_peer.py "$out/kv-attention-peer.json" --kv-attention
       python3 bench/kv_report.py "$out" > "$out/report-kv.md" 2>"$out/report-kv.err" || status=1 ;;
     kv-long)
-      for run in "long-w4a8-kv4 llama-3-8b:w4a8-g128 kv4" "long-bf16-kv16 llama-3-8b kv16"; do
+      IFS=, read -ra runs <<< "${KV_LONG_RUNS:-long-w4a8-kv4 llama-3-8b:w4a8-g128 kv4,long-bf16-kv16 llama-3-8b kv16}"
+      for run in "${runs[@]}"; do
         read -r name model kv <<< "$run"
         throughput "$name" "$model" --kv "$kv" --num-prompts "${KV_LONG_PROMPTS:-256}" \
           --input-len 4096 --output-len 512 --sweep-seqs 64,256 --profile

@@ -250,6 +250,28 @@ impl CudaBackend {
         ew::fill_kv_random(&self.ctx, kv, seed)
     }
 
+    /// A pool with a deferred side (kv4c, kv2c): plans which residual slot each block `batch`
+    /// touches writes and uploads the tables, before a forward pass runs or replays. Every
+    /// attention call until [`Self::finish_kv_residual`] then uses that plan, as the calls of a
+    /// captured graph must (an upload cannot be captured). The tables are as wide as the block
+    /// tables `begin_forward` staged.
+    pub fn plan_kv_residual(&self, kv: &mut CudaKv, batch: &BatchLayout) -> Result<()> {
+        if kv.deferred.contains(&true) {
+            self.ctx.ensure_meta(None, batch)?;
+            let width = self.ctx.with_meta(|m| m.max_blocks);
+            kv.plan_residual(&self.ctx.gpu, batch, width, &mut |dst, src| {
+                self.ctx.upload_step(dst, src)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Applies the plan of [`Self::plan_kv_residual`] once the calls that used it are queued
+    /// (`ok`), or drops it.
+    pub fn finish_kv_residual(&self, kv: &mut CudaKv, ok: bool) {
+        kv.finish_residual(ok);
+    }
+
     /// The SwiGLU MLPs of several experts, each over its own rows of `x`, as grouped launches
     /// (`grouped`): the rows gathered once in expert order, one launch for every fused gate/up,
     /// one SiLU-gate, one launch for every down; each expert's `[rows, hidden]` output (views
@@ -612,16 +634,7 @@ impl Backend for CudaBackend {
         batch: &BatchLayout,
         body: &mut dyn FnMut(&mut CudaKv) -> Result<CudaTensor>,
     ) -> Result<CudaTensor> {
-        // A pool with a deferred side (kv4c, kv2c): which residual slot each block this call
-        // touches writes, uploaded before the step runs (or replays), applied once it is queued.
-        // The tables are as wide as the block tables begin_forward staged.
-        if kv.deferred.contains(&true) {
-            self.ctx.ensure_meta(None, batch)?;
-            let width = self.ctx.with_meta(|m| m.max_blocks);
-            kv.plan_residual(&self.ctx.gpu, batch, width, &mut |dst, src| {
-                self.ctx.upload_step(dst, src)
-            })?;
-        }
+        self.plan_kv_residual(kv, batch)?;
         let id = kv.id;
         // A rank's replay holds its communicator, so an abort cannot slip in after
         // begin_forward's check and leave the graph's collectives on a freed communicator.
