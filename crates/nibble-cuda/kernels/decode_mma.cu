@@ -7,7 +7,8 @@
 // partial layout and reduction it shares. Block: 2 warps; each warp takes whole 16-token blocks
 // of the split's chunk in turn: it streams the block's K and V pages of its head (kv_pages.cuh:
 // [blocks][kv_heads] pages, a 16-bit page being [16][HD]) with 16-byte cp.async into its own
-// shared stages, two deep so the next block loads while this one is computed; a 16-bit page lands
+// shared stages, two deep for 16-bit pages and three or four for two quantized sides (smaller
+// pages: as many bytes in flight), so later blocks load while this one is computed; a 16-bit page lands
 // in its tile (rows padded by 8 elements) directly, a quantized one (KV8, KV4, KV FP8: BitDecoding
 // Sec. 4, TurboMind's quantized KV) is dequantized into the tile just before use. Then
 // S = Q K^T (Q's A fragments kept in registers), an online
@@ -177,9 +178,18 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
     grid_dependency_enter();
     constexpr int LD = HD + 8;
     constexpr int WARPS = DM_WARPS;
-    // Per warp: two stages of K and of V, then (quantized sides) the tiles they dequantize into.
+    // Per warp: STAGES stages of K and of V, then (quantized sides) the tiles they dequantize
+    // into. Two stages of 16-bit pages (4 KiB a side at HD 128) keep enough bytes in flight;
+    // quantized pages are a quarter to a half of that, so both sides quantized stream 3 or 4
+    // blocks deep, as deep as 48 KiB of static shared memory allows.
     constexpr int KST = KS::STAGE, VST = VS::STAGE;
-    constexpr int WARP_BYTES = 2 * KST + 2 * VST + KS::TILE + VS::TILE;
+    constexpr int TILES = KS::TILE + VS::TILE;
+    constexpr int SMEM_MAX = 48 * 1024;
+    constexpr int STAGES = KS::FLOAT || VS::FLOAT                               ? 2
+                           : WARPS * (4 * (KST + VST) + TILES) <= SMEM_MAX ? 4
+                           : WARPS * (3 * (KST + VST) + TILES) <= SMEM_MAX ? 3
+                                                                            : 2;
+    constexpr int WARP_BYTES = STAGES * (KST + VST) + TILES;
     constexpr int MERGE_BYTES = WARPS * G * (HD + 2) * 4;
     constexpr int SMEM = WARPS * WARP_BYTES > MERGE_BYTES ? WARPS * WARP_BYTES : MERGE_BYTES;
     static_assert(KS::FLOAT || KS::TILE >= DM_BS * LD * (int)sizeof(T), "Q staging fits the K tile");
@@ -188,10 +198,10 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     unsigned char* mine = smem + warp * WARP_BYTES;
-    unsigned char* kst[2] = {mine, mine + KST};
-    unsigned char* vst[2] = {mine + 2 * KST, mine + 2 * KST + VST};
-    T* ktile = reinterpret_cast<T*>(mine + 2 * KST + 2 * VST);
-    T* vtile = reinterpret_cast<T*>(mine + 2 * KST + 2 * VST + KS::TILE);
+    auto kst = [&](int st) { return mine + st * KST; };
+    auto vst = [&](int st) { return mine + STAGES * KST + st * VST; };
+    T* ktile = reinterpret_cast<T*>(mine + STAGES * (KST + VST));
+    T* vtile = reinterpret_cast<T*>(mine + STAGES * (KST + VST) + KS::TILE);
     DecodeSplit ds;
     if (!decode_split<HD, KS, VS>(ds, tok_pos, block_tables, tok_seq, max_blocks, chunk, window, kc, vc,
                                   num_kv_heads, knew, vnew, ldk, ldv))
@@ -200,20 +210,25 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
     const int* table = ds.table;
     auto kpage = [&](int b) { return kc + ((long)table[b] * num_kv_heads + kvh) * KS::PAGE; };
     auto vpage = [&](int b) { return vc + ((long)table[b] * num_kv_heads + kvh) * VS::PAGE; };
-    // Q staging: the K tile, or stage 1 of a 16-bit K (the first block goes to stage 0).
-    T* kq = KS::FLOAT ? reinterpret_cast<T*>(kst[1]) : ktile;
+    // Q staging: the K tile, or stage 1 of a 16-bit K (two stages: the first block goes to
+    // stage 0).
+    T* kq = KS::FLOAT ? reinterpret_cast<T*>(kst(1)) : ktile;
 
-    // Block b's K and V pages into stage st, its slots before `end` read.
+    // Block b's K and V pages into stage st, its slots before `end` read; an empty group past
+    // the chunk, so that every iteration commits one.
     auto issue = [&](int b, int st) {
-        const int rows = min(DM_BS, end - b * DM_BS);
-        KS::issue(kst[st], kpage(b), rows, lane);
-        VS::issue(vst[st], vpage(b), rows, lane);
+        if (b * DM_BS < end) {
+            const int rows = min(DM_BS, end - b * DM_BS);
+            KS::issue(kst(st), kpage(b), rows, lane);
+            VS::issue(vst(st), vpage(b), rows, lane);
+        }
         asm volatile("cp.async.commit_group;\n" ::);
     };
-    // The first block streams in while Q is staged (through stage 1) into A fragments.
+    // The first STAGES - 1 blocks stream in while Q is staged into A fragments.
     int stage = 0;
     const int first = max(start, lo) / DM_BS + warp;
-    if (first * DM_BS < end) issue(first, 0);
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) issue(first + i * WARPS, i);
     u32 qf[HD / 16][4];
     stage_q<T, HD, G>(q + (long)token * ldq + (long)kvh * group * HD, group, kq, lane, qf,
                       [](int d) { return d; });
@@ -224,12 +239,9 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
 
     __syncwarp();  // Q's fragments are read: stage 1 may be refilled
     for (int b = first; b * DM_BS < end; b += WARPS) {
-        if ((b + WARPS) * DM_BS < end) {
-            issue(b + WARPS, stage ^ 1);
-        } else {
-            asm volatile("cp.async.commit_group;\n" ::);  // keep one group per iteration
-        }
-        asm volatile("cp.async.wait_group 1;\n" ::);
+        // The block STAGES - 1 ahead streams in while this one is computed.
+        issue(b + (STAGES - 1) * WARPS, stage == 0 ? STAGES - 1 : stage - 1);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
         __syncwarp();
         const int rows = min(DM_BS, end - b * DM_BS);
         const T* kw;
@@ -241,11 +253,11 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
             const long at = own ? residual_row<HD>(res_tables, tok_seq[token], b * DM_BS, max_blocks, kvh,
                                                    num_kv_heads)
                                 : 0;
-            kw = own && KDEF ? residual_tile<T, HD>(ktile, rk + at, rows, lane) : KS::ready(kst[stage], ktile, rows, lane);
-            vw = own && VDEF ? residual_tile<T, HD>(vtile, rv + at, rows, lane) : VS::ready(vst[stage], vtile, rows, lane);
+            kw = own && KDEF ? residual_tile<T, HD>(ktile, rk + at, rows, lane) : KS::ready(kst(stage), ktile, rows, lane);
+            vw = own && VDEF ? residual_tile<T, HD>(vtile, rv + at, rows, lane) : VS::ready(vst(stage), vtile, rows, lane);
         } else {
-            kw = KS::ready(kst[stage], ktile, rows, lane);
-            vw = VS::ready(vst[stage], vtile, rows, lane);
+            kw = KS::ready(kst(stage), ktile, rows, lane);
+            vw = VS::ready(vst(stage), vtile, rows, lane);
         }
         float s[2][4];
 #pragma unroll
@@ -269,8 +281,9 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
         softmax_tile(s, m, l, o);
         pv_tile<T, HD, LD>(o, s[0], s[1], vw, lane);
         __syncwarp();  // this stage is read before the next iteration refills it
-        stage ^= 1;
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
+    asm volatile("cp.async.wait_group 0;\n" ::);  // no copy may land in the merge area
 
     write_partials<HD, G, WARPS>(reinterpret_cast<float*>(smem), o, m, l, group,
                                  part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2),

@@ -171,11 +171,15 @@ struct PageSide {
         for (int i = 0; i < 4; ++i) {
 #pragma unroll
             for (int n0 = 0; n0 < PER_WORD; n0 += 8) {
+                // The 8 channels' (s, z) pairs: two 16-byte loads (d is a multiple of 8).
+                const int d = d0 + i * PER_WORD + n0;
+                const uint4 pa = *reinterpret_cast<const uint4*>(cp + 4 * d);
+                const uint4 pb = *reinterpret_cast<const uint4*>(cp + 4 * d + 16);
+                const u32 pw[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
                 float v[8];
 #pragma unroll
                 for (int n = 0; n < 8; ++n) {
-                    const int d = d0 + i * PER_WORD + n0 + n;
-                    const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(cp + 4 * d));
+                    const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&pw[n]));
                     v[n] = fmaf(code_f32((w[i] >> (BITS * (n0 + n))) & ((1u << BITS) - 1)), sz.x, sz.y);
                 }
                 *reinterpret_cast<uint4*>(dst + i * PER_WORD + n0) =
