@@ -7,8 +7,7 @@
 // partial layout and reduction it shares. Block: 2 warps; each warp takes whole 16-token blocks
 // of the split's chunk in turn: it streams the block's K and V pages of its head (kv_pages.cuh:
 // [blocks][kv_heads] pages, a 16-bit page being [16][HD]) with 16-byte cp.async into its own
-// shared stages, two deep for 16-bit pages and three or four for two quantized sides (smaller
-// pages: as many bytes in flight), so later blocks load while this one is computed; a 16-bit page lands
+// shared stages, two deep so the next block loads while this one is computed; a 16-bit page lands
 // in its tile (rows padded by 8 elements) directly, a quantized one (KV8, KV4, KV FP8: BitDecoding
 // Sec. 4, TurboMind's quantized KV) is dequantized into the tile just before use. Then
 // S = Q K^T (Q's A fragments kept in registers), an online
@@ -179,16 +178,13 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
     constexpr int LD = HD + 8;
     constexpr int WARPS = DM_WARPS;
     // Per warp: STAGES stages of K and of V, then (quantized sides) the tiles they dequantize
-    // into. Two stages of 16-bit pages (4 KiB a side at HD 128) keep enough bytes in flight;
-    // quantized pages are a quarter to a half of that, so both sides quantized stream 3 or 4
-    // blocks deep, as deep as 48 KiB of static shared memory allows.
+    // into. Two stages of 16-bit pages (4 KiB a side at HD 128) keep enough bytes in flight. Two
+    // quantized sides streaming 3 or 4 deep measured no faster (kv4c, kv2c: 0.97x to 1.05x;
+    // k8v4c 0.90x, H100, bench/results/kv-20261126-h100/stages-ab): dequantizing into the tiles
+    // bounds them, not the bytes in flight.
     constexpr int KST = KS::STAGE, VST = VS::STAGE;
     constexpr int TILES = KS::TILE + VS::TILE;
-    constexpr int SMEM_MAX = 48 * 1024;
-    constexpr int STAGES = KS::FLOAT || VS::FLOAT                               ? 2
-                           : WARPS * (4 * (KST + VST) + TILES) <= SMEM_MAX ? 4
-                           : WARPS * (3 * (KST + VST) + TILES) <= SMEM_MAX ? 3
-                                                                            : 2;
+    constexpr int STAGES = 2;
     constexpr int WARP_BYTES = STAGES * (KST + VST) + TILES;
     constexpr int MERGE_BYTES = WARPS * G * (HD + 2) * 4;
     constexpr int SMEM = WARPS * WARP_BYTES > MERGE_BYTES ? WARPS * WARP_BYTES : MERGE_BYTES;
