@@ -41,6 +41,20 @@ typedef NIBBLE_KVQ_T KvqT;
             q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group, max_blocks,   \
             chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window);                              \
     }
+#elif NIBBLE_KVQ_K == PAGE_C4 && NIBBLE_KVQ_V == PAGE_U4 && NIBBLE_KVQ_VDEFER
+// kv4c: the register-direct kernel with channel scales folded into Q, the own block from the
+// residual.
+#define KVQ_DECODE(HD, G)                                                                        \
+    extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
+        const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
+        const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
+        int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
+        const float* vnew, long ldk, long ldv, int window, const float* rk, const float* rv,    \
+        const int* res_tables) {                                                                \
+        decode_kvq_impl<HD, G, NIBBLE_KVQ_K, NIBBLE_KVQ_V, true>(                               \
+            q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group, max_blocks,   \
+            chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window, rk, rv, res_tables);          \
+    }
 #elif KVQ_DEFERRED
 // A deferred side: the generic decode with the query's own block read from the residual. The
 // step's rows were appended before (kvq_append_residual, kvq_pack): knew and vnew are null.
@@ -184,7 +198,7 @@ struct KeyFrags {
     __device__ static __forceinline__ int pos(int d) {
         const int t = d / (HD / 4), r = d % (HD / 4);
         int kk, e;
-        if constexpr (KIND == PAGE_U4) {
+        if constexpr (BITS == 4) {  // PAGE_U4, and PAGE_C4's code runs (the same nibble order)
             const int n = r % 8;
             kk = 2 * (r / 8) + ((n & 3) >> 1);
             e = ((n & 1) << 1) | (n >> 2);
@@ -247,13 +261,121 @@ __device__ __forceinline__ float column_sum(float v) {
     return v;
 }
 
-template <int HD, int G, int KK, int VK>
+__device__ __forceinline__ u32 hmul2_u32(u32 a, u32 b) {
+    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<const u32*>(&r);
+}
+__device__ __forceinline__ u32 half2_bits(float lo, float hi) { return pack2(lo, hi, (__half*)nullptr); }
+
+// decode_kvq_impl's step over the query's own block of a deferred pool, read raw from the
+// residual (rows `at` .. of rk / rv, f32, [16][HD]), in the loop's layouts: K's A fragments in
+// the staged dim order of 4-bit codes (KeyFrags::pos), V^T's from lane g's dims, P unscaled and
+// no zero term. Rows at or past `end` are zeros (a residual row past the context may hold
+// anything). One warp.
+template <int HD>
+__device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], float (&o)[HD / 16][4], float (&m)[2],
+                                               float (&l)[2], float (&zacc)[2], const float* __restrict__ rk,
+                                               const float* __restrict__ rv, long at, int p0, int end, int lo,
+                                               float scale_log2, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const int rows = end - p0;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    {
+        const float* k0 = rk + at + (long)g * HD + t * (HD / 4);
+        const float* k1 = rk + at + (long)(g + 8) * HD + t * (HD / 4);
+        const bool r0 = g < rows, r1 = g + 8 < rows;
+#pragma unroll
+        for (int j = 0; j < HD / 32; ++j) {
+            const float4 z4 = make_float4(0.f, 0.f, 0.f, 0.f);
+            const float4 x0 = r0 ? *reinterpret_cast<const float4*>(k0 + 8 * j) : z4;
+            const float4 y0 = r0 ? *reinterpret_cast<const float4*>(k0 + 8 * j + 4) : z4;
+            const float4 x1 = r1 ? *reinterpret_cast<const float4*>(k1 + 8 * j) : z4;
+            const float4 y1 = r1 ? *reinterpret_cast<const float4*>(k1 + 8 * j + 4) : z4;
+            // k-tile 2j: dims (0, 4 | 1, 5) of the eight; 2j + 1: (2, 6 | 3, 7).
+            const u32 a0[4] = {half2_bits(x0.x, y0.x), half2_bits(x1.x, y1.x), half2_bits(x0.y, y0.y),
+                               half2_bits(x1.y, y1.y)};
+            mma16816<__half>(s, a0, qf[2 * j][0], qf[2 * j][2]);
+            const u32 a1[4] = {half2_bits(x0.z, y0.z), half2_bits(x1.z, y1.z), half2_bits(x0.w, y0.w),
+                               half2_bits(x1.w, y1.w)};
+            mma16816<__half>(s, a1, qf[2 * j + 1][0], qf[2 * j + 1][2]);
+        }
+    }
+    bool valid[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int p = p0 + g + 8 * r;
+        valid[r] = p < end && p >= lo;
+    }
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, c = e & 1;
+        s[e] = valid[r] ? s[e] * scale_log2 : NEG_BIG;
+        mx[c] = fmaxf(mx[c], s[e]);
+    }
+    float corr[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        mx[c] = column_max(mx[c]);
+        corr[c] = exp2f(m[c] - mx[c]);
+        m[c] = mx[c];
+    }
+    u32 pt[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float pr[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float p = s[r * 2 + c] > -1e29f ? exp2f(s[r * 2 + c] - mx[c]) : 0.f;
+            rs[c] += p;
+            pr[c] = valid[r] ? p : 0.f;
+        }
+        pt[r] = transpose8x8(pack2(pr[0], pr[1], (__half*)nullptr));
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        l[c] = l[c] * corr[c] + column_sum(rs[c]);
+        zacc[c] *= corr[c];
+    }
+#pragma unroll
+    for (int i = 0; i < HD / 16; ++i) {
+        o[i][0] *= corr[0], o[i][1] *= corr[1];
+        o[i][2] *= corr[0], o[i][3] *= corr[1];
+    }
+    // O^T += V^T P^T: tile i's rows g, g + 8 are dims g * HD/8 + 2i, + 2i + 1; k the tokens 2t,
+    // 2t + 1 | 2t + 8, 2t + 9.
+    const int tok[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+    const float* vr[4];
+    bool vin[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        vr[k] = rv + at + (long)tok[k] * HD + g * (HD / 8);
+        vin[k] = tok[k] < rows;
+    }
+#pragma unroll
+    for (int i = 0; i < HD / 16; ++i) {
+        float2 f[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            f[k] = vin[k] ? *reinterpret_cast<const float2*>(vr[k] + 2 * i) : make_float2(0.f, 0.f);
+        const u32 a[4] = {half2_bits(f[0].x, f[1].x), half2_bits(f[0].y, f[1].y), half2_bits(f[2].x, f[3].x),
+                          half2_bits(f[2].y, f[3].y)};
+        mma16816<__half>(o[i], a, pt[0], pt[1]);
+    }
+}
+
+// DEF: both sides wait in the residual until their block fills (kv4c: channel-wise keys, values
+// per token packed with them). The query's own block is then read raw from the residual rows
+// `rk` / `rv` (f32), as the CPU reads it, after the loop over the packed blocks (own_block_tile).
+template <int HD, int G, int KK, int VK, bool DEF = false>
 __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __restrict__ kc,
                                 unsigned char* __restrict__ vc, const int* __restrict__ block_tables,
                                 const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
                                 float* __restrict__ part, int num_kv_heads, int group, int max_blocks,
                                 int chunk, float scale_log2, long ldq, const float* __restrict__ knew,
-                                const float* __restrict__ vnew, long ldk, long ldv, int window) {
+                                const float* __restrict__ vnew, long ldk, long ldv, int window,
+                                const float* __restrict__ rk = nullptr, const float* __restrict__ rv = nullptr,
+                                const int* __restrict__ res_tables = nullptr) {
     using KS = PageSide<__half, HD, KK>;
     using VS = PageSide<__half, HD, VK>;
     using KF = KeyFrags<HD, KK>;
@@ -267,7 +389,14 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     constexpr int Q_BYTES = WARPS * DM_BS * LD * 2;
     constexpr int MERGE_BYTES = WARPS * G * (HD + 2) * 4;
     constexpr int SMEM = STAGES_BYTES + Q_BYTES > MERGE_BYTES ? STAGES_BYTES + Q_BYTES : MERGE_BYTES;
-    constexpr bool K_ZERO = KK != PAGE_FP8, V_ZERO = VK != PAGE_FP8;
+    // Channel-wise keys (kv4c): per block and channel (s, z) in the page's tail. S = Q'.(1024 + c)
+    // - 1024 sum(Q') + Q.z with Q' = Q s per channel (BitDecoding's channel scales folded into
+    // the query): three MMAs a k-tile, the last two with constant and z rows as A, so no lane
+    // sums anything.
+    constexpr bool KCH = KS::CHANNEL;
+    static_assert(!KCH || (KK == PAGE_C4 && DEF), "register-direct channel keys: 4-bit, deferred");
+    static_assert(!DEF || VK == PAGE_U4, "deferred values: 4-bit per token");
+    constexpr bool K_ZERO = KK != PAGE_FP8 && !KCH, V_ZERO = VK != PAGE_FP8;
     grid_dependency_enter();
     __shared__ __align__(16) unsigned char smem[SMEM];
     const int token = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -281,11 +410,17 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
         return;
     const int start = ds.start, end = ds.end, lo = ds.lo;
     const int* table = ds.table;
+    // A deferred pool's own block (the query's last, pages not written yet) is not streamed: the
+    // loop ends before it, and the warp whose turn it would be reads it from the residual.
+    const int ctx = tok_pos[token] + 1;
+    const bool own = DEF && end == ctx;
+    const int own_b = (ctx - 1) / DM_BS;
+    const int loop_end = own ? own_b * DM_BS : end;
     auto kpage = [&](int b) { return kc + ((long)table[b] * num_kv_heads + kvh) * KS::PAGE; };
     auto vpage = [&](int b) { return vc + ((long)table[b] * num_kv_heads + kvh) * VS::PAGE; };
     // Block b's pages into stage st, or an empty group past the chunk: one group per call.
     auto issue = [&](int b, int st) {
-        if (b * DM_BS < end) {
+        if (b * DM_BS < loop_end) {
             KS::issue(mine + st * PAIR, kpage(b), DM_BS, lane);
             VS::issue(mine + st * PAIR + KS::PAGE, vpage(b), DM_BS, lane);
         }
@@ -319,7 +454,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     __syncwarp();
 
     int stage = 0;
-    for (int b = first; b * DM_BS < end; b += WARPS) {
+    for (int b = first; b * DM_BS < loop_end; b += WARPS) {
         // The block STAGES - 1 ahead streams in while this one is computed.
         issue(b + (STAGES - 1) * WARPS, stage == 0 ? STAGES - 1 : stage - 1);
         asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
@@ -333,12 +468,42 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
             load_words(kp + g * KS::CB + t * (KS::CB / 4), w0);
             load_words(kp + (g + 8) * KS::CB + t * (KS::CB / 4), w1);
             s[0] = s[1] = s[2] = s[3] = 0.f;
+            if constexpr (KCH) {
+                // Lane t's dims [t * HD/4, (t + 1) * HD/4): k-tiles 2j and 2j + 1 take dims
+                // 8j .. 8j + 7 of the run (KeyFrags::pos), whose (s, z) pairs are two 16-byte
+                // words of the page's tail.
+                const unsigned char* cp = kp + DM_BS * KS::CB + 4 * t * (HD / 4);
 #pragma unroll
-            for (int kk = 0; kk < HD / 16; ++kk) {
-                u32 a[4];
-                KF::frag(w0, kk, a[0], a[2]);
-                KF::frag(w1, kk, a[1], a[3]);
-                mma16816<__half>((kk & 1) ? s2 : s, a, qf[kk][0], qf[kk][2]);
+                for (int j = 0; j < HD / 32; ++j) {
+                    u32 pw[8];
+                    load_words(cp + 32 * j, pw);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int kk = 2 * j + h;
+                        // The fragment's dims: e0, e1 = 2h, 2h + 4 (b0); e2, e3 = 2h + 1, 2h + 5 (b1).
+                        const u32 s01 = prmt(pw[2 * h], pw[2 * h + 4], 0x5410);
+                        const u32 s23 = prmt(pw[2 * h + 1], pw[2 * h + 5], 0x5410);
+                        const u32 z01 = prmt(pw[2 * h], pw[2 * h + 4], 0x7632);
+                        const u32 z23 = prmt(pw[2 * h + 1], pw[2 * h + 5], 0x7632);
+                        const u32 q0 = hmul2_u32(qf[kk][0], s01), q1 = hmul2_u32(qf[kk][2], s23);
+                        u32 a[4];
+                        KF::frag(w0, kk, a[0], a[2]);
+                        KF::frag(w1, kk, a[1], a[3]);
+                        mma16816<__half>(s, a, q0, q1);
+                        const u32 bias[4] = {0xE400E400u, 0xE400E400u, 0xE400E400u, 0xE400E400u};  // -1024
+                        mma16816<__half>(s2, bias, q0, q1);
+                        const u32 zr[4] = {z01, z01, z23, z23};
+                        mma16816<__half>(s2, zr, qf[kk][0], qf[kk][2]);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < HD / 16; ++kk) {
+                    u32 a[4];
+                    KF::frag(w0, kk, a[0], a[2]);
+                    KF::frag(w1, kk, a[1], a[3]);
+                    mma16816<__half>((kk & 1) ? s2 : s, a, qf[kk][0], qf[kk][2]);
+                }
             }
         }
         // s[r * 2 + c]: token g + 8r, head 2t + c.
@@ -346,7 +511,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
         bool valid[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            kp_[r] = slot_param<KK>(kp + DM_BS * KS::CB, g + 8 * r);
+            kp_[r] = KCH ? make_float2(1.f, 0.f) : slot_param<KK>(kp + DM_BS * KS::CB, g + 8 * r);
             vp_[r] = slot_param<VK>(vp + DM_BS * VS::CB, g + 8 * r);
             const int p = b * DM_BS + g + 8 * r;
             valid[r] = p < end && p >= lo;
@@ -409,6 +574,13 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
+    if constexpr (DEF) {
+        if (own && warp == (own_b - max(start, lo) / DM_BS) % WARPS)
+            own_block_tile<HD>(qf, o, m, l, zacc, rk, rv,
+                               residual_row<HD>(res_tables, tok_seq[token], own_b * DM_BS, max_blocks, kvh,
+                                                num_kv_heads),
+                               own_b * DM_BS, end, lo, scale_log2, lane);
+    }
     // Stash this warp's heads 2t, 2t+1 (rows of O^T are dims), then merge the warps.
     float* merge = reinterpret_cast<float*>(smem);
     __syncthreads();
