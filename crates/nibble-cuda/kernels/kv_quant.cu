@@ -41,9 +41,10 @@ typedef NIBBLE_KVQ_T KvqT;
             q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group, max_blocks,   \
             chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window);                              \
     }
-#elif NIBBLE_KVQ_K == PAGE_C4 && NIBBLE_KVQ_V == PAGE_U4 && NIBBLE_KVQ_VDEFER
-// kv4c: the register-direct kernel with channel scales folded into Q, the own block from the
-// residual.
+#elif NIBBLE_KVQ_VDEFER && (NIBBLE_KVQ_K == PAGE_C4 && NIBBLE_KVQ_V == PAGE_U4 || \
+                             NIBBLE_KVQ_K == PAGE_C2 && NIBBLE_KVQ_V == PAGE_U2)
+// kv4c, kv2c: the register-direct kernel with channel scales folded into Q, the own block from
+// the residual; kv2c at head_dim 64 (a lane's value dims half a word) takes the generic decode.
 #define KVQ_DECODE(HD, G)                                                                        \
     extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
@@ -51,9 +52,9 @@ typedef NIBBLE_KVQ_T KvqT;
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
         const float* vnew, long ldk, long ldv, int window, const float* rk, const float* rv,    \
         const int* res_tables) {                                                                \
-        decode_kvq_impl<HD, G, NIBBLE_KVQ_K, NIBBLE_KVQ_V, true>(                               \
-            q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group, max_blocks,   \
-            chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window, rk, rv, res_tables);          \
+        kvq_decode_channel<HD, G>(q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, \
+                                  group, max_blocks, chunk, scale_log2, ldq, knew, vnew, ldk,   \
+                                  ldv, window, rk, rv, res_tables);                             \
     }
 #elif KVQ_DEFERRED
 // A deferred side: the generic decode with the query's own block read from the residual. The
@@ -188,7 +189,11 @@ struct KeyFrags {
         } else if constexpr (KIND == PAGE_FP8) {
             b0 = e4m3x2_f16x2(w[kk]);
             b1 = e4m3x2_f16x2(w[kk] >> 16);
-        } else {  // PAGE_U4: word kk / 2 holds nibbles n0..n7; pairs (n0, n4), (n1, n5), ...
+        } else if constexpr (BITS == 2) {  // PAGE_C2: word kk / 4 holds 16 codes; pairs (n, n + 8)
+            const u32 x = w[kk >> 2] >> (4 * (kk & 3));
+            b0 = lop_or_mask(x, 0x00030003u, 0x64006400u);
+            b1 = lop_or_mask(x >> 2, 0x00030003u, 0x64006400u);
+        } else {  // PAGE_U4, PAGE_C4: word kk / 2 holds nibbles n0..n7; pairs (n0, n4), (n1, n5), ...
             const u32 x = w[kk >> 1] >> (8 * (kk & 1));
             b0 = lop_or_mask(x, 0x000F000Fu, 0x64006400u);
             b1 = lop_or_mask(x >> 4, 0x000F000Fu, 0x64006400u);
@@ -202,11 +207,22 @@ struct KeyFrags {
             const int n = r % 8;
             kk = 2 * (r / 8) + ((n & 3) >> 1);
             e = ((n & 1) << 1) | (n >> 2);
+        } else if constexpr (BITS == 2) {
+            const int n = r % 16;
+            kk = 4 * (r / 16) + ((n & 7) >> 1);
+            e = ((n & 1) << 1) | (n >> 3);
         } else {
             kk = r / 4;
             e = r % 4;
         }
         return kk * 16 + 2 * t + (e & 1) + 8 * (e >> 1);
+    }
+    // The dim of lane t's run (0 .. HD/4) that k-tile kk's fragment element e takes (0, 1: b0's
+    // halves; 2, 3: b1's): pos's inverse, for 4- and 2-bit codes.
+    __device__ static __forceinline__ constexpr int dim(int kk, int e) {
+        static_assert(BITS == 4 || BITS == 2, "dim() serves the channel-wise kinds");
+        return BITS == 4 ? 8 * (kk >> 1) + 2 * (kk & 1) + (e >> 1) + 4 * (e & 1)
+                         : 16 * (kk >> 2) + 2 * (kk & 3) + (e >> 1) + 8 * (e & 1);
     }
 };
 
@@ -217,7 +233,13 @@ struct ValueFrags {
     static constexpr int BITS = PageCodec<KIND>::BITS;
     static constexpr int VW = HD / 8 * BITS / 32 > 0 ? HD / 8 * BITS / 32 : 1;
     __device__ static __forceinline__ u32 pair(const u32 (&a)[VW], const u32 (&b)[VW], int n) {
-        if constexpr (KIND == PAGE_U4) {
+        static_assert(KIND != PAGE_U2 || HD == 128, "2-bit values: a lane's 16 dims are one word");
+        if constexpr (KIND == PAGE_U2) {
+            // Dim n is bits 2n of the word: its byte from each row, then the two codes' bits.
+            const int j = n >> 2;
+            const u32 x = prmt(a[0], b[0], j | j << 4 | (4 + j) << 8 | (4 + j) << 12);
+            return lop_or_mask(x >> (2 * (n & 3)), 0x00030003u, 0x64006400u);
+        } else if constexpr (KIND == PAGE_U4) {
             const int byte = n >> 1, j = byte & 3;
             const u32 x = prmt(a[byte >> 2], b[byte >> 2], j | j << 4 | (4 + j) << 8 | (4 + j) << 12);
             return lop_or_mask(x >> (4 * (n & 1)), 0x000F000Fu, 0x64006400u);
@@ -272,7 +294,7 @@ __device__ __forceinline__ u32 half2_bits(float lo, float hi) { return pack2(lo,
 // the staged dim order of 4-bit codes (KeyFrags::pos), V^T's from lane g's dims, P unscaled and
 // no zero term. Rows at or past `end` are zeros (a residual row past the context may hold
 // anything). One warp.
-template <int HD>
+template <int HD, class KF>
 __device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], float (&o)[HD / 16][4], float (&m)[2],
                                                float (&l)[2], float (&zacc)[2], const float* __restrict__ rk,
                                                const float* __restrict__ rv, long at, int p0, int end, int lo,
@@ -281,23 +303,21 @@ __device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], floa
     const int rows = end - p0;
     float s[4] = {0.f, 0.f, 0.f, 0.f};
     {
+        // Rows g and g + 8, lane t's run of dims in the staged order of the codes (KF::dim).
         const float* k0 = rk + at + (long)g * HD + t * (HD / 4);
         const float* k1 = rk + at + (long)(g + 8) * HD + t * (HD / 4);
         const bool r0 = g < rows, r1 = g + 8 < rows;
 #pragma unroll
-        for (int j = 0; j < HD / 32; ++j) {
-            const float4 z4 = make_float4(0.f, 0.f, 0.f, 0.f);
-            const float4 x0 = r0 ? *reinterpret_cast<const float4*>(k0 + 8 * j) : z4;
-            const float4 y0 = r0 ? *reinterpret_cast<const float4*>(k0 + 8 * j + 4) : z4;
-            const float4 x1 = r1 ? *reinterpret_cast<const float4*>(k1 + 8 * j) : z4;
-            const float4 y1 = r1 ? *reinterpret_cast<const float4*>(k1 + 8 * j + 4) : z4;
-            // k-tile 2j: dims (0, 4 | 1, 5) of the eight; 2j + 1: (2, 6 | 3, 7).
-            const u32 a0[4] = {half2_bits(x0.x, y0.x), half2_bits(x1.x, y1.x), half2_bits(x0.y, y0.y),
-                               half2_bits(x1.y, y1.y)};
-            mma16816<__half>(s, a0, qf[2 * j][0], qf[2 * j][2]);
-            const u32 a1[4] = {half2_bits(x0.z, y0.z), half2_bits(x1.z, y1.z), half2_bits(x0.w, y0.w),
-                               half2_bits(x1.w, y1.w)};
-            mma16816<__half>(s, a1, qf[2 * j + 1][0], qf[2 * j + 1][2]);
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            float x0[4], x1[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                x0[e] = r0 ? k0[KF::dim(kk, e)] : 0.f;
+                x1[e] = r1 ? k1[KF::dim(kk, e)] : 0.f;
+            }
+            const u32 a[4] = {half2_bits(x0[0], x0[1]), half2_bits(x1[0], x1[1]), half2_bits(x0[2], x0[3]),
+                              half2_bits(x1[2], x1[3])};
+            mma16816<__half>(s, a, qf[kk][0], qf[kk][2]);
         }
     }
     bool valid[2];
@@ -394,8 +414,8 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     // the query): three MMAs a k-tile, the last two with constant and z rows as A, so no lane
     // sums anything.
     constexpr bool KCH = KS::CHANNEL;
-    static_assert(!KCH || (KK == PAGE_C4 && DEF), "register-direct channel keys: 4-bit, deferred");
-    static_assert(!DEF || VK == PAGE_U4, "deferred values: 4-bit per token");
+    static_assert(!KCH || DEF, "register-direct channel keys: deferred with the values");
+    static_assert(!DEF || VK == PAGE_U4 || VK == PAGE_U2, "deferred values: 4- or 2-bit per token");
     constexpr bool K_ZERO = KK != PAGE_FP8 && !KCH, V_ZERO = VK != PAGE_FP8;
     grid_dependency_enter();
     __shared__ __align__(16) unsigned char smem[SMEM];
@@ -469,22 +489,22 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
             load_words(kp + (g + 8) * KS::CB + t * (KS::CB / 4), w1);
             s[0] = s[1] = s[2] = s[3] = 0.f;
             if constexpr (KCH) {
-                // Lane t's dims [t * HD/4, (t + 1) * HD/4): k-tiles 2j and 2j + 1 take dims
-                // 8j .. 8j + 7 of the run (KeyFrags::pos), whose (s, z) pairs are two 16-byte
-                // words of the page's tail.
+                // Lane t's dims [t * HD/4, (t + 1) * HD/4), GROUP at a time (the dims of
+                // GROUP / 4 k-tiles: KeyFrags::dim), their (s, z) pairs 16-byte words of the
+                // page's tail.
+                constexpr int GROUP = KF::BITS == 4 ? 8 : 16;
                 const unsigned char* cp = kp + DM_BS * KS::CB + 4 * t * (HD / 4);
 #pragma unroll
-                for (int j = 0; j < HD / 32; ++j) {
-                    u32 pw[8];
-                    load_words(cp + 32 * j, pw);
+                for (int gi = 0; gi < HD / 4 / GROUP; ++gi) {
+                    u32 pw[GROUP];
+                    load_words(cp + 4 * GROUP * gi, pw);
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int kk = 2 * j + h;
-                        // The fragment's dims: e0, e1 = 2h, 2h + 4 (b0); e2, e3 = 2h + 1, 2h + 5 (b1).
-                        const u32 s01 = prmt(pw[2 * h], pw[2 * h + 4], 0x5410);
-                        const u32 s23 = prmt(pw[2 * h + 1], pw[2 * h + 5], 0x5410);
-                        const u32 z01 = prmt(pw[2 * h], pw[2 * h + 4], 0x7632);
-                        const u32 z23 = prmt(pw[2 * h + 1], pw[2 * h + 5], 0x7632);
+                    for (int h = 0; h < GROUP / 4; ++h) {
+                        const int kk = gi * (GROUP / 4) + h;
+                        const int d0 = KF::dim(kk, 0) - GROUP * gi, d1 = KF::dim(kk, 1) - GROUP * gi;
+                        const int d2 = KF::dim(kk, 2) - GROUP * gi, d3 = KF::dim(kk, 3) - GROUP * gi;
+                        const u32 s01 = prmt(pw[d0], pw[d1], 0x5410), s23 = prmt(pw[d2], pw[d3], 0x5410);
+                        const u32 z01 = prmt(pw[d0], pw[d1], 0x7632), z23 = prmt(pw[d2], pw[d3], 0x7632);
                         const u32 q0 = hmul2_u32(qf[kk][0], s01), q1 = hmul2_u32(qf[kk][2], s23);
                         u32 a[4];
                         KF::frag(w0, kk, a[0], a[2]);
@@ -576,7 +596,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     asm volatile("cp.async.wait_group 0;\n" ::);
     if constexpr (DEF) {
         if (own && warp == (own_b - max(start, lo) / DM_BS) % WARPS)
-            own_block_tile<HD>(qf, o, m, l, zacc, rk, rv,
+            own_block_tile<HD, KF>(qf, o, m, l, zacc, rk, rv,
                                residual_row<HD>(res_tables, tok_seq[token], own_b * DM_BS, max_blocks, kvh,
                                                 num_kv_heads),
                                own_b * DM_BS, end, lo, scale_log2, lane);
@@ -605,6 +625,29 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     combine_partials<HD, G, WARPS>(merge, group,
                                    part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2));
 }
+
+#if NIBBLE_KVQ_VDEFER && (NIBBLE_KVQ_K == PAGE_C4 && NIBBLE_KVQ_V == PAGE_U4 || \
+                          NIBBLE_KVQ_K == PAGE_C2 && NIBBLE_KVQ_V == PAGE_U2)
+// A template, so that the kernel kind a head size does not take is never instantiated.
+template <int HD, int G>
+__device__ __forceinline__ void kvq_decode_channel(const float* q, unsigned char* kc, unsigned char* vc,
+                                                   const int* block_tables, const int* tok_seq, const int* tok_pos,
+                                                   float* part, int num_kv_heads, int group, int max_blocks,
+                                                   int chunk, float scale_log2, long ldq, const float* knew,
+                                                   const float* vnew, long ldk, long ldv, int window,
+                                                   const float* rk, const float* rv, const int* res_tables) {
+    if constexpr (NIBBLE_KVQ_V == PAGE_U2 && HD == 64) {
+        decode_mma_impl<KvqT, HD, G, PageSide<KvqT, HD, NIBBLE_KVQ_K>, PageSide<KvqT, HD, NIBBLE_KVQ_V>, true, true>(
+            q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group, max_blocks, chunk, scale_log2,
+            ldq, knew, vnew, ldk, ldv, window, rk, rv, res_tables);
+    } else {
+        decode_kvq_impl<HD, G, NIBBLE_KVQ_K, NIBBLE_KVQ_V, true>(q, kc, vc, block_tables, tok_seq, tok_pos, part,
+                                                                num_kv_heads, group, max_blocks, chunk,
+                                                                scale_log2, ldq, knew, vnew, ldk, ldv, window,
+                                                                rk, rv, res_tables);
+    }
+}
+#endif
 
 template <int HD>
 __device__ void kvq_append_impl(const float* __restrict__ k, const float* __restrict__ v,
