@@ -1,4 +1,5 @@
-// Attention over a quantized KV pool (KV8, KV4, KV FP8 and K/V mixes such as k8v4 or k16v4).
+// Attention over a quantized KV pool (KV8, KV4, KV FP8, the channel-wise KV4C and KV2C, and K/V
+// mixes such as k8v4, k16v4 or k8v4c).
 // This module is compiled once per pool format, on the pool's creation (src/context.rs
 // `kv_kernels`): NIBBLE_KVQ_T is the model dtype, NIBBLE_KVQ_K and NIBBLE_KVQ_V the keys' and
 // values' page kinds (kv_pages.cuh), so a format costs its own dozen kernels and nothing more.
@@ -27,9 +28,14 @@ typedef NIBBLE_KVQ_T KvqT;
 #define KVQ_KDEFER (NIBBLE_KVQ_K == PAGE_C4 || NIBBLE_KVQ_K == PAGE_C2)
 #define KVQ_DEFERRED (KVQ_KDEFER || NIBBLE_KVQ_VDEFER)
 
-// Both sides quantized per token in 8 or 4 bits as they are written: the register-direct kernel
-// below. A 16-bit side or 2-bit values: decode_mma.cu's kernel with a dequantizing page policy; a
-// deferred side: the same with the query's own block from the residual.
+// Decode kernels by format:
+// - both sides quantized per token in 8 or 4 bits as they are written, and kv4c / kv2c (channel
+//   keys and per-token values, both packed when their block fills; kv2c at head_dim 128): the
+//   register-direct kernel below (decode_kvq_impl), the channel-wise ones reading the query's
+//   own block raw from the residual;
+// - a 16-bit side, 2-bit values of another mix, or one side deferred alone (k8v4c, k4cv8):
+//   decode_mma.cu's kernel with a dequantizing page policy, a deferred side's own block from the
+//   residual.
 #if NIBBLE_KVQ_K != PAGE_F16 && NIBBLE_KVQ_V != PAGE_F16 && !KVQ_DEFERRED && NIBBLE_KVQ_V != PAGE_U2
 #define KVQ_DECODE(HD, G)                                                                        \
     extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
@@ -138,6 +144,11 @@ typedef NIBBLE_KVQ_T KvqT;
 // scales and zeros never touch the codes: S = s (Q.(1024 + c) - 1024 sum(Q)) + z sum(Q) per token
 // for KV8/KV4 keys, s (Q.e4m3) for FP8 keys; for values P' = P s per token multiplies the codes,
 // and sum(P (z - 1024 s)) per row is carried beside O (rescaled with it), added at the end.
+// Channel-wise keys (BitDecoding Sec. 4.3's channel scales folded into the query): per block,
+// Q' = Q s per channel in each lane's B fragments, and S = Q'.(1024 + c) - 1024 sum(Q') + Q.z as
+// three MMAs a k-tile, the last two with A rows of -1024 and of the channel zeros, so no lane
+// reduces anything. 2-bit codes pair dims (n, n + 8) of a 16-code word, as 4-bit ones pair
+// (n, n + 4) of an 8-code word (KeyFrags::pos / dim).
 // Q and P are f16 operands here whichever the model dtype (Q is clamped to the f16 range).
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
