@@ -202,6 +202,31 @@ struct PageSide {
     // Elements of a row each lane holds when it writes one.
     static constexpr int E = HD / 32;
 
+    // One slot's codes `q` (this lane's elements lane * E .. lane * E + E - 1) into `codes`, the
+    // slot's code run: 2-bit pairs of lanes share a byte, the even lane's in the low nibble.
+    __device__ static __forceinline__ void store_codes(unsigned char* codes, const u32 (&q)[E], int lane) {
+        if constexpr (BITS == 8) {
+            if constexpr (E == 4)
+                *reinterpret_cast<u32*>(codes + lane * 4) = q[0] | q[1] << 8 | q[2] << 16 | q[3] << 24;
+            else
+                *reinterpret_cast<unsigned short*>(codes + lane * 2) = (unsigned short)(q[0] | q[1] << 8);
+        } else if constexpr (BITS == 4) {
+            if constexpr (E == 4)
+                *reinterpret_cast<unsigned short*>(codes + lane * 2) =
+                    (unsigned short)(q[0] | q[1] << 4 | q[2] << 8 | q[3] << 12);
+            else
+                codes[lane] = (unsigned char)(q[0] | q[1] << 4);
+        } else {
+            if constexpr (E == 4) {
+                codes[lane] = (unsigned char)(q[0] | q[1] << 2 | q[2] << 4 | q[3] << 6);
+            } else {
+                const u32 mine = q[0] | q[1] << 2;
+                const u32 odd = __shfl_down_sync(0xffffffffu, mine, 1);
+                if ((lane & 1) == 0) codes[lane >> 1] = (unsigned char)(mine | odd << 4);
+            }
+        }
+    }
+
     // Quantizes one head's row x[0..HD) (f32, global) into slot `slot` of `page`: one warp.
     __device__ static __forceinline__ void append(unsigned char* page, const float* x, int slot,
                                                   int lane) {
@@ -258,28 +283,7 @@ struct PageSide {
                 for (int j = 0; j < E; ++j)
                     q[j] = ok && s != 0.f ? (u32)fminf(fmaxf(roundf(__fdiv_rn(v[j] - z, s)), 0.f), MAXC) : 0u;
             }
-            unsigned char* codes = page + slot * CB;
-            if constexpr (BITS == 8) {
-                if constexpr (E == 4)
-                    *reinterpret_cast<u32*>(codes + lane * 4) = q[0] | q[1] << 8 | q[2] << 16 | q[3] << 24;
-                else
-                    *reinterpret_cast<unsigned short*>(codes + lane * 2) = (unsigned short)(q[0] | q[1] << 8);
-            } else if constexpr (BITS == 4) {
-                if constexpr (E == 4)
-                    *reinterpret_cast<unsigned short*>(codes + lane * 2) =
-                        (unsigned short)(q[0] | q[1] << 4 | q[2] << 8 | q[3] << 12);
-                else
-                    codes[lane] = (unsigned char)(q[0] | q[1] << 4);
-            } else {
-                if constexpr (E == 4) {
-                    codes[lane] = (unsigned char)(q[0] | q[1] << 2 | q[2] << 4 | q[3] << 6);
-                } else {
-                    // Two lanes a byte: the even lane's elements in the low nibble.
-                    const u32 mine = q[0] | q[1] << 2;
-                    const u32 odd = __shfl_down_sync(0xffffffffu, mine, 1);
-                    if ((lane & 1) == 0) codes[lane >> 1] = (unsigned char)(mine | odd << 4);
-                }
-            }
+            store_codes(page + slot * CB, q, lane);
             if (lane == 0) {
                 unsigned char* p = page + KV_BS * CB + slot * PB;
                 if constexpr (KIND == PAGE_FP8)
@@ -329,22 +333,7 @@ struct PageSide {
                 q[j] = s[j] == s[j] && s[j] != 0.f ? (u32)fminf(fmaxf(roundf(__fdiv_rn(x - z[j], s[j])), 0.f), MAXC)
                                                    : 0u;
             }
-            unsigned char* codes = page + r * CB;
-            if constexpr (BITS == 4) {
-                if constexpr (E == 4)
-                    *reinterpret_cast<unsigned short*>(codes + lane * 2) =
-                        (unsigned short)(q[0] | q[1] << 4 | q[2] << 8 | q[3] << 12);
-                else
-                    codes[lane] = (unsigned char)(q[0] | q[1] << 4);
-            } else {
-                if constexpr (E == 4) {
-                    codes[lane] = (unsigned char)(q[0] | q[1] << 2 | q[2] << 4 | q[3] << 6);
-                } else {
-                    const u32 mine = q[0] | q[1] << 2;
-                    const u32 odd = __shfl_down_sync(0xffffffffu, mine, 1);
-                    if ((lane & 1) == 0) codes[lane >> 1] = (unsigned char)(mine | odd << 4);
-                }
-            }
+            store_codes(page + r * CB, q, lane);
         }
     }
 

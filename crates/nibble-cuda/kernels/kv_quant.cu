@@ -47,24 +47,10 @@ typedef NIBBLE_KVQ_T KvqT;
             q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group, max_blocks,   \
             chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window);                              \
     }
-#elif NIBBLE_KVQ_VDEFER && (NIBBLE_KVQ_K == PAGE_C4 && NIBBLE_KVQ_V == PAGE_U4 || \
-                             NIBBLE_KVQ_K == PAGE_C2 && NIBBLE_KVQ_V == PAGE_U2)
-// kv4c, kv2c: the register-direct kernel with channel scales folded into Q, the own block from
-// the residual; kv2c at head_dim 64 (a lane's value dims half a word) takes the generic decode.
-#define KVQ_DECODE(HD, G)                                                                        \
-    extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
-        const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
-        const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
-        int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
-        const float* vnew, long ldk, long ldv, int window, const float* rk, const float* rv,    \
-        const int* res_tables) {                                                                \
-        kvq_decode_channel<HD, G>(q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, \
-                                  group, max_blocks, chunk, scale_log2, ldq, knew, vnew, ldk,   \
-                                  ldv, window, rk, rv, res_tables);                             \
-    }
 #elif KVQ_DEFERRED
-// A deferred side: the generic decode with the query's own block read from the residual. The
-// step's rows were appended before (kvq_append_residual, kvq_pack): knew and vnew are null.
+// A deferred side: kvq_decode_deferred picks the kernel (kv4c and kv2c register-direct, other
+// mixes the generic decode), the query's own block read from the residual. The step's rows were
+// appended before (kvq_append_residual, kvq_pack): knew and vnew are null.
 #define KVQ_DECODE(HD, G)                                                                        \
     extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
@@ -72,11 +58,9 @@ typedef NIBBLE_KVQ_T KvqT;
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
         const float* vnew, long ldk, long ldv, int window, const float* rk, const float* rv,    \
         const int* res_tables) {                                                                \
-        decode_mma_impl<KvqT, HD, G, PageSide<KvqT, HD, NIBBLE_KVQ_K>, PageSide<KvqT, HD, NIBBLE_KVQ_V>, \
-                        KVQ_KDEFER, NIBBLE_KVQ_VDEFER>(q, kc, vc, block_tables, tok_seq, tok_pos, part, \
-                                                       num_kv_heads, group, max_blocks, chunk,  \
-                                                       scale_log2, ldq, knew, vnew, ldk, ldv,   \
-                                                       window, rk, rv, res_tables);             \
+        kvq_decode_deferred<HD, G>(q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, \
+                                   group, max_blocks, chunk, scale_log2, ldq, knew, vnew, ldk,  \
+                                   ldv, window, rk, rv, res_tables);                            \
     }
 #else
 #define KVQ_DECODE(HD, G) \
@@ -300,6 +284,54 @@ __device__ __forceinline__ u32 hmul2_u32(u32 a, u32 b) {
 }
 __device__ __forceinline__ u32 half2_bits(float lo, float hi) { return pack2(lo, hi, (__half*)nullptr); }
 
+// decode_kvq_impl's online softmax over one 16-token block. s: the block's scores in log2 units
+// (tokens g, g + 8 by heads 2t, 2t + 1), masked to NEG_BIG where !valid. P' = P s_v per token
+// (`vp`: the value rows' (scale, zero)), rounded to f16 as the operand holds it, becomes the
+// B fragments pt of O^T += V^T P'^T; ZERO (biased value codes 1024 + c with zero points): the
+// rows' sum P (z - 1024 s) joins zacc, which cancels the bias exactly. m, l, O and zacc are
+// rescaled to the new maximum (zacc only where it can be non-zero: ZACC).
+template <int HD, bool ZERO, bool ZACC = ZERO>
+__device__ __forceinline__ void kvq_softmax(float (&s)[4], const bool (&valid)[2], const float2 (&vp)[2],
+                                            float (&m)[2], float (&l)[2], float (&zacc)[2],
+                                            float (&o)[HD / 16][4], u32 (&pt)[2]) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mx[e & 1] = fmaxf(mx[e & 1], s[e]);
+    float corr[2], rs[2] = {0.f, 0.f}, zrow[2] = {0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        mx[c] = column_max(mx[c]);
+        corr[c] = exp2f(m[c] - mx[c]);
+        m[c] = mx[c];
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float pr[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float p = s[r * 2 + c] > -1e29f ? exp2f(s[r * 2 + c] - mx[c]) : 0.f;
+            rs[c] += p;
+            pr[c] = valid[r] ? __half2float(__float2half_rn(p * vp[r].x)) : 0.f;
+            if (ZERO && valid[r]) zrow[c] += fmaf(p, vp[r].y, -1024.f * pr[c]);
+        }
+        pt[r] = transpose8x8(pack2(pr[0], pr[1], (__half*)nullptr));
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        l[c] = l[c] * corr[c] + column_sum(rs[c]);
+        if (ZERO) {
+            zacc[c] = zacc[c] * corr[c] + column_sum(zrow[c]);
+        } else if (ZACC) {
+            zacc[c] *= corr[c];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < HD / 16; ++i) {
+        o[i][0] *= corr[0], o[i][1] *= corr[1];
+        o[i][2] *= corr[0], o[i][3] *= corr[1];
+    }
+}
+
 // decode_kvq_impl's step over the query's own block of a deferred pool, read raw from the
 // residual (rows `at` .. of rk / rv, f32, [16][HD]), in the loop's layouts: K's A fragments in
 // the staged dim order of 4-bit codes (KeyFrags::pos), V^T's from lane g's dims, P unscaled and
@@ -337,42 +369,12 @@ __device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], floa
         const int p = p0 + g + 8 * r;
         valid[r] = p < end && p >= lo;
     }
-    float mx[2] = {m[0], m[1]};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1, c = e & 1;
-        s[e] = valid[r] ? s[e] * scale_log2 : NEG_BIG;
-        mx[c] = fmaxf(mx[c], s[e]);
-    }
-    float corr[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        mx[c] = column_max(mx[c]);
-        corr[c] = exp2f(m[c] - mx[c]);
-        m[c] = mx[c];
-    }
+    for (int e = 0; e < 4; ++e) s[e] = valid[e >> 1] ? s[e] * scale_log2 : NEG_BIG;
+    // Raw values: P unscaled, no bias to cancel (the packed blocks' zacc still rescales).
+    const float2 raw[2] = {make_float2(1.f, 0.f), make_float2(1.f, 0.f)};
     u32 pt[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float pr[2];
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const float p = s[r * 2 + c] > -1e29f ? exp2f(s[r * 2 + c] - mx[c]) : 0.f;
-            rs[c] += p;
-            pr[c] = valid[r] ? p : 0.f;
-        }
-        pt[r] = transpose8x8(pack2(pr[0], pr[1], (__half*)nullptr));
-    }
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        l[c] = l[c] * corr[c] + column_sum(rs[c]);
-        zacc[c] *= corr[c];
-    }
-#pragma unroll
-    for (int i = 0; i < HD / 16; ++i) {
-        o[i][0] *= corr[0], o[i][1] *= corr[1];
-        o[i][2] *= corr[0], o[i][3] *= corr[1];
-    }
+    kvq_softmax<HD, false, true>(s, valid, raw, m, l, zacc, o, pt);
     // O^T += V^T P^T: tile i's rows g, g + 8 are dims g * HD/8 + 2i, + 2i + 1; k the tokens 2t,
     // 2t + 1 | 2t + 8, 2t + 9.
     const int tok[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
@@ -547,47 +549,15 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
             const int p = b * DM_BS + g + 8 * r;
             valid[r] = p < end && p >= lo;
         }
-        float mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int r = e >> 1, c = e & 1;
             float x = s[e] + s2[e];
             x = K_ZERO ? kp_[r].x * (x - 1024.f * qsum[c]) + kp_[r].y * qsum[c] : kp_[r].x * x;
             s[e] = valid[r] ? x * scale_log2 : NEG_BIG;
-            mx[c] = fmaxf(mx[c], s[e]);
         }
-        float corr[2], rs[2] = {0.f, 0.f}, zrow[2] = {0.f, 0.f};
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            mx[c] = column_max(mx[c]);
-            corr[c] = exp2f(m[c] - mx[c]);
-            m[c] = mx[c];
-        }
-        // P' = P s per token (rounded to f16 as the operand holds it, so that the codes' 1024
-        // bias cancels exactly against zrow).
         u32 pt[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float pr[2];
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const float p = s[r * 2 + c] > -1e29f ? exp2f(s[r * 2 + c] - mx[c]) : 0.f;
-                rs[c] += p;
-                pr[c] = valid[r] ? __half2float(__float2half_rn(p * vp_[r].x)) : 0.f;
-                if (V_ZERO && valid[r]) zrow[c] += fmaf(p, vp_[r].y, -1024.f * pr[c]);
-            }
-            pt[r] = transpose8x8(pack2(pr[0], pr[1], (__half*)nullptr));
-        }
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            l[c] = l[c] * corr[c] + column_sum(rs[c]);
-            if (V_ZERO) zacc[c] = zacc[c] * corr[c] + column_sum(zrow[c]);
-        }
-#pragma unroll
-        for (int i = 0; i < HD / 16; ++i) {
-            o[i][0] *= corr[0], o[i][1] *= corr[1];
-            o[i][2] *= corr[0], o[i][3] *= corr[1];
-        }
+        kvq_softmax<HD, V_ZERO>(s, valid, vp_, m, l, zacc, o, pt);
         // O^T += V^T P^T: A from the value rows of tokens 2t, 2t+1 (k 0-7) and 2t+8, 2t+9.
         u32 va[VF::VW], vb[VF::VW], vcw[VF::VW], vd[VF::VW];
         const int voff = g * (VS::CB / 8);
@@ -637,25 +607,30 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                                    part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2));
 }
 
-#if NIBBLE_KVQ_VDEFER && (NIBBLE_KVQ_K == PAGE_C4 && NIBBLE_KVQ_V == PAGE_U4 || \
-                          NIBBLE_KVQ_K == PAGE_C2 && NIBBLE_KVQ_V == PAGE_U2)
-// A template, so that the kernel kind a head size does not take is never instantiated.
+#if KVQ_DEFERRED
+// Both sides deferred, channel-wise keys with per-token values of the same width (kv4c; kv2c at
+// head_dim 128, where a lane's 2-bit value dims fill a word): the register-direct kernel;
+// anything else the generic one. A template, so that the kind a head size does not take is never
+// instantiated.
 template <int HD, int G>
-__device__ __forceinline__ void kvq_decode_channel(const float* q, unsigned char* kc, unsigned char* vc,
-                                                   const int* block_tables, const int* tok_seq, const int* tok_pos,
-                                                   float* part, int num_kv_heads, int group, int max_blocks,
-                                                   int chunk, float scale_log2, long ldq, const float* knew,
-                                                   const float* vnew, long ldk, long ldv, int window,
-                                                   const float* rk, const float* rv, const int* res_tables) {
-    if constexpr (NIBBLE_KVQ_V == PAGE_U2 && HD == 64) {
-        decode_mma_impl<KvqT, HD, G, PageSide<KvqT, HD, NIBBLE_KVQ_K>, PageSide<KvqT, HD, NIBBLE_KVQ_V>, true, true>(
-            q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group, max_blocks, chunk, scale_log2,
-            ldq, knew, vnew, ldk, ldv, window, rk, rv, res_tables);
-    } else {
+__device__ __forceinline__ void kvq_decode_deferred(const float* q, unsigned char* kc, unsigned char* vc,
+                                                    const int* block_tables, const int* tok_seq, const int* tok_pos,
+                                                    float* part, int num_kv_heads, int group, int max_blocks,
+                                                    int chunk, float scale_log2, long ldq, const float* knew,
+                                                    const float* vnew, long ldk, long ldv, int window,
+                                                    const float* rk, const float* rv, const int* res_tables) {
+    constexpr bool DIRECT = NIBBLE_KVQ_VDEFER && ((NIBBLE_KVQ_K == PAGE_C4 && NIBBLE_KVQ_V == PAGE_U4) ||
+                                                  (NIBBLE_KVQ_K == PAGE_C2 && NIBBLE_KVQ_V == PAGE_U2 && HD == 128));
+    if constexpr (DIRECT) {
         decode_kvq_impl<HD, G, NIBBLE_KVQ_K, NIBBLE_KVQ_V, true>(q, kc, vc, block_tables, tok_seq, tok_pos, part,
                                                                 num_kv_heads, group, max_blocks, chunk,
                                                                 scale_log2, ldq, knew, vnew, ldk, ldv, window,
                                                                 rk, rv, res_tables);
+    } else {
+        decode_mma_impl<KvqT, HD, G, PageSide<KvqT, HD, NIBBLE_KVQ_K>, PageSide<KvqT, HD, NIBBLE_KVQ_V>, KVQ_KDEFER,
+                        NIBBLE_KVQ_VDEFER>(q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group,
+                                           max_blocks, chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window, rk,
+                                           rv, res_tables);
     }
 }
 #endif
