@@ -209,6 +209,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
     // Q staging: the K tile, or stage 1 of a 16-bit K (two stages: the first block goes to
     // stage 0).
     T* kq = KS::FLOAT ? reinterpret_cast<T*>(kst(1)) : ktile;
+    static_assert(STAGES == 2 || !KS::FLOAT, "Q staged in stage 1 is overwritten by a deeper prologue");
 
     // Block b's K and V pages into stage st, its slots before `end` read; an empty group past
     // the chunk, so that every iteration commits one.

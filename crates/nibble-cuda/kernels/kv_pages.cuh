@@ -9,8 +9,10 @@
 // one warp quantizes one head's row, HD / 32 consecutive elements per lane, with the CPU
 // reference's arithmetic (min-max in f32, scale and zero rounded to f16, IEEE division, halves
 // away from zero for unsigned codes; e4m3 rounded to nearest even, saturated). A row with a
-// non-finite value or one past the f16 range gets NaN parameters, so attention over it gives NaN
-// as a 16-bit cache would (the CPU refuses such a row; a GPU check would cost a sync per layer).
+// non-finite value or one past the f16 range gets NaN parameters (the CPU refuses such a row; a
+// GPU check would cost a sync per layer). Attention does not propagate it as a 16-bit cache's NaN
+// would: the MMA decodes' softmax drops a NaN score (fmaxf ignores it, its probability is 0), so
+// such a key's tokens (a channel-wise key's whole block) are left out of that head's attention.
 //
 // Reading: 16 code bytes at a time become 16 (8-bit) or 32 (4-bit) values x = fma(q, s, z) or
 // e4m3(q) * s in f32, exactly the reference's, then rounded to T into a tile of the layout the

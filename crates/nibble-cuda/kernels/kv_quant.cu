@@ -444,7 +444,9 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     const int start = ds.start, end = ds.end, lo = ds.lo;
     const int* table = ds.table;
     // A deferred pool's own block (the query's last, pages not written yet) is not streamed: the
-    // loop ends before it, and the warp whose turn it would be reads it from the residual.
+    // loop ends before it, and the warp whose turn it would be reads it from the residual. Splits
+    // start on block boundaries (the host's chunks are multiples of 64 positions,
+    // attention::plan_split), so the own block lies whole in the split that ends at the context.
     const int ctx = tok_pos[token] + 1;
     const bool own = DEF && end == ctx;
     const int own_b = (ctx - 1) / DM_BS;
@@ -518,6 +520,9 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                         const int d2 = KF::dim(kk, 2) - GROUP * gi, d3 = KF::dim(kk, 3) - GROUP * gi;
                         const u32 s01 = prmt(pw[d0], pw[d1], 0x5410), s23 = prmt(pw[d2], pw[d3], 0x5410);
                         const u32 z01 = prmt(pw[d0], pw[d1], 0x7632), z23 = prmt(pw[d2], pw[d3], 0x7632);
+                        // Q' in f16: |Q s| past 65504 (|Q| times a channel's range past ~1e6
+                        // for 4-bit keys) would give an infinite Q' and a NaN score, dropped by
+                        // the softmax; keys and queries that large are far outside any model's.
                         const u32 q0 = hmul2_u32(qf[kk][0], s01), q1 = hmul2_u32(qf[kk][2], s23);
                         u32 a[4];
                         KF::frag(w0, kk, a[0], a[2]);
