@@ -179,7 +179,7 @@ fn attention(
             }
             Ok(())
         });
-        be.finish_kv_residual(&mut kv, t.is_ok());
+        kv.finish_residual(t.is_ok());
         t? / CALLS as f64
     };
     let kv_bytes = (batch * ctx * nibble_cuda::CudaKv::bytes_per_token_of(kv_shape)) as f64;

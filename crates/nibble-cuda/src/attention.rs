@@ -145,48 +145,44 @@ pub fn attention(
     // A decode batch on tensor cores appends inside the attention kernel; the other paths write
     // the batch's keys and values first.
     let tensor_core_decode = quantized || (group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim));
-    let deferred = kv.deferred.contains(&true);
+    let deferred = kv.defers();
     let fused_append = !prefill && tensor_core_decode && !deferred;
     if deferred {
         // Raw rows of the deferred sides into the residual (the other side appended as usual),
         // then the blocks whose last slot this call wrote packed from it.
+        // kvq_pack takes (pages, residual, tables, tokens, sizes); kvq_append_residual the
+        // same between the rows it writes and their strides.
         let grid = (n as u32, num_kv_heads as u32, 1);
         let (rk, rv) = kv.residual_layer(layer);
         let rt = kv.residual_tables(layer);
-        let args = vec![
-            Arg::Ptr(k.ptr),
-            Arg::Ptr(v.ptr),
-            Arg::Ptr(kc),
-            Arg::Ptr(vc),
-            Arg::Ptr(rk),
-            Arg::Ptr(rv),
-            Arg::Ptr(tables),
-            Arg::Ptr(rt),
-            Arg::Ptr(tok_seq),
-            Arg::Ptr(positions),
-            Arg::I32(max_blocks as i32),
-            Arg::I32(num_kv_heads as i32),
-            Arg::I64(k.ld as i64),
-            Arg::I64(v.ld as i64),
-        ];
+        let pack_args = || {
+            vec![
+                Arg::Ptr(kc),
+                Arg::Ptr(vc),
+                Arg::Ptr(rk),
+                Arg::Ptr(rv),
+                Arg::Ptr(tables),
+                Arg::Ptr(rt),
+                Arg::Ptr(tok_seq),
+                Arg::Ptr(positions),
+                Arg::I32(max_blocks as i32),
+                Arg::I32(num_kv_heads as i32),
+            ]
+        };
+        let mut args = vec![Arg::Ptr(k.ptr), Arg::Ptr(v.ptr)];
+        args.extend(pack_args());
+        args.extend([Arg::I64(k.ld as i64), Arg::I64(v.ld as i64)]);
         let append = format!("kvq_append_residual_hd{head_dim}");
         ctx.kv_kernel(kv.formats, kv.deferred[1], &append)?
             .launch(&ctx.gpu, grid, 64, 0, args)?;
-        let args = vec![
-            Arg::Ptr(kc),
-            Arg::Ptr(vc),
-            Arg::Ptr(rk),
-            Arg::Ptr(rv),
-            Arg::Ptr(tables),
-            Arg::Ptr(rt),
-            Arg::Ptr(tok_seq),
-            Arg::Ptr(positions),
-            Arg::I32(max_blocks as i32),
-            Arg::I32(num_kv_heads as i32),
-        ];
         let pack = format!("kvq_pack_hd{head_dim}");
-        ctx.kv_kernel(kv.formats, kv.deferred[1], &pack)?
-            .launch(&ctx.gpu, grid, 64, 0, args)?;
+        ctx.kv_kernel(kv.formats, kv.deferred[1], &pack)?.launch(
+            &ctx.gpu,
+            grid,
+            64,
+            0,
+            pack_args(),
+        )?;
     } else if !fused_append {
         // Both append kernels: a token's rows, where they go, then how the pool is cut.
         let mut args = vec![
@@ -300,7 +296,7 @@ pub fn attention(
                 ctx.kernel(&format!("prefill_attn_{dt}_hd{head_dim}"))?
             };
             let mut args = args;
-            if kv.deferred.contains(&true) {
+            if deferred {
                 args.extend(residual_args(kv, layer));
             }
             kernel.launch(
@@ -395,7 +391,7 @@ fn decode_rows(
     if mma {
         let mut args = common(scale * std::f32::consts::LOG2_E, false);
         // A deferred pool appended the rows already (append_residual_and_pack): no fused append.
-        let deferred = kv.deferred.contains(&true);
+        let deferred = kv.defers();
         let (knew, vnew) = if deferred { (0, 0) } else { (k.ptr, v.ptr) };
         args.extend([
             Arg::Ptr(knew),

@@ -252,13 +252,13 @@ impl CudaBackend {
 
     /// A pool with a deferred side (kv4c, kv2c): plans which residual slot each block `batch`
     /// touches writes and uploads the tables, before a forward pass runs or replays. Every
-    /// attention call until [`Self::finish_kv_residual`] then uses that plan, as the calls of a
+    /// attention call until [`CudaKv::finish_residual`] then uses that plan, as the calls of a
     /// captured graph must (an upload cannot be captured). The tables are as wide as the block
     /// tables `begin_forward` staged.
+    /// [`CudaKv::finish_residual`] applies the plan once the calls that used it are queued.
     pub fn plan_kv_residual(&self, kv: &mut CudaKv, batch: &BatchLayout) -> Result<()> {
-        if kv.deferred.contains(&true) {
-            self.ctx.ensure_meta(None, batch)?;
-            let width = self.ctx.with_meta(|m| m.max_blocks);
+        if kv.defers() {
+            let width = self.residual_width(batch)?;
             kv.plan_residual(&self.ctx.gpu, batch, width, &mut |dst, src| {
                 self.ctx.upload_step(dst, src)
             })?;
@@ -266,10 +266,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Applies the plan of [`Self::plan_kv_residual`] once the calls that used it are queued
-    /// (`ok`), or drops it.
-    pub fn finish_kv_residual(&self, kv: &mut CudaKv, ok: bool) {
-        kv.finish_residual(ok);
+    /// The width of `batch`'s block tables as the kernels read them (staged if they were not):
+    /// a residual table's too.
+    fn residual_width(&self, batch: &BatchLayout) -> Result<usize> {
+        self.ctx.ensure_meta(None, batch)?;
+        Ok(self.ctx.with_meta(|m| m.max_blocks))
     }
 
     /// The SwiGLU MLPs of several experts, each over its own rows of `x`, as grouped launches
@@ -826,8 +827,7 @@ impl Backend for CudaBackend {
         let plan = if kv.residual_planned() {
             None
         } else {
-            self.ctx.ensure_meta(None, batch)?;
-            let width = self.ctx.with_meta(|m| m.max_blocks);
+            let width = self.residual_width(batch)?;
             kv.plan_residual_layer(&self.ctx.gpu, layer, batch, width, &mut |dst, src| {
                 self.ctx.upload_step(dst, src)
             })?

@@ -75,16 +75,12 @@ pub const KV_QUANT: &str = concat!(
 );
 
 /// [`options`] plus what picks the [`KV_QUANT`] module's instance: the model dtype (`bf16` or
-/// `f16`) and the keys' and values' page kinds (`PageFormat::kernel_code`).
-pub fn kv_quant_options(base: &[String], dtype: &str, kinds: [u32; 2]) -> Vec<String> {
-    kv_quant_options_deferred(base, dtype, kinds, false)
-}
-
-/// [`kv_quant_options`] for a pool whose values wait for their block to fill (`kv4c`, `kv2c`,
-/// `k8v4c`: `v_deferred`); channel-wise keys (kinds 5 and 6) always do. Such a module has
-/// `kvq_append_residual` and `kvq_pack` instead of `kvq_append`, and its decode and prefill read a
-/// query's own block from the residual (docs/design/kv-channel-gpu.md).
-pub fn kv_quant_options_deferred(
+/// `f16`), the keys' and values' page kinds (`PageFormat::kernel_code`), and `v_deferred`: the
+/// values wait for their block to fill (`kv4c`, `kv2c`, `k8v4c`; channel-wise keys, kinds 5 and
+/// 6, always do). A deferred module has `kvq_append_residual` and `kvq_pack` instead of
+/// `kvq_append`, and its decode and prefill read a query's own block from the residual
+/// (docs/design/kv-channel-gpu.md).
+pub fn kv_quant_options(
     base: &[String],
     dtype: &str,
     kinds: [u32; 2],

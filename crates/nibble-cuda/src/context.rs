@@ -280,7 +280,7 @@ impl CudaContext {
         if modules.contains_key(&key) {
             return Ok(());
         }
-        let opts = compile::kv_quant_options_deferred(
+        let opts = compile::kv_quant_options(
             &self.compile_options,
             self.dtype.suffix(),
             [k, v],

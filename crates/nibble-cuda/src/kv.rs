@@ -37,8 +37,8 @@ pub enum PageFormat {
 }
 
 impl PageFormat {
-    /// The channel-wise formats' sides, whose kernels exist but whose pools are not wired yet
-    /// (docs/design/kv-channel-gpu.md): channel keys, and 2-bit values.
+    /// The channel-wise formats' sides (docs/design/kv-channel-gpu.md): channel keys, and 2-bit
+    /// values.
     pub const DEFERRED: [PageFormat; 3] = [
         PageFormat::Channel(ChannelKeys(UintBits::B4)),
         PageFormat::Channel(ChannelKeys(UintBits::B2)),
@@ -112,7 +112,14 @@ struct Residual {
     tables: DeviceBuffer,
     entries: usize,
     /// The plans of the forward pass in flight (`plan_residual`), applied by `finish_residual`.
-    pending: Option<Vec<ResidualPlan>>,
+    pending: Option<Plans>,
+}
+
+/// A call's residual plans: one that every layer shares (a forward pass, whose layers' slots
+/// agree), or one a layer.
+enum Plans {
+    Shared(ResidualPlan),
+    PerLayer(Vec<ResidualPlan>),
 }
 
 pub struct CudaKv {
@@ -273,6 +280,11 @@ impl CudaKv {
             .map_or(0, |r| r.tables.ptr + (layer * r.entries * 4) as u64)
     }
 
+    /// Whether a side waits in the residual until its block fills (the channel-wise formats).
+    pub fn defers(&self) -> bool {
+        self.residual.is_some()
+    }
+
     /// Whether a forward pass planned the residual ([`Self::plan_residual`]); a direct
     /// `attention` call plans its own layer otherwise ([`Self::plan_residual_layer`]).
     pub fn residual_planned(&self) -> bool {
@@ -306,9 +318,13 @@ impl CudaKv {
         width: usize,
         upload: &mut dyn FnMut(DevicePtr, &[i32]) -> Result<()>,
     ) -> Result<Option<ResidualPlan>> {
-        Ok(self
-            .plan_layers(gpu, batch, width, &[layer], upload)?
-            .and_then(|mut p| p.pop()))
+        Ok(
+            match self.plan_layers(gpu, batch, width, &[layer], upload)? {
+                Some(Plans::Shared(plan)) => Some(plan),
+                Some(Plans::PerLayer(mut plans)) => plans.pop(),
+                None => None,
+            },
+        )
     }
 
     /// Plans `layers` and uploads their tables, growing the residual (and the tables' buffer)
@@ -321,7 +337,7 @@ impl CudaKv {
         width: usize,
         layers: &[usize],
         upload: &mut dyn FnMut(DevicePtr, &[i32]) -> Result<()>,
-    ) -> Result<Option<Vec<ResidualPlan>>> {
+    ) -> Result<Option<Plans>> {
         let (shape, block, blocks, deferred) =
             (self.shape, self.block_size, self.num_blocks, self.deferred);
         let Some(r) = &mut self.residual else {
@@ -376,7 +392,7 @@ impl CudaKv {
         let plans = if shared {
             let plan = r.slots[layers[0]].plan(batch, width)?;
             upload(r.tables.ptr, &plan.tables)?;
-            vec![plan; layers.len()]
+            Plans::Shared(plan)
         } else {
             let plans = layers
                 .iter()
@@ -385,7 +401,7 @@ impl CudaKv {
             for (&l, p) in layers.iter().zip(&plans) {
                 upload(r.tables.ptr + (l * entries * 4) as u64, &p.tables)?;
             }
-            plans
+            Plans::PerLayer(plans)
         };
         r.entries = if shared { 0 } else { entries };
         Ok(Some(plans))
@@ -398,8 +414,13 @@ impl CudaKv {
             && let Some(plans) = r.pending.take()
             && ok
         {
-            for (slots, plan) in r.slots.iter_mut().zip(plans) {
-                slots.finish(plan);
+            match plans {
+                Plans::Shared(plan) => ResidualSlots::finish_shared(&mut r.slots, plan),
+                Plans::PerLayer(plans) => {
+                    for (slots, plan) in r.slots.iter_mut().zip(plans) {
+                        slots.finish(plan);
+                    }
+                }
             }
         }
     }

@@ -214,6 +214,15 @@ impl ResidualSlots {
         self.free = plan.free_after;
     }
 
+    /// Applies `plan`, made on the first of `layers` when every layer's slots were equal (a
+    /// forward pass), to all of them: one finish, its holdings copied, the plan's tables not.
+    pub fn finish_shared(layers: &mut [ResidualSlots], plan: ResidualPlan) {
+        if let Some((first, rest)) = layers.split_first_mut() {
+            first.finish(plan);
+            rest.iter_mut().for_each(|s| s.clone_from(first));
+        }
+    }
+
     /// The engine let go of these blocks: a partly filled one drops its slot (whoever gets the
     /// block next starts it at slot 0).
     pub fn release(&mut self, blocks: &[u32]) {
@@ -240,6 +249,22 @@ mod tests {
 
     fn batch(seqs: Vec<SeqSpan>) -> BatchLayout {
         BatchLayout { seqs }
+    }
+
+    #[test]
+    fn a_shared_plan_leaves_every_layer_as_finishing_each_would() {
+        let mut alone = ResidualSlots::new(8, 16);
+        alone.finish(alone.plan(&batch(vec![seq(&[5, 6], 0, 20)]), 3).unwrap());
+        let mut layers = vec![alone.clone(); 3];
+        let b = batch(vec![seq(&[5, 6], 20, 12), seq(&[2], 0, 4)]);
+        let plan = alone.plan(&b, 3).unwrap();
+        alone.finish(plan.clone());
+        ResidualSlots::finish_shared(&mut layers, plan);
+        assert!(
+            layers.iter().all(|l| *l == alone),
+            "{layers:?} against {alone:?}"
+        );
+        assert_eq!(alone.held(), 1, "block 6 filled, block 2 holds 4 rows");
     }
 
     #[test]

@@ -155,7 +155,7 @@ fn kernels_compile_for_every_architecture() {
                         &["bf16"]
                     } {
                         let kinds = [k.kernel_code(), v.kernel_code()];
-                        let o = compile::kv_quant_options_deferred(&opts, dtype, kinds, v_deferred);
+                        let o = compile::kv_quant_options(&opts, dtype, kinds, v_deferred);
                         let src = compile::full_source(compile::KV_QUANT);
                         let cubin = compile::compile("kv_quant", &src, &o).unwrap_or_else(|e| {
                             panic!("kv_quant {k:?}/{v:?} {dtype} for {arch}: {e}")
