@@ -253,9 +253,8 @@ impl CudaBackend {
     /// A pool with a deferred side (kv4c, kv2c): plans which residual slot each block `batch`
     /// touches writes and uploads the tables, before a forward pass runs or replays. Every
     /// attention call until [`CudaKv::finish_residual`] then uses that plan, as the calls of a
-    /// captured graph must (an upload cannot be captured). The tables are as wide as the block
-    /// tables `begin_forward` staged.
-    /// [`CudaKv::finish_residual`] applies the plan once the calls that used it are queued.
+    /// captured graph must (an upload cannot be captured); it applies the plan once those calls
+    /// are queued. The tables are as wide as the block tables `begin_forward` staged.
     pub fn plan_kv_residual(&self, kv: &mut CudaKv, batch: &BatchLayout) -> Result<()> {
         if kv.defers() {
             let width = self.residual_width(batch)?;
