@@ -113,6 +113,9 @@ struct Residual {
     entries: usize,
     /// The plans of the forward pass in flight (`plan_residual`), applied by `finish_residual`.
     pending: Option<Plans>,
+    /// A direct call moved a layer alone: the layers' slots may differ from then on, so forward
+    /// passes plan each layer (cleared when they are compared equal again).
+    diverged: bool,
 }
 
 /// A call's residual plans: one that every layer shares (a forward pass, whose layers' slots
@@ -201,6 +204,7 @@ impl CudaKv {
                 tables: DeviceBuffer::alloc(gpu, 4 * 1024, "the KV residual tables")?,
                 entries: 0,
                 pending: None,
+                diverged: false,
             })
         } else {
             None
@@ -387,8 +391,12 @@ impl CudaKv {
         }
         let r = self.residual.as_mut().expect("checked above");
         // A forward pass gives every layer the same batches, so their slots agree and one plan
-        // and one table serve them all; a direct call (tests) may have moved a layer alone.
-        let shared = layers.len() > 1 && layers.iter().all(|&l| r.slots[l] == r.slots[layers[0]]);
+        // and one table serve them all; a direct call (tests) may have moved a layer alone, and
+        // only then are the layers compared.
+        if r.diverged && layers.len() > 1 {
+            r.diverged = !layers.iter().all(|&l| r.slots[l] == r.slots[layers[0]]);
+        }
+        let shared = layers.len() > 1 && !r.diverged;
         let plans = if shared {
             let plan = r.slots[layers[0]].plan(batch, width)?;
             upload(r.tables.ptr, &plan.tables)?;
@@ -429,6 +437,7 @@ impl CudaKv {
     pub fn finish_residual_layer(&mut self, layer: usize, plan: ResidualPlan) {
         if let Some(r) = &mut self.residual {
             r.slots[layer].finish(plan);
+            r.diverged = true;
         }
     }
 
