@@ -180,7 +180,7 @@ template <int TOK> struct WgqFp8 {
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
         const float* __restrict__ sw, const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, \
         int N, int tiles, int chunks, int splits, float* __restrict__ partial, int* __restrict__ counters) { \
-        wgmma_gemm<TOK, TOK == 64>(&xmap, WgqFp8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, partial, \
+        wgmma_gemm<TOK, TOK <= 128>(&xmap, WgqFp8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, partial, \
                                    counters, W8Epilogue{sx, sw});                                     \
     }
 #define FP8_WGMMA(OUTNAME, OUT)                            \

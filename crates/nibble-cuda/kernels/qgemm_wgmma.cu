@@ -4,8 +4,8 @@
 // mma.sync to wgmma with TMA and warp specialization.
 //
 // Tiling: persistent CTAs (at most one per SM) walk output tiles of 128 weight rows x TOK tokens
-// (256, or 128 for few tokens, or 64 for batches of 17 to 64, whose tiles also split K across SMs
-// when a layer has fewer tiles than SMs). Two consumer warpgroups own 64 rows each and issue
+// (256, or 128 for few tokens, or 64 for batches of 17 to 64; the 64- and 128-token tiles also
+// split K across SMs when a layer has fewer tiles than SMs). Two consumer warpgroups own 64 rows each and issue
 // wgmma.m64nTOK (k32 for INT8, k16 for f16/bf16) over all the tile's tokens; warp w's 16 rows are
 // packed tile tile0 + w. A third warpgroup is the producer (one thread of it issues the copies).
 //
@@ -345,8 +345,8 @@ template <int TOK> struct WgqW4A8 {
 // their accumulators to `partial` (each thread its own registers' slots) and the last unit of a
 // tile to arrive (a counter per tile, left zeroed) adds the ranges in order and stores the tile,
 // so results are deterministic.
-// SPLITS compiles the split path (the 64-token entries only: with it, the 256-token W8A8 kernel
-// ran about 20% slower at M = 1024 on an H200, splits or not).
+// SPLITS compiles the split path (the 64- and 128-token entries: with it, the 256-token W8A8
+// kernel ran about 20% slower at M = 1024 on an H200, splits or not).
 template <int TOK, bool SPLITS, class F, class OUT, class EPI>
 __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, long ldy, int M, int N,
                            int split_arg, typename F::Acc* __restrict__ partial, int* __restrict__ counters,
@@ -443,43 +443,50 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
         if (lane == 0) mbar_arrive(empty((g + len - 1) % S));
         g += len;
         fence_acc(acc);
-        if constexpr (!SPLITS) {
-            store_tile<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
-            continue;
-        }
-        if (splits == 1) {
-            store_tile<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
-            continue;
-        }
-        __shared__ int last_arrival;
-        // [tile][split][register][consumer thread]: every thread keeps its own slots, so the
-        // last arriver adds the splits in its own registers' layout.
-        constexpr int VALS = TOK / 8 * 4, CT = 256;
-        const int t = u / splits, tid = threadIdx.x;
-        typename F::Acc* mine = partial + ((long)u * VALS) * CT + tid;
+        // One store_tile call site: a second copy of the epilogue (splits == 1 apart) made the
+        // 128-token 8-bit kernels 10 to 17% slower at one split on an H100.
+        if (SPLITS && splits > 1) {
+            __shared__ int last_arrival;
+            // [tile][split][register][consumer thread]: every thread keeps its own slots, so the
+            // last arriver adds the splits in its own registers' layout.
+            constexpr int VALS = TOK / 8 * 4, CT = 256;
+            const int t = u / splits, tid = threadIdx.x;
+            typename F::Acc* mine = partial + ((long)u * VALS) * CT + tid;
 #pragma unroll
-        for (int j = 0; j < TOK / 8; ++j)
+            for (int j = 0; j < TOK / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * CT] = acc[j][e];
-        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumer warpgroups only
-        if (tid == 0) {
-            const int done = atomicAdd(&counters[t], 1) == splits - 1;
-            if (done) counters[t] = 0;
-            last_arrival = done;
-        }
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        if (!last_arrival) continue;
-        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-        const typename F::Acc* first = partial + ((long)t * splits * VALS) * CT + tid;
-#pragma unroll
-        for (int j = 0; j < TOK / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                typename F::Acc sum = 0;
-                for (int k = 0; k < splits; ++k) sum += __ldcg(first + ((long)k * VALS + j * 4 + e) * CT);
-                acc[j][e] = sum;
+                for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * CT] = acc[j][e];
+            asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumer warpgroups only
+            if (tid == 0) {
+                const int done = atomicAdd(&counters[t], 1) == splits - 1;
+                if (done) counters[t] = 0;
+                last_arrival = done;
             }
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");
+            if (!last_arrival) continue;
+            asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+            // Splits in order (the same f32 sums whichever unit arrives last); a split's values
+            // are loaded together, one L2 round trip a split. With the split loop innermost,
+            // ptxas issued each value's loads as a chain of their own, 32 round trips in a row at
+            // TOK = 64: W4A16 4096x4096 at M = 64 in 4 splits took 25.7 us against 16.0 now
+            // (H100).
+            const typename F::Acc* first = partial + ((long)t * splits * VALS) * CT + tid;
+#pragma unroll
+            for (int j = 0; j < TOK / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
+            for (int k = 0; k < splits; ++k) {
+                const typename F::Acc* split = first + (long)k * VALS * CT;
+                typename F::Acc part[TOK / 8][4];
+#pragma unroll
+                for (int j = 0; j < TOK / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) part[j][e] = __ldcg(split + (j * 4 + e) * CT);
+#pragma unroll
+                for (int j = 0; j < TOK / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[j][e] += part[j][e];
+            }
+        }
         store_tile<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
     }
 }
@@ -491,7 +498,7 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
         const float* __restrict__ sw, const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, \
         int N, int tiles, int chunks, int splits, int* __restrict__ partial, int* __restrict__ counters) { \
-        wgmma_gemm<TOK, TOK == 64>(&xmap, WgqW8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, partial, \
+        wgmma_gemm<TOK, TOK <= 128>(&xmap, WgqW8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, partial, \
                                    counters, W8Epilogue{sx, sw});                                     \
     }
 #define W8A8_WGMMA(OUTNAME, OUT)                            \
@@ -508,7 +515,7 @@ W8A8_WGMMA(bf16, __nv_bfloat16)
         const __grid_constant__ TmaMap pmap, OUT* __restrict__ y, long ldy, int M, int N, int tiles,  \
         int chunks, int groups, int group_len, int splits, float* __restrict__ partial,               \
         int* __restrict__ counters) {                                                                 \
-        wgmma_gemm<TOK, TOK == 64>(&xmap, WgqW4<T, TOK>{&wmap, &pmap, tiles, chunks, groups, group_len}, \
+        wgmma_gemm<TOK, TOK <= 128>(&xmap, WgqW4<T, TOK>{&wmap, &pmap, tiles, chunks, groups, group_len}, \
                                    y, ldy, M, N, splits, partial, counters, W4Epilogue{});            \
     }
 #define W4A16_WGMMA(SFX, T)                                            \
@@ -526,7 +533,7 @@ W4A16_WGMMA(bf16, __nv_bfloat16)
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
         const float* __restrict__ sw, OUT* __restrict__ y, long ldy, int M, int N, int tiles, int chunks, \
         int splits, float* __restrict__ partial, int* __restrict__ counters) {                        \
-        wgmma_gemm<TOK, TOK == 64>(&xmap, WgqW8A16<T, TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, \
+        wgmma_gemm<TOK, TOK <= 128>(&xmap, WgqW8A16<T, TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, \
                                    partial, counters, RowScaleEpilogue{sw});                          \
     }
 #define W8A16_WGMMA(SFX, T)                                            \
@@ -545,7 +552,7 @@ W8A16_WGMMA(bf16, __nv_bfloat16)
         const __grid_constant__ TmaMap pmap, const float* __restrict__ sw, const float* __restrict__ sx, \
         OUT* __restrict__ y, long ldy, int M, int N, int tiles, int chunks, int groups, int group_shift, \
         int span, int splits, int* __restrict__ partial, int* __restrict__ counters) {                \
-        wgmma_gemm<TOK, TOK == 64>(&xmap, WgqW4A8<TOK>{&wmap, &pmap, tiles, chunks, groups, group_shift, span}, \
+        wgmma_gemm<TOK, TOK <= 128>(&xmap, WgqW4A8<TOK>{&wmap, &pmap, tiles, chunks, groups, group_shift, span}, \
                                    y, ldy, M, N, splits, partial, counters, W8Epilogue{sx, sw});       \
     }
 #define W4A8_WGMMA(OUTNAME, OUT)                            \

@@ -107,9 +107,21 @@ pub fn wgmma_tokens(m: usize, tiles: usize, sms: usize) -> usize {
     }
 }
 
-/// K splits per output tile of a 64-token wgmma kernel with `out_tiles` tiles of `stages` stages
-/// each on `sms` SMs: with fewer tiles than SMs, as many as fill the SMs, at most 8 and keeping
-/// at least `min_stages` stages a split ([`QFamily::min_split_stages`]); else 1.
+/// The fewest wgmma stages a K split keeps, in every family. On an H100 at M = 64
+/// (bench/probe/wgmma_splits_probe.sh, bench/results/wgmma-splits-20261126-h100), in µs
+/// for 1 / 2 / 4 splits: W4A16 (64 channels a stage) 4096x4096 35.3 / 22.4 / 16.0,
+/// 4096x14336 115.8 / 61.7 / 35.1; W4A8 (128 a stage) 4096x4096 20.4 / 16.2 / 14.7,
+/// 6144x4096 20.8 / 16.5 / 25.5, 4096x14336 53.7 / 33.3 / 23.7; W8A8 and FP8 level or
+/// within 1.3 µs of their best at 16 stages. (Before the split reduction loaded each split's
+/// values together, 8-bit tiles lost with splits and kept 28 stages.)
+const MIN_SPLIT_STAGES: usize = 16;
+
+/// Most tokens per tile of a wgmma entry that splits K (kernels/qgemm_wgmma.cu, `SPLITS`).
+const SPLIT_MAX_TOKENS: usize = 128;
+
+/// K splits per output tile of a 64- or 128-token wgmma kernel with `out_tiles` tiles of
+/// `stages` stages each on `sms` SMs: with fewer tiles than SMs, as many as fill the SMs, at most
+/// 8 and keeping at least `min_stages` stages a split ([`MIN_SPLIT_STAGES`]); else 1.
 pub fn wgmma_splits(out_tiles: usize, stages: usize, sms: usize, min_stages: usize) -> usize {
     if out_tiles == 0 || out_tiles >= sms {
         return 1;
@@ -194,16 +206,6 @@ impl QFamily {
         } else {
             WGMMA_TOKENS
         }
-    }
-
-    /// The fewest wgmma stages a K split of its 64-token tiles keeps. On an H200 at M = 64
-    /// (bench/probe/wgmma64_probe.sh, 8911ac6), in µs for 1 / 2 / 4 splits: W4A16 (64 channels a
-    /// stage) 4096x4096 36.0 / 34.6 / 26.3, 4096x14336 114 / 74 / 47; the 8-bit families (128
-    /// a stage) 4096x4096 W8A8 19.9 / 28.1 / 24.8, 6144x4096 20.0 / 29.0 / 45.4, 4096x14336
-    /// 51.7 / 44.7 / 36.5 (W4A8 and FP8 alike): 16 stages (1024 channels) for W4A16, 28 (3584)
-    /// for the others.
-    pub fn min_split_stages(self) -> usize {
-        if self.x_elem() == 2 { 16 } else { 28 }
     }
 
     /// Most tokens the decode gemv takes for this family ([`plan_decode`]).
@@ -1229,17 +1231,10 @@ fn launch_wgmma(
     } else {
         chunks.div_ceil(2)
     };
-    // Only the 64-token entries compile the split path (kernels/qgemm_wgmma.cu).
-    let splits = if tokens == WGMMA_SMALL_TOKENS {
+    // Only the 64- and 128-token entries compile the split path (kernels/qgemm_wgmma.cu).
+    let splits = if tokens <= SPLIT_MAX_TOKENS {
         forced_wgmma_splits().map_or_else(
-            || {
-                wgmma_splits(
-                    out_tiles,
-                    stages,
-                    ctx.gpu.sm_count,
-                    family.min_split_stages(),
-                )
-            },
+            || wgmma_splits(out_tiles, stages, ctx.gpu.sm_count, MIN_SPLIT_STAGES),
             |s| s.clamp(1, stages.max(1)),
         )
     } else {
@@ -1436,23 +1431,23 @@ mod tests {
 
     #[test]
     fn wgmma_splits_fill_the_sms_only_for_few_tiles() {
-        let (w4, w8) = (
-            QFamily::W4A16.min_split_stages(),
-            QFamily::W8A8.min_split_stages(),
-        );
-        // 4096 rows at 64 tokens: 32 tiles, 64 stages (W4A16) or 32 (8-bit) for K = 4096.
-        assert_eq!(wgmma_splits(32, 64, 132, w4), 4);
-        assert_eq!(wgmma_splits(32, 32, 132, w8), 1);
-        assert_eq!(wgmma_splits(48, 64, 132, w4), 2);
-        assert_eq!(wgmma_splits(48, 32, 132, w8), 1);
+        let min = MIN_SPLIT_STAGES;
+        // 4096 rows at 64 tokens: 32 tiles, 64 stages (16-bit activations) or 32 (8-bit) for
+        // K = 4096.
+        assert_eq!(wgmma_splits(32, 64, 132, min), 4);
+        assert_eq!(wgmma_splits(32, 32, 132, min), 2);
+        assert_eq!(wgmma_splits(48, 64, 132, min), 2);
+        assert_eq!(wgmma_splits(48, 32, 132, min), 2);
         // K = 14336: 112 8-bit stages, 4 splits.
-        assert_eq!(wgmma_splits(32, 112, 132, w8), 4);
-        assert_eq!(wgmma_splits(224, 64, 132, w4), 1);
-        assert_eq!(wgmma_splits(132, 64, 132, w4), 1);
+        assert_eq!(wgmma_splits(32, 112, 132, min), 4);
+        // 128-token tiles of 4096 rows at 256 tokens: 64 tiles, 2 splits.
+        assert_eq!(wgmma_splits(64, 32, 132, min), 2);
+        assert_eq!(wgmma_splits(224, 64, 132, min), 1);
+        assert_eq!(wgmma_splits(132, 64, 132, min), 1);
         // Short K keeps the minimum a split; a lone tile takes at most 8.
-        assert_eq!(wgmma_splits(8, 32, 132, w4), 2);
-        assert_eq!(wgmma_splits(1, 224, 132, w8), 8);
-        assert_eq!(wgmma_splits(1, 8, 132, w4), 1);
+        assert_eq!(wgmma_splits(8, 32, 132, min), 2);
+        assert_eq!(wgmma_splits(1, 224, 132, min), 8);
+        assert_eq!(wgmma_splits(1, 8, 132, min), 1);
     }
 
     #[test]
