@@ -156,6 +156,7 @@ __device__ __forceinline__ void wgmma_16(float (&d)[8][4], const u32* a, u64 des
 // W8A8: a stage is 128 K, two packed chunks (2 x 1 KB per weight tile), four k32 wgmmas.
 template <int TOK> struct WgqW8 {
     static constexpr int STAGES = TOK == 256 ? 4 : TOK == 128 ? 6 : 8;
+    static constexpr int X_BOXES = 1;
     static constexpr int X_BYTES = TOK * 128;  // a stage's token tile: TOK rows of 128 B
     static constexpr int STAGE = X_BYTES + 8 * 2048;
     static constexpr int K_PER_STAGE = 128;  // TMA box width, in elements
@@ -194,51 +195,69 @@ template <int TOK> struct WgqW8 {
     }
 };
 
-// W4A16: a stage is one 64-channel chunk (512 B of codes and the 64-byte parameter rows of the one
-// or two groups it spans, per weight tile), four k16 wgmmas. Codes and parameters each come in one
-// TMA copy for the 8 tiles: with a copy per tile the producer's 17 copies a stage bounded the
-// kernel (474 against 672 TFLOPS without the parameter copies, bench/probe/wgmma_w4_probe.sh).
+// W4A16: a stage is two 64-channel chunks (one at 256 tokens, whose 128 accumulators leave no
+// registers for a second A set): 512 B of codes a chunk and the 64-byte parameter rows of the
+// groups the stage spans, per weight tile, and eight (four) k16 wgmmas. A stage costs about the
+// same whatever its work (0.6 us at 64 tokens, H100), so 128 channels a stage halve W4A16's count
+// (as the 8-bit families' already are). Codes and parameters each come in one TMA copy for the 8
+// tiles: with a copy per tile the producer's 17 copies a stage bounded the kernel (474 against 672
+// TFLOPS without the parameter copies, bench/probe/wgmma_w4_probe.sh); the tokens come as one
+// 64-channel SW128 box per chunk.
 template <class T, int TOK> struct WgqW4 {
-    static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 8 : 12;
-    static constexpr int CODES = 8 * 512;
-    static constexpr int X_BYTES = TOK * 128;
-    static constexpr int STAGE = X_BYTES + CODES + 8 * 128;
-    static constexpr int K_PER_STAGE = 64;
-    static constexpr int A_REGS = 16;
+    static constexpr int CPS = TOK == 256 ? 1 : 2;  // chunks a stage
+    static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 5 : 8;
+    static constexpr int CODES = 8 * 512 * CPS;
+    static constexpr int X_BOXES = CPS;
+    static constexpr int X_BYTES = TOK * 128 * CPS;
+    static constexpr int STAGE = X_BYTES + CODES + 8 * 128 * CPS;  // up to 2 CPS parameter rows a tile
+    static constexpr int K_PER_STAGE = 64 * CPS;
+    static constexpr int A_REGS = 16 * CPS;
     using Acc = float;
     using Regs = u32[A_REGS];  // a stage's A fragments
     __device__ void retire(Acc (&)[TOK / 8][4], Regs&) const {}
-    const TmaMap* codes;   // [tiles][chunks][512 B], boxes of 8 tiles x 1 chunk
+    const TmaMap* codes;   // [tiles][chunks][512 B], boxes of 8 tiles x CPS chunks
     const TmaMap* params;  // [tiles][groups][64 B], boxes of 8 tiles x span() groups
     int tiles, chunks, groups, group_len;
 
-    __device__ int stages() const { return chunks; }
-    __device__ int first_group(int c) const { return c * 64 / group_len; }
-    // Groups a chunk's parameter box covers: one when groups are whole chunks, else the two a
-    // chunk can touch (the second may be past the last group: zero-filled, unread).
-    __device__ int span() const { return group_len % 64 == 0 ? 1 : 2; }
-    __device__ u32 weight_bytes() const { return 8 * (512 + span() * 64); }
-    // As [tile][512 B] codes, then [tile][span() x 64 B] parameters.
+    __device__ int stages() const { return (chunks + CPS - 1) / CPS; }
+    __device__ int first_group(int c) const { return c * K_PER_STAGE / group_len; }
+    // Groups a stage's parameter box covers (qlinear::w4a16_span): one when groups are whole
+    // stages, all of them when they divide a stage, else as many as a stage can touch (at most
+    // 3 of groups of 80 in 128 channels; the last may be past the last group: zero-filled,
+    // unread).
+    __device__ int span() const {
+        return group_len % K_PER_STAGE == 0   ? 1
+               : K_PER_STAGE % group_len == 0 ? K_PER_STAGE / group_len
+                                              : K_PER_STAGE / group_len + 2;
+    }
+    __device__ u32 weight_bytes() const { return CODES + 8 * span() * 64; }
+    // As [tile][CPS x 512 B] codes, then [tile][span() x 64 B] parameters.
     __device__ void issue(u32 w, u32 bar, int tile0, int c) const {
-        tma_load_3d(w, codes, 0, c, tile0, bar);
+        tma_load_3d(w, codes, 0, CPS * c, tile0, bar);
         tma_load_3d(w + CODES, params, 0, first_group(c), tile0, bar);
     }
-    // Dequantized as the mma.sync tier does, then transposed per quad into natural K order.
+    // Dequantized as the mma.sync tier does, then transposed per quad into natural K order;
+    // chunk ch's registers are a[16 ch ..].
     __device__ void load_a(const unsigned char* w, int c, u32 (&a)[A_REGS]) const {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-        const uint4 v = *reinterpret_cast<const uint4*>(w + warp * 512 + lane * 16);
-        const int gl = (c * 64 + t * 16) / group_len - first_group(c);
-        const uint2 p = *reinterpret_cast<const uint2*>(w + CODES + (warp * span() + gl) * 64 + g * 8);
-        u32 src[4][4];
-        dequant_step<T>(v.x, p, src[0]);
-        dequant_step<T>(v.y, p, src[1]);
-        dequant_step<T>(v.z, p, src[2]);
-        dequant_step<T>(v.w, p, src[3]);
-        k16_regs_to_k_order(src, a);
+#pragma unroll
+        for (int ch = 0; ch < CPS; ++ch) {
+            const uint4 v = *reinterpret_cast<const uint4*>(w + (warp * CPS + ch) * 512 + lane * 16);
+            const int gl = ((c * CPS + ch) * 64 + t * 16) / group_len - first_group(c);
+            const uint2 p = *reinterpret_cast<const uint2*>(w + CODES + (warp * span() + gl) * 64 + g * 8);
+            u32 src[4][4];
+            dequant_step<T>(v.x, p, src[0]);
+            dequant_step<T>(v.y, p, src[1]);
+            dequant_step<T>(v.z, p, src[2]);
+            dequant_step<T>(v.w, p, src[3]);
+            k16_regs_to_k_order(src, *reinterpret_cast<u32(*)[16]>(a + 16 * ch));
+        }
     }
+    // k16 step j reads chunk j / 4's token box (TOK rows of 128 B), 32 B in.
     __device__ void mma(float (&acc)[TOK / 8][4], const u32 (&a)[A_REGS], u32 xs, int) const {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) wgmma_16(acc, a + 4 * j, sw128_desc(xs + 32 * j), (T*)nullptr);
+        for (int j = 0; j < 4 * CPS; ++j)
+            wgmma_16(acc, a + 4 * j, sw128_desc(xs + (j >> 2) * TOK * 128 + 32 * (j & 3)), (T*)nullptr);
     }
 };
 
@@ -249,6 +268,7 @@ template <class T, int TOK> struct WgqW4 {
 // parameters.
 template <class T, int TOK> struct WgqW8A16 {
     static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 8 : 12;
+    static constexpr int X_BOXES = 1;
     static constexpr int CODES = 8 * 1024;
     static constexpr int X_BYTES = TOK * 128;
     static constexpr int STAGE = X_BYTES + CODES;
@@ -292,6 +312,7 @@ template <class T, int TOK> struct WgqW8A16 {
 // per-token scales. On Hopper the gain over W8A8 is bytes, not math: the tensor cores run INT8.
 template <int TOK> struct WgqW4A8 {
     static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 8 : 12;
+    static constexpr int X_BOXES = 1;
     static constexpr int X_BYTES = TOK * 128;
     static constexpr int CODES = 8 * 1024;
     static constexpr int STAGE = X_BYTES + CODES + 8 * 4 * 64;
@@ -397,7 +418,10 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
                 const int s = g % S;
                 if (g >= S) mbar_wait(empty(s), (g / S + 1) & 1);
                 mbar_expect_tx(full(s), F::X_BYTES + f.weight_bytes());
-                tma_load_2d(base + s * F::STAGE, xmap, c * F::K_PER_STAGE, m0, full(s));
+#pragma unroll
+                for (int b = 0; b < F::X_BOXES; ++b)  // one 128-byte-wide token box per chunk
+                    tma_load_2d(base + s * F::STAGE + b * TOK * 128, xmap,
+                                c * F::K_PER_STAGE + b * (F::K_PER_STAGE / F::X_BOXES), m0, full(s));
                 f.issue(base + s * F::STAGE + F::X_BYTES, full(s), tile0, c);
             }
         }

@@ -63,8 +63,8 @@ const WGMMA_THREADS: u32 = 384;
 pub const WGMMA_SMALL_TOKENS: usize = 64;
 
 /// Dynamic shared memory of a wgmma kernel with `tokens` per tile (kernels/qgemm_wgmma.cu,
-/// `WgqW8` / `WgqW4` / `WgqW4A8`): stages x (the token rows of 128 B + the 8 weight tiles' bytes),
-/// 1 KB to align the swizzle atoms, two mbarriers per stage.
+/// `WgqW8` / `WgqW4` / `WgqW4A8`): stages x (the token rows of 128 B a chunk box + the 8 weight
+/// tiles' bytes), 1 KB to align the swizzle atoms, two mbarriers per stage.
 pub fn wgmma_smem(family: QFamily, tokens: usize) -> u32 {
     let stages = match (family, tokens) {
         (QFamily::W8A8, WGMMA_TOKENS) => 4,
@@ -72,18 +72,47 @@ pub fn wgmma_smem(family: QFamily, tokens: usize) -> u32 {
         (QFamily::W8A8, _) => 8,
         (QFamily::Fp8, 128) => 6,
         (QFamily::Fp8, _) => 8,
+        (QFamily::W4A16, WGMMA_TOKENS) => 5,
+        (QFamily::W4A16, 128) => 5,
+        (QFamily::W4A16, _) => 8,
         (_, WGMMA_TOKENS) => 5,
         (_, 128) => 8,
         (_, _) => 12,
     };
+    let w4a16_chunks = w4a16_stage_chunks(tokens);
+    let x_boxes = if family == QFamily::W4A16 {
+        w4a16_chunks
+    } else {
+        1
+    };
     let weights = match family {
-        QFamily::W4A16 => 8 * 512 + 8 * 128,
+        // Codes, and room for the parameter rows of groups of 32.
+        QFamily::W4A16 => w4a16_chunks * (8 * 512 + 8 * 128),
         QFamily::W8A8 => 8 * 2048,
         QFamily::W8A16 => 8 * 1024,
         QFamily::Fp8 => 128 * 128,
         QFamily::W4A8 => 8 * 1024 + 8 * 4 * 64,
     };
-    (stages * (tokens * 128 + weights) + 1024 + stages * 16) as u32
+    (stages * (x_boxes * tokens * 128 + weights) + 1024 + stages * 16) as u32
+}
+
+/// 64-channel chunks a W4A16 wgmma stage takes with `tokens` per tile (kernels/qgemm_wgmma.cu,
+/// `WgqW4::CPS`): two, but one at 256 tokens, whose accumulators leave no registers for more.
+fn w4a16_stage_chunks(tokens: usize) -> usize {
+    if tokens == WGMMA_TOKENS { 1 } else { 2 }
+}
+
+/// Groups of W4A16 parameters one wgmma stage of `channels` reads (`WgqW4::span`): one when
+/// groups are whole stages, all of them when they divide a stage, else as many as a stage can
+/// touch (groups are multiples of 32, or of 16 from 64: pack::check_k).
+fn w4a16_span(group_len: usize, channels: usize) -> usize {
+    if group_len.is_multiple_of(channels) {
+        1
+    } else if channels.is_multiple_of(group_len) {
+        channels / group_len
+    } else {
+        channels / group_len + 2
+    }
 }
 
 /// Tokens per wgmma tile for `m` tokens on a layer of `tiles` 16-row weight tiles: 256, or 128
@@ -107,21 +136,12 @@ pub fn wgmma_tokens(m: usize, tiles: usize, sms: usize) -> usize {
     }
 }
 
-/// The fewest wgmma stages a K split keeps, in every family. On an H100 at M = 64
-/// (bench/probe/wgmma_splits_probe.sh, bench/results/wgmma-splits-20261126-h100), in µs
-/// for 1 / 2 / 4 splits: W4A16 (64 channels a stage) 4096x4096 35.3 / 22.4 / 16.0,
-/// 4096x14336 115.8 / 61.7 / 35.1; W4A8 (128 a stage) 4096x4096 20.4 / 16.2 / 14.7,
-/// 6144x4096 20.8 / 16.5 / 25.5, 4096x14336 53.7 / 33.3 / 23.7; W8A8 and FP8 level or
-/// within 1.3 µs of their best at 16 stages. (Before the split reduction loaded each split's
-/// values together, 8-bit tiles lost with splits and kept 28 stages.)
-const MIN_SPLIT_STAGES: usize = 16;
-
 /// Most tokens per tile of a wgmma entry that splits K (kernels/qgemm_wgmma.cu, `SPLITS`).
 const SPLIT_MAX_TOKENS: usize = 128;
 
 /// K splits per output tile of a 64- or 128-token wgmma kernel with `out_tiles` tiles of
 /// `stages` stages each on `sms` SMs: with fewer tiles than SMs, as many as fill the SMs, at most
-/// 8 and keeping at least `min_stages` stages a split ([`MIN_SPLIT_STAGES`]); else 1.
+/// 8 and keeping at least `min_stages` stages a split ([`QFamily::min_split_stages`]); else 1.
 pub fn wgmma_splits(out_tiles: usize, stages: usize, sms: usize, min_stages: usize) -> usize {
     if out_tiles == 0 || out_tiles >= sms {
         return 1;
@@ -205,6 +225,21 @@ impl QFamily {
             128
         } else {
             WGMMA_TOKENS
+        }
+    }
+
+    /// The fewest wgmma stages a K split keeps. On an H100 at M = 64
+    /// (bench/probe/wgmma_splits_probe.sh, bench/results/wgmma-splits-20261126-h100), in µs for
+    /// 1 / 2 / 4 splits: W4A8 4096x4096 20.4 / 16.2 / 14.7, 6144x4096 20.8 / 16.5 / 25.5,
+    /// 4096x14336 53.7 / 33.3 / 23.7; W8A8 4096x4096 19.1 / 16.3 / 17.1; W8A16 (64 channels a
+    /// stage) 4096x4096 28.2 / 19.0 / 16.3. So 16 stages for the 8-bit weights and 8 for the
+    /// 4-bit ones, whose stages take the longest to convert (W4A16's stages are 128 channels
+    /// below 256 tokens: 32 stages at K = 4096, as W4A8's). Before the split reduction loaded
+    /// each split's values together, the 8-bit families lost with splits and kept 28 stages.
+    pub fn min_split_stages(self) -> usize {
+        match self {
+            QFamily::W4A16 | QFamily::W4A8 => 8,
+            QFamily::W8A8 | QFamily::W8A16 | QFamily::Fp8 => 16,
         }
     }
 
@@ -1187,10 +1222,11 @@ fn launch_wgmma(
             groups,
             group_len,
         } => {
-            // One chunk of codes a stage, and the parameter rows of the one or two groups a
-            // chunk can touch (kernels/qgemm_wgmma.cu, WgqW4::span).
-            let span = if group_len % 64 == 0 { 1 } else { 2 };
-            args.push(weight_map(codes, tiles, chunks, 512, 1)?);
+            // One or two chunks of codes a stage, and the parameter rows of the groups the
+            // stage can touch (kernels/qgemm_wgmma.cu, WgqW4::span).
+            let stage_chunks = w4a16_stage_chunks(tokens);
+            let span = w4a16_span(group_len, 64 * stage_chunks);
+            args.push(weight_map(codes, tiles, chunks, 512, stage_chunks)?);
             args.push(weight_map(params, tiles, groups, 64, span)?);
             tail = vec![Arg::I32(groups as i32), Arg::I32(group_len as i32)];
         }
@@ -1226,15 +1262,22 @@ fn launch_wgmma(
     args.extend([m, n, tiles, chunks].map(|v| Arg::I32(v as i32)));
     args.extend(tail);
     let out_tiles = tiles.div_ceil(8) * m.div_ceil(tokens);
-    let stages = if family.x_elem() == 2 {
-        chunks
-    } else {
-        chunks.div_ceil(2)
+    let stages = match family {
+        QFamily::W8A16 => chunks,
+        QFamily::W4A16 => chunks.div_ceil(w4a16_stage_chunks(tokens)),
+        _ => chunks.div_ceil(2),
     };
     // Only the 64- and 128-token entries compile the split path (kernels/qgemm_wgmma.cu).
     let splits = if tokens <= SPLIT_MAX_TOKENS {
         forced_wgmma_splits().map_or_else(
-            || wgmma_splits(out_tiles, stages, ctx.gpu.sm_count, MIN_SPLIT_STAGES),
+            || {
+                wgmma_splits(
+                    out_tiles,
+                    stages,
+                    ctx.gpu.sm_count,
+                    family.min_split_stages(),
+                )
+            },
             |s| s.clamp(1, stages.max(1)),
         )
     } else {
@@ -1430,24 +1473,51 @@ mod tests {
     }
 
     #[test]
+    fn w4a16_stage_spans_cover_every_group_a_stage_touches() {
+        for channels in [64, 128] {
+            for group_len in (16..=512).step_by(16) {
+                // Every alignment of groups to stages repeats within channels x group_len.
+                let k = channels * group_len;
+                if crate::pack::check_k(k, Some(group_len)).is_err() {
+                    continue;
+                }
+                let most = (0..k / channels)
+                    .map(|c| ((c + 1) * channels - 1) / group_len - c * channels / group_len + 1)
+                    .max()
+                    .unwrap();
+                let span = w4a16_span(group_len, channels);
+                assert!(span >= most, "groups of {group_len}, {channels} channels");
+                // The kernel's shared memory holds 2 rows a chunk.
+                assert!(
+                    span <= 2 * channels / 64,
+                    "groups of {group_len}, {channels} channels"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn wgmma_splits_fill_the_sms_only_for_few_tiles() {
-        let min = MIN_SPLIT_STAGES;
-        // 4096 rows at 64 tokens: 32 tiles, 64 stages (16-bit activations) or 32 (8-bit) for
-        // K = 4096.
-        assert_eq!(wgmma_splits(32, 64, 132, min), 4);
-        assert_eq!(wgmma_splits(32, 32, 132, min), 2);
-        assert_eq!(wgmma_splits(48, 64, 132, min), 2);
-        assert_eq!(wgmma_splits(48, 32, 132, min), 2);
-        // K = 14336: 112 8-bit stages, 4 splits.
-        assert_eq!(wgmma_splits(32, 112, 132, min), 4);
+        let (w4, w8) = (
+            QFamily::W4A8.min_split_stages(),
+            QFamily::W8A8.min_split_stages(),
+        );
+        assert_eq!(QFamily::W4A16.min_split_stages(), w4);
+        // 4096 rows at 64 tokens: 32 tiles, 32 stages of 128 channels for K = 4096.
+        assert_eq!(wgmma_splits(32, 32, 132, w4), 4);
+        assert_eq!(wgmma_splits(32, 32, 132, w8), 2);
+        assert_eq!(wgmma_splits(48, 32, 132, w4), 2);
+        assert_eq!(wgmma_splits(48, 32, 132, w8), 2);
+        // K = 14336: 112 stages, 4 splits.
+        assert_eq!(wgmma_splits(32, 112, 132, w8), 4);
         // 128-token tiles of 4096 rows at 256 tokens: 64 tiles, 2 splits.
-        assert_eq!(wgmma_splits(64, 32, 132, min), 2);
-        assert_eq!(wgmma_splits(224, 64, 132, min), 1);
-        assert_eq!(wgmma_splits(132, 64, 132, min), 1);
+        assert_eq!(wgmma_splits(64, 32, 132, w8), 2);
+        assert_eq!(wgmma_splits(224, 64, 132, w4), 1);
+        assert_eq!(wgmma_splits(132, 64, 132, w4), 1);
         // Short K keeps the minimum a split; a lone tile takes at most 8.
-        assert_eq!(wgmma_splits(8, 32, 132, min), 2);
-        assert_eq!(wgmma_splits(1, 224, 132, min), 8);
-        assert_eq!(wgmma_splits(1, 8, 132, min), 1);
+        assert_eq!(wgmma_splits(8, 32, 132, w8), 2);
+        assert_eq!(wgmma_splits(1, 224, 132, w8), 8);
+        assert_eq!(wgmma_splits(1, 8, 132, w8), 1);
     }
 
     #[test]
