@@ -5,14 +5,16 @@
 //
 // Tiling: persistent CTAs (at most one per SM) walk output tiles of 128 weight rows x TOK tokens
 // (256, or 128 for few tokens, or 64 for batches of 17 to 64; the 64- and 128-token tiles also
-// split K across SMs when a layer has fewer tiles than SMs). Two consumer warpgroups own 64 rows each and issue
+// split K across SMs when a layer has fewer tiles than SMs). Two consumer warpgroups own 64 rows
+// each and issue
 // wgmma.m64nTOK (k32 for INT8, k16 for f16/bf16) over all the tile's tokens; warp w's 16 rows are
 // packed tile tile0 + w. A third warpgroup is the producer (one thread of it issues the copies).
 //
 // Pipeline: F::STAGES shared-memory stages on full/empty mbarrier pairs. The producer waits for a
 // stage to be empty, then fills it with TMA tensor copies: the tokens' tile (TOK rows x 128 bytes
-// of K), 128-byte swizzled (the layout wgmma reads with a SW128 K-major descriptor), and the 8
-// weight tiles' packed bytes for that K (and W4A16's group parameters), one box each; it runs on
+// of K a box; W4A16's 128-channel stages take two), 128-byte swizzled (the layout wgmma reads with
+// a SW128 K-major descriptor), and the 8 weight tiles' packed bytes for that K (and the 4-bit
+// formats' group parameters), one box each; it runs on
 // into the next tile while the consumers store this one. Consumers wait for the stage, load and
 // convert their A fragments from it into one of two register sets, issue the stage's wgmmas and keep them in flight while the next stage is
 // converted into the other set (wait_group 1); a stage goes back to the producer once its wgmmas
