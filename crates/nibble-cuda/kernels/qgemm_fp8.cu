@@ -145,7 +145,6 @@ template <int SCALE_D> __device__ __forceinline__ void wgmma_e4m3(float (&d)[8][
 // 128-byte swizzled; consumer warpgroup w reads weight rows 64w .. 64w + 63.
 template <int TOK> struct WgqFp8 {
     static constexpr int STAGES = TOK == 128 ? 6 : 8;
-    static constexpr int X_BOXES = 1;
     static constexpr int X_BYTES = TOK * 128;
     static constexpr int STAGE = X_BYTES + 128 * 128;
     static constexpr int K_PER_STAGE = 128;

@@ -158,7 +158,6 @@ __device__ __forceinline__ void wgmma_16(float (&d)[8][4], const u32* a, u64 des
 // W8A8: a stage is 128 K, two packed chunks (2 x 1 KB per weight tile), four k32 wgmmas.
 template <int TOK> struct WgqW8 {
     static constexpr int STAGES = TOK == 256 ? 4 : TOK == 128 ? 6 : 8;
-    static constexpr int X_BOXES = 1;
     static constexpr int X_BYTES = TOK * 128;  // a stage's token tile: TOK rows of 128 B
     static constexpr int STAGE = X_BYTES + 8 * 2048;
     static constexpr int K_PER_STAGE = 128;  // TMA box width, in elements
@@ -209,7 +208,6 @@ template <class T, int TOK> struct WgqW4 {
     static constexpr int CPS = TOK == 256 ? 1 : 2;  // chunks a stage
     static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 5 : 8;
     static constexpr int CODES = 8 * 512 * CPS;
-    static constexpr int X_BOXES = CPS;
     static constexpr int X_BYTES = TOK * 128 * CPS;
     static constexpr int STAGE = X_BYTES + CODES + 8 * 128 * CPS;  // up to 2 CPS parameter rows a tile
     static constexpr int K_PER_STAGE = 64 * CPS;
@@ -270,7 +268,6 @@ template <class T, int TOK> struct WgqW4 {
 // parameters.
 template <class T, int TOK> struct WgqW8A16 {
     static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 8 : 12;
-    static constexpr int X_BOXES = 1;
     static constexpr int CODES = 8 * 1024;
     static constexpr int X_BYTES = TOK * 128;
     static constexpr int STAGE = X_BYTES + CODES;
@@ -314,7 +311,6 @@ template <class T, int TOK> struct WgqW8A16 {
 // per-token scales. On Hopper the gain over W8A8 is bytes, not math: the tensor cores run INT8.
 template <int TOK> struct WgqW4A8 {
     static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 8 : 12;
-    static constexpr int X_BOXES = 1;
     static constexpr int X_BYTES = TOK * 128;
     static constexpr int CODES = 8 * 1024;
     static constexpr int STAGE = X_BYTES + CODES + 8 * 4 * 64;
@@ -420,10 +416,12 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
                 const int s = g % S;
                 if (g >= S) mbar_wait(empty(s), (g / S + 1) & 1);
                 mbar_expect_tx(full(s), F::X_BYTES + f.weight_bytes());
+                // The stage's tokens as boxes of TOK rows x 128 bytes (W4A16's 128 channels: two).
+                constexpr int X_BOXES = F::X_BYTES / (TOK * 128);
 #pragma unroll
-                for (int b = 0; b < F::X_BOXES; ++b)  // one 128-byte-wide token box per chunk
+                for (int b = 0; b < X_BOXES; ++b)
                     tma_load_2d(base + s * F::STAGE + b * TOK * 128, xmap,
-                                c * F::K_PER_STAGE + b * (F::K_PER_STAGE / F::X_BOXES), m0, full(s));
+                                c * F::K_PER_STAGE + b * (F::K_PER_STAGE / X_BOXES), m0, full(s));
                 f.issue(base + s * F::STAGE + F::X_BYTES, full(s), tile0, c);
             }
         }
@@ -471,7 +469,7 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
         fence_acc(acc);
         // One store_tile call site: a second copy of the epilogue (splits == 1 apart) made the
         // 128-token 8-bit kernels 10 to 17% slower at one split on an H100.
-        if (SPLITS && splits > 1) {
+        if (splits > 1) {  // (never without SPLITS: splits is 1 then)
             __shared__ int last_arrival;
             // [tile][split][register][consumer thread]: every thread keeps its own slots, so the
             // last arriver adds the splits in its own registers' layout.
