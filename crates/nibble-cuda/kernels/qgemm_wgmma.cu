@@ -261,42 +261,49 @@ template <class T, int TOK> struct WgqW4 {
     }
 };
 
-// W8A16: a stage is one 64-channel chunk (1 KB of INT8 codes per weight tile, in the decode gemv's
-// k16 order), four k16 wgmmas. Consumers make the codes exact 16-bit values in registers
+// W8A16: a stage is two 64-channel chunks below 256 tokens, one at 256 (1 KB of INT8 codes per
+// weight tile and chunk, in the decode gemv's k16 order), four k16 wgmmas a chunk. Consumers make the codes exact 16-bit values in registers
 // (w8_step) straight into the A operand and transpose quads into natural K order as W4A16 does;
 // the row scale applies in the epilogue. Twice W4A16's weight bytes a stage and no group
 // parameters.
 template <class T, int TOK> struct WgqW8A16 {
-    static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 8 : 12;
-    static constexpr int CODES = 8 * 1024;
-    static constexpr int X_BYTES = TOK * 128;
+    static constexpr int CPS = TOK == 256 ? 1 : 2;  // chunks a stage, as WgqW4
+    static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 4 : 6;
+    static constexpr int CODES = 8 * 1024 * CPS;
+    static constexpr int X_BYTES = TOK * 128 * CPS;
     static constexpr int STAGE = X_BYTES + CODES;
-    static constexpr int K_PER_STAGE = 64;
-    static constexpr int A_REGS = 16;
+    static constexpr int K_PER_STAGE = 64 * CPS;
+    static constexpr int A_REGS = 16 * CPS;
     using Acc = float;
     using Regs = u32[A_REGS];
     __device__ void retire(Acc (&)[TOK / 8][4], Regs&) const {}
-    const TmaMap* codes;  // [tiles][chunks][1024 B], boxes of 8 tiles x 1 chunk
+    const TmaMap* codes;  // [tiles][chunks][1024 B], boxes of 8 tiles x CPS chunks
     int tiles, chunks;
 
-    __device__ int stages() const { return chunks; }
+    __device__ int stages() const { return (chunks + CPS - 1) / CPS; }
     __device__ u32 weight_bytes() const { return CODES; }
-    __device__ void issue(u32 w, u32 bar, int tile0, int c) const { tma_load_3d(w, codes, 0, c, tile0, bar); }
-    // Lane words (2j + h) hold step j's four channels of row g + 8h (pack::w8a16_slot).
+    __device__ void issue(u32 w, u32 bar, int tile0, int c) const { tma_load_3d(w, codes, 0, CPS * c, tile0, bar); }
+    // Lane words (2j + h) hold step j's four channels of row g + 8h (pack::w8a16_slot); chunk
+    // ch's registers are a[16 ch ..].
     __device__ void load_a(const unsigned char* w, int, u32 (&a)[A_REGS]) const {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const uint4* src = reinterpret_cast<const uint4*>(w + warp * 1024 + lane * 32);
-        const uint4 v0 = src[0], v1 = src[1];
-        u32 steps[4][4];
-        w8_step<T>(v0.x, v0.y, steps[0]);
-        w8_step<T>(v0.z, v0.w, steps[1]);
-        w8_step<T>(v1.x, v1.y, steps[2]);
-        w8_step<T>(v1.z, v1.w, steps[3]);
-        k16_regs_to_k_order(steps, a);
+#pragma unroll
+        for (int ch = 0; ch < CPS; ++ch) {
+            const uint4* src = reinterpret_cast<const uint4*>(w + (warp * CPS + ch) * 1024 + lane * 32);
+            const uint4 v0 = src[0], v1 = src[1];
+            u32 steps[4][4];
+            w8_step<T>(v0.x, v0.y, steps[0]);
+            w8_step<T>(v0.z, v0.w, steps[1]);
+            w8_step<T>(v1.x, v1.y, steps[2]);
+            w8_step<T>(v1.z, v1.w, steps[3]);
+            k16_regs_to_k_order(steps, *reinterpret_cast<u32(*)[16]>(a + 16 * ch));
+        }
     }
+    // k16 step j reads chunk j / 4's token box (TOK rows of 128 B), 32 B in.
     __device__ void mma(float (&acc)[TOK / 8][4], const u32 (&a)[A_REGS], u32 xs, int) const {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) wgmma_16(acc, a + 4 * j, sw128_desc(xs + 32 * j), (T*)nullptr);
+        for (int j = 0; j < 4 * CPS; ++j)
+            wgmma_16(acc, a + 4 * j, sw128_desc(xs + (j >> 2) * TOK * 128 + 32 * (j & 3)), (T*)nullptr);
     }
 };
 

@@ -75,30 +75,30 @@ pub fn wgmma_smem(family: QFamily, tokens: usize) -> u32 {
         (QFamily::W4A16, WGMMA_TOKENS) => 5,
         (QFamily::W4A16, 128) => 5,
         (QFamily::W4A16, _) => 8,
+        (QFamily::W8A16, WGMMA_TOKENS) => 5,
+        (QFamily::W8A16, 128) => 4,
+        (QFamily::W8A16, _) => 6,
         (_, WGMMA_TOKENS) => 5,
         (_, 128) => 8,
         (_, _) => 12,
     };
-    let w4a16_chunks = w4a16_stage_chunks(tokens);
-    let x_boxes = if family == QFamily::W4A16 {
-        w4a16_chunks
-    } else {
-        1
-    };
+    let chunks = stage_chunks_16(tokens);
+    let x_boxes = if family.x_elem() == 2 { chunks } else { 1 };
     let weights = match family {
         // Codes, and room for the parameter rows of groups of 32.
-        QFamily::W4A16 => w4a16_chunks * (8 * 512 + 8 * 128),
+        QFamily::W4A16 => chunks * (8 * 512 + 8 * 128),
         QFamily::W8A8 => 8 * 2048,
-        QFamily::W8A16 => 8 * 1024,
+        QFamily::W8A16 => chunks * 8 * 1024,
         QFamily::Fp8 => 128 * 128,
         QFamily::W4A8 => 8 * 1024 + 8 * 4 * 64,
     };
     (stages * (x_boxes * tokens * 128 + weights) + 1024 + stages * 16) as u32
 }
 
-/// 64-channel chunks a W4A16 wgmma stage takes with `tokens` per tile (kernels/qgemm_wgmma.cu,
-/// `WgqW4::CPS`): two, but one at 256 tokens, whose accumulators leave no registers for more.
-fn w4a16_stage_chunks(tokens: usize) -> usize {
+/// 64-channel chunks a wgmma stage of the 16-bit-activation families (W4A16, W8A16) takes with
+/// `tokens` per tile (kernels/qgemm_wgmma.cu, `WgqW4::CPS`, `WgqW8A16::CPS`): two, but one at 256
+/// tokens, whose accumulators leave no registers for more.
+fn stage_chunks_16(tokens: usize) -> usize {
     if tokens == WGMMA_TOKENS { 1 } else { 2 }
 }
 
@@ -232,14 +232,14 @@ impl QFamily {
     /// (bench/probe/wgmma_splits_probe.sh, bench/results/wgmma-splits-20261126-h100), in µs for
     /// 1 / 2 / 4 splits: W4A8 4096x4096 20.4 / 16.2 / 14.7, 6144x4096 20.8 / 16.5 / 25.5,
     /// 4096x14336 53.7 / 33.3 / 23.7; W8A8 4096x4096 19.1 / 16.3 / 17.1; W8A16 (64 channels a
-    /// stage) 4096x4096 28.2 / 19.0 / 16.3. So 16 stages for the 8-bit weights and 8 for the
-    /// 4-bit ones, whose stages take the longest to convert (W4A16's stages are 128 channels
-    /// below 256 tokens: 32 stages at K = 4096, as W4A8's). Before the split reduction loaded
-    /// each split's values together, the 8-bit families lost with splits and kept 28 stages.
+    /// stage) 4096x4096 28.2 / 19.0 / 16.3. So 16 stages for W8A8 and FP8 and 8 for the
+    /// others, whose stages take the longest to convert (W4A16's and W8A16's stages are 128
+    /// channels below 256 tokens: 32 stages at K = 4096, as W4A8's). Before the split reduction
+    /// loaded each split's values together, the 8-bit families lost with splits and kept 28.
     pub fn min_split_stages(self) -> usize {
         match self {
-            QFamily::W4A16 | QFamily::W4A8 => 8,
-            QFamily::W8A8 | QFamily::W8A16 | QFamily::Fp8 => 16,
+            QFamily::W4A16 | QFamily::W4A8 | QFamily::W8A16 => 8,
+            QFamily::W8A8 | QFamily::Fp8 => 16,
         }
     }
 
@@ -1224,15 +1224,21 @@ fn launch_wgmma(
         } => {
             // One or two chunks of codes a stage, and the parameter rows of the groups the
             // stage can touch (kernels/qgemm_wgmma.cu, WgqW4::span).
-            let stage_chunks = w4a16_stage_chunks(tokens);
+            let stage_chunks = stage_chunks_16(tokens);
             let span = w4a16_span(group_len, 64 * stage_chunks);
             args.push(weight_map(codes, tiles, chunks, 512, stage_chunks)?);
             args.push(weight_map(params, tiles, groups, 64, span)?);
             tail = vec![Arg::I32(groups as i32), Arg::I32(group_len as i32)];
         }
         WgmmaWeights::W8A16 { codes, scales } => {
-            // One 1 KB chunk of codes a stage (kernels/qgemm_wgmma.cu, WgqW8A16).
-            args.push(weight_map(codes, tiles, chunks, 1024, 1)?);
+            // One or two 1 KB chunks of codes a stage (kernels/qgemm_wgmma.cu, WgqW8A16).
+            args.push(weight_map(
+                codes,
+                tiles,
+                chunks,
+                1024,
+                stage_chunks_16(tokens),
+            )?);
             args.push(Arg::Ptr(scales));
         }
         WgmmaWeights::W4A8 {
@@ -1262,10 +1268,10 @@ fn launch_wgmma(
     args.extend([m, n, tiles, chunks].map(|v| Arg::I32(v as i32)));
     args.extend(tail);
     let out_tiles = tiles.div_ceil(8) * m.div_ceil(tokens);
-    let stages = match family {
-        QFamily::W8A16 => chunks,
-        QFamily::W4A16 => chunks.div_ceil(w4a16_stage_chunks(tokens)),
-        _ => chunks.div_ceil(2),
+    let stages = if family.x_elem() == 2 {
+        chunks.div_ceil(stage_chunks_16(tokens))
+    } else {
+        chunks.div_ceil(2)
     };
     // Only the 64- and 128-token entries compile the split path (kernels/qgemm_wgmma.cu).
     let splits = if tokens <= SPLIT_MAX_TOKENS {
@@ -1591,7 +1597,7 @@ mod tests {
         // A second token block that would be mostly padding.
         assert_eq!(wgmma_tokens(300, 4096 / 16, 132), 128);
         for tokens in [WGMMA_SMALL_TOKENS, 128, WGMMA_TOKENS] {
-            for family in [QFamily::W4A16, QFamily::W8A8, QFamily::W4A8] {
+            for family in [QFamily::W4A16, QFamily::W8A16, QFamily::W8A8, QFamily::W4A8] {
                 assert!(
                     wgmma_smem(family, tokens) <= 227 * 1024,
                     "{family:?} {tokens}"
