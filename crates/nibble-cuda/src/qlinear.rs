@@ -38,14 +38,25 @@ pub const W8_TILED_SMEM: u32 = 4 * (8192 + 128 * 64);
 /// Most tokens the persistent decode gemv (kernels/qgemv.cu) takes for W4A16: two 8-token MMA
 /// tiles.
 pub const DECODE_MAX_M: usize = 16;
-/// Most tokens it takes for W4A16, in four 8-token tiles past [`DECODE_MAX_M`] (`w4a16_dec4`:
-/// each tile's activations read just before its MMAs, `DecW4::mma_rows`), where the activation
-/// window fits ([`plan_decode`]).
-pub const DECODE_MAX_M_W4A16: usize = 32;
-/// Most tokens it takes for the INT8-activation families (W8A8, W4A8): four tiles, where its
-/// activation window fits ([`plan_decode`]). On an H200 at 32 tokens against the 64-token wgmma
-/// tiles: 4096x4096 W4A8 16.7 against 27.1 µs, 4096x14336 23.0 against 32.9, the larger layers
-/// within 5%; eight tiles (64 tokens) lost to the wgmma tiles (46 against 28 µs on 6144x4096).
+/// Most tokens it takes for W4A16, in three 8-token tiles past [`DECODE_MAX_M`] (`w4a16_dec4`:
+/// each tile's activations read just before its MMAs, `DecW4::mma_rows`), on layers of at least
+/// [`DECODE_LARGE_LAYER`] weights where the activation window fits ([`plan_decode`]). Against the
+/// 64-token wgmma tiles with their K splits on an H100 (bench/results/decode-cap-20261126-h100):
+/// 28672x4096 at 24 tokens 49.9 against 55.9 µs, 4096x14336 28.2 against 29.8; at 28 tokens the
+/// tiles win, and on 6144x4096 and 4096x4096 from 17 tokens (19.7 against 23.9 µs at 20).
+pub const DECODE_MAX_M_W4A16: usize = 24;
+/// Weights (rows x columns) from which a layer keeps W4A16's decode gemv up to
+/// [`DECODE_MAX_M_W4A16`] tokens; smaller ones hand over at [`DECODE_MAX_M`].
+pub const DECODE_LARGE_LAYER: usize = 32 << 20;
+/// Most tokens the decode gemv takes for FP8: past 8 the 64-token wgmma tiles won on an H100 on
+/// three of Llama-3-8B's four layers at 12 and 16 tokens (28672x4096 at 16: 45.8 against 57.0 µs),
+/// and the sum of the four (107.8 against 117.2 µs at 12).
+pub const DECODE_MAX_M_FP8: usize = 8;
+/// Most tokens the grouped (MoE) decode gemv takes for the INT8-activation families: four tiles.
+/// The dense layers of W8A8 and W4A8 hand over at [`DECODE_MAX_M`]: since the wgmma tiles split
+/// K, they win from 17 tokens on an H100 (W4A8 6144x4096 at 32: 14.6 against 27.5 µs, W8A8
+/// 28672x4096 48.2 against 67.0; bench/results/decode-cap-20261126-h100). Before the splits were
+/// mended the gemv won up to 32 (4096x4096 W4A8 16.7 against 27.1 µs on an H200).
 pub const DECODE_MAX_M_INT8: usize = 32;
 /// Chunks of 64 channels per register batch of the decode gemv (`U` of its entry points): the
 /// input width must be a multiple of `64 * DECODE_BATCH`.
@@ -245,11 +256,12 @@ impl QFamily {
 
     /// Most tokens the decode gemv takes for this family ([`plan_decode`]).
     pub fn decode_max_m(self) -> usize {
-        match self {
+        let most = match self {
             QFamily::W4A16 => DECODE_MAX_M_W4A16,
-            QFamily::W8A16 => DECODE_MAX_M,
-            QFamily::W8A8 | QFamily::W4A8 | QFamily::Fp8 => DECODE_MAX_M_INT8,
-        }
+            QFamily::W8A16 | QFamily::W8A8 | QFamily::W4A8 => DECODE_MAX_M,
+            QFamily::Fp8 => DECODE_MAX_M_FP8,
+        };
+        forced_decode_max_m().map_or(most, |cap| most.min(cap))
     }
 
     /// Bytes of one activation element.
@@ -551,7 +563,13 @@ pub fn plan_decode(
     m: usize,
     family: QFamily,
 ) -> Option<DecodePlan> {
-    if m == 0 || m > family.decode_max_m() || !chunks.is_multiple_of(DECODE_BATCH) {
+    let small_layer = tiles * 16 * chunks * 64 < DECODE_LARGE_LAYER;
+    let most = if small_layer {
+        family.decode_max_m().min(DECODE_MAX_M)
+    } else {
+        family.decode_max_m()
+    };
+    if m == 0 || m > most || !chunks.is_multiple_of(DECODE_BATCH) {
         return None;
     }
     let units = tiles.div_ceil(DECODE_BLOCK_TILES) * chunks;
@@ -1101,13 +1119,11 @@ impl QGemm {
         {
             return Pick::Decode(kind, plan);
         }
-        // Past the decode gemv, up to 64 tokens: 64-token wgmma tiles on Hopper. Auto keeps the
-        // mma.sync gemv for up to 32 tokens of layers of at most 4096x4096 (on an H200 at 32
-        // tokens: 21.3 against 26.0 µs W4A16, 20.8 against 23.6 W8A8; larger layers gain 1.2x
-        // to 1.5x, and every layer at 64 tokens 1.4x to 3.0x).
+        // Past the decode gemv, up to 64 tokens: 64-token wgmma tiles on Hopper, with their K
+        // splits ahead of the mma.sync gemv on every layer (4096x4096 W4A16 at 32 tokens: 14.2
+        // against 19.2 µs on an H100; before the splits were mended the gemv won there).
         if m > DECODE_MAX_M && m <= WGMMA_SMALL_TOKENS {
-            let auto = m > 32 || n * self.k > 4096 * 4096;
-            if self.tma_ok && wanted(QKernel::Wgmma64, auto) {
+            if self.tma_ok && wanted(QKernel::Wgmma64, true) {
                 return Pick::Wgmma(QKernel::Wgmma64, WGMMA_SMALL_TOKENS);
             }
         }
@@ -1311,6 +1327,17 @@ fn forced_wgmma_splits() -> Option<usize> {
     static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     *FORCED.get_or_init(|| {
         std::env::var("NIBBLE_WGMMA_SPLITS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    })
+}
+
+/// NIBBLE_DECODE_MAX_M, read once: a probe knob (bench/probe/decode_cap_probe.sh) that caps the
+/// tokens the decode gemv takes, so the batches past it run the 64-token wgmma tiles.
+fn forced_decode_max_m() -> Option<usize> {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| {
+        std::env::var("NIBBLE_DECODE_MAX_M")
             .ok()
             .and_then(|v| v.parse().ok())
     })
@@ -1550,22 +1577,27 @@ mod tests {
         }
         // The span sums cover every row of the token tiles the kernel runs: at 17 to 24 tokens
         // w4a16_dec4 writes 32 rows a chunk (a plan sized for 24 overran shared memory).
-        for m in 1..=32 {
-            let p = plan_decode(256, 64, 132, m, QFamily::W4A16).unwrap();
-            let window = p.per_cta.min(64);
+        for m in 1..=DECODE_MAX_M_W4A16 {
+            let p = plan_decode(256, 224, 132, m, QFamily::W4A16).unwrap();
+            let window = p.per_cta.min(224);
             let written = gemv_smem(m, window, 128) + window * 8 * token_tiles(m) * 4;
             assert!(p.smem >= written, "{m} tokens: {} < {written}", p.smem);
         }
         // Llama-3-8B's 28672x4096 on an H200: 56 units per CTA, 128 CTAs, one wave.
         let p = plan_decode(1792, 64, 132, 1, QFamily::W4A16).unwrap();
         assert_eq!((p.ctas, p.per_cta, p.max_pieces), (128, 56, 3));
-        // Up to 16 tokens of W8A16, 32 of W4A16 and the INT8 codes, where the window fits; not
-        // inputs that are not a multiple of 256 wide, or windows too large.
+        // Up to 16 tokens of W8A16 and the INT8 codes, 8 of FP8, and 24 of W4A16 on large
+        // layers (16 on small ones), where the window fits; not inputs that are not a multiple
+        // of 256 wide, or windows too large.
         assert!(plan_decode(1792, 64, 132, 17, QFamily::W8A16).is_none());
-        assert!(plan_decode(256, 224, 132, 32, QFamily::W4A16).is_some());
-        assert!(plan_decode(256, 64, 132, 32, QFamily::W8A8).is_some());
-        assert!(plan_decode(256, 64, 132, 33, QFamily::W8A8).is_none());
-        assert!(plan_decode(256, 64, 132, 33, QFamily::W4A16).is_none());
+        assert!(plan_decode(256, 224, 132, 24, QFamily::W4A16).is_some());
+        assert!(plan_decode(256, 224, 132, 25, QFamily::W4A16).is_none());
+        assert!(plan_decode(256, 64, 132, 16, QFamily::W4A16).is_some());
+        assert!(plan_decode(256, 64, 132, 17, QFamily::W4A16).is_none());
+        assert!(plan_decode(256, 64, 132, 16, QFamily::W8A8).is_some());
+        assert!(plan_decode(256, 64, 132, 17, QFamily::W8A8).is_none());
+        assert!(plan_decode(256, 64, 132, 8, QFamily::Fp8).is_some());
+        assert!(plan_decode(256, 64, 132, 9, QFamily::Fp8).is_none());
         assert!(plan_decode(1792, 66, 132, 1, QFamily::W4A16).is_none());
         // 32 bf16 tokens of 28672x4096 (56 chunks a CTA) and 16 of an 8192-wide input
         // (Llama-2-70B's 57344x8192) take the other kernels; as INT8 codes they fit.
@@ -1694,11 +1726,18 @@ mod tests {
         use KernelTier::{Auto, MmaSync};
         use QFamily::{Fp8, W4A8, W4A16, W8A8, W8A16};
         for (family, m, n, k, tier, has_hopper, want) in [
-            // Decode sizes: the decode gemv, up to 16 tokens for W4A16 and 32 for INT8.
+            // Decode sizes: the decode gemv, up to 16 tokens (8 for FP8, 24 for W4A16 on large
+            // layers), then the 64-token wgmma tiles.
             (W4A16, 1, 4096, 4096, Auto, true, "decode Decode"),
-            (W8A8, 24, 4096, 4096, Auto, true, "decode Decode"),
-            (W4A8, 32, 4096, 4096, Auto, true, "decode Decode"),
-            (W4A16, 24, 4096, 4096, Auto, true, "decode Decode"),
+            (W8A8, 16, 4096, 4096, Auto, true, "decode Decode"),
+            (W8A8, 17, 4096, 4096, Auto, true, "Wgmma(Wgmma64, 64)"),
+            (W4A8, 16, 28672, 4096, Auto, true, "decode Decode"),
+            (W4A8, 32, 4096, 4096, Auto, true, "Wgmma(Wgmma64, 64)"),
+            (W4A16, 24, 4096, 4096, Auto, true, "Wgmma(Wgmma64, 64)"),
+            (W4A16, 24, 4096, 14336, Auto, true, "decode Decode"),
+            (W4A16, 25, 4096, 14336, Auto, true, "Wgmma(Wgmma64, 64)"),
+            (Fp8, 8, 4096, 4096, Auto, true, "decode Decode"),
+            (Fp8, 9, 4096, 4096, Auto, true, "Wgmma(Wgmma64, 64)"),
             (W8A16, 24, 4096, 4096, Auto, true, "Wgmma(Wgmma64, 64)"),
             (W4A16, 32, 28672, 4096, Auto, true, "Wgmma(Wgmma64, 64)"),
             // The mma.sync tier and GPUs without the Hopper kernels: the gemv and tiled
@@ -1714,7 +1753,7 @@ mod tests {
             (W4A16, 1024, 28672, 4096, Auto, true, "Wgmma(Wgmma, 256)"),
             (W4A8, 1024, 28672, 4096, Auto, true, "Wgmma(Wgmma, 256)"),
             // FP8: Hopper only, as W4A8, and 128-token tiles at most (its promotion fragment).
-            (Fp8, 32, 4096, 4096, Auto, true, "decode Decode"),
+            (Fp8, 32, 4096, 4096, Auto, true, "Wgmma(Wgmma64, 64)"),
             (Fp8, 48, 4096, 4096, MmaSync, true, "Wgmma(Wgmma64, 64)"),
             (Fp8, 8192, 28672, 4096, Auto, true, "Wgmma(Wgmma128, 128)"),
             (Fp8, 8, 4096, 4096, Auto, false, "None"),
