@@ -454,9 +454,28 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     auto kpage = [&](int b) { return kc + ((long)table[b] * num_kv_heads + kvh) * KS::PAGE; };
     auto vpage = [&](int b) { return vc + ((long)table[b] * num_kv_heads + kvh) * VS::PAGE; };
     // Block b's pages into stage st, or an empty group past the chunk: one group per call.
+    // Channel keys' parameters: lane t reads the 16-byte chunks [CPT t, CPT (t + 1)) of the
+    // page's tail, 128 t bytes apart at head_dim 128, so the four t of a quarter-warp would meet
+    // in one bank group (a 4-way conflict on every parameter load). Chunk m of lane t's run is
+    // staged at CPT t + (m ^ t) instead: the four land in four bank groups.
+    constexpr int CPT = HD / 16;  // parameter chunks per lane's run of HD / 4 channels
+    auto param_chunk = [&](int tt, int mm) { return DM_BS * KS::CB + 16 * (CPT * tt + (mm ^ tt)); };
     auto issue = [&](int b, int st) {
         if (b * DM_BS < loop_end) {
-            KS::issue(mine + st * PAIR, kpage(b), DM_BS, lane);
+            if constexpr (KCH) {
+                unsigned char* dst = mine + st * PAIR;
+                const unsigned char* src = kpage(b);
+                constexpr int CODE_CHUNKS = DM_BS * KS::CB / 16;
+#pragma unroll
+                for (int i = lane; i < KS::PAGE / 16; i += 32) {
+                    const int c = i - CODE_CHUNKS;
+                    const int at = c < 0 ? 16 * i : param_chunk(c / CPT, c % CPT);
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst + at)),
+                                 "l"(src + 16 * i));
+                }
+            } else {
+                KS::issue(mine + st * PAIR, kpage(b), DM_BS, lane);
+            }
             VS::issue(mine + st * PAIR + KS::PAGE, vpage(b), DM_BS, lane);
         }
         asm volatile("cp.async.commit_group;\n" ::);
@@ -508,11 +527,15 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                 // GROUP / 4 k-tiles: KeyFrags::dim), their (s, z) pairs 16-byte words of the
                 // page's tail.
                 constexpr int GROUP = KF::BITS == 4 ? 8 : 16;
-                const unsigned char* cp = kp + DM_BS * KS::CB + 4 * t * (HD / 4);
 #pragma unroll
                 for (int gi = 0; gi < HD / 4 / GROUP; ++gi) {
+                    // GROUP pairs are GROUP / 4 chunks of the run, staged swizzled (param_chunk).
                     u32 pw[GROUP];
-                    load_words(cp + 4 * GROUP * gi, pw);
+#pragma unroll
+                    for (int ch = 0; ch < GROUP / 4; ++ch) {
+                        const uint4 v = *reinterpret_cast<const uint4*>(kp + param_chunk(t, gi * (GROUP / 4) + ch));
+                        pw[4 * ch] = v.x, pw[4 * ch + 1] = v.y, pw[4 * ch + 2] = v.z, pw[4 * ch + 3] = v.w;
+                    }
 #pragma unroll
                     for (int h = 0; h < GROUP / 4; ++h) {
                         const int kk = gi * (GROUP / 4) + h;
