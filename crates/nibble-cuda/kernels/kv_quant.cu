@@ -284,12 +284,20 @@ __device__ __forceinline__ u32 hmul2_u32(u32 a, u32 b) {
 }
 __device__ __forceinline__ u32 half2_bits(float lo, float hi) { return pack2(lo, hi, (__half*)nullptr); }
 
+// How far (log2 units) a score may pass the reference max before kvq_softmax rescales: P <= 4
+// keeps P s inside f16's range (a 4-bit code's scale is at most 2 * 65504 / 15).
+#define RESCALE_SLACK 2.f
+
 // decode_kvq_impl's online softmax over one 16-token block. s: the block's scores in log2 units
 // (tokens g, g + 8 by heads 2t, 2t + 1), masked to NEG_BIG where !valid. P' = P s_v per token
 // (`vp`: the value rows' (scale, zero)), rounded to f16 as the operand holds it, becomes the
 // B fragments pt of O^T += V^T P'^T; ZERO (biased value codes 1024 + c with zero points): the
-// rows' sum P (z - 1024 s) joins zacc, which cancels the bias exactly. m, l, O and zacc are
-// rescaled to the new maximum (zacc only where it can be non-zero: ZACC).
+// rows' sum P (z - 1024 s) joins zacc, which cancels the bias exactly.
+// The reference max m moves only when a score passes it by more than RESCALE_SLACK (the whole
+// warp moves together), so most blocks skip the rescale of O, l and zacc (FlashAttention-4's
+// conditional rescaling); P then stays at most 2^RESCALE_SLACK. l and zacc stay per lane (this
+// lane's tokens of the column): the caller sums them over the column once, after its last block
+// (kvq_column_sums).
 template <int HD, bool ZERO, bool ZACC = ZERO>
 __device__ __forceinline__ void kvq_softmax(float (&s)[4], const bool (&valid)[2], const float2 (&vp)[2],
                                             float (&m)[2], float (&l)[2], float (&zacc)[2],
@@ -297,38 +305,47 @@ __device__ __forceinline__ void kvq_softmax(float (&s)[4], const bool (&valid)[2
     float mx[2] = {m[0], m[1]};
 #pragma unroll
     for (int e = 0; e < 4; ++e) mx[e & 1] = fmaxf(mx[e & 1], s[e]);
-    float corr[2], rs[2] = {0.f, 0.f}, zrow[2] = {0.f, 0.f};
+    bool grow = false;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
         mx[c] = column_max(mx[c]);
-        corr[c] = exp2f(m[c] - mx[c]);
-        m[c] = mx[c];
+        grow |= mx[c] > m[c] + RESCALE_SLACK;
+    }
+    if (__any_sync(0xffffffffu, grow)) {
+        float corr[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            corr[c] = exp2f(m[c] - mx[c]);
+            m[c] = mx[c];
+            l[c] *= corr[c];
+            if (ZERO || ZACC) zacc[c] *= corr[c];
+        }
+#pragma unroll
+        for (int i = 0; i < HD / 16; ++i) {
+            o[i][0] *= corr[0], o[i][1] *= corr[1];
+            o[i][2] *= corr[0], o[i][3] *= corr[1];
+        }
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float pr[2];
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-            const float p = s[r * 2 + c] > -1e29f ? exp2f(s[r * 2 + c] - mx[c]) : 0.f;
-            rs[c] += p;
+            const float p = s[r * 2 + c] > -1e29f ? exp2f(s[r * 2 + c] - m[c]) : 0.f;
+            l[c] += p;
             pr[c] = valid[r] ? __half2float(__float2half_rn(p * vp[r].x)) : 0.f;
-            if (ZERO && valid[r]) zrow[c] += fmaf(p, vp[r].y, -1024.f * pr[c]);
+            if (ZERO && valid[r]) zacc[c] += fmaf(p, vp[r].y, -1024.f * pr[c]);
         }
         pt[r] = transpose8x8(pack2(pr[0], pr[1], (__half*)nullptr));
     }
+}
+
+// kvq_softmax's per-lane l and zacc summed over each column's 8 lanes, after the last block.
+__device__ __forceinline__ void kvq_column_sums(float (&l)[2], float (&zacc)[2]) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-        l[c] = l[c] * corr[c] + column_sum(rs[c]);
-        if (ZERO) {
-            zacc[c] = zacc[c] * corr[c] + column_sum(zrow[c]);
-        } else if (ZACC) {
-            zacc[c] *= corr[c];
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < HD / 16; ++i) {
-        o[i][0] *= corr[0], o[i][1] *= corr[1];
-        o[i][2] *= corr[0], o[i][3] *= corr[1];
+        l[c] = column_sum(l[c]);
+        zacc[c] = column_sum(zacc[c]);
     }
 }
 
@@ -610,6 +627,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                                                 num_kv_heads),
                                own_b * DM_BS, end, lo, scale_log2, lane);
     }
+    kvq_column_sums(l, zacc);
     // Stash this warp's heads 2t, 2t+1 (rows of O^T are dims), then merge the warps.
     float* merge = reinterpret_cast<float*>(smem);
     __syncthreads();
