@@ -1019,8 +1019,6 @@ fn run_quant(
     let gemm = QGemm {
         route,
         m,
-        n,
-        k,
         tiles,
         chunks,
         sms: ctx.gpu.sm_count,
@@ -1083,8 +1081,6 @@ enum Pick {
 struct QGemm {
     route: Route,
     m: usize,
-    n: usize,
-    k: usize,
     tiles: usize,
     chunks: usize,
     sms: usize,
@@ -1099,7 +1095,7 @@ impl QGemm {
     /// W4A8, which has the Hopper kernels only, takes the decode gemv or a wgmma kernel whatever
     /// the tier. `has` says whether a Hopper kernel was compiled for this GPU.
     fn pick(self, has: &dyn Fn(QKernel) -> bool) -> Pick {
-        let QGemm { route, m, n, .. } = self;
+        let QGemm { route, m, .. } = self;
         let hopper_only = route.family.hopper_only();
         let wanted = |kind: QKernel, auto_picks: bool| {
             let tier = match self.tier {
@@ -1122,10 +1118,12 @@ impl QGemm {
         // Past the decode gemv, up to 64 tokens: 64-token wgmma tiles on Hopper, with their K
         // splits ahead of the mma.sync gemv on every layer (4096x4096 W4A16 at 32 tokens: 14.2
         // against 19.2 µs on an H100; before the splits were mended the gemv won there).
-        if m > DECODE_MAX_M && m <= WGMMA_SMALL_TOKENS {
-            if self.tma_ok && wanted(QKernel::Wgmma64, true) {
-                return Pick::Wgmma(QKernel::Wgmma64, WGMMA_SMALL_TOKENS);
-            }
+        if m > DECODE_MAX_M
+            && m <= WGMMA_SMALL_TOKENS
+            && self.tma_ok
+            && wanted(QKernel::Wgmma64, true)
+        {
+            return Pick::Wgmma(QKernel::Wgmma64, WGMMA_SMALL_TOKENS);
         }
         if !hopper_only && use_gemv(m, self.tiles, self.sms) {
             return Pick::Gemv;
@@ -1709,8 +1707,6 @@ mod tests {
                 },
             },
             m,
-            n,
-            k,
             tiles: n / 16,
             chunks: k / 64,
             sms: 132,
@@ -1774,7 +1770,6 @@ mod tests {
         // W4A8 with inputs the decode gemv cannot stage (K not a multiple of 256): wgmma tiles.
         let odd = QGemm {
             chunks: 9,
-            k: 576,
             ..gemm(W4A8, 4, 576, 576, Auto)
         };
         assert_eq!(kind(odd.pick(&hopper)), "Wgmma(Wgmma64, 64)");
