@@ -1586,22 +1586,32 @@ mod tests {
         assert_eq!((p.ctas, p.per_cta, p.max_pieces), (128, 56, 3));
         // Up to 16 tokens of W8A16 and the INT8 codes, 8 of FP8, and 24 of W4A16 on large
         // layers (16 on small ones), where the window fits; not inputs that are not a multiple
-        // of 256 wide, or windows too large.
-        assert!(plan_decode(1792, 64, 132, 17, QFamily::W8A16).is_none());
-        assert!(plan_decode(256, 224, 132, 24, QFamily::W4A16).is_some());
-        assert!(plan_decode(256, 224, 132, 25, QFamily::W4A16).is_none());
-        assert!(plan_decode(256, 64, 132, 16, QFamily::W4A16).is_some());
-        assert!(plan_decode(256, 64, 132, 17, QFamily::W4A16).is_none());
-        assert!(plan_decode(256, 64, 132, 16, QFamily::W8A8).is_some());
-        assert!(plan_decode(256, 64, 132, 17, QFamily::W8A8).is_none());
-        assert!(plan_decode(256, 64, 132, 8, QFamily::Fp8).is_some());
-        assert!(plan_decode(256, 64, 132, 9, QFamily::Fp8).is_none());
-        assert!(plan_decode(1792, 66, 132, 1, QFamily::W4A16).is_none());
-        // 32 bf16 tokens of 28672x4096 (56 chunks a CTA) and 16 of an 8192-wide input
-        // (Llama-2-70B's 57344x8192) take the other kernels; as INT8 codes they fit.
-        assert!(plan_decode(1792, 64, 132, 32, QFamily::W4A16).is_none());
-        assert!(plan_decode(3584, 128, 132, 16, QFamily::W4A16).is_none());
-        assert!(plan_decode(3584, 128, 132, 16, QFamily::W8A8).is_some());
+        // of 256 wide, or windows too large: 32 bf16 tokens of 28672x4096 (56 chunks a CTA) and
+        // 16 of an 8192-wide input (Llama-2-70B's 57344x8192) take the other kernels; as INT8
+        // codes they fit.
+        use QFamily::{Fp8, W4A16, W8A8, W8A16};
+        for (tiles, chunks, m, family, fits) in [
+            (1792, 64, 17, W8A16, false),
+            (256, 224, 24, W4A16, true),
+            (256, 224, 25, W4A16, false),
+            (256, 64, 16, W4A16, true),
+            (256, 64, 17, W4A16, false),
+            (256, 64, 16, W8A8, true),
+            (256, 64, 17, W8A8, false),
+            (256, 64, 8, Fp8, true),
+            (256, 64, 9, Fp8, false),
+            (1792, 66, 1, W4A16, false),
+            (1792, 64, 32, W4A16, false),
+            (3584, 128, 16, W4A16, false),
+            (3584, 128, 16, W8A8, true),
+        ] {
+            let plan = plan_decode(tiles, chunks, 132, m, family);
+            assert_eq!(
+                plan.is_some(),
+                fits,
+                "{family:?} {tiles} tiles x {chunks} chunks, {m} tokens"
+            );
+        }
     }
 
     #[test]
