@@ -4,7 +4,10 @@ each benchmarked twice alternately in one device call. Takes the faster of each 
 a markdown table of times, speedups and shares of the measured copy bandwidth; draws the shares
 of both builds side by side (OUTDIR/ab.png, or OUT.png).
 
-    python3 bench/ab_report.py OUTDIR [--field w4a16] [OUT.png]
+    python3 bench/ab_report.py OUTDIR [--field w4a16] [--base NAME] [--cand NAME] [OUT.png]
+
+NAME picks the files bench-NAME-*.json (default base and cand; scripts/gpu-abn.sh names them
+after the stages' folders).
 
 qgemm runs (`gpu-bench --qgemm`): FIELD picks the format (`w4a16`, `w8a8`, `w4a8`, `w8a16`,
 `nibble_fp8`); moe runs (`gpu-bench --moe-experts`): the grouped GEMMs of each format and size;
@@ -20,11 +23,12 @@ def best(runs, key):
     return min(runs[key], key=lambda r: r[0])
 
 
-def load(out, field):
-    """{side: {key: [(µs, share), ...]}}, the device name, and the kind of run."""
+def load(out, field, names=("base", "cand")):
+    """{side: {key: [(µs, share), ...]}}, the device name, and the kind of run; sides "base"
+    and "cand" read bench-NAME-*.json for the two names."""
     sides, device, kind = {"base": {}, "cand": {}}, "", ""
-    for side in sides:
-        for path in sorted(out.glob(f"bench-{side}-*.json")):
+    for side, name in zip(sides, names):
+        for path in sorted(out.glob(f"bench-{name}-*.json")):
             d = json.loads(path.read_text())
             device = d["device"]
             if d.get("kv_attention"):
@@ -49,13 +53,18 @@ def load(out, field):
 def main():
     args = [a for a in sys.argv[1:]]
     field = "w4a16"
-    if "--field" in args:
-        i = args.index("--field")
-        field = args[i + 1]
-        del args[i : i + 2]
+    names = ["base", "cand"]
+    for flag in ["--field", "--base", "--cand"]:
+        if flag in args:
+            i = args.index(flag)
+            if flag == "--field":
+                field = args[i + 1]
+            else:
+                names[flag == "--cand"] = args[i + 1]
+            del args[i : i + 2]
     out = Path(args[0])
     png = Path(args[1]) if len(args) > 1 else out / "ab.png"
-    sides, device, kind = load(out, field)
+    sides, device, kind = load(out, field, names)
     keys = [k for k in sides["base"] if k in sides["cand"]]
     if not keys:
         sys.exit(f"no rows both builds ran in {out}")

@@ -4,8 +4,9 @@
 # `--qgemm --kernels-only`) from every stage, alternated ROUNDS times (default 2) so clock drift
 # shows as run-to-run spread. The other stages' kernels compile while the tests run.
 #   scripts/gpu-abn.sh OUTDIR STAGE...        (GPU machine, repo root; stages: scripts/gpu-stage.sh)
-# Writes OUTDIR/bench-<stage>-<round>.json; `python3 bench/ab_report.py` takes any two stages
-# once their files are named bench-base-* and bench-cand-* (scripts/abn-pairs.sh does that).
+# A STAGE is a folder (its files are named after it) or NAME=FOLDER. Writes
+# OUTDIR/bench-NAME-ROUND.json; `python3 bench/ab_report.py OUTDIR --base A --cand B` compares two.
+# scripts/gpu-ab.sh is this for one candidate against main.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-abn.sh OUTDIR STAGE...}; shift
@@ -15,22 +16,27 @@ status=0
 source scripts/gpu-lib.sh
 seed_kernel_cache
 bench=${AB_BENCH:---qgemm --kernels-only}
+names=(); dirs=()
+for st in "$@"; do
+  if [[ $st == *=* ]]; then names+=("${st%%=*}"); dirs+=("${st#*=}"); else names+=("$(basename "$st")"); dirs+=("$st"); fi
+done
 {
   date -u +"date %Y-%m-%dT%H:%M:%SZ"
-  for st in "$@"; do echo "$(basename "$st") $(cat "$st/COMMIT" 2>/dev/null)"; done
+  for i in "${!dirs[@]}"; do echo "${names[$i]} $(cat "${dirs[$i]}/COMMIT" 2>/dev/null)"; done
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 } | tee "$out/device.txt"
 if [ -n "${AB_TEST_STAGE:-}" ]; then
-  for st in "$@"; do
-    [ "$st" = "$AB_TEST_STAGE" ] || "$st/gpu-bench" /tmp/warm.json $bench >/dev/null 2>&1
+  for d in "${dirs[@]}"; do
+    [ "$d" = "$AB_TEST_STAGE" ] || "$d/gpu-bench" /tmp/warm.json $bench >/dev/null 2>&1
   done &
   warm=$!
   STEP_SUMMARY="test result|FAILED|panicked" step tests "$AB_TEST_STAGE/gpu-tests" ${AB_TESTS:-qgemm} --test-threads 1
   wait $warm
 fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for st in "$@"; do
-    step "bench-$(basename "$st")-$round" "$st/gpu-bench" "$out/bench-$(basename "$st")-$round.json" $bench
+  for i in "${!dirs[@]}"; do
+    STEP_SUMMARY="^qgemm|^moe" step "bench-${names[$i]}-$round" "${dirs[$i]}/gpu-bench" \
+      "$out/bench-${names[$i]}-$round.json" $bench
   done
 done
 tar czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log

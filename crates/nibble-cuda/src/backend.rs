@@ -409,12 +409,11 @@ impl CudaBackend {
 /// `scripts/gpu-engine-run.sh moe-group`).
 fn grouped_experts_least(quantized: bool) -> usize {
     static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| {
-        std::env::var("NIBBLE_MOE_GROUP_MIN")
-            .ok()
-            .and_then(|v| v.parse().ok())
-    });
-    forced.unwrap_or(if quantized { 3 } else { 8 })
+    crate::runtime::probe_knob(&FORCED, "NIBBLE_MOE_GROUP_MIN").unwrap_or(if quantized {
+        3
+    } else {
+        8
+    })
 }
 
 /// Why quantized `parts` are about to load dequantized, for the user (`None` for 16/32-bit

@@ -30,9 +30,9 @@ pub const SPLIT_COUNTERS: usize = 1 << 16;
 #[repr(u8)]
 pub enum KernelTier {
     /// Whichever measured faster (BENCHMARKS.md): on Hopper the decode gemv up to
-    /// `QFamily::decode_max_m` tokens (16 for W8A16, 32 otherwise), the 64-token wgmma kernels up to
-    /// `qlinear::WGMMA_SMALL_TOKENS` (but for up to 32 tokens of layers of at most 4096x4096) and
-    /// the 128- or 256-token wgmma kernels past that, mma.sync everywhere else.
+    /// `QFamily::decode_max_m` tokens (16; 8 for FP8, 24 for W4A16 on large layers), the 64-token
+    /// wgmma kernels up to `qlinear::WGMMA_SMALL_TOKENS` and the 128- or 256-token wgmma kernels
+    /// past that, mma.sync everywhere else.
     Auto = 0,
     /// The mma.sync kernels for every shape.
     MmaSync = 1,

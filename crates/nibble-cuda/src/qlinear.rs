@@ -24,7 +24,7 @@ pub use crate::context::{KernelTier, SPLIT_COUNTERS};
 use crate::pack::{
     self, Int8Layout, PackedFp8, PackedW4, PackedW4A8, PackedW8, W4A8Matrix, W4Matrix,
 };
-use crate::runtime::{Arg, DeviceBuffer, TmaLayout, tensor_map};
+use crate::runtime::{Arg, DeviceBuffer, TmaLayout, probe_knob, tensor_map};
 pub use crate::tensor::{Act8, Act8Input, QuantWeight};
 use crate::tensor::{CudaTensor, Dtype, Elem};
 
@@ -254,11 +254,12 @@ impl QFamily {
         }
     }
 
-    /// Most tokens the decode gemv takes for this family ([`plan_decode`]).
-    pub fn decode_max_m(self) -> usize {
+    /// Most tokens the decode gemv takes for this family on a layer of `weights` (rows x
+    /// columns; [`plan_decode`]).
+    pub fn decode_max_m(self, weights: usize) -> usize {
         let most = match self {
-            QFamily::W4A16 => DECODE_MAX_M_W4A16,
-            QFamily::W8A16 | QFamily::W8A8 | QFamily::W4A8 => DECODE_MAX_M,
+            QFamily::W4A16 if weights >= DECODE_LARGE_LAYER => DECODE_MAX_M_W4A16,
+            QFamily::W4A16 | QFamily::W8A16 | QFamily::W8A8 | QFamily::W4A8 => DECODE_MAX_M,
             QFamily::Fp8 => DECODE_MAX_M_FP8,
         };
         forced_decode_max_m().map_or(most, |cap| most.min(cap))
@@ -279,7 +280,7 @@ impl QFamily {
         if !self.hopper_only() {
             kinds.extend([QKernel::Gemv, QKernel::Tiled]);
         }
-        if hopper && m <= self.decode_max_m() {
+        if hopper && m <= self.decode_max_m(usize::MAX) {
             kinds.push(QKernel::Decode);
             if self == QFamily::W4A16 {
                 kinds.push(QKernel::DecodeG64);
@@ -563,12 +564,7 @@ pub fn plan_decode(
     m: usize,
     family: QFamily,
 ) -> Option<DecodePlan> {
-    let small_layer = tiles * 16 * chunks * 64 < DECODE_LARGE_LAYER;
-    let most = if small_layer {
-        family.decode_max_m().min(DECODE_MAX_M)
-    } else {
-        family.decode_max_m()
-    };
+    let most = family.decode_max_m(tiles * 16 * chunks * 64);
     if m == 0 || m > most || !chunks.is_multiple_of(DECODE_BATCH) {
         return None;
     }
@@ -1106,8 +1102,8 @@ impl QGemm {
             };
             tier && has(kind)
         };
-        // The decode gemv: up to `QFamily::decode_max_m` tokens (16 for W8A16, 32 in four
-        // 8-token tiles for the others) where its activation window fits. On an H200 1.05x to
+        // The decode gemv: up to `QFamily::decode_max_m` tokens (16; 8 for FP8, 24 in three
+        // 8-token tiles for W4A16 on large layers) where its activation window fits. On an H200 1.05x to
         // 1.85x the mma.sync gemv, 4096x4096 at M = 1 included: 6.6 against 7.9 µs.
         let plan = plan_decode(self.tiles, self.chunks, self.sms, m, route.family);
         if let (Some(plan), Some(kind)) = (plan, route.decode)
@@ -1323,22 +1319,14 @@ fn launch_wgmma(
 /// tiles (a probe knob for bench/probe/wgmma64_probe.sh; clamped to the stages there are).
 fn forced_wgmma_splits() -> Option<usize> {
     static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *FORCED.get_or_init(|| {
-        std::env::var("NIBBLE_WGMMA_SPLITS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-    })
+    probe_knob(&FORCED, "NIBBLE_WGMMA_SPLITS")
 }
 
 /// NIBBLE_DECODE_MAX_M, read once: a probe knob (bench/probe/decode_cap_probe.sh) that caps the
 /// tokens the decode gemv takes, so the batches past it run the 64-token wgmma tiles.
 fn forced_decode_max_m() -> Option<usize> {
     static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *FORCED.get_or_init(|| {
-        std::env::var("NIBBLE_DECODE_MAX_M")
-            .ok()
-            .and_then(|v| v.parse().ok())
-    })
+    probe_knob(&FORCED, "NIBBLE_DECODE_MAX_M")
 }
 
 /// Groups of W4A8 parameters one 128-channel wgmma stage reads (`group_shift` 30: one per row).

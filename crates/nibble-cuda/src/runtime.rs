@@ -616,3 +616,12 @@ impl StickyError {
         }
     }
 }
+
+/// A probe knob: environment variable `name` parsed once into `cell` (`None` when unset or not a
+/// count). The bench/probe scripts set them to sweep one dispatch choice from a single build.
+pub(crate) fn probe_knob(
+    cell: &'static std::sync::OnceLock<Option<usize>>,
+    name: &str,
+) -> Option<usize> {
+    *cell.get_or_init(|| std::env::var(name).ok().and_then(|v| v.parse().ok()))
+}
