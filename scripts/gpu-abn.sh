@@ -4,7 +4,9 @@
 # `--qgemm --kernels-only`) from every stage, alternated ROUNDS times (default 2) so clock drift
 # shows as run-to-run spread. The other stages' kernels compile while the tests run.
 #   scripts/gpu-abn.sh OUTDIR STAGE...        (GPU machine, repo root; stages: scripts/gpu-stage.sh)
-# A STAGE is a folder (its files are named after it) or NAME=FOLDER. Writes
+# A STAGE is a folder (its files are named after it) or NAME=FOLDER, either followed by
+# @VAR=VALUE[,VAR=VALUE] to run that build with probe knobs set (the same build A/B'd against
+# itself, e.g. sk0=stage/cand@NIBBLE_WGMMA_STREAM_K=0). Writes
 # OUTDIR/bench-NAME-ROUND.json; `python3 bench/ab_report.py OUTDIR --base A --cand B` compares two.
 # scripts/gpu-ab.sh is this for one candidate against main.
 set -uo pipefail
@@ -16,13 +18,16 @@ status=0
 source scripts/gpu-lib.sh
 seed_kernel_cache
 bench=${AB_BENCH:---qgemm --kernels-only}
-names=(); dirs=()
+names=(); dirs=(); knobs=()
 for st in "$@"; do
+  knob=""
+  if [[ $st == *@* ]]; then knob=${st#*@}; st=${st%%@*}; fi
   if [[ $st == *=* ]]; then names+=("${st%%=*}"); dirs+=("${st#*=}"); else names+=("$(basename "$st")"); dirs+=("$st"); fi
+  knobs+=("${knob//,/ }")
 done
 {
   date -u +"date %Y-%m-%dT%H:%M:%SZ"
-  for i in "${!dirs[@]}"; do echo "${names[$i]} $(cat "${dirs[$i]}/COMMIT" 2>/dev/null)"; done
+  for i in "${!dirs[@]}"; do echo "${names[$i]} $(cat "${dirs[$i]}/COMMIT" 2>/dev/null) ${knobs[$i]}"; done
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 } | tee "$out/device.txt"
 if [ -n "${AB_TEST_STAGE:-}" ]; then
@@ -35,7 +40,8 @@ if [ -n "${AB_TEST_STAGE:-}" ]; then
 fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for i in "${!dirs[@]}"; do
-    STEP_SUMMARY="^qgemm|^moe" step "bench-${names[$i]}-$round" "${dirs[$i]}/gpu-bench" \
+    # shellcheck disable=SC2086 # knobs: VAR=VALUE words for env
+    STEP_SUMMARY="^qgemm|^moe" step "bench-${names[$i]}-$round" env ${knobs[$i]} "${dirs[$i]}/gpu-bench" \
       "$out/bench-${names[$i]}-$round.json" $bench
   done
 done
