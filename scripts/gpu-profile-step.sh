@@ -4,7 +4,10 @@
 # bench/step_breakdown.py.  Run from the repo root with what scripts/gpu-stage.sh staged:
 #   scripts/gpu-profile-step.sh OUTDIR [PRECISION...]     (default: bf16 w4a16-g128 w8a8)
 # SKIP and COUNT set the window of launches (default 3000 and 700: about one and a half steps;
-# COUNT=8000 takes 19 or so whole steps).
+# COUNT=8000 takes 19 or so whole steps). BATCH=N profiles decode steps of N sequences instead of
+# one (`bench throughput` on N synthetic prompts of INPUT_LEN tokens, default 256, all admitted
+# together; set SKIP past their prefill chunks). NIBBLE_BIN picks the binary (default
+# stage/gpu/nibble).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-profile-step.sh OUTDIR [PRECISION...]}
@@ -16,13 +19,19 @@ source scripts/gpu-lib.sh
 seed_kernel_cache
 precisions=("$@")
 [ ${#precisions[@]} -gt 0 ] || precisions=(bf16 w4a16-g128 w8a8)
+if [ -n "${BATCH:-}" ]; then
+  workload=(bench throughput --input-len "${INPUT_LEN:-256}" --output-len 64 --num-prompts "$BATCH"
+    --max-num-seqs "$BATCH" --max-batched-tokens $(( BATCH * ${INPUT_LEN:-256} )))
+else
+  workload=(generate --prompt "The capital of France is" --max-tokens 48)
+fi
 for p in "${precisions[@]}"; do
   model=llama-3-8b; [ "$p" = bf16 ] || model=llama-3-8b:$p
   # Skip the load and the prompt; time a window of kernels well inside the decode steps.
   "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
     --launch-skip "${SKIP:-3000}" --launch-count "${COUNT:-700}" \
-    stage/gpu/nibble --device cuda --dummy-weights "$model" generate \
-    --prompt "The capital of France is" --max-tokens 48 >"$out/ncu-$p.csv" 2>"$out/ncu-$p.err"
+    "${NIBBLE_BIN:-stage/gpu/nibble}" --device cuda --dummy-weights "$model" "${workload[@]}" \
+    >"$out/ncu-$p.csv" 2>"$out/ncu-$p.err"
   echo "$p: exit $?, $(grep -c gpu__time_duration "$out/ncu-$p.csv") kernels"
   python3 bench/step_breakdown.py "$out/ncu-$p.csv" | tee "$out/breakdown-$p.txt"
 done
