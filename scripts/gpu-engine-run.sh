@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The serving engine end to end on the GPU machine, from the repo root, with what
-# scripts/gpu-stage.sh staged in stage/gpu and what scripts/gpu-engine-data.sh put in .gpu-data
+# scripts/gpu-stage.sh staged in stage/gpu (or $STAGE) and what scripts/gpu-engine-data.sh put in .gpu-data
 # (a ShareGPT slice and the default model's tokenizer, so token counts are a real tokenizer's).
 #   scripts/gpu-engine-run.sh OUTDIR PART...
 # PARTs, run in the order given:
@@ -40,14 +40,15 @@ cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-engine-run.sh OUTDIR PART...}
 shift
 mkdir -p "$out"
-bin=stage/gpu/nibble
+stage=${STAGE:-stage/gpu}  # STAGE: another staged build (an A/B in one call)
+bin=$stage/nibble
 ds=.gpu-data/sharegpt.json
 tok=.gpu-data/tokenizer/tokenizer.json
 export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
 status=0
 {
   date -u +"date %Y-%m-%dT%H:%M:%SZ"
-  echo "commit $(cat stage/gpu/COMMIT 2>/dev/null || echo unknown)"
+  echo "commit $(cat "$stage/COMMIT" 2>/dev/null || echo unknown)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 } | tee -a "$out/device.txt"
 
@@ -63,14 +64,14 @@ throughput() {  # throughput NAME MODEL ARGS...
 for part in "$@"; do
   case $part in
     tests)
-      step gpu-tests stage/gpu/gpu-tests --test-threads 1 ;;
+      step gpu-tests $stage/gpu-tests --test-threads 1 ;;
     tests=*)
-      step "gpu-tests-${part#tests=}" stage/gpu/gpu-tests "${part#tests=}" --test-threads 1 ;;
+      step "gpu-tests-${part#tests=}" $stage/gpu-tests "${part#tests=}" --test-threads 1 ;;
     prefill)
-      step prefill-attention stage/gpu/gpu-bench "$out/prefill-attention.json" --prefill-attention
+      step prefill-attention $stage/gpu-bench "$out/prefill-attention.json" --prefill-attention
       step prefill-peer python3 bench/gpu_peer.py "$out/prefill-peer.json" --prefill-attention ;;
     steps)
-      step decode-steps stage/gpu/gpu-bench "$out/decode-steps.json" --decode-steps 1,64,256 ;;
+      step decode-steps $stage/gpu-bench "$out/decode-steps.json" --decode-steps 1,64,256 ;;
     profile)
       for mode in lockstep ahead; do
         flag=$([ $mode = lockstep ] && echo --no-run-ahead || true)
@@ -84,12 +85,12 @@ for part in "$@"; do
       throughput throughput-w4a16 llama-3-8b:w4a16-g128 --num-prompts 1000 --profile
       throughput throughput-w8a8 llama-3-8b:w8a8 --num-prompts 1000 --profile ;;
     qgemm|qgemm-kernels)
-      step gpu-bench stage/gpu/gpu-bench "$out/gpu-bench.json" --qgemm \
+      step gpu-bench $stage/gpu-bench "$out/gpu-bench.json" --qgemm \
         $([ $part = qgemm-kernels ] && echo --kernels-only)
       step peer python3 bench/gpu_peer.py "$out/gpu-peer.json" --qgemm
       python3 bench/qgemm_report.py "$out" > /dev/null 2>"$out/qgemm-report.err" || status=1 ;;
     kv-attention)
-      step kv-attention stage/gpu/gpu-bench "$out/kv-attention.json" --kv-attention
+      step kv-attention $stage/gpu-bench "$out/kv-attention.json" --kv-attention
       step kv-attention-peer python3 bench/gpu_peer.py "$out/kv-attention-peer.json" --kv-attention
       python3 bench/kv_report.py "$out" > "$out/report-kv.md" 2>"$out/report-kv.err" || status=1 ;;
     kv-long)
@@ -110,7 +111,7 @@ for part in "$@"; do
     fp8)
       throughput throughput-fp8 llama-3-8b:fp8 --num-prompts 1000 --sweep-seqs 64,256 --profile ;;
     moe-experts)
-      step moe-experts stage/gpu/gpu-bench "$out/moe-experts.json" --moe-experts ;;
+      step moe-experts $stage/gpu-bench "$out/moe-experts.json" --moe-experts ;;
     moe)
       mixtral=bench/configs/mixtral-8x7b-vocab-49152.json:w4a16-g128
       throughput moe-mixtral-w4a16-b1 "$mixtral" --num-prompts 16 --max-num-seqs 1 --profile

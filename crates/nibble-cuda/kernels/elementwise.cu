@@ -4,8 +4,9 @@
 //
 // Layout: activations are row-major [tokens, features]; the residual stream, GEMM outputs, q/k/v
 // and the gate/up products are f32, everything a GEMM reads is the model dtype T. One block per
-// row for the reductions (RMSNorm: the row is read twice, the second time from L1/L2), a flat
-// grid-stride loop for elementwise ops; row ops walk their row in pages (row_pages, common.cuh)
+// row for the reductions and the gated activations, a flat grid-stride loop for the other
+// elementwise ops. Row ops hold rows of up to 16K values in registers, read once with 16-byte
+// loads (the register path, common.cuh), and walk wider or unaligned rows in pages (row_pages)
 // so that a thread's loads are in flight together. Nothing here is compute-bound; each op moves its bytes
 // once. The arithmetic follows nibble-cpu's ops.rs (rms: 1/sqrt(mean(x^2)+eps), RoPE angles in
 // f64) so the CPU backend is a tight reference.
@@ -13,6 +14,9 @@
 // Row kernels take up to 1024 threads (norm_block), two blocks per SM for many-row (prefill)
 // launches: registers are capped to 32.
 #define ROW_KERNEL __launch_bounds__(1024, 2)
+// Row kernels with the register path (common.cuh, ROW_VECS): a thread holds up to 32 floats of
+// its rows, which needs more than 32 registers.
+#define ROW_REGS_KERNEL __launch_bounds__(1024, 1)
 
 template <class T>
 __device__ void embed_impl(const T* __restrict__ table, const int* __restrict__ ids,
@@ -54,35 +58,156 @@ __device__ AbsMax rms_norm_impl(float* __restrict__ x, const float* __restrict__
     return am;
 }
 
+// rms_norm_impl on the register path (rms_norm_row checked that the row fits): `o` gets the
+// output row as stored. The same arithmetic but for the order of the sum of squares.
+template <class T>
+__device__ __forceinline__ AbsMax rms_norm_regs(float* __restrict__ x, const float* __restrict__ delta,
+                                                const float* __restrict__ w, T* __restrict__ out, int h,
+                                                float eps, float4 (&o)[ROW_VECS]) {
+    __shared__ float scratch[32];
+    const long row = blockIdx.x;
+    float* xr = x + row * h;
+    const float* dr = delta + row * h;
+    const int n4 = h >> 2;
+    float4 d[ROW_VECS];
+#pragma unroll
+    for (int i = 0; i < ROW_VECS; ++i) {
+        const int u = threadIdx.x + i * blockDim.x;
+        if (u < n4) {
+            o[i] = ld4(xr + 4 * u);
+            if (delta) d[i] = ld4(dr + 4 * u);
+        }
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < ROW_VECS; ++i) {
+        const int u = threadIdx.x + i * blockDim.x;
+        if (u < n4) {
+            if (delta) {
+                o[i] = make_float4(o[i].x + d[i].x, o[i].y + d[i].y, o[i].z + d[i].z, o[i].w + d[i].w);
+                st4(xr + 4 * u, o[i]);
+            }
+            ss = fmaf(o[i].x, o[i].x, ss);
+            ss = fmaf(o[i].y, o[i].y, ss);
+            ss = fmaf(o[i].z, o[i].z, ss);
+            ss = fmaf(o[i].w, o[i].w, ss);
+            d[i] = ld4(w + 4 * u);  // the weights' loads overlap the block's sum
+        }
+    }
+    const float total = block_sum(ss, scratch);
+    const float scale = 1.0f / sqrtf(total / (float)h + eps);
+    AbsMax am;
+#pragma unroll
+    for (int i = 0; i < ROW_VECS; ++i) {
+        const int u = threadIdx.x + i * blockDim.x;
+        if (u < n4) {
+            o[i] = store_rounded4(out + row * h + 4 * u,
+                                  make_float4(o[i].x * scale * d[i].x, o[i].y * scale * d[i].y,
+                                              o[i].z * scale * d[i].z, o[i].w * scale * d[i].w));
+            add_abs(am, o[i]);
+        }
+    }
+    return am;
+}
+
+// A row of RMSNorm (rms_norm_impl), then its codes `C` unless C is NoCodes: on the register path
+// where the row fits it, else on the paged one.
+template <class T, class C>
+__device__ __forceinline__ void rms_norm_row(float* x, const float* delta, const float* w, T* out, int h,
+                                             float eps, typename C::Code* q, float* sx) {
+    const bool regs = row_vec_fits(h) && aligned16(x, h) && (!delta || aligned16(delta, h)) &&
+                      aligned16(w, 0) && ((unsigned long long)out & (4 * sizeof(T) - 1)) == 0 &&
+                      ((unsigned long long)q & 3) == 0;
+    if (regs) {
+        grid_dependency_enter();
+        float4 o[ROW_VECS];
+        const AbsMax am = rms_norm_regs<T>(x, delta, w, out, h, eps, o);
+        if (C::ON) quantize_regs<C>(o, h, q, h, sx, am);
+    } else {
+        const AbsMax am = rms_norm_impl<T>(x, delta, w, out, h, eps);
+        if (C::ON) quantize_row<C>(out, h, q, h, sx, h, am);
+    }
+}
+
+// One page of a gated activation's row: `act(gate) * up` for the float4s t, t + blockDim.x, ...
+// below n4 (at most ROW_VECS each), stored to `out` and returned as stored in `o`.
+template <class T, class ACT>
+__device__ __forceinline__ void gated_regs(const float* __restrict__ gate, const float* __restrict__ up,
+                                           T* __restrict__ out, int n4, float4 (&o)[ROW_VECS], AbsMax& am,
+                                           ACT act) {
+    float4 u4[ROW_VECS];
+#pragma unroll
+    for (int i = 0; i < ROW_VECS; ++i) {
+        const int u = threadIdx.x + i * blockDim.x;
+        if (u < n4) {
+            o[i] = ld4(gate + 4 * u);
+            u4[i] = ld4(up + 4 * u);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < ROW_VECS; ++i) {
+        const int u = threadIdx.x + i * blockDim.x;
+        if (u < n4) {
+            o[i] = store_rounded4(out + 4 * u, make_float4(act(o[i].x, u4[i].x), act(o[i].y, u4[i].y),
+                                                           act(o[i].z, u4[i].z), act(o[i].w, u4[i].w)));
+            add_abs(am, o[i]);
+        }
+    }
+}
+
+struct SiluMul {
+    __device__ __forceinline__ float operator()(float g, float u) const { return g / (1.0f + expf(-g)) * u; }
+};
+// Gemma's GeGLU: PyTorch's gelu(approximate="tanh") of gate, times up (the CPU's gelu_tanh).
+struct GeluTanhMul {
+    __device__ __forceinline__ float operator()(float g, float u) const {
+        const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        return 0.5f * g * (1.0f + tanhf(inner)) * u;
+    }
+};
+
+// `act(gate) * up` for rows blockIdx.x, + gridDim.x, ... (gate and up may be column slices of one
+// fused GEMM output, row strides ldg and ldu); out is [rows, cols] of T. Register-path pages
+// where the rows are aligned, else the paged loop; no 64-bit division per element.
+template <class T, class ACT>
+__device__ __forceinline__ void gated_rows(const float* gate, const float* up, T* out, long n, int cols,
+                                           long ldg, long ldu, ACT act) {
+    const long rows = n / cols;
+    const bool vec = (cols & 3) == 0 && aligned16(gate, ldg) && aligned16(up, ldu) &&
+                     ((unsigned long long)out & (4 * sizeof(T) - 1)) == 0;
+    const int page = ROW_VECS * 4 * blockDim.x;
+    for (long r = blockIdx.x; r < rows; r += gridDim.x) {
+        if (vec) {
+            for (int c0 = 0; c0 < cols; c0 += page) {
+                float4 o[ROW_VECS];
+                AbsMax unused;
+                gated_regs<T>(gate + r * ldg + c0, up + r * ldu + c0, out + r * cols + c0,
+                              min(page, cols - c0) >> 2, o, unused, act);
+            }
+        } else {
+            row_pages(
+                cols, [&](int c) { return make_float2(gate[r * ldg + c], up[r * ldu + c]); },
+                [&](int c, float2 gu) { out[r * cols + c] = from_f32<T>(act(gu.x, gu.y)); });
+        }
+    }
+}
+
 #define NIBBLE_ROW_KERNELS(SUFFIX, T)                                                            \
     extern "C" __global__ void ROW_KERNEL embed_##SUFFIX(const T* table, const int* ids, float* out, int h) { \
         embed_impl<T>(table, ids, out, h);                                                       \
     }                                                                                            \
-    extern "C" __global__ void ROW_KERNEL rms_norm_##SUFFIX(float* x, const float* delta, const float* w,     \
+    extern "C" __global__ void ROW_REGS_KERNEL rms_norm_##SUFFIX(float* x, const float* delta, const float* w, \
                                                  T* out, int h, float eps) {                     \
-        rms_norm_impl<T>(x, delta, w, out, h, eps);                                              \
+        rms_norm_row<T, NoCodes>(x, delta, w, out, h, eps, nullptr, nullptr);                   \
     }                                                                                            \
     /* gate and up may be column slices of one fused GEMM output (row strides ldg, ldu). */    \
-    extern "C" __global__ void silu_mul_##SUFFIX(const float* gate, const float* up, T* out,      \
+    extern "C" __global__ void ROW_REGS_KERNEL silu_mul_##SUFFIX(const float* gate, const float* up, T* out, \
                                                  long n, int cols, long ldg, long ldu) {         \
-        grid_dependency_enter();                                                                 \
-        for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;                        \
-             i += (long)gridDim.x * blockDim.x) {                                                \
-            const long r = i / cols, c = i % cols;                                               \
-            const float g = gate[r * ldg + c];                                                   \
-            out[i] = from_f32<T>(g / (1.0f + expf(-g)) * up[r * ldu + c]);                       \
-        }                                                                                        \
+        gated_rows<T>(gate, up, out, n, cols, ldg, ldu, SiluMul{});                              \
     }                                                                                            \
-    /* Gemma's GeGLU: PyTorch's gelu(approximate="tanh") of gate, times up (the CPU's gelu_tanh). */ \
-    extern "C" __global__ void gelu_tanh_mul_##SUFFIX(const float* gate, const float* up, T* out, \
-                                                      long n, int cols, long ldg, long ldu) {    \
-        for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;                        \
-             i += (long)gridDim.x * blockDim.x) {                                                \
-            const long r = i / cols, c = i % cols;                                               \
-            const float g = gate[r * ldg + c];                                                   \
-            const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);               \
-            out[i] = from_f32<T>(0.5f * g * (1.0f + tanhf(inner)) * up[r * ldu + c]);             \
-        }                                                                                        \
+    extern "C" __global__ void ROW_REGS_KERNEL gelu_tanh_mul_##SUFFIX(const float* gate, const float* up, \
+                                                 T* out, long n, int cols, long ldg, long ldu) { \
+        gated_rows<T>(gate, up, out, n, cols, ldg, ldu, GeluTanhMul{});                          \
     }                                                                                            \
     extern "C" __global__ void cast_##SUFFIX(const float* x, T* out, long n) {                    \
         for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;                        \
@@ -188,9 +313,9 @@ extern "C" __global__ void add_f32(float* x, const float* d, long n) {
 
 // RMSNorm of a block's output that stays in the f32 residual stream (Gemma's post-attention and
 // post-feed-forward norms): rms_norm_impl writing f32.
-extern "C" __global__ void ROW_KERNEL rms_norm_f32(float* x, const float* w, float* out, int h,
-                                                   float eps) {
-    rms_norm_impl<float>(x, nullptr, w, out, h, eps);
+extern "C" __global__ void ROW_REGS_KERNEL rms_norm_f32(float* x, const float* w, float* out, int h,
+                                                        float eps) {
+    rms_norm_row<float, NoCodes>(x, nullptr, w, out, h, eps, nullptr, nullptr);
 }
 
 // x may be a column slice of a fused GEMM output (q of q/k/v): rows of `cols` at stride `ld`.
@@ -255,38 +380,61 @@ __device__ void quantize_act_impl(const IN* __restrict__ x, long ldx, typename C
     grid_dependency_enter();
     const long row = blockIdx.x;
     AbsMax am;
+    if (row_vec_fits(cols) && ((unsigned long long)x & (4 * sizeof(IN) - 1)) == 0 && (ldx & 3) == 0 &&
+        ((unsigned long long)q & 3) == 0 && (ldq & 3) == 0) {
+        const int n4 = cols >> 2;
+        float4 v[ROW_VECS];
+#pragma unroll
+        for (int i = 0; i < ROW_VECS; ++i) {
+            const int u = threadIdx.x + i * blockDim.x;
+            if (u < n4) v[i] = load4(x + row * ldx + 4 * u);
+        }
+#pragma unroll
+        for (int i = 0; i < ROW_VECS; ++i)
+            if (threadIdx.x + i * blockDim.x < n4) add_abs(am, v[i]);
+        quantize_regs<C>(v, cols, q, ldq, sx, am);
+        return;
+    }
     row_pages(
         cols, [&](int c) { return to_f32(x[row * ldx + c]); }, [&](int, float v) { am.add(v); });
     quantize_row<C>(x, ldx, q, ldq, sx, cols, am);
 }
 
 #define NIBBLE_ACT8_F32(NAME, C)                                                                    \
-    extern "C" __global__ void ROW_KERNEL NAME(const float* x, long ldx, C::Code* q, long ldq, float* sx, int cols) { \
+    extern "C" __global__ void ROW_REGS_KERNEL NAME(const float* x, long ldx, C::Code* q, long ldq, float* sx, int cols) { \
         quantize_act_impl<C>(x, ldx, q, ldq, sx, cols);                                             \
     }
 NIBBLE_ACT8_F32(quantize_i8_f32, Int8Codes)
 NIBBLE_ACT8_F32(quantize_f8_f32, Fp8Codes)
 
 #define NIBBLE_ACT8_FUSED(SUFFIX, T, QNAME, TAG, C)                                                 \
-    extern "C" __global__ void ROW_KERNEL QNAME##_##SUFFIX(const T* x, long ldx, C::Code* q, long ldq, \
+    extern "C" __global__ void ROW_REGS_KERNEL QNAME##_##SUFFIX(const T* x, long ldx, C::Code* q, long ldq, \
                                                     float* sx, int cols) {                         \
         quantize_act_impl<C>(x, ldx, q, ldq, sx, cols);                                             \
     }                                                                                               \
     /* rms_norm_##SUFFIX, then the codes of its output row. */                                      \
-    extern "C" __global__ void ROW_KERNEL rms_norm_##TAG##_##SUFFIX(float* x, const float* delta, const float* w, \
+    extern "C" __global__ void ROW_REGS_KERNEL rms_norm_##TAG##_##SUFFIX(float* x, const float* delta, const float* w, \
                                                     T* out, int h, float eps, C::Code* q, float* sx) { \
-        quantize_row<C>(out, h, q, h, sx, h, rms_norm_impl<T>(x, delta, w, out, h, eps));           \
+        rms_norm_row<T, C>(x, delta, w, out, h, eps, q, sx);                                        \
     }                                                                                               \
     /* One block per row: out = T(silu(gate) * up), then its codes. */                             \
-    extern "C" __global__ void ROW_KERNEL silu_mul_##TAG##_##SUFFIX(const float* gate, const float* up, T* out, \
+    extern "C" __global__ void ROW_REGS_KERNEL silu_mul_##TAG##_##SUFFIX(const float* gate, const float* up, T* out, \
                                                     int cols, long ldg, long ldu, C::Code* q, float* sx) { \
         grid_dependency_enter();                                                                    \
         const long r = blockIdx.x;                                                                  \
+        if (row_vec_fits(cols) && aligned16(gate, ldg) && aligned16(up, ldu) &&                      \
+            ((unsigned long long)out & (4 * sizeof(T) - 1)) == 0 && ((unsigned long long)q & 3) == 0) { \
+            float4 o[ROW_VECS];                                                                     \
+            AbsMax am;                                                                              \
+            gated_regs<T>(gate + r * ldg, up + r * ldu, out + r * cols, cols >> 2, o, am, SiluMul{}); \
+            quantize_regs<C>(o, cols, q, cols, sx, am);                                             \
+            return;                                                                                 \
+        }                                                                                           \
         AbsMax am;                                                                                  \
         row_pages(                                                                                  \
             cols, [&](int c) { return make_float2(gate[r * ldg + c], up[r * ldu + c]); },            \
             [&](int c, float2 gu) {                                                                 \
-                const T o = from_f32<T>(gu.x / (1.0f + expf(-gu.x)) * gu.y);                         \
+                const T o = from_f32<T>(SiluMul{}(gu.x, gu.y));                                     \
                 out[r * cols + c] = o;                                                              \
                 am.add(to_f32(o));                                                                  \
             });                                                                                     \

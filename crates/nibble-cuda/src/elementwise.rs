@@ -237,10 +237,11 @@ fn gated(
     check_gated(kernel, gate, up)?;
     let out = ctx.alloc(gate.rows, gate.cols, Elem::Half(ctx.dtype))?;
     let n = gate.rows * gate.cols;
+    // A block per row (the kernel walks rows blockIdx.x, + gridDim.x, ...).
     ctx.half_kernel(kernel)?.launch(
         &ctx.gpu,
-        grid_for(n),
-        BLOCK,
+        (gate.rows.clamp(1, 1 << 20) as u32, 1, 1),
+        norm_block(gate.cols),
         0,
         vec![
             Arg::Ptr(gate.ptr),

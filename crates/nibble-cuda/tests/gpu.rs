@@ -145,8 +145,17 @@ fn row_ops_match_cpu() {
     let mut r = rng("row_ops_match_cpu");
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let (g, c) = (gpu(dtype), cpu());
-        // 10000 wide: more than one page (8 per thread) of a 1024-thread row kernel.
-        for &(rows, h) in &[(1usize, 576usize), (7, 1000), (33, 4096), (1, 10000)] {
+        // Rows of a width that is a multiple of 4 and at most 16K take the register path
+        // (common.cuh); 1001 (odd) and 20000 (past 16K: the paged loop, and several register
+        // pages for the gated activations) the other one.
+        for &(rows, h) in &[
+            (1usize, 576usize),
+            (7, 1000),
+            (33, 4096),
+            (1, 10000),
+            (3, 1001),
+            (2, 20000),
+        ] {
             g.poison_activations(64 << 20).unwrap();
             let x = CpuTensor::new(randn(&mut r, rows * h, 1.0), rows, h);
             let d = CpuTensor::new(randn(&mut r, rows * h, 0.5), rows, h);
