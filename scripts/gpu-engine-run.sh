@@ -20,7 +20,7 @@
 #               cuBLAS BF16 and PyTorch's int4 / int8 / fp8 matmuls (report-qgemm.md, qgemm.png),
 #               then decode steps per precision; qgemm-kernels: the kernels alone
 #   w4a8        1000 ShareGPT prompts offline at 64 and 256 sequences: W4A8 (QoQ g128) and BF16
-#               in the same session (the W4A8 issue's end-to-end ratio)
+#               in the same session (the W4A8 issue's end-to-end ratio; SEQS=256: one size)
 #   kv-attention  decode attention per GPU KV format (kv16, kv8, kvfp8, kv4, mixes) at batch 64 /
 #               ctx 4k and batch 8 / ctx 32k, and PyTorch's flash SDPA (bf16, FP8 dequantized)
 #   kv-long     4k-token prompts, 512-token outputs offline: W4A8-KV4 and BF16-KV16, and the pool
@@ -101,8 +101,8 @@ for part in "$@"; do
           --input-len 4096 --output-len 512 --sweep-seqs 64,256 --profile
       done ;;
     w4a8)
-      throughput throughput-w4a8 llama-3-8b:w4a8-g128 --num-prompts 1000 --sweep-seqs 64,256 --profile
-      throughput throughput-bf16 llama-3-8b --num-prompts 1000 --sweep-seqs 64,256 --profile ;;
+      throughput throughput-w4a8 llama-3-8b:w4a8-g128 --num-prompts 1000 --sweep-seqs "${SEQS:-64,256}" --profile
+      throughput throughput-bf16 llama-3-8b --num-prompts 1000 --sweep-seqs "${SEQS:-64,256}" --profile ;;
     w8a16)
       for spec in w8a16 w4a16-g128; do
         throughput "throughput-$spec" "llama-3-8b:$spec" --num-prompts 1000 --sweep-seqs 64,256 --profile
