@@ -7,7 +7,8 @@
 # COUNT=8000 takes 19 or so whole steps). BATCH=N profiles decode steps of N sequences instead of
 # one (`bench throughput` on N synthetic prompts of INPUT_LEN tokens, default 256, all admitted
 # together; set SKIP past their prefill chunks). NIBBLE_BIN picks the binary (default
-# stage/gpu/nibble).
+# stage/gpu/nibble). KERNELS=REGEX times only the kernels whose names match (SKIP and COUNT then
+# count those).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-profile-step.sh OUTDIR [PRECISION...]}
@@ -28,7 +29,9 @@ fi
 for p in "${precisions[@]}"; do
   model=llama-3-8b; [ "$p" = bf16 ] || model=llama-3-8b:$p
   # Skip the load and the prompt; time a window of kernels well inside the decode steps.
+  # shellcheck disable=SC2046 # KERNELS: a name regex, as one -k argument
   "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+    $([ -n "${KERNELS:-}" ] && echo "-k regex:$KERNELS") \
     --launch-skip "${SKIP:-3000}" --launch-count "${COUNT:-700}" \
     "${NIBBLE_BIN:-stage/gpu/nibble}" --device cuda --dummy-weights "$model" "${workload[@]}" \
     >"$out/ncu-$p.csv" 2>"$out/ncu-$p.err"
