@@ -12,7 +12,7 @@
 // f64) so the CPU backend is a tight reference.
 
 // Row kernels take up to 1024 threads (norm_block), two blocks per SM for many-row (prefill)
-// launches: registers are capped to 32.
+// launches: registers are capped to 32 (those with the register path below: 64).
 #define ROW_KERNEL __launch_bounds__(1024, 2)
 // Row kernels with the register path (common.cuh, ROW_VECS): a thread holds up to 32 floats of
 // its rows, which needs more than 32 registers.
@@ -172,6 +172,7 @@ struct GeluTanhMul {
 template <class T, class ACT>
 __device__ __forceinline__ void gated_rows(const float* gate, const float* up, T* out, long n, int cols,
                                            long ldg, long ldu, ACT act) {
+    grid_dependency_enter();  // silu_mul_ is one of compile::GRID_WAITING_KERNELS
     const long rows = n / cols;
     const bool vec = (cols & 3) == 0 && aligned16(gate, ldg) && aligned16(up, ldu) &&
                      ((unsigned long long)out & (4 * sizeof(T) - 1)) == 0;

@@ -273,6 +273,57 @@ pub fn compile(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> 
     result
 }
 
+/// NVRTC to PTX for a virtual architecture (`compute_90a`), uncached: for checks of what a
+/// kernel's code does (the kernel-compile test reads which entries wait on the grid).
+pub fn ptx(name: &str, source: &str, options: &[String]) -> Result<String> {
+    let fail = |what: &str, detail: String| {
+        Error::unsupported(
+            format!("compiling CUDA kernels '{name}' to PTX ({what})"),
+            detail,
+        )
+    };
+    let src = CString::new(source).map_err(|_| fail("source", "contains a NUL byte".into()))?;
+    let cname = CString::new(format!("{name}.cu")).expect("kernel names hold no NUL");
+    let prog =
+        nvrtc::create_program(&src, Some(&cname)).map_err(|e| fail("create", format!("{e:?}")))?;
+    let result = unsafe { nvrtc::compile_program(prog, options) }
+        .map_err(|e| fail("NVRTC", format!("{e:?} with options {options:?}")))
+        .and_then(|()| unsafe { nvrtc::get_ptx(prog) }.map_err(|e| fail("PTX", format!("{e:?}"))))
+        .map(|raw| {
+            let bytes: Vec<u8> = raw
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as u8)
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        });
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    result
+}
+
+/// The names of a PTX module's kernels (`.entry`) whose code waits on the grid dependency
+/// (`griddepcontrol.wait`) before it ends, and of those that do not.
+pub fn ptx_grid_waits(ptx: &str) -> (Vec<String>, Vec<String>) {
+    let (mut waiting, mut not) = (Vec::new(), Vec::new());
+    let mut rest = ptx;
+    while let Some(at) = rest.find(".entry ") {
+        let after = &rest[at + ".entry ".len()..];
+        let name: String = after
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        // The body runs to the next entry (PTX modules have no nested entries).
+        let end = after.find(".entry ").unwrap_or(after.len());
+        if after[..end].contains("griddepcontrol.wait") {
+            waiting.push(name);
+        } else {
+            not.push(name);
+        }
+        rest = &after[end..];
+    }
+    (waiting, not)
+}
+
 unsafe fn get_cubin(prog: nvrtc_sys::nvrtcProgram) -> std::result::Result<Vec<u8>, String> {
     let mut size = 0usize;
     let r = unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) };

@@ -237,6 +237,9 @@ fn gated(
     check_gated(kernel, gate, up)?;
     let out = ctx.alloc(gate.rows, gate.cols, Elem::Half(ctx.dtype))?;
     let n = gate.rows * gate.cols;
+    if n == 0 {
+        return Ok(out);
+    }
     // A block per row (the kernel walks rows blockIdx.x, + gridDim.x, ...).
     ctx.half_kernel(kernel)?.launch(
         &ctx.gpu,

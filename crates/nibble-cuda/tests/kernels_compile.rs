@@ -206,6 +206,72 @@ fn kernels_compile_for_every_architecture() {
     });
 }
 
+/// Every kernel that Hopper launches early (`compile::GRID_WAITING_KERNELS`: it may start while
+/// the kernel before it still runs) waits on the grid dependency somewhere in its code; one that
+/// does not reads its inputs before they are written.
+#[test]
+fn kernels_launched_early_wait_on_the_grid() {
+    if !probe::nvrtc_available() {
+        return unavailable("NVRTC is not installed here");
+    }
+    let include = match probe::cuda_include_dir() {
+        Ok(d) => d,
+        Err(e) => return unavailable(&e.to_string()),
+    };
+    let opts = compile::options("compute_90a", &include);
+    let mut modules: Vec<(String, String, Vec<String>)> = compile::SOURCES
+        .iter()
+        .map(|(name, text)| (name.to_string(), compile::full_source(text), opts.clone()))
+        .collect();
+    // The quantized-KV module in a per-token and a channel-wise pool format.
+    use nibble_cuda::PageFormat;
+    let [_, int8, int4, _] = PageFormat::ALL;
+    let [c4, ..] = PageFormat::DEFERRED;
+    for (k, v, deferred) in [(int8, int4, false), (c4, int4, true)] {
+        let kinds = [k.kernel_code(), v.kernel_code()];
+        modules.push((
+            format!("kv_quant {k:?}/{v:?}"),
+            compile::full_source(compile::KV_QUANT),
+            compile::kv_quant_options(&opts, "bf16", kinds, deferred),
+        ));
+    }
+    let mut checked = 0;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = modules
+            .iter()
+            .map(|(name, src, o)| {
+                scope.spawn(move || {
+                    let ptx = compile::ptx(name, src, o).unwrap_or_else(|e| panic!("{name}: {e}"));
+                    let (_, not_waiting) = compile::ptx_grid_waits(&ptx);
+                    let early: Vec<&String> = not_waiting
+                        .iter()
+                        .filter(|e| compile::waits_on_grid_first(e))
+                        .collect();
+                    assert!(
+                        early.is_empty(),
+                        "{name}: launched early, never wait: {early:?}"
+                    );
+                    let (waiting, _) = compile::ptx_grid_waits(&ptx);
+                    waiting.len()
+                })
+            })
+            .collect();
+        for h in handles {
+            checked += h.join().unwrap();
+        }
+    });
+    assert!(checked > 50, "only {checked} waiting kernels found");
+}
+
+#[test]
+fn ptx_entries_are_split_by_their_grid_wait() {
+    let ptx = ".visible .entry a(\n){\n griddepcontrol.wait;\n ret;\n}\n\
+               .visible .entry b_2(\n){\n ret;\n}\n";
+    let (waiting, not) = compile::ptx_grid_waits(ptx);
+    assert_eq!(waiting, ["a"]);
+    assert_eq!(not, ["b_2"]);
+}
+
 #[test]
 fn compile_errors_show_the_nvrtc_log() {
     if !probe::nvrtc_available() || probe::cuda_include_dir().is_err() {
