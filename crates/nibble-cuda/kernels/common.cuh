@@ -271,6 +271,19 @@ __device__ __forceinline__ bool aligned16(const void* p, long ld) {
 }
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+// A thread's float4s t, t + blockDim.x, ... below n4 of `a` into va and, unless `b` is null, of
+// `b` into vb: every load issued before any is used.
+__device__ __forceinline__ void load_regs(const float* __restrict__ a, const float* __restrict__ b, int n4,
+                                          float4 (&va)[ROW_VECS], float4 (&vb)[ROW_VECS]) {
+#pragma unroll
+    for (int i = 0; i < ROW_VECS; ++i) {
+        const int u = threadIdx.x + i * blockDim.x;
+        if (u < n4) {
+            va[i] = ld4(a + 4 * u);
+            if (b) vb[i] = ld4(b + 4 * u);
+        }
+    }
+}
 template <class T> struct alignas(4 * sizeof(T)) Pack4 { T v[4]; };
 // Four 16-bit (or f32) values of a row as one access; returns them as stored (rounded to T).
 template <class T> __device__ __forceinline__ float4 store_rounded4(T* p, float4 v) {

@@ -70,14 +70,7 @@ __device__ __forceinline__ AbsMax rms_norm_regs(float* __restrict__ x, const flo
     const float* dr = delta + row * h;
     const int n4 = h >> 2;
     float4 d[ROW_VECS];
-#pragma unroll
-    for (int i = 0; i < ROW_VECS; ++i) {
-        const int u = threadIdx.x + i * blockDim.x;
-        if (u < n4) {
-            o[i] = ld4(xr + 4 * u);
-            if (delta) d[i] = ld4(dr + 4 * u);
-        }
-    }
+    load_regs(xr, delta ? dr : nullptr, n4, o, d);
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < ROW_VECS; ++i) {
@@ -136,14 +129,7 @@ __device__ __forceinline__ void gated_regs(const float* __restrict__ gate, const
                                            T* __restrict__ out, int n4, float4 (&o)[ROW_VECS], AbsMax& am,
                                            ACT act) {
     float4 u4[ROW_VECS];
-#pragma unroll
-    for (int i = 0; i < ROW_VECS; ++i) {
-        const int u = threadIdx.x + i * blockDim.x;
-        if (u < n4) {
-            o[i] = ld4(gate + 4 * u);
-            u4[i] = ld4(up + 4 * u);
-        }
-    }
+    load_regs(gate, up, n4, o, u4);
 #pragma unroll
     for (int i = 0; i < ROW_VECS; ++i) {
         const int u = threadIdx.x + i * blockDim.x;
