@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# End-to-end A/B of staged builds in one device call: `scripts/gpu-engine-run.sh w4a8` (W4A8 and
+# BF16 offline on 1000 ShareGPT prompts) for each stage, alternated ROUNDS times (default 1), at
+# SEQS sequences (default 256). Everything lands in OUTDIR/e2e.tgz plus OUTDIR/summary.md (one
+# row per stage, round and precision), so the call returns two files whatever the stage count.
+#   scripts/gpu-e2e-ab.sh OUTDIR STAGE...      (GPU machine, repo root; STAGE a folder with nibble)
+# A run gets E2E_TIMEOUT seconds (default 200: a cold machine compiles a changed module first).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu-e2e-ab.sh OUTDIR STAGE...}; shift
+mkdir -p "$out/runs"
+export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
+status=0
+for round in $(seq 1 "${ROUNDS:-1}"); do
+  for st in "$@"; do
+    dir="$out/runs/$(basename "$st")-$round"
+    SEQS=${SEQS:-256} STAGE=$st timeout "${E2E_TIMEOUT:-200}" scripts/gpu-engine-run.sh "$dir" w4a8 \
+      >"$dir.log" 2>&1 || status=1
+    grep -E "^throughput at" "$dir.log" | sed "s|^|$(basename "$st") round $round: |"
+  done
+done
+python3 bench/e2e_ab_report.py "$out/runs" | tee "$out/summary.md"
+tar czf "$out/e2e.tgz" -C "$out" runs && rm -rf "$out/runs"
+exit $status
