@@ -285,6 +285,10 @@ __device__ __forceinline__ void load_regs(const float* __restrict__ a, const flo
     }
 }
 template <class T> struct alignas(4 * sizeof(T)) Pack4 { T v[4]; };
+// Whether `p` may be read or written as Pack4s (rows of a multiple of 4 keep that row to row).
+template <class T> __device__ __forceinline__ bool aligned_pack4(const T* p) {
+    return ((unsigned long long)p & (4 * sizeof(T) - 1)) == 0;
+}
 // Four 16-bit (or f32) values of a row as one access; returns them as stored (rounded to T).
 template <class T> __device__ __forceinline__ float4 store_rounded4(T* p, float4 v) {
     Pack4<T> o;
@@ -309,18 +313,32 @@ __device__ __forceinline__ void add_abs(AbsMax& am, float4 v) {
 // Quantizes row `row` of `src` (already written by this block, or any input) to codes `C`,
 // `local` being this thread's share of max|x| (NaN/Inf propagate as a non-finite flag: codes 0,
 // scale NaN, as the reference).
+// A row's scale for codes `C` from every thread's AbsMax share (the whole block calls it):
+// max|x| / QMAX, NaN when a value is not finite; `on` is false where codes are 0 (that, or 0).
+template <class C> struct RowScale {
+    float scale;
+    bool on;
+    __device__ __forceinline__ explicit RowScale(AbsMax local) {
+        __shared__ float scratch[32];
+        const float amax = block_max(local.finite ? local.m : __int_as_float(0x7f800000), scratch);
+        const bool finite = amax <= 3.4028235e38f;
+        scale = finite ? amax / C::QMAX : __int_as_float(0x7fc00000);
+        on = finite && scale != 0.f;
+    }
+    __device__ __forceinline__ typename C::Code code(float v) const {
+        return on ? C::code(v / scale) : (typename C::Code)0;
+    }
+};
+
 template <class C, class IN>
 __device__ __forceinline__ void quantize_row(const IN* src, long ld, typename C::Code* q, long ldq,
                                              float* sx, int cols, AbsMax local) {
-    __shared__ float scratch[32];
     const long row = blockIdx.x;
-    const float amax = block_max(local.finite ? local.m : __int_as_float(0x7f800000), scratch);
-    const bool finite = amax <= 3.4028235e38f;
-    const float scale = finite ? amax / C::QMAX : __int_as_float(0x7fc00000);
+    const RowScale<C> rs(local);
     row_pages(
         cols, [&](int c) { return to_f32(src[row * ld + c]); },
-        [&](int c, float v) { q[row * ldq + c] = finite && scale != 0.f ? C::code(v / scale) : (typename C::Code)0; });
-    if (threadIdx.x == 0) sx[row] = scale;
+        [&](int c, float v) { q[row * ldq + c] = rs.code(v); });
+    if (threadIdx.x == 0) sx[row] = rs.scale;
 }
 
 // quantize_row for a row held by the register path: `v` are the values as stored (16-bit rounded),
@@ -328,26 +346,18 @@ __device__ __forceinline__ void quantize_row(const IN* src, long ld, typename C:
 template <class C>
 __device__ __forceinline__ void quantize_regs(const float4 (&v)[ROW_VECS], int cols, typename C::Code* q,
                                               long ldq, float* sx, AbsMax local) {
-    __shared__ float scratch[32];
     const long row = blockIdx.x;
-    const float amax = block_max(local.finite ? local.m : __int_as_float(0x7f800000), scratch);
-    const bool finite = amax <= 3.4028235e38f;
-    const float scale = finite ? amax / C::QMAX : __int_as_float(0x7fc00000);
-    const bool on = finite && scale != 0.f;
+    const RowScale<C> rs(local);
     const int n4 = cols >> 2;
 #pragma unroll
     for (int i = 0; i < ROW_VECS; ++i) {
         const int u = threadIdx.x + i * blockDim.x;
         if (u < n4) {
-            Pack4<typename C::Code> c;
-            c.v[0] = on ? C::code(v[i].x / scale) : (typename C::Code)0;
-            c.v[1] = on ? C::code(v[i].y / scale) : (typename C::Code)0;
-            c.v[2] = on ? C::code(v[i].z / scale) : (typename C::Code)0;
-            c.v[3] = on ? C::code(v[i].w / scale) : (typename C::Code)0;
+            const Pack4<typename C::Code> c{{rs.code(v[i].x), rs.code(v[i].y), rs.code(v[i].z), rs.code(v[i].w)}};
             *reinterpret_cast<Pack4<typename C::Code>*>(q + row * ldq + 4 * u) = c;
         }
     }
-    if (threadIdx.x == 0) sx[row] = scale;
+    if (threadIdx.x == 0) sx[row] = rs.scale;
 }
 
 // A uniform value in [-1, 1) from an element index and a seed (benchmarks fill KV caches and

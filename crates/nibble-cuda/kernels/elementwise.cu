@@ -109,8 +109,7 @@ template <class T, class C>
 __device__ __forceinline__ void rms_norm_row(float* x, const float* delta, const float* w, T* out, int h,
                                              float eps, typename C::Code* q, float* sx) {
     const bool regs = row_vec_fits(h) && aligned16(x, h) && (!delta || aligned16(delta, h)) &&
-                      aligned16(w, 0) && ((unsigned long long)out & (4 * sizeof(T) - 1)) == 0 &&
-                      ((unsigned long long)q & 3) == 0;
+                      aligned16(w, 0) && aligned_pack4(out) && aligned_pack4(q);
     if (regs) {
         grid_dependency_enter();
         float4 o[ROW_VECS];
@@ -161,7 +160,7 @@ __device__ __forceinline__ void gated_rows(const float* gate, const float* up, T
     grid_dependency_enter();  // silu_mul_ is one of compile::GRID_WAITING_KERNELS
     const long rows = n / cols;
     const bool vec = (cols & 3) == 0 && aligned16(gate, ldg) && aligned16(up, ldu) &&
-                     ((unsigned long long)out & (4 * sizeof(T) - 1)) == 0;
+                     aligned_pack4(out);
     const int page = ROW_VECS * 4 * blockDim.x;
     for (long r = blockIdx.x; r < rows; r += gridDim.x) {
         if (vec) {
@@ -367,8 +366,7 @@ __device__ void quantize_act_impl(const IN* __restrict__ x, long ldx, typename C
     grid_dependency_enter();
     const long row = blockIdx.x;
     AbsMax am;
-    if (row_vec_fits(cols) && ((unsigned long long)x & (4 * sizeof(IN) - 1)) == 0 && (ldx & 3) == 0 &&
-        ((unsigned long long)q & 3) == 0 && (ldq & 3) == 0) {
+    if (row_vec_fits(cols) && aligned_pack4(x) && (ldx & 3) == 0 && aligned_pack4(q) && (ldq & 3) == 0) {
         const int n4 = cols >> 2;
         float4 v[ROW_VECS];
 #pragma unroll
@@ -410,7 +408,7 @@ NIBBLE_ACT8_F32(quantize_f8_f32, Fp8Codes)
         grid_dependency_enter();                                                                    \
         const long r = blockIdx.x;                                                                  \
         if (row_vec_fits(cols) && aligned16(gate, ldg) && aligned16(up, ldu) &&                      \
-            ((unsigned long long)out & (4 * sizeof(T) - 1)) == 0 && ((unsigned long long)q & 3) == 0) { \
+            aligned_pack4(out) && aligned_pack4(q)) {                                               \
             float4 o[ROW_VECS];                                                                     \
             AbsMax am;                                                                              \
             gated_regs<T>(gate + r * ldg, up + r * ldu, out + r * cols, cols >> 2, o, am, SiluMul{}); \

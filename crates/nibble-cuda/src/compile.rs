@@ -245,8 +245,36 @@ fn rand_suffix() -> u64 {
 
 /// NVRTC, uncached. Also used by the kernel-compile check that runs without a GPU.
 pub fn compile(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
-    let fail = |what: &str, detail: String| {
-        Error::unsupported(format!("compiling CUDA kernels '{name}' ({what})"), detail)
+    nvrtc_output(name, "cubin", source, options, |prog| unsafe {
+        get_cubin(prog)
+    })
+}
+
+/// NVRTC to PTX for a virtual architecture (`compute_90a`), uncached: for checks of what a
+/// kernel's code does (the kernel-compile test reads which entries wait on the grid).
+pub fn ptx(name: &str, source: &str, options: &[String]) -> Result<String> {
+    nvrtc_output(name, "PTX", source, options, |prog| {
+        let raw = unsafe { nvrtc::get_ptx(prog) }.map_err(|e| format!("{e:?}"))?;
+        let bytes: Vec<u8> = raw
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8)
+            .collect();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    })
+}
+
+/// Compiles `source` with NVRTC and takes its `what` (cubin or PTX) with `get`; a failed compile
+/// is an error carrying NVRTC's log.
+fn nvrtc_output<T>(
+    name: &str,
+    what: &str,
+    source: &str,
+    options: &[String],
+    get: impl FnOnce(nvrtc_sys::nvrtcProgram) -> std::result::Result<T, String>,
+) -> Result<T> {
+    let fail = |step: &str, detail: String| {
+        Error::unsupported(format!("compiling CUDA kernels '{name}' ({step})"), detail)
     };
     let src = CString::new(source).map_err(|_| fail("source", "contains a NUL byte".into()))?;
     let cname = CString::new(format!("{name}.cu")).expect("kernel names hold no NUL");
@@ -267,36 +295,8 @@ pub fn compile(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> 
                 format!("{e:?} with options {options:?}\n{log}"),
             ))
         }
-        Ok(()) => unsafe { get_cubin(prog) }.map_err(|e| fail("cubin", e)),
+        Ok(()) => get(prog).map_err(|e| fail(what, e)),
     };
-    let _ = unsafe { nvrtc::destroy_program(prog) };
-    result
-}
-
-/// NVRTC to PTX for a virtual architecture (`compute_90a`), uncached: for checks of what a
-/// kernel's code does (the kernel-compile test reads which entries wait on the grid).
-pub fn ptx(name: &str, source: &str, options: &[String]) -> Result<String> {
-    let fail = |what: &str, detail: String| {
-        Error::unsupported(
-            format!("compiling CUDA kernels '{name}' to PTX ({what})"),
-            detail,
-        )
-    };
-    let src = CString::new(source).map_err(|_| fail("source", "contains a NUL byte".into()))?;
-    let cname = CString::new(format!("{name}.cu")).expect("kernel names hold no NUL");
-    let prog =
-        nvrtc::create_program(&src, Some(&cname)).map_err(|e| fail("create", format!("{e:?}")))?;
-    let result = unsafe { nvrtc::compile_program(prog, options) }
-        .map_err(|e| fail("NVRTC", format!("{e:?} with options {options:?}")))
-        .and_then(|()| unsafe { nvrtc::get_ptx(prog) }.map_err(|e| fail("PTX", format!("{e:?}"))))
-        .map(|raw| {
-            let bytes: Vec<u8> = raw
-                .iter()
-                .take_while(|&&c| c != 0)
-                .map(|&c| c as u8)
-                .collect();
-            String::from_utf8_lossy(&bytes).into_owned()
-        });
     let _ = unsafe { nvrtc::destroy_program(prog) };
     result
 }

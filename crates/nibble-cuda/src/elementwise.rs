@@ -243,7 +243,7 @@ fn gated(
     // A block per row (the kernel walks rows blockIdx.x, + gridDim.x, ...).
     ctx.half_kernel(kernel)?.launch(
         &ctx.gpu,
-        (gate.rows.clamp(1, 1 << 20) as u32, 1, 1),
+        (gate.rows.min(1 << 20) as u32, 1, 1),
         norm_block(gate.cols),
         0,
         vec![

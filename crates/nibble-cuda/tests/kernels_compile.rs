@@ -242,7 +242,7 @@ fn kernels_launched_early_wait_on_the_grid() {
             .map(|(name, src, o)| {
                 scope.spawn(move || {
                     let ptx = compile::ptx(name, src, o).unwrap_or_else(|e| panic!("{name}: {e}"));
-                    let (_, not_waiting) = compile::ptx_grid_waits(&ptx);
+                    let (waiting, not_waiting) = compile::ptx_grid_waits(&ptx);
                     let early: Vec<&String> = not_waiting
                         .iter()
                         .filter(|e| compile::waits_on_grid_first(e))
@@ -251,7 +251,6 @@ fn kernels_launched_early_wait_on_the_grid() {
                         early.is_empty(),
                         "{name}: launched early, never wait: {early:?}"
                     );
-                    let (waiting, _) = compile::ptx_grid_waits(&ptx);
                     waiting.len()
                 })
             })
