@@ -262,6 +262,7 @@ struct Fp8Codes {
 // with INT8 codes 19.4 us, two to three times their bytes' time. The path is chosen by the row's
 // width and its pointers' alignment only (arena tensors are 16-byte aligned), never by the batch,
 // so a row's values are the same alone or batched.
+// The host sizes these CTAs to match (context.rs, row_regs_block; a test checks ROW_REGS_VALUES).
 #define ROW_VECS 4
 __device__ __forceinline__ bool row_vec_fits(int cols) {
     return (cols & 3) == 0 && cols <= ROW_VECS * 4 * (int)blockDim.x;

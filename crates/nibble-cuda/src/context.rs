@@ -163,6 +163,24 @@ pub(crate) fn norm_block(cols: usize) -> u32 {
     (cols.div_ceil(4).next_power_of_two()).clamp(32, 1024) as u32
 }
 
+/// Values a thread holds on the row ops' register path (common.cuh: `ROW_VECS` float4s).
+pub(crate) const ROW_REGS_VALUES: usize = 16;
+
+/// Threads of a row kernel with the register path (`ROW_REGS_KERNEL`, common.cuh
+/// `row_vec_fits`). A row the path holds gets [`ROW_REGS_VALUES`] values a thread rather than
+/// [`norm_block`]'s four: a 1024-thread CTA of up to 64 registers a thread fills an SM's register
+/// file, so a 256-row launch over 4096-wide rows ran in two waves; 256-thread CTAs run four to an
+/// SM. Other rows (not a multiple of 4, or wider than the path holds) keep `norm_block` for the
+/// paged loop. Depends on the width alone, so a row is reduced the same way alone or batched.
+pub(crate) fn row_regs_block(cols: usize) -> u32 {
+    if cols % 4 != 0 || cols > ROW_REGS_VALUES * 1024 {
+        return norm_block(cols);
+    }
+    cols.div_ceil(ROW_REGS_VALUES)
+        .next_power_of_two()
+        .clamp(32, 1024) as u32
+}
+
 impl CudaContext {
     /// Opens GPU `ordinal`, compiles (or loads cached) kernels for it.
     pub fn new(ordinal: usize, dtype: Dtype) -> Result<CudaContext> {
@@ -931,4 +949,40 @@ fn batch_key(batch: &BatchLayout) -> (usize, usize, usize) {
             .first()
             .map_or(0, |s| s.start_pos * 65536 + s.len),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ROW_REGS_VALUES, norm_block, row_regs_block};
+
+    #[test]
+    fn row_kernels_hold_their_rows() {
+        // The register path holds every row it is given (row_vec_fits on the device), in CTAs
+        // of a warp to 1024 threads, and a 4096-wide row in 256 threads.
+        for cols in (4..=ROW_REGS_VALUES * 1024).step_by(4) {
+            let threads = row_regs_block(cols) as usize;
+            assert!(threads * ROW_REGS_VALUES >= cols, "{cols} wide in {threads}");
+            assert!(threads.is_power_of_two() && (32..=1024).contains(&threads));
+            assert!(threads == 32 || (threads / 2) * ROW_REGS_VALUES < cols, "{cols}: too many");
+        }
+        assert_eq!(row_regs_block(4096), 256);
+        assert_eq!(row_regs_block(14336), 1024);
+        // Rows the path cannot hold keep four values a thread for the paged loop.
+        for cols in [1, 1001, 4097, ROW_REGS_VALUES * 1024 + 4, 20000] {
+            assert_eq!(row_regs_block(cols), norm_block(cols));
+        }
+    }
+
+    #[test]
+    fn register_path_width_agrees_with_the_kernels() {
+        let common = include_str!("../kernels/common.cuh");
+        let vecs: usize = common
+            .lines()
+            .find_map(|l| l.strip_prefix("#define ROW_VECS "))
+            .expect("common.cuh defines ROW_VECS")
+            .trim()
+            .parse()
+            .expect("ROW_VECS is a number");
+        assert_eq!(vecs * 4, ROW_REGS_VALUES);
+    }
 }

@@ -7,7 +7,7 @@
 use nibble_core::{Error, Result};
 use nibble_model::{BatchLayout, RopeLayout, ScaledRows};
 
-use crate::context::{BLOCK, CudaContext, StepUpload, grid_for, norm_block};
+use crate::context::{BLOCK, CudaContext, StepUpload, grid_for, norm_block, row_regs_block};
 use crate::kv::CudaKv;
 use crate::runtime::{Arg, DeviceBuffer};
 use crate::tensor::{Act8, Act8Input, CudaTensor, CudaWeight, Elem};
@@ -95,7 +95,7 @@ fn norm_into(
         None => "rms_norm".into(),
     };
     ctx.half_kernel(&name)?
-        .launch(&ctx.gpu, (x.rows as u32, 1, 1), norm_block(x.cols), 0, args)?;
+        .launch(&ctx.gpu, (x.rows as u32, 1, 1), row_regs_block(x.cols), 0, args)?;
     Ok(out)
 }
 
@@ -207,7 +207,7 @@ pub fn silu_mul(ctx: &CudaContext, gate: &CudaTensor, up: &CudaTensor) -> Result
         .launch(
             &ctx.gpu,
             (gate.rows as u32, 1, 1),
-            norm_block(gate.cols),
+            row_regs_block(gate.cols),
             0,
             args,
         )?;
@@ -244,7 +244,7 @@ fn gated(
     ctx.half_kernel(kernel)?.launch(
         &ctx.gpu,
         (gate.rows.min(1 << 20) as u32, 1, 1),
-        norm_block(gate.cols),
+        row_regs_block(gate.cols),
         0,
         vec![
             Arg::Ptr(gate.ptr),
@@ -290,7 +290,7 @@ pub fn residual_rms_norm(
     ctx.kernel("rms_norm_f32")?.launch(
         &ctx.gpu,
         (x.rows as u32, 1, 1),
-        norm_block(x.cols),
+        row_regs_block(x.cols),
         0,
         vec![
             Arg::Ptr(x.ptr),

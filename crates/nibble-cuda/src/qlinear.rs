@@ -19,7 +19,7 @@ use nibble_formats::{HostTensor, WeightFormat};
 use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
 use rayon::prelude::*;
 
-use crate::context::{CudaContext, norm_block};
+use crate::context::{CudaContext, row_regs_block};
 pub use crate::context::{KernelTier, SPLIT_COUNTERS};
 use crate::pack::{
     self, Int8Layout, PackedFp8, PackedW4, PackedW4A8, PackedW8, W4A8Matrix, W4Matrix,
@@ -1398,7 +1398,7 @@ pub fn quantize_act8(ctx: &CudaContext, x: &CudaTensor, kind: Act8) -> Result<Ac
         .launch(
             &ctx.gpu,
             (x.rows as u32, 1, 1),
-            norm_block(x.cols),
+            row_regs_block(x.cols),
             0,
             vec![
                 Arg::Ptr(x.ptr),
