@@ -4,6 +4,8 @@
 # SEQS sequences (default 256). Everything lands in OUTDIR/e2e.tgz plus OUTDIR/summary.md (one
 # row per stage, round and precision), so the call returns two files whatever the stage count.
 #   scripts/gpu-e2e-ab.sh OUTDIR STAGE...      (GPU machine, repo root; STAGE a folder with nibble)
+# A STAGE may be NAME=FOLDER, and either may end in @VAR=VALUE[,VAR=VALUE]: that build with probe
+# knobs set, A/B'd against itself (e.g. fused=stage/gpu plain=stage/gpu@NIBBLE_SWIGLU=0).
 # A run gets E2E_TIMEOUT seconds (default 200: a cold machine compiles a changed module first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,11 +14,16 @@ mkdir -p "$out/runs"
 export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
 status=0
 for round in $(seq 1 "${ROUNDS:-1}"); do
-  for st in "$@"; do
-    dir="$out/runs/$(basename "$st")-$round"
-    SEQS=${SEQS:-256} STAGE=$st timeout "${E2E_TIMEOUT:-200}" scripts/gpu-engine-run.sh "$dir" w4a8 \
-      >"$dir.log" 2>&1 || status=1
-    grep -E "^throughput at" "$dir.log" | sed "s|^|$(basename "$st") round $round: |"
+  for spec in "$@"; do
+    st=$spec knob=
+    if [[ $st == *@* ]]; then knob=${st#*@}; st=${st%%@*}; fi
+    name=$(basename "$st")
+    if [[ $st == *=* ]]; then name=${st%%=*}; st=${st#*=}; fi
+    dir="$out/runs/$name-$round"
+    # shellcheck disable=SC2086 # knob: VAR=VALUE words for env
+    env ${knob//,/ } SEQS="${SEQS:-256}" STAGE="$st" timeout "${E2E_TIMEOUT:-200}" \
+      scripts/gpu-engine-run.sh "$dir" w4a8 >"$dir.log" 2>&1 || status=1
+    grep -E "^throughput at" "$dir.log" | sed "s|^|$name round $round: |"
   done
 done
 python3 bench/e2e_ab_report.py "$out/runs" | tee "$out/summary.md"

@@ -19,6 +19,15 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
 }
 template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 
+// SwiGLU's `silu(g) * u`, shared by the SiLU-gate row kernels and the quantized GEMMs' SwiGLU
+// epilogue (qgemm.cu), which must agree bit for bit: the rounded operations keep --fmad from
+// contracting either differently (the CPU's ops.rs rounds each step the same way).
+struct SiluMul {
+    __device__ __forceinline__ float operator()(float g, float u) const {
+        return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+    }
+};
+
 // Warp and block reductions with any associative `op`; every thread gets the result. A block has
 // up to 1024 threads and `scratch` 32 values; warps past blockDim.x contribute `idle`, the
 // operation's identity.

@@ -140,9 +140,6 @@ __device__ __forceinline__ void gated_regs(const float* __restrict__ gate, const
     }
 }
 
-struct SiluMul {
-    __device__ __forceinline__ float operator()(float g, float u) const { return g / (1.0f + expf(-g)) * u; }
-};
 // Gemma's GeGLU: PyTorch's gelu(approximate="tanh") of gate, times up (the CPU's gelu_tanh).
 struct GeluTanhMul {
     __device__ __forceinline__ float operator()(float g, float u) const {

@@ -185,8 +185,27 @@ struct W8Epilogue {
     }
 };
 
+// SwiGLU in the epilogue: the weight is a gate/up pair packed with its rows interleaved in runs
+// of 8 (rows 16j .. 16j + 7 are gate channels 8j .., rows 16j + 8 .. the up channels 8j ..;
+// qlinear::swiglu_rows), so the thread that holds row g of a 16-row tile holds its up partner,
+// row g + 8, too. It writes silu(gate) * up, each side the f32 value `inner` gives (what the
+// plain GEMM would store), to column 8j + g of an [M, N / 2] output in the model dtype: the bits
+// of the plain GEMM followed by the SiLU-gate kernel, without the f32 round trip of both halves
+// (docs/design/decode-step-256.md).
+template <class EPI> struct SwiGluEpilogue {
+    EPI inner;
+    template <class A> __device__ __forceinline__ float operator()(A gate, A up, int m, int n) const {
+        return SiluMul{}(inner(gate, m, n), inner(up, m, n + 8));
+    }
+};
+template <class EPI> struct IsSwiGlu { static constexpr bool value = false; };
+template <class EPI> struct IsSwiGlu<SwiGluEpilogue<EPI>> { static constexpr bool value = true; };
+// The entry macros' epilogue wrappers: an epilogue as it is, or as SwiGLU's inner one.
+template <class EPI> __device__ __forceinline__ EPI plain_epilogue(EPI e) { return e; }
+template <class EPI> __device__ __forceinline__ SwiGluEpilogue<EPI> swiglu_epilogue(EPI e) { return {e}; }
+
 // Stores a warp's 16-row x (TT * 8)-token accumulator tile: c0, c1 are row g at tokens 2t, 2t+1,
-// c2, c3 row g + 8 (PTX C fragment).
+// c2, c3 row g + 8 (PTX C fragment); with a SwiGLU epilogue, the product of the two rows.
 template <int TT, class A, class OUT, class EPI>
 __device__ __forceinline__ void store_tile(const A (&acc)[TT][4], int row0, int tok0, int M, int N,
                                            OUT* y, long ldy, const EPI& epi) {
@@ -196,7 +215,12 @@ __device__ __forceinline__ void store_tile(const A (&acc)[TT][4], int row0, int 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int n = row0 + g + 8 * (e >> 1), m = tok0 + tt * 8 + 2 * t + (e & 1);
-            if (n < N && m < M) y[(long)m * ldy + n] = to_out(epi(acc[tt][e], m, n), (OUT*)nullptr);
+            if constexpr (IsSwiGlu<EPI>::value) {
+                if (e < 2 && n < N && m < M)
+                    y[(long)m * ldy + (row0 >> 1) + g] = to_out(epi(acc[tt][e], acc[tt][e + 2], m, n), (OUT*)nullptr);
+            } else {
+                if (n < N && m < M) y[(long)m * ldy + n] = to_out(epi(acc[tt][e], m, n), (OUT*)nullptr);
+            }
         }
 }
 
@@ -207,6 +231,7 @@ template <int TT, class A, class OUT, class EPI>
 __device__ __forceinline__ void split_k_finish(const A (&acc)[TT][4], int tile, int M, int N,
                                                int npad, A* partial, int* counters, OUT* y, long ldy,
                                                const EPI& epi) {
+    static_assert(!IsSwiGlu<EPI>::value, "the mma.sync tiers have no SwiGLU entries");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int splits = gridDim.y;
     if (splits == 1) {

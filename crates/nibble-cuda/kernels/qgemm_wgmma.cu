@@ -577,21 +577,25 @@ W4A16_WGMMA(bf16, __nv_bfloat16)
 W8A16_WGMMA(f16, __half)
 W8A16_WGMMA(bf16, __nv_bfloat16)
 
-#define W4A8_WGMMA_ENTRY(NAME, TOK, OUT)                                                              \
+// WRAP: plain_epilogue, or swiglu_epilogue for a gate/up pair packed interleaved (qgemm.cu,
+// SwiGluEpilogue), which writes silu(gate) * up in the model dtype.
+#define W4A8_WGMMA_ENTRY(NAME, TOK, OUT, WRAP)                                                        \
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
         const __grid_constant__ TmaMap pmap, const float* __restrict__ sw, const float* __restrict__ sx, \
         OUT* __restrict__ y, long ldy, int M, int N, int tiles, int chunks, int groups, int group_shift, \
         int span, int splits, int* __restrict__ partial, int* __restrict__ counters) {                \
         wgmma_gemm<TOK, TOK <= 128>(&xmap, WgqW4A8<TOK>{&wmap, &pmap, tiles, chunks, groups, group_shift, span}, \
-                                   y, ldy, M, N, splits, partial, counters, W8Epilogue{sx, sw});       \
+                                   y, ldy, M, N, splits, partial, counters, WRAP(W8Epilogue{sx, sw})); \
     }
-#define W4A8_WGMMA(OUTNAME, OUT)                            \
-    W4A8_WGMMA_ENTRY(w4a8_wgmma_##OUTNAME, 256, OUT)        \
-    W4A8_WGMMA_ENTRY(w4a8_wgmma128_##OUTNAME, 128, OUT)     \
-    W4A8_WGMMA_ENTRY(w4a8_wgmma64_##OUTNAME, 64, OUT)
-W4A8_WGMMA(f32, float)
-W4A8_WGMMA(f16, __half)
-W4A8_WGMMA(bf16, __nv_bfloat16)
+#define W4A8_WGMMA(OUTNAME, OUT, WRAP)                            \
+    W4A8_WGMMA_ENTRY(w4a8_wgmma_##OUTNAME, 256, OUT, WRAP)        \
+    W4A8_WGMMA_ENTRY(w4a8_wgmma128_##OUTNAME, 128, OUT, WRAP)     \
+    W4A8_WGMMA_ENTRY(w4a8_wgmma64_##OUTNAME, 64, OUT, WRAP)
+W4A8_WGMMA(f32, float, plain_epilogue)
+W4A8_WGMMA(f16, __half, plain_epilogue)
+W4A8_WGMMA(bf16, __nv_bfloat16, plain_epilogue)
+W4A8_WGMMA(swiglu_f16, __half, swiglu_epilogue)
+W4A8_WGMMA(swiglu_bf16, __nv_bfloat16, swiglu_epilogue)
 
 #endif  // sm_90a

@@ -463,11 +463,23 @@ __device__ __forceinline__ void dec_finish(A (&acc)[TT][4], int tile, int b, int
         if (__shfl_sync(0xffffffffu, done, 0)) {
             release_fence();
             const A* base = partial + (long)tile * max_pieces * M * 16;
-            for (int i = lane; i < M * 16; i += 32) {
-                const int m = i >> 4, n = tile * 16 + (i & 15);
-                A s = 0;
-                for (int p = 0; p < pieces; ++p) s += __ldcg(base + (long)p * M * 16 + i);
-                if (n < N) y[(long)m * ldy + n] = to_out(epi(s, m, n), (OUT*)nullptr);
+            if constexpr (IsSwiGlu<EPI>::value) {  // a gate row's sum and its up partner's
+                for (int i = lane; i < M * 8; i += 32) {
+                    const int m = i >> 3, r = i & 7, n = tile * 16 + r;
+                    A sg = 0, su = 0;
+                    for (int p = 0; p < pieces; ++p) {
+                        sg += __ldcg(base + (long)p * M * 16 + m * 16 + r);
+                        su += __ldcg(base + (long)p * M * 16 + m * 16 + r + 8);
+                    }
+                    if (n < N) y[(long)m * ldy + tile * 8 + r] = to_out(epi(sg, su, m, n), (OUT*)nullptr);
+                }
+            } else {
+                for (int i = lane; i < M * 16; i += 32) {
+                    const int m = i >> 4, n = tile * 16 + (i & 15);
+                    A s = 0;
+                    for (int p = 0; p < pieces; ++p) s += __ldcg(base + (long)p * M * 16 + i);
+                    if (n < N) y[(long)m * ldy + n] = to_out(epi(s, m, n), (OUT*)nullptr);
+                }
             }
         }
     }
@@ -830,20 +842,24 @@ NIBBLE_W8A8_DEC(f16, __half)
     W8A16_DEC_ENTRY(w8a16_dec2_h_##SUFFIX, T, 2, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W8A16_DEC)
 
-#define W4A8_DEC_ENTRY(NAME, TT, OUT)                                                               \
+// WRAP: plain_epilogue, or swiglu_epilogue for a gate/up pair packed interleaved (qgemm.cu,
+// SwiGluEpilogue), which writes silu(gate) * up in the model dtype.
+#define W4A8_DEC_ENTRY(NAME, TT, OUT, WRAP)                                                         \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
         const uint4* codes, const uint2* params, const float* sw, const signed char* x, long ldx,     \
         const float* sx, OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, \
         int chunks, int groups, int group_shift, int per_cta, int max_pieces) {                       \
         dec_gemv<TT, DEC_WARPS, false>(DecW4A8{codes, params, chunks, groups, group_shift}, x, ldx, y,     \
                                          ldy, partial, counters, M, N, K, tiles, chunks, per_cta,       \
-                                         max_pieces, W8Epilogue{sx, sw}, blockIdx.x);                   \
+                                         max_pieces, WRAP(W8Epilogue{sx, sw}), blockIdx.x);            \
     }
-#define NIBBLE_W4A8_DEC(SUFFIX, OUT)                \
-    W4A8_DEC_ENTRY(w4a8_dec1_##SUFFIX, 1, OUT)   \
-    W4A8_DEC_ENTRY(w4a8_dec2_##SUFFIX, 2, OUT)   \
-    W4A8_DEC_ENTRY(w4a8_dec4_##SUFFIX, 4, OUT)
-NIBBLE_W4A8_DEC(f32, float)
-NIBBLE_W4A8_DEC(bf16, __nv_bfloat16)
-NIBBLE_W4A8_DEC(f16, __half)
+#define NIBBLE_W4A8_DEC(SUFFIX, OUT, WRAP)                \
+    W4A8_DEC_ENTRY(w4a8_dec1_##SUFFIX, 1, OUT, WRAP)   \
+    W4A8_DEC_ENTRY(w4a8_dec2_##SUFFIX, 2, OUT, WRAP)   \
+    W4A8_DEC_ENTRY(w4a8_dec4_##SUFFIX, 4, OUT, WRAP)
+NIBBLE_W4A8_DEC(f32, float, plain_epilogue)
+NIBBLE_W4A8_DEC(bf16, __nv_bfloat16, plain_epilogue)
+NIBBLE_W4A8_DEC(f16, __half, plain_epilogue)
+NIBBLE_W4A8_DEC(swiglu_bf16, __nv_bfloat16, swiglu_epilogue)
+NIBBLE_W4A8_DEC(swiglu_f16, __half, swiglu_epilogue)
 #endif

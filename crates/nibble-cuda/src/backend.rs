@@ -29,6 +29,7 @@ use crate::nccl::{Communicator, ReduceType};
 use crate::runtime::{DeviceBuffer, DevicePtr};
 use crate::sampling::SampleScratch;
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem, QuantWeight, WeightData};
+use crate::qlinear::QKernel;
 use crate::{attention, dense_gemv, elementwise as ew, graph, grouped, qlinear, sampling};
 
 /// Most rows an expert may be routed for the engine to group the layer's experts
@@ -172,6 +173,9 @@ impl CudaBackend {
                 WeightData::Quant(q) => {
                     qlinear::quant_gemm(ctx, x, q, weight.rows, weight.cols, out)
                 }
+                WeightData::SwiGlu(_) => Err(Error::InvalidArgument(
+                    "a SwiGLU weight writes its own 16-bit output (linear), not into f32".into(),
+                )),
             }
         };
         match &self.trace {
@@ -182,6 +186,32 @@ impl CudaBackend {
             ew::add_bias(ctx, out, b)?;
         }
         Ok(())
+    }
+
+    /// `silu(gate x) * up x` of a SwiGLU weight ([`WeightData::SwiGlu`]), `[x.rows, ffn]` in the
+    /// model dtype.
+    fn swiglu_linear(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        q: &QuantWeight,
+        bias: Option<&CudaTensor>,
+    ) -> Result<CudaTensor> {
+        let ctx = &self.ctx;
+        ctx.check_live(x)?;
+        if x.cols != weight.cols || bias.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "SwiGLU linear: input has {} features, weight expects {}{}",
+                x.cols,
+                weight.cols,
+                if bias.is_some() { ", and no bias" } else { "" }
+            )));
+        }
+        let gemm = || qlinear::swiglu_gemm(ctx, x, q, weight.rows, weight.cols);
+        match &self.trace {
+            Some(t) => t.gemm(gemm),
+            None => gemm(),
+        }
     }
 
     /// Whether an `m`-row product with the 16-bit `weight` runs on the dense decode gemv.
@@ -401,6 +431,13 @@ impl CudaBackend {
             .sticky(r)
             .unwrap_or_else(|| CudaTensor::dead(rows, cols, elem))
     }
+}
+
+/// NIBBLE_SWIGLU=0, read once: gate/up weights load as plain fused projections, activated by the
+/// SiLU-gate kernel (a probe knob: the fused epilogue A/B'd against it in one build).
+fn swiglu_off() -> bool {
+    static OFF: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    crate::runtime::probe_knob(&OFF, "NIBBLE_SWIGLU") == Some(0)
 }
 
 /// The fewest routed experts a step runs grouped: 3 quantized ones (at two, grouping measured
@@ -664,6 +701,38 @@ impl Backend for CudaBackend {
         self.upload_stacked(parts).map(Some)
     }
 
+    fn load_swiglu_weight(&self, gate: &HostTensor, up: &HostTensor) -> Result<Option<CudaWeight>> {
+        // The gate/up GEMM's epilogue applies SiLU-gate itself: no f32 round trip of both
+        // halves and no SiLU-gate launch (about 6% of a 256-sequence W4A8 decode step on an
+        // H200, docs/design/decode-step-256.md). NIBBLE_SWIGLU=0 keeps the two (a probe knob
+        // for A/Bs within one build).
+        if swiglu_off() {
+            return Ok(None);
+        }
+        let Some((format, rows, cols, bytes)) = qlinear::swiglu_rows(gate, up)? else {
+            return Ok(None);
+        };
+        let dtype = self.ctx.dtype;
+        let Some(family) = qlinear::QFamily::of(format).filter(|f| f.has_swiglu()) else {
+            return Ok(None);
+        };
+        let probe = qlinear::swiglu_kernel_name(QKernel::Wgmma64, family, 64, dtype.suffix());
+        if !self.ctx.has_kernel(&probe) {
+            return Ok(None);
+        }
+        let Ok(packed) = qlinear::pack_rows(format, rows, cols, &bytes, dtype) else {
+            return Ok(None);
+        };
+        let q = packed.upload(&self.ctx, &format!("weight {} + {}", gate.name, up.name))?;
+        self.ctx.note_weight(q.bytes(), q.reads_act8());
+        Ok(Some(CudaWeight {
+            rows: rows / 2,
+            cols,
+            dtype,
+            data: WeightData::SwiGlu(q),
+        }))
+    }
+
     fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
         x.split_cols(widths)
     }
@@ -749,6 +818,9 @@ impl Backend for CudaBackend {
         weight: &CudaWeight,
         bias: Option<&CudaTensor>,
     ) -> Result<CudaTensor> {
+        if let WeightData::SwiGlu(q) = &weight.data {
+            return self.swiglu_linear(x, weight, q, bias);
+        }
         let out = self.ctx.alloc(x.rows, weight.rows, Elem::F32)?;
         self.linear_into(x, weight, bias, &out)?;
         Ok(out)

@@ -96,9 +96,11 @@ enum Geometry {
     },
 }
 
-fn geometry(w: &CudaWeight) -> Geometry {
-    match &w.data {
+/// `None` for a SwiGLU weight, which no grouped kernel reads.
+fn geometry(w: &CudaWeight) -> Option<Geometry> {
+    Some(match &w.data {
         WeightData::Dense(_) => Geometry::Dense { dtype: w.dtype },
+        WeightData::SwiGlu(_) => return None,
         WeightData::Quant(q) => match *q {
             QuantWeight::W4 {
                 group_len,
@@ -141,7 +143,7 @@ fn geometry(w: &CudaWeight) -> Geometry {
                 chunks,
             },
         },
-    }
+    })
 }
 
 /// The kernel a grouped GEMM runs.
@@ -165,10 +167,10 @@ pub const W4A16_WIDE_ROWS: usize = 32;
 /// the weights twice).
 pub fn pick(ctx: &CudaContext, weights: &[&CudaWeight], max_rows: usize) -> Option<GroupedKernel> {
     let first = weights.first()?;
-    let geo = geometry(first);
+    let geo = geometry(first)?;
     let same = weights
         .iter()
-        .all(|w| (w.rows, w.cols) == (first.rows, first.cols) && geometry(w) == geo);
+        .all(|w| (w.rows, w.cols) == (first.rows, first.cols) && geometry(w) == Some(geo));
     if !same {
         return None;
     }
@@ -363,10 +365,13 @@ impl GroupedGemm {
             GroupedKernel::Decode { item_rows } => item_rows,
             GroupedKernel::MmaSync => GROUPED_MMA_MAX_M,
         };
-        let items = items(runs, item_rows);
+        let geo = geometry(first.weight).ok_or_else(|| {
+            Error::InvalidArgument("grouped GEMM of a SwiGLU weight".into())
+        })?;
+        let items = items(runs, item_rows)?;
         Ok(GroupedGemm {
             kernel,
-            geo: geometry(first.weight),
+            geo,
             table_at: up.push(&items),
             items,
             rows,
@@ -409,11 +414,16 @@ impl GroupedGemm {
 }
 
 /// The item table: each run cut into items of at most `item_rows` rows.
-fn items(runs: &[GroupedRun<'_>], item_rows: usize) -> Vec<GroupedItem> {
+fn items(runs: &[GroupedRun<'_>], item_rows: usize) -> Result<Vec<GroupedItem>> {
     let mut items = Vec::new();
     for r in runs {
         let (codes, params, scales) = match &r.weight.data {
             WeightData::Dense(b) => (b.ptr, 0, 0),
+            WeightData::SwiGlu(_) => {
+                return Err(Error::InvalidArgument(
+                    "grouped GEMM of a SwiGLU weight".into(),
+                ));
+            }
             WeightData::Quant(QuantWeight::W4 { codes, params, .. }) => (codes.ptr, params.ptr, 0),
             WeightData::Quant(
                 QuantWeight::W8 { codes, scales, .. }
@@ -438,7 +448,7 @@ fn items(runs: &[GroupedRun<'_>], item_rows: usize) -> Vec<GroupedItem> {
             }),
         );
     }
-    items
+    Ok(items)
 }
 
 /// Rows `first..first + rows` as `(first row, rows)` pieces of at most `item_rows`.

@@ -273,6 +273,14 @@ impl QFamily {
         }
     }
 
+    /// Whether this family's kernels have SwiGLU entries (kernels/qgemm.cu, `SwiGluEpilogue`:
+    /// the decode gemv and the wgmma tiles; [`swiglu_kernel_name`]). W4A8 only so far: its
+    /// 256-sequence decode step is where the SiLU-gate's f32 round trip weighs most
+    /// (docs/design/decode-step-256.md); the other families' entries are the same macros.
+    pub fn has_swiglu(self) -> bool {
+        self == QFamily::W4A8
+    }
+
     /// The kernels this family has for `m` tokens, on a GPU with (`hopper`) or without the sm_90
     /// ones: what the dispatch may ask for.
     pub fn kernels(self, hopper: bool, m: usize) -> Vec<QKernel> {
@@ -320,6 +328,40 @@ pub fn stacked_rows(parts: &[HostTensor]) -> Result<Option<StackedRows>> {
         bytes.extend_from_slice(&t.bytes);
     }
     Ok(Some((format, rows, cols, bytes)))
+}
+
+/// Rows of a gate and an up projection a run of the SwiGLU epilogue holds: the thread with a gate
+/// row's sums holds its up partner's too (kernels/qgemm.cu, `SwiGluEpilogue`).
+pub const SWIGLU_RUN: usize = 8;
+
+/// A SwiGLU layer's gate and up rows (`[ffn, k]` each) interleaved for the SwiGLU epilogue:
+/// packed rows `16j .. 16j + 7` are gate rows `8j ..`, rows `16j + 8 ..` up rows `8j ..`. `None`
+/// where the pair does not share one kernel format and shape, or `ffn` is not a multiple of 8.
+pub fn swiglu_rows(gate: &HostTensor, up: &HostTensor) -> Result<Option<StackedRows>> {
+    let (Some((format, rows, cols, g)), Some((up_format, up_rows, up_cols, u))) = (
+        stacked_rows(std::slice::from_ref(gate))?,
+        stacked_rows(std::slice::from_ref(up))?,
+    ) else {
+        return Ok(None);
+    };
+    if (up_format, up_rows, up_cols) != (format, rows, cols)
+        || rows == 0
+        || !rows.is_multiple_of(SWIGLU_RUN)
+    {
+        return Ok(None);
+    }
+    let run = SWIGLU_RUN * g.len() / rows;
+    Ok(Some((format, 2 * rows, cols, interleave_runs(&g, &u, run))))
+}
+
+/// `a` and `b` (of equal length) in alternating runs of `run` bytes: a run of `a`, then one of `b`.
+fn interleave_runs(a: &[u8], b: &[u8], run: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    for (ra, rb) in a.chunks(run).zip(b.chunks(run)) {
+        out.extend_from_slice(ra);
+        out.extend_from_slice(rb);
+    }
+    out
 }
 
 /// Two 4-bit codes a byte, low nibble first, into one code a byte.
@@ -629,6 +671,8 @@ struct Route {
     family: QFamily,
     out_half: bool,
     decode: Option<QKernel>,
+    /// A SwiGLU weight ([`swiglu_rows`]): the kernels write `silu(gate) * up`.
+    swiglu: bool,
 }
 
 /// Entry point of `kind` for `family`, `m` tokens, an output in the model dtype (`out_half`,
@@ -673,6 +717,14 @@ pub fn qgemm_kernel_name(
         QKernel::Wgmma128 => format!("{p}_wgmma128_{o}"),
         QKernel::Wgmma64 => format!("{p}_wgmma64_{o}"),
     }
+}
+
+/// The SwiGLU entry of `kind` ([`QFamily::has_swiglu`]): the model-dtype output entry's name
+/// with `_swiglu` before the dtype suffix (`w4a8_wgmma128_swiglu_bf16`).
+pub fn swiglu_kernel_name(kind: QKernel, family: QFamily, m: usize, sfx: &str) -> String {
+    let name = qgemm_kernel_name(kind, family, m, true, sfx);
+    let stem = name.strip_suffix(sfx).unwrap_or(&name);
+    format!("{stem}swiglu_{sfx}")
 }
 
 /// The decode gemv a W4A16 weight with `groups` groups of `group_len` channels per row takes, if
@@ -787,6 +839,40 @@ pub fn quant_gemm(
     k: usize,
     out: &CudaTensor,
 ) -> Result<()> {
+    routed_gemm(ctx, x, w, n, k, out, false)
+}
+
+/// `silu(gate x) * up x` of a SwiGLU weight ([`swiglu_rows`]: `2 * ffn` packed rows of `k`) in
+/// the model dtype, `[x.rows, ffn]`: the bits of [`quant_gemm`] into f32 followed by the SiLU-gate
+/// kernel, in one pass (no codes attached: the next INT8 GEMM quantizes it itself, with the same
+/// scale rule).
+pub fn swiglu_gemm(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    w: &QuantWeight,
+    ffn: usize,
+    k: usize,
+) -> Result<CudaTensor> {
+    let out = ctx.alloc(x.rows, ffn, Elem::Half(ctx.dtype))?;
+    routed_gemm(ctx, x, w, 2 * ffn, k, &out, true)?;
+    Ok(out)
+}
+
+/// [`quant_gemm`], or with `swiglu` [`swiglu_gemm`]'s kernels into its `[m, n / 2]` output.
+fn routed_gemm(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    w: &QuantWeight,
+    n: usize,
+    k: usize,
+    out: &CudaTensor,
+    swiglu: bool,
+) -> Result<()> {
+    if swiglu && !matches!(w, QuantWeight::W4A8 { .. }) {
+        return Err(Error::InvalidArgument(
+            "a SwiGLU GEMM of a family without SwiGLU kernels".into(),
+        ));
+    }
     let m = x.rows;
     let out_half = match out.elem {
         Elem::F32 => false,
@@ -817,6 +903,7 @@ pub fn quant_gemm(
                 family: QFamily::W4A16,
                 out_half,
                 decode: w4_decode_kernel(*group_len, *groups),
+                swiglu: false,
             };
             let wg = WgmmaOperands {
                 x: xh.ptr,
@@ -844,6 +931,7 @@ pub fn quant_gemm(
                 family: QFamily::W8A16,
                 out_half,
                 decode: Some(QKernel::Decode),
+                swiglu: false,
             };
             let wg = WgmmaOperands {
                 x: xh.ptr,
@@ -890,6 +978,7 @@ pub fn quant_gemm(
                 family,
                 out_half,
                 decode: Some(QKernel::Decode),
+                swiglu: false,
             };
             let wg = WgmmaOperands {
                 x: q.codes,
@@ -931,6 +1020,7 @@ pub fn quant_gemm(
                 family: QFamily::W4A8,
                 out_half,
                 decode: Some(QKernel::Decode),
+                swiglu,
             };
             let wg = WgmmaOperands {
                 x: q.codes,
@@ -1004,7 +1094,11 @@ fn run_quant(
     chunks: usize,
 ) -> Result<()> {
     let (m, n, k) = (geo[0], geo[1], geo[2]);
-    let name = |kind| qgemm_kernel_name(kind, route.family, m, route.out_half, ctx.dtype.suffix());
+    let sfx = ctx.dtype.suffix();
+    let name = |kind| match route.swiglu {
+        true => swiglu_kernel_name(kind, route.family, m, sfx),
+        false => qgemm_kernel_name(kind, route.family, m, route.out_half, sfx),
+    };
     // The integers after the pointers: `geo`, and for the gemv kernels `gemv_geo` too.
     let ints = |gemv: bool| -> Vec<Arg> {
         let extra = if gemv { gemv_geo } else { &[] };
@@ -1021,7 +1115,14 @@ fn run_quant(
         tier: ctx.tier(),
         tma_ok,
     };
-    match gemm.pick(&|kind| ctx.has_kernel(&name(kind))) {
+    let pick = gemm.pick(&|kind| ctx.has_kernel(&name(kind)));
+    if route.swiglu && !matches!(pick, Pick::Decode(..) | Pick::Wgmma(..)) {
+        return Err(Error::unsupported(
+            format!("a SwiGLU {:?} GEMM of {m} tokens here", route.family),
+            "its SwiGLU epilogue is in the decode gemv and the wgmma kernels (sm_90a) only",
+        ));
+    }
+    match pick {
         Pick::Decode(kind, plan) => {
             launch_decode(ctx, &name(kind), head, ints(true), tiles, m, plan)
         }
@@ -1703,6 +1804,7 @@ mod tests {
                     QFamily::W4A16 => w4_decode_kernel(128, k / 128),
                     _ => Some(QKernel::Decode),
                 },
+                swiglu: false,
             },
             m,
             tiles: n / 16,
@@ -1791,5 +1893,58 @@ mod tests {
             let f: LinearFormat = f.parse().unwrap();
             assert!(kernel_format(WeightFormat::Quant(f)).is_none(), "{f}");
         }
+    }
+
+    fn host_rows(format: LinearFormat, rows: usize, cols: usize, first: u8) -> HostTensor {
+        let rb = format.row_bytes(cols).unwrap();
+        // Every byte of row r is first + r: the interleaving is visible row by row.
+        let bytes = (0..rows)
+            .flat_map(|r| std::iter::repeat_n(first.wrapping_add(r as u8), rb))
+            .collect::<Vec<u8>>();
+        HostTensor {
+            name: format!("rows from {first}"),
+            shape: vec![rows, cols],
+            format: WeightFormat::Quant(format),
+            bytes: nibble_formats::TensorBytes::Owned(std::sync::Arc::new(bytes)),
+        }
+    }
+
+    #[test]
+    fn swiglu_rows_interleave_gate_and_up_in_runs_of_eight() {
+        let f: LinearFormat = "qoq-g128/a8".parse().unwrap();
+        let (ffn, k) = (24, 256);
+        let rb = f.row_bytes(k).unwrap();
+        let (format, rows, cols, bytes) =
+            swiglu_rows(&host_rows(f, ffn, k, 0), &host_rows(f, ffn, k, 100))
+                .unwrap()
+                .unwrap();
+        assert_eq!((format, rows, cols), (f, 2 * ffn, k));
+        let order: Vec<u8> = bytes.chunks_exact(rb).map(|row| row[0]).collect();
+        let mut want = vec![];
+        for j in 0..ffn / SWIGLU_RUN {
+            want.extend((0..8).map(|i| (8 * j + i) as u8));
+            want.extend((0..8).map(|i| (100 + 8 * j + i) as u8));
+        }
+        assert_eq!(order, want);
+        // Rows in whole runs, one format and one shape, or no SwiGLU weight.
+        let none = |g: HostTensor, u: HostTensor| swiglu_rows(&g, &u).unwrap().is_none();
+        assert!(none(host_rows(f, 20, k, 0), host_rows(f, 20, k, 0)));
+        assert!(none(host_rows(f, 24, k, 0), host_rows(f, 16, k, 0)));
+        let lqq: LinearFormat = "lqq-g128/a8".parse().unwrap();
+        assert!(none(host_rows(f, 24, k, 0), host_rows(lqq, 24, k, 0)));
+    }
+
+    #[test]
+    fn swiglu_entries_are_named_after_the_plain_ones() {
+        assert_eq!(
+            swiglu_kernel_name(QKernel::Wgmma128, QFamily::W4A8, 200, "bf16"),
+            "w4a8_wgmma128_swiglu_bf16"
+        );
+        assert_eq!(
+            swiglu_kernel_name(QKernel::Decode, QFamily::W4A8, 9, "f16"),
+            "w4a8_dec2_swiglu_f16"
+        );
+        assert!(QFamily::W4A8.has_swiglu());
+        assert!(!QFamily::W8A8.has_swiglu() && !QFamily::W4A16.has_swiglu());
     }
 }

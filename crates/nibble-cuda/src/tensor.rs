@@ -194,6 +194,10 @@ pub struct CudaWeight {
 pub enum WeightData {
     Dense(DeviceBuffer),
     Quant(QuantWeight),
+    /// A SwiGLU layer's gate and up projections packed as one weight of `2 * rows` interleaved
+    /// rows (`qlinear::swiglu_rows`), whose product is `silu(gate x) * up x` in the model dtype
+    /// (`qlinear::swiglu_gemm`); the [`CudaWeight`]'s `rows` are the `ffn` outputs.
+    SwiGlu(QuantWeight),
 }
 
 impl CudaWeight {
@@ -201,7 +205,7 @@ impl CudaWeight {
     pub fn quant(&self) -> Option<&QuantWeight> {
         match &self.data {
             WeightData::Quant(q) => Some(q),
-            WeightData::Dense(_) => None,
+            WeightData::Dense(_) | WeightData::SwiGlu(_) => None,
         }
     }
 
@@ -209,7 +213,7 @@ impl CudaWeight {
     pub fn dense(&self) -> Result<&DeviceBuffer> {
         match &self.data {
             WeightData::Dense(b) => Ok(b),
-            WeightData::Quant(q) => Err(Error::unsupported(
+            WeightData::Quant(q) | WeightData::SwiGlu(q) => Err(Error::unsupported(
                 format!("a {} weight used as a plain matrix", q.format_name()),
                 "only linear layers run quantized on the GPU",
             )),

@@ -70,7 +70,7 @@ fn kernels_compile_for_every_architecture() {
                         // Every entry point the quantized-GEMM dispatch can ask for exists: the
                         // gemv up to 64 tokens, the tiled kernels, and from sm_90 the decode gemv
                         // up to 16 tokens and the wgmma kernels.
-                        use nibble_cuda::qlinear::{QFamily, qgemm_kernel_name};
+                        use nibble_cuda::qlinear::{QFamily, qgemm_kernel_name, swiglu_kernel_name};
                         for family in QFamily::ALL {
                             for out_half in [false, true] {
                                 for sfx in ["bf16", "f16"] {
@@ -79,6 +79,10 @@ fn kernels_compile_for_every_architecture() {
                                             let e =
                                                 qgemm_kernel_name(kind, family, m, out_half, sfx);
                                             assert!(entries.contains(&e), "{arch}: {e} missing");
+                                            if family.has_swiglu() {
+                                                let e = swiglu_kernel_name(kind, family, m, sfx);
+                                                assert!(entries.contains(&e), "{arch}: {e}");
+                                            }
                                         }
                                     }
                                 }

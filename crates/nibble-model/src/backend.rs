@@ -225,6 +225,18 @@ pub trait Backend: Send + Sync {
     fn load_fused_weight(&self, _parts: &[HostTensor]) -> Result<Option<Self::Weight>> {
         Ok(None)
     }
+    /// A SwiGLU layer's gate and up projections (`[ffn, hidden]` each, no biases) as one weight
+    /// whose [`Backend::linear`] is `silu(gate x) * up x`, `[tokens, ffn]`: the values
+    /// [`Backend::silu_mul`] gives of the two projections, in one pass where this backend's
+    /// kernels can (a GEMM epilogue that holds a gate output and its up partner together). `None`
+    /// (the default) keeps them projections, activated after.
+    fn load_swiglu_weight(
+        &self,
+        _gate: &HostTensor,
+        _up: &HostTensor,
+    ) -> Result<Option<Self::Weight>> {
+        Ok(None)
+    }
     /// The column blocks of `x` of the given widths, in order: a fused projection's outputs.
     fn split_cols(&self, _x: &Self::Tensor, _widths: &[usize]) -> Result<Vec<Self::Tensor>> {
         Err(nibble_core::Error::InvalidArgument(format!(

@@ -63,10 +63,18 @@ enum Activation {
     GeluTanh,
 }
 
+/// A gated feed-forward's gate and up projections.
+enum GateUp<B: Backend> {
+    /// gate, up; the activation runs after them.
+    Projections(Projections<B>),
+    /// One weight whose product is `silu(gate x) * up x` already
+    /// ([`Backend::load_swiglu_weight`]).
+    SwiGlu(B::Weight),
+}
+
 /// A gated feed-forward: `down(act(gate x) * up x)`.
 struct Mlp<B: Backend> {
-    /// gate, up.
-    gate_up: Projections<B>,
+    gate_up: GateUp<B>,
     down: B::Weight,
     act: Activation,
 }
@@ -75,7 +83,7 @@ impl<B: Backend> Mlp<B> {
     /// This MLP over `rows`, for [`Backend::grouped_swiglu`]: SwiGLU with a fused gate/up only.
     fn routed<'a>(&'a self, rows: &'a [usize]) -> Option<RoutedExpert<'a, B::Weight>> {
         match (&self.gate_up, self.act) {
-            (Projections::Fused(gate_up, None, widths), Activation::Silu)
+            (GateUp::Projections(Projections::Fused(gate_up, None, widths)), Activation::Silu)
                 if widths.len() == 2 && widths[0] == widths[1] =>
             {
                 Some(RoutedExpert {
@@ -103,16 +111,21 @@ impl<B: Backend> Mlp<B> {
         norm: &B::Tensor,
         eps: f32,
     ) -> Result<B::Tensor> {
-        let gate_up = self
-            .gate_up
-            .apply_normed(backend, x, Some(delta), norm, eps)?;
-        backend.linear_summed(&self.act(backend, &gate_up), &self.down)
+        let activated = match &self.gate_up {
+            GateUp::SwiGlu(w) => backend.norm_linear(x, Some(delta), norm, eps, w, None)?,
+            GateUp::Projections(p) => {
+                self.act(backend, &p.apply_normed(backend, x, Some(delta), norm, eps)?)
+            }
+        };
+        backend.linear_summed(&activated, &self.down)
     }
 
     /// `act(gate x) * up x`.
     fn activated(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let gate_up = self.gate_up.apply(backend, x)?;
-        Ok(self.act(backend, &gate_up))
+        match &self.gate_up {
+            GateUp::SwiGlu(w) => backend.linear(x, w, None),
+            GateUp::Projections(p) => Ok(self.act(backend, &p.apply(backend, x)?)),
+        }
     }
 
     /// `act(gate) * up` of the gate/up projections.
@@ -359,10 +372,29 @@ impl<B: Backend> Loader<'_, B> {
     /// Projections `(prefix, rows)` of `cols` inputs (`prefix.weight`, optional `prefix.bias`),
     /// fused into one weight when the backend wants that.
     fn projections(&mut self, parts: &[(String, usize)], cols: usize) -> Result<Projections<B>> {
-        let hosts = parts
+        let hosts = self.hosts(parts, cols)?;
+        self.projections_of(parts, hosts, cols)
+    }
+
+    /// The `[rows, cols]` weights of `parts`, read but not uploaded.
+    fn hosts(
+        &self,
+        parts: &[(String, usize)],
+        cols: usize,
+    ) -> Result<Vec<nibble_formats::HostTensor>> {
+        parts
             .iter()
             .map(|(p, rows)| self.host(&format!("{p}.weight"), &[*rows, cols]))
-            .collect::<Result<Vec<_>>>()?;
+            .collect()
+    }
+
+    /// [`Self::projections`] of the weights `hosts` of `parts`, already read.
+    fn projections_of(
+        &mut self,
+        parts: &[(String, usize)],
+        hosts: Vec<nibble_formats::HostTensor>,
+        cols: usize,
+    ) -> Result<Projections<B>> {
         if let Some(w) = self.backend.load_fused_weight(&hosts)? {
             let mut bias = Vec::new();
             let mut any = false;
@@ -412,7 +444,37 @@ impl<B: Backend> Loader<'_, B> {
     /// A SwiGLU MLP of width `ff` whose projections are `{gate, up, down}.weight`.
     fn mlp(&mut self, [gate, up, down]: [String; 3], h: usize, ff: usize) -> Result<Mlp<B>> {
         Ok(Mlp {
-            gate_up: self.projections(&[(gate, ff), (up, ff)], h)?,
+            gate_up: GateUp::Projections(self.projections(&[(gate, ff), (up, ff)], h)?),
+            down: self.weight(&format!("{down}.weight"), &[h, ff])?,
+            act: self.act,
+        })
+    }
+
+    /// A dense layer's MLP: [`Self::mlp`], with SiLU's gate and up as one activated weight where
+    /// the backend offers it ([`Backend::load_swiglu_weight`]) and they have no biases. (Routed
+    /// experts keep [`Self::mlp`]: the grouped kernels read a plain gate/up weight.)
+    fn dense_mlp(&mut self, names: [String; 3], h: usize, ff: usize) -> Result<Mlp<B>> {
+        let [gate, up, down] = names;
+        let parts = [(gate, ff), (up, ff)];
+        let hosts = self.hosts(&parts, h)?;
+        let biased = parts
+            .iter()
+            .any(|(p, _)| self.source.contains(&format!("{p}.bias")));
+        if self.act == Activation::Silu
+            && !biased
+            && let Some(w) = self.backend.load_swiglu_weight(&hosts[0], &hosts[1])?
+        {
+            drop(hosts);
+            self.tick();
+            self.tick();
+            return Ok(Mlp {
+                gate_up: GateUp::SwiGlu(w),
+                down: self.weight(&format!("{down}.weight"), &[h, ff])?,
+                act: self.act,
+            });
+        }
+        Ok(Mlp {
+            gate_up: GateUp::Projections(self.projections_of(&parts, hosts, h)?),
             down: self.weight(&format!("{down}.weight"), &[h, ff])?,
             act: self.act,
         })
@@ -424,7 +486,7 @@ impl<B: Backend> Loader<'_, B> {
         let h = c.hidden_size;
         let Some(m) = c.moe.as_ref().filter(|m| m.sparse_layers[i]) else {
             let names = ["gate_proj", "up_proj", "down_proj"].map(|n| format!("{p}.mlp.{n}"));
-            return Ok(Ffn::Dense(self.mlp(names, h, c.intermediate_size)?));
+            return Ok(Ffn::Dense(self.dense_mlp(names, h, c.intermediate_size)?));
         };
         let router = self.weight(
             &format!("{}.weight", router_name(c.arch, &p)),

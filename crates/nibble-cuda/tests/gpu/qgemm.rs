@@ -295,6 +295,72 @@ fn w4a8_is_bit_exact_with_the_integer_reference() {
 }
 
 #[test]
+fn w4a8_swiglu_epilogue_is_the_gemm_then_the_silu_gate() {
+    // A gate/up pair loaded as one SwiGLU weight (rows interleaved in runs of 8, SiLU-gate in the
+    // GEMM's epilogue) gives the bits of the same pair loaded as a fused projection, multiplied
+    // into f32 and activated by the SiLU-gate kernel; and the INT8 GEMM after it (down_proj)
+    // sees the same codes, which it quantizes itself instead of the SiLU-gate writing them.
+    // Every kernel of the family: the decode gemv (with its split pieces), the 64-token tiles
+    // with split K, 128- and 256-token tiles; ffn a multiple of 8 but not of 16; poisoned
+    // outputs and a NaN input row.
+    let mut r = rng("w4a8_swiglu_epilogue_is_the_gemm_then_the_silu_gate");
+    let shapes = [
+        (1, 296, 1024),
+        (3, 520, 1536),
+        (16, 152, 1024),
+        (9, 8, 256),
+        (17, 72, 1536),
+        (40, 296, 640),
+        (64, 520, 1024),
+        (65, 48, 256),
+        (130, 520, 640),
+        (257, 152, 384),
+        (300, 136, 1024),
+    ];
+    for (fi, f) in ["qoq-g128/a8", "lqq-g64/a8", "int4-pc/a8"].iter().enumerate() {
+        let format: LinearFormat = f.parse().unwrap();
+        for dtype in [Dtype::Bf16, Dtype::F16] {
+            if dtype == Dtype::F16 && fi > 0 {
+                continue;
+            }
+            let g = gpu(dtype);
+            for &(m, ffn, k) in &shapes {
+                let what = format!("{format} {dtype:?} m {m} ffn {ffn} k {k}");
+                let gate = quant_tensor(format, ffn, k, quantized_rows(&mut r, format, ffn, k));
+                let up = quant_tensor(format, ffn, k, quantized_rows(&mut r, format, ffn, k));
+                let swiglu = g
+                    .load_swiglu_weight(&gate, &up)
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("{what}: no SwiGLU weight"));
+                assert!(matches!(swiglu.data, nibble_cuda::WeightData::SwiGlu(_)));
+                assert_eq!((swiglu.rows, swiglu.cols), (ffn, k));
+                let fused = g.load_fused_weight(&[gate, up]).unwrap().unwrap();
+                let down_bytes = quantized_rows(&mut r, format, 64, ffn);
+                let down = g
+                    .load_weight(&quant_tensor(format, 64, ffn, down_bytes))
+                    .unwrap();
+                let x = poisoned_input(&mut r, m, k);
+                g.poison_activations(((m * (k + 4 * ffn) * 4) + (64 << 20)).min(3 << 30))
+                    .unwrap();
+                let xt = g.tensor_from_f32(&x, m, k).unwrap();
+                let act = g.linear(&xt, &swiglu, None).unwrap();
+                let got = host(&g, &act);
+                let got_down = host(&g, &g.linear(&act, &down, None).unwrap());
+                let halves = g
+                    .split_cols(&g.linear(&xt, &fused, None).unwrap(), &[ffn, ffn])
+                    .unwrap();
+                let plain = g.silu_mul(&halves[0], &halves[1]);
+                let want = host(&g, &plain);
+                let want_down = host(&g, &g.linear(&plain, &down, None).unwrap());
+                assert_eq!(got.len(), m * ffn, "{what}");
+                assert_bit_exact(&format!("{what} activation"), &got, &want);
+                assert_bit_exact(&format!("{what} down_proj"), &got_down, &want_down);
+            }
+        }
+    }
+}
+
+#[test]
 fn w8a8_fused_quantization_matches_the_reference() {
     // RMSNorm and SiLU-gate write INT8 codes next to their 16-bit output once a W8A8 weight is
     // loaded; the GEMM must give what the reference gives on that 16-bit output.
