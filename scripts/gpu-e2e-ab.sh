@@ -5,7 +5,7 @@
 # row per stage, round and precision), so the call returns two files whatever the stage count.
 #   scripts/gpu-e2e-ab.sh OUTDIR STAGE...      (GPU machine, repo root; STAGE a folder with nibble)
 # A STAGE may be NAME=FOLDER, and either may end in @VAR=VALUE[,VAR=VALUE]: that build with probe
-# knobs set, A/B'd against itself (e.g. fused=stage/gpu plain=stage/gpu@NIBBLE_SWIGLU=0).
+# knobs set, A/B'd against itself (e.g. plain=stage/gpu fused=stage/gpu@NIBBLE_SWIGLU=1).
 # A run gets E2E_TIMEOUT seconds (default 200: a cold machine compiles a changed module first).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -20,15 +20,13 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
 template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 
 // SwiGLU's `silu(g) * u`, shared by the SiLU-gate row kernels and the quantized GEMMs' SwiGLU
-// epilogue (qgemm.cu), which must agree bit for bit: the explicitly rounded add and multiply keep
-// --fmad from contracting either differently. The exponential and the division are the
-// hardware's approximations (ex2.approx, rcp.approx: a few f32 ulp against the CPU's g / (1 +
-// exp(-g)) * u, far inside the 16-bit output's rounding): with expf and an IEEE division the
-// epilogue made a 256-token 28672x4096 W4A8 GEMM 12 us slower (74.5 against 62.1 on an H100),
-// more than the SiLU-gate pass it replaces saved.
+// epilogue (qgemm.cu), which must agree bit for bit: the explicitly rounded operations keep
+// --fmad from contracting either differently (the CPU's ops.rs rounds each step the same way).
+// (The hardware's ex2/rcp approximations instead left the epilogue's cost as it was: 71.9 against
+// 60.9 us without the epilogue on an H200, BENCHMARKS.md issue 18.)
 struct SiluMul {
     __device__ __forceinline__ float operator()(float g, float u) const {
-        return __fmul_rn(__fdividef(g, __fadd_rn(1.0f, __expf(-g))), u);
+        return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
     }
 };
 

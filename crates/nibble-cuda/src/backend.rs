@@ -214,6 +214,35 @@ impl CudaBackend {
         }
     }
 
+    /// A SwiGLU layer's gate and up projections packed for the SwiGLU epilogue
+    /// ([`WeightData::SwiGlu`]: rows interleaved in runs of 8, `qlinear::swiglu_rows`), whatever
+    /// NIBBLE_SWIGLU says; `None` where the pair's format has no SwiGLU kernels here or does not
+    /// pack. [`Backend::load_swiglu_weight`] offers it to the model when NIBBLE_SWIGLU=1.
+    pub fn swiglu_weight(&self, gate: &HostTensor, up: &HostTensor) -> Result<Option<CudaWeight>> {
+        let Some((format, rows, cols, bytes)) = qlinear::swiglu_rows(gate, up)? else {
+            return Ok(None);
+        };
+        let dtype = self.ctx.dtype;
+        let Some(family) = qlinear::QFamily::of(format).filter(|f| f.has_swiglu()) else {
+            return Ok(None);
+        };
+        let probe = qlinear::swiglu_kernel_name(QKernel::Wgmma64, family, 64, dtype.suffix());
+        if !self.ctx.has_kernel(&probe) {
+            return Ok(None);
+        }
+        let Ok(packed) = qlinear::pack_rows(format, rows, cols, &bytes, dtype) else {
+            return Ok(None);
+        };
+        let q = packed.upload(&self.ctx, &format!("weight {} + {}", gate.name, up.name))?;
+        self.ctx.note_weight(q.bytes(), q.reads_act8());
+        Ok(Some(CudaWeight {
+            rows: rows / 2,
+            cols,
+            dtype,
+            data: WeightData::SwiGlu(q),
+        }))
+    }
+
     /// Whether an `m`-row product with the 16-bit `weight` runs on the dense decode gemv.
     fn takes_dense_gemv(&self, m: usize, weight: &CudaWeight) -> bool {
         self.dense_gemv
@@ -433,11 +462,12 @@ impl CudaBackend {
     }
 }
 
-/// NIBBLE_SWIGLU=0, read once: gate/up weights load as plain fused projections, activated by the
-/// SiLU-gate kernel (a probe knob: the fused epilogue A/B'd against it in one build).
-fn swiglu_off() -> bool {
-    static OFF: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    crate::runtime::probe_knob(&OFF, "NIBBLE_SWIGLU") == Some(0)
+/// NIBBLE_SWIGLU=1, read once: dense SwiGLU layers of a family with SwiGLU kernels (W4A8) load
+/// their gate/up as one [`WeightData::SwiGlu`] weight, the SiLU-gate in the GEMM's epilogue (a
+/// probe knob: that path A/B'd against the default in one build).
+fn swiglu_on() -> bool {
+    static ON: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    crate::runtime::probe_knob(&ON, "NIBBLE_SWIGLU") == Some(1)
 }
 
 /// The fewest routed experts a step runs grouped: 3 quantized ones (at two, grouping measured
@@ -702,35 +732,13 @@ impl Backend for CudaBackend {
     }
 
     fn load_swiglu_weight(&self, gate: &HostTensor, up: &HostTensor) -> Result<Option<CudaWeight>> {
-        // The gate/up GEMM's epilogue applies SiLU-gate itself: no f32 round trip of both
-        // halves and no SiLU-gate launch (about 6% of a 256-sequence W4A8 decode step on an
-        // H200, docs/design/decode-step-256.md). NIBBLE_SWIGLU=0 keeps the two (a probe knob
-        // for A/Bs within one build).
-        if swiglu_off() {
+        // Opt-in (NIBBLE_SWIGLU=1) until it pays: the SwiGLU epilogue is exact but made the
+        // 256-token gate/up GEMM 11 to 12 us slower, as much as the SiLU-gate pass it saves
+        // (BENCHMARKS.md, issue 18; docs/design/decode-step-256.md).
+        if !swiglu_on() {
             return Ok(None);
         }
-        let Some((format, rows, cols, bytes)) = qlinear::swiglu_rows(gate, up)? else {
-            return Ok(None);
-        };
-        let dtype = self.ctx.dtype;
-        let Some(family) = qlinear::QFamily::of(format).filter(|f| f.has_swiglu()) else {
-            return Ok(None);
-        };
-        let probe = qlinear::swiglu_kernel_name(QKernel::Wgmma64, family, 64, dtype.suffix());
-        if !self.ctx.has_kernel(&probe) {
-            return Ok(None);
-        }
-        let Ok(packed) = qlinear::pack_rows(format, rows, cols, &bytes, dtype) else {
-            return Ok(None);
-        };
-        let q = packed.upload(&self.ctx, &format!("weight {} + {}", gate.name, up.name))?;
-        self.ctx.note_weight(q.bytes(), q.reads_act8());
-        Ok(Some(CudaWeight {
-            rows: rows / 2,
-            cols,
-            dtype,
-            data: WeightData::SwiGlu(q),
-        }))
+        self.swiglu_weight(gate, up)
     }
 
     fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {

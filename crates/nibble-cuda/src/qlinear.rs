@@ -276,7 +276,8 @@ impl QFamily {
     /// Whether this family's kernels have SwiGLU entries (kernels/qgemm.cu, `SwiGluEpilogue`:
     /// the decode gemv and the wgmma tiles; [`swiglu_kernel_name`]). W4A8 only so far: its
     /// 256-sequence decode step is where the SiLU-gate's f32 round trip weighs most
-    /// (docs/design/decode-step-256.md); the other families' entries are the same macros.
+    /// (docs/design/decode-step-256.md); the other families' entries would be the same macros
+    /// with `swiglu_epilogue`. Opt-in (NIBBLE_SWIGLU=1) until the epilogue pays.
     pub fn has_swiglu(self) -> bool {
         self == QFamily::W4A8
     }

@@ -331,7 +331,7 @@ fn w4a8_swiglu_epilogue_is_the_gemm_then_the_silu_gate() {
                 let gate = quant_tensor(format, ffn, k, quantized_rows(&mut r, format, ffn, k));
                 let up = quant_tensor(format, ffn, k, quantized_rows(&mut r, format, ffn, k));
                 let swiglu = g
-                    .load_swiglu_weight(&gate, &up)
+                    .swiglu_weight(&gate, &up)
                     .unwrap()
                     .unwrap_or_else(|| panic!("{what}: no SwiGLU weight"));
                 assert!(matches!(swiglu.data, nibble_cuda::WeightData::SwiGlu(_)));
