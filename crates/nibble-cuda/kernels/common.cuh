@@ -20,13 +20,15 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
 template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 
 // SwiGLU's `silu(g) * u`, shared by the SiLU-gate row kernels and the quantized GEMMs' SwiGLU
-// epilogue (qgemm.cu), which must agree bit for bit: the explicitly rounded operations keep
-// --fmad from contracting either differently (the CPU's ops.rs rounds each step the same way).
-// (The hardware's ex2/rcp approximations instead left the epilogue's cost as it was: 71.9 against
-// 60.9 us without the epilogue on an H200, BENCHMARKS.md issue 18.)
+// epilogue (qgemm.cu), which must agree bit for bit: the explicitly rounded add and multiply keep
+// --fmad from contracting either differently. The division is the hardware's (rcp.approx: 2 ulp
+// of f32 against the CPU's g / (1 + exp(-g)) * u, far inside the 16-bit output's rounding): the
+// IEEE division's slow-path call made every output of the epilogue a branch of its own, each
+// waiting on its scale's load (SASS of c37a6c6; 74.5 against 62.1 us for the 256-token gate/up
+// GEMM on an H100).
 struct SiluMul {
     __device__ __forceinline__ float operator()(float g, float u) const {
-        return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+        return __fmul_rn(__fdividef(g, __fadd_rn(1.0f, expf(-g))), u);
     }
 };
 
