@@ -26,10 +26,10 @@ use crate::context::{CudaContext, StepUpload};
 use crate::host_trace::HostTrace;
 use crate::kv::CudaKv;
 use crate::nccl::{Communicator, ReduceType};
+use crate::qlinear::QKernel;
 use crate::runtime::{DeviceBuffer, DevicePtr};
 use crate::sampling::SampleScratch;
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem, QuantWeight, WeightData};
-use crate::qlinear::QKernel;
 use crate::{attention, dense_gemv, elementwise as ew, graph, grouped, qlinear, sampling};
 
 /// Most rows an expert may be routed for the engine to group the layer's experts

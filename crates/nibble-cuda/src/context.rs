@@ -173,7 +173,7 @@ pub(crate) const ROW_REGS_VALUES: usize = 16;
 /// SM. Other rows (not a multiple of 4, or wider than the path holds) keep `norm_block` for the
 /// paged loop. Depends on the width alone, so a row is reduced the same way alone or batched.
 pub(crate) fn row_regs_block(cols: usize) -> u32 {
-    if cols % 4 != 0 || cols > ROW_REGS_VALUES * 1024 {
+    if !cols.is_multiple_of(4) || cols > ROW_REGS_VALUES * 1024 {
         return norm_block(cols);
     }
     cols.div_ceil(ROW_REGS_VALUES)
@@ -961,9 +961,15 @@ mod tests {
         // of a warp to 1024 threads, and a 4096-wide row in 256 threads.
         for cols in (4..=ROW_REGS_VALUES * 1024).step_by(4) {
             let threads = row_regs_block(cols) as usize;
-            assert!(threads * ROW_REGS_VALUES >= cols, "{cols} wide in {threads}");
+            assert!(
+                threads * ROW_REGS_VALUES >= cols,
+                "{cols} wide in {threads}"
+            );
             assert!(threads.is_power_of_two() && (32..=1024).contains(&threads));
-            assert!(threads == 32 || (threads / 2) * ROW_REGS_VALUES < cols, "{cols}: too many");
+            assert!(
+                threads == 32 || (threads / 2) * ROW_REGS_VALUES < cols,
+                "{cols}: too many"
+            );
         }
         assert_eq!(row_regs_block(4096), 256);
         assert_eq!(row_regs_block(14336), 1024);

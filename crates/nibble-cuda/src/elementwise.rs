@@ -94,8 +94,13 @@ fn norm_into(
         }
         None => "rms_norm".into(),
     };
-    ctx.half_kernel(&name)?
-        .launch(&ctx.gpu, (x.rows as u32, 1, 1), row_regs_block(x.cols), 0, args)?;
+    ctx.half_kernel(&name)?.launch(
+        &ctx.gpu,
+        (x.rows as u32, 1, 1),
+        row_regs_block(x.cols),
+        0,
+        args,
+    )?;
     Ok(out)
 }
 

@@ -70,7 +70,9 @@ fn kernels_compile_for_every_architecture() {
                         // Every entry point the quantized-GEMM dispatch can ask for exists: the
                         // gemv up to 64 tokens, the tiled kernels, and from sm_90 the decode gemv
                         // up to 16 tokens and the wgmma kernels.
-                        use nibble_cuda::qlinear::{QFamily, qgemm_kernel_name, swiglu_kernel_name};
+                        use nibble_cuda::qlinear::{
+                            QFamily, qgemm_kernel_name, swiglu_kernel_name,
+                        };
                         for family in QFamily::ALL {
                             for out_half in [false, true] {
                                 for sfx in ["bf16", "f16"] {

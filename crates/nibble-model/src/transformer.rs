@@ -113,9 +113,10 @@ impl<B: Backend> Mlp<B> {
     ) -> Result<B::Tensor> {
         let activated = match &self.gate_up {
             GateUp::SwiGlu(w) => backend.norm_linear(x, Some(delta), norm, eps, w, None)?,
-            GateUp::Projections(p) => {
-                self.act(backend, &p.apply_normed(backend, x, Some(delta), norm, eps)?)
-            }
+            GateUp::Projections(p) => self.act(
+                backend,
+                &p.apply_normed(backend, x, Some(delta), norm, eps)?,
+            ),
         };
         backend.linear_summed(&activated, &self.down)
     }

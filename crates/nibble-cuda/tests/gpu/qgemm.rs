@@ -319,7 +319,10 @@ fn w4a8_swiglu_epilogue_is_the_gemm_then_the_silu_gate() {
     ];
     // down_proj per channel (any even width), where its input rows suit TMA (ffn % 16 == 0).
     let down_format: LinearFormat = "int4-pc/a8".parse().unwrap();
-    for (fi, f) in ["qoq-g128/a8", "lqq-g64/a8", "int4-pc/a8"].iter().enumerate() {
+    for (fi, f) in ["qoq-g128/a8", "lqq-g64/a8", "int4-pc/a8"]
+        .iter()
+        .enumerate()
+    {
         let format: LinearFormat = f.parse().unwrap();
         for dtype in [Dtype::Bf16, Dtype::F16] {
             if dtype == Dtype::F16 && fi > 0 {
