@@ -216,13 +216,14 @@ __device__ __forceinline__ void store_tile(const A (&acc)[TT][4], int row0, int 
         for (int e = 0; e < 4; ++e) {
             const int n = row0 + g + 8 * (e >> 1), m = tok0 + tt * 8 + 2 * t + (e & 1);
             if constexpr (IsSwiGlu<EPI>::value) {
-                // Scales read at clamped indices (a gate row below N - 8 and a token below M) and
+                // Scales read at clamped indices (gate row at most N - 9, the last tile's last
+                // one, so its up partner n + 8 is in bounds too; a token below M) and
                 // the value pinned before the bounds check, so only the store is conditional:
                 // with the SiLU inside the check, ptxas made each output a branch of its own
                 // whose scale load waited a round trip before its math (SASS of c37a6c6), about
                 // 6 us a 256-token tile.
                 if (e < 2) {
-                    float v = epi(acc[tt][e], acc[tt][e + 2], min(m, M - 1), min(n, N - 16));
+                    float v = epi(acc[tt][e], acc[tt][e + 2], min(m, M - 1), min(n, N - 9));
                     asm volatile("" : "+f"(v));  // computed here, not sunk into the store's branch
                     if (n < N && m < M) y[(long)m * ldy + (row0 >> 1) + g] = to_out(v, (OUT*)nullptr);
                 }
