@@ -22,7 +22,8 @@ template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return
 // SwiGLU's `silu(g) * u`, shared by the SiLU-gate row kernels and the quantized GEMMs' SwiGLU
 // epilogue (qgemm.cu), which must agree bit for bit: the explicitly rounded add and multiply keep
 // --fmad from contracting either differently. The division is the hardware's (rcp.approx: 2 ulp
-// of f32 against the CPU's g / (1 + exp(-g)) * u, far inside the 16-bit output's rounding): the
+// of f32 against the CPU's g / (1 + exp(-g)) * u, far inside the 16-bit output's rounding; 0
+// instead of about 1e-37 where g is below -87 and 1 + exp(-g) passes 2^126): the
 // IEEE division's slow-path call made every output of the epilogue a branch of its own, each
 // waiting on its scale's load (SASS of c37a6c6; 74.5 against 62.1 us for the 256-token gate/up
 // GEMM on an H100).

@@ -199,12 +199,16 @@ impl CudaBackend {
     ) -> Result<CudaTensor> {
         let ctx = &self.ctx;
         ctx.check_live(x)?;
-        if x.cols != weight.cols || bias.is_some() {
+        if bias.is_some() {
+            return Err(Error::InvalidArgument(
+                "SwiGLU linear with a bias: its weights are loaded only for bias-free layers"
+                    .into(),
+            ));
+        }
+        if x.cols != weight.cols {
             return Err(Error::InvalidArgument(format!(
-                "SwiGLU linear: input has {} features, weight expects {}{}",
-                x.cols,
-                weight.cols,
-                if bias.is_some() { ", and no bias" } else { "" }
+                "SwiGLU linear: input has {} features, weight expects {}",
+                x.cols, weight.cols
             )));
         }
         let gemm = || qlinear::swiglu_gemm(ctx, x, q, weight.rows, weight.cols);

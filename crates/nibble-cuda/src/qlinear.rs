@@ -351,7 +351,7 @@ pub fn swiglu_rows(gate: &HostTensor, up: &HostTensor) -> Result<Option<StackedR
     {
         return Ok(None);
     }
-    let run = SWIGLU_RUN * g.len() / rows;
+    let run = SWIGLU_RUN * format.row_bytes(cols)?;
     Ok(Some((format, 2 * rows, cols, interleave_runs(&g, &u, run))))
 }
 
