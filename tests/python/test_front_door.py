@@ -632,16 +632,23 @@ def test_idle_keep_alive_connections_are_closed(limits_server):
 def test_long_generations_outlast_the_header_timeout(limits_server):
     """The header timeout covers waiting for a head, never a response being generated."""
     s = limits_server
-    c = openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    c = openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0, timeout=120)
+    # Long enough on this machine to outlast the header timeout three times (a fixed 300 tokens
+    # took 1.42 s against a 1.5 s timeout on a fast run): sized from a short generation's pace.
+    t = time.time()
+    c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=64, temperature=0,
+                         extra_body={"ignore_eos": True})
+    per_token = (time.time() - t) / 64
+    n = min(4000, max(300, int(3 * s.limits["header_timeout"] / per_token)))
     t0 = time.time()
-    chunks = list(c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300, temperature=0,
+    chunks = list(c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=n, temperature=0,
                                        stream=True, stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True}))
-    assert chunks[-1].usage.completion_tokens == 300
+    assert chunks[-1].usage.completion_tokens == n
     t1 = time.time()
-    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300, temperature=0,
+    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=n, temperature=0,
                              extra_body={"ignore_eos": True})
-    assert r.usage.completion_tokens == 300
+    assert r.usage.completion_tokens == n
     assert min(t1 - t0, time.time() - t1) > s.limits["header_timeout"], "too fast to show anything"
 
 
