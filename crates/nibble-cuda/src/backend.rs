@@ -234,17 +234,15 @@ impl CudaBackend {
         if !self.ctx.has_kernel(&probe) {
             return Ok(None);
         }
-        let Ok(packed) = qlinear::pack_rows(format, rows, cols, &bytes, dtype) else {
-            return Ok(None);
-        };
-        let q = packed.upload(&self.ctx, &format!("weight {} + {}", gate.name, up.name))?;
-        self.ctx.note_weight(q.bytes(), q.reads_act8());
-        Ok(Some(CudaWeight {
-            rows: rows / 2,
-            cols,
-            dtype,
-            data: WeightData::SwiGlu(q),
-        }))
+        let what = format!("weight {} + {}", gate.name, up.name);
+        Ok(self
+            .upload_packed(format, rows, cols, &bytes, &what)?
+            .map(|q| CudaWeight {
+                rows: rows / 2,
+                cols,
+                dtype,
+                data: WeightData::SwiGlu(q),
+            }))
     }
 
     /// Whether an `m`-row product with the 16-bit `weight` runs on the dense decode gemv.
@@ -409,6 +407,24 @@ impl CudaBackend {
             && grouped::pick(&self.ctx, &downs, rows).is_some()
     }
 
+    /// Kernel-format rows packed for the quantized kernels and uploaded, or `None` where they do
+    /// not pack (geometry the kernels cannot read: the caller runs them dequantized).
+    fn upload_packed(
+        &self,
+        format: nibble_precision::LinearFormat,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+        what: &str,
+    ) -> Result<Option<QuantWeight>> {
+        let Ok(packed) = qlinear::pack_rows(format, rows, cols, bytes, self.ctx.dtype) else {
+            return Ok(None);
+        };
+        let q = packed.upload(&self.ctx, what)?;
+        self.ctx.note_weight(q.bytes(), q.reads_act8());
+        Ok(Some(q))
+    }
+
     /// Checked 2-D weights with equal widths, converted to the model dtype and uploaded as one
     /// matrix, rows stacked in order (one weight, or a fused projection).
     fn upload_stacked(&self, parts: &[HostTensor]) -> Result<CudaWeight> {
@@ -420,12 +436,7 @@ impl CudaBackend {
             // W4A8 has Hopper kernels only; elsewhere it runs dequantized too.
             let runs = qlinear::QFamily::of(format)
                 .is_some_and(|f| !f.hopper_only() || self.ctx.has_kernel(f.hopper_probe()));
-            if let Some(packed) = runs
-                .then(|| qlinear::pack_rows(format, rows, cols, &bytes, dtype).ok())
-                .flatten()
-            {
-                let q = packed.upload(&self.ctx, &what)?;
-                self.ctx.note_weight(q.bytes(), q.reads_act8());
+            if runs && let Some(q) = self.upload_packed(format, rows, cols, &bytes, &what)? {
                 return Ok(CudaWeight {
                     rows,
                     cols,

@@ -339,20 +339,25 @@ pub const SWIGLU_RUN: usize = 8;
 /// packed rows `16j .. 16j + 7` are gate rows `8j ..`, rows `16j + 8 ..` up rows `8j ..`. `None`
 /// where the pair does not share one kernel format and shape, or `ffn` is not a multiple of 8.
 pub fn swiglu_rows(gate: &HostTensor, up: &HostTensor) -> Result<Option<StackedRows>> {
-    let (Some((format, rows, cols, g)), Some((up_format, up_rows, up_cols, u))) = (
-        stacked_rows(std::slice::from_ref(gate))?,
-        stacked_rows(std::slice::from_ref(up))?,
-    ) else {
+    let Some(format) = kernel_format(gate.format) else {
         return Ok(None);
     };
-    if (up_format, up_rows, up_cols) != (format, rows, cols)
+    let (rows, cols, row_bytes) = gate.matrix_geometry()?;
+    let (up_rows, up_cols, _) = up.matrix_geometry()?;
+    if up.format != gate.format
+        || (up_rows, up_cols) != (rows, cols)
         || rows == 0
         || !rows.is_multiple_of(SWIGLU_RUN)
     {
         return Ok(None);
     }
-    let run = SWIGLU_RUN * format.row_bytes(cols)?;
-    Ok(Some((format, 2 * rows, cols, interleave_runs(&g, &u, run))))
+    let run = SWIGLU_RUN * row_bytes;
+    Ok(Some((
+        format,
+        2 * rows,
+        cols,
+        interleave_runs(&gate.bytes, &up.bytes, run),
+    )))
 }
 
 /// `a` and `b` (of equal length) in alternating runs of `run` bytes: a run of `a`, then one of `b`.
@@ -869,11 +874,6 @@ fn routed_gemm(
     out: &CudaTensor,
     swiglu: bool,
 ) -> Result<()> {
-    if swiglu && !matches!(w, QuantWeight::W4A8 { .. }) {
-        return Err(Error::InvalidArgument(
-            "a SwiGLU GEMM of a family without SwiGLU kernels".into(),
-        ));
-    }
     let m = x.rows;
     let out_half = match out.elem {
         Elem::F32 => false,
@@ -904,7 +904,7 @@ fn routed_gemm(
                 family: QFamily::W4A16,
                 out_half,
                 decode: w4_decode_kernel(*group_len, *groups),
-                swiglu: false,
+                swiglu,
             };
             let wg = WgmmaOperands {
                 x: xh.ptr,
@@ -932,7 +932,7 @@ fn routed_gemm(
                 family: QFamily::W8A16,
                 out_half,
                 decode: Some(QKernel::Decode),
-                swiglu: false,
+                swiglu,
             };
             let wg = WgmmaOperands {
                 x: xh.ptr,
@@ -979,7 +979,7 @@ fn routed_gemm(
                 family,
                 out_half,
                 decode: Some(QKernel::Decode),
-                swiglu: false,
+                swiglu,
             };
             let wg = WgmmaOperands {
                 x: q.codes,
@@ -1116,6 +1116,12 @@ fn run_quant(
         tier: ctx.tier(),
         tma_ok,
     };
+    if route.swiglu && !route.family.has_swiglu() {
+        return Err(Error::InvalidArgument(format!(
+            "a SwiGLU {:?} GEMM: the family has no SwiGLU kernels",
+            route.family
+        )));
+    }
     let pick = gemm.pick(&|kind| ctx.has_kernel(&name(kind)));
     if route.swiglu && !matches!(pick, Pick::Decode(..) | Pick::Wgmma(..)) {
         return Err(Error::unsupported(

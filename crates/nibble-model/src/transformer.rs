@@ -461,21 +461,21 @@ impl<B: Backend> Loader<'_, B> {
         let biased = parts
             .iter()
             .any(|(p, _)| self.source.contains(&format!("{p}.bias")));
-        if self.act == Activation::Silu
-            && !biased
-            && let Some(w) = self.backend.load_swiglu_weight(&hosts[0], &hosts[1])?
-        {
-            drop(hosts);
-            self.tick();
-            self.tick();
-            return Ok(Mlp {
-                gate_up: GateUp::SwiGlu(w),
-                down: self.weight(&format!("{down}.weight"), &[h, ff])?,
-                act: self.act,
-            });
-        }
+        let swiglu = match self.act == Activation::Silu && !biased {
+            true => self.backend.load_swiglu_weight(&hosts[0], &hosts[1])?,
+            false => None,
+        };
+        let gate_up = match swiglu {
+            Some(w) => {
+                drop(hosts);
+                self.tick();
+                self.tick();
+                GateUp::SwiGlu(w)
+            }
+            None => GateUp::Projections(self.projections_of(&parts, hosts, h)?),
+        };
         Ok(Mlp {
-            gate_up: GateUp::Projections(self.projections_of(&parts, hosts, h)?),
+            gate_up,
             down: self.weight(&format!("{down}.weight"), &[h, ff])?,
             act: self.act,
         })
