@@ -221,7 +221,7 @@ impl CudaBackend {
     /// A SwiGLU layer's gate and up projections packed for the SwiGLU epilogue
     /// ([`WeightData::SwiGlu`]: rows interleaved in runs of 8, `qlinear::swiglu_rows`), whatever
     /// NIBBLE_SWIGLU says; `None` where the pair's format has no SwiGLU kernels here or does not
-    /// pack. [`Backend::load_swiglu_weight`] offers it to the model when NIBBLE_SWIGLU=1.
+    /// pack. [`Backend::load_swiglu_weight`] offers it to the model unless NIBBLE_SWIGLU=0.
     pub fn swiglu_weight(&self, gate: &HostTensor, up: &HostTensor) -> Result<Option<CudaWeight>> {
         let Some((format, rows, cols, bytes)) = qlinear::swiglu_rows(gate, up)? else {
             return Ok(None);
@@ -477,12 +477,12 @@ impl CudaBackend {
     }
 }
 
-/// NIBBLE_SWIGLU=1, read once: dense SwiGLU layers of a family with SwiGLU kernels (W4A8) load
-/// their gate/up as one [`WeightData::SwiGlu`] weight, the SiLU-gate in the GEMM's epilogue (a
-/// probe knob: that path A/B'd against the default in one build).
+/// Dense SwiGLU layers of a family with SwiGLU kernels (W4A8) load their gate/up as one
+/// [`WeightData::SwiGlu`] weight, the SiLU-gate in the GEMM's epilogue, unless NIBBLE_SWIGLU=0
+/// (read once; a probe knob: the separate GEMM and SiLU-gate A/B'd against it in one build).
 fn swiglu_on() -> bool {
     static ON: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    crate::runtime::probe_knob(&ON, "NIBBLE_SWIGLU") == Some(1)
+    crate::runtime::probe_knob(&ON, "NIBBLE_SWIGLU") != Some(0)
 }
 
 /// The fewest routed experts a step runs grouped: 3 quantized ones (at two, grouping measured
@@ -747,9 +747,8 @@ impl Backend for CudaBackend {
     }
 
     fn load_swiglu_weight(&self, gate: &HostTensor, up: &HostTensor) -> Result<Option<CudaWeight>> {
-        // Opt-in (NIBBLE_SWIGLU=1) until it pays: the SwiGLU epilogue is exact but made the
-        // 256-token gate/up GEMM 11 to 12 us slower, as much as the SiLU-gate pass it saves
-        // (BENCHMARKS.md, issue 18; docs/design/decode-step-256.md).
+        // On by default since it measured 1.03x to 1.05x end to end at 64 and 256 sequences
+        // (BENCHMARKS.md, issue 18; docs/design/decode-step-256.md); NIBBLE_SWIGLU=0 opts out.
         if !swiglu_on() {
             return Ok(None);
         }

@@ -277,7 +277,7 @@ impl QFamily {
     /// the decode gemv and the wgmma tiles; [`swiglu_kernel_name`]). W4A8 only so far: its
     /// 256-sequence decode step is where the SiLU-gate's f32 round trip weighs most
     /// (docs/design/decode-step-256.md); the other families' entries would be the same macros
-    /// with `swiglu_epilogue`. Opt-in (NIBBLE_SWIGLU=1) until the epilogue pays.
+    /// with `swiglu_epilogue`. On by default (NIBBLE_SWIGLU=0 opts out).
     pub fn has_swiglu(self) -> bool {
         self == QFamily::W4A8
     }
