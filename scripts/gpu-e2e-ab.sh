@@ -6,7 +6,8 @@
 #   scripts/gpu-e2e-ab.sh OUTDIR STAGE...      (GPU machine, repo root; STAGE a folder with nibble)
 # A STAGE may be NAME=FOLDER, and either may end in @VAR=VALUE[,VAR=VALUE]: that build with probe
 # knobs set, A/B'd against itself (e.g. plain=stage/gpu fused=stage/gpu@NIBBLE_SWIGLU=1).
-# A run gets E2E_TIMEOUT seconds (default 200: a cold machine compiles a changed module first).
+# A run gets E2E_TIMEOUT seconds (default 320: on a cold machine the first run compiles every module
+# first, and 200 s cut a cold W4A8 + BF16 run at 64 and 256 sequences short).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-e2e-ab.sh OUTDIR STAGE...}; shift
@@ -21,7 +22,7 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     if [[ $st == *=* ]]; then name=${st%%=*}; st=${st#*=}; fi
     dir="$out/runs/$name-$round"
     # shellcheck disable=SC2086 # knob: VAR=VALUE words for env
-    env ${knob//,/ } SEQS="${SEQS:-256}" STAGE="$st" timeout "${E2E_TIMEOUT:-200}" \
+    env ${knob//,/ } SEQS="${SEQS:-256}" STAGE="$st" timeout "${E2E_TIMEOUT:-320}" \
       scripts/gpu-engine-run.sh "$dir" w4a8 >"$dir.log" 2>&1 || status=1
     grep -E "^throughput at" "$dir.log" | sed "s|^|$name round $round: |"
   done
