@@ -534,6 +534,76 @@ fn fp8_activation_codes_are_the_references() {
 }
 
 #[test]
+fn standalone_act8_codes_are_the_references_at_every_width() {
+    // The standalone quantizers (`quantize_{i8,f8}_*`) on f32 and 16-bit inputs without fused
+    // codes, at the widths where their entries change: the register path's 16 values a thread
+    // (up to 8192 in 512 threads, 16384 in 1024 for f32 sources too), the wide entries' 32 in 512
+    // threads (8196 to 16384: the SwiGLU epilogue's 14336-wide output among them), the paged loop
+    // past that or off a multiple of 4. Codes and scales bit for bit against
+    // nibble_precision::act, with an outlier, a zero row and a NaN row, 257 rows for two waves.
+    let mut r = rng("standalone_act8_codes_are_the_references_at_every_width");
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let g = gpu(dtype);
+        for &(m, k) in &[
+            (3, 4096),
+            (2, 8192),
+            (3, 8196),
+            (5, 9008),
+            (257, 14336),
+            (4, 16384),
+            (2, 16388),
+            (3, 14338),
+        ] {
+            g.poison_activations(256 << 20).unwrap();
+            let mut x = randn(&mut r, m * k, 1.0);
+            x[k - 1] = 300.0;
+            if m > 2 {
+                x[2 * k..3 * k].fill(0.0);
+            }
+            if m > 3 {
+                x[3 * k + k / 2] = f32::NAN;
+            }
+            let xt = g.tensor_from_f32(&x, m, k).unwrap();
+            let ones = g.load_vector(&vec![1.0; k]).unwrap();
+            // A 16-bit tensor with no codes attached: no quantized weight is loaded here.
+            let half = g.rms_norm(&xt, &ones, 1e-5);
+            for (src, t) in [("f32", &xt), ("16-bit", &half)] {
+                let input = host(&g, t);
+                for kind in [Act8::Int8, Act8::Fp8] {
+                    let (codes, scales) = g.act8_codes(t, kind).unwrap();
+                    for (i, row) in input.chunks_exact(k).enumerate() {
+                        let mut want = vec![0u8; k];
+                        let s = match kind {
+                            Act8::Int8 => {
+                                let mut q = vec![0i8; k];
+                                let s = nibble_precision::act::quantize_int8(row, &mut q);
+                                want = q.iter().map(|&c| c as u8).collect();
+                                s
+                            }
+                            Act8::Fp8 => nibble_precision::act::quantize_fp8(row, &mut want),
+                        };
+                        let what = format!("{kind:?} of {src} {m}x{k} {dtype:?} row {i}");
+                        assert!(
+                            s.to_bits() == scales[i].to_bits()
+                                || (s.is_nan() && scales[i].is_nan()),
+                            "{what}: scale {} vs reference {s}",
+                            scales[i]
+                        );
+                        let got = &codes[i * k..(i + 1) * k];
+                        if let Some(j) = (0..k).find(|&j| got[j] != want[j]) {
+                            panic!(
+                                "{what} channel {j}: code {:#04x} vs reference {:#04x} for {}",
+                                got[j], want[j], row[j]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn fp8_matches_the_reference_within_tensor_core_rounding() {
     // The decode gemv (up to 32 tokens, inputs a multiple of 256), 64-token wgmma tiles with
     // split K, and 128-token tiles; odd K chunk counts (a stage's second chunk zero-filled),
