@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Tabulates scripts/gpu-e2e-ab.sh runs: RUNS/<stage>-<round>/throughput-<precision>.json, one
-row per stage, round, precision and batch size, with W4A8 / BF16 of the same stage and round.
+row per stage, round and batch size: each precision's output tok/s, and each quantized one over
+BF16 of the same stage and round where BF16 ran.
 
     python3 bench/e2e_ab_report.py RUNS"""
 import json
@@ -26,22 +27,31 @@ def main(runs):
             for line in open(dev):
                 if line.startswith("commit "):
                     commit = line.split()[1]
-        for prec in ("w4a8", "bf16"):
-            p = os.path.join(folder, f"throughput-{prec}.json")
-            if not os.path.exists(p):
+        for name_ in sorted(os.listdir(folder)):
+            if not (name_.startswith("throughput-") and name_.endswith(".json")):
                 continue
-            for r in results(p):
+            prec = name_[len("throughput-"):-len(".json")]
+            for r in results(os.path.join(folder, name_)):
                 rows[(stage, rnd, commit, r["max_num_seqs"], prec)] = r["output_tok_s"]
     if not rows:
         print("no runs finished")
         return
-    print("| stage | round | commit | seqs | W4A8 output tok/s | BF16 output tok/s | W4A8 / BF16 |")
-    print("|---|---|---|---|---|---|---|")
+    # Quantized precisions first (W4A8, then the rest by name), BF16 last; a ratio to BF16 for each.
+    precs = sorted({k[4] for k in rows}, key=lambda p: (p == "bf16", p != "w4a8", p))
+    quant = [p for p in precs if p != "bf16"]
+    ratios = quant if "bf16" in precs else []
+    head = [f"{p.upper()} output tok/s" for p in precs] + [f"{p.upper()} / BF16" for p in ratios]
+    print("| stage | round | commit | seqs | " + " | ".join(head) + " |")
+    print("|---|---|---|---|" + "---|" * len(head))
+    fmt = lambda v: f"{v:,.1f}" if v else "-"
     for key in sorted({k[:4] for k in rows}):
-        w, b = rows.get(key + ("w4a8",)), rows.get(key + ("bf16",))
-        ratio = f"{w / b:.3f}x" if w and b else "-"
-        fmt = lambda v: f"{v:,.1f}" if v else "-"
-        print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {fmt(w)} | {fmt(b)} | {ratio} |")
+        vals = [rows.get(key + (p,)) for p in precs]
+        b = rows.get(key + ("bf16",))
+        cells = [fmt(v) for v in vals]
+        for p in ratios:
+            w = rows.get(key + (p,))
+            cells.append(f"{w / b:.3f}x" if w and b else "-")
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # End-to-end A/B of staged builds in one device call: `scripts/gpu-engine-run.sh w4a8` (W4A8 and
-# BF16 offline on 1000 ShareGPT prompts) for each stage, alternated ROUNDS times (default 1), at
+# BF16 offline on 1000 ShareGPT prompts; PART names another of its throughput parts) for each stage, alternated ROUNDS times (default 1), at
 # SEQS sequences (default 256). Everything lands in OUTDIR/e2e.tgz plus OUTDIR/summary.md (one
 # row per stage, round and precision), so the call returns two files whatever the stage count.
 #   scripts/gpu-e2e-ab.sh OUTDIR STAGE...      (GPU machine, repo root; STAGE a folder with nibble)
@@ -23,7 +23,7 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     dir="$out/runs/$name-$round"
     # shellcheck disable=SC2086 # knob: VAR=VALUE words for env
     env ${knob//,/ } SEQS="${SEQS:-256}" STAGE="$st" timeout "${E2E_TIMEOUT:-320}" \
-      scripts/gpu-engine-run.sh "$dir" w4a8 >"$dir.log" 2>&1 || status=1
+      scripts/gpu-engine-run.sh "$dir" "${PART:-w4a8}" >"$dir.log" 2>&1 || status=1
     grep -E "^throughput at" "$dir.log" | sed "s|^|$name round $round: |"
   done
 done

@@ -105,21 +105,25 @@ struct DecFp8 {
 };
 
 #if !defined(DEC_NO_ENTRIES)
-#define FP8_DEC_ENTRY(NAME, TT, OUT)                                                                \
+// WRAP: plain_epilogue, or swiglu_epilogue for a gate/up pair packed interleaved (qgemm.cu,
+// SwiGluEpilogue), which writes silu(gate) * up in the model dtype.
+#define FP8_DEC_ENTRY(NAME, TT, OUT, WRAP)                                                          \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
         const uint4* codes, const float* sw, const unsigned char* x, long ldx, const float* sx, OUT* y, \
         long ldy, float* partial, int* counters, int M, int N, int K, int tiles, int chunks, int per_cta, \
         int max_pieces) {                                                                              \
         dec_gemv<TT, DEC_WARPS>(DecFp8{codes, chunks}, x, ldx, y, ldy, partial, counters, M, N, K,     \
-                                tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw}, blockIdx.x);   \
+                                tiles, chunks, per_cta, max_pieces, WRAP(W8Epilogue{sx, sw}), blockIdx.x); \
     }
-#define NIBBLE_FP8_DEC(SUFFIX, OUT)              \
-    FP8_DEC_ENTRY(fp8_dec1_##SUFFIX, 1, OUT)   \
-    FP8_DEC_ENTRY(fp8_dec2_##SUFFIX, 2, OUT)   \
-    FP8_DEC_ENTRY(fp8_dec4_##SUFFIX, 4, OUT)
-NIBBLE_FP8_DEC(f32, float)
-NIBBLE_FP8_DEC(bf16, __nv_bfloat16)
-NIBBLE_FP8_DEC(f16, __half)
+#define NIBBLE_FP8_DEC(SUFFIX, OUT, WRAP)              \
+    FP8_DEC_ENTRY(fp8_dec1_##SUFFIX, 1, OUT, WRAP)   \
+    FP8_DEC_ENTRY(fp8_dec2_##SUFFIX, 2, OUT, WRAP)   \
+    FP8_DEC_ENTRY(fp8_dec4_##SUFFIX, 4, OUT, WRAP)
+NIBBLE_FP8_DEC(f32, float, plain_epilogue)
+NIBBLE_FP8_DEC(bf16, __nv_bfloat16, plain_epilogue)
+NIBBLE_FP8_DEC(f16, __half, plain_epilogue)
+NIBBLE_FP8_DEC(swiglu_bf16, __nv_bfloat16, swiglu_epilogue)
+NIBBLE_FP8_DEC(swiglu_f16, __half, swiglu_epilogue)
 #endif
 #endif  // sm_90
 
@@ -175,19 +179,21 @@ template <int TOK> struct WgqFp8 {
     }
 };
 
-#define FP8_WGMMA_ENTRY(NAME, TOK, OUT)                                                               \
+#define FP8_WGMMA_ENTRY(NAME, TOK, OUT, WRAP)                                                         \
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
         const float* __restrict__ sw, const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, \
         int N, int tiles, int chunks, int splits, float* __restrict__ partial, int* __restrict__ counters) { \
         wgmma_gemm<TOK, TOK <= 128>(&xmap, WgqFp8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, partial, \
-                                   counters, W8Epilogue{sx, sw});                                     \
+                                   counters, WRAP(W8Epilogue{sx, sw}));                               \
     }
-#define FP8_WGMMA(OUTNAME, OUT)                            \
-    FP8_WGMMA_ENTRY(fp8_wgmma128_##OUTNAME, 128, OUT)     \
-    FP8_WGMMA_ENTRY(fp8_wgmma64_##OUTNAME, 64, OUT)
-FP8_WGMMA(f32, float)
-FP8_WGMMA(f16, __half)
-FP8_WGMMA(bf16, __nv_bfloat16)
+#define FP8_WGMMA(OUTNAME, OUT, WRAP)                            \
+    FP8_WGMMA_ENTRY(fp8_wgmma128_##OUTNAME, 128, OUT, WRAP)     \
+    FP8_WGMMA_ENTRY(fp8_wgmma64_##OUTNAME, 64, OUT, WRAP)
+FP8_WGMMA(f32, float, plain_epilogue)
+FP8_WGMMA(f16, __half, plain_epilogue)
+FP8_WGMMA(bf16, __nv_bfloat16, plain_epilogue)
+FP8_WGMMA(swiglu_f16, __half, swiglu_epilogue)
+FP8_WGMMA(swiglu_bf16, __nv_bfloat16, swiglu_epilogue)
 
 #endif  // sm_90a

@@ -524,21 +524,25 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
 
 // Entry points: `wgmma` takes 256 tokens per tile, `wgmma128` 128 (where a second block of 256
 // would be mostly padding: qlinear::wgmma_tokens), `wgmma64` 64 (batches past the decode gemv).
-#define W8A8_WGMMA_ENTRY(NAME, TOK, OUT)                                                              \
+// WRAP: plain_epilogue, or swiglu_epilogue for a gate/up pair packed interleaved (qgemm.cu,
+// SwiGluEpilogue), which writes silu(gate) * up in the model dtype.
+#define W8A8_WGMMA_ENTRY(NAME, TOK, OUT, WRAP)                                                        \
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
         const float* __restrict__ sw, const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, \
         int N, int tiles, int chunks, int splits, int* __restrict__ partial, int* __restrict__ counters) { \
         wgmma_gemm<TOK, TOK <= 128>(&xmap, WgqW8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, partial, \
-                                   counters, W8Epilogue{sx, sw});                                     \
+                                   counters, WRAP(W8Epilogue{sx, sw}));                               \
     }
-#define W8A8_WGMMA(OUTNAME, OUT)                            \
-    W8A8_WGMMA_ENTRY(w8a8_wgmma_##OUTNAME, 256, OUT)        \
-    W8A8_WGMMA_ENTRY(w8a8_wgmma128_##OUTNAME, 128, OUT)     \
-    W8A8_WGMMA_ENTRY(w8a8_wgmma64_##OUTNAME, 64, OUT)
-W8A8_WGMMA(f32, float)
-W8A8_WGMMA(f16, __half)
-W8A8_WGMMA(bf16, __nv_bfloat16)
+#define W8A8_WGMMA(OUTNAME, OUT, WRAP)                            \
+    W8A8_WGMMA_ENTRY(w8a8_wgmma_##OUTNAME, 256, OUT, WRAP)        \
+    W8A8_WGMMA_ENTRY(w8a8_wgmma128_##OUTNAME, 128, OUT, WRAP)     \
+    W8A8_WGMMA_ENTRY(w8a8_wgmma64_##OUTNAME, 64, OUT, WRAP)
+W8A8_WGMMA(f32, float, plain_epilogue)
+W8A8_WGMMA(f16, __half, plain_epilogue)
+W8A8_WGMMA(bf16, __nv_bfloat16, plain_epilogue)
+W8A8_WGMMA(swiglu_f16, __half, swiglu_epilogue)
+W8A8_WGMMA(swiglu_bf16, __nv_bfloat16, swiglu_epilogue)
 
 #define W4A16_WGMMA_ENTRY(NAME, TOK, T, OUT)                                                          \
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \

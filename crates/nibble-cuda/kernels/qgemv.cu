@@ -808,24 +808,27 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
 // W8A8 and W4A8 keep dec_gemv's loop: with the lean one (A/B on an H200 and an H100, 2026-11-26,
 // BENCHMARKS' W8A16 section) W4A8 took 3% to 7% longer on the two large layers at 1 to 16 tokens
 // and W8A8 ran level (to 6% slower on 6144x4096 at 16 tokens); W8A16 gained up to 1.11x.
-#define W8A8_DEC_ENTRY(NAME, TT, OUT)                                                               \
+// WRAP: plain_epilogue or swiglu_epilogue, as for W4A8 below.
+#define W8A8_DEC_ENTRY(NAME, TT, OUT, WRAP)                                                         \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
         const uint4* codes, const float* sw, const signed char* x, long ldx, const float* sx, OUT* y,  \
         long ldy, int* partial, int* counters, int M, int N, int K, int tiles, int chunks, int per_cta, \
         int max_pieces) {                                                                              \
         dec_gemv<TT, DEC_WARPS, false>(DecW8{{codes, chunks}}, x, ldx, y, ldy, partial, counters, M, N,    \
-                                         K, tiles, chunks, per_cta, max_pieces, W8Epilogue{sx, sw},     \
+                                         K, tiles, chunks, per_cta, max_pieces, WRAP(W8Epilogue{sx, sw}), \
                                          blockIdx.x);                                                   \
     }
 // dec4: 32 tokens, the INT8 families only (8-token-tile batches measured slower than the 64-token
 // wgmma tiles on an H200: 46 against 28 µs on 6144x4096 W4A8 at M = 64).
-#define NIBBLE_W8A8_DEC(SUFFIX, OUT)                \
-    W8A8_DEC_ENTRY(w8a8_dec1_##SUFFIX, 1, OUT)   \
-    W8A8_DEC_ENTRY(w8a8_dec2_##SUFFIX, 2, OUT)   \
-    W8A8_DEC_ENTRY(w8a8_dec4_##SUFFIX, 4, OUT)
-NIBBLE_W8A8_DEC(f32, float)
-NIBBLE_W8A8_DEC(bf16, __nv_bfloat16)
-NIBBLE_W8A8_DEC(f16, __half)
+#define NIBBLE_W8A8_DEC(SUFFIX, OUT, WRAP)                \
+    W8A8_DEC_ENTRY(w8a8_dec1_##SUFFIX, 1, OUT, WRAP)   \
+    W8A8_DEC_ENTRY(w8a8_dec2_##SUFFIX, 2, OUT, WRAP)   \
+    W8A8_DEC_ENTRY(w8a8_dec4_##SUFFIX, 4, OUT, WRAP)
+NIBBLE_W8A8_DEC(f32, float, plain_epilogue)
+NIBBLE_W8A8_DEC(bf16, __nv_bfloat16, plain_epilogue)
+NIBBLE_W8A8_DEC(f16, __half, plain_epilogue)
+NIBBLE_W8A8_DEC(swiglu_bf16, __nv_bfloat16, swiglu_epilogue)
+NIBBLE_W8A8_DEC(swiglu_f16, __half, swiglu_epilogue)
 
 #define W8A16_DEC_ENTRY(NAME, T, TT, OUT)                                                           \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \

@@ -221,19 +221,30 @@ impl CudaBackend {
     /// A SwiGLU layer's gate and up projections packed for the SwiGLU epilogue
     /// ([`WeightData::SwiGlu`]: rows interleaved in runs of 8, `qlinear::swiglu_rows`), whatever
     /// NIBBLE_SWIGLU says; `None` where the pair's format has no SwiGLU kernels here or does not
-    /// pack. [`Backend::load_swiglu_weight`] offers it to the model unless NIBBLE_SWIGLU=0.
+    /// pack. [`Backend::load_swiglu_weight`] offers it to the model as [`swiglu_wanted`] says.
     pub fn swiglu_weight(&self, gate: &HostTensor, up: &HostTensor) -> Result<Option<CudaWeight>> {
-        let Some((format, rows, cols, bytes)) = qlinear::swiglu_rows(gate, up)? else {
+        self.swiglu_weight_where(gate, up, |_| true)
+    }
+
+    /// [`CudaBackend::swiglu_weight`] for the families `want` takes, asked before any packing.
+    fn swiglu_weight_where(
+        &self,
+        gate: &HostTensor,
+        up: &HostTensor,
+        want: impl Fn(qlinear::QFamily) -> bool,
+    ) -> Result<Option<CudaWeight>> {
+        let family = qlinear::kernel_format(gate.format).and_then(qlinear::QFamily::of);
+        let Some(family) = family.filter(|&f| f.has_swiglu() && want(f)) else {
             return Ok(None);
         };
         let dtype = self.ctx.dtype;
-        let Some(family) = qlinear::QFamily::of(format).filter(|f| f.has_swiglu()) else {
-            return Ok(None);
-        };
         let probe = qlinear::swiglu_kernel_name(QKernel::Wgmma64, family, 64, dtype.suffix());
         if !self.ctx.has_kernel(&probe) {
             return Ok(None);
         }
+        let Some((format, rows, cols, bytes)) = qlinear::swiglu_rows(gate, up)? else {
+            return Ok(None);
+        };
         let what = format!("weight {} + {}", gate.name, up.name);
         Ok(self
             .upload_packed(format, rows, cols, &bytes, &what)?
@@ -477,12 +488,18 @@ impl CudaBackend {
     }
 }
 
-/// Dense SwiGLU layers of a family with SwiGLU kernels (W4A8) load their gate/up as one
-/// [`WeightData::SwiGlu`] weight, the SiLU-gate in the GEMM's epilogue, unless NIBBLE_SWIGLU=0
-/// (read once; a probe knob: the separate GEMM and SiLU-gate A/B'd against it in one build).
-fn swiglu_on() -> bool {
-    static ON: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    crate::runtime::probe_knob(&ON, "NIBBLE_SWIGLU") != Some(0)
+/// Whether dense SwiGLU layers of `family` load their gate/up as one [`WeightData::SwiGlu`]
+/// weight, the SiLU-gate in the GEMM's epilogue: the families measured with it
+/// ([`qlinear::QFamily::swiglu_by_default`], W4A8) unless NIBBLE_SWIGLU=0; with NIBBLE_SWIGLU=1
+/// every family with SwiGLU kernels (W8A8 and FP8 too). Read once; a probe knob, so the
+/// separate GEMM and SiLU-gate can be A/B'd against the epilogue in one build.
+fn swiglu_wanted(family: qlinear::QFamily) -> bool {
+    static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    match crate::runtime::probe_knob(&KNOB, "NIBBLE_SWIGLU") {
+        Some(0) => false,
+        Some(1) => true,
+        _ => family.swiglu_by_default(),
+    }
 }
 
 /// The fewest routed experts a step runs grouped: 3 quantized ones (at two, grouping measured
@@ -747,12 +764,9 @@ impl Backend for CudaBackend {
     }
 
     fn load_swiglu_weight(&self, gate: &HostTensor, up: &HostTensor) -> Result<Option<CudaWeight>> {
-        // On by default since it measured 1.03x to 1.05x end to end at 64 and 256 sequences
-        // (BENCHMARKS.md, issue 18; docs/design/decode-step-256.md); NIBBLE_SWIGLU=0 opts out.
-        if !swiglu_on() {
-            return Ok(None);
-        }
-        self.swiglu_weight(gate, up)
+        // W4A8 by default: it measured 1.03x to 1.05x end to end at 64 and 256 sequences
+        // (BENCHMARKS.md, issue 18; docs/design/decode-step-256.md).
+        self.swiglu_weight_where(gate, up, swiglu_wanted)
     }
 
     fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {

@@ -274,11 +274,18 @@ impl QFamily {
     }
 
     /// Whether this family's kernels have SwiGLU entries (kernels/qgemm.cu, `SwiGluEpilogue`:
-    /// the decode gemv and the wgmma tiles; [`swiglu_kernel_name`]). W4A8 only so far: its
-    /// 256-sequence decode step is where the SiLU-gate's f32 round trip weighs most
-    /// (docs/design/decode-step-256.md); the other families' entries would be the same macros
-    /// with `swiglu_epilogue`. On by default (NIBBLE_SWIGLU=0 opts out).
+    /// the decode gemv and the wgmma tiles, [`QKernel::has_swiglu_entry`];
+    /// [`swiglu_kernel_name`]): the 8-bit-activation families, whose SiLU-gate would otherwise
+    /// read both halves back in f32 to write its codes (docs/design/decode-step-256.md).
     pub fn has_swiglu(self) -> bool {
+        matches!(self, QFamily::W4A8 | QFamily::W8A8 | QFamily::Fp8)
+    }
+
+    /// Whether a model loads this family's SwiGLU layers for the epilogue unless NIBBLE_SWIGLU
+    /// says otherwise: the families whose epilogue has been measured end to end and passed the
+    /// GPU tests. W4A8: 1.035x at 64 sequences, 1.045x at 256 (H100, BENCHMARKS.md, issue 18).
+    /// W8A8 and FP8 have the entries but have not run them on a GPU yet (NIBBLE_SWIGLU=1).
+    pub fn swiglu_by_default(self) -> bool {
         self == QFamily::W4A8
     }
 
@@ -668,6 +675,17 @@ pub enum QKernel {
     Wgmma128,
     /// The same with [`WGMMA_SMALL_TOKENS`] tokens per tile.
     Wgmma64,
+}
+
+impl QKernel {
+    /// Whether a family with SwiGLU kernels ([`QFamily::has_swiglu`]) has this kind's SwiGLU
+    /// entry: the decode gemv and the wgmma tiles, not the mma.sync gemv or tiles.
+    pub fn has_swiglu_entry(self) -> bool {
+        matches!(
+            self,
+            QKernel::Decode | QKernel::Wgmma | QKernel::Wgmma128 | QKernel::Wgmma64
+        )
+    }
 }
 
 /// What picks a quantized GEMM's kernel besides its shape: the format (W4A16 or W8A8), the output
@@ -1200,7 +1218,8 @@ impl QGemm {
     /// the tier. `has` says whether a Hopper kernel was compiled for this GPU.
     fn pick(self, has: &dyn Fn(QKernel) -> bool) -> Pick {
         let QGemm { route, m, .. } = self;
-        let hopper_only = route.family.hopper_only();
+        // A SwiGLU weight has only the decode gemv and wgmma entries, whatever its family.
+        let hopper_only = route.family.hopper_only() || route.swiglu;
         let wanted = |kind: QKernel, auto_picks: bool| {
             let tier = match self.tier {
                 _ if hopper_only => true,
@@ -1955,7 +1974,18 @@ mod tests {
             swiglu_kernel_name(QKernel::Decode, QFamily::W4A8, 9, "f16"),
             "w4a8_dec2_swiglu_f16"
         );
-        assert!(QFamily::W4A8.has_swiglu());
-        assert!(!QFamily::W8A8.has_swiglu() && !QFamily::W4A16.has_swiglu());
+        assert_eq!(
+            swiglu_kernel_name(QKernel::Wgmma, QFamily::W8A8, 300, "bf16"),
+            "w8a8_wgmma_swiglu_bf16"
+        );
+        assert_eq!(
+            swiglu_kernel_name(QKernel::Decode, QFamily::Fp8, 1, "bf16"),
+            "fp8_dec1_swiglu_bf16"
+        );
+        for family in QFamily::ALL {
+            let eight_bit_acts = matches!(family, QFamily::W4A8 | QFamily::W8A8 | QFamily::Fp8);
+            assert_eq!(family.has_swiglu(), eight_bit_acts, "{family:?}");
+            assert_eq!(family.swiglu_by_default(), family == QFamily::W4A8);
+        }
     }
 }

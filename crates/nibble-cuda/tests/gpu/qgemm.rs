@@ -295,15 +295,16 @@ fn w4a8_is_bit_exact_with_the_integer_reference() {
 }
 
 #[test]
-fn w4a8_swiglu_epilogue_is_the_gemm_then_the_silu_gate() {
+fn swiglu_epilogue_is_the_gemm_then_the_silu_gate() {
     // A gate/up pair loaded as one SwiGLU weight (rows interleaved in runs of 8, SiLU-gate in the
     // GEMM's epilogue) gives the bits of the same pair loaded as a fused projection, multiplied
-    // into f32 and activated by the SiLU-gate kernel; and the INT8 GEMM after it (down_proj)
+    // into f32 and activated by the SiLU-gate kernel; and the 8-bit GEMM after it (down_proj)
     // sees the same codes, which it quantizes itself instead of the SiLU-gate writing them.
-    // Every kernel of the family: the decode gemv (with its split pieces), the 64-token tiles
-    // with split K, 128- and 256-token tiles; ffn a multiple of 8 but not of 16; poisoned
-    // outputs and a NaN input row.
-    let mut r = rng("w4a8_swiglu_epilogue_is_the_gemm_then_the_silu_gate");
+    // Every family with SwiGLU kernels (W4A8, W8A8, FP8) and every kernel of each: the decode
+    // gemv (with its split pieces), the 64-token tiles with split K, 128- and 256-token tiles
+    // (FP8: 128 at most); ffn a multiple of 8 but not of 16; poisoned outputs and a NaN input row.
+    // FP8 too is bit-exact here: both sides run the same kernels in the same order.
+    let mut r = rng("swiglu_epilogue_is_the_gemm_then_the_silu_gate");
     let shapes = [
         (1, 304, 1024),
         (3, 520, 1536),
@@ -317,22 +318,33 @@ fn w4a8_swiglu_epilogue_is_the_gemm_then_the_silu_gate() {
         (257, 160, 384),
         (300, 136, 1024),
     ];
-    // down_proj per channel (any even width), where its input rows suit TMA (ffn % 16 == 0).
-    let down_format: LinearFormat = "int4-pc/a8".parse().unwrap();
-    for (fi, f) in ["qoq-g128/a8", "lqq-g64/a8", "int4-pc/a8"]
-        .iter()
-        .enumerate()
+    // (gate/up format, down_proj's format of the same activation codes, both dtypes)
+    let cases = [
+        ("qoq-g128/a8", "int4-pc/a8", true),
+        ("lqq-g64/a8", "int4-pc/a8", false),
+        ("int4-pc/a8", "int4-pc/a8", false),
+        ("int8-pc/a8", "int8-pc/a8", true),
+        ("fp8-pc/afp8", "fp8-pc/afp8", true),
+    ];
+    let rows_of = |r: &mut ChaCha8Rng, format: LinearFormat, n: usize, k: usize| match format.act
+        == nibble_precision::ActQuant::Fp8PerToken
     {
+        true => fp8_rows(r, n, k),
+        false => quantized_rows(r, format, n, k),
+    };
+    for (f, down_f, both_dtypes) in cases {
         let format: LinearFormat = f.parse().unwrap();
+        // down_proj where its input rows suit TMA (ffn % 16 == 0).
+        let down_format: LinearFormat = down_f.parse().unwrap();
         for dtype in [Dtype::Bf16, Dtype::F16] {
-            if dtype == Dtype::F16 && fi > 0 {
+            if dtype == Dtype::F16 && !both_dtypes {
                 continue;
             }
             let g = gpu(dtype);
             for &(m, ffn, k) in &shapes {
                 let what = format!("{format} {dtype:?} m {m} ffn {ffn} k {k}");
-                let gate = quant_tensor(format, ffn, k, quantized_rows(&mut r, format, ffn, k));
-                let up = quant_tensor(format, ffn, k, quantized_rows(&mut r, format, ffn, k));
+                let gate = quant_tensor(format, ffn, k, rows_of(&mut r, format, ffn, k));
+                let up = quant_tensor(format, ffn, k, rows_of(&mut r, format, ffn, k));
                 let swiglu = g
                     .swiglu_weight(&gate, &up)
                     .unwrap()
@@ -340,7 +352,7 @@ fn w4a8_swiglu_epilogue_is_the_gemm_then_the_silu_gate() {
                 assert!(matches!(swiglu.data, nibble_cuda::WeightData::SwiGlu(_)));
                 assert_eq!((swiglu.rows, swiglu.cols), (ffn, k));
                 let fused = g.load_fused_weight(&[gate, up]).unwrap().unwrap();
-                let down_bytes = quantized_rows(&mut r, down_format, 64, ffn);
+                let down_bytes = rows_of(&mut r, down_format, 64, ffn);
                 let down = g
                     .load_weight(&quant_tensor(down_format, 64, ffn, down_bytes))
                     .unwrap();
