@@ -31,8 +31,11 @@ def main(runs):
             if not (name_.startswith("throughput-") and name_.endswith(".json")):
                 continue
             prec = name_[len("throughput-"):-len(".json")]
-            for r in results(os.path.join(folder, name_)):
-                rows[(stage, rnd, commit, r["max_num_seqs"], prec)] = r["output_tok_s"]
+            try:
+                for r in results(os.path.join(folder, name_)):
+                    rows[(stage, rnd, commit, r["max_num_seqs"], prec)] = r["output_tok_s"]
+            except (ValueError, KeyError, TypeError) as e:  # a run cut short: skip it, say so
+                print(f"{folder}/{name_}: skipped ({e})", file=sys.stderr)
     if not rows:
         print("no runs finished")
         return
@@ -43,14 +46,14 @@ def main(runs):
     head = [f"{p.upper()} output tok/s" for p in precs] + [f"{p.upper()} / BF16" for p in ratios]
     print("| stage | round | commit | seqs | " + " | ".join(head) + " |")
     print("|---|---|---|---|" + "---|" * len(head))
-    fmt = lambda v: f"{v:,.1f}" if v else "-"
+    fmt = lambda v: "-" if v is None else f"{v:,.1f}"
     for key in sorted({k[:4] for k in rows}):
         vals = [rows.get(key + (p,)) for p in precs]
         b = rows.get(key + ("bf16",))
         cells = [fmt(v) for v in vals]
         for p in ratios:
             w = rows.get(key + (p,))
-            cells.append(f"{w / b:.3f}x" if w and b else "-")
+            cells.append(f"{w / b:.3f}x" if w is not None and b else "-")
         print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells) + " |")
 
 

@@ -5,9 +5,11 @@
 # row per stage, round and precision), so the call returns two files whatever the stage count.
 #   scripts/gpu-e2e-ab.sh OUTDIR STAGE...      (GPU machine, repo root; STAGE a folder with nibble)
 # A STAGE may be NAME=FOLDER, and either may end in @VAR=VALUE[,VAR=VALUE]: that build with probe
-# knobs set, A/B'd against itself (e.g. plain=stage/gpu fused=stage/gpu@NIBBLE_SWIGLU=1).
+# knobs set, A/B'd against itself (e.g. fused=stage/gpu off=stage/gpu@NIBBLE_SWIGLU=0).
 # A run gets E2E_TIMEOUT seconds (default 320: on a cold machine the first run compiles every module
-# first, and 200 s cut a cold W4A8 + BF16 run at 64 and 256 sequences short).
+# first, and 200 s cut a cold W4A8 + BF16 run at 64 and 256 sequences short); mind the device
+# call's 600 s: stages x rounds x a run's time (about 150 s warm at 64 and 256) must fit. The
+# summary is redrawn after every run, so a call cut short keeps what finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-e2e-ab.sh OUTDIR STAGE...}; shift
@@ -25,8 +27,9 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     env ${knob//,/ } SEQS="${SEQS:-256}" STAGE="$st" timeout "${E2E_TIMEOUT:-320}" \
       scripts/gpu-engine-run.sh "$dir" "${PART:-w4a8}" >"$dir.log" 2>&1 || status=1
     grep -E "^throughput at" "$dir.log" | sed "s|^|$name round $round: |"
+    python3 bench/e2e_ab_report.py "$out/runs" >"$out/summary.md"
   done
 done
-python3 bench/e2e_ab_report.py "$out/runs" | tee "$out/summary.md"
+cat "$out/summary.md"
 tar czf "$out/e2e.tgz" -C "$out" runs && rm -rf "$out/runs"
 exit $status

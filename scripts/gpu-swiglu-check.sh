@@ -48,7 +48,7 @@ case ${2:?tests, perf, perf8 or batch1} in
     cp "$out/e2e8/summary.md" "$out/summary8.md" 2>/dev/null ;;
   batch1)
     for v in 1 0 1 0; do
-      NIBBLE_SWIGLU=$v stage/gpu/nibble --device cuda --dummy-weights llama-3-8b:w4a8-g128 \
+      NIBBLE_SWIGLU=$v timeout 120 stage/gpu/nibble --device cuda --dummy-weights llama-3-8b:w4a8-g128 \
         bench throughput --input-len 256 --output-len 256 --num-prompts 4 --max-num-seqs 1 \
         2>&1 | grep -E "^throughput" | sed "s|^|NIBBLE_SWIGLU=$v: |" | tee -a "$out/batch1.txt" || status=1
     done ;;

@@ -349,6 +349,8 @@ fn qgemm(
     let w4a8: LinearFormat = "qoq-g128/a8".parse()?;
     let fp8: LinearFormat = "fp8-pc/afp8".parse()?;
     let w8a16: LinearFormat = "int8-pc/a16".parse()?;
+    // COMET with one INT8 block of 128 channels (FMPQ puts the few outlier blocks first).
+    let comet: LinearFormat = "int4-g128/a4a8-b128-n1".parse()?;
     let mut rows = Vec::new();
     for (si, &(n, k)) in shapes.iter().enumerate() {
         let copies = |host: &HostTensor| -> Result<Vec<_>> {
@@ -361,6 +363,7 @@ fn qgemm(
         let q48 = copies(&quant_weight(w4a8, n, k, 400 + si as u64)?)?;
         let qf8 = copies(&quant_weight(fp8, n, k, 500 + si as u64)?)?;
         let q816 = copies(&quant_weight(w8a16, n, k, 600 + si as u64)?)?;
+        let qc = copies(&quant_weight(comet, n, k, 700 + si as u64)?)?;
         let p816s = quant_params(&q816)?;
         let (p4s, p8s, p48s) = (quant_params(&q4)?, quant_params(&q8)?, quant_params(&q48)?);
         let pf8s = quant_params(&qf8)?;
@@ -389,6 +392,7 @@ fn qgemm(
             let (mut cd, mut c4, mut c8) = (cycle(dense.len()), cycle(p4s.len()), cycle(p8s.len()));
             let (mut c48, mut cf8) = (cycle(p48s.len()), cycle(pf8s.len()));
             let mut c816 = cycle(p816s.len());
+            let mut cc = cycle(qc.len());
             let t_cublas = time_calls(be, calls, &mut || {
                 be.linear(&x, &dense[cd()], None).map(|_| ())
             })?;
@@ -409,6 +413,10 @@ fn qgemm(
             })?;
             let t_w816 = time_calls(be, calls, &mut || {
                 be.quant_gemm(&x, p816s[c816()], n, k, &out)
+            })?;
+            // COMET quantizes its own input (no codes from a producer): timed with it.
+            let t_comet = time_calls(be, calls, &mut || {
+                be.linear(&x, &qc[cc()], None).map(|_| ())
             })?;
             // Decode and batch sizes on each tier (the default picks one per shape).
             let mut tier_ms = |tier: KernelTier| -> Result<(Option<f64>, Option<f64>)> {
@@ -449,6 +457,7 @@ fn qgemm(
                 "w8a16_floor_ms": floor(w816_bytes) * 1e3,
                 "w8a16_hbm_fraction": (w816_bytes + io) / t_w816 / bw,
                 "w8a16_tflops": flops / t_w816 / 1e12,
+                "comet_with_quant_ms": t_comet * 1e3,
                 "weight_copies": [dense.len(), p4s.len(), p8s.len(), p48s.len(), pf8s.len(), p816s.len()],
                 "w4a16_hbm_fraction": (w4_bytes + io) / t_w4 / bw,
                 "w4a16_floor_ms": floor(w4_bytes) * 1e3, "w8a8_floor_ms": floor(w8_bytes) * 1e3,

@@ -30,7 +30,7 @@ use crate::qlinear::QKernel;
 use crate::runtime::{DeviceBuffer, DevicePtr};
 use crate::sampling::SampleScratch;
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem, QuantWeight, WeightData};
-use crate::{attention, dense_gemv, elementwise as ew, graph, grouped, qlinear, sampling};
+use crate::{attention, comet, dense_gemv, elementwise as ew, graph, grouped, qlinear, sampling};
 
 /// Most rows an expert may be routed for the engine to group the layer's experts
 /// ([`Backend::grouped_swiglu`]): past it the grouped gemv's activation window shrinks its K
@@ -176,6 +176,7 @@ impl CudaBackend {
                 WeightData::SwiGlu(_) => Err(Error::InvalidArgument(
                     "a SwiGLU weight writes its own 16-bit output (linear), not into f32".into(),
                 )),
+                WeightData::Comet(c) => comet::gemm(ctx, x, c, weight.rows, weight.cols, out),
             }
         };
         match &self.trace {
@@ -436,12 +437,49 @@ impl CudaBackend {
         Ok(Some(q))
     }
 
+    /// COMET W4A4A8 parts of one format and width, stacked and uploaded for `comet::gemm`
+    /// (kernels/comet.cu, sm_80 on); `None` for any other format, or geometry it cannot read.
+    fn upload_comet(&self, parts: &[HostTensor], what: &str) -> Result<Option<CudaWeight>> {
+        let Some(WeightFormat::Quant(format)) = parts.first().map(|t| t.format) else {
+            return Ok(None);
+        };
+        let (_, cols, _) = parts[0].matrix_geometry()?;
+        let Some(geo) = comet::geometry(format, cols) else {
+            return Ok(None);
+        };
+        if !self.ctx.has_kernel("comet_gemm_f32") {
+            return Ok(None);
+        }
+        let mut rows = 0;
+        let mut bytes = Vec::new();
+        for t in parts {
+            let (r, c, _) = t.matrix_geometry()?;
+            if t.format != parts[0].format || c != cols {
+                return Ok(None);
+            }
+            rows += r;
+            bytes.extend_from_slice(&t.bytes);
+        }
+        let packed = comet::pack(format, rows, cols, &bytes)?;
+        let w = comet::upload(&self.ctx, &packed, geo, what)?;
+        self.ctx.note_weight(w.bytes(), None);
+        Ok(Some(CudaWeight {
+            rows,
+            cols,
+            dtype: self.ctx.dtype,
+            data: WeightData::Comet(w),
+        }))
+    }
+
     /// Checked 2-D weights with equal widths, converted to the model dtype and uploaded as one
     /// matrix, rows stacked in order (one weight, or a fused projection).
     fn upload_stacked(&self, parts: &[HostTensor]) -> Result<CudaWeight> {
         let dtype = self.ctx.dtype;
         let names: Vec<&str> = parts.iter().map(|t| t.name.as_str()).collect();
         let what = format!("weight {}", names.join(" + "));
+        if let Some(w) = self.upload_comet(parts, &what)? {
+            return Ok(w);
+        }
         if let Some((format, rows, cols, bytes)) = qlinear::stacked_rows(parts)? {
             // Geometry the kernels cannot read (K not a multiple of 16) runs dequantized below.
             // W4A8 has Hopper kernels only; elsewhere it runs dequantized too.
@@ -523,6 +561,9 @@ fn dequantized_reason(ctx: &CudaContext, parts: &[HostTensor]) -> Option<String>
         WeightFormat::Quant(f) => (
             f.to_string(),
             match qlinear::QFamily::of(f) {
+                None if matches!(f.act, nibble_precision::ActQuant::Mixed4x8 { .. }) => {
+                    "COMET's kernel takes groups of 32 to 128 channels that divide the layer"
+                }
                 None => "it has no GPU kernel yet",
                 Some(f) if f.hopper_only() && !ctx.has_kernel(f.hopper_probe()) => {
                     "its kernels need Hopper (sm_90a)"

@@ -37,6 +37,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         ),
     ),
     ("sampling", include_str!("../kernels/sampling.cu")),
+    ("comet", include_str!("../kernels/comet.cu")),
     // One module: the decode gemv and the wgmma tier (sm_90a) reuse the mma.sync tier's
     // helpers and epilogues; hopper.cuh holds what the wgmma kernels and the dense decode gemv
     // (TMA bulk copies) share.

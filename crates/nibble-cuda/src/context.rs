@@ -34,7 +34,8 @@ pub enum KernelTier {
     /// wgmma kernels up to `qlinear::WGMMA_SMALL_TOKENS` and the 128- or 256-token wgmma kernels
     /// past that, mma.sync everywhere else.
     Auto = 0,
-    /// The mma.sync kernels for every shape.
+    /// The mma.sync kernels for every shape (a SwiGLU weight, which has only the Hopper tier's
+    /// entries, keeps the decode gemv and wgmma kernels).
     MmaSync = 1,
     /// The Hopper kernels (decode gemv, wgmma) wherever the GPU has them and the format allows.
     Hopper = 2,

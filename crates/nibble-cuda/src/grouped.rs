@@ -96,11 +96,11 @@ enum Geometry {
     },
 }
 
-/// `None` for a SwiGLU weight, which no grouped kernel reads.
+/// `None` for a SwiGLU or COMET weight, which no grouped kernel reads.
 fn geometry(w: &CudaWeight) -> Option<Geometry> {
     Some(match &w.data {
         WeightData::Dense(_) => Geometry::Dense { dtype: w.dtype },
-        WeightData::SwiGlu(_) => return None,
+        WeightData::SwiGlu(_) | WeightData::Comet(_) => return None,
         WeightData::Quant(q) => match *q {
             QuantWeight::W4 {
                 group_len,
@@ -418,9 +418,9 @@ fn items(runs: &[GroupedRun<'_>], item_rows: usize) -> Result<Vec<GroupedItem>> 
     for r in runs {
         let (codes, params, scales) = match &r.weight.data {
             WeightData::Dense(b) => (b.ptr, 0, 0),
-            WeightData::SwiGlu(_) => {
+            WeightData::SwiGlu(_) | WeightData::Comet(_) => {
                 return Err(Error::InvalidArgument(
-                    "grouped GEMM of a SwiGLU weight".into(),
+                    "grouped GEMM of a SwiGLU or COMET weight".into(),
                 ));
             }
             WeightData::Quant(QuantWeight::W4 { codes, params, .. }) => (codes.ptr, params.ptr, 0),

@@ -1903,6 +1903,30 @@ mod tests {
             ..gemm(W4A8, 4, 576, 576, Auto)
         };
         assert_eq!(kind(odd.pick(&hopper)), "Wgmma(Wgmma64, 64)");
+        // A SwiGLU weight has only the decode gemv and wgmma entries: W8A8's never takes the
+        // mma.sync gemv or tiles, whatever the tier, and without the Hopper kernels nothing.
+        let swiglu = |family, m, tier| QGemm {
+            route: Route {
+                swiglu: true,
+                ..gemm(family, m, 28672, 4096, tier).route
+            },
+            ..gemm(family, m, 28672, 4096, tier)
+        };
+        for (family, m, tier, has_hopper, want) in [
+            (W8A8, 8, MmaSync, true, "decode Decode"),
+            (W8A8, 40, MmaSync, true, "Wgmma(Wgmma64, 64)"),
+            (W8A8, 1000, MmaSync, true, "Wgmma(Wgmma, 256)"),
+            (W8A8, 8, Auto, false, "None"),
+            (W8A8, 1000, Auto, false, "None"),
+            (Fp8, 1000, Auto, true, "Wgmma(Wgmma128, 128)"),
+        ] {
+            let has: &dyn Fn(QKernel) -> bool = if has_hopper { &hopper } else { &ampere };
+            let got = kind(swiglu(family, m, tier).pick(has));
+            assert_eq!(
+                got, want,
+                "SwiGLU {family:?} {m} {tier:?} hopper {has_hopper}"
+            );
+        }
     }
 
     #[test]

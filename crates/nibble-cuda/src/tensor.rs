@@ -198,6 +198,8 @@ pub enum WeightData {
     /// rows (`qlinear::swiglu_rows`), whose product is `silu(gate x) * up x` in the model dtype
     /// (`qlinear::swiglu_gemm`); the [`CudaWeight`]'s `rows` are the `ffn` outputs.
     SwiGlu(QuantWeight),
+    /// COMET W4A4A8 (`comet.rs`): the GEMM quantizes its own input in mixed blocks.
+    Comet(CometWeight),
 }
 
 impl CudaWeight {
@@ -205,7 +207,7 @@ impl CudaWeight {
     pub fn quant(&self) -> Option<&QuantWeight> {
         match &self.data {
             WeightData::Quant(q) => Some(q),
-            WeightData::Dense(_) | WeightData::SwiGlu(_) => None,
+            WeightData::Dense(_) | WeightData::SwiGlu(_) | WeightData::Comet(_) => None,
         }
     }
 
@@ -217,7 +219,28 @@ impl CudaWeight {
                 format!("a {} weight used as a plain matrix", q.format_name()),
                 "only linear layers run quantized on the GPU",
             )),
+            WeightData::Comet(_) => Err(Error::unsupported(
+                "a w4a4a8 weight used as a plain matrix",
+                "only linear layers run quantized on the GPU",
+            )),
         }
+    }
+}
+
+/// A COMET W4A4A8 weight (`comet.rs`, kernels/comet.cu): the checkpoint rows' nibbles
+/// `[n][k / 2]`, group zeros `[n][groups]` (bytes) and group scales `[n][groups]` (f32); blocks of
+/// activations are the groups, the first `int8_blocks` INT8.
+pub struct CometWeight {
+    pub codes: DeviceBuffer,
+    pub zeros: DeviceBuffer,
+    pub scales: DeviceBuffer,
+    pub group: usize,
+    pub int8_blocks: usize,
+}
+
+impl CometWeight {
+    pub fn bytes(&self) -> usize {
+        self.codes.bytes + self.zeros.bytes + self.scales.bytes
     }
 }
 

@@ -46,6 +46,14 @@ fn kernels_compile_for_every_architecture() {
                             "silu_mul_f8_f16",
                         ],
                         "decode_mma" => &["decode_mma_bf16_hd128_g4", "decode_mma_f16_hd64_g8"],
+                        "comet" => &[
+                            "comet_quantize_f32",
+                            "comet_quantize_bf16",
+                            "comet_quantize_f16",
+                            "comet_gemm_f32",
+                            "comet_gemm_bf16",
+                            "comet_gemm_f16",
+                        ],
                         // The wgmma tier exists from sm_90 (sm_90a) on.
                         "prefill" if cc.0 >= 9 => &[
                             "prefill_attn_bf16_hd128",

@@ -302,7 +302,8 @@ fn swiglu_epilogue_is_the_gemm_then_the_silu_gate() {
     // sees the same codes, which it quantizes itself instead of the SiLU-gate writing them.
     // Every family with SwiGLU kernels (W4A8, W8A8, FP8) and every kernel of each: the decode
     // gemv (with its split pieces), the 64-token tiles with split K, 128- and 256-token tiles
-    // (FP8: 128 at most); ffn a multiple of 8 but not of 16; poisoned outputs and a NaN input row.
+    // (FP8: 128 at most); ffn a multiple of 8 but not of 16; poisoned outputs and a NaN input row;
+    // W8A8 once more on the forced mma.sync tier (its plain side there, exact integer sums).
     // FP8 too is bit-exact here: both sides run the same kernels in the same order.
     let mut r = rng("swiglu_epilogue_is_the_gemm_then_the_silu_gate");
     let shapes = [
@@ -317,6 +318,10 @@ fn swiglu_epilogue_is_the_gemm_then_the_silu_gate() {
         (130, 520, 640),
         (257, 160, 384),
         (300, 136, 1024),
+        // 256-token tiles (34 row blocks: 128-token tiles would take half again as many rounds).
+        (512, 2176, 256),
+        // The 64-token tiles with K split (64 stages: 4 splits for W4A8, 2 for W8A8 and FP8).
+        (33, 72, 4096),
     ];
     // (gate/up format, down_proj's format of the same activation codes, both dtypes)
     let cases = [
@@ -379,6 +384,18 @@ fn swiglu_epilogue_is_the_gemm_then_the_silu_gate() {
                 assert_eq!(got.len(), m * ffn, "{what}");
                 assert_bit_exact(&format!("{what} activation"), &got, &want);
                 assert_bit_exact(&format!("{what} down_proj"), &got_down, &want_down);
+                if f == "int8-pc/a8" {
+                    // Forced mma.sync: the plain projection takes the gemv or tiled kernel, the
+                    // SwiGLU weight keeps its Hopper entries; integer sums, the same bits.
+                    g.set_kernel_tier(KernelTier::MmaSync);
+                    let got = host(&g, &g.linear(&xt, &swiglu, None).unwrap());
+                    let halves = g
+                        .split_cols(&g.linear(&xt, &fused, None).unwrap(), &[ffn, ffn])
+                        .unwrap();
+                    let want = host(&g, &g.silu_mul(&halves[0], &halves[1]));
+                    g.set_kernel_tier(KernelTier::Auto);
+                    assert_bit_exact(&format!("{what} activation, mma.sync tier"), &got, &want);
+                }
             }
         }
     }
@@ -549,7 +566,7 @@ fn fp8_activation_codes_are_the_references() {
 fn standalone_act8_codes_are_the_references_at_every_width() {
     // The standalone quantizers (`quantize_{i8,f8}_*`) on f32 and 16-bit inputs without fused
     // codes, at the widths where their entries change: the register path's 16 values a thread
-    // (up to 8192 in 512 threads, 16384 in 1024 for f32 sources too), the wide entries' 32 in 512
+    // (up to 8192 in 512 threads), the wide entries' 32 in 512
     // threads (8196 to 16384: the SwiGLU epilogue's 14336-wide output among them), the paged loop
     // past that or off a multiple of 4. Codes and scales bit for bit against
     // nibble_precision::act, with an outlier, a zero row and a NaN row, 257 rows for two waves.
@@ -612,6 +629,81 @@ fn standalone_act8_codes_are_the_references_at_every_width() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn comet_is_bit_exact_with_the_reference() {
+    // COMET W4A4A8 on its own kernels (kernels/comet.cu): the mixed INT4 / INT8 block codes of
+    // the input, then the block-ordered fma sum, against nibble_precision::reference_matmul bit
+    // for bit. Every group size, none / one / half / all blocks INT8 (kernel_formats), f32 and
+    // 16-bit inputs, tokens and rows off the CTA tiles (32 tokens, 64 rows), poisoned outputs, an
+    // outlier, a zero row and a NaN row; a fused (stacked) projection too.
+    let mut r = rng("comet_is_bit_exact_with_the_reference");
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let g = gpu(dtype);
+        for &(k, n) in &[(96, 40), (256, 72), (640, 130), (1024, 64)] {
+            for format in nibble_precision::reference::kernel_formats(k) {
+                if !matches!(format.act, nibble_precision::ActQuant::Mixed4x8 { .. }) {
+                    continue;
+                }
+                let wb = random_rows(&mut r, format, n, k);
+                let w = g
+                    .load_weight(&quant_tensor(format, n, k, wb.clone()))
+                    .unwrap();
+                assert!(
+                    matches!(w.data, nibble_cuda::WeightData::Comet(_)),
+                    "{format} k {k}: not on the COMET kernel"
+                );
+                for m in [1, 5, 33, 70] {
+                    let what = format!("{format} {dtype:?} m {m} n {n} k {k}");
+                    g.poison_activations(64 << 20).unwrap();
+                    let xt = g
+                        .tensor_from_f32(&poisoned_input(&mut r, m, k), m, k)
+                        .unwrap();
+                    let ones = g.load_vector(&vec![1.0; k]).unwrap();
+                    let half = g.rms_norm(&xt, &ones, 1e-5);
+                    for (src, input) in [("f32", &xt), ("16-bit", &half)] {
+                        let y = host(&g, &g.linear(input, &w, None).unwrap());
+                        let want =
+                            reference_matmul(format, &host(&g, input), m, k, &wb, n).unwrap();
+                        assert_eq!(y.len(), want.len(), "{what}");
+                        assert_bit_exact(&format!("{what} from {src}"), &y, &want);
+                    }
+                }
+            }
+        }
+        // A fused projection: two parts stacked by rows, one launch, the same bits as each alone.
+        let format: LinearFormat = "int4-g128/a4a8-b128-n2".parse().unwrap();
+        let (k, m) = (512, 9);
+        let (wa, wb) = (
+            random_rows(&mut r, format, 48, k),
+            random_rows(&mut r, format, 24, k),
+        );
+        let fused = g
+            .load_fused_weight(&[
+                quant_tensor(format, 48, k, wa.clone()),
+                quant_tensor(format, 24, k, wb.clone()),
+            ])
+            .unwrap()
+            .unwrap();
+        assert!(matches!(fused.data, nibble_cuda::WeightData::Comet(_)));
+        let x = randn(&mut r, m * k, 1.0);
+        let xt = g.tensor_from_f32(&x, m, k).unwrap();
+        let y = host(&g, &g.linear(&xt, &fused, None).unwrap());
+        let (ya, yb) = (
+            reference_matmul(format, &x, m, k, &wa, 48).unwrap(),
+            reference_matmul(format, &x, m, k, &wb, 24).unwrap(),
+        );
+        let want: Vec<f32> = (0..m)
+            .flat_map(|i| {
+                ya[i * 48..(i + 1) * 48]
+                    .iter()
+                    .chain(&yb[i * 24..(i + 1) * 24])
+                    .copied()
+            })
+            .collect();
+        assert_bit_exact("fused COMET projection", &y, &want);
     }
 }
 
@@ -828,10 +920,12 @@ fn split_k_is_deterministic_and_layers_that_cannot_pack_run_dequantized() {
         .load_weight(&quant_tensor(f8, 24, 40, wb.clone()))
         .unwrap();
     assert!(matches!(w.data, nibble_cuda::WeightData::Dense(_)));
-    // ... and the user is told, as for a format without a kernel (COMET's W4A4A8).
-    let comet: LinearFormat = "int4-g64/a4a8-b64-n1".parse().unwrap();
-    let wb4 = random_rows(&mut r, comet, 16, 128);
-    g.load_weight(&quant_tensor(comet, 16, 128, wb4)).unwrap();
+    // ... and the user is told, as for a format without a kernel (INT4 in groups with INT8
+    // activations: W4A8's kernels take QoQ, LiquidQuant and per-channel INT4 only).
+    let grouped_a8: LinearFormat = "int4-g64/a8".parse().unwrap();
+    let wb4 = random_rows(&mut r, grouped_a8, 16, 128);
+    g.load_weight(&quant_tensor(grouped_a8, 16, 128, wb4))
+        .unwrap();
     let notes = g.load_notes();
     assert!(
         notes
@@ -839,7 +933,7 @@ fn split_k_is_deterministic_and_layers_that_cannot_pack_run_dequantized() {
             .any(|n| n.starts_with("int8-pc/a8") && n.contains("shape"))
             && notes
                 .iter()
-                .any(|n| n.starts_with("int4-g64/a4a8") && n.contains("no GPU kernel")),
+                .any(|n| n.starts_with("int4-g64/a8") && n.contains("no GPU kernel")),
         "{notes:?}"
     );
     let xv = randn(&mut r, 3 * 40, 1.0);

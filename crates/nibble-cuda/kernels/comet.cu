@@ -1,0 +1,157 @@
+// COMET W4A4A8 (FMPQ, COMET §3-4): INT4 weights in groups, activations in channel blocks of the
+// group size, the leading `int8_blocks` blocks INT8 and the rest INT4, one scale per token and
+// block. The arithmetic is nibble_precision::reference's COMET rule: per block an exact i32 dot
+// p_b, then y = fma(f32(p_b), s_w,b * s_x,b, y) over the blocks in order from 0.
+//
+// Hopper has no 4-bit tensor-core math (mma.sync s4 about 45 TOPS against about 1,290 for s8 on
+// an H100), so both halves widen to INT8 before the tensor cores: the quantizer writes every
+// block's codes as INT8 bytes (an INT4 block's within [-7, 7]) and the GEMM widens the weights'
+// nibbles to q - z in registers. What COMET could still win on Hopper is activation bytes (half
+// for the INT4 blocks), which only matter where the GEMM is bound by them; this first kernel
+// stores them at 8 bits and is the correctness baseline that COMET's speed is measured from
+// (BENCHMARKS.md, issue 18).
+//
+// comet_quantize_*: one CTA per token row, a warp per block (blocks of 32 to 128 channels: one to
+// four values a lane), the block's max by shuffles; codes [M][K] INT8, scales [M][blocks] f32.
+//
+// comet_gemm_*: mma.sync m16n8k32 s8 tiles. A CTA is 4 warps over 64 weight rows x 32 tokens
+// (a warp: 16 rows x four 8-token tiles). Each k32 step of a block, lane (g, t) reads channels
+// 8t .. 8t + 7 of the step: the 4 code bytes of rows g and g + 8 (8 nibbles each, widened to two
+// registers of q - z with the row's group zero) and 8 activation bytes of its token of each
+// tile; registers 0 / 2 (row g) and 1 / 3 (row g + 8) take channels 8t .. 8t + 3 / 8t + 4 ..
+// 8t + 7, the B registers the same channels of the token: the k32 step's K order is permuted
+// alike on both sides, and an integer dot does not depend on the order. The step's products go
+// to an i32 fragment zeroed at each block; at the block's end each output adds
+// f32(fragment) * (s_w,b * s_x,b) to its f32 accumulator with one fma, in block order: the
+// reference's bits. No split K (it would reorder the block sum). Weights are read as the
+// checkpoint's rows (nibbles, low first; packing: comet.rs), through L1, not staged.
+
+// One value's code of a block with this scale (quantize_int: ties to even, clamped to qmax).
+__device__ __forceinline__ signed char comet_code(float v, float scale, float qmax) {
+    return (signed char)fminf(fmaxf(rintf(v / scale), -qmax), qmax);
+}
+
+template <class IN>
+__device__ void comet_quantize_impl(const IN* __restrict__ x, long ldx, signed char* __restrict__ q,
+                                    float* __restrict__ sx, int cols, int block, int int8_blocks) {
+    const long row = blockIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int blocks = cols / block, per_lane = block >> 5;  // 1 to 4 (blocks of 32 to 128)
+    for (int b = warp; b < blocks; b += warps) {
+        float v[4];
+        float amax = 0.f;
+        bool finite = true;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (i < per_lane) {
+                v[i] = to_f32(x[row * ldx + (long)b * block + i * 32 + lane]);
+                finite &= isfinite(v[i]);
+                amax = fmaxf(amax, fabsf(v[i]));
+            }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        finite = __all_sync(0xffffffffu, finite);
+        const float qmax = b < int8_blocks ? 127.f : 7.f;
+        const float scale = finite ? amax / qmax : __int_as_float(0x7fc00000);
+        const bool on = finite && scale != 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (i < per_lane)
+                q[row * cols + (long)b * block + i * 32 + lane] = on ? comet_code(v[i], scale, qmax) : (signed char)0;
+        if (lane == 0) sx[row * blocks + b] = scale;
+    }
+}
+
+#define COMET_QUANTIZE(SUFFIX, T)                                                                   \
+    extern "C" __global__ void __launch_bounds__(1024) comet_quantize_##SUFFIX(                     \
+        const T* x, long ldx, signed char* q, float* sx, int cols, int block, int int8_blocks) {    \
+        comet_quantize_impl<T>(x, ldx, q, sx, cols, block, int8_blocks);                              \
+    }
+COMET_QUANTIZE(f32, float)
+COMET_QUANTIZE(bf16, __nv_bfloat16)
+COMET_QUANTIZE(f16, __half)
+
+__device__ __forceinline__ void comet_mma(int* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Eight nibbles (channels k .. k + 7, low nibble first) minus the zero `z`, as INT8 bytes:
+// `lo` channels k .. k + 3, `hi` k + 4 .. k + 7 (q - z in [-15, 15]: the byte-wise wrap of
+// __vsub4 is its two's complement).
+__device__ __forceinline__ void comet_widen(u32 w, u32 z, u32& lo, u32& hi) {
+    const u32 even = w & 0x0f0f0f0fu, odd = (w >> 4) & 0x0f0f0f0fu;  // channels k, k+2, .. / k+1, ..
+    const u32 zz = z * 0x01010101u;
+    lo = __vsub4(__byte_perm(even, odd, 0x5140), zz);
+    hi = __vsub4(__byte_perm(even, odd, 0x7362), zz);
+}
+
+#define COMET_TT 4                  // 8-token tiles a warp
+#define COMET_TOKENS (COMET_TT * 8)  // tokens a CTA
+#define COMET_ROWS 64                // weight rows a CTA (4 warps of 16)
+
+// codes [N][K / 2] (a row's nibbles), zeros [N][groups] u8, sw [N][groups] f32 (the f16 group
+// scales); x [M][K] INT8 codes, sx [M][groups] f32; y [M][N] (row stride ldy).
+template <class OUT>
+__device__ void comet_gemm_impl(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ zeros,
+                                const float* __restrict__ sw, const signed char* __restrict__ x,
+                                const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, int N,
+                                int K, int block) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * COMET_ROWS + warp * 16, m0 = blockIdx.y * COMET_TOKENS;
+    const int blocks = K / block, steps = block >> 5;
+    // Rows and tokens past the edges read row / token 0 (and are never stored).
+    const int ra = row0 + g < N ? row0 + g : 0, rb = row0 + g + 8 < N ? row0 + g + 8 : 0;
+    const unsigned char* wa = codes + (long)ra * (K / 2) + 4 * t;
+    const unsigned char* wb = codes + (long)rb * (K / 2) + 4 * t;
+    const signed char* xt[COMET_TT];
+#pragma unroll
+    for (int tt = 0; tt < COMET_TT; ++tt) {
+        const int m = m0 + tt * 8 + g;
+        xt[tt] = x + (long)(m < M ? m : 0) * K + 8 * t;
+    }
+    float acc[COMET_TT][4] = {};
+    for (int b = 0; b < blocks; ++b) {
+        int frag[COMET_TT][4] = {};
+        const u32 za = zeros[(long)ra * blocks + b], zb = zeros[(long)rb * blocks + b];
+        for (int s = 0; s < steps; ++s) {
+            const int k = b * block + s * 32;  // the step's first channel
+            u32 a[4];
+            comet_widen(*reinterpret_cast<const u32*>(wa + k / 2), za, a[0], a[2]);
+            comet_widen(*reinterpret_cast<const u32*>(wb + k / 2), zb, a[1], a[3]);
+#pragma unroll
+            for (int tt = 0; tt < COMET_TT; ++tt) {
+                const uint2 v = *reinterpret_cast<const uint2*>(xt[tt] + k);
+                comet_mma(frag[tt], a, v.x, v.y);
+            }
+        }
+        // The block's sums into the accumulators: one f32 product of the two scales, one fma.
+        const float swa = sw[(long)ra * blocks + b], swb = sw[(long)rb * blocks + b];
+#pragma unroll
+        for (int tt = 0; tt < COMET_TT; ++tt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int m = min(m0 + tt * 8 + 2 * t + (e & 1), M - 1);
+                const float c = (e < 2 ? swa : swb) * sx[(long)m * blocks + b];
+                acc[tt][e] = fmaf((float)frag[tt][e], c, acc[tt][e]);
+            }
+    }
+#pragma unroll
+    for (int tt = 0; tt < COMET_TT; ++tt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int n = row0 + g + 8 * (e >> 1), m = m0 + tt * 8 + 2 * t + (e & 1);
+            if (n < N && m < M) y[(long)m * ldy + n] = from_f32<OUT>(acc[tt][e]);
+        }
+}
+
+#define COMET_GEMM(SUFFIX, OUT)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) comet_gemm_##SUFFIX(                          \
+        const unsigned char* codes, const unsigned char* zeros, const float* sw, const signed char* x, \
+        const float* sx, OUT* y, long ldy, int M, int N, int K, int block) {                        \
+        comet_gemm_impl<OUT>(codes, zeros, sw, x, sx, y, ldy, M, N, K, block);                        \
+    }
+COMET_GEMM(f32, float)
+COMET_GEMM(bf16, __nv_bfloat16)
+COMET_GEMM(f16, __half)

@@ -1,0 +1,251 @@
+//! COMET W4A4A8 (FMPQ) on the GPU (kernels/comet.cu): INT4 weights in groups, activations in
+//! channel blocks of the group size, the leading blocks INT8 and the rest INT4, one scale per
+//! token and block; nibble_precision::reference's COMET arithmetic bit for bit (an exact i32 dot
+//! per block, then one fma per block in block order).
+//!
+//! The weight stays in the checkpoint's row layout: each row's nibbles (low first), its f16 group
+//! scales as f32 and its group zeros as bytes, three arrays. The GEMM quantizes its own input
+//! (`comet_quantize_*`: INT8 codes for every block, an INT4 block's within [-7, 7], since Hopper
+//! has no 4-bit tensor-core math), so no producer writes codes for it.
+
+use nibble_core::{Error, Result};
+use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
+
+use crate::context::CudaContext;
+use crate::runtime::{Arg, DeviceBuffer};
+use crate::tensor::{CometWeight, CudaTensor, Elem};
+
+/// The layer geometry the kernels take: blocks (= groups) of 32 to 128 channels, a multiple of
+/// the k32 step, and `k` a whole number of blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CometGeometry {
+    pub group: usize,
+    pub int8_blocks: usize,
+}
+
+/// Whether `format` is COMET's (`int4-gN/a4a8-bN-nI`) and the kernels take its rows of `k`.
+pub fn geometry(format: LinearFormat, k: usize) -> Option<CometGeometry> {
+    let (WeightCodec::Int4Group { group }, ActQuant::Mixed4x8 { block, int8_blocks }) =
+        (format.codec, format.act)
+    else {
+        return None;
+    };
+    let (group, block) = (group as usize, block as usize);
+    let fits = group == block
+        && (32..=128).contains(&group)
+        && group.is_multiple_of(32)
+        && k > 0
+        && k.is_multiple_of(group)
+        && (int8_blocks as usize) * group <= k;
+    fits.then_some(CometGeometry {
+        group,
+        int8_blocks: int8_blocks as usize,
+    })
+}
+
+/// A COMET weight's three arrays on the host, in the kernels' layout.
+#[derive(Debug, PartialEq)]
+pub struct PackedComet {
+    /// `[n][k / 2]`: each row's nibbles as the checkpoint stores them.
+    pub codes: Vec<u8>,
+    /// `[n][groups]`: the zeros.
+    pub zeros: Vec<u8>,
+    /// `[n][groups]`: the f16 group scales as f32.
+    pub scales: Vec<f32>,
+}
+
+/// Splits `n` checkpoint rows of `format` (`Int4Group` rows: `k / 2` nibble bytes, `groups` f16
+/// scales, `groups` zero bytes) into the kernels' arrays.
+pub fn pack(format: LinearFormat, n: usize, k: usize, bytes: &[u8]) -> Result<PackedComet> {
+    let geo = geometry(format, k).ok_or_else(|| {
+        Error::InvalidArgument(format!("{format}: no COMET kernel for rows of {k}"))
+    })?;
+    let rb = format.row_bytes(k)?;
+    let groups = k / geo.group;
+    if bytes.len() != n * rb || rb != k / 2 + 3 * groups {
+        return Err(Error::InvalidArgument(format!(
+            "{format}: {} bytes for {n} rows of {k}",
+            bytes.len()
+        )));
+    }
+    let mut out = PackedComet {
+        codes: Vec::with_capacity(n * k / 2),
+        zeros: Vec::with_capacity(n * groups),
+        scales: Vec::with_capacity(n * groups),
+    };
+    for row in bytes.chunks_exact(rb) {
+        out.codes.extend_from_slice(&row[..k / 2]);
+        let params = &row[k / 2..];
+        out.scales.extend(
+            params[..2 * groups]
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        );
+        out.zeros.extend_from_slice(&params[2 * groups..]);
+    }
+    Ok(out)
+}
+
+/// Uploads a packed COMET weight.
+pub fn upload(
+    ctx: &CudaContext,
+    p: &PackedComet,
+    geometry: CometGeometry,
+    what: &str,
+) -> Result<CometWeight> {
+    Ok(CometWeight {
+        codes: DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
+        zeros: DeviceBuffer::from_host(&ctx.gpu, &p.zeros, what)?,
+        scales: DeviceBuffer::from_host(&ctx.gpu, &p.scales, what)?,
+        group: geometry.group,
+        int8_blocks: geometry.int8_blocks,
+    })
+}
+
+/// Tokens and weight rows of a `comet_gemm_*` CTA (kernels/comet.cu).
+const TOKENS_PER_CTA: usize = 32;
+const ROWS_PER_CTA: usize = 64;
+
+/// `out = x · Wᵀ` (`[x.rows, n]`, f32 or the model dtype) for a COMET weight of `n` rows of `k`:
+/// `x`'s mixed codes and block scales first (`comet_quantize_*`), then the GEMM.
+pub fn gemm(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    w: &CometWeight,
+    n: usize,
+    k: usize,
+    out: &CudaTensor,
+) -> Result<()> {
+    let m = x.rows;
+    if x.cols != k || (out.rows, out.cols) != (m, n) {
+        return Err(Error::InvalidArgument(format!(
+            "COMET GEMM: {}x{} input and {}x{} output for {n} rows of {k}",
+            x.rows, x.cols, out.rows, out.cols
+        )));
+    }
+    if m == 0 {
+        return Ok(());
+    }
+    let (group, int8_blocks) = (w.group, w.int8_blocks);
+    let blocks = k / group;
+    let codes = ctx.alloc_bytes(m * k)?;
+    let scales = ctx.alloc(m, blocks, Elem::F32)?.ptr;
+    let in_sfx = match x.elem {
+        Elem::F32 => "f32",
+        Elem::Half(d) => d.suffix(),
+    };
+    ctx.kernel(&format!("comet_quantize_{in_sfx}"))?.launch(
+        &ctx.gpu,
+        (m as u32, 1, 1),
+        (32 * blocks).clamp(32, 1024) as u32,
+        0,
+        vec![
+            Arg::Ptr(x.ptr),
+            Arg::I64(x.ld as i64),
+            Arg::Ptr(codes),
+            Arg::Ptr(scales),
+            Arg::I32(k as i32),
+            Arg::I32(group as i32),
+            Arg::I32(int8_blocks as i32),
+        ],
+    )?;
+    let out_sfx = match out.elem {
+        Elem::F32 => "f32",
+        Elem::Half(d) => d.suffix(),
+    };
+    ctx.kernel(&format!("comet_gemm_{out_sfx}"))?.launch(
+        &ctx.gpu,
+        (
+            n.div_ceil(ROWS_PER_CTA) as u32,
+            m.div_ceil(TOKENS_PER_CTA) as u32,
+            1,
+        ),
+        128,
+        0,
+        vec![
+            Arg::Ptr(w.codes.ptr),
+            Arg::Ptr(w.zeros.ptr),
+            Arg::Ptr(w.scales.ptr),
+            Arg::Ptr(codes),
+            Arg::Ptr(scales),
+            Arg::Ptr(out.ptr),
+            Arg::I64(out.ld as i64),
+            Arg::I32(m as i32),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::I32(group as i32),
+        ],
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn comet(group: u32, int8_blocks: u16) -> LinearFormat {
+        LinearFormat::new(
+            WeightCodec::Int4Group { group },
+            ActQuant::Mixed4x8 {
+                block: group as u16,
+                int8_blocks,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn geometry_takes_comet_formats_the_kernels_can_read() {
+        assert_eq!(
+            geometry(comet(128, 2), 4096),
+            Some(CometGeometry {
+                group: 128,
+                int8_blocks: 2
+            })
+        );
+        assert!(geometry(comet(32, 0), 96).is_some());
+        assert!(
+            geometry(comet(64, 1), 96).is_none(),
+            "k not a whole number of blocks"
+        );
+        assert!(geometry("int4-g128/a8".parse().unwrap(), 4096).is_none());
+        assert!(geometry("qoq-g128/a8".parse().unwrap(), 4096).is_none());
+    }
+
+    #[test]
+    fn packing_keeps_the_reference_integers_and_scales() {
+        // The kernels' arrays hold exactly what WeightCodec::integer_row gives: q - z per channel
+        // from the nibbles and zeros, and the group scales.
+        use rand::{Rng, SeedableRng};
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for (group, k) in [(32, 96), (64, 256), (128, 384)] {
+            let format = comet(group, 1);
+            let n = 5;
+            let rb = format.row_bytes(k).unwrap();
+            let mut bytes = vec![0u8; n * rb];
+            for row in bytes.chunks_exact_mut(rb) {
+                let vals: Vec<f32> = (0..k).map(|_| r.random_range(-2f32..2.0)).collect();
+                format.codec.quantize_row(&vals, 1.0, row).unwrap();
+            }
+            let p = pack(format, n, k, &bytes).unwrap();
+            let groups = k / group as usize;
+            let (mut ints, mut scales) = (vec![0i8; k], vec![]);
+            for (i, row) in bytes.chunks_exact(rb).enumerate() {
+                format.codec.integer_row(row, k, &mut ints, &mut scales);
+                for (j, &want) in ints.iter().enumerate() {
+                    let byte = p.codes[i * k / 2 + j / 2];
+                    let q = (byte >> ((j % 2) * 4)) & 15;
+                    let z = p.zeros[i * groups + j / group as usize];
+                    assert_eq!(q as i32 - z as i32, want as i32, "row {i} channel {j}");
+                }
+                assert_eq!(&p.scales[i * groups..(i + 1) * groups], &scales[..]);
+            }
+        }
+    }
+
+    #[test]
+    fn packing_refuses_rows_it_cannot_read() {
+        let format = comet(64, 0);
+        assert!(pack(format, 2, 256, &[0u8; 10]).is_err());
+        assert!(pack(comet(64, 0), 1, 96, &[0u8; 60]).is_err());
+    }
+}
