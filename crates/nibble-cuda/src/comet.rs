@@ -242,6 +242,185 @@ mod tests {
         }
     }
 
+    /// CUDA's `__byte_perm(x, y, s)`: byte i of the result is byte `s >> 4i & 7` of `y:x`.
+    fn byte_perm(x: u32, y: u32, s: u32) -> u32 {
+        let bytes = ((y as u64) << 32 | x as u64).to_le_bytes();
+        u32::from_le_bytes(std::array::from_fn(|i| bytes[(s >> (4 * i) & 7) as usize]))
+    }
+
+    /// CUDA's `__vsub4`: byte-wise subtraction, wrapping.
+    fn vsub4(a: u32, b: u32) -> u32 {
+        let (a, b) = (a.to_le_bytes(), b.to_le_bytes());
+        u32::from_le_bytes(std::array::from_fn(|i| a[i].wrapping_sub(b[i])))
+    }
+
+    /// kernels/comet.cu's `comet_widen`.
+    fn widen(w: u32, z: u32) -> (u32, u32) {
+        let (even, odd) = (w & 0x0f0f_0f0f, (w >> 4) & 0x0f0f_0f0f);
+        let zz = z.wrapping_mul(0x0101_0101);
+        (
+            vsub4(byte_perm(even, odd, 0x5140), zz),
+            vsub4(byte_perm(even, odd, 0x7362), zz),
+        )
+    }
+
+    /// `comet_gemm_impl`'s lanes, step by step, with mma.sync m16n8k32's fragment layout (PTX
+    /// ISA: A's registers 0 / 1 / 2 / 3 hold row g / g + 8 / g / g + 8 at k 4t.. / 4t.. / 16 + 4t..
+    /// / 16 + 4t..; B's 0 / 1 column g at k 4t.. / 16 + 4t..; C's 0, 1 / 2, 3 row g / g + 8 at
+    /// columns 2t, 2t + 1), on the packed arrays and the activations' codes and block scales.
+    #[allow(clippy::too_many_arguments)]
+    fn emulated_gemm(
+        p: &PackedComet,
+        x: &[i8],
+        sx: &[f32],
+        m: usize,
+        n: usize,
+        k: usize,
+        block: usize,
+    ) -> Vec<f32> {
+        let blocks = k / block;
+        let mut y = vec![f32::NAN; m * n];
+        let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+        for bx in 0..n.div_ceil(ROWS_PER_CTA) {
+            for by in 0..m.div_ceil(TOKENS_PER_CTA) {
+                for warp in 0..4 {
+                    let (row0, m0) = (bx * ROWS_PER_CTA + warp * 16, by * TOKENS_PER_CTA);
+                    let mut acc = [[[0f32; 4]; 4]; 32];
+                    for b in 0..blocks {
+                        let mut frag = [[[0i32; 4]; 4]; 32];
+                        for s in 0..block / 32 {
+                            let k0 = b * block + s * 32;
+                            let mut a = [[0u32; 4]; 32];
+                            let mut bv = [[[0u32; 2]; 4]; 32];
+                            for lane in 0..32 {
+                                let (g, t) = (lane / 4, lane % 4);
+                                let ra = if row0 + g < n { row0 + g } else { 0 };
+                                let rb = if row0 + g + 8 < n { row0 + g + 8 } else { 0 };
+                                let za = p.zeros[ra * blocks + b] as u32;
+                                let zb = p.zeros[rb * blocks + b] as u32;
+                                (a[lane][0], a[lane][2]) =
+                                    widen(u32_at(&p.codes, ra * k / 2 + 4 * t + k0 / 2), za);
+                                (a[lane][1], a[lane][3]) =
+                                    widen(u32_at(&p.codes, rb * k / 2 + 4 * t + k0 / 2), zb);
+                                for (tt, v) in bv[lane].iter_mut().enumerate() {
+                                    let tok = m0 + tt * 8 + g;
+                                    let tok = if tok < m { tok } else { 0 };
+                                    let xb: Vec<u8> = x[tok * k + 8 * t + k0..][..8]
+                                        .iter()
+                                        .map(|&c| c as u8)
+                                        .collect();
+                                    *v = [u32_at(&xb, 0), u32_at(&xb, 4)];
+                                }
+                            }
+                            // The warp's mma: A 16 x 32 and B 32 x 8 from the lanes' registers.
+                            let byte = |r: u32, i: usize| r.to_le_bytes()[i] as i8 as i32;
+                            let mut am = [[0i32; 32]; 16];
+                            for lane in 0..32 {
+                                let (g, t) = (lane / 4, lane % 4);
+                                for i in 0..4 {
+                                    am[g][4 * t + i] = byte(a[lane][0], i);
+                                    am[g + 8][4 * t + i] = byte(a[lane][1], i);
+                                    am[g][16 + 4 * t + i] = byte(a[lane][2], i);
+                                    am[g + 8][16 + 4 * t + i] = byte(a[lane][3], i);
+                                }
+                            }
+                            for tt in 0..4 {
+                                let mut bm = [[0i32; 8]; 32];
+                                for lane in 0..32 {
+                                    let (g, t) = (lane / 4, lane % 4);
+                                    for i in 0..4 {
+                                        bm[4 * t + i][g] = byte(bv[lane][tt][0], i);
+                                        bm[16 + 4 * t + i][g] = byte(bv[lane][tt][1], i);
+                                    }
+                                }
+                                for lane in 0..32 {
+                                    let (g, t) = (lane / 4, lane % 4);
+                                    for e in 0..4 {
+                                        let (row, col) = (g + 8 * (e >> 1), 2 * t + (e & 1));
+                                        frag[lane][tt][e] += (0..32)
+                                            .map(|kk| am[row][kk] * bm[kk][col])
+                                            .sum::<i32>();
+                                    }
+                                }
+                            }
+                        }
+                        for lane in 0..32 {
+                            let (g, t) = (lane / 4, lane % 4);
+                            let ra = if row0 + g < n { row0 + g } else { 0 };
+                            let rb = if row0 + g + 8 < n { row0 + g + 8 } else { 0 };
+                            for tt in 0..4 {
+                                for e in 0..4 {
+                                    let tok = (m0 + tt * 8 + 2 * t + (e & 1)).min(m - 1);
+                                    let swr = p.scales[if e < 2 { ra } else { rb } * blocks + b];
+                                    let c = swr * sx[tok * blocks + b];
+                                    acc[lane][tt][e] =
+                                        (frag[lane][tt][e] as f32).mul_add(c, acc[lane][tt][e]);
+                                }
+                            }
+                        }
+                    }
+                    for lane in 0..32 {
+                        let (g, t) = (lane / 4, lane % 4);
+                        for tt in 0..4 {
+                            for e in 0..4 {
+                                let (row, tok) =
+                                    (row0 + g + 8 * (e >> 1), m0 + tt * 8 + 2 * t + (e & 1));
+                                if row < n && tok < m {
+                                    y[tok * n + row] = acc[lane][tt][e];
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn the_kernels_lane_arithmetic_is_the_references() {
+        // The GEMM's register recipe (nibble widening, the permuted K order, the fragments, the
+        // block-ordered fma) emulated lane by lane gives reference_matmul's bits; the quantizer's
+        // codes and block scales are act::quantize_mixed's, as kernels/comet.cu computes them.
+        use rand::{Rng, SeedableRng};
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for (group, k, n, m, int8_blocks) in [
+            (32, 96, 20, 5, 1),
+            (64, 256, 72, 33, 2),
+            (128, 384, 64, 3, 0),
+        ] {
+            let format = comet(group, int8_blocks);
+            let rb = format.row_bytes(k).unwrap();
+            let mut bytes = vec![0u8; n * rb];
+            for row in bytes.chunks_exact_mut(rb) {
+                let vals: Vec<f32> = (0..k).map(|_| r.random_range(-2f32..2.0)).collect();
+                format.codec.quantize_row(&vals, 1.0, row).unwrap();
+            }
+            let mut x: Vec<f32> = (0..m * k).map(|_| r.random_range(-3f32..3.0)).collect();
+            x[k / 2] = 50.0;
+            if m > 2 {
+                x[2 * k..3 * k].fill(0.0);
+            }
+            let blocks = k / group as usize;
+            let (mut codes, mut sx) = (vec![0i8; m * k], vec![0f32; m * blocks]);
+            for i in 0..m {
+                nibble_precision::act::quantize_mixed(
+                    &x[i * k..(i + 1) * k],
+                    group as usize,
+                    int8_blocks as usize,
+                    &mut codes[i * k..(i + 1) * k],
+                    &mut sx[i * blocks..(i + 1) * blocks],
+                );
+            }
+            let p = pack(format, n, k, &bytes).unwrap();
+            let got = emulated_gemm(&p, &codes, &sx, m, n, k, group as usize);
+            let want = nibble_precision::reference_matmul(format, &x, m, k, &bytes, n).unwrap();
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{format} element {i}: {a} vs {b}");
+            }
+        }
+    }
+
     #[test]
     fn packing_refuses_rows_it_cannot_read() {
         let format = comet(64, 0);
