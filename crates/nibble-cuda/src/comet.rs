@@ -268,7 +268,7 @@ mod tests {
     /// ISA: A's registers 0 / 1 / 2 / 3 hold row g / g + 8 / g / g + 8 at k 4t.. / 4t.. / 16 + 4t..
     /// / 16 + 4t..; B's 0 / 1 column g at k 4t.. / 16 + 4t..; C's 0, 1 / 2, 3 row g / g + 8 at
     /// columns 2t, 2t + 1), on the packed arrays and the activations' codes and block scales.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::needless_range_loop)] // lanes by index, as the kernel names them
     fn emulated_gemm(
         p: &PackedComet,
         x: &[i8],
