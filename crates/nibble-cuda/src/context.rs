@@ -990,15 +990,7 @@ mod tests {
         assert_eq!(row_wide_block(14336), Some(512));
         assert_eq!(row_wide_block(4096), None);
         assert_eq!(row_wide_block(14338), None);
-        let common = include_str!("../kernels/common.cuh");
-        let vecs: usize = common
-            .lines()
-            .find_map(|l| l.strip_prefix("#define ROW_VECS_WIDE "))
-            .expect("common.cuh defines ROW_VECS_WIDE")
-            .trim()
-            .parse()
-            .unwrap();
-        assert_eq!(vecs * 4, ROW_WIDE_VALUES);
+        assert_eq!(common_define("ROW_VECS_WIDE") * 4, ROW_WIDE_VALUES);
         let kernels = include_str!("../kernels/elementwise.cu");
         assert!(kernels.contains("#define ROW_WIDE_KERNEL __launch_bounds__(512, 2)"));
     }
@@ -1027,16 +1019,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn register_path_width_agrees_with_the_kernels() {
-        let common = include_str!("../kernels/common.cuh");
-        let vecs: usize = common
+    /// The number common.cuh `#define`s as `name`.
+    fn common_define(name: &str) -> usize {
+        include_str!("../kernels/common.cuh")
             .lines()
-            .find_map(|l| l.strip_prefix("#define ROW_VECS "))
-            .expect("common.cuh defines ROW_VECS")
+            .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("common.cuh defines {name}"))
             .trim()
             .parse()
-            .expect("ROW_VECS is a number");
-        assert_eq!(vecs * 4, ROW_REGS_VALUES);
+            .unwrap_or_else(|_| panic!("{name} is a number"))
+    }
+
+    #[test]
+    fn register_path_width_agrees_with_the_kernels() {
+        assert_eq!(common_define("ROW_VECS") * 4, ROW_REGS_VALUES);
     }
 }

@@ -1990,22 +1990,38 @@ mod tests {
 
     #[test]
     fn swiglu_entries_are_named_after_the_plain_ones() {
-        assert_eq!(
-            swiglu_kernel_name(QKernel::Wgmma128, QFamily::W4A8, 200, "bf16"),
-            "w4a8_wgmma128_swiglu_bf16"
-        );
-        assert_eq!(
-            swiglu_kernel_name(QKernel::Decode, QFamily::W4A8, 9, "f16"),
-            "w4a8_dec2_swiglu_f16"
-        );
-        assert_eq!(
-            swiglu_kernel_name(QKernel::Wgmma, QFamily::W8A8, 300, "bf16"),
-            "w8a8_wgmma_swiglu_bf16"
-        );
-        assert_eq!(
-            swiglu_kernel_name(QKernel::Decode, QFamily::Fp8, 1, "bf16"),
-            "fp8_dec1_swiglu_bf16"
-        );
+        for (kind, family, m, sfx, want) in [
+            (
+                QKernel::Wgmma128,
+                QFamily::W4A8,
+                200,
+                "bf16",
+                "w4a8_wgmma128_swiglu_bf16",
+            ),
+            (
+                QKernel::Decode,
+                QFamily::W4A8,
+                9,
+                "f16",
+                "w4a8_dec2_swiglu_f16",
+            ),
+            (
+                QKernel::Wgmma,
+                QFamily::W8A8,
+                300,
+                "bf16",
+                "w8a8_wgmma_swiglu_bf16",
+            ),
+            (
+                QKernel::Decode,
+                QFamily::Fp8,
+                1,
+                "bf16",
+                "fp8_dec1_swiglu_bf16",
+            ),
+        ] {
+            assert_eq!(swiglu_kernel_name(kind, family, m, sfx), want);
+        }
         for family in QFamily::ALL {
             let eight_bit_acts = matches!(family, QFamily::W4A8 | QFamily::W8A8 | QFamily::Fp8);
             assert_eq!(family.has_swiglu(), eight_bit_acts, "{family:?}");

@@ -539,24 +539,8 @@ fn fp8_activation_codes_are_the_references() {
                 ("silu_mul", &act),
             ] {
                 let (codes, scales) = g.act8_codes(t, Act8::Fp8).unwrap();
-                let input = host(&g, t);
-                for (i, row) in input.chunks_exact(k).enumerate() {
-                    let mut want = vec![0u8; k];
-                    let s = nibble_precision::act::quantize_fp8(row, &mut want);
-                    assert!(
-                        s.to_bits() == scales[i].to_bits() || (s.is_nan() && scales[i].is_nan()),
-                        "{what} {m}x{k} {dtype:?} row {i}: scale {} vs reference {s}",
-                        scales[i]
-                    );
-                    let got = &codes[i * k..(i + 1) * k];
-                    if let Some(j) = (0..k).find(|&j| got[j] != want[j]) {
-                        panic!(
-                            "{what} {m}x{k} {dtype:?} row {i} channel {j}: code {:#04x} vs \
-                             reference {:#04x} for {}",
-                            got[j], want[j], row[j]
-                        );
-                    }
-                }
+                let what = format!("{what} {m}x{k} {dtype:?}");
+                assert_act8_rows(&what, Act8::Fp8, &host(&g, t), k, &codes, &scales);
             }
         }
     }
@@ -600,34 +584,44 @@ fn standalone_act8_codes_are_the_references_at_every_width() {
                 let input = host(&g, t);
                 for kind in [Act8::Int8, Act8::Fp8] {
                     let (codes, scales) = g.act8_codes(t, kind).unwrap();
-                    for (i, row) in input.chunks_exact(k).enumerate() {
-                        let mut want = vec![0u8; k];
-                        let s = match kind {
-                            Act8::Int8 => {
-                                let mut q = vec![0i8; k];
-                                let s = nibble_precision::act::quantize_int8(row, &mut q);
-                                want = q.iter().map(|&c| c as u8).collect();
-                                s
-                            }
-                            Act8::Fp8 => nibble_precision::act::quantize_fp8(row, &mut want),
-                        };
-                        let what = format!("{kind:?} of {src} {m}x{k} {dtype:?} row {i}");
-                        assert!(
-                            s.to_bits() == scales[i].to_bits()
-                                || (s.is_nan() && scales[i].is_nan()),
-                            "{what}: scale {} vs reference {s}",
-                            scales[i]
-                        );
-                        let got = &codes[i * k..(i + 1) * k];
-                        if let Some(j) = (0..k).find(|&j| got[j] != want[j]) {
-                            panic!(
-                                "{what} channel {j}: code {:#04x} vs reference {:#04x} for {}",
-                                got[j], want[j], row[j]
-                            );
-                        }
-                    }
+                    let what = format!("{kind:?} of {src} {m}x{k} {dtype:?}");
+                    assert_act8_rows(&what, kind, &input, k, &codes, &scales);
                 }
             }
+        }
+    }
+}
+
+/// Per-token 8-bit codes and scales of `input`'s rows of `k` against nibble_precision::act, bit
+/// for bit (a NaN scale matching a NaN).
+fn assert_act8_rows(what: &str, kind: Act8, input: &[f32], k: usize, codes: &[u8], scales: &[f32]) {
+    assert_eq!(
+        (codes.len(), scales.len()),
+        (input.len(), input.len() / k),
+        "{what}"
+    );
+    for (i, row) in input.chunks_exact(k).enumerate() {
+        let mut want = vec![0u8; k];
+        let s = match kind {
+            Act8::Int8 => {
+                let mut q = vec![0i8; k];
+                let s = nibble_precision::act::quantize_int8(row, &mut q);
+                want = q.iter().map(|&c| c as u8).collect();
+                s
+            }
+            Act8::Fp8 => nibble_precision::act::quantize_fp8(row, &mut want),
+        };
+        assert!(
+            s.to_bits() == scales[i].to_bits() || (s.is_nan() && scales[i].is_nan()),
+            "{what} row {i}: scale {} vs reference {s}",
+            scales[i]
+        );
+        let got = &codes[i * k..(i + 1) * k];
+        if let Some(j) = (0..k).find(|&j| got[j] != want[j]) {
+            panic!(
+                "{what} row {i} channel {j}: code {:#04x} vs reference {:#04x} for {}",
+                got[j], want[j], row[j]
+            );
         }
     }
 }
