@@ -363,7 +363,16 @@ fn qgemm(
         let q48 = copies(&quant_weight(w4a8, n, k, 400 + si as u64)?)?;
         let qf8 = copies(&quant_weight(fp8, n, k, 500 + si as u64)?)?;
         let q816 = copies(&quant_weight(w8a16, n, k, 600 + si as u64)?)?;
-        let qc = copies(&quant_weight(comet, n, k, 700 + si as u64)?)?;
+        // COMET's own kernel whatever NIBBLE_COMET says (the loader takes it only when asked).
+        let comet_host = quant_weight(comet, n, k, 700 + si as u64)?;
+        let qc = (0..cold_copies(be, comet_host.bytes.len()))
+            .map(|_| {
+                be.comet_weight(std::slice::from_ref(&comet_host))?
+                    .ok_or_else(|| {
+                        nibble_core::Error::InvalidArgument("no COMET kernel here".into())
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let p816s = quant_params(&q816)?;
         let (p4s, p8s, p48s) = (quant_params(&q4)?, quant_params(&q8)?, quant_params(&q48)?);
         let pf8s = quant_params(&qf8)?;

@@ -438,7 +438,13 @@ impl CudaBackend {
     }
 
     /// COMET W4A4A8 parts of one format and width, stacked and uploaded for `comet::gemm`
-    /// (kernels/comet.cu, sm_80 on); `None` for any other format, or geometry it cannot read.
+    /// (kernels/comet.cu, sm_80 on), whatever NIBBLE_COMET says; `None` for any other format, or
+    /// geometry the kernel cannot read. The loader takes it with NIBBLE_COMET=1 ([`comet_wanted`]).
+    pub fn comet_weight(&self, parts: &[HostTensor]) -> Result<Option<CudaWeight>> {
+        let names: Vec<&str> = parts.iter().map(|t| t.name.as_str()).collect();
+        self.upload_comet(parts, &format!("weight {}", names.join(" + ")))
+    }
+
     fn upload_comet(&self, parts: &[HostTensor], what: &str) -> Result<Option<CudaWeight>> {
         let Some(WeightFormat::Quant(format)) = parts.first().map(|t| t.format) else {
             return Ok(None);
@@ -477,7 +483,9 @@ impl CudaBackend {
         let dtype = self.ctx.dtype;
         let names: Vec<&str> = parts.iter().map(|t| t.name.as_str()).collect();
         let what = format!("weight {}", names.join(" + "));
-        if let Some(w) = self.upload_comet(parts, &what)? {
+        if comet_wanted()
+            && let Some(w) = self.upload_comet(parts, &what)?
+        {
             return Ok(w);
         }
         if let Some((format, rows, cols, bytes)) = qlinear::stacked_rows(parts)? {
@@ -526,6 +534,14 @@ impl CudaBackend {
     }
 }
 
+/// Whether COMET W4A4A8 layers load for their own kernel (`comet.rs`): with NIBBLE_COMET=1, read
+/// once. Off by default until its GPU test has run and it has been timed against the dequantized
+/// path it replaces (a first kernel that reads its weights through L1; BENCHMARKS.md, issue 18).
+fn comet_wanted() -> bool {
+    static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    crate::runtime::probe_knob(&KNOB, "NIBBLE_COMET") == Some(1)
+}
+
 /// Whether dense SwiGLU layers of `family` load their gate/up as one [`WeightData::SwiGlu`]
 /// weight, the SiLU-gate in the GEMM's epilogue: the families measured with it
 /// ([`qlinear::QFamily::swiglu_by_default`], W4A8) unless NIBBLE_SWIGLU=0; with NIBBLE_SWIGLU=1
@@ -562,7 +578,8 @@ fn dequantized_reason(ctx: &CudaContext, parts: &[HostTensor]) -> Option<String>
             f.to_string(),
             match qlinear::QFamily::of(f) {
                 None if matches!(f.act, nibble_precision::ActQuant::Mixed4x8 { .. }) => {
-                    "COMET's kernel takes groups of 32 to 128 channels that divide the layer"
+                    "COMET's own kernel is opt-in (NIBBLE_COMET=1) until measured, and takes \
+                     groups of 32 to 128 channels that divide the layer"
                 }
                 None => "it has no GPU kernel yet",
                 Some(f) if f.hopper_only() && !ctx.has_kernel(f.hopper_probe()) => {

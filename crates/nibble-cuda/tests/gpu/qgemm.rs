@@ -643,8 +643,9 @@ fn comet_is_bit_exact_with_the_reference() {
                 }
                 let wb = random_rows(&mut r, format, n, k);
                 let w = g
-                    .load_weight(&quant_tensor(format, n, k, wb.clone()))
-                    .unwrap();
+                    .comet_weight(&[quant_tensor(format, n, k, wb.clone())])
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("{format} k {k}: no COMET weight"));
                 assert!(
                     matches!(w.data, nibble_cuda::WeightData::Comet(_)),
                     "{format} k {k}: not on the COMET kernel"
@@ -675,7 +676,7 @@ fn comet_is_bit_exact_with_the_reference() {
             random_rows(&mut r, format, 24, k),
         );
         let fused = g
-            .load_fused_weight(&[
+            .comet_weight(&[
                 quant_tensor(format, 48, k, wa.clone()),
                 quant_tensor(format, 24, k, wb.clone()),
             ])
@@ -957,7 +958,10 @@ fn dummy_engine<B: Backend>(backend: B, name: &str) -> Engine<B> {
 #[test]
 fn quantized_models_match_cpu() {
     const STEPS: usize = 24;
-    for spec in [
+    // COMET through its own kernel when the loader takes it (NIBBLE_COMET=1; dequantized, its
+    // activations would not be quantized at all, unlike the CPU's).
+    let comet = std::env::var("NIBBLE_COMET").is_ok_and(|v| v == "1");
+    let mut specs = vec![
         "w4a16-g64",
         "w4a16-g32",
         "w8a16",
@@ -965,7 +969,11 @@ fn quantized_models_match_cpu() {
         "w4a8-g64",
         "w4a8-lqq-g32",
         "fp8",
-    ] {
+    ];
+    if comet {
+        specs.push("w4a4a8-g64");
+    }
+    for spec in specs {
         // (INT4 per channel with INT8 activations, plain `w4a8`, is too coarse on this tiny
         // random model for the near-tie rule; its kernels are checked bit for bit above.)
         let name = format!("tiny-dummy:{spec}");
@@ -985,13 +993,20 @@ fn quantized_models_match_cpu() {
                 "w8a8" => 5e-2,
                 s if s.starts_with("w4a8") => 8e-2,
                 "fp8" => 0.15,
+                // INT4 activation blocks: a code one step off (bf16 input against f32) moves a
+                // block's sum by a seventh of its range.
+                s if s.starts_with("w4a4a8") => 0.3,
                 _ => 3e-2,
             };
             check(&format!("{name} step {step} logits"), gl, w, bound);
             let (cpu_tok, gap) = top2(w);
             // A near tie is a gap the logit error may close: FP8's larger per-code steps (above)
             // moved a logit by 0.14 on the first H200 run, where the other formats stay under 0.05.
-            let tie = if spec == "fp8" { 0.3 } else { 0.05 };
+            let tie = match spec {
+                "fp8" => 0.3,
+                s if s.starts_with("w4a4a8") => 0.6,
+                _ => 0.05,
+            };
             if gap > tie {
                 assert_eq!(top2(gl).0, cpu_tok, "{name} step {step}: gap {gap}");
             }
