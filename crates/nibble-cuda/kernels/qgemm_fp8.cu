@@ -17,10 +17,12 @@
 // (about 14, DeepSeek-V3 §3.3.2), so long sums would drift from the reference's f32 sum. Both
 // kernels promote: every 128 products go into a zeroed f32 fragment that is then added to the f32
 // accumulator on the CUDA cores, as cuBLAS does without fast accumulation (`torch._scaled_mm`'s
-// default). The wgmma consumers alternate two fragments: a stage's wgmmas fill one while the last
-// stage's fragment, retired by wait_group 1, is added (retire), so the tensor cores never wait for
-// the promotion. Accumulator plus two fragments is 3 x TOK / 2 registers a thread: 128-token tiles
-// at most (256 would need 384).
+// default). Each wgmma consumer waits for its stage's wgmmas and adds their fragment at once
+// (RETIRE_AT_ONCE); the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile.
+// (Until 2026-11-27 the consumers alternated two fragments, adding the last stage's while the next
+// one's wgmmas ran; reading a fragment with wgmmas in flight made ptxas serialize every wgmma,
+// C7514, each waiting for the one before. Not yet measured on a GPU.) Accumulator plus fragment
+// is TOK registers a thread: 128-token tiles at most (256 would leave no registers for the rest).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // (host pass: bench/probe)
 
 __device__ __forceinline__ void mma_e4m3(float* c, const u32* a, u32 b0, u32 b1) {
@@ -152,6 +154,7 @@ template <int TOK> struct WgqFp8 {
     static constexpr int X_BYTES = TOK * 128;
     static constexpr int STAGE = X_BYTES + 128 * 128;
     static constexpr int K_PER_STAGE = 128;
+    static constexpr bool RETIRE_AT_ONCE = true;  // (wgmma_gemm's RetiresAtOnce)
     using Acc = float;
     using Regs = float[TOK / 8][4];  // a stage's promotion fragment
     const TmaMap* codes;             // [rows][chunks * 64 B], boxes of 128 rows x 128 B

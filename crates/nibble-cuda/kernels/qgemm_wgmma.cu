@@ -373,6 +373,19 @@ template <int TOK> struct WgqW4A8 {
 // so results are deterministic.
 // SPLITS compiles the split path (the 64- and 128-token entries: with it, the 256-token W8A8
 // kernel ran about 20% slower at M = 1024 on an H200, splits or not).
+// Whether F adds a stage's wgmma results into its accumulators as soon as they are done
+// (F::RETIRE_AT_ONCE: FP8's promotion), rather than one stage later, overlapped with the next
+// stage's wgmmas. Reading a fragment while any wgmma is in flight made ptxas serialize every wgmma
+// of the FP8 kernels (C7514: each waited for the last before issuing); with the wait first, a
+// stage's four wgmmas run back to back and the other consumer warpgroup keeps the tensor cores
+// busy through the promotion (CUTLASS's FP8 accumulation does the same).
+template <class F, class = void> struct RetiresAtOnce {
+    static constexpr bool value = false;
+};
+template <class F> struct RetiresAtOnce<F, decltype(void(F::RETIRE_AT_ONCE))> {
+    static constexpr bool value = F::RETIRE_AT_ONCE;
+};
+
 template <int TOK, bool SPLITS, class F, class OUT, class EPI>
 __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, long ldy, int M, int N,
                            int split_arg, typename F::Acc* __restrict__ partial, int* __restrict__ counters,
@@ -455,10 +468,16 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
             wgmma_fence();
             f.mma(acc, cur, base + s * F::STAGE, c0 + i);
             wgmma_commit();
-            wgmma_wait<1>();
-            if (i > 0) {
-                f.retire(acc, prev);
-                if (lane == 0) mbar_arrive(empty((g + i - 1) % S));
+            if constexpr (RetiresAtOnce<F>::value) {
+                wgmma_wait<0>();
+                f.retire(acc, cur);
+                if (lane == 0) mbar_arrive(empty(s));
+            } else {
+                wgmma_wait<1>();
+                if (i > 0) {
+                    f.retire(acc, prev);
+                    if (lane == 0) mbar_arrive(empty((g + i - 1) % S));
+                }
             }
         };
         for (int i = 0; i + 1 < len; i += 2) {
@@ -466,12 +485,14 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
             step(i + 1, a1, a0);
         }
         if (len & 1) step(len - 1, a0, a1);
-        wgmma_wait<0>();
-        if (len & 1)  // (two calls: a selected reference would put the registers in memory)
-            f.retire(acc, a0);
-        else
-            f.retire(acc, a1);
-        if (lane == 0) mbar_arrive(empty((g + len - 1) % S));
+        if constexpr (!RetiresAtOnce<F>::value) {
+            wgmma_wait<0>();
+            if (len & 1)  // (two calls: a selected reference would put the registers in memory)
+                f.retire(acc, a0);
+            else
+                f.retire(acc, a1);
+            if (lane == 0) mbar_arrive(empty((g + len - 1) % S));
+        }
         g += len;
         fence_acc(acc);
         // One store_tile call site: a second copy of the epilogue (splits == 1 apart) made the
