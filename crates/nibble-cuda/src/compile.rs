@@ -251,6 +251,18 @@ pub fn compile(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> 
     })
 }
 
+/// NVRTC's log of a successful compile to a cubin (with `--ptxas-options=-v` among `options`,
+/// ptxas's report per entry: registers, spills, and its performance notes such as C7514,
+/// serialized wgmmas), uncached: for checks of how ptxas compiled a kernel.
+pub fn compile_log(name: &str, source: &str, options: &[String]) -> Result<String> {
+    nvrtc_output(name, "log", source, options, |prog| {
+        let raw = unsafe { nvrtc::get_program_log(prog) }.map_err(|e| format!("{e:?}"))?;
+        Ok(unsafe { CStr::from_ptr(raw.as_ptr()) }
+            .to_string_lossy()
+            .into_owned())
+    })
+}
+
 /// NVRTC to PTX for a virtual architecture (`compute_90a`), uncached: for checks of what a
 /// kernel's code does (the kernel-compile test reads which entries wait on the grid).
 pub fn ptx(name: &str, source: &str, options: &[String]) -> Result<String> {

@@ -226,6 +226,45 @@ fn kernels_compile_for_every_architecture() {
 /// the kernel before it still runs) waits on the grid dependency somewhere in its code; one that
 /// does not reads its inputs before they are written.
 #[test]
+fn no_wgmma_is_serialized() {
+    // ptxas serializes a kernel's wgmmas (each waits for the last before it issues) when other
+    // instructions touch a wgmma's accumulators while it is in flight, and only says so in its
+    // report (C7514). It did so in every FP8 entry until 2026-11-27 (BENCHMARKS.md, issue 18).
+    if !probe::nvrtc_available() {
+        return unavailable("NVRTC is not installed here");
+    }
+    let include = match probe::cuda_include_dir() {
+        Ok(d) => d,
+        Err(e) => return unavailable(&e.to_string()),
+    };
+    let mut opts = compile::options("sm_90a", &include);
+    opts.push("--ptxas-options=-v".into());
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = compile::SOURCES
+            .iter()
+            .filter(|(_, text)| text.contains("wgmma"))
+            .map(|(name, text)| {
+                let opts = &opts;
+                scope.spawn(move || {
+                    let log = compile::compile_log(name, &compile::full_source(text), opts)
+                        .unwrap_or_else(|e| panic!("{name}: {e}"));
+                    assert!(
+                        log.contains("Compiling entry function"),
+                        "{name}: no ptxas report"
+                    );
+                    let serialized: Vec<&str> =
+                        log.lines().filter(|l| l.contains("C7514")).collect();
+                    assert!(serialized.is_empty(), "{name}: {serialized:#?}");
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    });
+}
+
+#[test]
 fn kernels_launched_early_wait_on_the_grid() {
     if !probe::nvrtc_available() {
         return unavailable("NVRTC is not installed here");
