@@ -480,11 +480,16 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
                 }
             }
         };
-        for (int i = 0; i + 1 < len; i += 2) {
-            step(i, a0, a1);
-            step(i + 1, a1, a0);
+        if constexpr (RetiresAtOnce<F>::value) {
+            // One fragment: each stage's is added before the next stage's wgmmas start.
+            for (int i = 0; i < len; ++i) step(i, a0, a0);
+        } else {
+            for (int i = 0; i + 1 < len; i += 2) {
+                step(i, a0, a1);
+                step(i + 1, a1, a0);
+            }
+            if (len & 1) step(len - 1, a0, a1);
         }
-        if (len & 1) step(len - 1, a0, a1);
         if constexpr (!RetiresAtOnce<F>::value) {
             wgmma_wait<0>();
             if (len & 1)  // (two calls: a selected reference would put the registers in memory)

@@ -365,8 +365,9 @@ impl GroupedGemm {
             GroupedKernel::Decode { item_rows } => item_rows,
             GroupedKernel::MmaSync => GROUPED_MMA_MAX_M,
         };
-        let geo = geometry(first.weight)
-            .ok_or_else(|| Error::InvalidArgument("grouped GEMM of a SwiGLU weight".into()))?;
+        let geo = geometry(first.weight).ok_or_else(|| {
+            Error::InvalidArgument("grouped GEMM of a SwiGLU or COMET weight".into())
+        })?;
         let items = items(runs, item_rows)?;
         Ok(GroupedGemm {
             kernel,

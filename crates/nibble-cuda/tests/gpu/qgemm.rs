@@ -636,7 +636,8 @@ fn comet_is_bit_exact_with_the_reference() {
     let mut r = rng("comet_is_bit_exact_with_the_reference");
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let g = gpu(dtype);
-        for &(k, n) in &[(96, 40), (256, 72), (640, 130), (1024, 64)] {
+        // 2048: 64 blocks of 32, two a warp of the quantizer's 1024 threads.
+        for &(k, n) in &[(96, 40), (256, 72), (640, 130), (1024, 64), (2048, 72)] {
             for format in nibble_precision::reference::kernel_formats(k) {
                 if !matches!(format.act, nibble_precision::ActQuant::Mixed4x8 { .. }) {
                     continue;
@@ -667,6 +668,26 @@ fn comet_is_bit_exact_with_the_reference() {
                     }
                 }
             }
+        }
+        // A column view as the input (row stride 2k): the quantizer reads it through `ldx`.
+        {
+            let format: LinearFormat = "int4-g64/a4a8-b64-n1".parse().unwrap();
+            let (k, n, m) = (256, 40, 7);
+            let wb = random_rows(&mut r, format, n, k);
+            let w = g
+                .comet_weight(&[quant_tensor(format, n, k, wb.clone())])
+                .unwrap()
+                .unwrap();
+            let wide = randn(&mut r, m * 2 * k, 1.0);
+            let wt = g.tensor_from_f32(&wide, m, 2 * k).unwrap();
+            let halves = g.split_cols(&wt, &[k, k]).unwrap();
+            let y = host(&g, &g.linear(&halves[1], &w, None).unwrap());
+            let x: Vec<f32> = wide
+                .chunks_exact(2 * k)
+                .flat_map(|row| row[k..].to_vec())
+                .collect();
+            let want = reference_matmul(format, &x, m, k, &wb, n).unwrap();
+            assert_bit_exact("COMET on a column view", &y, &want);
         }
         // A fused projection: two parts stacked by rows, one launch, the same bits as each alone.
         let format: LinearFormat = "int4-g128/a4a8-b128-n2".parse().unwrap();
