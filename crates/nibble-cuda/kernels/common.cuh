@@ -278,13 +278,8 @@ struct Fp8Codes {
 // so a row's values are the same alone or batched.
 // The host sizes these CTAs to match (context.rs, row_regs_block; a test checks ROW_REGS_VALUES).
 #define ROW_VECS 4
-// The standalone quantizers' wide entries (`quantize_*_wide_*`) for rows above 8192 values: 32
-// values a thread, so a 14336-wide row (the down projection's input) takes 512 threads and two
-// CTAs share an SM; with ROW_VECS it took 1024 and 256 rows ran in two waves (ROW_WIDE_KERNEL;
-// context.rs, row_regs_block_wide).
-#define ROW_VECS_WIDE 8
-template <int V = ROW_VECS> __device__ __forceinline__ bool row_vec_fits(int cols) {
-    return (cols & 3) == 0 && cols <= V * 4 * (int)blockDim.x;
+__device__ __forceinline__ bool row_vec_fits(int cols) {
+    return (cols & 3) == 0 && cols <= ROW_VECS * 4 * (int)blockDim.x;
 }
 __device__ __forceinline__ bool aligned16(const void* p, long ld) {
     return ((unsigned long long)p & 15) == 0 && (ld & 3) == 0;
@@ -363,14 +358,14 @@ __device__ __forceinline__ void quantize_row(const IN* src, long ld, typename C:
 
 // quantize_row for a row held by the register path: `v` are the values as stored (16-bit rounded),
 // the same codes and scale as quantize_row gives reading them back.
-template <class C, int V>
-__device__ __forceinline__ void quantize_regs(const float4 (&v)[V], int cols, typename C::Code* q,
+template <class C>
+__device__ __forceinline__ void quantize_regs(const float4 (&v)[ROW_VECS], int cols, typename C::Code* q,
                                               long ldq, float* sx, AbsMax local) {
     const long row = blockIdx.x;
     const RowScale<C> rs(local);
     const int n4 = cols >> 2;
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
+    for (int i = 0; i < ROW_VECS; ++i) {
         const int u = threadIdx.x + i * blockDim.x;
         if (u < n4) {
             const Pack4<typename C::Code> c{{rs.code(v[i].x), rs.code(v[i].y), rs.code(v[i].z), rs.code(v[i].w)}};

@@ -17,8 +17,6 @@
 // Row kernels with the register path (common.cuh, ROW_VECS): a thread holds up to 32 floats of
 // its rows, which needs more than 32 registers.
 #define ROW_REGS_KERNEL __launch_bounds__(1024, 1)
-// The quantizers' wide entries (ROW_VECS_WIDE): 512 threads of up to 64 registers, two CTAs an SM.
-#define ROW_WIDE_KERNEL __launch_bounds__(512, 2)
 
 template <class T>
 __device__ void embed_impl(const T* __restrict__ table, const int* __restrict__ ids,
@@ -359,24 +357,22 @@ extern "C" __global__ void add_bias(float* out, const float* bias, int cols, lon
 
 // Standalone and fused (QServe S1) per-token 8-bit quantization of a GEMM input, INT8 (`i8`, `q8`)
 // or FP8 e4m3 (`f8`); see quantize_row in common.cuh.
-// V: float4s a thread holds on the register path (ROW_VECS, or ROW_VECS_WIDE for the wide
-// entries). The codes and scale do not depend on it: the scale is a max, each code its own value's.
-template <class C, int V, class IN>
+template <class C, class IN>
 __device__ void quantize_act_impl(const IN* __restrict__ x, long ldx, typename C::Code* __restrict__ q,
                                   long ldq, float* __restrict__ sx, int cols) {
     grid_dependency_enter();
     const long row = blockIdx.x;
     AbsMax am;
-    if (row_vec_fits<V>(cols) && aligned_pack4(x) && (ldx & 3) == 0 && aligned_pack4(q) && (ldq & 3) == 0) {
+    if (row_vec_fits(cols) && aligned_pack4(x) && (ldx & 3) == 0 && aligned_pack4(q) && (ldq & 3) == 0) {
         const int n4 = cols >> 2;
-        float4 v[V];
+        float4 v[ROW_VECS];
 #pragma unroll
-        for (int i = 0; i < V; ++i) {
+        for (int i = 0; i < ROW_VECS; ++i) {
             const int u = threadIdx.x + i * blockDim.x;
             if (u < n4) v[i] = load4(x + row * ldx + 4 * u);
         }
 #pragma unroll
-        for (int i = 0; i < V; ++i)
+        for (int i = 0; i < ROW_VECS; ++i)
             if (threadIdx.x + i * blockDim.x < n4) add_abs(am, v[i]);
         quantize_regs<C>(v, cols, q, ldq, sx, am);
         return;
@@ -387,23 +383,16 @@ __device__ void quantize_act_impl(const IN* __restrict__ x, long ldx, typename C
 }
 
 #define NIBBLE_ACT8_F32(NAME, C)                                                                    \
-    extern "C" __global__ void ROW_REGS_KERNEL NAME##_f32(const float* x, long ldx, C::Code* q, long ldq, float* sx, int cols) { \
-        quantize_act_impl<C, ROW_VECS>(x, ldx, q, ldq, sx, cols);                                   \
-    }                                                                                               \
-    extern "C" __global__ void ROW_WIDE_KERNEL NAME##_wide_f32(const float* x, long ldx, C::Code* q, long ldq, float* sx, int cols) { \
-        quantize_act_impl<C, ROW_VECS_WIDE>(x, ldx, q, ldq, sx, cols);                              \
+    extern "C" __global__ void ROW_REGS_KERNEL NAME(const float* x, long ldx, C::Code* q, long ldq, float* sx, int cols) { \
+        quantize_act_impl<C>(x, ldx, q, ldq, sx, cols);                                             \
     }
-NIBBLE_ACT8_F32(quantize_i8, Int8Codes)
-NIBBLE_ACT8_F32(quantize_f8, Fp8Codes)
+NIBBLE_ACT8_F32(quantize_i8_f32, Int8Codes)
+NIBBLE_ACT8_F32(quantize_f8_f32, Fp8Codes)
 
 #define NIBBLE_ACT8_FUSED(SUFFIX, T, QNAME, TAG, C)                                                 \
     extern "C" __global__ void ROW_REGS_KERNEL QNAME##_##SUFFIX(const T* x, long ldx, C::Code* q, long ldq, \
                                                     float* sx, int cols) {                         \
-        quantize_act_impl<C, ROW_VECS>(x, ldx, q, ldq, sx, cols);                                   \
-    }                                                                                               \
-    extern "C" __global__ void ROW_WIDE_KERNEL QNAME##_wide_##SUFFIX(const T* x, long ldx, C::Code* q, long ldq, \
-                                                    float* sx, int cols) {                         \
-        quantize_act_impl<C, ROW_VECS_WIDE>(x, ldx, q, ldq, sx, cols);                              \
+        quantize_act_impl<C>(x, ldx, q, ldq, sx, cols);                                             \
     }                                                                                               \
     /* rms_norm_##SUFFIX, then the codes of its output row. */                                      \
     extern "C" __global__ void ROW_REGS_KERNEL rms_norm_##TAG##_##SUFFIX(float* x, const float* delta, const float* w, \

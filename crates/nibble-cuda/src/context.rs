@@ -182,21 +182,6 @@ pub(crate) fn row_regs_block(cols: usize) -> u32 {
         .clamp(32, 1024) as u32
 }
 
-/// Values a thread holds in the standalone quantizers' wide entries (common.cuh: `ROW_VECS_WIDE`
-/// float4s, `quantize_*_wide_*`).
-pub(crate) const ROW_WIDE_VALUES: usize = 32;
-
-/// Threads of a standalone quantizer's wide entry for rows of `cols`, where it takes them: rows a
-/// multiple of 4 above what 512 threads of [`ROW_REGS_VALUES`] hold (8192) and at most what 512
-/// of [`ROW_WIDE_VALUES`] do (16384). A 14336-wide row then takes 512 threads (two CTAs an SM,
-/// 256 rows in one wave) instead of [`row_regs_block`]'s 1024 (one CTA an SM, two waves). The
-/// codes and scale are the same either way (a max, then each value's own code).
-pub(crate) fn row_wide_block(cols: usize) -> Option<u32> {
-    let wide = cols.is_multiple_of(4)
-        && (ROW_REGS_VALUES * 512 + 1..=ROW_WIDE_VALUES * 512).contains(&cols);
-    wide.then(|| cols.div_ceil(ROW_WIDE_VALUES).next_power_of_two() as u32)
-}
-
 impl CudaContext {
     /// Opens GPU `ordinal`, compiles (or loads cached) kernels for it.
     pub fn new(ordinal: usize, dtype: Dtype) -> Result<CudaContext> {
@@ -969,31 +954,7 @@ fn batch_key(batch: &BatchLayout) -> (usize, usize, usize) {
 
 #[cfg(test)]
 mod tests {
-    use super::{ROW_REGS_VALUES, ROW_WIDE_VALUES, norm_block, row_regs_block, row_wide_block};
-
-    #[test]
-    fn wide_quantizers_hold_their_rows_in_512_threads() {
-        for cols in (4..=20000).step_by(4) {
-            match row_wide_block(cols) {
-                Some(threads) => {
-                    assert_eq!(threads, 512, "{cols}");
-                    assert!(
-                        cols > ROW_REGS_VALUES * 512 && cols <= threads as usize * ROW_WIDE_VALUES
-                    );
-                }
-                None => assert!(
-                    cols <= ROW_REGS_VALUES * 512 || cols > ROW_WIDE_VALUES * 512,
-                    "{cols}"
-                ),
-            }
-        }
-        assert_eq!(row_wide_block(14336), Some(512));
-        assert_eq!(row_wide_block(4096), None);
-        assert_eq!(row_wide_block(14338), None);
-        assert_eq!(common_define("ROW_VECS_WIDE") * 4, ROW_WIDE_VALUES);
-        let kernels = include_str!("../kernels/elementwise.cu");
-        assert!(kernels.contains("#define ROW_WIDE_KERNEL __launch_bounds__(512, 2)"));
-    }
+    use super::{ROW_REGS_VALUES, norm_block, row_regs_block};
 
     #[test]
     fn row_kernels_hold_their_rows() {

@@ -19,7 +19,7 @@ use nibble_formats::{HostTensor, WeightFormat};
 use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
 use rayon::prelude::*;
 
-use crate::context::{CudaContext, row_regs_block, row_wide_block};
+use crate::context::{CudaContext, row_regs_block};
 pub use crate::context::{KernelTier, SPLIT_COUNTERS};
 use crate::pack::{
     self, Int8Layout, PackedFp8, PackedW4, PackedW4A8, PackedW8, W4A8Matrix, W4Matrix,
@@ -1521,15 +1521,11 @@ pub fn quantize_act8(ctx: &CudaContext, x: &CudaTensor, kind: Act8) -> Result<Ac
         Elem::F32 => "f32",
         Elem::Half(d) => d.suffix(),
     };
-    let (wide, threads) = match row_wide_block(x.cols) {
-        Some(threads) => ("_wide", threads),
-        None => ("", row_regs_block(x.cols)),
-    };
-    ctx.kernel(&format!("{}{wide}_{sfx}", kind.quantize_kernel()))?
+    ctx.kernel(&format!("{}_{sfx}", kind.quantize_kernel()))?
         .launch(
             &ctx.gpu,
             (x.rows as u32, 1, 1),
-            threads,
+            row_regs_block(x.cols),
             0,
             vec![
                 Arg::Ptr(x.ptr),

@@ -39,9 +39,7 @@ fn kernels_compile_for_every_architecture() {
                         "attention" => &["paged_attn_bf16_hd128_g4", "attn_reduce_f16_hd64_g8"],
                         "elementwise" => &[
                             "quantize_i8_bf16",
-                            "quantize_i8_wide_f16",
                             "quantize_f8_f32",
-                            "quantize_f8_wide_f32",
                             "rms_norm_f8_bf16",
                             "silu_mul_f8_f16",
                         ],

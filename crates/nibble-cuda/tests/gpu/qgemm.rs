@@ -549,11 +549,11 @@ fn fp8_activation_codes_are_the_references() {
 #[test]
 fn standalone_act8_codes_are_the_references_at_every_width() {
     // The standalone quantizers (`quantize_{i8,f8}_*`) on f32 and 16-bit inputs without fused
-    // codes, at the widths where their entries change: the register path's 16 values a thread
-    // (up to 8192 in 512 threads), the wide entries' 32 in 512
-    // threads (8196 to 16384: the SwiGLU epilogue's 14336-wide output among them), the paged loop
-    // past that or off a multiple of 4. Codes and scales bit for bit against
-    // nibble_precision::act, with an outlier, a zero row and a NaN row, 257 rows for two waves.
+    // codes, at the widths where their plan changes: the register path's 16 values a thread
+    // (4096 in 256 threads, 8192 in 512, 8196 to 16384 in 1024: the SwiGLU epilogue's 14336-wide
+    // output among them), the paged loop past that or off a multiple of 4. Codes and scales bit
+    // for bit against nibble_precision::act, with an outlier, a zero row and a NaN row, 257 rows
+    // for two waves.
     let mut r = rng("standalone_act8_codes_are_the_references_at_every_width");
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let g = gpu(dtype);
