@@ -10,6 +10,8 @@
 #   then adds a w4a4a8 model);
 # - FP8's wgmma tiers adding each stage's fragment at once (RETIRE_AT_ONCE: ptxas had serialized
 #   every FP8 wgmma, C7514): the fp8 tests;
+# - the standalone 8-bit codes at every width (standalone_act8), since the wide quantizers it
+#   first ran with were reverted;
 # - kernels_compile for every architecture (the comet module among them).
 # If they pass: `scripts/gpu-swiglu-check.sh OUT perf8` decides W8A8's and FP8's default, and
 # `scripts/gpu-engine-run.sh OUT qgemm-kernels` times COMET against W4A8 and cuBLAS BF16 (the
@@ -22,7 +24,7 @@ out=${1:?usage: scripts/gpu-unrun-check.sh OUTDIR}
 mkdir -p "$out"
 export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
 status=0
-stage/gpu/gpu-tests comet swiglu split_k_is_deterministic fp8 --test-threads 1 >"$out/tests.log" 2>&1 || status=1
+stage/gpu/gpu-tests comet swiglu split_k_is_deterministic fp8 standalone_act8 --test-threads 1 >"$out/tests.log" 2>&1 || status=1
 NIBBLE_SWIGLU=1 NIBBLE_COMET=1 stage/gpu/gpu-tests quantized_models greedy --test-threads 1 \
   >"$out/tests-knobs.log" 2>&1 || status=1
 stage/gpu/kernels-compile >"$out/kernels-compile.log" 2>&1 || status=1

@@ -446,25 +446,24 @@ impl CudaBackend {
     }
 
     fn upload_comet(&self, parts: &[HostTensor], what: &str) -> Result<Option<CudaWeight>> {
-        let Some(WeightFormat::Quant(format)) = parts.first().map(|t| t.format) else {
+        // Only COMET's parts are stacked (a copy of their bytes); any other weight leaves at once.
+        let comet_format = |f| match f {
+            WeightFormat::Quant(lf)
+                if matches!(lf.act, nibble_precision::ActQuant::Mixed4x8 { .. }) =>
+            {
+                Some(lf)
+            }
+            _ => None,
+        };
+        let Some((format, rows, cols, bytes)) = qlinear::stacked_rows_of(parts, comet_format)?
+        else {
             return Ok(None);
         };
-        let (_, cols, _) = parts[0].matrix_geometry()?;
         let Some(geo) = comet::geometry(format, cols) else {
             return Ok(None);
         };
         if !self.ctx.has_kernel("comet_gemm_f32") {
             return Ok(None);
-        }
-        let mut rows = 0;
-        let mut bytes = Vec::new();
-        for t in parts {
-            let (r, c, _) = t.matrix_geometry()?;
-            if t.format != parts[0].format || c != cols {
-                return Ok(None);
-            }
-            rows += r;
-            bytes.extend_from_slice(&t.bytes);
         }
         let packed = comet::pack(format, rows, cols, &bytes)?;
         let w = comet::upload(&self.ctx, &packed, geo, what)?;

@@ -318,10 +318,18 @@ pub type StackedRows = (LinearFormat, usize, usize, Vec<u8>);
 /// Host rows of `parts` (one weight, or the parts of a fused projection stacked in order) when
 /// they share one kernel format and width: `(format, rows, cols, bytes)`.
 pub fn stacked_rows(parts: &[HostTensor]) -> Result<Option<StackedRows>> {
+    stacked_rows_of(parts, kernel_format)
+}
+
+/// [`stacked_rows`] for the formats `format_of` takes (COMET's own kernel takes others).
+pub fn stacked_rows_of(
+    parts: &[HostTensor],
+    format_of: impl Fn(WeightFormat) -> Option<LinearFormat>,
+) -> Result<Option<StackedRows>> {
     let Some(first) = parts.first() else {
         return Ok(None);
     };
-    let Some(format) = kernel_format(first.format) else {
+    let Some(format) = format_of(first.format) else {
         return Ok(None);
     };
     let (_, cols, _) = first.matrix_geometry()?;
