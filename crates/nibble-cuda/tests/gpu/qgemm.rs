@@ -994,13 +994,25 @@ fn quantized_models_match_cpu() {
     if comet {
         specs.push("w4a4a8-g64");
     }
+    let mut w4a8_bytes = 0;
     for spec in specs {
         // (INT4 per channel with INT8 activations, plain `w4a8`, is too coarse on this tiny
         // random model for the near-tie rule; its kernels are checked bit for bit above.)
         let name = format!("tiny-dummy:{spec}");
         let c = dummy_engine(cpu(), &name);
         let g = dummy_engine(gpu(Dtype::Bf16), &name);
-        assert!(g.backend.weight_bytes() > 0);
+        let bytes = g.backend.weight_bytes();
+        assert!(bytes > 0);
+        match spec {
+            "w4a8-g64" => w4a8_bytes = bytes,
+            // COMET's logit bound (below) cannot tell its kernel from a dequantized model that
+            // skips the activation quantization; its 4-bit weight bytes can.
+            s if s.starts_with("w4a4a8") => assert!(
+                bytes * 4 <= w4a8_bytes * 5,
+                "{name}: {bytes} weight bytes against W4A8-g64's {w4a8_bytes}: dequantized?"
+            ),
+            _ => {}
+        }
         let TeacherForced {
             prompt,
             cpu: want,
@@ -1015,8 +1027,10 @@ fn quantized_models_match_cpu() {
                 s if s.starts_with("w4a8") => 8e-2,
                 "fp8" => 0.15,
                 // INT4 activation blocks: a code one step off (bf16 input against f32) moves a
-                // block's sum by a seventh of its range.
-                s if s.starts_with("w4a4a8") => 0.3,
+                // block's sum by a seventh of its range. On the CPU alone, rounding the
+                // quantizer's input to bf16 moves this model's logits by 0.30 to 0.42 over these
+                // steps (quantized against dense: 0.36 to 0.58); the first GPU run gave 0.36.
+                s if s.starts_with("w4a4a8") => 0.55,
                 _ => 3e-2,
             };
             check(&format!("{name} step {step} logits"), gl, w, bound);
