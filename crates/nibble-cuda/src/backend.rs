@@ -543,8 +543,8 @@ fn comet_wanted() -> bool {
 
 /// Whether dense SwiGLU layers of `family` load their gate/up as one [`WeightData::SwiGlu`]
 /// weight, the SiLU-gate in the GEMM's epilogue: the families measured with it
-/// ([`qlinear::QFamily::swiglu_by_default`], W4A8) unless NIBBLE_SWIGLU=0; with NIBBLE_SWIGLU=1
-/// every family with SwiGLU kernels (W8A8 and FP8 too). Read once; a probe knob, so the
+/// ([`qlinear::QFamily::swiglu_by_default`]: W4A8, W8A8 and FP8) unless NIBBLE_SWIGLU=0; with
+/// NIBBLE_SWIGLU=1 every family with SwiGLU kernels. Read once; a probe knob, so the
 /// separate GEMM and SiLU-gate can be A/B'd against the epilogue in one build.
 fn swiglu_wanted(family: qlinear::QFamily) -> bool {
     static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
