@@ -363,7 +363,7 @@ fn qgemm(
         let q48 = copies(&quant_weight(w4a8, n, k, 400 + si as u64)?)?;
         let qf8 = copies(&quant_weight(fp8, n, k, 500 + si as u64)?)?;
         let q816 = copies(&quant_weight(w8a16, n, k, 600 + si as u64)?)?;
-        // COMET's own kernel whatever NIBBLE_COMET says (the loader takes it only when asked).
+        // COMET's own kernel whatever NIBBLE_COMET says (=0 makes the loader dequantize).
         let comet_host = quant_weight(comet, n, k, 700 + si as u64)?;
         let qc = (0..cold_copies(be, comet_host.bytes.len()))
             .map(|_| {

@@ -439,7 +439,7 @@ impl CudaBackend {
 
     /// COMET W4A4A8 parts of one format and width, stacked and uploaded for `comet::gemm`
     /// (kernels/comet.cu, sm_80 on), whatever NIBBLE_COMET says; `None` for any other format, or
-    /// geometry the kernel cannot read. The loader takes it with NIBBLE_COMET=1 ([`comet_wanted`]).
+    /// geometry the kernel cannot read. The loader takes it unless NIBBLE_COMET=0 ([`comet_wanted`]).
     pub fn comet_weight(&self, parts: &[HostTensor]) -> Result<Option<CudaWeight>> {
         let names: Vec<&str> = parts.iter().map(|t| t.name.as_str()).collect();
         self.upload_comet(parts, &format!("weight {}", names.join(" + ")))
@@ -533,12 +533,15 @@ impl CudaBackend {
     }
 }
 
-/// Whether COMET W4A4A8 layers load for their own kernel (`comet.rs`): with NIBBLE_COMET=1, read
-/// once. Off by default until its GPU test has run and it has been timed against the dequantized
-/// path it replaces (a first kernel that reads its weights through L1; BENCHMARKS.md, issue 18).
+/// Whether COMET W4A4A8 layers load for their own kernel (`comet.rs`): unless NIBBLE_COMET=0,
+/// read once. The kernel computes the format (4-bit weights, INT4/INT8 activation blocks, the
+/// reference's bits: its GPU tests passed on an H100) in a quarter of the dequantized weight
+/// memory; dequantized runs cuBLAS BF16 without the activation quantization, which on Hopper is
+/// faster (the kernel measured 0.8x to 8x slower than cuBLAS BF16 and 2.4x to 11x slower than
+/// W4A8: BENCHMARKS.md, issue 18), so that path stays a knob away.
 fn comet_wanted() -> bool {
     static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    crate::runtime::probe_knob(&KNOB, "NIBBLE_COMET") == Some(1)
+    crate::runtime::probe_knob(&KNOB, "NIBBLE_COMET") != Some(0)
 }
 
 /// Whether dense SwiGLU layers of `family` load their gate/up as one [`WeightData::SwiGlu`]
@@ -577,8 +580,14 @@ fn dequantized_reason(ctx: &CudaContext, parts: &[HostTensor]) -> Option<String>
             f.to_string(),
             match qlinear::QFamily::of(f) {
                 None if matches!(f.act, nibble_precision::ActQuant::Mixed4x8 { .. }) => {
-                    "COMET's own kernel is opt-in (NIBBLE_COMET=1) until measured, and takes \
-                     groups of 32 to 128 channels that divide the layer"
+                    if comet_wanted() {
+                        "COMET's kernel takes groups of 32 to 128 channels that divide the \
+                         layer, on sm_80 and later"
+                    } else {
+                        "NIBBLE_COMET=0 asked for it (cuBLAS BF16, faster than COMET's own \
+                         kernel on Hopper, in 4x the weight memory and without the INT4 \
+                         activations)"
+                    }
                 }
                 None => "it has no GPU kernel yet",
                 Some(f) if f.hopper_only() && !ctx.has_kernel(f.hopper_probe()) => {
