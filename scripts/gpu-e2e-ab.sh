@@ -9,12 +9,16 @@
 # A run gets E2E_TIMEOUT seconds (default 320: on a cold machine the first run compiles every module
 # first, and 200 s cut a cold W4A8 + BF16 run at 64 and 256 sequences short); mind the device
 # call's 600 s: stages x rounds x a run's time (about 150 s warm at 64 and 256) must fit. The
-# summary is redrawn after every run, so a call cut short keeps what finished.
+# summary is redrawn after every run, so a call cut short keeps what finished. A cold machine
+# compiles every module first (2 to 4 minutes): .gpu-cache/kernels.tgz seeds the cache
+# (scripts/gpu-pack.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-e2e-ab.sh OUTDIR STAGE...}; shift
 mkdir -p "$out/runs"
 export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
+source scripts/gpu-lib.sh
+seed_kernel_cache
 status=0
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for spec in "$@"; do
@@ -24,7 +28,7 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     if [[ $st == *=* ]]; then name=${st%%=*}; st=${st#*=}; fi
     dir="$out/runs/$name-$round"
     # shellcheck disable=SC2086 # knob: VAR=VALUE words for env
-    env ${knob//,/ } SEQS="${SEQS:-256}" STAGE="$st" timeout "${E2E_TIMEOUT:-320}" \
+    env ${knob//,/ } SEQS="${SEQS:-256}" STAGE="$st" SAVE_KERNELS=0 timeout "${E2E_TIMEOUT:-320}" \
       scripts/gpu-engine-run.sh "$dir" "${PART:-w4a8}" >"$dir.log" 2>&1 || status=1
     grep -E "^throughput at" "$dir.log" | sed "s|^|$name round $round: |"
     python3 bench/e2e_ab_report.py "$out/runs" >"$out/summary.md"
@@ -32,4 +36,5 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
 done
 cat "$out/summary.md"
 tar czf "$out/e2e.tgz" -C "$out" runs && rm -rf "$out/runs"
+save_kernel_cache  # (SAVE_KERNELS=1: once, not per run)
 exit $status

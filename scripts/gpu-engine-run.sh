@@ -55,6 +55,7 @@ status=0
 } | tee -a "$out/device.txt"
 
 source scripts/gpu-lib.sh
+seed_kernel_cache
 STEP_SUMMARY="^throughput|^steps|seqs:|with prefill|^test result|FAILED|panicked"
 
 throughput() {  # throughput NAME MODEL ARGS...
@@ -137,4 +138,5 @@ for part in "$@"; do
 done
 python3 bench/throughput_report.py "$out" > "$out/report.md" 2>"$out/report.err" || true
 tar czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
+save_kernel_cache
 exit $status

@@ -19,6 +19,8 @@ cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-swiglu-check.sh OUTDIR tests|perf|perf8|batch1}
 mkdir -p "$out"
 export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
+source scripts/gpu-lib.sh
+seed_kernel_cache
 status=0
 case ${2:?tests, perf, perf8 or batch1} in
   tests)
