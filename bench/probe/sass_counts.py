@@ -1,7 +1,8 @@
 """SASS of the qgemm module's entry points, compiled here with NVRTC (no GPU needed), and per
 entry the counts that show an epilogue's shape: branches, convergence regions (BSSY), calls, global
-loads and stores, MUFU. `python3 bench/probe/sass_counts.py [ARCH] ENTRY...` (ARCH default
-sm_90a; NVRTC from test.sh's .cuda-tk, the disassembler from the nvidia-cuda-nvdisasm wheel,
+loads and stores, MUFU. `python3 bench/probe/sass_counts.py [ARCH] [--files A.cu,B.cu] [--order]
+ENTRY...` (ARCH default sm_90a; --files another module's sources after common.cuh, e.g. comet.cu;
+--order prints each entry's loads, tensor-core ops and barriers in program order; NVRTC from test.sh's .cuda-tk, the disassembler from the nvidia-cuda-nvdisasm wheel,
 fetched into .cuda-tk/nvdisasm once).
 How the SwiGLU epilogue's per-output branches were found (BENCHMARKS.md, issue 18)."""
 import ctypes, glob, os, re, subprocess, sys, tempfile
@@ -10,6 +11,13 @@ root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 tk = os.path.join(root, ".cuda-tk/nvidia/cu13")
 args = sys.argv[1:]
 arch = args.pop(0) if args and args[0].startswith("sm_") else "sm_90a"
+module = None
+if args and args[0] == "--files":
+    module = ["common.cuh"] + args[1].split(",")
+    args = args[2:]
+order = bool(args) and args[0] == "--order"
+if order:
+    args = args[1:]
 disasm_dir = os.path.join(root, ".cuda-tk/nvdisasm")
 nvdisasm = os.path.join(disasm_dir, "nvidia/cu13/bin/nvdisasm")
 if not os.path.exists(nvdisasm):
@@ -21,7 +29,7 @@ lib = ctypes.CDLL(os.path.join(tk, "lib/libnvrtc.so.13"))
 kernels = os.path.join(root, "crates/nibble-cuda/kernels")
 files = ["common.cuh", "qgemm.cu", "qgemv.cu", "hopper.cuh", "qgemm_wgmma.cu", "qgemm_fp8.cu",
          "qgemv_grouped.cu", "gemv_dense.cu"]
-src = "\n".join(open(os.path.join(kernels, f)).read() for f in files).encode()
+src = "\n".join(open(os.path.join(kernels, f)).read() for f in module or files).encode()
 prog = ctypes.c_void_p()
 assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"qgemm.cu", 0, None, None) == 0
 opts = [f"--gpu-architecture={arch}", f"--include-path={tk}/include", "--std=c++17",
@@ -49,3 +57,7 @@ for entry in args:
     count = lambda op: sum(op in l for l in body)
     print(f"{entry:36s} {len(body):6d} {count('BRA'):5d} {count('BSSY'):5d} {count('CALL'):5d} "
           f"{count('LDG'):5d} {count('STG'):5d} {count('MUFU'):5d}")
+    if order:
+        ops = [m.group(1) for l in body
+               if (m := re.search(r"\b(LDG[.\w]*|LDS[.\w]*|STS[.\w]*|IMMA[.\w]*|HMMA[.\w]*|HGMMA[.\w]*|BAR[.\w]*|BRA)\b", l))]
+        print("  " + " ".join(ops))

@@ -423,10 +423,21 @@ fn qgemm(
             let t_w816 = time_calls(be, calls, &mut || {
                 be.quant_gemm(&x, p816s[c816()], n, k, &out)
             })?;
-            // COMET quantizes its own input (no codes from a producer): timed with it.
+            // COMET quantizes its own input (no codes from a producer): timed with it, on the
+            // tiled GEMM and, for decode batches, on its decode gemv.
+            be.set_comet_gemv(Some(false));
             let t_comet = time_calls(be, calls, &mut || {
                 be.linear(&x, &qc[cc()], None).map(|_| ())
             })?;
+            let t_comet_gemv = if m <= nibble_cuda::comet::GEMV_MAX_TOKENS {
+                be.set_comet_gemv(Some(true));
+                Some(time_calls(be, calls, &mut || {
+                    be.linear(&x, &qc[cc()], None).map(|_| ())
+                })?)
+            } else {
+                None
+            };
+            be.set_comet_gemv(None);
             // Decode and batch sizes on each tier (the default picks one per shape).
             let mut tier_ms = |tier: KernelTier| -> Result<(Option<f64>, Option<f64>)> {
                 if m > WGMMA_SMALL_TOKENS {
@@ -467,6 +478,7 @@ fn qgemm(
                 "w8a16_hbm_fraction": (w816_bytes + io) / t_w816 / bw,
                 "w8a16_tflops": flops / t_w816 / 1e12,
                 "comet_with_quant_ms": t_comet * 1e3,
+                "comet_gemv_with_quant_ms": t_comet_gemv.map(|t| t * 1e3),
                 "weight_copies": [dense.len(), p4s.len(), p8s.len(), p48s.len(), pf8s.len(), p816s.len()],
                 "w4a16_hbm_fraction": (w4_bytes + io) / t_w4 / bw,
                 "w4a16_floor_ms": floor(w4_bytes) * 1e3, "w8a8_floor_ms": floor(w8_bytes) * 1e3,

@@ -7,9 +7,10 @@
 // an H100), so both halves widen to INT8 before the tensor cores: the quantizer writes every
 // block's codes as INT8 bytes (an INT4 block's within [-7, 7]) and the GEMM widens the weights'
 // nibbles to q - z in registers. What COMET could still win on Hopper is activation bytes (half
-// for the INT4 blocks), which only matter where the GEMM is bound by them; this first kernel
-// stores them at 8 bits and is the correctness baseline that COMET's speed is measured from
-// (BENCHMARKS.md, issue 18).
+// for the INT4 blocks), which only matter where the GEMM is bound by them; these kernels store
+// them at 8 bits. The tiled GEMM measured 2.4x to 11x slower than W4A8 on an H100 (BENCHMARKS.md,
+// issue 18); comet_gemv (below) is the decode path built after that, not yet run on a GPU
+// (taken with NIBBLE_COMET_GEMV=1).
 //
 // comet_quantize_*: one CTA per token row, a warp per block (blocks of 32 to 128 channels: one to
 // four values a lane), the block's max by shuffles; codes [M][K] INT8, scales [M][blocks] f32.
@@ -145,6 +146,128 @@ __device__ void comet_gemm_impl(const unsigned char* __restrict__ codes, const u
             if (n < N && m < M) y[(long)m * ldy + n] = from_f32<OUT>(acc[tt][e]);
         }
 }
+
+// comet_gemv<TT>_*: the same per-block arithmetic for decode batches (up to 32 tokens), with the
+// K range spread over a CTA's warps so that a layer's weights stream from many CTAs at once (the
+// tiled kernel gives a 4096-row layer 64 CTAs, each walking all of K: 163 us for 4096x14336 at one
+// token on an H100, where its 31 MB of weights take about 11). A CTA is 8 warps over 16 weight
+// rows x 8 TT tokens. A round covers 16 consecutive blocks, two a warp (blocks b0 + w and
+// b0 + 8 + w): a warp loads both blocks' weight words first (all the round's weight bytes in
+// flight at once), then forms each block's exact i32 fragment with comet_gemm's lane recipe and
+// parks it in shared memory at the block's slot. After a barrier each thread folds its own
+// outputs over the round's slots in block order, fma(f32(p_b), s_w,b * s_x,b, y): the reference's
+// bits, as the tiled kernel. Fragment index (tt * 4 + e) * 32 + lane names an output, for the
+// parking warp and the folding thread alike.
+#define COMET_GEMV_SLOTS 16  // blocks a round: two for each of the 8 warps
+
+template <int TT, class OUT>
+__device__ void comet_gemv_impl(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ zeros,
+                                const float* __restrict__ sw, const signed char* __restrict__ x,
+                                const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, int N,
+                                int K, int block) {
+    __shared__ int part[COMET_GEMV_SLOTS][TT * 4][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * 16, m0 = blockIdx.y * (TT * 8);
+    const int blocks = K / block, steps = block >> 5;
+    // Rows and tokens past the edges read row / token 0 (and are never stored).
+    const int ra = row0 + g < N ? row0 + g : 0, rb = row0 + g + 8 < N ? row0 + g + 8 : 0;
+    const unsigned char* wa = codes + (long)ra * (K / 2) + 4 * t;
+    const unsigned char* wb = codes + (long)rb * (K / 2) + 4 * t;
+    const signed char* xt[TT];
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+        const int m = m0 + tt * 8 + g;
+        xt[tt] = x + (long)(m < M ? m : 0) * K + 8 * t;
+    }
+    constexpr int OUTS = TT * 128, OWN = (OUTS + 255) / 256;  // outputs a CTA / a thread folds
+    float acc[OWN];
+#pragma unroll
+    for (int i = 0; i < OWN; ++i) acc[i] = 0.f;
+    for (int b0 = 0; b0 < blocks; b0 += COMET_GEMV_SLOTS) {
+        // The round's weight words and zeros of both slots (a slot past the last block reads the
+        // last block again and parks nothing).
+        u32 w[2][2][4], z[2][2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int b = min(b0 + warp + 8 * j, blocks - 1);
+            z[j][0] = zeros[(long)ra * blocks + b];
+            z[j][1] = zeros[(long)rb * blocks + b];
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                const int k = b * block + (s < steps ? s : 0) * 32;
+                w[j][0][s] = *reinterpret_cast<const u32*>(wa + k / 2);
+                w[j][1][s] = *reinterpret_cast<const u32*>(wb + k / 2);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int b = b0 + warp + 8 * j;
+            if (b >= blocks) continue;  // (warp-uniform)
+            // The block's activation words, all requested before the first mma (a step past the
+            // block's last re-reads its first).
+            uint2 v[4][TT];
+#pragma unroll
+            for (int s = 0; s < 4; ++s)
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt)
+                    v[s][tt] = *reinterpret_cast<const uint2*>(xt[tt] + b * block + (s < steps ? s : 0) * 32);
+            // Steps past the block's last multiply zero weights (branch-free, so the loads above
+            // stay ahead of the mmas).
+            int frag[TT][4] = {};
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                u32 a[4];
+                comet_widen(w[j][0][s], z[j][0], a[0], a[2]);
+                comet_widen(w[j][1][s], z[j][1], a[1], a[3]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) a[i] = s < steps ? a[i] : 0u;
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) comet_mma(frag[tt], a, v[s][tt].x, v[s][tt].y);
+            }
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) part[warp + 8 * j][tt * 4 + e][lane] = frag[tt][e];
+        }
+        __syncthreads();
+        const int used = min(COMET_GEMV_SLOTS, blocks - b0);
+#pragma unroll
+        for (int i = 0; i < OWN; ++i) {
+            const int o = threadIdx.x + 256 * i;
+            if (o < OUTS) {
+                const int ol = o & 31, e = (o >> 5) & 3, tt = o >> 7;
+                const int row = row0 + (ol >> 2) + 8 * (e >> 1);
+                const long rw = (long)(row < N ? row : 0) * blocks;
+                const long rx = (long)min(m0 + tt * 8 + 2 * (ol & 3) + (e & 1), M - 1) * blocks;
+                for (int sl = 0; sl < used; ++sl) {
+                    const float c = sw[rw + b0 + sl] * sx[rx + b0 + sl];
+                    acc[i] = fmaf((float)part[sl][tt * 4 + e][ol], c, acc[i]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < OWN; ++i) {
+        const int o = threadIdx.x + 256 * i;
+        if (o < OUTS) {
+            const int ol = o & 31, e = (o >> 5) & 3, tt = o >> 7;
+            const int n = row0 + (ol >> 2) + 8 * (e >> 1), m = m0 + tt * 8 + 2 * (ol & 3) + (e & 1);
+            if (n < N && m < M) y[(long)m * ldy + n] = from_f32<OUT>(acc[i]);
+        }
+    }
+}
+
+#define COMET_GEMV(TT, SUFFIX, OUT)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) comet_gemv##TT##_##SUFFIX(                    \
+        const unsigned char* codes, const unsigned char* zeros, const float* sw, const signed char* x, \
+        const float* sx, OUT* y, long ldy, int M, int N, int K, int block) {                        \
+        comet_gemv_impl<TT, OUT>(codes, zeros, sw, x, sx, y, ldy, M, N, K, block);                    \
+    }
+#define COMET_GEMVS(SUFFIX, OUT) COMET_GEMV(1, SUFFIX, OUT) COMET_GEMV(2, SUFFIX, OUT) COMET_GEMV(4, SUFFIX, OUT)
+COMET_GEMVS(f32, float)
+COMET_GEMVS(bf16, __nv_bfloat16)
+COMET_GEMVS(f16, __half)
 
 #define COMET_GEMM(SUFFIX, OUT)                                                                     \
     extern "C" __global__ void __launch_bounds__(128) comet_gemm_##SUFFIX(                          \

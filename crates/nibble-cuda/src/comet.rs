@@ -106,6 +106,25 @@ pub fn upload(
 const TOKENS_PER_CTA: usize = 32;
 const ROWS_PER_CTA: usize = 64;
 
+/// The most tokens `comet_gemv*` takes (four 8-token tiles a CTA).
+pub const GEMV_MAX_TOKENS: usize = 32;
+/// Weight rows of a `comet_gemv*` CTA.
+const GEMV_ROWS_PER_CTA: usize = 16;
+
+/// Whether decode batches take the gemv unless a context says otherwise: with
+/// NIBBLE_COMET_GEMV=1, read once. Off until its GPU test has run and it has been timed against
+/// the tiled GEMM (built 2026-11-27 without a GPU run; BENCHMARKS.md, issue 18).
+pub fn gemv_by_default() -> bool {
+    static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    crate::runtime::probe_knob(&KNOB, "NIBBLE_COMET_GEMV") == Some(1)
+}
+
+/// The 8-token tiles of a `comet_gemv*` CTA for `m` tokens (1, 2 or 4), or `None` for the tiled
+/// GEMM: past [`GEMV_MAX_TOKENS`], or where `use_gemv` says no.
+pub fn gemv_tiles(m: usize, use_gemv: bool) -> Option<usize> {
+    (use_gemv && m <= GEMV_MAX_TOKENS).then(|| m.div_ceil(8).next_power_of_two())
+}
+
 /// `out = x · Wᵀ` (`[x.rows, n]`, f32 or the model dtype) for a COMET weight of `n` rows of `k`:
 /// `x`'s mixed codes and block scales first (`comet_quantize_*`), then the GEMM.
 pub fn gemm(
@@ -153,14 +172,31 @@ pub fn gemm(
         Elem::F32 => "f32",
         Elem::Half(d) => d.suffix(),
     };
-    ctx.kernel(&format!("comet_gemm_{out_sfx}"))?.launch(
-        &ctx.gpu,
-        (
-            n.div_ceil(ROWS_PER_CTA) as u32,
-            m.div_ceil(TOKENS_PER_CTA) as u32,
-            1,
+    let use_gemv = ctx.comet_gemv().unwrap_or_else(gemv_by_default);
+    let (name, grid, threads) = match gemv_tiles(m, use_gemv) {
+        Some(tt) => (
+            format!("comet_gemv{tt}_{out_sfx}"),
+            (
+                n.div_ceil(GEMV_ROWS_PER_CTA) as u32,
+                m.div_ceil(8 * tt) as u32,
+                1,
+            ),
+            256,
         ),
-        128,
+        None => (
+            format!("comet_gemm_{out_sfx}"),
+            (
+                n.div_ceil(ROWS_PER_CTA) as u32,
+                m.div_ceil(TOKENS_PER_CTA) as u32,
+                1,
+            ),
+            128,
+        ),
+    };
+    ctx.kernel(&name)?.launch(
+        &ctx.gpu,
+        grid,
+        threads,
         0,
         vec![
             Arg::Ptr(w.codes.ptr),
@@ -264,87 +300,95 @@ mod tests {
         )
     }
 
-    /// `comet_gemm_impl`'s lanes, step by step, with mma.sync m16n8k32's fragment layout (PTX
-    /// ISA: A's registers 0 / 1 / 2 / 3 hold row g / g + 8 / g / g + 8 at k 4t.. / 4t.. / 16 + 4t..
-    /// / 16 + 4t..; B's 0 / 1 column g at k 4t.. / 16 + 4t..; C's 0, 1 / 2, 3 row g / g + 8 at
-    /// columns 2t, 2t + 1), on the packed arrays and the activations' codes and block scales.
-    #[allow(clippy::needless_range_loop)] // lanes by index, as the kernel names them
+    /// One warp's exact i32 fragments of block `b` (`[lane][tile][register]`, `tiles` 8-token
+    /// tiles from token `m0`, rows `row0 ..`), as `comet_gemm_impl` and `comet_gemv_impl` form
+    /// them, step by step with mma.sync m16n8k32's fragment layout (PTX ISA: A's registers 0 / 1
+    /// / 2 / 3 hold row g / g + 8 / g / g + 8 at k 4t.. / 4t.. / 16 + 4t.. / 16 + 4t..; B's 0 / 1
+    /// column g at k 4t.. / 16 + 4t..; C's 0, 1 / 2, 3 row g / g + 8 at columns 2t, 2t + 1), on
+    /// the packed arrays and the activations' codes.
+    #[allow(clippy::needless_range_loop)] // lanes, tiles and registers by index, as the kernel
+    fn warp_block_fragments(
+        p: &PackedComet,
+        x: &[i8],
+        (m, n, k, block): (usize, usize, usize, usize),
+        row0: usize,
+        m0: usize,
+        b: usize,
+        tiles: usize,
+    ) -> Vec<Vec<[i32; 4]>> {
+        let blocks = k / block;
+        let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+        let byte = |r: u32, i: usize| r.to_le_bytes()[i] as i8 as i32;
+        let mut frag = vec![vec![[0i32; 4]; tiles]; 32];
+        for s in 0..block / 32 {
+            let k0 = b * block + s * 32;
+            let mut am = [[0i32; 32]; 16];
+            let mut bv = vec![vec![[0u32; 2]; tiles]; 32];
+            for lane in 0..32 {
+                let (g, t) = (lane / 4, lane % 4);
+                let ra = if row0 + g < n { row0 + g } else { 0 };
+                let rb = if row0 + g + 8 < n { row0 + g + 8 } else { 0 };
+                let za = p.zeros[ra * blocks + b] as u32;
+                let zb = p.zeros[rb * blocks + b] as u32;
+                let (a0, a2) = widen(u32_at(&p.codes, ra * k / 2 + 4 * t + k0 / 2), za);
+                let (a1, a3) = widen(u32_at(&p.codes, rb * k / 2 + 4 * t + k0 / 2), zb);
+                for i in 0..4 {
+                    am[g][4 * t + i] = byte(a0, i);
+                    am[g + 8][4 * t + i] = byte(a1, i);
+                    am[g][16 + 4 * t + i] = byte(a2, i);
+                    am[g + 8][16 + 4 * t + i] = byte(a3, i);
+                }
+                for (tt, v) in bv[lane].iter_mut().enumerate() {
+                    let tok = m0 + tt * 8 + g;
+                    let tok = if tok < m { tok } else { 0 };
+                    let xb: Vec<u8> = x[tok * k + 8 * t + k0..][..8]
+                        .iter()
+                        .map(|&c| c as u8)
+                        .collect();
+                    *v = [u32_at(&xb, 0), u32_at(&xb, 4)];
+                }
+            }
+            // The warp's mma per tile: A 16 x 32 and B 32 x 8 from the lanes' registers.
+            for tt in 0..tiles {
+                let mut bm = [[0i32; 8]; 32];
+                for (lane, v) in bv.iter().enumerate() {
+                    let (g, t) = (lane / 4, lane % 4);
+                    for i in 0..4 {
+                        bm[4 * t + i][g] = byte(v[tt][0], i);
+                        bm[16 + 4 * t + i][g] = byte(v[tt][1], i);
+                    }
+                }
+                for (lane, f) in frag.iter_mut().enumerate() {
+                    let (g, t) = (lane / 4, lane % 4);
+                    for e in 0..4 {
+                        let (row, col) = (g + 8 * (e >> 1), 2 * t + (e & 1));
+                        f[tt][e] += (0..32).map(|kk| am[row][kk] * bm[kk][col]).sum::<i32>();
+                    }
+                }
+            }
+        }
+        frag
+    }
+
+    /// `comet_gemm_impl`: CTAs of 4 warps over 64 rows x 32 tokens, each lane folding its
+    /// fragments block by block.
+    #[allow(clippy::needless_range_loop)]
     fn emulated_gemm(
         p: &PackedComet,
         x: &[i8],
         sx: &[f32],
-        m: usize,
-        n: usize,
-        k: usize,
-        block: usize,
+        (m, n, k, block): (usize, usize, usize, usize),
     ) -> Vec<f32> {
         let blocks = k / block;
         let mut y = vec![f32::NAN; m * n];
-        let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
         for bx in 0..n.div_ceil(ROWS_PER_CTA) {
             for by in 0..m.div_ceil(TOKENS_PER_CTA) {
                 for warp in 0..4 {
                     let (row0, m0) = (bx * ROWS_PER_CTA + warp * 16, by * TOKENS_PER_CTA);
                     let mut acc = [[[0f32; 4]; 4]; 32];
                     for b in 0..blocks {
-                        let mut frag = [[[0i32; 4]; 4]; 32];
-                        for s in 0..block / 32 {
-                            let k0 = b * block + s * 32;
-                            let mut a = [[0u32; 4]; 32];
-                            let mut bv = [[[0u32; 2]; 4]; 32];
-                            for lane in 0..32 {
-                                let (g, t) = (lane / 4, lane % 4);
-                                let ra = if row0 + g < n { row0 + g } else { 0 };
-                                let rb = if row0 + g + 8 < n { row0 + g + 8 } else { 0 };
-                                let za = p.zeros[ra * blocks + b] as u32;
-                                let zb = p.zeros[rb * blocks + b] as u32;
-                                (a[lane][0], a[lane][2]) =
-                                    widen(u32_at(&p.codes, ra * k / 2 + 4 * t + k0 / 2), za);
-                                (a[lane][1], a[lane][3]) =
-                                    widen(u32_at(&p.codes, rb * k / 2 + 4 * t + k0 / 2), zb);
-                                for (tt, v) in bv[lane].iter_mut().enumerate() {
-                                    let tok = m0 + tt * 8 + g;
-                                    let tok = if tok < m { tok } else { 0 };
-                                    let xb: Vec<u8> = x[tok * k + 8 * t + k0..][..8]
-                                        .iter()
-                                        .map(|&c| c as u8)
-                                        .collect();
-                                    *v = [u32_at(&xb, 0), u32_at(&xb, 4)];
-                                }
-                            }
-                            // The warp's mma: A 16 x 32 and B 32 x 8 from the lanes' registers.
-                            let byte = |r: u32, i: usize| r.to_le_bytes()[i] as i8 as i32;
-                            let mut am = [[0i32; 32]; 16];
-                            for lane in 0..32 {
-                                let (g, t) = (lane / 4, lane % 4);
-                                for i in 0..4 {
-                                    am[g][4 * t + i] = byte(a[lane][0], i);
-                                    am[g + 8][4 * t + i] = byte(a[lane][1], i);
-                                    am[g][16 + 4 * t + i] = byte(a[lane][2], i);
-                                    am[g + 8][16 + 4 * t + i] = byte(a[lane][3], i);
-                                }
-                            }
-                            for tt in 0..4 {
-                                let mut bm = [[0i32; 8]; 32];
-                                for lane in 0..32 {
-                                    let (g, t) = (lane / 4, lane % 4);
-                                    for i in 0..4 {
-                                        bm[4 * t + i][g] = byte(bv[lane][tt][0], i);
-                                        bm[16 + 4 * t + i][g] = byte(bv[lane][tt][1], i);
-                                    }
-                                }
-                                for lane in 0..32 {
-                                    let (g, t) = (lane / 4, lane % 4);
-                                    for e in 0..4 {
-                                        let (row, col) = (g + 8 * (e >> 1), 2 * t + (e & 1));
-                                        frag[lane][tt][e] += (0..32)
-                                            .map(|kk| am[row][kk] * bm[kk][col])
-                                            .sum::<i32>();
-                                    }
-                                }
-                            }
-                        }
-                        for lane in 0..32 {
+                        let frag = warp_block_fragments(p, x, (m, n, k, block), row0, m0, b, 4);
+                        for (lane, f) in frag.iter().enumerate() {
                             let (g, t) = (lane / 4, lane % 4);
                             let ra = if row0 + g < n { row0 + g } else { 0 };
                             let rb = if row0 + g + 8 < n { row0 + g + 8 } else { 0 };
@@ -354,22 +398,90 @@ mod tests {
                                     let swr = p.scales[if e < 2 { ra } else { rb } * blocks + b];
                                     let c = swr * sx[tok * blocks + b];
                                     acc[lane][tt][e] =
-                                        (frag[lane][tt][e] as f32).mul_add(c, acc[lane][tt][e]);
+                                        (f[tt][e] as f32).mul_add(c, acc[lane][tt][e]);
                                 }
                             }
                         }
                     }
-                    for lane in 0..32 {
+                    for (lane, a) in acc.iter().enumerate() {
                         let (g, t) = (lane / 4, lane % 4);
                         for tt in 0..4 {
                             for e in 0..4 {
                                 let (row, tok) =
                                     (row0 + g + 8 * (e >> 1), m0 + tt * 8 + 2 * t + (e & 1));
                                 if row < n && tok < m {
-                                    y[tok * n + row] = acc[lane][tt][e];
+                                    y[tok * n + row] = a[tt][e];
                                 }
                             }
                         }
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    /// The blocks a `comet_gemv*` round covers, two for each of its 8 warps.
+    const GEMV_SLOTS: usize = 16;
+
+    /// `comet_gemv_impl` with `tiles` 8-token tiles a CTA: 16 rows, rounds of 16 blocks parked
+    /// by 8 warps (blocks b0 + w and b0 + 8 + w) in `part[slot][tile * 4 + register][lane]`,
+    /// then folded by 256 threads, thread `o` (and `o + 256`) owning output
+    /// `(tile * 4 + register) * 32 + lane` of the CTA.
+    #[allow(clippy::needless_range_loop)]
+    fn emulated_gemv(
+        p: &PackedComet,
+        x: &[i8],
+        sx: &[f32],
+        (m, n, k, block): (usize, usize, usize, usize),
+        tiles: usize,
+    ) -> Vec<f32> {
+        let blocks = k / block;
+        let outs = tiles * 128;
+        let mut y = vec![f32::NAN; m * n];
+        for bx in 0..n.div_ceil(GEMV_ROWS_PER_CTA) {
+            for by in 0..m.div_ceil(8 * tiles) {
+                let (row0, m0) = (bx * GEMV_ROWS_PER_CTA, by * 8 * tiles);
+                let mut acc = vec![0f32; outs];
+                for b0 in (0..blocks).step_by(GEMV_SLOTS) {
+                    let mut part = vec![vec![[0i32; 32]; tiles * 4]; GEMV_SLOTS];
+                    for warp in 0..8 {
+                        for j in 0..2 {
+                            let b = b0 + warp + 8 * j;
+                            if b >= blocks {
+                                continue;
+                            }
+                            let frag =
+                                warp_block_fragments(p, x, (m, n, k, block), row0, m0, b, tiles);
+                            for (lane, f) in frag.iter().enumerate() {
+                                for tt in 0..tiles {
+                                    for e in 0..4 {
+                                        part[warp + 8 * j][tt * 4 + e][lane] = f[tt][e];
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    let used = GEMV_SLOTS.min(blocks - b0);
+                    for (o, a) in acc.iter_mut().enumerate() {
+                        let (ol, e, tt) = (o & 31, (o >> 5) & 3, o >> 7);
+                        let row = row0 + (ol >> 2) + 8 * (e >> 1);
+                        let rw = if row < n { row } else { 0 } * blocks;
+                        let rx = (m0 + tt * 8 + 2 * (ol & 3) + (e & 1)).min(m - 1) * blocks;
+                        for (sl, slot) in part.iter().enumerate().take(used) {
+                            let c = p.scales[rw + b0 + sl] * sx[rx + b0 + sl];
+                            *a = (slot[tt * 4 + e][ol] as f32).mul_add(c, *a);
+                        }
+                    }
+                }
+                for (o, a) in acc.iter().enumerate() {
+                    let (ol, e, tt) = (o & 31, (o >> 5) & 3, o >> 7);
+                    let (row, tok) = (
+                        row0 + (ol >> 2) + 8 * (e >> 1),
+                        m0 + tt * 8 + 2 * (ol & 3) + (e & 1),
+                    );
+                    if row < n && tok < m {
+                        y[tok * n + row] = *a;
                     }
                 }
             }
@@ -384,10 +496,15 @@ mod tests {
         // codes and block scales are act::quantize_mixed's, as kernels/comet.cu computes them.
         use rand::{Rng, SeedableRng};
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        // The gemv's cases: rounds of 16 blocks with a partial last one (40 blocks), fewer blocks
+        // than warps, three steps a block (96), 1, 2 and 4 token tiles, rows off its 16.
         for (group, k, n, m, int8_blocks) in [
             (32, 96, 20, 5, 1),
             (64, 256, 72, 33, 2),
             (128, 384, 64, 3, 0),
+            (32, 1280, 20, 1, 3),
+            (64, 1152, 40, 12, 4),
+            (96, 960, 24, 27, 1),
         ] {
             let format = comet(group, int8_blocks);
             let rb = format.row_bytes(k).unwrap();
@@ -413,10 +530,26 @@ mod tests {
                 );
             }
             let p = pack(format, n, k, &bytes).unwrap();
-            let got = emulated_gemm(&p, &codes, &sx, m, n, k, group as usize);
+            let dims = (m, n, k, group as usize);
             let want = nibble_precision::reference_matmul(format, &x, m, k, &bytes, n).unwrap();
-            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(a.to_bits(), b.to_bits(), "{format} element {i}: {a} vs {b}");
+            let mut runs = vec![(
+                "comet_gemm".to_string(),
+                emulated_gemm(&p, &codes, &sx, dims),
+            )];
+            if let Some(tiles) = gemv_tiles(m, true) {
+                runs.push((
+                    format!("comet_gemv{tiles}"),
+                    emulated_gemv(&p, &codes, &sx, dims, tiles),
+                ));
+            }
+            for (kernel, got) in runs {
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{kernel} {format} element {i}: {a} vs {b}"
+                    );
+                }
             }
         }
     }

@@ -143,6 +143,9 @@ pub struct CudaContext {
     act8_inputs: AtomicU8,
     /// Which kernel tier quantized GEMMs run ([`KernelTier`] as u8).
     kernel_tier: AtomicU8,
+    /// Whether COMET's decode batches take `comet_gemv*` (0: as NIBBLE_COMET_GEMV says, 1: no,
+    /// 2: yes; [`Self::set_comet_gemv`]).
+    comet_gemv: AtomicU8,
 }
 
 /// A module's kernels by name.
@@ -224,6 +227,7 @@ impl CudaContext {
             smem_raised: Default::default(),
             act8_inputs: Default::default(),
             kernel_tier: Default::default(),
+            comet_gemv: Default::default(),
         })
     }
 
@@ -231,6 +235,27 @@ impl CudaContext {
     /// default, [`KernelTier::Auto`], picks the faster per shape.
     pub fn set_kernel_tier(&self, tier: KernelTier) {
         self.kernel_tier.store(tier as u8, Ordering::Relaxed);
+    }
+
+    /// Whether COMET's decode batches (up to [`crate::comet::GEMV_MAX_TOKENS`]) run on its decode
+    /// gemv (`Some(true)`), its tiled GEMM (`Some(false)`) or, with `None`, the default
+    /// ([`crate::comet::gemv_by_default`]): tests and benchmarks run both.
+    pub fn set_comet_gemv(&self, on: Option<bool>) {
+        let v = match on {
+            None => 0,
+            Some(false) => 1,
+            Some(true) => 2,
+        };
+        self.comet_gemv.store(v, Ordering::Relaxed);
+    }
+
+    /// What [`Self::set_comet_gemv`] set.
+    pub(crate) fn comet_gemv(&self) -> Option<bool> {
+        match self.comet_gemv.load(Ordering::Relaxed) {
+            1 => Some(false),
+            2 => Some(true),
+            _ => None,
+        }
     }
 
     /// The [`KernelTier`] set by [`Self::set_kernel_tier`].

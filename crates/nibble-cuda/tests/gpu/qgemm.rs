@@ -651,21 +651,32 @@ fn comet_is_bit_exact_with_the_reference() {
                     matches!(w.data, nibble_cuda::WeightData::Comet(_)),
                     "{format} k {k}: not on the COMET kernel"
                 );
-                for m in [1, 5, 33, 70] {
-                    let what = format!("{format} {dtype:?} m {m} n {n} k {k}");
-                    g.poison_activations(64 << 20).unwrap();
-                    let xt = g
-                        .tensor_from_f32(&poisoned_input(&mut r, m, k), m, k)
-                        .unwrap();
-                    let ones = g.load_vector(&vec![1.0; k]).unwrap();
-                    let half = g.rms_norm(&xt, &ones, 1e-5);
-                    for (src, input) in [("f32", &xt), ("16-bit", &half)] {
-                        let y = host(&g, &g.linear(input, &w, None).unwrap());
-                        let want =
-                            reference_matmul(format, &host(&g, input), m, k, &wb, n).unwrap();
-                        assert_eq!(y.len(), want.len(), "{what}");
-                        assert_bit_exact(&format!("{what} from {src}"), &y, &want);
+                // Up to 32 tokens both kernels: the decode gemv (1, 2 and 4 token tiles) and
+                // the tiled GEMM.
+                for m in [1, 5, 12, 27, 32, 33, 70] {
+                    let gemvs: &[bool] = if m <= nibble_cuda::comet::GEMV_MAX_TOKENS {
+                        &[true, false]
+                    } else {
+                        &[false]
+                    };
+                    for &gemv in gemvs {
+                        g.set_comet_gemv(Some(gemv));
+                        let what = format!("{format} {dtype:?} m {m} n {n} k {k} gemv {gemv}");
+                        g.poison_activations(64 << 20).unwrap();
+                        let xt = g
+                            .tensor_from_f32(&poisoned_input(&mut r, m, k), m, k)
+                            .unwrap();
+                        let ones = g.load_vector(&vec![1.0; k]).unwrap();
+                        let half = g.rms_norm(&xt, &ones, 1e-5);
+                        for (src, input) in [("f32", &xt), ("16-bit", &half)] {
+                            let y = host(&g, &g.linear(input, &w, None).unwrap());
+                            let want =
+                                reference_matmul(format, &host(&g, input), m, k, &wb, n).unwrap();
+                            assert_eq!(y.len(), want.len(), "{what}");
+                            assert_bit_exact(&format!("{what} from {src}"), &y, &want);
+                        }
                     }
+                    g.set_comet_gemv(None);
                 }
             }
         }
