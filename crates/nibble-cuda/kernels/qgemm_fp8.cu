@@ -21,8 +21,12 @@
 // (RETIRE_AT_ONCE); the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile.
 // (Until 2026-11-27 the consumers alternated two fragments, adding the last stage's while the next
 // one's wgmmas ran; reading a fragment with wgmmas in flight made ptxas serialize every wgmma,
-// C7514, each waiting for the one before. Not yet measured on a GPU.) Accumulator plus fragment
-// is TOK registers a thread: 128-token tiles at most (256 would leave no registers for the rest).
+// C7514, each waiting for the one before; with the wait first, 0.72x -> 0.85x of
+// `torch._scaled_mm` at M >= 1024 on an H100.) Both consumers still wait on the same stage and
+// retire together, so the tensor cores idle through each promotion: under -DFP8_PING_PONG
+// (NIBBLE_NVRTC_DEFINES=FP8_PING_PONG; built 2026-11-27, not yet run on a GPU) they take turns
+// issuing (wgmma_gemm's PingPong). Accumulator plus fragment is TOK registers a thread:
+// 128-token tiles at most (256 would leave no registers for the rest).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // (host pass: bench/probe)
 
 __device__ __forceinline__ void mma_e4m3(float* c, const u32* a, u32 b0, u32 b1) {
@@ -155,6 +159,9 @@ template <int TOK> struct WgqFp8 {
     static constexpr int STAGE = X_BYTES + 128 * 128;
     static constexpr int K_PER_STAGE = 128;
     static constexpr bool RETIRE_AT_ONCE = true;  // (wgmma_gemm's RetiresAtOnce)
+#ifdef FP8_PING_PONG
+    static constexpr bool PING_PONG = true;  // (wgmma_gemm's PingPong)
+#endif
     using Acc = float;
     using Regs = float[TOK / 8][4];  // a stage's promotion fragment
     const TmaMap* codes;             // [rows][chunks * 64 B], boxes of 128 rows x 128 B

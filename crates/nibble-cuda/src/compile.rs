@@ -152,6 +152,32 @@ pub fn arch_for(cc: (i32, i32)) -> String {
     }
 }
 
+/// `-D` options for the names in NIBBLE_NVRTC_DEFINES (comma-separated), so a kernel variant under
+/// `#ifdef` can be A/B'd against the default in one build (`scripts/gpu-abn.sh` with
+/// `@NIBBLE_NVRTC_DEFINES=...`); the cache key holds the options, so each variant caches apart.
+/// A name that is not an identifier is an error.
+pub fn knob_defines() -> Result<Vec<String>> {
+    std::env::var("NIBBLE_NVRTC_DEFINES").map_or(Ok(vec![]), |v| defines_of(&v))
+}
+
+/// [`knob_defines`] of the knob's value.
+fn defines_of(v: &str) -> Result<Vec<String>> {
+    v.split(',')
+        .filter(|d| !d.is_empty())
+        .map(|d| {
+            let ident = d.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+                && d.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if ident {
+                Ok(format!("-D{d}"))
+            } else {
+                Err(Error::InvalidArgument(format!(
+                    "NIBBLE_NVRTC_DEFINES: '{d}' is not a macro name"
+                )))
+            }
+        })
+        .collect()
+}
+
 pub fn options(arch: &str, include: &Path) -> Vec<String> {
     vec![
         format!("--gpu-architecture={arch}"),
@@ -351,4 +377,22 @@ unsafe fn get_cubin(prog: nvrtc_sys::nvrtcProgram) -> std::result::Result<Vec<u8
         return Err(format!("{r:?}"));
     }
     Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn knob_defines_are_macro_names_only() {
+        assert_eq!(
+            defines_of("FP8_PING_PONG,_X1,").unwrap(),
+            ["-DFP8_PING_PONG", "-D_X1"]
+        );
+        assert!(defines_of("").unwrap().is_empty());
+        for bad in ["1X", "A=1", "A B", "--gpu-architecture=sm_80", "A,-DB"] {
+            let e = defines_of(bad).unwrap_err().to_string();
+            assert!(e.contains("NIBBLE_NVRTC_DEFINES"), "{bad}: {e}");
+        }
+    }
 }

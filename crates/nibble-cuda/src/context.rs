@@ -193,7 +193,8 @@ impl CudaContext {
         let gpu = Gpu::open(ordinal)?;
         let arch = compile::arch_for(gpu.cc);
         let include = crate::probe::cuda_include_dir()?;
-        let opts = compile::options(&arch, &include);
+        let mut opts = compile::options(&arch, &include);
+        opts.extend(compile::knob_defines()?);
         let mut kernels = HashMap::new();
         for (name, text) in compile::SOURCES {
             let src = compile::full_source(text);

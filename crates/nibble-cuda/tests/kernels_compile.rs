@@ -237,12 +237,30 @@ fn no_wgmma_is_serialized() {
     };
     let mut opts = compile::options("sm_90a", &include);
     opts.push("--ptxas-options=-v".into());
+    // The variants under a define (NIBBLE_NVRTC_DEFINES) too.
+    let mut pingpong = opts.clone();
+    pingpong.push("-DFP8_PING_PONG".into());
+    let runs: Vec<(&str, &str, &Vec<String>)> = compile::SOURCES
+        .iter()
+        .filter(|(_, text)| text.contains("wgmma"))
+        .flat_map(|&(name, text)| {
+            let variant = text
+                .contains("FP8_PING_PONG")
+                .then_some((name, text, &pingpong));
+            std::iter::once((name, text, &opts)).chain(variant)
+        })
+        .collect();
+    assert!(
+        runs.len()
+            > compile::SOURCES
+                .iter()
+                .filter(|(_, t)| t.contains("wgmma"))
+                .count()
+    );
     std::thread::scope(|scope| {
-        let handles: Vec<_> = compile::SOURCES
-            .iter()
-            .filter(|(_, text)| text.contains("wgmma"))
-            .map(|(name, text)| {
-                let opts = &opts;
+        let handles: Vec<_> = runs
+            .into_iter()
+            .map(|(name, text, opts)| {
                 scope.spawn(move || {
                     let log = compile::compile_log(name, &compile::full_source(text), opts)
                         .unwrap_or_else(|e| panic!("{name}: {e}"));
