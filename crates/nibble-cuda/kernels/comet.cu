@@ -152,9 +152,10 @@ __device__ void comet_gemm_impl(const unsigned char* __restrict__ codes, const u
 // tiled kernel gives a 4096-row layer 64 CTAs, each walking all of K: 163 us for 4096x14336 at one
 // token on an H100, where its 31 MB of weights take about 11). A CTA is 8 warps over 16 weight
 // rows x 8 TT tokens. A round covers 16 consecutive blocks, two a warp (blocks b0 + w and
-// b0 + 8 + w): a warp loads both blocks' weight words first (all the round's weight bytes in
-// flight at once), then forms each block's exact i32 fragment with comet_gemm's lane recipe and
-// parks it in shared memory at the block's slot. After a barrier each thread folds its own
+// b0 + 8 + w): a warp requests both blocks' weight and activation words first (all the round's
+// weight bytes in flight at once) while the CTA stages the round's scales in shared memory, then
+// forms each block's exact i32 fragment with comet_gemm's lane recipe and parks it in shared
+// memory at the block's slot. After a barrier each thread folds its own
 // outputs over the round's slots in block order, fma(f32(p_b), s_w,b * s_x,b, y): the reference's
 // bits, as the tiled kernel. Fragment index (tt * 4 + e) * 32 + lane names an output, for the
 // parking warp and the folding thread alike.
@@ -166,6 +167,8 @@ __device__ void comet_gemv_impl(const unsigned char* __restrict__ codes, const u
                                 const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, int N,
                                 int K, int block) {
     __shared__ int part[COMET_GEMV_SLOTS][TT * 4][32];
+    __shared__ float swr[16][COMET_GEMV_SLOTS];      // the round's weight scales by row, slot
+    __shared__ float sxr[TT * 8][COMET_GEMV_SLOTS];  // and activation scales by token, slot
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * 16, m0 = blockIdx.y * (TT * 8);
     const int blocks = K / block, steps = block >> 5;
@@ -184,9 +187,11 @@ __device__ void comet_gemv_impl(const unsigned char* __restrict__ codes, const u
 #pragma unroll
     for (int i = 0; i < OWN; ++i) acc[i] = 0.f;
     for (int b0 = 0; b0 < blocks; b0 += COMET_GEMV_SLOTS) {
-        // The round's weight words and zeros of both slots (a slot past the last block reads the
-        // last block again and parks nothing).
+        // The round's weight words, zeros and activation words of both slots, all requested
+        // before the first mma (a slot past the last block reads the last block again and parks
+        // nothing; a step past a block's last re-reads its first).
         u32 w[2][2][4], z[2][2];
+        uint2 v[2][4][TT];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
             const int b = min(b0 + warp + 8 * j, blocks - 1);
@@ -197,20 +202,23 @@ __device__ void comet_gemv_impl(const unsigned char* __restrict__ codes, const u
                 const int k = b * block + (s < steps ? s : 0) * 32;
                 w[j][0][s] = *reinterpret_cast<const u32*>(wa + k / 2);
                 w[j][1][s] = *reinterpret_cast<const u32*>(wb + k / 2);
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) v[j][s][tt] = *reinterpret_cast<const uint2*>(xt[tt] + k);
             }
+        }
+        // The round's scales into shared memory, so the fold reads no global memory: rows past N
+        // take row 0's, tokens past M token M - 1's (as the tiled kernel; never stored).
+        for (int i = threadIdx.x; i < (16 + TT * 8) * COMET_GEMV_SLOTS; i += 256) {
+            const int r = i / COMET_GEMV_SLOTS, sl = i % COMET_GEMV_SLOTS;
+            const int b = min(b0 + sl, blocks - 1);
+            if (r < 16)
+                swr[r][sl] = sw[(long)(row0 + r < N ? row0 + r : 0) * blocks + b];
+            else
+                sxr[r - 16][sl] = sx[(long)min(m0 + r - 16, M - 1) * blocks + b];
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            const int b = b0 + warp + 8 * j;
-            if (b >= blocks) continue;  // (warp-uniform)
-            // The block's activation words, all requested before the first mma (a step past the
-            // block's last re-reads its first).
-            uint2 v[4][TT];
-#pragma unroll
-            for (int s = 0; s < 4; ++s)
-#pragma unroll
-                for (int tt = 0; tt < TT; ++tt)
-                    v[s][tt] = *reinterpret_cast<const uint2*>(xt[tt] + b * block + (s < steps ? s : 0) * 32);
+            if (b0 + warp + 8 * j >= blocks) continue;  // (warp-uniform)
             // Steps past the block's last multiply zero weights (branch-free, so the loads above
             // stay ahead of the mmas).
             int frag[TT][4] = {};
@@ -222,7 +230,7 @@ __device__ void comet_gemv_impl(const unsigned char* __restrict__ codes, const u
 #pragma unroll
                 for (int i = 0; i < 4; ++i) a[i] = s < steps ? a[i] : 0u;
 #pragma unroll
-                for (int tt = 0; tt < TT; ++tt) comet_mma(frag[tt], a, v[s][tt].x, v[s][tt].y);
+                for (int tt = 0; tt < TT; ++tt) comet_mma(frag[tt], a, v[j][s][tt].x, v[j][s][tt].y);
             }
 #pragma unroll
             for (int tt = 0; tt < TT; ++tt)
@@ -236,13 +244,10 @@ __device__ void comet_gemv_impl(const unsigned char* __restrict__ codes, const u
             const int o = threadIdx.x + 256 * i;
             if (o < OUTS) {
                 const int ol = o & 31, e = (o >> 5) & 3, tt = o >> 7;
-                const int row = row0 + (ol >> 2) + 8 * (e >> 1);
-                const long rw = (long)(row < N ? row : 0) * blocks;
-                const long rx = (long)min(m0 + tt * 8 + 2 * (ol & 3) + (e & 1), M - 1) * blocks;
-                for (int sl = 0; sl < used; ++sl) {
-                    const float c = sw[rw + b0 + sl] * sx[rx + b0 + sl];
-                    acc[i] = fmaf((float)part[sl][tt * 4 + e][ol], c, acc[i]);
-                }
+                const float* srow = swr[(ol >> 2) + 8 * (e >> 1)];
+                const float* stok = sxr[tt * 8 + 2 * (ol & 3) + (e & 1)];
+                for (int sl = 0; sl < used; ++sl)
+                    acc[i] = fmaf((float)part[sl][tt * 4 + e][ol], srow[sl] * stok[sl], acc[i]);
             }
         }
         __syncthreads();

@@ -631,14 +631,30 @@ fn comet_is_bit_exact_with_the_reference() {
     // COMET W4A4A8 on its own kernels (kernels/comet.cu): the mixed INT4 / INT8 block codes of
     // the input, then the block-ordered fma sum, against nibble_precision::reference_matmul bit
     // for bit. Every group size, none / one / half / all blocks INT8 (kernel_formats), f32 and
-    // 16-bit inputs, tokens and rows off the CTA tiles (32 tokens, 64 rows), poisoned outputs, an
-    // outlier, a zero row and a NaN row; a fused (stacked) projection too.
+    // 16-bit inputs, tokens and rows off the CTA tiles (32 tokens, 64 rows; the decode gemv's 8,
+    // 16 or 32 tokens, 16 rows), poisoned outputs, an outlier, a zero row and a NaN row; a fused
+    // (stacked) projection too. Up to 32 tokens on both kernels (set_comet_gemv).
     let mut r = rng("comet_is_bit_exact_with_the_reference");
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let g = gpu(dtype);
-        // 2048: 64 blocks of 32, two a warp of the quantizer's 1024 threads.
-        for &(k, n) in &[(96, 40), (256, 72), (640, 130), (1024, 64), (2048, 72)] {
-            for format in nibble_precision::reference::kernel_formats(k) {
+        // 2048: 64 blocks of 32, two a warp of the quantizer's 1024 threads. 2560: the decode
+        // gemv's rounds of 16 blocks, whole and partial, at every group size (20 blocks of 128).
+        // And groups of 96 (three k32 steps a block), which kernel_formats does not list.
+        let g96: LinearFormat = "int4-g96/a4a8-b96-n2".parse().unwrap();
+        for &(k, n) in &[
+            (96, 40),
+            (256, 72),
+            (640, 130),
+            (1024, 64),
+            (2048, 72),
+            (2560, 24),
+            (1920, 20),
+        ] {
+            let mut formats = nibble_precision::reference::kernel_formats(k);
+            if k % 96 == 0 {
+                formats.push(g96);
+            }
+            for format in formats {
                 if !matches!(format.act, nibble_precision::ActQuant::Mixed4x8 { .. }) {
                     continue;
                 }
@@ -653,7 +669,7 @@ fn comet_is_bit_exact_with_the_reference() {
                 );
                 // Up to 32 tokens both kernels: the decode gemv (1, 2 and 4 token tiles) and
                 // the tiled GEMM.
-                for m in [1, 5, 12, 27, 32, 33, 70] {
+                for m in [1, 5, 12, 20, 27, 32, 33, 70] {
                     let gemvs: &[bool] = if m <= nibble_cuda::comet::GEMV_MAX_TOKENS {
                         &[true, false]
                     } else {
@@ -680,57 +696,62 @@ fn comet_is_bit_exact_with_the_reference() {
                 }
             }
         }
-        // A column view as the input (row stride 2k): the quantizer reads it through `ldx`.
-        {
-            let format: LinearFormat = "int4-g64/a4a8-b64-n1".parse().unwrap();
-            let (k, n, m) = (256, 40, 7);
-            let wb = random_rows(&mut r, format, n, k);
-            let w = g
-                .comet_weight(&[quant_tensor(format, n, k, wb.clone())])
+        // The column view and the fused projection on both kernels (7 and 9 tokens).
+        for gemv in [true, false] {
+            g.set_comet_gemv(Some(gemv));
+            // A column view as the input (row stride 2k): the quantizer reads it through `ldx`.
+            {
+                let format: LinearFormat = "int4-g64/a4a8-b64-n1".parse().unwrap();
+                let (k, n, m) = (256, 40, 7);
+                let wb = random_rows(&mut r, format, n, k);
+                let w = g
+                    .comet_weight(&[quant_tensor(format, n, k, wb.clone())])
+                    .unwrap()
+                    .unwrap();
+                let wide = randn(&mut r, m * 2 * k, 1.0);
+                let wt = g.tensor_from_f32(&wide, m, 2 * k).unwrap();
+                let halves = g.split_cols(&wt, &[k, k]).unwrap();
+                let y = host(&g, &g.linear(&halves[1], &w, None).unwrap());
+                let x: Vec<f32> = wide
+                    .chunks_exact(2 * k)
+                    .flat_map(|row| row[k..].to_vec())
+                    .collect();
+                let want = reference_matmul(format, &x, m, k, &wb, n).unwrap();
+                assert_bit_exact(&format!("COMET on a column view, gemv {gemv}"), &y, &want);
+            }
+            // A fused projection: two parts stacked by rows, one launch, the same bits as each alone.
+            let format: LinearFormat = "int4-g128/a4a8-b128-n2".parse().unwrap();
+            let (k, m) = (512, 9);
+            let (wa, wb) = (
+                random_rows(&mut r, format, 48, k),
+                random_rows(&mut r, format, 24, k),
+            );
+            let fused = g
+                .comet_weight(&[
+                    quant_tensor(format, 48, k, wa.clone()),
+                    quant_tensor(format, 24, k, wb.clone()),
+                ])
                 .unwrap()
                 .unwrap();
-            let wide = randn(&mut r, m * 2 * k, 1.0);
-            let wt = g.tensor_from_f32(&wide, m, 2 * k).unwrap();
-            let halves = g.split_cols(&wt, &[k, k]).unwrap();
-            let y = host(&g, &g.linear(&halves[1], &w, None).unwrap());
-            let x: Vec<f32> = wide
-                .chunks_exact(2 * k)
-                .flat_map(|row| row[k..].to_vec())
+            assert!(matches!(fused.data, nibble_cuda::WeightData::Comet(_)));
+            let x = randn(&mut r, m * k, 1.0);
+            let xt = g.tensor_from_f32(&x, m, k).unwrap();
+            let y = host(&g, &g.linear(&xt, &fused, None).unwrap());
+            let (ya, yb) = (
+                reference_matmul(format, &x, m, k, &wa, 48).unwrap(),
+                reference_matmul(format, &x, m, k, &wb, 24).unwrap(),
+            );
+            let want: Vec<f32> = (0..m)
+                .flat_map(|i| {
+                    ya[i * 48..(i + 1) * 48]
+                        .iter()
+                        .chain(&yb[i * 24..(i + 1) * 24])
+                        .copied()
+                })
                 .collect();
-            let want = reference_matmul(format, &x, m, k, &wb, n).unwrap();
-            assert_bit_exact("COMET on a column view", &y, &want);
+            assert_bit_exact(&format!("fused COMET projection, gemv {gemv}"), &y, &want);
         }
-        // A fused projection: two parts stacked by rows, one launch, the same bits as each alone.
-        let format: LinearFormat = "int4-g128/a4a8-b128-n2".parse().unwrap();
-        let (k, m) = (512, 9);
-        let (wa, wb) = (
-            random_rows(&mut r, format, 48, k),
-            random_rows(&mut r, format, 24, k),
-        );
-        let fused = g
-            .comet_weight(&[
-                quant_tensor(format, 48, k, wa.clone()),
-                quant_tensor(format, 24, k, wb.clone()),
-            ])
-            .unwrap()
-            .unwrap();
-        assert!(matches!(fused.data, nibble_cuda::WeightData::Comet(_)));
-        let x = randn(&mut r, m * k, 1.0);
-        let xt = g.tensor_from_f32(&x, m, k).unwrap();
-        let y = host(&g, &g.linear(&xt, &fused, None).unwrap());
-        let (ya, yb) = (
-            reference_matmul(format, &x, m, k, &wa, 48).unwrap(),
-            reference_matmul(format, &x, m, k, &wb, 24).unwrap(),
-        );
-        let want: Vec<f32> = (0..m)
-            .flat_map(|i| {
-                ya[i * 48..(i + 1) * 48]
-                    .iter()
-                    .chain(&yb[i * 24..(i + 1) * 24])
-                    .copied()
-            })
-            .collect();
-        assert_bit_exact("fused COMET projection", &y, &want);
+        g.set_comet_gemv(None);
     }
 }
 
