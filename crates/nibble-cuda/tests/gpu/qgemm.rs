@@ -639,8 +639,6 @@ fn comet_is_bit_exact_with_the_reference() {
         let g = gpu(dtype);
         // 2048: 64 blocks of 32, two a warp of the quantizer's 1024 threads. 2560: the decode
         // gemv's rounds of 16 blocks, whole and partial, at every group size (20 blocks of 128).
-        // And groups of 96 (three k32 steps a block), which kernel_formats does not list.
-        let g96: LinearFormat = "int4-g96/a4a8-b96-n2".parse().unwrap();
         for &(k, n) in &[
             (96, 40),
             (256, 72),
@@ -648,13 +646,8 @@ fn comet_is_bit_exact_with_the_reference() {
             (1024, 64),
             (2048, 72),
             (2560, 24),
-            (1920, 20),
         ] {
-            let mut formats = nibble_precision::reference::kernel_formats(k);
-            if k % 96 == 0 {
-                formats.push(g96);
-            }
-            for format in formats {
+            for format in nibble_precision::reference::kernel_formats(k) {
                 if !matches!(format.act, nibble_precision::ActQuant::Mixed4x8 { .. }) {
                     continue;
                 }
