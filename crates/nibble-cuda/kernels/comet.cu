@@ -88,6 +88,28 @@ __device__ __forceinline__ void comet_widen(u32 w, u32 z, u32& lo, u32& hi) {
     hi = __vsub4(__byte_perm(even, odd, 0x7362), zz);
 }
 
+// What lane (g, t) of a warp reads: the code words of rows g and g + 8 of the warp's 16 from
+// row0 (channel 8t of each k32 step) and the codes of token g of each 8-token tile from m0.
+// Rows and tokens past the edges read row / token 0 (and are never stored).
+template <int TT> struct CometLane {
+    int ra, rb;
+    const unsigned char *wa, *wb;
+    const signed char* xt[TT];
+    __device__ CometLane(const unsigned char* codes, const signed char* x, int row0, int m0, int M, int N,
+                         int K, int lane) {
+        const int g = lane >> 2, t = lane & 3;
+        ra = row0 + g < N ? row0 + g : 0;
+        rb = row0 + g + 8 < N ? row0 + g + 8 : 0;
+        wa = codes + (long)ra * (K / 2) + 4 * t;
+        wb = codes + (long)rb * (K / 2) + 4 * t;
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+            const int m = m0 + tt * 8 + g;
+            xt[tt] = x + (long)(m < M ? m : 0) * K + 8 * t;
+        }
+    }
+};
+
 #define COMET_TT 4                  // 8-token tiles a warp
 #define COMET_TOKENS (COMET_TT * 8)  // tokens a CTA
 #define COMET_ROWS 64                // weight rows a CTA (4 warps of 16)
@@ -102,16 +124,10 @@ __device__ void comet_gemm_impl(const unsigned char* __restrict__ codes, const u
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * COMET_ROWS + warp * 16, m0 = blockIdx.y * COMET_TOKENS;
     const int blocks = K / block, steps = block >> 5;
-    // Rows and tokens past the edges read row / token 0 (and are never stored).
-    const int ra = row0 + g < N ? row0 + g : 0, rb = row0 + g + 8 < N ? row0 + g + 8 : 0;
-    const unsigned char* wa = codes + (long)ra * (K / 2) + 4 * t;
-    const unsigned char* wb = codes + (long)rb * (K / 2) + 4 * t;
-    const signed char* xt[COMET_TT];
-#pragma unroll
-    for (int tt = 0; tt < COMET_TT; ++tt) {
-        const int m = m0 + tt * 8 + g;
-        xt[tt] = x + (long)(m < M ? m : 0) * K + 8 * t;
-    }
+    const CometLane<COMET_TT> L(codes, x, row0, m0, M, N, K, lane);
+    const int ra = L.ra, rb = L.rb;
+    const unsigned char *wa = L.wa, *wb = L.wb;
+    const signed char* const* xt = L.xt;
     float acc[COMET_TT][4] = {};
     for (int b = 0; b < blocks; ++b) {
         int frag[COMET_TT][4] = {};
@@ -169,19 +185,13 @@ __device__ void comet_gemv_impl(const unsigned char* __restrict__ codes, const u
     __shared__ int part[COMET_GEMV_SLOTS][TT * 4][32];
     __shared__ float swr[16][COMET_GEMV_SLOTS];      // the round's weight scales by row, slot
     __shared__ float sxr[TT * 8][COMET_GEMV_SLOTS];  // and activation scales by token, slot
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row0 = blockIdx.x * 16, m0 = blockIdx.y * (TT * 8);
     const int blocks = K / block, steps = block >> 5;
-    // Rows and tokens past the edges read row / token 0 (and are never stored).
-    const int ra = row0 + g < N ? row0 + g : 0, rb = row0 + g + 8 < N ? row0 + g + 8 : 0;
-    const unsigned char* wa = codes + (long)ra * (K / 2) + 4 * t;
-    const unsigned char* wb = codes + (long)rb * (K / 2) + 4 * t;
-    const signed char* xt[TT];
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-        const int m = m0 + tt * 8 + g;
-        xt[tt] = x + (long)(m < M ? m : 0) * K + 8 * t;
-    }
+    const CometLane<TT> L(codes, x, row0, m0, M, N, K, lane);
+    const int ra = L.ra, rb = L.rb;
+    const unsigned char *wa = L.wa, *wb = L.wb;
+    const signed char* const* xt = L.xt;
     constexpr int OUTS = TT * 128, OWN = (OUTS + 255) / 256;  // outputs a CTA / a thread folds
     float acc[OWN];
 #pragma unroll
