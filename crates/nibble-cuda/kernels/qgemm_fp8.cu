@@ -18,8 +18,7 @@
 // kernels promote: every 128 products go into a zeroed f32 fragment that is then added to the f32
 // accumulator on the CUDA cores, as cuBLAS does without fast accumulation (`torch._scaled_mm`'s
 // default). Each wgmma consumer waits for its stage's wgmmas and adds their fragment at once
-// (RETIRE_AT_ONCE); the other consumer warpgroup's wgmmas keep the tensor cores busy meanwhile.
-// (Until 2026-11-27 the consumers alternated two fragments, adding the last stage's while the next
+// (RETIRE_AT_ONCE). (Until 2026-11-27 the consumers alternated two fragments, adding the last stage's while the next
 // one's wgmmas ran; reading a fragment with wgmmas in flight made ptxas serialize every wgmma,
 // C7514, each waiting for the one before; with the wait first, 0.72x -> 0.85x of
 // `torch._scaled_mm` at M >= 1024 on an H100.) Both consumers still wait on the same stage and

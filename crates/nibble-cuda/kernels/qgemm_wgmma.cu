@@ -377,8 +377,8 @@ template <int TOK> struct WgqW4A8 {
 // (F::RETIRE_AT_ONCE: FP8's promotion), rather than one stage later, overlapped with the next
 // stage's wgmmas. Reading a fragment while any wgmma is in flight made ptxas serialize every wgmma
 // of the FP8 kernels (C7514: each waited for the last before issuing); with the wait first, a
-// stage's four wgmmas run back to back and the other consumer warpgroup keeps the tensor cores
-// busy through the promotion (CUTLASS's FP8 accumulation does the same).
+// stage's four wgmmas run back to back (CUTLASS's FP8 accumulation does the same). The two
+// consumers then promote at the same time unless they take turns (PingPong, below).
 template <class F, class = void> struct RetiresAtOnce {
     static constexpr bool value = false;
 };
