@@ -4,6 +4,9 @@
 # machine's CPU, then decodes each greedily on the CPU and on the GPU's quantized kernels and
 # compares the text, and serves the AWQ checkpoint from the GPU to curl.
 #   scripts/gpu-quantized-check.sh NIBBLE_BINARY MODEL.gguf CALIBRATION.json OUTDIR
+# SPECS="FORMAT:METHOD ..." picks other checkpoints, and SERVE the one `nibble serve` runs (a
+# FORMAT-METHOD of SPECS): SPECS=issue18 is issue 18's, QoQ W4A8 (progressive g128), LiquidQuant,
+# COMET (fmpq, on its own kernel) and FP8 round-to-nearest and SmoothQuant, serving the QoQ one.
 # CALIBRATION.json: ShareGPT records (the GPU machine has no network; `python3
 # bench/sharegpt_slice.py` writes the file's first 600 to .gpu-calib/, whose calibration half
 # gives the same sequences as the whole file).
@@ -14,7 +17,13 @@ set -uo pipefail
 bin=${1:?usage} model=${2:?usage} calib=${3:?usage} out=${4:?usage}
 mkdir -p "$out"
 status=0
-for spec in w4a16-g64:rtn w4a16-g64:awq w4a16-g64:gptq w8a8:rtn w8a8:smoothquant; do
+specs=${SPECS:-w4a16-g64:rtn w4a16-g64:awq w4a16-g64:gptq w8a8:rtn w8a8:smoothquant}
+serve=${SERVE:-w4a16-g64-awq}
+if [ "$specs" = issue18 ]; then
+  specs="w4a8-g128:qoq w4a8-lqq-g64:lqq w4a4a8-g128:fmpq fp8:rtn fp8:smoothquant"
+  serve=${SERVE:-w4a8-g128-qoq}
+fi
+for spec in $specs; do
   fmt=${spec%%:*} method=${spec##*:}
   dir=$out/ckpt-$fmt-$method
   t0=$(date +%s)
@@ -37,5 +46,5 @@ print(f"{n} of {max(len(a), len(b))} words agree")' "$cpu" "$gpu")
     echo "  $same"
   done
 done
-scripts/gpu-serve-check.sh "$bin" "$out/ckpt-w4a16-g64-awq" || status=1
+scripts/gpu-serve-check.sh "$bin" "$out/ckpt-$serve" || status=1
 exit $status
