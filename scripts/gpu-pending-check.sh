@@ -5,7 +5,8 @@
 # (scripts/gpu-stage.sh, then scripts/gpu-pack.sh):
 #   scripts/gpu-pending-check.sh OUTDIR
 # 1. COMET's decode gemv (comet_gemv*, opt-in NIBBLE_COMET_GEMV=1): comet_is_bit_exact_with_the_reference
-#    runs it and the tiled GEMM for every token count up to 32; then gpu-bench --qgemm
+#    runs it and the tiled GEMM for every token count up to 32, and quantized_models decodes its
+#    w4a4a8 model through it (NIBBLE_COMET_GEMV=1); then gpu-bench --qgemm
 #    --kernels-only gives comet_gemv_with_quant_ms beside comet_with_quant_ms (the tiled GEMM) and
 #    W4A8 (BENCHMARKS.md, issue 18: the tiled one took 163 us for 4096x14336 at one token).
 # 2. FP8's consumers taking turns (NIBBLE_NVRTC_DEFINES=FP8_PING_PONG): the fp8 tests and the
@@ -23,7 +24,8 @@ export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
 source scripts/gpu-lib.sh
 seed_kernel_cache
 status=0
-timeout 200 stage/gpu/gpu-tests comet --test-threads 1 >"$out/tests-comet.log" 2>&1 || status=1
+NIBBLE_COMET_GEMV=1 timeout 200 stage/gpu/gpu-tests comet quantized_models --test-threads 1 \
+  >"$out/tests-comet.log" 2>&1 || status=1
 NIBBLE_NVRTC_DEFINES=FP8_PING_PONG timeout 260 stage/gpu/gpu-tests fp8 quantized_models \
   --test-threads 1 >"$out/tests-pingpong.log" 2>&1 || status=1
 grep -E "^test |test result" "$out"/tests-*.log
