@@ -21,7 +21,7 @@
 //!               qlinear      quantized GEMMs, weight packing           -> context pack runtime tensor
 //!               pack         the quantized kernels' weight layouts     -> tensor
 //!               blas         cuBLAS GEMMs                              -> runtime tensor
-//!               comet        COMET W4A4A8: its quantizer and GEMM      -> context runtime tensor
+//!               comet        COMET W4A4A8: quantizer, GEMM, gemv       -> context runtime tensor
 //!               dense_gemv   16-bit decode gemv on TMA bulk copies     -> context runtime tensor
 //!               sampling     sampling on the device                    -> context runtime tensor
 //!               elementwise  embedding, norms, RoPE, SiLU gate, adds   -> context kv runtime tensor
