@@ -537,8 +537,8 @@ impl CudaBackend {
 /// read once. The kernel computes the format (4-bit weights, INT4/INT8 activation blocks, the
 /// reference's bits: its GPU tests passed on an H100) in a quarter of the dequantized weight
 /// memory; dequantized runs cuBLAS BF16 without the activation quantization, which on Hopper is
-/// faster (the kernel measured 0.8x to 8x slower than cuBLAS BF16 and 2.4x to 11x slower than
-/// W4A8: BENCHMARKS.md, issue 18), so that path stays a knob away.
+/// mostly faster (the kernel measured from 1.2x faster to 8.4x slower than cuBLAS BF16, and 2.4x
+/// to 11x slower than W4A8: BENCHMARKS.md, issue 18), so that path stays a knob away.
 fn comet_wanted() -> bool {
     static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     crate::runtime::probe_knob(&KNOB, "NIBBLE_COMET") != Some(0)
