@@ -363,16 +363,6 @@ template <int TOK> struct WgqW4A8 {
     }
 };
 
-// A CTA computes output tiles of 128 weight rows (8 packed tiles) x TOK tokens, tokens read
-// through `xmap`; the grid is at most one CTA per SM and each walks tiles blockIdx.x, + gridDim.x,
-// .. in an order that takes WGQ_RASTER token blocks per weight block, so the tiles in flight
-// share weights and tokens in L2. With fewer tiles than SMs (small layers at few tokens) each
-// tile's K is cut into `splits` ranges, units of work of their own: a unit's consumers write
-// their accumulators to `partial` (each thread its own registers' slots) and the last unit of a
-// tile to arrive (a counter per tile, left zeroed) adds the ranges in order and stores the tile,
-// so results are deterministic.
-// SPLITS compiles the split path (the 64- and 128-token entries: with it, the 256-token W8A8
-// kernel ran about 20% slower at M = 1024 on an H200, splits or not).
 // Whether F adds a stage's wgmma results into its accumulators as soon as they are done
 // (F::RETIRE_AT_ONCE: FP8's promotion), rather than one stage later, overlapped with the next
 // stage's wgmmas. Reading a fragment while any wgmma is in flight made ptxas serialize every wgmma
@@ -415,6 +405,17 @@ __device__ __forceinline__ void turn_pass(int wg) {
         asm volatile("bar.arrive 2, 256;\n" ::: "memory");
 }
 
+
+// A CTA computes output tiles of 128 weight rows (8 packed tiles) x TOK tokens, tokens read
+// through `xmap`; the grid is at most one CTA per SM and each walks tiles blockIdx.x, + gridDim.x,
+// .. in an order that takes WGQ_RASTER token blocks per weight block, so the tiles in flight
+// share weights and tokens in L2. With fewer tiles than SMs (small layers at few tokens) each
+// tile's K is cut into `splits` ranges, units of work of their own: a unit's consumers write
+// their accumulators to `partial` (each thread its own registers' slots) and the last unit of a
+// tile to arrive (a counter per tile, left zeroed) adds the ranges in order and stores the tile,
+// so results are deterministic.
+// SPLITS compiles the split path (the 64- and 128-token entries: with it, the 256-token W8A8
+// kernel ran about 20% slower at M = 1024 on an H200, splits or not).
 template <int TOK, bool SPLITS, class F, class OUT, class EPI>
 __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, long ldy, int M, int N,
                            int split_arg, typename F::Acc* __restrict__ partial, int* __restrict__ counters,
@@ -525,8 +526,6 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
                 step(i + 1, a1, a0);
             }
             if (len & 1) step(len - 1, a0, a1);
-        }
-        if constexpr (!RetiresAtOnce<F>::value) {
             wgmma_wait<0>();
             if (len & 1)  // (two calls: a selected reference would put the registers in memory)
                 f.retire(acc, a0);

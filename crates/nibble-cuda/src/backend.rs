@@ -222,20 +222,11 @@ impl CudaBackend {
     /// A SwiGLU layer's gate and up projections packed for the SwiGLU epilogue
     /// ([`WeightData::SwiGlu`]: rows interleaved in runs of 8, `qlinear::swiglu_rows`), whatever
     /// NIBBLE_SWIGLU says; `None` where the pair's format has no SwiGLU kernels here or does not
-    /// pack. [`Backend::load_swiglu_weight`] offers it to the model as [`swiglu_wanted`] says.
+    /// pack. [`Backend::load_swiglu_weight`] offers it to the model unless NIBBLE_SWIGLU=0.
     pub fn swiglu_weight(&self, gate: &HostTensor, up: &HostTensor) -> Result<Option<CudaWeight>> {
-        self.swiglu_weight_where(gate, up, |_| true)
-    }
-
-    /// [`CudaBackend::swiglu_weight`] for the families `want` takes, asked before any packing.
-    fn swiglu_weight_where(
-        &self,
-        gate: &HostTensor,
-        up: &HostTensor,
-        want: impl Fn(qlinear::QFamily) -> bool,
-    ) -> Result<Option<CudaWeight>> {
+        // The family first: a pair without SwiGLU kernels is not packed only to be dropped.
         let family = qlinear::kernel_format(gate.format).and_then(qlinear::QFamily::of);
-        let Some(family) = family.filter(|&f| f.has_swiglu() && want(f)) else {
+        let Some(family) = family.filter(|f| f.has_swiglu()) else {
             return Ok(None);
         };
         let dtype = self.ctx.dtype;
@@ -441,8 +432,7 @@ impl CudaBackend {
     /// (kernels/comet.cu, sm_80 on), whatever NIBBLE_COMET says; `None` for any other format, or
     /// geometry the kernel cannot read. The loader takes it unless NIBBLE_COMET=0 ([`comet_wanted`]).
     pub fn comet_weight(&self, parts: &[HostTensor]) -> Result<Option<CudaWeight>> {
-        let names: Vec<&str> = parts.iter().map(|t| t.name.as_str()).collect();
-        self.upload_comet(parts, &format!("weight {}", names.join(" + ")))
+        self.upload_comet(parts, &weight_label(parts))
     }
 
     fn upload_comet(&self, parts: &[HostTensor], what: &str) -> Result<Option<CudaWeight>> {
@@ -480,8 +470,7 @@ impl CudaBackend {
     /// matrix, rows stacked in order (one weight, or a fused projection).
     fn upload_stacked(&self, parts: &[HostTensor]) -> Result<CudaWeight> {
         let dtype = self.ctx.dtype;
-        let names: Vec<&str> = parts.iter().map(|t| t.name.as_str()).collect();
-        let what = format!("weight {}", names.join(" + "));
+        let what = weight_label(parts);
         if comet_wanted()
             && let Some(w) = self.upload_comet(parts, &what)?
         {
@@ -533,6 +522,12 @@ impl CudaBackend {
     }
 }
 
+/// How an upload names `parts` in its errors: "weight a + b".
+fn weight_label(parts: &[HostTensor]) -> String {
+    let names: Vec<&str> = parts.iter().map(|t| t.name.as_str()).collect();
+    format!("weight {}", names.join(" + "))
+}
+
 /// Whether COMET W4A4A8 layers load for their own kernel (`comet.rs`): unless NIBBLE_COMET=0,
 /// read once. The kernel computes the format (4-bit weights, INT4/INT8 activation blocks, the
 /// reference's bits: its GPU tests passed on an H100) in a quarter of the dequantized weight
@@ -544,18 +539,14 @@ fn comet_wanted() -> bool {
     crate::runtime::probe_knob(&KNOB, "NIBBLE_COMET") != Some(0)
 }
 
-/// Whether dense SwiGLU layers of `family` load their gate/up as one [`WeightData::SwiGlu`]
-/// weight, the SiLU-gate in the GEMM's epilogue: the families measured with it
-/// ([`qlinear::QFamily::swiglu_by_default`]: W4A8, W8A8 and FP8) unless NIBBLE_SWIGLU=0; with
-/// NIBBLE_SWIGLU=1 every family with SwiGLU kernels. Read once; a probe knob, so the
+/// Whether dense SwiGLU layers of a family with SwiGLU kernels ([`qlinear::QFamily::has_swiglu`]:
+/// W4A8, W8A8, FP8) load their gate/up as one [`WeightData::SwiGlu`] weight, the SiLU-gate in the
+/// GEMM's epilogue: unless NIBBLE_SWIGLU=0. Each family measured 1.035x to 1.047x end to end at 64
+/// and 256 sequences with it (H100, BENCHMARKS.md, issue 18). Read once; a probe knob, so the
 /// separate GEMM and SiLU-gate can be A/B'd against the epilogue in one build.
-fn swiglu_wanted(family: qlinear::QFamily) -> bool {
+fn swiglu_on() -> bool {
     static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    match crate::runtime::probe_knob(&KNOB, "NIBBLE_SWIGLU") {
-        Some(0) => false,
-        Some(1) => true,
-        _ => family.swiglu_by_default(),
-    }
+    crate::runtime::probe_knob(&KNOB, "NIBBLE_SWIGLU") != Some(0)
 }
 
 /// The fewest routed experts a step runs grouped: 3 quantized ones (at two, grouping measured
@@ -830,9 +821,10 @@ impl Backend for CudaBackend {
     }
 
     fn load_swiglu_weight(&self, gate: &HostTensor, up: &HostTensor) -> Result<Option<CudaWeight>> {
-        // W4A8 by default: it measured 1.03x to 1.05x end to end at 64 and 256 sequences
-        // (BENCHMARKS.md, issue 18; docs/design/decode-step-256.md).
-        self.swiglu_weight_where(gate, up, swiglu_wanted)
+        if !swiglu_on() {
+            return Ok(None);
+        }
+        self.swiglu_weight(gate, up)
     }
 
     fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {

@@ -149,10 +149,7 @@ pub fn gemm(
     let blocks = k / group;
     let codes = ctx.alloc_bytes(m * k)?;
     let scales = ctx.alloc(m, blocks, Elem::F32)?.ptr;
-    let in_sfx = match x.elem {
-        Elem::F32 => "f32",
-        Elem::Half(d) => d.suffix(),
-    };
+    let in_sfx = x.elem.suffix();
     ctx.kernel(&format!("comet_quantize_{in_sfx}"))?.launch(
         &ctx.gpu,
         (m as u32, 1, 1),
@@ -168,10 +165,7 @@ pub fn gemm(
             Arg::I32(int8_blocks as i32),
         ],
     )?;
-    let out_sfx = match out.elem {
-        Elem::F32 => "f32",
-        Elem::Half(d) => d.suffix(),
-    };
+    let out_sfx = out.elem.suffix();
     let use_gemv = ctx.comet_gemv().unwrap_or_else(gemv_by_default);
     let (name, grid, threads) = match gemv_tiles(m, use_gemv) {
         Some(tt) => (

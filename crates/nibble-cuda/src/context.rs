@@ -1006,19 +1006,16 @@ mod tests {
         }
     }
 
-    /// The number common.cuh `#define`s as `name`.
-    fn common_define(name: &str) -> usize {
-        include_str!("../kernels/common.cuh")
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
-            .unwrap_or_else(|| panic!("common.cuh defines {name}"))
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("{name} is a number"))
-    }
-
     #[test]
     fn register_path_width_agrees_with_the_kernels() {
-        assert_eq!(common_define("ROW_VECS") * 4, ROW_REGS_VALUES);
+        let common = include_str!("../kernels/common.cuh");
+        let vecs: usize = common
+            .lines()
+            .find_map(|l| l.strip_prefix("#define ROW_VECS "))
+            .expect("common.cuh defines ROW_VECS")
+            .trim()
+            .parse()
+            .expect("ROW_VECS is a number");
+        assert_eq!(vecs * 4, ROW_REGS_VALUES);
     }
 }

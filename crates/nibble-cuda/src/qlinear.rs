@@ -281,15 +281,6 @@ impl QFamily {
         matches!(self, QFamily::W4A8 | QFamily::W8A8 | QFamily::Fp8)
     }
 
-    /// Whether a model loads this family's SwiGLU layers for the epilogue unless NIBBLE_SWIGLU
-    /// says otherwise: the families whose epilogue has been measured end to end and passed the
-    /// GPU tests; end to end on the H100 (BENCHMARKS.md, issue 18), against the same build with
-    /// NIBBLE_SWIGLU=0: W4A8 1.035x at 64 sequences and 1.045x at 256, W8A8 1.036x and 1.047x,
-    /// FP8 1.037x and 1.045x. So every family that has the entries.
-    pub fn swiglu_by_default(self) -> bool {
-        self.has_swiglu()
-    }
-
     /// The kernels this family has for `m` tokens, on a GPU with (`hopper`) or without the sm_90
     /// ones: what the dispatch may ask for.
     pub fn kernels(self, hopper: bool, m: usize) -> Vec<QKernel> {
@@ -1526,10 +1517,7 @@ pub(crate) fn act8_input(
 pub fn quantize_act8(ctx: &CudaContext, x: &CudaTensor, kind: Act8) -> Result<Act8Input> {
     let codes = ctx.alloc_bytes(x.rows * x.cols)?;
     let scales = ctx.alloc(x.rows, 1, Elem::F32)?.ptr;
-    let sfx = match x.elem {
-        Elem::F32 => "f32",
-        Elem::Half(d) => d.suffix(),
-    };
+    let sfx = x.elem.suffix();
     ctx.kernel(&format!("{}_{sfx}", kind.quantize_kernel()))?
         .launch(
             &ctx.gpu,
@@ -2030,7 +2018,6 @@ mod tests {
         for family in QFamily::ALL {
             let eight_bit_acts = matches!(family, QFamily::W4A8 | QFamily::W8A8 | QFamily::Fp8);
             assert_eq!(family.has_swiglu(), eight_bit_acts, "{family:?}");
-            assert_eq!(family.swiglu_by_default(), eight_bit_acts, "{family:?}");
         }
     }
 }

@@ -51,6 +51,14 @@ pub enum Elem {
 }
 
 impl Elem {
+    /// The suffix of kernel entries that read or write this element type.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Elem::F32 => "f32",
+            Elem::Half(d) => d.suffix(),
+        }
+    }
+
     pub fn size(self) -> usize {
         match self {
             Elem::F32 => 4,
