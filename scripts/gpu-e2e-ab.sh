@@ -10,7 +10,7 @@
 # first, and 200 s cut a cold W4A8 + BF16 run at 64 and 256 sequences short); mind the device
 # call's 600 s: stages x rounds x a run's time (about 150 s warm at 64 and 256) must fit. The
 # summary is redrawn after every run, so a call cut short keeps what finished. A cold machine
-# compiles every module first (2 to 4 minutes): .gpu-cache/kernels.tgz seeds the cache
+# compiles every module first (2 to 4 minutes): .gpu-cache/kernels.tar.xz.* seeds the cache
 # (scripts/gpu-pack.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,13 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     # shellcheck disable=SC2086 # knob: VAR=VALUE words for env
     env ${knob//,/ } SEQS="${SEQS:-256}" STAGE="$st" SAVE_KERNELS=0 timeout "${E2E_TIMEOUT:-320}" \
       scripts/gpu-engine-run.sh "$dir" "${PART:-w4a8}" >"$dir.log" 2>&1 || status=1
+    # A run cut short by its timeout can leave its nibble behind, holding GPU memory the next
+    # stage then lacks (and running beside it): end it, and wait for the GPU to be free.
+    pkill -KILL -f "$st/nibble" 2>/dev/null || true
+    for _ in $(seq 30); do
+      [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break
+      sleep 1
+    done
     grep -E "^throughput at" "$dir.log" | sed "s|^|$name round $round: |"
     python3 bench/e2e_ab_report.py "$out/runs" >"$out/summary.md"
   done

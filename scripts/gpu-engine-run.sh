@@ -28,7 +28,8 @@
 #               (KV_LONG_RUNS: other "name model kv" runs, comma-separated)
 #   w8a16       the same for W8A16 and W4A16-g128, with BF16 in the same session
 #   fp8         the same for FP8 W8A8 (run it with w4a8 for a BF16 figure from the same session)
-#   comet       the same for COMET W4A4A8 (g128) at SEQS (default 64,256), no BF16; its kernels
+#   comet       the same for COMET W4A4A8 (g128) at SEQS (default 64,256; COMET_PROMPTS prompts,
+#               default 1000), no BF16; its kernels
 #               against the dequantized path: scripts/gpu-e2e-ab.sh with PART=comet and stages
 #               tiled=stage/gpu gemv=stage/gpu@NIBBLE_COMET_GEMV=1 dequant=stage/gpu@NIBBLE_COMET=0
 #   w8a8-fp8    1000 ShareGPT prompts offline at SEQS (default 64,256): W8A8 and FP8, no BF16
@@ -117,7 +118,7 @@ for part in "$@"; do
     fp8)
       throughput throughput-fp8 llama-3-8b:fp8 --num-prompts 1000 --sweep-seqs 64,256 --profile ;;
     comet)
-      throughput throughput-comet llama-3-8b:w4a4a8-g128 --num-prompts 1000 --sweep-seqs "${SEQS:-64,256}" --profile ;;
+      throughput throughput-comet llama-3-8b:w4a4a8-g128 --num-prompts "${COMET_PROMPTS:-1000}" --sweep-seqs "${SEQS:-64,256}" --profile ;;
     w8a8-fp8)
       throughput throughput-w8a8 llama-3-8b:w8a8 --num-prompts 1000 --sweep-seqs "${SEQS:-64,256}" --profile
       throughput throughput-fp8 llama-3-8b:fp8 --num-prompts 1000 --sweep-seqs "${SEQS:-64,256}" --profile ;;

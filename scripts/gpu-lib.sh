@@ -35,20 +35,23 @@ start_server() {
   return 1
 }
 
-# seed_kernel_cache: unpacks .gpu-cache/kernels.tgz (NVRTC's compiled kernels, brought back from
-# an earlier run as $out/kernels.tgz with SAVE_KERNELS=1) into $NIBBLE_KERNEL_CACHE, so a fresh
-# machine does not spend its first minutes compiling; kernels whose source changed since are
-# compiled as usual (the cache is keyed by source hash).
+# seed_kernel_cache: unpacks .gpu-cache/kernels.tar.xz.* (NVRTC's compiled kernels, brought back
+# from an earlier run with SAVE_KERNELS=1 as $out/kernels.tar.xz.NN, 15 MB parts since a call
+# returns no file over 16 MiB) into $NIBBLE_KERNEL_CACHE, so a fresh machine does not spend its
+# first minutes compiling; kernels whose source changed since are compiled as usual (the cache is
+# keyed by source hash).
 seed_kernel_cache() {
-  if [ -f .gpu-cache/kernels.tgz ] && [ ! -d "$NIBBLE_KERNEL_CACHE" ]; then
+  if compgen -G ".gpu-cache/kernels.tar.xz.*" >/dev/null && [ ! -d "$NIBBLE_KERNEL_CACHE" ]; then
     mkdir -p "$NIBBLE_KERNEL_CACHE"
-    tar xzf .gpu-cache/kernels.tgz -C "$NIBBLE_KERNEL_CACHE" --strip-components=1
+    cat .gpu-cache/kernels.tar.xz.* | tar xJf - -C "$NIBBLE_KERNEL_CACHE" --strip-components=1
   fi
 }
 
-# save_kernel_cache: with SAVE_KERNELS=1, packs $NIBBLE_KERNEL_CACHE into $out/kernels.tgz.
+# save_kernel_cache: with SAVE_KERNELS=1, packs $NIBBLE_KERNEL_CACHE into $out/kernels.tar.xz.NN
+# (copy them to .gpu-cache/).
 save_kernel_cache() {
   if [ "${SAVE_KERNELS:-0}" = 1 ] && [ -d "$NIBBLE_KERNEL_CACHE" ]; then
-    tar czf "$out/kernels.tgz" -C "$(dirname "$NIBBLE_KERNEL_CACHE")" "$(basename "$NIBBLE_KERNEL_CACHE")"
+    tar cf - -C "$(dirname "$NIBBLE_KERNEL_CACHE")" "$(basename "$NIBBLE_KERNEL_CACHE")" \
+      | xz -T0 -6 | split -b 15000000 -d - "$out/kernels.tar.xz."
   fi
 }

@@ -4,7 +4,7 @@
 #   scripts/gpu-pack.sh NAME [PATH...]
 # PATHs default to what scripts/gpu-stage.sh staged, .gpu-data (scripts/gpu-engine-data.sh) and
 # .gpu-cache (NVRTC's kernels brought back from an earlier call: run a script with SAVE_KERNELS=1,
-# then copy the OUTDIR's kernels.tgz to .gpu-cache/; every GPU script seeds its kernel cache from
+# then copy the OUTDIR's kernels.tar.xz.* to .gpu-cache/; every GPU script seeds its kernel cache from
 # it, so a fresh machine skips the 2 to 4 minutes of compiling what did not change). Then carry
 # ["stage/pack"] and start the command with `tar xJf stage/pack/NAME.tar.xz && ...`. Old packs
 # are removed so only this one travels.

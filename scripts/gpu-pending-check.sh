@@ -26,7 +26,7 @@ seed_kernel_cache
 status=0
 NIBBLE_COMET_GEMV=1 timeout 200 stage/gpu/gpu-tests comet quantized_models --test-threads 1 \
   >"$out/tests-comet.log" 2>&1 || status=1
-NIBBLE_NVRTC_DEFINES=FP8_PING_PONG timeout 260 stage/gpu/gpu-tests fp8 quantized_models \
+NIBBLE_NVRTC_DEFINES=FP8_PING_PONG timeout 240 stage/gpu/gpu-tests fp8 quantized_models \
   --test-threads 1 >"$out/tests-pingpong.log" 2>&1 || status=1
 grep -E "^test |test result" "$out"/tests-*.log
 for v in default FP8_PING_PONG; do
@@ -51,4 +51,5 @@ for key in sorted(base):
           f"{b['comet_with_quant_ms'] * 1e3:.1f} | {'-' if gv is None else f'{gv * 1e3:.1f}'} | "
           f"{b['w4a8_with_quant_ms'] * 1e3:.1f} |")
 PY
+save_kernel_cache  # (SAVE_KERNELS=1: seeds .gpu-cache for the next calls)
 exit $status

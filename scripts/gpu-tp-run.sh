@@ -3,7 +3,7 @@
 # scripts/gpu-stage.sh staged in stage/gpu and scripts/gpu-engine-data.sh wrote in .gpu-data:
 #   scripts/gpu-tp-run.sh OUTDIR [PART...]
 # Parts (default: all, in this order):
-# Carry .gpu-cache (kernels.tgz from an earlier run's SAVE_KERNELS=1) to skip NVRTC's first
+# Carry .gpu-cache (kernels.tar.xz.* from an earlier run's SAVE_KERNELS=1) to skip NVRTC's first
 # compile of every kernel (about 100 s on a fresh machine).
 #   tests     the two-GPU tests (stage/gpu/gpu-tp-tests): exact NCCL sums, fixtures and quantized
 #             shards against one GPU, graphs replaying the all-reduces, a failed rank

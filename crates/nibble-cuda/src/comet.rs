@@ -111,12 +111,13 @@ pub const GEMV_MAX_TOKENS: usize = 32;
 /// Weight rows of a `comet_gemv*` CTA.
 const GEMV_ROWS_PER_CTA: usize = 16;
 
-/// Whether decode batches take the gemv unless a context says otherwise: with
-/// NIBBLE_COMET_GEMV=1, read once. Off until its GPU test has run and it has been timed against
-/// the tiled GEMM (built 2026-11-27 without a GPU run; BENCHMARKS.md, issue 18).
+/// Whether decode batches take the gemv unless a context says otherwise: yes, unless
+/// NIBBLE_COMET_GEMV=0 (read once). On an H100 it took 10.9 us against the tiled GEMM's 47.1 for
+/// 4096x4096 at one token and 59.7 against 255.8 for 4096x14336 at 32, and tied it (101 us) only
+/// on 28672x4096 at 32 (BENCHMARKS.md, issue 18, 2026-11-27).
 pub fn gemv_by_default() -> bool {
     static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    crate::runtime::probe_knob(&KNOB, "NIBBLE_COMET_GEMV") == Some(1)
+    crate::runtime::probe_knob(&KNOB, "NIBBLE_COMET_GEMV") != Some(0)
 }
 
 /// The 8-token tiles of a `comet_gemv*` CTA for `m` tokens (1, 2 or 4), or `None` for the tiled

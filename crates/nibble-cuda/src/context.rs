@@ -143,7 +143,7 @@ pub struct CudaContext {
     act8_inputs: AtomicU8,
     /// Which kernel tier quantized GEMMs run ([`KernelTier`] as u8).
     kernel_tier: AtomicU8,
-    /// Whether COMET's decode batches take `comet_gemv*` (0: as NIBBLE_COMET_GEMV says, 1: no,
+    /// Whether COMET's decode batches take `comet_gemv*` (0: the default, [`crate::comet::gemv_by_default`]; 1: no,
     /// 2: yes; [`Self::set_comet_gemv`]).
     comet_gemv: AtomicU8,
 }
