@@ -21,6 +21,9 @@
 set -uo pipefail
 bin=${1:?usage} model=${2:?usage} calib=${3:?usage} out=${4:?usage}
 mkdir -p "$out"
+export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
+source "$(dirname "$0")/gpu-lib.sh"
+seed_kernel_cache
 status=0
 specs=${SPECS:-w4a16-g64:rtn w4a16-g64:awq w4a16-g64:gptq w8a8:rtn w8a8:smoothquant}
 serve=${SERVE:-w4a16-g64-awq}
@@ -32,7 +35,7 @@ ppl_seqs=${PPL_SEQS:-16}
 # ppl DEVICE MODEL: the perplexity of MODEL on DEVICE over the held-out ShareGPT sequences.
 ppl() {
   "$bin" --device "$1" --model "$2" eval ppl --sharegpt "$ppl_seqs" --dataset "$calib" --json \
-    2>>"$out/ppl.err" | python3 -c 'import json, sys; print(f"{json.load(sys.stdin)[\"sharegpt\"][\"ppl\"]:.4f}")'
+    2>>"$out/ppl.err" | python3 -c 'import json, sys; print("%.4f" % json.load(sys.stdin)["sharegpt"]["ppl"])'
 }
 dense_ppl=$(ppl cpu "$model")
 echo "== unquantized model: perplexity $dense_ppl on the CPU ($ppl_seqs held-out ShareGPT sequences of 512 tokens)"

@@ -22,9 +22,9 @@
 // one's wgmmas ran; reading a fragment with wgmmas in flight made ptxas serialize every wgmma,
 // C7514, each waiting for the one before; with the wait first, 0.72x -> 0.85x of
 // `torch._scaled_mm` at M >= 1024 on an H100.) Both consumers still wait on the same stage and
-// retire together, so the tensor cores idle through each promotion: under -DFP8_PING_PONG
-// (NIBBLE_NVRTC_DEFINES=FP8_PING_PONG; built 2026-11-27, not yet run on a GPU) they take turns
-// issuing (wgmma_gemm's PingPong). Accumulator plus fragment is TOK registers a thread:
+// retire together; taking turns to issue instead (FlashAttention-3's ping-pong) measured 0.95x at
+// M >= 1024 on an H100 and was removed (BENCHMARKS.md, issue 18). Accumulator plus fragment is
+// TOK registers a thread:
 // 128-token tiles at most (256 would leave no registers for the rest).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // (host pass: bench/probe)
 
@@ -158,9 +158,6 @@ template <int TOK> struct WgqFp8 {
     static constexpr int STAGE = X_BYTES + 128 * 128;
     static constexpr int K_PER_STAGE = 128;
     static constexpr bool RETIRE_AT_ONCE = true;  // (wgmma_gemm's RetiresAtOnce)
-#ifdef FP8_PING_PONG
-    static constexpr bool PING_PONG = true;  // (wgmma_gemm's PingPong)
-#endif
     using Acc = float;
     using Regs = float[TOK / 8][4];  // a stage's promotion fragment
     const TmaMap* codes;             // [rows][chunks * 64 B], boxes of 128 rows x 128 B

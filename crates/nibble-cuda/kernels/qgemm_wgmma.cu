@@ -368,43 +368,15 @@ template <int TOK> struct WgqW4A8 {
 // stage's wgmmas. Reading a fragment while any wgmma is in flight made ptxas serialize every wgmma
 // of the FP8 kernels (C7514: each waited for the last before issuing); with the wait first, a
 // stage's four wgmmas run back to back (CUTLASS's FP8 accumulation does the same). The two
-// consumers then promote at the same time unless they take turns (PingPong, below).
+// consumers then promote at the same time. Letting them take turns instead (FlashAttention-3's
+// ping-pong, named barriers handing the issue from one warpgroup to the other) measured 0.95x at
+// M >= 1024 on an H100, 0.87x on 4096x14336 at 8192 (BENCHMARKS.md, issue 18): removed.
 template <class F, class = void> struct RetiresAtOnce {
     static constexpr bool value = false;
 };
 template <class F> struct RetiresAtOnce<F, decltype(void(F::RETIRE_AT_ONCE))> {
     static constexpr bool value = F::RETIRE_AT_ONCE;
 };
-
-// Whether F's two consumer warpgroups take turns issuing their stages' wgmmas (F::PING_PONG,
-// FlashAttention-3's ordering with named barriers 2 and 3): warpgroup 1 issues stage i after
-// warpgroup 0 has, and warpgroup 0 stage i + 1 after warpgroup 1 has issued stage i. With
-// RetiresAtOnce both consumers otherwise wait on the same full barrier, issue together and retire
-// together, so the tensor cores idle through every stage's drain and promotion; taking turns keeps
-// one warpgroup's wgmmas queued while the other adds its fragment. The sums and their order are
-// unchanged. (FP8 under -DFP8_PING_PONG: NIBBLE_NVRTC_DEFINES=FP8_PING_PONG, not yet run on a GPU.)
-template <class F, class = void> struct PingPong {
-    static constexpr bool value = false;
-};
-template <class F> struct PingPong<F, decltype(void(F::PING_PONG))> {
-    static constexpr bool value = F::PING_PONG;
-};
-// Waits for this warpgroup's turn to issue (named barrier 2 + wg: this warpgroup's 128 threads
-// sync, the other's arrive), and hands the turn on.
-// (Immediate barrier ids: with a register id ptxas reserves all 16.)
-__device__ __forceinline__ void turn_wait(int wg) {
-    if (wg == 0)
-        asm volatile("bar.sync 2, 256;\n" ::: "memory");
-    else
-        asm volatile("bar.sync 3, 256;\n" ::: "memory");
-}
-__device__ __forceinline__ void turn_pass(int wg) {
-    if (wg == 0)
-        asm volatile("bar.arrive 3, 256;\n" ::: "memory");
-    else
-        asm volatile("bar.arrive 2, 256;\n" ::: "memory");
-}
-
 
 // A CTA computes output tiles of 128 weight rows (8 packed tiles) x TOK tokens, tokens read
 // through `xmap`; the grid is at most one CTA per SM and each walks tiles blockIdx.x, + gridDim.x,
@@ -479,11 +451,6 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WGQ_CONSUMER_REGS));
-    const int wg = warp >> 2;  // consumer warpgroup 0 or 1
-    // Warpgroup 0 takes the first turn: warpgroup 1's opening arrival stands for an issue before
-    // it. Every turn_pass is matched by one turn_wait: warpgroup 0 takes the last after its units.
-    if constexpr (PingPong<F>::value)
-        if (wg == 1) turn_pass(1);
     typename F::Acc acc[TOK / 8][4];
     typename F::Regs a0, a1;
     int g = 0;  // this unit's first stage
@@ -500,11 +467,9 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
             const int s = (g + i) % S;
             mbar_wait(full(s), ((g + i) / S) & 1);
             f.load_a(smem + s * F::STAGE + F::X_BYTES, c0 + i, cur);
-            if constexpr (PingPong<F>::value) turn_wait(wg);
             wgmma_fence();
             f.mma(acc, cur, base + s * F::STAGE, c0 + i);
             wgmma_commit();
-            if constexpr (PingPong<F>::value) turn_pass(wg);
             if constexpr (RetiresAtOnce<F>::value) {
                 wgmma_wait<0>();
                 f.retire(acc, cur);
@@ -581,8 +546,6 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
         }
         store_tile<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
     }
-    if constexpr (PingPong<F>::value)
-        if (wg == 0) turn_wait(0);  // warpgroup 1's last hand-over
 }
 
 // Entry points: `wgmma` takes 256 tokens per tile, `wgmma128` 128 (where a second block of 256
