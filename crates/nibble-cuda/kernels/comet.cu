@@ -9,11 +9,14 @@
 // nibbles to q - z in registers. What COMET could still win on Hopper is activation bytes (half
 // for the INT4 blocks), which only matter where the GEMM is bound by them; these kernels store
 // them at 8 bits. The tiled GEMM measured 2.4x to 11x slower than W4A8 on an H100 (BENCHMARKS.md,
-// issue 18); comet_gemv (below) is the decode path built after that, not yet run on a GPU
-// (taken with NIBBLE_COMET_GEMV=1).
+// issue 18); comet_gemv (below), the decode path built after that, is 1.0x to 5.9x faster and the
+// default up to 32 tokens. Past it, comet_wgmma (qgemm_wgmma.cu, groups of 128, opt-in
+// NIBBLE_COMET_WGMMA=1, not yet run on a GPU) runs the same arithmetic on W4A8's wgmma pipeline.
 //
 // comet_quantize_*: one CTA per token row, a warp per block (blocks of 32 to 128 channels: one to
-// four values a lane), the block's max by shuffles; codes [M][K] INT8, scales [M][blocks] f32.
+// four values a lane), the block's max by shuffles; codes [M][K] INT8, the scale of token m and
+// block b f32 at sx[m * sx_row + b * sx_block] ([M][blocks] for the kernels here, [blocks][M
+// rounded up] for comet_wgmma in qgemm_wgmma.cu).
 //
 // comet_gemm_*: mma.sync m16n8k32 s8 tiles. A CTA is 4 warps over 64 weight rows x 32 tokens
 // (a warp: 16 rows x four 8-token tiles). Each k32 step of a block, lane (g, t) reads channels
@@ -34,7 +37,8 @@ __device__ __forceinline__ signed char comet_code(float v, float scale, float qm
 
 template <class IN>
 __device__ void comet_quantize_impl(const IN* __restrict__ x, long ldx, signed char* __restrict__ q,
-                                    float* __restrict__ sx, int cols, int block, int int8_blocks) {
+                                    float* __restrict__ sx, long sx_row, long sx_block, int cols, int block,
+                                    int int8_blocks) {
     const long row = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int blocks = cols / block, per_lane = block >> 5;  // 1 to 4 (blocks of 32 to 128)
@@ -59,14 +63,15 @@ __device__ void comet_quantize_impl(const IN* __restrict__ x, long ldx, signed c
         for (int i = 0; i < 4; ++i)
             if (i < per_lane)
                 q[row * cols + (long)b * block + i * 32 + lane] = on ? comet_code(v[i], scale, qmax) : (signed char)0;
-        if (lane == 0) sx[row * blocks + b] = scale;
+        if (lane == 0) sx[row * sx_row + b * sx_block] = scale;
     }
 }
 
 #define COMET_QUANTIZE(SUFFIX, T)                                                                   \
     extern "C" __global__ void __launch_bounds__(1024) comet_quantize_##SUFFIX(                     \
-        const T* x, long ldx, signed char* q, float* sx, int cols, int block, int int8_blocks) {    \
-        comet_quantize_impl<T>(x, ldx, q, sx, cols, block, int8_blocks);                              \
+        const T* x, long ldx, signed char* q, float* sx, long sx_row, long sx_block, int cols,      \
+        int block, int int8_blocks) {                                                               \
+        comet_quantize_impl<T>(x, ldx, q, sx, sx_row, sx_block, cols, block, int8_blocks);            \
     }
 COMET_QUANTIZE(f32, float)
 COMET_QUANTIZE(bf16, __nv_bfloat16)

@@ -378,6 +378,15 @@ template <class F> struct RetiresAtOnce<F, decltype(void(F::RETIRE_AT_ONCE))> {
     static constexpr bool value = F::RETIRE_AT_ONCE;
 };
 
+// Whether F stages per-token data of its own with each stage (F::STAGES_TOKENS: COMET's block
+// scales of the tile's tokens), which its issue_tokens copies, knowing the tile's first token.
+template <class F, class = void> struct StagesTokens {
+    static constexpr bool value = false;
+};
+template <class F> struct StagesTokens<F, decltype(void(F::STAGES_TOKENS))> {
+    static constexpr bool value = F::STAGES_TOKENS;
+};
+
 // A CTA computes output tiles of 128 weight rows (8 packed tiles) x TOK tokens, tokens read
 // through `xmap`; the grid is at most one CTA per SM and each walks tiles blockIdx.x, + gridDim.x,
 // .. in an order that takes WGQ_RASTER token blocks per weight block, so the tiles in flight
@@ -445,6 +454,8 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
                     tma_load_2d(base + s * F::STAGE + b * TOK * 128, xmap,
                                 c * F::K_PER_STAGE + b * (F::K_PER_STAGE / X_BOXES), m0, full(s));
                 f.issue(base + s * F::STAGE + F::X_BYTES, full(s), tile0, c);
+                if constexpr (StagesTokens<F>::value)
+                    f.issue_tokens(base + s * F::STAGE + F::X_BYTES, full(s), m0, c);
             }
         }
         return;
@@ -627,5 +638,102 @@ W4A8_WGMMA(f16, __half, plain_epilogue)
 W4A8_WGMMA(bf16, __nv_bfloat16, plain_epilogue)
 W4A8_WGMMA(swiglu_f16, __half, swiglu_epilogue)
 W4A8_WGMMA(swiglu_bf16, __nv_bfloat16, swiglu_epilogue)
+
+// COMET W4A4A8 (FMPQ, COMET §3-4) past the decode gemv, on W4A8's pipeline. Hopper has no 4-bit
+// tensor-core math, so both operands run as INT8: the activations are comet_quantize's INT8
+// codes (an INT4 block's within [-7, 7]), TMA-loaded as W8A8's tokens, and the weights are the
+// checkpoint's nibbles repacked at load into W4A8's fragments with one byte-affine parameter a
+// row and group, scale 1 and offset 128 - z, so W4A8Affine widens them to q - z exactly (src/comet.rs,
+// `pack_wgmma`). COMET's gain on Hopper is bytes, not math (comet.cu's header).
+// A stage is one block of 128 channels (groups of 128 only: one block per stage). The block's
+// dot products go to an i32 fragment of their own, and once its wgmmas retire each output adds
+// f32(fragment) * (s_w,b * s_x,b) to its f32 accumulator with one fma (RETIRE_AT_ONCE), block
+// after block: the reference's bits, as comet_gemm. So K is never split. The producer stages
+// each block's scales next to its codes: the 128 rows' s_w,b (a [groups][rows] copy made at
+// load) and the TOK tokens' s_x,b (the quantizer writes [blocks][tokens] for this kernel).
+// Registers at 128 tokens: the f32 accumulator and the i32 fragment are 64 each, the A
+// fragments 16, the stage's token scales 32.
+// Layout of a stage after the tokens: codes (8 KB), the group parameters (8 tiles x 64 B), the
+// rows' scales (512 B), the tokens' scales (TOK x 4 B), padded to 1 KB for the next stage's
+// swizzled tokens.
+template <int TOK> struct WgqComet {
+    static constexpr int STAGES = TOK == 128 ? 8 : 12;
+    static constexpr int X_BYTES = TOK * 128;
+    static constexpr int CODES = 8 * 1024;
+    static constexpr int PARAMS = 8 * 64;
+    static constexpr int SW_AT = CODES + PARAMS;   // after the tokens
+    static constexpr int SX_AT = SW_AT + 128 * 4;
+    static constexpr int STAGE = (X_BYTES + SX_AT + TOK * 4 + 1023) / 1024 * 1024;
+    static constexpr int K_PER_STAGE = 128;
+    static constexpr bool RETIRE_AT_ONCE = true;  // (wgmma_gemm's RetiresAtOnce)
+    static constexpr bool STAGES_TOKENS = true;   // (wgmma_gemm's StagesTokens)
+    using Acc = float;
+    struct Regs {
+        u32 a[16];              // the block's A fragments (W4A8's)
+        int t[TOK / 8][4];      // the block's i32 dot products
+        float sw[2];            // s_w,b of rows g and g + 8
+        float2 sx[TOK / 8];     // s_x,b of tokens 8j + 2t, 8j + 2t + 1
+    };
+    WgqW4A8<TOK> w4;    // codes, parameters, tiles, chunks, groups (group_shift 7, span 1)
+    const TmaMap* sw;   // [groups][tiles * 16] f32, boxes of 128 rows x 1 group
+    const TmaMap* sx;   // [blocks][M rounded up to 4] f32, boxes of TOK tokens x 1 block
+    int tiles, chunks;
+
+    __device__ int stages() const { return (chunks + 1) / 2; }
+    __device__ u32 weight_bytes() const { return CODES + PARAMS + 128 * 4 + TOK * 4; }
+    __device__ void issue(u32 w, u32 bar, int tile0, int c) const {
+        w4.issue(w, bar, tile0, c);
+        tma_load_2d(w + SW_AT, sw, tile0 * 16, c, bar);
+    }
+    __device__ void issue_tokens(u32 w, u32 bar, int m0, int c) const { tma_load_2d(w + SX_AT, sx, m0, c, bar); }
+    // Widens the block's codes (W4A8's load_a), zeroes its fragment, and reads its scales, all
+    // before the block's wgmmas are issued.
+    __device__ void load_a(const unsigned char* w, int c, Regs& r) const {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        w4.load_a(w, c, r.a);
+#pragma unroll
+        for (int j = 0; j < TOK / 8; ++j) r.t[j][0] = r.t[j][1] = r.t[j][2] = r.t[j][3] = 0;
+        const float* sw_rows = reinterpret_cast<const float*>(w + SW_AT);
+        r.sw[0] = sw_rows[warp * 16 + g];
+        r.sw[1] = sw_rows[warp * 16 + g + 8];
+        const float2* sx_toks = reinterpret_cast<const float2*>(w + SX_AT);
+#pragma unroll
+        for (int j = 0; j < TOK / 8; ++j) r.sx[j] = sx_toks[4 * j + t];
+    }
+    __device__ void mma(float (&)[TOK / 8][4], Regs& r, u32 xs, int) const {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wgmma_s8(r.t, r.a + 4 * j, sw128_desc(xs + 32 * j));
+    }
+    // The retired block into the accumulator: c0, c1 row g at tokens 2t, 2t + 1; c2, c3 row g + 8.
+    __device__ void retire(float (&acc)[TOK / 8][4], Regs& r) const {
+        fence_acc(r.t);
+#pragma unroll
+        for (int j = 0; j < TOK / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float sx = (e & 1) ? r.sx[j].y : r.sx[j].x;
+                acc[j][e] = fmaf((float)r.t[j][e], r.sw[e >> 1] * sx, acc[j][e]);
+            }
+    }
+};
+
+// Tiles of 128 tokens, or 64 for 33 to 64; no split K (it would reorder the block sum).
+#define COMET_WGMMA_ENTRY(NAME, TOK, OUT)                                                              \
+    extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
+        const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
+        const __grid_constant__ TmaMap pmap, const __grid_constant__ TmaMap swmap,                   \
+        const __grid_constant__ TmaMap sxmap, OUT* __restrict__ y, long ldy, int M, int N, int tiles, \
+        int chunks, int groups) {                                                                    \
+        wgmma_gemm<TOK, false>(&xmap,                                                                \
+                               WgqComet<TOK>{WgqW4A8<TOK>{&wmap, &pmap, tiles, chunks, groups, 7, 1}, \
+                                             &swmap, &sxmap, tiles, chunks},                         \
+                               y, ldy, M, N, 1, (float*)nullptr, (int*)nullptr, W4Epilogue{});       \
+    }
+#define COMET_WGMMA(OUTNAME, OUT)                           \
+    COMET_WGMMA_ENTRY(comet_wgmma128_##OUTNAME, 128, OUT)   \
+    COMET_WGMMA_ENTRY(comet_wgmma64_##OUTNAME, 64, OUT)
+COMET_WGMMA(f32, float)
+COMET_WGMMA(f16, __half)
+COMET_WGMMA(bf16, __nv_bfloat16)
 
 #endif  // sm_90a

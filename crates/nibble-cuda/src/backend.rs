@@ -456,7 +456,7 @@ impl CudaBackend {
             return Ok(None);
         }
         let packed = comet::pack(format, rows, cols, &bytes)?;
-        let w = comet::upload(&self.ctx, &packed, geo, what)?;
+        let w = comet::upload(&self.ctx, &packed, geo, (rows, cols), what)?;
         self.ctx.note_weight(w.bytes(), None);
         Ok(Some(CudaWeight {
             rows,

@@ -12,8 +12,9 @@ use nibble_core::{Error, Result};
 use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
 
 use crate::context::CudaContext;
-use crate::runtime::{Arg, DeviceBuffer};
-use crate::tensor::{CometWeight, CudaTensor, Elem};
+use crate::pack::{self, PackedW4A8, W4A8Matrix};
+use crate::runtime::{Arg, DeviceBuffer, TmaLayout, tensor_map};
+use crate::tensor::{CometWeight, CometWgmma, CudaTensor, Elem};
 
 /// The layer geometry the kernels take: blocks (= groups) of 32 to 128 channels, a multiple of
 /// the k32 step, and `k` a whole number of blocks.
@@ -86,20 +87,103 @@ pub fn pack(format: LinearFormat, n: usize, k: usize, bytes: &[u8]) -> Result<Pa
     Ok(out)
 }
 
-/// Uploads a packed COMET weight.
+/// Uploads a packed COMET weight of `n` rows of `k`, with the wgmma tier's copy too where
+/// [`wgmma_applies`] says so.
 pub fn upload(
     ctx: &CudaContext,
     p: &PackedComet,
     geometry: CometGeometry,
+    (n, k): (usize, usize),
     what: &str,
 ) -> Result<CometWeight> {
+    let wgmma = if wgmma_applies(ctx, geometry) {
+        let (packed, row_scales) = pack_wgmma(p, n, k, geometry.group)?;
+        Some(CometWgmma {
+            codes: DeviceBuffer::from_host(&ctx.gpu, &packed.codes, what)?,
+            params: DeviceBuffer::from_host(&ctx.gpu, &packed.params, what)?,
+            row_scales: DeviceBuffer::from_host(&ctx.gpu, &row_scales, what)?,
+            tiles: packed.tiles,
+            chunks: packed.chunks,
+            groups: packed.groups,
+        })
+    } else {
+        None
+    };
     Ok(CometWeight {
         codes: DeviceBuffer::from_host(&ctx.gpu, &p.codes, what)?,
         zeros: DeviceBuffer::from_host(&ctx.gpu, &p.zeros, what)?,
         scales: DeviceBuffer::from_host(&ctx.gpu, &p.scales, what)?,
         group: geometry.group,
         int8_blocks: geometry.int8_blocks,
+        wgmma,
     })
+}
+
+/// The group size the wgmma tier takes: one block a 128-channel stage.
+pub const WGMMA_GROUP: usize = 128;
+
+/// Whether COMET weights get the wgmma tier's copy unless a context says otherwise: with
+/// NIBBLE_COMET_WGMMA=1 (read once). Off until its GPU test has run and it has been timed (built
+/// 2026-11-27 without a GPU run; BENCHMARKS.md, issue 18). The copy is a second set of codes.
+pub fn wgmma_by_default() -> bool {
+    static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    crate::runtime::probe_knob(&KNOB, "NIBBLE_COMET_WGMMA") == Some(1)
+}
+
+/// Whether a weight of this geometry uploaded now gets the wgmma copy: asked for
+/// ([`CudaContext::set_comet_wgmma`], else [`wgmma_by_default`]), groups of [`WGMMA_GROUP`], and
+/// a GPU with the sm_90a kernels.
+pub fn wgmma_applies(ctx: &CudaContext, geometry: CometGeometry) -> bool {
+    geometry.group == WGMMA_GROUP
+        && ctx.comet_wgmma().unwrap_or_else(wgmma_by_default)
+        && ctx.has_kernel("comet_wgmma64_f32")
+}
+
+/// The wgmma tier's layout of a COMET weight: its nibbles in W4A8's packed fragments, each row and
+/// group's widening `q - z` as a byte-affine parameter (scale 1, offset `128 - z`: the byte
+/// `q - z + 128` with its top bit flipped is `q - z` in two's complement), and the group scales
+/// transposed to `[groups][tiles * 16]` (rows past `n` zero), one block's rows contiguous for
+/// the producer's copy.
+pub fn pack_wgmma(
+    p: &PackedComet,
+    n: usize,
+    k: usize,
+    group: usize,
+) -> Result<(PackedW4A8, Vec<f32>)> {
+    let groups = k / group;
+    if p.codes.len() != n * k / 2 || p.zeros.len() != n * groups || p.scales.len() != n * groups {
+        return Err(Error::InvalidArgument(format!(
+            "COMET wgmma packing: {} code bytes, {} zeros, {} scales for {n} rows of {k} in groups of {group}",
+            p.codes.len(),
+            p.zeros.len(),
+            p.scales.len()
+        )));
+    }
+    let codes: Vec<u8> = p.codes.iter().flat_map(|&b| [b & 15, b >> 4]).collect();
+    let affine: Vec<nibble_precision::ByteAffine> = p
+        .zeros
+        .iter()
+        .map(|&z| nibble_precision::ByteAffine {
+            scale: 1,
+            offset: 128 - i32::from(z),
+        })
+        .collect();
+    let packed = pack::pack_w4a8(&W4A8Matrix {
+        n,
+        k,
+        group_len: group,
+        codes: &codes,
+        affine: &affine,
+        scales: &vec![1.0; n],
+    })?;
+    let cols = packed.tiles * 16;
+    let mut row_scales = vec![0f32; groups * cols];
+    for (row, scales) in p.scales.chunks_exact(groups).enumerate() {
+        for (b, &s) in scales.iter().enumerate() {
+            row_scales[b * cols + row] = s;
+        }
+    }
+    Ok((packed, row_scales))
 }
 
 /// Tokens and weight rows of a `comet_gemm_*` CTA (kernels/comet.cu).
@@ -148,8 +232,19 @@ pub fn gemm(
     }
     let (group, int8_blocks) = (w.group, w.int8_blocks);
     let blocks = k / group;
+    let use_gemv = ctx.comet_gemv().unwrap_or_else(gemv_by_default);
+    let tiles = gemv_tiles(m, use_gemv);
+    // The wgmma tier reads the tokens' block scales as [blocks][tokens] (rows of a multiple of 4
+    // floats, as TMA wants 16-byte strides), the other kernels as [tokens][blocks].
+    let wgmma = w.wgmma.as_ref().filter(|_| tiles.is_none());
+    let m_pad = m.next_multiple_of(4);
+    let (sx_row, sx_block) = if wgmma.is_some() {
+        (1, m_pad)
+    } else {
+        (blocks, 1)
+    };
     let codes = ctx.alloc_bytes(m * k)?;
-    let scales = ctx.alloc(m, blocks, Elem::F32)?.ptr;
+    let scales = ctx.alloc(m_pad, blocks, Elem::F32)?.ptr;
     let in_sfx = x.elem.suffix();
     ctx.kernel(&format!("comet_quantize_{in_sfx}"))?.launch(
         &ctx.gpu,
@@ -161,14 +256,18 @@ pub fn gemm(
             Arg::I64(x.ld as i64),
             Arg::Ptr(codes),
             Arg::Ptr(scales),
+            Arg::I64(sx_row as i64),
+            Arg::I64(sx_block as i64),
             Arg::I32(k as i32),
             Arg::I32(group as i32),
             Arg::I32(int8_blocks as i32),
         ],
     )?;
     let out_sfx = out.elem.suffix();
-    let use_gemv = ctx.comet_gemv().unwrap_or_else(gemv_by_default);
-    let (name, grid, threads) = match gemv_tiles(m, use_gemv) {
+    if let Some(wg) = wgmma {
+        return launch_wgmma(ctx, wg, (codes, scales), (m, m_pad, n, k), out);
+    }
+    let (name, grid, threads) = match tiles {
         Some(tt) => (
             format!("comet_gemv{tt}_{out_sfx}"),
             (
@@ -209,9 +308,166 @@ pub fn gemm(
     )
 }
 
+/// Threads of a `comet_wgmma*` CTA: two consumer warpgroups and a producer (WGQ_THREADS).
+const WGMMA_THREADS: u32 = 384;
+
+/// Tokens a `comet_wgmma*` tile takes: 64 for batches of up to 64, else 128.
+pub fn wgmma_tokens(m: usize) -> usize {
+    if m <= 64 { 64 } else { 128 }
+}
+
+/// Dynamic shared memory of `comet_wgmma*` with `tokens` a tile (kernels/qgemm_wgmma.cu,
+/// `WgqComet`): its stages (the tokens' 128-byte rows, 8 KB of codes, 512 B of parameters, the
+/// rows' and the tokens' block scales, padded to 1 KB), 1 KB to align the swizzle atoms, two
+/// mbarriers a stage.
+pub fn wgmma_smem(tokens: usize) -> u32 {
+    let stages = if tokens == 128 { 8 } else { 12 };
+    let stage = (tokens * 128 + 8 * 1024 + 8 * 64 + 128 * 4 + tokens * 4).next_multiple_of(1024);
+    (stages * stage + 1024 + stages * 16) as u32
+}
+
+/// `comet_wgmma{64,128}_*` over the quantizer's INT8 codes `[m][k]` and block scales
+/// `[blocks][m_pad]`: persistent CTAs, at most one an SM, over tiles of 128 rows x the tokens.
+fn launch_wgmma(
+    ctx: &CudaContext,
+    w: &CometWgmma,
+    (codes, scales): (u64, u64),
+    (m, m_pad, n, k): (usize, usize, usize, usize),
+    out: &CudaTensor,
+) -> Result<()> {
+    let tokens = wgmma_tokens(m);
+    let blocks = k / WGMMA_GROUP;
+    let map = |ptr, elem, dims: &[usize], strides: &[usize], boxes: &[usize], layout| {
+        Ok::<_, Error>(Arg::TensorMap(Box::new(tensor_map(
+            ptr, elem, dims, strides, boxes, layout,
+        )?)))
+    };
+    let rows = w.tiles * 16;
+    let args = vec![
+        // The tokens' codes, 128-byte swizzled boxes of 128 channels.
+        map(
+            codes,
+            1,
+            &[k, m],
+            &[k],
+            &[128, tokens],
+            TmaLayout::Swizzle128,
+        )?,
+        // Two 512-byte chunks of 8 tiles' codes a stage, and the stage's group parameter rows.
+        map(
+            w.codes.ptr,
+            4,
+            &[128, w.chunks, w.tiles],
+            &[512, w.chunks * 512],
+            &[128, 2, 8],
+            TmaLayout::Plain,
+        )?,
+        map(
+            w.params.ptr,
+            4,
+            &[16, w.groups, w.tiles],
+            &[64, w.groups * 64],
+            &[16, 1, 8],
+            TmaLayout::Plain,
+        )?,
+        // A block's scales of 128 rows, and of the tile's tokens.
+        map(
+            w.row_scales.ptr,
+            4,
+            &[rows, blocks],
+            &[rows * 4],
+            &[128, 1],
+            TmaLayout::Plain,
+        )?,
+        map(
+            scales,
+            4,
+            &[m_pad, blocks],
+            &[m_pad * 4],
+            &[tokens, 1],
+            TmaLayout::Plain,
+        )?,
+        Arg::Ptr(out.ptr),
+        Arg::I64(out.ld as i64),
+        Arg::I32(m as i32),
+        Arg::I32(n as i32),
+        Arg::I32(w.tiles as i32),
+        Arg::I32(w.chunks as i32),
+        Arg::I32(w.groups as i32),
+    ];
+    let out_tiles = w.tiles.div_ceil(8) * m.div_ceil(tokens);
+    let ctas = out_tiles.min(ctx.gpu.sm_count);
+    ctx.launch_block(
+        &format!("comet_wgmma{tokens}_{}", out.elem.suffix()),
+        (ctas as u32, 1, 1),
+        WGMMA_THREADS,
+        wgmma_smem(tokens),
+        args,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wgmma_packing_widens_to_q_minus_z_and_transposes_the_scales() {
+        // Rows off the 16-row tiles, every zero and code, and what the kernels' byte-affine
+        // widening makes of the packed words (PackedW4A8::widened) against q - z per group.
+        let (n, k, group) = (40, 384, WGMMA_GROUP);
+        let groups = k / group;
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let p = PackedComet {
+            codes: (0..n * k / 2).map(|_| next() as u8).collect(),
+            zeros: (0..n * groups).map(|_| (next() % 16) as u8).collect(),
+            scales: (0..n * groups).map(|i| 0.5 + i as f32).collect(),
+        };
+        let (packed, row_scales) = pack_wgmma(&p, n, k, group).unwrap();
+        let widened = packed.widened();
+        for row in 0..n {
+            for ch in 0..k {
+                let byte = p.codes[row * k / 2 + ch / 2];
+                let q = if ch % 2 == 0 { byte & 15 } else { byte >> 4 };
+                let z = p.zeros[row * groups + ch / group];
+                assert_eq!(
+                    widened[row * k + ch],
+                    q as i8 - z as i8,
+                    "row {row} channel {ch}"
+                );
+            }
+        }
+        let cols = packed.tiles * 16;
+        assert_eq!(row_scales.len(), groups * cols);
+        for b in 0..groups {
+            for row in 0..cols {
+                let want = if row < n {
+                    p.scales[row * groups + b]
+                } else {
+                    0.0
+                };
+                assert_eq!(row_scales[b * cols + row], want, "block {b} row {row}");
+            }
+        }
+        assert!(
+            pack_wgmma(&p, n, k + group, group).is_err(),
+            "sizes that disagree"
+        );
+    }
+
+    #[test]
+    fn wgmma_shared_memory_fits_a_hopper_sm() {
+        for tokens in [64, 128] {
+            assert!(wgmma_smem(tokens) <= 227 * 1024, "{tokens} tokens");
+        }
+        assert_eq!(wgmma_tokens(33), 64);
+        assert_eq!(wgmma_tokens(65), 128);
+    }
 
     fn comet(group: u32, int8_blocks: u16) -> LinearFormat {
         LinearFormat::new(

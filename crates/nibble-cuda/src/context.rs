@@ -146,6 +146,26 @@ pub struct CudaContext {
     /// Whether COMET's decode batches take `comet_gemv*` (0: the default, [`crate::comet::gemv_by_default`]; 1: no,
     /// 2: yes; [`Self::set_comet_gemv`]).
     comet_gemv: AtomicU8,
+    /// Whether COMET weights uploaded from now on get the wgmma tier's copy (0: the default,
+    /// [`crate::comet::wgmma_by_default`]; 1: no, 2: yes; [`Self::set_comet_wgmma`]).
+    comet_wgmma: AtomicU8,
+}
+
+/// An override kept in an atomic byte: 0 none (the default applies), 1 off, 2 on.
+fn tri_state(on: Option<bool>) -> u8 {
+    match on {
+        None => 0,
+        Some(false) => 1,
+        Some(true) => 2,
+    }
+}
+
+fn from_tri_state(v: u8) -> Option<bool> {
+    match v {
+        1 => Some(false),
+        2 => Some(true),
+        _ => None,
+    }
 }
 
 /// A module's kernels by name.
@@ -229,6 +249,7 @@ impl CudaContext {
             act8_inputs: Default::default(),
             kernel_tier: Default::default(),
             comet_gemv: Default::default(),
+            comet_wgmma: Default::default(),
         })
     }
 
@@ -242,21 +263,24 @@ impl CudaContext {
     /// gemv (`Some(true)`), its tiled GEMM (`Some(false)`) or, with `None`, the default
     /// ([`crate::comet::gemv_by_default`]): tests and benchmarks run both.
     pub fn set_comet_gemv(&self, on: Option<bool>) {
-        let v = match on {
-            None => 0,
-            Some(false) => 1,
-            Some(true) => 2,
-        };
-        self.comet_gemv.store(v, Ordering::Relaxed);
+        self.comet_gemv.store(tri_state(on), Ordering::Relaxed);
     }
 
     /// What [`Self::set_comet_gemv`] set.
     pub(crate) fn comet_gemv(&self) -> Option<bool> {
-        match self.comet_gemv.load(Ordering::Relaxed) {
-            1 => Some(false),
-            2 => Some(true),
-            _ => None,
-        }
+        from_tri_state(self.comet_gemv.load(Ordering::Relaxed))
+    }
+
+    /// Whether COMET weights uploaded after this call also get the Hopper wgmma tier's packed
+    /// copy, which batches past the decode gemv then take (`Some(true)`), or not
+    /// (`Some(false)`), or, with `None`, the default ([`crate::comet::wgmma_by_default`]).
+    pub fn set_comet_wgmma(&self, on: Option<bool>) {
+        self.comet_wgmma.store(tri_state(on), Ordering::Relaxed);
+    }
+
+    /// What [`Self::set_comet_wgmma`] set.
+    pub(crate) fn comet_wgmma(&self) -> Option<bool> {
+        from_tri_state(self.comet_wgmma.load(Ordering::Relaxed))
     }
 
     /// The [`KernelTier`] set by [`Self::set_kernel_tier`].

@@ -244,11 +244,30 @@ pub struct CometWeight {
     pub scales: DeviceBuffer,
     pub group: usize,
     pub int8_blocks: usize,
+    /// The Hopper wgmma tier's copy (`comet::pack_wgmma`), where it was asked for.
+    pub wgmma: Option<CometWgmma>,
+}
+
+/// A COMET weight as `comet_wgmma*` reads it (kernels/qgemm_wgmma.cu, `WgqComet`): the codes in
+/// W4A8's packed fragments with one byte-affine parameter a row and group (scale 1, offset
+/// `128 - z`), and the group scales transposed, `[groups][tiles * 16]`.
+pub struct CometWgmma {
+    pub codes: DeviceBuffer,
+    pub params: DeviceBuffer,
+    pub row_scales: DeviceBuffer,
+    pub tiles: usize,
+    pub chunks: usize,
+    /// Parameter groups of the packed layout (`PackedW4A8::groups`).
+    pub groups: usize,
 }
 
 impl CometWeight {
     pub fn bytes(&self) -> usize {
-        self.codes.bytes + self.zeros.bytes + self.scales.bytes
+        let wgmma = self
+            .wgmma
+            .as_ref()
+            .map_or(0, |w| w.codes.bytes + w.params.bytes + w.row_scales.bytes);
+        self.codes.bytes + self.zeros.bytes + self.scales.bytes + wgmma
     }
 }
 

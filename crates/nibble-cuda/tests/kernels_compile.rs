@@ -73,6 +73,13 @@ fn kernels_compile_for_every_architecture() {
                             "fp8_dec4_bf16",
                             "fp8_wgmma128_f32",
                             "w4a16_gemv1_f16",
+                            // COMET past its decode gemv (src/comet.rs, launch_wgmma).
+                            "comet_wgmma64_f32",
+                            "comet_wgmma128_f32",
+                            "comet_wgmma64_bf16",
+                            "comet_wgmma128_bf16",
+                            "comet_wgmma64_f16",
+                            "comet_wgmma128_f16",
                         ],
                         "qgemm" => &["w4a16_gemv1_bf16", "w8a8_tiled_f32"],
                         _ => &[],

@@ -626,6 +626,28 @@ fn assert_act8_rows(what: &str, kind: Act8, input: &[f32], k: usize, codes: &[u8
     }
 }
 
+/// A COMET weight's GEMM of `m` fresh poisoned rows (an outlier, a zero row, a NaN row) into
+/// poisoned outputs, from f32 and from 16-bit (RMSNorm's) input, against the reference bit for
+/// bit.
+fn assert_comet_bits(
+    g: &CudaBackend,
+    r: &mut ChaCha8Rng,
+    (format, wb, w): (LinearFormat, &[u8], &nibble_cuda::CudaWeight),
+    (m, n, k): (usize, usize, usize),
+    what: &str,
+) {
+    g.poison_activations(64 << 20).unwrap();
+    let xt = g.tensor_from_f32(&poisoned_input(r, m, k), m, k).unwrap();
+    let ones = g.load_vector(&vec![1.0; k]).unwrap();
+    let half = g.rms_norm(&xt, &ones, 1e-5);
+    for (src, input) in [("f32", &xt), ("16-bit", &half)] {
+        let y = host(g, &g.linear(input, w, None).unwrap());
+        let want = reference_matmul(format, &host(g, input), m, k, wb, n).unwrap();
+        assert_eq!(y.len(), want.len(), "{what}");
+        assert_bit_exact(&format!("{what} from {src}"), &y, &want);
+    }
+}
+
 #[test]
 fn comet_is_bit_exact_with_the_reference() {
     // COMET W4A4A8 on its own kernels (kernels/comet.cu): the mixed INT4 / INT8 block codes of
@@ -671,19 +693,7 @@ fn comet_is_bit_exact_with_the_reference() {
                     for &gemv in gemvs {
                         g.set_comet_gemv(Some(gemv));
                         let what = format!("{format} {dtype:?} m {m} n {n} k {k} gemv {gemv}");
-                        g.poison_activations(64 << 20).unwrap();
-                        let xt = g
-                            .tensor_from_f32(&poisoned_input(&mut r, m, k), m, k)
-                            .unwrap();
-                        let ones = g.load_vector(&vec![1.0; k]).unwrap();
-                        let half = g.rms_norm(&xt, &ones, 1e-5);
-                        for (src, input) in [("f32", &xt), ("16-bit", &half)] {
-                            let y = host(&g, &g.linear(input, &w, None).unwrap());
-                            let want =
-                                reference_matmul(format, &host(&g, input), m, k, &wb, n).unwrap();
-                            assert_eq!(y.len(), want.len(), "{what}");
-                            assert_bit_exact(&format!("{what} from {src}"), &y, &want);
-                        }
+                        assert_comet_bits(&g, &mut r, (format, &wb, &w), (m, n, k), &what);
                     }
                     g.set_comet_gemv(None);
                 }
@@ -745,6 +755,79 @@ fn comet_is_bit_exact_with_the_reference() {
             assert_bit_exact(&format!("fused COMET projection, gemv {gemv}"), &y, &want);
         }
         g.set_comet_gemv(None);
+    }
+}
+
+#[test]
+fn comet_wgmma_is_bit_exact_with_the_reference() {
+    // COMET past its decode gemv on the Hopper wgmma tier (kernels/qgemm_wgmma.cu, WgqComet;
+    // groups of 128, taken where set_comet_wgmma asked for it at upload): the quantizer's
+    // transposed block scales, the W4A8-packed q - z weights, a block's i32 fragment folded with
+    // one fma per block in block order, against nibble_precision::reference_matmul bit for bit.
+    // 64- and 128-token tiles, tokens and rows off them (tiles of 16 rows, 8 to a CTA's 128),
+    // odd stage counts and more blocks than stages (the ring wraps), more output tiles than SMs
+    // (a CTA's producer runs into its next tile), none / one / half / all blocks INT8, f32 and
+    // 16-bit inputs (the engine's f32 outputs), poisoned outputs, an outlier, a zero row and a
+    // NaN row (poisoned_input); up to 32 tokens with the decode gemv off (the 64-token tile);
+    // and a weight uploaded without the copy stays on the tiled GEMM.
+    let mut r = rng("comet_wgmma_is_bit_exact_with_the_reference");
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let Some(g) = hopper_gpu(dtype) else { return };
+        // 2560: 20 blocks against 8 and 12 stages. 6144 x 256 at 257 tokens: 144 output tiles.
+        for &(k, n) in &[
+            (128, 40),
+            (384, 136),
+            (640, 130),
+            (1024, 264),
+            (2560, 24),
+            (256, 6144),
+        ] {
+            for format in nibble_precision::reference::kernel_formats(k) {
+                let nibble_precision::ActQuant::Mixed4x8 { block: 128, .. } = format.act else {
+                    continue;
+                };
+                let wb = random_rows(&mut r, format, n, k);
+                g.set_comet_wgmma(Some(true));
+                let w = g
+                    .comet_weight(&[quant_tensor(format, n, k, wb.clone())])
+                    .unwrap()
+                    .unwrap();
+                g.set_comet_wgmma(None);
+                let nibble_cuda::WeightData::Comet(c) = &w.data else {
+                    panic!("{format}: not on the COMET kernels");
+                };
+                assert!(c.wgmma.is_some(), "{format} k {k}: no wgmma copy");
+                g.set_comet_gemv(Some(false));
+                let tokens: &[usize] = if n > 1024 {
+                    &[257] // (the wide layer: its tiles outnumber the SMs at one size)
+                } else {
+                    &[1, 17, 32, 33, 47, 64, 65, 130, 257]
+                };
+                for &m in tokens {
+                    let what = format!("{format} {dtype:?} m {m} n {n} k {k}");
+                    assert_comet_bits(&g, &mut r, (format, &wb, &w), (m, n, k), &what);
+                }
+                g.set_comet_gemv(None);
+            }
+        }
+        // Without the copy (the default until measured), the same weight takes the tiled GEMM.
+        let format: LinearFormat = "int4-g128/a4a8-b128-n1".parse().unwrap();
+        let wb = random_rows(&mut r, format, 24, 256);
+        g.set_comet_wgmma(Some(false));
+        let w = g
+            .comet_weight(&[quant_tensor(format, 24, 256, wb.clone())])
+            .unwrap()
+            .unwrap();
+        g.set_comet_wgmma(None);
+        let nibble_cuda::WeightData::Comet(c) = &w.data else {
+            panic!("not on the COMET kernels");
+        };
+        assert!(c.wgmma.is_none());
+        let x = randn(&mut r, 70 * 256, 1.0);
+        let xt = g.tensor_from_f32(&x, 70, 256).unwrap();
+        let y = host(&g, &g.linear(&xt, &w, None).unwrap());
+        let want = reference_matmul(format, &x, 70, 256, &wb, 24).unwrap();
+        assert_bit_exact("COMET without the wgmma copy", &y, &want);
     }
 }
 
