@@ -8,9 +8,10 @@
 # 1. comet_wgmma_is_bit_exact_with_the_reference (64- and 128-token tiles against the reference,
 #    bit for bit) and, with NIBBLE_COMET_WGMMA=1, quantized_models_match_cpu (the w4a4a8 model's
 #    prompts through it);
-# 2. gpu-bench --qgemm --kernels-only with and without NIBBLE_COMET_WGMMA=1: COMET's time with its
-#    quantizer past 32 tokens on the wgmma tier against the tiled GEMM, W4A8 and cuBLAS BF16
-#    (BENCHMARKS.md, issue 18: the tiled GEMM was 2.4x to 11x slower than W4A8).
+# 2. gpu-bench --qgemm --kernels-only: COMET's time with its quantizer on the wgmma tier
+#    (comet_wgmma_with_quant_ms, every token count, the gemv off) against its tiled GEMM and decode
+#    gemv, W4A8 and cuBLAS BF16 in the same run (BENCHMARKS.md, issue 18: the tiled GEMM was 2.4x
+#    to 11x slower than W4A8).
 # If it passes and is faster, make it the default (comet::wgmma_by_default) and rerun COMET end
 # to end: PART=comet SEQS=256 scripts/gpu-e2e-ab.sh OUT wgmma=stage/gpu@NIBBLE_COMET_WGMMA=1
 # tiled=stage/gpu dequant=stage/gpu@NIBBLE_COMET=0 (0.35x BF16 at 256 sequences on the tiled GEMM).
@@ -26,30 +27,23 @@ timeout 240 stage/gpu/gpu-tests comet_wgmma --test-threads 1 >"$out/tests-comet-
 NIBBLE_COMET_WGMMA=1 timeout 200 stage/gpu/gpu-tests quantized_models --test-threads 1 \
   >"$out/tests-quantized-models.log" 2>&1 || status=1
 grep -E "^test |test result|panicked" "$out"/tests-*.log
-for v in tiled wgmma; do
-  knob=$([ $v = wgmma ] && echo 1 || echo 0)
-  NIBBLE_COMET_WGMMA=$knob timeout 90 stage/gpu/gpu-bench "$out/bench-$v.json" --qgemm \
-    --kernels-only >"$out/bench-$v.log" 2>&1 || status=1
-done
+timeout 90 stage/gpu/gpu-bench "$out/bench.json" --qgemm --kernels-only >"$out/bench.log" 2>&1 || status=1
 python3 - "$out" <<'PY' || status=1
 import json, sys
-out = sys.argv[1]
-def rows(v):
-    d = json.load(open(f"{out}/bench-{v}.json"))
-    return {(r["n"], r["k"], r["m"]): r for r in (d["qgemm"] if isinstance(d, dict) else d)}
-tiled, wg = rows("tiled"), rows("wgmma")
-print("| N x K | M | COMET tiled us | COMET wgmma us | gain | W4A8 + quant us | wgmma vs W4A8 | cuBLAS BF16 us | wgmma vs BF16 |")
-print("|---|---|---|---|---|---|---|---|---|")
-for key in sorted(tiled):
-    if key[2] <= 32:
+d = json.load(open(f"{sys.argv[1]}/bench.json"))
+rows = {(r["n"], r["k"], r["m"]): r for r in (d["qgemm"] if isinstance(d, dict) else d)}
+print("| N x K | M | COMET tiled us | gemv us | wgmma us | wgmma vs tiled | W4A8 + quant us | wgmma vs W4A8 | cuBLAS BF16 us | wgmma vs BF16 |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for key in sorted(rows):
+    r = rows[key]
+    wg = r.get("comet_wgmma_with_quant_ms")
+    if wg is None:
         continue
-    t, w = tiled[key], wg.get(key)
-    if w is None:
-        continue
-    ct, cw = t["comet_with_quant_ms"] * 1e3, w["comet_with_quant_ms"] * 1e3
-    w48, bf = w["w4a8_with_quant_ms"] * 1e3, w["cublas_bf16_ms"] * 1e3
-    print(f"| {key[0]} x {key[1]} | {key[2]} | {ct:.1f} | {cw:.1f} | {ct / cw:.2f}x | {w48:.1f} | "
-          f"{w48 / cw:.2f}x | {bf:.1f} | {bf / cw:.2f}x |")
+    ct, wg, gv = r["comet_with_quant_ms"] * 1e3, wg * 1e3, r.get("comet_gemv_with_quant_ms")
+    w48, bf = r["w4a8_with_quant_ms"] * 1e3, r["cublas_bf16_ms"] * 1e3
+    gv = "-" if gv is None else f"{gv * 1e3:.1f}"
+    print(f"| {key[0]} x {key[1]} | {key[2]} | {ct:.1f} | {gv} | {wg:.1f} | {ct / wg:.2f}x | {w48:.1f} | "
+          f"{w48 / wg:.2f}x | {bf:.1f} | {bf / wg:.2f}x |")
 PY
 save_kernel_cache
 exit $status

@@ -364,15 +364,26 @@ fn qgemm(
         let qf8 = copies(&quant_weight(fp8, n, k, 500 + si as u64)?)?;
         let q816 = copies(&quant_weight(w8a16, n, k, 600 + si as u64)?)?;
         // COMET's own kernel whatever NIBBLE_COMET says (=0 makes the loader dequantize).
+        // Copies without the wgmma tier's packed copy (the tiled GEMM and the gemv), and with it
+        // where the GPU has that tier (sm_90a; `None` elsewhere).
         let comet_host = quant_weight(comet, n, k, 700 + si as u64)?;
-        let qc = (0..cold_copies(be, comet_host.bytes.len()))
-            .map(|_| {
-                be.comet_weight(std::slice::from_ref(&comet_host))?
-                    .ok_or_else(|| {
-                        nibble_core::Error::InvalidArgument("no COMET kernel here".into())
-                    })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let comet_copies = |wgmma: bool| {
+            be.set_comet_wgmma(Some(wgmma));
+            let copies = (0..cold_copies(be, comet_host.bytes.len()))
+                .map(|_| {
+                    be.comet_weight(std::slice::from_ref(&comet_host))?
+                        .ok_or_else(|| {
+                            nibble_core::Error::InvalidArgument("no COMET kernel here".into())
+                        })
+                })
+                .collect::<Result<Vec<_>>>();
+            be.set_comet_wgmma(None);
+            copies
+        };
+        let qc = comet_copies(false)?;
+        let qcw = Some(comet_copies(true)?).filter(
+            |c| matches!(&c[0].data, nibble_cuda::WeightData::Comet(w) if w.wgmma.is_some()),
+        );
         let p816s = quant_params(&q816)?;
         let (p4s, p8s, p48s) = (quant_params(&q4)?, quant_params(&q8)?, quant_params(&q48)?);
         let pf8s = quant_params(&qf8)?;
@@ -402,6 +413,7 @@ fn qgemm(
             let (mut c48, mut cf8) = (cycle(p48s.len()), cycle(pf8s.len()));
             let mut c816 = cycle(p816s.len());
             let mut cc = cycle(qc.len());
+            let mut ccw = cycle(qcw.as_ref().map_or(1, Vec::len));
             let t_cublas = time_calls(be, calls, &mut || {
                 be.linear(&x, &dense[cd()], None).map(|_| ())
             })?;
@@ -424,7 +436,7 @@ fn qgemm(
                 be.quant_gemm(&x, p816s[c816()], n, k, &out)
             })?;
             // COMET quantizes its own input (no codes from a producer): timed with it, on the
-            // tiled GEMM and, for decode batches, on its decode gemv.
+            // tiled GEMM, for decode batches on its decode gemv, and on the wgmma tier.
             be.set_comet_gemv(Some(false));
             let t_comet = time_calls(be, calls, &mut || {
                 be.linear(&x, &qc[cc()], None).map(|_| ())
@@ -436,6 +448,14 @@ fn qgemm(
                 })?)
             } else {
                 None
+            };
+            // Past the gemv (and, for comparison, below it with the gemv off): the wgmma tier.
+            be.set_comet_gemv(Some(false));
+            let t_comet_wgmma = match &qcw {
+                Some(qcw) => Some(time_calls(be, calls, &mut || {
+                    be.linear(&x, &qcw[ccw()], None).map(|_| ())
+                })?),
+                None => None,
             };
             be.set_comet_gemv(None);
             // Decode and batch sizes on each tier (the default picks one per shape).
@@ -479,6 +499,7 @@ fn qgemm(
                 "w8a16_tflops": flops / t_w816 / 1e12,
                 "comet_with_quant_ms": t_comet * 1e3,
                 "comet_gemv_with_quant_ms": t_comet_gemv.map(|t| t * 1e3),
+                "comet_wgmma_with_quant_ms": t_comet_wgmma.map(|t| t * 1e3),
                 "weight_copies": [dense.len(), p4s.len(), p8s.len(), p48s.len(), pf8s.len(), p816s.len()],
                 "w4a16_hbm_fraction": (w4_bytes + io) / t_w4 / bw,
                 "w4a16_floor_ms": floor(w4_bytes) * 1e3, "w8a8_floor_ms": floor(w8_bytes) * 1e3,
