@@ -33,10 +33,12 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     # A run cut short by its timeout can leave its nibble behind, holding GPU memory the next
     # stage then lacks (and running beside it): end it, and wait for the GPU to be free.
     pkill -KILL -f "$st/nibble" 2>/dev/null || true
+    free=0
     for _ in $(seq 30); do
-      [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break
+      apps=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader) && [ -z "$apps" ] && { free=1; break; }
       sleep 1
     done
+    [ $free = 1 ] || echo "gpu-e2e-ab: the GPU still runs something after $name: the next stage may share it" >&2
     grep -E "^throughput at" "$dir.log" | sed "s|^|$name round $round: |"
     python3 bench/e2e_ab_report.py "$out/runs" >"$out/summary.md"
   done

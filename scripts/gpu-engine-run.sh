@@ -31,7 +31,7 @@
 #   comet       the same for COMET W4A4A8 (g128) at SEQS (default 64,256; COMET_PROMPTS prompts,
 #               default 1000), no BF16; its kernels
 #               against the dequantized path: scripts/gpu-e2e-ab.sh with PART=comet and stages
-#               tiled=stage/gpu gemv=stage/gpu@NIBBLE_COMET_GEMV=1 dequant=stage/gpu@NIBBLE_COMET=0
+#               gemv=stage/gpu tiled=stage/gpu@NIBBLE_COMET_GEMV=0 dequant=stage/gpu@NIBBLE_COMET=0
 #   w8a8-fp8    1000 ShareGPT prompts offline at SEQS (default 64,256): W8A8 and FP8, no BF16
 #               (for A/Bs of one build: scripts/gpu-e2e-ab.sh with PART=w8a8-fp8)
 #   moe-experts one Mixtral-8x7B expert layer in W4A16, W8A8 and BF16 at 1 to 64 tokens: the

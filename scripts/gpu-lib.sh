@@ -43,14 +43,19 @@ start_server() {
 seed_kernel_cache() {
   if compgen -G ".gpu-cache/kernels.tar.xz.*" >/dev/null && [ ! -d "$NIBBLE_KERNEL_CACHE" ]; then
     mkdir -p "$NIBBLE_KERNEL_CACHE"
-    cat .gpu-cache/kernels.tar.xz.* | tar xJf - -C "$NIBBLE_KERNEL_CACHE" --strip-components=1
+    # A broken archive (parts of two saves mixed) must not leave a half-seeded cache behind.
+    cat .gpu-cache/kernels.tar.xz.* | tar xJf - -C "$NIBBLE_KERNEL_CACHE" --strip-components=1 \
+      || { echo "seed_kernel_cache: .gpu-cache/kernels.tar.xz.* did not unpack; compiling instead" >&2
+           rm -rf "$NIBBLE_KERNEL_CACHE"; }
   fi
 }
 
 # save_kernel_cache: with SAVE_KERNELS=1, packs $NIBBLE_KERNEL_CACHE into $out/kernels.tar.xz.NN
-# (copy them to .gpu-cache/).
+# (copy them to .gpu-cache/ in place of the old parts: a stale higher-numbered part would be
+# joined on).
 save_kernel_cache() {
   if [ "${SAVE_KERNELS:-0}" = 1 ] && [ -d "$NIBBLE_KERNEL_CACHE" ]; then
+    rm -f "$out"/kernels.tar.xz.*
     tar cf - -C "$(dirname "$NIBBLE_KERNEL_CACHE")" "$(basename "$NIBBLE_KERNEL_CACHE")" \
       | xz -T0 -6 | split -b 15000000 -d - "$out/kernels.tar.xz."
   fi

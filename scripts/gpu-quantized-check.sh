@@ -23,7 +23,7 @@ bin=${1:?usage} model=${2:?usage} calib=${3:?usage} out=${4:?usage}
 mkdir -p "$out"
 export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
 source "$(dirname "$0")/gpu-lib.sh"
-seed_kernel_cache
+(cd "$(dirname "$0")/.." && seed_kernel_cache)  # (.gpu-cache is at the repo root)
 status=0
 specs=${SPECS:-w4a16-g64:rtn w4a16-g64:awq w4a16-g64:gptq w8a8:rtn w8a8:smoothquant}
 serve=${SERVE:-w4a16-g64-awq}
@@ -34,10 +34,13 @@ fi
 ppl_seqs=${PPL_SEQS:-16}
 # ppl DEVICE MODEL: the perplexity of MODEL on DEVICE over the held-out ShareGPT sequences.
 ppl() {
-  "$bin" --device "$1" --model "$2" eval ppl --sharegpt "$ppl_seqs" --dataset "$calib" --json \
-    2>>"$out/ppl.err" | python3 -c 'import json, sys; print("%.4f" % json.load(sys.stdin)["sharegpt"]["ppl"])'
+  timeout "${PPL_TIMEOUT:-120}" "$bin" --device "$1" --model "$2" eval ppl --sharegpt "$ppl_seqs" \
+    --dataset "$calib" --json \
+    2>>"$out/ppl.err" | python3 -c 'import json, sys; print("%.4f" % json.load(sys.stdin)["sharegpt"]["ppl"])' \
+    2>>"$out/ppl.err"
 }
 dense_ppl=$(ppl cpu "$model")
+[ -n "$dense_ppl" ] || { echo "perplexity of the unquantized model failed"; tail -3 "$out/ppl.err"; status=1; }
 echo "== unquantized model: perplexity $dense_ppl on the CPU ($ppl_seqs held-out ShareGPT sequences of 512 tokens)"
 for spec in $specs; do
   fmt=${spec%%:*} method=${spec##*:}
@@ -67,5 +70,5 @@ print(f"{n} of {max(len(a), len(b))} words agree")' "$cpu" "$gpu")
   fi
   echo "  perplexity: cpu $p_cpu, cuda $p_gpu ($(python3 -c "print(f'{$p_gpu / $p_cpu:.4f}')")x the CPU's; unquantized $dense_ppl)"
 done
-scripts/gpu-serve-check.sh "$bin" "$out/ckpt-$serve" || status=1
+"$(dirname "$0")/gpu-serve-check.sh" "$bin" "$out/ckpt-$serve" || status=1
 exit $status

@@ -651,13 +651,13 @@ W4A8_WGMMA(swiglu_bf16, __nv_bfloat16, swiglu_epilogue)
 // after block: the reference's bits, as comet_gemm. So K is never split. The producer stages
 // each block's scales next to its codes: the 128 rows' s_w,b (a [groups][rows] copy made at
 // load) and the TOK tokens' s_x,b (the quantizer writes [blocks][tokens] for this kernel).
-// Registers at 128 tokens: the f32 accumulator and the i32 fragment are 64 each, the A
-// fragments 16, the stage's token scales 32.
+// Registers at 128 tokens, within a consumer's WGQ_CONSUMER_REGS: the f32 accumulator and the i32
+// fragment are 64 each, the A fragments 16, the stage's token scales 32.
 // Layout of a stage after the tokens: codes (8 KB), the group parameters (8 tiles x 64 B), the
 // rows' scales (512 B), the tokens' scales (TOK x 4 B), padded to 1 KB for the next stage's
 // swizzled tokens.
 template <int TOK> struct WgqComet {
-    static constexpr int STAGES = TOK == 128 ? 8 : 12;
+    static constexpr int STAGES = TOK == 128 ? 8 : 12;  // (src/comet.rs wgmma_smem sizes them)
     static constexpr int X_BYTES = TOK * 128;
     static constexpr int CODES = 8 * 1024;
     static constexpr int PARAMS = 8 * 64;
@@ -680,6 +680,8 @@ template <int TOK> struct WgqComet {
     int tiles, chunks;
 
     __device__ int stages() const { return (chunks + 1) / 2; }
+    // Everything a stage holds past the tokens, the token scales included: the full barrier's
+    // expected bytes (wgmma_gemm adds X_BYTES).
     __device__ u32 weight_bytes() const { return CODES + PARAMS + 128 * 4 + TOK * 4; }
     __device__ void issue(u32 w, u32 bar, int tile0, int c) const {
         w4.issue(w, bar, tile0, c);

@@ -233,10 +233,15 @@ pub fn gemm(
     let (group, int8_blocks) = (w.group, w.int8_blocks);
     let blocks = k / group;
     let use_gemv = ctx.comet_gemv().unwrap_or_else(gemv_by_default);
-    let tiles = gemv_tiles(m, use_gemv);
-    // The wgmma tier reads the tokens' block scales as [blocks][tokens] (rows of a multiple of 4
-    // floats, as TMA wants 16-byte strides), the other kernels as [tokens][blocks].
-    let wgmma = w.wgmma.as_ref().filter(|_| tiles.is_none());
+    let gemv = gemv_tiles(m, use_gemv);
+    // Batches the gemv does not take go to the wgmma tier where the weight has its copy. It
+    // reads the tokens' block scales as [blocks][tokens] (rows of a multiple of 4 floats, as TMA
+    // wants 16-byte strides), the other kernels as [tokens][blocks].
+    let wgmma = if gemv.is_none() {
+        w.wgmma.as_ref()
+    } else {
+        None
+    };
     let m_pad = m.next_multiple_of(4);
     let (sx_row, sx_block) = if wgmma.is_some() {
         (1, m_pad)
@@ -267,7 +272,7 @@ pub fn gemm(
     if let Some(wg) = wgmma {
         return launch_wgmma(ctx, wg, (codes, scales), (m, m_pad, n, k), out);
     }
-    let (name, grid, threads) = match tiles {
+    let (name, grid, threads) = match gemv {
         Some(tt) => (
             format!("comet_gemv{tt}_{out_sfx}"),
             (
@@ -321,7 +326,7 @@ pub fn wgmma_tokens(m: usize) -> usize {
 /// rows' and the tokens' block scales, padded to 1 KB), 1 KB to align the swizzle atoms, two
 /// mbarriers a stage.
 pub fn wgmma_smem(tokens: usize) -> u32 {
-    let stages = if tokens == 128 { 8 } else { 12 };
+    let stages = if tokens == 128 { 8 } else { 12 }; // WgqComet::STAGES
     let stage = (tokens * 128 + 8 * 1024 + 8 * 64 + 128 * 4 + tokens * 4).next_multiple_of(1024);
     (stages * stage + 1024 + stages * 16) as u32
 }
