@@ -38,12 +38,31 @@ pub struct Split {
 /// Splits the reduction kernel can merge (kernels/attention.cu MAX_SPLITS).
 const MAX_SPLITS: usize = 512;
 
-/// Enough CTAs for about 24 per SM (8 waves of 3 resident CTAs: a short last wave costs little),
-/// never a chunk under MIN_CHUNK, never more than MAX_SPLITS splits.
+/// CTAs per SM a decode split aims at: about 24 (8 waves of 3 resident CTAs: a short last wave
+/// costs little).
+const CTAS_PER_SM: usize = 24;
+
+/// NIBBLE_ATTN_CTAS_PER_SM, read once: a probe knob that replaces [`CTAS_PER_SM`]. A quantized
+/// pool's CTA reads a quarter (KV4) of a 16-bit one's bytes over the same chunk, so its fixed
+/// costs and the partials it writes weigh more; kv4 reached 78% of HBM against kv16's 91%
+/// (BENCHMARKS.md, issue 19). Not yet A/B'd on a GPU.
+fn ctas_per_sm() -> usize {
+    static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    crate::runtime::probe_knob(&KNOB, "NIBBLE_ATTN_CTAS_PER_SM")
+        .filter(|&n| n > 0)
+        .unwrap_or(CTAS_PER_SM)
+}
+
+/// Enough CTAs for about [`CTAS_PER_SM`] per SM (NIBBLE_ATTN_CTAS_PER_SM overrides it), never a
+/// chunk under MIN_CHUNK, never more than MAX_SPLITS splits.
 pub fn plan_split(tokens: usize, kv_heads: usize, max_ctx: usize, sm_count: usize) -> Split {
+    plan_split_for(tokens, kv_heads, max_ctx, sm_count * ctas_per_sm())
+}
+
+fn plan_split_for(tokens: usize, kv_heads: usize, max_ctx: usize, ctas: usize) -> Split {
     let max_ctx = max_ctx.max(1);
     let base = tokens * kv_heads;
-    let want = (24 * sm_count).div_ceil(base.max(1));
+    let want = ctas.div_ceil(base.max(1));
     let most = max_ctx.div_ceil(MIN_CHUNK).min(MAX_SPLITS);
     let splits = want.clamp(1, most.max(1));
     let chunk = max_ctx.div_ceil(splits).div_ceil(MIN_CHUNK) * MIN_CHUNK;
@@ -499,5 +518,14 @@ mod tests {
         // A large batch needs few splits; a huge context is capped at MAX_SPLITS.
         assert!(plan_split(128, 8, 1024, 132).splits <= 4);
         assert!(plan_split(1, 8, 1 << 20, 132).splits <= MAX_SPLITS);
+        // Fewer CTAs an SM (the probe knob's lever) means fewer, longer splits.
+        let (few, many) = (
+            plan_split_for(64, 8, 4096, 132 * 8),
+            plan_split_for(64, 8, 4096, 132 * CTAS_PER_SM),
+        );
+        assert!(
+            few.splits < many.splits && few.chunk > many.chunk,
+            "{few:?} {many:?}"
+        );
     }
 }
