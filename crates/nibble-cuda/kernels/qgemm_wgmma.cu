@@ -677,9 +677,9 @@ template <int TOK> struct WgqComet {
     WgqW4A8<TOK> w4;    // codes, parameters, tiles, chunks, groups (group_shift 7, span 1)
     const TmaMap* sw;   // [groups][tiles * 16] f32, boxes of 128 rows x 1 group
     const TmaMap* sx;   // [blocks][M rounded up to 4] f32, boxes of TOK tokens x 1 block
-    int tiles, chunks;
+    int tiles;          // (w4's, which wgmma_gemm reads here)
 
-    __device__ int stages() const { return (chunks + 1) / 2; }
+    __device__ int stages() const { return w4.stages(); }
     // Everything a stage holds past the tokens, the token scales included: the full barrier's
     // expected bytes (wgmma_gemm adds X_BYTES).
     __device__ u32 weight_bytes() const { return CODES + PARAMS + 128 * 4 + TOK * 4; }
@@ -728,7 +728,7 @@ template <int TOK> struct WgqComet {
         int chunks, int groups) {                                                                    \
         wgmma_gemm<TOK, false>(&xmap,                                                                \
                                WgqComet<TOK>{WgqW4A8<TOK>{&wmap, &pmap, tiles, chunks, groups, 7, 1}, \
-                                             &swmap, &sxmap, tiles, chunks},                         \
+                                             &swmap, &sxmap, tiles},                                 \
                                y, ldy, M, N, 1, (float*)nullptr, (int*)nullptr, W4Epilogue{});       \
     }
 #define COMET_WGMMA(OUTNAME, OUT)                           \

@@ -13,7 +13,7 @@ use nibble_precision::{ActQuant, LinearFormat, WeightCodec};
 
 use crate::context::CudaContext;
 use crate::pack::{self, PackedW4A8, W4A8Matrix};
-use crate::runtime::{Arg, DeviceBuffer, TmaLayout, tensor_map};
+use crate::runtime::{Arg, DeviceBuffer, TmaLayout, WGMMA_THREADS, tensor_map, weight_map};
 use crate::tensor::{CometWeight, CometWgmma, CudaTensor, Elem};
 
 /// The layer geometry the kernels take: blocks (= groups) of 32 to 128 channels, a multiple of
@@ -313,9 +313,6 @@ pub fn gemm(
     )
 }
 
-/// Threads of a `comet_wgmma*` CTA: two consumer warpgroups and a producer (WGQ_THREADS).
-const WGMMA_THREADS: u32 = 384;
-
 /// Tokens a `comet_wgmma*` tile takes: 64 for batches of up to 64, else 128.
 pub fn wgmma_tokens(m: usize) -> usize {
     if m <= 64 { 64 } else { 128 }
@@ -342,56 +339,37 @@ fn launch_wgmma(
 ) -> Result<()> {
     let tokens = wgmma_tokens(m);
     let blocks = k / WGMMA_GROUP;
-    let map = |ptr, elem, dims: &[usize], strides: &[usize], boxes: &[usize], layout| {
-        Ok::<_, Error>(Arg::TensorMap(Box::new(tensor_map(
-            ptr, elem, dims, strides, boxes, layout,
-        )?)))
+    // Plain 2-D maps of f32 scales: a block's `box_len` consecutive values of a `[blocks][len]`
+    // array.
+    let scales_map = |ptr, len: usize, box_len| {
+        let map = tensor_map(
+            ptr,
+            4,
+            &[len, blocks],
+            &[len * 4],
+            &[box_len, 1],
+            TmaLayout::Plain,
+        )?;
+        Ok::<_, Error>(Arg::TensorMap(Box::new(map)))
     };
-    let rows = w.tiles * 16;
+    let x_map = tensor_map(
+        codes,
+        1,
+        &[k, m],
+        &[k],
+        &[128, tokens],
+        TmaLayout::Swizzle128,
+    )?;
     let args = vec![
         // The tokens' codes, 128-byte swizzled boxes of 128 channels.
-        map(
-            codes,
-            1,
-            &[k, m],
-            &[k],
-            &[128, tokens],
-            TmaLayout::Swizzle128,
-        )?,
-        // Two 512-byte chunks of 8 tiles' codes a stage, and the stage's group parameter rows.
-        map(
-            w.codes.ptr,
-            4,
-            &[128, w.chunks, w.tiles],
-            &[512, w.chunks * 512],
-            &[128, 2, 8],
-            TmaLayout::Plain,
-        )?,
-        map(
-            w.params.ptr,
-            4,
-            &[16, w.groups, w.tiles],
-            &[64, w.groups * 64],
-            &[16, 1, 8],
-            TmaLayout::Plain,
-        )?,
+        Arg::TensorMap(Box::new(x_map)),
+        // Two 512-byte chunks of 8 tiles' codes a stage (W4A8's), and the stage's group
+        // parameter rows.
+        weight_map(w.codes.ptr, w.tiles, w.chunks, 512, 2)?,
+        weight_map(w.params.ptr, w.tiles, w.groups, 64, 1)?,
         // A block's scales of 128 rows, and of the tile's tokens.
-        map(
-            w.row_scales.ptr,
-            4,
-            &[rows, blocks],
-            &[rows * 4],
-            &[128, 1],
-            TmaLayout::Plain,
-        )?,
-        map(
-            scales,
-            4,
-            &[m_pad, blocks],
-            &[m_pad * 4],
-            &[tokens, 1],
-            TmaLayout::Plain,
-        )?,
+        scales_map(w.row_scales.ptr, w.tiles * 16, 128)?,
+        scales_map(scales, m_pad, tokens)?,
         Arg::Ptr(out.ptr),
         Arg::I64(out.ld as i64),
         Arg::I32(m as i32),

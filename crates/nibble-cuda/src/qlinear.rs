@@ -24,7 +24,9 @@ pub use crate::context::{KernelTier, SPLIT_COUNTERS};
 use crate::pack::{
     self, Int8Layout, PackedFp8, PackedW4, PackedW4A8, PackedW8, W4A8Matrix, W4Matrix,
 };
-use crate::runtime::{Arg, DeviceBuffer, TmaLayout, probe_knob, tensor_map};
+use crate::runtime::{
+    Arg, DeviceBuffer, TmaLayout, WGMMA_THREADS, probe_knob, tensor_map, weight_map,
+};
 pub use crate::tensor::{Act8, Act8Input, QuantWeight};
 use crate::tensor::{CudaTensor, Dtype, Elem};
 
@@ -68,7 +70,6 @@ pub(crate) const DECODE_SMEM: usize = 200 * 1024;
 /// Tokens per CTA of the wgmma kernels (kernels/qgemm_wgmma.cu): [`KernelTier::Auto`] takes them
 /// from one full CTA of tokens on.
 pub const WGMMA_TOKENS: usize = 256;
-const WGMMA_THREADS: u32 = 384;
 
 /// Tokens per tile of the wgmma kernel for batches past the decode gemv (17 to 64 tokens).
 pub const WGMMA_SMALL_TOKENS: usize = 64;
@@ -822,27 +823,6 @@ enum WgmmaWeights {
         groups: usize,
         group_shift: u32,
     },
-}
-
-/// A TMA descriptor, as a kernel argument, over packed weight bytes laid out as
-/// `[tiles][rows][row_bytes]`, read in boxes of 8 tiles x `box_rows` rows.
-fn weight_map(
-    ptr: u64,
-    tiles: usize,
-    rows: usize,
-    row_bytes: usize,
-    box_rows: usize,
-) -> Result<Arg> {
-    let words = row_bytes / 4;
-    let map = tensor_map(
-        ptr,
-        4,
-        &[words, rows, tiles],
-        &[row_bytes, rows * row_bytes],
-        &[words, box_rows, 8],
-        TmaLayout::Plain,
-    )?;
-    Ok(Arg::TensorMap(Box::new(map)))
 }
 
 /// Output element type of a quantized GEMM: f32 (the engine's GEMM outputs) or the model dtype

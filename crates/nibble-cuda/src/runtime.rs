@@ -430,6 +430,31 @@ pub enum TmaLayout {
     Swizzle128,
 }
 
+/// Threads of a CTA of the Hopper wgmma GEMMs (kernels/qgemm_wgmma.cu's WGQ_THREADS: two consumer
+/// warpgroups and a producer), quantized linear layers' and COMET's alike.
+pub(crate) const WGMMA_THREADS: u32 = 384;
+
+/// A TMA descriptor, as a kernel argument, over packed weight bytes laid out as
+/// `[tiles][rows][row_bytes]`, read in boxes of 8 tiles x `box_rows` rows.
+pub(crate) fn weight_map(
+    ptr: u64,
+    tiles: usize,
+    rows: usize,
+    row_bytes: usize,
+    box_rows: usize,
+) -> Result<Arg> {
+    let words = row_bytes / 4;
+    let map = tensor_map(
+        ptr,
+        4,
+        &[words, rows, tiles],
+        &[row_bytes, rows * row_bytes],
+        &[words, box_rows, 8],
+        TmaLayout::Plain,
+    )?;
+    Ok(Arg::TensorMap(Box::new(map)))
+}
+
 /// A TMA descriptor for a tensor of `dims` elements of `elem` (1, 2 or 4) bytes, innermost first,
 /// dimension `i + 1` `strides[i]` bytes apart, read in boxes of `boxes` elements (reads past the
 /// tensor are zeros), into shared memory as is or 128-byte swizzled.
