@@ -4,7 +4,7 @@
 //! decode steps of a Llama-3-8B-shaped model with random weights, then the quantized GEMMs on
 //! Llama-3-8B's layer shapes (`--qgemm`: the ceilings and those alone).
 //!
-//!     gpu-bench OUT.json [--quick] [--qgemm] [--kv-attention] [--prefill-attention]
+//!     gpu-bench OUT.json [--quick] [--qgemm] [--kv-attention [--kv-formats=kv16,kv4]] [--prefill-attention]
 //!               [--decode-steps B,B,.. [--spec SPEC]] [--moe-experts] [--dense-gemv]
 //!
 //! Timings are medians over repeats after warm-up, taken with the stream synchronized around
@@ -820,12 +820,24 @@ fn main() -> Result<()> {
     // / context 4k and batch 8 / context 32k, each against kv16 in the same run.
     if args.iter().any(|a| a == "--kv-attention") {
         let (bw, peak) = ceilings(&be)?;
+        // --kv-formats=kv16,kv4: only these (a profiler's run of one kernel); the first is the
+        // speedups' base.
+        let kv_formats: Option<Vec<String>> = args
+            .iter()
+            .find_map(|a| a.strip_prefix("--kv-formats="))
+            .map(|list| list.split(',').map(str::to_string).collect());
         let mut rows = Vec::new();
         for &(batch, ctx) in &[(64, 4096), (8, 32768)] {
             let mut base = None;
             for format in [
                 "kv16", "kv8", "kvfp8", "kv4", "k8v4", "k4v8", "kv4c", "kv2c", "k8v4c",
-            ] {
+            ]
+            .into_iter()
+            .filter(|f| {
+                kv_formats
+                    .as_ref()
+                    .is_none_or(|only| only.iter().any(|o| o == f))
+            }) {
                 let mut r = attention(&be, batch, ctx, false, format.parse()?, bw, peak)?;
                 let ms = r["ms"].as_f64().unwrap_or(f64::NAN);
                 let base_ms = *base.get_or_insert(ms);

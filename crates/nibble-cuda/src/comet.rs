@@ -122,12 +122,13 @@ pub fn upload(
 /// The group size the wgmma tier takes: one block a 128-channel stage.
 pub const WGMMA_GROUP: usize = 128;
 
-/// Whether COMET weights get the wgmma tier's copy unless a context says otherwise: with
-/// NIBBLE_COMET_WGMMA=1 (read once). Off until its GPU test has run and it has been timed (built
-/// 2026-11-27 without a GPU run; BENCHMARKS.md, issue 18). The copy is a second set of codes.
+/// Whether COMET weights get the wgmma tier's copy unless a context says otherwise: yes, unless
+/// NIBBLE_COMET_WGMMA=0 (read once). On an H200 (72615aa, BENCHMARKS.md, issue 18) it took 1.5x
+/// to 5.3x less time than the tiled GEMM at every token count past the gemv's (4096x4096 at 256
+/// tokens: 39.0 against 88.7 us). The copy is a second set of codes beside the gemv's.
 pub fn wgmma_by_default() -> bool {
     static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    crate::runtime::probe_knob(&KNOB, "NIBBLE_COMET_WGMMA") == Some(1)
+    crate::runtime::probe_knob(&KNOB, "NIBBLE_COMET_WGMMA") != Some(0)
 }
 
 /// Whether a weight of this geometry uploaded now gets the wgmma copy: asked for
@@ -210,6 +211,18 @@ pub fn gemv_tiles(m: usize, use_gemv: bool) -> Option<usize> {
     (use_gemv && m <= GEMV_MAX_TOKENS).then(|| m.div_ceil(8).next_power_of_two())
 }
 
+/// Rows past which a layer with the wgmma copy leaves batches of more than 8 tokens to it.
+const GEMV_WIDE_ROWS: usize = 8192;
+
+/// Whether the gemv takes `m` tokens of an `n`-row layer, given the wgmma copy or not. The gemv's
+/// time grows with the rows times the 8-token tiles, the wgmma tier's hardly moves up to 64
+/// tokens; on an H200 (72615aa) the gemv led at 16 and 32 tokens on layers of 4096 and 6144 rows
+/// (20.8 against 25.7 us on 4096x4096 at 32; 33.2 against 25.8 on 6144x4096 the one miss), the
+/// wgmma tier on 28672 rows (47.3 against 73.8 at 16).
+pub fn gemv_takes(m: usize, n: usize, has_wgmma: bool) -> bool {
+    m <= GEMV_MAX_TOKENS && (!has_wgmma || m <= 8 || n <= GEMV_WIDE_ROWS)
+}
+
 /// `out = x · Wᵀ` (`[x.rows, n]`, f32 or the model dtype) for a COMET weight of `n` rows of `k`:
 /// `x`'s mixed codes and block scales first (`comet_quantize_*`), then the GEMM.
 pub fn gemm(
@@ -232,7 +245,8 @@ pub fn gemm(
     }
     let (group, int8_blocks) = (w.group, w.int8_blocks);
     let blocks = k / group;
-    let use_gemv = ctx.comet_gemv().unwrap_or_else(gemv_by_default);
+    let use_gemv =
+        ctx.comet_gemv().unwrap_or_else(gemv_by_default) && gemv_takes(m, n, w.wgmma.is_some());
     let gemv = gemv_tiles(m, use_gemv);
     // Batches the gemv does not take go to the wgmma tier where the weight has its copy. It
     // reads the tokens' block scales as [blocks][tokens] (rows of a multiple of 4 floats, as TMA
@@ -392,6 +406,19 @@ fn launch_wgmma(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_gemv_hands_wide_layers_to_the_wgmma_tier_past_8_tokens() {
+        // Without the wgmma copy the gemv takes every batch it can.
+        assert!(gemv_takes(32, 28672, false));
+        assert!(!gemv_takes(33, 4096, false));
+        // With it: up to 8 tokens on any layer, up to 32 on layers of at most 8192 rows.
+        assert!(gemv_takes(8, 28672, true));
+        assert!(!gemv_takes(9, 28672, true));
+        assert!(gemv_takes(32, GEMV_WIDE_ROWS, true));
+        assert!(!gemv_takes(32, GEMV_WIDE_ROWS + 1, true));
+        assert!(!gemv_takes(33, 4096, true));
+    }
 
     #[test]
     fn wgmma_packing_widens_to_q_minus_z_and_transposes_the_scales() {
