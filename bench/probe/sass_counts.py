@@ -1,7 +1,8 @@
 """SASS of the qgemm module's entry points, compiled here with NVRTC (no GPU needed), and per
 entry the counts that show an epilogue's shape: branches, convergence regions (BSSY), calls, global
 loads and stores, MUFU. `python3 bench/probe/sass_counts.py [ARCH] [--files A.cu,B.cu] [--order]
-ENTRY...` (ARCH default sm_90a; --files another module's sources after common.cuh, e.g. comet.cu;
+ENTRY...` (ARCH default sm_90a; --files another module's sources after common.cuh, e.g. comet.cu, or kv_pages.cuh,decode_mma.cu,prefill.cu,kv_quant.cu
+with -DNIBBLE_KVQ_MODULE and the pool's -DNIBBLE_KVQ_* defines; --dump prints each entry's SASS;
 --order prints each entry's loads, tensor-core ops and barriers in program order; NVRTC from test.sh's .cuda-tk, the disassembler from the nvidia-cuda-nvdisasm wheel,
 fetched into .cuda-tk/nvdisasm once).
 How the SwiGLU epilogue's per-output branches were found (BENCHMARKS.md, issue 18)."""
@@ -15,6 +16,12 @@ module = None
 if args and args[0] == "--files":
     module = ["common.cuh"] + args[1].split(",")
     args = args[2:]
+defines = []
+while args and args[0].startswith("-D"):
+    defines.append(args.pop(0))
+dump = bool(args) and args[0] == "--dump"
+if dump:
+    args = args[1:]
 order = bool(args) and args[0] == "--order"
 if order:
     args = args[1:]
@@ -33,7 +40,7 @@ src = "\n".join(open(os.path.join(kernels, f)).read() for f in module or files).
 prog = ctypes.c_void_p()
 assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"qgemm.cu", 0, None, None) == 0
 opts = [f"--gpu-architecture={arch}", f"--include-path={tk}/include", "--std=c++17",
-        "--fmad=true", "-default-device"]
+        "--fmad=true", "-default-device"] + defines
 rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts]))
 if rc:
     size = ctypes.c_size_t()
@@ -57,6 +64,8 @@ for entry in args:
     count = lambda op: sum(op in l for l in body)
     print(f"{entry:36s} {len(body):6d} {count('BRA'):5d} {count('BSSY'):5d} {count('CALL'):5d} "
           f"{count('LDG'):5d} {count('STG'):5d} {count('MUFU'):5d}")
+    if dump:
+        print("\n".join(body))
     if order:
         ops = [m.group(1) for l in body
                if (m := re.search(r"\b(LDG[.\w]*|LDS[.\w]*|STS[.\w]*|IMMA[.\w]*|HMMA[.\w]*|HGMMA[.\w]*|BAR[.\w]*|BRA)\b", l))]

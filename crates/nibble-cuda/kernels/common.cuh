@@ -131,6 +131,13 @@ template <class T> __device__ __forceinline__ void unpack8(const Vec8& v, float*
 // instead of NaN.
 #define NEG_BIG (-1e30f)
 
+// 2^x in one MUFU.EX2 (flushing subnormals), without exp2f's range fix-ups around it.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Tensor-core helpers (sm_80 and later): a pair of floats as one 16-bit pair, and
 // mma.sync m16n8k16 with f32 accumulation. Fragment layouts (PTX ISA, "mma.m16n8k16"): with
 // g = lane / 4 and t = lane % 4, A holds rows g and g + 8 at columns 2t, 2t + 1 (and + 8), B

@@ -124,14 +124,17 @@ typedef NIBBLE_KVQ_T KvqT;
 // [t * HD/4, (t + 1) * HD/4), a 16- or 32-byte run) and Q is staged with the same permutation of
 // its dims; for V^T, lane g's rows are dims [g * HD/8, (g + 1) * HD/8) (one vector load per
 // token), and the output rows are un-permuted when the warps merge.
-// Codes become f16 with one PRMT or LOP3 per pair: 0x6400 | q is the f16 1024 + q, exact. The
-// scales and zeros never touch the codes: S = s (Q.(1024 + c) - 1024 sum(Q)) + z sum(Q) per token
-// for KV8/KV4 keys, s (Q.e4m3) for FP8 keys; for values P' = P s per token multiplies the codes,
-// and sum(P (z - 1024 s)) per row is carried beside O (rescaled with it), added at the end.
+// Codes become f16 with one PRMT or LOP3 per pair: 0x6400 | M q is the f16 1024 + M q, exact,
+// with M = 1 for 8-bit codes, 16 for 4-bit and 64 for 2-bit ones (KeyFrags::MULT: the codes are
+// moved up within the mantissa by multiplies, on the FMA pipe, instead of down by shifts, on the
+// ALU, which bounded this kernel: 65% busy for kv2c on an H200). The scales and zeros never touch
+// the codes: S = (s / M) (Q.(1024 + M c) - 1024 sum(Q)) + z sum(Q) per token for KV8/KV4 keys,
+// s (Q.e4m3) for FP8 keys; for values P' = P s per token multiplies the codes, sum(P z - 1024 P' / M)
+// per row is carried beside O (rescaled with it), and O / M + that is the output.
 // Channel-wise keys (BitDecoding Sec. 4.3's channel scales folded into the query): per block,
-// Q' = Q s per channel in each lane's B fragments, and S = Q'.(1024 + c) - 1024 sum(Q') + Q.z as
-// three MMAs a k-tile, the last two with A rows of -1024 and of the channel zeros, so no lane
-// reduces anything. 2-bit codes pair dims (n, n + 8) of a 16-code word, as 4-bit ones pair
+// Q' = Q s per channel in each lane's B fragments, and S = (Q'.(1024 + M c) - 1024 sum(Q')) / M
+// + Q.z as three MMAs a k-tile, the second and third with A rows of -1024 and of the channel
+// zeros (the first two in one accumulator, the third in another), so no lane reduces anything. 2-bit codes pair dims (n, n + 8) of a 16-code word, as 4-bit ones pair
 // (n, n + 4) of an 8-code word (KeyFrags::pos / dim).
 // Q and P are f16 operands here whichever the model dtype (Q is clamped to the f16 range).
 
@@ -177,6 +180,11 @@ template <int HD, int KIND>
 struct KeyFrags {
     static constexpr int BITS = PageCodec<KIND>::BITS;
     static constexpr int KW = HD / 4 * BITS / 32;  // words per lane per row
+    // What the fragments' codes are multiplied by: 4- and 2-bit codes land in the top bits of
+    // their f16 mantissa's low byte (1024 + 16 c, 1024 + 64 c), moved there by multiplies (the
+    // FMA pipe) rather than right shifts (the ALU, this kernel's busiest pipe); a word's upper
+    // byte pairs take one shift.
+    static constexpr int MULT = BITS == 4 ? 16 : BITS == 2 ? 64 : 1;
     __device__ static __forceinline__ void frag(const u32 (&w)[KW], int kk, u32& b0, u32& b1) {
         if constexpr (KIND == PAGE_U8) {
             b0 = prmt(w[kk], 0x64646464u, 0x4140);  // [c0, 0x64, c1, 0x64]
@@ -185,13 +193,14 @@ struct KeyFrags {
             b0 = e4m3x2_f16x2(w[kk]);
             b1 = e4m3x2_f16x2(w[kk] >> 16);
         } else if constexpr (BITS == 2) {  // PAGE_C2: word kk / 4 holds 16 codes; pairs (n, n + 8)
-            const u32 x = w[kk >> 2] >> (4 * (kk & 3));
-            b0 = lop_or_mask(x, 0x00030003u, 0x64006400u);
-            b1 = lop_or_mask(x >> 2, 0x00030003u, 0x64006400u);
+            // k-tile kk's codes sit at bits 4 (kk & 3) + {0, 1} (b0) and + {2, 3} (b1), and 16 up.
+            const u32 x = (kk & 2) ? w[kk >> 2] >> 8 : w[kk >> 2];
+            b0 = lop_or_mask(x * ((kk & 1) ? 4u : 64u), 0x00C000C0u, 0x64006400u);
+            b1 = lop_or_mask((kk & 1) ? x : x * 16u, 0x00C000C0u, 0x64006400u);
         } else {  // PAGE_U4, PAGE_C4: word kk / 2 holds nibbles n0..n7; pairs (n0, n4), (n1, n5), ...
-            const u32 x = w[kk >> 1] >> (8 * (kk & 1));
-            b0 = lop_or_mask(x, 0x000F000Fu, 0x64006400u);
-            b1 = lop_or_mask(x >> 4, 0x000F000Fu, 0x64006400u);
+            const u32 x = (kk & 1) ? w[kk >> 1] >> 8 : w[kk >> 1];
+            b0 = lop_or_mask(x * 16u, 0x00F000F0u, 0x64006400u);
+            b1 = lop_or_mask(x, 0x00F000F0u, 0x64006400u);
         }
     }
     // The staged column of natural dim d (the inverse of frag's choice of dims).
@@ -227,17 +236,19 @@ template <int HD, int KIND>
 struct ValueFrags {
     static constexpr int BITS = PageCodec<KIND>::BITS;
     static constexpr int VW = HD / 8 * BITS / 32 > 0 ? HD / 8 * BITS / 32 : 1;
+    // As KeyFrags::MULT: 4- and 2-bit codes become 1024 + 16 c and 1024 + 64 c.
+    static constexpr int MULT = BITS == 4 ? 16 : BITS == 2 ? 64 : 1;
     __device__ static __forceinline__ u32 pair(const u32 (&a)[VW], const u32 (&b)[VW], int n) {
         static_assert(KIND != PAGE_U2 || HD == 128, "2-bit values: a lane's 16 dims are one word");
         if constexpr (KIND == PAGE_U2) {
-            // Dim n is bits 2n of the word: its byte from each row, then the two codes' bits.
+            // Dim n is bits 2n of the word: its byte from each row, its codes moved up to bits 6, 7.
             const int j = n >> 2;
             const u32 x = prmt(a[0], b[0], j | j << 4 | (4 + j) << 8 | (4 + j) << 12);
-            return lop_or_mask(x >> (2 * (n & 3)), 0x00030003u, 0x64006400u);
+            return lop_or_mask(x * (64u >> (2 * (n & 3))), 0x00C000C0u, 0x64006400u);
         } else if constexpr (KIND == PAGE_U4) {
             const int byte = n >> 1, j = byte & 3;
             const u32 x = prmt(a[byte >> 2], b[byte >> 2], j | j << 4 | (4 + j) << 8 | (4 + j) << 12);
-            return lop_or_mask(x >> (4 * (n & 1)), 0x000F000Fu, 0x64006400u);
+            return lop_or_mask((n & 1) ? x : x * 16u, 0x00F000F0u, 0x64006400u);
         } else {
             const int j = n & 3;
             if constexpr (KIND == PAGE_FP8) {
@@ -249,6 +260,16 @@ struct ValueFrags {
         }
     }
 };
+
+// CHUNKS 16-byte chunks from global `src` to shared `dst`, this lane's share: chunk lane + 32 j
+// at byte 512 j of both (the caller adds 16 lane to each).
+template <int CHUNKS>
+__device__ __forceinline__ void copy_chunks(u32 dst, const unsigned char* src, int lane) {
+#pragma unroll
+    for (int j = 0; j < (CHUNKS + 31) / 32; ++j)
+        if (j < CHUNKS / 32 || lane + 32 * j < CHUNKS)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 512 * j), "l"(src + 512 * j));
+}
 
 // (s, z) of slot `slot` of a staged page's parameters (z = 0 for fp8).
 template <int KIND>
@@ -298,7 +319,7 @@ __device__ __forceinline__ u32 half2_bits(float lo, float hi) { return pack2(lo,
 // conditional rescaling); P then stays at most 2^RESCALE_SLACK. l and zacc stay per lane (this
 // lane's tokens of the column): the caller sums them over the column once, after its last block
 // (kvq_column_sums).
-template <int HD, bool ZERO, bool ZACC = ZERO>
+template <int HD, bool ZERO, bool ZACC = ZERO, int VM = 1>
 __device__ __forceinline__ void kvq_softmax(float (&s)[4], const bool (&valid)[2], const float2 (&vp)[2],
                                             float (&m)[2], float (&l)[2], float (&zacc)[2],
                                             float (&o)[HD / 16][4], u32 (&pt)[2]) {
@@ -315,7 +336,7 @@ __device__ __forceinline__ void kvq_softmax(float (&s)[4], const bool (&valid)[2
         float corr[2];
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-            corr[c] = exp2f(m[c] - mx[c]);
+            corr[c] = fast_exp2(m[c] - mx[c]);
             m[c] = mx[c];
             l[c] *= corr[c];
             if (ZERO || ZACC) zacc[c] *= corr[c];
@@ -331,10 +352,10 @@ __device__ __forceinline__ void kvq_softmax(float (&s)[4], const bool (&valid)[2
         float pr[2];
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-            const float p = s[r * 2 + c] > -1e29f ? exp2f(s[r * 2 + c] - m[c]) : 0.f;
+            const float p = s[r * 2 + c] > -1e29f ? fast_exp2(s[r * 2 + c] - m[c]) : 0.f;
             l[c] += p;
             pr[c] = valid[r] ? __half2float(__float2half_rn(p * vp[r].x)) : 0.f;
-            if (ZERO && valid[r]) zacc[c] += fmaf(p, vp[r].y, -1024.f * pr[c]);
+            if (ZERO && valid[r]) zacc[c] += fmaf(p, vp[r].y, (-1024.f / VM) * pr[c]);
         }
         pt[r] = transpose8x8(pack2(pr[0], pr[1], (__half*)nullptr));
     }
@@ -354,7 +375,7 @@ __device__ __forceinline__ void kvq_column_sums(float (&l)[2], float (&zacc)[2])
 // the staged dim order of 4-bit codes (KeyFrags::pos), V^T's from lane g's dims, P unscaled and
 // no zero term. Rows at or past `end` are zeros (a residual row past the context may hold
 // anything). One warp.
-template <int HD, class KF>
+template <int HD, class KF, int VM>
 __device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], float (&o)[HD / 16][4], float (&m)[2],
                                                float (&l)[2], float (&zacc)[2], const float* __restrict__ rk,
                                                const float* __restrict__ rv, long at, int p0, int end, int lo,
@@ -388,8 +409,9 @@ __device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], floa
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[e] = valid[e >> 1] ? s[e] * scale_log2 : NEG_BIG;
-    // Raw values: P unscaled, no bias to cancel (the packed blocks' zacc still rescales).
-    const float2 raw[2] = {make_float2(1.f, 0.f), make_float2(1.f, 0.f)};
+    // Raw values: P times the packed values' MULT (the output is O / MULT), no bias to cancel
+    // (the packed blocks' zacc still rescales).
+    const float2 raw[2] = {make_float2(VM, 0.f), make_float2(VM, 0.f)};
     u32 pt[2];
     kvq_softmax<HD, false, true>(s, valid, raw, m, l, zacc, o, pt);
     // O^T += V^T P^T: tile i's rows g, g + 8 are dims g * HD/8 + 2i, + 2i + 1; k the tokens 2t,
@@ -439,10 +461,10 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     constexpr int Q_BYTES = WARPS * DM_BS * LD * 2;
     constexpr int MERGE_BYTES = WARPS * G * (HD + 2) * 4;
     constexpr int SMEM = STAGES_BYTES + Q_BYTES > MERGE_BYTES ? STAGES_BYTES + Q_BYTES : MERGE_BYTES;
-    // Channel-wise keys (kv4c): per block and channel (s, z) in the page's tail. S = Q'.(1024 + c)
-    // - 1024 sum(Q') + Q.z with Q' = Q s per channel (BitDecoding's channel scales folded into
-    // the query): three MMAs a k-tile, the last two with constant and z rows as A, so no lane
-    // sums anything.
+    // Channel-wise keys (kv4c): per block and channel (s, z) in the page's tail. S = (Q'.(1024 +
+    // M c) - 1024 sum(Q')) / M + Q.z with Q' = Q s per channel (BitDecoding's channel scales
+    // folded into the query): three MMAs a k-tile, the last two with constant and z rows as A, so
+    // no lane sums anything.
     constexpr bool KCH = KS::CHANNEL;
     static_assert(!KCH || DEF, "register-direct channel keys: deferred with the values");
     static_assert(!DEF || VK == PAGE_U4 || VK == PAGE_U2, "deferred values: 4- or 2-bit per token");
@@ -468,8 +490,6 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     const bool own = DEF && end == ctx;
     const int own_b = (ctx - 1) / DM_BS;
     const int loop_end = own ? own_b * DM_BS : end;
-    auto kpage = [&](int b) { return kc + ((long)table[b] * num_kv_heads + kvh) * KS::PAGE; };
-    auto vpage = [&](int b) { return vc + ((long)table[b] * num_kv_heads + kvh) * VS::PAGE; };
     // Block b's pages into stage st, or an empty group past the chunk: one group per call.
     // Channel keys' parameters: lane t reads the 16-byte chunks [CPT t, CPT (t + 1)) of the
     // page's tail, 128 t bytes apart at head_dim 128, so the four t of a quarter-warp would meet
@@ -477,11 +497,18 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     // staged at CPT t + (m ^ t) instead: the four land in four bank groups.
     constexpr int CPT = HD / 16;  // parameter chunks per lane's run of HD / 4 channels
     auto param_chunk = [&](int tt, int mm) { return DM_BS * KS::CB + 16 * (CPT * tt + (mm ^ tt)); };
+    // A per-token page is copied whole, this lane taking its 16-byte chunks lane, lane + 32, ...
+    // from bases fixed for the loop: only the block table's entry changes from block to block.
+    const unsigned char* kfirst = kc + (long)kvh * KS::PAGE + 16 * lane;
+    const unsigned char* vfirst = vc + (long)kvh * VS::PAGE + 16 * lane;
+    const long kstride = (long)num_kv_heads * KS::PAGE, vstride = (long)num_kv_heads * VS::PAGE;
+    const u32 stage_first = smem_addr(mine) + 16 * lane;
     auto issue = [&](int b, int st) {
         if (b * DM_BS < loop_end) {
+            const long entry = table[b];
             if constexpr (KCH) {
                 unsigned char* dst = mine + st * PAIR;
-                const unsigned char* src = kpage(b);
+                const unsigned char* src = kc + (entry * num_kv_heads + kvh) * KS::PAGE;
                 constexpr int CODE_CHUNKS = DM_BS * KS::CB / 16;
 #pragma unroll
                 for (int i = lane; i < KS::PAGE / 16; i += 32) {
@@ -491,9 +518,9 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                                  "l"(src + 16 * i));
                 }
             } else {
-                KS::issue(mine + st * PAIR, kpage(b), DM_BS, lane);
+                copy_chunks<KS::PAGE / 16>(stage_first + st * PAIR, kfirst + entry * kstride, lane);
             }
-            VS::issue(mine + st * PAIR + KS::PAGE, vpage(b), DM_BS, lane);
+            copy_chunks<VS::PAGE / 16>(stage_first + st * PAIR + KS::PAGE, vfirst + entry * vstride, lane);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
@@ -569,7 +596,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                         KF::frag(w1, kk, a[1], a[3]);
                         mma16816<__half>(s, a, q0, q1);
                         const u32 bias[4] = {0xE400E400u, 0xE400E400u, 0xE400E400u, 0xE400E400u};  // -1024
-                        mma16816<__half>(s2, bias, q0, q1);
+                        mma16816<__half>(s, bias, q0, q1);
                         const u32 zr[4] = {z01, z01, z23, z23};
                         mma16816<__half>(s2, zr, qf[kk][0], qf[kk][2]);
                     }
@@ -597,12 +624,14 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int r = e >> 1, c = e & 1;
-            float x = s[e] + s2[e];
-            x = K_ZERO ? kp_[r].x * (x - 1024.f * qsum[c]) + kp_[r].y * qsum[c] : kp_[r].x * x;
+            // Channel keys: s holds M Q'.c (codes and bias), s2 Q.z.
+            float x = KCH ? fmaf(s[e], 1.f / KF::MULT, s2[e]) : s[e] + s2[e];
+            x = K_ZERO ? kp_[r].x * (1.f / KF::MULT) * (x - 1024.f * qsum[c]) + kp_[r].y * qsum[c]
+                       : KCH ? x : kp_[r].x * x;
             s[e] = valid[r] ? x * scale_log2 : NEG_BIG;
         }
         u32 pt[2];
-        kvq_softmax<HD, V_ZERO>(s, valid, vp_, m, l, zacc, o, pt);
+        kvq_softmax<HD, V_ZERO, V_ZERO, VF::MULT>(s, valid, vp_, m, l, zacc, o, pt);
         // O^T += V^T P^T: A from the value rows of tokens 2t, 2t+1 (k 0-7) and 2t+8, 2t+9.
         u32 va[VF::VW], vb[VF::VW], vcw[VF::VW], vd[VF::VW];
         const int voff = g * (VS::CB / 8);
@@ -622,7 +651,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     asm volatile("cp.async.wait_group 0;\n" ::);
     if constexpr (DEF) {
         if (own && warp == (own_b - max(start, lo) / DM_BS) % WARPS)
-            own_block_tile<HD, KF>(qf, o, m, l, zacc, rk, rv,
+            own_block_tile<HD, KF, VF::MULT>(qf, o, m, l, zacc, rk, rv,
                                residual_row<HD>(res_tables, tok_seq[token], own_b * DM_BS, max_blocks, kvh,
                                                 num_kv_heads),
                                own_b * DM_BS, end, lo, scale_log2, lane);
@@ -639,8 +668,8 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
 #pragma unroll
             for (int i = 0; i < HD / 16; ++i) {
                 const int d = g * (HD / 8) + 2 * i;
-                MERGE(warp, h, d) = o[i][c] + zacc[c];
-                MERGE(warp, h, d + 1) = o[i][2 + c] + zacc[c];
+                MERGE(warp, h, d) = fmaf(o[i][c], 1.f / VF::MULT, zacc[c]);
+                MERGE(warp, h, d + 1) = fmaf(o[i][2 + c], 1.f / VF::MULT, zacc[c]);
             }
             if (g == 0) {
                 MERGE(warp, h, HD) = m[c];

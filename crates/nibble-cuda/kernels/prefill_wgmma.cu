@@ -92,12 +92,6 @@ template <int HD> struct FaSmem {
     static constexpr int BYTES = BARS + 3 * STAGES * 8 + 1024;    // + alignment slack
 };
 
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 template <class T, int HD>
 __device__ void prefill_wgmma_impl(const TmaMap* kmap, const TmaMap* vmap, const float* __restrict__ q,
                                    const int* __restrict__ block_tables, const PrefillTile* __restrict__ tiles,
