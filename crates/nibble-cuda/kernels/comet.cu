@@ -10,8 +10,10 @@
 // for the INT4 blocks), which only matter where the GEMM is bound by them; these kernels store
 // them at 8 bits. The tiled GEMM measured 2.4x to 11x slower than W4A8 on an H100 (BENCHMARKS.md,
 // issue 18); comet_gemv (below), the decode path built after that, is 1.0x to 5.9x faster and the
-// default up to 32 tokens. Past it, comet_wgmma (qgemm_wgmma.cu, groups of 128, opt-in
-// NIBBLE_COMET_WGMMA=1, not yet run on a GPU) runs the same arithmetic on W4A8's wgmma pipeline.
+// default for decode batches (comet::gemv_takes). Past it, comet_wgmma (qgemm_wgmma.cu, groups
+// of 128, by default; NIBBLE_COMET_WGMMA=0 turns it off) runs the same arithmetic on W4A8's wgmma
+// pipeline, 1.5x to 5.3x faster than the tiled GEMM on an H200; the tiled GEMM is left for other
+// group sizes and GPUs without sm_90a.
 //
 // comet_quantize_*: one CTA per token row, a warp per block (blocks of 32 to 128 channels: one to
 // four values a lane), the block's max by shuffles; codes [M][K] INT8, the scale of token m and

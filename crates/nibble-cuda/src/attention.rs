@@ -44,8 +44,9 @@ const CTAS_PER_SM: usize = 24;
 
 /// NIBBLE_ATTN_CTAS_PER_SM, read once: a probe knob that replaces [`CTAS_PER_SM`]. A quantized
 /// pool's CTA reads a quarter (KV4) of a 16-bit one's bytes over the same chunk, so its fixed
-/// costs and the partials it writes weigh more; kv4 reached 78% of HBM against kv16's 91%
-/// (BENCHMARKS.md, issue 19). Not yet A/B'd on a GPU.
+/// costs and the partials it writes weigh more. On an H200 (72615aa, BENCHMARKS.md, issue 19) 12
+/// and 8 moved kv4 by at most 3% and cost the channel-wise formats up to 28%: its bound is the
+/// kernel's instructions, not the split.
 fn ctas_per_sm() -> usize {
     static KNOB: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     crate::runtime::probe_knob(&KNOB, "NIBBLE_ATTN_CTAS_PER_SM")
