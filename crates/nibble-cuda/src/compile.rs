@@ -232,6 +232,41 @@ pub fn cubin(name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
     cubin_cached_in(cache_dir().as_deref(), name, source, options)
 }
 
+/// [`cubin`] of every `(name, text)` module at once, a thread each, in their order: on a cold cache
+/// a context's first start costs its slowest module's compile (`qgemm`) instead of the sum of all.
+/// NVRTC compiles separate programs concurrently.
+pub fn cubins(modules: &[(&str, &str)], options: &[String]) -> Result<Vec<Vec<u8>>> {
+    cubins_cached_in(cache_dir().as_deref(), modules, options)
+}
+
+/// [`cubins`] with the cache in `dir` (`None`: no cache).
+pub fn cubins_cached_in(
+    dir: Option<&Path>,
+    modules: &[(&str, &str)],
+    options: &[String],
+) -> Result<Vec<Vec<u8>>> {
+    std::thread::scope(|scope| {
+        let compiles: Vec<_> = modules
+            .iter()
+            .map(|&(name, text)| {
+                scope.spawn(move || cubin_cached_in(dir, name, &full_source(text), options))
+            })
+            .collect();
+        compiles
+            .into_iter()
+            .zip(modules)
+            .map(|(compile, (name, _))| {
+                compile.join().unwrap_or_else(|_| {
+                    Err(Error::unsupported(
+                        format!("compiling CUDA kernels '{name}'"),
+                        "the compiling thread panicked",
+                    ))
+                })
+            })
+            .collect()
+    })
+}
+
 /// [`cubin`] with the cache in `dir` (`None`: no cache).
 pub fn cubin_cached_in(
     dir: Option<&Path>,

@@ -216,10 +216,9 @@ impl CudaContext {
         let mut opts = compile::options(&arch, &include);
         opts.extend(compile::knob_defines()?);
         let mut kernels = HashMap::new();
-        for (name, text) in compile::SOURCES {
-            let src = compile::full_source(text);
-            let cubin = compile::cubin(name, &src, &opts)?;
-            crate::module::load(&gpu, name, &cubin, &mut kernels)?;
+        let cubins = compile::cubins(compile::SOURCES, &opts)?;
+        for ((name, _), cubin) in compile::SOURCES.iter().zip(&cubins) {
+            crate::module::load(&gpu, name, cubin, &mut kernels)?;
         }
         let split_counters =
             DeviceBuffer::from_host(&gpu, &vec![0i32; SPLIT_COUNTERS], "split-K counters")?;

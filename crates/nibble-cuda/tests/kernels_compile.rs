@@ -384,3 +384,50 @@ fn compiled_kernels_are_cached_on_disk_by_source_and_options() {
     assert_ne!(other, first, "sm_90a and sm_80 cubins differ");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
 }
+
+#[test]
+fn modules_compile_side_by_side_and_come_back_in_order() {
+    if !probe::nvrtc_available() || probe::cuda_include_dir().is_err() {
+        return unavailable("NVRTC or the CUDA headers are not installed here");
+    }
+    let include = probe::cuda_include_dir().unwrap();
+    let opts = compile::options("sm_80", &include);
+    let dir = tempfile::tempdir().unwrap();
+    let modules = [
+        (
+            "first",
+            "extern \"C\" __global__ void k_first(float* x) { x[0] = 1.0f; }",
+        ),
+        (
+            "second",
+            "extern \"C\" __global__ void k_second(float* x) { x[0] = 2.0f; }",
+        ),
+        (
+            "third",
+            "extern \"C\" __global__ void k_third(float* x) { x[0] = 3.0f; }",
+        ),
+    ];
+    let cubins = compile::cubins_cached_in(Some(dir.path()), &modules, &opts).unwrap();
+    let entries: Vec<Vec<String>> = cubins.iter().map(|c| module::entry_points(c)).collect();
+    assert_eq!(entries, [["k_first"], ["k_second"], ["k_third"]]);
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        3,
+        "each cached"
+    );
+    // One module that does not compile fails the whole set, naming what NVRTC said.
+    let broken = [
+        modules[0],
+        (
+            "broken",
+            "extern \"C\" __global__ void k() { undeclared_thing; }",
+        ),
+    ];
+    let e = compile::cubins_cached_in(None, &broken, &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("broken") && e.contains("undeclared_thing"),
+        "{e}"
+    );
+}
