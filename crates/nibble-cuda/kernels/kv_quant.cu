@@ -595,8 +595,17 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                         KF::frag(w0, kk, a[0], a[2]);
                         KF::frag(w1, kk, a[1], a[3]);
                         mma16816<__half>(s, a, q0, q1);
+#ifdef NIBBLE_KVQ_BIAS_WITH_ZEROS
+                        // The bias as -1024 / M (-64 or -16, exact) in the zeros' accumulator:
+                        // the codes' chain stays one MMA a k-tile. (Built 2026-11-27 without a
+                        // GPU run; the default's chain of two cost kv4c 3 to 9% on an H100.)
+                        constexpr u32 B = KF::MULT == 16 ? 0xD400D400u : 0xCC00CC00u;
+                        const u32 bias[4] = {B, B, B, B};
+                        mma16816<__half>(s2, bias, q0, q1);
+#else
                         const u32 bias[4] = {0xE400E400u, 0xE400E400u, 0xE400E400u, 0xE400E400u};  // -1024
                         mma16816<__half>(s, bias, q0, q1);
+#endif
                         const u32 zr[4] = {z01, z01, z23, z23};
                         mma16816<__half>(s2, zr, qf[kk][0], qf[kk][2]);
                     }
