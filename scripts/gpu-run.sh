@@ -57,6 +57,7 @@ if [ -n "$qgemm" ]; then
   tar czf "$out/logs${engine_after:+-engine}.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
   exit $status
 fi
+warm_kv "$stage"
 step gpu-tests "$stage/gpu-tests" --test-threads 1
 grep -E "^test |test result|free-running" "$out/gpu-tests.log" || true
 scripts/gpu-default-model.sh collect >/dev/null 2>&1 || true

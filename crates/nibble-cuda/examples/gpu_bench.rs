@@ -4,7 +4,7 @@
 //! decode steps of a Llama-3-8B-shaped model with random weights, then the quantized GEMMs on
 //! Llama-3-8B's layer shapes (`--qgemm`: the ceilings and those alone).
 //!
-//!     gpu-bench OUT.json [--quick] [--qgemm] [--kv-attention [--kv-formats=kv16,kv4]] [--prefill-attention]
+//!     gpu-bench OUT.json [--quick] [--qgemm] [--kv-attention [--kv-formats=kv16,kv4]] [--prefill-attention] [--warm-kv]
 //!               [--decode-steps B,B,.. [--spec SPEC]] [--moe-experts] [--dense-gemv]
 //!
 //! Timings are medians over repeats after warm-up, taken with the stream synchronized around
@@ -784,6 +784,13 @@ fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
     Ok(out)
 }
 
+/// What `--warm-kv` compiles: the KV formats of tests/gpu/kv.rs, tests/gpu.rs and
+/// `--kv-attention` (a format missing here still compiles when its pool is made).
+const WARM_KV_FORMATS: &[&str] = &[
+    "kv8", "kv4", "kvfp8", "k8v4", "k4v8", "kfp8v4", "k16v4", "k8v16", "k16v8", "kv4c", "kv2c",
+    "k8v4c", "k4cv8",
+];
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let out = args
@@ -792,8 +799,30 @@ fn main() -> Result<()> {
         .unwrap_or_else(|| "gpu-bench.json".into());
     let quick = args.iter().any(|a| a == "--quick");
     let only_qgemm = args.iter().any(|a| a == "--qgemm");
+    let t_start = Instant::now();
     let be = CudaBackend::new(0, Dtype::Bf16)?;
-    eprintln!("gpu-bench on {}", be.name());
+    eprintln!(
+        "gpu-bench on {} (kernels ready in {:.1} s)",
+        be.name(),
+        t_start.elapsed().as_secs_f64()
+    );
+    // --warm-kv: only compiles, side by side into the kernel cache, the quantized-pool modules of
+    // every KV format the GPU tests and this benchmark make, in both model dtypes, so that tests
+    // making pool after pool find them cached (the GPU scripts run it first).
+    if args.iter().any(|a| a == "--warm-kv") {
+        let specs = WARM_KV_FORMATS
+            .iter()
+            .map(|f| f.parse())
+            .collect::<Result<Vec<KvSpec>>>()?;
+        let t0 = Instant::now();
+        be.warm_kv_kernels(&specs, &[Dtype::Bf16, Dtype::F16])?;
+        eprintln!(
+            "KV modules of {} formats ready in {:.1} s",
+            specs.len(),
+            t0.elapsed().as_secs_f64()
+        );
+        return Ok(());
+    }
     // --prefill-attention: only causal prefill attention of one Llama-3-8B layer, 1k to 16k
     // tokens, by both kernel tiers (Hopper's wgmma kernel, the mma.sync kernel).
     if args.iter().any(|a| a == "--prefill-attention") {

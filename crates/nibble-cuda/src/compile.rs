@@ -245,17 +245,32 @@ pub fn cubins_cached_in(
     modules: &[(&str, &str)],
     options: &[String],
 ) -> Result<Vec<Vec<u8>>> {
+    let sources: Vec<String> = modules.iter().map(|(_, text)| full_source(text)).collect();
+    let jobs: Vec<(&str, &str, &[String])> = modules
+        .iter()
+        .zip(&sources)
+        .map(|(&(name, _), source)| (name, source.as_str(), options))
+        .collect();
+    cubin_jobs_in(dir, &jobs)
+}
+
+/// [`cubin`] of every `(name, full source, options)` job at once, a thread each, in their order.
+pub fn cubin_jobs(jobs: &[(&str, &str, &[String])]) -> Result<Vec<Vec<u8>>> {
+    cubin_jobs_in(cache_dir().as_deref(), jobs)
+}
+
+fn cubin_jobs_in(dir: Option<&Path>, jobs: &[(&str, &str, &[String])]) -> Result<Vec<Vec<u8>>> {
     std::thread::scope(|scope| {
-        let compiles: Vec<_> = modules
+        let compiles: Vec<_> = jobs
             .iter()
-            .map(|&(name, text)| {
-                scope.spawn(move || cubin_cached_in(dir, name, &full_source(text), options))
+            .map(|&(name, source, options)| {
+                scope.spawn(move || cubin_cached_in(dir, name, source, options))
             })
             .collect();
         compiles
             .into_iter()
-            .zip(modules)
-            .map(|(compile, (name, _))| {
+            .zip(jobs)
+            .map(|(compile, (name, _, _))| {
                 compile.join().unwrap_or_else(|_| {
                     Err(Error::unsupported(
                         format!("compiling CUDA kernels '{name}'"),

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use nibble_core::{Error, Result};
 use nibble_model::BatchLayout;
+use nibble_precision::KvSpec;
 
 use crate::compile;
 use crate::graph::{self, GraphCache, GraphKey};
@@ -348,18 +349,52 @@ impl CudaContext {
         if modules.contains_key(&key) {
             return Ok(());
         }
-        let opts = compile::kv_quant_options(
-            &self.compile_options,
-            self.dtype.suffix(),
-            [k, v],
-            v_deferred,
-        );
-        let name = format!("kv_quant_k{k}v{v}{}", if v_deferred { "d" } else { "" });
+        let (name, opts) = self.kv_module(formats, v_deferred, self.dtype);
         let cubin = compile::cubin(&name, &compile::full_source(compile::KV_QUANT), &opts)?;
         let mut kernels = HashMap::new();
         crate::module::load(&self.gpu, &name, &cubin, &mut kernels)?;
         modules.insert(key, Arc::new(kernels));
         Ok(())
+    }
+
+    /// The name and NVRTC options of the quantized KV module for `formats` and `dtype`.
+    fn kv_module(
+        &self,
+        formats: [PageFormat; 2],
+        v_deferred: bool,
+        dtype: Dtype,
+    ) -> (String, Vec<String>) {
+        let [k, v] = formats.map(PageFormat::kernel_code);
+        let opts =
+            compile::kv_quant_options(&self.compile_options, dtype.suffix(), [k, v], v_deferred);
+        let name = format!("kv_quant_k{k}v{v}{}", if v_deferred { "d" } else { "" });
+        (name, opts)
+    }
+
+    /// Compiles into the disk cache, side by side, the quantized-pool modules that pools of
+    /// `specs` in each of `dtypes` would compile one at a time as they are made (a 16-bit pool
+    /// needs none). A GPU machine's scripts run it first (`gpu-bench --warm-kv`), so tests that
+    /// make pool after pool find their modules cached.
+    pub fn warm_kv_kernels(&self, specs: &[KvSpec], dtypes: &[Dtype]) -> Result<()> {
+        let mut modules: Vec<(String, Vec<String>)> = Vec::new();
+        for &spec in specs {
+            let formats = PageFormat::of_spec(spec);
+            if formats == [PageFormat::Float; 2] {
+                continue;
+            }
+            for &dtype in dtypes {
+                let module = self.kv_module(formats, spec.values_deferred(), dtype);
+                if !modules.contains(&module) {
+                    modules.push(module);
+                }
+            }
+        }
+        let source = compile::full_source(compile::KV_QUANT);
+        let jobs: Vec<(&str, &str, &[String])> = modules
+            .iter()
+            .map(|(name, opts)| (name.as_str(), source.as_str(), opts.as_slice()))
+            .collect();
+        compile::cubin_jobs(&jobs).map(drop)
     }
 
     /// Kernel `name` of the quantized KV pool format `formats` ([`Self::load_kv_kernels`]).
