@@ -3,15 +3,17 @@
 # device call, from the repo root with stage/gpu staged (scripts/gpu-stage.sh, then
 # scripts/gpu-pack.sh):
 #   scripts/gpu-pending-check.sh OUTDIR
-# NIBBLE_KVQ_BIAS_WITH_ZEROS (kernels/kv_quant.cu, a define: NIBBLE_NVRTC_DEFINES): the
-# channel-wise keys' bias MMA (kv4c, kv2c) as -1024 / M in the zeros' accumulator instead of -1024
-# in the codes' one, whose chain of two dependent MMAs a k-tile cost kv4c 3 to 9% on an H100 at
-# 94180ad (BENCHMARKS.md, issue 19). The same arithmetic (-64 and -16 are exact in f16).
-# 1. the channel-wise kv tests with the define (attention against the CPU, pages, greedy serving);
-# 2. gpu-bench --kv-attention with and without it, two rounds alternated.
-# If it passes and is faster on both GPUs, drop the #ifdef and keep its branch.
-# Module compiles run side by side at a context's start now (compile::cubins): note the first
-# bench's time against the 190 s a cold H100 took at 94180ad.
+# Two defines of kernels/kv_quant.cu (NIBBLE_NVRTC_DEFINES), each the same arithmetic:
+# - NIBBLE_KVQ_BIAS_WITH_ZEROS: the channel-wise keys' bias MMA (kv4c, kv2c) split between the
+#   codes' accumulator (-1024) and the zeros' (-1024 / M), 12 MMAs in each chain instead of 16
+#   and 8 (kv4c lost 3 to 9% on an H100 at 94180ad, BENCHMARKS.md, issue 19);
+# - NIBBLE_KVQ_OCCUPANCY: the register-direct decode stages Q in 8 rows (in a stage slot where
+#   they fit) and the per-token kernel is held to 80 registers: 12 CTAs an SM instead of 8 (kv4
+#   is latency-bound at 25% occupancy now; ptxas spills 32 bytes for kv4 at 80 registers).
+# 1. the kv tests with both defines (attention against the CPU in every format, pages, greedy
+#    serving), after the KV modules are compiled side by side (gpu-bench --warm-kv);
+# 2. gpu-bench --kv-attention for the default, each define and both, two rounds alternated.
+# Keep (drop the #ifdef of) whatever passes and is faster on both GPUs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-pending-check.sh OUTDIR}
@@ -20,27 +22,36 @@ export NIBBLE_KERNEL_CACHE=${NIBBLE_KERNEL_CACHE:-/tmp/nibble-kernels}
 source scripts/gpu-lib.sh
 seed_kernel_cache
 status=0
+both=NIBBLE_KVQ_BIAS_WITH_ZEROS+NIBBLE_KVQ_OCCUPANCY  # (+: gpu-abn.sh's knobs split at commas)
 t0=$(date +%s)
-NIBBLE_NVRTC_DEFINES=NIBBLE_KVQ_BIAS_WITH_ZEROS warm_kv stage/gpu  # the variant's modules
-warm_kv stage/gpu  # the default's, for the A/B's base
-NIBBLE_NVRTC_DEFINES=NIBBLE_KVQ_BIAS_WITH_ZEROS timeout 400 stage/gpu/gpu-tests kv::channel --test-threads 1 \
-  >"$out/tests-kv-channel.log" 2>&1 || status=1
-grep -E "^test |test result|panicked" "$out/tests-kv-channel.log"
-echo "tests: $(( $(date +%s) - t0 ))s"
-AB_BENCH=--kv-attention scripts/gpu-abn.sh "$out/ab" base=stage/gpu \
-  zeros=stage/gpu@NIBBLE_NVRTC_DEFINES=NIBBLE_KVQ_BIAS_WITH_ZEROS || status=1
+NIBBLE_NVRTC_DEFINES=$both warm_kv stage/gpu
+NIBBLE_NVRTC_DEFINES=$both timeout 420 stage/gpu/gpu-tests kv:: --test-threads 1 \
+  >"$out/tests-kv.log" 2>&1 || status=1
+grep -E "^test |test result|panicked" "$out/tests-kv.log"
+echo "warm-up and tests: $(( $(date +%s) - t0 ))s"
+AB_BENCH="--kv-attention --kv-formats=kv16,kv8,kv4,k8v4,kv4c,kv2c" scripts/gpu-abn.sh "$out/ab" \
+  base=stage/gpu zeros=stage/gpu@NIBBLE_NVRTC_DEFINES=NIBBLE_KVQ_BIAS_WITH_ZEROS \
+  occ=stage/gpu@NIBBLE_NVRTC_DEFINES=NIBBLE_KVQ_OCCUPANCY both=stage/gpu@NIBBLE_NVRTC_DEFINES=$both \
+  || status=1
 python3 - "$out/ab" <<'PY' || status=1
 import glob, json, sys
-rows = {}
+rows, names = {}, ["base", "zeros", "occ", "both"]
 for f in sorted(glob.glob(f"{sys.argv[1]}/bench-*.json")):
     name = f.rsplit("/", 1)[1].split("-")[1]
-    for r in json.load(open(f))["kv_attention"]:
+    try:
+        report = json.load(open(f))
+    except ValueError:
+        print(f"{f}: not JSON (a run cut short?)")
+        continue
+    for r in report["kv_attention"]:
         rows.setdefault((r["kv"], r["batch"], r["ctx"]), {}).setdefault(name, []).append(r["ms"])
-print("| KV | batch x ctx | base us | zeros us | zeros speed |")
-print("|---|---|---|---|---|")
+print("| KV | batch x ctx | " + " | ".join(f"{n} us" for n in names) + " | best vs base |")
+print("|---|---|" + "---|" * (len(names) + 1))
 for (kv, b, c), v in rows.items():
-    base, cand = min(v["base"]), min(v["zeros"])
-    print(f"| {kv} | {b} x {c} | {base * 1e3:.1f} | {cand * 1e3:.1f} | {base / cand:.3f}x |")
+    t = {n: min(v[n]) * 1e3 for n in names if n in v}
+    best = min(t, key=t.get)
+    cells = " | ".join(f"{t[n]:.1f}" if n in t else "-" for n in names)
+    print(f"| {kv} | {b} x {c} | {cells} | {best} {t.get('base', float('nan')) / t[best]:.3f}x |")
 PY
 save_kernel_cache
 exit $status

@@ -849,8 +849,8 @@ fn main() -> Result<()> {
     // / context 4k and batch 8 / context 32k, each against kv16 in the same run.
     if args.iter().any(|a| a == "--kv-attention") {
         let (bw, peak) = ceilings(&be)?;
-        // --kv-formats=kv16,kv4: only these (a profiler's run of one kernel); the first is the
-        // speedups' base.
+        // --kv-formats=kv16,kv4: only these (a profiler's run of one kernel), in the fixed order
+        // below; the first of them (kv16 when listed) is the speedups' base.
         let kv_formats: Option<Vec<String>> = args
             .iter()
             .find_map(|a| a.strip_prefix("--kv-formats="))

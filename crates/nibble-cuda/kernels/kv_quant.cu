@@ -36,9 +36,20 @@ typedef NIBBLE_KVQ_T KvqT;
 // - a 16-bit side, 2-bit values of another mix, or one side deferred alone (k8v4c, k4cv8):
 //   decode_mma.cu's kernel with a dequantizing page policy, a deferred side's own block from the
 //   residual.
+// NIBBLE_KVQ_OCCUPANCY (a define for an A/B, built 2026-11-27 without a GPU run): the
+// register-direct kernel stages Q in 8 rows, inside a stage slot where one holds them, and the
+// per-token one is held to 80 registers, for 12 CTAs (24 warps) an SM instead of 8. Nsight
+// Compute put it at 25% occupancy and, past the ALU change, kv4 issues about every other cycle
+// on an H200: latency, not the pipes, bounds it now. At 80 registers ptxas spills 32 bytes for
+// kv4 and 36 for kv8 (sm_90a).
+#ifdef NIBBLE_KVQ_OCCUPANCY
+#define KVQ_DIRECT_BOUNDS __launch_bounds__(64, 12)
+#else
+#define KVQ_DIRECT_BOUNDS __launch_bounds__(64)
+#endif
 #if NIBBLE_KVQ_K != PAGE_F16 && NIBBLE_KVQ_V != PAGE_F16 && !KVQ_DEFERRED && NIBBLE_KVQ_V != PAGE_U2
 #define KVQ_DECODE(HD, G)                                                                        \
-    extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
+    extern "C" __global__ void KVQ_DIRECT_BOUNDS kvq_decode_hd##HD##_g##G(                        \
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
         const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
@@ -312,8 +323,9 @@ __device__ __forceinline__ u32 half2_bits(float lo, float hi) { return pack2(lo,
 // decode_kvq_impl's online softmax over one 16-token block. s: the block's scores in log2 units
 // (tokens g, g + 8 by heads 2t, 2t + 1), masked to NEG_BIG where !valid. P' = P s_v per token
 // (`vp`: the value rows' (scale, zero)), rounded to f16 as the operand holds it, becomes the
-// B fragments pt of O^T += V^T P'^T; ZERO (biased value codes 1024 + c with zero points): the
-// rows' sum P (z - 1024 s) joins zacc, which cancels the bias exactly.
+// B fragments pt of O^T += V^T P'^T; ZERO (biased value codes 1024 + VM c with zero points): the
+// rows' sum P z - (1024 / VM) P' joins zacc, which cancels the bias exactly once O is divided by
+// VM (ValueFrags::MULT) at the end.
 // The reference max m moves only when a score passes it by more than RESCALE_SLACK (the whole
 // warp moves together), so most blocks skip the rescale of O, l and zacc (FlashAttention-4's
 // conditional rescaling); P then stays at most 2^RESCALE_SLACK. l and zacc stay per lane (this
@@ -372,9 +384,9 @@ __device__ __forceinline__ void kvq_column_sums(float (&l)[2], float (&zacc)[2])
 
 // decode_kvq_impl's step over the query's own block of a deferred pool, read raw from the
 // residual (rows `at` .. of rk / rv, f32, [16][HD]), in the loop's layouts: K's A fragments in
-// the staged dim order of 4-bit codes (KeyFrags::pos), V^T's from lane g's dims, P unscaled and
-// no zero term. Rows at or past `end` are zeros (a residual row past the context may hold
-// anything). One warp.
+// the staged dim order of 4-bit codes (KeyFrags::pos), V^T's from lane g's dims, P times VM (the
+// output is divided by it) and no zero term. Rows at or past `end` are zeros (a residual row past
+// the context may hold anything). One warp.
 template <int HD, class KF, int VM>
 __device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], float (&o)[HD / 16][4], float (&m)[2],
                                                float (&l)[2], float (&zacc)[2], const float* __restrict__ rk,
@@ -458,7 +470,16 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     constexpr int PAIR = KS::PAGE + VS::PAGE;
     constexpr int STAGES = PAIR <= 2304 ? 4 : PAIR <= 3328 ? 3 : 2;
     constexpr int STAGES_BYTES = WARPS * STAGES * PAIR;
-    constexpr int Q_BYTES = WARPS * DM_BS * LD * 2;
+#ifdef NIBBLE_KVQ_OCCUPANCY
+    // Q as the B operand is 8 heads wide: 8 rows, in the last stage slot (written by the loop's
+    // first issue, after Q is in registers) where they fit (kv4: exactly), else beside.
+    constexpr int Q_ROWS = 8;
+    constexpr bool Q_IN_STAGE = Q_ROWS * LD * 2 <= PAIR;
+#else
+    constexpr int Q_ROWS = DM_BS;
+    constexpr bool Q_IN_STAGE = false;
+#endif
+    constexpr int Q_BYTES = Q_IN_STAGE ? 0 : WARPS * Q_ROWS * LD * 2;
     constexpr int MERGE_BYTES = WARPS * G * (HD + 2) * 4;
     constexpr int SMEM = STAGES_BYTES + Q_BYTES > MERGE_BYTES ? STAGES_BYTES + Q_BYTES : MERGE_BYTES;
     // Channel-wise keys (kv4c): per block and channel (s, z) in the page's tail. S = (Q'.(1024 +
@@ -475,7 +496,8 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     unsigned char* mine = smem + warp * STAGES * PAIR;  // stage i: K page, then V page
-    __half* kq = reinterpret_cast<__half*>(smem + STAGES_BYTES + warp * DM_BS * LD * 2);
+    __half* kq = reinterpret_cast<__half*>(Q_IN_STAGE ? mine + (STAGES - 1) * PAIR
+                                                      : smem + STAGES_BYTES + warp * Q_ROWS * LD * 2);
     DecodeSplit ds;
     if (!decode_split<HD, KS, VS>(ds, tok_pos, block_tables, tok_seq, max_blocks, chunk, window, kc, vc,
                                   num_kv_heads, knew, vnew, ldk, ldv))
@@ -531,7 +553,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     // Q^T's B fragments (head g; dims permuted as the key fragments take them): qf[kk][0] and
     // qf[kk][2]. This lane's two heads are 2t and 2t + 1; their sums of the staged Q.
     u32 qf[HD / 16][4];
-    stage_q<__half, HD, G>(q + (long)token * ldq + (long)kvh * group * HD, group, kq, lane, qf,
+    stage_q<__half, HD, G, Q_ROWS>(q + (long)token * ldq + (long)kvh * group * HD, group, kq, lane, qf,
                            [](int d) { return KF::pos(d); });
     float qsum[2] = {0.f, 0.f};
     if (K_ZERO) {
@@ -596,12 +618,18 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                         KF::frag(w1, kk, a[1], a[3]);
                         mma16816<__half>(s, a, q0, q1);
 #ifdef NIBBLE_KVQ_BIAS_WITH_ZEROS
-                        // The bias as -1024 / M (-64 or -16, exact) in the zeros' accumulator:
-                        // the codes' chain stays one MMA a k-tile. (Built 2026-11-27 without a
-                        // GPU run; the default's chain of two cost kv4c 3 to 9% on an H100.)
-                        constexpr u32 B = KF::MULT == 16 ? 0xD400D400u : 0xCC00CC00u;
-                        const u32 bias[4] = {B, B, B, B};
-                        mma16816<__half>(s2, bias, q0, q1);
+                        // Every other k-tile's bias as -1024 / M (-64 or -16, exact) in the
+                        // zeros' accumulator, which the end does not divide by M: 12 MMAs in each
+                        // chain at head_dim 128 instead of 16 and 8. (Built 2026-11-27 without a
+                        // GPU run; at 94180ad kv4c lost 3 to 9% on an H100.)
+                        if (kk & 1) {
+                            const u32 bias[4] = {0xE400E400u, 0xE400E400u, 0xE400E400u, 0xE400E400u};
+                            mma16816<__half>(s, bias, q0, q1);
+                        } else {
+                            constexpr u32 B = KF::MULT == 16 ? 0xD400D400u : 0xCC00CC00u;
+                            const u32 bias[4] = {B, B, B, B};
+                            mma16816<__half>(s2, bias, q0, q1);
+                        }
 #else
                         const u32 bias[4] = {0xE400E400u, 0xE400E400u, 0xE400E400u, 0xE400E400u};  // -1024
                         mma16816<__half>(s, bias, q0, q1);
@@ -633,7 +661,8 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int r = e >> 1, c = e & 1;
-            // Channel keys: s holds M Q'.c (codes and bias), s2 Q.z.
+            // Channel keys: s / M + s2 is Q'.c + Q.z (the bias -1024 sum(Q') in s, or, with
+            // NIBBLE_KVQ_BIAS_WITH_ZEROS, split between s at -1024 and s2 at -1024 / M).
             float x = KCH ? fmaf(s[e], 1.f / KF::MULT, s2[e]) : s[e] + s2[e];
             x = K_ZERO ? kp_[r].x * (1.f / KF::MULT) * (x - 1024.f * qsum[c]) + kp_[r].y * qsum[c]
                        : KCH ? x : kp_[r].x * x;

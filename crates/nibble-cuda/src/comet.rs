@@ -245,8 +245,11 @@ pub fn gemm(
     }
     let (group, int8_blocks) = (w.group, w.int8_blocks);
     let blocks = k / group;
-    let use_gemv =
-        ctx.comet_gemv().unwrap_or_else(gemv_by_default) && gemv_takes(m, n, w.wgmma.is_some());
+    // A context's override forces its choice (tests run both); the default hands wide layers to
+    // the wgmma tier past 8 tokens.
+    let use_gemv = ctx
+        .comet_gemv()
+        .unwrap_or_else(|| gemv_by_default() && gemv_takes(m, n, w.wgmma.is_some()));
     let gemv = gemv_tiles(m, use_gemv);
     // Batches the gemv does not take go to the wgmma tier where the weight has its copy. It
     // reads the tokens' block scales as [blocks][tokens] (rows of a multiple of 4 floats, as TMA

@@ -152,7 +152,8 @@ pub fn arch_for(cc: (i32, i32)) -> String {
     }
 }
 
-/// `-D` options for the names in NIBBLE_NVRTC_DEFINES (comma-separated), so a kernel variant under
+/// `-D` options for the names in NIBBLE_NVRTC_DEFINES (separated by commas or `+`, the form
+/// `scripts/gpu-abn.sh` stages take, whose knobs are comma-separated), so a kernel variant under
 /// `#ifdef` can be A/B'd against the default in one build (`scripts/gpu-abn.sh` with
 /// `@NIBBLE_NVRTC_DEFINES=...`); the cache key holds the options, so each variant caches apart.
 /// A name that is not an identifier is an error.
@@ -162,7 +163,7 @@ pub fn knob_defines() -> Result<Vec<String>> {
 
 /// [`knob_defines`] of the knob's value.
 fn defines_of(v: &str) -> Result<Vec<String>> {
-    v.split(',')
+    v.split([',', '+'])
         .filter(|d| !d.is_empty())
         .map(|d| {
             let ident = d.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
@@ -267,7 +268,9 @@ fn cubin_jobs_in(dir: Option<&Path>, jobs: &[(&str, &str, &[String])]) -> Result
                 scope.spawn(move || cubin_cached_in(dir, name, source, options))
             })
             .collect();
-        compiles
+        // Every thread joined before the first error is returned: a handle dropped unjoined
+        // would turn a later thread's panic into the scope's.
+        let results: Vec<Result<Vec<u8>>> = compiles
             .into_iter()
             .zip(jobs)
             .map(|(compile, (name, _, _))| {
@@ -278,7 +281,8 @@ fn cubin_jobs_in(dir: Option<&Path>, jobs: &[(&str, &str, &[String])]) -> Result
                     ))
                 })
             })
-            .collect()
+            .collect();
+        results.into_iter().collect()
     })
 }
 
@@ -308,16 +312,12 @@ pub fn cubin_cached_in(
 fn store_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".tmp-{}-{}", std::process::id(), rand_suffix()));
+    // Unique within the process too: modules compiled side by side finish together.
+    static STORES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = STORES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".tmp-{}-{n}", std::process::id()));
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path)
-}
-
-fn rand_suffix() -> u64 {
-    use std::time::{SystemTime, UNIX_EPOCH};
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// NVRTC, uncached. Also used by the kernel-compile check that runs without a GPU.
@@ -436,7 +436,7 @@ mod tests {
     #[test]
     fn knob_defines_are_macro_names_only() {
         assert_eq!(
-            defines_of("SOME_VARIANT,_X1,").unwrap(),
+            defines_of("SOME_VARIANT+_X1,").unwrap(),
             ["-DSOME_VARIANT", "-D_X1"]
         );
         assert!(defines_of("").unwrap().is_empty());

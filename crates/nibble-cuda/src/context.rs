@@ -260,8 +260,9 @@ impl CudaContext {
     }
 
     /// Whether COMET's decode batches (up to [`crate::comet::GEMV_MAX_TOKENS`]) run on its decode
-    /// gemv (`Some(true)`), its tiled GEMM (`Some(false)`) or, with `None`, the default
-    /// ([`crate::comet::gemv_by_default`]): tests and benchmarks run both.
+    /// gemv (`Some(true)`), its tiled GEMM or wgmma tier (`Some(false)`) or, with `None`, the
+    /// default ([`crate::comet::gemv_by_default`] and [`crate::comet::gemv_takes`]): tests and
+    /// benchmarks run both.
     pub fn set_comet_gemv(&self, on: Option<bool>) {
         self.comet_gemv.store(tri_state(on), Ordering::Relaxed);
     }

@@ -655,10 +655,13 @@ fn comet_is_bit_exact_with_the_reference() {
     // for bit. Every group size, none / one / half / all blocks INT8 (kernel_formats), f32 and
     // 16-bit inputs, tokens and rows off the CTA tiles (32 tokens, 64 rows; the decode gemv's 8,
     // 16 or 32 tokens, 16 rows), poisoned outputs, an outlier, a zero row and a NaN row; a fused
-    // (stacked) projection too. Up to 32 tokens on both kernels (set_comet_gemv).
+    // (stacked) projection too. Up to 32 tokens on both kernels (set_comet_gemv); the weights
+    // are loaded without the wgmma tier's copy (set_comet_wgmma), which has its own test, so
+    // groups of 128 take the tiled GEMM too.
     let mut r = rng("comet_is_bit_exact_with_the_reference");
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let g = gpu(dtype);
+        g.set_comet_wgmma(Some(false));
         // 2048: 64 blocks of 32, two a warp of the quantizer's 1024 threads. 2560: the decode
         // gemv's rounds of 16 blocks, whole and partial, at every group size (20 blocks of 128).
         for &(k, n) in &[
@@ -810,7 +813,7 @@ fn comet_wgmma_is_bit_exact_with_the_reference() {
                 g.set_comet_gemv(None);
             }
         }
-        // Without the copy (the default until measured), the same weight takes the tiled GEMM.
+        // Without the copy (NIBBLE_COMET_WGMMA=0), the same weight takes the tiled GEMM.
         let format: LinearFormat = "int4-g128/a4a8-b128-n1".parse().unwrap();
         let wb = random_rows(&mut r, format, 24, 256);
         g.set_comet_wgmma(Some(false));
