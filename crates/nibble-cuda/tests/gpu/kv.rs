@@ -42,6 +42,11 @@ fn channel_kv_attention_matches_cpu() {
 }
 
 fn attention_matches_cpu_in(r: &mut ChaCha8Rng, formats: &[&str]) {
+    // Every format's module compiled side by side first, not one pool at a time.
+    let specs: Vec<KvSpec> = formats.iter().map(|f| f.parse().unwrap()).collect();
+    gpu(Dtype::Bf16)
+        .warm_kv_kernels(&specs, &[Dtype::Bf16, Dtype::F16])
+        .unwrap();
     let shapes = [
         (32, 8, 128, None),
         (6, 2, 64, None),
