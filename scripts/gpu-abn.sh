@@ -35,7 +35,7 @@ if [ -n "${AB_TEST_STAGE:-}" ]; then
     [ "$d" = "$AB_TEST_STAGE" ] || "$d/gpu-bench" /tmp/warm.json $bench >/dev/null 2>&1
   done &
   warm=$!
-  warm_kv "$AB_TEST_STAGE"
+  case "${AB_TESTS:-qgemm}" in *kv*) warm_kv "$AB_TEST_STAGE" ;; esac
   STEP_SUMMARY="test result|FAILED|panicked" step tests "$AB_TEST_STAGE/gpu-tests" ${AB_TESTS:-qgemm} --test-threads 1
   wait $warm
 fi
