@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # What was built on 2026-11-27 (thirteenth session) without a GPU run, checked and measured in one
-# device call, from the repo root with stage/gpu staged (scripts/gpu-stage.sh, then
-# scripts/gpu-pack.sh):
+# device call, from the repo root with stage/gpu staged with the variants' kernels precompiled:
+#   GPU_VARIANTS="NIBBLE_KVQ_BIAS_WITH_ZEROS NIBBLE_KVQ_OCCUPANCY NIBBLE_KVQ_BIAS_WITH_ZEROS+NIBBLE_KVQ_OCCUPANCY" \
+#     scripts/gpu-stage.sh && scripts/gpu-pack.sh NAME
+# (the seed then holds every module of the four stages: the first test and bench lines should
+# show no compiling; `gpu-bench` prints how long its kernels took to get ready), then:
 #   scripts/gpu-pending-check.sh OUTDIR
 # Two defines of kernels/kv_quant.cu (NIBBLE_NVRTC_DEFINES), each the same arithmetic:
 # - NIBBLE_KVQ_BIAS_WITH_ZEROS: the channel-wise keys' bias MMA (kv4c, kv2c) split between the

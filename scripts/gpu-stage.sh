@@ -6,7 +6,10 @@
 #   stage/gpu/gpu-tp-tests      the two-GPU tensor-parallel tests (crates/nibble-cuda/tests/gpu_tp.rs)
 #   stage/gpu/kernels-compile   the NVRTC compile test for every architecture
 #   stage/gpu/gpu-bench         the kernel and decode-step benchmark (crates/nibble-cuda/examples)
-# The model fixtures, bench scripts and configs travel with the working tree.
+# The model fixtures, bench scripts and configs travel with the working tree. Then the kernels:
+# scripts/gpu-precompile.sh compiles every module for sm_90a here into .gpu-cache (the seed the
+# GPU scripts unpack), with the kernel variants named in GPU_VARIANTS (define sets, e.g.
+# GPU_VARIANTS="A B A+B"), so the GPU machine compiles nothing.
 # Then, on the GPU machine, from the repo root: scripts/gpu-run.sh OUTDIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +32,8 @@ cp "$(echo "$msgs" | pick kernels_compile)" "$out/kernels-compile"
 msgs=$(cargo build --release --locked -q -p nibble-cuda --example gpu_bench --message-format=json 2>/dev/null)
 cp "$(echo "$msgs" | pick gpu_bench)" "$out/gpu-bench"
 strip "$out"/* 2>/dev/null || true
+# shellcheck disable=SC2086 # GPU_VARIANTS: one argument a define set
+scripts/gpu-precompile.sh ${GPU_VARIANTS:-}
 # The GPU machine's copy of the tree may not carry this commit's history: record it.
 git describe --always --dirty > "$out/COMMIT"
 du -ch "$out"/* | tail -1

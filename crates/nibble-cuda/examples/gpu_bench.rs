@@ -784,13 +784,6 @@ fn moe_experts(be: &CudaBackend, bw: f64) -> Result<Vec<Value>> {
     Ok(out)
 }
 
-/// What `--warm-kv` compiles: the KV formats of tests/gpu/kv.rs, tests/gpu.rs and
-/// `--kv-attention` (a format missing here still compiles when its pool is made).
-const WARM_KV_FORMATS: &[&str] = &[
-    "kv8", "kv4", "kvfp8", "k8v4", "k4v8", "kfp8v4", "k16v4", "k8v16", "k16v8", "kv4c", "kv2c",
-    "k8v4c", "k4cv8",
-];
-
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let out = args
@@ -810,7 +803,7 @@ fn main() -> Result<()> {
     // every KV format the GPU tests and this benchmark make, in both model dtypes, so that tests
     // making pool after pool find them cached (the GPU scripts run it first).
     if args.iter().any(|a| a == "--warm-kv") {
-        let specs = WARM_KV_FORMATS
+        let specs = nibble_cuda::WARM_KV_FORMATS
             .iter()
             .map(|f| f.parse())
             .collect::<Result<Vec<KvSpec>>>()?;

@@ -207,11 +207,20 @@ pub fn cache_dir() -> Option<PathBuf> {
     Some(base.join("nibble").join("kernels"))
 }
 
+/// The cache key of `source` compiled with `options` by this NVRTC. Where the CUDA headers were
+/// found (`--include-path`) is left out: the same NVRTC version ships the same headers, so a
+/// cubin compiled on a machine without a GPU (`scripts/gpu-precompile.sh`, from pip's NVRTC and
+/// headers) is the GPU machine's too, and a fresh GPU machine seeded with it compiles nothing.
 pub fn cache_key(source: &str, options: &[String]) -> String {
     let mut h = Sha256::new();
     h.update(source.as_bytes());
     for o in options {
         h.update([0u8]);
+        let o = if o.starts_with("--include-path=") {
+            "--include-path"
+        } else {
+            o
+        };
         h.update(o.as_bytes());
     }
     let (maj, min) = nvrtc_version();
@@ -221,6 +230,11 @@ pub fn cache_key(source: &str, options: &[String]) -> String {
         .take(16)
         .map(|b| format!("{b:02x}"))
         .collect()
+}
+
+/// The file [`cubin`] keeps module `name`'s cubin in, within the cache directory.
+pub fn cache_file_name(name: &str, source: &str, options: &[String]) -> String {
+    format!("{name}-{}.cubin", cache_key(source, options))
 }
 
 /// The full text NVRTC compiles for module `name`.
@@ -293,8 +307,7 @@ pub fn cubin_cached_in(
     source: &str,
     options: &[String],
 ) -> Result<Vec<u8>> {
-    let key = cache_key(source, options);
-    let cached = dir.map(|d| d.join(format!("{name}-{key}.cubin")));
+    let cached = dir.map(|d| d.join(cache_file_name(name, source, options)));
     if let Some(path) = &cached
         && let Ok(bytes) = std::fs::read(path)
         && !bytes.is_empty()

@@ -206,6 +206,73 @@ pub(crate) fn row_regs_block(cols: usize) -> u32 {
         .clamp(32, 1024) as u32
 }
 
+/// The KV formats of the GPU tests (tests/gpu/kv.rs, tests/gpu.rs) and of `gpu-bench
+/// --kv-attention`: what `gpu-bench --warm-kv` and the precompile example compile ahead (a format
+/// missing here still compiles when its pool is made).
+pub const WARM_KV_FORMATS: &[&str] = &[
+    "kv8", "kv4", "kvfp8", "k8v4", "k4v8", "kfp8v4", "k16v4", "k8v16", "k16v8", "kv4c", "kv2c",
+    "k8v4c", "k4cv8",
+];
+
+/// The name and NVRTC options (after the context's `base`) of the quantized KV module for
+/// `formats` and `dtype`.
+fn kv_module(
+    base: &[String],
+    formats: [PageFormat; 2],
+    v_deferred: bool,
+    dtype: Dtype,
+) -> (String, Vec<String>) {
+    let [k, v] = formats.map(PageFormat::kernel_code);
+    let opts = compile::kv_quant_options(base, dtype.suffix(), [k, v], v_deferred);
+    let name = format!("kv_quant_k{k}v{v}{}", if v_deferred { "d" } else { "" });
+    (name, opts)
+}
+
+/// Compiles into the disk cache, side by side, the quantized-pool modules that pools of `specs`
+/// in each of `dtypes` would compile one at a time as they are made (a 16-bit pool needs none),
+/// with a context's compile options `base` ([`compile::options`] and the knob's defines). Needs
+/// NVRTC, not a GPU.
+pub fn warm_kv_modules(base: &[String], specs: &[KvSpec], dtypes: &[Dtype]) -> Result<()> {
+    let modules = kv_modules(base, specs, dtypes);
+    let source = compile::full_source(compile::KV_QUANT);
+    let jobs: Vec<(&str, &str, &[String])> = modules
+        .iter()
+        .map(|(name, opts)| (name.as_str(), source.as_str(), opts.as_slice()))
+        .collect();
+    compile::cubin_jobs(&jobs).map(drop)
+}
+
+/// The distinct (name, options) of the quantized KV modules that pools of `specs` in each of
+/// `dtypes` compile (of [`compile::KV_QUANT`]'s source).
+pub fn kv_modules(
+    base: &[String],
+    specs: &[KvSpec],
+    dtypes: &[Dtype],
+) -> Vec<(String, Vec<String>)> {
+    let mut modules: Vec<(String, Vec<String>)> = Vec::new();
+    for &spec in specs {
+        let formats = PageFormat::of_spec(spec);
+        if formats == [PageFormat::Float; 2] {
+            continue;
+        }
+        for &dtype in dtypes {
+            let module = kv_module(base, formats, spec.values_deferred(), dtype);
+            if !modules.contains(&module) {
+                modules.push(module);
+            }
+        }
+    }
+    modules
+}
+
+/// A context's NVRTC options for `arch` with the CUDA headers in `include`: [`compile::options`]
+/// and NIBBLE_NVRTC_DEFINES's names.
+pub fn context_compile_options(arch: &str, include: &std::path::Path) -> Result<Vec<String>> {
+    let mut opts = compile::options(arch, include);
+    opts.extend(compile::knob_defines()?);
+    Ok(opts)
+}
+
 impl CudaContext {
     /// Opens GPU `ordinal`, compiles (or loads cached) kernels for it.
     pub fn new(ordinal: usize, dtype: Dtype) -> Result<CudaContext> {
@@ -214,8 +281,7 @@ impl CudaContext {
         let gpu = Gpu::open(ordinal)?;
         let arch = compile::arch_for(gpu.cc);
         let include = crate::probe::cuda_include_dir()?;
-        let mut opts = compile::options(&arch, &include);
-        opts.extend(compile::knob_defines()?);
+        let opts = context_compile_options(&arch, &include)?;
         let mut kernels = HashMap::new();
         let cubins = compile::cubins(compile::SOURCES, &opts)?;
         for ((name, _), cubin) in compile::SOURCES.iter().zip(&cubins) {
@@ -365,37 +431,13 @@ impl CudaContext {
         v_deferred: bool,
         dtype: Dtype,
     ) -> (String, Vec<String>) {
-        let [k, v] = formats.map(PageFormat::kernel_code);
-        let opts =
-            compile::kv_quant_options(&self.compile_options, dtype.suffix(), [k, v], v_deferred);
-        let name = format!("kv_quant_k{k}v{v}{}", if v_deferred { "d" } else { "" });
-        (name, opts)
+        kv_module(&self.compile_options, formats, v_deferred, dtype)
     }
 
-    /// Compiles into the disk cache, side by side, the quantized-pool modules that pools of
-    /// `specs` in each of `dtypes` would compile one at a time as they are made (a 16-bit pool
-    /// needs none). A GPU machine's scripts run it first (`gpu-bench --warm-kv`), so tests that
-    /// make pool after pool find their modules cached.
+    /// [`warm_kv_modules`] with this context's compile options. A GPU machine's scripts run it
+    /// first (`gpu-bench --warm-kv`), so tests that make pool after pool find their modules cached.
     pub fn warm_kv_kernels(&self, specs: &[KvSpec], dtypes: &[Dtype]) -> Result<()> {
-        let mut modules: Vec<(String, Vec<String>)> = Vec::new();
-        for &spec in specs {
-            let formats = PageFormat::of_spec(spec);
-            if formats == [PageFormat::Float; 2] {
-                continue;
-            }
-            for &dtype in dtypes {
-                let module = self.kv_module(formats, spec.values_deferred(), dtype);
-                if !modules.contains(&module) {
-                    modules.push(module);
-                }
-            }
-        }
-        let source = compile::full_source(compile::KV_QUANT);
-        let jobs: Vec<(&str, &str, &[String])> = modules
-            .iter()
-            .map(|(name, opts)| (name.as_str(), source.as_str(), opts.as_slice()))
-            .collect();
-        compile::cubin_jobs(&jobs).map(drop)
+        warm_kv_modules(&self.compile_options, specs, dtypes)
     }
 
     /// Kernel `name` of the quantized KV pool format `formats` ([`Self::load_kv_kernels`]).

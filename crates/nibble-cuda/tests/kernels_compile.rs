@@ -431,3 +431,28 @@ fn modules_compile_side_by_side_and_come_back_in_order() {
         "{e}"
     );
 }
+
+#[test]
+fn the_cache_key_leaves_out_where_the_headers_were_found() {
+    // A cubin compiled where pip installed the headers is the one a GPU machine with the
+    // toolkit's headers (and the same NVRTC) would compile: scripts/gpu-precompile.sh.
+    if !probe::nvrtc_available() {
+        return unavailable("NVRTC is not installed here");
+    }
+    let opts = |include: &str, arch: &str| compile::options(arch, std::path::Path::new(include));
+    let src = "extern \"C\" __global__ void k() {}";
+    let here = compile::cache_key(src, &opts("/work/.cuda-tk/nvidia/cu13/include", "sm_90a"));
+    let there = compile::cache_key(src, &opts("/usr/local/cuda/include", "sm_90a"));
+    assert_eq!(here, there);
+    assert_ne!(
+        here,
+        compile::cache_key(src, &opts("/usr/local/cuda/include", "sm_80"))
+    );
+    assert_ne!(
+        here,
+        compile::cache_key("// another\n", &opts("/usr/local/cuda/include", "sm_90a"))
+    );
+    let mut defined = opts("/usr/local/cuda/include", "sm_90a");
+    defined.push("-DSOME_VARIANT".into());
+    assert_ne!(here, compile::cache_key(src, &defined));
+}
