@@ -416,22 +416,12 @@ impl CudaContext {
         if modules.contains_key(&key) {
             return Ok(());
         }
-        let (name, opts) = self.kv_module(formats, v_deferred, self.dtype);
+        let (name, opts) = kv_module(&self.compile_options, formats, v_deferred, self.dtype);
         let cubin = compile::cubin(&name, &compile::full_source(compile::KV_QUANT), &opts)?;
         let mut kernels = HashMap::new();
         crate::module::load(&self.gpu, &name, &cubin, &mut kernels)?;
         modules.insert(key, Arc::new(kernels));
         Ok(())
-    }
-
-    /// The name and NVRTC options of the quantized KV module for `formats` and `dtype`.
-    fn kv_module(
-        &self,
-        formats: [PageFormat; 2],
-        v_deferred: bool,
-        dtype: Dtype,
-    ) -> (String, Vec<String>) {
-        kv_module(&self.compile_options, formats, v_deferred, dtype)
     }
 
     /// [`warm_kv_modules`] with this context's compile options. A GPU machine's scripts run it
