@@ -111,6 +111,15 @@ enum Command {
     Serve(ServeArgs),
     /// Download and verify the default model; print its path.
     Fetch,
+    /// Compile the CUDA kernels into the kernel cache ahead of a run, side by side, and print the
+    /// cache directory: every module and the common KV formats' (a first run otherwise compiles
+    /// them for minutes). For the GPU found, or for `--arch` without a GPU (a build machine with
+    /// NVRTC of the same version fills a cache a GPU machine can use).
+    Kernels {
+        /// Target architecture such as sm_80, sm_89 or sm_90a (Hopper); default: the GPU's.
+        #[arg(long)]
+        arch: Option<String>,
+    },
     /// Quantize the model with a method and write a nibble checkpoint directory.
     Quantize(nibble_cli::quantize::QuantizeArgs),
 }
@@ -528,6 +537,24 @@ fn run(cli: Cli) -> Result<()> {
         println!("{}", default_model::ensure()?.display());
         return Ok(());
     }
+    if let Command::Kernels { arch } = &cli.command {
+        let arch = match arch {
+            Some(arch) => arch.clone(),
+            None => nibble_cuda::gpu_arch(0)
+                .context("no GPU to compile for: name one with --arch (e.g. sm_90a)")?,
+        };
+        let t0 = std::time::Instant::now();
+        let files = nibble_cuda::precompile_kernels(&arch)?;
+        eprintln!(
+            "{} kernel modules for {arch} ready in {:.1} s",
+            files.len(),
+            t0.elapsed().as_secs_f64()
+        );
+        if let Some(dir) = nibble_cuda::compile::cache_dir() {
+            println!("{}", dir.display());
+        }
+        return Ok(());
+    }
     if let Command::Quantize(args) = &cli.command {
         return nibble_cli::quantize::run(
             args,
@@ -676,7 +703,7 @@ where
                 a.json,
             )
         }
-        Command::Fetch | Command::Serve(_) | Command::Quantize(_) => {
+        Command::Fetch | Command::Serve(_) | Command::Quantize(_) | Command::Kernels { .. } => {
             unreachable!("handled above")
         }
     }

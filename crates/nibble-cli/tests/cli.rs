@@ -700,3 +700,51 @@ fn tensor_parallel_generate_writes_what_one_rank_writes() {
         on_gpus("serve", "NVIDIA driver");
     }
 }
+
+#[test]
+fn kernels_refuses_an_architecture_that_is_not_one() {
+    assert_clean_failure(&["kernels", "--arch", "90"], "expected sm_");
+    assert_clean_failure(&["kernels", "--arch", "sm_9x"], "expected sm_");
+}
+
+#[test]
+fn kernels_fills_the_cache_for_a_named_architecture_without_a_gpu() {
+    // NVRTC and the headers come from test.sh's environment (NIBBLE_REQUIRE_NVRTC makes their
+    // absence a failure, as for the kernel-compile test).
+    if !nibble_cuda::probe::nvrtc_available() || nibble_cuda::probe::cuda_include_dir().is_err() {
+        assert!(
+            std::env::var_os("NIBBLE_REQUIRE_NVRTC").is_none(),
+            "NIBBLE_REQUIRE_NVRTC is set but NVRTC or the CUDA headers are missing"
+        );
+        eprintln!("skipped: NVRTC is not installed here");
+        return;
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["kernels", "--arch", "sm_80"])
+        .env("NIBBLE_KERNEL_CACHE", cache.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        cache.path().display().to_string()
+    );
+    // The context's modules and the KV formats' (two dtypes), each a cubin.
+    let cubins = std::fs::read_dir(cache.path())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.path().extension().is_some_and(|x| x == "cubin"))
+        })
+        .count();
+    assert!(
+        cubins > nibble_cuda::compile::SOURCES.len(),
+        "{cubins} cubins: {err}"
+    );
+    assert!(
+        err.contains(&format!("{cubins} kernel modules for sm_80")),
+        "{err}"
+    );
+}

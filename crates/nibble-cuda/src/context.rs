@@ -265,6 +265,61 @@ pub fn kv_modules(
     modules
 }
 
+/// Compiles, side by side into the kernel cache, every module a context makes and the KV
+/// formats' modules ([`WARM_KV_FORMATS`], both model dtypes) for `arch` (`sm_90a`, `sm_80`, ...;
+/// [`gpu_arch`] gives a GPU's), with the options a context would use (NIBBLE_NVRTC_DEFINES
+/// included): `nibble kernels`, and the precompile example the GPU scripts' seed comes from.
+/// Needs NVRTC and the CUDA headers, not a GPU: the cache key leaves out where the headers are,
+/// so a cache filled on a build machine serves a GPU machine with the same NVRTC. Returns the
+/// cache's file names, one a module.
+pub fn precompile_kernels(arch: &str) -> Result<Vec<String>> {
+    let well_formed = arch.strip_prefix("sm_").is_some_and(|v| {
+        !v.is_empty() && v.trim_end_matches('a').bytes().all(|b| b.is_ascii_digit())
+    });
+    if !well_formed {
+        return Err(Error::InvalidArgument(format!(
+            "GPU architecture '{arch}': expected sm_ and a number, such as sm_80 or sm_90a"
+        )));
+    }
+    if compile::cache_dir().is_none() {
+        return Err(Error::InvalidArgument(
+            "no kernel cache directory: set NIBBLE_KERNEL_CACHE or HOME".into(),
+        ));
+    }
+    if !crate::probe::nvrtc_available() {
+        return Err(Error::unsupported(
+            "compiling CUDA kernels",
+            "NVRTC (libnvrtc.so.13) was not found: install the CUDA toolkit or the \
+             nvidia-cuda-nvrtc wheel",
+        ));
+    }
+    let include = crate::probe::cuda_include_dir()?;
+    let opts = context_compile_options(arch, &include)?;
+    compile::cubins(compile::SOURCES, &opts)?;
+    let specs = WARM_KV_FORMATS
+        .iter()
+        .map(|f| f.parse())
+        .collect::<Result<Vec<KvSpec>>>()?;
+    let dtypes = [Dtype::Bf16, Dtype::F16];
+    warm_kv_modules(&opts, &specs, &dtypes)?;
+    let mut files: Vec<String> = compile::SOURCES
+        .iter()
+        .map(|(name, text)| compile::cache_file_name(name, &compile::full_source(text), &opts))
+        .collect();
+    let kv_source = compile::full_source(compile::KV_QUANT);
+    files.extend(
+        kv_modules(&opts, &specs, &dtypes)
+            .iter()
+            .map(|(name, kv_opts)| compile::cache_file_name(name, &kv_source, kv_opts)),
+    );
+    Ok(files)
+}
+
+/// The architecture NVRTC compiles for on GPU `ordinal` (`sm_90a` on Hopper).
+pub fn gpu_arch(ordinal: usize) -> Result<String> {
+    Ok(compile::arch_for(Gpu::open(ordinal)?.cc))
+}
+
 /// A context's NVRTC options for `arch` with the CUDA headers in `include`: [`compile::options`]
 /// and NIBBLE_NVRTC_DEFINES's names.
 pub fn context_compile_options(arch: &str, include: &std::path::Path) -> Result<Vec<String>> {
