@@ -61,13 +61,14 @@ save_kernel_cache() {
   fi
 }
 
-# warm_kv STAGE: compiles the quantized-pool modules of every KV format the GPU tests make, side
-# by side into $NIBBLE_KERNEL_CACHE (`gpu-bench --warm-kv`), before tests that would compile them
-# one pool at a time (about 10 s each, some 15 of them after a change to the KV kernels). Its
-# time goes to stderr; a failure is reported and the tests compile what is missing themselves.
+# warm_kv STAGE: compiles every kernel module a context makes and the KV formats' the GPU tests
+# use, side by side into $NIBBLE_KERNEL_CACHE (`nibble kernels`), before tests that would compile
+# the KV ones one pool at a time (about 10 s each). With a seed from scripts/gpu-precompile.sh it
+# finds them all cached. Its time goes to stderr; a failure is reported and the tests compile what
+# is missing themselves.
 warm_kv() {
   local t0=$(date +%s)
-  NIBBLE_KERNEL_CACHE=$NIBBLE_KERNEL_CACHE "$1/gpu-bench" /dev/null --warm-kv 2>&1 | tail -2 >&2 \
-    || echo "warm_kv: $1/gpu-bench --warm-kv failed" >&2
+  NIBBLE_KERNEL_CACHE=$NIBBLE_KERNEL_CACHE "$1/nibble" kernels 2>&1 | tail -2 >&2 \
+    || echo "warm_kv: $1/nibble kernels failed" >&2
   echo "warm_kv: $(( $(date +%s) - t0 ))s" >&2
 }

@@ -14,7 +14,7 @@
 #   they fit) and the per-token kernel is held to 80 registers: 12 CTAs an SM instead of 8 (kv4
 #   is latency-bound at 25% occupancy now; ptxas spills 32 bytes for kv4 at 80 registers).
 # 1. the kv tests with both defines (attention against the CPU in every format, pages, greedy
-#    serving), after the KV modules are compiled side by side (gpu-bench --warm-kv);
+#    serving), after every module is compiled side by side (`nibble kernels`; with the seed, nothing to do);
 # 2. gpu-bench --kv-attention for the default, each define and both, two rounds alternated.
 # Keep (drop the #ifdef of) whatever passes and is faster on both GPUs.
 set -uo pipefail

@@ -4,7 +4,7 @@
 //! decode steps of a Llama-3-8B-shaped model with random weights, then the quantized GEMMs on
 //! Llama-3-8B's layer shapes (`--qgemm`: the ceilings and those alone).
 //!
-//!     gpu-bench OUT.json [--quick] [--qgemm] [--kv-attention [--kv-formats=kv16,kv4]] [--prefill-attention] [--warm-kv]
+//!     gpu-bench OUT.json [--quick] [--qgemm] [--kv-attention [--kv-formats=kv16,kv4]] [--prefill-attention]
 //!               [--decode-steps B,B,.. [--spec SPEC]] [--moe-experts] [--dense-gemv]
 //!
 //! Timings are medians over repeats after warm-up, taken with the stream synchronized around
@@ -799,23 +799,6 @@ fn main() -> Result<()> {
         be.name(),
         t_start.elapsed().as_secs_f64()
     );
-    // --warm-kv: only compiles, side by side into the kernel cache, the quantized-pool modules of
-    // every KV format the GPU tests and this benchmark make, in both model dtypes, so that tests
-    // making pool after pool find them cached (the GPU scripts run it first).
-    if args.iter().any(|a| a == "--warm-kv") {
-        let specs = nibble_cuda::WARM_KV_FORMATS
-            .iter()
-            .map(|f| f.parse())
-            .collect::<Result<Vec<KvSpec>>>()?;
-        let t0 = Instant::now();
-        be.warm_kv_kernels(&specs, &[Dtype::Bf16, Dtype::F16])?;
-        eprintln!(
-            "KV modules of {} formats ready in {:.1} s",
-            specs.len(),
-            t0.elapsed().as_secs_f64()
-        );
-        return Ok(());
-    }
     // --prefill-attention: only causal prefill attention of one Llama-3-8B layer, 1k to 16k
     // tokens, by both kernel tiers (Hopper's wgmma kernel, the mma.sync kernel).
     if args.iter().any(|a| a == "--prefill-attention") {

@@ -429,16 +429,12 @@ mod tests {
         // widening makes of the packed words (PackedW4A8::widened) against q - z per group.
         let (n, k, group) = (40, 384, WGMMA_GROUP);
         let groups = k / group;
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut r = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(7);
         let p = PackedComet {
-            codes: (0..n * k / 2).map(|_| next() as u8).collect(),
-            zeros: (0..n * groups).map(|_| (next() % 16) as u8).collect(),
+            codes: (0..n * k / 2).map(|_| rand::Rng::random(&mut r)).collect(),
+            zeros: (0..n * groups)
+                .map(|_| rand::Rng::random_range(&mut r, 0..16u8))
+                .collect(),
             scales: (0..n * groups).map(|i| 0.5 + i as f32).collect(),
         };
         let (packed, row_scales) = pack_wgmma(&p, n, k, group).unwrap();

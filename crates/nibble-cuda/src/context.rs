@@ -207,9 +207,9 @@ pub(crate) fn row_regs_block(cols: usize) -> u32 {
 }
 
 /// The KV formats of the GPU tests (tests/gpu/kv.rs, tests/gpu.rs) and of `gpu-bench
-/// --kv-attention`: what `gpu-bench --warm-kv` and the precompile example compile ahead (a format
-/// missing here still compiles when its pool is made).
-pub const WARM_KV_FORMATS: &[&str] = &[
+/// --kv-attention`: what [`precompile_kernels`] compiles ahead (a format missing here still
+/// compiles when its pool is made).
+const WARM_KV_FORMATS: &[&str] = &[
     "kv8", "kv4", "kvfp8", "k8v4", "k4v8", "kfp8v4", "k16v4", "k8v16", "k16v8", "kv4c", "kv2c",
     "k8v4c", "k4cv8",
 ];
@@ -230,11 +230,10 @@ fn kv_module(
 
 /// Compiles into the disk cache, side by side, the quantized-pool modules that pools of `specs`
 /// in each of `dtypes` would compile one at a time as they are made (a 16-bit pool needs none),
-/// with a context's compile options `base` ([`compile::options`] and the knob's defines). Needs
-/// NVRTC, not a GPU.
-pub fn warm_kv_modules(base: &[String], specs: &[KvSpec], dtypes: &[Dtype]) -> Result<()> {
-    let modules = kv_modules(base, specs, dtypes);
+/// with a context's compile options `base` ([`context_compile_options`]). Needs NVRTC, not a GPU.
+fn warm_kv_modules(base: &[String], specs: &[KvSpec], dtypes: &[Dtype]) -> Result<()> {
     let source = compile::full_source(compile::KV_QUANT);
+    let modules = kv_modules(base, specs, dtypes);
     let jobs: Vec<(&str, &str, &[String])> = modules
         .iter()
         .map(|(name, opts)| (name.as_str(), source.as_str(), opts.as_slice()))
@@ -244,11 +243,7 @@ pub fn warm_kv_modules(base: &[String], specs: &[KvSpec], dtypes: &[Dtype]) -> R
 
 /// The distinct (name, options) of the quantized KV modules that pools of `specs` in each of
 /// `dtypes` compile (of [`compile::KV_QUANT`]'s source).
-pub fn kv_modules(
-    base: &[String],
-    specs: &[KvSpec],
-    dtypes: &[Dtype],
-) -> Vec<(String, Vec<String>)> {
+fn kv_modules(base: &[String], specs: &[KvSpec], dtypes: &[Dtype]) -> Vec<(String, Vec<String>)> {
     let mut modules: Vec<(String, Vec<String>)> = Vec::new();
     for &spec in specs {
         let formats = PageFormat::of_spec(spec);
@@ -268,7 +263,8 @@ pub fn kv_modules(
 /// Compiles, side by side into the kernel cache, every module a context makes and the KV
 /// formats' modules ([`WARM_KV_FORMATS`], both model dtypes) for `arch` (`sm_90a`, `sm_80`, ...;
 /// [`gpu_arch`] gives a GPU's), with the options a context would use (NIBBLE_NVRTC_DEFINES
-/// included): `nibble kernels`, and the precompile example the GPU scripts' seed comes from.
+/// included): `nibble kernels` (the GPU scripts' `warm_kv` too), and the precompile example the
+/// GPU scripts' seed comes from.
 /// Needs NVRTC and the CUDA headers, not a GPU: the cache key leaves out where the headers are,
 /// so a cache filled on a build machine serves a GPU machine with the same NVRTC. Returns the
 /// cache's file names, one a module.
@@ -295,24 +291,31 @@ pub fn precompile_kernels(arch: &str) -> Result<Vec<String>> {
     }
     let include = crate::probe::cuda_include_dir()?;
     let opts = context_compile_options(arch, &include)?;
-    compile::cubins(compile::SOURCES, &opts)?;
     let specs = WARM_KV_FORMATS
         .iter()
         .map(|f| f.parse())
         .collect::<Result<Vec<KvSpec>>>()?;
-    let dtypes = [Dtype::Bf16, Dtype::F16];
-    warm_kv_modules(&opts, &specs, &dtypes)?;
-    let mut files: Vec<String> = compile::SOURCES
+    let kv = kv_modules(&opts, &specs, &[Dtype::Bf16, Dtype::F16]);
+    let sources: Vec<String> = compile::SOURCES
         .iter()
-        .map(|(name, text)| compile::cache_file_name(name, &compile::full_source(text), &opts))
+        .map(|(_, text)| compile::full_source(text))
         .collect();
     let kv_source = compile::full_source(compile::KV_QUANT);
-    files.extend(
-        kv_modules(&opts, &specs, &dtypes)
-            .iter()
-            .map(|(name, kv_opts)| compile::cache_file_name(name, &kv_source, kv_opts)),
-    );
-    Ok(files)
+    // One set of jobs: the context's modules and the KV formats' compile side by side.
+    let jobs: Vec<(&str, &str, &[String])> = compile::SOURCES
+        .iter()
+        .zip(&sources)
+        .map(|((name, _), source)| (*name, source.as_str(), opts.as_slice()))
+        .chain(
+            kv.iter()
+                .map(|(name, kv_opts)| (name.as_str(), kv_source.as_str(), kv_opts.as_slice())),
+        )
+        .collect();
+    compile::cubin_jobs(&jobs)?;
+    Ok(jobs
+        .iter()
+        .map(|&(name, source, options)| compile::cache_file_name(name, source, options))
+        .collect())
 }
 
 /// The architecture NVRTC compiles for on GPU `ordinal` (`sm_90a` on Hopper).
@@ -322,7 +325,7 @@ pub fn gpu_arch(ordinal: usize) -> Result<String> {
 
 /// A context's NVRTC options for `arch` with the CUDA headers in `include`: [`compile::options`]
 /// and NIBBLE_NVRTC_DEFINES's names.
-pub fn context_compile_options(arch: &str, include: &std::path::Path) -> Result<Vec<String>> {
+fn context_compile_options(arch: &str, include: &std::path::Path) -> Result<Vec<String>> {
     let mut opts = compile::options(arch, include);
     opts.extend(compile::knob_defines()?);
     Ok(opts)
@@ -479,8 +482,8 @@ impl CudaContext {
         Ok(())
     }
 
-    /// [`warm_kv_modules`] with this context's compile options. A GPU machine's scripts run it
-    /// first (`gpu-bench --warm-kv`), so tests that make pool after pool find their modules cached.
+    /// [`warm_kv_modules`] with this context's compile options, so tests that make pool after pool
+    /// find their modules cached.
     pub fn warm_kv_kernels(&self, specs: &[KvSpec], dtypes: &[Dtype]) -> Result<()> {
         warm_kv_modules(&self.compile_options, specs, dtypes)
     }

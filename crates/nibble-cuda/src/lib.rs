@@ -67,10 +67,7 @@ pub mod tensor_parallel;
 
 pub use attention::{HEAD_DIMS, Split, plan_split};
 pub use backend::CudaBackend;
-pub use context::{
-    CudaContext, StepUpload, WARM_KV_FORMATS, context_compile_options, gpu_arch, kv_modules,
-    precompile_kernels, warm_kv_modules,
-};
+pub use context::{CudaContext, StepUpload, gpu_arch, precompile_kernels};
 pub use kv::{CudaKv, PageFormat};
 pub use probe::cuda_available;
 pub use runtime::{DeviceBuffer, Gpu};
