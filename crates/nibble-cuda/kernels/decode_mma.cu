@@ -25,14 +25,12 @@
 template <class T> __device__ __forceinline__ float in_range(float x) { return x; }
 template <> __device__ __forceinline__ float in_range<__half>(float x) { return fminf(fmaxf(x, -65504.f), 65504.f); }
 
-// The GQA group's Q rows (group * HD consecutive floats at `qg`, then zero rows up to ROWS, 16
-// or 8) converted to T into `kq` ([ROWS][HD + 8]), natural dim d at column pos(d), then read as
-// the A fragments `qf` of 16 x HD (rows past ROWS zero: a kernel whose MMAs take Q as the B
-// operand, 8 heads wide, reads qf[kk][0] and [2] alone). A kernel that permutes the head dimension
-// of its K fragments (a reduction is order-free) stages Q with the same permutation. Each lane's
-// loads (4 floats apiece) are all issued before any is stored: one round trip instead of one per
-// element.
-template <class T, int HD, int G, int ROWS = 16, class Pos>
+// The GQA group's Q rows (group * HD consecutive floats at `qg`, then zero rows up to 16)
+// converted to T into `kq` ([16][HD + 8]), natural dim d at column pos(d), then read as the A
+// fragments `qf` of 16 x HD. A kernel that permutes the head dimension of its K fragments (a
+// reduction is order-free) stages Q with the same permutation. Each lane's loads (4 floats
+// apiece) are all issued before any is stored: one round trip instead of one per element.
+template <class T, int HD, int G, class Pos>
 __device__ __forceinline__ void stage_q(const float* qg, int group, T* kq, int lane, u32 (&qf)[HD / 16][4],
                                         Pos pos) {
     constexpr int LD = HD + 8;
@@ -59,9 +57,8 @@ __device__ __forceinline__ void stage_q(const float* qg, int group, T* kq, int l
             row[pos(d + 3)] = from_f32<T>(in_range<T>(qv[j].w));
         }
     }
-    static_assert(ROWS == 16 || (ROWS == 8 && G <= 8), "Q staged 16 rows, or 8 for up to 8 heads");
     // Rows past the group: zeros, 8 elements (16 bytes; LD * 2 is a multiple of 16) at a time.
-    for (int i = group * (HD / 8) + lane; i < ROWS * (HD / 8); i += 32)
+    for (int i = group * (HD / 8) + lane; i < 16 * (HD / 8); i += 32)
         *reinterpret_cast<uint4*>(&kq[(i / (HD / 8)) * LD + (i % (HD / 8)) * 8]) = make_uint4(0, 0, 0, 0);
     __syncwarp();
     const int g = lane >> 2, t = lane & 3;
@@ -69,9 +66,9 @@ __device__ __forceinline__ void stage_q(const float* qg, int group, T* kq, int l
     for (int kk = 0; kk < HD / 16; ++kk) {
         const int c = kk * 16 + 2 * t;
         qf[kk][0] = *reinterpret_cast<const u32*>(&kq[g * LD + c]);
-        qf[kk][1] = ROWS == 16 ? *reinterpret_cast<const u32*>(&kq[(g + 8) * LD + c]) : 0u;
+        qf[kk][1] = *reinterpret_cast<const u32*>(&kq[(g + 8) * LD + c]);
         qf[kk][2] = *reinterpret_cast<const u32*>(&kq[g * LD + c + 8]);
-        qf[kk][3] = ROWS == 16 ? *reinterpret_cast<const u32*>(&kq[(g + 8) * LD + c + 8]) : 0u;
+        qf[kk][3] = *reinterpret_cast<const u32*>(&kq[(g + 8) * LD + c + 8]);
     }
 }
 

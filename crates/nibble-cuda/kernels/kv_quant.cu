@@ -36,20 +36,9 @@ typedef NIBBLE_KVQ_T KvqT;
 // - a 16-bit side, 2-bit values of another mix, or one side deferred alone (k8v4c, k4cv8):
 //   decode_mma.cu's kernel with a dequantizing page policy, a deferred side's own block from the
 //   residual.
-// NIBBLE_KVQ_OCCUPANCY (a define for an A/B, built 2026-11-27 without a GPU run): the
-// register-direct kernel stages Q in 8 rows, inside a stage slot where one holds them, and the
-// per-token one is held to 80 registers, for 12 CTAs (24 warps) an SM instead of 8. Nsight
-// Compute put it at 25% occupancy and, past the ALU change, kv4 issues about every other cycle
-// on an H200: latency, not the pipes, bounds it now. At 80 registers ptxas spills 32 bytes for
-// kv4 and 36 for kv8 (sm_90a).
-#ifdef NIBBLE_KVQ_OCCUPANCY
-#define KVQ_DIRECT_BOUNDS __launch_bounds__(64, 12)
-#else
-#define KVQ_DIRECT_BOUNDS __launch_bounds__(64)
-#endif
 #if NIBBLE_KVQ_K != PAGE_F16 && NIBBLE_KVQ_V != PAGE_F16 && !KVQ_DEFERRED && NIBBLE_KVQ_V != PAGE_U2
 #define KVQ_DECODE(HD, G)                                                                        \
-    extern "C" __global__ void KVQ_DIRECT_BOUNDS kvq_decode_hd##HD##_g##G(                        \
+    extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
         const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
@@ -196,6 +185,11 @@ struct KeyFrags {
     // FMA pipe) rather than right shifts (the ALU, this kernel's busiest pipe); a word's upper
     // byte pairs take one shift.
     static constexpr int MULT = BITS == 4 ? 16 : BITS == 2 ? 64 : 1;
+    // Per-token 4-bit keys take each byte's low nibble where it lies (1024 + c, no multiply) and
+    // its high one as 1024 + 16 c; the query's columns facing high nibbles are staged as Q / 16
+    // (the b1 fragments, qf[kk][2]), so the score needs no division by MULT (SCORE_DIV).
+    static constexpr bool SPLIT = KIND == PAGE_U4;
+    static constexpr int SCORE_DIV = SPLIT ? 1 : MULT;
     __device__ static __forceinline__ void frag(const u32 (&w)[KW], int kk, u32& b0, u32& b1) {
         if constexpr (KIND == PAGE_U8) {
             b0 = prmt(w[kk], 0x64646464u, 0x4140);  // [c0, 0x64, c1, 0x64]
@@ -210,7 +204,7 @@ struct KeyFrags {
             b1 = lop_or_mask((kk & 1) ? x : x * 16u, 0x00C000C0u, 0x64006400u);
         } else {  // PAGE_U4, PAGE_C4: word kk / 2 holds nibbles n0..n7; pairs (n0, n4), (n1, n5), ...
             const u32 x = (kk & 1) ? w[kk >> 1] >> 8 : w[kk >> 1];
-            b0 = lop_or_mask(x * 16u, 0x00F000F0u, 0x64006400u);
+            b0 = SPLIT ? lop_or_mask(x, 0x000F000Fu, 0x64006400u) : lop_or_mask(x * 16u, 0x00F000F0u, 0x64006400u);
             b1 = lop_or_mask(x, 0x00F000F0u, 0x64006400u);
         }
     }
@@ -247,8 +241,12 @@ template <int HD, int KIND>
 struct ValueFrags {
     static constexpr int BITS = PageCodec<KIND>::BITS;
     static constexpr int VW = HD / 8 * BITS / 32 > 0 ? HD / 8 * BITS / 32 : 1;
-    // As KeyFrags::MULT: 4- and 2-bit codes become 1024 + 16 c and 1024 + 64 c.
+    // As KeyFrags::MULT: 4- and 2-bit codes become 1024 + 16 c and 1024 + 64 c; but 4-bit ones
+    // keep a byte's low nibble where it lies (1024 + c). Even n are low nibbles, and the rows of
+    // output m-tile i are dims 2i (row g) and 2i + 1 (row g + 8): O's rows g carry M_LO times
+    // the codes, rows g + 8 M_HI times.
     static constexpr int MULT = BITS == 4 ? 16 : BITS == 2 ? 64 : 1;
+    static constexpr int M_LO = BITS == 4 ? 1 : MULT, M_HI = MULT;
     __device__ static __forceinline__ u32 pair(const u32 (&a)[VW], const u32 (&b)[VW], int n) {
         static_assert(KIND != PAGE_U2 || HD == 128, "2-bit values: a lane's 16 dims are one word");
         if constexpr (KIND == PAGE_U2) {
@@ -259,7 +257,7 @@ struct ValueFrags {
         } else if constexpr (KIND == PAGE_U4) {
             const int byte = n >> 1, j = byte & 3;
             const u32 x = prmt(a[byte >> 2], b[byte >> 2], j | j << 4 | (4 + j) << 8 | (4 + j) << 12);
-            return lop_or_mask((n & 1) ? x : x * 16u, 0x00F000F0u, 0x64006400u);
+            return (n & 1) ? lop_or_mask(x, 0x00F000F0u, 0x64006400u) : lop_or_mask(x, 0x000F000Fu, 0x64006400u);
         } else {
             const int j = n & 3;
             if constexpr (KIND == PAGE_FP8) {
@@ -323,17 +321,18 @@ __device__ __forceinline__ u32 half2_bits(float lo, float hi) { return pack2(lo,
 // decode_kvq_impl's online softmax over one 16-token block. s: the block's scores in log2 units
 // (tokens g, g + 8 by heads 2t, 2t + 1), masked to NEG_BIG where !valid. P' = P s_v per token
 // (`vp`: the value rows' (scale, zero)), rounded to f16 as the operand holds it, becomes the
-// B fragments pt of O^T += V^T P'^T; ZERO (biased value codes 1024 + VM c with zero points): the
-// rows' sum P z - (1024 / VM) P' joins zacc, which cancels the bias exactly once O is divided by
-// VM (ValueFrags::MULT) at the end.
+// B fragments pt of O^T += V^T P'^T; ZERO (biased value codes 1024 + M c with zero points): the
+// rows' sums P z (pz) and P' (ps), from which the end takes the zero points' term and the bias
+// (decode_kvq_impl's merge: O / M + pz - (1024 / M) ps, M by row, ValueFrags::M_LO / M_HI).
 // The reference max m moves only when a score passes it by more than RESCALE_SLACK (the whole
-// warp moves together), so most blocks skip the rescale of O, l and zacc (FlashAttention-4's
-// conditional rescaling); P then stays at most 2^RESCALE_SLACK. l and zacc stay per lane (this
+// warp moves together), so most blocks skip the rescale of O, l, pz and ps (FlashAttention-4's
+// conditional rescaling); P then stays at most 2^RESCALE_SLACK. l, pz and ps stay per lane (this
 // lane's tokens of the column): the caller sums them over the column once, after its last block
-// (kvq_column_sums).
-template <int HD, bool ZERO, bool ZACC = ZERO, int VM = 1>
+// (kvq_column_sums). SUMS (ZERO's default): pz and ps are rescaled (the own block's step adds
+// nothing to them but keeps them in scale).
+template <int HD, bool ZERO, bool SUMS = ZERO>
 __device__ __forceinline__ void kvq_softmax(float (&s)[4], const bool (&valid)[2], const float2 (&vp)[2],
-                                            float (&m)[2], float (&l)[2], float (&zacc)[2],
+                                            float (&m)[2], float (&l)[2], float (&pz)[2], float (&ps)[2],
                                             float (&o)[HD / 16][4], u32 (&pt)[2]) {
     float mx[2] = {m[0], m[1]};
 #pragma unroll
@@ -351,7 +350,7 @@ __device__ __forceinline__ void kvq_softmax(float (&s)[4], const bool (&valid)[2
             corr[c] = fast_exp2(m[c] - mx[c]);
             m[c] = mx[c];
             l[c] *= corr[c];
-            if (ZERO || ZACC) zacc[c] *= corr[c];
+            if (ZERO || SUMS) pz[c] *= corr[c], ps[c] *= corr[c];
         }
 #pragma unroll
         for (int i = 0; i < HD / 16; ++i) {
@@ -367,29 +366,31 @@ __device__ __forceinline__ void kvq_softmax(float (&s)[4], const bool (&valid)[2
             const float p = s[r * 2 + c] > -1e29f ? fast_exp2(s[r * 2 + c] - m[c]) : 0.f;
             l[c] += p;
             pr[c] = valid[r] ? __half2float(__float2half_rn(p * vp[r].x)) : 0.f;
-            if (ZERO && valid[r]) zacc[c] += fmaf(p, vp[r].y, (-1024.f / VM) * pr[c]);
+            if (ZERO && valid[r]) pz[c] = fmaf(p, vp[r].y, pz[c]), ps[c] += pr[c];
         }
         pt[r] = transpose8x8(pack2(pr[0], pr[1], (__half*)nullptr));
     }
 }
 
-// kvq_softmax's per-lane l and zacc summed over each column's 8 lanes, after the last block.
-__device__ __forceinline__ void kvq_column_sums(float (&l)[2], float (&zacc)[2]) {
+// kvq_softmax's per-lane l, pz and ps summed over each column's 8 lanes, after the last block.
+__device__ __forceinline__ void kvq_column_sums(float (&l)[2], float (&pz)[2], float (&ps)[2]) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
         l[c] = column_sum(l[c]);
-        zacc[c] = column_sum(zacc[c]);
+        pz[c] = column_sum(pz[c]);
+        ps[c] = column_sum(ps[c]);
     }
 }
 
 // decode_kvq_impl's step over the query's own block of a deferred pool, read raw from the
 // residual (rows `at` .. of rk / rv, f32, [16][HD]), in the loop's layouts: K's A fragments in
-// the staged dim order of 4-bit codes (KeyFrags::pos), V^T's from lane g's dims, P times VM (the
-// output is divided by it) and no zero term. Rows at or past `end` are zeros (a residual row past
-// the context may hold anything). One warp.
-template <int HD, class KF, int VM>
+// the staged dim order of 4-bit codes (KeyFrags::pos), V^T's from lane g's dims, P times M_HI
+// and rows g (dims 2i) times M_LO / M_HI (the output rows are divided by M_LO and M_HI), no zero
+// term. Rows at or past `end` are zeros (a residual row past the context may hold anything). One
+// warp.
+template <int HD, class KF, int M_LO, int M_HI>
 __device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], float (&o)[HD / 16][4], float (&m)[2],
-                                               float (&l)[2], float (&zacc)[2], const float* __restrict__ rk,
+                                               float (&l)[2], float (&pz)[2], float (&ps)[2], const float* __restrict__ rk,
                                                const float* __restrict__ rv, long at, int p0, int end, int lo,
                                                float scale_log2, int lane) {
     const int g = lane >> 2, t = lane & 3;
@@ -421,11 +422,11 @@ __device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], floa
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[e] = valid[e >> 1] ? s[e] * scale_log2 : NEG_BIG;
-    // Raw values: P times the packed values' MULT (the output is O / MULT), no bias to cancel
-    // (the packed blocks' zacc still rescales).
-    const float2 raw[2] = {make_float2(VM, 0.f), make_float2(VM, 0.f)};
+    // Raw values: P times M_HI and rows g times M_LO / M_HI (ValueFrags), no bias to cancel
+    // (the packed blocks' pz and ps still rescale).
+    const float2 raw[2] = {make_float2(M_HI, 0.f), make_float2(M_HI, 0.f)};
     u32 pt[2];
-    kvq_softmax<HD, false, true>(s, valid, raw, m, l, zacc, o, pt);
+    kvq_softmax<HD, false, true>(s, valid, raw, m, l, pz, ps, o, pt);
     // O^T += V^T P^T: tile i's rows g, g + 8 are dims g * HD/8 + 2i, + 2i + 1; k the tokens 2t,
     // 2t + 1 | 2t + 8, 2t + 9.
     const int tok[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
@@ -442,8 +443,9 @@ __device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], floa
 #pragma unroll
         for (int k = 0; k < 4; ++k)
             f[k] = vin[k] ? *reinterpret_cast<const float2*>(vr[k] + 2 * i) : make_float2(0.f, 0.f);
-        const u32 a[4] = {half2_bits(f[0].x, f[1].x), half2_bits(f[0].y, f[1].y), half2_bits(f[2].x, f[3].x),
-                          half2_bits(f[2].y, f[3].y)};
+        constexpr float LO = (float)M_LO / M_HI;  // a power of two: exact but for f16 subnormals
+        const u32 a[4] = {half2_bits(f[0].x * LO, f[1].x * LO), half2_bits(f[0].y, f[1].y),
+                          half2_bits(f[2].x * LO, f[3].x * LO), half2_bits(f[2].y, f[3].y)};
         mma16816<__half>(o[i], a, pt[0], pt[1]);
     }
 }
@@ -470,16 +472,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     constexpr int PAIR = KS::PAGE + VS::PAGE;
     constexpr int STAGES = PAIR <= 2304 ? 4 : PAIR <= 3328 ? 3 : 2;
     constexpr int STAGES_BYTES = WARPS * STAGES * PAIR;
-#ifdef NIBBLE_KVQ_OCCUPANCY
-    // Q as the B operand is 8 heads wide: 8 rows, in the last stage slot (written by the loop's
-    // first issue, after Q is in registers) where they fit (kv4: exactly), else beside.
-    constexpr int Q_ROWS = 8;
-    constexpr bool Q_IN_STAGE = Q_ROWS * LD * 2 <= PAIR;
-#else
-    constexpr int Q_ROWS = DM_BS;
-    constexpr bool Q_IN_STAGE = false;
-#endif
-    constexpr int Q_BYTES = Q_IN_STAGE ? 0 : WARPS * Q_ROWS * LD * 2;
+    constexpr int Q_BYTES = WARPS * DM_BS * LD * 2;
     constexpr int MERGE_BYTES = WARPS * G * (HD + 2) * 4;
     constexpr int SMEM = STAGES_BYTES + Q_BYTES > MERGE_BYTES ? STAGES_BYTES + Q_BYTES : MERGE_BYTES;
     // Channel-wise keys (kv4c): per block and channel (s, z) in the page's tail. S = (Q'.(1024 +
@@ -496,8 +489,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     unsigned char* mine = smem + warp * STAGES * PAIR;  // stage i: K page, then V page
-    __half* kq = reinterpret_cast<__half*>(Q_IN_STAGE ? mine + (STAGES - 1) * PAIR
-                                                      : smem + STAGES_BYTES + warp * Q_ROWS * LD * 2);
+    __half* kq = reinterpret_cast<__half*>(smem + STAGES_BYTES + warp * DM_BS * LD * 2);
     DecodeSplit ds;
     if (!decode_split<HD, KS, VS>(ds, tok_pos, block_tables, tok_seq, max_blocks, chunk, window, kc, vc,
                                   num_kv_heads, knew, vnew, ldk, ldv))
@@ -553,24 +545,41 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     // Q^T's B fragments (head g; dims permuted as the key fragments take them): qf[kk][0] and
     // qf[kk][2]. This lane's two heads are 2t and 2t + 1; their sums of the staged Q.
     u32 qf[HD / 16][4];
-    stage_q<__half, HD, G, Q_ROWS>(q + (long)token * ldq + (long)kvh * group * HD, group, kq, lane, qf,
+    stage_q<__half, HD, G>(q + (long)token * ldq + (long)kvh * group * HD, group, kq, lane, qf,
                            [](int d) { return KF::pos(d); });
-    float qsum[2] = {0.f, 0.f};
+    // Split 4-bit keys (KeyFrags::SPLIT): the columns facing high nibbles hold Q / 16, exact but
+    // for queries under 2^-10 (f16 subnormals, 2^-25 apart).
+    if constexpr (KF::SPLIT) {
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) qf[kk][2] = hmul2_u32(qf[kk][2], 0x2C002C00u);
+    }
+    // sum(Q) for the zeros' term, and the sum of the fragments' Q (qbias) for the bias' term.
+    float qsum[2] = {0.f, 0.f}, qbias[2] = {0.f, 0.f};
     if (K_ZERO) {
-        float mine_sum = 0.f;  // head g's row, a quarter per lane of the quad
+        float mine_sum = 0.f, mine_bias = 0.f;  // head g's row, a quarter per lane of the quad
         const __half* row = kq + g * LD + t * (HD / 4);
 #pragma unroll
-        for (int i = 0; i < HD / 4; ++i) mine_sum += __half2float(row[i]);
-        mine_sum += __shfl_xor_sync(0xffffffffu, mine_sum, 1);
-        mine_sum += __shfl_xor_sync(0xffffffffu, mine_sum, 2);
-        qsum[0] = __shfl_sync(0xffffffffu, mine_sum, (2 * t) * 4);
-        qsum[1] = __shfl_sync(0xffffffffu, mine_sum, (2 * t + 1) * 4);
+        for (int i = 0; i < HD / 4; ++i) {
+            mine_sum += __half2float(row[i]);
+            const bool high = KF::SPLIT && (t * (HD / 4) + i) % 16 >= 8;
+            mine_bias += __half2float(high ? __hmul(row[i], __float2half(0.0625f)) : row[i]);
+        }
+#pragma unroll
+        for (int o = 1; o <= 2; o <<= 1) {
+            mine_sum += __shfl_xor_sync(0xffffffffu, mine_sum, o);
+            mine_bias += __shfl_xor_sync(0xffffffffu, mine_bias, o);
+        }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            qsum[c] = __shfl_sync(0xffffffffu, mine_sum, (2 * t + c) * 4);
+            qbias[c] = KF::SPLIT ? __shfl_sync(0xffffffffu, mine_bias, (2 * t + c) * 4) : qsum[c];
+        }
     }
     // O^T: m-tile m's rows g and g + 8 are dims g * HD/8 + 2m and + 2m + 1; columns heads 2t, 2t+1.
     float o[HD / 16][4];
 #pragma unroll
     for (int i = 0; i < HD / 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f}, zacc[2] = {0.f, 0.f};
+    float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f}, pz[2] = {0.f, 0.f}, ps[2] = {0.f, 0.f};
     __syncwarp();
 
     int stage = 0;
@@ -617,11 +626,10 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                         KF::frag(w0, kk, a[0], a[2]);
                         KF::frag(w1, kk, a[1], a[3]);
                         mma16816<__half>(s, a, q0, q1);
-#ifdef NIBBLE_KVQ_BIAS_WITH_ZEROS
-                        // Every other k-tile's bias as -1024 / M (-64 or -16, exact) in the
-                        // zeros' accumulator, which the end does not divide by M: 12 MMAs in each
-                        // chain at head_dim 128 instead of 16 and 8. (Built 2026-11-27 without a
-                        // GPU run; at 94180ad kv4c lost 3 to 9% on an H100.)
+                        // The bias -1024 sum(Q') split between the two chains: -1024 in the
+                        // codes' accumulator on odd k-tiles, -1024 / M (-64 or -16, exact) in the
+                        // zeros' one (not divided by M at the end) on even ones, 12 MMAs a chain
+                        // at head_dim 128 instead of 16 and 8 (kv4c 1.02x to 1.03x on an H200).
                         if (kk & 1) {
                             const u32 bias[4] = {0xE400E400u, 0xE400E400u, 0xE400E400u, 0xE400E400u};
                             mma16816<__half>(s, bias, q0, q1);
@@ -630,10 +638,6 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                             const u32 bias[4] = {B, B, B, B};
                             mma16816<__half>(s2, bias, q0, q1);
                         }
-#else
-                        const u32 bias[4] = {0xE400E400u, 0xE400E400u, 0xE400E400u, 0xE400E400u};  // -1024
-                        mma16816<__half>(s, bias, q0, q1);
-#endif
                         const u32 zr[4] = {z01, z01, z23, z23};
                         mma16816<__half>(s2, zr, qf[kk][0], qf[kk][2]);
                     }
@@ -661,15 +665,15 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int r = e >> 1, c = e & 1;
-            // Channel keys: s / M + s2 is Q'.c + Q.z (the bias -1024 sum(Q') in s, or, with
-            // NIBBLE_KVQ_BIAS_WITH_ZEROS, split between s at -1024 and s2 at -1024 / M).
+            // Channel keys: s / M + s2 is Q'.c + Q.z (the bias split between s at -1024 and s2
+            // at -1024 / M).
             float x = KCH ? fmaf(s[e], 1.f / KF::MULT, s2[e]) : s[e] + s2[e];
-            x = K_ZERO ? kp_[r].x * (1.f / KF::MULT) * (x - 1024.f * qsum[c]) + kp_[r].y * qsum[c]
+            x = K_ZERO ? kp_[r].x * (1.f / KF::SCORE_DIV) * (x - 1024.f * qbias[c]) + kp_[r].y * qsum[c]
                        : KCH ? x : kp_[r].x * x;
             s[e] = valid[r] ? x * scale_log2 : NEG_BIG;
         }
         u32 pt[2];
-        kvq_softmax<HD, V_ZERO, V_ZERO, VF::MULT>(s, valid, vp_, m, l, zacc, o, pt);
+        kvq_softmax<HD, V_ZERO>(s, valid, vp_, m, l, pz, ps, o, pt);
         // O^T += V^T P^T: A from the value rows of tokens 2t, 2t+1 (k 0-7) and 2t+8, 2t+9.
         u32 va[VF::VW], vb[VF::VW], vcw[VF::VW], vd[VF::VW];
         const int voff = g * (VS::CB / 8);
@@ -689,12 +693,12 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     asm volatile("cp.async.wait_group 0;\n" ::);
     if constexpr (DEF) {
         if (own && warp == (own_b - max(start, lo) / DM_BS) % WARPS)
-            own_block_tile<HD, KF, VF::MULT>(qf, o, m, l, zacc, rk, rv,
+            own_block_tile<HD, KF, VF::M_LO, VF::M_HI>(qf, o, m, l, pz, ps, rk, rv,
                                residual_row<HD>(res_tables, tok_seq[token], own_b * DM_BS, max_blocks, kvh,
                                                 num_kv_heads),
                                own_b * DM_BS, end, lo, scale_log2, lane);
     }
-    kvq_column_sums(l, zacc);
+    kvq_column_sums(l, pz, ps);
     // Stash this warp's heads 2t, 2t+1 (rows of O^T are dims), then merge the warps.
     float* merge = reinterpret_cast<float*>(smem);
     __syncthreads();
@@ -703,11 +707,13 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     for (int c = 0; c < 2; ++c) {
         const int h = 2 * t + c;
         if (h < group) {
+            // The bias of the value codes, 1024 P' a token, out of each row's M times the codes.
+            const float zlo = fmaf(-1024.f / VF::M_LO, ps[c], pz[c]), zhi = fmaf(-1024.f / VF::M_HI, ps[c], pz[c]);
 #pragma unroll
             for (int i = 0; i < HD / 16; ++i) {
                 const int d = g * (HD / 8) + 2 * i;
-                MERGE(warp, h, d) = fmaf(o[i][c], 1.f / VF::MULT, zacc[c]);
-                MERGE(warp, h, d + 1) = fmaf(o[i][2 + c], 1.f / VF::MULT, zacc[c]);
+                MERGE(warp, h, d) = fmaf(o[i][c], 1.f / VF::M_LO, zlo);
+                MERGE(warp, h, d + 1) = fmaf(o[i][2 + c], 1.f / VF::M_HI, zhi);
             }
             if (g == 0) {
                 MERGE(warp, h, HD) = m[c];
