@@ -38,7 +38,7 @@ typedef NIBBLE_KVQ_T KvqT;
 //   residual.
 #if NIBBLE_KVQ_K != PAGE_F16 && NIBBLE_KVQ_V != PAGE_F16 && !KVQ_DEFERRED && NIBBLE_KVQ_V != PAGE_U2
 #define KVQ_DECODE(HD, G)                                                                        \
-    extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
+    extern "C" __global__ void __launch_bounds__(64, 8) kvq_decode_hd##HD##_g##G(                  \
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
         const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
@@ -52,7 +52,7 @@ typedef NIBBLE_KVQ_T KvqT;
 // mixes the generic decode), the query's own block read from the residual. The step's rows were
 // appended before (kvq_append_residual, kvq_pack): knew and vnew are null.
 #define KVQ_DECODE(HD, G)                                                                        \
-    extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
+    extern "C" __global__ void __launch_bounds__(64, 8) kvq_decode_hd##HD##_g##G(                  \
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
         const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
@@ -318,7 +318,7 @@ __device__ __forceinline__ u32 half2_bits(float lo, float hi) { return pack2(lo,
 // keeps P s inside f16's range (a 4-bit code's scale is at most 2 * 65504 / 15).
 #define RESCALE_SLACK 2.f
 
-// decode_kvq_impl's online softmax over one 16-token block. s: the block's scores in log2 units
+// decode_kvq_impl's online softmax over NB 16-token blocks. s[j]: block j's scores in log2 units
 // (tokens g, g + 8 by heads 2t, 2t + 1), masked to NEG_BIG where !valid. P' = P s_v per token
 // (`vp`: the value rows' (scale, zero)), rounded to f16 as the operand holds it, becomes the
 // B fragments pt of O^T += V^T P'^T; ZERO (biased value codes 1024 + M c with zero points): the
@@ -330,13 +330,16 @@ __device__ __forceinline__ u32 half2_bits(float lo, float hi) { return pack2(lo,
 // lane's tokens of the column): the caller sums them over the column once, after its last block
 // (kvq_column_sums). SUMS (ZERO's default): pz and ps are rescaled (the own block's step adds
 // nothing to them but keeps them in scale).
-template <int HD, bool ZERO, bool SUMS = ZERO>
-__device__ __forceinline__ void kvq_softmax(float (&s)[4], const bool (&valid)[2], const float2 (&vp)[2],
-                                            float (&m)[2], float (&l)[2], float (&pz)[2], float (&ps)[2],
-                                            float (&o)[HD / 16][4], u32 (&pt)[2]) {
+template <int HD, int NB, bool ZERO, bool SUMS = ZERO>
+__device__ __forceinline__ void kvq_softmax(float (&s)[NB][4], const bool (&valid)[NB][2],
+                                            const float2 (&vp)[NB][2], float (&m)[2], float (&l)[2],
+                                            float (&pz)[2], float (&ps)[2], float (&o)[HD / 16][4],
+                                            u32 (&pt)[NB][2]) {
     float mx[2] = {m[0], m[1]};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) mx[e & 1] = fmaxf(mx[e & 1], s[e]);
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e & 1] = fmaxf(mx[e & 1], s[j][e]);
     bool grow = false;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
@@ -359,17 +362,20 @@ __device__ __forceinline__ void kvq_softmax(float (&s)[4], const bool (&valid)[2
         }
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float pr[2];
+    for (int j = 0; j < NB; ++j)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const float p = s[r * 2 + c] > -1e29f ? fast_exp2(s[r * 2 + c] - m[c]) : 0.f;
-            l[c] += p;
-            pr[c] = valid[r] ? __half2float(__float2half_rn(p * vp[r].x)) : 0.f;
-            if (ZERO && valid[r]) pz[c] = fmaf(p, vp[r].y, pz[c]), ps[c] += pr[c];
+        for (int r = 0; r < 2; ++r) {
+            float pr[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float x = s[j][r * 2 + c];
+                const float p = x > -1e29f ? fast_exp2(x - m[c]) : 0.f;
+                l[c] += p;
+                pr[c] = valid[j][r] ? __half2float(__float2half_rn(p * vp[j][r].x)) : 0.f;
+                if (ZERO && valid[j][r]) pz[c] = fmaf(p, vp[j][r].y, pz[c]), ps[c] += pr[c];
+            }
+            pt[j][r] = transpose8x8(pack2(pr[0], pr[1], (__half*)nullptr));
         }
-        pt[r] = transpose8x8(pack2(pr[0], pr[1], (__half*)nullptr));
-    }
 }
 
 // kvq_softmax's per-lane l, pz and ps summed over each column's 8 lanes, after the last block.
@@ -395,7 +401,7 @@ __device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], floa
                                                float scale_log2, int lane) {
     const int g = lane >> 2, t = lane & 3;
     const int rows = end - p0;
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    float s[1][4] = {{0.f, 0.f, 0.f, 0.f}};
     {
         // Rows g and g + 8, lane t's run of dims in the staged order of the codes (KF::dim).
         const float* k0 = rk + at + (long)g * HD + t * (HD / 4);
@@ -411,22 +417,22 @@ __device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], floa
             }
             const u32 a[4] = {half2_bits(x0[0], x0[1]), half2_bits(x1[0], x1[1]), half2_bits(x0[2], x0[3]),
                               half2_bits(x1[2], x1[3])};
-            mma16816<__half>(s, a, qf[kk][0], qf[kk][2]);
+            mma16816<__half>(s[0], a, qf[kk][0], qf[kk][2]);
         }
     }
-    bool valid[2];
+    bool valid[1][2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int p = p0 + g + 8 * r;
-        valid[r] = p < end && p >= lo;
+        valid[0][r] = p < end && p >= lo;
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] = valid[e >> 1] ? s[e] * scale_log2 : NEG_BIG;
+    for (int e = 0; e < 4; ++e) s[0][e] = valid[0][e >> 1] ? s[0][e] * scale_log2 : NEG_BIG;
     // Raw values: P times M_HI and rows g times M_LO / M_HI (ValueFrags), no bias to cancel
     // (the packed blocks' pz and ps still rescale).
-    const float2 raw[2] = {make_float2(M_HI, 0.f), make_float2(M_HI, 0.f)};
-    u32 pt[2];
-    kvq_softmax<HD, false, true>(s, valid, raw, m, l, pz, ps, o, pt);
+    const float2 raw[1][2] = {{make_float2(M_HI, 0.f), make_float2(M_HI, 0.f)}};
+    u32 pt[1][2];
+    kvq_softmax<HD, 1, false, true>(s, valid, raw, m, l, pz, ps, o, pt);
     // O^T += V^T P^T: tile i's rows g, g + 8 are dims g * HD/8 + 2i, + 2i + 1; k the tokens 2t,
     // 2t + 1 | 2t + 8, 2t + 9.
     const int tok[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
@@ -446,7 +452,7 @@ __device__ __forceinline__ void own_block_tile(const u32 (&qf)[HD / 16][4], floa
         constexpr float LO = (float)M_LO / M_HI;  // a power of two: exact but for f16 subnormals
         const u32 a[4] = {half2_bits(f[0].x * LO, f[1].x * LO), half2_bits(f[0].y, f[1].y),
                           half2_bits(f[2].x * LO, f[3].x * LO), half2_bits(f[2].y, f[3].y)};
-        mma16816<__half>(o[i], a, pt[0], pt[1]);
+        mma16816<__half>(o[i], a, pt[0][0], pt[0][1]);
     }
 }
 
@@ -469,10 +475,16 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     constexpr int LD = HD + 8;
     constexpr int WARPS = DM_WARPS;
     // Stages per warp: enough bytes in flight for HBM's latency with pages as small as KV4's.
+    // Small pages (4- and 2-bit sides) go NB = 2 blocks a step: one softmax step (its shuffles,
+    // vote and rescale) and one stage wait for 32 tokens, and two independent score chains.
+    // Their six stages hold three steps; the last step's two also hold the staged Q until the
+    // loop's first refill (16 rows of HD + 8 halves: exactly two kv4 stages at head_dim 128).
     constexpr int PAIR = KS::PAGE + VS::PAGE;
-    constexpr int STAGES = PAIR <= 2304 ? 4 : PAIR <= 3328 ? 3 : 2;
+    constexpr int NB = PAIR <= 2304 && KK != PAGE_FP8 && VK != PAGE_FP8 ? 2 : 1;
+    constexpr int STAGES = NB == 2 ? 6 : PAIR <= 3328 ? 3 : 2;
     constexpr int STAGES_BYTES = WARPS * STAGES * PAIR;
-    constexpr int Q_BYTES = WARPS * DM_BS * LD * 2;
+    constexpr bool Q_IN_STAGES = NB == 2 && DM_BS * LD * 2 <= NB * PAIR;
+    constexpr int Q_BYTES = Q_IN_STAGES ? 0 : WARPS * DM_BS * LD * 2;
     constexpr int MERGE_BYTES = WARPS * G * (HD + 2) * 4;
     constexpr int SMEM = STAGES_BYTES + Q_BYTES > MERGE_BYTES ? STAGES_BYTES + Q_BYTES : MERGE_BYTES;
     // Channel-wise keys (kv4c): per block and channel (s, z) in the page's tail. S = (Q'.(1024 +
@@ -482,6 +494,10 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     constexpr bool KCH = KS::CHANNEL;
     static_assert(!KCH || DEF, "register-direct channel keys: deferred with the values");
     static_assert(!DEF || VK == PAGE_U4 || VK == PAGE_U2, "deferred values: 4- or 2-bit per token");
+    // A step's second block may lie past the split, its stage not loaded: it is masked, and its
+    // stale or uninitialized integer codes decode to finite values that P = 0 cancels. FP8 codes
+    // could decode to NaN (0 * NaN), so FP8 sides keep one block a step.
+    static_assert(NB == 1 || (VK != PAGE_FP8 && KK != PAGE_FP8), "two blocks a step: integer codes only");
     constexpr bool K_ZERO = KK != PAGE_FP8 && !KCH, V_ZERO = VK != PAGE_FP8;
     grid_dependency_enter();
     __shared__ __align__(16) unsigned char smem[SMEM];
@@ -489,7 +505,8 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     unsigned char* mine = smem + warp * STAGES * PAIR;  // stage i: K page, then V page
-    __half* kq = reinterpret_cast<__half*>(smem + STAGES_BYTES + warp * DM_BS * LD * 2);
+    __half* kq = reinterpret_cast<__half*>(Q_IN_STAGES ? mine + (STAGES - NB) * PAIR
+                                                       : smem + STAGES_BYTES + warp * DM_BS * LD * 2);
     DecodeSplit ds;
     if (!decode_split<HD, KS, VS>(ds, tok_pos, block_tables, tok_seq, max_blocks, chunk, window, kc, vc,
                                   num_kv_heads, knew, vnew, ldk, ldv))
@@ -540,7 +557,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     };
     const int first = max(start, lo) / DM_BS + warp;
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) issue(first + i * WARPS, i);
+    for (int i = 0; i < STAGES - NB; ++i) issue(first + i * WARPS, i);
 
     // Q^T's B fragments (head g; dims permuted as the key fragments take them): qf[kk][0] and
     // qf[kk][2]. This lane's two heads are 2t and 2t + 1; their sums of the staged Q.
@@ -582,16 +599,11 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f}, pz[2] = {0.f, 0.f}, ps[2] = {0.f, 0.f};
     __syncwarp();
 
-    int stage = 0;
-    for (int b = first; b * DM_BS < loop_end; b += WARPS) {
-        // The block STAGES - 1 ahead streams in while this one is computed.
-        issue(b + (STAGES - 1) * WARPS, stage == 0 ? STAGES - 1 : stage - 1);
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
-        __syncwarp();
-        const unsigned char* kp = mine + stage * PAIR;
-        const unsigned char* vp = kp + KS::PAGE;
+    // Block b's scores in log2 units, its pages staged at kp (masked where !valid), and its
+    // value parameters.
+    auto scores = [&](int b, const unsigned char* kp, float (&s)[4], bool (&valid)[2], float2 (&vp_)[2]) {
         // S^T = K Q^T: rows are the block's tokens g and g + 8; two accumulators halve the chain.
-        float s[4], s2[4] = {0.f, 0.f, 0.f, 0.f};
+        float s2[4] = {0.f, 0.f, 0.f, 0.f};
         {
             u32 w0[KF::KW], w1[KF::KW];
             load_words(kp + g * KS::CB + t * (KS::CB / 4), w0);
@@ -652,15 +664,15 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                 }
             }
         }
-        // s[r * 2 + c]: token g + 8r, head 2t + c.
-        float2 kp_[2], vp_[2];
-        bool valid[2];
+        // s[r * 2 + c]: token g + 8r, head 2t + c. A step's blocks past loop_end are masked (the
+        // own block of a deferred pool is read from the residual after the loop).
+        float2 kp_[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             kp_[r] = KCH ? make_float2(1.f, 0.f) : slot_param<KK>(kp + DM_BS * KS::CB, g + 8 * r);
-            vp_[r] = slot_param<VK>(vp + DM_BS * VS::CB, g + 8 * r);
+            vp_[r] = slot_param<VK>(kp + KS::PAGE + DM_BS * VS::CB, g + 8 * r);
             const int p = b * DM_BS + g + 8 * r;
-            valid[r] = p < end && p >= lo;
+            valid[r] = p < loop_end && p >= lo;
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -672,9 +684,10 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                        : KCH ? x : kp_[r].x * x;
             s[e] = valid[r] ? x * scale_log2 : NEG_BIG;
         }
-        u32 pt[2];
-        kvq_softmax<HD, V_ZERO>(s, valid, vp_, m, l, pz, ps, o, pt);
-        // O^T += V^T P^T: A from the value rows of tokens 2t, 2t+1 (k 0-7) and 2t+8, 2t+9.
+    };
+    // O^T += V^T P^T for the block whose value page is staged at vp: A from the value rows of
+    // tokens 2t, 2t+1 (k 0-7) and 2t+8, 2t+9.
+    auto values = [&](const unsigned char* vp, const u32 (&pt)[2]) {
         u32 va[VF::VW], vb[VF::VW], vcw[VF::VW], vd[VF::VW];
         const int voff = g * (VS::CB / 8);
         load_words(vp + (2 * t) * VS::CB + voff, va);
@@ -687,8 +700,27 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                               VF::pair(vcw, vd, 2 * i + 1)};
             mma16816<__half>(o[i], a, pt[0], pt[1]);
         }
-        __syncwarp();  // this stage is read before it is refilled
-        stage = stage == STAGES - 1 ? 0 : stage + 1;
+    };
+    int stage = 0;  // the step's first block's stage; its j-th block's is stage + j (mod STAGES)
+    for (int b = first; b * DM_BS < loop_end; b += NB * WARPS) {
+        // The step STAGES / NB - 1 ahead streams in while this one is computed, into the stages
+        // the previous step read (for NB = 2 the first refill also ends the staged Q's life).
+#pragma unroll
+        for (int j = 0; j < NB; ++j) issue(b + (STAGES - NB + j) * WARPS, (stage + STAGES - NB + j) % STAGES);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - NB));
+        __syncwarp();
+        float s[NB][4];
+        bool valid[NB][2];
+        float2 vp_[NB][2];
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+            scores(b + j * WARPS, mine + ((stage + j) % STAGES) * PAIR, s[j], valid[j], vp_[j]);
+        u32 pt[NB][2];
+        kvq_softmax<HD, NB, V_ZERO>(s, valid, vp_, m, l, pz, ps, o, pt);
+#pragma unroll
+        for (int j = 0; j < NB; ++j) values(mine + ((stage + j) % STAGES) * PAIR + KS::PAGE, pt[j]);
+        __syncwarp();  // these stages are read before they are refilled
+        stage = (stage + NB) % STAGES;
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     if constexpr (DEF) {
