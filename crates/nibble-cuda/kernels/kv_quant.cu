@@ -38,7 +38,7 @@ typedef NIBBLE_KVQ_T KvqT;
 //   residual.
 #if NIBBLE_KVQ_K != PAGE_F16 && NIBBLE_KVQ_V != PAGE_F16 && !KVQ_DEFERRED && NIBBLE_KVQ_V != PAGE_U2
 #define KVQ_DECODE(HD, G)                                                                        \
-    extern "C" __global__ void __launch_bounds__(64, 8) kvq_decode_hd##HD##_g##G(                  \
+    extern "C" __global__ void __launch_bounds__(64) kvq_decode_hd##HD##_g##G(                    \
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
         const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
@@ -48,11 +48,18 @@ typedef NIBBLE_KVQ_T KvqT;
             chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window);                              \
     }
 #elif KVQ_DEFERRED
+// kv2c's two-block step takes 138 registers unbounded (7 CTAs an SM) and 128 without spilling
+// when held to 8 CTAs; kv4c's one-block step fits 128 unbounded and spills when held.
+#if NIBBLE_KVQ_K == PAGE_C2
+#define KVQ_DEFERRED_BOUNDS __launch_bounds__(64, 8)
+#else
+#define KVQ_DEFERRED_BOUNDS __launch_bounds__(64)
+#endif
 // A deferred side: kvq_decode_deferred picks the kernel (kv4c and kv2c register-direct, other
 // mixes the generic decode), the query's own block read from the residual. The step's rows were
 // appended before (kvq_append_residual, kvq_pack): knew and vnew are null.
 #define KVQ_DECODE(HD, G)                                                                        \
-    extern "C" __global__ void __launch_bounds__(64, 8) kvq_decode_hd##HD##_g##G(                  \
+    extern "C" __global__ void KVQ_DEFERRED_BOUNDS kvq_decode_hd##HD##_g##G(                      \
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
         const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
@@ -112,7 +119,8 @@ typedef NIBBLE_KVQ_T KvqT;
 // ---------------------------------------------------------------------------------------------
 // Decode over two quantized sides, codes straight from the staged pages into f16 MMA fragments
 // (BitDecoding Sec. 4.2-4.3: no dequantized tile). Grid, block, split-K partials, fused append
-// and the cp.async page stream are decode_mma.cu's (2 to 4 stages deep here, by page size).
+// and the cp.async page stream are decode_mma.cu's (2, 3 or 6 stages deep here, by page size;
+// pages of 4- and 2-bit sides go two blocks a step, decode_kvq_impl's NB).
 //
 // Tokens are the MMA rows (BitDecoding's query transformation, turned around): S^T = K Q^T is a
 // 16-token x 8-head tile, O^T += V^T P^T a 16-dim x 8-head tile, so a GQA group of up to 8 heads
@@ -702,11 +710,12 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
         }
     };
     int stage = 0;  // the step's first block's stage; its j-th block's is stage + j (mod STAGES)
+    auto wrap = [](int x) { return x >= STAGES ? x - STAGES : x; };  // x < 2 STAGES: no division
     for (int b = first; b * DM_BS < loop_end; b += NB * WARPS) {
         // The step STAGES / NB - 1 ahead streams in while this one is computed, into the stages
         // the previous step read (for NB = 2 the first refill also ends the staged Q's life).
 #pragma unroll
-        for (int j = 0; j < NB; ++j) issue(b + (STAGES - NB + j) * WARPS, (stage + STAGES - NB + j) % STAGES);
+        for (int j = 0; j < NB; ++j) issue(b + (STAGES - NB + j) * WARPS, wrap(stage + STAGES - NB + j));
         asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - NB));
         __syncwarp();
         float s[NB][4];
@@ -714,13 +723,13 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
         float2 vp_[NB][2];
 #pragma unroll
         for (int j = 0; j < NB; ++j)
-            scores(b + j * WARPS, mine + ((stage + j) % STAGES) * PAIR, s[j], valid[j], vp_[j]);
+            scores(b + j * WARPS, mine + wrap(stage + j) * PAIR, s[j], valid[j], vp_[j]);
         u32 pt[NB][2];
         kvq_softmax<HD, NB, V_ZERO>(s, valid, vp_, m, l, pz, ps, o, pt);
 #pragma unroll
-        for (int j = 0; j < NB; ++j) values(mine + ((stage + j) % STAGES) * PAIR + KS::PAGE, pt[j]);
+        for (int j = 0; j < NB; ++j) values(mine + wrap(stage + j) * PAIR + KS::PAGE, pt[j]);
         __syncwarp();  // these stages are read before they are refilled
-        stage = (stage + NB) % STAGES;
+        stage = wrap(stage + NB);
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     if constexpr (DEF) {
