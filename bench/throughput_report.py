@@ -19,12 +19,31 @@ def precision(model):
     return model.split(":")[1].split(" ")[0] if ":" in model else "bf16"
 
 
+def kv_long_table(runs):
+    """The kv-long part's goal (issue 19): each long-* run against long-bf16-kv16 at the same
+    sequence count, output tokens/s and KV pool tokens."""
+    base = {r["max_num_seqs"]: r for r in runs if r["run"] == "long-bf16-kv16"}
+    others = [r for r in runs if r["run"].startswith("long-") and r["run"] != "long-bf16-kv16"]
+    if not base or not others:
+        return
+    print("| run | seqs | output tok/s | vs bf16-kv16 | KV pool tokens | vs bf16-kv16 |")
+    print("|---|---|---|---|---|---|")
+    for r in others:
+        b = base.get(r["max_num_seqs"])
+        if b is None:
+            continue
+        print(f"| {r['run']} | {r['max_num_seqs']} | {r['output_tok_s']:.1f} | "
+              f"{r['output_tok_s'] / b['output_tok_s']:.2f}x | {r['kv_cache_tokens']} | "
+              f"{r['kv_cache_tokens'] / b['kv_cache_tokens']:.2f}x |")
+    print()
+
+
 def main():
     out = Path(sys.argv[1])
     print((out / "device.txt").read_text() if (out / "device.txt").exists() else "")
     runs = []
     for p in sorted(out.glob("*.json")):
-        if p.name.startswith(("throughput", "profile")):
+        if p.name.startswith(("throughput", "profile", "long-")):
             for r in load(p):
                 r["run"] = p.stem
                 runs.append(r)
@@ -51,6 +70,7 @@ def main():
                       f"{d['steps']} | {d['host_ms']:.3f} | {d['device_ms']:.3f} | "
                       f"{d['device_tok_s']:.0f} |")
         print()
+        kv_long_table(runs)
     steps = out / "decode-steps.json"
     if steps.exists():
         print("| decode step (bf16) | batch | ctx | ms | tok/s |")
@@ -91,16 +111,22 @@ def main():
     fig, axes = plt.subplots(1, 2 if serves else 1, figsize=(11 if serves else 6, 4))
     axes = axes if serves else [axes]
     by = {}
+    long_runs = [r for r in runs if r["run"].startswith("long-")]
     for r in runs:
-        if r["requests"] >= 500:
+        if r["requests"] >= 500 and not r["run"].startswith("long-"):
             label = precision(r["model"]) + (" lockstep" if "lockstep" in r["run"] else "")
             by.setdefault(label, []).append((r["max_num_seqs"], r["output_tok_s"]))
+    title = "offline ShareGPT throughput"
+    if not by and long_runs:  # the kv-long part: one line per precision and KV format
+        for r in long_runs:
+            by.setdefault(r["run"].removeprefix("long-"), []).append((r["max_num_seqs"], r["output_tok_s"]))
+        title = "offline, 4k-token prompts, 512-token outputs"
     for name, pts in sorted(by.items()):
         pts.sort()
         axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
     axes[0].set_xlabel("max sequences")
     axes[0].set_ylabel("output tokens/s")
-    axes[0].set_title("offline ShareGPT throughput")
+    axes[0].set_title(title)
     axes[0].legend()
     if serves:
         finite = [s for s in serves if s["rate"] != "inf"]
