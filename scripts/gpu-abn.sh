@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B/N of several staged builds in one device call: the GPU tests of one of them
-# (AB_TEST_STAGE, filter AB_TESTS, default qgemm), then one benchmark (AB_BENCH, default
+# (AB_TEST_STAGE, filter AB_TESTS, default qgemm, environment AB_TEST_ENV), then one benchmark (AB_BENCH, default
 # `--qgemm --kernels-only`) from every stage, alternated ROUNDS times (default 2) so clock drift
 # shows as run-to-run spread. The other stages' kernels compile while the tests run.
 #   scripts/gpu-abn.sh OUTDIR STAGE...        (GPU machine, repo root; stages: scripts/gpu-stage.sh)
@@ -35,8 +35,13 @@ if [ -n "${AB_TEST_STAGE:-}" ]; then
     [ "$d" = "$AB_TEST_STAGE" ] || "$d/gpu-bench" /tmp/warm.json $bench >/dev/null 2>&1
   done &
   warm=$!
-  case "${AB_TESTS:-qgemm}" in *kv*) warm_kv "$AB_TEST_STAGE" ;; esac
-  STEP_SUMMARY="test result|FAILED|panicked" step tests "$AB_TEST_STAGE/gpu-tests" ${AB_TESTS:-qgemm} --test-threads 1
+  # shellcheck disable=SC2086 # AB_TEST_ENV: VAR=VALUE words (a variant's defines) for the tests
+  case "${AB_TESTS:-qgemm}" in
+    *kv*) (if [ -n "${AB_TEST_ENV:-}" ]; then export ${AB_TEST_ENV}; fi; warm_kv "$AB_TEST_STAGE") ;;
+  esac
+  # shellcheck disable=SC2086
+  STEP_SUMMARY="test result|FAILED|panicked" step tests env ${AB_TEST_ENV:-} "$AB_TEST_STAGE/gpu-tests" \
+    ${AB_TESTS:-qgemm} --test-threads 1
   wait $warm
 fi
 for round in $(seq 1 "${ROUNDS:-2}"); do

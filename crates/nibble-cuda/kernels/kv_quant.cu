@@ -288,6 +288,8 @@ __device__ __forceinline__ void copy_chunks(u32 dst, const unsigned char* src, i
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 512 * j), "l"(src + 512 * j));
 }
 
+template <bool B> struct BoolTag { static constexpr bool value = B; };
+
 // (s, z) of slot `slot` of a staged page's parameters (z = 0 for fp8).
 template <int KIND>
 __device__ __forceinline__ float2 slot_param(const unsigned char* params, int slot) {
@@ -609,7 +611,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
 
     // Block b's scores in log2 units, its pages staged at kp (masked where !valid), and its
     // value parameters.
-    auto scores = [&](int b, const unsigned char* kp, float (&s)[4], bool (&valid)[2], float2 (&vp_)[2]) {
+    auto scores = [&](auto all, int b, const unsigned char* kp, float (&s)[4], bool (&valid)[2], float2 (&vp_)[2]) {
         // S^T = K Q^T: rows are the block's tokens g and g + 8; two accumulators halve the chain.
         float s2[4] = {0.f, 0.f, 0.f, 0.f};
         {
@@ -680,7 +682,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
             kp_[r] = KCH ? make_float2(1.f, 0.f) : slot_param<KK>(kp + DM_BS * KS::CB, g + 8 * r);
             vp_[r] = slot_param<VK>(kp + KS::PAGE + DM_BS * VS::CB, g + 8 * r);
             const int p = b * DM_BS + g + 8 * r;
-            valid[r] = p < loop_end && p >= lo;
+            valid[r] = decltype(all)::value || (p < loop_end && p >= lo);
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -711,6 +713,18 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     };
     int stage = 0;  // the step's first block's stage; its j-th block's is stage + j (mod STAGES)
     auto wrap = [](int x) { return x >= STAGES ? x - STAGES : x; };  // x < 2 STAGES: no division
+    auto step = [&](auto all, int b) {
+        float s[NB][4];
+        bool valid[NB][2];
+        float2 vp_[NB][2];
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+            scores(all, b + j * WARPS, mine + wrap(stage + j) * PAIR, s[j], valid[j], vp_[j]);
+        u32 pt[NB][2];
+        kvq_softmax<HD, NB, V_ZERO>(s, valid, vp_, m, l, pz, ps, o, pt);
+#pragma unroll
+        for (int j = 0; j < NB; ++j) values(mine + wrap(stage + j) * PAIR + KS::PAGE, pt[j]);
+    };
     for (int b = first; b * DM_BS < loop_end; b += NB * WARPS) {
         // The step STAGES / NB - 1 ahead streams in while this one is computed, into the stages
         // the previous step read (for NB = 2 the first refill also ends the staged Q's life).
@@ -718,16 +732,15 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
         for (int j = 0; j < NB; ++j) issue(b + (STAGES - NB + j) * WARPS, wrap(stage + STAGES - NB + j));
         asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - NB));
         __syncwarp();
-        float s[NB][4];
-        bool valid[NB][2];
-        float2 vp_[NB][2];
-#pragma unroll
-        for (int j = 0; j < NB; ++j)
-            scores(b + j * WARPS, mine + wrap(stage + j) * PAIR, s[j], valid[j], vp_[j]);
-        u32 pt[NB][2];
-        kvq_softmax<HD, NB, V_ZERO>(s, valid, vp_, m, l, pz, ps, o, pt);
-#pragma unroll
-        for (int j = 0; j < NB; ++j) values(mine + wrap(stage + j) * PAIR + KS::PAGE, pt[j]);
+#ifdef NIBBLE_KVQ_INTERIOR
+        // A variant for the next GPU call (built 2026-11-27 without one): a step whose blocks lie
+        // wholly inside [lo, loop_end) takes a copy of the body with no masks (valid a constant),
+        // about 30 fewer instructions for two kv4 blocks, for twice the loop's code.
+        if (b * DM_BS >= lo && (b + (NB - 1) * WARPS + 1) * DM_BS <= loop_end)
+            step(BoolTag<true>(), b);
+        else
+#endif
+            step(BoolTag<false>(), b);
         __syncwarp();  // these stages are read before they are refilled
         stage = wrap(stage + NB);
     }
