@@ -23,31 +23,42 @@ def best(runs, key):
     return min(runs[key], key=lambda r: r[0])
 
 
-def load(out, field, names=("base", "cand")):
-    """{side: {key: [(µs, share), ...]}}, the device name, and the kind of run; sides "base"
-    and "cand" read bench-NAME-*.json for the two names."""
-    sides, device, kind = {"base": {}, "cand": {}}, "", ""
-    for side, name in zip(sides, names):
+def load_named(out, field, names):
+    """{name: {key: [(µs, share), ...]}} over each name's bench-NAME-*.json, the device name,
+    and the kind of run ("qgemm", "moe" or "kv"). A file that is not JSON (a run cut short) is
+    skipped with a word on stderr."""
+    sides, device, kind = {name: {} for name in names}, "", ""
+    for name in names:
         for path in sorted(out.glob(f"bench-{name}-*.json")):
-            d = json.loads(path.read_text())
+            try:
+                d = json.loads(path.read_text())
+            except ValueError:
+                print(f"{path}: not JSON (a run cut short?)", file=sys.stderr)
+                continue
             device = d["device"]
             if d.get("kv_attention"):
                 kind = "kv"
                 for r in d["kv_attention"]:
                     key = (r["kv"], f"{r['batch']}x{r['ctx']}")
-                    sides[side].setdefault(key, []).append((r["ms"] * 1e3, r["bandwidth_fraction"]))
+                    sides[name].setdefault(key, []).append((r["ms"] * 1e3, r["bandwidth_fraction"]))
             elif "moe_experts" in d and d["moe_experts"]:
                 kind = "moe"
                 for r in d["moe_experts"]:
                     key = (r["format"], r["tokens"])
-                    sides[side].setdefault(key, []).append((r["grouped_gemms_us"], r["grouped_hbm_share"]))
+                    sides[name].setdefault(key, []).append((r["grouped_gemms_us"], r["grouped_hbm_share"]))
             else:
                 kind = "qgemm"
                 for r in d["qgemm"]:
                     key = (f"{r['n']}x{r['k']}", r["m"])
                     share = r.get(f"{field}_hbm_fraction")
-                    sides[side].setdefault(key, []).append((r[f"{field}_ms"] * 1e3, share))
+                    sides[name].setdefault(key, []).append((r[f"{field}_ms"] * 1e3, share))
     return sides, device, kind
+
+
+def load(out, field, names=("base", "cand")):
+    """load_named for two builds, as sides "base" and "cand"."""
+    named, device, kind = load_named(out, field, names)
+    return {"base": named[names[0]], "cand": named[names[1]]}, device, kind
 
 
 def main():

@@ -19,11 +19,16 @@ def precision(model):
     return model.split(":")[1].split(" ")[0] if ":" in model else "bf16"
 
 
+def is_long(run):
+    """A run of gpu-engine-run.sh's kv-long part (4k-token prompts), not of ShareGPT."""
+    return run["run"].startswith("long-")
+
+
 def kv_long_table(runs):
     """The kv-long part's goal (issue 19): each long-* run against long-bf16-kv16 at the same
     sequence count, output tokens/s and KV pool tokens."""
     base = {r["max_num_seqs"]: r for r in runs if r["run"] == "long-bf16-kv16"}
-    others = [r for r in runs if r["run"].startswith("long-") and r["run"] != "long-bf16-kv16"]
+    others = [r for r in runs if is_long(r) and r["run"] != "long-bf16-kv16"]
     if not base or not others:
         return
     print("| run | seqs | output tok/s | vs bf16-kv16 | KV pool tokens | vs bf16-kv16 |")
@@ -111,9 +116,9 @@ def main():
     fig, axes = plt.subplots(1, 2 if serves else 1, figsize=(11 if serves else 6, 4))
     axes = axes if serves else [axes]
     by = {}
-    long_runs = [r for r in runs if r["run"].startswith("long-")]
+    long_runs = [r for r in runs if is_long(r)]
     for r in runs:
-        if r["requests"] >= 500 and not r["run"].startswith("long-"):
+        if r["requests"] >= 500 and not is_long(r):
             label = precision(r["model"]) + (" lockstep" if "lockstep" in r["run"] else "")
             by.setdefault(label, []).append((r["max_num_seqs"], r["output_tok_s"]))
     title = "offline ShareGPT throughput"

@@ -20,13 +20,13 @@ if [ ! -f "$tk/lib/libnvrtc.so.13" ]; then
 fi
 cache=$PWD/.gpu-kernels
 mkdir -p "$cache" .gpu-cache
-cargo build --release --locked -q -p nibble-cuda --example precompile
+cargo build --release --locked -q -p nibble-cli
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir "$work/nibble-kernels"
 for defines in "" "$@"; do
   list=$(NIBBLE_NVRTC_DEFINES=$defines NIBBLE_KERNEL_CACHE=$cache CUDA_HOME=$tk LD_LIBRARY_PATH=$tk/lib \
-    target/release/examples/precompile sm_90a)
+    target/release/nibble kernels --arch sm_90a --list)
   for f in $list; do cp "$cache/$f" "$work/nibble-kernels/"; done
 done
 rm -f .gpu-cache/kernels.tar.xz.*

@@ -119,6 +119,10 @@ enum Command {
         /// Target architecture such as sm_80, sm_89 or sm_90a (Hopper); default: the GPU's.
         #[arg(long)]
         arch: Option<String>,
+        /// Print the cache's file names that hold the modules, one a line, instead of the cache
+        /// directory (scripts/gpu-precompile.sh packs them).
+        #[arg(long)]
+        list: bool,
     },
     /// Quantize the model with a method and write a nibble checkpoint directory.
     Quantize(nibble_cli::quantize::QuantizeArgs),
@@ -537,7 +541,7 @@ fn run(cli: Cli) -> Result<()> {
         println!("{}", default_model::ensure()?.display());
         return Ok(());
     }
-    if let Command::Kernels { arch } = &cli.command {
+    if let Command::Kernels { arch, list } = &cli.command {
         let arch = match arch {
             Some(arch) => arch.clone(),
             None => nibble_cuda::gpu_arch(0)
@@ -550,7 +554,11 @@ fn run(cli: Cli) -> Result<()> {
             files.len(),
             t0.elapsed().as_secs_f64()
         );
-        if let Some(dir) = nibble_cuda::compile::cache_dir() {
+        if *list {
+            for f in files {
+                println!("{f}");
+            }
+        } else if let Some(dir) = nibble_cuda::compile::cache_dir() {
             println!("{}", dir.display());
         }
         return Ok(());

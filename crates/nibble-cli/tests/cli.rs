@@ -747,4 +747,20 @@ fn kernels_fills_the_cache_for_a_named_architecture_without_a_gpu() {
         err.contains(&format!("{cubins} kernel modules for sm_80")),
         "{err}"
     );
+    // --list names those files (all cached now: a second run compiles nothing).
+    let listed = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["kernels", "--arch", "sm_80", "--list"])
+        .env("NIBBLE_KERNEL_CACHE", cache.path())
+        .output()
+        .unwrap();
+    assert!(listed.status.success());
+    let names: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(names.len(), cubins);
+    assert!(
+        names.iter().all(|n| cache.path().join(n).is_file()),
+        "{names:?}"
+    );
 }

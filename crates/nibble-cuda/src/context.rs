@@ -234,11 +234,17 @@ fn kv_module(
 fn warm_kv_modules(base: &[String], specs: &[KvSpec], dtypes: &[Dtype]) -> Result<()> {
     let source = compile::full_source(compile::KV_QUANT);
     let modules = kv_modules(base, specs, dtypes);
-    let jobs: Vec<(&str, &str, &[String])> = modules
+    compile::cubin_jobs(&kv_jobs(&modules, &source).collect::<Vec<_>>()).map(drop)
+}
+
+/// [`compile::cubin_jobs`]'s jobs for `modules` ([`kv_modules`]) of the full KV source `source`.
+fn kv_jobs<'a>(
+    modules: &'a [(String, Vec<String>)],
+    source: &'a str,
+) -> impl Iterator<Item = (&'a str, &'a str, &'a [String])> {
+    modules
         .iter()
-        .map(|(name, opts)| (name.as_str(), source.as_str(), opts.as_slice()))
-        .collect();
-    compile::cubin_jobs(&jobs).map(drop)
+        .map(move |(name, opts)| (name.as_str(), source, opts.as_slice()))
 }
 
 /// The distinct (name, options) of the quantized KV modules that pools of `specs` in each of
@@ -263,8 +269,8 @@ fn kv_modules(base: &[String], specs: &[KvSpec], dtypes: &[Dtype]) -> Vec<(Strin
 /// Compiles, side by side into the kernel cache, every module a context makes and the KV
 /// formats' modules ([`WARM_KV_FORMATS`], both model dtypes) for `arch` (`sm_90a`, `sm_80`, ...;
 /// [`gpu_arch`] gives a GPU's), with the options a context would use (NIBBLE_NVRTC_DEFINES
-/// included): `nibble kernels` (the GPU scripts' `warm_kv` too), and the precompile example the
-/// GPU scripts' seed comes from.
+/// included): `nibble kernels` (the GPU scripts' `warm_kv` too; with `--list`, the names
+/// scripts/gpu-precompile.sh packs into the GPU scripts' seed).
 /// Needs NVRTC and the CUDA headers, not a GPU: the cache key leaves out where the headers are,
 /// so a cache filled on a build machine serves a GPU machine with the same NVRTC. Returns the
 /// cache's file names, one a module.
@@ -306,10 +312,7 @@ pub fn precompile_kernels(arch: &str) -> Result<Vec<String>> {
         .iter()
         .zip(&sources)
         .map(|((name, _), source)| (*name, source.as_str(), opts.as_slice()))
-        .chain(
-            kv.iter()
-                .map(|(name, kv_opts)| (name.as_str(), kv_source.as_str(), kv_opts.as_slice())),
-        )
+        .chain(kv_jobs(&kv, &kv_source))
         .collect();
     compile::cubin_jobs(&jobs)?;
     Ok(jobs

@@ -13,14 +13,22 @@ fn unavailable(why: &str) {
     eprintln!("skipped: {why}");
 }
 
+/// The CUDA headers' folder where NVRTC and the headers are installed; otherwise None, after
+/// [`unavailable`] has said why.
+fn nvrtc_headers() -> Option<std::path::PathBuf> {
+    if !probe::nvrtc_available() {
+        unavailable("NVRTC is not installed here");
+        return None;
+    }
+    probe::cuda_include_dir()
+        .map_err(|e| unavailable(&e.to_string()))
+        .ok()
+}
+
 #[test]
 fn kernels_compile_for_every_architecture() {
-    if !probe::nvrtc_available() {
-        return unavailable("NVRTC is not installed here");
-    }
-    let include = match probe::cuda_include_dir() {
-        Ok(d) => d,
-        Err(e) => return unavailable(&e.to_string()),
+    let Some(include) = nvrtc_headers() else {
+        return;
     };
     // One thread per architecture: NVRTC compiles are independent and take seconds each.
     std::thread::scope(|scope| {
@@ -235,12 +243,8 @@ fn no_wgmma_is_serialized() {
     // ptxas serializes a kernel's wgmmas (each waits for the last before it issues) when other
     // instructions touch a wgmma's accumulators while it is in flight, and only says so in its
     // report (C7514). It did so in every FP8 entry until 2026-11-27 (BENCHMARKS.md, issue 18).
-    if !probe::nvrtc_available() {
-        return unavailable("NVRTC is not installed here");
-    }
-    let include = match probe::cuda_include_dir() {
-        Ok(d) => d,
-        Err(e) => return unavailable(&e.to_string()),
+    let Some(include) = nvrtc_headers() else {
+        return;
     };
     let mut opts = compile::options("sm_90a", &include);
     opts.push("--ptxas-options=-v".into());
@@ -278,12 +282,8 @@ fn no_wgmma_is_serialized() {
 /// does not reads its inputs before they are written.
 #[test]
 fn kernels_launched_early_wait_on_the_grid() {
-    if !probe::nvrtc_available() {
-        return unavailable("NVRTC is not installed here");
-    }
-    let include = match probe::cuda_include_dir() {
-        Ok(d) => d,
-        Err(e) => return unavailable(&e.to_string()),
+    let Some(include) = nvrtc_headers() else {
+        return;
     };
     let opts = compile::options("compute_90a", &include);
     let mut modules: Vec<(String, String, Vec<String>)> = compile::SOURCES
@@ -340,10 +340,9 @@ fn ptx_entries_are_split_by_their_grid_wait() {
 
 #[test]
 fn compile_errors_show_the_nvrtc_log() {
-    if !probe::nvrtc_available() || probe::cuda_include_dir().is_err() {
-        return unavailable("NVRTC or the CUDA headers are not installed here");
-    }
-    let include = probe::cuda_include_dir().unwrap();
+    let Some(include) = nvrtc_headers() else {
+        return;
+    };
     let opts = compile::options("sm_90a", &include);
     let e = compile::compile(
         "broken",
@@ -357,10 +356,9 @@ fn compile_errors_show_the_nvrtc_log() {
 
 #[test]
 fn compiled_kernels_are_cached_on_disk_by_source_and_options() {
-    if !probe::nvrtc_available() || probe::cuda_include_dir().is_err() {
-        return unavailable("NVRTC or the CUDA headers are not installed here");
-    }
-    let include = probe::cuda_include_dir().unwrap();
+    let Some(include) = nvrtc_headers() else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let src = compile::full_source("extern \"C\" __global__ void k(float* x) { x[0] = 1.0f; }");
     let opts = compile::options("sm_80", &include);
@@ -387,10 +385,9 @@ fn compiled_kernels_are_cached_on_disk_by_source_and_options() {
 
 #[test]
 fn modules_compile_side_by_side_and_come_back_in_order() {
-    if !probe::nvrtc_available() || probe::cuda_include_dir().is_err() {
-        return unavailable("NVRTC or the CUDA headers are not installed here");
-    }
-    let include = probe::cuda_include_dir().unwrap();
+    let Some(include) = nvrtc_headers() else {
+        return;
+    };
     let opts = compile::options("sm_80", &include);
     let dir = tempfile::tempdir().unwrap();
     let modules = [
