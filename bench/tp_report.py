@@ -42,7 +42,11 @@ def main():
         print(f"| {name} ({one['requests']} requests, {one['max_num_seqs']} seqs) | "
               f"{one['output_tok_s']:,.0f} | {two['output_tok_s']:,.0f} | {r:.2f}x | {goal}x |")
     # TP=2's levers one by one: the decode step at batch 1 and offline tokens/s of each variant.
-    variants = [("", "split head + symmetric window (default)"), ("-nowindow", "split head only"),
+    variants = [("", "peer sum + split head + symmetric window (default)"),
+                ("-r2", "the same, second run"),
+                ("-nopeer", "without the peer sum (split head + window)"),
+                ("-nopeer-r2", "without the peer sum, second run"),
+                ("-nowindow", "split head only"),
                 ("-base", "neither (the 2026-11-25 configuration)"), ("-ll", "default + NCCL_PROTO=LL")]
     one = load(d, "b1-tp1")
     if one and any(load(d, f"b1-tp2{v}") for v, _ in variants):

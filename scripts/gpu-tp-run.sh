@@ -7,13 +7,16 @@
 # compile of every kernel (about 100 s on a fresh machine).
 #   tests     the two-GPU tests (stage/gpu/gpu-tp-tests): exact NCCL sums, fixtures and quantized
 #             shards against one GPU, graphs replaying the all-reduces, a failed rank
+#   peer      the peer sum's two-GPU tests alone (the `tests` part runs them too)
 #   arlat     NCCL's all-reduce latency for a decode step's row, under its protocol choices
 #   serve     the server at TP=2 on the tiny Llama 3 fixture: 8 greedy completions at once give
 #             what they give one by one (scripts/gpu-tp-serve-check.sh)
 #   b1        Llama-3-8B shape, one sequence (256 output tokens): decode step at TP=1 and TP=2,
-#             TP=2 also without the symmetric window, without the split head, with NCCL_PROTO=LL
+#             TP=2 also without the peer sum (twice each); B1_ALL=1 adds TP=2 without the
+#             symmetric window, without the split head, with NCCL_PROTO=LL
 #   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences),
-#             TP=2 also without the symmetric window and the split head (unless TP_BASE=0)
+#             TP=2 also without the peer sum (unless TP_NOPEER=0) and without all three levers
+#             (unless TP_BASE=0)
 #   kv        quantized KV pools at TP=2 (each rank its heads' shard, kv8, kvfp8, kv4, k8v4): greedy
 #             text of the tiny dummy shape at TP=1 and TP=2, and how much of it agrees
 #   70b       Llama-2-70B shape at TP=2 in BF16 and W4A16 (one sequence, then 16)
@@ -65,6 +68,8 @@ for part in $parts; do
   case $part in
     tests)
       step gpu-tp-tests timeout 240 stage/gpu/gpu-tp-tests --test-threads 1 --nocapture ;;
+    peer)
+      step gpu-tp-peer-tests timeout 300 stage/gpu/gpu-tp-tests peer_sum --test-threads 1 --nocapture ;;
     arlat)
       # NCCL's decode-sized all-reduce latency under its protocol choices (the test prints it).
       for env in "" NCCL_PROTO=LL; do
@@ -77,18 +82,26 @@ for part in $parts; do
       b1() { throughput "$1" llama-3-8b "$2" --input-len 128 --output-len 256 --num-prompts 2 \
         --max-num-seqs 1 --profile; }
       b1 b1-tp1 1
-      # TP=2 by default: the output head split by vocabulary, row-parallel outputs summed in
-      # NCCL symmetric memory. Then without each, and with NCCL's low-latency protocol.
+      # TP=2 by default: the output head split by vocabulary, one-token row-parallel outputs
+      # summed peer to peer by the gemvs (the peer sum), the rest in NCCL symmetric memory. Then
+      # without the peer sum, twice each alternated (run-to-run spread); with B1_ALL=1 also
+      # without the window and the split head, and with NCCL's low-latency protocol.
       b1 b1-tp2 2
-      NIBBLE_TP_WINDOW=0 b1 b1-tp2-nowindow 2
-      NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 b1 b1-tp2-base 2
-      NCCL_PROTO=LL b1 b1-tp2-ll 2 ;;
+      NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer 2
+      b1 b1-tp2-r2 2
+      NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer-r2 2
+      if [ "${B1_ALL:-0}" = 1 ]; then
+        NIBBLE_TP_WINDOW=0 b1 b1-tp2-nowindow 2
+        NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-base 2
+        NCCL_PROTO=LL b1 b1-tp2-ll 2
+      fi ;;
     offline)
       offline() { throughput "$1" llama-3-8b "$2" --dataset "$ds" \
         --num-prompts "${TP_PROMPTS:-500}" --max-num-seqs 256 --profile; }
       offline offline-tp1 1
       offline offline-tp2 2
-      [ "${TP_BASE:-1}" = 0 ] || NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 offline offline-tp2-base 2 ;;
+      [ "${TP_NOPEER:-1}" = 0 ] || NIBBLE_TP_PEER_SUM=0 offline offline-tp2-nopeer 2
+      [ "${TP_BASE:-1}" = 0 ] || NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 NIBBLE_TP_PEER_SUM=0 offline offline-tp2-base 2 ;;
     kv)
       # The tiny dummy shape (head_dim 64): quantized pools have kernels for head_dim 64 and 128
       # (the Llama 3 fixture's 16 is refused, on both ranks, with that reason).

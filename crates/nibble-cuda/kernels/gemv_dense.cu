@@ -24,6 +24,15 @@
 // leaves a row, the warp sums its lanes with a fixed butterfly into the (row, warp) partial; after
 // all stages, a row is the sum of its 16 partials in warp order. No atomics: results are
 // deterministic, and a token's output does not depend on the other tokens of the call.
+//
+// Peer sum (two tensor-parallel ranks on GPUs with peer access; docs/tensor-parallel.md "The
+// peer sum"): a row-parallel layer's one-token gemv also stores its rows into the other rank's
+// receive slot over NVLink, then counts them (fence.sc.sys, then a system-scope atomic add of its
+// row count on the peer's arrivals and on its own). The consumer, the next block's normed gemv,
+// waits until the peer's arrivals reach its own (each rank adds the same rows in the same order
+// of layers), then norms res + (own + peer) - the bits NCCL's two-rank sum gives - while its
+// weight ring fills. That takes the all-reduce's kernel off the step. peer_sum_settle finishes a
+// sum whose consumer is anything else.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -56,6 +65,45 @@ template <> __device__ __forceinline__ void dg_unpack<__half>(uint4 v, float (&f
     }
 }
 
+// A peer sum's counters: `arrivals`, rows the peer has stored into this rank's slots, and `own`,
+// rows this rank's gemvs have pushed; `abort` (host memory mapped into every GPU) turns 1 when the
+// tensor-parallel group is aborted, so a wait for a rank that failed ends.
+struct DgPeer {
+    float* peer_y;          // producer: the peer's receive slot for this row
+    u64* peer_arrivals;     // producer: the peer's arrival counter
+    u64* arrivals;          // this rank's arrival counter
+    u64* own;               // this rank's pushed rows
+    const float* peer_part; // consumer: this rank's receive slot, the peer's row
+    const volatile unsigned* abort;
+};
+
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Thread 0 waits until the peer has pushed as many rows as this rank (its own gemv, the previous
+// kernel, has finished: the caller waited on the grid dependency); then the `threads` threads of
+// named barrier `bar` go on. Past ten minutes without the peer (and without an abort) it traps:
+// the rank's next call reports a CUDA error instead of hanging.
+__device__ __forceinline__ void peer_wait(const DgPeer& p, int bar, int threads) {
+    if (threadIdx.x == 0) {
+        const u64 want = *reinterpret_cast<const volatile u64*>(p.own);
+        u64 t0;
+        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
+        for (unsigned spin = 1; ld_acquire_sys(p.arrivals) < want; ++spin) {
+            if ((spin & 255) == 0) {
+                if (*p.abort) break;
+                u64 t;
+                asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+                if (t - t0 > 600ull * 1000000000ull) __trap();
+            }
+        }
+    }
+    asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "r"(threads) : "memory");
+}
+
 // The RMSNorm the gemv can take over (NORM): its input is then the model's f32 residual row `res`
 // (plus `delta`, when not null), normed by weight `nw` as elementwise.cu's rms_norm does, and CTA
 // 0 writes the updated residual to `res_out` (another buffer: every CTA reads `res`).
@@ -68,9 +116,20 @@ struct DgNorm {
 };
 
 // SEGS: segments a warp takes of a stage (stage bytes = 16 * SEGS * 512).
-template <class T, int M, int SEGS, bool NORM = false>
+// PEER: 0 none, DG_PUSH the producer of a peer sum, DG_WAIT its consumer (NORM with a delta).
+#define DG_PUSH 1
+#define DG_WAIT 2
+// The normed row's input at channel i: res + delta, where a peer sum's delta is own + peer (the
+// sum of two floats is the same bits whichever rank adds it).
+template <int PEER>
+__device__ __forceinline__ float dg_norm_input(const DgNorm& norm, const DgPeer& peer, int i) {
+    if constexpr (PEER == DG_WAIT) return norm.res[i] + (norm.delta[i] + __ldcg(peer.peer_part + i));
+    return norm.delta ? norm.res[i] + norm.delta[i] : norm.res[i];
+}
+
+template <class T, int M, int SEGS, bool NORM = false, int PEER = 0>
 __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y,
-                                           int n, int k, int ring_bytes, DgNorm norm = {}) {
+                                           int n, int k, int ring_bytes, DgNorm norm = {}, DgPeer peer = {}) {
     constexpr int STAGE = DG_WARPS * SEGS * 512;
     extern __shared__ __align__(128) unsigned char dg_smem[];
     __shared__ __align__(8) u64 full[DG_MAX_SLOTS], empty[DG_MAX_SLOTS];
@@ -110,13 +169,14 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
     grid_dependency_wait();
     T* xs = reinterpret_cast<T*>(dg_smem + ring_bytes);
     float* partial = reinterpret_cast<float*>(dg_smem + ring_bytes + M * k * 2);
+    if constexpr (PEER == DG_WAIT) peer_wait(peer, 1, DG_WARPS * 32);
     if constexpr (NORM) {
         // One row (M = 1): x = T((res + delta) * (1 / sqrt(mean((res + delta)^2) + eps)) * nw),
         // rms_norm_impl's arithmetic; the sum of squares in another order (16 warps).
         __shared__ float red[DG_WARPS];
         float ss = 0.f;
         for (int i = threadIdx.x; i < k; i += DG_WARPS * 32) {
-            const float v = norm.delta ? norm.res[i] + norm.delta[i] : norm.res[i];
+            const float v = dg_norm_input<PEER>(norm, peer, i);
             ss = fmaf(v, v, ss);
         }
         ss = warp_sum(ss);
@@ -128,7 +188,7 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
         for (int i = 0; i < DG_WARPS; ++i) total += red[i];
         const float scale = 1.0f / sqrtf(total / (float)k + norm.eps);
         for (int i = threadIdx.x; i < k; i += DG_WARPS * 32) {
-            const float v = norm.delta ? norm.res[i] + norm.delta[i] : norm.res[i];
+            const float v = dg_norm_input<PEER>(norm, peer, i);
             xs[i] = from_f32<T>(v * scale * norm.nw[i]);
             if (blockIdx.x == 0 && norm.delta) norm.res_out[i] = v;
         }
@@ -207,6 +267,17 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
 #pragma unroll
         for (int ww = 0; ww < DG_WARPS; ++ww) v += partial[(r * DG_WARPS + ww) * M + m];
         y[(long)m * n + r0 + r] = v;
+        if constexpr (PEER == DG_PUSH) peer.peer_y[(long)m * n + r0 + r] = v;
+    }
+    if constexpr (PEER == DG_PUSH) {
+        // Every row stored (this CTA's threads, named barrier 1), then counted at system scope:
+        // the fence orders them before the peer can see the count.
+        asm volatile("bar.sync 1, %0;\n" ::"n"(DG_WARPS * 32) : "memory");
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            atomicAdd_system(peer.peer_arrivals, (u64)(r1 - r0));
+            atomicAdd(peer.own, (u64)(r1 - r0));
+        }
     }
 }
 
@@ -237,5 +308,41 @@ DG_ENTRIES(__half, f16)
     }
 DG_NORM_ENTRY(__nv_bfloat16, bf16)
 DG_NORM_ENTRY(__half, f16)
+
+// A peer sum's producer: one token, the rows also pushed to the peer's receive slot.
+#define DG_PUSH_ENTRY(T, SFX)                                                                                   \
+    extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
+        dense_gemv1_push_s32_##SFX(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int n, \
+                                   int k, int ring_bytes, float* peer_y, u64* peer_arrivals, u64* own) {         \
+        dense_gemv<T, 1, 4, false, DG_PUSH>(w, x, y, n, k, ring_bytes, DgNorm{},                                 \
+                                            DgPeer{peer_y, peer_arrivals, nullptr, own, nullptr, nullptr});      \
+    }
+DG_PUSH_ENTRY(__nv_bfloat16, bf16)
+DG_PUSH_ENTRY(__half, f16)
+
+// A peer sum's consumer: the normed gemv of res + (delta + the peer's row), once it has arrived.
+#define DG_PEER_NORM_ENTRY(T, SFX)                                                                              \
+    extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
+        dense_gemv_norm1_peer_s32_##SFX(const T* __restrict__ w, const float* res, const float* delta,          \
+                                        const float* peer_part, const float* nw, float* res_out,               \
+                                        float* __restrict__ y, int n, int k, int ring_bytes, float eps,        \
+                                        u64* arrivals, u64* own, const unsigned* abort) {                      \
+        dense_gemv<T, 1, 4, true, DG_WAIT>(w, nullptr, y, n, k, ring_bytes, DgNorm{res, delta, nw, res_out, eps}, \
+                                           DgPeer{nullptr, nullptr, arrivals, own, peer_part, abort});         \
+    }
+DG_PEER_NORM_ENTRY(__nv_bfloat16, bf16)
+DG_PEER_NORM_ENTRY(__half, f16)
+
+// A peer sum whose consumer is not a normed gemv: y = y + the peer's row, once it has arrived
+// (one CTA; a row of the residual stream).
+extern "C" __global__ void __launch_bounds__(1024) peer_sum_settle(float* y, const float* peer_part, int n,
+                                                                 u64* arrivals, u64* own,
+                                                                 const unsigned* abort) {
+    grid_dependency_wait();
+    const DgPeer p{nullptr, nullptr, arrivals, own, peer_part, abort};
+    peer_wait(p, 0, blockDim.x);
+    grid_dependents_launch();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = y[i] + __ldcg(peer_part + i);
+}
 
 #endif  // sm_90a

@@ -26,6 +26,7 @@ use crate::context::{CudaContext, StepUpload};
 use crate::host_trace::HostTrace;
 use crate::kv::CudaKv;
 use crate::nccl::{Communicator, ReduceType};
+use crate::peer_sum::{self, PeerSum, Pending};
 use crate::qlinear::QKernel;
 use crate::runtime::{DeviceBuffer, DevicePtr};
 use crate::sampling::SampleScratch;
@@ -72,6 +73,9 @@ pub struct CudaBackend {
     /// next (rewound at every forward, so a captured graph's turns are a replay's).
     residual_rows: [DeviceBuffer; 2],
     residual_turn: AtomicUsize,
+    /// As one of two ranks whose GPUs are peers: one-token row-parallel outputs summed by the
+    /// gemvs themselves (`crate::peer_sum`) instead of NCCL's all-reduce.
+    peer: Option<PeerSum>,
     /// Host time of eager forward passes by kind of op (`NIBBLE_HOST_TRACE=1`).
     trace: Option<HostTrace>,
     ctx: CudaContext,
@@ -109,6 +113,7 @@ impl CudaBackend {
                 DeviceBuffer::alloc(&ctx.gpu, RESIDUAL_ROW_MAX * 4, "residual row")?,
             ],
             residual_turn: AtomicUsize::new(0),
+            peer: None,
             dense_gemv: std::env::var("NIBBLE_DENSE_GEMV").map_or(true, |v| v != "0"),
             trace: std::env::var("NIBBLE_HOST_TRACE")
                 .is_ok_and(|v| v == "1")
@@ -131,6 +136,67 @@ impl CudaBackend {
         self.split_head = split_head;
         self.window = window;
         self
+    }
+
+    /// As a rank of two whose GPUs are peers, sums one-token row-parallel outputs with `peer`
+    /// ([`crate::peer_sum`]).
+    pub fn with_peer_sum(mut self, peer: Option<PeerSum>) -> CudaBackend {
+        self.peer = peer;
+        self
+    }
+
+    /// Whether one-token row-parallel outputs are summed peer to peer.
+    pub fn sums_with_peer(&self) -> bool {
+        self.peer.is_some()
+    }
+
+    /// Finishes a peer sum left to a consumer that turned out not to be a normed gemv.
+    fn settle_peer(&self) -> Result<()> {
+        match &self.peer {
+            Some(p) => p.settle_pending(&self.ctx),
+            None => Ok(()),
+        }
+    }
+
+    /// The row-parallel layer as one rank of a peer sum, where it applies (one token, a dense
+    /// weight the gemv streams): the gemv pushes its rows to the peer; with `defer` the sum is
+    /// left to the next normed gemv, else finished here.
+    fn peer_linear_summed(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        defer: bool,
+    ) -> Result<Option<CudaTensor>> {
+        let Some(p) = &self.peer else {
+            return Ok(None);
+        };
+        let (n, k) = (weight.rows, weight.cols);
+        let applies = self.dense_gemv
+            && x.rows == 1
+            && x.elem == Elem::Half(self.ctx.dtype)
+            && x.is_contiguous()
+            && matches!(weight.data, WeightData::Dense(_))
+            && weight.dtype == self.ctx.dtype
+            && PeerSum::fits(n)
+            && dense_gemv::applies(&self.ctx, 1, n, k);
+        if !applies {
+            return Ok(None);
+        }
+        p.settle_pending(&self.ctx)?;
+        let out = self.ctx.alloc(1, n, Elem::F32)?;
+        let (slot, push) = p.next_push();
+        dense_gemv::run_push(&self.ctx, x, weight, &out, &push)?;
+        let pending = Pending {
+            own: out.ptr,
+            slot,
+            n,
+        };
+        if defer {
+            p.defer(pending);
+        } else {
+            p.settle(&self.ctx, pending)?;
+        }
+        Ok(Some(out))
     }
 
     /// This rank's communicator, if the backend is a tensor-parallel rank.
@@ -768,6 +834,10 @@ impl Backend for CudaBackend {
         }
         self.window_turn.store(0, Ordering::Relaxed);
         self.residual_turn.store(0, Ordering::Relaxed);
+        if let Some(p) = &self.peer {
+            p.settle_pending(&self.ctx)?;
+            p.rewind();
+        }
         if let Some(t) = &self.trace {
             t.begin(tokens.len(), batch.seqs.len());
         }
@@ -841,6 +911,8 @@ impl Backend for CudaBackend {
     }
 
     fn residual_rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32) -> CudaTensor {
+        let r = self.settle_peer();
+        self.ctx.sticky(r);
         let r = ew::residual_rms_norm(&self.ctx, x, weight, eps);
         self.or_dead(r, x.rows, x.cols, Elem::F32)
     }
@@ -876,6 +948,9 @@ impl Backend for CudaBackend {
             let h = self.pre_norm(x, delta, norm, eps);
             return self.linear(&h, weight, bias);
         }
+        // A peer sum left to this gemv: it waits for the peer's half and adds it itself.
+        let peer = peer_sum::pending_of(self.peer.as_ref(), delta);
+        self.settle_peer()?;
         ctx.check_live(x)?;
         let out = ctx.alloc(1, weight.rows, Elem::F32)?;
         let next = delta.map(|_| {
@@ -891,6 +966,9 @@ impl Backend for CudaBackend {
             weight,
             &out,
             next.as_ref().map_or(0, |t| t.ptr),
+            peer.zip(self.peer.as_ref())
+                .map(|(p, s)| s.wait_args(p.slot))
+                .as_ref(),
         )?;
         if let Some(r) = next {
             *x = r;
@@ -924,6 +1002,9 @@ impl Backend for CudaBackend {
         let Some(comm) = &self.collective else {
             return self.linear(x, weight, None);
         };
+        if let Some(out) = self.peer_linear_summed(x, weight, false)? {
+            return Ok(out);
+        }
         let n = x.rows * weight.rows;
         match self.window {
             // Computed straight into a slot of the symmetric window and summed there: NCCL's
@@ -948,6 +1029,28 @@ impl Backend for CudaBackend {
                 self.all_reduce(&mut out)?;
                 Ok(out)
             }
+        }
+    }
+
+    fn linear_summed_delta(&self, x: &CudaTensor, weight: &CudaWeight) -> Result<CudaTensor> {
+        match self.peer_linear_summed(x, weight, true)? {
+            Some(out) => Ok(out),
+            None => self.linear_summed(x, weight),
+        }
+    }
+
+    fn pre_norm(
+        &self,
+        x: &mut CudaTensor,
+        delta: Option<&CudaTensor>,
+        norm: &CudaTensor,
+        eps: f32,
+    ) -> CudaTensor {
+        let r = self.settle_peer();
+        self.ctx.sticky(r);
+        match delta {
+            Some(d) => self.add_rms_norm(x, d, norm, eps),
+            None => self.rms_norm(x, norm, eps),
         }
     }
 
@@ -1024,6 +1127,8 @@ impl Backend for CudaBackend {
     }
 
     fn add(&self, x: &mut CudaTensor, delta: &CudaTensor) {
+        let r = self.settle_peer();
+        self.ctx.sticky(r);
         let r = ew::add(&self.ctx, x, delta);
         self.ctx.sticky(r);
     }

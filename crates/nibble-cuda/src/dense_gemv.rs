@@ -7,6 +7,7 @@
 use nibble_core::{Error, Result};
 
 use crate::context::CudaContext;
+use crate::peer_sum::{PushArgs, WaitArgs};
 use crate::runtime::Arg;
 use crate::tensor::{CudaTensor, CudaWeight, Elem};
 
@@ -149,16 +150,65 @@ fn launch(
     )
 }
 
-/// The entry point that norms its one row first ([`run_norm`]).
-pub fn norm_kernel_name(dtype_suffix: &str) -> String {
-    format!("dense_gemv_norm1_s{DEFAULT_STAGE_KB}_{dtype_suffix}")
+/// The entry point that norms its one row first ([`run_norm`]), and the one that waits for a
+/// peer sum's other half first ([`run_norm`] with a [`WaitArgs`]).
+pub fn norm_kernel_name(dtype_suffix: &str, peer: bool) -> String {
+    let p = if peer { "_peer" } else { "" };
+    format!("dense_gemv_norm1{p}_s{DEFAULT_STAGE_KB}_{dtype_suffix}")
+}
+
+/// The entry point of a peer sum's producer ([`run_push`]).
+pub fn push_kernel_name(dtype_suffix: &str) -> String {
+    format!("dense_gemv1_push_s{DEFAULT_STAGE_KB}_{dtype_suffix}")
+}
+
+/// [`run`] for one token, its rows also pushed into a tensor-parallel peer's receive slot and
+/// counted there (a peer sum's producer, `crate::peer_sum`). The caller checks [`applies`].
+pub fn run_push(
+    ctx: &CudaContext,
+    x: &CudaTensor,
+    w: &CudaWeight,
+    out: &CudaTensor,
+    push: &PushArgs,
+) -> Result<()> {
+    let (n, k) = (w.rows, w.cols);
+    if x.rows != 1
+        || !applies(ctx, 1, n, k)
+        || x.cols != k
+        || out.rows != 1
+        || out.cols != n
+        || x.elem != Elem::Half(ctx.dtype)
+        || w.dtype != ctx.dtype
+        || out.elem != Elem::F32
+    {
+        return Err(Error::InvalidArgument(format!(
+            "pushing dense gemv of {}x{} by {n}x{k}",
+            x.rows, x.cols
+        )));
+    }
+    let name = push_kernel_name(ctx.dtype.suffix());
+    let wp = w.dense()?.ptr;
+    launch(ctx, &name, (1, n, k), DEFAULT_STAGE_KB, |ring| {
+        vec![
+            Arg::Ptr(wp),
+            Arg::Ptr(x.ptr),
+            Arg::Ptr(out.ptr),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::I32(ring as i32),
+            Arg::Ptr(push.peer_y),
+            Arg::Ptr(push.peer_arrivals),
+            Arg::Ptr(push.own),
+        ]
+    })
 }
 
 /// `out = rms_norm(res + delta) @ w^T` for one row, the norm (elementwise.cu's arithmetic) done
 /// by every CTA for itself instead of in a kernel of its own: `res` `[1, k]` f32, `delta` the
 /// same or none, `norm` `[k]` f32. With `delta`, the updated residual `res + delta` goes to
 /// `res_out` (`k` f32, not `res`: every CTA reads `res`). The caller checks
-/// [`engine_picks`] for one token.
+/// [`engine_picks`] for one token. With `peer`, `delta` is this rank's half of a peer sum and
+/// the kernel waits for the other half, then norms `res + (delta + peer's)`.
 #[allow(clippy::too_many_arguments)]
 pub fn run_norm(
     ctx: &CudaContext,
@@ -169,6 +219,7 @@ pub fn run_norm(
     w: &CudaWeight,
     out: &CudaTensor,
     res_out: crate::runtime::DevicePtr,
+    peer: Option<&WaitArgs>,
 ) -> Result<()> {
     let (n, k) = (w.rows, w.cols);
     let shapes_agree = res.rows == 1
@@ -189,13 +240,23 @@ pub fn run_norm(
             res.elem, w.dtype, out.elem
         )));
     }
-    let name = norm_kernel_name(ctx.dtype.suffix());
+    if peer.is_some() && delta.is_none() {
+        return Err(Error::InvalidArgument(
+            "a peer sum's normed gemv without its own half".into(),
+        ));
+    }
+    let name = norm_kernel_name(ctx.dtype.suffix(), peer.is_some());
     let wp = w.dense()?.ptr;
     launch(ctx, &name, (1, n, k), DEFAULT_STAGE_KB, |ring| {
-        vec![
+        let mut args = vec![
             Arg::Ptr(wp),
             Arg::Ptr(res.ptr),
             Arg::Ptr(delta.map_or(0, |d| d.ptr)),
+        ];
+        if let Some(p) = peer {
+            args.push(Arg::Ptr(p.peer_part));
+        }
+        args.extend([
             Arg::Ptr(norm.ptr),
             Arg::Ptr(res_out),
             Arg::Ptr(out.ptr),
@@ -203,7 +264,11 @@ pub fn run_norm(
             Arg::I32(k as i32),
             Arg::I32(ring as i32),
             Arg::F32(eps),
-        ]
+        ]);
+        if let Some(p) = peer {
+            args.extend([Arg::Ptr(p.arrivals), Arg::Ptr(p.own), Arg::Ptr(p.abort)]);
+        }
+        args
     })
 }
 

@@ -58,6 +58,7 @@ mod kv_residual;
 pub mod module;
 pub mod nccl;
 pub mod pack;
+pub mod peer_sum;
 pub mod probe;
 pub mod qlinear;
 mod runtime;

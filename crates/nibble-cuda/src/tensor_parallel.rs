@@ -25,6 +25,7 @@ use nibble_model::{ModelConfig, Transformer};
 
 use crate::backend::CudaBackend;
 use crate::nccl::{self, Communicator, ReduceType, UniqueId};
+use crate::peer_sum::{PeerExchange, PeerSum};
 use crate::runtime::DeviceBuffer;
 use crate::tensor::Dtype;
 
@@ -44,6 +45,12 @@ pub struct GpuGroup {
     /// rank waiting in one for a peer that failed stays blocked (seen on two H200s); pair it
     /// with [`GpuGroup::exit_if_stuck`].
     window_bytes: usize,
+    /// Whether two ranks on peer GPUs sum one-token row-parallel outputs in their gemvs
+    /// (`crate::peer_sum`; on unless `NIBBLE_TP_PEER_SUM=0`, or [`GpuGroup::peer_sum`]).
+    peer_sum: bool,
+    /// Where the ranks meet to set the peer sum up, and its abort flag (made by the first rank
+    /// to get there, on its GPU).
+    exchange: Mutex<Option<Arc<PeerExchange>>>,
     /// After an abort, how long the ranks get to unwind before the process exits with the
     /// failure ([`GpuGroup::exit_if_stuck`]); `None` waits for them.
     stuck_grace: Option<Duration>,
@@ -94,6 +101,8 @@ impl GpuGroup {
             comms: gpus.iter().map(|_| Mutex::new(None)).collect(),
             split_head: std::env::var("NIBBLE_TP_SPLIT_HEAD").map_or(true, |v| v != "0"),
             window_bytes: 0,
+            peer_sum: std::env::var("NIBBLE_TP_PEER_SUM").map_or(true, |v| v != "0"),
+            exchange: Mutex::new(None),
             stuck_grace: None,
             step_deadline: Some(
                 std::env::var("NIBBLE_TP_STEP_DEADLINE")
@@ -120,6 +129,24 @@ impl GpuGroup {
     pub fn symmetric_window(mut self, on: bool) -> GpuGroup {
         self.window_bytes = if on { WINDOW_BYTES } else { 0 };
         self
+    }
+
+    /// Whether two ranks on peer GPUs sum one-token row-parallel outputs in their gemvs
+    /// (`crate::peer_sum`) instead of NCCL's all-reduce.
+    pub fn peer_sum(mut self, on: bool) -> GpuGroup {
+        self.peer_sum = on;
+        self
+    }
+
+    /// The group's peer-sum meeting point, made on `gpu` by the first rank to ask.
+    fn exchange(&self, gpu: &crate::runtime::Gpu) -> Result<Arc<PeerExchange>> {
+        let mut g = self.exchange.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = &*g {
+            return Ok(e.clone());
+        }
+        let e = Arc::new(PeerExchange::new(self.size(), gpu)?);
+        *g = Some(e.clone());
+        Ok(e)
     }
 
     /// After an abort, gives the ranks `grace` to unwind, then ends the process with the
@@ -197,7 +224,24 @@ impl GpuGroup {
                  all-reduces run NCCL's default kernels"
             );
         }
-        Ok(be.with_collective(comm, self.split_head, window))
+        // The peer sum: two ranks on Hopper GPUs that see each other's memory, both or neither.
+        let peer = if self.peer_sum && self.size() == 2 && be.gpu.cc == (9, 0) && be.dense_gemv {
+            let ex = self.exchange(&be.gpu)?;
+            let p = PeerSum::connect(&be.gpu, rank, &ex, || self.host.barrier(rank))?;
+            let both = self.host.agree_min(rank, p.is_some() as usize)? == 1;
+            if rank == 0 && !both {
+                eprintln!(
+                    "nibble: the two GPUs have no peer access; row-parallel sums run NCCL's \
+                     all-reduce"
+                );
+            }
+            p.filter(|_| both)
+        } else {
+            None
+        };
+        Ok(be
+            .with_collective(comm, self.split_head, window)
+            .with_peer_sum(peer))
     }
 
     /// Ends the group after a failure: every communicator aborted (collectives in flight stop,
@@ -229,6 +273,10 @@ impl GpuGroup {
             });
         }
         self.host.abort(why);
+        // Ends every wait for a peer's half of a sum (a kernel polling the flag).
+        if let Some(e) = &*self.exchange.lock().unwrap_or_else(|p| p.into_inner()) {
+            e.abort.raise();
+        }
         // Outside the slots' locks: an abort may wait for NCCL.
         let comms: Vec<Arc<Communicator>> = self
             .comms

@@ -66,6 +66,19 @@ fn one_and_two(
     path: &[u32],
     prompt_len: usize,
 ) -> (Run, Vec<Run>) {
+    one_and_two_with(name, split_head, window, true, files, path, prompt_len)
+}
+
+/// [`one_and_two`], the peer sum on or off (`GpuGroup::peer_sum`).
+fn one_and_two_with(
+    name: &str,
+    split_head: bool,
+    window: bool,
+    peer: bool,
+    files: &ModelFiles,
+    path: &[u32],
+    prompt_len: usize,
+) -> (Run, Vec<Run>) {
     let engine = |backend, model| Engine {
         backend,
         model,
@@ -74,9 +87,17 @@ fn one_and_two(
     let be = CudaBackend::new(0, Dtype::Bf16).unwrap();
     let model = Transformer::load(&be, files.config.clone(), &*files.source, &mut |_, _| {});
     let one = run_on(engine(be, model.unwrap()), path, prompt_len);
-    let g = group().split_head(split_head).symmetric_window(window);
+    let g = group()
+        .split_head(split_head)
+        .symmetric_window(window)
+        .peer_sum(peer);
     let two = run_sharded(&g, &*files.source, &files.config, |_, backend, model| {
         assert_eq!(backend.gathers_columns(), split_head);
+        assert_eq!(
+            backend.sums_with_peer(),
+            peer,
+            "{name}: the peer sum (GPUs not peers?)"
+        );
         Ok(run_on(engine(backend, model), path, prompt_len))
     })
     .unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -295,6 +316,171 @@ fn two_gpus_follow_one_on_the_fixtures() {
         }
         let (one, two) = one_and_two(name, true, true, &files, &path, prompt.len());
         check_two_follow_one(&format!("{name} (split head)"), &one, &two, 2e-2, TIE);
+    }
+}
+
+/// A two-layer Llama wide enough for the peer sum's gemvs (Llama-3-8B's widths): o_proj and
+/// down_proj halves push their rows to the other rank, the next block's normed gemvs (gate/up,
+/// layer 1's q/k/v) wait for them and sum them, the last down_proj's sum is settled on its own.
+fn wide_two_layer_llama() -> (tempfile::TempDir, ModelFiles) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336, "head_dim": 128,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 2,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+        "tie_word_embeddings": false, "torch_dtype": "bfloat16", "vocab_size": 2048}"#;
+    std::fs::write(dir.path().join("config.json"), config).unwrap();
+    let files = nibble_model::dummy::open_dummy(dir.path().to_str().unwrap(), 3).unwrap();
+    (dir, files)
+}
+
+/// The peer sum on two GPUs that see each other's memory (docs/tensor-parallel.md): the ranks
+/// agree bit for bit and follow one GPU as closely as NCCL's all-reduce does, eager and replayed
+/// from graphs; and against NCCL's sums (whose o_proj halves run on cuBLAS, another order of the
+/// same products) the logits stay within the bf16 bound.
+#[test]
+fn the_peer_sum_follows_one_gpu() {
+    let (_dir, files) = wide_two_layer_llama();
+    let path: Vec<u32> = (0..48).map(|i| 1 + (i * 53) % 2000).collect();
+    let name = "wide two-layer llama";
+    let (one, two) = one_and_two_with(name, false, true, true, &files, &path, 8);
+    check_two_follow_one(&format!("{name} (peer sum)"), &one, &two, 2e-2, TIE);
+    let (_, nccl) = one_and_two_with(name, false, true, false, &files, &path, 8);
+    check_two_follow_one(&format!("{name} (NCCL)"), &one, &nccl, 2e-2, TIE);
+    for (step, (p, n)) in two[0].logits.iter().zip(&nccl[0].logits).enumerate() {
+        let e = rel_err(p, n);
+        assert!(e < 2e-2, "step {step}: peer sum against NCCL {e:.2e}");
+    }
+}
+
+/// The peer sum's arithmetic, op by op on two GPUs: a row-parallel layer's sum is the host's
+/// sum of the two ranks' gemv outputs bit for bit, summed at once or left to the next normed
+/// gemv (whose output and residual are then those of the same gemv given the host's sum), or to
+/// a plain pre-norm; for odd widths, NaN-poisoned activations, and enough rounds that every
+/// receive slot is reused.
+#[test]
+fn peer_sum_is_the_exact_sum() {
+    use nibble_formats::gguf::GgmlType;
+    use nibble_formats::{HostTensor, TensorBytes, WeightFormat};
+    let seed = Instant::now().elapsed().as_nanos() as u64 ^ 0x9ee5;
+    eprintln!("peer_sum_is_the_exact_sum: seed {seed}");
+    let weight = |name: &str, v: &[f32], rows: usize, cols: usize| HostTensor {
+        name: name.into(),
+        shape: vec![rows, cols],
+        format: WeightFormat::Ggml(GgmlType::BF16),
+        bytes: TensorBytes::Owned(std::sync::Arc::new(
+            v.iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        )),
+    };
+    // (n, k) of the row-parallel layer; the normed consumer reads n channels.
+    let shapes = [(4096usize, 2048usize), (1280, 7168), (4096, 256)];
+    let g = group();
+    let halves = std::sync::Mutex::new(vec![Vec::new(); 2]);
+    let met = std::sync::Barrier::new(2);
+    type Out = Vec<(String, Vec<f32>, Vec<f32>)>;
+    let outs: Vec<Out> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2usize)
+            .map(|rank| {
+                let (g, halves, met) = (&g, &halves, &met);
+                s.spawn(move || -> Out {
+                    let be = g.rank_backend(rank).unwrap();
+                    assert!(be.sums_with_peer(), "the two GPUs are not peers");
+                    let mut out = Vec::new();
+                    let mut r = ChaCha8Rng::seed_from_u64(seed + rank as u64);
+                    let mut shared = ChaCha8Rng::seed_from_u64(seed ^ 0xabc);
+                    for round in 0..6 {
+                        let (n, k) = shapes[round % shapes.len()];
+                        let rand = |r: &mut ChaCha8Rng, len: usize, scale: f32| -> Vec<f32> {
+                            (0..len).map(|_| r.random_range(-scale..scale)).collect()
+                        };
+                        let w = be
+                            .load_weight(&weight("w", &rand(&mut r, n * k, 0.05), n, k))
+                            .unwrap();
+                        let x32 = be.tensor_from_f32(&rand(&mut r, k, 1.0), 1, k).unwrap();
+                        let x = be.as_half(&x32).unwrap();
+                        // What both ranks share: the residual, the norm, the consumer's weight
+                        // (20 MB or more, so the normed gemv takes it).
+                        let n2 = (20 << 20) / (2 * n) + 7;
+                        let res = rand(&mut shared, n, 1.0);
+                        let nw: Vec<f32> =
+                            rand(&mut shared, n, 0.5).iter().map(|v| 1.0 + v).collect();
+                        let w2 = be
+                            .load_weight(&weight("w2", &rand(&mut shared, n2 * n, 0.02), n2, n))
+                            .unwrap();
+                        let gn = be.load_vector(&nw).unwrap();
+                        // This rank's half alone, then the host's sum of the two.
+                        let half = be.tensor_from_f32(&vec![f32::NAN; n], 1, n).unwrap();
+                        nibble_cuda::dense_gemv::run(&be, &x, &w, &half).unwrap();
+                        halves.lock().unwrap()[rank] = be.to_host(&half).unwrap();
+                        met.wait();
+                        let want: Vec<f32> = {
+                            let h = halves.lock().unwrap();
+                            h[0].iter().zip(&h[1]).map(|(a, b)| a + b).collect()
+                        };
+                        met.wait();
+                        be.poison_activations(64 << 20).unwrap();
+                        // Summed at once.
+                        let now = be.linear_summed(&x, &w).unwrap();
+                        out.push((
+                            format!("round {round} {n}x{k} summed"),
+                            be.to_host(&now).unwrap(),
+                            want.clone(),
+                        ));
+                        // Left to the normed gemv, against the same gemv given the host's sum.
+                        let d = be.linear_summed_delta(&x, &w).unwrap();
+                        let mut xr = be.tensor_from_f32(&res, 1, n).unwrap();
+                        let y = be
+                            .norm_linear(&mut xr, Some(&d), &gn, 1e-5, &w2, None)
+                            .unwrap();
+                        let wd = be.tensor_from_f32(&want, 1, n).unwrap();
+                        let mut xr2 = be.tensor_from_f32(&res, 1, n).unwrap();
+                        let y2 = be
+                            .norm_linear(&mut xr2, Some(&wd), &gn, 1e-5, &w2, None)
+                            .unwrap();
+                        out.push((
+                            format!("round {round} {n}x{k} normed gemv"),
+                            be.to_host(&y).unwrap(),
+                            be.to_host(&y2).unwrap(),
+                        ));
+                        out.push((
+                            format!("round {round} {n}x{k} residual"),
+                            be.to_host(&xr).unwrap(),
+                            be.to_host(&xr2).unwrap(),
+                        ));
+                        // Left to a plain pre-norm (the sum settled first).
+                        let d = be.linear_summed_delta(&x, &w).unwrap();
+                        let mut xr3 = be.tensor_from_f32(&res, 1, n).unwrap();
+                        let h3 = be.pre_norm(&mut xr3, Some(&d), &gn, 1e-5);
+                        let mut xr4 = be.tensor_from_f32(&res, 1, n).unwrap();
+                        let h4 = be.pre_norm(&mut xr4, Some(&wd), &gn, 1e-5);
+                        out.push((
+                            format!("round {round} {n}x{k} pre-norm"),
+                            be.to_host(&h3).unwrap(),
+                            be.to_host(&h4).unwrap(),
+                        ));
+                    }
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, o) in outs.iter().enumerate() {
+        for (what, got, want) in o {
+            assert_eq!(got.len(), want.len(), "rank {rank} {what}");
+            let bad = got
+                .iter()
+                .zip(want)
+                .position(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(bad.is_none(), "rank {rank} {what}: differs at {bad:?}");
+        }
+    }
+    for (a, b) in outs[0].iter().zip(&outs[1]) {
+        if a.0.contains("summed") || a.0.contains("residual") {
+            assert_eq!(a.1, b.1, "{}: the ranks disagree", a.0);
+        }
     }
 }
 

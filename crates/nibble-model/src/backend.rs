@@ -294,6 +294,13 @@ pub trait Backend: Send + Sync {
         Ok(out)
     }
 
+    /// [`Backend::linear_summed`] whose result is read only as the `delta` of the next
+    /// [`Backend::norm_linear`] or [`Backend::pre_norm`], before any other row-parallel layer: a
+    /// backend may leave the sum to that call (two GPU ranks whose gemvs sum peer to peer).
+    fn linear_summed_delta(&self, x: &Self::Tensor, weight: &Self::Weight) -> Result<Self::Tensor> {
+        self.linear_summed(x, weight)
+    }
+
     /// Whether this backend, as a tensor-parallel rank, gathers column parts
     /// ([`Backend::all_gather_cols`]), so that the output head can be split by vocabulary.
     fn gathers_columns(&self) -> bool {

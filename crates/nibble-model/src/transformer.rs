@@ -102,7 +102,8 @@ impl<B: Backend> Mlp<B> {
 
     /// A dense layer's MLP of the RMSNorm of `x + delta` (added into `x`; the norm left to
     /// [`Backend::norm_linear`] with the gate/up projection), its down projection summed over
-    /// the ranks.
+    /// the ranks; with `next_norms`, the sum is read only by the next block's pre-norm
+    /// ([`Backend::linear_summed_delta`]).
     fn apply_summed_normed(
         &self,
         backend: &B,
@@ -110,6 +111,7 @@ impl<B: Backend> Mlp<B> {
         delta: &B::Tensor,
         norm: &B::Tensor,
         eps: f32,
+        next_norms: bool,
     ) -> Result<B::Tensor> {
         let activated = match &self.gate_up {
             GateUp::SwiGlu(w) => backend.norm_linear(x, Some(delta), norm, eps, w, None)?,
@@ -118,7 +120,11 @@ impl<B: Backend> Mlp<B> {
                 &p.apply_normed(backend, x, Some(delta), norm, eps)?,
             ),
         };
-        backend.linear_summed(&activated, &self.down)
+        if next_norms {
+            backend.linear_summed_delta(&activated, &self.down)
+        } else {
+            backend.linear_summed(&activated, &self.down)
+        }
     }
 
     /// `act(gate x) * up x`.
@@ -859,13 +865,20 @@ impl<B: Backend> Transformer<B> {
                 window: l.window,
             };
             let attn = backend.attention(&q, &k, &v, kv, i, batch, shape)?;
-            let mut o = backend.linear_summed(&attn, &l.o)?;
+            // A sum read only by the next pre-norm may be left to it (Backend::linear_summed_delta).
+            let dense = matches!(l.ffn, Ffn::Dense(_));
+            let mut o = if l.post_attn_norm.is_none() && dense {
+                backend.linear_summed_delta(&attn, &l.o)?
+            } else {
+                backend.linear_summed(&attn, &l.o)?
+            };
             if let Some(n) = &l.post_attn_norm {
                 o = backend.residual_rms_norm(&o, n, eps);
             }
+            let next_norms = l.post_ffn_norm.is_none() && i + 1 < self.layers.len();
             let mut d = match &l.ffn {
                 Ffn::Dense(mlp) => {
-                    mlp.apply_summed_normed(backend, &mut x, &o, &l.mlp_norm, eps)?
+                    mlp.apply_summed_normed(backend, &mut x, &o, &l.mlp_norm, eps, next_norms)?
                 }
                 Ffn::Sparse(s) => {
                     let h = backend.add_rms_norm(&mut x, &o, &l.mlp_norm, eps);

@@ -1,0 +1,282 @@
+//! The peer sum: two tensor-parallel ranks sum a one-token row-parallel output without a
+//! collective kernel (docs/tensor-parallel.md, "The peer sum").
+//!
+//! At batch 1 a decode step's 64 all-reduces (one 4,096-float row each) cost about as much as
+//! their launches and NCCL's handshakes, not their bytes. Where both ranks' GPUs see each other's
+//! memory (peer access over NVLink, ranks in one process), the layer's gemv stores its rows into
+//! the other rank's receive slot as well as its own output and counts them there
+//! (kernels/gemv_dense.cu, `dense_gemv1_push`); the next block's normed gemv waits for the peer's
+//! count, then norms `res + (own + peer)` while its weights stream in
+//! (`dense_gemv_norm1_peer`). Two floats sum to the same bits whichever rank adds them, as in
+//! NCCL's two-rank sum, so both ranks keep the same bits.
+//!
+//! NCCL stays the collective library: the group, its faults, the all-gather and every other
+//! all-reduce (several tokens, quantized layers, more than two ranks) are its.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys;
+use nibble_core::{Error, Result};
+
+use crate::context::CudaContext;
+use crate::runtime::{Arg, DeviceBuffer, DevicePtr, Gpu, driver_err};
+use crate::tensor::CudaTensor;
+
+/// Receive slots a rank keeps: a rank can be one sum ahead of its peer (its next push may land
+/// while the peer still reads the last), so two would do; four leave a margin.
+const SLOTS: usize = 4;
+
+/// The widest row summed this way (f32): Llama-2-70B's hidden size is 8,192.
+pub const ROW_MAX: usize = 16384;
+
+/// Host memory mapped into every GPU: the group's abort flag, which a rank waiting for its peer
+/// polls, so that a wait for a rank that failed ends when the group is aborted.
+pub struct AbortFlag {
+    host: *mut u32,
+}
+
+// SAFETY: the flag is one u32 of pinned memory, written with volatile stores and freed once.
+unsafe impl Send for AbortFlag {}
+unsafe impl Sync for AbortFlag {}
+
+impl AbortFlag {
+    /// A lowered flag; `gpu`'s context must be current (any GPU: the memory is portable).
+    pub fn new(gpu: &Gpu) -> Result<AbortFlag> {
+        gpu.bind()?;
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: a plain allocation of 4 bytes; checked before use.
+        unsafe {
+            sys::cuMemHostAlloc(
+                &mut host,
+                4,
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+        }
+        .result()
+        .map_err(|e| driver_err("mapped host memory for the abort flag", e))?;
+        let host = host as *mut u32;
+        // SAFETY: the allocation holds one u32.
+        unsafe { host.write_volatile(0) };
+        Ok(AbortFlag { host })
+    }
+
+    /// The flag's address on `gpu` (whose context is bound).
+    fn device_ptr(&self, gpu: &Gpu) -> Result<DevicePtr> {
+        gpu.bind()?;
+        let mut ptr: DevicePtr = 0;
+        // SAFETY: `host` came from cuMemHostAlloc with DEVICEMAP.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut ptr, self.host as *mut _, 0) }
+            .result()
+            .map_err(|e| driver_err("the abort flag's device address", e))?;
+        Ok(ptr)
+    }
+
+    /// Raises the flag: every wait for a peer ends (its sum is then garbage; the group is over).
+    pub fn raise(&self) {
+        // SAFETY: `host` is live until drop.
+        unsafe { self.host.write_volatile(1) };
+    }
+}
+
+impl Drop for AbortFlag {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc; no kernel runs once the group is dropped.
+        let _ = unsafe { sys::cuMemFreeHost(self.host as *mut _) };
+    }
+}
+
+/// What a rank shows its peer: where to push, where to count, and its context.
+#[derive(Clone, Copy)]
+struct Published {
+    recv: DevicePtr,
+    arrivals: DevicePtr,
+    ctx: usize,
+    device: sys::CUdevice,
+}
+
+/// The group's meeting point for setting up peer sums (`GpuGroup`), and its abort flag.
+pub struct PeerExchange {
+    parts: Mutex<Vec<Option<Published>>>,
+    pub abort: AbortFlag,
+}
+
+impl PeerExchange {
+    pub fn new(ranks: usize, gpu: &Gpu) -> Result<PeerExchange> {
+        Ok(PeerExchange {
+            parts: Mutex::new(vec![None; ranks]),
+            abort: AbortFlag::new(gpu)?,
+        })
+    }
+}
+
+/// A sum whose consumer is to come: this rank's row and the slot the peer's arrives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pending {
+    pub own: DevicePtr,
+    pub slot: usize,
+    pub n: usize,
+}
+
+/// One rank's side of the peer sum.
+pub struct PeerSum {
+    /// `SLOTS` rows of `ROW_MAX` f32 the peer pushes into.
+    recv: DeviceBuffer,
+    /// [arrivals, own]: rows the peer has pushed here, rows this rank has pushed (u64 each).
+    counters: DeviceBuffer,
+    peer_recv: DevicePtr,
+    peer_arrivals: DevicePtr,
+    abort: DevicePtr,
+    /// The slot of the next push, rewound at every forward pass (so a captured graph's slots are
+    /// the ones its replays use, on both ranks alike).
+    turn: AtomicUsize,
+    pending: Mutex<Option<Pending>>,
+}
+
+/// Kernel arguments of a push: the peer's slot and arrivals, this rank's own count.
+pub struct PushArgs {
+    pub peer_y: DevicePtr,
+    pub peer_arrivals: DevicePtr,
+    pub own: DevicePtr,
+}
+
+/// Kernel arguments of a wait: this rank's slot (the peer's row) and counters, the abort flag.
+pub struct WaitArgs {
+    pub peer_part: DevicePtr,
+    pub arrivals: DevicePtr,
+    pub own: DevicePtr,
+    pub abort: DevicePtr,
+}
+
+impl PeerSum {
+    /// Sets up rank `rank` of two on `gpu`: its slots and counters (zeroed), published in
+    /// `exchange`; after `barrier` (every rank has published), peer access to the other rank's
+    /// GPU. `None` where that GPU is not a peer of this one.
+    pub fn connect(
+        gpu: &Arc<Gpu>,
+        rank: usize,
+        exchange: &PeerExchange,
+        barrier: impl Fn() -> Result<()>,
+    ) -> Result<Option<PeerSum>> {
+        let recv = DeviceBuffer::alloc(gpu, SLOTS * ROW_MAX * 4, "peer-sum slots")?;
+        let counters = DeviceBuffer::from_host(gpu, &[0u64; 2], "peer-sum counters")?;
+        // Zero before the peer can count here.
+        gpu.synchronize()?;
+        let me = Published {
+            recv: recv.ptr,
+            arrivals: counters.ptr,
+            ctx: gpu.ctx.cu_ctx() as usize,
+            device: gpu.ctx.cu_device(),
+        };
+        exchange.parts.lock().unwrap_or_else(|p| p.into_inner())[rank] = Some(me);
+        barrier()?;
+        let peer = exchange.parts.lock().unwrap_or_else(|p| p.into_inner())[1 - rank]
+            .ok_or_else(|| Error::InvalidArgument("the peer rank published nothing".into()))?;
+        let mut can = 0;
+        // SAFETY: two valid device handles.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, me.device, peer.device) }
+            .result()
+            .map_err(|e| driver_err("peer access query", e))?;
+        if can == 0 {
+            return Ok(None);
+        }
+        gpu.bind()?;
+        // SAFETY: the peer's context outlives the group (its rank holds it); NCCL may have
+        // enabled the same access already.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.ctx as sys::CUcontext, 0) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+            }
+            e => return Err(driver_err("enabling peer access", e)),
+        }
+        Ok(Some(PeerSum {
+            recv,
+            counters,
+            peer_recv: peer.recv,
+            peer_arrivals: peer.arrivals,
+            abort: exchange.abort.device_ptr(gpu)?,
+            turn: AtomicUsize::new(0),
+            pending: Mutex::new(None),
+        }))
+    }
+
+    /// Whether a one-token row of `n` floats can be summed this way.
+    pub fn fits(n: usize) -> bool {
+        n <= ROW_MAX
+    }
+
+    /// Back to the first slot: at the start of every forward pass.
+    pub fn rewind(&self) {
+        self.turn.store(0, Ordering::Relaxed);
+    }
+
+    /// The slot for the next push, and where the push goes.
+    pub fn next_push(&self) -> (usize, PushArgs) {
+        let slot = self.turn.fetch_add(1, Ordering::Relaxed) % SLOTS;
+        let args = PushArgs {
+            peer_y: self.peer_recv + (slot * ROW_MAX * 4) as u64,
+            peer_arrivals: self.peer_arrivals,
+            own: self.counters.ptr + 8,
+        };
+        (slot, args)
+    }
+
+    /// What a consumer of the sum in `slot` waits on and reads.
+    pub fn wait_args(&self, slot: usize) -> WaitArgs {
+        WaitArgs {
+            peer_part: self.recv.ptr + (slot * ROW_MAX * 4) as u64,
+            arrivals: self.counters.ptr,
+            own: self.counters.ptr + 8,
+            abort: self.abort,
+        }
+    }
+
+    /// Leaves the sum of `p` to its consumer.
+    pub fn defer(&self, p: Pending) {
+        *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+    }
+
+    /// Takes the pending sum if `own` is its row (the consumer sums it itself).
+    pub fn take_if(&self, own: DevicePtr) -> Option<Pending> {
+        let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        match *g {
+            Some(p) if p.own == own => g.take(),
+            _ => None,
+        }
+    }
+
+    /// Finishes a pending sum in place (any consumer but the normed gemv).
+    pub fn settle_pending(&self, ctx: &CudaContext) -> Result<()> {
+        let p = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        match p {
+            Some(p) => self.settle(ctx, p),
+            None => Ok(()),
+        }
+    }
+
+    /// `own += the peer's row` once it has arrived (kernels/gemv_dense.cu, `peer_sum_settle`).
+    pub fn settle(&self, ctx: &CudaContext, p: Pending) -> Result<()> {
+        let w = self.wait_args(p.slot);
+        ctx.launch(
+            "peer_sum_settle",
+            (1, 1, 1),
+            1024,
+            vec![
+                Arg::Ptr(p.own),
+                Arg::Ptr(w.peer_part),
+                Arg::I32(p.n as i32),
+                Arg::Ptr(w.arrivals),
+                Arg::Ptr(w.own),
+                Arg::Ptr(w.abort),
+            ],
+        )
+    }
+}
+
+/// The pending sum of `t`'s row, as the consumer takes it.
+pub fn pending_of(peer: Option<&PeerSum>, t: Option<&CudaTensor>) -> Option<Pending> {
+    peer.zip(t).and_then(|(p, t)| p.take_if(t.ptr))
+}
