@@ -173,7 +173,7 @@ impl CudaBackend {
         let (n, k) = (weight.rows, weight.cols);
         let applies = self.dense_gemv
             && x.rows == 1
-            && x.elem == Elem::Half(self.ctx.dtype)
+            && x.cols == k
             && x.is_contiguous()
             && matches!(weight.data, WeightData::Dense(_))
             && weight.dtype == self.ctx.dtype
@@ -182,10 +182,13 @@ impl CudaBackend {
         if !applies {
             return Ok(None);
         }
+        self.ctx.check_live(x)?;
         p.settle_pending(&self.ctx)?;
+        // Attention's output is f32: the gemv reads the model dtype.
+        let xh = self.ctx.as_half(x)?;
         let out = self.ctx.alloc(1, n, Elem::F32)?;
         let (slot, push) = p.next_push();
-        dense_gemv::run_push(&self.ctx, x, weight, &out, &push)?;
+        dense_gemv::run_push(&self.ctx, &xh, weight, &out, &push)?;
         let pending = Pending {
             own: out.ptr,
             slot,

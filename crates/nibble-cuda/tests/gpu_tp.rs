@@ -335,22 +335,38 @@ fn wide_two_layer_llama() -> (tempfile::TempDir, ModelFiles) {
 }
 
 /// The peer sum on two GPUs that see each other's memory (docs/tensor-parallel.md): the ranks
-/// agree bit for bit and follow one GPU as closely as NCCL's all-reduce does, eager and replayed
-/// from graphs; and against NCCL's sums (whose o_proj halves run on cuBLAS, another order of the
-/// same products) the logits stay within the bf16 bound.
+/// agree bit for bit (logits and free-running tokens) and follow one GPU's logits as closely as
+/// NCCL's all-reduce does, decode steps replayed from graphs; against NCCL's sums (whose o_proj
+/// halves run on cuBLAS, another order of the same products) they stay within the bf16 bound.
 #[test]
 fn the_peer_sum_follows_one_gpu() {
     let (_dir, files) = wide_two_layer_llama();
     let path: Vec<u32> = (0..48).map(|i| 1 + (i * 53) % 2000).collect();
     let name = "wide two-layer llama";
-    let (one, two) = one_and_two_with(name, false, true, true, &files, &path, 8);
-    check_two_follow_one(&format!("{name} (peer sum)"), &one, &two, 2e-2, TIE);
-    let (_, nccl) = one_and_two_with(name, false, true, false, &files, &path, 8);
-    check_two_follow_one(&format!("{name} (NCCL)"), &one, &nccl, 2e-2, TIE);
-    for (step, (p, n)) in two[0].logits.iter().zip(&nccl[0].logits).enumerate() {
-        let e = rel_err(p, n);
-        assert!(e < 2e-2, "step {step}: peer sum against NCCL {e:.2e}");
+    let (one, nccl) = one_and_two_with(name, false, true, false, &files, &path, 8);
+    let (_, two) = one_and_two_with(name, false, true, true, &files, &path, 8);
+    // Random weights leave near-ties all along a free-running path, so the paths are not
+    // compared with one GPU's here (the fixtures' tests do); the teacher-forced logits are.
+    let worst = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| rel_err(x, y))
+            .fold(0.0, f64::max)
+    };
+    for (what, runs) in [("peer sum", &two), ("NCCL", &nccl)] {
+        assert_eq!(runs[0], runs[1], "{what}: the ranks disagree");
+        let (replays, captures) = runs[0].graphs;
+        assert!(
+            captures >= 1 && replays >= 30,
+            "{what}: {replays} replays of {captures} graphs"
+        );
+        let e = worst(&runs[0].logits, &one.logits);
+        eprintln!("{name} ({what}): logits within {e:.2e} of one GPU");
+        assert!(e < 2e-2, "{what}: {e:.2e} from one GPU");
     }
+    let e = worst(&two[0].logits, &nccl[0].logits);
+    eprintln!("{name}: the peer sum's logits within {e:.2e} of NCCL's sums");
+    assert!(e < 2e-2, "peer sum against NCCL: {e:.2e}");
 }
 
 /// The peer sum's arithmetic, op by op on two GPUs: a row-parallel layer's sum is the host's
@@ -392,6 +408,8 @@ fn peer_sum_is_the_exact_sum() {
                     let mut shared = ChaCha8Rng::seed_from_u64(seed ^ 0xabc);
                     for round in 0..6 {
                         let (n, k) = shapes[round % shapes.len()];
+                        // Recycles the arena: every activation below is made after it.
+                        be.poison_activations(64 << 20).unwrap();
                         let rand = |r: &mut ChaCha8Rng, len: usize, scale: f32| -> Vec<f32> {
                             (0..len).map(|_| r.random_range(-scale..scale)).collect()
                         };
@@ -420,7 +438,6 @@ fn peer_sum_is_the_exact_sum() {
                             h[0].iter().zip(&h[1]).map(|(a, b)| a + b).collect()
                         };
                         met.wait();
-                        be.poison_activations(64 << 20).unwrap();
                         // Summed at once.
                         let now = be.linear_summed(&x, &w).unwrap();
                         out.push((
@@ -467,16 +484,25 @@ fn peer_sum_is_the_exact_sum() {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    let mut failed = Vec::new();
     for (rank, o) in outs.iter().enumerate() {
         for (what, got, want) in o {
             assert_eq!(got.len(), want.len(), "rank {rank} {what}");
-            let bad = got
-                .iter()
-                .zip(want)
-                .position(|(a, b)| a.to_bits() != b.to_bits());
-            assert!(bad.is_none(), "rank {rank} {what}: differs at {bad:?}");
+            let bad: Vec<usize> = (0..got.len())
+                .filter(|&i| got[i].to_bits() != want[i].to_bits())
+                .collect();
+            if let Some(&i) = bad.first() {
+                failed.push(format!(
+                    "rank {rank} {what}: {} of {} differ, first at {i}: {} against {}",
+                    bad.len(),
+                    got.len(),
+                    got[i],
+                    want[i]
+                ));
+            }
         }
     }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
     for (a, b) in outs[0].iter().zip(&outs[1]) {
         if a.0.contains("summed") || a.0.contains("residual") {
             assert_eq!(a.1, b.1, "{}: the ranks disagree", a.0);
