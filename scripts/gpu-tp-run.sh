@@ -12,7 +12,8 @@
 #   serve     the server at TP=2 on the tiny Llama 3 fixture: 8 greedy completions at once give
 #             what they give one by one (scripts/gpu-tp-serve-check.sh)
 #   b1        Llama-3-8B shape, one sequence (256 output tokens): decode step at TP=1 and TP=2,
-#             TP=2 also without the peer sum (twice each); B1_ALL=1 adds TP=2 without the
+#             TP=2 also without the peer sum (twice each); B1_SWIGLU=1 adds TP=1 and TP=2 without
+#             the SwiGLU epilogue (NIBBLE_SWIGLU=0); B1_ALL=1 adds TP=2 without the
 #             symmetric window, without the split head, with NCCL_PROTO=LL
 #   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences),
 #             TP=2 also without the peer sum (unless TP_NOPEER=0) and without all three levers
@@ -90,6 +91,10 @@ for part in $parts; do
       NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer 2
       b1 b1-tp2-r2 2
       NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer-r2 2
+      if [ "${B1_SWIGLU:-0}" = 1 ]; then
+        NIBBLE_SWIGLU=0 b1 b1-tp1-noswiglu 1
+        NIBBLE_SWIGLU=0 b1 b1-tp2-noswiglu 2
+      fi
       if [ "${B1_ALL:-0}" = 1 ]; then
         NIBBLE_TP_WINDOW=0 b1 b1-tp2-nowindow 2
         NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-base 2

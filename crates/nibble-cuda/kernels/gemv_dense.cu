@@ -127,16 +127,23 @@ __device__ __forceinline__ float dg_norm_input(const DgNorm& norm, const DgPeer&
     return norm.delta ? norm.res[i] + norm.delta[i] : norm.res[i];
 }
 
-template <class T, int M, int SEGS, bool NORM = false, int PEER = 0>
+// SWIGLU: `w` is a SwiGLU layer's gate rows [0, n) stacked on its up rows [n, 2n); a CTA takes
+// gate rows r0 .. r1 and their up partners, streamed as one run (the gate part, then the up part;
+// a stage that straddles the two is two bulk copies), and writes hy[r] = T(silu(gate) * up) with
+// elementwise.cu's SiluMul on the f32 sums, what the gemv and then the SiLU-gate kernel give.
+template <class T, int M, int SEGS, bool NORM = false, int PEER = 0, bool SWIGLU = false>
 __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y,
-                                           int n, int k, int ring_bytes, DgNorm norm = {}, DgPeer peer = {}) {
+                                           int n, int k, int ring_bytes, DgNorm norm = {}, DgPeer peer = {},
+                                           T* __restrict__ hy = nullptr) {
     constexpr int STAGE = DG_WARPS * SEGS * 512;
     extern __shared__ __align__(128) unsigned char dg_smem[];
     __shared__ __align__(8) u64 full[DG_MAX_SLOTS], empty[DG_MAX_SLOTS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r0 = (int)((long)blockIdx.x * n / gridDim.x), r1 = (int)((long)(blockIdx.x + 1) * n / gridDim.x);
     const int spr = k >> 8;  // segments a row
-    const long bytes = (long)(r1 - r0) * k * 2;
+    const int rows = SWIGLU ? 2 * (r1 - r0) : r1 - r0;  // rows of this CTA's run
+    const long run = (long)(r1 - r0) * k * 2;            // bytes of its gate part
+    const long bytes = (long)rows * k * 2;
     const int stages = (int)((bytes + STAGE - 1) / STAGE);
     const int slots = min(ring_bytes / STAGE, DG_MAX_SLOTS);
     if (threadIdx.x == 0) {
@@ -153,14 +160,24 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
             u64 policy;
             asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
             const unsigned char* src = reinterpret_cast<const unsigned char*>(w + (long)r0 * k);
+            const unsigned char* up = reinterpret_cast<const unsigned char*>(w + ((long)n + r0) * k);
             const u32 ring = smem_addr(dg_smem);
             for (int s = 0; s < stages; ++s) {
                 const int slot = s % slots, round = s / slots;
                 if (round > 0) mbar_wait(smem_addr(&empty[slot]), (round - 1) & 1);
-                const u32 size = (u32)min((long)STAGE, bytes - (long)s * STAGE);
+                const long at = (long)s * STAGE;
+                const u32 size = (u32)min((long)STAGE, bytes - at);
                 const u32 bar = smem_addr(&full[slot]);
                 mbar_expect_tx(bar, size);
-                dg_bulk_load(ring + slot * STAGE, src + (long)s * STAGE, size, bar, policy);
+                if constexpr (SWIGLU) {
+                    // The run's bytes [at, at + size): gate rows up to `run`, their up rows after.
+                    const u32 lo = (u32)max(0L, min((long)size, run - at));
+                    if (lo > 0) dg_bulk_load(ring + slot * STAGE, src + at, lo, bar, policy);
+                    if (lo < size)
+                        dg_bulk_load(ring + slot * STAGE + lo, up + (at + lo - run), size - lo, bar, policy);
+                } else {
+                    dg_bulk_load(ring + slot * STAGE, src + at, size, bar, policy);
+                }
             }
         }
         return;
@@ -181,7 +198,7 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
         }
         ss = warp_sum(ss);
         if (lane == 0) red[warp] = ss;
-        for (int i = threadIdx.x; i < (r1 - r0) * DG_WARPS * M; i += DG_WARPS * 32) partial[i] = 0.f;
+        for (int i = threadIdx.x; i < rows * DG_WARPS * M; i += DG_WARPS * 32) partial[i] = 0.f;
         asm volatile("bar.sync 1, %0;\n" ::"n"(DG_WARPS * 32) : "memory");
         float total = 0.f;
 #pragma unroll
@@ -197,11 +214,11 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
         const uint4* src = reinterpret_cast<const uint4*>(x);
         uint4* dst = reinterpret_cast<uint4*>(xs);
         for (int i = threadIdx.x; i < M * k / 8; i += DG_WARPS * 32) dst[i] = src[i];
-        for (int i = threadIdx.x; i < (r1 - r0) * DG_WARPS * M; i += DG_WARPS * 32) partial[i] = 0.f;
+        for (int i = threadIdx.x; i < rows * DG_WARPS * M; i += DG_WARPS * 32) partial[i] = 0.f;
         asm volatile("bar.sync 1, %0;\n" ::"n"(DG_WARPS * 32) : "memory");
     }
 
-    const int segs = (r1 - r0) * spr;
+    const int segs = rows * spr;
     float acc[M][2];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = 0.f;
@@ -261,6 +278,18 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
     }
     grid_dependents_launch();
     asm volatile("bar.sync 1, %0;\n" ::"n"(DG_WARPS * 32) : "memory");
+    if constexpr (SWIGLU) {
+        for (int r = threadIdx.x; r < r1 - r0; r += DG_WARPS * 32) {
+            float g = 0.f, u = 0.f;
+#pragma unroll
+            for (int ww = 0; ww < DG_WARPS; ++ww) {
+                g += partial[r * DG_WARPS + ww];
+                u += partial[(r + r1 - r0) * DG_WARPS + ww];
+            }
+            hy[r0 + r] = from_f32<T>(SiluMul{}(g, u));
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < (r1 - r0) * M; i += DG_WARPS * 32) {
         const int r = i / M, m = i - r * M;
         float v = 0.f;
@@ -332,6 +361,28 @@ DG_PUSH_ENTRY(__half, f16)
     }
 DG_PEER_NORM_ENTRY(__nv_bfloat16, bf16)
 DG_PEER_NORM_ENTRY(__half, f16)
+
+// A SwiGLU layer's gate/up with the norm before it taken over, alone or as a peer sum's consumer:
+// out (model dtype) = silu(gate) * up of the normed row.
+#define DG_SWIGLU_ENTRIES(T, SFX)                                                                               \
+    extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
+        dense_gemv_norm1_swiglu_s32_##SFX(const T* __restrict__ w, const float* res, const float* delta,        \
+                                          const float* nw, float* res_out, T* __restrict__ out, int n, int k,  \
+                                          int ring_bytes, float eps) {                                         \
+        dense_gemv<T, 1, 4, true, 0, true>(w, nullptr, nullptr, n, k, ring_bytes,                              \
+                                           DgNorm{res, delta, nw, res_out, eps}, DgPeer{}, out);               \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
+        dense_gemv_norm1_peer_swiglu_s32_##SFX(const T* __restrict__ w, const float* res, const float* delta,   \
+                                               const float* peer_part, const float* nw, float* res_out,        \
+                                               T* __restrict__ out, int n, int k, int ring_bytes, float eps,   \
+                                               u64* arrivals, u64* own, const unsigned* abort) {               \
+        dense_gemv<T, 1, 4, true, DG_WAIT, true>(w, nullptr, nullptr, n, k, ring_bytes,                        \
+                                                 DgNorm{res, delta, nw, res_out, eps},                         \
+                                                 DgPeer{nullptr, nullptr, arrivals, own, peer_part, abort}, out); \
+    }
+DG_SWIGLU_ENTRIES(__nv_bfloat16, bf16)
+DG_SWIGLU_ENTRIES(__half, f16)
 
 // A peer sum whose consumer is not a normed gemv: y = y + the peer's row, once it has arrived
 // (one CTA; a row of the residual stream).

@@ -242,7 +242,7 @@ impl CudaBackend {
                 WeightData::Quant(q) => {
                     qlinear::quant_gemm(ctx, x, q, weight.rows, weight.cols, out)
                 }
-                WeightData::SwiGlu(_) => Err(Error::InvalidArgument(
+                WeightData::SwiGlu(_) | WeightData::DenseSwiGlu(_) => Err(Error::InvalidArgument(
                     "a SwiGLU weight writes its own 16-bit output (linear), not into f32".into(),
                 )),
                 WeightData::Comet(c) => comet::gemm(ctx, x, c, weight.rows, weight.cols, out),
@@ -317,8 +317,47 @@ impl CudaBackend {
             }))
     }
 
+    /// A SwiGLU layer's 16-bit gate and up stacked as one [`WeightData::DenseSwiGlu`] weight,
+    /// where the one-token gemv takes the stacked layer (Hopper, 20 MB or more): its epilogue
+    /// then writes `silu(gate) * up`, one kernel fewer a block. `None` otherwise, and for
+    /// quantized pairs (their own kernels, or loaded as projections).
+    fn dense_swiglu_weight(
+        &self,
+        gate: &HostTensor,
+        up: &HostTensor,
+    ) -> Result<Option<CudaWeight>> {
+        let (rows, cols, _) = gate.matrix_geometry()?;
+        let dense = |t: &HostTensor| {
+            matches!(
+                t.format,
+                WeightFormat::Ggml(GgmlType::BF16 | GgmlType::F16 | GgmlType::F32)
+            )
+        };
+        if !self.dense_gemv
+            || !dense(gate)
+            || !dense(up)
+            || up.matrix_geometry()?.0 != rows
+            || !dense_gemv::engine_picks(&self.ctx, 1, 2 * rows, cols)
+        {
+            return Ok(None);
+        }
+        let stacked = self.upload_stacked(&[gate.clone(), up.clone()])?;
+        if !matches!(stacked.data, WeightData::Dense(_)) {
+            return Ok(None);
+        }
+        Ok(Some(CudaWeight {
+            rows,
+            cols,
+            dtype: self.ctx.dtype,
+            data: WeightData::DenseSwiGlu(Box::new(stacked)),
+        }))
+    }
+
     /// Whether an `m`-row product with the 16-bit `weight` runs on the dense decode gemv.
     fn takes_dense_gemv(&self, m: usize, weight: &CudaWeight) -> bool {
+        if let WeightData::DenseSwiGlu(stacked) = &weight.data {
+            return self.takes_dense_gemv(m, stacked);
+        }
         self.dense_gemv
             && matches!(weight.data, WeightData::Dense(_))
             && weight.dtype == self.ctx.dtype
@@ -897,7 +936,10 @@ impl Backend for CudaBackend {
         if !swiglu_on() {
             return Ok(None);
         }
-        self.swiglu_weight(gate, up)
+        if let Some(w) = self.swiglu_weight(gate, up)? {
+            return Ok(Some(w));
+        }
+        self.dense_swiglu_weight(gate, up)
     }
 
     fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
@@ -955,7 +997,17 @@ impl Backend for CudaBackend {
         let peer = peer_sum::pending_of(self.peer.as_ref(), delta);
         self.settle_peer()?;
         ctx.check_live(x)?;
-        let out = ctx.alloc(1, weight.rows, Elem::F32)?;
+        // A SwiGLU pair: the gemv runs over the stacked rows and writes silu(gate) * up.
+        let (gemv_weight, swiglu) = match &weight.data {
+            WeightData::DenseSwiGlu(stacked) => (&**stacked, true),
+            _ => (weight, false),
+        };
+        let out_elem = if swiglu {
+            Elem::Half(ctx.dtype)
+        } else {
+            Elem::F32
+        };
+        let out = ctx.alloc(1, weight.rows, out_elem)?;
         let next = delta.map(|_| {
             let turn = self.residual_turn.fetch_xor(1, Ordering::Relaxed);
             CudaTensor::view(self.residual_rows[turn].ptr, 1, x.cols, Elem::F32, 0)
@@ -966,12 +1018,13 @@ impl Backend for CudaBackend {
             delta,
             norm,
             eps,
-            weight,
+            gemv_weight,
             &out,
             next.as_ref().map_or(0, |t| t.ptr),
             peer.zip(self.peer.as_ref())
                 .map(|(p, s)| s.wait_args(p.slot))
                 .as_ref(),
+            swiglu,
         )?;
         if let Some(r) = next {
             *x = r;
@@ -995,6 +1048,18 @@ impl Backend for CudaBackend {
     ) -> Result<CudaTensor> {
         if let WeightData::SwiGlu(q) = &weight.data {
             return self.swiglu_linear(x, weight, q, bias);
+        }
+        if let WeightData::DenseSwiGlu(stacked) = &weight.data {
+            // The stacked product, then the SiLU-gate: what the fused epilogue computes.
+            if bias.is_some() {
+                return Err(Error::InvalidArgument(
+                    "SwiGLU linear with a bias: its weights are loaded only for bias-free layers"
+                        .into(),
+                ));
+            }
+            let gu = self.linear(x, stacked, None)?;
+            let parts = gu.split_cols(&[weight.rows, weight.rows])?;
+            return ew::silu_mul(&self.ctx, &parts[0], &parts[1]);
         }
         let out = self.ctx.alloc(x.rows, weight.rows, Elem::F32)?;
         self.linear_into(x, weight, bias, &out)?;

@@ -38,9 +38,15 @@ fn ctas(ctx: &CudaContext, n: usize) -> usize {
 }
 
 /// The ring's bytes and the CTA's shared memory for `m` tokens of a `[n, k]` weight in stages of
-/// `stage` bytes: the ring, the activations, then a partial sum per (row, warp, token).
+/// `stage` bytes: the ring, the activations, then a partial sum per (row, warp, token); a
+/// SwiGLU weight's CTA (`pair`) sums each of its rows' up partner too.
 fn layout(m: usize, n: usize, k: usize, ctas: usize, stage: usize) -> (usize, usize) {
-    let rest = m * k * 2 + n.div_ceil(ctas) * WARPS * m * 4;
+    layout_rows(m, n.div_ceil(ctas), k, stage)
+}
+
+/// [`layout`] for a CTA of at most `rows` rows.
+fn layout_rows(m: usize, rows: usize, k: usize, stage: usize) -> (usize, usize) {
+    let rest = m * k * 2 + rows * WARPS * m * 4;
     let ring = SMEM_LIMIT
         .saturating_sub(rest)
         .min(MAX_RING)
@@ -117,7 +123,7 @@ pub fn run_staged(
     }
     let name = kernel_name(m, stage_kb, ctx.dtype.suffix());
     let wp = w.dense()?.ptr;
-    launch(ctx, &name, (m, n, k), stage_kb, |ring| {
+    launch(ctx, &name, (m, n, k), stage_kb, false, |ring| {
         vec![
             Arg::Ptr(wp),
             Arg::Ptr(x.ptr),
@@ -131,16 +137,18 @@ pub fn run_staged(
 
 /// Launches entry `name` for `m` tokens of a `[n, k]` weight in stages of `stage_kb` KB: one
 /// CTA per SM (at most one per row), the layout's shared memory, `args(ring bytes)` its
-/// arguments.
+/// arguments; with `pair`, each of the `n` rows has an up partner (a SwiGLU weight).
 fn launch(
     ctx: &CudaContext,
     name: &str,
     (m, n, k): (usize, usize, usize),
     stage_kb: usize,
+    pair: bool,
     args: impl FnOnce(usize) -> Vec<Arg>,
 ) -> Result<()> {
     let ctas = ctas(ctx, n);
-    let (ring, smem) = layout(m, n, k, ctas, stage_kb << 10);
+    let rows = n.div_ceil(ctas) * if pair { 2 } else { 1 };
+    let (ring, smem) = layout_rows(m, rows, k, stage_kb << 10);
     ctx.launch_block(
         name,
         (ctas as u32, 1, 1),
@@ -150,11 +158,13 @@ fn launch(
     )
 }
 
-/// The entry point that norms its one row first ([`run_norm`]), and the one that waits for a
-/// peer sum's other half first ([`run_norm`] with a [`WaitArgs`]).
-pub fn norm_kernel_name(dtype_suffix: &str, peer: bool) -> String {
+/// The entry point that norms its one row first ([`run_norm`]); with `peer`, the one that waits
+/// for a peer sum's other half first; with `swiglu`, the one that writes a SwiGLU layer's
+/// `silu(gate) * up`.
+pub fn norm_kernel_name(dtype_suffix: &str, peer: bool, swiglu: bool) -> String {
     let p = if peer { "_peer" } else { "" };
-    format!("dense_gemv_norm1{p}_s{DEFAULT_STAGE_KB}_{dtype_suffix}")
+    let g = if swiglu { "_swiglu" } else { "" };
+    format!("dense_gemv_norm1{p}{g}_s{DEFAULT_STAGE_KB}_{dtype_suffix}")
 }
 
 /// The entry point of a peer sum's producer ([`run_push`]).
@@ -188,7 +198,7 @@ pub fn run_push(
     }
     let name = push_kernel_name(ctx.dtype.suffix());
     let wp = w.dense()?.ptr;
-    launch(ctx, &name, (1, n, k), DEFAULT_STAGE_KB, |ring| {
+    launch(ctx, &name, (1, n, k), DEFAULT_STAGE_KB, false, |ring| {
         vec![
             Arg::Ptr(wp),
             Arg::Ptr(x.ptr),
@@ -208,7 +218,9 @@ pub fn run_push(
 /// same or none, `norm` `[k]` f32. With `delta`, the updated residual `res + delta` goes to
 /// `res_out` (`k` f32, not `res`: every CTA reads `res`). The caller checks
 /// [`engine_picks`] for one token. With `peer`, `delta` is this rank's half of a peer sum and
-/// the kernel waits for the other half, then norms `res + (delta + peer's)`.
+/// the kernel waits for the other half, then norms `res + (delta + peer's)`. With `swiglu`, `w`
+/// is a SwiGLU layer's gate rows stacked on its up rows and `out` `[1, rows / 2]` in the model
+/// dtype gets `silu(gate) * up`.
 #[allow(clippy::too_many_arguments)]
 pub fn run_norm(
     ctx: &CudaContext,
@@ -220,21 +232,32 @@ pub fn run_norm(
     out: &CudaTensor,
     res_out: crate::runtime::DevicePtr,
     peer: Option<&WaitArgs>,
+    swiglu: bool,
 ) -> Result<()> {
-    let (n, k) = (w.rows, w.cols);
+    let k = w.cols;
+    let n = if swiglu { w.rows / 2 } else { w.rows };
+    let out_elem = if swiglu {
+        Elem::Half(ctx.dtype)
+    } else {
+        Elem::F32
+    };
     let shapes_agree = res.rows == 1
         && res.cols == k
         && norm.rows * norm.cols == k
         && delta.is_none_or(|d| d.rows == 1 && d.cols == k && d.elem == Elem::F32)
         && out.rows == 1
-        && out.cols == n;
-    if !engine_picks(ctx, 1, n, k) || !shapes_agree {
+        && out.cols == n
+        && (!swiglu || w.rows % 2 == 0);
+    // A SwiGLU CTA sums its rows' up partners too: its ring must still hold two stages.
+    let stage = DEFAULT_STAGE_KB << 10;
+    let fits = !swiglu || layout_rows(1, 2 * n.div_ceil(ctas(ctx, n)), k, stage).0 >= 2 * stage;
+    if !engine_picks(ctx, 1, w.rows, k) || !shapes_agree || !fits {
         return Err(Error::InvalidArgument(format!(
             "normed dense gemv of {}x{} by {n}x{k}",
             res.rows, res.cols
         )));
     }
-    if res.elem != Elem::F32 || w.dtype != ctx.dtype || out.elem != Elem::F32 {
+    if res.elem != Elem::F32 || w.dtype != ctx.dtype || out.elem != out_elem {
         return Err(Error::InvalidArgument(format!(
             "normed dense gemv of a {:?} residual and a {:?} weight into {:?}",
             res.elem, w.dtype, out.elem
@@ -245,9 +268,9 @@ pub fn run_norm(
             "a peer sum's normed gemv without its own half".into(),
         ));
     }
-    let name = norm_kernel_name(ctx.dtype.suffix(), peer.is_some());
+    let name = norm_kernel_name(ctx.dtype.suffix(), peer.is_some(), swiglu);
     let wp = w.dense()?.ptr;
-    launch(ctx, &name, (1, n, k), DEFAULT_STAGE_KB, |ring| {
+    launch(ctx, &name, (1, n, k), DEFAULT_STAGE_KB, swiglu, |ring| {
         let mut args = vec![
             Arg::Ptr(wp),
             Arg::Ptr(res.ptr),

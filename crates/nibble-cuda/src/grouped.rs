@@ -100,7 +100,7 @@ enum Geometry {
 fn geometry(w: &CudaWeight) -> Option<Geometry> {
     Some(match &w.data {
         WeightData::Dense(_) => Geometry::Dense { dtype: w.dtype },
-        WeightData::SwiGlu(_) | WeightData::Comet(_) => return None,
+        WeightData::SwiGlu(_) | WeightData::Comet(_) | WeightData::DenseSwiGlu(_) => return None,
         WeightData::Quant(q) => match *q {
             QuantWeight::W4 {
                 group_len,
@@ -419,7 +419,7 @@ fn items(runs: &[GroupedRun<'_>], item_rows: usize) -> Result<Vec<GroupedItem>> 
     for r in runs {
         let (codes, params, scales) = match &r.weight.data {
             WeightData::Dense(b) => (b.ptr, 0, 0),
-            WeightData::SwiGlu(_) | WeightData::Comet(_) => {
+            WeightData::SwiGlu(_) | WeightData::Comet(_) | WeightData::DenseSwiGlu(_) => {
                 return Err(Error::InvalidArgument(
                     "grouped GEMM of a SwiGLU or COMET weight".into(),
                 ));

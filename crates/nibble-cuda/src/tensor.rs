@@ -208,6 +208,11 @@ pub enum WeightData {
     SwiGlu(QuantWeight),
     /// COMET W4A4A8 (`comet.rs`): the GEMM quantizes its own input in mixed blocks.
     Comet(CometWeight),
+    /// A SwiGLU layer's 16-bit gate and up projections as they load, stacked (`2 * rows` rows,
+    /// gate first), whose product is `silu(gate x) * up x` in the model dtype: at one token the
+    /// dense decode gemv writes it in its epilogue (`dense_gemv::run_norm`), else the stacked
+    /// product and then the SiLU-gate. The [`CudaWeight`]'s `rows` are the `ffn` outputs.
+    DenseSwiGlu(Box<CudaWeight>),
 }
 
 impl CudaWeight {
@@ -215,7 +220,10 @@ impl CudaWeight {
     pub fn quant(&self) -> Option<&QuantWeight> {
         match &self.data {
             WeightData::Quant(q) => Some(q),
-            WeightData::Dense(_) | WeightData::SwiGlu(_) | WeightData::Comet(_) => None,
+            WeightData::Dense(_)
+            | WeightData::SwiGlu(_)
+            | WeightData::Comet(_)
+            | WeightData::DenseSwiGlu(_) => None,
         }
     }
 
@@ -230,6 +238,9 @@ impl CudaWeight {
             WeightData::Comet(_) => Err(Error::unsupported(
                 "a w4a4a8 weight used as a plain matrix",
                 "only linear layers run quantized on the GPU",
+            )),
+            WeightData::DenseSwiGlu(_) => Err(Error::InvalidArgument(
+                "a SwiGLU gate/up pair used as a plain matrix".into(),
             )),
         }
     }

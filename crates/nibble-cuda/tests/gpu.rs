@@ -543,6 +543,86 @@ fn normed_decode_gemv_matches_the_norm_then_the_gemv() {
     }
 }
 
+/// A SwiGLU layer's 16-bit gate and up loaded as one weight (`load_swiglu_weight`, Hopper): at
+/// one token the normed gemv writes `silu(gate) * up` in its epilogue; against the norm kernel,
+/// cuBLAS on the stacked pair and the SiLU-gate kernel (the dense gemv off), and against the
+/// same weight's two-token product (the stacked product, then the SiLU-gate); with and without a
+/// delta, widths that leave CTAs unequal, NaN-poisoned activations. The residual is the same bits.
+#[test]
+fn swiglu_decode_gemv_matches_the_gemv_then_the_gate() {
+    let mut r = rng("swiglu_decode_gemv_matches_the_gemv_then_the_gate");
+    for (dtype, ty) in [(Dtype::Bf16, GgmlType::BF16), (Dtype::F16, GgmlType::F16)] {
+        let Some(mut g) = hopper_gpu(dtype) else {
+            return;
+        };
+        for &(ff, k) in &[(14336, 4096), (7168, 4096), (1321, 8192)] {
+            let gate = randn(&mut r, ff * k, 1.0 / (k as f32).sqrt());
+            let up = randn(&mut r, ff * k, 1.0 / (k as f32).sqrt());
+            let hg = host_weight("gate", &gate, ff, k, ty);
+            let hu = host_weight("up", &up, ff, k, ty);
+            let w = g
+                .load_swiglu_weight(&hg, &hu)
+                .unwrap()
+                .expect("a dense SwiGLU weight");
+            assert!(matches!(w.data, nibble_cuda::WeightData::DenseSwiGlu(_)));
+            assert_eq!((w.rows, w.cols), (ff, k));
+            let res = randn(&mut r, 2 * k, 1.0);
+            let delta = randn(&mut r, k, 0.5);
+            let nw: Vec<f32> = (0..k).map(|_| 0.5 + r.random::<f32>()).collect();
+            for with_delta in [false, true] {
+                let mut got = Vec::new();
+                for fused in [true, false] {
+                    g.dense_gemv = fused;
+                    g.poison_activations(64 << 20).unwrap();
+                    let mut x = g.tensor_from_f32(&res[..k], 1, k).unwrap();
+                    let d = g.tensor_from_f32(&delta, 1, k).unwrap();
+                    let gn = g.load_vector(&nw).unwrap();
+                    let y = g
+                        .norm_linear(&mut x, with_delta.then_some(&d), &gn, 1e-5, &w, None)
+                        .unwrap();
+                    assert_eq!((y.rows, y.cols), (1, ff));
+                    got.push((host(&g, &y), host(&g, &x)));
+                }
+                g.dense_gemv = true;
+                let what = format!("SwiGLU gemv {ff}x{k} {ty:?} delta {with_delta}");
+                check(&what, &got[0].0, &got[1].0, 4e-3);
+                assert!(
+                    got[0]
+                        .1
+                        .iter()
+                        .zip(&got[1].1)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: residuals differ"
+                );
+            }
+            // Two tokens: the stacked product, then the SiLU-gate, against an f64 reference
+            // (the activations rounded to the model dtype, as the GEMM reads them).
+            g.poison_activations(64 << 20).unwrap();
+            let x2 = g.tensor_from_f32(&res, 2, k).unwrap();
+            let two = host(&g, &g.linear(&x2, &w, None).unwrap());
+            let (gr, ur, xr) = (rounded(&gate, ty), rounded(&up, ty), rounded(&res, ty));
+            let want: Vec<f32> = (0..2 * ff)
+                .map(|i| {
+                    let (t, row) = (i / ff, i % ff);
+                    let dot = |m: &[f32]| -> f64 {
+                        (0..k)
+                            .map(|c| xr[t * k + c] as f64 * m[row * k + c] as f64)
+                            .sum()
+                    };
+                    let (gv, uv) = (dot(&gr), dot(&ur));
+                    (gv / (1.0 + (-gv).exp()) * uv) as f32
+                })
+                .collect();
+            check(
+                &format!("SwiGLU {ff}x{k} {ty:?}, two tokens"),
+                &two,
+                &want,
+                1e-2,
+            );
+        }
+    }
+}
+
 /// Attention over a paged pool: prefill chunks, decode steps and long contexts (split-K), GQA
 /// groups 1 to 8, head sizes 16 to 256, blocks handed out in random order.
 #[test]

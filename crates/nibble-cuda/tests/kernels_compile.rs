@@ -136,8 +136,12 @@ fn kernels_compile_for_every_architecture() {
                             }
                             for sfx in ["bf16", "f16"] {
                                 for peer in [false, true] {
-                                    let e = nibble_cuda::dense_gemv::norm_kernel_name(sfx, peer);
-                                    assert_eq!(entries.contains(&e), cc.0 >= 9, "{arch}: {e}");
+                                    for swiglu in [false, true] {
+                                        let e = nibble_cuda::dense_gemv::norm_kernel_name(
+                                            sfx, peer, swiglu,
+                                        );
+                                        assert_eq!(entries.contains(&e), cc.0 >= 9, "{arch}: {e}");
+                                    }
                                 }
                                 let e = nibble_cuda::dense_gemv::push_kernel_name(sfx);
                                 assert_eq!(entries.contains(&e), cc.0 >= 9, "{arch}: {e}");
