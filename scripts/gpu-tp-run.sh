@@ -13,7 +13,8 @@
 #             what they give one by one (scripts/gpu-tp-serve-check.sh)
 #   b1        Llama-3-8B shape, one sequence (256 output tokens): decode step at TP=1 and TP=2,
 #             TP=2 also without the peer sum (twice each); B1_SWIGLU=1 adds TP=1 and TP=2 without
-#             the SwiGLU epilogue (NIBBLE_SWIGLU=0); B1_ALL=1 adds TP=2 without the
+#             the SwiGLU epilogue (NIBBLE_SWIGLU=0); B1_VARIANTS="A B+C" adds TP=1 and TP=2 with
+#             each kernel define set (NIBBLE_NVRTC_DEFINES); B1_ALL=1 adds TP=2 without the
 #             symmetric window, without the split head, with NCCL_PROTO=LL
 #   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences),
 #             TP=2 also without the peer sum (unless TP_NOPEER=0) and without all three levers
@@ -68,7 +69,7 @@ throughput() {  # throughput NAME MODEL TP ARGS...
 for part in $parts; do
   case $part in
     tests)
-      step gpu-tp-tests timeout 240 stage/gpu/gpu-tp-tests --test-threads 1 --nocapture ;;
+      step gpu-tp-tests timeout 400 stage/gpu/gpu-tp-tests --test-threads 1 --nocapture ;;
     peer)
       step gpu-tp-peer-tests timeout 300 stage/gpu/gpu-tp-tests peer_sum --test-threads 1 --nocapture ;;
     arlat)
@@ -91,6 +92,11 @@ for part in $parts; do
       NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer 2
       b1 b1-tp2-r2 2
       NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer-r2 2
+      # Kernel variants (define sets staged with GPU_VARIANTS), TP=1 and TP=2 each.
+      for v in ${B1_VARIANTS:-}; do
+        NIBBLE_NVRTC_DEFINES=$v b1 "b1-tp1-$v" 1
+        NIBBLE_NVRTC_DEFINES=$v b1 "b1-tp2-$v" 2
+      done
       if [ "${B1_SWIGLU:-0}" = 1 ]; then
         NIBBLE_SWIGLU=0 b1 b1-tp1-noswiglu 1
         NIBBLE_SWIGLU=0 b1 b1-tp2-noswiglu 2

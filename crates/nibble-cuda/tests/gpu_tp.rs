@@ -561,6 +561,11 @@ impl Drop for Report {
 /// run ended. With `hang`, rank 1 stops taking part instead (sleeps) without failing.
 fn fail_rank_one(g: &GpuGroup, hang: bool) -> (String, Duration) {
     let files = open_model(&fixture("tiny-llama3"), None).unwrap();
+    fail_rank_one_of(g, &files, hang)
+}
+
+/// [`fail_rank_one`] on the model `files`.
+fn fail_rank_one_of(g: &GpuGroup, files: &ModelFiles, hang: bool) -> (String, Duration) {
     let t0 = Instant::now();
     let failed_at = std::sync::Mutex::new(None);
     let e = run_sharded(g, &*files.source, &files.config, |rank, backend, model| {
@@ -615,6 +620,18 @@ fn a_failed_rank_ends_the_run_with_its_error() {
     assert!(e.contains("injected failure on rank 1"), "{e}");
     assert!(after < Duration::from_secs(60), "took {after:?}");
     eprintln!("failed rank: the run ended {after:?} after the failure, with: {e}");
+}
+
+/// A rank that fails while the other waits for its half of a peer sum (the wide model's normed
+/// gemvs) ends the run with its error within seconds: the group's abort raises the flag the
+/// waiting kernel polls, and nothing is left blocked (no watchdog, no process exit).
+#[test]
+fn a_failed_rank_ends_a_peer_sum_wait() {
+    let (_dir, files) = wide_two_layer_llama();
+    let (e, after) = fail_rank_one_of(&group().symmetric_window(false), &files, false);
+    assert!(e.contains("injected failure on rank 1"), "{e}");
+    assert!(after < Duration::from_secs(60), "took {after:?}");
+    eprintln!("failed rank during peer sums: the run ended {after:?} after the failure, with: {e}");
 }
 
 /// The child of [`a_failed_rank_with_the_window_ends_the_process`]: run only by it.
