@@ -86,27 +86,43 @@ impl Drop for AbortFlag {
     }
 }
 
-/// What a rank shows its peer: where to push, where to count, and its context.
-#[derive(Clone, Copy)]
-struct Published {
-    recv: DevicePtr,
-    arrivals: DevicePtr,
+/// A rank's receive slots and counters, and what its peer needs to reach them. They belong to
+/// the group's [`PeerExchange`], not to the rank: a peer's kernels may still push here after
+/// this rank has failed and dropped its backend.
+struct RankSlots {
+    /// `SLOTS` rows of `ROW_MAX` f32 the peer pushes into.
+    recv: DeviceBuffer,
+    /// [arrivals, own]: rows the peer has pushed here, rows this rank has pushed (u64 each).
+    counters: DeviceBuffer,
+    gpu: Arc<Gpu>,
     ctx: usize,
     device: sys::CUdevice,
 }
 
-/// The group's meeting point for setting up peer sums (`GpuGroup`), and its abort flag.
+/// The group's meeting point for setting up peer sums (`GpuGroup`, and every rank's
+/// [`PeerSum`]): each rank's slots, freed when the last of them is gone and every rank's GPU has
+/// finished its work; and the group's abort flag.
 pub struct PeerExchange {
-    parts: Mutex<Vec<Option<Published>>>,
+    parts: Mutex<Vec<Option<RankSlots>>>,
     pub abort: AbortFlag,
 }
 
 impl PeerExchange {
     pub fn new(ranks: usize, gpu: &Gpu) -> Result<PeerExchange> {
         Ok(PeerExchange {
-            parts: Mutex::new(vec![None; ranks]),
+            parts: Mutex::new((0..ranks).map(|_| None).collect()),
             abort: AbortFlag::new(gpu)?,
         })
+    }
+}
+
+impl Drop for PeerExchange {
+    fn drop(&mut self) {
+        // No kernel of any rank may still push into a slot being freed.
+        let parts = self.parts.get_mut().unwrap_or_else(|p| p.into_inner());
+        for p in parts.iter().flatten() {
+            let _ = p.gpu.synchronize();
+        }
     }
 }
 
@@ -120,10 +136,11 @@ pub struct Pending {
 
 /// One rank's side of the peer sum.
 pub struct PeerSum {
-    /// `SLOTS` rows of `ROW_MAX` f32 the peer pushes into.
-    recv: DeviceBuffer,
-    /// [arrivals, own]: rows the peer has pushed here, rows this rank has pushed (u64 each).
-    counters: DeviceBuffer,
+    /// Holds every rank's slots alive while this rank may push or wait.
+    _exchange: Arc<PeerExchange>,
+    /// This rank's slots and counters ([`RankSlots`]).
+    recv: DevicePtr,
+    counters: DevicePtr,
     peer_recv: DevicePtr,
     peer_arrivals: DevicePtr,
     abort: DevicePtr,
@@ -155,26 +172,34 @@ impl PeerSum {
     pub fn connect(
         gpu: &Arc<Gpu>,
         rank: usize,
-        exchange: &PeerExchange,
+        exchange: &Arc<PeerExchange>,
         barrier: impl Fn() -> Result<()>,
     ) -> Result<Option<PeerSum>> {
         let recv = DeviceBuffer::alloc(gpu, SLOTS * ROW_MAX * 4, "peer-sum slots")?;
         let counters = DeviceBuffer::from_host(gpu, &[0u64; 2], "peer-sum counters")?;
         // Zero before the peer can count here.
         gpu.synchronize()?;
-        let me = Published {
-            recv: recv.ptr,
-            arrivals: counters.ptr,
+        let (my_recv, my_counters) = (recv.ptr, counters.ptr);
+        let me = RankSlots {
+            recv,
+            counters,
+            gpu: gpu.clone(),
             ctx: gpu.ctx.cu_ctx() as usize,
             device: gpu.ctx.cu_device(),
         };
         exchange.parts.lock().unwrap_or_else(|p| p.into_inner())[rank] = Some(me);
         barrier()?;
-        let peer = exchange.parts.lock().unwrap_or_else(|p| p.into_inner())[1 - rank]
-            .ok_or_else(|| Error::InvalidArgument("the peer rank published nothing".into()))?;
+        let (peer_recv, peer_arrivals, peer_ctx, peer_device) = {
+            let parts = exchange.parts.lock().unwrap_or_else(|p| p.into_inner());
+            let p = parts[1 - rank]
+                .as_ref()
+                .ok_or_else(|| Error::InvalidArgument("the peer rank published nothing".into()))?;
+            (p.recv.ptr, p.counters.ptr, p.ctx, p.device)
+        };
+        let me = (gpu.ctx.cu_device(), my_recv, my_counters);
         let mut can = 0;
         // SAFETY: two valid device handles.
-        unsafe { sys::cuDeviceCanAccessPeer(&mut can, me.device, peer.device) }
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, me.0, peer_device) }
             .result()
             .map_err(|e| driver_err("peer access query", e))?;
         if can == 0 {
@@ -183,16 +208,17 @@ impl PeerSum {
         gpu.bind()?;
         // SAFETY: the peer's context outlives the group (its rank holds it); NCCL may have
         // enabled the same access already.
-        match unsafe { sys::cuCtxEnablePeerAccess(peer.ctx as sys::CUcontext, 0) } {
+        match unsafe { sys::cuCtxEnablePeerAccess(peer_ctx as sys::CUcontext, 0) } {
             sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
             }
             e => return Err(driver_err("enabling peer access", e)),
         }
         Ok(Some(PeerSum {
-            recv,
-            counters,
-            peer_recv: peer.recv,
-            peer_arrivals: peer.arrivals,
+            _exchange: exchange.clone(),
+            recv: me.1,
+            counters: me.2,
+            peer_recv,
+            peer_arrivals,
             abort: exchange.abort.device_ptr(gpu)?,
             turn: AtomicUsize::new(0),
             pending: Mutex::new(None),
@@ -215,7 +241,7 @@ impl PeerSum {
         let args = PushArgs {
             peer_y: self.peer_recv + (slot * ROW_MAX * 4) as u64,
             peer_arrivals: self.peer_arrivals,
-            own: self.counters.ptr + 8,
+            own: self.counters + 8,
         };
         (slot, args)
     }
@@ -223,9 +249,9 @@ impl PeerSum {
     /// What a consumer of the sum in `slot` waits on and reads.
     pub fn wait_args(&self, slot: usize) -> WaitArgs {
         WaitArgs {
-            peer_part: self.recv.ptr + (slot * ROW_MAX * 4) as u64,
-            arrivals: self.counters.ptr,
-            own: self.counters.ptr + 8,
+            peer_part: self.recv + (slot * ROW_MAX * 4) as u64,
+            arrivals: self.counters,
+            own: self.counters + 8,
             abort: self.abort,
         }
     }
