@@ -732,14 +732,12 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
         for (int j = 0; j < NB; ++j) issue(b + (STAGES - NB + j) * WARPS, wrap(stage + STAGES - NB + j));
         asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - NB));
         __syncwarp();
-#ifdef NIBBLE_KVQ_INTERIOR
-        // A variant for the next GPU call (built 2026-11-27 without one): a step whose blocks lie
-        // wholly inside [lo, loop_end) takes a copy of the body with no masks (valid a constant),
-        // about 30 fewer instructions for two kv4 blocks, for twice the loop's code.
+        // A step whose blocks lie wholly inside [lo, loop_end) takes a copy of the body with no
+        // masks (valid a constant): about 30 fewer instructions for two kv4 blocks, for twice the
+        // loop's code. On an H100 (1e84f4c, BENCHMARKS.md issue 19): kv2c 1.02x, the others level.
         if (b * DM_BS >= lo && (b + (NB - 1) * WARPS + 1) * DM_BS <= loop_end)
             step(BoolTag<true>(), b);
         else
-#endif
             step(BoolTag<false>(), b);
         __syncwarp();  // these stages are read before they are refilled
         stage = wrap(stage + NB);

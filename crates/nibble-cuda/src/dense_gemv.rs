@@ -247,7 +247,7 @@ pub fn run_norm(
         && delta.is_none_or(|d| d.rows == 1 && d.cols == k && d.elem == Elem::F32)
         && out.rows == 1
         && out.cols == n
-        && (!swiglu || w.rows % 2 == 0);
+        && (!swiglu || w.rows.is_multiple_of(2));
     // A SwiGLU CTA sums its rows' up partners too: its ring must still hold two stages.
     let stage = DEFAULT_STAGE_KB << 10;
     let fits = !swiglu || layout_rows(1, 2 * n.div_ceil(ctas(ctx, n)), k, stage).0 >= 2 * stage;
