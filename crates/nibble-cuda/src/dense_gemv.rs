@@ -124,15 +124,27 @@ pub fn run_staged(
     let name = kernel_name(m, stage_kb, ctx.dtype.suffix());
     let wp = w.dense()?.ptr;
     launch(ctx, &name, (m, n, k), stage_kb, false, |ring| {
-        vec![
-            Arg::Ptr(wp),
-            Arg::Ptr(x.ptr),
-            Arg::Ptr(out.ptr),
-            Arg::I32(n as i32),
-            Arg::I32(k as i32),
-            Arg::I32(ring as i32),
-        ]
+        gemv_args(wp, x, out, n, k, ring)
     })
+}
+
+/// The arguments every plain gemv entry starts with: weight, input, output, shape, ring bytes.
+fn gemv_args(
+    wp: crate::runtime::DevicePtr,
+    x: &CudaTensor,
+    out: &CudaTensor,
+    n: usize,
+    k: usize,
+    ring: usize,
+) -> Vec<Arg> {
+    vec![
+        Arg::Ptr(wp),
+        Arg::Ptr(x.ptr),
+        Arg::Ptr(out.ptr),
+        Arg::I32(n as i32),
+        Arg::I32(k as i32),
+        Arg::I32(ring as i32),
+    ]
 }
 
 /// Launches entry `name` for `m` tokens of a `[n, k]` weight in stages of `stage_kb` KB: one
@@ -199,17 +211,13 @@ pub fn run_push(
     let name = push_kernel_name(ctx.dtype.suffix());
     let wp = w.dense()?.ptr;
     launch(ctx, &name, (1, n, k), DEFAULT_STAGE_KB, false, |ring| {
-        vec![
-            Arg::Ptr(wp),
-            Arg::Ptr(x.ptr),
-            Arg::Ptr(out.ptr),
-            Arg::I32(n as i32),
-            Arg::I32(k as i32),
-            Arg::I32(ring as i32),
+        let mut args = gemv_args(wp, x, out, n, k, ring);
+        args.extend([
             Arg::Ptr(push.peer_y),
             Arg::Ptr(push.peer_arrivals),
             Arg::Ptr(push.own),
-        ]
+        ]);
+        args
     })
 }
 

@@ -491,6 +491,20 @@ fn dense_decode_gemv_matches_the_reference() {
     }
 }
 
+/// A fused normed gemv's (output, residual) against the unfused path's: outputs within `bound`,
+/// the residual the same bits.
+fn check_normed(what: &str, got: &[(Vec<f32>, Vec<f32>)], bound: f64) {
+    check(what, &got[0].0, &got[1].0, bound);
+    assert!(
+        got[0]
+            .1
+            .iter()
+            .zip(&got[1].1)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{what}: residuals differ"
+    );
+}
+
 /// `norm_linear` of one row on a layer the dense gemv takes: the gemv that norms its row itself
 /// against the norm kernel and then the gemv (cuBLAS), with and without a residual delta, a bias,
 /// NaN-poisoned activations. The residual it leaves is the same bits; the outputs agree to the
@@ -528,15 +542,7 @@ fn normed_decode_gemv_matches_the_norm_then_the_gemv() {
                     got.push((host(&g, &y), host(&g, &x)));
                 }
                 let what = format!("normed gemv {n}x{k} {ty:?} delta {with_delta}");
-                check(&what, &got[0].0, &got[1].0, 2e-3);
-                assert!(
-                    got[0]
-                        .1
-                        .iter()
-                        .zip(&got[1].1)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{what}: residuals differ"
-                );
+                check_normed(&what, &got, 2e-3);
             }
         }
         g.dense_gemv = true;
@@ -585,15 +591,7 @@ fn swiglu_decode_gemv_matches_the_gemv_then_the_gate() {
                 }
                 g.dense_gemv = true;
                 let what = format!("SwiGLU gemv {ff}x{k} {ty:?} delta {with_delta}");
-                check(&what, &got[0].0, &got[1].0, 4e-3);
-                assert!(
-                    got[0]
-                        .1
-                        .iter()
-                        .zip(&got[1].1)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{what}: residuals differ"
-                );
+                check_normed(&what, &got, 4e-3);
             }
             // Two tokens: the stacked product, then the SiLU-gate, against an f64 reference
             // (the activations rounded to the model dtype, as the GEMM reads them).
