@@ -150,12 +150,33 @@ impl CudaBackend {
         self.peer.is_some()
     }
 
+    /// (fused, settled): peer sums the next normed gemv finished, and those settled on their
+    /// own (tests tell the two paths apart by these; they give the same bits).
+    pub fn peer_sum_counts(&self) -> (usize, usize) {
+        self.peer.as_ref().map_or((0, 0), |p| p.counts())
+    }
+
     /// Finishes a peer sum left to a consumer that turned out not to be a normed gemv.
     fn settle_peer(&self) -> Result<()> {
         match &self.peer {
             Some(p) => p.settle_pending(&self.ctx),
             None => Ok(()),
         }
+    }
+
+    /// Ends a forward pass's peer sums: none left pending, and where the pass's last push went to
+    /// the next pass's first slot, a barrier with the peer (NCCL's all-reduce of one float,
+    /// in the pass and so in its graph) so that slot is read before it is pushed to again.
+    fn close_peer_forward(&self) -> Result<()> {
+        let (Some(p), Some(comm)) = (&self.peer, &self.collective) else {
+            return Ok(());
+        };
+        p.settle_pending(&self.ctx)?;
+        if p.ends_on_the_first_slot() {
+            let one = self.ctx.alloc(1, 1, Elem::F32)?;
+            comm.all_reduce_sum(one.ptr, 1, ReduceType::F32)?;
+        }
+        Ok(())
     }
 
     /// The row-parallel layer as one rank of a peer sum, where it applies (one token, a dense
@@ -356,7 +377,8 @@ impl CudaBackend {
     /// Whether an `m`-row product with the 16-bit `weight` runs on the dense decode gemv.
     fn takes_dense_gemv(&self, m: usize, weight: &CudaWeight) -> bool {
         if let WeightData::DenseSwiGlu(stacked) = &weight.data {
-            return self.takes_dense_gemv(m, stacked);
+            return self.takes_dense_gemv(m, stacked)
+                && dense_gemv::swiglu_fits(&self.ctx, weight.rows, weight.cols);
         }
         self.dense_gemv
             && matches!(weight.data, WeightData::Dense(_))
@@ -877,7 +899,6 @@ impl Backend for CudaBackend {
         self.window_turn.store(0, Ordering::Relaxed);
         self.residual_turn.store(0, Ordering::Relaxed);
         if let Some(p) = &self.peer {
-            p.settle_pending(&self.ctx)?;
             p.rewind();
         }
         if let Some(t) = &self.trace {
@@ -909,9 +930,17 @@ impl Backend for CudaBackend {
             Some(comm) => comm.while_live(launch),
             None => launch(),
         };
-        let out = self
-            .ctx
-            .run_forward(model, id, batch, &mut || body(kv), &gate);
+        let out = self.ctx.run_forward(
+            model,
+            id,
+            batch,
+            &mut || {
+                let out = body(kv)?;
+                self.close_peer_forward()?;
+                Ok(out)
+            },
+            &gate,
+        );
         if let Some(t) = &self.trace {
             t.end();
         }

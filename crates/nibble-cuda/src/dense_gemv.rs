@@ -179,6 +179,13 @@ pub fn norm_kernel_name(dtype_suffix: &str, peer: bool, swiglu: bool) -> String 
     format!("dense_gemv_norm1{p}{g}_s{DEFAULT_STAGE_KB}_{dtype_suffix}")
 }
 
+/// Whether a SwiGLU layer of `n` outputs over `k` channels fits the normed gemv: a CTA sums its
+/// rows' up partners too, and its ring must still hold two stages.
+pub fn swiglu_fits(ctx: &CudaContext, n: usize, k: usize) -> bool {
+    let stage = DEFAULT_STAGE_KB << 10;
+    n > 0 && layout_rows(1, 2 * n.div_ceil(ctas(ctx, n)), k, stage).0 >= 2 * stage
+}
+
 /// The entry point of a peer sum's producer ([`run_push`]).
 pub fn push_kernel_name(dtype_suffix: &str) -> String {
     format!("dense_gemv1_push_s{DEFAULT_STAGE_KB}_{dtype_suffix}")
@@ -256,9 +263,7 @@ pub fn run_norm(
         && out.rows == 1
         && out.cols == n
         && (!swiglu || w.rows.is_multiple_of(2));
-    // A SwiGLU CTA sums its rows' up partners too: its ring must still hold two stages.
-    let stage = DEFAULT_STAGE_KB << 10;
-    let fits = !swiglu || layout_rows(1, 2 * n.div_ceil(ctas(ctx, n)), k, stage).0 >= 2 * stage;
+    let fits = !swiglu || swiglu_fits(ctx, n, k);
     if !engine_picks(ctx, 1, w.rows, k) || !shapes_agree || !fits {
         return Err(Error::InvalidArgument(format!(
             "normed dense gemv of {}x{} by {n}x{k}",

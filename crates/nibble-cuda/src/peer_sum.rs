@@ -118,10 +118,14 @@ impl PeerExchange {
 
 impl Drop for PeerExchange {
     fn drop(&mut self) {
-        // No kernel of any rank may still push into a slot being freed.
+        // No kernel of any rank may still push into a slot being freed; the abort flag's free
+        // (after this) needs a context bound.
         let parts = self.parts.get_mut().unwrap_or_else(|p| p.into_inner());
         for p in parts.iter().flatten() {
             let _ = p.gpu.synchronize();
+        }
+        if let Some(p) = parts.iter().flatten().next() {
+            let _ = p.gpu.bind();
         }
     }
 }
@@ -148,6 +152,10 @@ pub struct PeerSum {
     /// the ones its replays use, on both ranks alike).
     turn: AtomicUsize,
     pending: Mutex<Option<Pending>>,
+    /// Sums their consumer's normed gemv finished, and sums settled on their own (tests read
+    /// them: the two give the same bits by design).
+    fused: AtomicUsize,
+    settled: AtomicUsize,
 }
 
 /// Kernel arguments of a push: the peer's slot and arrivals, this rank's own count.
@@ -202,7 +210,21 @@ impl PeerSum {
         unsafe { sys::cuDeviceCanAccessPeer(&mut can, me.0, peer_device) }
             .result()
             .map_err(|e| driver_err("peer access query", e))?;
-        if can == 0 {
+        // The arrival counts are atomic adds on the peer's memory: peer access over PCIe need not
+        // carry them (NVLink does), and a lost add would leave the peer waiting.
+        let mut atomics = 0;
+        // SAFETY: two valid device handles.
+        unsafe {
+            sys::cuDeviceGetP2PAttribute(
+                &mut atomics,
+                sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+                me.0,
+                peer_device,
+            )
+        }
+        .result()
+        .map_err(|e| driver_err("peer atomics query", e))?;
+        if can == 0 || atomics == 0 {
             return Ok(None);
         }
         gpu.bind()?;
@@ -222,6 +244,8 @@ impl PeerSum {
             abort: exchange.abort.device_ptr(gpu)?,
             turn: AtomicUsize::new(0),
             pending: Mutex::new(None),
+            fused: AtomicUsize::new(0),
+            settled: AtomicUsize::new(0),
         }))
     }
 
@@ -230,9 +254,31 @@ impl PeerSum {
         n <= ROW_MAX
     }
 
-    /// Back to the first slot: at the start of every forward pass.
+    /// Back to the first slot: at the start of every forward pass. A pending sum left by a
+    /// forward pass that failed is dropped (its buffer is the old pass's; the counters are
+    /// cumulative, so later waits stay right).
     pub fn rewind(&self) {
         self.turn.store(0, Ordering::Relaxed);
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+    }
+
+    /// Whether the forward pass's last push went to slot 0, the next pass's first: the pass
+    /// must then end in a barrier with the peer (`CudaBackend::run_forward`), or the peer's
+    /// first push could overwrite that slot while this rank still reads it. (Within a pass a
+    /// rank is at most one sum ahead of its peer, so two slots apart is enough.)
+    pub fn ends_on_the_first_slot(&self) -> bool {
+        self.turn.load(Ordering::Relaxed) % SLOTS == 1
+    }
+
+    /// (fused, settled): how many sums the normed gemv finished and how many were settled.
+    pub fn counts(&self) -> (usize, usize) {
+        (
+            self.fused.load(Ordering::Relaxed),
+            self.settled.load(Ordering::Relaxed),
+        )
     }
 
     /// The slot for the next push, and where the push goes.
@@ -265,7 +311,10 @@ impl PeerSum {
     pub fn take_if(&self, own: DevicePtr) -> Option<Pending> {
         let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         match *g {
-            Some(p) if p.own == own => g.take(),
+            Some(p) if p.own == own => {
+                self.fused.fetch_add(1, Ordering::Relaxed);
+                g.take()
+            }
             _ => None,
         }
     }
@@ -285,6 +334,7 @@ impl PeerSum {
 
     /// `own += the peer's row` once it has arrived (kernels/gemv_dense.cu, `peer_sum_settle`).
     pub fn settle(&self, ctx: &CudaContext, p: Pending) -> Result<()> {
+        self.settled.fetch_add(1, Ordering::Relaxed);
         let w = self.wait_args(p.slot);
         ctx.launch(
             "peer_sum_settle",
