@@ -26,7 +26,7 @@ use crate::context::{CudaContext, StepUpload};
 use crate::host_trace::HostTrace;
 use crate::kv::CudaKv;
 use crate::nccl::{Communicator, ReduceType};
-use crate::peer_sum::{self, PeerSum, Pending};
+use crate::peer_sum::PeerSum;
 use crate::qlinear::QKernel;
 use crate::runtime::{DeviceBuffer, DevicePtr};
 use crate::sampling::SampleScratch;
@@ -192,12 +192,10 @@ impl CudaBackend {
             return Ok(None);
         };
         let (n, k) = (weight.rows, weight.cols);
-        let applies = self.dense_gemv
+        let applies = self.streams_dense(weight)
             && x.rows == 1
             && x.cols == k
             && x.is_contiguous()
-            && matches!(weight.data, WeightData::Dense(_))
-            && weight.dtype == self.ctx.dtype
             && PeerSum::fits(n)
             && dense_gemv::applies(&self.ctx, 1, n, k);
         if !applies {
@@ -210,16 +208,7 @@ impl CudaBackend {
         let out = self.ctx.alloc(1, n, Elem::F32)?;
         let (slot, push) = p.next_push();
         dense_gemv::run_push(&self.ctx, &xh, weight, &out, &push)?;
-        let pending = Pending {
-            own: out.ptr,
-            slot,
-            n,
-        };
-        if defer {
-            p.defer(pending);
-        } else {
-            p.settle(&self.ctx, pending)?;
-        }
+        p.pushed(&self.ctx, out.ptr, slot, n, defer)?;
         Ok(Some(out))
     }
 
@@ -279,13 +268,12 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `silu(gate x) * up x` of a SwiGLU weight ([`WeightData::SwiGlu`]), `[x.rows, ffn]` in the
-    /// model dtype.
+    /// `silu(gate x) * up x` of a SwiGLU weight (packed, or [`WeightData::DenseSwiGlu`]),
+    /// `[x.rows, ffn]` in the model dtype.
     fn swiglu_linear(
         &self,
         x: &CudaTensor,
         weight: &CudaWeight,
-        q: &QuantWeight,
         bias: Option<&CudaTensor>,
     ) -> Result<CudaTensor> {
         let ctx = &self.ctx;
@@ -302,10 +290,21 @@ impl CudaBackend {
                 x.cols, weight.cols
             )));
         }
-        let gemm = || qlinear::swiglu_gemm(ctx, x, q, weight.rows, weight.cols);
-        match &self.trace {
-            Some(t) => t.gemm(gemm),
-            None => gemm(),
+        match &weight.data {
+            WeightData::SwiGlu(q) => {
+                let gemm = || qlinear::swiglu_gemm(ctx, x, q, weight.rows, weight.cols);
+                match &self.trace {
+                    Some(t) => t.gemm(gemm),
+                    None => gemm(),
+                }
+            }
+            // The stacked product, then the SiLU-gate: what the one-token epilogue computes.
+            WeightData::DenseSwiGlu(stacked) => {
+                let gu = self.linear(x, stacked, None)?;
+                let parts = gu.split_cols(&[weight.rows, weight.rows])?;
+                ew::silu_mul(ctx, &parts[0], &parts[1])
+            }
+            _ => Err(Error::InvalidArgument("not a SwiGLU weight".into())),
         }
     }
 
@@ -362,10 +361,8 @@ impl CudaBackend {
         {
             return Ok(None);
         }
+        // 16- and 32-bit parts always upload dense (in the model dtype).
         let stacked = self.upload_stacked(&[gate.clone(), up.clone()])?;
-        if !matches!(stacked.data, WeightData::Dense(_)) {
-            return Ok(None);
-        }
         Ok(Some(CudaWeight {
             rows,
             cols,
@@ -374,15 +371,21 @@ impl CudaBackend {
         }))
     }
 
+    /// Whether `weight` is a plain matrix of the model dtype and the dense gemv is on: what
+    /// the gemv can stream, whatever the shape.
+    fn streams_dense(&self, weight: &CudaWeight) -> bool {
+        self.dense_gemv
+            && matches!(weight.data, WeightData::Dense(_))
+            && weight.dtype == self.ctx.dtype
+    }
+
     /// Whether an `m`-row product with the 16-bit `weight` runs on the dense decode gemv.
     fn takes_dense_gemv(&self, m: usize, weight: &CudaWeight) -> bool {
         if let WeightData::DenseSwiGlu(stacked) = &weight.data {
             return self.takes_dense_gemv(m, stacked)
                 && dense_gemv::swiglu_fits(&self.ctx, weight.rows, weight.cols);
         }
-        self.dense_gemv
-            && matches!(weight.data, WeightData::Dense(_))
-            && weight.dtype == self.ctx.dtype
+        self.streams_dense(weight)
             && dense_gemv::engine_picks(&self.ctx, m, weight.rows, weight.cols)
     }
 
@@ -1023,7 +1026,11 @@ impl Backend for CudaBackend {
             return self.linear(&h, weight, bias);
         }
         // A peer sum left to this gemv: it waits for the peer's half and adds it itself.
-        let peer = peer_sum::pending_of(self.peer.as_ref(), delta);
+        let peer = self
+            .peer
+            .as_ref()
+            .zip(delta)
+            .and_then(|(p, d)| p.take_wait(d.ptr));
         self.settle_peer()?;
         ctx.check_live(x)?;
         // A SwiGLU pair: the gemv runs over the stacked rows and writes silu(gate) * up.
@@ -1050,9 +1057,7 @@ impl Backend for CudaBackend {
             gemv_weight,
             &out,
             next.as_ref().map_or(0, |t| t.ptr),
-            peer.zip(self.peer.as_ref())
-                .map(|(p, s)| s.wait_args(p.slot))
-                .as_ref(),
+            peer.as_ref(),
             swiglu,
         )?;
         if let Some(r) = next {
@@ -1075,20 +1080,8 @@ impl Backend for CudaBackend {
         weight: &CudaWeight,
         bias: Option<&CudaTensor>,
     ) -> Result<CudaTensor> {
-        if let WeightData::SwiGlu(q) = &weight.data {
-            return self.swiglu_linear(x, weight, q, bias);
-        }
-        if let WeightData::DenseSwiGlu(stacked) = &weight.data {
-            // The stacked product, then the SiLU-gate: what the fused epilogue computes.
-            if bias.is_some() {
-                return Err(Error::InvalidArgument(
-                    "SwiGLU linear with a bias: its weights are loaded only for bias-free layers"
-                        .into(),
-                ));
-            }
-            let gu = self.linear(x, stacked, None)?;
-            let parts = gu.split_cols(&[weight.rows, weight.rows])?;
-            return ew::silu_mul(&self.ctx, &parts[0], &parts[1]);
+        if let WeightData::SwiGlu(_) | WeightData::DenseSwiGlu(_) = &weight.data {
+            return self.swiglu_linear(x, weight, bias);
         }
         let out = self.ctx.alloc(x.rows, weight.rows, Elem::F32)?;
         self.linear_into(x, weight, bias, &out)?;

@@ -21,7 +21,6 @@ use nibble_core::{Error, Result};
 
 use crate::context::CudaContext;
 use crate::runtime::{Arg, DeviceBuffer, DevicePtr, Gpu, driver_err};
-use crate::tensor::CudaTensor;
 
 /// Receive slots a rank keeps: a rank can be one sum ahead of its peer (its next push may land
 /// while the peer still reads the last), so two would do; four leave a margin.
@@ -132,10 +131,10 @@ impl Drop for PeerExchange {
 
 /// A sum whose consumer is to come: this rank's row and the slot the peer's arrives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Pending {
-    pub own: DevicePtr,
-    pub slot: usize,
-    pub n: usize,
+struct Pending {
+    own: DevicePtr,
+    slot: usize,
+    n: usize,
 }
 
 /// One rank's side of the peer sum.
@@ -187,13 +186,13 @@ impl PeerSum {
         let counters = DeviceBuffer::from_host(gpu, &[0u64; 2], "peer-sum counters")?;
         // Zero before the peer can count here.
         gpu.synchronize()?;
-        let (my_recv, my_counters) = (recv.ptr, counters.ptr);
+        let (my_recv, my_counters, my_device) = (recv.ptr, counters.ptr, gpu.ctx.cu_device());
         let me = RankSlots {
             recv,
             counters,
             gpu: gpu.clone(),
             ctx: gpu.ctx.cu_ctx() as usize,
-            device: gpu.ctx.cu_device(),
+            device: my_device,
         };
         exchange.parts.lock().unwrap_or_else(|p| p.into_inner())[rank] = Some(me);
         barrier()?;
@@ -204,10 +203,9 @@ impl PeerSum {
                 .ok_or_else(|| Error::InvalidArgument("the peer rank published nothing".into()))?;
             (p.recv.ptr, p.counters.ptr, p.ctx, p.device)
         };
-        let me = (gpu.ctx.cu_device(), my_recv, my_counters);
         let mut can = 0;
         // SAFETY: two valid device handles.
-        unsafe { sys::cuDeviceCanAccessPeer(&mut can, me.0, peer_device) }
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, my_device, peer_device) }
             .result()
             .map_err(|e| driver_err("peer access query", e))?;
         // The arrival counts are atomic adds on the peer's memory: peer access over PCIe need not
@@ -218,7 +216,7 @@ impl PeerSum {
             sys::cuDeviceGetP2PAttribute(
                 &mut atomics,
                 sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
-                me.0,
+                my_device,
                 peer_device,
             )
         }
@@ -237,8 +235,8 @@ impl PeerSum {
         }
         Ok(Some(PeerSum {
             _exchange: exchange.clone(),
-            recv: me.1,
-            counters: me.2,
+            recv: my_recv,
+            counters: my_counters,
             peer_recv,
             peer_arrivals,
             abort: exchange.abort.device_ptr(gpu)?,
@@ -293,7 +291,7 @@ impl PeerSum {
     }
 
     /// What a consumer of the sum in `slot` waits on and reads.
-    pub fn wait_args(&self, slot: usize) -> WaitArgs {
+    fn wait_args(&self, slot: usize) -> WaitArgs {
         WaitArgs {
             peer_part: self.recv + (slot * ROW_MAX * 4) as u64,
             arrivals: self.counters,
@@ -302,18 +300,35 @@ impl PeerSum {
         }
     }
 
-    /// Leaves the sum of `p` to its consumer.
-    pub fn defer(&self, p: Pending) {
-        *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+    /// After a push of this rank's `n`-float row `own` into `slot`: with `defer` the sum is left
+    /// to its consumer ([`PeerSum::take_wait`], else settled at its first other use), otherwise
+    /// settled now.
+    pub fn pushed(
+        &self,
+        ctx: &CudaContext,
+        own: DevicePtr,
+        slot: usize,
+        n: usize,
+        defer: bool,
+    ) -> Result<()> {
+        let p = Pending { own, slot, n };
+        if defer {
+            *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+            Ok(())
+        } else {
+            self.settle(ctx, p)
+        }
     }
 
-    /// Takes the pending sum if `own` is its row (the consumer sums it itself).
-    pub fn take_if(&self, own: DevicePtr) -> Option<Pending> {
+    /// Takes the pending sum if `own` is its row: the consumer's normed gemv sums it itself,
+    /// with these arguments.
+    pub fn take_wait(&self, own: DevicePtr) -> Option<WaitArgs> {
         let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         match *g {
             Some(p) if p.own == own => {
                 self.fused.fetch_add(1, Ordering::Relaxed);
-                g.take()
+                *g = None;
+                Some(self.wait_args(p.slot))
             }
             _ => None,
         }
@@ -333,7 +348,7 @@ impl PeerSum {
     }
 
     /// `own += the peer's row` once it has arrived (kernels/gemv_dense.cu, `peer_sum_settle`).
-    pub fn settle(&self, ctx: &CudaContext, p: Pending) -> Result<()> {
+    fn settle(&self, ctx: &CudaContext, p: Pending) -> Result<()> {
         self.settled.fetch_add(1, Ordering::Relaxed);
         let w = self.wait_args(p.slot);
         ctx.launch(
@@ -350,9 +365,4 @@ impl PeerSum {
             ],
         )
     }
-}
-
-/// The pending sum of `t`'s row, as the consumer takes it.
-pub fn pending_of(peer: Option<&PeerSum>, t: Option<&CudaTensor>) -> Option<Pending> {
-    peer.zip(t).and_then(|(p, t)| p.take_if(t.ptr))
 }
