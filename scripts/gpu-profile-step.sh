@@ -8,7 +8,7 @@
 # one (`bench throughput` on N synthetic prompts of INPUT_LEN tokens, default 256, all admitted
 # together; set SKIP past their prefill chunks). NIBBLE_BIN picks the binary (default
 # stage/gpu/nibble). KERNELS=REGEX times only the kernels whose names match (SKIP and COUNT then
-# count those).
+# count those). MODEL names another shipped config or a config.json (default llama-3-8b).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-profile-step.sh OUTDIR [PRECISION...]}
@@ -27,7 +27,7 @@ else
   workload=(generate --prompt "The capital of France is" --max-tokens 48)
 fi
 for p in "${precisions[@]}"; do
-  model=llama-3-8b; [ "$p" = bf16 ] || model=llama-3-8b:$p
+  model=${MODEL:-llama-3-8b}; [ "$p" = bf16 ] || model=$model:$p
   # Skip the load and the prompt; time a window of kernels well inside the decode steps.
   # shellcheck disable=SC2046 # KERNELS: a name regex, as one -k argument
   "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \

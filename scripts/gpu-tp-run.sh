@@ -16,6 +16,12 @@
 #             the SwiGLU epilogue (NIBBLE_SWIGLU=0); B1_VARIANTS="A B+C" adds TP=1 and TP=2 with
 #             each kernel define set (NIBBLE_NVRTC_DEFINES); B1_ALL=1 adds TP=2 without the
 #             symmetric window, without the split head, with NCCL_PROTO=LL
+#             B1_QUICK=1 runs TP=1 and TP=2 once each, nothing else; B1_BASE=BINARY adds TP=1 and
+#             TP=2 with another build (an A/B's base), each twice, alternated with this one's
+#   rank      one TP=2 rank's work without its sums, on one GPU: the batch-1 decode of
+#             bench/configs/llama-3-8b-tp2-rank.json (half the heads, MLP and vocabulary), and
+#             Nsight Compute's isolated kernel times of its decode steps and of the whole model's
+#             (scripts/gpu-profile-step.sh; RANK_NCU=0 skips them)
 #   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences),
 #             TP=2 also without the peer sum (unless TP_NOPEER=0) and without all three levers
 #             (unless TP_BASE=0)
@@ -84,14 +90,26 @@ for part in $parts; do
       b1() { throughput "$1" llama-3-8b "$2" --input-len 128 --output-len 256 --num-prompts 2 \
         --max-num-seqs 1 --profile; }
       b1 b1-tp1 1
+      # An A/B against another build (B1_BASE=its binary, e.g. stage/base/nibble), alternated.
+      if [ -n "${B1_BASE:-}" ]; then
+        bin=$B1_BASE b1 b1-tp1-base 1
+        bin=$B1_BASE b1 b1-tp2-base 2
+      fi
       # TP=2 by default: the output head split by vocabulary, one-token row-parallel outputs
       # summed peer to peer by the gemvs (the peer sum), the rest in NCCL symmetric memory. Then
       # without the peer sum, twice each alternated (run-to-run spread); with B1_ALL=1 also
       # without the window and the split head, and with NCCL's low-latency protocol.
       b1 b1-tp2 2
-      NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer 2
-      b1 b1-tp2-r2 2
-      NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer-r2 2
+      if [ "${B1_QUICK:-0}" != 1 ]; then
+        NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer 2
+        b1 b1-tp2-r2 2
+        NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer-r2 2
+      fi
+      if [ -n "${B1_BASE:-}" ]; then
+        bin=$B1_BASE b1 b1-tp2-base-r2 2
+        bin=$B1_BASE b1 b1-tp1-base-r2 1
+        b1 b1-tp1-r2 1
+      fi
       # Kernel variants (define sets staged with GPU_VARIANTS), TP=1 and TP=2 each.
       for v in ${B1_VARIANTS:-}; do
         NIBBLE_NVRTC_DEFINES=$v b1 "b1-tp1-$v" 1
@@ -105,6 +123,17 @@ for part in $parts; do
         NIBBLE_TP_WINDOW=0 b1 b1-tp2-nowindow 2
         NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-base 2
         NCCL_PROTO=LL b1 b1-tp2-ll 2
+      fi ;;
+    rank)
+      b1() { throughput "$1" "$2" 1 --input-len 128 --output-len 256 --num-prompts 2 \
+        --max-num-seqs 1 --profile; }
+      b1 b1-rank bench/configs/llama-3-8b-tp2-rank.json
+      if [ "${RANK_NCU:-1}" = 1 ]; then
+        for m in llama-3-8b bench/configs/llama-3-8b-tp2-rank.json; do
+          name=$(basename "$m" .json)
+          CUDA_VISIBLE_DEVICES=0 MODEL=$m COUNT=${RANK_COUNT:-470} scripts/gpu-profile-step.sh "$out/ncu-$name" bf16
+          tar czf "$out/ncu-$name.tgz" -C "$out" "ncu-$name" && rm -rf "$out/ncu-$name"
+        done
       fi ;;
     offline)
       offline() { throughput "$1" llama-3-8b "$2" --dataset "$ds" \

@@ -83,6 +83,19 @@ __device__ __forceinline__ void grid_dependency_enter() {
     grid_dependents_launch();
 }
 
+// RoPE of one pair: x0 at angle index i and x1 its partner (dim i + head_dim / 2, or 2i + 1
+// when interleaved), by cs = (cos, sin) of position * inv_freq[i]: the CPU's rope_row, rounded as
+// it rounds (no contraction into FMAs), so the rope kernel and a decode attention that rotates
+// as it reads (DecodeRope) give the same bits.
+__device__ __forceinline__ float2 rope_pair(float x0, float x1, float2 cs) {
+    return make_float2(__fsub_rn(__fmul_rn(x0, cs.x), __fmul_rn(x1, cs.y)),
+                       __fadd_rn(__fmul_rn(x0, cs.y), __fmul_rn(x1, cs.x)));
+}
+// One element of a pair: `self` with its partner's value, `first` whether it is the pair's x0.
+__device__ __forceinline__ float rope_one(float self, float partner, float2 cs, bool first) {
+    return first ? rope_pair(self, partner, cs).x : rope_pair(partner, self, cs).y;
+}
+
 // Row ops run one block per row, thread t owning elements t, t + blockDim.x, ... . They walk the
 // row in pages of ROW_PAGE elements per thread, issuing every load of a page before using any:
 // one memory round trip per page. A plain strided loop pays one per element, because each

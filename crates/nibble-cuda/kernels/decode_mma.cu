@@ -16,7 +16,9 @@
 // CTA whose split holds the step's position first writes the step's key and value into the cache
 // (the KV append, fused; quantized as it is written: warp 0 the key, warp 1 the value). A sliding window (window > 0) starts the block walk at the window's
 // first position and masks the keys before it in that block; a split wholly before the window
-// writes the empty state, as attention.cu's.
+// writes the empty state, as attention.cu's. With a DecodeRope, q and the step's key arrive
+// unrotated and are rotated here as they are read (q as it is staged, the key before its
+// append), from the pass's angle table: the layer's rope kernel is not launched.
 
 #define DM_BS KV_BS
 #define DM_WARPS 2
@@ -25,6 +27,34 @@
 template <class T> __device__ __forceinline__ float in_range(float x) { return x; }
 template <> __device__ __forceinline__ float in_range<__half>(float x) { return fminf(fmaxf(x, -65504.f), 65504.f); }
 
+// RoPE left to the decode attention (attention.rs): the pass's angles (rope_angles, [token][HD /
+// 2] of (cos, sin)) and the pairing; cs null when q and k come rotated.
+struct DecodeRope {
+    const float2* cs;
+    int interleaved;
+};
+
+// Rotates a lane's 4 consecutive dims d0 .. d0 + 3 of one head (d0 = a multiple of 4) by the
+// token's angles `cs`. Half-split pairs are HD / 2 dims apart, in the lane `lane ^ (HD / 8)` when
+// a warp's 32 lanes hold 128 dims in order (stage_q): every lane of the warp takes part.
+template <int HD>
+__device__ __forceinline__ float4 rope_q4(float4 v, int d0, const float2* cs, int interleaved) {
+    constexpr int HALF = HD / 2;
+    if (interleaved) {
+        const float2 a = rope_pair(v.x, v.y, cs[d0 / 2]), b = rope_pair(v.z, v.w, cs[d0 / 2 + 1]);
+        return make_float4(a.x, a.y, b.x, b.y);
+    }
+    float4 p;
+    p.x = __shfl_xor_sync(0xffffffffu, v.x, HD / 8);
+    p.y = __shfl_xor_sync(0xffffffffu, v.y, HD / 8);
+    p.z = __shfl_xor_sync(0xffffffffu, v.z, HD / 8);
+    p.w = __shfl_xor_sync(0xffffffffu, v.w, HD / 8);
+    const bool first = d0 < HALF;
+    const int i = d0 % HALF;
+    return make_float4(rope_one(v.x, p.x, cs[i], first), rope_one(v.y, p.y, cs[i + 1], first),
+                       rope_one(v.z, p.z, cs[i + 2], first), rope_one(v.w, p.w, cs[i + 3], first));
+}
+
 // The GQA group's Q rows (group * HD consecutive floats at `qg`, then zero rows up to 16)
 // converted to T into `kq` ([16][HD + 8]), natural dim d at column pos(d), then read as the A
 // fragments `qf` of 16 x HD. A kernel that permutes the head dimension of its K fragments (a
@@ -32,7 +62,7 @@ template <> __device__ __forceinline__ float in_range<__half>(float x) { return 
 // apiece) are all issued before any is stored: one round trip instead of one per element.
 template <class T, int HD, int G, class Pos>
 __device__ __forceinline__ void stage_q(const float* qg, int group, T* kq, int lane, u32 (&qf)[HD / 16][4],
-                                        Pos pos) {
+                                        Pos pos, DecodeRope rope = {}, int token = 0) {
     constexpr int LD = HD + 8;
     constexpr int QV = (G * HD / 4 + 31) / 32;
     const bool aligned = ((reinterpret_cast<unsigned long long>(qg) & 15) == 0);
@@ -44,6 +74,12 @@ __device__ __forceinline__ void stage_q(const float* qg, int group, T* kq, int l
         if (i < group * HD)
             qv[j] = aligned ? *reinterpret_cast<const float4*>(qg + i)
                             : make_float4(qg[i], qg[i + 1], qg[i + 2], qg[i + 3]);
+    }
+    if (rope.cs != nullptr) {
+        static_assert(128 % HD == 0, "a warp's 128 dims are whole heads");
+        const float2* cs = rope.cs + (long)token * (HD / 2);
+#pragma unroll
+        for (int j = 0; j < QV; ++j) qv[j] = rope_q4<HD>(qv[j], ((lane + 32 * j) * 4) % HD, cs, rope.interleaved);
     }
 #pragma unroll
     for (int j = 0; j < QV; ++j) {
@@ -135,7 +171,8 @@ template <int HD, class KS, class VS>
 __device__ __forceinline__ bool decode_split(DecodeSplit& d, const int* tok_pos, const int* block_tables,
                                              const int* tok_seq, int max_blocks, int chunk, int window,
                                              unsigned char* kc, unsigned char* vc, int num_kv_heads,
-                                             const float* knew, const float* vnew, long ldk, long ldv) {
+                                             const float* knew, const float* vnew, long ldk, long ldv,
+                                             DecodeRope rope = {}) {
     const int token = blockIdx.x, kvh = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ctx = tok_pos[token] + 1;
@@ -150,7 +187,33 @@ __device__ __forceinline__ bool decode_split(DecodeSplit& d, const int* tok_pos,
         const int p = ctx - 1;
         const long page = (long)d.table[p / KV_BS] * num_kv_heads + kvh;
         if constexpr (!KS::CHANNEL) {
-            if (warp == 0) KS::append(kc + page * KS::PAGE, knew + (long)token * ldk + kvh * HD, p % KV_BS, lane);
+            if (warp == 0) {
+                // Lane l holds dims E l .. E l + E - 1: a half-split partner is 16 lanes away.
+                constexpr int E = KS::E;
+                const float* x = knew + (long)token * ldk + kvh * HD;
+                float v[E];
+#pragma unroll
+                for (int j = 0; j < E; ++j) v[j] = x[lane * E + j];
+                if (rope.cs != nullptr) {
+                    const float2* cs = rope.cs + (long)token * (HD / 2);
+                    if (rope.interleaved) {
+#pragma unroll
+                        for (int j = 0; j < E; j += 2) {
+                            const float2 r = rope_pair(v[j], v[j + 1], cs[(lane * E + j) / 2]);
+                            v[j] = r.x;
+                            v[j + 1] = r.y;
+                        }
+                    } else {
+                        const bool first = lane < 16;
+#pragma unroll
+                        for (int j = 0; j < E; ++j) {
+                            const float partner = __shfl_xor_sync(0xffffffffu, v[j], 16);
+                            v[j] = rope_one(v[j], partner, cs[(lane * E + j) % (HD / 2)], first);
+                        }
+                    }
+                }
+                KS::append_row(kc + page * KS::PAGE, v, p % KV_BS, lane);
+            }
         }
         if (warp == 1) VS::append(vc + page * VS::PAGE, vnew + (long)token * ldv + kvh * HD, p % KV_BS, lane);
         __threadfence_block();
@@ -172,7 +235,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
                                 const float* __restrict__ knew, const float* __restrict__ vnew,
                                 long ldk, long ldv, int window, const float* __restrict__ rk = nullptr,
                                 const float* __restrict__ rv = nullptr,
-                                const int* __restrict__ res_tables = nullptr) {
+                                const int* __restrict__ res_tables = nullptr, DecodeRope rope = {}) {
     static_assert(!(KDEF && KS::FLOAT) && !(VDEF && VS::FLOAT), "a deferred side is a quantized one");
     grid_dependency_enter();
     constexpr int LD = HD + 8;
@@ -200,7 +263,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
     T* vtile = reinterpret_cast<T*>(mine + STAGES * (KST + VST) + KS::TILE);
     DecodeSplit ds;
     if (!decode_split<HD, KS, VS>(ds, tok_pos, block_tables, tok_seq, max_blocks, chunk, window, kc, vc,
-                                  num_kv_heads, knew, vnew, ldk, ldv))
+                                  num_kv_heads, knew, vnew, ldk, ldv, rope))
         return;  // attn_reduce reads only the splits that hold context
     const int start = ds.start, end = ds.end, lo = ds.lo;
     const int* table = ds.table;
@@ -228,7 +291,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
     for (int i = 0; i < STAGES - 1; ++i) issue(first + i * WARPS, i);
     u32 qf[HD / 16][4];
     stage_q<T, HD, G>(q + (long)token * ldq + (long)kvh * group * HD, group, kq, lane, qf,
-                      [](int d) { return d; });
+                      [](int d) { return d; }, rope, token);
     float o[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -294,10 +357,12 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
         const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
-        const float* vnew, long ldk, long ldv, int window) {                                    \
+        const float* vnew, long ldk, long ldv, int window, const float2* rope_cs,             \
+        int rope_interleaved) {                                                                 \
         decode_mma_impl<T, HD, G, PageSide<T, HD, KK>, PageSide<T, HD, VK>>(q, kc, vc, block_tables, tok_seq, tok_pos, part,      \
                                           num_kv_heads, group, max_blocks, chunk, scale_log2,   \
-                                          ldq, knew, vnew, ldk, ldv, window);                   \
+                                          ldq, knew, vnew, ldk, ldv, window, nullptr, nullptr,  \
+                                          nullptr, DecodeRope{rope_cs, rope_interleaved});      \
     }
 
 #ifndef NIBBLE_KVQ_MODULE

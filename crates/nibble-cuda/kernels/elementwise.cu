@@ -243,13 +243,27 @@ extern "C" __global__ void head_rms_norm(float* x, const float* w, int head_dim,
     for (int c = lane; c < head_dim; c += 32) xh[c] = xh[c] * scale * w[c];
 }
 
-// Rotates each head of row `blockIdx.x` by the token's position. `interleaved` pairs (2i, 2i+1),
-// otherwise (i, i + head_dim/2). Angles in f64 as on the CPU: positions reach 1e5 and beyond.
-// blockIdx.y = 1 rotates the second tensor (x2, cols2, ld2) of a rope_qk call, with the same
-// positions: q and k in one launch.
-extern "C" __global__ void ROW_KERNEL rope(float* x, const int* positions, const float* inv_freq, int cols,
-                                long ld, int head_dim, int interleaved, float* x2, int cols2,
-                                long ld2) {
+// A forward pass's RoPE angles: cs[row][i] = (cos, sin) of positions[row] * inv_freq[i], for
+// i < half, in f64 as on the CPU (positions reach 1e5 and beyond). Once a pass per frequency
+// table: every layer's rope, and the decode attention that rotates as it reads, use them
+// (double sincos is a long routine).
+extern "C" __global__ void rope_angles(const int* positions, const float* inv_freq, float2* cs, int half,
+                                       long n) {
+    grid_dependency_enter();
+    for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
+        const long row = idx / half;
+        const int i = (int)(idx - row * half);
+        double s, c;
+        sincos((double)positions[row] * (double)inv_freq[i], &s, &c);
+        cs[idx] = make_float2((float)c, (float)s);
+    }
+}
+
+// Rotates each head of row `blockIdx.x` by its angles cs[row] (rope_angles). `interleaved` pairs
+// (2i, 2i+1), otherwise (i, i + head_dim/2). blockIdx.y = 1 rotates the second tensor (x2,
+// cols2, ld2) of a rope_qk call, with the same angles: q and k in one launch.
+extern "C" __global__ void ROW_KERNEL rope(float* x, const float2* cs, int cols, long ld, int head_dim,
+                                           int interleaved, float* x2, int cols2, long ld2) {
     grid_dependency_enter();
     if (blockIdx.y == 1) {
         x = x2;
@@ -258,23 +272,10 @@ extern "C" __global__ void ROW_KERNEL rope(float* x, const int* positions, const
     }
     const long row = blockIdx.x;
     const int half = head_dim >> 1;
-    const double pos = (double)positions[row];
     float* xr = x + row * ld;
+    const float2* angles = cs + row * half;
     // Whole heads only, like the CPU: a trailing partial head is left as it is.
     const int pairs = (cols / head_dim) * half;
-    // Every head shares the row's angles: each is computed once (double sincos is a long
-    // routine), into shared memory for head sizes up to 256.
-    __shared__ float2 angles[128];
-    const bool tabled = half <= 128;
-    auto angle = [&](int i) {
-        double s, c;
-        sincos(pos * (double)inv_freq[i], &s, &c);
-        return make_float2((float)c, (float)s);
-    };
-    if (tabled) {
-        for (int i = threadIdx.x; i < half; i += blockDim.x) angles[i] = angle(i);
-        __syncthreads();
-    }
     auto at = [&](int idx, bool second) {
         const int head = idx / half, i = idx % half;
         return head * head_dim + (interleaved ? 2 * i + second : i + (second ? half : 0));
@@ -282,9 +283,9 @@ extern "C" __global__ void ROW_KERNEL rope(float* x, const int* positions, const
     row_pages(
         pairs, [&](int idx) { return make_float2(xr[at(idx, false)], xr[at(idx, true)]); },
         [&](int idx, float2 v) {
-            const float2 cs = tabled ? angles[idx % half] : angle(idx % half);
-            xr[at(idx, false)] = v.x * cs.x - v.y * cs.y;
-            xr[at(idx, true)] = v.x * cs.y + v.y * cs.x;
+            const float2 r = rope_pair(v.x, v.y, angles[idx % half]);
+            xr[at(idx, false)] = r.x;
+            xr[at(idx, true)] = r.y;
         });
 }
 

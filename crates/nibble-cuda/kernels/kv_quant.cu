@@ -42,10 +42,12 @@ typedef NIBBLE_KVQ_T KvqT;
         const float* q, unsigned char* kc, unsigned char* vc, const int* block_tables,          \
         const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
-        const float* vnew, long ldk, long ldv, int window) {                                    \
+        const float* vnew, long ldk, long ldv, int window, const float2* rope_cs,             \
+        int rope_interleaved) {                                                                 \
         decode_kvq_impl<HD, G, NIBBLE_KVQ_K, NIBBLE_KVQ_V>(                                     \
             q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group, max_blocks,   \
-            chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window);                              \
+            chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window, nullptr, nullptr, nullptr,    \
+            DecodeRope{rope_cs, rope_interleaved});                                             \
     }
 #elif KVQ_DEFERRED
 // kv2c's two-block step takes 138 registers unbounded (7 CTAs an SM) and 128 without spilling
@@ -477,7 +479,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                                 int chunk, float scale_log2, long ldq, const float* __restrict__ knew,
                                 const float* __restrict__ vnew, long ldk, long ldv, int window,
                                 const float* __restrict__ rk = nullptr, const float* __restrict__ rv = nullptr,
-                                const int* __restrict__ res_tables = nullptr) {
+                                const int* __restrict__ res_tables = nullptr, DecodeRope rope = {}) {
     using KS = PageSide<__half, HD, KK>;
     using VS = PageSide<__half, HD, VK>;
     using KF = KeyFrags<HD, KK>;
@@ -519,7 +521,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                                                        : smem + STAGES_BYTES + warp * DM_BS * LD * 2);
     DecodeSplit ds;
     if (!decode_split<HD, KS, VS>(ds, tok_pos, block_tables, tok_seq, max_blocks, chunk, window, kc, vc,
-                                  num_kv_heads, knew, vnew, ldk, ldv))
+                                  num_kv_heads, knew, vnew, ldk, ldv, rope))
         return;
     const int start = ds.start, end = ds.end, lo = ds.lo;
     const int* table = ds.table;
@@ -573,7 +575,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
     // qf[kk][2]. This lane's two heads are 2t and 2t + 1; their sums of the staged Q.
     u32 qf[HD / 16][4];
     stage_q<__half, HD, G>(q + (long)token * ldq + (long)kvh * group * HD, group, kq, lane, qf,
-                           [](int d) { return KF::pos(d); });
+                           [](int d) { return KF::pos(d); }, rope, token);
     // Split 4-bit keys (KeyFrags::SPLIT): the columns facing high nibbles hold Q / 16, exact but
     // for queries under 2^-10 (f16 subnormals, 2^-25 apart).
     if constexpr (KF::SPLIT) {

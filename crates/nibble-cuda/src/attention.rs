@@ -2,11 +2,12 @@
 //! values, attend with the context split across CTAs, reduce the splits.
 
 use nibble_core::{Error, Result};
-use nibble_model::{AttentionShape, BatchLayout};
+use nibble_model::{AttentionShape, BatchLayout, RopeLayout};
 
 use crate::context::{CudaContext, KernelTier};
+use crate::elementwise as ew;
 use crate::kv::CudaKv;
-use crate::runtime::Arg;
+use crate::runtime::{Arg, DevicePtr};
 use crate::tensor::{CudaTensor, Elem};
 
 /// Heads per KV head the kernels are instantiated for (the smallest that fits is used).
@@ -73,6 +74,18 @@ fn plan_split_for(tokens: usize, kv_heads: usize, max_ctx: usize, ctas: usize) -
     }
 }
 
+/// RoPE that [`attention`] applies to q and k first: `Backend::rope_qk`'s frequency table and
+/// pairing.
+#[derive(Clone, Copy)]
+pub struct Rotary<'a> {
+    pub inv_freq: &'a CudaTensor,
+    pub layout: RopeLayout,
+}
+
+/// `Backend::attention`, after `Backend::rope_qk` when `rotary` is given. A decode batch whose
+/// kernel appends the step's keys itself (tensor cores, no deferred side) rotates q and the key
+/// inside that kernel from the pass's angle table: one launch fewer a layer, the rope kernel's
+/// bits. Other batches get the rope kernel first.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     ctx: &CudaContext,
@@ -83,6 +96,7 @@ pub fn attention(
     layer: usize,
     batch: &BatchLayout,
     shape: AttentionShape,
+    rotary: Option<Rotary<'_>>,
 ) -> Result<CudaTensor> {
     let AttentionShape {
         num_heads,
@@ -167,6 +181,17 @@ pub fn attention(
     let tensor_core_decode = quantized || (group >= 2 && PREFILL_HEAD_DIMS.contains(&head_dim));
     let deferred = kv.defers();
     let fused_append = !prefill && tensor_core_decode && !deferred;
+    let mut decode_rope = None;
+    if let Some(r) = rotary {
+        if fused_append && !unfolded_rope() {
+            decode_rope = Some(DecodeRope {
+                table: ew::rope_table(ctx, r.inv_freq, head_dim, batch)?,
+                interleaved: r.layout == RopeLayout::Interleaved,
+            });
+        } else {
+            ew::rope(ctx, q, Some(k), head_dim, batch, r.inv_freq, r.layout)?;
+        }
+    }
     if deferred {
         // Raw rows of the deferred sides into the residual (the other side appended as usual),
         // then the blocks whose last slot this call wrote packed from it.
@@ -251,7 +276,7 @@ pub fn attention(
             0
         };
         if decodes > 0 {
-            decode_rows(ctx, q, k, v, kv, layer, decodes, shape, g, &out)?;
+            decode_rows(ctx, q, k, v, kv, layer, decodes, shape, g, &out, None)?;
         }
         let wgmma = ctx.gpu.cc == (9, 0)
             && !quantized
@@ -330,8 +355,22 @@ pub fn attention(
         return Ok(out);
     }
 
-    decode_rows(ctx, q, k, v, kv, layer, n, shape, g, &out)?;
+    decode_rows(ctx, q, k, v, kv, layer, n, shape, g, &out, decode_rope)?;
     Ok(out)
+}
+
+/// `NIBBLE_DECODE_ROPE=0`: the decode attention takes q and k rotated by the rope kernel (the
+/// A/B baseline of the fold).
+fn unfolded_rope() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| std::env::var("NIBBLE_DECODE_ROPE").is_ok_and(|v| v == "0"))
+}
+
+/// A decode kernel's RoPE: the pass's angle table and the pairing.
+#[derive(Clone, Copy)]
+struct DecodeRope {
+    table: DevicePtr,
+    interleaved: bool,
 }
 
 /// The residual arguments of a deferred pool's kernels (docs/design/kv-channel-gpu.md): layer
@@ -362,6 +401,7 @@ fn decode_rows(
     shape: AttentionShape,
     g: usize,
     out: &CudaTensor,
+    rope: Option<DecodeRope>,
 ) -> Result<()> {
     let AttentionShape {
         num_heads,
@@ -422,6 +462,11 @@ fn decode_rows(
         ]);
         if deferred {
             args.extend(residual_args(kv, layer));
+        } else {
+            args.extend([
+                Arg::Ptr(rope.map_or(0, |r| r.table)),
+                Arg::I32(i32::from(rope.is_some_and(|r| r.interleaved))),
+            ]);
         }
         let kernel = if quantized {
             ctx.kv_kernel(

@@ -206,9 +206,9 @@ impl CudaBackend {
         // Attention's output is f32: the gemv reads the model dtype.
         let xh = self.ctx.as_half(x)?;
         let out = self.ctx.alloc(1, n, Elem::F32)?;
-        let (slot, push) = p.next_push();
+        let (index, push) = p.next_push(&self.ctx)?;
         dense_gemv::run_push(&self.ctx, &xh, weight, &out, &push)?;
-        p.pushed(&self.ctx, out.ptr, slot, n, defer)?;
+        p.pushed(&self.ctx, out.ptr, index, n, defer)?;
         Ok(Some(out))
     }
 
@@ -460,6 +460,41 @@ impl CudaBackend {
             })?;
         }
         Ok(())
+    }
+
+    /// `Backend::attention`, after `Backend::rope_qk` when `rotary` is given (folded into the
+    /// decode kernel where it can be: `attention::attention`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_rotated(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        kv: &mut CudaKv,
+        layer: usize,
+        batch: &BatchLayout,
+        shape: AttentionShape,
+        rotary: Option<attention::Rotary<'_>>,
+    ) -> Result<CudaTensor> {
+        self.ctx.check_live(q)?;
+        // A deferred pool outside a forward pass (a direct call): this layer's residual plan.
+        let plan = if kv.residual_planned() {
+            None
+        } else {
+            let width = self.residual_width(batch)?;
+            kv.plan_residual_layer(&self.ctx.gpu, layer, batch, width, &mut |dst, src| {
+                self.ctx.upload_step(dst, src)
+            })?
+        };
+        let mut run = || attention::attention(&self.ctx, q, k, v, kv, layer, batch, shape, rotary);
+        let out = match &self.trace {
+            Some(t) => t.attention(run),
+            None => run(),
+        };
+        if let (Some(plan), Ok(_)) = (plan, &out) {
+            kv.finish_residual_layer(layer, plan);
+        }
+        out
     }
 
     /// The width of `batch`'s block tables as the kernels read them (staged if they were not):
@@ -1179,26 +1214,23 @@ impl Backend for CudaBackend {
         batch: &BatchLayout,
         shape: AttentionShape,
     ) -> Result<CudaTensor> {
-        self.ctx.check_live(q)?;
-        // A deferred pool outside a forward pass (a direct call): this layer's residual plan.
-        let plan = if kv.residual_planned() {
-            None
-        } else {
-            let width = self.residual_width(batch)?;
-            kv.plan_residual_layer(&self.ctx.gpu, layer, batch, width, &mut |dst, src| {
-                self.ctx.upload_step(dst, src)
-            })?
-        };
-        let out = match &self.trace {
-            Some(t) => {
-                t.attention(|| attention::attention(&self.ctx, q, k, v, kv, layer, batch, shape))
-            }
-            None => attention::attention(&self.ctx, q, k, v, kv, layer, batch, shape),
-        };
-        if let (Some(plan), Ok(_)) = (plan, &out) {
-            kv.finish_residual_layer(layer, plan);
-        }
-        out
+        self.attention_rotated(q, k, v, kv, layer, batch, shape, None)
+    }
+
+    fn rope_attention(
+        &self,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        v: &CudaTensor,
+        kv: &mut CudaKv,
+        layer: usize,
+        batch: &BatchLayout,
+        shape: AttentionShape,
+        inv_freq: &CudaTensor,
+        layout: RopeLayout,
+    ) -> Result<CudaTensor> {
+        let rotary = attention::Rotary { inv_freq, layout };
+        self.attention_rotated(q, k, v, kv, layer, batch, shape, Some(rotary))
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {

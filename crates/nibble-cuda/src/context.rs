@@ -78,6 +78,13 @@ pub(crate) struct Meta {
     pub host_last_rows: Vec<usize>,
     /// The prefill kernels' tile list of this batch, once a layer has uploaded it.
     prefill_tiles: Option<TileList>,
+    /// This pass's RoPE angle tables (`elementwise::rope_table`), by frequency table and
+    /// half head size.
+    rope_tables: Vec<(DevicePtr, usize, DevicePtr)>,
+    /// Made by `begin_forward`: the model's frequency tables live through the pass, so their
+    /// addresses may key `rope_tables` (a direct call's table may be freed and its address
+    /// reused by another).
+    in_forward: bool,
 }
 
 /// A prefill tile list on the device (`attention::prefill_tiles`): the sequences it skips, its
@@ -713,6 +720,9 @@ impl CudaContext {
             st.feed.take()
         };
         self.ensure_meta(Some(tokens), batch)?;
+        if let Some(m) = self.lock().meta.as_mut() {
+            m.in_forward = true;
+        }
         match feed {
             Some(f) => self.apply_feed(f, tokens.len()),
             None => Ok(()),
@@ -918,6 +928,8 @@ impl CudaContext {
             host_tokens: tokens,
             host_last_rows: last_rows,
             prefill_tiles: None,
+            rope_tables: Vec::new(),
+            in_forward: false,
         });
         Ok(())
     }
@@ -955,6 +967,36 @@ impl CudaContext {
             count,
         });
         Ok((ptr, count))
+    }
+
+    /// The current pass's RoPE angles for frequency table `inv_freq` and `half` angles a token,
+    /// once `make` has queued them into the base region's `bytes` it is given: every layer of
+    /// a forward pass reads the same table (a call outside one makes its own).
+    pub(crate) fn rope_table(
+        &self,
+        inv_freq: DevicePtr,
+        half: usize,
+        bytes: usize,
+        make: impl FnOnce(DevicePtr) -> Result<()>,
+    ) -> Result<DevicePtr> {
+        let (found, cached) = self.with_meta(|m| {
+            let found = m
+                .rope_tables
+                .iter()
+                .find(|t| (t.0, t.1) == (inv_freq, half));
+            (found.map(|t| t.2), m.in_forward)
+        });
+        if let Some(ptr) = found {
+            return Ok(ptr);
+        }
+        let ptr = self.lock().arena.alloc_base(&self.gpu, bytes)?;
+        make(ptr)?;
+        if cached {
+            let mut st = self.lock();
+            let meta = st.meta.as_mut().expect("ensure_meta ran");
+            meta.rope_tables.push((inv_freq, half, ptr));
+        }
+        Ok(ptr)
     }
 
     pub(crate) fn with_meta<R>(&self, f: impl FnOnce(&Meta) -> R) -> R {

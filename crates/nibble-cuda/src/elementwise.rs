@@ -9,7 +9,7 @@ use nibble_model::{BatchLayout, RopeLayout, ScaledRows};
 
 use crate::context::{BLOCK, CudaContext, StepUpload, grid_for, norm_block, row_regs_block};
 use crate::kv::CudaKv;
-use crate::runtime::{Arg, DeviceBuffer};
+use crate::runtime::{Arg, DeviceBuffer, DevicePtr};
 use crate::tensor::{Act8, Act8Input, CudaTensor, CudaWeight, Elem};
 
 /// Rows `ids` of `table`, as f32.
@@ -148,6 +148,41 @@ pub fn add_bias(ctx: &CudaContext, out: &CudaTensor, b: &CudaTensor) -> Result<(
     )
 }
 
+/// The current forward pass's RoPE angles for `inv_freq` (`[tokens][head_dim / 2]` of (cos,
+/// sin), f64 angles as on the CPU): computed by the pass's first rotation and read by every
+/// layer's, so the double-precision sines run once a step, not once a layer.
+pub fn rope_table(
+    ctx: &CudaContext,
+    inv_freq: &CudaTensor,
+    head_dim: usize,
+    batch: &BatchLayout,
+) -> Result<DevicePtr> {
+    let half = head_dim / 2;
+    if half == 0 || inv_freq.rows * inv_freq.cols < half {
+        return Err(Error::InvalidArgument(format!(
+            "rope of head_dim {head_dim} with {} frequencies",
+            inv_freq.rows * inv_freq.cols
+        )));
+    }
+    ctx.ensure_meta(None, batch)?;
+    let positions = ctx.with_meta(|m| m.positions);
+    let n = batch.num_tokens() * half;
+    ctx.rope_table(inv_freq.ptr, half, n * 8, |table| {
+        ctx.launch(
+            "rope_angles",
+            grid_for(n),
+            BLOCK,
+            vec![
+                Arg::Ptr(positions),
+                Arg::Ptr(inv_freq.ptr),
+                Arg::Ptr(table),
+                Arg::I32(half as i32),
+                Arg::I64(n as i64),
+            ],
+        )
+    })
+}
+
 /// RoPE over `x` and, in the same launch, `second` (q and k of one layer).
 pub fn rope(
     ctx: &CudaContext,
@@ -168,8 +203,14 @@ pub fn rope(
             )));
         }
     }
-    ctx.ensure_meta(None, batch)?;
-    let positions = ctx.with_meta(|m| m.positions);
+    if x.rows != batch.num_tokens() {
+        return Err(Error::InvalidArgument(format!(
+            "rope of {} rows for a batch of {} tokens",
+            x.rows,
+            batch.num_tokens()
+        )));
+    }
+    let table = rope_table(ctx, inv_freq, head_dim, batch)?;
     let other = second.unwrap_or(x);
     ctx.launch(
         "rope",
@@ -177,8 +218,7 @@ pub fn rope(
         norm_block(x.cols.max(other.cols) / 2),
         vec![
             Arg::Ptr(x.ptr),
-            Arg::Ptr(positions),
-            Arg::Ptr(inv_freq.ptr),
+            Arg::Ptr(table),
             Arg::I32(x.cols as i32),
             Arg::I64(x.ld as i64),
             Arg::I32(head_dim as i32),

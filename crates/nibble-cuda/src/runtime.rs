@@ -346,6 +346,13 @@ impl Arena {
         self.regions[self.current].alloc(gpu, bytes)
     }
 
+    /// [`Arena::alloc`] in the base region, whatever layer runs: for what every layer of the
+    /// forward pass reads (its RoPE angles).
+    pub fn alloc_base(&mut self, gpu: &Arc<Gpu>, bytes: usize) -> Result<DevicePtr> {
+        let bytes = bytes.div_ceil(ALIGN) * ALIGN;
+        self.regions[0].alloc(gpu, bytes)
+    }
+
     /// Layer `layer` begins: its activations go to its parity's region, whose previous contents
     /// (layer `layer - 2`'s) are dead. `recording`: a graph is being captured (no synchronizing).
     pub fn begin_layer(&mut self, gpu: &Arc<Gpu>, layer: usize, recording: bool) -> Result<()> {

@@ -50,6 +50,8 @@ fn kernels_compile_for_every_architecture() {
                             "quantize_f8_f32",
                             "rms_norm_f8_bf16",
                             "silu_mul_f8_f16",
+                            "rope",
+                            "rope_angles",
                         ],
                         "decode_mma" => &["decode_mma_bf16_hd128_g4", "decode_mma_f16_hd64_g8"],
                         "comet" => &[
@@ -146,8 +148,13 @@ fn kernels_compile_for_every_architecture() {
                                 let e = nibble_cuda::dense_gemv::push_kernel_name(sfx);
                                 assert_eq!(entries.contains(&e), cc.0 >= 9, "{arch}: {e}");
                             }
-                            let e = "peer_sum_settle".to_string();
-                            assert_eq!(entries.contains(&e), cc.0 >= 9, "{arch}: {e}");
+                            for e in ["peer_sum_settle", "peer_sum_begin"] {
+                                assert_eq!(
+                                    entries.contains(&e.to_string()),
+                                    cc.0 >= 9,
+                                    "{arch}: {e}"
+                                );
+                            }
                         }
                     }
                     all_entries.extend(entries.iter().cloned());

@@ -381,6 +381,26 @@ pub trait Backend: Send + Sync {
         batch: &BatchLayout,
         shape: AttentionShape,
     ) -> Result<Self::Tensor>;
+    /// [`Backend::rope_qk`] then [`Backend::attention`]: the result of both, `q` and `k` left
+    /// rotated or not. A backend may rotate them inside its attention instead (the CUDA decode
+    /// attention rotates q as it stages it and the step's key before it appends it: one kernel
+    /// fewer a layer), so the caller must not read them afterwards.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_attention(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &Self::Tensor,
+        kv: &mut Self::Kv,
+        layer: usize,
+        batch: &BatchLayout,
+        shape: AttentionShape,
+        inv_freq: &Self::Tensor,
+        layout: RopeLayout,
+    ) -> Result<Self::Tensor> {
+        self.rope_qk(q, k, shape.head_dim, batch, inv_freq, layout);
+        self.attention(q, k, v, kv, layer, batch, shape)
+    }
     /// `silu(gate) * up`, elementwise.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
     /// `gelu_tanh(gate) * up`, elementwise (Gemma's GeGLU; PyTorch's `gelu(approximate="tanh")`:

@@ -854,17 +854,31 @@ impl<B: Backend> Transformer<B> {
                 (Some(local), true) => local,
                 _ => &self.inv_freq,
             };
-            backend.rope_qk(&mut q, &mut k, c.head_dim, batch, inv_freq, c.rope_layout);
-            if let Some(f) = q_scale {
-                backend.scale(&mut q, f);
-            }
             let shape = AttentionShape {
                 num_heads: c.num_heads,
                 num_kv_heads: c.num_kv_heads,
                 head_dim: c.head_dim,
                 window: l.window,
             };
-            let attn = backend.attention(&q, &k, &v, kv, i, batch, shape)?;
+            let attn = match q_scale {
+                // Scaled after its rotation: the rotation stays a kernel of its own.
+                Some(f) => {
+                    backend.rope_qk(&mut q, &mut k, c.head_dim, batch, inv_freq, c.rope_layout);
+                    backend.scale(&mut q, f);
+                    backend.attention(&q, &k, &v, kv, i, batch, shape)?
+                }
+                None => backend.rope_attention(
+                    &mut q,
+                    &mut k,
+                    &v,
+                    kv,
+                    i,
+                    batch,
+                    shape,
+                    inv_freq,
+                    c.rope_layout,
+                )?,
+            };
             // A sum read only by the next pre-norm may be left to it (Backend::linear_summed_delta).
             let dense = matches!(l.ffn, Ffn::Dense(_));
             let mut o = if l.post_attn_norm.is_none() && dense {

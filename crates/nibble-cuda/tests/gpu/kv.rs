@@ -125,6 +125,93 @@ fn attention_matches_cpu_in(r: &mut ChaCha8Rng, formats: &[&str]) {
     }
 }
 
+/// RoPE folded into the decode attention (`Backend::rope_attention`: q rotated as it is staged,
+/// the step's key before its fused append) gives the bits of the rope kernel then the attention:
+/// the outputs, and the keys it appended, which the next decode step reads. The 16-bit pool and
+/// quantized ones (the register-direct kernel, the dequantizing one for a mix), both pairings,
+/// head sizes 128 and 64; the deferred kv4c and MHA at 64 keep the rope kernel and agree too.
+#[test]
+fn decode_attention_rotates_as_the_rope_kernel() {
+    let mut r = rng("decode_attention_rotates_as_the_rope_kernel");
+    let formats = ["kv16", "kv8", "kv4", "kvfp8", "k8v4", "kv4c"];
+    let specs: Vec<KvSpec> = formats[1..].iter().map(|f| f.parse().unwrap()).collect();
+    let g = gpu(Dtype::Bf16);
+    g.warm_kv_kernels(&specs, &[Dtype::Bf16]).unwrap();
+    let shapes = [
+        (32, 8, 128, RopeLayout::HalfSplit),
+        (6, 2, 64, RopeLayout::Interleaved),
+        (16, 2, 128, RopeLayout::Interleaved),
+        (8, 2, 64, RopeLayout::HalfSplit),
+        (4, 4, 64, RopeLayout::HalfSplit),
+    ];
+    for format in formats {
+        for &(num_heads, num_kv_heads, head_dim, pairing) in &shapes {
+            let shape = AttentionShape {
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                window: None,
+            };
+            let ks = kv_shape(num_kv_heads, head_dim, format);
+            let (block, pool) = (16, 400);
+            let mut pools = [0, 1].map(|_| g.new_kv_pool(ks, pool, block).unwrap());
+            let half = head_dim / 2;
+            let inv: Vec<f32> = (0..half)
+                .map(|i| 500000f64.powf(-((2 * i) as f64) / head_dim as f64) as f32)
+                .collect();
+            let owned = layout(&mut r, &[(0, 40), (0, 21), (0, 2907)], block, pool);
+            let span = |i: usize, start_pos, len| SeqSpan {
+                blocks: owned.seqs[i].blocks.clone(),
+                start_pos,
+                len,
+            };
+            let steps = [
+                vec![span(0, 0, 37), span(2, 0, 2900)],
+                vec![span(0, 37, 1), span(1, 0, 19), span(2, 2900, 5)],
+                vec![span(0, 38, 1), span(1, 19, 1), span(2, 2905, 1)],
+                vec![span(0, 39, 1), span(1, 20, 1), span(2, 2906, 1)],
+            ]
+            .map(|seqs| BatchLayout { seqs });
+            for (step, batch) in steps.iter().enumerate() {
+                let n = batch.num_tokens();
+                g.poison_activations(256 << 20).unwrap();
+                let inv_freq = g.load_vector(&inv).unwrap();
+                let [q, k, v] = [num_heads, num_kv_heads, num_kv_heads].map(|heads| {
+                    CpuTensor::new(
+                        randn(&mut r, n * heads * head_dim, 1.0),
+                        n,
+                        heads * head_dim,
+                    )
+                });
+                let mut outs = Vec::new();
+                for (folded, kv) in pools.iter_mut().enumerate() {
+                    let (mut gq, mut gk, gv) = (to_gpu(&g, &q), to_gpu(&g, &k), to_gpu(&g, &v));
+                    let out = if folded == 0 {
+                        g.rope_attention(
+                            &mut gq, &mut gk, &gv, kv, 0, batch, shape, &inv_freq, pairing,
+                        )
+                    } else {
+                        g.rope_qk(&mut gq, &mut gk, head_dim, batch, &inv_freq, pairing);
+                        g.attention(&gq, &gk, &gv, kv, 0, batch, shape)
+                    };
+                    outs.push(host(&g, &out.unwrap()));
+                }
+                let what = format!("{format} {shape:?} {pairing:?} step {step}");
+                assert!(outs[0].iter().all(|x| x.is_finite()), "{what}: not finite");
+                let differ = outs[0]
+                    .iter()
+                    .zip(&outs[1])
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    differ, 0,
+                    "{what}: {differ} outputs differ from the rope kernel's"
+                );
+            }
+        }
+    }
+}
+
 /// The GPU's pages hold the CPU quantizer's records, bit for bit, whichever kernel appended them
 /// (the prompt's append kernel, the decode kernel's fused append): random rows with outliers, a
 /// constant row (scale 0), a row of zeros. A row past the f16 range gets NaN parameters.
