@@ -17,7 +17,8 @@
 #             each kernel define set (NIBBLE_NVRTC_DEFINES); B1_ALL=1 adds TP=2 without the
 #             symmetric window, without the split head, with NCCL_PROTO=LL
 #             B1_QUICK=1 runs TP=1 and TP=2 once each, nothing else; B1_BASE=BINARY adds TP=1 and
-#             TP=2 with another build (an A/B's base), each twice, alternated with this one's
+#             TP=2 with another build (an A/B's base), each twice, alternated with this one's;
+#             B1_ENVS="NAME=VALUE ..." adds TP=2 once with each setting
 #   rank      one TP=2 rank's work without its sums, on one GPU: the batch-1 decode of
 #             bench/configs/llama-3-8b-tp2-rank.json (half the heads, MLP and vocabulary), and
 #             Nsight Compute's isolated kernel times of its decode steps and of the whole model's
@@ -105,6 +106,10 @@ for part in $parts; do
         b1 b1-tp2-r2 2
         NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer-r2 2
       fi
+      # B1_ENVS="NAME=VALUE ...": TP=2 once with each setting.
+      for e in ${B1_ENVS:-}; do
+        eval "$e b1 b1-tp2-$(echo "$e" | tr '=A-Z_' '-a-z-') 2"
+      done
       if [ -n "${B1_BASE:-}" ]; then
         bin=$B1_BASE b1 b1-tp2-base-r2 2
         bin=$B1_BASE b1 b1-tp1-base-r2 1
@@ -203,7 +208,11 @@ PY
     *) echo "unknown part $part" >&2; status=1 ;;
   esac
 done
-# A device call brings back 8 files: the logs travel as one archive.
+# A device call brings back 8 files: the logs travel as one archive, and the JSON results too
+# when there are more than five.
 tar czf "$out/logs-$(echo $parts | tr ' ' '-').tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
+if [ "$(ls "$out"/*.json 2>/dev/null | wc -l)" -gt 5 ]; then
+  tar czf "$out/results-$(echo $parts | tr ' ' '-').tgz" -C "$out" $(cd "$out" && ls *.json) && rm -f "$out"/*.json
+fi
 save_kernel_cache
 exit $status

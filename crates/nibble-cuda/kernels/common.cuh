@@ -404,3 +404,54 @@ __device__ __forceinline__ float hash_unit(long i, int seed) {
     x ^= x >> 29;
     return (float)(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
 }
+
+// The split-K decode attention's reduction for (token, head h) (attention.cu's partial layout:
+// part[((token * kv_heads + kvh) * splits + split) * G + g] holds (m, l, acc[HD]), m in base e):
+// out[token, h*HD + d] = sum over the splits holding context of acc * exp(m - M) / sum of
+// l * exp(m - M). The block's threads together; `w` holds MAX_SPLITS floats, `scratch` 32. The
+// split weights are computed once, in parallel; then each thread sums its dimension over the
+// splits with independent loads. The partials are read past L1 (ld.cg): a decode kernel's last
+// split (DecodeReduce) reads what other CTAs wrote.
+#define MAX_SPLITS 512
+template <class T, int HD, int G>
+__device__ __forceinline__ void reduce_splits(const float* __restrict__ part, const int* __restrict__ tok_pos,
+                                              T* __restrict__ out, int num_kv_heads, int group, int splits,
+                                              int chunk, int token, int h, float* w, float* scratch) {
+    const int kvh = h / group, g = h % group;
+    const int used = (tok_pos[token] + chunk) / chunk;  // splits holding context: ceil((pos+1)/chunk)
+    const long stride = (long)G * (HD + 2);
+    const float* base = part + ((long)token * num_kv_heads + kvh) * splits * stride + g * (HD + 2);
+    float mx = NEG_BIG;
+    for (int s = threadIdx.x; s < used; s += blockDim.x) mx = fmaxf(mx, __ldcg(base + s * stride + HD));
+    // Block max: shuffles within warps, then across warps through shared memory.
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    mx = NEG_BIG;
+    for (int i = 0; i < (int)(blockDim.x + 31) / 32; ++i) mx = fmaxf(mx, scratch[i]);
+    __syncthreads();
+    float lsum = 0.f;
+    for (int s = threadIdx.x; s < used; s += blockDim.x) {
+        const float ws = __expf(__ldcg(base + s * stride + HD) - mx);
+        w[s] = ws;
+        lsum += ws * __ldcg(base + s * stride + HD + 1);
+    }
+    lsum = block_sum(lsum, scratch);
+    __syncthreads();
+    const float inv = 1.0f / lsum;
+    const int num_heads = num_kv_heads * group;
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        int s = 0;
+        for (; s + 4 <= used; s += 4) {
+            a0 = fmaf(__ldcg(base + (s + 0) * stride + d), w[s + 0], a0);
+            a1 = fmaf(__ldcg(base + (s + 1) * stride + d), w[s + 1], a1);
+            a2 = fmaf(__ldcg(base + (s + 2) * stride + d), w[s + 2], a2);
+            a3 = fmaf(__ldcg(base + (s + 3) * stride + d), w[s + 3], a3);
+        }
+        for (; s < used; ++s) a0 = fmaf(__ldcg(base + s * stride + d), w[s], a0);
+        out[(long)token * num_heads * HD + h * HD + d] = from_f32<T>((a0 + a1 + a2 + a3) * inv);
+    }
+    __syncthreads();  // w and scratch are free again
+}

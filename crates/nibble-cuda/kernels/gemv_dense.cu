@@ -27,14 +27,12 @@
 //
 // Peer sum (two tensor-parallel ranks on GPUs with peer access; docs/tensor-parallel.md "The
 // peer sum"): a row-parallel layer's one-token gemv also stores its rows into the other rank's
-// receive slot over NVLink, each float beside the sum's flag in one 8-byte store (NCCL's LL
-// protocol: a word's value and flag arrive together, so no fence and no counter are needed).
-// The consumer, the next block's normed gemv, reads each word of its slot until it carries the
-// sum's flag, then norms res + (own + peer) - the bits NCCL's two-rank sum gives - while its
+// receive slot over NVLink, then counts them (fence.sc.sys, then a system-scope atomic add of its
+// row count on the peer's arrivals and on its own). The consumer, the next block's normed gemv,
+// waits until the peer's arrivals reach its own (each rank adds the same rows in the same order
+// of layers), then norms res + (own + peer) - the bits NCCL's two-rank sum gives - while its
 // weight ring fills. That takes the all-reduce's kernel off the step. peer_sum_settle finishes a
-// sum whose consumer is anything else. The flag is the pass's epoch (peer_sum_begin counts it on
-// each rank before the pass's first push: the ranks run the same passes) times 1024 plus the
-// push's index in the pass, so a word left from an earlier sum never matches.
+// sum whose consumer is anything else.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -67,46 +65,34 @@ template <> __device__ __forceinline__ void dg_unpack<__half>(uint4 v, float (&f
     }
 }
 
-// A peer sum's words: the value's bits low, the sum's flag high.
-// `peer_y` (producer) is the peer's receive slot, `peer_part` (consumer) this rank's; `epoch` this
-// rank's pass count (peer_sum_begin), `index` the push's index in the pass; `abort` (host memory
-// mapped into every GPU) turns 1 when the tensor-parallel group is aborted, so a wait for a rank
-// that failed ends.
+// A peer sum's counters: `arrivals`, rows the peer has stored into this rank's slots, and `own`,
+// rows this rank's gemvs have pushed; `abort` (host memory mapped into every GPU) turns 1 when the
+// tensor-parallel group is aborted, so a wait for a rank that failed ends.
 struct DgPeer {
-    u64* peer_y;
-    const u64* peer_part;
-    const unsigned* epoch;
-    unsigned index;
+    float* peer_y;          // producer: the peer's receive slot for this row
+    u64* peer_arrivals;     // producer: the peer's arrival counter
+    u64* arrivals;          // this rank's arrival counter
+    u64* own;               // this rank's pushed rows
+    const float* peer_part; // consumer: this rank's receive slot, the peer's row
     const volatile unsigned* abort;
 };
 
-__device__ __forceinline__ unsigned peer_flag(const DgPeer& p) {
-    return (*reinterpret_cast<const volatile unsigned*>(p.epoch) << 10) + p.index;
-}
-
-__device__ __forceinline__ u64 ld_relaxed_sys(const u64* p) {
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
     u64 v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
 
-__device__ __forceinline__ void peer_store(u64* p, float v, unsigned flag) {
-    const u64 word = ((u64)flag << 32) | __float_as_uint(v);
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;\n" ::"l"(p), "l"(word) : "memory");
-}
-
-// The peer's value at `i` of the sum flagged `flag`, once its word has arrived. Past ten minutes
-// without it (and without an abort) it traps: the rank's next call reports a CUDA error instead
-// of hanging.
-__device__ __forceinline__ float peer_value(const DgPeer& p, int i, unsigned flag) {
-    u64 w = ld_relaxed_sys(p.peer_part + i);
-    if ((unsigned)(w >> 32) != flag) {
+// Thread 0 waits until the peer has pushed as many rows as this rank (its own gemv, the previous
+// kernel, has finished: the caller waited on the grid dependency); then the `threads` threads of
+// named barrier `bar` go on. Past ten minutes without the peer (and without an abort) it traps:
+// the rank's next call reports a CUDA error instead of hanging.
+__device__ __forceinline__ void peer_wait(const DgPeer& p, int bar, int threads) {
+    if (threadIdx.x == 0) {
+        const u64 want = *reinterpret_cast<const volatile u64*>(p.own);
         u64 t0;
         asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
-        for (unsigned spin = 1; (unsigned)((w = ld_relaxed_sys(p.peer_part + i)) >> 32) != flag; ++spin) {
-            // Every thread of the grid polls its words: past the first few polls, spaced out,
-            // so that the polls do not crowd the L2 the weight stream goes through.
-            if (spin > 8) __nanosleep(64);
+        for (unsigned spin = 1; ld_acquire_sys(p.arrivals) < want; ++spin) {
             if ((spin & 255) == 0) {
                 if (*p.abort) break;
                 u64 t;
@@ -115,7 +101,7 @@ __device__ __forceinline__ float peer_value(const DgPeer& p, int i, unsigned fla
             }
         }
     }
-    return __uint_as_float((unsigned)w);
+    asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "r"(threads) : "memory");
 }
 
 // The RMSNorm the gemv can take over (NORM): its input is then the model's f32 residual row `res`
@@ -136,8 +122,8 @@ struct DgNorm {
 // The normed row's input at channel i: res + delta, where a peer sum's delta is own + peer (the
 // sum of two floats is the same bits whichever rank adds it).
 template <int PEER>
-__device__ __forceinline__ float dg_norm_input(const DgNorm& norm, const DgPeer& peer, unsigned flag, int i) {
-    if constexpr (PEER == DG_WAIT) return norm.res[i] + (norm.delta[i] + peer_value(peer, i, flag));
+__device__ __forceinline__ float dg_norm_input(const DgNorm& norm, const DgPeer& peer, int i) {
+    if constexpr (PEER == DG_WAIT) return norm.res[i] + (norm.delta[i] + __ldcg(peer.peer_part + i));
     return norm.delta ? norm.res[i] + norm.delta[i] : norm.res[i];
 }
 
@@ -205,15 +191,14 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
     grid_dependency_wait();
     T* xs = reinterpret_cast<T*>(dg_smem + ring_bytes);
     float* partial = reinterpret_cast<float*>(dg_smem + ring_bytes + M * k * 2);
-    // After the grid dependency: the pass's epoch is counted.
-    const unsigned flag = PEER != 0 ? peer_flag(peer) : 0u;
+    if constexpr (PEER == DG_WAIT) peer_wait(peer, 1, DG_WARPS * 32);
     if constexpr (NORM) {
         // One row (M = 1): x = T((res + delta) * (1 / sqrt(mean((res + delta)^2) + eps)) * nw),
         // rms_norm_impl's arithmetic; the sum of squares in another order (16 warps).
         __shared__ float red[DG_WARPS];
         float ss = 0.f;
         for (int i = threadIdx.x; i < k; i += DG_WARPS * 32) {
-            const float v = dg_norm_input<PEER>(norm, peer, flag, i);
+            const float v = dg_norm_input<PEER>(norm, peer, i);
             ss = fmaf(v, v, ss);
         }
         ss = warp_sum(ss);
@@ -225,7 +210,7 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
         for (int i = 0; i < DG_WARPS; ++i) total += red[i];
         const float scale = 1.0f / sqrtf(total / (float)k + norm.eps);
         for (int i = threadIdx.x; i < k; i += DG_WARPS * 32) {
-            const float v = dg_norm_input<PEER>(norm, peer, flag, i);
+            const float v = dg_norm_input<PEER>(norm, peer, i);
             xs[i] = from_f32<T>(v * scale * norm.nw[i]);
             if (blockIdx.x == 0 && norm.delta) norm.res_out[i] = v;
         }
@@ -315,7 +300,25 @@ __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __r
 #pragma unroll
         for (int ww = 0; ww < DG_WARPS; ++ww) v += partial[(r * DG_WARPS + ww) * M + m];
         y[(long)m * n + r0 + r] = v;
-        if constexpr (PEER == DG_PUSH) peer_store(peer.peer_y + (long)m * n + r0 + r, v, flag);
+        if constexpr (PEER == DG_PUSH) peer.peer_y[(long)m * n + r0 + r] = v;
+    }
+    if constexpr (PEER == DG_PUSH) {
+        // Every row stored (this CTA's threads, named barrier 1), then counted at system scope:
+        // the fence orders them before the peer can see the count.
+        asm volatile("bar.sync 1, %0;\n" ::"n"(DG_WARPS * 32) : "memory");
+        if (threadIdx.x == 0) {
+#ifdef NIBBLE_PEER_RELEASE
+            // A release add instead of a sequentially consistent fence then a relaxed add: the
+            // barrier makes the CTA's row stores this thread's, and release orders them first.
+            asm volatile("red.release.sys.global.add.u64 [%0], %1;\n" ::"l"(peer.peer_arrivals),
+                         "l"((u64)(r1 - r0))
+                         : "memory");
+#else
+            __threadfence_system();
+            atomicAdd_system(peer.peer_arrivals, (u64)(r1 - r0));
+#endif
+            atomicAdd(peer.own, (u64)(r1 - r0));
+        }
     }
 }
 
@@ -351,9 +354,9 @@ DG_NORM_ENTRY(__half, f16)
 #define DG_PUSH_ENTRY(T, SFX)                                                                                   \
     extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
         dense_gemv1_push_s32_##SFX(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int n, \
-                                   int k, int ring_bytes, u64* peer_y, const unsigned* epoch, int index) {       \
+                                   int k, int ring_bytes, float* peer_y, u64* peer_arrivals, u64* own) {         \
         dense_gemv<T, 1, 4, false, DG_PUSH>(w, x, y, n, k, ring_bytes, DgNorm{},                                 \
-                                            DgPeer{peer_y, nullptr, epoch, (unsigned)index, nullptr});           \
+                                            DgPeer{peer_y, peer_arrivals, nullptr, own, nullptr, nullptr});      \
     }
 DG_PUSH_ENTRY(__nv_bfloat16, bf16)
 DG_PUSH_ENTRY(__half, f16)
@@ -362,11 +365,11 @@ DG_PUSH_ENTRY(__half, f16)
 #define DG_PEER_NORM_ENTRY(T, SFX)                                                                              \
     extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
         dense_gemv_norm1_peer_s32_##SFX(const T* __restrict__ w, const float* res, const float* delta,          \
-                                        const u64* peer_part, const float* nw, float* res_out,                 \
+                                        const float* peer_part, const float* nw, float* res_out,               \
                                         float* __restrict__ y, int n, int k, int ring_bytes, float eps,        \
-                                        const unsigned* epoch, int index, const unsigned* abort) {             \
+                                        u64* arrivals, u64* own, const unsigned* abort) {                      \
         dense_gemv<T, 1, 4, true, DG_WAIT>(w, nullptr, y, n, k, ring_bytes, DgNorm{res, delta, nw, res_out, eps}, \
-                                           DgPeer{nullptr, peer_part, epoch, (unsigned)index, abort});         \
+                                           DgPeer{nullptr, nullptr, arrivals, own, peer_part, abort});         \
     }
 DG_PEER_NORM_ENTRY(__nv_bfloat16, bf16)
 DG_PEER_NORM_ENTRY(__half, f16)
@@ -383,34 +386,26 @@ DG_PEER_NORM_ENTRY(__half, f16)
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
         dense_gemv_norm1_peer_swiglu_s32_##SFX(const T* __restrict__ w, const float* res, const float* delta,   \
-                                               const u64* peer_part, const float* nw, float* res_out,          \
+                                               const float* peer_part, const float* nw, float* res_out,        \
                                                T* __restrict__ out, int n, int k, int ring_bytes, float eps,   \
-                                               const unsigned* epoch, int index, const unsigned* abort) {      \
+                                               u64* arrivals, u64* own, const unsigned* abort) {               \
         dense_gemv<T, 1, 4, true, DG_WAIT, true>(w, nullptr, nullptr, n, k, ring_bytes,                        \
                                                  DgNorm{res, delta, nw, res_out, eps},                         \
-                                                 DgPeer{nullptr, peer_part, epoch, (unsigned)index, abort}, out); \
+                                                 DgPeer{nullptr, nullptr, arrivals, own, peer_part, abort}, out); \
     }
 DG_SWIGLU_ENTRIES(__nv_bfloat16, bf16)
 DG_SWIGLU_ENTRIES(__half, f16)
 
 // A peer sum whose consumer is not a normed gemv: y = y + the peer's row, once it has arrived
 // (one CTA; a row of the residual stream).
-extern "C" __global__ void __launch_bounds__(1024) peer_sum_settle(float* y, const u64* peer_part, int n,
-                                                                 const unsigned* epoch, int index,
+extern "C" __global__ void __launch_bounds__(1024) peer_sum_settle(float* y, const float* peer_part, int n,
+                                                                 u64* arrivals, u64* own,
                                                                  const unsigned* abort) {
     grid_dependency_wait();
+    const DgPeer p{nullptr, nullptr, arrivals, own, peer_part, abort};
+    peer_wait(p, 0, blockDim.x);
     grid_dependents_launch();
-    const DgPeer p{nullptr, peer_part, epoch, (unsigned)index, abort};
-    const unsigned flag = peer_flag(p);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = y[i] + peer_value(p, i, flag);
-}
-
-// A pass's first peer sum (and every 1024th) is preceded by this: the rank's epoch, which every
-// flag of the pass carries, goes up by one.
-extern "C" __global__ void peer_sum_begin(unsigned* epoch) {
-    grid_dependency_wait();
-    if (threadIdx.x == 0) *epoch += 1;
-    grid_dependents_launch();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = y[i] + __ldcg(peer_part + i);
 }
 
 #endif  // sm_90a

@@ -206,9 +206,9 @@ impl CudaBackend {
         // Attention's output is f32: the gemv reads the model dtype.
         let xh = self.ctx.as_half(x)?;
         let out = self.ctx.alloc(1, n, Elem::F32)?;
-        let (index, push) = p.next_push(&self.ctx)?;
+        let (slot, push) = p.next_push();
         dense_gemv::run_push(&self.ctx, &xh, weight, &out, &push)?;
-        p.pushed(&self.ctx, out.ptr, index, n, defer)?;
+        p.pushed(&self.ctx, out.ptr, slot, n, defer)?;
         Ok(Some(out))
     }
 

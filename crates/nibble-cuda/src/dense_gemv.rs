@@ -221,8 +221,8 @@ pub fn run_push(
         let mut args = gemv_args(wp, x, out, n, k, ring);
         args.extend([
             Arg::Ptr(push.peer_y),
-            Arg::Ptr(push.epoch),
-            Arg::I32(push.index),
+            Arg::Ptr(push.peer_arrivals),
+            Arg::Ptr(push.own),
         ]);
         args
     })
@@ -302,7 +302,7 @@ pub fn run_norm(
             Arg::F32(eps),
         ]);
         if let Some(p) = peer {
-            args.extend([Arg::Ptr(p.epoch), Arg::I32(p.index), Arg::Ptr(p.abort)]);
+            args.extend([Arg::Ptr(p.arrivals), Arg::Ptr(p.own), Arg::Ptr(p.abort)]);
         }
         args
     })

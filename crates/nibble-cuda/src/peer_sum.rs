@@ -4,14 +4,11 @@
 //! At batch 1 a decode step's 64 all-reduces (one 4,096-float row each) cost about as much as
 //! their launches and NCCL's handshakes, not their bytes. Where both ranks' GPUs see each other's
 //! memory (peer access over NVLink, ranks in one process), the layer's gemv stores its rows into
-//! the other rank's receive slot as well as its own output, each float beside the sum's flag in
-//! one 8-byte word (kernels/gemv_dense.cu, `dense_gemv1_push`; NCCL's LL protocol: no fence, no
-//! counter); the next block's normed gemv reads each word until it carries the flag, then norms
-//! `res + (own + peer)` while its weights stream in (`dense_gemv_norm1_peer`). Two floats sum to
-//! the same bits whichever rank adds them, as in NCCL's two-rank sum, so both ranks keep the same
-//! bits. A flag is the rank's pass count (its epoch, counted on the device by `peer_sum_begin`
-//! before a pass's first push) times 1024 plus the push's index in the pass: both ranks run the
-//! same passes, so they agree on it, and a word left from an earlier sum never carries it.
+//! the other rank's receive slot as well as its own output and counts them there
+//! (kernels/gemv_dense.cu, `dense_gemv1_push`); the next block's normed gemv waits for the peer's
+//! count, then norms `res + (own + peer)` while its weights stream in
+//! (`dense_gemv_norm1_peer`). Two floats sum to the same bits whichever rank adds them, as in
+//! NCCL's two-rank sum, so both ranks keep the same bits.
 //!
 //! NCCL stays the collective library: the group, its faults, the all-gather and every other
 //! all-reduce (several tokens, quantized layers, more than two ranks) are its.
@@ -31,12 +28,6 @@ const SLOTS: usize = 4;
 
 /// The widest row summed this way (f32): Llama-2-70B's hidden size is 8,192.
 pub const ROW_MAX: usize = 16384;
-
-/// Bytes of a slot: a word (value, flag) per float.
-const SLOT_BYTES: usize = ROW_MAX * 8;
-
-/// Pushes a pass may make under one epoch (the flag's low bits); past that a new epoch begins.
-const PUSHES_PER_EPOCH: usize = 1024;
 
 /// Host memory mapped into every GPU: the group's abort flag, which a rank waiting for its peer
 /// polls, so that a wait for a rank that failed ends when the group is aborted.
@@ -94,14 +85,14 @@ impl Drop for AbortFlag {
     }
 }
 
-/// A rank's receive slots and epoch, and what its peer needs to reach them. They belong to
+/// A rank's receive slots and counters, and what its peer needs to reach them. They belong to
 /// the group's [`PeerExchange`], not to the rank: a peer's kernels may still push here after
 /// this rank has failed and dropped its backend.
 struct RankSlots {
-    /// `SLOTS` rows of `ROW_MAX` words the peer pushes into.
+    /// `SLOTS` rows of `ROW_MAX` f32 the peer pushes into.
     recv: DeviceBuffer,
-    /// The rank's epoch (u32; `peer_sum_begin`), held here for the same reason as the slots.
-    _epoch: DeviceBuffer,
+    /// [arrivals, own]: rows the peer has pushed here, rows this rank has pushed (u64 each).
+    counters: DeviceBuffer,
     gpu: Arc<Gpu>,
     ctx: usize,
     device: sys::CUdevice,
@@ -138,12 +129,11 @@ impl Drop for PeerExchange {
     }
 }
 
-/// A sum whose consumer is to come: this rank's row, and the push (its index in the pass, whose
-/// slot the peer's row arrives in).
+/// A sum whose consumer is to come: this rank's row and the slot the peer's arrives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Pending {
     own: DevicePtr,
-    push: usize,
+    slot: usize,
     n: usize,
 }
 
@@ -151,13 +141,14 @@ struct Pending {
 pub struct PeerSum {
     /// Holds every rank's slots alive while this rank may push or wait.
     _exchange: Arc<PeerExchange>,
-    /// This rank's slots and epoch ([`RankSlots`]).
+    /// This rank's slots and counters ([`RankSlots`]).
     recv: DevicePtr,
-    epoch: DevicePtr,
+    counters: DevicePtr,
     peer_recv: DevicePtr,
+    peer_arrivals: DevicePtr,
     abort: DevicePtr,
-    /// The index of the next push in the pass, rewound at every forward pass (so a captured
-    /// graph's slots and flags are the ones its replays use, on both ranks alike).
+    /// The slot of the next push, rewound at every forward pass (so a captured graph's slots are
+    /// the ones its replays use, on both ranks alike).
     turn: AtomicUsize,
     pending: Mutex<Option<Pending>>,
     /// Sums their consumer's normed gemv finished, and sums settled on their own (tests read
@@ -166,25 +157,23 @@ pub struct PeerSum {
     settled: AtomicUsize,
 }
 
-/// Kernel arguments of a push: the peer's slot, this rank's epoch and the push's index (its
-/// flag).
+/// Kernel arguments of a push: the peer's slot and arrivals, this rank's own count.
 pub struct PushArgs {
     pub peer_y: DevicePtr,
-    pub epoch: DevicePtr,
-    pub index: i32,
+    pub peer_arrivals: DevicePtr,
+    pub own: DevicePtr,
 }
 
-/// Kernel arguments of a wait: this rank's slot (the peer's row), the flag it waits for (epoch
-/// and index), the abort flag.
+/// Kernel arguments of a wait: this rank's slot (the peer's row) and counters, the abort flag.
 pub struct WaitArgs {
     pub peer_part: DevicePtr,
-    pub epoch: DevicePtr,
-    pub index: i32,
+    pub arrivals: DevicePtr,
+    pub own: DevicePtr,
     pub abort: DevicePtr,
 }
 
 impl PeerSum {
-    /// Sets up rank `rank` of two on `gpu`: its slots and epoch (zeroed), published in
+    /// Sets up rank `rank` of two on `gpu`: its slots and counters (zeroed), published in
     /// `exchange`; after `barrier` (every rank has published), peer access to the other rank's
     /// GPU. `None` where that GPU is not a peer of this one.
     pub fn connect(
@@ -193,35 +182,34 @@ impl PeerSum {
         exchange: &Arc<PeerExchange>,
         barrier: impl Fn() -> Result<()>,
     ) -> Result<Option<PeerSum>> {
-        // Zeroed: no word carries a flag (the first is 1 << 10).
-        let recv = DeviceBuffer::from_host(gpu, &vec![0u64; SLOTS * ROW_MAX], "peer-sum slots")?;
-        let epoch = DeviceBuffer::from_host(gpu, &[0u64], "peer-sum epoch")?;
-        // Zero before the peer can push here.
+        let recv = DeviceBuffer::alloc(gpu, SLOTS * ROW_MAX * 4, "peer-sum slots")?;
+        let counters = DeviceBuffer::from_host(gpu, &[0u64; 2], "peer-sum counters")?;
+        // Zero before the peer can count here.
         gpu.synchronize()?;
-        let (my_recv, my_epoch, my_device) = (recv.ptr, epoch.ptr, gpu.ctx.cu_device());
+        let (my_recv, my_counters, my_device) = (recv.ptr, counters.ptr, gpu.ctx.cu_device());
         let me = RankSlots {
             recv,
-            _epoch: epoch,
+            counters,
             gpu: gpu.clone(),
             ctx: gpu.ctx.cu_ctx() as usize,
             device: my_device,
         };
         exchange.parts.lock().unwrap_or_else(|p| p.into_inner())[rank] = Some(me);
         barrier()?;
-        let (peer_recv, peer_ctx, peer_device) = {
+        let (peer_recv, peer_arrivals, peer_ctx, peer_device) = {
             let parts = exchange.parts.lock().unwrap_or_else(|p| p.into_inner());
             let p = parts[1 - rank]
                 .as_ref()
                 .ok_or_else(|| Error::InvalidArgument("the peer rank published nothing".into()))?;
-            (p.recv.ptr, p.ctx, p.device)
+            (p.recv.ptr, p.counters.ptr, p.ctx, p.device)
         };
         let mut can = 0;
         // SAFETY: two valid device handles.
         unsafe { sys::cuDeviceCanAccessPeer(&mut can, my_device, peer_device) }
             .result()
             .map_err(|e| driver_err("peer access query", e))?;
-        // A word's value and flag must land together: NVLink carries an aligned 8-byte store
-        // whole, as it carries the native atomics this asks for; PCIe peer access need not.
+        // The arrival counts are atomic adds on the peer's memory: peer access over PCIe need not
+        // carry them (NVLink does), and a lost add would leave the peer waiting.
         let mut atomics = 0;
         // SAFETY: two valid device handles.
         unsafe {
@@ -248,8 +236,9 @@ impl PeerSum {
         Ok(Some(PeerSum {
             _exchange: exchange.clone(),
             recv: my_recv,
-            epoch: my_epoch,
+            counters: my_counters,
             peer_recv,
+            peer_arrivals,
             abort: exchange.abort.device_ptr(gpu)?,
             turn: AtomicUsize::new(0),
             pending: Mutex::new(None),
@@ -263,9 +252,9 @@ impl PeerSum {
         n <= ROW_MAX
     }
 
-    /// Back to the first push: at the start of every forward pass. A pending sum left by a
-    /// forward pass that failed is dropped (its buffer is the old pass's; the next pass's flags
-    /// are new).
+    /// Back to the first slot: at the start of every forward pass. A pending sum left by a
+    /// forward pass that failed is dropped (its buffer is the old pass's; the counters are
+    /// cumulative, so later waits stay right).
     pub fn rewind(&self) {
         self.turn.store(0, Ordering::Relaxed);
         self.pending
@@ -290,43 +279,39 @@ impl PeerSum {
         )
     }
 
-    /// The next push (its index in the pass) and where it goes; a pass's first push (and every
-    /// [`PUSHES_PER_EPOCH`]th) begins a new epoch first (`peer_sum_begin`).
-    pub fn next_push(&self, ctx: &CudaContext) -> Result<(usize, PushArgs)> {
-        let push = self.turn.fetch_add(1, Ordering::Relaxed);
-        if push.is_multiple_of(PUSHES_PER_EPOCH) {
-            ctx.launch("peer_sum_begin", (1, 1, 1), 32, vec![Arg::Ptr(self.epoch)])?;
-        }
+    /// The slot for the next push, and where the push goes.
+    pub fn next_push(&self) -> (usize, PushArgs) {
+        let slot = self.turn.fetch_add(1, Ordering::Relaxed) % SLOTS;
         let args = PushArgs {
-            peer_y: self.peer_recv + ((push % SLOTS) * SLOT_BYTES) as u64,
-            epoch: self.epoch,
-            index: (push % PUSHES_PER_EPOCH) as i32,
+            peer_y: self.peer_recv + (slot * ROW_MAX * 4) as u64,
+            peer_arrivals: self.peer_arrivals,
+            own: self.counters + 8,
         };
-        Ok((push, args))
+        (slot, args)
     }
 
-    /// What a consumer of push `push`'s sum waits for and reads.
-    fn wait_args(&self, push: usize) -> WaitArgs {
+    /// What a consumer of the sum in `slot` waits on and reads.
+    fn wait_args(&self, slot: usize) -> WaitArgs {
         WaitArgs {
-            peer_part: self.recv + ((push % SLOTS) * SLOT_BYTES) as u64,
-            epoch: self.epoch,
-            index: (push % PUSHES_PER_EPOCH) as i32,
+            peer_part: self.recv + (slot * ROW_MAX * 4) as u64,
+            arrivals: self.counters,
+            own: self.counters + 8,
             abort: self.abort,
         }
     }
 
-    /// After push `push` of this rank's `n`-float row `own`: with `defer` the sum is left
+    /// After a push of this rank's `n`-float row `own` into `slot`: with `defer` the sum is left
     /// to its consumer ([`PeerSum::take_wait`], else settled at its first other use), otherwise
     /// settled now.
     pub fn pushed(
         &self,
         ctx: &CudaContext,
         own: DevicePtr,
-        push: usize,
+        slot: usize,
         n: usize,
         defer: bool,
     ) -> Result<()> {
-        let p = Pending { own, push, n };
+        let p = Pending { own, slot, n };
         if defer {
             *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
             Ok(())
@@ -343,7 +328,7 @@ impl PeerSum {
             Some(p) if p.own == own => {
                 self.fused.fetch_add(1, Ordering::Relaxed);
                 *g = None;
-                Some(self.wait_args(p.push))
+                Some(self.wait_args(p.slot))
             }
             _ => None,
         }
@@ -365,7 +350,7 @@ impl PeerSum {
     /// `own += the peer's row` once it has arrived (kernels/gemv_dense.cu, `peer_sum_settle`).
     fn settle(&self, ctx: &CudaContext, p: Pending) -> Result<()> {
         self.settled.fetch_add(1, Ordering::Relaxed);
-        let w = self.wait_args(p.push);
+        let w = self.wait_args(p.slot);
         ctx.launch(
             "peer_sum_settle",
             (1, 1, 1),
@@ -374,8 +359,8 @@ impl PeerSum {
                 Arg::Ptr(p.own),
                 Arg::Ptr(w.peer_part),
                 Arg::I32(p.n as i32),
-                Arg::Ptr(w.epoch),
-                Arg::I32(w.index),
+                Arg::Ptr(w.arrivals),
+                Arg::Ptr(w.own),
                 Arg::Ptr(w.abort),
             ],
         )
