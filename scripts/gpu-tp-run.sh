@@ -18,7 +18,7 @@
 #             symmetric window, without the split head, with NCCL_PROTO=LL
 #             B1_QUICK=1 runs TP=1 and TP=2 once each, nothing else; B1_BASE=BINARY adds TP=1 and
 #             TP=2 with another build (an A/B's base), each twice, alternated with this one's;
-#             B1_ENVS="NAME=VALUE ..." adds TP=2 once with each setting
+#             B1_ENVS="NAME=VALUE ..." adds TP=1 and TP=2 once with each setting
 #   rank      one TP=2 rank's work without its sums, on one GPU: the batch-1 decode of
 #             bench/configs/llama-3-8b-tp2-rank.json (half the heads, MLP and vocabulary), and
 #             Nsight Compute's isolated kernel times of its decode steps and of the whole model's
@@ -106,9 +106,11 @@ for part in $parts; do
         b1 b1-tp2-r2 2
         NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer-r2 2
       fi
-      # B1_ENVS="NAME=VALUE ...": TP=2 once with each setting.
+      # B1_ENVS="NAME=VALUE ...": TP=1 and TP=2 once with each setting.
       for e in ${B1_ENVS:-}; do
-        eval "$e b1 b1-tp2-$(echo "$e" | tr '=A-Z_' '-a-z-') 2"
+        for tp in 1 2; do
+          eval "$e b1 b1-tp$tp-$(echo "$e" | tr '=A-Z_' '-a-z-') $tp"
+        done
       done
       if [ -n "${B1_BASE:-}" ]; then
         bin=$B1_BASE b1 b1-tp2-base-r2 2
