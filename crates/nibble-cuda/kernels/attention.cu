@@ -183,6 +183,10 @@ __device__ void paged_attn_impl(const float* __restrict__ q, const T* __restrict
     }
 }
 
+// out[token, h*HD + d] = sum over valid splits of acc * exp(m - M) / sum of l * exp(m - M).
+// One CTA per (token, head): the split weights are computed once, in parallel, into shared
+// memory; then each thread sums its dimension over the splits with independent loads.
+#define MAX_SPLITS 512
 template <class T, int HD, int G>
 __device__ void attn_reduce_impl(const float* __restrict__ part, const int* __restrict__ tok_pos,
                                  T* __restrict__ out, int num_kv_heads, int group, int splits,
@@ -190,8 +194,43 @@ __device__ void attn_reduce_impl(const float* __restrict__ part, const int* __re
     grid_dependency_enter();
     __shared__ float w[MAX_SPLITS];
     __shared__ float scratch[32];
-    reduce_splits<T, HD, G>(part, tok_pos, out, num_kv_heads, group, splits, chunk, blockIdx.x, blockIdx.y, w,
-                            scratch);
+    const int token = blockIdx.x, h = blockIdx.y;
+    const int kvh = h / group, g = h % group;
+    const int used = (tok_pos[token] + chunk) / chunk;  // splits holding context: ceil((pos+1)/chunk)
+    const long stride = (long)G * (HD + 2);
+    const float* base = part + ((long)token * num_kv_heads + kvh) * splits * stride + g * (HD + 2);
+    float mx = NEG_BIG;
+    for (int s = threadIdx.x; s < used; s += blockDim.x) mx = fmaxf(mx, base[s * stride + HD]);
+    // Block max: shuffles within warps, then across warps through shared memory.
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    mx = NEG_BIG;
+    for (int i = 0; i < (int)(blockDim.x + 31) / 32; ++i) mx = fmaxf(mx, scratch[i]);
+    __syncthreads();
+    float lsum = 0.f;
+    for (int s = threadIdx.x; s < used; s += blockDim.x) {
+        const float ws = __expf(base[s * stride + HD] - mx);
+        w[s] = ws;
+        lsum += ws * base[s * stride + HD + 1];
+    }
+    lsum = block_sum(lsum, scratch);
+    __syncthreads();
+    const float inv = 1.0f / lsum;
+    const int num_heads = num_kv_heads * group;
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        int s = 0;
+        for (; s + 4 <= used; s += 4) {
+            a0 = fmaf(base[(s + 0) * stride + d], w[s + 0], a0);
+            a1 = fmaf(base[(s + 1) * stride + d], w[s + 1], a1);
+            a2 = fmaf(base[(s + 2) * stride + d], w[s + 2], a2);
+            a3 = fmaf(base[(s + 3) * stride + d], w[s + 3], a3);
+        }
+        for (; s < used; ++s) a0 = fmaf(base[s * stride + d], w[s], a0);
+        out[(long)token * num_heads * HD + h * HD + d] = from_f32<T>((a0 + a1 + a2 + a3) * inv);
+    }
 }
 
 #define NIBBLE_ATTN(SUFFIX, T, HD, G)                                                              \

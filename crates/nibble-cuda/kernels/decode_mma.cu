@@ -157,44 +157,6 @@ __device__ __forceinline__ void write_partials(float* merge, const float (&o)[HD
 #undef MERGE
 }
 
-// The split reduction left to the decode kernel (attention.rs): the last of a (token, kv head)'s
-// splits to finish merges them all into `out` (the model dtype, [tokens][heads * HD]) with
-// attn_reduce's arithmetic (reduce_splits), one kernel fewer a layer. counts[token * kv_heads +
-// kvh] counts the splits that finished; the last sets it back to 0 for the next launch. counts
-// null: attn_reduce runs after.
-struct DecodeReduce {
-    void* out;
-    unsigned* counts;
-};
-
-// After this CTA's partials: its count, and the merge if it is the last of the splits that hold
-// context (those past it wrote nothing and do not count). The threadfence-reduction pattern: each
-// thread's partial stores are fenced before thread 0 counts, and the last CTA reads the others'
-// past L1.
-template <class OutT, int HD, int G>
-__device__ __forceinline__ void reduce_if_last(const DecodeReduce& red, const float* part, const int* tok_pos,
-                                               int num_kv_heads, int group, int splits, int chunk) {
-    if (red.counts == nullptr) return;
-    __shared__ unsigned last;
-    __shared__ float w[MAX_SPLITS];
-    __shared__ float scratch[32];
-    const int token = blockIdx.x, kvh = blockIdx.y;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned used = (unsigned)((tok_pos[token] + chunk) / chunk);
-        unsigned* count = red.counts + (long)token * num_kv_heads + kvh;
-        last = atomicAdd(count, 1u) + 1 == used;
-        if (last) *count = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int g = 0; g < group; ++g)
-        reduce_splits<OutT, HD, G>(part, tok_pos, static_cast<OutT*>(red.out), num_kv_heads, group, splits, chunk,
-                                   token, kvh * group + g, w, scratch);
-}
-
 // The positions a decode CTA reads (grid: token, kv head, split): [start, end) of the split's
 // chunk, none before `lo` (a sliding window's first position), through its sequence's block
 // table; false for a split wholly past the context. The CTA whose split holds the step's position
@@ -273,8 +235,7 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
                                 const float* __restrict__ knew, const float* __restrict__ vnew,
                                 long ldk, long ldv, int window, const float* __restrict__ rk = nullptr,
                                 const float* __restrict__ rv = nullptr,
-                                const int* __restrict__ res_tables = nullptr, DecodeRope rope = {},
-                                DecodeReduce red = {}) {
+                                const int* __restrict__ res_tables = nullptr, DecodeRope rope = {}) {
     static_assert(!(KDEF && KS::FLOAT) && !(VDEF && VS::FLOAT), "a deferred side is a quantized one");
     grid_dependency_enter();
     constexpr int LD = HD + 8;
@@ -387,7 +348,6 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
     write_partials<HD, G, WARPS>(reinterpret_cast<float*>(smem), o, m, l, group,
                                  part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2),
                                  [](int n, int c) { return n * 8 + c; });
-    reduce_if_last<T, HD, G>(red, part, tok_pos, num_kv_heads, group, splits, chunk);
 }
 
 // Entry points: `decode_mma_*` over a 16-bit pool (this module); `kvq_decode_*` over the pool
@@ -398,12 +358,11 @@ __device__ void decode_mma_impl(const float* __restrict__ q, unsigned char* __re
         const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
         const float* vnew, long ldk, long ldv, int window, const float2* rope_cs,             \
-        int rope_interleaved, void* out, unsigned* counts) {                                    \
+        int rope_interleaved) {                                                                 \
         decode_mma_impl<T, HD, G, PageSide<T, HD, KK>, PageSide<T, HD, VK>>(q, kc, vc, block_tables, tok_seq, tok_pos, part,      \
                                           num_kv_heads, group, max_blocks, chunk, scale_log2,   \
                                           ldq, knew, vnew, ldk, ldv, window, nullptr, nullptr,  \
-                                          nullptr, DecodeRope{rope_cs, rope_interleaved},       \
-                                          DecodeReduce{out, counts});                           \
+                                          nullptr, DecodeRope{rope_cs, rope_interleaved});      \
     }
 
 #ifndef NIBBLE_KVQ_MODULE

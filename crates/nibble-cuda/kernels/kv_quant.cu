@@ -43,11 +43,11 @@ typedef NIBBLE_KVQ_T KvqT;
         const int* tok_seq, const int* tok_pos, float* part, int num_kv_heads, int group,       \
         int max_blocks, int chunk, float scale_log2, long ldq, const float* knew,               \
         const float* vnew, long ldk, long ldv, int window, const float2* rope_cs,             \
-        int rope_interleaved, void* out, unsigned* counts) {                                    \
+        int rope_interleaved) {                                                                 \
         decode_kvq_impl<HD, G, NIBBLE_KVQ_K, NIBBLE_KVQ_V>(                                     \
             q, kc, vc, block_tables, tok_seq, tok_pos, part, num_kv_heads, group, max_blocks,   \
             chunk, scale_log2, ldq, knew, vnew, ldk, ldv, window, nullptr, nullptr, nullptr,    \
-            DecodeRope{rope_cs, rope_interleaved}, DecodeReduce{out, counts});                  \
+            DecodeRope{rope_cs, rope_interleaved});                                             \
     }
 #elif KVQ_DEFERRED
 // kv2c's two-block step takes 138 registers unbounded (7 CTAs an SM) and 128 without spilling
@@ -479,8 +479,7 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
                                 int chunk, float scale_log2, long ldq, const float* __restrict__ knew,
                                 const float* __restrict__ vnew, long ldk, long ldv, int window,
                                 const float* __restrict__ rk = nullptr, const float* __restrict__ rv = nullptr,
-                                const int* __restrict__ res_tables = nullptr, DecodeRope rope = {},
-                                DecodeReduce red = {}) {
+                                const int* __restrict__ res_tables = nullptr, DecodeRope rope = {}) {
     using KS = PageSide<__half, HD, KK>;
     using VS = PageSide<__half, HD, VK>;
     using KF = KeyFrags<HD, KK>;
@@ -779,7 +778,6 @@ __device__ void decode_kvq_impl(const float* __restrict__ q, unsigned char* __re
 #undef MERGE
     combine_partials<HD, G, WARPS>(merge, group,
                                    part + ((long)((long)token * num_kv_heads + kvh) * splits + split) * G * (HD + 2));
-    reduce_if_last<KvqT, HD, G>(red, part, tok_pos, num_kv_heads, group, splits, chunk);
 }
 
 #if KVQ_DEFERRED

@@ -4,7 +4,7 @@
 use nibble_core::{Error, Result};
 use nibble_model::{AttentionShape, BatchLayout, RopeLayout};
 
-use crate::context::{CudaContext, DECODE_COUNTS, KernelTier};
+use crate::context::{CudaContext, KernelTier};
 use crate::elementwise as ew;
 use crate::kv::CudaKv;
 use crate::runtime::{Arg, DevicePtr};
@@ -385,9 +385,7 @@ fn residual_args(kv: &CudaKv, layer: usize) -> [Arg; 3] {
 }
 
 /// Decode attention of the batch's first `rows` tokens (one per sequence) into `out`'s rows:
-/// the context split across CTAs, then the splits reduced (by the tensor-core kernel's last
-/// split itself, unless `CudaContext::set_decode_merge` says otherwise; by `attn_reduce`
-/// elsewhere). Grouped heads and quantized pools run
+/// the context split across CTAs, then the splits reduced. Grouped heads and quantized pools run
 /// on tensor cores where a kernel exists (appending the rows' keys and values themselves: after an append of a
 /// whole mixed batch, that rewrites the same bytes); MHA and other head sizes on CUDA cores.
 /// Both write the same partials (the MMA kernel converts its base-2 maxima to base e).
@@ -429,7 +427,6 @@ fn decode_rows(
         Elem::F32,
     )?;
     let grid = (rows as u32, num_kv_heads as u32, split.splits as u32);
-    let mut merged = false;
     let common = |scale: f32, with_block: bool| {
         let mut args = vec![
             Arg::Ptr(q.ptr),
@@ -466,14 +463,9 @@ fn decode_rows(
         if deferred {
             args.extend(residual_args(kv, layer));
         } else {
-            // The last split to finish merges them all (kernels/decode_mma.cu, DecodeReduce):
-            // attn_reduce's launch is saved.
-            merged = ctx.decode_merge() && rows * num_kv_heads <= DECODE_COUNTS;
             args.extend([
                 Arg::Ptr(rope.map_or(0, |r| r.table)),
                 Arg::I32(i32::from(rope.is_some_and(|r| r.interleaved))),
-                Arg::Ptr(out.ptr),
-                Arg::Ptr(if merged { ctx.decode_counts() } else { 0 }),
             ]);
         }
         let kernel = if quantized {
@@ -491,9 +483,6 @@ fn decode_rows(
         args.push(Arg::I32(window_arg(shape.window)));
         ctx.kernel(&format!("paged_attn_{dt}_hd{head_dim}_g{g}"))?
             .launch(&ctx.gpu, grid, 128, 0, args)?;
-    }
-    if merged {
-        return Ok(());
     }
     ctx.kernel(&format!("attn_reduce_{dt}_hd{head_dim}_g{g}"))?
         .launch(

@@ -23,10 +23,6 @@ use crate::tensor::{Act8, CudaTensor, CudaWeight, Dtype, Elem};
 /// tile (decode gemv).
 pub const SPLIT_COUNTERS: usize = 1 << 16;
 
-/// Split counters of the decode attention that merges its own splits (one per token and KV
-/// head of a decode batch; `attention::decode_rows`).
-pub const DECODE_COUNTS: usize = 1 << 14;
-
 /// Kernel tier of the quantized GEMMs: at decode sizes the mma.sync gemv (sm_80 and later) or the
 /// persistent decode gemv (Hopper tier); past the gemv range the mma.sync tiled kernels or the
 /// Hopper wgmma kernels (sm_90a). A context setting, not a GEMM argument, because attention reads
@@ -148,9 +144,6 @@ pub struct CudaContext {
     grouped_launches: AtomicU64,
     /// Zeroed arrival counters of the split-K gemv kernels (each launch leaves them zeroed).
     split_counters: DeviceBuffer,
-    /// Zeroed split counters of the decode attention ([`DECODE_COUNTS`]; each launch leaves them
-    /// zeroed).
-    decode_counts: DeviceBuffer,
     /// Kernels whose dynamic shared-memory limit has been raised, and to what.
     smem_raised: Mutex<HashMap<String, u32>>,
     /// Set once a weight that reads 8-bit activation codes is loaded (0: none, 1: INT8, 2: FP8;
@@ -158,9 +151,6 @@ pub struct CudaContext {
     act8_inputs: AtomicU8,
     /// Which kernel tier quantized GEMMs run ([`KernelTier`] as u8).
     kernel_tier: AtomicU8,
-    /// Whether the tensor-core decode attention merges its own splits (`NIBBLE_DECODE_REDUCE=0`
-    /// or [`Self::set_decode_merge`] leaves them to `attn_reduce`).
-    decode_merge: AtomicBool,
     /// Whether COMET's decode batches take `comet_gemv*` (0: the default, [`crate::comet::gemv_by_default`]; 1: no,
     /// 2: yes; [`Self::set_comet_gemv`]).
     comet_gemv: AtomicU8,
@@ -367,8 +357,6 @@ impl CudaContext {
         }
         let split_counters =
             DeviceBuffer::from_host(&gpu, &vec![0i32; SPLIT_COUNTERS], "split-K counters")?;
-        let decode_counts =
-            DeviceBuffer::from_host(&gpu, &vec![0u32; DECODE_COUNTS], "decode split counters")?;
         Ok(CudaContext {
             gpu,
             weight_bytes: Default::default(),
@@ -391,26 +379,12 @@ impl CudaContext {
             host_reads_in_forward: AtomicBool::new(false),
             grouped_launches: AtomicU64::new(0),
             split_counters,
-            decode_counts,
             smem_raised: Default::default(),
             act8_inputs: Default::default(),
             kernel_tier: Default::default(),
-            decode_merge: AtomicBool::new(
-                std::env::var("NIBBLE_DECODE_REDUCE").map_or(true, |v| v != "0"),
-            ),
             comet_gemv: Default::default(),
             comet_wgmma: Default::default(),
         })
-    }
-
-    /// Whether the tensor-core decode attention's last split merges the others (the default)
-    /// or `attn_reduce` does (tests compare the two).
-    pub fn set_decode_merge(&self, on: bool) {
-        self.decode_merge.store(on, Ordering::Relaxed);
-    }
-
-    pub(crate) fn decode_merge(&self) -> bool {
-        self.decode_merge.load(Ordering::Relaxed)
     }
 
     /// Chooses the kernel tier of quantized GEMMs (tests and benchmarks compare them); the
@@ -486,10 +460,6 @@ impl CudaContext {
 
     pub fn weight_bytes(&self) -> usize {
         self.weight_bytes.load(Ordering::Relaxed)
-    }
-
-    pub(crate) fn decode_counts(&self) -> DevicePtr {
-        self.decode_counts.ptr
     }
 
     pub(crate) fn split_counters(&self) -> DevicePtr {

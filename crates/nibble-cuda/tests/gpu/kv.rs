@@ -127,11 +127,9 @@ fn attention_matches_cpu_in(r: &mut ChaCha8Rng, formats: &[&str]) {
 
 /// RoPE folded into the decode attention (`Backend::rope_attention`: q rotated as it is staged,
 /// the step's key before its fused append) gives the bits of the rope kernel then the attention:
-/// the outputs, and the keys it appended, which the next decode step reads. So does the split
-/// reduction done by the decode kernel's last split against `attn_reduce` (contexts of 1 to 46
-/// splits). The 16-bit pool and quantized ones (the register-direct kernel, the dequantizing one
-/// for a mix), both pairings, head sizes 128 and 64; the deferred kv4c and MHA at 64 keep the
-/// rope kernel and `attn_reduce`, and agree too.
+/// the outputs, and the keys it appended, which the next decode step reads. The 16-bit pool and
+/// quantized ones (the register-direct kernel, the dequantizing one for a mix), both pairings,
+/// head sizes 128 and 64; the deferred kv4c and MHA at 64 keep the rope kernel and agree too.
 #[test]
 fn decode_attention_rotates_as_the_rope_kernel() {
     let mut r = rng("decode_attention_rotates_as_the_rope_kernel");
@@ -186,12 +184,9 @@ fn decode_attention_rotates_as_the_rope_kernel() {
                     )
                 });
                 let mut outs = Vec::new();
-                // Pool 0: RoPE folded, splits merged by the kernel; 1: the rope kernel first;
-                // 2: that and attn_reduce.
-                for (way, kv) in pools.iter_mut().enumerate() {
+                for (folded, kv) in pools.iter_mut().enumerate() {
                     let (mut gq, mut gk, gv) = (to_gpu(&g, &q), to_gpu(&g, &k), to_gpu(&g, &v));
-                    g.set_decode_merge(way < 2);
-                    let out = if way == 0 {
+                    let out = if folded == 0 {
                         g.rope_attention(
                             &mut gq, &mut gk, &gv, kv, 0, batch, shape, &inv_freq, pairing,
                         )
@@ -201,17 +196,17 @@ fn decode_attention_rotates_as_the_rope_kernel() {
                     };
                     outs.push(host(&g, &out.unwrap()));
                 }
-                g.set_decode_merge(true);
                 let what = format!("{format} {shape:?} {pairing:?} step {step}");
                 assert!(outs[0].iter().all(|x| x.is_finite()), "{what}: not finite");
-                for (way, other) in [(1, "the rope kernel's"), (2, "attn_reduce's")] {
-                    let differ = outs[way - 1]
-                        .iter()
-                        .zip(&outs[way])
-                        .filter(|(a, b)| a.to_bits() != b.to_bits())
-                        .count();
-                    assert_eq!(differ, 0, "{what}: {differ} outputs differ from {other}");
-                }
+                let differ = outs[0]
+                    .iter()
+                    .zip(&outs[1])
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    differ, 0,
+                    "{what}: {differ} outputs differ from the rope kernel's"
+                );
             }
         }
     }
