@@ -77,12 +77,6 @@ struct DgPeer {
     const volatile unsigned* abort;
 };
 
-__device__ __forceinline__ u64 ld_relaxed_sys(const u64* p) {
-    u64 v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
 __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
     u64 v;
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
@@ -98,12 +92,7 @@ __device__ __forceinline__ void peer_wait(const DgPeer& p, int bar, int threads)
         const u64 want = *reinterpret_cast<const volatile u64*>(p.own);
         u64 t0;
         asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
-#ifdef NIBBLE_PEER_RELAXED_POLL
-        // Relaxed polls, one acquire fence once the count is there.
-        for (unsigned spin = 1; ld_relaxed_sys(p.arrivals) < want; ++spin) {
-#else
         for (unsigned spin = 1; ld_acquire_sys(p.arrivals) < want; ++spin) {
-#endif
             if ((spin & 255) == 0) {
                 if (*p.abort) break;
                 u64 t;
@@ -111,9 +100,6 @@ __device__ __forceinline__ void peer_wait(const DgPeer& p, int bar, int threads)
                 if (t - t0 > 600ull * 1000000000ull) __trap();
             }
         }
-#ifdef NIBBLE_PEER_RELAXED_POLL
-        asm volatile("fence.acq_rel.sys;\n" ::: "memory");
-#endif
     }
     asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "r"(threads) : "memory");
 }
