@@ -81,9 +81,9 @@ pub(crate) struct Meta {
     /// This pass's RoPE angle tables (`elementwise::rope_table`), by frequency table and
     /// half head size.
     rope_tables: Vec<(DevicePtr, usize, DevicePtr)>,
-    /// Made by `begin_forward`: the model's frequency tables live through the pass, so their
-    /// addresses may key `rope_tables` (a direct call's table may be freed and its address
-    /// reused by another).
+    /// Between `begin_forward` and the end of `run_forward`: the model's frequency tables live
+    /// through the pass, so their addresses may key `rope_tables` (a direct call's table may be
+    /// freed and its address reused by another).
     in_forward: bool,
 }
 
@@ -989,7 +989,16 @@ impl CudaContext {
         if let Some(ptr) = found {
             return Ok(ptr);
         }
-        let ptr = self.lock().arena.alloc_base(&self.gpu, bytes)?;
+        // A pass's table lives through all its layers (the base region); a direct call's only
+        // through the call.
+        let ptr = {
+            let mut st = self.lock();
+            if cached {
+                st.arena.alloc_base(&self.gpu, bytes)?
+            } else {
+                st.arena.alloc(&self.gpu, bytes)?
+            }
+        };
         make(ptr)?;
         if cached {
             let mut st = self.lock();
@@ -1047,6 +1056,23 @@ impl CudaContext {
     /// `gate` queues a graph launch: a tensor-parallel rank's runs it only while its group is
     /// live (`Communicator::while_live`), since a graph's collectives bypass the communicator.
     pub(crate) fn run_forward(
+        &self,
+        model: usize,
+        kv_id: u64,
+        batch: &BatchLayout,
+        body: &mut dyn FnMut() -> Result<CudaTensor>,
+        gate: LaunchGate,
+    ) -> Result<CudaTensor> {
+        let out = self.run_forward_body(model, kv_id, batch, body, gate);
+        // The pass is over: its frequency tables' addresses no longer key its angle tables.
+        if let Some(m) = self.lock().meta.as_mut() {
+            m.in_forward = false;
+            m.rope_tables.clear();
+        }
+        out
+    }
+
+    fn run_forward_body(
         &self,
         model: usize,
         kv_id: u64,

@@ -128,12 +128,13 @@ fn attention_matches_cpu_in(r: &mut ChaCha8Rng, formats: &[&str]) {
 /// RoPE folded into the decode attention (`Backend::rope_attention`: q rotated as it is staged,
 /// the step's key before its fused append) gives the bits of the rope kernel then the attention:
 /// the outputs, and the keys it appended, which the next decode step reads. The 16-bit pool and
-/// quantized ones (the register-direct kernel, the dequantizing one for a mix), both pairings,
-/// head sizes 128 and 64; the deferred kv4c and MHA at 64 keep the rope kernel and agree too.
+/// quantized ones (the register-direct kernel for kv8, kv4, kvfp8 and k8v4, the dequantizing one
+/// for k16v4), both pairings, head sizes 128 and 64; the deferred kv4c and MHA at 64 keep the
+/// rope kernel and agree too.
 #[test]
 fn decode_attention_rotates_as_the_rope_kernel() {
     let mut r = rng("decode_attention_rotates_as_the_rope_kernel");
-    let formats = ["kv16", "kv8", "kv4", "kvfp8", "k8v4", "kv4c"];
+    let formats = ["kv16", "kv8", "kv4", "kvfp8", "k8v4", "k16v4", "kv4c"];
     let specs: Vec<KvSpec> = formats[1..].iter().map(|f| f.parse().unwrap()).collect();
     let g = gpu(Dtype::Bf16);
     g.warm_kv_kernels(&specs, &[Dtype::Bf16]).unwrap();
