@@ -6,7 +6,8 @@
 # cold call. The cache key leaves out where the headers were found (compile::cache_key), so these
 # cubins are the GPU machine's as long as its NVRTC has the same version (13.0 both).
 #   scripts/gpu-precompile.sh [DEFINES...]      (then scripts/gpu-pack.sh NAME)
-# EXTRA_BINS="stage/base/nibble ..." adds the modules other binaries need (an A/B's base build).
+# EXTRA_BINS="stage/base/nibble ..." adds the default modules of other binaries (an A/B's base
+# build).
 # Each DEFINES (names joined by +, as NIBBLE_NVRTC_DEFINES takes them) adds a kernel variant's
 # modules to the default's: a define changes every module's options, so each variant an A/B
 # runs would otherwise compile all of them again on the GPU machine. Compiles are kept in
@@ -25,13 +26,14 @@ cargo build --release --locked -q -p nibble-cli
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir "$work/nibble-kernels"
-for bin in target/release/nibble ${EXTRA_BINS:-}; do
-  for defines in "" "$@"; do
-    list=$(NIBBLE_NVRTC_DEFINES=$defines NIBBLE_KERNEL_CACHE=$cache CUDA_HOME=$tk LD_LIBRARY_PATH=$tk/lib \
-      "$bin" kernels --arch sm_90a --list)
-    for f in $list; do cp "$cache/$f" "$work/nibble-kernels/"; done
-  done
-done
+modules() {  # modules BINARY DEFINES: compiled into the cache, their files copied
+  list=$(NIBBLE_NVRTC_DEFINES=$2 NIBBLE_KERNEL_CACHE=$cache CUDA_HOME=$tk LD_LIBRARY_PATH=$tk/lib \
+    "$1" kernels --arch sm_90a --list)
+  for f in $list; do cp "$cache/$f" "$work/nibble-kernels/"; done
+}
+for defines in "" "$@"; do modules target/release/nibble "$defines"; done
+# An A/B's base build runs its default kernels only.
+for bin in ${EXTRA_BINS:-}; do modules "$bin" ""; done
 rm -f .gpu-cache/kernels.tar.xz.*
 tar cf - -C "$work" nibble-kernels | xz -T0 -6 | split -b 15000000 -d - .gpu-cache/kernels.tar.xz.
 echo "gpu-precompile: $(ls "$work/nibble-kernels" | wc -l) cubins, $(du -ch .gpu-cache/kernels.tar.xz.* | tail -1 | cut -f1) in .gpu-cache"

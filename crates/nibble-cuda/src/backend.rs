@@ -979,6 +979,7 @@ impl Backend for CudaBackend {
             },
             &gate,
         );
+        self.ctx.end_forward();
         if let Some(t) = &self.trace {
             t.end();
         }

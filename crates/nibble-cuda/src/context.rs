@@ -81,7 +81,7 @@ pub(crate) struct Meta {
     /// This pass's RoPE angle tables (`elementwise::rope_table`), by frequency table and
     /// half head size.
     rope_tables: Vec<(DevicePtr, usize, DevicePtr)>,
-    /// Between `begin_forward` and the end of `run_forward`: the model's frequency tables live
+    /// Between `begin_forward` and `end_forward`: the model's frequency tables live
     /// through the pass, so their addresses may key `rope_tables` (a direct call's table may be
     /// freed and its address reused by another).
     in_forward: bool,
@@ -1008,6 +1008,15 @@ impl CudaContext {
         Ok(ptr)
     }
 
+    /// The forward pass `begin_forward` began is over: its frequency tables' addresses no
+    /// longer key its angle tables.
+    pub(crate) fn end_forward(&self) {
+        if let Some(m) = self.lock().meta.as_mut() {
+            m.in_forward = false;
+            m.rope_tables.clear();
+        }
+    }
+
     pub(crate) fn with_meta<R>(&self, f: impl FnOnce(&Meta) -> R) -> R {
         let st = self.lock();
         f(st.meta.as_ref().expect("ensure_meta ran"))
@@ -1056,23 +1065,6 @@ impl CudaContext {
     /// `gate` queues a graph launch: a tensor-parallel rank's runs it only while its group is
     /// live (`Communicator::while_live`), since a graph's collectives bypass the communicator.
     pub(crate) fn run_forward(
-        &self,
-        model: usize,
-        kv_id: u64,
-        batch: &BatchLayout,
-        body: &mut dyn FnMut() -> Result<CudaTensor>,
-        gate: LaunchGate,
-    ) -> Result<CudaTensor> {
-        let out = self.run_forward_body(model, kv_id, batch, body, gate);
-        // The pass is over: its frequency tables' addresses no longer key its angle tables.
-        if let Some(m) = self.lock().meta.as_mut() {
-            m.in_forward = false;
-            m.rope_tables.clear();
-        }
-        out
-    }
-
-    fn run_forward_body(
         &self,
         model: usize,
         kv_id: u64,
