@@ -25,7 +25,10 @@
 #             (scripts/gpu-profile-step.sh; RANK_NCU=0 skips them)
 #   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences),
 #             TP=2 also without the peer sum (unless TP_NOPEER=0) and without all three levers
-#             (unless TP_BASE=0)
+#             (unless TP_BASE=0); OFFLINE_ENVS="NAME=VALUE ..." adds TP=2 once with each setting
+#   batch     Llama-3-8B shape, decode steps of BATCH_SEQS sequences (default "16 64 256"; 128-token
+#             prompts, 256 output tokens) at TP=1 and TP=2; BATCH_ENVS="NAME=VALUE ..." adds TP=2
+#             once with each setting
 #   kv        quantized KV pools at TP=2 (each rank its heads' shard, kv8, kvfp8, kv4, k8v4): greedy
 #             text of the tiny dummy shape at TP=1 and TP=2, and how much of it agrees
 #   70b       Llama-2-70B shape at TP=2 in BF16 and W4A16 (one sequence, then 16)
@@ -148,7 +151,20 @@ for part in $parts; do
       offline offline-tp1 1
       offline offline-tp2 2
       [ "${TP_NOPEER:-1}" = 0 ] || NIBBLE_TP_PEER_SUM=0 offline offline-tp2-nopeer 2
-      [ "${TP_BASE:-1}" = 0 ] || NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 NIBBLE_TP_PEER_SUM=0 offline offline-tp2-base 2 ;;
+      [ "${TP_BASE:-1}" = 0 ] || NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 NIBBLE_TP_PEER_SUM=0 offline offline-tp2-base 2
+      for e in ${OFFLINE_ENVS:-}; do
+        eval "$e offline offline-tp2-$(echo "$e" | tr '=A-Z_' '-a-z-') 2"
+      done ;;
+    batch)
+      for n in ${BATCH_SEQS:-16 64 256}; do
+        bn() { throughput "$1" llama-3-8b "$2" --input-len 128 --output-len 256 --num-prompts "$n" \
+          --max-num-seqs "$n" --profile; }
+        bn "batch$n-tp1" 1
+        bn "batch$n-tp2" 2
+        for e in ${BATCH_ENVS:-}; do
+          eval "$e bn batch$n-tp2-$(echo "$e" | tr '=A-Z_' '-a-z-') 2"
+        done
+      done ;;
     kv)
       # The tiny dummy shape (head_dim 64): quantized pools have kernels for head_dim 64 and 128
       # (the Llama 3 fixture's 16 is refused, on both ranks, with that reason).

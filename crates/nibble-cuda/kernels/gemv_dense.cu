@@ -32,7 +32,8 @@
 // waits until the peer's arrivals reach its own (each rank adds the same rows in the same order
 // of layers), then norms res + (own + peer) - the bits NCCL's two-rank sum gives - while its
 // weight ring fills. That takes the all-reduce's kernel off the step. peer_sum_settle finishes a
-// sum whose consumer is anything else.
+// sum whose consumer is anything else; peer_sum_rows sums a whole multi-token output the same
+// way (push, count, wait, add) in place of NCCL's all-reduce.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -402,6 +403,55 @@ extern "C" __global__ void __launch_bounds__(1024) peer_sum_settle(float* y, con
     peer_wait(p, 0, blockDim.x);
     grid_dependents_launch();
     for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = y[i] + __ldcg(peer_part + i);
+}
+
+// A peer sum of a whole output, any number of rows (what cuBLAS or a quantized GEMM wrote: the
+// multi-token steps, where NCCL's all-reduce spent 7 to 26 us a sum): in place, y = y + the
+// peer's y, the bits of NCCL's two-rank sum. Each CTA stores its share of y (float4s) into the
+// peer's receive slot, counts it there with a release add, then waits until the peer's whole
+// output has arrived and adds it. Every CTA waits for every peer CTA, so the grid is at most
+// one CTA an SM (all resident). `own` moves on by the output's size once every CTA has read it
+// (`done` counts the CTAs; the last one resets it), so both ranks keep counting alike.
+extern "C" __global__ void __launch_bounds__(1024) peer_sum_rows(float* y, float* peer_y, const float* recv,
+                                                               long long n4, u64* peer_arrivals, u64* arrivals,
+                                                               u64* own, unsigned* done, const unsigned* abort) {
+    grid_dependency_wait();
+    __shared__ u64 target;
+    const long long per = (n4 + gridDim.x - 1) / gridDim.x;
+    const long long b = (long long)blockIdx.x * per;
+    const long long e = b + per < n4 ? b + per : n4;
+    float4* y4 = reinterpret_cast<float4*>(y);
+    float4* peer4 = reinterpret_cast<float4*>(peer_y);
+    const float4* recv4 = reinterpret_cast<const float4*>(recv);
+    if (threadIdx.x == 0) target = *reinterpret_cast<const volatile u64*>(own) + (u64)n4;
+    for (long long i = b + threadIdx.x; i < e; i += blockDim.x) peer4[i] = y4[i];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (e > b)
+            asm volatile("red.release.sys.global.add.u64 [%0], %1;\n" ::"l"(peer_arrivals), "l"((u64)(e - b))
+                         : "memory");
+        __threadfence();
+        if (atomicAdd(done, 1u) == gridDim.x - 1) {
+            *done = 0;
+            atomicAdd(own, (u64)n4);
+        }
+        u64 t0;
+        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
+        for (unsigned spin = 1; ld_acquire_sys(arrivals) < target; ++spin) {
+            if ((spin & 255) == 0) {
+                if (*reinterpret_cast<const volatile unsigned*>(abort)) break;
+                u64 t;
+                asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+                if (t - t0 > 600ull * 1000000000ull) __trap();
+            }
+        }
+    }
+    __syncthreads();
+    grid_dependents_launch();
+    for (long long i = b + threadIdx.x; i < e; i += blockDim.x) {
+        const float4 a = y4[i], p = __ldcg(recv4 + i);
+        y4[i] = make_float4(a.x + p.x, a.y + p.y, a.z + p.z, a.w + p.w);
+    }
 }
 
 #endif  // sm_90a

@@ -76,6 +76,10 @@ pub struct CudaBackend {
     /// As one of two ranks whose GPUs are peers: one-token row-parallel outputs summed by the
     /// gemvs themselves (`crate::peer_sum`) instead of NCCL's all-reduce.
     peer: Option<PeerSum>,
+    /// With `peer`: every other row-parallel output (several tokens, quantized layers) summed by
+    /// [`PeerSum::sum_rows`] instead of NCCL's all-reduce (`NIBBLE_TP_PEER_ROWS=0` keeps NCCL's,
+    /// to measure one against the other).
+    pub peer_rows: bool,
     /// Host time of eager forward passes by kind of op (`NIBBLE_HOST_TRACE=1`).
     trace: Option<HostTrace>,
     ctx: CudaContext,
@@ -114,6 +118,7 @@ impl CudaBackend {
             ],
             residual_turn: AtomicUsize::new(0),
             peer: None,
+            peer_rows: std::env::var("NIBBLE_TP_PEER_ROWS").map_or(true, |v| v != "0"),
             dense_gemv: std::env::var("NIBBLE_DENSE_GEMV").map_or(true, |v| v != "0"),
             trace: std::env::var("NIBBLE_HOST_TRACE")
                 .is_ok_and(|v| v == "1")
@@ -154,6 +159,29 @@ impl CudaBackend {
     /// own (tests tell the two paths apart by these; they give the same bits).
     pub fn peer_sum_counts(&self) -> (usize, usize) {
         self.peer.as_ref().map_or((0, 0), |p| p.counts())
+    }
+
+    /// How many outputs of several rows were summed peer to peer ([`PeerSum::sum_rows`]).
+    pub fn peer_rows_summed(&self) -> usize {
+        self.peer.as_ref().map_or(0, |p| p.rows_summed())
+    }
+
+    /// Sums a whole f32 output `x` (`n` values) with the peer's, where that applies
+    /// ([`CudaBackend::peer_rows`], [`PeerSum::rows_fit`]); false leaves it to NCCL.
+    fn peer_sum_rows(&self, x: &CudaTensor) -> Result<bool> {
+        let n = x.rows * x.cols;
+        match &self.peer {
+            Some(p)
+                if self.peer_rows
+                    && x.elem == Elem::F32
+                    && x.is_contiguous()
+                    && PeerSum::rows_fit(x.ptr, n) =>
+            {
+                p.sum_rows(&self.ctx, x.ptr, n)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 
     /// Finishes a peer sum left to a consumer that turned out not to be a normed gemv.
@@ -872,6 +900,9 @@ impl Backend for CudaBackend {
                 x.cols, x.ld
             )));
         }
+        if self.peer_sum_rows(x)? {
+            return Ok(());
+        }
         let ty = match x.elem {
             Elem::F32 => ReduceType::F32,
             Elem::Half(Dtype::Bf16) => ReduceType::Bf16,
@@ -1132,6 +1163,13 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         let n = x.rows * weight.rows;
+        if self.peer.is_some() && self.peer_rows && PeerSum::rows_fit(0, n) {
+            let mut out = self.linear(x, weight, None)?;
+            if !self.peer_sum_rows(&out)? {
+                self.all_reduce(&mut out)?;
+            }
+            return Ok(out);
+        }
         match self.window {
             // Computed straight into a slot of the symmetric window and summed there: NCCL's
             // symmetric kernels, no copy in or out. The two slots alternate, and each result is

@@ -128,6 +128,7 @@ pub const GRID_WAITING_KERNELS: &[&str] = &[
     "fp8_dec",
     "dense_gemv",
     "peer_sum_settle",
+    "peer_sum_rows",
     // The grouped decode gemv also reads its item table before the wait: grouped.rs uploads
     // tables ahead of a layer's kernels, never between two of them.
     "w4a16_gdec",

@@ -10,8 +10,12 @@
 //! (`dense_gemv_norm1_peer`). Two floats sum to the same bits whichever rank adds them, as in
 //! NCCL's two-rank sum, so both ranks keep the same bits.
 //!
-//! NCCL stays the collective library: the group, its faults, the all-gather and every other
-//! all-reduce (several tokens, quantized layers, more than two ranks) are its.
+//! Any other row-parallel output of the two ranks (several tokens, a quantized layer) is summed
+//! by one kernel in place of NCCL's all-reduce (`peer_sum_rows`): each rank pushes its output
+//! into the other's receive slot, counts it there, waits for the peer's and adds it.
+//!
+//! NCCL stays the collective library: the group, its faults, the all-gather, outputs larger
+//! than a slot and every sum of more than two ranks are its.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,6 +32,10 @@ const SLOTS: usize = 4;
 
 /// The widest row summed this way (f32): Llama-2-70B's hidden size is 8,192.
 pub const ROW_MAX: usize = 16384;
+
+/// A receive slot's size in f32: the largest output [`PeerSum::sum_rows`] takes (256 tokens of
+/// a 4,096-wide model; a longer prefill chunk goes to NCCL). 16 MB a rank for the four slots.
+pub const SLOT_FLOATS: usize = 1 << 20;
 
 /// Host memory mapped into every GPU: the group's abort flag, which a rank waiting for its peer
 /// polls, so that a wait for a rank that failed ends when the group is aborted.
@@ -89,9 +97,11 @@ impl Drop for AbortFlag {
 /// the group's [`PeerExchange`], not to the rank: a peer's kernels may still push here after
 /// this rank has failed and dropped its backend.
 struct RankSlots {
-    /// `SLOTS` rows of `ROW_MAX` f32 the peer pushes into.
+    /// `SLOTS` slots of `SLOT_FLOATS` f32 the peer pushes into.
     recv: DeviceBuffer,
-    /// [arrivals, own]: rows the peer has pushed here, rows this rank has pushed (u64 each).
+    /// [arrivals, own, done]: what the peer has pushed here, what this rank has pushed (u64
+    /// each, in rows for one token and in float4s for [`PeerSum::sum_rows`]), and
+    /// `peer_sum_rows`'s count of its CTAs.
     counters: DeviceBuffer,
     gpu: Arc<Gpu>,
     ctx: usize,
@@ -155,6 +165,7 @@ pub struct PeerSum {
     /// them: the two give the same bits by design).
     fused: AtomicUsize,
     settled: AtomicUsize,
+    summed_rows: AtomicUsize,
 }
 
 /// Kernel arguments of a push: the peer's slot and arrivals, this rank's own count.
@@ -182,8 +193,8 @@ impl PeerSum {
         exchange: &Arc<PeerExchange>,
         barrier: impl Fn() -> Result<()>,
     ) -> Result<Option<PeerSum>> {
-        let recv = DeviceBuffer::alloc(gpu, SLOTS * ROW_MAX * 4, "peer-sum slots")?;
-        let counters = DeviceBuffer::from_host(gpu, &[0u64; 2], "peer-sum counters")?;
+        let recv = DeviceBuffer::alloc(gpu, SLOTS * SLOT_FLOATS * 4, "peer-sum slots")?;
+        let counters = DeviceBuffer::from_host(gpu, &[0u64; 4], "peer-sum counters")?;
         // Zero before the peer can count here.
         gpu.synchronize()?;
         let (my_recv, my_counters, my_device) = (recv.ptr, counters.ptr, gpu.ctx.cu_device());
@@ -244,6 +255,7 @@ impl PeerSum {
             pending: Mutex::new(None),
             fused: AtomicUsize::new(0),
             settled: AtomicUsize::new(0),
+            summed_rows: AtomicUsize::new(0),
         }))
     }
 
@@ -283,7 +295,7 @@ impl PeerSum {
     pub fn next_push(&self) -> (usize, PushArgs) {
         let slot = self.turn.fetch_add(1, Ordering::Relaxed) % SLOTS;
         let args = PushArgs {
-            peer_y: self.peer_recv + (slot * ROW_MAX * 4) as u64,
+            peer_y: self.peer_recv + (slot * SLOT_FLOATS * 4) as u64,
             peer_arrivals: self.peer_arrivals,
             own: self.counters + 8,
         };
@@ -293,7 +305,7 @@ impl PeerSum {
     /// What a consumer of the sum in `slot` waits on and reads.
     fn wait_args(&self, slot: usize) -> WaitArgs {
         WaitArgs {
-            peer_part: self.recv + (slot * ROW_MAX * 4) as u64,
+            peer_part: self.recv + (slot * SLOT_FLOATS * 4) as u64,
             arrivals: self.counters,
             own: self.counters + 8,
             abort: self.abort,
@@ -345,6 +357,45 @@ impl PeerSum {
             Some(p) => self.settle(ctx, p),
             None => Ok(()),
         }
+    }
+
+    /// Whether [`PeerSum::sum_rows`] takes an f32 output of `n` values at `ptr`.
+    pub fn rows_fit(ptr: DevicePtr, n: usize) -> bool {
+        n > 0 && n.is_multiple_of(4) && n <= SLOT_FLOATS && ptr.is_multiple_of(16)
+    }
+
+    /// `y += the peer's y` in place, for an f32 output of `n` values (the caller checks
+    /// [`PeerSum::rows_fit`]): the bits of NCCL's two-rank sum, by one kernel
+    /// (kernels/gemv_dense.cu, `peer_sum_rows`). A pending one-token sum is settled first.
+    pub fn sum_rows(&self, ctx: &CudaContext, y: DevicePtr, n: usize) -> Result<()> {
+        self.settle_pending(ctx)?;
+        let (slot, push) = self.next_push();
+        let slot_part = self.wait_args(slot);
+        let n4 = n / 4;
+        // At most one CTA an SM, all resident: each waits for the peer's whole push.
+        let grid = n4.div_ceil(1024).min(ctx.gpu.sm_count).max(1);
+        self.summed_rows.fetch_add(1, Ordering::Relaxed);
+        ctx.launch(
+            "peer_sum_rows",
+            (grid as u32, 1, 1),
+            1024,
+            vec![
+                Arg::Ptr(y),
+                Arg::Ptr(push.peer_y),
+                Arg::Ptr(slot_part.peer_part),
+                Arg::I64(n4 as i64),
+                Arg::Ptr(push.peer_arrivals),
+                Arg::Ptr(slot_part.arrivals),
+                Arg::Ptr(slot_part.own),
+                Arg::Ptr(self.counters + 16),
+                Arg::Ptr(slot_part.abort),
+            ],
+        )
+    }
+
+    /// How many outputs [`PeerSum::sum_rows`] has summed.
+    pub fn rows_summed(&self) -> usize {
+        self.summed_rows.load(Ordering::Relaxed)
     }
 
     /// `own += the peer's row` once it has arrived (kernels/gemv_dense.cu, `peer_sum_settle`).

@@ -41,6 +41,8 @@ struct Run {
     logits: Vec<Vec<f32>>,
     free: Vec<u32>,
     graphs: (u64, u64),
+    /// Outputs of several rows summed peer to peer (`CudaBackend::peer_rows_summed`).
+    rows_summed: usize,
 }
 
 /// Greedy tokens each run generates freely after the prompt.
@@ -53,6 +55,7 @@ fn run_on(e: Engine<CudaBackend>, path: &[u32], prompt_len: usize) -> Run {
         logits,
         free,
         graphs: e.backend.graph_counts(),
+        rows_summed: e.backend.peer_rows_summed(),
     }
 }
 
@@ -158,7 +161,13 @@ fn nccl_all_reduce_is_the_exact_sum() {
     eprintln!("nccl_all_reduce_is_the_exact_sum: seed {seed}");
     let g = group().symmetric_window(true);
     eprintln!("{}", nibble_cuda::nccl::describe().unwrap());
-    let sizes = [1usize, 7, 4099, 1 << 20 | 3];
+    // Past 4,099 elements: sizes the peer sum of several rows takes (multiples of 4 up to a
+    // receive slot, `peer_sum::SLOT_FLOATS`) and one it leaves to NCCL.
+    let sizes = [1usize, 7, 4099, 3 * 4096, 1 << 20, 1 << 20 | 3];
+    let peer_sizes = sizes
+        .iter()
+        .filter(|&&n| n % 4 == 0 && n <= nibble_cuda::peer_sum::SLOT_FLOATS)
+        .count();
     let parts: Vec<Vec<Vec<f32>>> = (0..2)
         .map(|rank| {
             let mut r = ChaCha8Rng::seed_from_u64(seed + rank);
@@ -168,23 +177,37 @@ fn nccl_all_reduce_is_the_exact_sum() {
                 .collect()
         })
         .collect();
-    let got: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+    type Sums = Vec<Vec<f32>>;
+    let got: Vec<(Sums, Sums, usize)> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
             .map(|rank| {
                 let (g, parts) = (&g, &parts);
                 s.spawn(move || {
-                    let be = g.rank_backend(rank).unwrap();
-                    // The latency of decode-sized all-reduces (a Llama-3-8B row of f32, and 256
-                    // rows), in activations (NCCL's default kernels) and in the symmetric window
-                    // (its symmetric kernels), for the benchmark notes; not a pass or fail.
+                    let mut be = g.rank_backend(rank).unwrap();
+                    // The latency of decode-sized all-reduces (a Llama-3-8B row of f32, up to 256
+                    // rows), in activations (NCCL's default kernels), in the symmetric window
+                    // (its symmetric kernels) and as the peer sum of several rows where the
+                    // GPUs are peers, for the benchmark notes; not a pass or fail.
                     if rank == 0 {
-                        eprintln!("symmetric window: {}", be.window_tensor(1, 1).is_some());
+                        eprintln!(
+                            "symmetric window: {}, peer sum: {}",
+                            be.window_tensor(1, 1).is_some(),
+                            be.sums_with_peer()
+                        );
                     }
-                    for rows in [1usize, 256] {
+                    for rows in [1usize, 16, 64, 256] {
                         let plain = be.load_vector(&vec![1.0f32; rows * 4096]).unwrap();
                         let window = be.window_tensor(rows, 4096);
-                        for (name, t) in [("activations", Some(plain)), ("window", window)] {
+                        let peer = be
+                            .sums_with_peer()
+                            .then(|| be.load_vector(&vec![1.0f32; rows * 4096]).unwrap());
+                        for (name, t, peer_rows) in [
+                            ("activations", Some(plain), false),
+                            ("window", window, false),
+                            ("the peer sum", peer, true),
+                        ] {
                             let Some(mut t) = t else { continue };
+                            be.peer_rows = peer_rows;
                             for round in 0..2 {
                                 be.synchronize().unwrap();
                                 let start = Instant::now();
@@ -203,6 +226,7 @@ fn nccl_all_reduce_is_the_exact_sum() {
                         }
                     }
                     // The window's sums are exact too.
+                    be.peer_rows = false;
                     if let Some(mut t) = be.window_tensor(1, 4099) {
                         be.gpu.upload(t.ptr, &parts[rank][2]).unwrap();
                         be.all_reduce(&mut t).unwrap();
@@ -214,27 +238,58 @@ fn nccl_all_reduce_is_the_exact_sum() {
                             .collect();
                         assert_eq!(got, want, "rank {rank}: the window's sum of 4099 elements");
                     }
-                    parts[rank]
-                        .iter()
-                        .map(|p| {
-                            let mut t = be.load_vector(p).unwrap();
-                            be.all_reduce(&mut t).unwrap();
-                            be.to_host(&t).unwrap()
-                        })
-                        .collect()
+                    // NCCL's sums, then the peer sum's (twice over: every receive slot reused,
+                    // holding the previous round's addends).
+                    let sum_all = |be: &CudaBackend| -> Sums {
+                        parts[rank]
+                            .iter()
+                            .map(|p| {
+                                let mut t = be.load_vector(p).unwrap();
+                                be.all_reduce(&mut t).unwrap();
+                                be.to_host(&t).unwrap()
+                            })
+                            .collect()
+                    };
+                    let nccl = sum_all(&be);
+                    be.peer_rows = true;
+                    let before = be.peer_rows_summed();
+                    let _ = sum_all(&be);
+                    let peer = sum_all(&be);
+                    (nccl, peer, be.peer_rows_summed() - before)
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    for (i, n) in sizes.iter().enumerate() {
-        let want: Vec<f32> = parts[0][i]
-            .iter()
-            .zip(&parts[1][i])
-            .map(|(a, b)| a + b)
-            .collect();
-        assert_eq!(got[0][i], want, "rank 0, {n} elements");
-        assert_eq!(got[1][i], want, "rank 1, {n} elements");
+    for (rank, (nccl, peer, summed)) in got.iter().enumerate() {
+        for (i, n) in sizes.iter().enumerate() {
+            let want: Vec<f32> = parts[0][i]
+                .iter()
+                .zip(&parts[1][i])
+                .map(|(a, b)| a + b)
+                .collect();
+            assert!(
+                nccl[i]
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "rank {rank}, NCCL, {n} elements"
+            );
+            assert!(
+                peer[i]
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "rank {rank}, peer sum, {n} elements"
+            );
+        }
+        if *summed > 0 {
+            assert_eq!(
+                *summed,
+                2 * peer_sizes,
+                "rank {rank}: peer sums of several rows"
+            );
+        }
     }
 }
 
@@ -353,6 +408,9 @@ fn the_peer_sum_follows_one_gpu() {
             .map(|(x, y)| rel_err(x, y))
             .fold(0.0, f64::max)
     };
+    // The prompt's and the teacher-forced steps' sums of several rows are the peer's too.
+    assert!(two[0].rows_summed > 0, "no peer sum of several rows");
+    assert_eq!(nccl[0].rows_summed, 0);
     for (what, runs) in [("peer sum", &two), ("NCCL", &nccl)] {
         assert_eq!(runs[0], runs[1], "{what}: the ranks disagree");
         let (replays, captures) = runs[0].graphs;
