@@ -406,25 +406,43 @@ extern "C" __global__ void __launch_bounds__(1024) peer_sum_settle(float* y, con
 }
 
 // A peer sum of a whole output, any number of rows (what cuBLAS or a quantized GEMM wrote: the
-// multi-token steps, where NCCL's all-reduce spent 7 to 26 us a sum): in place, y = y + the
-// peer's y, the bits of NCCL's two-rank sum. Each CTA stores its share of y (float4s) into the
-// peer's receive slot, counts it there with a release add, then waits until the peer's whole
-// output has arrived and adds it. Every CTA waits for every peer CTA, so the grid is at most
-// one CTA an SM (all resident). `own` moves on by the output's size once every CTA has read it
-// (`done` counts the CTAs; the last one resets it), so both ranks keep counting alike.
-extern "C" __global__ void __launch_bounds__(1024) peer_sum_rows(float* y, float* peer_y, const float* recv,
-                                                               long long n4, u64* peer_arrivals, u64* arrivals,
-                                                               u64* own, unsigned* done, const unsigned* abort) {
+// multi-token steps, where NCCL's all-reduce spent 10 to 34 us a sum): in place, y = y + the
+// peer's y. Each CTA stores its share of y into the peer's receive slot, counts it there with a
+// release add, then waits until the peer's whole output has arrived and adds it. Every CTA waits
+// for every peer CTA, so the grid is at most one CTA an SM (all resident). `own` moves on by the
+// output's size once every CTA has read it (`done` counts the CTAs; the last one resets it), so
+// both ranks keep counting alike.
+// Wire formats: f32, the bits of NCCL's two-rank sum; or BF16 (half the NVLink bytes, as vLLM's
+// and TensorRT-LLM's 16-bit all-reduces), each rank's addend rounded to bf16 before the f32 add,
+// its own as well as the peer's, so both ranks still hold the same bits.
+template <bool BF16>
+__device__ __forceinline__ void peer_sum_rows_impl(float* y, void* peer_y, const void* recv, long long n4,
+                                                   u64* peer_arrivals, u64* arrivals, u64* own, unsigned* done,
+                                                   const unsigned* abort) {
     grid_dependency_wait();
     __shared__ u64 target;
     const long long per = (n4 + gridDim.x - 1) / gridDim.x;
     const long long b = (long long)blockIdx.x * per;
     const long long e = b + per < n4 ? b + per : n4;
     float4* y4 = reinterpret_cast<float4*>(y);
-    float4* peer4 = reinterpret_cast<float4*>(peer_y);
-    const float4* recv4 = reinterpret_cast<const float4*>(recv);
+    // A float4 of y as its wire format: 16 bytes of f32, or 8 of bf16.
+    auto round4 = [](float4 v) {
+        return make_float4(__bfloat162float(__float2bfloat16_rn(v.x)), __bfloat162float(__float2bfloat16_rn(v.y)),
+                           __bfloat162float(__float2bfloat16_rn(v.z)), __bfloat162float(__float2bfloat16_rn(v.w)));
+    };
     if (threadIdx.x == 0) target = *reinterpret_cast<const volatile u64*>(own) + (u64)n4;
-    for (long long i = b + threadIdx.x; i < e; i += blockDim.x) peer4[i] = y4[i];
+    for (long long i = b + threadIdx.x; i < e; i += blockDim.x) {
+        const float4 v = y4[i];
+        if constexpr (BF16) {
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+            uint2 w;
+            w.x = *reinterpret_cast<const u32*>(&lo);
+            w.y = *reinterpret_cast<const u32*>(&hi);
+            reinterpret_cast<uint2*>(peer_y)[i] = w;
+        } else {
+            reinterpret_cast<float4*>(peer_y)[i] = v;
+        }
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
         if (e > b)
@@ -449,9 +467,29 @@ extern "C" __global__ void __launch_bounds__(1024) peer_sum_rows(float* y, float
     __syncthreads();
     grid_dependents_launch();
     for (long long i = b + threadIdx.x; i < e; i += blockDim.x) {
-        const float4 a = y4[i], p = __ldcg(recv4 + i);
+        float4 a = y4[i], p;
+        if constexpr (BF16) {
+            const uint2 w = __ldcg(reinterpret_cast<const uint2*>(recv) + i);
+            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
+            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+            p = make_float4(lo.x, lo.y, hi.x, hi.y);
+            a = round4(a);
+        } else {
+            p = __ldcg(reinterpret_cast<const float4*>(recv) + i);
+        }
         y4[i] = make_float4(a.x + p.x, a.y + p.y, a.z + p.z, a.w + p.w);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) peer_sum_rows(float* y, float* peer_y, const float* recv,
+                                                               long long n4, u64* peer_arrivals, u64* arrivals,
+                                                               u64* own, unsigned* done, const unsigned* abort) {
+    peer_sum_rows_impl<false>(y, peer_y, recv, n4, peer_arrivals, arrivals, own, done, abort);
+}
+extern "C" __global__ void __launch_bounds__(1024) peer_sum_rows_bf16(float* y, void* peer_y, const void* recv,
+                                                                    long long n4, u64* peer_arrivals, u64* arrivals,
+                                                                    u64* own, unsigned* done, const unsigned* abort) {
+    peer_sum_rows_impl<true>(y, peer_y, recv, n4, peer_arrivals, arrivals, own, done, abort);
 }
 
 #endif  // sm_90a

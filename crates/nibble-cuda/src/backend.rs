@@ -80,6 +80,9 @@ pub struct CudaBackend {
     /// [`PeerSum::sum_rows`] instead of NCCL's all-reduce (`NIBBLE_TP_PEER_ROWS=0` keeps NCCL's,
     /// to measure one against the other).
     pub peer_rows: bool,
+    /// Those sums over NVLink in bf16 (`NIBBLE_TP_SUM_BF16=1`): each rank's addend rounded to
+    /// bf16, half the bytes; off by default, which keeps the bits of NCCL's f32 sum.
+    pub peer_rows_bf16: bool,
     /// Host time of eager forward passes by kind of op (`NIBBLE_HOST_TRACE=1`).
     trace: Option<HostTrace>,
     ctx: CudaContext,
@@ -119,6 +122,7 @@ impl CudaBackend {
             residual_turn: AtomicUsize::new(0),
             peer: None,
             peer_rows: std::env::var("NIBBLE_TP_PEER_ROWS").map_or(true, |v| v != "0"),
+            peer_rows_bf16: std::env::var("NIBBLE_TP_SUM_BF16").is_ok_and(|v| v == "1"),
             dense_gemv: std::env::var("NIBBLE_DENSE_GEMV").map_or(true, |v| v != "0"),
             trace: std::env::var("NIBBLE_HOST_TRACE")
                 .is_ok_and(|v| v == "1")
@@ -177,7 +181,7 @@ impl CudaBackend {
                     && x.is_contiguous()
                     && PeerSum::rows_fit(x.ptr, n) =>
             {
-                p.sum_rows(&self.ctx, x.ptr, n)?;
+                p.sum_rows(&self.ctx, x.ptr, n, self.peer_rows_bf16)?;
                 Ok(true)
             }
             _ => Ok(false),

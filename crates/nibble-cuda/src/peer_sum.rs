@@ -33,9 +33,10 @@ const SLOTS: usize = 4;
 /// The widest row summed this way (f32): Llama-2-70B's hidden size is 8,192.
 pub const ROW_MAX: usize = 16384;
 
-/// A receive slot's size in f32: the largest output [`PeerSum::sum_rows`] takes (256 tokens of
-/// a 4,096-wide model; a longer prefill chunk goes to NCCL). 16 MB a rank for the four slots.
-pub const SLOT_FLOATS: usize = 1 << 20;
+/// A receive slot's size in f32: the largest piece of an output [`PeerSum::sum_rows`] sums in
+/// one kernel (1,024 tokens of a 4,096-wide model; longer prefill chunks go in pieces). 64 MB a
+/// rank for the four slots.
+pub const SLOT_FLOATS: usize = 1 << 22;
 
 /// Host memory mapped into every GPU: the group's abort flag, which a rank waiting for its peer
 /// polls, so that a wait for a rank that failed ends when the group is aborted.
@@ -361,36 +362,49 @@ impl PeerSum {
 
     /// Whether [`PeerSum::sum_rows`] takes an f32 output of `n` values at `ptr`.
     pub fn rows_fit(ptr: DevicePtr, n: usize) -> bool {
-        n > 0 && n.is_multiple_of(4) && n <= SLOT_FLOATS && ptr.is_multiple_of(16)
+        n > 0 && n.is_multiple_of(4) && ptr.is_multiple_of(16)
     }
 
     /// `y += the peer's y` in place, for an f32 output of `n` values (the caller checks
-    /// [`PeerSum::rows_fit`]): the bits of NCCL's two-rank sum, by one kernel
-    /// (kernels/gemv_dense.cu, `peer_sum_rows`). A pending one-token sum is settled first.
-    pub fn sum_rows(&self, ctx: &CudaContext, y: DevicePtr, n: usize) -> Result<()> {
+    /// [`PeerSum::rows_fit`]), by one kernel a slot's worth (kernels/gemv_dense.cu,
+    /// `peer_sum_rows`): the bits of NCCL's two-rank sum, or with `bf16` the f32 sum of both
+    /// addends rounded to bf16 (half the bytes over NVLink). A pending one-token sum is settled
+    /// first.
+    pub fn sum_rows(&self, ctx: &CudaContext, y: DevicePtr, n: usize, bf16: bool) -> Result<()> {
         self.settle_pending(ctx)?;
-        let (slot, push) = self.next_push();
-        let slot_part = self.wait_args(slot);
-        let n4 = n / 4;
-        // At most one CTA an SM, all resident: each waits for the peer's whole push.
-        let grid = n4.div_ceil(1024).min(ctx.gpu.sm_count).max(1);
+        let kernel = if bf16 {
+            "peer_sum_rows_bf16"
+        } else {
+            "peer_sum_rows"
+        };
+        let mut start = 0;
+        while start < n {
+            let len = (n - start).min(SLOT_FLOATS);
+            let (slot, push) = self.next_push();
+            let w = self.wait_args(slot);
+            let n4 = len / 4;
+            // At most one CTA an SM, all resident: each waits for the peer's whole push.
+            let grid = n4.div_ceil(1024).min(ctx.gpu.sm_count).max(1);
+            ctx.launch(
+                kernel,
+                (grid as u32, 1, 1),
+                1024,
+                vec![
+                    Arg::Ptr(y + (start * 4) as u64),
+                    Arg::Ptr(push.peer_y),
+                    Arg::Ptr(w.peer_part),
+                    Arg::I64(n4 as i64),
+                    Arg::Ptr(push.peer_arrivals),
+                    Arg::Ptr(w.arrivals),
+                    Arg::Ptr(w.own),
+                    Arg::Ptr(self.counters + 16),
+                    Arg::Ptr(w.abort),
+                ],
+            )?;
+            start += len;
+        }
         self.summed_rows.fetch_add(1, Ordering::Relaxed);
-        ctx.launch(
-            "peer_sum_rows",
-            (grid as u32, 1, 1),
-            1024,
-            vec![
-                Arg::Ptr(y),
-                Arg::Ptr(push.peer_y),
-                Arg::Ptr(slot_part.peer_part),
-                Arg::I64(n4 as i64),
-                Arg::Ptr(push.peer_arrivals),
-                Arg::Ptr(slot_part.arrivals),
-                Arg::Ptr(slot_part.own),
-                Arg::Ptr(self.counters + 16),
-                Arg::Ptr(slot_part.abort),
-            ],
-        )
+        Ok(())
     }
 
     /// How many outputs [`PeerSum::sum_rows`] has summed.

@@ -161,13 +161,19 @@ fn nccl_all_reduce_is_the_exact_sum() {
     eprintln!("nccl_all_reduce_is_the_exact_sum: seed {seed}");
     let g = group().symmetric_window(true);
     eprintln!("{}", nibble_cuda::nccl::describe().unwrap());
-    // Past 4,099 elements: sizes the peer sum of several rows takes (multiples of 4 up to a
-    // receive slot, `peer_sum::SLOT_FLOATS`) and one it leaves to NCCL.
-    let sizes = [1usize, 7, 4099, 3 * 4096, 1 << 20, 1 << 20 | 3];
-    let peer_sizes = sizes
-        .iter()
-        .filter(|&&n| n % 4 == 0 && n <= nibble_cuda::peer_sum::SLOT_FLOATS)
-        .count();
+    // Past 4,099 elements: sizes the peer sum of several rows takes (multiples of 4; past a
+    // receive slot, `peer_sum::SLOT_FLOATS`, in two pieces) and one it leaves to NCCL.
+    let slot = nibble_cuda::peer_sum::SLOT_FLOATS;
+    let sizes = [
+        1usize,
+        7,
+        4099,
+        3 * 4096,
+        1 << 20,
+        1 << 20 | 3,
+        slot + 3 * 4096,
+    ];
+    let peer_sizes = sizes.iter().filter(|&&n| n % 4 == 0).count();
     let parts: Vec<Vec<Vec<f32>>> = (0..2)
         .map(|rank| {
             let mut r = ChaCha8Rng::seed_from_u64(seed + rank);
@@ -178,7 +184,7 @@ fn nccl_all_reduce_is_the_exact_sum() {
         })
         .collect();
     type Sums = Vec<Vec<f32>>;
-    let got: Vec<(Sums, Sums, usize)> = std::thread::scope(|s| {
+    let got: Vec<(Sums, Sums, Sums, usize)> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
             .map(|rank| {
                 let (g, parts) = (&g, &parts);
@@ -198,16 +204,20 @@ fn nccl_all_reduce_is_the_exact_sum() {
                     for rows in [1usize, 16, 64, 256] {
                         let plain = be.load_vector(&vec![1.0f32; rows * 4096]).unwrap();
                         let window = be.window_tensor(rows, 4096);
-                        let peer = be
-                            .sums_with_peer()
-                            .then(|| be.load_vector(&vec![1.0f32; rows * 4096]).unwrap());
-                        for (name, t, peer_rows) in [
-                            ("activations", Some(plain), false),
-                            ("window", window, false),
-                            ("the peer sum", peer, true),
+                        let peer = || {
+                            be.sums_with_peer()
+                                .then(|| be.load_vector(&vec![1.0f32; rows * 4096]).unwrap())
+                        };
+                        let (peer, peer16) = (peer(), peer());
+                        for (name, t, peer_rows, bf16) in [
+                            ("activations", Some(plain), false, false),
+                            ("window", window, false, false),
+                            ("the peer sum", peer, true, false),
+                            ("the peer sum in bf16", peer16, true, true),
                         ] {
                             let Some(mut t) = t else { continue };
                             be.peer_rows = peer_rows;
+                            be.peer_rows_bf16 = bf16;
                             for round in 0..2 {
                                 be.synchronize().unwrap();
                                 let start = Instant::now();
@@ -250,24 +260,41 @@ fn nccl_all_reduce_is_the_exact_sum() {
                             })
                             .collect()
                     };
+                    be.peer_rows_bf16 = false;
                     let nccl = sum_all(&be);
                     be.peer_rows = true;
                     let before = be.peer_rows_summed();
                     let _ = sum_all(&be);
                     let peer = sum_all(&be);
-                    (nccl, peer, be.peer_rows_summed() - before)
+                    be.peer_rows_bf16 = true;
+                    let peer16 = sum_all(&be);
+                    (nccl, peer, peer16, be.peer_rows_summed() - before)
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    for (rank, (nccl, peer, summed)) in got.iter().enumerate() {
+    let bf = |v: f32| half::bf16::from_f32(v).to_f32();
+    for (rank, (nccl, peer, peer16, summed)) in got.iter().enumerate() {
         for (i, n) in sizes.iter().enumerate() {
             let want: Vec<f32> = parts[0][i]
                 .iter()
                 .zip(&parts[1][i])
                 .map(|(a, b)| a + b)
                 .collect();
+            // In bf16 where the peer sum takes the size: both addends rounded, then added in f32.
+            let want16: Vec<f32> = parts[0][i]
+                .iter()
+                .zip(&parts[1][i])
+                .map(|(&a, &b)| if n % 4 == 0 { bf(a) + bf(b) } else { a + b })
+                .collect();
+            assert!(
+                peer16[i]
+                    .iter()
+                    .zip(&want16)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "rank {rank}, peer sum in bf16, {n} elements"
+            );
             assert!(
                 nccl[i]
                     .iter()
@@ -286,7 +313,7 @@ fn nccl_all_reduce_is_the_exact_sum() {
         if *summed > 0 {
             assert_eq!(
                 *summed,
-                2 * peer_sizes,
+                3 * peer_sizes,
                 "rank {rank}: peer sums of several rows"
             );
         }
@@ -725,12 +752,16 @@ fn a_failed_rank_ends_a_peer_sum_wait() {
 #[test]
 #[ignore = "run by a_failed_rank_with_the_window_ends_the_process in a child process"]
 fn failed_rank_child_with_the_window() {
-    fail_rank_one(
+    // Without the peer sum, whose sums of any size would take the window's place.
+    let (e, _) = fail_rank_one(
         &group()
             .symmetric_window(true)
+            .peer_sum(false)
             .exit_if_stuck(Duration::from_secs(10)),
         false,
     );
+    // The run returned instead of the watchdog's exit: the process still ends with the failure.
+    panic!("the run ended with: {e}");
 }
 
 /// The child of [`a_hung_rank_ends_the_process_at_the_step_deadline`]: run only by it.
