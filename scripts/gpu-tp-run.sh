@@ -26,6 +26,9 @@
 #   offline   Llama-3-8B shape, ShareGPT offline throughput at TP=1 and TP=2 (256 sequences),
 #             TP=2 also without the peer sum (unless TP_NOPEER=0) and without all three levers
 #             (unless TP_BASE=0); OFFLINE_ENVS="NAME=VALUE ..." adds TP=2 once with each setting
+#   prefill   Llama-3-8B shape, prompts alone (one output token): PREFILL_RUNS="LENxN ..." (default
+#             "1024x64 128x256 1024x8": N prompts of LEN tokens) in steps of up to PREFILL_TOKENS
+#             (default 8192) at TP=1 and TP=2; PREFILL_ENVS="NAME=VALUE ..." adds TP=2 with each
 #   batch     Llama-3-8B shape, decode steps of BATCH_SEQS sequences (default "16 64 256"; 128-token
 #             prompts, 256 output tokens) at TP=1 and TP=2; BATCH_ENVS="NAME=VALUE ..." adds TP=2
 #             once with each setting
@@ -154,6 +157,17 @@ for part in $parts; do
       [ "${TP_BASE:-1}" = 0 ] || NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 NIBBLE_TP_PEER_SUM=0 offline offline-tp2-base 2
       for e in ${OFFLINE_ENVS:-}; do
         eval "$e offline offline-tp2-$(echo "$e" | tr '=A-Z_' '-a-z-') 2"
+      done ;;
+    prefill)
+      for run in ${PREFILL_RUNS:-1024x64 128x256 1024x8}; do
+        len=${run%x*} n=${run#*x}
+        pf() { throughput "$1" llama-3-8b "$2" --input-len "$len" --output-len 1 --num-prompts "$n" \
+          --max-num-seqs "$n" --max-batched-tokens "${PREFILL_TOKENS:-8192}" --profile; }
+        pf "prefill$run-tp1" 1
+        pf "prefill$run-tp2" 2
+        for e in ${PREFILL_ENVS:-}; do
+          eval "$e pf prefill$run-tp2-$(echo "$e" | tr '=A-Z_' '-a-z-') 2"
+        done
       done ;;
     batch)
       for n in ${BATCH_SEQS:-16 64 256}; do
