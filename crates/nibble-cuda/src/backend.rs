@@ -26,7 +26,7 @@ use crate::context::{CudaContext, StepUpload};
 use crate::host_trace::HostTrace;
 use crate::kv::CudaKv;
 use crate::nccl::{Communicator, ReduceType};
-use crate::peer_sum::PeerSum;
+use crate::peer_sum::{self, PeerSum};
 use crate::qlinear::QKernel;
 use crate::runtime::{DeviceBuffer, DevicePtr};
 use crate::sampling::SampleScratch;
@@ -80,9 +80,11 @@ pub struct CudaBackend {
     /// [`PeerSum::sum_rows`] instead of NCCL's all-reduce (`NIBBLE_TP_PEER_ROWS=0` keeps NCCL's,
     /// to measure one against the other).
     pub peer_rows: bool,
-    /// Those sums over NVLink in bf16, as vLLM's and TensorRT-LLM's 16-bit all-reduces: each
-    /// rank's addend rounded to bf16, half the bytes (offline throughput 1.02x, 256-sequence
-    /// decode steps 1.06x on two H100s). `NIBBLE_TP_SUM_BF16=0` keeps the bits of NCCL's f32 sum.
+    /// Those sums over NVLink in bf16 (`NIBBLE_TP_SUM_BF16=1`), as vLLM's and TensorRT-LLM's
+    /// 16-bit all-reduces: each rank's addend rounded to bf16, half the bytes (offline throughput
+    /// 1.02x, 256-sequence decode steps 1.06x on two H100s), of any size. Off by default: the
+    /// f32 sums keep NCCL's bits, and a mixture-of-experts router can pick other experts on the
+    /// rounded residual (the tiny Mixtral fixture did at its eighth step).
     pub peer_rows_bf16: bool,
     /// Host time of eager forward passes by kind of op (`NIBBLE_HOST_TRACE=1`).
     trace: Option<HostTrace>,
@@ -123,7 +125,7 @@ impl CudaBackend {
             residual_turn: AtomicUsize::new(0),
             peer: None,
             peer_rows: std::env::var("NIBBLE_TP_PEER_ROWS").map_or(true, |v| v != "0"),
-            peer_rows_bf16: std::env::var("NIBBLE_TP_SUM_BF16").map_or(true, |v| v != "0"),
+            peer_rows_bf16: std::env::var("NIBBLE_TP_SUM_BF16").is_ok_and(|v| v == "1"),
             dense_gemv: std::env::var("NIBBLE_DENSE_GEMV").map_or(true, |v| v != "0"),
             trace: std::env::var("NIBBLE_HOST_TRACE")
                 .is_ok_and(|v| v == "1")
@@ -171,16 +173,23 @@ impl CudaBackend {
         self.peer.as_ref().map_or(0, |p| p.rows_summed())
     }
 
+    /// Whether [`CudaBackend::peer_sum_rows`] takes an f32 output of `n` values (at `ptr`): in
+    /// f32 up to a receive slot (past it NCCL's pipelined all-reduce was faster: 8,192-token
+    /// prefill steps 1.08x on two H100s), in bf16 any size (level with NCCL's f32 there).
+    fn peer_rows_take(&self, ptr: DevicePtr, n: usize) -> bool {
+        self.peer.is_some()
+            && self.peer_rows
+            && PeerSum::rows_fit(ptr, n)
+            && (self.peer_rows_bf16 || n <= peer_sum::SLOT_FLOATS)
+    }
+
     /// Sums a whole f32 output `x` (`n` values) with the peer's, where that applies
-    /// ([`CudaBackend::peer_rows`], [`PeerSum::rows_fit`]); false leaves it to NCCL.
+    /// ([`CudaBackend::peer_rows_take`]); false leaves it to NCCL.
     fn peer_sum_rows(&self, x: &CudaTensor) -> Result<bool> {
         let n = x.rows * x.cols;
         match &self.peer {
             Some(p)
-                if self.peer_rows
-                    && x.elem == Elem::F32
-                    && x.is_contiguous()
-                    && PeerSum::rows_fit(x.ptr, n) =>
+                if x.elem == Elem::F32 && x.is_contiguous() && self.peer_rows_take(x.ptr, n) =>
             {
                 p.sum_rows(&self.ctx, x.ptr, n, self.peer_rows_bf16)?;
                 Ok(true)
@@ -1168,7 +1177,7 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         let n = x.rows * weight.rows;
-        if self.peer.is_some() && self.peer_rows && PeerSum::rows_fit(0, n) {
+        if self.peer_rows_take(0, n) {
             let mut out = self.linear(x, weight, None)?;
             if !self.peer_sum_rows(&out)? {
                 self.all_reduce(&mut out)?;

@@ -162,7 +162,8 @@ fn nccl_all_reduce_is_the_exact_sum() {
     let g = group().symmetric_window(true);
     eprintln!("{}", nibble_cuda::nccl::describe().unwrap());
     // Past 4,099 elements: sizes the peer sum of several rows takes (multiples of 4; past a
-    // receive slot, `peer_sum::SLOT_FLOATS`, in two pieces) and one it leaves to NCCL.
+    // receive slot, `peer_sum::SLOT_FLOATS`, in bf16 only, in two pieces) and one it leaves to
+    // NCCL.
     let slot = nibble_cuda::peer_sum::SLOT_FLOATS;
     let sizes = [
         1usize,
@@ -173,7 +174,12 @@ fn nccl_all_reduce_is_the_exact_sum() {
         1 << 20 | 3,
         slot + 3 * 4096,
     ];
-    let peer_sizes = sizes.iter().filter(|&&n| n % 4 == 0).count();
+    let peer_sizes = |bf16: bool| {
+        sizes
+            .iter()
+            .filter(|&&n| n % 4 == 0 && (bf16 || n <= slot))
+            .count()
+    };
     let parts: Vec<Vec<Vec<f32>>> = (0..2)
         .map(|rank| {
             let mut r = ChaCha8Rng::seed_from_u64(seed + rank);
@@ -313,7 +319,7 @@ fn nccl_all_reduce_is_the_exact_sum() {
         if *summed > 0 {
             assert_eq!(
                 *summed,
-                3 * peer_sizes,
+                2 * peer_sizes(false) + peer_sizes(true),
                 "rank {rank}: peer sums of several rows"
             );
         }
