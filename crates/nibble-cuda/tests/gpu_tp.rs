@@ -294,27 +294,20 @@ fn nccl_all_reduce_is_the_exact_sum() {
                 .zip(&parts[1][i])
                 .map(|(&a, &b)| if n % 4 == 0 { bf(a) + bf(b) } else { a + b })
                 .collect();
-            assert!(
-                peer16[i]
-                    .iter()
-                    .zip(&want16)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "rank {rank}, peer sum in bf16, {n} elements"
-            );
-            assert!(
-                nccl[i]
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "rank {rank}, NCCL, {n} elements"
-            );
-            assert!(
-                peer[i]
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "rank {rank}, peer sum, {n} elements"
-            );
+            for (what, got, want) in [
+                ("peer sum in bf16", &peer16[i], &want16),
+                ("NCCL", &nccl[i], &want),
+                ("peer sum", &peer[i], &want),
+            ] {
+                assert!(
+                    got.len() == want.len()
+                        && got
+                            .iter()
+                            .zip(want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "rank {rank}, {what}, {n} elements"
+                );
+            }
         }
         if *summed > 0 {
             assert_eq!(
