@@ -448,8 +448,12 @@ __device__ __forceinline__ void peer_sum_rows_impl(float* y, void* peer_y, const
         if (e > b)
             asm volatile("red.release.sys.global.add.u64 [%0], %1;\n" ::"l"(peer_arrivals), "l"((u64)(e - b))
                          : "memory");
+        // Each CTA's read of `own` comes before its count (the fence); the last CTA's fence
+        // after its count orders every CTA's read before its move of `own` (fence to fence
+        // through the counts on `done`).
         __threadfence();
         if (atomicAdd(done, 1u) == gridDim.x - 1) {
+            __threadfence();
             *done = 0;
             atomicAdd(own, (u64)n4);
         }

@@ -126,6 +126,18 @@ impl PeerExchange {
     }
 }
 
+impl PeerExchange {
+    /// Frees rank `rank`'s slots (64 MB) where the two ranks will not sum peer to peer: neither
+    /// has pushed to them, nor will. Called on the rank's own thread, its GPU bound.
+    pub fn withdraw(&self, rank: usize) -> Result<()> {
+        let part = self.parts.lock().unwrap_or_else(|p| p.into_inner())[rank].take();
+        if let Some(p) = part {
+            p.gpu.synchronize()?;
+        }
+        Ok(())
+    }
+}
+
 impl Drop for PeerExchange {
     fn drop(&mut self) {
         // No kernel of any rank may still push into a slot being freed; the abort flag's free

@@ -229,13 +229,19 @@ impl GpuGroup {
             let ex = self.exchange(&be.gpu)?;
             let p = PeerSum::connect(&be.gpu, rank, &ex, || self.host.barrier(rank))?;
             let both = self.host.agree_min(rank, p.is_some() as usize)? == 1;
-            if rank == 0 && !both {
-                eprintln!(
-                    "nibble: the two GPUs have no peer access; row-parallel sums run NCCL's \
-                     all-reduce"
-                );
+            if !both {
+                if rank == 0 {
+                    eprintln!(
+                        "nibble: the two GPUs have no peer access; row-parallel sums run NCCL's \
+                         all-reduce"
+                    );
+                }
+                drop(p);
+                ex.withdraw(rank)?;
+                None
+            } else {
+                p
             }
-            p.filter(|_| both)
         } else {
             None
         };

@@ -190,7 +190,7 @@ fn nccl_all_reduce_is_the_exact_sum() {
         })
         .collect();
     type Sums = Vec<Vec<f32>>;
-    let got: Vec<(Sums, Sums, Sums, usize)> = std::thread::scope(|s| {
+    let got: Vec<(Sums, Sums, Sums, usize, bool)> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
             .map(|rank| {
                 let (g, parts) = (&g, &parts);
@@ -274,25 +274,33 @@ fn nccl_all_reduce_is_the_exact_sum() {
                     let peer = sum_all(&be);
                     be.peer_rows_bf16 = true;
                     let peer16 = sum_all(&be);
-                    (nccl, peer, peer16, be.peer_rows_summed() - before)
+                    let summed = be.peer_rows_summed() - before;
+                    (nccl, peer, peer16, summed, be.sums_with_peer())
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     let bf = |v: f32| half::bf16::from_f32(v).to_f32();
-    for (rank, (nccl, peer, peer16, summed)) in got.iter().enumerate() {
+    for (rank, (nccl, peer, peer16, summed, with_peer)) in got.iter().enumerate() {
         for (i, n) in sizes.iter().enumerate() {
             let want: Vec<f32> = parts[0][i]
                 .iter()
                 .zip(&parts[1][i])
                 .map(|(a, b)| a + b)
                 .collect();
-            // In bf16 where the peer sum takes the size: both addends rounded, then added in f32.
+            // In bf16 where the peer sum takes the size: both addends rounded, then added in f32
+            // (NCCL's f32 sum where there is no peer sum).
             let want16: Vec<f32> = parts[0][i]
                 .iter()
                 .zip(&parts[1][i])
-                .map(|(&a, &b)| if n % 4 == 0 { bf(a) + bf(b) } else { a + b })
+                .map(|(&a, &b)| {
+                    if *with_peer && n % 4 == 0 {
+                        bf(a) + bf(b)
+                    } else {
+                        a + b
+                    }
+                })
                 .collect();
             for (what, got, want) in [
                 ("peer sum in bf16", &peer16[i], &want16),
@@ -309,13 +317,16 @@ fn nccl_all_reduce_is_the_exact_sum() {
                 );
             }
         }
-        if *summed > 0 {
-            assert_eq!(
-                *summed,
-                2 * peer_sizes(false) + peer_sizes(true),
-                "rank {rank}: peer sums of several rows"
-            );
-        }
+        // Without the peer sum (GPUs that are not peers, or not Hopper) NCCL sums everything.
+        let want_summed = if *with_peer {
+            2 * peer_sizes(false) + peer_sizes(true)
+        } else {
+            0
+        };
+        assert_eq!(
+            *summed, want_summed,
+            "rank {rank}: peer sums of several rows"
+        );
     }
 }
 
