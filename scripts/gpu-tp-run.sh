@@ -73,6 +73,12 @@ source scripts/gpu-lib.sh
 seed_kernel_cache
 STEP_SUMMARY="^throughput|^steps|seqs:|with prefill|^test |test result|FAILED|panicked|loaded its shard|NCCL|error"
 
+# with_envs FN NAME TP "NAME=VALUE ...": FN NAME-<setting> TP once under each setting.
+with_envs() {
+  local fn=$1 name=$2 tp=$3 e
+  for e in $4; do eval "$e $fn $name-$(echo "$e" | tr '=A-Z_' '-a-z-') $tp"; done
+}
+
 throughput() {  # throughput NAME MODEL TP ARGS...
   local name=$1 model=$2 tp=$3; shift 3
   step "$name" timeout "${TIMEOUT:-300}" "$bin" --device cuda --dummy-weights "$model" --tokenizer "$tok" \
@@ -113,11 +119,7 @@ for part in $parts; do
         NIBBLE_TP_PEER_SUM=0 b1 b1-tp2-nopeer-r2 2
       fi
       # B1_ENVS="NAME=VALUE ...": TP=1 and TP=2 once with each setting.
-      for e in ${B1_ENVS:-}; do
-        for tp in 1 2; do
-          eval "$e b1 b1-tp$tp-$(echo "$e" | tr '=A-Z_' '-a-z-') $tp"
-        done
-      done
+      for tp in 1 2; do with_envs b1 "b1-tp$tp" "$tp" "${B1_ENVS:-}"; done
       if [ -n "${B1_BASE:-}" ]; then
         bin=$B1_BASE b1 b1-tp2-base-r2 2
         bin=$B1_BASE b1 b1-tp1-base-r2 1
@@ -155,9 +157,7 @@ for part in $parts; do
       offline offline-tp2 2
       [ "${TP_NOPEER:-1}" = 0 ] || NIBBLE_TP_PEER_SUM=0 offline offline-tp2-nopeer 2
       [ "${TP_BASE:-1}" = 0 ] || NIBBLE_TP_WINDOW=0 NIBBLE_TP_SPLIT_HEAD=0 NIBBLE_TP_PEER_SUM=0 offline offline-tp2-base 2
-      for e in ${OFFLINE_ENVS:-}; do
-        eval "$e offline offline-tp2-$(echo "$e" | tr '=A-Z_' '-a-z-') 2"
-      done ;;
+      with_envs offline offline-tp2 2 "${OFFLINE_ENVS:-}" ;;
     prefill)
       for run in ${PREFILL_RUNS:-1024x64 128x256 1024x8}; do
         len=${run%x*} n=${run#*x}
@@ -165,9 +165,7 @@ for part in $parts; do
           --max-num-seqs "$n" --max-batched-tokens "${PREFILL_TOKENS:-8192}" --profile; }
         pf "prefill$run-tp1" 1
         pf "prefill$run-tp2" 2
-        for e in ${PREFILL_ENVS:-}; do
-          eval "$e pf prefill$run-tp2-$(echo "$e" | tr '=A-Z_' '-a-z-') 2"
-        done
+        with_envs pf "prefill$run-tp2" 2 "${PREFILL_ENVS:-}"
       done ;;
     batch)
       for n in ${BATCH_SEQS:-16 64 256}; do
@@ -175,9 +173,7 @@ for part in $parts; do
           --max-num-seqs "$n" --profile; }
         bn "batch$n-tp1" 1
         bn "batch$n-tp2" 2
-        for e in ${BATCH_ENVS:-}; do
-          eval "$e bn batch$n-tp2-$(echo "$e" | tr '=A-Z_' '-a-z-') 2"
-        done
+        with_envs bn "batch$n-tp2" 2 "${BATCH_ENVS:-}"
       done ;;
     kv)
       # The tiny dummy shape (head_dim 64): quantized pools have kernels for head_dim 64 and 128

@@ -81,10 +81,10 @@ pub struct CudaBackend {
     /// to measure one against the other).
     pub peer_rows: bool,
     /// Those sums over NVLink in bf16 (`NIBBLE_TP_SUM_BF16=1`), as vLLM's and TensorRT-LLM's
-    /// 16-bit all-reduces: each rank's addend rounded to bf16, half the bytes (offline throughput
-    /// 1.02x, 256-sequence decode steps 1.06x on two H100s), of any size. Off by default: the
-    /// f32 sums keep NCCL's bits, and a mixture-of-experts router can pick other experts on the
-    /// rounded residual (the tiny Mixtral fixture did at its eighth step).
+    /// 16-bit all-reduces: each rank's addend rounded to bf16, half the bytes, of any size. Off
+    /// by default: on two H100s the engine ran within the runs' spread of the f32 sums, which
+    /// keep NCCL's bits, and a mixture-of-experts router can pick other experts on the rounded
+    /// residual (the tiny Mixtral fixture did at its eighth step).
     pub peer_rows_bf16: bool,
     /// Host time of eager forward passes by kind of op (`NIBBLE_HOST_TRACE=1`).
     trace: Option<HostTrace>,
@@ -173,23 +173,26 @@ impl CudaBackend {
         self.peer.as_ref().map_or(0, |p| p.rows_summed())
     }
 
-    /// Whether [`CudaBackend::peer_sum_rows`] takes an f32 output of `n` values (at `ptr`): in
-    /// f32 up to a receive slot (past it NCCL's pipelined all-reduce was faster: 8,192-token
-    /// prefill steps 1.08x on two H100s), in bf16 any size (level with NCCL's f32 there).
-    fn peer_rows_take(&self, ptr: DevicePtr, n: usize) -> bool {
+    /// Whether [`CudaBackend::peer_sum_rows`] takes an output of `n` f32 values: in f32 up to a
+    /// receive slot (past it NCCL's pipelined all-reduce was faster: 8,192-token prefill steps
+    /// 1.08x on two H100s), in bf16 any size (level with NCCL's f32 there).
+    fn peer_rows_take(&self, n: usize) -> bool {
         self.peer.is_some()
             && self.peer_rows
-            && PeerSum::rows_fit(ptr, n)
+            && PeerSum::rows_fit(n)
             && (self.peer_rows_bf16 || n <= peer_sum::SLOT_FLOATS)
     }
 
-    /// Sums a whole f32 output `x` (`n` values) with the peer's, where that applies
-    /// ([`CudaBackend::peer_rows_take`]); false leaves it to NCCL.
+    /// Sums a whole f32 output `x` (`n` values, 16-byte aligned) with the peer's, where that
+    /// applies ([`CudaBackend::peer_rows_take`]); false leaves it to NCCL.
     fn peer_sum_rows(&self, x: &CudaTensor) -> Result<bool> {
         let n = x.rows * x.cols;
         match &self.peer {
             Some(p)
-                if x.elem == Elem::F32 && x.is_contiguous() && self.peer_rows_take(x.ptr, n) =>
+                if x.elem == Elem::F32
+                    && x.is_contiguous()
+                    && x.ptr.is_multiple_of(16)
+                    && self.peer_rows_take(n) =>
             {
                 p.sum_rows(&self.ctx, x.ptr, n, self.peer_rows_bf16)?;
                 Ok(true)
@@ -1177,11 +1180,10 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         let n = x.rows * weight.rows;
-        if self.peer_rows_take(0, n) {
+        // Summed peer to peer (Backend::all_reduce): computed in activations, not the window.
+        if self.peer_rows_take(n) {
             let mut out = self.linear(x, weight, None)?;
-            if !self.peer_sum_rows(&out)? {
-                self.all_reduce(&mut out)?;
-            }
+            self.all_reduce(&mut out)?;
             return Ok(out);
         }
         match self.window {
