@@ -175,7 +175,7 @@ impl CudaBackend {
 
     /// Whether [`CudaBackend::peer_sum_rows`] takes an output of `n` f32 values: in f32 up to a
     /// receive slot (past it NCCL's pipelined all-reduce was faster: 8,192-token prefill steps
-    /// 1.08x on two H100s), in bf16 any size (level with NCCL's f32 there).
+    /// 1.07x and 1.08x on two H100s), in bf16 any size (level with NCCL's f32 there).
     fn peer_rows_take(&self, n: usize) -> bool {
         self.peer.is_some()
             && self.peer_rows
