@@ -8,7 +8,10 @@ INT4 weight-only (`_weight_int4pack_mm`, group 128), INT8 (`_int_mm`) and FP8 (`
 row-wise scales), each timed from a CUDA graph like nibble's, cycling through enough copies of
 its weight that every call reads it from HBM.
 
-    python3 bench/gpu_peer.py OUT.json [--qgemm] [--kv-attention] [--prefill-attention]
+    python3 bench/gpu_peer.py OUT.json [--qgemm [--ms=256,1024]] [--kv-attention] [--prefill-attention]
+
+`--ms=` limits the quantized matmuls to those token counts (the whole set once ran past a device
+call's limit beside an A/B).
 """
 import itertools
 import json
@@ -63,7 +66,7 @@ def cold_copies(dev, make, nbytes):
     return lambda: next(it), len(copies)
 
 
-def qgemm_peers(dev):
+def qgemm_peers(dev, ms_list):
     rows = []
     for n, k in QGEMM_SHAPES:
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
@@ -83,7 +86,7 @@ def qgemm_peers(dev):
         wf8 = w.to(torch.float8_e4m3fn)
         wf8n, _ = cold_copies(dev, lambda: wf8.clone(), n * k)
         sw = torch.full((1, n), 0.01, device=dev, dtype=torch.float32)
-        for m in QGEMM_MS:
+        for m in ms_list:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             r = {"n": n, "k": k, "m": m, "weight_copies": [w_copies, w4_copies, w8_copies]}
             r["bf16_ms"] = ms_graph(lambda: x @ wn().t())
@@ -164,7 +167,9 @@ def main():
             json.dump(res, f, indent=2)
         return
     if "--qgemm" in sys.argv:
-        res["qgemm"] = qgemm_peers(dev)
+        given = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--ms=")]
+        ms_list = [int(v) for v in given[-1].split(",")] if given else QGEMM_MS
+        res["qgemm"] = qgemm_peers(dev, ms_list)
         with open(out, "w") as f:
             json.dump(res, f, indent=2)
         return

@@ -7,7 +7,7 @@
 # A STAGE is a folder (its files are named after it) or NAME=FOLDER, either followed by
 # @VAR=VALUE[,VAR=VALUE] to run that build with probe knobs set (the same build A/B'd against
 # itself, e.g. sk0=stage/cand@NIBBLE_WGMMA_STREAM_K=0). Writes
-# OUTDIR/bench-NAME-ROUND.json; `python3 bench/ab_report.py OUTDIR --base A --cand B` compares two.
+# OUTDIR/bench-NAME-ROUND.json (and peer.json with AB_PEER); `python3 bench/ab_report.py OUTDIR --base A --cand B` compares two.
 # scripts/gpu-ab.sh is this for one candidate against main.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,5 +51,11 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       "$out/bench-${names[$i]}-$round.json" $bench
   done
 done
+# The peer on the same GPU in the same call (AB_PEER: bench/gpu_peer.py's options, e.g.
+# "--qgemm --ms=256,1024"), for ratios against PyTorch's kernels.
+if [ -n "${AB_PEER:-}" ]; then
+  # shellcheck disable=SC2086 # AB_PEER: options
+  STEP_SUMMARY="^\{" step peer python3 bench/gpu_peer.py "$out/peer.json" $AB_PEER
+fi
 tar czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
 exit $status

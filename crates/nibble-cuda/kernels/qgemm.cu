@@ -152,8 +152,21 @@ __device__ __forceinline__ __half to_out(float v, __half*) { return __float2half
 __device__ __forceinline__ __nv_bfloat16 to_out(float v, __nv_bfloat16*) { return __float2bfloat16_rn(v); }
 
 // The epilogue's view of one output: W4A16 outputs its f32 sum, W8A8 scales its i32 sum.
+// Each epilogue also has a Tile<CH>: the scales of one thread's outputs in a store_tile, loaded
+// ahead of the stores: its rows' (n0 and n0 + 8) once, then its tokens' (m0 + 8 tt and
+// m0 + 8 tt + 1, tt < CH) a chunk of CH token blocks at a time (`tokens`). Loaded per output
+// instead, every load waited behind the last store (nothing tells ptxas the scales are not y),
+// one L1 round trip an output in a row: 128 of the epilogue's 202 stall samples in ncu
+// (bench/results/wgmma-profile-20261126-h100) and about 4 us a 128 x 128 FP8 tile against
+// torch._scaled_mm's (docs/design/hopper-gemm-next.md). e is the PTX C fragment's index: row
+// n0 + 8 (e >> 1), token m0 + 8 tt + (e & 1).
 struct W4Epilogue {
     __device__ __forceinline__ float operator()(float v, int, int) const { return v; }
+    template <int CH> struct Tile {
+        __device__ __forceinline__ Tile(const W4Epilogue&, int, int) {}
+        __device__ __forceinline__ void tokens(const W4Epilogue&, int, int) {}
+        __device__ __forceinline__ float operator()(float v, int, int) const { return v; }
+    };
 };
 // W4A8: a packed word's eight 4-bit codes widened to two registers of INT8 (its low nibbles,
 // then its high ones) by a group's byte-affine parameters `p` = scale | offset << 16 (offset an
@@ -165,8 +178,13 @@ struct W4A8Affine {
     u32 s, off;
     __device__ __forceinline__ explicit W4A8Affine(u32 p) : s(p & 0xffffu), off((u32)((int)p >> 16) * 0x01010101u) {}
     __device__ __forceinline__ void widen(u32 w, u32& lo, u32& hi) const {
+#ifdef W4A8_NO_WIDEN  // probe (wrong results): the widening's issue slots, bounded
+        lo = w;
+        hi = w >> 4;
+#else
         lo = ((w & 0x0f0f0f0fu) * s + off) ^ 0x80808080u;
         hi = (((w >> 4) & 0x0f0f0f0fu) * s + off) ^ 0x80808080u;
+#endif
     }
 };
 
@@ -174,6 +192,15 @@ struct W4A8Affine {
 struct RowScaleEpilogue {
     const float* sw;
     __device__ __forceinline__ float operator()(float v, int, int n) const { return v * sw[n]; }
+    template <int CH> struct Tile {
+        float w[2];
+        __device__ __forceinline__ Tile(const RowScaleEpilogue& epi, int n0, int N) {
+            w[0] = epi.sw[min(n0, N - 1)];
+            w[1] = epi.sw[min(n0 + 8, N - 1)];
+        }
+        __device__ __forceinline__ void tokens(const RowScaleEpilogue&, int, int) {}
+        __device__ __forceinline__ float operator()(float v, int, int e) const { return v * w[e >> 1]; }
+    };
 };
 
 struct W8Epilogue {
@@ -183,6 +210,23 @@ struct W8Epilogue {
     template <class A> __device__ __forceinline__ float operator()(A v, int m, int n) const {
         return (float)v * (sx[m] * sw[n]);
     }
+    template <int CH> struct Tile {
+        float w[2], x[CH][2];
+        __device__ __forceinline__ Tile(const W8Epilogue& epi, int n0, int N) {
+            w[0] = epi.sw[min(n0, N - 1)];
+            w[1] = epi.sw[min(n0 + 8, N - 1)];
+        }
+        __device__ __forceinline__ void tokens(const W8Epilogue& epi, int m0, int M) {
+#pragma unroll
+            for (int tt = 0; tt < CH; ++tt) {
+                x[tt][0] = epi.sx[min(m0 + tt * 8, M - 1)];
+                x[tt][1] = epi.sx[min(m0 + tt * 8 + 1, M - 1)];
+            }
+        }
+        template <class A> __device__ __forceinline__ float operator()(A v, int tt, int e) const {
+            return (float)v * (x[tt][e & 1] * w[e >> 1]);
+        }
+    };
 };
 
 // SwiGLU in the epilogue: the weight is a gate/up pair packed with its rows interleaved in runs
@@ -197,6 +241,15 @@ template <class EPI> struct SwiGluEpilogue {
     template <class A> __device__ __forceinline__ float operator()(A gate, A up, int m, int n) const {
         return SiluMul{}(inner(gate, m, n), inner(up, m, n + 8));
     }
+    // Gate row n0 (e = 0, 1) and its up partner n0 + 8 (e + 2): the inner tile's two rows.
+    template <int CH> struct Tile {
+        typename EPI::template Tile<CH> in;
+        __device__ __forceinline__ Tile(const SwiGluEpilogue& epi, int n0, int N) : in(epi.inner, n0, N) {}
+        __device__ __forceinline__ void tokens(const SwiGluEpilogue& epi, int m0, int M) { in.tokens(epi.inner, m0, M); }
+        template <class A> __device__ __forceinline__ float operator()(A gate, A up, int tt, int e) const {
+            return SiluMul{}(in(gate, tt, e), in(up, tt, e + 2));
+        }
+    };
 };
 template <class EPI> struct IsSwiGlu { static constexpr bool value = false; };
 template <class EPI> struct IsSwiGlu<SwiGluEpilogue<EPI>> { static constexpr bool value = true; };
@@ -204,33 +257,72 @@ template <class EPI> struct IsSwiGlu<SwiGluEpilogue<EPI>> { static constexpr boo
 template <class EPI> __device__ __forceinline__ EPI plain_epilogue(EPI e) { return e; }
 template <class EPI> __device__ __forceinline__ SwiGluEpilogue<EPI> swiglu_epilogue(EPI e) { return {e}; }
 
+// Two adjacent outputs in one store (the address aligned to both), rounded as to_out rounds each.
+__device__ __forceinline__ void store_pair(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+__device__ __forceinline__ void store_pair(__half* p, float a, float b) { *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b); }
+__device__ __forceinline__ void store_pair(__nv_bfloat16* p, float a, float b) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
 // Stores a warp's 16-row x (TT * 8)-token accumulator tile: c0, c1 are row g at tokens 2t, 2t+1,
-// c2, c3 row g + 8 (PTX C fragment); with a SwiGLU epilogue, the product of the two rows.
+// c2, c3 row g + 8 (PTX C fragment); with a SwiGLU epilogue, the product of the two rows. The
+// scales are loaded ahead of the stores (EPI::Tile), in chunks of 16 token blocks: a 256-token
+// tile's 64 token scales at once spilled the SwiGLU entries (ptxas).
 template <int TT, class A, class OUT, class EPI>
 __device__ __forceinline__ void store_tile(const A (&acc)[TT][4], int row0, int tok0, int M, int N,
                                            OUT* y, long ldy, const EPI& epi) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#ifdef WGQ_EPI_OFF  // probe (wrong results): the tile's cost without its epilogue
+    A sum = 0;
 #pragma unroll
-    for (int tt = 0; tt < TT; ++tt)
+    for (int tt = 0; tt < TT; ++tt) sum += acc[tt][0] + acc[tt][1] + acc[tt][2] + acc[tt][3];
+    if (sum == (A)123457) y[lane] = to_out(0.f, (OUT*)nullptr);  // keeps the sums; never true in the bench
+    return;
+#endif
+    constexpr int CH = TT < 16 ? TT : 16;
+    typename EPI::template Tile<CH> at(epi, row0 + g, N);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int n = row0 + g + 8 * (e >> 1), m = tok0 + tt * 8 + 2 * t + (e & 1);
-            if constexpr (IsSwiGlu<EPI>::value) {
-                // Scales read at clamped indices (gate row at most N - 9, the last tile's last
-                // one, so its up partner n + 8 is in bounds too; a token below M) and
-                // the value pinned before the bounds check, so only the store is conditional:
-                // with the SiLU inside the check, ptxas made each output a branch of its own
-                // whose scale load waited a round trip before its math (SASS of c37a6c6), about
-                // 6 us a 256-token tile.
-                if (e < 2) {
-                    float v = epi(acc[tt][e], acc[tt][e + 2], min(m, M - 1), min(n, N - 9));
-                    asm volatile("" : "+f"(v));  // computed here, not sunk into the store's branch
-                    if (n < N && m < M) y[(long)m * ldy + (row0 >> 1) + g] = to_out(v, (OUT*)nullptr);
-                }
-            } else {
-                if (n < N && m < M) y[(long)m * ldy + n] = to_out(epi(acc[tt][e], m, n), (OUT*)nullptr);
+    for (int c = 0; c < TT; c += CH) {
+        at.tokens(epi, tok0 + 8 * c + 2 * t, M);
+#ifdef WGQ_EPI_PAIR  // candidate: lanes g and g ^ 1 swap a value so each stores two adjacent rows
+        if constexpr (!IsSwiGlu<EPI>::value) {
+            if (N % 2 == 0 && ldy % 2 == 0 && (reinterpret_cast<size_t>(y) & (2 * sizeof(OUT) - 1)) == 0) {
+                const bool odd = g & 1;
+#pragma unroll
+                for (int tt = 0; tt < CH; ++tt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const float v0 = at(acc[c + tt][2 * h], tt, 2 * h);
+                        const float v1 = at(acc[c + tt][2 * h + 1], tt, 2 * h + 1);
+                        const float r = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+                        // Even g: rows g, g + 1 at token 2t; odd g: rows g - 1, g at token 2t + 1.
+                        const int n = row0 + 8 * h + (g & ~1), m = tok0 + (c + tt) * 8 + 2 * t + odd;
+                        if (n < N && m < M) store_pair(y + (long)m * ldy + n, odd ? r : v0, odd ? v1 : r);
+                    }
+                continue;
             }
         }
+#endif
+#pragma unroll
+        for (int tt = 0; tt < CH; ++tt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int n = row0 + g + 8 * (e >> 1), m = tok0 + (c + tt) * 8 + 2 * t + (e & 1);
+                if constexpr (IsSwiGlu<EPI>::value) {
+                    // The value pinned before the bounds check, so only the store is conditional:
+                    // with the SiLU inside the check, ptxas made each output a branch of its own
+                    // (SASS of c37a6c6), about 6 us a 256-token tile. Gate rows n < N have their
+                    // up partner n + 8 < N (N a multiple of 16).
+                    if (e < 2) {
+                        float v = at(acc[c + tt][e], acc[c + tt][e + 2], tt, e);
+                        asm volatile("" : "+f"(v));  // computed here, not sunk into the store's branch
+                        if (n < N && m < M) y[(long)m * ldy + (row0 >> 1) + g] = to_out(v, (OUT*)nullptr);
+                    }
+                } else {
+                    if (n < N && m < M) y[(long)m * ldy + n] = to_out(at(acc[c + tt][e], tt, e), (OUT*)nullptr);
+                }
+            }
+    }
 }
 
 // Split-K for the gemv kernels: every CTA writes its partial sums; the last CTA of a row block

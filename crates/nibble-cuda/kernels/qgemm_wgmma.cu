@@ -62,6 +62,9 @@ __device__ __forceinline__ void quad_transpose(u32& v0, u32& v1, u32& v2, u32& v
 // lane t held channels 16t + 4(2s + q) + i of rows g + 8h in register (s, 2q + h)) transposed per
 // quad into the natural K order wgmma reads (channels 32s + 16q + 4t + i).
 __device__ __forceinline__ void w8_regs_to_k_order(u32 (&a)[16]) {
+#ifdef WGQ_NO_KORDER  // probe (wrong results): the transposes' cost, bounded
+    return;
+#endif
 #pragma unroll
     for (int ch = 0; ch < 2; ++ch)
 #pragma unroll
