@@ -44,6 +44,13 @@ if [ -n "${AB_TEST_STAGE:-}" ]; then
     ${AB_TESTS:-qgemm} --test-threads 1
   wait $warm
 fi
+# The peer on the same GPU in the same call, for ratios against PyTorch's kernels (AB_PEER:
+# bench/gpu_peer.py's options, e.g. "--qgemm --ms=256,1024"); before the rounds, so a call cut
+# short keeps it.
+if [ -n "${AB_PEER:-}" ]; then
+  # shellcheck disable=SC2086 # AB_PEER: options
+  STEP_SUMMARY="^\{" step peer python3 bench/gpu_peer.py "$out/peer.json" $AB_PEER
+fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for i in "${!dirs[@]}"; do
     # shellcheck disable=SC2086 # knobs: VAR=VALUE words for env
@@ -51,11 +58,5 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       "$out/bench-${names[$i]}-$round.json" $bench
   done
 done
-# The peer on the same GPU in the same call (AB_PEER: bench/gpu_peer.py's options, e.g.
-# "--qgemm --ms=256,1024"), for ratios against PyTorch's kernels.
-if [ -n "${AB_PEER:-}" ]; then
-  # shellcheck disable=SC2086 # AB_PEER: options
-  STEP_SUMMARY="^\{" step peer python3 bench/gpu_peer.py "$out/peer.json" $AB_PEER
-fi
 tar czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
 exit $status
