@@ -390,6 +390,63 @@ template <class F> struct StagesTokens<F, decltype(void(F::STAGES_TOKENS))> {
     static constexpr bool value = F::STAGES_TOKENS;
 };
 
+#ifdef WGQ_EPI_STAGE
+// Candidate epilogue: a warp's outputs go through 512 bytes of shared memory a round (16 tokens of
+// 16-bit outputs, 8 of f32), so each lane stores 16 contiguous bytes of one token (8 or 4 rows)
+// where store_tile stores 2 or 4: an eighth (a quarter) of the store instructions, and a token's
+// 16 rows in one 32-byte sector. The buffer's 16-byte chunks are XOR-swizzled by their 128-byte
+// line so neither the fragment writes nor the vector reads conflict on banks.
+template <int TT, class A, class OUT, class EPI>
+__device__ __forceinline__ void store_tile_staged(const A (&acc)[TT][4], int row0, int tok0, int M, int N,
+                                                  OUT* y, long ldy, const EPI& epi, uint4* buf) {
+    constexpr int C = sizeof(OUT);            // 16-byte chunks a token's 16 rows
+    constexpr int EPC = 16 / C;               // outputs a chunk
+    constexpr int RT = 32 / C;                // tokens a round (32 chunks)
+    constexpr int TPR = RT / 8;               // token blocks a round
+    constexpr int CH = TT < 16 ? TT : 16;
+    static_assert(CH % TPR == 0, "rounds split a chunk of token blocks");
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const bool vec = (reinterpret_cast<size_t>(y) & 15) == 0 && (ldy * C) % 16 == 0;
+    // Token r's chunk k (of C) sits at 16-byte slot `slot(r, k)` of the round's 32.
+    auto slot = [](int r, int k) {
+        const int c = (r % (8 / C)) * C + k, line = r / (8 / C);
+        return line * 8 + (c ^ (C == 4 ? (line & 3) << 1 : line & 1));
+    };
+    OUT* b = reinterpret_cast<OUT*>(buf);
+    typename EPI::template Tile<CH> at(epi, row0 + g, N);
+#pragma unroll
+    for (int c0 = 0; c0 < TT; c0 += CH) {
+        at.tokens(epi, tok0 + 8 * c0 + 2 * t, M);
+#pragma unroll
+        for (int r0 = 0; r0 < CH; r0 += TPR) {
+#pragma unroll
+            for (int tl = 0; tl < TPR; ++tl)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = tl * 8 + 2 * t + (e & 1), row = g + 8 * (e >> 1);
+                    b[slot(r, row / EPC) * EPC + row % EPC] = to_out(at(acc[c0 + r0 + tl][e], r0 + tl, e), (OUT*)nullptr);
+                }
+            __syncwarp();
+            const int r = lane / C, k = lane % C;
+            const uint4 v = buf[slot(r, k)];
+            const int m = tok0 + (c0 + r0) * 8 + r, n = row0 + k * EPC;
+            if (m < M) {
+                OUT* dst = y + (long)m * ldy + n;
+                if (vec && n + EPC <= N) {
+                    *reinterpret_cast<uint4*>(dst) = v;
+                } else {
+                    const OUT* vs = reinterpret_cast<const OUT*>(&v);
+#pragma unroll
+                    for (int i = 0; i < EPC; ++i)
+                        if (n + i < N) dst[i] = vs[i];
+                }
+            }
+            __syncwarp();
+        }
+    }
+}
+#endif
+
 // A CTA computes output tiles of 128 weight rows (8 packed tiles) x TOK tokens, tokens read
 // through `xmap`; the grid is at most one CTA per SM and each walks tiles blockIdx.x, + gridDim.x,
 // .. in an order that takes WGQ_RASTER token blocks per weight block, so the tiles in flight
@@ -558,6 +615,13 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
                     for (int e = 0; e < 4; ++e) acc[j][e] += part[j][e];
             }
         }
+#ifdef WGQ_EPI_STAGE
+        if constexpr (!IsSwiGlu<EPI>::value) {
+            __shared__ uint4 epi_buf[8][32];  // a consumer warp's round: 512 bytes
+            store_tile_staged<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi, epi_buf[warp]);
+            continue;
+        }
+#endif
         store_tile<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
     }
 }
