@@ -31,8 +31,12 @@ done
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 } | tee "$out/device.txt"
 if [ -n "${AB_TEST_STAGE:-}" ]; then
-  for d in "${dirs[@]}"; do
-    [ "$d" = "$AB_TEST_STAGE" ] || "$d/gpu-bench" /tmp/warm.json $bench >/dev/null 2>&1
+  # Every other build's kernels (a stage's knobs may be define sets) compile while the tests run.
+  for i in "${!dirs[@]}"; do
+    d=${dirs[$i]}
+    if [ "$d" = "$AB_TEST_STAGE" ] && [ -z "${knobs[$i]}" ]; then continue; fi
+    # shellcheck disable=SC2086 # knobs: VAR=VALUE words for env
+    env ${knobs[$i]} "$d/nibble" kernels >/dev/null 2>&1 || env ${knobs[$i]} "$d/gpu-bench" /tmp/warm.json $bench >/dev/null 2>&1
   done &
   warm=$!
   # shellcheck disable=SC2086 # AB_TEST_ENV: VAR=VALUE words (a variant's defines) for the tests
