@@ -257,13 +257,6 @@ template <class EPI> struct IsSwiGlu<SwiGluEpilogue<EPI>> { static constexpr boo
 template <class EPI> __device__ __forceinline__ EPI plain_epilogue(EPI e) { return e; }
 template <class EPI> __device__ __forceinline__ SwiGluEpilogue<EPI> swiglu_epilogue(EPI e) { return {e}; }
 
-// Two adjacent outputs in one store (the address aligned to both), rounded as to_out rounds each.
-__device__ __forceinline__ void store_pair(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
-__device__ __forceinline__ void store_pair(__half* p, float a, float b) { *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b); }
-__device__ __forceinline__ void store_pair(__nv_bfloat16* p, float a, float b) {
-    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-
 // Stores a warp's 16-row x (TT * 8)-token accumulator tile: c0, c1 are row g at tokens 2t, 2t+1,
 // c2, c3 row g + 8 (PTX C fragment); with a SwiGLU epilogue, the product of the two rows. The
 // scales are loaded ahead of the stores (EPI::Tile), in chunks of 16 token blocks: a 256-token
@@ -284,25 +277,6 @@ __device__ __forceinline__ void store_tile(const A (&acc)[TT][4], int row0, int 
 #pragma unroll
     for (int c = 0; c < TT; c += CH) {
         at.tokens(epi, tok0 + 8 * c + 2 * t, M);
-#ifdef WGQ_EPI_PAIR  // candidate: lanes g and g ^ 1 swap a value so each stores two adjacent rows
-        if constexpr (!IsSwiGlu<EPI>::value) {
-            if (N % 2 == 0 && ldy % 2 == 0 && (reinterpret_cast<size_t>(y) & (2 * sizeof(OUT) - 1)) == 0) {
-                const bool odd = g & 1;
-#pragma unroll
-                for (int tt = 0; tt < CH; ++tt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const float v0 = at(acc[c + tt][2 * h], tt, 2 * h);
-                        const float v1 = at(acc[c + tt][2 * h + 1], tt, 2 * h + 1);
-                        const float r = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-                        // Even g: rows g, g + 1 at token 2t; odd g: rows g - 1, g at token 2t + 1.
-                        const int n = row0 + 8 * h + (g & ~1), m = tok0 + (c + tt) * 8 + 2 * t + odd;
-                        if (n < N && m < M) store_pair(y + (long)m * ldy + n, odd ? r : v0, odd ? v1 : r);
-                    }
-                continue;
-            }
-        }
-#endif
 #pragma unroll
         for (int tt = 0; tt < CH; ++tt)
 #pragma unroll

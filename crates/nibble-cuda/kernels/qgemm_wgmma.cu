@@ -28,7 +28,8 @@
 // unpermuted, so each quad of lanes transposes its fragments back (two shuffles per value pair,
 // quad_transpose). W4A16 dequantizes first, exactly as the mma.sync tier: (magic + q - (magic + z))
 // * s with one rounding, so results match it bit for bit up to f32 summation order.
-// Epilogue: straight from the accumulators (store_tile), with W8A8's scales fused.
+// Epilogue: from the accumulators through a warp's 512 bytes of shared memory into 16-byte
+// stores (store_tile_staged), with the scales (W8A8, W4A8, FP8, W8A16) and SwiGLU fused.
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (host pass: bench/probe)
 
 #define WGQ_THREADS 384                 // two consumer warpgroups and a producer warpgroup
@@ -390,27 +391,32 @@ template <class F> struct StagesTokens<F, decltype(void(F::STAGES_TOKENS))> {
     static constexpr bool value = F::STAGES_TOKENS;
 };
 
-#ifdef WGQ_EPI_STAGE
-// Candidate epilogue: a warp's outputs go through 512 bytes of shared memory a round (16 tokens of
-// 16-bit outputs, 8 of f32), so each lane stores 16 contiguous bytes of one token (8 or 4 rows)
-// where store_tile stores 2 or 4: an eighth (a quarter) of the store instructions, and a token's
-// 16 rows in one 32-byte sector. The buffer's 16-byte chunks are XOR-swizzled by their 128-byte
-// line so neither the fragment writes nor the vector reads conflict on banks.
+// The wgmma tiers' epilogue: a warp's outputs go through 512 bytes of shared memory a round (16
+// tokens of its 16 rows in 16-bit outputs, 8 in f32, 32 of SwiGLU's 8 columns), so each lane
+// stores 16 contiguous bytes of one token where store_tile stores 2 (an eighth of the store
+// instructions, and a token's outputs in one 32-byte sector). With the scales loaded ahead of the
+// stores (EPI::Tile) it took FP8 4096x4096 at M = 1024 from 37.3 to 31.5 us on an H100, where no
+// epilogue at all (WGQ_EPI_OFF) took 29.0 (BENCHMARKS.md, "The wgmma epilogue"). The buffer's
+// 16-byte chunks are XOR-swizzled by their 128-byte line, so neither the fragment writes nor the
+// vector reads conflict on banks. Same outputs as store_tile, bit for bit.
 template <int TT, class A, class OUT, class EPI>
 __device__ __forceinline__ void store_tile_staged(const A (&acc)[TT][4], int row0, int tok0, int M, int N,
                                                   OUT* y, long ldy, const EPI& epi, uint4* buf) {
-    constexpr int C = sizeof(OUT);            // 16-byte chunks a token's 16 rows
-    constexpr int EPC = 16 / C;               // outputs a chunk
-    constexpr int RT = 32 / C;                // tokens a round (32 chunks)
-    constexpr int TPR = RT / 8;               // token blocks a round
+    constexpr bool SWIGLU = IsSwiGlu<EPI>::value;
+    constexpr int R = SWIGLU ? 8 : 16;        // outputs a token: the warp's rows, or SwiGLU's columns
+    constexpr int EPC = 16 / sizeof(OUT);     // outputs a 16-byte chunk
+    constexpr int C = R / EPC;                // chunks a token
+    constexpr int LT = 8 / C;                 // tokens a 128-byte line
+    constexpr int TPR = 32 / C / 8;           // token blocks a round (32 chunks)
     constexpr int CH = TT < 16 ? TT : 16;
     static_assert(CH % TPR == 0, "rounds split a chunk of token blocks");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const bool vec = (reinterpret_cast<size_t>(y) & 15) == 0 && (ldy * C) % 16 == 0;
-    // Token r's chunk k (of C) sits at 16-byte slot `slot(r, k)` of the round's 32.
+    const int col0 = SWIGLU ? row0 >> 1 : row0, cols = SWIGLU ? N >> 1 : N;
+    const bool vec = (reinterpret_cast<size_t>(y) & 15) == 0 && (ldy * sizeof(OUT)) % 16 == 0;
+    // Token r's chunk k sits at 16-byte slot `slot(r, k)` of the round's 32.
     auto slot = [](int r, int k) {
-        const int c = (r % (8 / C)) * C + k, line = r / (8 / C);
-        return line * 8 + (c ^ (C == 4 ? (line & 3) << 1 : line & 1));
+        const int line = r / LT, c = (r % LT) * C + k;
+        return line * 8 + (c ^ (C == 4 ? (line & 3) << 1 : C == 2 ? line & 1 : 0));
     };
     OUT* b = reinterpret_cast<OUT*>(buf);
     typename EPI::template Tile<CH> at(epi, row0 + g, N);
@@ -422,30 +428,35 @@ __device__ __forceinline__ void store_tile_staged(const A (&acc)[TT][4], int row
 #pragma unroll
             for (int tl = 0; tl < TPR; ++tl)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = tl * 8 + 2 * t + (e & 1), row = g + 8 * (e >> 1);
-                    b[slot(r, row / EPC) * EPC + row % EPC] = to_out(at(acc[c0 + r0 + tl][e], r0 + tl, e), (OUT*)nullptr);
+                for (int e = 0; e < (SWIGLU ? 2 : 4); ++e) {
+                    const int r = tl * 8 + 2 * t + (e & 1), col = g + 8 * (e >> 1);
+                    float v;
+                    if constexpr (SWIGLU)
+                        v = at(acc[c0 + r0 + tl][e], acc[c0 + r0 + tl][e + 2], r0 + tl, e);
+                    else
+                        v = at(acc[c0 + r0 + tl][e], r0 + tl, e);
+                    b[slot(r, col / EPC) * EPC + col % EPC] = to_out(v, (OUT*)nullptr);
                 }
             __syncwarp();
             const int r = lane / C, k = lane % C;
             const uint4 v = buf[slot(r, k)];
-            const int m = tok0 + (c0 + r0) * 8 + r, n = row0 + k * EPC;
+            const int m = tok0 + (c0 + r0) * 8 + r, n = col0 + k * EPC;
             if (m < M) {
                 OUT* dst = y + (long)m * ldy + n;
-                if (vec && n + EPC <= N) {
+                if (vec && n + EPC <= cols) {
                     *reinterpret_cast<uint4*>(dst) = v;
                 } else {
                     const OUT* vs = reinterpret_cast<const OUT*>(&v);
 #pragma unroll
                     for (int i = 0; i < EPC; ++i)
-                        if (n + i < N) dst[i] = vs[i];
+                        if (n + i < cols) dst[i] = vs[i];
                 }
             }
-            __syncwarp();
+            __syncwarp();  // the buffer is read before the next round writes it
         }
     }
 }
-#endif
+
 
 // A CTA computes output tiles of 128 weight rows (8 packed tiles) x TOK tokens, tokens read
 // through `xmap`; the grid is at most one CTA per SM and each walks tiles blockIdx.x, + gridDim.x,
@@ -464,6 +475,7 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
     constexpr int S = F::STAGES;
     const int splits = SPLITS ? split_arg : 1;
     extern __shared__ __align__(16) unsigned char wgq_smem[];
+    __shared__ uint4 epi_buf[8][32];  // each consumer warp's epilogue round (store_tile_staged)
     const u32 raw = smem_addr(wgq_smem), pad = (1024 - (raw & 1023)) & 1023;
     unsigned char* smem = wgq_smem + pad;  // 128-byte swizzle atoms are 1024-byte aligned
     const u32 base = raw + pad, bars = base + S * F::STAGE;
@@ -615,14 +627,11 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
                     for (int e = 0; e < 4; ++e) acc[j][e] += part[j][e];
             }
         }
-#ifdef WGQ_EPI_STAGE
-        if constexpr (!IsSwiGlu<EPI>::value) {
-            __shared__ uint4 epi_buf[8][32];  // a consumer warp's round: 512 bytes
-            store_tile_staged<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi, epi_buf[warp]);
-            continue;
-        }
-#endif
+#ifdef WGQ_EPI_OFF  // probe (wrong results): the tile's cost without its epilogue
         store_tile<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi);
+#else
+        store_tile_staged<TOK / 8>(acc, (tile0 + warp) * 16, m0, M, N, y, ldy, epi, epi_buf[warp]);
+#endif
     }
 }
 
