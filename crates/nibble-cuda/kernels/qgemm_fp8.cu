@@ -185,17 +185,21 @@ template <int TOK> struct WgqFp8 {
     }
 };
 
-#define FP8_WGMMA_ENTRY(NAME, TOK, OUT, WRAP)                                                         \
+// SPLITS: whether the entry compiles the split path; `fp8_wgmma128w_*` are the 128-token tiles
+// without it, for layers with a tile an SM or more (qlinear::launch_wgmma), where the split path
+// only costs (1 to 3% on the 8-bit 128-token kernels, BENCHMARKS.md).
+#define FP8_WGMMA_ENTRY(NAME, TOK, SPLITS, OUT, WRAP)                                                 \
     extern "C" __global__ void __launch_bounds__(WGQ_THREADS, 1) NAME(                                 \
         const __grid_constant__ TmaMap xmap, const __grid_constant__ TmaMap wmap,                    \
         const float* __restrict__ sw, const float* __restrict__ sx, OUT* __restrict__ y, long ldy, int M, \
         int N, int tiles, int chunks, int splits, float* __restrict__ partial, int* __restrict__ counters) { \
-        wgmma_gemm<TOK, TOK <= 128>(&xmap, WgqFp8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, partial, \
-                                   counters, WRAP(W8Epilogue{sx, sw}));                               \
+        wgmma_gemm<TOK, SPLITS>(&xmap, WgqFp8<TOK>{&wmap, tiles, chunks}, y, ldy, M, N, splits, partial, \
+                                counters, WRAP(W8Epilogue{sx, sw}));                                  \
     }
-#define FP8_WGMMA(OUTNAME, OUT, WRAP)                            \
-    FP8_WGMMA_ENTRY(fp8_wgmma128_##OUTNAME, 128, OUT, WRAP)     \
-    FP8_WGMMA_ENTRY(fp8_wgmma64_##OUTNAME, 64, OUT, WRAP)
+#define FP8_WGMMA(OUTNAME, OUT, WRAP)                                   \
+    FP8_WGMMA_ENTRY(fp8_wgmma128_##OUTNAME, 128, true, OUT, WRAP)      \
+    FP8_WGMMA_ENTRY(fp8_wgmma128w_##OUTNAME, 128, false, OUT, WRAP)    \
+    FP8_WGMMA_ENTRY(fp8_wgmma64_##OUTNAME, 64, true, OUT, WRAP)
 FP8_WGMMA(f32, float, plain_epilogue)
 FP8_WGMMA(f16, __half, plain_epilogue)
 FP8_WGMMA(bf16, __nv_bfloat16, plain_epilogue)

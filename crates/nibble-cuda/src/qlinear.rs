@@ -1411,6 +1411,14 @@ fn launch_wgmma(
     } else {
         1
     };
+    // FP8's 128-token tiles, whole: the entry without the split path (kernels/qgemm_fp8.cu).
+    let whole;
+    let name = if family == QFamily::Fp8 && splits == 1 && forced_fp8_whole() != Some(0) {
+        whole = name.replacen("_wgmma128_", "_wgmma128w_", 1);
+        whole.as_str()
+    } else {
+        name
+    };
     let partial = if splits > 1 {
         ctx.alloc(out_tiles * splits * tokens * 128, 1, Elem::F32)?
             .ptr
@@ -1432,6 +1440,13 @@ fn launch_wgmma(
 fn forced_wgmma_splits() -> Option<usize> {
     static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     probe_knob(&FORCED, "NIBBLE_WGMMA_SPLITS")
+}
+
+/// NIBBLE_FP8_WHOLE, read once: 0 runs FP8's 128-token tiles on the entry with the split path
+/// even where nothing splits (a probe knob: the A/B of `fp8_wgmma128w_*`).
+fn forced_fp8_whole() -> Option<usize> {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    probe_knob(&FORCED, "NIBBLE_FP8_WHOLE")
 }
 
 /// NIBBLE_DECODE_MAX_M, read once: a probe knob (bench/probe/decode_cap_probe.sh) that caps the
