@@ -259,8 +259,9 @@ template <class EPI> __device__ __forceinline__ SwiGluEpilogue<EPI> swiglu_epilo
 
 // Stores a warp's 16-row x (TT * 8)-token accumulator tile: c0, c1 are row g at tokens 2t, 2t+1,
 // c2, c3 row g + 8 (PTX C fragment); with a SwiGLU epilogue, the product of the two rows. The
-// scales are loaded ahead of the stores (EPI::Tile), in chunks of 16 token blocks: a 256-token
-// tile's 64 token scales at once spilled the SwiGLU entries (ptxas).
+// scales are loaded ahead of the stores (EPI::Tile), in chunks of 16 token blocks (32 registers),
+// so a 256-token tile does not hold its 64 token scales beside its 128 accumulators at once. The
+// wgmma tier stores through store_tile_staged instead (qgemm_wgmma.cu).
 template <int TT, class A, class OUT, class EPI>
 __device__ __forceinline__ void store_tile(const A (&acc)[TT][4], int row0, int tok0, int M, int N,
                                            OUT* y, long ldy, const EPI& epi) {

@@ -457,7 +457,6 @@ __device__ __forceinline__ void store_tile_staged(const A (&acc)[TT][4], int row
     }
 }
 
-
 // A CTA computes output tiles of 128 weight rows (8 packed tiles) x TOK tokens, tokens read
 // through `xmap`; the grid is at most one CTA per SM and each walks tiles blockIdx.x, + gridDim.x,
 // .. in an order that takes WGQ_RASTER token blocks per weight block, so the tiles in flight
