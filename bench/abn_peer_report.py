@@ -10,9 +10,10 @@ there).
 The first NAME is the base of the speedup column.
 """
 import json
-import math
 import sys
 from pathlib import Path
+
+from qgemm_report import geomean
 
 
 def fastest(out, name):
@@ -33,11 +34,6 @@ def fastest(out, name):
                     if not isinstance(old, (int, float)) or v < old:
                         have[field] = v
     return best
-
-
-def geomean(v):
-    v = [x for x in v if x > 0]
-    return math.exp(sum(math.log(x) for x in v) / len(v)) if v else float("nan")
 
 
 def main():
