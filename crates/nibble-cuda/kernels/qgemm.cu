@@ -15,9 +15,12 @@
 //
 // Data layout: weights are packed offline (src/pack.rs, derived from the PTX fragment layout) as
 // [tile][chunk of 64 K][lane] fragments: 16 B per lane per chunk for INT4 (one u32 per k16 step),
-// 32 B for INT8 (two k32 steps). Within a chunk, K is permuted so that lane t's B fragments are
-// the 16 consecutive channels t*16 .. t*16+15: activations are read as plain 16-byte vectors,
-// and a warp's weight fetch for a chunk is 512 (1024) contiguous bytes. INT4 group parameters
+// 32 B for INT8 (two k32 steps). For the 16-bit activations, K is permuted within a chunk so
+// that lane t's B fragments are the 16 consecutive channels t*16 .. t*16+15, read as plain
+// 16-byte vectors. INT8 fragments keep K in natural order (the wgmma tier's, pack::KOrder), so
+// INT8 activations are staged with each chunk's 4-byte words transposed (stage_x16): lane t's
+// 16-byte vector is again its B registers of both k32 steps. A warp's weight fetch for a chunk
+// is 512 (1024) contiguous bytes. INT4 group parameters
 // are (scale, magic + zero) 16-bit pairs, [tile][group][g][row g | row g+8], 8 B per lane.
 //
 // INT4 -> 16-bit conversion: lop3 ((w >> 4r) & 0x000f000f) | magic puts nibbles r and r+4 into
@@ -58,6 +61,33 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                  "r"(valid ? 8 : 0));
 }
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 4 : 0));
+}
+
+// INT8 activations (signed char) always meet INT8 fragments in natural K order (pack.rs,
+// KOrder::Natural); 16-bit and FP8 (unsigned char) ones meet fragments that read them in order.
+template <class X> struct StagesWordTransposed { static constexpr bool value = false; };
+template <> struct StagesWordTransposed<signed char> { static constexpr bool value = true; };
+
+// Segment `seg` (16 bytes) of an activation chunk (64 channels) into shared memory at `chunk`,
+// cp.async, zero-filled when `valid` is false. INT8 chunks are staged as a 4x4 transpose of
+// their words (staged word 4t + w is the chunk's word 4w + t, pack::s8_staged_channel): lane t's
+// 16-byte vector then holds channels 4t, 16 + 4t, 32 + 4t and 48 + 4t onwards, its B registers of
+// the chunk's two k32 steps. Four 4-byte copies a segment: the decode kernels stage a CTA's
+// window once, and the mma.sync tiles are the tier for GPUs without wgmma.
+template <class X>
+__device__ __forceinline__ void stage_x16(unsigned char* chunk, int seg, const X* src, bool valid) {
+    if constexpr (StagesWordTransposed<X>::value) {
+        const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) cp_async4(chunk + 16 * t + 4 * seg, s + 4 * t, valid);
+    } else {
+        cp_async16(chunk + 16 * seg, src, valid);
+    }
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -356,12 +386,13 @@ __device__ __forceinline__ int gemv_x_stride(int cps, int elem_bytes) {
 template <class X>
 __device__ __forceinline__ void gemv_stage_x(unsigned char* xs, int stride, const X* x, long ldx,
                                              int M, int K, int c0, int c1) {
-    const int segs = (c1 - c0) * 64 * (int)sizeof(X) / 16;
+    constexpr int SEGS = 4 * (int)sizeof(X);  // 16-byte segments a chunk
+    const int segs = (c1 - c0) * SEGS;
     for (int i = threadIdx.x; i < M * segs; i += blockDim.x) {
         const int row = i / segs, seg = i % segs;
         const int k = c0 * 64 + seg * 16 / (int)sizeof(X);
         const bool ok = k < K;
-        cp_async16(xs + row * stride + seg * 16, x + (ok ? (long)row * ldx + k : 0), ok);
+        stage_x16(xs + row * stride + seg / SEGS * SEGS * 16, seg % SEGS, x + (ok ? (long)row * ldx + k : 0), ok);
     }
     cp_async_commit();
     cp_async_wait<0>();
@@ -667,7 +698,7 @@ __device__ void w8a8_gemv_impl(const uint4* __restrict__ codes, const float* __r
 }
 
 #define W8T_CODES 0      // 8 tiles x 32 lanes x 32 B
-#define W8T_X 8192       // 128 tokens x 64 B: conflict-free for 16-byte B loads as is
+#define W8T_X 8192       // 128 tokens x 64 B (word-transposed): conflict-free for 16-byte B loads as is
 #define W8T_STAGE (W8T_X + 128 * 64)
 
 template <class OUT>
@@ -693,7 +724,7 @@ __device__ void w8a8_tiled_impl(const uint4* __restrict__ codes, const float* __
         for (int i = tid; i < 128 * 4; i += QG_THREADS) {
             const int row = i >> 2, seg = i & 3, m = m0 + row, k = c * 64 + seg * 16;
             const bool ok = m < M && k < K;
-            cp_async16(st + W8T_X + row * 64 + seg * 16, x + (ok ? (long)m * ldx + k : 0), ok);
+            stage_x16(st + W8T_X + row * 64, seg, x + (ok ? (long)m * ldx + k : 0), ok);
         }
     };
 

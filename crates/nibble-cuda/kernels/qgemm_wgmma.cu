@@ -23,11 +23,13 @@
 //
 // Operands: weights are the register A operand (a wgmma A fragment per warp is the mma.sync
 // m16n8k{16,32} A fragment pack.rs derives), tokens the shared-memory B operand in natural K
-// order. The packing permutes K within each 64-channel chunk so the mma.sync tier reads
-// activations as 16-byte vectors (lane t holds channels 16t .. 16t+15); here TMA loads tokens
-// unpermuted, so each quad of lanes transposes its fragments back (two shuffles per value pair,
-// quad_transpose). W4A16 dequantizes first, exactly as the mma.sync tier: (magic + q - (magic + z))
-// * s with one rounding, so results match it bit for bit up to f32 summation order.
+// order, as TMA loads them. The INT8 fragments (W8A8, W4A8, COMET) are packed in that order
+// (pack::KOrder::Natural) and go to wgmma as loaded. The 16-bit ones (W4A16, W8A16) permute K
+// within each 64-channel chunk so the decode kernels read activations as 16-byte vectors (lane t
+// holds channels 16t .. 16t+15), so each quad of lanes transposes them back (two shuffles per
+// value pair, quad_transpose). W4A16 dequantizes first, exactly as the mma.sync tier:
+// (magic + q - (magic + z)) * s with one rounding, so results match it bit for bit up to f32
+// summation order.
 // Epilogue: from the accumulators through a warp's 512 bytes of shared memory into 16-byte
 // stores (store_tile_staged), with the scales (W8A8, W4A8, FP8, W8A16) and SwiGLU fused.
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (host pass: bench/probe)
@@ -57,20 +59,6 @@ __device__ __forceinline__ void quad_transpose(u32& v0, u32& v1, u32& v2, u32& v
     u0 = __shfl_xor_sync(0xffffffffu, u0, 2);
     u1 = __shfl_xor_sync(0xffffffffu, u1, 2);
     if (b1) { v0 = u0; v1 = u1; } else { v2 = u0; v3 = u1; }
-}
-
-// A stage's 16 INT8 A registers in the packer's mma.sync order (two chunks of two k32 steps:
-// lane t held channels 16t + 4(2s + q) + i of rows g + 8h in register (s, 2q + h)) transposed per
-// quad into the natural K order wgmma reads (channels 32s + 16q + 4t + i).
-__device__ __forceinline__ void w8_regs_to_k_order(u32 (&a)[16]) {
-#ifdef WGQ_NO_KORDER  // probe (wrong results): the transposes' cost, bounded
-    return;
-#endif
-#pragma unroll
-    for (int ch = 0; ch < 2; ++ch)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-            quad_transpose(a[8 * ch + h], a[8 * ch + 2 + h], a[8 * ch + 4 + h], a[8 * ch + 6 + h]);
 }
 
 // A chunk's 16-bit A registers in the packer's mma.sync order (src[j] = k16 step j's registers:
@@ -176,9 +164,8 @@ template <int TOK> struct WgqW8 {
     __device__ u32 weight_bytes() const { return 8 * 2048; }  // TMA counts zero-filled bytes too
     // Chunks 2c, 2c + 1 of tiles tile0 .. tile0 + 7, as [tile][2 KB].
     __device__ void issue(u32 w, u32 bar, int tile0, int c) const { tma_load_3d(w, codes, 0, 2 * c, tile0, bar); }
-    // a[4 * (2 * ch + s) + r]: register r of k32 step s of chunk ch (pack.rs order), then each
-    // quad's words transposed into natural K order: lane t held channels 16t + 4(2s + q) + i of
-    // rows g + 8h in register (s, 2q + h) and needs channels 32s + 16q + 4t + i.
+    // a[4 * (2 * ch + s) + r]: register r of k32 step s of chunk ch, already wgmma's A fragment
+    // for the stage's channels 64 ch + 32 s .. (natural K order).
     __device__ void load_a(const unsigned char* w, int, u32 (&a)[A_REGS]) const {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const uint4* src = reinterpret_cast<const uint4*>(w + warp * 2048);
@@ -190,7 +177,6 @@ template <int TOK> struct WgqW8 {
                 u32* r = a + 4 * (2 * ch + s);
                 r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
             }
-        w8_regs_to_k_order(a);
     }
     __device__ void mma(int (&acc)[TOK / 8][4], const u32 (&a)[A_REGS], u32 xs, int) const {
         // A stage missing its second chunk (odd chunk count) still issues four wgmmas, keeping
@@ -317,9 +303,11 @@ template <class T, int TOK> struct WgqW8A16 {
 // row for groups of 128 and up). Consumers widen the codes to W8A8's INT8 fragments in registers
 // (W4A8Affine: an IMAD and an XOR per four weights) straight into the wgmma A operand, so the
 // widened weights never go through shared memory (LiquidGEMM's implicit pipeline: the TMA
-// producer warpgroup streams codes while the consumer warpgroups widen and multiply), then
-// transpose quads into natural K order as WgqW8 does. The epilogue is W8A8's per-row and
-// per-token scales. On Hopper the gain over W8A8 is bytes, not math: the tensor cores run INT8.
+// producer warpgroup streams codes while the consumer warpgroups widen and multiply). As W8A8's,
+// the codes are in natural K order, so the widened registers are wgmma's A fragments as they
+// are; each k32 step reads the parameters of its group (a chunk's two steps differ for groups of
+// 32). The epilogue is W8A8's per-row and per-token scales. On Hopper the gain over W8A8 is
+// bytes, not math: the tensor cores run INT8.
 template <int TOK> struct WgqW4A8 {
     static constexpr int STAGES = TOK == 256 ? 5 : TOK == 128 ? 8 : 12;
     static constexpr int X_BYTES = TOK * 128;
@@ -343,23 +331,24 @@ template <int TOK> struct WgqW4A8 {
         tma_load_3d(w + CODES, params, 0, first_group(c), tile0, bar);
     }
     // Chunk ch's four words widen to a[8 ch ..] in W8A8's register order (word 2s + h: register h
-    // of k32 step s in its low nibbles, register 2 + h in its high ones), then WgqW8's transposes.
+    // of k32 step s in its low nibbles, register 2 + h in its high ones), step s with the
+    // parameters of its group.
     __device__ void load_a(const unsigned char* w, int c, u32 (&a)[A_REGS]) const {
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
         const int g0 = first_group(c);
 #pragma unroll
         for (int ch = 0; ch < 2; ++ch) {
             const uint4 v = *reinterpret_cast<const uint4*>(w + warp * 1024 + ch * 512 + lane * 16);
-            const int gi = ((c * 128 + ch * 64 + t * 16) >> group_shift) - g0;
-            const uint2 p = *reinterpret_cast<const uint2*>(w + CODES + (warp * span + gi) * 64 + g * 8);
-            const W4A8Affine row0(p.x), row8(p.y);
-            u32* r = a + 8 * ch;
-            row0.widen(v.x, r[0], r[2]);
-            row8.widen(v.y, r[1], r[3]);
-            row0.widen(v.z, r[4], r[6]);
-            row8.widen(v.w, r[5], r[7]);
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                const int gi = ((c * 128 + ch * 64 + s * 32) >> group_shift) - g0;
+                const uint2 p = *reinterpret_cast<const uint2*>(w + CODES + (warp * span + gi) * 64 + g * 8);
+                const W4A8Affine row0(p.x), row8(p.y);
+                u32* r = a + 4 * (2 * ch + s);
+                row0.widen(s ? v.z : v.x, r[0], r[2]);
+                row8.widen(s ? v.w : v.y, r[1], r[3]);
+            }
         }
-        w8_regs_to_k_order(a);
     }
     __device__ void mma(int (&acc)[TOK / 8][4], const u32 (&a)[A_REGS], u32 xs, int) const {
 #pragma unroll

@@ -357,9 +357,11 @@ template <class T> struct DecW8A16 : W8Stream {
 };
 
 // W4A8 units: a tile's chunk is 512 B of 4-bit codes (16 B per lane) that widen in registers to
-// exactly DecW8's INT8 fragments (W4A8Affine), and the parameter pair of the group the lane's 16
-// channels lie in (rows g and g + 8, 8 B per lane, through L1: the chunks of a group share it).
-// Scales are per row and token as for W8A8: a batch is one span.
+// exactly DecW8's INT8 fragments (W4A8Affine), and the parameter pairs (rows g and g + 8, 8 B per
+// lane, through L1: the chunks of a group share them) of the groups its two k32 steps lie in:
+// one group for groups of 64 and up, two for groups of 32 (K in natural order, pack::KOrder),
+// whose second pair is fetched and applied under a uniform branch. Scales are per row and token
+// as for W8A8: a batch is one span.
 struct DecW4A8 {
     using X = signed char;
     using Acc = int;
@@ -367,7 +369,8 @@ struct DecW4A8 {
     static constexpr bool ZERO_POINTS = false;
     struct Regs {
         uint4 w[U];
-        uint2 p[U];
+        uint2 p[U];   // the group of the chunk's first k32 step
+        uint2 p1[U];  // its second step's, for groups of 32 only
     };
     struct Tile {
         const uint4* w;
@@ -377,25 +380,32 @@ struct DecW4A8 {
     const uint2* params;
     int chunks, groups, group_shift;  // group_shift 30: one group per row
 
+    __device__ __forceinline__ bool two_groups() const { return group_shift == 5; }
     __device__ __forceinline__ Tile tile_at(int tile) const {
         const int lane = threadIdx.x & 31;
         return {codes + (long)tile * chunks * 32 + lane, params + (long)tile * groups * 8 + (lane >> 2)};
     }
     __device__ __forceinline__ void fetch(const Tile& t, int c, Regs& r) const {
-        const int lane_k = (threadIdx.x & 3) * 16;
 #pragma unroll
         for (int u = 0; u < U; ++u) r.w[u] = ld_stream(t.w + (c + u) * 32);
 #pragma unroll
-        for (int u = 0; u < U; ++u) r.p[u] = __ldg(t.p + (((c + u) * 64 + lane_k) >> group_shift) * 8);
+        for (int u = 0; u < U; ++u) r.p[u] = __ldg(t.p + (((c + u) * 64) >> group_shift) * 8);
+        if (two_groups())
+#pragma unroll
+            for (int u = 0; u < U; ++u) r.p1[u] = __ldg(t.p + ((c + u) * 2 + 1) * 8);
     }
     __device__ __forceinline__ void load_x(const unsigned char* row, uint4 (&v)[1]) const {
         v[0] = *reinterpret_cast<const uint4*>(row + (threadIdx.x & 3) * 16);
     }
     // Chunk u's INT8 A registers of its two k32 steps, as DecW8's packing holds them.
     __device__ __forceinline__ void widen(const Regs& r, int u, u32 (&a)[2][4]) const {
-        const W4A8Affine row0(r.p[u].x), row8(r.p[u].y);
+        W4A8Affine row0(r.p[u].x), row8(r.p[u].y);
         row0.widen(r.w[u].x, a[0][0], a[0][2]);
         row8.widen(r.w[u].y, a[0][1], a[0][3]);
+        if (two_groups()) {
+            row0 = W4A8Affine(r.p1[u].x);
+            row8 = W4A8Affine(r.p1[u].y);
+        }
         row0.widen(r.w[u].z, a[1][0], a[1][2]);
         row8.widen(r.w[u].w, a[1][1], a[1][3]);
     }
@@ -501,13 +511,14 @@ __device__ __forceinline__ int dec_stage_x(unsigned char* xs, const X* x, long l
     constexpr int XB = (int)sizeof(X), MP = TT * 8;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int stride = gemv_x_stride(win, XB);
-    const int segs = win * 64 * XB / 16;
+    constexpr int SEGS = 4 * XB;  // 16-byte segments a chunk
+    const int segs = win * SEGS;
     for (int i = threadIdx.x; i < M * segs; i += blockDim.x) {
-        const int row = i / segs, seg = i % segs, slot = seg * 16 / (64 * XB);
+        const int row = i / segs, seg = i % segs, slot = seg / SEGS;
         const int c = c0 + slot < chunks ? c0 + slot : c0 + slot - chunks;
-        const int k = c * 64 + (seg * 16 / XB) % 64;
+        const int k = c * 64 + (seg % SEGS) * 16 / XB;
         const bool ok = k < K;
-        cp_async16(xs + row * stride + seg * 16, x + (ok ? (long)row * ldx + k : 0), ok);
+        stage_x16(xs + row * stride + slot * SEGS * 16, seg % SEGS, x + (ok ? (long)row * ldx + k : 0), ok);
     }
     cp_async_commit();
     cp_async_wait<0>();

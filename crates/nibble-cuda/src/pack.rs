@@ -12,12 +12,17 @@
 //! its N side (8 per tile), so a decode step of 1 to 16 tokens still fills the wide side of the
 //! tensor core with weights.
 //!
-//! **K permutation.** A dot product does not care in which order K is visited, as long as A and
-//! B agree. Within each 64-wide chunk of K, the MMA position `kk` of step `j` is mapped to the
-//! logical input channel `16 * t + e * j + i`, where lane `t = lane % 4` is the lane whose B
-//! fragment holds `kk` as its element `i` and `e` is the B elements per lane. So every lane's B
-//! operand (activations) for a whole chunk is 16 consecutive channels (two 16-byte vectors of
-//! f16, one of INT8) and its A operand (weights) is those same 16 channels of rows `g` and `g+8`.
+//! **K order.** A dot product does not care in which order K is visited, as long as A and B
+//! agree ([`KOrder`]). The 16-bit fragments (W4A16, W8A16) permute K within each 64-wide chunk:
+//! the MMA position `kk` of step `j` is the logical input channel `16 * t + e * j + i`, where
+//! lane `t = lane % 4` is the lane whose B fragment holds `kk` as its element `i` and `e` is the
+//! B elements per lane, so every lane's B operand (activations) for a whole chunk is 16
+//! consecutive channels (two 16-byte vectors of f16) and its A operand (weights) is those same
+//! 16 channels of rows `g` and `g+8`. The INT8 fragments (W8A8, W4A8) keep K in natural order,
+//! the order wgmma reads its shared-memory B operand in (tokens as TMA loads them), so the wgmma
+//! tier uses them as they are; the INT8 decode and mma.sync kernels stage each chunk's
+//! activations transposed by 4-byte words instead ([`s8_staged_channel`]), which again makes a
+//! lane's B operand for a chunk one 16-byte vector.
 //!
 //! Packed layouts (`tiles = ceil(N / 16)`, `chunks = ceil(K / 64)`; padding rows and channels
 //! dequantize to exactly 0):
@@ -26,7 +31,7 @@
 //! - INT4 group parameters: `[tiles][groups][8][2]` pairs `(scale, magic + zero)` in the model
 //!   dtype, `[.., g, 0]` for row `g` and `[.., g, 1]` for row `g + 8` of the tile; `groups =
 //!   ceil(64 * chunks / group_len)`, so a lane reads both of its rows' pairs as one 8-byte load.
-//! - INT8 codes: `[tiles][chunks][32 lanes][2 steps][4 registers][4]` bytes.
+//! - INT8 codes: `[tiles][chunks][32 lanes][2 steps][4 registers][4]` bytes, K in natural order.
 //! - W8A16 INT8 codes: `[tiles][chunks][32 lanes][4 steps][2 rows][4]` bytes, the m16n8k16
 //!   fragments' codes placed for the 16-bit converter ([`w8a16_slot`]).
 
@@ -44,14 +49,36 @@ pub const TILE_ROWS: usize = 16;
 /// The channels one lane's B operand covers in a chunk.
 const LANE_K: usize = CHUNK_K / 4;
 
-/// One `mma.sync.m16n8kK` shape with `bits`-wide operands (16: m16n8k16, 8: m16n8k32).
+/// One `mma.sync.m16n8kK` shape with `bits`-wide operands (16: m16n8k16, 8: m16n8k32), and the
+/// order its packed fragments visit a chunk's K in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Mma {
     pub bits: usize,
+    pub order: KOrder,
 }
 
-pub const MMA_F16: Mma = Mma { bits: 16 };
-pub const MMA_S8: Mma = Mma { bits: 8 };
+/// Which input channel a packed chunk's MMA position stands for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KOrder {
+    /// Lane `t`'s B operand is channels `16t .. 16t + 15`: activations read as 16-byte vectors
+    /// as they lie in memory (the 16-bit families; the wgmma tier transposes their A fragments
+    /// per quad, `k16_regs_to_k_order` in kernels/qgemm_wgmma.cu).
+    LaneRuns,
+    /// Position `kk` of step `j` is channel `j * K + kk`: wgmma's A fragment is mma.sync's, so
+    /// the wgmma tier feeds the packed registers to it with no shuffle. Removing the INT8
+    /// families' quad transposes measured 1.17x to 1.23x on W4A8 / W8A8 at 256 tokens
+    /// (`WGQ_NO_KORDER` probe, BENCHMARKS.md issue 18).
+    Natural,
+}
+
+pub const MMA_F16: Mma = Mma {
+    bits: 16,
+    order: KOrder::LaneRuns,
+};
+pub const MMA_S8: Mma = Mma {
+    bits: 8,
+    order: KOrder::Natural,
+};
 
 impl Mma {
     /// The MMA's K.
@@ -96,6 +123,9 @@ pub fn b_element(mma: Mma, lane: usize, i: usize) -> (usize, usize) {
 
 /// The logical channel (0..64 within a chunk) that MMA position `kk` of step `step` stands for.
 pub fn logical_k(mma: Mma, step: usize, kk: usize) -> usize {
+    if mma.order == KOrder::Natural {
+        return step * mma.k() + kk;
+    }
     for lane in 0..4 {
         for i in 0..mma.b_elems() {
             if b_element(mma, lane, i).0 == kk {
@@ -104,6 +134,14 @@ pub fn logical_k(mma: Mma, step: usize, kk: usize) -> usize {
         }
     }
     unreachable!("k position {kk} is outside the MMA's K")
+}
+
+/// The channel (within a 64-channel chunk) of byte `i` of word `w` of lane `t`'s 16-byte vector
+/// of INT8 activations as the decode and mma.sync kernels stage them (`stage_x16` in
+/// kernels/qgemm.cu): staged word `4t + w` is the chunk's word `4w + t`, so word `2j + r` is
+/// register `b_r` of k32 step `j` under [`KOrder::Natural`].
+pub fn s8_staged_channel(t: usize, w: usize, i: usize) -> usize {
+    4 * (4 * w + t) + i
 }
 
 /// Where element `e` (0 or 1) of A register `r` sits in a step's INT4 word: the converter
@@ -526,7 +564,9 @@ pub struct W4A8Matrix<'a> {
 /// register `h` of that step (rows `g + 8h`, the step's first 4 channels) in its low nibbles and
 /// register `2 + h` in its high nibbles, byte `b` in byte `b`. Parameters: `[tiles][groups][8][2]`
 /// u32 words `scale | offset << 16` (offset as i16), row `g` then row `g + 8`, as W4A16's pairs.
-/// A lane's 16 channels of a chunk (`16 t ..`) lie in one group.
+/// K is in natural order ([`KOrder::Natural`]), so each k32 step of a chunk (channels `32 j ..
+/// 32 j + 31`) lies in one group, groups being 32 channels or more: the kernels read the
+/// parameters of a chunk's two steps, which differ for groups of 32.
 pub struct PackedW4A8 {
     pub n: usize,
     pub k: usize,
@@ -651,13 +691,13 @@ impl PackedW4A8 {
             for chunk in 0..self.chunks {
                 for (lane, vals) in order.iter().enumerate() {
                     let base = ((tile * self.chunks + chunk) * 32 + lane) * 4;
-                    let grp = (chunk * CHUNK_K + 16 * (lane % 4)) >> self.group_shift;
                     for (idx, &(row, ch)) in vals.iter().enumerate() {
                         let (n, kk) = (tile * TILE_ROWS + row, chunk * CHUNK_K + ch);
                         if n >= self.n || kk >= self.k {
                             continue;
                         }
                         let (step, reg, byte) = (idx / 16, idx % 16 / per_reg, idx % per_reg);
+                        let grp = (chunk * CHUNK_K + MMA_S8.k() * step) >> self.group_shift;
                         let p = self.params[param_slot(tile, self.groups, grp, row)];
                         let (lo, hi) = w4a8_widen(self.codes[base + 2 * step + reg % 2], p);
                         let word = if reg < 2 { lo } else { hi };
@@ -758,26 +798,63 @@ mod tests {
     }
 
     #[test]
-    fn permutation_gives_each_lane_16_consecutive_channels() {
-        for mma in [MMA_F16, MMA_S8] {
-            let mut seen = [false; CHUNK_K];
-            for lane in 0..32 {
-                for step in 0..mma.steps() {
-                    for i in 0..mma.b_elems() {
-                        let (kk, _) = b_element(mma, lane, i);
-                        let l = logical_k(mma, step, kk);
-                        assert_eq!(l / LANE_K, lane % 4);
-                        assert_eq!(l % LANE_K, step * mma.b_elems() + i);
-                        seen[l] = true;
-                    }
-                }
-                // The A side of a lane touches the same channels as its B side.
-                for &(_, ch) in &lane_order(mma)[lane] {
-                    assert_eq!(ch / LANE_K, lane % 4);
+    fn lane_runs_give_each_lane_16_consecutive_channels() {
+        let mma = MMA_F16;
+        let mut seen = [false; CHUNK_K];
+        for lane in 0..32 {
+            for step in 0..mma.steps() {
+                for i in 0..mma.b_elems() {
+                    let (kk, _) = b_element(mma, lane, i);
+                    let l = logical_k(mma, step, kk);
+                    assert_eq!(l / LANE_K, lane % 4);
+                    assert_eq!(l % LANE_K, step * mma.b_elems() + i);
+                    seen[l] = true;
                 }
             }
-            assert!(seen.iter().all(|&s| s));
+            // The A side of a lane touches the same channels as its B side.
+            for &(_, ch) in &lane_order(mma)[lane] {
+                assert_eq!(ch / LANE_K, lane % 4);
+            }
         }
+        assert!(seen.iter().all(|&s| s));
+    }
+
+    /// The INT8 fragments are in wgmma's order: register `r` of k32 step `j` of lane `(g, t)`
+    /// holds row `g + 8 (r % 2)`, channels `32 j + 16 (r / 2) + 4 t ..`, the A fragment of the
+    /// wgmma reading the chunk's tokens at `32 j` as TMA stored them. And the word-transposed
+    /// staging of the decode and mma.sync kernels gives each lane, in word `2 j + r` of its
+    /// 16-byte vector, the channels its B register `r` of step `j` multiplies.
+    #[test]
+    fn int8_fragments_are_in_natural_order_and_staging_matches_them() {
+        let mma = MMA_S8;
+        let order = lane_order(mma);
+        for lane in 0..32 {
+            let (g, t) = (lane / 4, lane % 4);
+            for (idx, &(row, ch)) in order[lane].iter().enumerate() {
+                let (j, r, i) = (idx / 16, idx % 16 / 4, idx % 4);
+                assert_eq!(
+                    (row, ch),
+                    (g + 8 * (r % 2), 32 * j + 16 * (r / 2) + 4 * t + i)
+                );
+            }
+            for j in 0..mma.steps() {
+                for i in 0..mma.b_elems() {
+                    let (kk, _) = b_element(mma, lane, i);
+                    let (r, e) = (i / 4, i % 4);
+                    assert_eq!(logical_k(mma, j, kk), s8_staged_channel(t, 2 * j + r, e));
+                }
+            }
+        }
+        // The staging is a permutation of the chunk's 64 bytes.
+        let mut seen = [false; CHUNK_K];
+        for t in 0..4 {
+            for w in 0..4 {
+                for i in 0..4 {
+                    seen[s8_staged_channel(t, w, i)] = true;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
     }
 
     fn random_w4(n: usize, k: usize, group_len: usize, seed: u64) -> (Vec<u8>, Vec<f32>, Vec<u8>) {
