@@ -359,18 +359,21 @@ template <class T> struct DecW8A16 : W8Stream {
 // W4A8 units: a tile's chunk is 512 B of 4-bit codes (16 B per lane) that widen in registers to
 // exactly DecW8's INT8 fragments (W4A8Affine), and the parameter pairs (rows g and g + 8, 8 B per
 // lane, through L1: the chunks of a group share them) of the groups its two k32 steps lie in:
-// one group for groups of 64 and up, two for groups of 32 (K in natural order, pack::KOrder),
-// whose second pair is fetched and applied under a uniform branch. Scales are per row and token
-// as for W8A8: a batch is one span.
-struct DecW4A8 {
+// one group for groups of 64 and up, two for groups of 32 (K in natural order, pack::KOrder).
+// TWO_GROUPS is a template flag and the entries branch once on the group size, so the common
+// loop holds and issues nothing for a second pair (tested inside the loop, the second pair cost
+// 2% to 4% at one token on an H100), and the groups-of-32 loop is called out of line
+// (dec_gemv_out_of_line) so its extra registers do not crowd the common loop's allocation.
+// Scales are per row and token as for W8A8: a batch is one span.
+template <bool TWO_GROUPS> struct DecW4A8 {
     using X = signed char;
     using Acc = int;
     static constexpr int U = DEC_U, GC = DEC_U, SPANS = 1;
     static constexpr bool ZERO_POINTS = false;
     struct Regs {
         uint4 w[U];
-        uint2 p[U];   // the group of the chunk's first k32 step
-        uint2 p1[U];  // its second step's, for groups of 32 only
+        uint2 p[U];                      // the group of the chunk's first k32 step
+        uint2 p1[TWO_GROUPS ? U : 1];    // its second step's
     };
     struct Tile {
         const uint4* w;
@@ -380,7 +383,6 @@ struct DecW4A8 {
     const uint2* params;
     int chunks, groups, group_shift;  // group_shift 30: one group per row
 
-    __device__ __forceinline__ bool two_groups() const { return group_shift == 5; }
     __device__ __forceinline__ Tile tile_at(int tile) const {
         const int lane = threadIdx.x & 31;
         return {codes + (long)tile * chunks * 32 + lane, params + (long)tile * groups * 8 + (lane >> 2)};
@@ -390,7 +392,7 @@ struct DecW4A8 {
         for (int u = 0; u < U; ++u) r.w[u] = ld_stream(t.w + (c + u) * 32);
 #pragma unroll
         for (int u = 0; u < U; ++u) r.p[u] = __ldg(t.p + (((c + u) * 64) >> group_shift) * 8);
-        if (two_groups())
+        if constexpr (TWO_GROUPS)
 #pragma unroll
             for (int u = 0; u < U; ++u) r.p1[u] = __ldg(t.p + ((c + u) * 2 + 1) * 8);
     }
@@ -402,7 +404,7 @@ struct DecW4A8 {
         W4A8Affine row0(r.p[u].x), row8(r.p[u].y);
         row0.widen(r.w[u].x, a[0][0], a[0][2]);
         row8.widen(r.w[u].y, a[0][1], a[0][3]);
-        if (two_groups()) {
+        if constexpr (TWO_GROUPS) {
             row0 = W4A8Affine(r.p1[u].x);
             row8 = W4A8Affine(r.p1[u].y);
         }
@@ -856,6 +858,17 @@ NIBBLE_W8A8_DEC(swiglu_f16, __half, swiglu_epilogue)
     W8A16_DEC_ENTRY(w8a16_dec2_h_##SUFFIX, T, 2, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W8A16_DEC)
 
+// dec_gemv as a call rather than inlined: a rarely taken variant in the same kernel as a common
+// one (DecW4A8<true> beside DecW4A8<false>) keeps its register needs to its own frame.
+template <int TT, class F, class OUT, class EPI>
+__device__ __noinline__ void dec_gemv_out_of_line(const F f, const typename F::X* __restrict__ x, long ldx,
+                                                  OUT* __restrict__ y, long ldy, typename F::Acc* __restrict__ partial,
+                                                  int* __restrict__ counters, int M, int N, int K, int tiles,
+                                                  int chunks, int per_cta, int max_pieces, const EPI epi, int cta) {
+    dec_gemv<TT, DEC_WARPS, false>(f, x, ldx, y, ldy, partial, counters, M, N, K, tiles, chunks, per_cta,
+                                   max_pieces, epi, cta);
+}
+
 // WRAP: plain_epilogue, or swiglu_epilogue for a gate/up pair packed interleaved (qgemm.cu,
 // SwiGluEpilogue), which writes silu(gate) * up in the model dtype.
 #define W4A8_DEC_ENTRY(NAME, TT, OUT, WRAP)                                                         \
@@ -863,9 +876,14 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W8A16_DEC)
         const uint4* codes, const uint2* params, const float* sw, const signed char* x, long ldx,     \
         const float* sx, OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, \
         int chunks, int groups, int group_shift, int per_cta, int max_pieces) {                       \
-        dec_gemv<TT, DEC_WARPS, false>(DecW4A8{codes, params, chunks, groups, group_shift}, x, ldx, y,     \
-                                         ldy, partial, counters, M, N, K, tiles, chunks, per_cta,       \
-                                         max_pieces, WRAP(W8Epilogue{sx, sw}), blockIdx.x);            \
+        if (group_shift == 5)                                                                          \
+            dec_gemv_out_of_line<TT>(DecW4A8<true>{codes, params, chunks, groups, group_shift}, x, ldx, y,  \
+                                     ldy, partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces, \
+                                     WRAP(W8Epilogue{sx, sw}), blockIdx.x);                             \
+        else                                                                                           \
+            dec_gemv<TT, DEC_WARPS, false>(DecW4A8<false>{codes, params, chunks, groups, group_shift}, x, \
+                                             ldx, y, ldy, partial, counters, M, N, K, tiles, chunks,    \
+                                             per_cta, max_pieces, WRAP(W8Epilogue{sx, sw}), blockIdx.x); \
     }
 #define NIBBLE_W4A8_DEC(SUFFIX, OUT, WRAP)                \
     W4A8_DEC_ENTRY(w4a8_dec1_##SUFFIX, 1, OUT, WRAP)   \
