@@ -360,10 +360,10 @@ template <class T> struct DecW8A16 : W8Stream {
 // exactly DecW8's INT8 fragments (W4A8Affine), and the parameter pairs (rows g and g + 8, 8 B per
 // lane, through L1: the chunks of a group share them) of the groups its two k32 steps lie in:
 // one group for groups of 64 and up, two for groups of 32 (K in natural order, pack::KOrder).
-// TWO_GROUPS is a template flag and the entries branch once on the group size, so the common
-// loop holds and issues nothing for a second pair (tested inside the loop, the second pair cost
-// 2% to 4% at one token on an H100), and the groups-of-32 loop is called out of line
-// (dec_gemv_out_of_line) so its extra registers do not crowd the common loop's allocation.
+// TWO_GROUPS (groups of 32) has entries of its own (`*_g32`, qlinear::w4a8_decode_kernel), so the
+// common loop neither holds nor issues anything for a second pair: tested inside the loop, the
+// second pair cost 2% to 4% at one token on an H100, and in one kernel beside the common loop
+// (branching once) its registers still cost the common one 1% to 2%.
 // Scales are per row and token as for W8A8: a batch is one span.
 template <bool TWO_GROUPS> struct DecW4A8 {
     using X = signed char;
@@ -858,37 +858,24 @@ NIBBLE_W8A8_DEC(swiglu_f16, __half, swiglu_epilogue)
     W8A16_DEC_ENTRY(w8a16_dec2_h_##SUFFIX, T, 2, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W8A16_DEC)
 
-// dec_gemv as a call rather than inlined: a rarely taken variant in the same kernel as a common
-// one (DecW4A8<true> beside DecW4A8<false>) keeps its register needs to its own frame.
-template <int TT, class F, class OUT, class EPI>
-__device__ __noinline__ void dec_gemv_out_of_line(const F f, const typename F::X* __restrict__ x, long ldx,
-                                                  OUT* __restrict__ y, long ldy, typename F::Acc* __restrict__ partial,
-                                                  int* __restrict__ counters, int M, int N, int K, int tiles,
-                                                  int chunks, int per_cta, int max_pieces, const EPI epi, int cta) {
-    dec_gemv<TT, DEC_WARPS, false>(f, x, ldx, y, ldy, partial, counters, M, N, K, tiles, chunks, per_cta,
-                                   max_pieces, epi, cta);
-}
-
 // WRAP: plain_epilogue, or swiglu_epilogue for a gate/up pair packed interleaved (qgemm.cu,
 // SwiGluEpilogue), which writes silu(gate) * up in the model dtype.
-#define W4A8_DEC_ENTRY(NAME, TT, OUT, WRAP)                                                         \
+#define W4A8_DEC_ENTRY(NAME, TT, OUT, WRAP, TWO)                                                    \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
         const uint4* codes, const uint2* params, const float* sw, const signed char* x, long ldx,     \
         const float* sx, OUT* y, long ldy, int* partial, int* counters, int M, int N, int K, int tiles, \
         int chunks, int groups, int group_shift, int per_cta, int max_pieces) {                       \
-        if (group_shift == 5)                                                                          \
-            dec_gemv_out_of_line<TT>(DecW4A8<true>{codes, params, chunks, groups, group_shift}, x, ldx, y,  \
-                                     ldy, partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces, \
-                                     WRAP(W8Epilogue{sx, sw}), blockIdx.x);                             \
-        else                                                                                           \
-            dec_gemv<TT, DEC_WARPS, false>(DecW4A8<false>{codes, params, chunks, groups, group_shift}, x, \
-                                             ldx, y, ldy, partial, counters, M, N, K, tiles, chunks,    \
-                                             per_cta, max_pieces, WRAP(W8Epilogue{sx, sw}), blockIdx.x); \
+        dec_gemv<TT, DEC_WARPS, false>(DecW4A8<TWO>{codes, params, chunks, groups, group_shift}, x, ldx, \
+                                         y, ldy, partial, counters, M, N, K, tiles, chunks, per_cta,    \
+                                         max_pieces, WRAP(W8Epilogue{sx, sw}), blockIdx.x);            \
     }
-#define NIBBLE_W4A8_DEC(SUFFIX, OUT, WRAP)                \
-    W4A8_DEC_ENTRY(w4a8_dec1_##SUFFIX, 1, OUT, WRAP)   \
-    W4A8_DEC_ENTRY(w4a8_dec2_##SUFFIX, 2, OUT, WRAP)   \
-    W4A8_DEC_ENTRY(w4a8_dec4_##SUFFIX, 4, OUT, WRAP)
+#define NIBBLE_W4A8_DEC(SUFFIX, OUT, WRAP)                           \
+    W4A8_DEC_ENTRY(w4a8_dec1_##SUFFIX, 1, OUT, WRAP, false)       \
+    W4A8_DEC_ENTRY(w4a8_dec2_##SUFFIX, 2, OUT, WRAP, false)       \
+    W4A8_DEC_ENTRY(w4a8_dec4_##SUFFIX, 4, OUT, WRAP, false)       \
+    W4A8_DEC_ENTRY(w4a8_dec1_g32_##SUFFIX, 1, OUT, WRAP, true)    \
+    W4A8_DEC_ENTRY(w4a8_dec2_g32_##SUFFIX, 2, OUT, WRAP, true)    \
+    W4A8_DEC_ENTRY(w4a8_dec4_g32_##SUFFIX, 4, OUT, WRAP, true)
 NIBBLE_W4A8_DEC(f32, float, plain_epilogue)
 NIBBLE_W4A8_DEC(bf16, __nv_bfloat16, plain_epilogue)
 NIBBLE_W4A8_DEC(f16, __half, plain_epilogue)

@@ -76,9 +76,8 @@ template <class T> struct DecB16 {
 #if !defined(DEC_NO_ENTRIES) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
 // Item `blockIdx.x / ctas_per_item`'s slice `blockIdx.x % ctas_per_item` of the decode gemv, its
 // input and output `row` rows in, its partial slots and counters its own. `make(item)` builds
-// the item's unit reader and epilogue. LEAN: dec_gemv's lean loop (qgemv.cu, `dec_gemv_lean`);
-// OUT_OF_LINE: the loop called out of line (`dec_gemv_out_of_line`, a rarely taken variant).
-template <int TT, bool LEAN = false, bool OUT_OF_LINE = false, class X, class Acc, class Make>
+// the item's unit reader and epilogue. LEAN: dec_gemv's lean loop (qgemv.cu, `dec_gemv_lean`).
+template <int TT, bool LEAN = false, class X, class Acc, class Make>
 __device__ __forceinline__ void dec_grouped(const GroupedItem* items, int ctas_per_item, const X* x, long ldx,
                                             float* y, long ldy, Acc* partial, int* counters, int max_m, int N,
                                             int K, int tiles, int chunks, int per_cta, int max_pieces,
@@ -87,16 +86,9 @@ __device__ __forceinline__ void dec_grouped(const GroupedItem* items, int ctas_p
     if (cta * per_cta >= (tiles + DEC_WARPS - 1) / DEC_WARPS * chunks) return;
     const GroupedItem it = items[item];
     const auto fe = make(it);
-    if constexpr (OUT_OF_LINE)
-        dec_gemv_out_of_line<TT>(fe.first, x + it.row * ldx, ldx, y + it.row * ldy, ldy,
-                                 partial + (long)item * tiles * max_pieces * max_m * 16,
-                                 counters + (long)item * tiles, it.m, N, K, tiles, chunks, per_cta, max_pieces,
-                                 fe.second, cta);
-    else
-        dec_gemv<TT, DEC_WARPS, LEAN>(fe.first, x + it.row * ldx, ldx, y + it.row * ldy, ldy,
-                                      partial + (long)item * tiles * max_pieces * max_m * 16,
-                                      counters + (long)item * tiles, it.m, N, K, tiles, chunks, per_cta,
-                                      max_pieces, fe.second, cta);
+    dec_gemv<TT, DEC_WARPS, LEAN>(fe.first, x + it.row * ldx, ldx, y + it.row * ldy, ldy,
+                            partial + (long)item * tiles * max_pieces * max_m * 16, counters + (long)item * tiles,
+                            it.m, N, K, tiles, chunks, per_cta, max_pieces, fe.second, cta);
 }
 
 template <class F, class E> struct UnitsAnd {
@@ -155,19 +147,14 @@ NIBBLE_BOTH_DTYPES(NIBBLE_16BIT_GDEC)
             return UnitsAnd<DecW8, W8Epilogue>{{(const uint4*)it.codes, chunks}, {sx + it.row, it.scales}}; \
         });                                                                                               \
     }
-// W4A8: groups of 32 take DecW4A8's two-group units, out of line (as the dense entries).
-#define W4A8_GDEC_UNITS(TT, TWO)                                                                          \
-    dec_grouped<TT, false, TWO>(GDEC_ARGS, [&](const GroupedItem& it) {                                   \
-        return UnitsAnd<DecW4A8<TWO>, W8Epilogue>{                                                        \
-            {(const uint4*)it.codes, (const uint2*)it.params, chunks, groups, group_shift},                \
-            {sx + it.row, it.scales}};                                                                    \
-    })
-#define W4A8_GDEC_ENTRY(NAME, TT)                                                                         \
+// W4A8: `_g32` for groups of 32 (DecW4A8's two parameter pairs a chunk), as the dense entries.
+#define W4A8_GDEC_ENTRY(NAME, TT, TWO)                                                                    \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(GDEC_PARAMS(signed char, int)) { \
-        if (group_shift == 5)                                                                             \
-            W4A8_GDEC_UNITS(TT, true);                                                                    \
-        else                                                                                              \
-            W4A8_GDEC_UNITS(TT, false);                                                                   \
+        dec_grouped<TT>(GDEC_ARGS, [&](const GroupedItem& it) {                                           \
+            return UnitsAnd<DecW4A8<TWO>, W8Epilogue>{                                                    \
+                {(const uint4*)it.codes, (const uint2*)it.params, chunks, groups, group_shift},            \
+                {sx + it.row, it.scales}};                                                                \
+        });                                                                                               \
     }
 #define FP8_GDEC_ENTRY(NAME, TT)                                                                          \
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(GDEC_PARAMS(unsigned char, float)) { \
@@ -178,9 +165,12 @@ NIBBLE_BOTH_DTYPES(NIBBLE_16BIT_GDEC)
 W8A8_GDEC_ENTRY(w8a8_gdec1, 1)
 W8A8_GDEC_ENTRY(w8a8_gdec2, 2)
 W8A8_GDEC_ENTRY(w8a8_gdec4, 4)
-W4A8_GDEC_ENTRY(w4a8_gdec1, 1)
-W4A8_GDEC_ENTRY(w4a8_gdec2, 2)
-W4A8_GDEC_ENTRY(w4a8_gdec4, 4)
+W4A8_GDEC_ENTRY(w4a8_gdec1, 1, false)
+W4A8_GDEC_ENTRY(w4a8_gdec2, 2, false)
+W4A8_GDEC_ENTRY(w4a8_gdec4, 4, false)
+W4A8_GDEC_ENTRY(w4a8_gdec1_g32, 1, true)
+W4A8_GDEC_ENTRY(w4a8_gdec2_g32, 2, true)
+W4A8_GDEC_ENTRY(w4a8_gdec4_g32, 4, true)
 FP8_GDEC_ENTRY(fp8_gdec1, 1)
 FP8_GDEC_ENTRY(fp8_gdec2, 2)
 FP8_GDEC_ENTRY(fp8_gdec4, 4)

@@ -6,7 +6,7 @@
 //! | W4A16, groups of 64, a power of two past it or a whole row | `w4a16_gdec{1,2}[_g64]` (sm_90, kernels/qgemv_grouped.cu) | 16 |
 //! | the same, 17 to 32 rows an expert | `w4a16_gdec4[_g64]` (sm_90) | 32 |
 //! | the same past 32 rows, other groups, or the mma.sync tier | `w4a16_grouped{1,2,4,8}` (kernels/qgemm.cu) | 64 |
-//! | W8A8, W4A8, FP8 | `{w8a8,w4a8,fp8}_gdec{1,2,4}` (sm_90) | 32 |
+//! | W8A8, W4A8, FP8 | `{w8a8,w4a8,fp8}_gdec{1,2,4}` (W4A8 in groups of 32: `w4a8_gdec{1,2,4}_g32`; sm_90) | 32 |
 //! | 16-bit (the model dtype) | `b16_gdec{1,2}` (sm_90) | 16 |
 //!
 //! The `gdec` kernels are the persistent decode gemv (kernels/qgemv.cu) over an item table: the
@@ -19,7 +19,7 @@ use nibble_core::{Error, Result};
 use crate::context::{CudaContext, KernelTier, SPLIT_COUNTERS, StepUpload};
 use crate::qlinear::{
     self, Act8, DECODE_BATCH as BATCH, DECODE_BLOCK_TILES as BLOCK_TILES, DECODE_MAX_M,
-    DECODE_MAX_M_INT8, DECODE_SMEM, QFamily, QuantWeight, gemv_smem, token_tiles,
+    DECODE_MAX_M_INT8, DECODE_SMEM, QFamily, QKernel, QuantWeight, gemv_smem, token_tiles,
 };
 use crate::runtime::Arg;
 use crate::tensor::{CudaTensor, CudaWeight, Dtype, Elem, WeightData};
@@ -216,13 +216,25 @@ fn kernel_name(geo: Geometry, tt: usize, dtype: Dtype) -> String {
             let g64 = if group_len == 64 { "_g64" } else { "" };
             format!("w4a16_gdec{tt}{g64}_{sfx}")
         }
-        Geometry::Act8 { family, .. } => {
+        Geometry::Act8 {
+            family,
+            group_shift,
+            ..
+        } => {
             let p = match family {
                 QFamily::W8A8 => "w8a8",
                 QFamily::Fp8 => "fp8",
                 _ => "w4a8",
             };
-            format!("{p}_gdec{tt}")
+            // W4A8 in groups of 32: two parameter pairs a chunk (qlinear::w4a8_decode_kernel).
+            let g32 = if family == QFamily::W4A8
+                && qlinear::w4a8_decode_kernel(group_shift) == QKernel::DecodeG32
+            {
+                "_g32"
+            } else {
+                ""
+            };
+            format!("{p}_gdec{tt}{g32}")
         }
         Geometry::W8A16 { .. } => format!("w8a16_gdec{tt}_{sfx}"),
         Geometry::Dense { .. } => format!("b16_gdec{tt}_{sfx}"),
@@ -631,10 +643,10 @@ pub fn kernel_names() -> Vec<String> {
         tiles: 0,
         chunks: 0,
     };
-    let act8 = |family| Geometry::Act8 {
+    let act8 = |family, group_shift| Geometry::Act8 {
         family,
         groups: 0,
-        group_shift: 0,
+        group_shift,
         tiles: 0,
         chunks: 0,
     };
@@ -651,8 +663,13 @@ pub fn kernel_names() -> Vec<String> {
         }
         names.extend([w4(128), w4(64)].map(|geo| kernel_name(geo, 4, dtype)));
         names.extend([1, 2, 4, 8].map(|tt| mma_sync_name(tt, dtype)));
-        for family in [QFamily::W8A8, QFamily::W4A8, QFamily::Fp8] {
-            names.extend([1, 2, 4].map(|tt| kernel_name(act8(family), tt, dtype)));
+        for (family, group_shift) in [
+            (QFamily::W8A8, 0),
+            (QFamily::W4A8, 7),
+            (QFamily::W4A8, 5),
+            (QFamily::Fp8, 0),
+        ] {
+            names.extend([1, 2, 4].map(|tt| kernel_name(act8(family, group_shift), tt, dtype)));
         }
     }
     names.sort();

@@ -296,8 +296,10 @@ impl QFamily {
         }
         if hopper && m <= self.decode_max_m(usize::MAX) {
             kinds.push(QKernel::Decode);
-            if self == QFamily::W4A16 {
-                kinds.push(QKernel::DecodeG64);
+            match self {
+                QFamily::W4A16 => kinds.push(QKernel::DecodeG64),
+                QFamily::W4A8 => kinds.push(QKernel::DecodeG32),
+                _ => {}
             }
         }
         if hopper {
@@ -671,6 +673,9 @@ pub enum QKernel {
     /// The same for W4A16 groups of 64 channels (scales apply every chunk); W8A8 has no groups
     /// and names [`QKernel::Decode`]'s entry.
     DecodeG64,
+    /// The W4A8 decode gemv for groups of 32 channels: a chunk's two k32 steps lie in two groups
+    /// (`DecW4A8<true>` in kernels/qgemv.cu), so a chunk reads two parameter pairs.
+    DecodeG32,
     /// The mma.sync gemv (up to [`GEMV_MAX_M`] tokens).
     Gemv,
     /// The mma.sync tiled kernel.
@@ -689,7 +694,11 @@ impl QKernel {
     pub fn has_swiglu_entry(self) -> bool {
         matches!(
             self,
-            QKernel::Decode | QKernel::Wgmma | QKernel::Wgmma128 | QKernel::Wgmma64
+            QKernel::Decode
+                | QKernel::DecodeG32
+                | QKernel::Wgmma
+                | QKernel::Wgmma128
+                | QKernel::Wgmma64
         )
     }
 }
@@ -726,6 +735,7 @@ pub fn qgemm_kernel_name(
         return match kind {
             QKernel::Decode => format!("{p}_dec{tt}{h}_{sfx}"),
             QKernel::DecodeG64 => format!("{p}_dec{tt}{h}_g64_{sfx}"),
+            QKernel::DecodeG32 => format!("{p}_dec{tt}{h}_g32_{sfx}"),
             QKernel::Gemv => format!("{p}_gemv{tt}{h}_{sfx}"),
             QKernel::Tiled => format!("{p}_tiled{h}_{sfx}"),
             QKernel::Wgmma => format!("{p}_wgmma{h}_{sfx}"),
@@ -741,6 +751,7 @@ pub fn qgemm_kernel_name(
     };
     match kind {
         QKernel::Decode | QKernel::DecodeG64 => format!("{p}_dec{tt}_{o}"),
+        QKernel::DecodeG32 => format!("{p}_dec{tt}_g32_{o}"),
         QKernel::Gemv => format!("{p}_gemv{tt}_{o}"),
         QKernel::Tiled => format!("{p}_tiled_{o}"),
         QKernel::Wgmma => format!("{p}_wgmma_{o}"),
@@ -755,6 +766,16 @@ pub fn swiglu_kernel_name(kind: QKernel, family: QFamily, m: usize, sfx: &str) -
     let name = qgemm_kernel_name(kind, family, m, true, sfx);
     let stem = name.strip_suffix(sfx).unwrap_or(&name);
     format!("{stem}swiglu_{sfx}")
+}
+
+/// The decode gemv of a W4A8 weight whose groups are `2^group_shift` channels (30: one a row):
+/// groups of 32 put a chunk's two k32 steps in two groups ([`QKernel::DecodeG32`]).
+pub fn w4a8_decode_kernel(group_shift: u32) -> QKernel {
+    if group_shift == 5 {
+        QKernel::DecodeG32
+    } else {
+        QKernel::Decode
+    }
 }
 
 /// The decode gemv a W4A16 weight with `groups` groups of `group_len` channels per row takes, if
@@ -1023,7 +1044,7 @@ fn routed_gemm(
             let route = Route {
                 family: QFamily::W4A8,
                 out_half,
-                decode: Some(QKernel::Decode),
+                decode: Some(w4a8_decode_kernel(*group_shift)),
                 swiglu,
             };
             let wg = WgmmaOperands {
@@ -1613,6 +1634,24 @@ mod tests {
         };
         assert_eq!(name(64), "w4a16_dec1_h_g64_bf16");
         assert_eq!(name(128), "w4a16_dec1_h_bf16");
+    }
+
+    #[test]
+    fn w4a8_groups_of_32_take_their_own_decode_entries() {
+        // group_shift: 5 for groups of 32, 6 and up for 64 and up, 30 for one group a row.
+        assert_eq!(w4a8_decode_kernel(5), QKernel::DecodeG32);
+        for shift in [6, 7, 10, 30] {
+            assert_eq!(w4a8_decode_kernel(shift), QKernel::Decode);
+        }
+        let name =
+            |shift, m| qgemm_kernel_name(w4a8_decode_kernel(shift), QFamily::W4A8, m, true, "bf16");
+        assert_eq!(name(5, 1), "w4a8_dec1_g32_bf16");
+        assert_eq!(name(7, 9), "w4a8_dec2_bf16");
+        assert_eq!(
+            swiglu_kernel_name(QKernel::DecodeG32, QFamily::W4A8, 17, "f16"),
+            "w4a8_dec4_g32_swiglu_f16"
+        );
+        assert!(QFamily::W4A8.kernels(true, 1).contains(&QKernel::DecodeG32));
     }
 
     #[test]
