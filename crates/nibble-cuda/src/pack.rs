@@ -828,9 +828,9 @@ mod tests {
     fn int8_fragments_are_in_natural_order_and_staging_matches_them() {
         let mma = MMA_S8;
         let order = lane_order(mma);
-        for lane in 0..32 {
+        for (lane, vals) in order.iter().enumerate() {
             let (g, t) = (lane / 4, lane % 4);
-            for (idx, &(row, ch)) in order[lane].iter().enumerate() {
+            for (idx, &(row, ch)) in vals.iter().enumerate() {
                 let (j, r, i) = (idx / 16, idx % 16 / 4, idx % 4);
                 assert_eq!(
                     (row, ch),

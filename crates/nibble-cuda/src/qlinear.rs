@@ -307,6 +307,9 @@ impl QFamily {
                 kinds.push(QKernel::Wgmma);
             }
             kinds.extend([QKernel::Wgmma128, QKernel::Wgmma64]);
+            if self == QFamily::Fp8 {
+                kinds.push(QKernel::Wgmma128Whole);
+            }
         }
         kinds
     }
@@ -684,6 +687,9 @@ pub enum QKernel {
     Wgmma,
     /// The same with 128 tokens per tile ([`wgmma_tokens`]).
     Wgmma128,
+    /// FP8's 128-token tiles compiled without the split path (kernels/qgemm_fp8.cu), which
+    /// `launch_wgmma` takes where a layer's tiles do not split K.
+    Wgmma128Whole,
     /// The same with [`WGMMA_SMALL_TOKENS`] tokens per tile.
     Wgmma64,
 }
@@ -698,6 +704,7 @@ impl QKernel {
                 | QKernel::DecodeG32
                 | QKernel::Wgmma
                 | QKernel::Wgmma128
+                | QKernel::Wgmma128Whole
                 | QKernel::Wgmma64
         )
     }
@@ -740,6 +747,7 @@ pub fn qgemm_kernel_name(
             QKernel::Tiled => format!("{p}_tiled{h}_{sfx}"),
             QKernel::Wgmma => format!("{p}_wgmma{h}_{sfx}"),
             QKernel::Wgmma128 => format!("{p}_wgmma128{h}_{sfx}"),
+            QKernel::Wgmma128Whole => format!("{p}_wgmma128w{h}_{sfx}"),
             QKernel::Wgmma64 => format!("{p}_wgmma64{h}_{sfx}"),
         };
     }
@@ -756,6 +764,7 @@ pub fn qgemm_kernel_name(
         QKernel::Tiled => format!("{p}_tiled_{o}"),
         QKernel::Wgmma => format!("{p}_wgmma_{o}"),
         QKernel::Wgmma128 => format!("{p}_wgmma128_{o}"),
+        QKernel::Wgmma128Whole => format!("{p}_wgmma128w_{o}"),
         QKernel::Wgmma64 => format!("{p}_wgmma64_{o}"),
     }
 }
@@ -1169,7 +1178,8 @@ fn run_quant(
         ),
         Pick::Wgmma(kind, tokens) => launch_wgmma(
             ctx,
-            &name(kind),
+            &name,
+            kind,
             route.family,
             tokens,
             wg,
@@ -1317,7 +1327,8 @@ fn launch_gemv(
 /// rows and `tokens` tokens, the activations read through a TMA descriptor in 128-byte rows of K.
 fn launch_wgmma(
     ctx: &CudaContext,
-    name: &str,
+    name: &dyn Fn(QKernel) -> String,
+    kind: QKernel,
     family: QFamily,
     tokens: usize,
     op: WgmmaOperands,
@@ -1433,12 +1444,14 @@ fn launch_wgmma(
         1
     };
     // FP8's 128-token tiles, whole: the entry without the split path (kernels/qgemm_fp8.cu).
-    let whole;
-    let name = if family == QFamily::Fp8 && splits == 1 && forced_fp8_whole() != Some(0) {
-        whole = name.replacen("_wgmma128_", "_wgmma128w_", 1);
-        whole.as_str()
+    let kind = if kind == QKernel::Wgmma128
+        && family == QFamily::Fp8
+        && splits == 1
+        && forced_fp8_whole() != Some(0)
+    {
+        QKernel::Wgmma128Whole
     } else {
-        name
+        kind
     };
     let partial = if splits > 1 {
         ctx.alloc(out_tiles * splits * tokens * 128, 1, Elem::F32)?
@@ -1453,7 +1466,7 @@ fn launch_wgmma(
     // next unit while the consumers store the last.
     let ctas = (out_tiles * splits).min(ctx.gpu.sm_count);
     let smem = wgmma_smem(family, tokens);
-    ctx.launch_block(name, (ctas as u32, 1, 1), WGMMA_THREADS, smem, args)
+    ctx.launch_block(&name(kind), (ctas as u32, 1, 1), WGMMA_THREADS, smem, args)
 }
 
 /// NIBBLE_WGMMA_SPLITS, read once: a K-split count that overrides the plan of the 64-token

@@ -82,12 +82,6 @@ fn kernels_compile_for_every_architecture() {
                             "w8a8_dec2_f32",
                             "fp8_dec4_bf16",
                             "fp8_wgmma128_f32",
-                            // FP8's 128-token tiles without the split path (launch_wgmma).
-                            "fp8_wgmma128w_f32",
-                            "fp8_wgmma128w_bf16",
-                            "fp8_wgmma128w_f16",
-                            "fp8_wgmma128w_swiglu_bf16",
-                            "fp8_wgmma128w_swiglu_f16",
                             "w4a16_gemv1_f16",
                             // COMET past its decode gemv (src/comet.rs, launch_wgmma).
                             "comet_wgmma64_f32",
