@@ -1362,6 +1362,8 @@ fn grouped_gemms_match_the_references() {
         for (spec, n, k) in [
             ("int8-pc/a8", 300, 512),
             ("qoq-g128/a8", 130, 768),
+            // Groups of 32: a chunk's two k32 steps in two groups (`w4a8_gdec*_g32`).
+            ("qoq-g32/a8", 96, 512),
             ("fp8-pc/afp8", 300, 512),
             ("int4-g128/a16", 300, 512),
             ("int4-g64/a16", 64, 1024),
@@ -1392,7 +1394,9 @@ fn grouped_gemms_match_the_references() {
                             let format: LinearFormat = spec.parse().unwrap();
                             let bytes = match spec {
                                 "fp8-pc/afp8" => fp8_rows(&mut r, n, k),
-                                "qoq-g128/a8" => quantized_rows(&mut r, format, n, k),
+                                "qoq-g128/a8" | "qoq-g32/a8" => {
+                                    quantized_rows(&mut r, format, n, k)
+                                }
                                 _ => random_rows(&mut r, format, n, k),
                             };
                             weights.push(
