@@ -362,7 +362,7 @@ template <class T> struct DecW8A16 : W8Stream {
 // one group for groups of 64 and up, two for groups of 32 (K in natural order, pack::KOrder).
 // TWO_GROUPS (groups of 32) has entries of its own (`*_g32`, qlinear::w4a8_decode_kernel), so the
 // common loop neither holds nor issues anything for a second pair: tested inside the loop, the
-// second pair cost 2% to 4% at one token on an H100, and in one kernel beside the common loop
+// second pair cost 1% to 4% at one token on an H100, and in one kernel beside the common loop
 // (branching once) its registers still cost the common one 1% to 2%.
 // Scales are per row and token as for W8A8: a batch is one span.
 template <bool TWO_GROUPS> struct DecW4A8 {
