@@ -493,33 +493,55 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
+    // Programmatic dependent launch (compile::GRID_WAITING_KERNELS): the next kernel may be
+    // scheduled from here on (its CTAs take SMs this grid leaves idle and wait on this grid), and
+    // this one may have started while the previous kernel runs: nothing below reads what that
+    // kernel writes (the tokens, their scales, the split-K slots) or writes anything before
+    // grid_dependency_wait. Only the weights, which nothing writes, go out before it.
+    grid_dependents_launch();
 
     // Stage g (counted across this CTA's units) uses slot g % S in phase g / S.
     if (warp >= 8) {  // the producer warpgroup: one warp issues the copies, running ahead into
                       // the next unit while the consumers store this one
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WGQ_PRODUCER_REGS));
         if (warp != 8 || lane != 0) return;
+        // The first unit's first stages: their barriers armed and their weights on the way
+        // while the previous kernel finishes.
+        int early = 0;
+        if (blockIdx.x < total) {
+            int tile0, m0, c0, c1;
+            place(blockIdx.x, tile0, m0, c0, c1);
+            early = min(S, c1 - c0);
+            for (int i = 0; i < early; ++i) {
+                mbar_expect_tx(full(i), F::X_BYTES + f.weight_bytes());
+                f.issue(base + i * F::STAGE + F::X_BYTES, full(i), tile0, c0 + i);
+            }
+        }
+        grid_dependency_wait();
         int g = 0;
         for (int u = blockIdx.x; u < total; u += gridDim.x) {
             int tile0, m0, c0, c1;
             place(u, tile0, m0, c0, c1);
             for (int c = c0; c < c1; ++c, ++g) {
                 const int s = g % S;
-                if (g >= S) mbar_wait(empty(s), (g / S + 1) & 1);
-                mbar_expect_tx(full(s), F::X_BYTES + f.weight_bytes());
+                if (g >= early) {
+                    if (g >= S) mbar_wait(empty(s), (g / S + 1) & 1);
+                    mbar_expect_tx(full(s), F::X_BYTES + f.weight_bytes());
+                }
                 // The stage's tokens as boxes of TOK rows x 128 bytes (W4A16's 128 channels: two).
                 constexpr int X_BOXES = F::X_BYTES / (TOK * 128);
 #pragma unroll
                 for (int b = 0; b < X_BOXES; ++b)
                     tma_load_2d(base + s * F::STAGE + b * TOK * 128, xmap,
                                 c * F::K_PER_STAGE + b * (F::K_PER_STAGE / X_BOXES), m0, full(s));
-                f.issue(base + s * F::STAGE + F::X_BYTES, full(s), tile0, c);
+                if (g >= early) f.issue(base + s * F::STAGE + F::X_BYTES, full(s), tile0, c);
                 if constexpr (StagesTokens<F>::value)
                     f.issue_tokens(base + s * F::STAGE + F::X_BYTES, full(s), m0, c);
             }
         }
         return;
     }
+    grid_dependency_wait();  // the consumers read the token scales and write the outputs
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WGQ_CONSUMER_REGS));
     typename F::Acc acc[TOK / 8][4];

@@ -126,6 +126,14 @@ pub const GRID_WAITING_KERNELS: &[&str] = &[
     "w8a16_dec",
     "w4a8_dec",
     "fp8_dec",
+    // The wgmma tiles (kernels/qgemm_wgmma.cu, `wgmma_gemm`) issue their first stages' weight
+    // copies before the wait.
+    "w4a16_wgmma",
+    "w8a8_wgmma",
+    "w8a16_wgmma",
+    "w4a8_wgmma",
+    "fp8_wgmma",
+    "comet_wgmma",
     "dense_gemv",
     "peer_sum_settle",
     "peer_sum_rows",
