@@ -158,6 +158,7 @@ template <int TOK> struct WgqFp8 {
     static constexpr int STAGE = X_BYTES + 128 * 128;
     static constexpr int K_PER_STAGE = 128;
     static constexpr bool RETIRE_AT_ONCE = true;  // (wgmma_gemm's RetiresAtOnce)
+    static constexpr bool LAUNCH_EARLY = TOK == 64;  // (wgmma_gemm's LaunchesEarly)
     using Acc = float;
     using Regs = float[TOK / 8][4];  // a stage's promotion fragment
     const TmaMap* codes;             // [rows][chunks * 64 B], boxes of 128 rows x 128 B

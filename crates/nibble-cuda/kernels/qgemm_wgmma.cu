@@ -150,6 +150,7 @@ __device__ __forceinline__ void wgmma_16(float (&d)[8][4], const u32* a, u64 des
 // W8A8: a stage is 128 K, two packed chunks (2 x 1 KB per weight tile), four k32 wgmmas.
 template <int TOK> struct WgqW8 {
     static constexpr int STAGES = TOK == 256 ? 4 : TOK == 128 ? 6 : 8;
+    static constexpr bool LAUNCH_EARLY = TOK == 64;  // (wgmma_gemm's LaunchesEarly)
     static constexpr int X_BYTES = TOK * 128;  // a stage's token tile: TOK rows of 128 B
     static constexpr int STAGE = X_BYTES + 8 * 2048;
     static constexpr int K_PER_STAGE = 128;  // TMA box width, in elements
@@ -371,6 +372,19 @@ template <class F> struct RetiresAtOnce<F, decltype(void(F::RETIRE_AT_ONCE))> {
     static constexpr bool value = F::RETIRE_AT_ONCE;
 };
 
+// Whether F's kernels take programmatic dependent launch (F::LAUNCH_EARLY; their names are in
+// compile::GRID_WAITING_KERNELS): the first stages' weight copies go out before the grid wait, and
+// the next kernel is scheduled at once. Measured with every wgmma entry on it (H200, BENCHMARKS.md
+// issue 18, "What a launch costs"): W8A8's and FP8's 64-token tiles 1.03x to 1.15x faster back to
+// back, which keeps them on it; W4A8, W4A16 and W8A16 at 64 tokens and every family at 256 0.94x
+// to 1.04x, and the W4A8 ShareGPT throughput level (0.99x).
+template <class F, class = void> struct LaunchesEarly {
+    static constexpr bool value = false;
+};
+template <class F> struct LaunchesEarly<F, decltype(void(F::LAUNCH_EARLY))> {
+    static constexpr bool value = F::LAUNCH_EARLY;
+};
+
 // Whether F stages per-token data of its own with each stage (F::STAGES_TOKENS: COMET's block
 // scales of the tile's tokens), which its issue_tokens copies, knowing the tile's first token.
 template <class F, class = void> struct StagesTokens {
@@ -493,12 +507,13 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    // Programmatic dependent launch (compile::GRID_WAITING_KERNELS): the next kernel may be
-    // scheduled from here on (its CTAs take SMs this grid leaves idle and wait on this grid), and
-    // this one may have started while the previous kernel runs: nothing below reads what that
-    // kernel writes (the tokens, their scales, the split-K slots) or writes anything before
-    // grid_dependency_wait. Only the weights, which nothing writes, go out before it.
-    grid_dependents_launch();
+    // Programmatic dependent launch (LaunchesEarly): the next kernel may be scheduled from here on
+    // (its CTAs take SMs this grid leaves idle and wait on this grid), and this one may have
+    // started while the previous kernel runs: nothing below reads what that kernel writes (the
+    // tokens, their scales, the split-K slots) or writes anything before grid_dependency_wait.
+    // Only the weights, which nothing writes, go out before it.
+    constexpr bool EARLY = LaunchesEarly<F>::value;
+    if constexpr (EARLY) grid_dependents_launch();
 
     // Stage g (counted across this CTA's units) uses slot g % S in phase g / S.
     if (warp >= 8) {  // the producer warpgroup: one warp issues the copies, running ahead into
@@ -508,7 +523,7 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
         // The first unit's first stages: their barriers armed and their weights on the way
         // while the previous kernel finishes.
         int early = 0;
-        if (blockIdx.x < total) {
+        if (EARLY && blockIdx.x < total) {
             int tile0, m0, c0, c1;
             place(blockIdx.x, tile0, m0, c0, c1);
             early = min(S, c1 - c0);
@@ -517,7 +532,7 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
                 f.issue(base + i * F::STAGE + F::X_BYTES, full(i), tile0, c0 + i);
             }
         }
-        grid_dependency_wait();
+        if constexpr (EARLY) grid_dependency_wait();
         int g = 0;
         for (int u = blockIdx.x; u < total; u += gridDim.x) {
             int tile0, m0, c0, c1;
@@ -541,7 +556,7 @@ __device__ void wgmma_gemm(const TmaMap* xmap, const F& f, OUT* __restrict__ y, 
         }
         return;
     }
-    grid_dependency_wait();  // the consumers read the token scales and write the outputs
+    if constexpr (EARLY) grid_dependency_wait();  // the consumers read token scales, write outputs
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WGQ_CONSUMER_REGS));
     typename F::Acc acc[TOK / 8][4];

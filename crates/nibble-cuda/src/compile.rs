@@ -126,14 +126,10 @@ pub const GRID_WAITING_KERNELS: &[&str] = &[
     "w8a16_dec",
     "w4a8_dec",
     "fp8_dec",
-    // The wgmma tiles (kernels/qgemm_wgmma.cu, `wgmma_gemm`) issue their first stages' weight
-    // copies before the wait.
-    "w4a16_wgmma",
-    "w8a8_wgmma",
-    "w8a16_wgmma",
-    "w4a8_wgmma",
-    "fp8_wgmma",
-    "comet_wgmma",
+    // The 64-token wgmma tiles of W8A8 and FP8 (kernels/qgemm_wgmma.cu, `LaunchesEarly`) issue
+    // their first stages' weight copies before the wait.
+    "w8a8_wgmma64",
+    "fp8_wgmma64",
     "dense_gemv",
     "peer_sum_settle",
     "peer_sum_rows",
