@@ -7,6 +7,7 @@ outside the kernel's own run.
     python3 bench/probe/launch_cost_report.py DIR
 """
 import csv
+import gzip
 import json
 import statistics
 import sys
@@ -17,7 +18,8 @@ from pathlib import Path
 def launches(path):
     """{(kernel, grid, block): {metric: [values per launch]}} of an ncu --csv file."""
     rows = defaultdict(lambda: defaultdict(dict))
-    text = path.read_text().splitlines()
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    text = raw.decode().splitlines()
     start = next((i for i, l in enumerate(text) if l.startswith('"ID"')), None)
     if start is None:
         return {}
@@ -52,7 +54,7 @@ def main():
     print("| N x K | M | w4a16 | w4a8 | w8a8 |\n|---|---|---|---|---|")
     for (n, k, m), r in sorted(rows.items(), key=lambda x: (x[0][2], -x[0][0] * x[0][1])):
         print(f"| {n} x {k} | {m} | {r['w4a16_ms'] * 1e3:.1f} | {r['w4a8_ms'] * 1e3:.1f} | {r['w8a8_ms'] * 1e3:.1f} |")
-    for f in sorted(d.glob("ncu-*.csv")):
+    for f in sorted([*d.glob("ncu-*.csv"), *d.glob("ncu-*.csv.gz")]):
         print(f"\n{f.name}: isolated launches, median duration\n")
         print("| kernel | grid | block | MB read | launches | µs | of copy rate |\n|---|---|---|---|---|---|---|")
         for name, grid, block, mb, count, us in by_bytes(f):
