@@ -80,28 +80,6 @@ __device__ __forceinline__ int dec_pin(int v) {
 // is multiplied (qlinear::DECODE_BATCH).
 #define DEC_U 4
 
-// How many chunks ahead of the register loads the lean loop has the TMA unit bring a warp's weight
-// codes into L2 (0: no prefetch). A warp holds two batches of registers, 4 KB of W4A16 codes, and
-// that is not enough bytes in flight to cover HBM's latency at its full rate; an L2 prefetch costs
-// no registers and one instruction a batch (lane 0's), and the register loads that follow hit L2.
-#if defined(DEC_PF_ALL)
-#define DEC_PF_AHEAD (1 << 20)
-#elif defined(DEC_PF32)
-#define DEC_PF_AHEAD 32
-#elif defined(DEC_PF16)
-#define DEC_PF_AHEAD 16
-#elif defined(DEC_PF8)
-#define DEC_PF_AHEAD 8
-#else
-#define DEC_PF_AHEAD 0
-#endif
-
-// `bytes` (a multiple of 16, from a 16-byte aligned `p`) into L2, by the TMA unit (PTX ISA
-// §9.7.9.25.4.3, cp.async.bulk.prefetch): nothing comes back to the issuing thread.
-__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-}
-
 // W4A16 units: a tile's chunk is 512 B of codes (16 B per lane) and the (scale, magic + zero)
 // pairs of its group, rows g and g + 8 (8 B per lane). Scales apply once per span of GC chunks
 // (GC = 1 for groups of 64, 2 for groups of 128 or a larger power of two), so a span's group is
@@ -176,17 +154,6 @@ template <class T, int GC_> struct DecW4 {
             r.p[s] = GC == 1 ? __ldg(t.p[0] + (long)(c + s) * 8) : __ldg(t.p[s] + (long)(c >> chunk_shift) * 8);
     }
     __device__ __forceinline__ void pin() { chunk_shift = dec_pin(chunk_shift); }
-    // Lane 0's prefetches (DEC_PF_AHEAD): chunks c0 .. c1 - 1 of tile `tile` and their groups'
-    // parameters, then, batch by batch, the U chunks at c of the tile at t.
-    __device__ __forceinline__ void prefetch_piece(int tile, int c0, int c1, int n) const {
-        if (c1 <= c0) return;
-        prefetch_l2(codes + ((long)tile * chunks + c0) * 32, n * 512);
-        const int g0 = c0 >> chunk_shift, g1 = (c1 - 1) >> chunk_shift;
-        prefetch_l2(params + ((long)tile * groups + g0) * 8, (g1 - g0 + 1) * 64);
-    }
-    __device__ __forceinline__ void prefetch_batch(const TileL& t, int c) const {
-        prefetch_l2(t.w + (long)c * 32, U * 512);
-    }
     // `a`: the shared address of the lane's bytes of a staged chunk (its row's plus XL * t).
     static constexpr int XL = 32;
     __device__ __forceinline__ void load_x(u32 a, uint4 (&v)[2]) const {
@@ -308,13 +275,6 @@ struct W8Stream {
         return {codes + ((long)tile * chunks + org) * 64 + (threadIdx.x & 31) * 2};
     }
     __device__ __forceinline__ void pin() {}
-    // Lane 0's prefetches (DEC_PF_AHEAD), as DecW4's: row scales apply in the epilogue.
-    __device__ __forceinline__ void prefetch_piece(int tile, int c0, int c1, int n) const {
-        if (c1 > c0) prefetch_l2(codes + ((long)tile * chunks + c0) * 64, n * 1024);
-    }
-    __device__ __forceinline__ void prefetch_batch(const TileL& t, int c) const {
-        prefetch_l2(t.w + (long)c * 64, U * 1024);
-    }
 };
 
 // W8A8 units: INT8 fragments of two k32 steps per chunk, INT8 activations.
@@ -620,17 +580,9 @@ __device__ __forceinline__ void dec_gemv_lean(const F& fin, const typename F::X*
     bool more = u0 < u1 && b * DW + warp < tiles;
     typename F::TileL tile;
     typename F::Regs ra, rb;
-    // Lane 0 prefetches a piece's first DEC_PF_AHEAD chunks past its first batch (and its
-    // parameters) when the piece starts, then one batch DEC_PF_AHEAD chunks ahead of each fetch.
-    constexpr int PF = DEC_PF_AHEAD;
-    const bool pf_lane = PF > 0 && lane == 0;
-    auto prefetch_start = [&](int tile_index) {
-        if (pf_lane) f.prefetch_piece(tile_index, pos + org + U, end + org, min(PF, end - pos - U));
-    };
     if (more) {
         tile = f.tile_lean(b * DW + warp, org);
         f.fetch(tile, pos, ra);
-        prefetch_start(b * DW + warp);
     }
     grid_dependents_launch();
     grid_dependency_wait();
@@ -686,7 +638,6 @@ __device__ __forceinline__ void dec_gemv_lean(const F& fin, const typename F::X*
     // finishes the piece.
     auto step = [&](const typename F::Regs& cur, typename F::Regs& nxt) {
         f.fetch(tile, pos + U, nxt);
-        if (pf_lane && pos + U + PF < end) f.prefetch_batch(tile, pos + U + PF);
         mult(cur);
         pos += U;
     };
@@ -696,7 +647,6 @@ __device__ __forceinline__ void dec_gemv_lean(const F& fin, const typename F::X*
         if (nmore) {
             tile = f.tile_lean((b + 1) * DW + warp, norg);
             f.fetch(tile, -norg, nxt);
-            if (pf_lane) f.prefetch_piece((b + 1) * DW + warp, U, e, min(PF, e - U));
         }
         mult(cur);
         dec_finish<TT>(acc, b * DW + warp, b, chunks, per_cta, max_pieces, M, N, partial, counters, y, ldy, epi, cta);
