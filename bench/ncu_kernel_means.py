@@ -8,23 +8,27 @@ import argparse
 import collections
 import csv
 import gzip
-import io
+
+
+def ncu_rows(path):
+    """The rows of an Nsight Compute `--csv` file (plain or gzipped) as dicts, from its header
+    line on (ncu prints its own lines before it); a cut-short row's missing cells are None."""
+    path = str(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    return list(csv.DictReader(lines[start:]))
 
 
 def means(path, under_us):
-    opener = gzip.open if path.endswith(".gz") else open
-    lines = opener(path, "rt").read().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
-    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
-    head = rows[0]
-    name, grid, value = (head.index(h) for h in ("Kernel Name", "Grid Size", "Metric Value"))
     times = collections.defaultdict(list)
-    for r in rows[1:]:
-        if len(r) <= value:
+    for r in ncu_rows(path):
+        if r.get("Metric Value") is None:
             continue
-        us = float(r[value].replace(",", "")) / 1000
+        us = float(r["Metric Value"].replace(",", "")) / 1000
         if us < under_us:
-            times[(r[name].split("(")[0], r[grid])].append(us)
+            times[(r["Kernel Name"].split("(")[0], r["Grid Size"])].append(us)
     return {k: (sum(v) / len(v), len(v)) for k, v in times.items()}
 
 

@@ -3,7 +3,7 @@
 # isolated duration of each launch (caches flushed, clocks unlocked) and its DRAM bytes, against
 # gpu-bench's graph-timed time per call of the same kernels in the same call (back to back, 20
 # calls a graph at one token, 3 at 256). Kernels: the W4A16 decode gemv at one token, the W4A8
-# and W8A8 wgmma tiles at 256 tokens. Tables: python3 bench/probe/launch_cost_report.py DIR.
+# and W8A8 wgmma tiles at 256 tokens. Tables: python3 bench/launch_cost_report.py DIR.
 #   from the repo root on the GPU machine, with a staged build: bash bench/probe/launch_cost_call.sh DIR
 set -u
 out=${1:?usage: bench/probe/launch_cost_call.sh DIR}

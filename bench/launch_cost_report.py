@@ -4,26 +4,23 @@ layer shapes apart), Nsight Compute's isolated duration of a launch (median over
 the time gpu-bench measured per call back to back in a graph; the difference is what a launch costs
 outside the kernel's own run.
 
-    python3 bench/probe/launch_cost_report.py DIR
+    python3 bench/launch_cost_report.py DIR
 """
-import csv
-import gzip
 import json
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from ncu_kernel_means import ncu_rows
+
 
 def launches(path):
     """{(kernel, grid, block): {metric: [values per launch]}} of an ncu --csv file."""
     rows = defaultdict(lambda: defaultdict(dict))
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    text = raw.decode().splitlines()
-    start = next((i for i, l in enumerate(text) if l.startswith('"ID"')), None)
-    if start is None:
-        return {}
-    for r in csv.DictReader(text[start:]):
+    for r in ncu_rows(path):
+        if r.get("Metric Value") is None:
+            continue
         v = float(r["Metric Value"].replace(",", ""))
         rows[r["ID"]][(r["Kernel Name"], r["Grid Size"], r["Block Size"])][r["Metric Name"]] = v
     out = defaultdict(lambda: defaultdict(list))
