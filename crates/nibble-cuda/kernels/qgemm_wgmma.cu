@@ -357,6 +357,16 @@ template <int TOK> struct WgqW4A8 {
     }
 };
 
+// TRAIT<F>::value: F's optional flag F::MEMBER, false where F does not declare it (the families
+// opt in to wgmma_gemm's variations one member each).
+#define WGMMA_OPTIONAL_FLAG(TRAIT, MEMBER)                                                             \
+    template <class F, class = void> struct TRAIT {                                                    \
+        static constexpr bool value = false;                                                           \
+    };                                                                                                 \
+    template <class F> struct TRAIT<F, decltype(void(F::MEMBER))> {                                    \
+        static constexpr bool value = F::MEMBER;                                                       \
+    };
+
 // Whether F adds a stage's wgmma results into its accumulators as soon as they are done
 // (F::RETIRE_AT_ONCE: FP8's promotion), rather than one stage later, overlapped with the next
 // stage's wgmmas. Reading a fragment while any wgmma is in flight made ptxas serialize every wgmma
@@ -365,12 +375,7 @@ template <int TOK> struct WgqW4A8 {
 // consumers then promote at the same time. Letting them take turns instead (FlashAttention-3's
 // ping-pong, named barriers handing the issue from one warpgroup to the other) measured 0.95x at
 // M >= 1024 on an H100, 0.87x on 4096x14336 at 8192 (BENCHMARKS.md, issue 18): removed.
-template <class F, class = void> struct RetiresAtOnce {
-    static constexpr bool value = false;
-};
-template <class F> struct RetiresAtOnce<F, decltype(void(F::RETIRE_AT_ONCE))> {
-    static constexpr bool value = F::RETIRE_AT_ONCE;
-};
+WGMMA_OPTIONAL_FLAG(RetiresAtOnce, RETIRE_AT_ONCE)
 
 // Whether F's kernels take programmatic dependent launch (F::LAUNCH_EARLY; their names are in
 // compile::GRID_WAITING_KERNELS): the first stages' weight copies go out before the grid wait, and
@@ -378,21 +383,11 @@ template <class F> struct RetiresAtOnce<F, decltype(void(F::RETIRE_AT_ONCE))> {
 // issue 18, "What a launch costs"): W8A8's and FP8's 64-token tiles 1.03x to 1.15x faster back to
 // back, which keeps them on it; W4A8, W4A16 and W8A16 at 64 tokens and every family at 256 0.94x
 // to 1.04x, and the W4A8 ShareGPT throughput level (0.99x).
-template <class F, class = void> struct LaunchesEarly {
-    static constexpr bool value = false;
-};
-template <class F> struct LaunchesEarly<F, decltype(void(F::LAUNCH_EARLY))> {
-    static constexpr bool value = F::LAUNCH_EARLY;
-};
+WGMMA_OPTIONAL_FLAG(LaunchesEarly, LAUNCH_EARLY)
 
 // Whether F stages per-token data of its own with each stage (F::STAGES_TOKENS: COMET's block
 // scales of the tile's tokens), which its issue_tokens copies, knowing the tile's first token.
-template <class F, class = void> struct StagesTokens {
-    static constexpr bool value = false;
-};
-template <class F> struct StagesTokens<F, decltype(void(F::STAGES_TOKENS))> {
-    static constexpr bool value = F::STAGES_TOKENS;
-};
+WGMMA_OPTIONAL_FLAG(StagesTokens, STAGES_TOKENS)
 
 // The wgmma tiers' epilogue: a warp's outputs go through 512 bytes of shared memory a round (16
 // tokens of its 16 rows in 16-bit outputs, 8 in f32, 32 of SwiGLU's 8 columns), so each lane
