@@ -12,13 +12,14 @@ import gzip
 
 def ncu_rows(path):
     """The rows of an Nsight Compute `--csv` file (plain or gzipped) as dicts, from its header
-    line on (ncu prints its own lines before it); a cut-short row's missing cells are None."""
+    line on (ncu prints its own lines before it); a cut-short row's missing cells are None. No
+    rows where ncu wrote no table (a failed run)."""
     path = str(path)
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         lines = f.read().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
-    return list(csv.DictReader(lines[start:]))
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    return [] if start is None else list(csv.DictReader(lines[start:]))
 
 
 def means(path, under_us):

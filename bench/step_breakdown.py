@@ -5,17 +5,16 @@ run of consecutive kernels inside the decode steps, so shares are those of a dec
 it holds whole steps (each launches the embedding once), the time a step too.
 
     python3 bench/step_breakdown.py NCU.csv"""
-import csv
 import sys
 from collections import defaultdict
+
+from ncu_kernel_means import ncu_rows
 
 
 def main(path):
     rows = []
-    with open(path, newline="") as f:
-        lines = [l for l in f if l.startswith('"')]
-    for r in csv.DictReader(lines):
-        if r.get("Metric Name") != "gpu__time_duration.sum":
+    for r in ncu_rows(path):
+        if r.get("Metric Name") != "gpu__time_duration.sum" or r.get("Metric Value") is None:
             continue
         v = float(r["Metric Value"].replace(",", ""))
         unit = r.get("Metric Unit", "ns")
