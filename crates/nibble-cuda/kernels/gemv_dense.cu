@@ -105,16 +105,8 @@ __device__ __forceinline__ void peer_wait(const DgPeer& p, int bar, int threads)
     asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "r"(threads) : "memory");
 }
 
-// The RMSNorm the gemv can take over (NORM): its input is then the model's f32 residual row `res`
-// (plus `delta`, when not null), normed by weight `nw` as elementwise.cu's rms_norm does, and CTA
-// 0 writes the updated residual to `res_out` (another buffer: every CTA reads `res`).
-struct DgNorm {
-    const float* res;
-    const float* delta;
-    const float* nw;
-    float* res_out;
-    float eps;
-};
+// The RMSNorm the gemv can take over (NORM) is qgemv.cu's RowNorm: its input is then the model's
+// f32 residual row.
 
 // SEGS: segments a warp takes of a stage (stage bytes = 16 * SEGS * 512).
 // PEER: 0 none, DG_PUSH the producer of a peer sum, DG_WAIT its consumer (NORM with a delta).
@@ -123,7 +115,7 @@ struct DgNorm {
 // The normed row's input at channel i: res + delta, where a peer sum's delta is own + peer (the
 // sum of two floats is the same bits whichever rank adds it).
 template <int PEER>
-__device__ __forceinline__ float dg_norm_input(const DgNorm& norm, const DgPeer& peer, int i) {
+__device__ __forceinline__ float dg_norm_input(const RowNorm& norm, const DgPeer& peer, int i) {
     if constexpr (PEER == DG_WAIT) return norm.res[i] + (norm.delta[i] + __ldcg(peer.peer_part + i));
     return norm.delta ? norm.res[i] + norm.delta[i] : norm.res[i];
 }
@@ -134,7 +126,7 @@ __device__ __forceinline__ float dg_norm_input(const DgNorm& norm, const DgPeer&
 // elementwise.cu's SiluMul on the f32 sums, what the gemv and then the SiLU-gate kernel give.
 template <class T, int M, int SEGS, bool NORM = false, int PEER = 0, bool SWIGLU = false>
 __device__ __forceinline__ void dense_gemv(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y,
-                                           int n, int k, int ring_bytes, DgNorm norm = {}, DgPeer peer = {},
+                                           int n, int k, int ring_bytes, RowNorm norm = {}, DgPeer peer = {},
                                            T* __restrict__ hy = nullptr) {
     constexpr int STAGE = DG_WARPS * SEGS * 512;
     extern __shared__ __align__(128) unsigned char dg_smem[];
@@ -342,7 +334,7 @@ DG_ENTRIES(__half, f16)
     extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
         dense_gemv_norm1_s32_##SFX(const T* __restrict__ w, const float* res, const float* delta, const float* nw, \
                                    float* res_out, float* __restrict__ y, int n, int k, int ring_bytes, float eps) { \
-        dense_gemv<T, 1, 4, true>(w, nullptr, y, n, k, ring_bytes, DgNorm{res, delta, nw, res_out, eps});      \
+        dense_gemv<T, 1, 4, true>(w, nullptr, y, n, k, ring_bytes, RowNorm{res, delta, nw, res_out, eps});      \
     }
 DG_NORM_ENTRY(__nv_bfloat16, bf16)
 DG_NORM_ENTRY(__half, f16)
@@ -352,7 +344,7 @@ DG_NORM_ENTRY(__half, f16)
     extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
         dense_gemv1_push_s32_##SFX(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int n, \
                                    int k, int ring_bytes, float* peer_y, u64* peer_arrivals, u64* own) {         \
-        dense_gemv<T, 1, 4, false, DG_PUSH>(w, x, y, n, k, ring_bytes, DgNorm{},                                 \
+        dense_gemv<T, 1, 4, false, DG_PUSH>(w, x, y, n, k, ring_bytes, RowNorm{},                                 \
                                             DgPeer{peer_y, peer_arrivals, nullptr, own, nullptr, nullptr});      \
     }
 DG_PUSH_ENTRY(__nv_bfloat16, bf16)
@@ -365,7 +357,7 @@ DG_PUSH_ENTRY(__half, f16)
                                         const float* peer_part, const float* nw, float* res_out,               \
                                         float* __restrict__ y, int n, int k, int ring_bytes, float eps,        \
                                         u64* arrivals, u64* own, const unsigned* abort) {                      \
-        dense_gemv<T, 1, 4, true, DG_WAIT>(w, nullptr, y, n, k, ring_bytes, DgNorm{res, delta, nw, res_out, eps}, \
+        dense_gemv<T, 1, 4, true, DG_WAIT>(w, nullptr, y, n, k, ring_bytes, RowNorm{res, delta, nw, res_out, eps}, \
                                            DgPeer{nullptr, nullptr, arrivals, own, peer_part, abort});         \
     }
 DG_PEER_NORM_ENTRY(__nv_bfloat16, bf16)
@@ -379,7 +371,7 @@ DG_PEER_NORM_ENTRY(__half, f16)
                                           const float* nw, float* res_out, T* __restrict__ out, int n, int k,  \
                                           int ring_bytes, float eps) {                                         \
         dense_gemv<T, 1, 4, true, 0, true>(w, nullptr, nullptr, n, k, ring_bytes,                              \
-                                           DgNorm{res, delta, nw, res_out, eps}, DgPeer{}, out);               \
+                                           RowNorm{res, delta, nw, res_out, eps}, DgPeer{}, out);               \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__((DG_WARPS + 1) * 32, 1)                                       \
         dense_gemv_norm1_peer_swiglu_s32_##SFX(const T* __restrict__ w, const float* res, const float* delta,   \
@@ -387,7 +379,7 @@ DG_PEER_NORM_ENTRY(__half, f16)
                                                T* __restrict__ out, int n, int k, int ring_bytes, float eps,   \
                                                u64* arrivals, u64* own, const unsigned* abort) {               \
         dense_gemv<T, 1, 4, true, DG_WAIT, true>(w, nullptr, nullptr, n, k, ring_bytes,                        \
-                                                 DgNorm{res, delta, nw, res_out, eps},                         \
+                                                 RowNorm{res, delta, nw, res_out, eps},                         \
                                                  DgPeer{nullptr, nullptr, arrivals, own, peer_part, abort}, out); \
     }
 DG_SWIGLU_ENTRIES(__nv_bfloat16, bf16)

@@ -501,29 +501,74 @@ __device__ __forceinline__ void dec_finish(A (&acc)[TT][4], int tile, int b, int
         for (int e = 0; e < 4; ++e) acc[tt][e] = 0;
 }
 
+// The RMSNorm a one-token gemv takes over (Backend::norm_linear): its input row is
+// res + delta (delta may be null), normed by weight `nw` as elementwise.cu's rms_norm does, and
+// CTA 0 writes res + delta to `res_out` (another buffer: every CTA reads `res`). The dense gemv
+// (gemv_dense.cu) and the normed decode gemv entries below take it.
+struct RowNorm {
+    const float* res;
+    const float* delta;
+    const float* nw;
+    float* res_out;
+    float eps;
+};
+
+// dec_stage_x's window for one token normed on the way in (RowNorm): the whole row's sum of
+// squares (16 KB at K = 4096, from L2 while the first weight batch is in flight), then the
+// window's channels as X(v * (1 / sqrt(mean(v^2) + eps)) * nw), rms_norm_impl's arithmetic with
+// the sum of squares in another order (as the dense gemv's NORM), zero past K.
+template <class X>
+__device__ __forceinline__ void dec_stage_normed(unsigned char* xs, int K, int chunks, int c0, int win,
+                                                 const RowNorm& norm) {
+    __shared__ float scratch[32];
+    const bool write_res = blockIdx.x == 0 && norm.delta;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+        const float v = norm.delta ? norm.res[i] + norm.delta[i] : norm.res[i];
+        ss = fmaf(v, v, ss);
+        if (write_res) norm.res_out[i] = v;
+    }
+    const float scale = 1.0f / sqrtf(block_sum(ss, scratch) / (float)K + norm.eps);
+    X* row = reinterpret_cast<X*>(xs);
+    for (int i = threadIdx.x; i < win * 64; i += blockDim.x) {
+        const int slot = i >> 6;
+        const int c = c0 + slot < chunks ? c0 + slot : c0 + slot - chunks;
+        const int k = c * 64 + (i & 63);
+        float v = 0.f;
+        if (k < K) v = (norm.delta ? norm.res[k] + norm.delta[k] : norm.res[k]) * scale * norm.nw[k];
+        row[i] = from_f32<X>(v);
+    }
+}
+
 // Stages the activations of a CTA's chunk window (chunks c0 .. c0 + win - 1 of `chunks`,
 // cyclically; zero past K) in shared memory, rows `stride` bytes apart (returned), and, with
 // SUMS, their sums per span of GC chunks after them, [span][token] (0 past M). Read from global
 // memory inside the loop, the activations would queue behind the streamed weight loads (the L1
 // returns loads in order), stalling every batch on a full memory round trip. c0 and the window
-// are multiples of the batch, so spans never straddle a wrap.
-template <int TT, int DW, int GC, bool SUMS, class X>
+// are multiples of the batch, so spans never straddle a wrap. NORM: one token (M = 1) normed on
+// the way in from `norm` (dec_stage_normed) instead of read from x.
+template <int TT, int DW, int GC, bool SUMS, bool NORM, class X>
 __device__ __forceinline__ int dec_stage_x(unsigned char* xs, const X* x, long ldx, int M, int K, int chunks,
-                                           int c0, int win) {
+                                           int c0, int win, const RowNorm& norm) {
     constexpr int XB = (int)sizeof(X), MP = TT * 8;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int stride = gemv_x_stride(win, XB);
     constexpr int SEGS = 4 * XB;  // 16-byte segments a chunk
     const int segs = win * SEGS;
-    for (int i = threadIdx.x; i < M * segs; i += blockDim.x) {
-        const int row = i / segs, seg = i % segs, slot = seg / SEGS;
-        const int c = c0 + slot < chunks ? c0 + slot : c0 + slot - chunks;
-        const int k = c * 64 + (seg % SEGS) * 16 / XB;
-        const bool ok = k < K;
-        stage_x16(xs + row * stride + slot * SEGS * 16, seg % SEGS, x + (ok ? (long)row * ldx + k : 0), ok);
+    if constexpr (NORM) {
+        static_assert(XB == 2, "the normed window is 16-bit activations");
+        dec_stage_normed<X>(xs, K, chunks, c0, win, norm);
+    } else {
+        for (int i = threadIdx.x; i < M * segs; i += blockDim.x) {
+            const int row = i / segs, seg = i % segs, slot = seg / SEGS;
+            const int c = c0 + slot < chunks ? c0 + slot : c0 + slot - chunks;
+            const int k = c * 64 + (seg % SEGS) * 16 / XB;
+            const bool ok = k < K;
+            stage_x16(xs + row * stride + slot * SEGS * 16, seg % SEGS, x + (ok ? (long)row * ldx + k : 0), ok);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
     }
-    cp_async_commit();
-    cp_async_wait<0>();
     __syncthreads();
     if constexpr (SUMS) {
         float* xsum = reinterpret_cast<float*>(xs + M * stride);
@@ -557,11 +602,12 @@ __device__ __forceinline__ int dec_stage_x(unsigned char* xs, const X* x, long l
 // 8 tokens (ptxas 13.0, sm_90a): 189 instructions a batch of four chunks instead of 237 (bf16),
 // 162 instead of 210 (f16). It holds a few more registers, which the variants at the
 // 128-register cap (wide token tiles, the grouped experts) cannot spare: ptxas spills there.
-template <int TT, int DW, class F, class OUT, class EPI>
+template <int TT, int DW, bool NORM, class F, class OUT, class EPI>
 __device__ __forceinline__ void dec_gemv_lean(const F& fin, const typename F::X* __restrict__ x, long ldx,
                                               OUT* __restrict__ y, long ldy, typename F::Acc* __restrict__ partial,
                                               int* __restrict__ counters, int M, int N, int K, int tiles, int chunks,
-                                              int per_cta, int max_pieces, const EPI& epi, int cta) {
+                                              int per_cta, int max_pieces, const EPI& epi, int cta,
+                                              const RowNorm& norm) {
     static_assert(TT < 4, "wide token tiles multiply as dec_gemv's mma_direct / mma_rows do");
     constexpr int U = F::U, GC = F::GC;
     F f = fin;
@@ -595,7 +641,7 @@ __device__ __forceinline__ void dec_gemv_lean(const F& fin, const typename F::X*
     constexpr int XB = (int)sizeof(typename F::X);
     constexpr int MP = TT * 8;
     const int win = min(chunks, per_cta), c0 = win < chunks ? c_first : 0;
-    const int stride = dec_stage_x<TT, DW, GC, F::ZERO_POINTS>(xs, x, ldx, M, K, chunks, c0, win);
+    const int stride = dec_stage_x<TT, DW, GC, F::ZERO_POINTS, NORM>(xs, x, ldx, M, K, chunks, c0, win, norm);
 
     constexpr int XV = XB == 2 ? 2 : 1;
     typename F::Acc acc[TT][4] = {};
@@ -675,15 +721,17 @@ __device__ __forceinline__ void dec_gemv_lean(const F& fin, const typename F::X*
         }
 }
 
-// LEAN: run dec_gemv_lean instead (the same results; the entries choose).
-template <int TT, int DW, bool LEAN = false, class F, class OUT, class EPI>
+// LEAN: run dec_gemv_lean instead (the same results; the entries choose). NORM: one token normed
+// on the way in from `norm` (dec_stage_x), x unused.
+template <int TT, int DW, bool LEAN = false, bool NORM = false, class F, class OUT, class EPI>
 __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __restrict__ x, long ldx,
                                          OUT* __restrict__ y, long ldy, typename F::Acc* __restrict__ partial,
                                          int* __restrict__ counters, int M, int N, int K, int tiles, int chunks,
-                                         int per_cta, int max_pieces, const EPI& epi, int cta) {
+                                         int per_cta, int max_pieces, const EPI& epi, int cta,
+                                         const RowNorm& norm = RowNorm{}) {
     if constexpr (LEAN) {
-        dec_gemv_lean<TT, DW>(f, x, ldx, y, ldy, partial, counters, M, N, K, tiles, chunks, per_cta, max_pieces,
-                              epi, cta);
+        dec_gemv_lean<TT, DW, NORM>(f, x, ldx, y, ldy, partial, counters, M, N, K, tiles, chunks, per_cta,
+                                    max_pieces, epi, cta, norm);
         return;
     }
     constexpr int U = F::U, GC = F::GC;
@@ -715,7 +763,7 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     constexpr int XB = (int)sizeof(typename F::X);
     constexpr int MP = TT * 8;
     const int c0 = q.c, win = min(chunks, per_cta);
-    const int stride = dec_stage_x<TT, DW, GC, F::ZERO_POINTS>(xs, x, ldx, M, K, chunks, c0, win);
+    const int stride = dec_stage_x<TT, DW, GC, F::ZERO_POINTS, NORM>(xs, x, ldx, M, K, chunks, c0, win, norm);
     const float* xsum = reinterpret_cast<const float*>(xs + M * stride);
 
     constexpr int XV = XB == 2 ? 2 : 1;
@@ -818,6 +866,26 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
     W4A16_DEC_ENTRY(w4a16_dec4_h_g64_##SUFFIX, T, 4, 1, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
 
+// One token with the RMSNorm before the layer taken over (Backend::norm_linear, qlinear::
+// NormedDecode): the activations are normed from the f32 residual row on the way into the
+// window, f32 outputs.
+#define W4A16_DEC_NORM_ENTRY(NAME, T, GC)                                                              \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
+        const uint4* codes, const uint2* params, const float* res, const float* delta, const float* nw, \
+        float* res_out, float eps, float* y, long ldy, float* partial, int* counters, int M, int N,      \
+        int K, int tiles, int chunks, int groups, int group_len, int group_shift, int per_cta,          \
+        int max_pieces) {                                                                              \
+        const int chunk_shift = groups == 1 ? 30 : group_shift - 6;                                    \
+        dec_gemv<1, DEC_WARPS, true, true>(DecW4<T, GC>{codes, params, chunks, groups, chunk_shift},     \
+                                           (const T*)nullptr, 0, y, ldy, partial, counters, M, N, K,     \
+                                           tiles, chunks, per_cta, max_pieces, W4Epilogue{}, blockIdx.x, \
+                                           RowNorm{res, delta, nw, res_out, eps});                       \
+    }
+#define NIBBLE_W4A16_DEC_NORM(SUFFIX, T)                    \
+    W4A16_DEC_NORM_ENTRY(w4a16_dec1_norm_##SUFFIX, T, 2)    \
+    W4A16_DEC_NORM_ENTRY(w4a16_dec1_norm_g64_##SUFFIX, T, 1)
+NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC_NORM)
+
 // W8A8 and W4A8 keep dec_gemv's loop: with the lean one (A/B on an H200 and an H100, 2026-11-26,
 // BENCHMARKS' W8A16 section) W4A8 took 3% to 7% longer on the two large layers at 1 to 16 tokens
 // and W8A8 ran level (to 6% slower on 6144x4096 at 16 tokens); W8A16 gained up to 1.11x.
@@ -857,6 +925,19 @@ NIBBLE_W8A8_DEC(swiglu_f16, __half, swiglu_epilogue)
     W8A16_DEC_ENTRY(w8a16_dec1_h_##SUFFIX, T, 1, T)      \
     W8A16_DEC_ENTRY(w8a16_dec2_h_##SUFFIX, T, 2, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W8A16_DEC)
+
+// One token with the RMSNorm taken over, as W4A16_DEC_NORM_ENTRY.
+#define W8A16_DEC_NORM_ENTRY(SUFFIX, T)                                                               \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) w8a16_dec1_norm_##SUFFIX(         \
+        const uint4* codes, const float* sw, const float* res, const float* delta, const float* nw,    \
+        float* res_out, float eps, float* y, long ldy, float* partial, int* counters, int M, int N,      \
+        int K, int tiles, int chunks, int per_cta, int max_pieces) {                                   \
+        dec_gemv<1, DEC_WARPS, true, true>(DecW8A16<T>{{codes, chunks}}, (const T*)nullptr, 0, y, ldy,    \
+                                           partial, counters, M, N, K, tiles, chunks, per_cta,           \
+                                           max_pieces, RowScaleEpilogue{sw}, blockIdx.x,                 \
+                                           RowNorm{res, delta, nw, res_out, eps});                       \
+    }
+NIBBLE_BOTH_DTYPES(W8A16_DEC_NORM_ENTRY)
 
 // WRAP: plain_epilogue, or swiglu_epilogue for a gate/up pair packed interleaved (qgemm.cu,
 // SwiGluEpilogue), which writes silu(gate) * up in the model dtype.

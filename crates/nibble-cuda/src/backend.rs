@@ -68,6 +68,10 @@ pub struct CudaBackend {
     /// (Hopper, [`dense_gemv::engine_picks`]; `NIBBLE_DENSE_GEMV=0` keeps cuBLAS, to measure
     /// one against the other).
     pub dense_gemv: bool,
+    /// One-token W4A16 and W8A16 GEMMs after an RMSNorm on the decode gemv that norms its own
+    /// input ([`qlinear::NormedDecode`]) instead of the norm kernel and then the gemv
+    /// (`NIBBLE_NORMED_DECODE=0` keeps the two, to measure one against the other).
+    pub normed_decode: bool,
     /// Two residual rows the one-token normed gemv writes the updated residual to in turn
     /// ([`Backend::norm_linear`]; it cannot update it in place, every CTA reads it), and the one
     /// next (rewound at every forward, so a captured graph's turns are a replay's).
@@ -127,6 +131,7 @@ impl CudaBackend {
             peer_rows: std::env::var("NIBBLE_TP_PEER_ROWS").map_or(true, |v| v != "0"),
             peer_rows_bf16: std::env::var("NIBBLE_TP_SUM_BF16").is_ok_and(|v| v == "1"),
             dense_gemv: std::env::var("NIBBLE_DENSE_GEMV").map_or(true, |v| v != "0"),
+            normed_decode: std::env::var("NIBBLE_NORMED_DECODE").map_or(true, |v| v != "0"),
             trace: std::env::var("NIBBLE_HOST_TRACE")
                 .is_ok_and(|v| v == "1")
                 .then(HostTrace::default),
@@ -1099,24 +1104,69 @@ impl Backend for CudaBackend {
         bias: Option<&CudaTensor>,
     ) -> Result<CudaTensor> {
         let ctx = &self.ctx;
-        let fused = x.rows == 1
+        // One row of the residual stream, normed into 16-bit activations: the one-token gemvs
+        // can take the norm over.
+        let one_row = x.rows == 1
             && x.elem == Elem::F32
             && x.is_contiguous()
             && x.cols <= RESIDUAL_ROW_MAX
-            && ctx.wants_act8().is_none()
-            && self.takes_dense_gemv(1, weight);
-        if !fused {
+            && x.cols == weight.cols
+            && norm.rows * norm.cols == x.cols
+            && delta.is_none_or(|d| d.rows == 1 && d.cols == x.cols && d.elem == Elem::F32)
+            && ctx.wants_act8().is_none();
+        let dense = one_row && self.takes_dense_gemv(1, weight);
+        let quant = match &weight.data {
+            WeightData::Quant(q) if one_row && !dense && self.normed_decode => {
+                qlinear::NormedDecode::of(ctx, q, weight.rows, weight.cols)
+            }
+            _ => None,
+        };
+        if !dense && quant.is_none() {
             let h = self.pre_norm(x, delta, norm, eps);
             return self.linear(&h, weight, bias);
         }
-        // A peer sum left to this gemv: it waits for the peer's half and adds it itself.
-        let peer = self
-            .peer
-            .as_ref()
-            .zip(delta)
-            .and_then(|(p, d)| p.take_wait(d.ptr));
+        // A peer sum left to the dense gemv: it waits for the peer's half and adds it itself
+        // (the quantized one reads the delta settled).
+        let peer = match dense {
+            true => self
+                .peer
+                .as_ref()
+                .zip(delta)
+                .and_then(|(p, d)| p.take_wait(d.ptr)),
+            false => None,
+        };
         self.settle_peer()?;
         ctx.check_live(x)?;
+        if let Some(d) = delta {
+            ctx.check_live(d)?;
+        }
+        let next = delta.map(|_| {
+            let turn = self.residual_turn.fetch_xor(1, Ordering::Relaxed);
+            CudaTensor::view(self.residual_rows[turn].ptr, 1, x.cols, Elem::F32, 0)
+        });
+        let res_out = next.as_ref().map_or(0, |t| t.ptr);
+        if let Some(q) = quant {
+            let out = ctx.alloc(1, weight.rows, Elem::F32)?;
+            let args = qlinear::RowNormArgs {
+                res: x.ptr,
+                delta: delta.map_or(0, |d| d.ptr),
+                weight: norm.ptr,
+                res_out,
+                eps,
+            };
+            let gemm = || q.launch(ctx, &args, &out);
+            match &self.trace {
+                Some(t) => t.gemm(gemm)?,
+                None => gemm()?,
+            }
+            if let Some(r) = next {
+                *x = r;
+            }
+            if let Some(b) = bias {
+                ew::add_bias(ctx, &out, b)?;
+            }
+            return Ok(out);
+        }
         // A SwiGLU pair: the gemv runs over the stacked rows and writes silu(gate) * up.
         let (gemv_weight, swiglu) = match &weight.data {
             WeightData::DenseSwiGlu(stacked) => (&**stacked, true),
@@ -1128,10 +1178,6 @@ impl Backend for CudaBackend {
             Elem::F32
         };
         let out = ctx.alloc(1, weight.rows, out_elem)?;
-        let next = delta.map(|_| {
-            let turn = self.residual_turn.fetch_xor(1, Ordering::Relaxed);
-            CudaTensor::view(self.residual_rows[turn].ptr, 1, x.cols, Elem::F32, 0)
-        });
         dense_gemv::run_norm(
             ctx,
             x,
@@ -1140,7 +1186,7 @@ impl Backend for CudaBackend {
             eps,
             gemv_weight,
             &out,
-            next.as_ref().map_or(0, |t| t.ptr),
+            res_out,
             peer.as_ref(),
             swiglu,
         )?;

@@ -1077,6 +1077,144 @@ fn routed_gemm(
     }
 }
 
+/// The RMSNorm a one-token decode gemv takes over (kernels/qgemv.cu, `RowNorm`): it norms
+/// `res + delta` (`delta` 0: `res` alone) by `weight` on the way in, and writes `res + delta` to
+/// `res_out` (with a delta; another row than `res`, which every CTA reads).
+#[derive(Clone, Copy, Debug)]
+pub struct RowNormArgs {
+    pub res: u64,
+    pub delta: u64,
+    pub weight: u64,
+    pub res_out: u64,
+    pub eps: f32,
+}
+
+/// A one-token W4A16 or W8A16 GEMM whose decode gemv norms its own input
+/// (`w4a16_dec1_norm_*`, `w8a16_dec1_norm_*`): [`Backend::norm_linear`](crate::Backend) takes
+/// it where [`NormedDecode::of`] finds one, instead of the norm kernel and the gemv.
+#[derive(Clone, Debug)]
+pub struct NormedDecode {
+    name: String,
+    weight: [u64; 2],
+    geo: Vec<i32>,
+    tiles: usize,
+    plan: DecodePlan,
+}
+
+impl NormedDecode {
+    /// The normed decode gemv of a weight of `n` rows and `k` columns, where the plain one would
+    /// run at one token here (the tier, the group size and the activation window allow it).
+    pub fn of(ctx: &CudaContext, w: &QuantWeight, n: usize, k: usize) -> Option<NormedDecode> {
+        let (family, kind, weight, tiles, chunks, extra) = match w {
+            QuantWeight::W4 {
+                codes,
+                params,
+                group_len,
+                tiles,
+                chunks,
+                groups,
+            } => {
+                // As `routed_gemm`: a whole row's group (the one group not a power of two)
+                // has no shift; the kernel reads none.
+                let shift = match group_len.is_power_of_two() {
+                    true => group_len.trailing_zeros() as i32,
+                    false => -1,
+                };
+                (
+                    QFamily::W4A16,
+                    w4_decode_kernel(*group_len, *groups)?,
+                    [codes.ptr, params.ptr],
+                    *tiles,
+                    *chunks,
+                    vec![*groups as i32, *group_len as i32, shift],
+                )
+            }
+            QuantWeight::W8A16 {
+                codes,
+                scales,
+                tiles,
+                chunks,
+            } => (
+                QFamily::W8A16,
+                QKernel::Decode,
+                [codes.ptr, scales.ptr],
+                *tiles,
+                *chunks,
+                vec![],
+            ),
+            _ => return None,
+        };
+        let name = normed_kernel_name(kind, family, ctx.dtype.suffix())?;
+        let gemm = QGemm {
+            route: Route {
+                family,
+                out_half: false,
+                decode: Some(kind),
+                swiglu: false,
+            },
+            m: 1,
+            tiles,
+            chunks,
+            sms: ctx.gpu.sm_count,
+            tier: ctx.tier(),
+            tma_ok: true,
+        };
+        let Pick::Decode(_, plan) = gemm.pick(&|c| c == kind && ctx.has_kernel(&name)) else {
+            return None;
+        };
+        let geo = [1, n, k, tiles, chunks]
+            .into_iter()
+            .map(|v| v as i32)
+            .chain(extra)
+            .collect();
+        Some(NormedDecode {
+            name,
+            weight,
+            geo,
+            tiles,
+            plan,
+        })
+    }
+
+    /// `out` (one f32 row of the weight's `n` outputs) = the weight times the normed row.
+    pub fn launch(&self, ctx: &CudaContext, norm: &RowNormArgs, out: &CudaTensor) -> Result<()> {
+        if out.rows != 1 || out.elem != Elem::F32 {
+            return Err(Error::InvalidArgument(format!(
+                "a normed decode gemv into {}x{} {:?}",
+                out.rows, out.cols, out.elem
+            )));
+        }
+        let args = vec![
+            Arg::Ptr(self.weight[0]),
+            Arg::Ptr(self.weight[1]),
+            Arg::Ptr(norm.res),
+            Arg::Ptr(norm.delta),
+            Arg::Ptr(norm.weight),
+            Arg::Ptr(norm.res_out),
+            Arg::F32(norm.eps),
+            Arg::Ptr(out.ptr),
+            Arg::I64(out.ld as i64),
+        ];
+        let geo = self.geo.iter().map(|&v| Arg::I32(v)).collect();
+        launch_decode(ctx, &self.name, args, geo, self.tiles, 1, self.plan)
+    }
+}
+
+/// The normed one-token entry of a decode gemv `kind` (kernels/qgemv.cu,
+/// `W4A16_DEC_NORM_ENTRY`): `w4a16_dec1_norm_g64_bf16`; 16-bit-activation families only.
+pub fn normed_kernel_name(kind: QKernel, family: QFamily, sfx: &str) -> Option<String> {
+    let p = match family {
+        QFamily::W4A16 => "w4a16",
+        QFamily::W8A16 => "w8a16",
+        _ => return None,
+    };
+    match (family, kind) {
+        (_, QKernel::Decode) => Some(format!("{p}_dec1_norm_{sfx}")),
+        (QFamily::W4A16, QKernel::DecodeG64) => Some(format!("{p}_dec1_norm_g64_{sfx}")),
+        _ => None,
+    }
+}
+
 /// The 16-bit input of a `what` GEMM, whose kernels read 16-byte vectors of its rows.
 pub(crate) fn half_input(ctx: &CudaContext, x: &CudaTensor, what: &str) -> Result<CudaTensor> {
     let xh = ctx.as_half(x)?;

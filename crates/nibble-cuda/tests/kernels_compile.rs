@@ -99,7 +99,7 @@ fn kernels_compile_for_every_architecture() {
                         // gemv up to 64 tokens, the tiled kernels, and from sm_90 the decode gemv
                         // up to 16 tokens and the wgmma kernels.
                         use nibble_cuda::qlinear::{
-                            QFamily, qgemm_kernel_name, swiglu_kernel_name,
+                            QFamily, normed_kernel_name, qgemm_kernel_name, swiglu_kernel_name,
                         };
                         for family in QFamily::ALL {
                             for out_half in [false, true] {
@@ -111,6 +111,13 @@ fn kernels_compile_for_every_architecture() {
                                             assert!(entries.contains(&e), "{arch}: {e} missing");
                                             if family.has_swiglu() && kind.has_swiglu_entry() {
                                                 let e = swiglu_kernel_name(kind, family, m, sfx);
+                                                assert!(entries.contains(&e), "{arch}: {e}");
+                                            }
+                                            // The one-token decode gemv that norms its input.
+                                            if let Some(e) = (m == 1)
+                                                .then(|| normed_kernel_name(kind, family, sfx))
+                                                .flatten()
+                                            {
                                                 assert!(entries.contains(&e), "{arch}: {e}");
                                             }
                                         }

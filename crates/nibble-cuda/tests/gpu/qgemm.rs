@@ -1564,3 +1564,87 @@ fn w4a16_moe_model_matches_cpu() {
     // Its prompts route a few rows to most experts: those layers ran grouped.
     assert!(g.backend.grouped_expert_launches() > 0);
 }
+
+/// `norm_linear` of one row on W4A16 (groups of 64, 128 and one a row) and W8A16 weights: the
+/// decode gemv that norms its own input (`qlinear::NormedDecode`) against the norm kernel and
+/// then the plain decode gemv (`normed_decode` off), with and without a residual delta and a
+/// bias, NaN-poisoned activations, rows that leave tiles and CTAs unequal, and K past a whole
+/// number of CTA windows. The residual it leaves is the same bits; the outputs agree to the f32
+/// order of the norm's sum of squares, and both with the reference on the host-normed row.
+#[test]
+fn normed_quantized_decode_gemv_matches_the_norm_then_the_gemv() {
+    let mut r = rng("normed_quantized_decode_gemv_matches_the_norm_then_the_gemv");
+    let formats: Vec<LinearFormat> = vec![
+        w4a16_format(128),
+        w4a16_format(64),
+        w4a16_format(0),
+        "int8-pc/a16".parse().unwrap(),
+    ];
+    for (dtype, ty) in [(Dtype::Bf16, GgmlType::BF16), (Dtype::F16, GgmlType::F16)] {
+        let Some(mut g) = hopper_gpu(dtype) else {
+            return;
+        };
+        for format in &formats {
+            for &(n, k) in &[(6144, 4096), (1000, 4352), (300, 1024)] {
+                let wb = random_rows(&mut r, *format, n, k);
+                let w = g
+                    .load_weight(&quant_tensor(*format, n, k, wb.clone()))
+                    .unwrap();
+                let nibble_cuda::WeightData::Quant(q) = &w.data else {
+                    panic!("{format} {n}x{k} did not pack");
+                };
+                assert!(
+                    nibble_cuda::qlinear::NormedDecode::of(&g, q, n, k).is_some(),
+                    "{format} {n}x{k}: no normed decode gemv"
+                );
+                let res = randn(&mut r, k, 1.0);
+                let delta = randn(&mut r, k, 0.5);
+                let nw: Vec<f32> = (0..k).map(|_| 0.5 + r.random::<f32>()).collect();
+                let bias = randn(&mut r, n, 0.1);
+                for with_delta in [false, true] {
+                    let with_bias = with_delta;
+                    let mut got = Vec::new();
+                    for fused in [true, false] {
+                        g.normed_decode = fused;
+                        g.poison_activations(64 << 20).unwrap();
+                        let mut x = g.tensor_from_f32(&res, 1, k).unwrap();
+                        let d = g.tensor_from_f32(&delta, 1, k).unwrap();
+                        let gn = g.load_vector(&nw).unwrap();
+                        let gb = g.load_vector(&bias).unwrap();
+                        let before = x.ptr;
+                        let y = g
+                            .norm_linear(
+                                &mut x,
+                                with_delta.then_some(&d),
+                                &gn,
+                                1e-5,
+                                &w,
+                                with_bias.then_some(&gb),
+                            )
+                            .unwrap();
+                        // The fused path leaves the updated residual in a row of its own.
+                        assert_eq!(x.ptr != before, fused && with_delta);
+                        got.push((host(&g, &y), host(&g, &x)));
+                    }
+                    g.normed_decode = true;
+                    let what = format!("normed {format} {n}x{k} {dtype:?} delta {with_delta}");
+                    check_normed(&what, &got, 2e-3);
+                    // The reference on the row normed here, rounded to the dtype.
+                    let v: Vec<f32> = match with_delta {
+                        true => res.iter().zip(&delta).map(|(a, b)| a + b).collect(),
+                        false => res.clone(),
+                    };
+                    let ss: f32 = v.iter().map(|a| a * a).sum();
+                    let scale = 1.0 / (ss / k as f32 + 1e-5).sqrt();
+                    let h: Vec<f32> = v.iter().zip(&nw).map(|(a, w)| a * scale * w).collect();
+                    let h = rounded(&h, ty);
+                    let mut want = reference_matmul(*format, &h, 1, k, &wb, n).unwrap();
+                    if with_bias {
+                        want.iter_mut().zip(&bias).for_each(|(y, b)| *y += b);
+                    }
+                    assert_w4_close(&what, &got[0].0, &want, &h, k, *format, &wb, dtype);
+                }
+            }
+        }
+    }
+}
