@@ -514,26 +514,68 @@ struct RowNorm {
 };
 
 // dec_stage_x's window for one token normed on the way in (RowNorm): the whole row's sum of
-// squares (16 KB at K = 4096, from L2 while the first weight batch is in flight), then the
-// window's channels as X(v * (1 / sqrt(mean(v^2) + eps)) * nw), rms_norm_impl's arithmetic with
-// the sum of squares in another order (as the dense gemv's NORM), zero past K.
+// squares, then the window's channels as X(v * (1 / sqrt(mean(v^2) + eps)) * nw),
+// rms_norm_impl's arithmetic with the sum of squares in another order (as the dense gemv's
+// NORM), zero past K. It runs between the grid wait and the first MMA, so every load it needs
+// goes out at once: the window's first DEC_NORM_WV values a thread norms and its float4s of the
+// row (DEC_NORM_RV at a time), before the first is used. Loaded a value at a time (the row in a
+// plain strided loop), a one-token W4A16 decode step ran 4% slower than with the norm kernel
+// before the gemv (H200, bench/results/normed-decode-20261128-h200/call1).
+#define DEC_NORM_WV 8
+#define DEC_NORM_RV 4
 template <class X>
 __device__ __forceinline__ void dec_stage_normed(unsigned char* xs, int K, int chunks, int c0, int win,
                                                  const RowNorm& norm) {
     __shared__ float scratch[32];
+    const int n = win * 64, n4 = K >> 2, step = blockDim.x;
+    auto channel = [&](int i) {  // window slot i's channel (cyclic from chunk c0)
+        const int slot = i >> 6;
+        return (c0 + slot < chunks ? c0 + slot : c0 + slot - chunks) * 64 + (i & 63);
+    };
+    float wv[DEC_NORM_WV], wn[DEC_NORM_WV];
+#pragma unroll
+    for (int j = 0; j < DEC_NORM_WV; ++j) {
+        const int i = threadIdx.x + j * step, k = channel(i);
+        const bool ok = i < n && k < K;
+        wv[j] = ok ? norm.res[k] : 0.f;
+        wn[j] = ok ? norm.nw[k] : 0.f;
+        if (ok && norm.delta) wv[j] += norm.delta[k];
+    }
     const bool write_res = blockIdx.x == 0 && norm.delta;
     float ss = 0.f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        const float v = norm.delta ? norm.res[i] + norm.delta[i] : norm.res[i];
-        ss = fmaf(v, v, ss);
-        if (write_res) norm.res_out[i] = v;
+    for (int base = threadIdx.x; base < n4; base += DEC_NORM_RV * step) {
+        float4 a[DEC_NORM_RV], d[DEC_NORM_RV];
+#pragma unroll
+        for (int j = 0; j < DEC_NORM_RV; ++j) {
+            const int u = base + j * step;
+            if (u < n4) {
+                a[j] = ld4(norm.res + 4 * u);
+                if (norm.delta) d[j] = ld4(norm.delta + 4 * u);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < DEC_NORM_RV; ++j) {
+            const int u = base + j * step;
+            if (u < n4) {
+                if (norm.delta) a[j] = make_float4(a[j].x + d[j].x, a[j].y + d[j].y, a[j].z + d[j].z, a[j].w + d[j].w);
+                if (write_res) st4(norm.res_out + 4 * u, a[j]);
+                ss = fmaf(a[j].x, a[j].x, ss);
+                ss = fmaf(a[j].y, a[j].y, ss);
+                ss = fmaf(a[j].z, a[j].z, ss);
+                ss = fmaf(a[j].w, a[j].w, ss);
+            }
+        }
     }
     const float scale = 1.0f / sqrtf(block_sum(ss, scratch) / (float)K + norm.eps);
     X* row = reinterpret_cast<X*>(xs);
-    for (int i = threadIdx.x; i < win * 64; i += blockDim.x) {
-        const int slot = i >> 6;
-        const int c = c0 + slot < chunks ? c0 + slot : c0 + slot - chunks;
-        const int k = c * 64 + (i & 63);
+#pragma unroll
+    for (int j = 0; j < DEC_NORM_WV; ++j) {
+        const int i = threadIdx.x + j * step;
+        if (i < n) row[i] = from_f32<X>(wv[j] * scale * wn[j]);
+    }
+    // Windows past DEC_NORM_WV values a thread (K past 4096 at 512 threads) read the rest now.
+    for (int i = threadIdx.x + DEC_NORM_WV * step; i < n; i += step) {
+        const int k = channel(i);
         float v = 0.f;
         if (k < K) v = (norm.delta ? norm.res[k] + norm.delta[k] : norm.res[k]) * scale * norm.nw[k];
         row[i] = from_f32<X>(v);

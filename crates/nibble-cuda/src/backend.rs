@@ -1116,7 +1116,15 @@ impl Backend for CudaBackend {
             && ctx.wants_act8().is_none();
         let dense = one_row && self.takes_dense_gemv(1, weight);
         let quant = match &weight.data {
-            WeightData::Quant(q) if one_row && !dense && self.normed_decode => {
+            // Its norm reads the rows as float4s.
+            WeightData::Quant(q)
+                if one_row
+                    && !dense
+                    && self.normed_decode
+                    && [x.ptr, delta.map_or(0, |d| d.ptr), norm.ptr]
+                        .iter()
+                        .all(|p| p.is_multiple_of(16)) =>
+            {
                 qlinear::NormedDecode::of(ctx, q, weight.rows, weight.cols)
             }
             _ => None,
