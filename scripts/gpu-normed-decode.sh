@@ -6,6 +6,8 @@
 # the W4A16 and W8A16 kernels, the quantized checkpoints against the CPU, graph replay), then
 # Llama-3-8B decode steps in W4A16 and W8A16 with the norm in the gemv (default) and without
 # (NIBBLE_NORMED_DECODE=0), ROUNDS (default 2) alternated; OUTDIR/steps-SPEC.md compares them.
+# PROFILE=1 adds Nsight Compute's per-kernel breakdown of a W4A16 one-token step both ways
+# (needs stage/gpu/nibble; about 100 s each).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-normed-decode.sh OUTDIR}
@@ -16,6 +18,12 @@ AB_TEST_STAGE=stage/gpu AB_TESTS="normed qgemm::w4a16 qgemm::w8a16 qgemm::split_
   scripts/gpu-abn.sh "$out/w4a16" fused=stage/gpu off=stage/gpu@NIBBLE_NORMED_DECODE=0 || status=1
 AB_BENCH="--decode-steps 1,8 --spec w8a16" \
   scripts/gpu-abn.sh "$out/w8a16" fused=stage/gpu off=stage/gpu@NIBBLE_NORMED_DECODE=0 || status=1
+if [ -n "${PROFILE:-}" ]; then
+  for v in 1 0; do
+    NIBBLE_NORMED_DECODE=$v COUNT=8000 SKIP=4000 timeout 240 \
+      scripts/gpu-profile-step.sh "$out/prof-normed$v" w4a16-g128 >/dev/null 2>&1 || status=1
+  done
+fi
 for s in w4a16 w8a16; do
   python3 bench/steps_ab_table.py "$out/$s" off fused | tee "$out/steps-$s.md"
 done
