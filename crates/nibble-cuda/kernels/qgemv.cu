@@ -27,6 +27,9 @@
 // Split-K by pieces: a row block cut between CTAs leaves a warp a partial tile; its partial sums
 // go to `partial` and the last warp to arrive (a counter per tile) adds the pieces in CTA order,
 // so results are deterministic. TurboMind §4.1 (packed fragments), QServe §5 (scales after MMA).
+// Normed entries (`w4a16_dec1_norm_*`, one token): the CTA norms its window from
+// the f32 residual row itself (RowNorm, dec_stage_normed) in place of the RMSNorm kernel before
+// it (Backend::norm_linear).
 
 template <class T> __device__ __forceinline__ float dec_half_lo(u32 v);
 template <> __device__ __forceinline__ float dec_half_lo<__half>(u32 v) {
@@ -967,19 +970,6 @@ NIBBLE_W8A8_DEC(swiglu_f16, __half, swiglu_epilogue)
     W8A16_DEC_ENTRY(w8a16_dec1_h_##SUFFIX, T, 1, T)      \
     W8A16_DEC_ENTRY(w8a16_dec2_h_##SUFFIX, T, 2, T)
 NIBBLE_BOTH_DTYPES(NIBBLE_W8A16_DEC)
-
-// One token with the RMSNorm taken over, as W4A16_DEC_NORM_ENTRY.
-#define W8A16_DEC_NORM_ENTRY(SUFFIX, T)                                                               \
-    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) w8a16_dec1_norm_##SUFFIX(         \
-        const uint4* codes, const float* sw, const float* res, const float* delta, const float* nw,    \
-        float* res_out, float eps, float* y, long ldy, float* partial, int* counters, int M, int N,      \
-        int K, int tiles, int chunks, int per_cta, int max_pieces) {                                   \
-        dec_gemv<1, DEC_WARPS, true, true>(DecW8A16<T>{{codes, chunks}}, (const T*)nullptr, 0, y, ldy,    \
-                                           partial, counters, M, N, K, tiles, chunks, per_cta,           \
-                                           max_pieces, RowScaleEpilogue{sw}, blockIdx.x,                 \
-                                           RowNorm{res, delta, nw, res_out, eps});                       \
-    }
-NIBBLE_BOTH_DTYPES(W8A16_DEC_NORM_ENTRY)
 
 // WRAP: plain_epilogue, or swiglu_epilogue for a gate/up pair packed interleaved (qgemm.cu,
 // SwiGluEpilogue), which writes silu(gate) * up in the model dtype.

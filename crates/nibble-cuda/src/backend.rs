@@ -68,8 +68,8 @@ pub struct CudaBackend {
     /// (Hopper, [`dense_gemv::engine_picks`]; `NIBBLE_DENSE_GEMV=0` keeps cuBLAS, to measure
     /// one against the other).
     pub dense_gemv: bool,
-    /// One-token W4A16 and W8A16 GEMMs after an RMSNorm on the decode gemv that norms its own
-    /// input ([`qlinear::NormedDecode`]) instead of the norm kernel and then the gemv
+    /// One-token W4A16 GEMMs after an RMSNorm on the decode gemv that norms its own input
+    /// ([`qlinear::NormedDecode`]) instead of the norm kernel and then the gemv
     /// (`NIBBLE_NORMED_DECODE=0` keeps the two, to measure one against the other).
     pub normed_decode: bool,
     /// Two residual rows the one-token normed gemv writes the updated residual to in turn

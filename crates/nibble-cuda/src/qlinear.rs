@@ -1089,9 +1089,10 @@ pub struct RowNormArgs {
     pub eps: f32,
 }
 
-/// A one-token W4A16 or W8A16 GEMM whose decode gemv norms its own input
-/// (`w4a16_dec1_norm_*`, `w8a16_dec1_norm_*`): [`Backend::norm_linear`](crate::Backend) takes
-/// it where [`NormedDecode::of`] finds one, instead of the norm kernel and the gemv.
+/// A one-token W4A16 GEMM whose decode gemv norms its own input (`w4a16_dec1_norm_*`):
+/// [`Backend::norm_linear`](crate::Backend) takes it where [`NormedDecode::of`] finds one,
+/// instead of the norm kernel and the gemv. In a CUDA graph a batch-1 step runs level with the
+/// two (1.002x to 1.006x on an H200), without one 1.02x faster (BENCHMARKS.md, issue 18).
 #[derive(Clone, Debug)]
 pub struct NormedDecode {
     name: String,
@@ -1105,49 +1106,25 @@ impl NormedDecode {
     /// The normed decode gemv of a weight of `n` rows and `k` columns, where the plain one would
     /// run at one token here (the tier, the group size and the activation window allow it).
     pub fn of(ctx: &CudaContext, w: &QuantWeight, n: usize, k: usize) -> Option<NormedDecode> {
-        let (family, kind, weight, tiles, chunks, extra) = match w {
-            QuantWeight::W4 {
-                codes,
-                params,
-                group_len,
-                tiles,
-                chunks,
-                groups,
-            } => {
-                // As `routed_gemm`: a whole row's group (the one group not a power of two)
-                // has no shift; the kernel reads none.
-                let shift = match group_len.is_power_of_two() {
-                    true => group_len.trailing_zeros() as i32,
-                    false => -1,
-                };
-                (
-                    QFamily::W4A16,
-                    w4_decode_kernel(*group_len, *groups)?,
-                    [codes.ptr, params.ptr],
-                    *tiles,
-                    *chunks,
-                    vec![*groups as i32, *group_len as i32, shift],
-                )
-            }
-            QuantWeight::W8A16 {
-                codes,
-                scales,
-                tiles,
-                chunks,
-            } => (
-                QFamily::W8A16,
-                QKernel::Decode,
-                [codes.ptr, scales.ptr],
-                *tiles,
-                *chunks,
-                vec![],
-            ),
-            _ => return None,
+        // W8A16's came out level to 1% slower in a graph (BENCHMARKS.md, issue 18, "the RMSNorm
+        // in the W4A16 and W8A16 decode gemv"): it keeps the norm kernel.
+        let QuantWeight::W4 {
+            codes,
+            params,
+            group_len,
+            tiles,
+            chunks,
+            groups,
+        } = w
+        else {
+            return None;
         };
-        let name = normed_kernel_name(kind, family, ctx.dtype.suffix())?;
+        let (group_len, tiles, chunks, groups) = (*group_len, *tiles, *chunks, *groups);
+        let kind = w4_decode_kernel(group_len, groups)?;
+        let name = normed_kernel_name(kind, QFamily::W4A16, ctx.dtype.suffix())?;
         let gemm = QGemm {
             route: Route {
-                family,
+                family: QFamily::W4A16,
                 out_half: false,
                 decode: Some(kind),
                 swiglu: false,
@@ -1162,11 +1139,18 @@ impl NormedDecode {
         let Pick::Decode(_, plan) = gemm.pick(&|c| c == kind && ctx.has_kernel(&name)) else {
             return None;
         };
-        let geo = [1, n, k, tiles, chunks]
+        // As `routed_gemm`: a whole row's group (the one group not a power of two) has no
+        // shift; the kernel reads none.
+        let shift = match group_len.is_power_of_two() {
+            true => group_len.trailing_zeros() as i32,
+            false => -1,
+        };
+        let geo = [1, n, k, tiles, chunks, groups, group_len]
             .into_iter()
             .map(|v| v as i32)
-            .chain(extra)
+            .chain([shift])
             .collect();
+        let weight = [codes.ptr, params.ptr];
         Some(NormedDecode {
             name,
             weight,
@@ -1201,16 +1185,11 @@ impl NormedDecode {
 }
 
 /// The normed one-token entry of a decode gemv `kind` (kernels/qgemv.cu,
-/// `W4A16_DEC_NORM_ENTRY`): `w4a16_dec1_norm_g64_bf16`; 16-bit-activation families only.
+/// `W4A16_DEC_NORM_ENTRY`), W4A16's only: `w4a16_dec1_norm_g64_bf16`.
 pub fn normed_kernel_name(kind: QKernel, family: QFamily, sfx: &str) -> Option<String> {
-    let p = match family {
-        QFamily::W4A16 => "w4a16",
-        QFamily::W8A16 => "w8a16",
-        _ => return None,
-    };
     match (family, kind) {
-        (_, QKernel::Decode) => Some(format!("{p}_dec1_norm_{sfx}")),
-        (QFamily::W4A16, QKernel::DecodeG64) => Some(format!("{p}_dec1_norm_g64_{sfx}")),
+        (QFamily::W4A16, QKernel::Decode) => Some(format!("w4a16_dec1_norm_{sfx}")),
+        (QFamily::W4A16, QKernel::DecodeG64) => Some(format!("w4a16_dec1_norm_g64_{sfx}")),
         _ => None,
     }
 }
