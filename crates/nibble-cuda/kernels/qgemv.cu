@@ -884,21 +884,14 @@ __device__ __forceinline__ void dec_gemv(const F& f, const typename F::X* __rest
 // dec_gemv_lean for up to 16 tokens (TT <= 2), but W4A16 f16 with groups of 64 at 16 tokens:
 // there ptxas (CUDA 13.0) spills 24 bytes with the lean loop against 8 with dec_gemv's. Four token
 // tiles (32 tokens) keep dec_gemv's loop, whose mma_rows reads one tile's activations at a time.
-#ifdef DEC_W4_WARPS8
-#define W4_DEC_WARPS 8
-#define W4_DEC_BOUNDS __launch_bounds__(256, 2)
-#else
-#define W4_DEC_WARPS DEC_WARPS
-#define W4_DEC_BOUNDS __launch_bounds__(DEC_WARPS * 32, 1)
-#endif
 #define W4A16_DEC_ENTRY(NAME, T, TT, GC, OUT)                                                          \
-    extern "C" __global__ void W4_DEC_BOUNDS NAME(                                                   \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
         const uint4* codes, const uint2* params, const T* x, long ldx, OUT* y, long ldy, float* partial, \
         int* counters, int M, int N, int K, int tiles, int chunks, int groups, int group_len,          \
         int group_shift, int per_cta, int max_pieces) {                                                \
         const int chunk_shift = groups == 1 ? 30 : group_shift - 6;                                    \
         constexpr bool lean = TT < 4 && (TT == 1 || GC == 2 || !W4Math<T>::NIBBLE_AT_4);              \
-        dec_gemv<TT, W4_DEC_WARPS, lean>(DecW4<T, GC>{codes, params, chunks, groups, chunk_shift}, x, ldx, y, \
+        dec_gemv<TT, DEC_WARPS, lean>(DecW4<T, GC>{codes, params, chunks, groups, chunk_shift}, x, ldx, y, \
                                       ldy, partial, counters, M, N, K, tiles, chunks, per_cta,          \
                                       max_pieces, W4Epilogue{}, blockIdx.x);                            \
     }
@@ -922,13 +915,13 @@ NIBBLE_BOTH_DTYPES(NIBBLE_W4A16_DEC)
 // NormedDecode): the activations are normed from the f32 residual row on the way into the
 // window, f32 outputs.
 #define W4A16_DEC_NORM_ENTRY(NAME, T, GC)                                                              \
-    extern "C" __global__ void W4_DEC_BOUNDS NAME(                                                   \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32, 1) NAME(                             \
         const uint4* codes, const uint2* params, const float* res, const float* delta, const float* nw, \
         float* res_out, float eps, float* y, long ldy, float* partial, int* counters, int M, int N,      \
         int K, int tiles, int chunks, int groups, int group_len, int group_shift, int per_cta,          \
         int max_pieces) {                                                                              \
         const int chunk_shift = groups == 1 ? 30 : group_shift - 6;                                    \
-        dec_gemv<1, W4_DEC_WARPS, true, true>(DecW4<T, GC>{codes, params, chunks, groups, chunk_shift},  \
+        dec_gemv<1, DEC_WARPS, true, true>(DecW4<T, GC>{codes, params, chunks, groups, chunk_shift},     \
                                            (const T*)nullptr, 0, y, ldy, partial, counters, M, N, K,     \
                                            tiles, chunks, per_cta, max_pieces, W4Epilogue{}, blockIdx.x, \
                                            RowNorm{res, delta, nw, res_out, eps});                       \

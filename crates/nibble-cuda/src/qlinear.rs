@@ -617,8 +617,6 @@ pub struct DecodePlan {
     pub max_pieces: usize,
     /// Dynamic shared memory: the CTA's window of activation chunks and their sums.
     pub smem: usize,
-    /// Warps a CTA, one 16-row tile each: the row block's tiles.
-    pub block_tiles: usize,
 }
 
 /// The decode gemv's plan for `m` tokens of `elem`-byte activations over `tiles` 16-row tiles of
@@ -636,10 +634,9 @@ pub fn plan_decode(
     if m == 0 || m > most || !chunks.is_multiple_of(DECODE_BATCH) {
         return None;
     }
-    let (block_tiles, per_sm) = decode_block_shape(family);
-    let units = tiles.div_ceil(block_tiles) * chunks;
+    let units = tiles.div_ceil(DECODE_BLOCK_TILES) * chunks;
     let per_cta = units
-        .div_ceil((per_sm * sms).max(1))
+        .div_ceil(sms.max(1))
         .next_multiple_of(DECODE_BATCH)
         .max(DECODE_BATCH);
     let window = per_cta.min(chunks);
@@ -659,22 +656,7 @@ pub fn plan_decode(
         per_cta,
         max_pieces: chunks.div_ceil(per_cta) + 1,
         smem,
-        block_tiles,
     })
-}
-
-/// The decode gemv's warps a CTA and CTAs an SM: 16 and 1, but for the probe knobs
-/// NIBBLE_DEC_W4_WARPS (8: W4A16's kernels built with DEC_W4_WARPS8) and NIBBLE_DEC_W4_PER_SM.
-fn decode_block_shape(family: QFamily) -> (usize, usize) {
-    static WARPS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    static PER_SM: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    if family != QFamily::W4A16 {
-        return (DECODE_BLOCK_TILES, 1);
-    }
-    (
-        probe_knob(&WARPS, "NIBBLE_DEC_W4_WARPS").unwrap_or(DECODE_BLOCK_TILES),
-        probe_knob(&PER_SM, "NIBBLE_DEC_W4_PER_SM").unwrap_or(1),
-    )
 }
 
 /// Whether `m` tokens run the gemv kernels rather than the tiled ones: always up to 32; up to
@@ -1662,7 +1644,7 @@ fn launch_decode(
     ctx.launch_block(
         name,
         (plan.ctas as u32, 1, 1),
-        32 * plan.block_tiles as u32,
+        32 * DECODE_BLOCK_TILES as u32,
         plan.smem as u32,
         args,
     )
