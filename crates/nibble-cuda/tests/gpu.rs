@@ -505,6 +505,44 @@ fn check_normed(what: &str, got: &[(Vec<f32>, Vec<f32>)], bound: f64) {
     );
 }
 
+/// The inputs of a one-row `norm_linear`: the residual row, the delta added to it, the norm's
+/// weight, the bias.
+struct NormedRow<'a> {
+    res: &'a [f32],
+    delta: Option<&'a [f32]>,
+    nw: &'a [f32],
+    bias: Option<&'a [f32]>,
+}
+
+/// `norm_linear` of `row` with the fused path on (`fuse(g, true)`), then off, each on
+/// NaN-poisoned activations: both (output, residual) pairs, fused first; the fused path left on.
+/// The fused path leaves the updated residual in a row of its own.
+fn normed_both_ways(
+    g: &mut CudaBackend,
+    w: &nibble_cuda::CudaWeight,
+    row: &NormedRow,
+    fuse: fn(&mut CudaBackend, bool),
+) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let k = row.res.len();
+    let mut got = Vec::new();
+    for fused in [true, false] {
+        fuse(g, fused);
+        g.poison_activations(64 << 20).unwrap();
+        let mut x = g.tensor_from_f32(row.res, 1, k).unwrap();
+        let d = row.delta.map(|d| g.tensor_from_f32(d, 1, k).unwrap());
+        let gn = g.load_vector(row.nw).unwrap();
+        let gb = row.bias.map(|b| g.load_vector(b).unwrap());
+        let before = x.ptr;
+        let y = g
+            .norm_linear(&mut x, d.as_ref(), &gn, 1e-5, w, gb.as_ref())
+            .unwrap();
+        assert_eq!(x.ptr != before, fused && row.delta.is_some());
+        got.push((host(g, &y), host(g, &x)));
+    }
+    fuse(g, true);
+    got
+}
+
 /// `norm_linear` of one row on a layer the dense gemv takes: the gemv that norms its row itself
 /// against the norm kernel and then the gemv (cuBLAS), with and without a residual delta, a bias,
 /// NaN-poisoned activations. The residual it leaves is the same bits; the outputs agree to the
@@ -525,27 +563,17 @@ fn normed_decode_gemv_matches_the_norm_then_the_gemv() {
             let nw: Vec<f32> = (0..k).map(|_| 0.5 + r.random::<f32>()).collect();
             let bias = randn(&mut r, n, 0.1);
             for with_delta in [false, true] {
-                let mut got = Vec::new();
-                for fused in [true, false] {
-                    g.dense_gemv = fused;
-                    g.poison_activations(64 << 20).unwrap();
-                    let mut x = g.tensor_from_f32(&res, 1, k).unwrap();
-                    let d = g.tensor_from_f32(&delta, 1, k).unwrap();
-                    let gn = g.load_vector(&nw).unwrap();
-                    let gb = g.load_vector(&bias).unwrap();
-                    let before = x.ptr;
-                    let y = g
-                        .norm_linear(&mut x, with_delta.then_some(&d), &gn, 1e-5, &gw, Some(&gb))
-                        .unwrap();
-                    // The fused path leaves the updated residual in a row of its own.
-                    assert_eq!(x.ptr != before, fused && with_delta);
-                    got.push((host(&g, &y), host(&g, &x)));
-                }
+                let row = NormedRow {
+                    res: &res,
+                    delta: with_delta.then_some(&delta[..]),
+                    nw: &nw,
+                    bias: Some(&bias),
+                };
+                let got = normed_both_ways(&mut g, &gw, &row, |g, on| g.dense_gemv = on);
                 let what = format!("normed gemv {n}x{k} {ty:?} delta {with_delta}");
                 check_normed(&what, &got, 2e-3);
             }
         }
-        g.dense_gemv = true;
     }
 }
 

@@ -1598,30 +1598,13 @@ fn normed_quantized_decode_gemv_matches_the_norm_then_the_gemv() {
                 let bias = randn(&mut r, n, 0.1);
                 for with_delta in [false, true] {
                     let with_bias = with_delta;
-                    let mut got = Vec::new();
-                    for fused in [true, false] {
-                        g.normed_decode = fused;
-                        g.poison_activations(64 << 20).unwrap();
-                        let mut x = g.tensor_from_f32(&res, 1, k).unwrap();
-                        let d = g.tensor_from_f32(&delta, 1, k).unwrap();
-                        let gn = g.load_vector(&nw).unwrap();
-                        let gb = g.load_vector(&bias).unwrap();
-                        let before = x.ptr;
-                        let y = g
-                            .norm_linear(
-                                &mut x,
-                                with_delta.then_some(&d),
-                                &gn,
-                                1e-5,
-                                &w,
-                                with_bias.then_some(&gb),
-                            )
-                            .unwrap();
-                        // The fused path leaves the updated residual in a row of its own.
-                        assert_eq!(x.ptr != before, fused && with_delta);
-                        got.push((host(&g, &y), host(&g, &x)));
-                    }
-                    g.normed_decode = true;
+                    let row = NormedRow {
+                        res: &res,
+                        delta: with_delta.then_some(&delta[..]),
+                        nw: &nw,
+                        bias: with_bias.then_some(&bias[..]),
+                    };
+                    let got = normed_both_ways(&mut g, &w, &row, |g, on| g.normed_decode = on);
                     let what = format!("normed {format} {n}x{k} {dtype:?} delta {with_delta}");
                     check_normed(&what, &got, 2e-3);
                     // The reference on the row normed here, rounded to the dtype.
