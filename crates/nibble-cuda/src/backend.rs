@@ -1121,6 +1121,7 @@ impl Backend for CudaBackend {
                 if one_row
                     && !dense
                     && self.normed_decode
+                    && x.cols.is_multiple_of(4)
                     && [x.ptr, delta.map_or(0, |d| d.ptr), norm.ptr]
                         .iter()
                         .all(|p| p.is_multiple_of(16)) =>
@@ -1153,51 +1154,50 @@ impl Backend for CudaBackend {
             CudaTensor::view(self.residual_rows[turn].ptr, 1, x.cols, Elem::F32, 0)
         });
         let res_out = next.as_ref().map_or(0, |t| t.ptr);
-        if let Some(q) = quant {
-            let out = ctx.alloc(1, weight.rows, Elem::F32)?;
-            let args = qlinear::RowNormArgs {
-                res: x.ptr,
-                delta: delta.map_or(0, |d| d.ptr),
-                weight: norm.ptr,
-                res_out,
-                eps,
-            };
-            let gemm = || q.launch(ctx, &args, &out);
-            match &self.trace {
-                Some(t) => t.gemm(gemm)?,
-                None => gemm()?,
+        let out = match quant {
+            Some(q) => {
+                let out = ctx.alloc(1, weight.rows, Elem::F32)?;
+                let args = qlinear::RowNormArgs {
+                    res: x.ptr,
+                    delta: delta.map_or(0, |d| d.ptr),
+                    weight: norm.ptr,
+                    res_out,
+                    eps,
+                };
+                let gemm = || q.launch(ctx, &args, &out);
+                match &self.trace {
+                    Some(t) => t.gemm(gemm)?,
+                    None => gemm()?,
+                }
+                out
             }
-            if let Some(r) = next {
-                *x = r;
+            None => {
+                // A SwiGLU pair: the gemv runs over the stacked rows and writes silu(gate) * up.
+                let (gemv_weight, swiglu) = match &weight.data {
+                    WeightData::DenseSwiGlu(stacked) => (&**stacked, true),
+                    _ => (weight, false),
+                };
+                let out_elem = if swiglu {
+                    Elem::Half(ctx.dtype)
+                } else {
+                    Elem::F32
+                };
+                let out = ctx.alloc(1, weight.rows, out_elem)?;
+                dense_gemv::run_norm(
+                    ctx,
+                    x,
+                    delta,
+                    norm,
+                    eps,
+                    gemv_weight,
+                    &out,
+                    res_out,
+                    peer.as_ref(),
+                    swiglu,
+                )?;
+                out
             }
-            if let Some(b) = bias {
-                ew::add_bias(ctx, &out, b)?;
-            }
-            return Ok(out);
-        }
-        // A SwiGLU pair: the gemv runs over the stacked rows and writes silu(gate) * up.
-        let (gemv_weight, swiglu) = match &weight.data {
-            WeightData::DenseSwiGlu(stacked) => (&**stacked, true),
-            _ => (weight, false),
         };
-        let out_elem = if swiglu {
-            Elem::Half(ctx.dtype)
-        } else {
-            Elem::F32
-        };
-        let out = ctx.alloc(1, weight.rows, out_elem)?;
-        dense_gemv::run_norm(
-            ctx,
-            x,
-            delta,
-            norm,
-            eps,
-            gemv_weight,
-            &out,
-            res_out,
-            peer.as_ref(),
-            swiglu,
-        )?;
         if let Some(r) = next {
             *x = r;
         }
