@@ -11,7 +11,9 @@ after the stages' folders).
 
 qgemm runs (`gpu-bench --qgemm`): FIELD picks the format (`w4a16`, `w8a8`, `w4a8`, `w8a16`,
 `nibble_fp8`); moe runs (`gpu-bench --moe-experts`): the grouped GEMMs of each format and size;
-kv runs (`gpu-bench --kv-attention`): decode attention of each KV format at batch x context.
+kv runs (`gpu-bench --kv-attention`): decode attention of each KV format at batch x context;
+steps runs (`gpu-bench --decode-steps`): whole decode steps at batch x context (µs a step, and the
+share is the step's floor over its time).
 """
 import json
 import sys
@@ -41,6 +43,12 @@ def load_named(out, field, names):
                 for r in d["kv_attention"]:
                     key = (r["kv"], f"{r['batch']}x{r['ctx']}")
                     sides[name].setdefault(key, []).append((r["ms"] * 1e3, r["bandwidth_fraction"]))
+            elif d.get("decode_steps"):
+                kind = "steps"
+                for r in d["decode_steps"]:
+                    if "ms" in r:
+                        key = (r["batch"], r["ctx"])
+                        sides[name].setdefault(key, []).append((r["ms"] * 1e3, r["of_floor"]))
             elif "moe_experts" in d and d["moe_experts"]:
                 kind = "moe"
                 for r in d["moe_experts"]:
@@ -79,9 +87,11 @@ def main():
     keys = [k for k in sides["base"] if k in sides["cand"]]
     if not keys:
         sys.exit(f"no rows both builds ran in {out}")
-    what = {"moe": "grouped expert GEMMs", "kv": "decode attention"}.get(kind, field)
+    what = {"moe": "grouped expert GEMMs", "kv": "decode attention", "steps": "decode steps"}.get(kind, field)
     print(f"{device}: {what}, the faster of each build's runs\n")
-    head = {"kv": "| KV | batch x ctx", "moe": "| format | tokens"}.get(kind, "| shape | tokens")
+    head = {"kv": "| KV | batch x ctx", "moe": "| format | tokens", "steps": "| batch | ctx"}.get(
+        kind, "| shape | tokens"
+    )
     print(f"{head} | base µs | candidate µs | speedup | of copy rate, base / candidate |")
     print("|---|---|---|---|---|---|")
     for k in keys:

@@ -23,5 +23,5 @@ if [ -n "${PROFILE:-}" ]; then
       scripts/gpu-profile-step.sh "$out/prof-normed$v" w4a16-g128 >/dev/null 2>&1 || status=1
   done
 fi
-python3 bench/steps_ab_table.py "$out/w4a16" off fused | tee "$out/steps-w4a16.md"
+python3 bench/ab_report.py "$out/w4a16" --base off --cand fused | tee "$out/steps-w4a16.md"
 exit $status

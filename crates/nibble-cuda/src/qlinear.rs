@@ -928,11 +928,7 @@ fn routed_gemm(
         } => {
             let (xh, head) = half_operands(ctx, x, "w4a16", [codes.ptr, params.ptr], out)?;
             let geo = [m, n, k, *tiles, *chunks, *groups, *group_len];
-            let shift = if group_len.is_power_of_two() {
-                group_len.trailing_zeros() as i32
-            } else {
-                -1
-            };
+            let shift = w4_group_shift(*group_len);
             let route = Route {
                 family: QFamily::W4A16,
                 out_half,
@@ -1097,7 +1093,10 @@ pub struct RowNormArgs {
 pub struct NormedDecode {
     name: String,
     weight: [u64; 2],
-    geo: Vec<i32>,
+    /// The integers after the pointers: `[m, n, k, tiles, chunks, groups, group_len]`, then
+    /// `shift` ([`w4_group_shift`]).
+    geo: [usize; 7],
+    shift: i32,
     tiles: usize,
     plan: DecodePlan,
 }
@@ -1139,22 +1138,14 @@ impl NormedDecode {
         let Pick::Decode(_, plan) = gemm.pick(&|c| c == kind && ctx.has_kernel(&name)) else {
             return None;
         };
-        // As `routed_gemm`: a whole row's group (the one group not a power of two) has no
-        // shift; the kernel reads none.
-        let shift = match group_len.is_power_of_two() {
-            true => group_len.trailing_zeros() as i32,
-            false => -1,
-        };
-        let geo = [1, n, k, tiles, chunks, groups, group_len]
-            .into_iter()
-            .map(|v| v as i32)
-            .chain([shift])
-            .collect();
+        let shift = w4_group_shift(group_len);
+        let geo = [1, n, k, tiles, chunks, groups, group_len];
         let weight = [codes.ptr, params.ptr];
         Some(NormedDecode {
             name,
             weight,
             geo,
+            shift,
             tiles,
             plan,
         })
@@ -1179,7 +1170,8 @@ impl NormedDecode {
             Arg::Ptr(out.ptr),
             Arg::I64(out.ld as i64),
         ];
-        let geo = self.geo.iter().map(|&v| Arg::I32(v)).collect();
+        let geo = self.geo.iter().map(|&v| Arg::I32(v as i32));
+        let geo = geo.chain([Arg::I32(self.shift)]).collect();
         launch_decode(ctx, &self.name, args, geo, self.tiles, 1, self.plan)
     }
 }
@@ -1191,6 +1183,15 @@ pub fn normed_kernel_name(kind: QKernel, family: QFamily, sfx: &str) -> Option<S
         (QFamily::W4A16, QKernel::Decode) => Some(format!("w4a16_dec1_norm_{sfx}")),
         (QFamily::W4A16, QKernel::DecodeG64) => Some(format!("w4a16_dec1_norm_g64_{sfx}")),
         _ => None,
+    }
+}
+
+/// W4A16's `group_shift` kernel argument: log2 of the group length, or -1 for a whole row's
+/// group that is not a power of two (the kernels read none then).
+fn w4_group_shift(group_len: usize) -> i32 {
+    match group_len.is_power_of_two() {
+        true => group_len.trailing_zeros() as i32,
+        false => -1,
     }
 }
 
